@@ -1,0 +1,33 @@
+# Two commands do the whole set-up on a fresh machine:
+#   make test   create .venv, install kvcadence with its test and kernels extras, lint, run the tests
+#   make demo   create .venv, install, run the main job (kvcadence demo)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvcadence-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test lint demo bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q 'torch==2.13.0'
+	$(PY) -m pip install -q -e '.[test,kernels]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvcadence tests bench
+	$(PY) -m ruff format --check kvcadence tests bench
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvcadence demo
+
+bench: $(STAMP)
+	$(PY) bench/run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,92 @@
+"""The one exception tree of kvcadence.
+
+Every error kvcadence raises on purpose is a ``KvcadenceError``; the CLI prints it as one
+line (``kvcadence: error: ...``) and exits with ``exit_code``::
+
+    KvcadenceError                 exit 1   something went wrong at run time
+    ├── UsageError                 exit 2   bad flags, bad or missing input given by the user
+    │   └── InputError             exit 2   an input file's content is wrong (names file/line/field)
+    ├── WireError                  exit 1   an SGLang KV-event payload could not be decoded
+    ├── BundleError                exit 1   a bundle could not be read or written
+    │   ├── FormatVersionError     exit 1   unknown major format version (refused)
+    │   └── CorruptFrameError      exit 1   a frame failed its CRC / length check (strict reads)
+    ├── CaptureError               exit 1   ZMQ / HTTP capture failures (endpoint, discovery, disk)
+    ├── ReplayError                exit 1   the simulator met an impossible state or config
+    ├── KernelsError               exit 1   collective benchmark failure (verification mismatch)
+    ├── HarnessError               exit 1   the real-SGLang CPU harness could not be set up/run
+    └── GateFailed                 exit 3   a data-quality or fidelity gate failed
+
+This module imports only the standard library (the kernels stage may import it).
+"""
+
+from __future__ import annotations
+
+
+class KvcadenceError(Exception):
+    """Base of every kvcadence error. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class UsageError(KvcadenceError):
+    """The user asked for something that cannot be done as asked (exit 2)."""
+
+    exit_code = 2
+
+
+class InputError(UsageError):
+    """An input file is malformed; the message names the file, line and field."""
+
+
+class WireError(KvcadenceError):
+    """A KV-event payload (or ZMQ message) is malformed; the message says what and where."""
+
+
+class BundleError(KvcadenceError):
+    """A bundle cannot be read or written."""
+
+
+class FormatVersionError(BundleError):
+    """The bundle was written with an unknown major format version."""
+
+
+class CorruptFrameError(BundleError):
+    """A frame failed its length/CRC check and the caller asked for a strict read."""
+
+
+class CaptureError(KvcadenceError):
+    """Live capture or driving failed (endpoint, discovery, HTTP, disk)."""
+
+
+class ReplayError(KvcadenceError):
+    """The simulator cannot run with the given schedule or configuration."""
+
+
+class KernelsError(KvcadenceError):
+    """The collective benchmark failed (e.g. a path produced the wrong prefix)."""
+
+
+class HarnessError(KvcadenceError):
+    """The real-SGLang CPU harness could not be built or started."""
+
+
+class GateFailed(KvcadenceError):
+    """A data-quality or fidelity gate failed (exit 3)."""
+
+    exit_code = 3
+
+
+__all__ = [
+    "KvcadenceError",
+    "UsageError",
+    "InputError",
+    "WireError",
+    "BundleError",
+    "FormatVersionError",
+    "CorruptFrameError",
+    "CaptureError",
+    "ReplayError",
+    "KernelsError",
+    "HarnessError",
+    "GateFailed",
+]
