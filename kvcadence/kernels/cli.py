@@ -1,0 +1,78 @@
+"""``kvcadence collectives``: validate the flags, then launch the kernels worker via torchrun.
+
+Runs ``sys.executable -m torch.distributed.run --standalone --nproc-per-node N -m
+kvcadence.kernels ...`` (the same flags, paths made absolute). Top level imports only the
+standard library; the flag definitions and the ``prefixes.json`` check are imported when
+the command runs, so bad input fails here (one line, exit 2) before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+
+HELP = "time dense all-reduce vs packed all-gather merges of a shared KV prefix (torchrun)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``collectives`` subcommand."""
+    from kvcadence.kernels.options import add_arguments
+
+    p = sub.add_parser(
+        "collectives",
+        help=HELP,
+        description=HELP + ". Launches torchrun; see docs/kernels.md.",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks to launch (default 2; NCCL needs one GPU per rank)",
+    )
+    add_arguments(p)
+    p.set_defaults(_run=run)
+
+
+def launch_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line for ``args``."""
+    from kvcadence.kernels.options import worker_argv
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "-m",
+        "kvcadence.kernels",
+        *worker_argv(args),
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, launch, and pass the workers' failure on as exit 1 (their lines say why)."""
+    from kvcadence.errors import UsageError
+    from kvcadence.kernels.options import config_from_args
+
+    if not 1 <= args.nproc_per_node <= 64:
+        raise UsageError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
+    config_from_args(args)  # raises UsageError / InputError on bad flags or prefixes.json
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError("torch is not installed (pip install 'kvcadence[kernels]')")
+    env = dict(os.environ)
+    # the workers must import this checkout's kvcadence even from an uninstalled tree
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(launch_command(args), env=env, check=False)
+    if proc.returncode == 0:
+        return 0
+    print(
+        f"kvcadence: error: collectives workers failed (torchrun exit {proc.returncode})",
+        file=sys.stderr,
+    )
+    return 1

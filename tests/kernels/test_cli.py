@@ -1,0 +1,57 @@
+"""``kvcadence collectives``: registration, the torchrun command line, bad input before launch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcadence.cli import build_parser, main
+from kvcadence.kernels.cli import launch_command
+
+EXAMPLE = Path(__file__).with_name("prefixes_example.json")
+
+
+def test_launch_command_keeps_the_flags(tmp_path: Path) -> None:
+    args = build_parser(["kernels"]).parse_args(
+        ["collectives", "--nproc-per-node", "3", "--prefixes", str(EXAMPLE),
+         "--prefix-dist", "stored_run_tokens", "--payload", "index", "--dtype", "fp16",
+         "--no-verify", "--paths", "dense_all_reduce", "packed_all_gather_rank_major",
+         "--out", str(tmp_path / "r.jsonl"), "--repeat", "7"]
+    )  # fmt: skip
+    cmd = launch_command(args)
+    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", "3"]  # fmt: skip
+    assert cmd[6:8] == ["-m", "kvcadence.kernels"]
+    worker = cmd[8:]
+    assert worker[worker.index("--prefixes") + 1] == str(EXAMPLE.resolve())
+    assert worker[worker.index("--out") + 1] == str((tmp_path / "r.jsonl").resolve())
+    assert "--no-verify" in worker and "--tokens" not in worker and "--page-size" not in worker
+    assert worker[worker.index("--paths") + 1 :][:2] == [
+        "dense_all_reduce", "packed_all_gather_rank_major"
+    ]  # fmt: skip
+    # the worker parses exactly what the launcher passes
+    from kvcadence.kernels.options import build_parser as worker_parser
+    from kvcadence.kernels.options import config_from_args
+
+    cfg = config_from_args(worker_parser("w").parse_args(worker))
+    assert cfg.payloads == ("index",) and cfg.dtype == "fp16" and cfg.repeat == 7
+    assert cfg.prefix_dist == "stored_run_tokens" and cfg.verify is False
+    assert cfg.tokens == (64, 128, 192, 448, 640, 705, 1024)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefixes", "missing.json"], "no such prefixes file"),
+        (["--tokens", "64", "--prefixes", str(EXAMPLE)], "not both"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be in 1..64"),
+    ],
+)
+def test_bad_input_fails_before_launch(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["collectives", *argv], stages=["kernels"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("kvcadence: error: ")
