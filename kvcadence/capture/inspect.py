@@ -1,0 +1,217 @@
+"""``kvcadence inspect``: a one-pass summary of a bundle (counts, seqs, gaps, damage).
+
+``inspect_bundle(path)`` returns one JSON-ready dict with stable keys (documented in
+``docs/format.md``); ``format_text(summary)`` renders the short aligned text block. Payloads
+are decoded with ``kvcadence.capture.wire.decode_batch`` one at a time and never kept, so a
+large bundle is summarised in constant memory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from kvcadence.capture.bundle import RECORD_TAGS, BundleReader, event_payload
+from kvcadence.capture.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Epoch,
+    EventFrame,
+    Gap,
+    Header,
+    RequestRecord,
+    Trailer,
+)
+from kvcadence.errors import BundleError, WireError
+
+INSPECT_VERSION = 1
+EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")
+
+
+def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Summarise the bundle at ``path`` (see ``docs/format.md`` for every key)."""
+    from kvcadence.capture import wire
+
+    reader = BundleReader(path)
+    try:
+        header: Header | None = reader.header
+    except BundleError:
+        header = None
+    records = dict.fromkeys(RECORD_TAGS.values(), 0)
+    events_by_type = dict.fromkeys(EVENT_TYPES, 0)
+    messages = undecodable = bin_payloads = payload_bytes = 0
+    stored_blocks = removed_blocks = 0
+    streams: dict[tuple[int, int], list[int]] = {}  # (endpoint, epoch) -> first, last, n
+    first_recv: int | None = None
+    last_recv: int | None = None
+    gaps = missed = recovered = 0
+    epochs: list[dict[str, Any]] = []
+    trailers = 0
+    decode = wire.decode_batch
+    for rec in reader.records():
+        t = type(rec)
+        records[RECORD_TAGS[t]] += 1
+        if t is EventFrame:
+            messages += 1
+            ep = (rec.endpoint, rec.epoch)
+            s = streams.get(ep)
+            if s is None:
+                streams[ep] = [rec.seq, rec.seq, 1]
+            else:
+                s[0] = min(s[0], rec.seq)
+                s[1] = max(s[1], rec.seq)
+                s[2] += 1
+            if first_recv is None or rec.recv_ns < first_recv:
+                first_recv = rec.recv_ns
+            if last_recv is None or rec.recv_ns > last_recv:
+                last_recv = rec.recv_ns
+            if rec.payload_is_bin:
+                bin_payloads += 1
+                payload = event_payload(rec)
+            else:
+                payload = memoryview(rec.payload)
+            payload_bytes += len(payload)
+            try:
+                batch = decode(payload)
+            except WireError:
+                undecodable += 1
+                continue
+            for ev in batch.events:
+                et = type(ev)
+                if et is BlockStored:
+                    events_by_type["BlockStored"] += 1
+                    stored_blocks += len(ev.block_hashes)
+                elif et is BlockRemoved:
+                    events_by_type["BlockRemoved"] += 1
+                    removed_blocks += len(ev.block_hashes)
+                elif et is AllBlocksCleared:
+                    events_by_type["AllBlocksCleared"] += 1
+                else:
+                    events_by_type["unknown"] += 1
+        elif t is RequestRecord:
+            pass
+        elif t is Gap:
+            gaps += 1
+            missed += rec.last_seq - rec.first_seq + 1
+            recovered += rec.recovered
+        elif t is Epoch:
+            epochs.append(
+                {
+                    "endpoint": rec.endpoint,
+                    "epoch": rec.epoch,
+                    "first_seq": rec.first_seq,
+                    "recv_ns": rec.recv_ns,
+                    "reason": rec.reason,
+                }
+            )
+        elif t is Trailer:
+            trailers += 1
+    rep = reader.report
+    span = (
+        (last_recv - first_recv) / 1e9 if first_recv is not None and last_recv is not None else None
+    )
+    return {
+        "inspect_version": INSPECT_VERSION,
+        "path": str(Path(path)),
+        "format": {"major": header.format_major if header else None, "minor": rep.format_minor},
+        "header_ok": header is not None,
+        "source": header.source if header else None,
+        "sglang_version": header.sglang_version if header else None,
+        "kvcadence_version": header.kvcadence_version if header else None,
+        "start_ns": header.start_ns if header else None,
+        "endpoints_declared": len(header.endpoints) if header else 0,
+        "segments": rep.segments,
+        "bytes": rep.bytes,
+        "frames": rep.frames,
+        "records": records,
+        "unknown_records": rep.unknown_records,
+        "unknown_record_tags": dict(rep.unknown_tags),
+        "messages": messages,
+        "payload_bytes": payload_bytes,
+        "bin_payloads": bin_payloads,
+        "undecodable_messages": undecodable,
+        "events": sum(events_by_type.values()),
+        "events_by_type": events_by_type,
+        "total_stored_blocks": stored_blocks,
+        "total_removed_blocks": removed_blocks,
+        "streams": [
+            {"endpoint": e, "epoch": p, "first_seq": s[0], "last_seq": s[1], "messages": s[2]}
+            for (e, p), s in sorted(streams.items())
+        ],
+        "gaps": gaps,
+        "missed_seqs": missed,
+        "recovered_seqs": recovered,
+        "epochs": epochs,
+        "requests": records["request"],
+        "first_recv_ns": first_recv,
+        "last_recv_ns": last_recv,
+        "span_s": span,
+        "torn_bytes": rep.torn_bytes,
+        "torn": [{"segment": s, "offset": o} for s, o in rep.torn],
+        "corrupt_bytes": rep.corrupt_bytes,
+        "corrupt": [{"segment": s, "offset": o, "bytes": n} for s, o, n in rep.corrupt],
+        "trailers": trailers,
+        "clean_shutdown": rep.clean_shutdown,
+    }
+
+
+def format_text(s: dict[str, Any]) -> str:
+    """The human-readable block printed by ``kvcadence inspect``."""
+    ev = s["events_by_type"]
+    rec = s["records"]
+    rows: list[tuple[str, str]] = [
+        ("bundle", s["path"]),
+        (
+            "format",
+            f"{s['format']['major']}.{s['format']['minor']}  source={s['source']}  "
+            f"sglang={s['sglang_version']}  kvcadence={s['kvcadence_version']}",
+        ),
+        ("segments", f"{s['segments']}  ({s['bytes']:,} bytes, {s['frames']:,} frames)"),
+        ("records", "  ".join(f"{k}={v}" for k, v in rec.items())),
+        (
+            "messages",
+            f"{s['messages']:,}  ({s['payload_bytes']:,} payload bytes, "
+            f"{s['undecodable_messages']} undecodable, {s['bin_payloads']} non-msgpack)",
+        ),
+        ("events", f"{s['events']:,}  " + "  ".join(f"{k}={v}" for k, v in ev.items())),
+        (
+            "blocks",
+            f"stored={s['total_stored_blocks']:,}  removed={s['total_removed_blocks']:,}",
+        ),
+    ]
+    for st in s["streams"]:
+        rows.append(
+            (
+                f"seq ep{st['endpoint']}/e{st['epoch']}",
+                f"{st['first_seq']}..{st['last_seq']}  ({st['messages']:,} messages)",
+            )
+        )
+    rows += [
+        (
+            "gaps",
+            f"{s['gaps']}  (missed {s['missed_seqs']} seqs, recovered {s['recovered_seqs']})",
+        ),
+        ("epochs", str(len(s["epochs"]))),
+        ("requests", f"{s['requests']:,}"),
+        (
+            "time",
+            "-"
+            if s["first_recv_ns"] is None
+            else f"{s['first_recv_ns']} .. {s['last_recv_ns']}  ({s['span_s']:.3f} s)",
+        ),
+        (
+            "damage",
+            f"torn={s['torn_bytes']} bytes  corrupt={s['corrupt_bytes']} bytes "
+            f"in {len(s['corrupt'])} spans  unknown records={s['unknown_records']}",
+        ),
+        ("clean shutdown", "yes" if s["clean_shutdown"] else "no"),
+    ]
+    if not s["header_ok"]:
+        rows.insert(1, ("WARNING", "no readable header record"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+__all__ = ["EVENT_TYPES", "INSPECT_VERSION", "format_text", "inspect_bundle"]
