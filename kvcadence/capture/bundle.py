@@ -394,7 +394,13 @@ class BundleWriter:
             f"{what}: {detail} (segments closed before stay intact; this one ends in a torn tail)"
         ) from exc
 
-    def close(self, *, clean: bool = True, stats: dict[str, Any] | None = None) -> None:
+    def close(
+        self,
+        *,
+        clean: bool = True,
+        stats: dict[str, Any] | None = None,
+        end_ns: int | None = None,
+    ) -> None:
         """Write the ``Trailer`` (counts of this session's records by tag), flush, fsync."""
         if self._closed:
             return
@@ -402,7 +408,10 @@ class BundleWriter:
             self._closed = True
             return
         trailer = Trailer(
-            end_ns=time.time_ns(), clean=clean, counts=dict(self.counts), stats=stats or {}
+            end_ns=time.time_ns() if end_ns is None else end_ns,
+            clean=clean,
+            counts=dict(self.counts),
+            stats=stats or {},
         )
         self.write(trailer)
         self._closed = True

@@ -1,0 +1,179 @@
+"""``kvcadence replay``: push a bundle's request schedule through the simulated worker.
+
+What this file owns: the ``replay`` subcommand's flags (every simulator setting
+overridable), the progress bar (tqdm, only on a TTY), the closing summary, and the optional
+live publishing (``--publish``, via ``replay.publish``). Imports only the standard library at
+module level; the simulator and its dependencies load inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _bool_flag(
+    p: argparse.ArgumentParser, name: str, dest: str, help_on: str, help_off: str
+) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(f"--{name}", dest=dest, action="store_const", const=True, help=help_on)
+    g.add_argument(f"--no-{name}", dest=dest, action="store_const", const=False, help=help_off)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="simulate SGLang's scheduler, radix cache and KV-event cadence from a bundle",
+        description=(
+            "Replay BUNDLE's request schedule through a simulated SGLang worker and write a "
+            "sim bundle (source=sim). Settings come from the bundle's /server_info snapshot; "
+            "every one can be overridden. The pass-time model is calibrated from the capture."
+        ),
+    )
+    p.add_argument("bundle", help="source bundle (a capture or an import)")
+    p.add_argument("--out", help="sim bundle to write (a new or empty directory)")
+    p.add_argument("--page-size", type=int, dest="page_size")
+    p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens")
+    p.add_argument("--chunked-prefill-size", type=int, dest="chunked_prefill_size",
+                   help="<= 0 disables chunked prefill")  # fmt: skip
+    p.add_argument("--max-prefill-tokens", type=int, dest="max_prefill_tokens")
+    p.add_argument("--max-running-requests", type=int, dest="max_running_requests")
+    p.add_argument("--decode-log-interval", type=int, dest="decode_log_interval")
+    p.add_argument(
+        "--schedule-policy", choices=("fcfs", "lpm", "dfs-weight", "lof"), dest="schedule_policy"
+    )
+    p.add_argument("--schedule-conservativeness", type=float, dest="schedule_conservativeness")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--disable-overlap-schedule",
+        dest="disable_overlap_schedule",
+        action="store_const",
+        const=True,
+        help="simulate the normal (non-overlap) event loop",
+    )
+    g.add_argument(
+        "--overlap-schedule",
+        dest="disable_overlap_schedule",
+        action="store_const",
+        const=False,
+        help="simulate the overlap event loop (SGLang's default)",
+    )
+    p.add_argument(
+        "--sglang-version",
+        dest="sglang_version",
+        help="event granularity and wire encoding (0.5.20+ coalesced maps; 0.5.17, 0.5.14, "
+        "0.5.10 per-page arrays); default: the bundle's",
+    )
+    t = p.add_argument_group("pass-time model (seconds; default: calibrated from the capture)")
+    t.add_argument("--prefill-base", type=float, dest="prefill_base_s")
+    t.add_argument("--prefill-per-token", type=float, dest="prefill_per_token_s")
+    t.add_argument("--prefill-per-req", type=float, dest="prefill_per_req_s")
+    t.add_argument("--decode-base", type=float, dest="decode_base_s")
+    t.add_argument("--decode-per-req", type=float, dest="decode_per_req_s")
+    t.add_argument("--default-gap", type=float, dest="default_gap_s",
+                   help="client gap when a request has none recorded")  # fmt: skip
+    t.add_argument("--no-calibrate", action="store_true", help="use the built-in timing defaults")
+    _bool_flag(
+        p,
+        "skip-decode-stretches",
+        "skip_decode_stretches",
+        "advance decode stretches at once (default; output is identical)",
+        "simulate every decode pass one by one",
+    )
+    pub = p.add_argument_group("live publishing (SGLang framing, loopback)")
+    pub.add_argument("--publish", metavar="tcp://127.0.0.1:PORT", help="PUB endpoint to bind")
+    pub.add_argument("--replay-endpoint", metavar="tcp://127.0.0.1:PORT",
+                     help="ROUTER replay endpoint to bind")  # fmt: skip
+    pub.add_argument("--speed", type=float, default=0.0,
+                     help="pace messages at virtual time / SPEED (0 = as fast as possible)")  # fmt: skip
+    pub.add_argument("--linger", type=float, default=0.0,
+                     help="seconds to keep serving replay requests after the last message")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(_run=run)
+
+
+_OVERRIDES = (
+    "page_size",
+    "max_total_tokens",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "max_running_requests",
+    "decode_log_interval",
+    "schedule_policy",
+    "schedule_conservativeness",
+    "disable_overlap_schedule",
+    "sglang_version",
+    "prefill_base_s",
+    "prefill_per_token_s",
+    "prefill_per_req_s",
+    "decode_base_s",
+    "decode_per_req_s",
+    "default_gap_s",
+    "skip_decode_stretches",
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcadence.errors import UsageError
+    from kvcadence.replay.simulator import effective_config, replay_bundle
+
+    if args.out is None and args.publish is None:
+        raise UsageError("replay: give --out SIM_BUNDLE and/or --publish ENDPOINT")
+    if args.speed < 0:
+        raise UsageError("--speed must be >= 0")
+    overrides = {k: getattr(args, k) for k in _OVERRIDES}
+    from pathlib import Path
+
+    from kvcadence.capture.bundle import BundleReader
+
+    src = Path(args.bundle)
+    if not src.exists():
+        raise UsageError(f"{src}: no such bundle")
+    reader = BundleReader(src)
+    records = reader.requests()
+    cfg = effective_config(
+        reader.header.server_info,
+        records,
+        overrides,
+        sglang_version=args.sglang_version or reader.header.sglang_version,
+        calibrate_timing=not args.no_calibrate,
+    )
+    bar = None
+    progress = None
+    if sys.stderr.isatty() and len(records) >= 200:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(records), unit="req", desc="replay", file=sys.stderr)
+        progress = bar.update
+    try:
+        result = replay_bundle(src, args.out, cfg, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = result.summary()
+    if args.publish:
+        from kvcadence.replay.publish import publish_batches
+
+        sent = publish_batches(
+            result.batches,
+            args.publish,
+            topic=cfg.topic,
+            replay_endpoint=args.replay_endpoint,
+            speed=args.speed,
+            linger_s=args.linger,
+        )
+        summary["published"] = sent
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        where = f" -> {args.out}" if args.out else ""
+        print(
+            f"replayed {summary['requests']} requests{where}: {summary['passes']} passes "
+            f"({summary['prefill_passes']} prefill, {summary['decode_passes']} decode), "
+            f"{summary['events']} events in {summary['messages']} messages, "
+            f"{summary['evictions']} evictions, {summary['retractions']} retractions; "
+            f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.3f} s"
+        )
+    return 0

@@ -1,0 +1,219 @@
+"""Simulator configuration: ``SimConfig`` built from a bundle's ``/server_info`` snapshot.
+
+What this file owns: every knob of the simulated worker (pool, page size, chunking,
+admission, decode publish interval, queue policy, loop kind, SGLang version for the event
+encoding, the new-token-ratio constants and the pass-time model), how each is read from the
+resolved server args in ``Header.server_info`` (reference ``sglang-kv-events.md`` §4.5), the
+CLI overrides on top, validation (``UsageError`` with one clear line) and the plain-dict form
+written into the sim bundle's ``Header.sim_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcadence.errors import UsageError
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
+
+
+@dataclass(slots=True)
+class TimingParams:
+    """Pass-time model (seconds): prefill = base + per_token × extend tokens
+    (+ per_req × requests); decode = base + per_req × batch size; plus the client gap."""
+
+    prefill_base_s: float = 0.010
+    prefill_per_token_s: float = 3.0e-5
+    prefill_per_req_s: float = 0.0
+    decode_base_s: float = 0.004
+    decode_per_req_s: float = 0.0003
+    #: extra time between a request's finish and its lane's next arrival when the capture
+    #: has no per-request gap (round trip + think)
+    default_gap_s: float = 0.03
+    #: scheduling/loop overhead of one idle wake-up (arrival to first schedule)
+    wakeup_s: float = 0.0005
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """Effective configuration of one replay (see module docstring)."""
+
+    page_size: int = 1
+    max_total_tokens: int = 100_000
+    chunked_prefill_size: int | None = 8192
+    max_prefill_tokens: int = 16384
+    max_running_requests: int | None = None
+    decode_log_interval: int = 40
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_overlap_schedule: bool = False
+    sglang_version: str = "0.5.23"
+    medium: str | None = "GPU"
+    attn_dp_rank: int = 0
+    topic: str = "kv-events"
+    # new_token_ratio tracker (SGLANG_* env defaults)
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    retract_decode_steps: int = 20
+    clip_max_new_tokens: int = 4096
+    #: advance whole decode stretches at once (pure optimisation; output is identical)
+    skip_decode_stretches: bool = True
+    timing: TimingParams = field(default_factory=TimingParams)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def admission_generation(self) -> str:
+        """``"0.5.23"`` (budget-object PrefillAdder) or ``"classic"`` (≤ 0.5.10)."""
+        return _generation(self.sglang_version)
+
+    @property
+    def effective_max_running(self) -> int:
+        if self.max_running_requests is not None and self.max_running_requests > 0:
+            return self.max_running_requests
+        return max(1, self.max_total_tokens // 2)
+
+    @property
+    def init_ratio(self) -> float:
+        return min(self.init_new_token_ratio * self.schedule_conservativeness, 1.0)
+
+    @property
+    def min_ratio(self) -> float:
+        return min(self.init_ratio * self.min_new_token_ratio_factor, 1.0)
+
+    @property
+    def ratio_decay(self) -> float:
+        return (self.init_ratio - self.min_ratio) / self.new_token_ratio_decay_steps
+
+    # ------------------------------------------------------------------ build
+    def validate(self) -> SimConfig:
+        from kvcadence.replay.events import event_mode
+
+        if self.page_size < 1:
+            raise UsageError(f"page size must be >= 1 (got {self.page_size})")
+        if self.max_total_tokens < self.page_size:
+            raise UsageError(f"max total tokens must be >= page size (got {self.max_total_tokens})")
+        if self.max_prefill_tokens < 1:
+            raise UsageError("max prefill tokens must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            self.chunked_prefill_size = None
+        if self.decode_log_interval < 1:
+            raise UsageError("decode log interval must be >= 1")
+        if self.schedule_policy not in POLICIES:
+            raise UsageError(
+                f"schedule policy {self.schedule_policy!r} not simulated "
+                f"(choose from {', '.join(POLICIES)})"
+            )
+        if self.schedule_conservativeness <= 0:
+            raise UsageError("schedule conservativeness must be > 0")
+        event_mode(self.sglang_version)
+        t = self.timing
+        for name in (
+            "prefill_base_s",
+            "prefill_per_token_s",
+            "prefill_per_req_s",
+            "decode_base_s",
+            "decode_per_req_s",
+            "default_gap_s",
+            "wakeup_s",
+        ):
+            if getattr(t, name) < 0:
+                raise UsageError(f"timing parameter {name} must be >= 0")
+        if (
+            t.prefill_base_s + t.prefill_per_token_s <= 0
+            or t.decode_base_s + t.decode_per_req_s <= 0
+        ):
+            raise UsageError("pass times must be positive")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["admission_generation"] = self.admission_generation
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SimConfig:
+        d = dict(d)
+        d.pop("admission_generation", None)
+        timing = TimingParams(**d.pop("timing", {}))
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise UsageError(f"unknown simulator config keys: {', '.join(sorted(unknown))}")
+        return cls(timing=timing, **d).validate()
+
+
+@functools.lru_cache(maxsize=64)
+def _generation(version: str) -> str:
+    return "0.5.23" if _version_tuple(version) >= (0, 5, 20) else "classic"
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def _get(info: dict[str, Any], *names: str) -> Any:
+    for n in names:
+        if n in info and info[n] is not None:
+            return info[n]
+    return None
+
+
+def from_server_info(server_info: dict[str, Any], sglang_version: str | None = None) -> SimConfig:
+    """Read the worker's resolved settings from a ``/server_info`` snapshot."""
+    cfg = SimConfig()
+    info = server_info or {}
+    internal = info.get("internal_states")
+    if isinstance(internal, list) and internal and isinstance(internal[0], dict):
+        merged = dict(internal[0])
+        merged.update(info)
+        info = merged
+    v = _get(info, "page_size")
+    if v is not None:
+        cfg.page_size = int(v)
+    v = _get(info, "max_total_num_tokens", "max_total_tokens")
+    if v is not None:
+        cfg.max_total_tokens = int(v)
+    if "chunked_prefill_size" in info:
+        v = info["chunked_prefill_size"]
+        cfg.chunked_prefill_size = int(v) if v is not None and int(v) > 0 else None
+    v = _get(info, "max_prefill_tokens")
+    if v is not None:
+        cfg.max_prefill_tokens = int(v)
+    v = _get(info, "max_running_requests")
+    if v is not None:
+        cfg.max_running_requests = int(v)
+    v = _get(info, "decode_log_interval")
+    if v is not None:
+        cfg.decode_log_interval = int(v)
+    v = _get(info, "schedule_policy")
+    if v is not None:
+        cfg.schedule_policy = str(v)
+    v = _get(info, "schedule_conservativeness")
+    if v is not None:
+        cfg.schedule_conservativeness = float(v)
+    v = _get(info, "disable_overlap_schedule")
+    if v is not None:
+        cfg.disable_overlap_schedule = bool(v)
+    kv = info.get("kv_events")
+    if isinstance(kv, dict) and kv.get("topic") is not None:
+        cfg.topic = str(kv["topic"])
+    ver = sglang_version or _get(info, "version")
+    if ver is not None:
+        ver = str(ver)
+        from kvcadence.replay.events import VERSION_MODES
+
+        if ver not in VERSION_MODES:
+            # nearest supported version at or below
+            vt = _version_tuple(ver)
+            cands = [k for k in VERSION_MODES if _version_tuple(k) <= vt]
+            ver = max(cands, key=_version_tuple) if cands else ver
+        cfg.sglang_version = ver
+    return cfg

@@ -1,0 +1,221 @@
+"""The simulated KV-event queue: per-version event granularity and tail coalescing.
+
+What this file owns (reference ``sglang-kv-events.md`` §2–§3 and
+``sglang-scheduler-model.md`` §3):
+
+* ``EventQueue`` is the radix tree's ``EventSink``: it turns "a node was stored / removed"
+  into canonical ``kvcadence.capture.schema`` events, with the granularity of the chosen
+  SGLang version:
+
+  ==============  =========================  ==========================  ============
+  mode            BlockStored                BlockRemoved                coalescing
+  ==============  =========================  ==========================  ============
+  ``0.5.20+``     one per new node           one per evicted node        tail merge
+  ``0.5.17``      one per page               one per evicted node        none
+  ``0.5.10-14``   one per page               one per page                none
+  ==============  =========================  ==========================  ============
+
+* Tail merging (0.5.20+, ``KVCacheEventRecorder.enqueue``): only the last queued event is
+  examined. A removal merges into a tail removal of the same medium; a store merges into a
+  tail store whose last block is the new store's parent and whose metadata (medium,
+  lora_id, block_size, cache_salt, session_id, lora_name) matches; anything else (and any
+  ``AllBlocksCleared``) appends. ``take()`` empties the queue (one publish).
+* ``Publisher`` numbers published batches (seq from 0) and encodes them with
+  ``kvcadence.capture.wire.encode_batch`` for the chosen version.
+
+The canonical events are built lazily from plain lists so the merge is cheap; the version
+encoding happens only at publish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcadence.errors import UsageError
+
+#: versions the simulator can emit, newest first, and their event mode
+VERSION_MODES: dict[str, str] = {
+    "0.5.23": "coalesced",
+    "0.5.22": "coalesced",
+    "0.5.21": "coalesced",
+    "0.5.20": "coalesced",
+    "0.5.17": "per_page_store_per_node_remove",
+    "0.5.14": "per_page",
+    "0.5.10": "per_page",
+}
+
+
+def event_mode(version: str) -> str:
+    """The event granularity of ``version`` (``UsageError`` for unsupported versions)."""
+    mode = VERSION_MODES.get(version)
+    if mode is None:
+        supported = ", ".join(VERSION_MODES)
+        raise UsageError(
+            f"--sglang-version {version!r} is not supported by the simulator "
+            f"(supported: {supported}; 0.5.5 used process-seeded Python hash())"
+        )
+    return mode
+
+
+STORE = 0
+REMOVE = 1
+CLEAR = 2
+
+
+@dataclass(slots=True)
+class QueuedEvent:
+    """One queued event in plain form (lists grow in place when the tail merges)."""
+
+    kind: int
+    hashes: list[int]
+    parent: int | None = None
+    tokens: list[int] | None = None
+    block_size: int = 0
+    session_id: str | None = None
+
+
+class EventQueue:
+    """The recorder's queue (``EventSink`` for ``RadixTree``) for one SGLang version."""
+
+    def __init__(self, version: str = "0.5.23", medium: str | None = "GPU") -> None:
+        self.version = version
+        self.mode = event_mode(version)
+        self.medium = medium
+        self.session_id: str | None = None  # set by the scheduler around inserts
+        self.queue: list[QueuedEvent] = []
+        self.stored_blocks = 0
+        self.removed_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    # ------------------------------------------------------------------ recording
+    def record_store(
+        self, hashes: list[int], parent_hash: int | None, token_ids: Sequence[int], page_size: int
+    ) -> None:
+        self.stored_blocks += len(hashes)
+        q = self.queue
+        if self.mode == "coalesced":
+            sid = self.session_id
+            if q:
+                tail = q[-1]
+                if (
+                    tail.kind == STORE
+                    and tail.hashes
+                    and tail.block_size == page_size
+                    and tail.session_id == sid
+                    and parent_hash == tail.hashes[-1]
+                ):
+                    tail.hashes.extend(hashes)
+                    tail.tokens.extend(token_ids)  # type: ignore[union-attr]
+                    return
+            q.append(QueuedEvent(STORE, list(hashes), parent_hash, list(token_ids), page_size, sid))
+            return
+        # one event per page
+        prev = parent_hash
+        for i, h in enumerate(hashes):
+            q.append(
+                QueuedEvent(
+                    STORE,
+                    [h],
+                    prev,
+                    list(token_ids[i * page_size : (i + 1) * page_size]),
+                    page_size,
+                    None,
+                )
+            )
+            prev = h
+
+    def record_remove(self, hashes: list[int]) -> None:
+        self.removed_blocks += len(hashes)
+        q = self.queue
+        if self.mode == "coalesced":
+            if q and q[-1].kind == REMOVE:
+                q[-1].hashes.extend(hashes)
+                return
+            q.append(QueuedEvent(REMOVE, list(hashes)))
+        elif self.mode == "per_page_store_per_node_remove":
+            q.append(QueuedEvent(REMOVE, list(hashes)))
+        else:
+            for h in hashes:
+                q.append(QueuedEvent(REMOVE, [h]))
+
+    def record_clear(self) -> None:
+        self.queue.append(QueuedEvent(CLEAR, []))
+
+    def take(self) -> list[QueuedEvent]:
+        """Drain the queue (one publish)."""
+        out = self.queue
+        self.queue = []
+        return out
+
+
+def to_schema_events(events: list[QueuedEvent], medium: str | None) -> list:
+    """Canonical ``kvcadence.capture.schema`` events for ``events``."""
+    from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored
+
+    out: list = []
+    for e in events:
+        if e.kind == STORE:
+            out.append(
+                BlockStored(
+                    block_hashes=e.hashes,
+                    parent_block_hash=e.parent,
+                    token_ids=e.tokens or [],
+                    block_size=e.block_size,
+                    lora_id=None,
+                    medium=medium,
+                    session_id=e.session_id,
+                )
+            )
+        elif e.kind == REMOVE:
+            out.append(BlockRemoved(block_hashes=e.hashes, medium=medium))
+        else:
+            out.append(AllBlocksCleared())
+    return out
+
+
+@dataclass(slots=True)
+class PublishedBatch:
+    """One simulated ZMQ message: seq, virtual publish time, pass index and payload bytes."""
+
+    seq: int
+    time_ns: int
+    pass_index: int
+    payload: bytes
+    n_events: int
+
+
+class Publisher:
+    """Assigns seqs and encodes drained event lists with the wire codec of ``version``."""
+
+    def __init__(
+        self, version: str, medium: str | None, attn_dp_rank: int = 0, anchor_ns: int = 0
+    ) -> None:
+        from kvcadence.capture import wire
+
+        event_mode(version)
+        self._encode = wire.encode_batch
+        self.version = version
+        self.medium = medium
+        self.attn_dp_rank = attn_dp_rank
+        self.anchor_ns = anchor_ns
+        self.seq = 0
+        self.batches: list[PublishedBatch] = []
+
+    def publish(self, events: list[QueuedEvent], time_ns: int, pass_index: int) -> None:
+        """Encode one non-empty batch stamped at virtual ``time_ns`` (relative to anchor)."""
+        if not events:
+            return
+        from kvcadence.capture.schema import KVEventBatch
+
+        abs_ns = self.anchor_ns + time_ns
+        batch = KVEventBatch(
+            ts=abs_ns / 1e9,
+            events=to_schema_events(events, self.medium),
+            attn_dp_rank=self.attn_dp_rank,
+        )
+        payload = self._encode(batch, self.version)
+        self.batches.append(PublishedBatch(self.seq, abs_ns, pass_index, payload, len(events)))
+        self.seq += 1

@@ -1,0 +1,110 @@
+"""Waiting-queue ordering: SGLang's ``SchedulePolicy.calc_priority`` (reference §12).
+
+* ``fcfs``: arrival order.
+* ``lpm``: longest device prefix first (stable), with in-batch de-prioritisation: a request
+  whose device match is ≤ 32 tokens is matched against a temporary tree of the waiting
+  requests seen so far; sharing ≥ 32 tokens with one of them sends it to the end, otherwise
+  it is inserted. Falls back to fcfs beyond 128 waiting requests.
+* ``dfs-weight``: group by matched last node; weight = requests in the subtree; DFS heaviest
+  child first, a node's own requests after its children's (post-order). Never falls back.
+* ``lof``: longest output first (``-max_new_tokens``, stable).
+
+Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, and the
+matching fields the scheduler fills (``prefix_len``, ``last_node``) through ``match``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvcadence.replay.radix import RadixTree
+
+WAITING_QUEUE_PREFIX_MATCH_MAX = 128
+IN_BATCH_CHECK_THRESHOLD = 32
+IN_BATCH_DEPRIORITIZE_THRESHOLD = 32
+
+
+def _null_hasher(parent: bytes | None, tokens: Any, page_size: int) -> tuple[list, list]:
+    n = len(tokens) // page_size
+    return [b""] * n, [0] * n
+
+
+def order_waiting(
+    policy: str,
+    waiting: list[Any],
+    tree: RadixTree,
+    match: Callable[[Any], None],
+) -> list[Any]:
+    """Return the waiting queue in the order the adder walks it.
+
+    ``match(req)`` re-matches a request against ``tree`` (setting ``prefix_len`` and
+    ``last_node``); cache-aware policies call it for every waiting request.
+    """
+    if policy == "fcfs" or len(waiting) <= 1:
+        return list(waiting)
+    if policy == "lof":
+        return sorted(waiting, key=lambda r: -r.max_new_tokens)
+    if policy == "lpm":
+        if len(waiting) > WAITING_QUEUE_PREFIX_MATCH_MAX:
+            return list(waiting)
+        return _lpm(waiting, tree, match)
+    if policy == "dfs-weight":
+        return _dfs_weight(waiting, tree, match)
+    raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:
+    temp = RadixTree(tree.page_size, _null_hasher)
+    keep: list[Any] = []
+    deprioritized: list[Any] = []
+    for r in waiting:
+        match(r)
+        if r.prefix_len <= IN_BATCH_CHECK_THRESHOLD:
+            key = r.fill
+            shared = temp.peek_prefix_len(key, len(key) - 1)
+            if shared >= IN_BATCH_DEPRIORITIZE_THRESHOLD:
+                deprioritized.append(r)
+                continue
+            temp.insert(key)
+        keep.append(r)
+    keep.sort(key=lambda r: -r.prefix_len)
+    return keep + deprioritized
+
+
+def _dfs_weight(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:
+    groups: dict[int, list[Any]] = {}
+    nodes: dict[int, Any] = {}
+    for r in waiting:
+        match(r)
+        node = r.last_node
+        groups.setdefault(id(node), []).append(r)
+        nodes[id(node)] = node
+    # weights: number of waiting requests in each node's subtree (walk up from each group)
+    weight: dict[int, int] = {}
+    children: dict[int, list[Any]] = {}
+    root = tree.root
+    for key, reqs in groups.items():
+        node = nodes[key]
+        w = len(reqs)
+        cur = node
+        while cur is not None:
+            k = id(cur)
+            if k not in weight:
+                weight[k] = 0
+                parent = cur.parent
+                if parent is not None:
+                    children.setdefault(id(parent), []).append(cur)
+            weight[k] += w
+            cur = cur.parent
+    out: list[Any] = []
+
+    def visit(node: Any) -> None:
+        kids = children.get(id(node), [])
+        kids.sort(key=lambda c: (-weight[id(c)], c.nid))
+        for c in kids:
+            visit(c)
+        out.extend(groups.get(id(node), []))
+
+    visit(root)
+    return out

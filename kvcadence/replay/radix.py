@@ -1,0 +1,420 @@
+"""The simulated radix cache: page-granular radix tree with SGLang's chained block hashes.
+
+What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics, reference
+``sglang-scheduler-model.md`` §2, §5, §6):
+
+* Nodes hold a page-aligned run of token ids (a tuple), one SHA-256 digest and one int64
+  block hash per page, chained from the parent node's last page (hashes come from
+  ``kvcadence.capture.wire`` through an injected ``Hasher``, so a simulated hash equals the
+  real one for the same tokens).
+* ``match_prefix`` walks from the root, splits a node on a partial (page-aligned) match
+  (no event), and touches every node on the path (LRU access stamp, deeper = newer).
+* ``insert`` walks the existing path and creates **at most one** new node for the rest;
+  a new node records one ``BlockStored`` (all its pages, parent = the parent node's last
+  page hash, None at the root) through the ``EventSink``.
+* ``lock`` / ``unlock`` count references along the path to the root (SGLang's
+  ``inc_lock_ref`` / ``dec_lock_ref``) and keep ``evictable_size`` / ``protected_size``.
+* ``evict(n)`` removes **whole unlocked leaves** in LRU order until at least ``n`` tokens
+  were freed (overshoot up to one node); a parent becomes a candidate when its last child
+  goes; each evicted node records one ``BlockRemoved`` with all its pages.
+
+Token counts only: the tree knows how many KV slots it owns (``total_size``), not where.
+Candidates live in a lazy heap (stale entries are skipped on pop), so an eviction costs
+O(evicted · log n) instead of SGLang's collect-all-leaves O(n).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+# (parent_digest or None, page-aligned token ids, page_size) -> (digests, int64 hashes)
+Hasher = Callable[[bytes | None, Sequence[int], int], tuple[list[bytes], list[int]]]
+
+
+class EventSink(Protocol):
+    """Where the tree records its events (``replay.events.EventQueue`` in the simulator)."""
+
+    def record_store(
+        self, hashes: list[int], parent_hash: int | None, token_ids: Sequence[int], page_size: int
+    ) -> None: ...
+
+    def record_remove(self, hashes: list[int]) -> None: ...
+
+
+class NullSink:
+    """An ``EventSink`` that drops everything (policy probes, tests of pure accounting)."""
+
+    def record_store(
+        self, hashes: list[int], parent_hash: int | None, token_ids: Sequence[int], page_size: int
+    ) -> None:
+        return None
+
+    def record_remove(self, hashes: list[int]) -> None:
+        return None
+
+
+def wire_hasher() -> Hasher:
+    """The production hasher: ``kvcadence.capture.wire`` (SGLang's chained SHA-256)."""
+    import sys
+    from array import array
+
+    from kvcadence.capture import wire
+
+    block_digests = wire.block_digests
+    to_int = wire.digest_to_int64
+    swap = sys.byteorder == "little"
+
+    def hasher(
+        parent: bytes | None, tokens: Sequence[int], page_size: int
+    ) -> tuple[list[bytes], list[int]]:
+        digests = block_digests(tokens, page_size, parent_digest=parent)
+        if len(digests) < 8:
+            return digests, [to_int(d) for d in digests]
+        # wire's digest_to_int64 (first 8 bytes, big-endian, signed) for all pages at once
+        words = array("q", b"".join(digests))
+        if swap:
+            words.byteswap()
+        return digests, words[::4].tolist()
+
+    return hasher
+
+
+class Node:
+    """One radix node: a page-aligned token run with its page digests and hashes."""
+
+    __slots__ = (
+        "key",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "digests",
+        "hashes",
+        "nid",
+        "alive",
+    )
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        parent: Node | None,
+        digests: list[bytes],
+        hashes: list[int],
+        nid: int,
+    ) -> None:
+        self.key = key
+        self.children: dict[object, Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+        self.digests = digests
+        self.hashes = hashes
+        self.nid = nid
+        self.alive = True
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"Node(id={self.nid}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+class RadixTree:
+    """Page-granular radix tree (see the module docstring for the rules)."""
+
+    def __init__(self, page_size: int, hasher: Hasher, sink: EventSink | None = None) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.hasher = hasher
+        self.sink: EventSink = sink if sink is not None else NullSink()
+        self._next_id = 1
+        self._tick = 0
+        self.root = Node((), None, [], [], 0)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.total_size = 0
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.num_nodes = 0
+        self._heap: list[tuple[int, int, Node]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _child_key(self, key: Sequence[int], pos: int) -> object:
+        if self.page_size == 1:
+            return key[pos]
+        return tuple(key[pos : pos + self.page_size])
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.last_access, node.nid, node))
+        if len(self._heap) > 64 + 4 * self.num_nodes:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        heap = []
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n.lock_ref == 0 and n is not self.root:
+                heap.append((n.last_access, n.nid, n))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def _touch(self, node: Node) -> None:
+        self._tick += 1
+        node.last_access = self._tick
+        if not node.children and node.lock_ref == 0:
+            self._push(node)
+
+    def _common_len(self, ckey: tuple[int, ...], key: Sequence[int], pos: int, limit: int) -> int:
+        """Largest l <= limit with key[pos:pos+l] == ckey[:l] (binary search on slices)."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tuple(key[pos : pos + mid]) == ckey[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _split(self, child: Node, length: int) -> Node:
+        """Split ``child`` so its first ``length`` tokens become a new parent (no event)."""
+        ps = self.page_size
+        npages = length // ps
+        parent = child.parent
+        assert parent is not None
+        new = Node(
+            child.key[:length], parent, child.digests[:npages], child.hashes[:npages], self._next_id
+        )
+        self._next_id += 1
+        self.num_nodes += 1
+        new.lock_ref = child.lock_ref
+        new.last_access = child.last_access
+        parent.children[self._child_key(child.key, 0)] = new
+        child.key = child.key[length:]
+        child.digests = child.digests[npages:]
+        child.hashes = child.hashes[npages:]
+        child.parent = new
+        new.children[self._child_key(child.key, 0)] = child
+        return new
+
+    # ------------------------------------------------------------------ queries
+    def match_prefix(self, key: Sequence[int], limit: int | None = None) -> tuple[int, Node]:
+        """Device match of ``key[:limit]`` floored to a page; touches and splits as SGLang.
+
+        Returns ``(matched_tokens, last_node)``. Callers cap ``limit`` at ``len(prompt) - 1``.
+        """
+        ps = self.page_size
+        n = len(key) if limit is None else min(limit, len(key))
+        n -= n % ps
+        node = self.root
+        pos = 0
+        children_get = None
+        while pos < n:
+            children_get = node.children.get
+            child = children_get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
+            if child is None:
+                break
+            self._touch(child)
+            ckey = child.key
+            m = len(ckey)
+            if pos + m <= n and tuple(key[pos : pos + m]) == ckey:
+                pos += m
+                node = child
+                continue
+            common = self._common_len(ckey, key, pos, min(m, n - pos))
+            common -= common % ps
+            if common > 0:
+                node = self._split(child, common)
+                pos += common
+            break
+        return pos, node
+
+    def peek_prefix_len(self, key: Sequence[int], limit: int | None = None) -> int:
+        """Matched length without touching or splitting (for policies and probes)."""
+        ps = self.page_size
+        n = len(key) if limit is None else min(limit, len(key))
+        n -= n % ps
+        node = self.root
+        pos = 0
+        while pos < n:
+            child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
+            if child is None:
+                break
+            ckey = child.key
+            m = len(ckey)
+            if pos + m <= n and tuple(key[pos : pos + m]) == ckey:
+                pos += m
+                node = child
+                continue
+            common = self._common_len(ckey, key, pos, min(m, n - pos))
+            pos += common - common % ps
+            break
+        return pos
+
+    # ------------------------------------------------------------------ updates
+    def insert(
+        self,
+        key: Sequence[int],
+        start_node: Node | None = None,
+        start_pos: int = 0,
+        end: int | None = None,
+    ) -> tuple[int, Node, Node | None]:
+        """Insert page-aligned ``key`` from the root.
+
+        ``start_node``/``start_pos`` is a shortcut for callers that hold a lock on the node
+        whose path is exactly ``key[:start_pos]`` (a request's locked prefix): the walk then
+        starts there, touching the ancestors top-down as the walk from the root would.
+        Returns ``(existing_tokens, last_node, new_node_or_None)``: ``existing_tokens`` were
+        already in the tree (their KV in the request is a duplicate and gets freed), and
+        the new node (if any) recorded one ``BlockStored``.
+        """
+        ps = self.page_size
+        n = len(key) if end is None else min(end, len(key))
+        n -= n % ps
+        if start_node is not None and start_node is not self.root and start_pos <= n:
+            path = []
+            cur: Node | None = start_node
+            root = self.root
+            while cur is not root and cur is not None:
+                path.append(cur)
+                cur = cur.parent
+            for anc in reversed(path):
+                self._touch(anc)
+            node = start_node
+            pos = start_pos
+        else:
+            node = self.root
+            pos = 0
+        while pos < n:
+            child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
+            if child is None:
+                break
+            self._touch(child)
+            ckey = child.key
+            m = len(ckey)
+            if pos + m <= n and tuple(key[pos : pos + m]) == ckey:
+                pos += m
+                node = child
+                continue
+            common = self._common_len(ckey, key, pos, min(m, n - pos))
+            common -= common % ps
+            node = self._split(child, common)
+            pos += common
+            break
+        if pos >= n:
+            return pos, node, None
+        rest = tuple(key[pos:n])
+        parent_digest = node.digests[-1] if node.digests else None
+        digests, hashes = self.hasher(parent_digest, rest, ps)
+        new = Node(rest, node, digests, hashes, self._next_id)
+        self._next_id += 1
+        self.num_nodes += 1
+        node.children[rest[0] if ps == 1 else rest[:ps]] = new
+        self.total_size += len(rest)
+        self.evictable_size += len(rest)
+        self._touch(new)
+        parent_hash = node.hashes[-1] if node.hashes else None
+        self.sink.record_store(hashes, parent_hash, rest, ps)
+        return pos, new, new
+
+    def lock(self, node: Node) -> None:
+        """``inc_lock_ref``: protect ``node`` and its ancestors from eviction."""
+        root = self.root
+        while node is not root:
+            if node.lock_ref == 0:
+                k = len(node.key)
+                self.evictable_size -= k
+                self.protected_size += k
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Node) -> None:
+        """``dec_lock_ref``: release one reference on ``node`` and its ancestors."""
+        root = self.root
+        while node is not root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlock of an unlocked radix node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                k = len(node.key)
+                self.evictable_size += k
+                self.protected_size -= k
+                if not node.children:
+                    self._push(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict whole unlocked leaves (LRU) until ``num_tokens`` are freed; return freed."""
+        freed = 0
+        heap = self._heap
+        root = self.root
+        sink = self.sink
+        while freed < num_tokens and heap:
+            stamp, _nid, node = heapq.heappop(heap)
+            if (
+                not node.alive
+                or node.children
+                or node.lock_ref != 0
+                or node.last_access != stamp
+                or node is root
+            ):
+                continue
+            parent = node.parent
+            assert parent is not None
+            del parent.children[self._child_key(node.key, 0)]
+            node.alive = False
+            k = len(node.key)
+            freed += k
+            self.total_size -= k
+            self.evictable_size -= k
+            self.num_nodes -= 1
+            sink.record_remove(node.hashes)
+            if parent is not root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.nid, parent))
+        return freed
+
+    def reset(self) -> None:
+        """Drop every node (``/flush_cache``); the caller records ``AllBlocksCleared``."""
+        self.root = Node((), None, [], [], 0)
+        self.root.lock_ref = 1
+        self.total_size = self.evictable_size = self.protected_size = 0
+        self.num_nodes = 0
+        self._heap = []
+
+    # ------------------------------------------------------------------ introspection
+    def resident_hashes(self) -> set[int]:
+        """Every block hash currently in the tree (tests and invariants)."""
+        out: set[int] = set()
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            out.update(n.hashes)
+            stack.extend(n.children.values())
+        return out
+
+    def check_invariants(self) -> None:
+        """Recompute sizes from scratch and compare (tests)."""
+        total = evictable = 0
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            k = len(n.key)
+            if k == 0 or k % self.page_size or len(n.hashes) != k // self.page_size:
+                raise AssertionError(f"bad node {n!r}")
+            total += k
+            if n.lock_ref == 0:
+                evictable += k
+            for c in n.children.values():
+                if c.parent is not n:
+                    raise AssertionError("broken parent link")
+                if c.lock_ref > n.lock_ref:
+                    raise AssertionError("child locked more than parent")
+            stack.extend(n.children.values())
+        if total != self.total_size or evictable != self.evictable_size:
+            raise AssertionError(
+                f"sizes drifted: total {total} vs {self.total_size}, "
+                f"evictable {evictable} vs {self.evictable_size}"
+            )
+        if self.protected_size != total - evictable:
+            raise AssertionError("protected size drifted")

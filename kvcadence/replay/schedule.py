@@ -1,0 +1,178 @@
+"""Request schedule reconstruction: what the simulated clients send, and when.
+
+What this file owns: turning a bundle's ``RequestRecord``s into ``RequestSpec``s — the same
+prompt token ids and output lengths, plus how each request is released:
+
+* **closed loop** (``lane`` known): requests of one lane are sent one after the other; the
+  first at its recorded arrival, each next one ``gap_ns`` after its predecessor *finishes in
+  the simulation*. ``gap_ns`` is the recorded server-side gap (``meta_info`` next
+  ``request_received_ts`` − previous ``request_finished_ts``: client round trip + think
+  time), else the client-side gap (``send_ns`` − previous ``finish_ns``), else ``think_ns``,
+  else the configured default;
+* **open loop** (no lane): the recorded arrival time (``arrival_ns``, else
+  ``request_received_ts``, else ``send_ns``).
+
+Times are virtual ns relative to ``anchor_ns`` (the earliest recorded arrival). Output token
+ids are the recorded ones; when absent they are recovered from the next turn's prompt when it
+extends this one, else synthesised deterministically (hashes of such outputs cannot match
+the real ones). Flushes recorded in the capture become ``flush_times``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcadence.errors import InputError
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request to simulate."""
+
+    idx: int
+    rid: str
+    input_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    max_new_tokens: int
+    lane: int | None = None
+    session: int | None = None
+    turn: int | None = None
+    arrival_ns: int | None = None  # open loop / first of a lane (virtual)
+    pred: int | None = None  # closed loop: index of the predecessor on the lane
+    gap_ns: int = 0  # closed loop: finish(pred) -> arrival
+    ignore_eos: bool = True
+    real_cached_tokens: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    source: Any = None  # the RequestRecord this spec came from
+
+    @property
+    def n_out(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass(slots=True)
+class Schedule:
+    """The reconstructed workload."""
+
+    requests: list[RequestSpec]
+    anchor_ns: int
+    flush_times_ns: list[int] = field(default_factory=list)
+    closed_loop: bool = True
+
+
+def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
+    v = meta.get(key)
+    if isinstance(v, (int, float)) and v > 0:
+        return int(round(v * 1e9))
+    return None
+
+
+def _arrival(rec: Any) -> int | None:
+    mi = rec.meta_info or {}
+    for v in (rec.arrival_ns, _mi_ns(mi, "request_received_ts"), rec.send_ns):
+        if v is not None:
+            return int(v)
+    return None
+
+
+def _finish(rec: Any) -> int | None:
+    mi = rec.meta_info or {}
+    v = _mi_ns(mi, "request_finished_ts")
+    return v if v is not None else rec.finish_ns
+
+
+def _synth_tokens(rid: str, n: int) -> tuple[int, ...]:
+    out: list[int] = []
+    counter = 0
+    while len(out) < n:
+        h = hashlib.sha256(f"{rid}/{counter}".encode()).digest()
+        out.extend(3 + int.from_bytes(h[i : i + 2], "little") % 1021 for i in range(0, 32, 2))
+        counter += 1
+    return tuple(out[:n])
+
+
+def build_schedule(
+    records: Iterable[Any],
+    *,
+    default_gap_ns: int = 30_000_000,
+    flush_abs_ns: Iterable[int] = (),
+    anchor_ns: int | None = None,
+) -> Schedule:
+    """Build the schedule from ``RequestRecord``-like objects (see module docstring)."""
+    recs = [r for r in records if r.error is None or r.output_ids or r.completion_tokens]
+    if not recs:
+        raise InputError("the bundle has no requests to replay")
+    arrivals: list[int] = []
+    for r in recs:
+        a = _arrival(r)
+        if a is None:
+            raise InputError(f"request {r.rid!r}: no arrival or send time recorded")
+        if not r.input_ids:
+            raise InputError(f"request {r.rid!r}: no input_ids recorded (cannot replay)")
+        arrivals.append(a)
+    anchor = min(arrivals) if anchor_ns is None else anchor_ns
+    order = sorted(range(len(recs)), key=lambda i: (arrivals[i], recs[i].rid))
+    specs: list[RequestSpec] = []
+    by_lane: dict[int, list[int]] = {}
+    for new_idx, i in enumerate(order):
+        r = recs[i]
+        n_out = r.completion_tokens
+        if n_out is None:
+            n_out = len(r.output_ids) if r.output_ids else r.max_new_tokens
+        if n_out is None:
+            raise InputError(f"request {r.rid!r}: output length unknown")
+        n_out = max(int(n_out), 1)
+        max_new = r.max_new_tokens if r.max_new_tokens is not None else n_out
+        reason = r.finish_reason
+        ignore_eos = reason in (None, "length") or n_out >= max_new
+        spec = RequestSpec(
+            idx=new_idx,
+            rid=r.rid,
+            input_ids=tuple(r.input_ids),
+            output_ids=tuple(r.output_ids[:n_out]) if len(r.output_ids) >= n_out else (),
+            max_new_tokens=max(int(max_new), n_out),
+            lane=r.lane,
+            session=r.session,
+            turn=r.turn,
+            ignore_eos=ignore_eos,
+            real_cached_tokens=r.cached_tokens,
+            source=r,
+        )
+        spec.meta["n_out"] = n_out
+        specs.append(spec)
+        if r.lane is not None:
+            by_lane.setdefault(int(r.lane), []).append(new_idx)
+        else:
+            spec.arrival_ns = arrivals[i] - anchor
+    # closed-loop dependencies
+    src = [recs[i] for i in order]
+    arr = [arrivals[i] for i in order]
+    for idxs in by_lane.values():
+        first = idxs[0]
+        specs[first].arrival_ns = arr[first] - anchor
+        for prev, cur in zip(idxs, idxs[1:], strict=False):
+            specs[cur].pred = prev
+            pf = _finish(src[prev])
+            gap: int | None = None
+            if pf is not None:
+                gap = arr[cur] - pf
+            elif src[cur].think_ns is not None:
+                gap = int(src[cur].think_ns)
+            specs[cur].gap_ns = max(0, gap) if gap is not None else default_gap_ns
+    # output tokens
+    for pos, s in enumerate(specs):
+        n_out = s.meta.pop("n_out")
+        if len(s.output_ids) == n_out:
+            continue
+        recovered: tuple[int, ...] = ()
+        nxt = next((t for t in specs[pos + 1 :] if t.pred == s.idx), None)
+        if nxt is not None and nxt.input_ids[: len(s.input_ids)] == s.input_ids:
+            cand = nxt.input_ids[len(s.input_ids) : len(s.input_ids) + n_out]
+            if len(cand) == n_out:
+                recovered = cand
+        s.output_ids = recovered or _synth_tokens(s.rid, n_out)
+    flushes = sorted(max(0, int(f) - anchor) for f in flush_abs_ns)
+    return Schedule(specs, anchor, flushes, closed_loop=bool(by_lane))

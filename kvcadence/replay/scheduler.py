@@ -1,0 +1,811 @@
+"""The simulated SGLang scheduler loop (overlap and normal), in virtual time.
+
+What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §17):
+
+* the loop: each iteration receives arrived requests, stashes the in-flight chunked
+  request (its chunk is inserted → one store), merges the last prefill batch into the
+  running batch, builds a prefill batch (``replay.admission.PrefillAdder`` over the queue
+  ordered by ``replay.policy``) or else a decode batch, allocates KV (evicting whole LRU
+  leaves on a shortfall), launches it, then
+
+  - **overlap** (default): processes the *previous* batch's result — so removals caused
+    while scheduling batch k+1 are queued before batch k's prefill stores;
+  - **normal** (``disable_overlap_schedule``): processes this batch's result at once;
+
+* result processing: a final prefill chunk checkpoints the prompt (one store) and the
+  request joins decode; a finished request inserts prompt + output − 1 tokens (one store),
+  frees its private KV and unlocks; publishes after every prefill result, at every
+  ``decode_log_interval``-th decode result counted globally (reset by a flush), and when
+  fully idle (``on_idle``, which also resets ``new_token_ratio``);
+* decode memory: ``check_decode_mem`` (evict the shortfall), retraction (fewest outputs
+  first, ties longest prompt; no store; evict ``remaining × 20`` tokens; re-queue;
+  ratio reset), abort of waiting / running requests, flushes (``AllBlocksCleared`` alone);
+* closed-loop clients: a lane's next request arrives ``gap`` after its predecessor finishes;
+* decode stretches: when only decode happens, whole stretches of passes are advanced at
+  once up to the next finish, publish point, allocation need or arrival (identical output).
+
+KV accounting is in tokens: a request covers sequence positions ``[0, kv_len)``; the first
+``tree_len`` are in the radix tree (locked through ``last_node``), the rest are private
+slots (``alloc`` = page-ceiled). ``available = pool − tree.total_size − Σ alloc``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcadence.errors import ReplayError
+from kvcadence.replay.admission import (
+    AddReqResult,
+    NewTokenRatioTracker,
+    PrefillAdder,
+    ceil_paged,
+)
+from kvcadence.replay.config import SimConfig
+from kvcadence.replay.events import EventQueue, Publisher
+from kvcadence.replay.policy import order_waiting
+from kvcadence.replay.radix import Hasher, Node, RadixTree
+from kvcadence.replay.schedule import RequestSpec, Schedule
+from kvcadence.replay.timing import PassTimer
+
+WAITING, RUNNING, FINISHED, ABORTED = 0, 1, 2, 3
+
+
+class SimReq:
+    """Runtime state of one simulated request."""
+
+    __slots__ = (
+        "spec",
+        "rid",
+        "idx",
+        "input_len",
+        "seq",
+        "fill",
+        "fill_len",
+        "n_out",
+        "max_new_tokens",
+        "output_len",
+        "ignore_eos",
+        "prefix_len",
+        "host_hit_length",
+        "last_node",
+        "extend_len",
+        "is_chunked",
+        "load_back",
+        "adm_max_new",
+        "lock_handle",
+        "kv_len",
+        "tree_len",
+        "alloc",
+        "decode_left",
+        "cached_tokens",
+        "prefilled_once",
+        "retractions",
+        "gen",
+        "state",
+        "arrival_ns",
+        "entry_ns",
+        "first_token_ns",
+        "finish_ns",
+        "error",
+    )
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self.spec = spec
+        self.rid = spec.rid
+        self.idx = spec.idx
+        self.input_len = len(spec.input_ids)
+        self.seq = spec.input_ids + spec.output_ids
+        self.n_out = len(spec.output_ids)
+        self.max_new_tokens = spec.max_new_tokens
+        self.ignore_eos = spec.ignore_eos
+        self.output_len = 0
+        self.fill = spec.input_ids
+        self.fill_len = self.input_len
+        self.prefix_len = 0
+        self.host_hit_length = 0
+        self.last_node: Node | None = None
+        self.extend_len = 0
+        self.is_chunked = False
+        self.load_back = 0
+        self.adm_max_new = 0
+        self.lock_handle: Node | None = None
+        self.kv_len = 0
+        self.tree_len = 0
+        self.alloc = 0
+        self.decode_left = 0
+        self.cached_tokens = 0
+        self.prefilled_once = False
+        self.retractions = 0
+        self.gen = 0
+        self.state = WAITING
+        self.arrival_ns = 0
+        self.entry_ns: int | None = None
+        self.first_token_ns: int | None = None
+        self.finish_ns: int | None = None
+        self.error: str | None = None
+
+
+@dataclass(slots=True)
+class Batch:
+    """One launched forward pass."""
+
+    kind: str  # "prefill" | "decode"
+    reqs: list[SimReq]
+    gens: list[int]
+    index: int
+    end_ns: int = 0
+    tokens: int = 0
+    upto: list[int] = field(default_factory=list)  # prefill: sequence end computed
+    finals: list[bool] = field(default_factory=list)  # prefill: last chunk of the request
+
+
+class _TreeCacheAdapter:
+    """``TreeCacheLike`` over the radix tree (no HiCache: load-back always fails)."""
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size
+
+    def lock(self, node: Node) -> Node:
+        self.tree.lock(node)
+        return node
+
+    def unlock(self, handle: Node) -> None:
+        self.tree.unlock(handle)
+
+    def init_load_back(self, req: Any, host_hit_length: int) -> int:
+        return 0
+
+
+class _AllocatorAdapter:
+    """``AllocatorLike``: free slots of the simulated pool."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.page_size = sched.cfg.page_size
+
+    def available_size(self) -> int:
+        return self.sched.available()
+
+
+@dataclass(slots=True)
+class SimStats:
+    passes: int = 0
+    prefill_passes: int = 0
+    decode_passes: int = 0
+    skipped_passes: int = 0
+    retractions: int = 0
+    evictions: int = 0
+    flushes: int = 0
+    aborted: int = 0
+    virtual_ns: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Scheduler:
+    """One simulated SGLang worker (one DP rank) driven by a ``Schedule``."""
+
+    def __init__(
+        self,
+        cfg: SimConfig,
+        schedule: Schedule,
+        hasher: Hasher,
+        *,
+        publisher: Publisher | None = None,
+        on_publish: Callable[[int], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.schedule = schedule
+        self.ps = cfg.page_size
+        self.overlap = not cfg.disable_overlap_schedule
+        self.queue = EventQueue(cfg.sglang_version, cfg.medium)
+        self.tree = RadixTree(cfg.page_size, hasher, self.queue)
+        self.publisher = publisher or Publisher(
+            cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns
+        )
+        self.on_publish = on_publish
+        self.timer = PassTimer(cfg.timing)
+        self.tracker = NewTokenRatioTracker(
+            cfg.init_new_token_ratio,
+            cfg.min_new_token_ratio_factor,
+            cfg.new_token_ratio_decay_steps,
+            cfg.schedule_conservativeness,
+            cfg.retract_decode_steps,
+        )
+        self.tc = _TreeCacheAdapter(self.tree)
+        self.allocator = _AllocatorAdapter(self)
+        self.reqs = [SimReq(s) for s in schedule.requests]
+        self.successors: dict[int, list[int]] = {}
+        for s in schedule.requests:
+            if s.pred is not None:
+                self.successors.setdefault(s.pred, []).append(s.idx)
+        self.arrivals: list[tuple[int, int]] = []
+        for s in schedule.requests:
+            if s.pred is None:
+                heapq.heappush(self.arrivals, (s.arrival_ns or 0, s.idx))
+        self.flush_times = list(schedule.flush_times_ns)
+        self.waiting: list[SimReq] = []
+        self.running: list[SimReq] = []
+        self.pending_merge: list[SimReq] = []
+        self.chunked_req: SimReq | None = None
+        self.batch_is_full = False
+        self.private_total = 0
+        self.decode_ct = 0
+        self.pass_index = -1
+        self.last_pass_published = -1
+        self.stats = SimStats()
+        #: (reason, global decode counter, pass index, virtual ns) of every published batch
+        self.publish_log: list[tuple[str, int, int, int]] = []
+        self.finished_count = 0
+        self.t = 0
+        self.gpu_free = 0
+        self._aborts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ accounting
+    def available(self) -> int:
+        return self.cfg.max_total_tokens - self.tree.total_size - self.private_total
+
+    def _evict_for(self, need: int) -> None:
+        avail = self.available()
+        if avail < need:
+            freed = self.tree.evict(need - avail)
+            if freed:
+                self.stats.evictions += 1
+
+    def _alloc(self, req: SimReq, new_alloc: int) -> None:
+        req.alloc += new_alloc
+        self.private_total += new_alloc
+
+    def _free_private(self, req: SimReq) -> None:
+        self.private_total -= req.alloc
+        req.alloc = 0
+
+    def _match(self, req: SimReq) -> None:
+        """``init_next_round_input``: device match capped at len − 1, page aligned."""
+        if req.last_node is not None and req.lock_handle is None:
+            pass
+        n, node = self.tree.match_prefix(req.fill, req.fill_len - 1)
+        req.prefix_len = n
+        req.last_node = node
+        req.host_hit_length = 0
+
+    # ------------------------------------------------------------------ publish
+    def _publish(self, t: int, pass_index: int, reason: str) -> None:
+        events = self.queue.take()
+        if events:
+            self.publish_log.append((reason, self.decode_ct, pass_index, t))
+            self.publisher.publish(events, t, pass_index)
+            if self.on_publish is not None:
+                self.on_publish(len(events))
+
+    # ------------------------------------------------------------------ public control
+    def request_abort(self, rid: str, at_ns: int) -> None:
+        """Abort ``rid`` at virtual time ``at_ns`` (tests; recorded aborts)."""
+        self._aborts[rid] = at_ns
+
+    # ------------------------------------------------------------------ tree operations
+    def _insert_upto(self, req: SimReq, upto: int) -> None:
+        """Checkpoint ``req.seq[:upto]`` (page floored) into the tree; move the lock."""
+        ps = self.ps
+        end = upto - upto % ps
+        if end <= req.tree_len:
+            return
+        start = req.lock_handle
+        _existing, node, _new = self.tree.insert(
+            req.seq, start, req.tree_len if start is not None else 0, end
+        )
+        old = req.lock_handle
+        self.tree.lock(node)
+        if old is not None:
+            self.tree.unlock(old)
+        req.lock_handle = node
+        req.last_node = node
+        freed = end - req.tree_len  # private slots now owned by the tree (or duplicates)
+        req.tree_len = end
+        req.alloc -= freed
+        self.private_total -= freed
+
+    def _release(self, req: SimReq, insert: bool) -> None:
+        if insert:
+            self._insert_upto(req, req.kv_len)
+        self._free_private(req)
+        if req.lock_handle is not None:
+            self.tree.unlock(req.lock_handle)
+        req.lock_handle = None
+        req.last_node = None
+        req.kv_len = req.tree_len = 0
+
+    def _finish(self, req: SimReq, t: int, insert: bool = True, error: str | None = None) -> None:
+        self._release(req, insert)
+        if error is not None:
+            req.error = error
+        req.state = ABORTED if req.error is not None else FINISHED
+        req.finish_ns = t
+        self.finished_count += 1
+        self.batch_is_full = False
+        for nxt in self.successors.get(req.idx, ()):
+            spec = self.reqs[nxt].spec
+            heapq.heappush(self.arrivals, (t + spec.gap_ns, nxt))
+
+    # ------------------------------------------------------------------ batch building
+    def _stash_chunked(self) -> None:
+        req = self.chunked_req
+        if req is not None:
+            self._insert_upto(req, req.kv_len)
+            req.prefix_len = req.tree_len
+            req.last_node = req.lock_handle
+
+    def _num_allocatable(self) -> int:
+        return self.cfg.effective_max_running - len(self.running)
+
+    def _get_new_batch_prefill(self, t: int) -> Batch | None:
+        cfg = self.cfg
+        if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
+            return None
+        if self._num_allocatable() <= 0 and self.chunked_req is None:
+            self.batch_is_full = True
+            return None
+        ordered = order_waiting(cfg.schedule_policy, self.waiting, self.tree, self._match)
+        adder = PrefillAdder(
+            self.ps,
+            self.tc,
+            self.allocator,
+            self.running,
+            self.tracker.current,
+            cfg.max_prefill_tokens,
+            cfg.chunked_prefill_size,
+            generation=cfg.admission_generation,
+            clip_max_new_tokens=cfg.clip_max_new_tokens,
+        )
+        chunked = self.chunked_req
+        still_chunked: SimReq | None = None
+        if chunked is not None:
+            still_chunked = adder.add_chunked_req(chunked)
+        gen0523 = cfg.admission_generation == "0.5.23"
+        for req in ordered:
+            if gen0523 and adder.budget_state() is AddReqResult.OTHER:
+                break
+            n_admitted = len(adder.can_run_list) - (1 if chunked is not None else 0)
+            if n_admitted >= self._num_allocatable():
+                self.batch_is_full = True
+                break
+            self._match(req)
+            res = adder.add_one_req(req, has_chunked_req=chunked is not None)
+            if res is not AddReqResult.CONTINUE:
+                if res is AddReqResult.NO_TOKEN:
+                    if len(adder.can_run_list) > (1 if chunked is not None else 0) or self.running:
+                        self.batch_is_full = True
+                break
+        can_run = adder.can_run_list
+        if not can_run:
+            return None
+        admitted = {id(r) for r in can_run}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        new_chunked = adder.new_chunked_req
+        self.chunked_req = new_chunked if new_chunked is not None else still_chunked
+        # allocate the extend KV (prepare_for_extend): evict the shortfall first
+        ps = self.ps
+        need = 0
+        for r in can_run:
+            seq_end = r.prefix_len + r.extend_len
+            need += ceil_paged(seq_end, ps) - ceil_paged(r.prefix_len, ps)
+        target = need + (len(can_run) * ps if ps > 1 else 0)
+        self._evict_for(target)
+        if self.available() < need:
+            raise ReplayError(
+                f"prefill allocation failed at t={t} ns: need {need}, "
+                f"available {self.available()} (admission should have prevented this)"
+            )
+        tokens = 0
+        for r in can_run:
+            if r is not chunked:
+                # a new (or re-queued) request: its lock was taken by the adder
+                r.tree_len = r.prefix_len
+                r.kv_len = r.prefix_len
+                if r.state == WAITING and not r.prefilled_once:
+                    r.cached_tokens = r.prefix_len
+                    r.entry_ns = t
+                r.prefilled_once = True
+                r.state = RUNNING
+                if r.lock_handle is not r.last_node:
+                    # adder locked last_node; remember it as our handle
+                    r.lock_handle = r.last_node
+            seq_end = r.prefix_len + r.extend_len
+            self._alloc(r, ceil_paged(seq_end, ps) - ceil_paged(r.kv_len, ps))
+            r.kv_len = seq_end
+            tokens += r.extend_len
+        self.pass_index += 1
+        return Batch(
+            "prefill",
+            list(can_run),
+            [r.gen for r in can_run],
+            self.pass_index,
+            0,
+            tokens,
+            [r.kv_len for r in can_run],
+            [not r.is_chunked for r in can_run],
+        )
+
+    def _retract(self, t: int) -> None:
+        """``retract_decode``: release requests until the next decode step fits."""
+        ps = self.ps
+        cand = sorted(
+            (r for r in self.running if r.decode_left > 0),
+            key=lambda r: (r.output_len, -r.input_len),
+            reverse=True,
+        )
+        batch_snapshot = list(self.running)
+        retracted: list[SimReq] = []
+        while True:
+            need = sum(ps for r in cand if r.kv_len % ps == 0)
+            if self.available() >= need or len(cand) <= 1:
+                break
+            r = cand.pop()
+            retracted.append(r)
+            self._release(r, insert=False)
+            r.gen += 1
+            r.state = WAITING
+            r.retractions += 1
+            r.fill = r.seq[: r.input_len + r.output_len]
+            r.fill_len = len(r.fill)
+            r.prefix_len = 0
+            r.decode_left = 0
+            self._evict_for(len(cand) * self.cfg.retract_decode_steps)
+        if retracted:
+            self.stats.retractions += len(retracted)
+            gone = {id(r) for r in retracted}
+            self.running = [r for r in self.running if id(r) not in gone]
+            self.waiting.extend(retracted)
+            self.tracker.on_retract(batch_snapshot)
+            self.batch_is_full = False
+        need = sum(ps for r in self.running if r.kv_len % ps == 0)
+        if self.available() < need:
+            # even one request does not fit: abort it (SGLang: "Out of memory even after
+            # retracting")
+            for r in list(self.running):
+                self.running.remove(r)
+                self._finish(r, t, insert=False, error="out of memory after retraction")
+                self.stats.aborted += 1
+
+    def _update_running_batch(self, t: int) -> Batch | None:
+        running = [r for r in self.running if r.decode_left > 0]
+        if not running:
+            return None
+        ps = self.ps
+        if ps == 1:
+            need = len(running)
+        else:
+            need = 0
+            for r in running:
+                if r.kv_len % ps == 0:
+                    need += ps
+        if self.available() < need:
+            self._evict_for(need)
+        if self.available() < need:
+            self._retract(t)
+            running = [r for r in self.running if r.decode_left > 0]
+            if not running:
+                return None
+        else:
+            self.tracker.on_decode_steps(1)
+        if ps == 1:
+            for r in running:
+                r.alloc += 1
+                r.kv_len += 1
+                r.decode_left -= 1
+            self.private_total += len(running)
+        else:
+            grown = 0
+            for r in running:
+                if r.kv_len % ps == 0:
+                    r.alloc += ps
+                    grown += ps
+                r.kv_len += 1
+                r.decode_left -= 1
+            self.private_total += grown
+        self.pass_index += 1
+        return Batch("decode", running, [], self.pass_index, 0, len(running))
+
+    def _get_next_batch(self, t: int) -> Batch | None:
+        self._stash_chunked()
+        if self.pending_merge:
+            for r in self.pending_merge:
+                if r.state == RUNNING:
+                    self.running.append(r)
+            self.pending_merge = []
+        batch = self._get_new_batch_prefill(t)
+        if batch is not None:
+            for r, final in zip(batch.reqs, batch.finals, strict=False):
+                if final:
+                    r.decode_left = r.n_out - (r.output_len + 1)
+                    if r.decode_left > 0:
+                        self.pending_merge.append(r)
+            self.stats.prefill_passes += 1
+            return batch
+        batch = self._update_running_batch(t)
+        if batch is not None:
+            self.stats.decode_passes += 1
+        return batch
+
+    # ------------------------------------------------------------------ results
+    def _process_result(self, batch: Batch, t: int) -> None:
+        if batch.kind == "prefill":
+            for r, g, upto, final in zip(
+                batch.reqs, batch.gens, batch.upto, batch.finals, strict=False
+            ):
+                if r.gen != g or r.state != RUNNING or not final:
+                    continue  # an intermediate chunk is checkpointed at the next schedule
+                r.output_len += 1
+                if r.first_token_ns is None:
+                    r.first_token_ns = t
+                if r.output_len >= r.n_out:
+                    if r in self.running:
+                        self.running.remove(r)
+                    self._finish(r, t)
+                else:
+                    self._insert_upto(r, upto)
+            self._publish(t, batch.index, "prefill")
+            self.last_pass_published = batch.index
+            return
+        finished = None
+        for r in batch.reqs:
+            if r.state != RUNNING:
+                continue  # retracted (or aborted) after this batch was launched
+            r.output_len += 1
+            if r.output_len >= r.n_out:
+                if finished is None:
+                    finished = []
+                finished.append(r)
+        if finished is not None:
+            gone = set(map(id, finished))
+            self.running = [r for r in self.running if id(r) not in gone]
+            for r in finished:
+                self._finish(r, t)
+        self.decode_ct = (self.decode_ct + 1) % (1 << 30)
+        if self.decode_ct % self.cfg.decode_log_interval == 0:
+            self._publish(t, batch.index, "decode")
+
+    # ------------------------------------------------------------------ idle, flush, abort
+    def _fully_idle(self) -> bool:
+        return (
+            not self.running
+            and not self.waiting
+            and self.chunked_req is None
+            and not any(r.state == RUNNING for r in self.pending_merge)
+        )
+
+    def _on_idle(self, t: int) -> None:
+        if self._fully_idle():
+            self._publish(t, self.pass_index, "idle")
+            self.tracker.on_idle()
+
+    def _maybe_flush(self, t: int) -> None:
+        while self.flush_times and self.flush_times[0] <= t and self._fully_idle():
+            self.flush_times.pop(0)
+            self._publish(t, self.pass_index, "idle")
+            self.tree.reset()
+            self.queue.record_clear()
+            self._publish(t, self.pass_index, "flush")
+            self.decode_ct = 0
+            self.stats.flushes += 1
+
+    def _apply_aborts(self, t: int) -> None:
+        if not self._aborts:
+            return
+        for rid, at in list(self._aborts.items()):
+            if at > t:
+                continue
+            req = next((r for r in self.reqs if r.rid == rid), None)
+            if req is None or req.state in (FINISHED, ABORTED):
+                del self._aborts[rid]
+                continue
+            if req.state == WAITING and req in self.waiting:
+                self.waiting.remove(req)
+                req.state = ABORTED
+                req.error = "aborted while waiting"
+                req.finish_ns = t
+                self.finished_count += 1
+                for nxt in self.successors.get(req.idx, ()):
+                    heapq.heappush(self.arrivals, (t + self.reqs[nxt].spec.gap_ns, nxt))
+                del self._aborts[rid]
+            elif req.state == RUNNING and req is not self.chunked_req and req.decode_left > 0:
+                # FINISH_ABORT: one more forward, then the normal finish path
+                # one more forward after the ones already launched; finish then stores
+                # prompt + outputs - 1 (kv_len after that forward)
+                req.n_out = req.kv_len - req.input_len + 2
+                req.decode_left = 1
+                req.error = "aborted"
+                del self._aborts[rid]
+
+    def _receive(self, t: int) -> None:
+        arrivals = self.arrivals
+        while arrivals and arrivals[0][0] <= t:
+            at, idx = heapq.heappop(arrivals)
+            req = self.reqs[idx]
+            req.arrival_ns = at
+            if req.n_out <= 0:
+                # aborted before it was scheduled: emits nothing
+                req.state = ABORTED
+                req.error = "aborted while waiting"
+                req.finish_ns = at
+                self.finished_count += 1
+                for nxt in self.successors.get(idx, ()):
+                    heapq.heappush(arrivals, (at + self.reqs[nxt].spec.gap_ns, nxt))
+                continue
+            self.waiting.append(req)
+
+    # ------------------------------------------------------------------ decode stretches
+    def _skip_decode_stretch(self, t: int, last: Batch | None) -> tuple[int, Batch | None] | None:
+        """Advance M > 1 pure-decode iterations at once when nothing can happen in them."""
+        if self.waiting or self.chunked_req is not None or self.pending_merge:
+            return None
+        running = self.running
+        if not running:
+            return None
+        ps = self.ps
+        interval = self.cfg.decode_log_interval
+        d = self.timer.decode_ns(len(running))
+        next_arr = self.arrivals[0][0] if self.arrivals else None
+        if self.overlap:
+            if last is None or last.kind != "decode" or last.reqs != running:
+                return None
+            m = min(r.decode_left for r in running)
+            m = min(m, interval - 1 - (self.decode_ct % interval))
+            e = last.end_ns
+            if next_arr is not None:
+                if next_arr <= t:
+                    return None
+                jmax = (next_arr - e - 1) // d + 1 if next_arr > e else 0
+                m = min(m, jmax + 1)
+        else:
+            if last is not None:
+                return None
+            m = min(r.decode_left for r in running) - 1
+            m = min(m, interval - 1 - (self.decode_ct % interval))
+            if next_arr is not None:
+                if next_arr <= t:
+                    return None
+                m = min(m, (next_arr - t - 1) // d + 1)
+        if self._aborts:
+            return None
+        if m < 2:
+            return None
+        # memory: all allocations of the stretch must fit without eviction
+        need = 0
+        for r in running:
+            k = r.kv_len
+            need += ps * ((k + m - 1) // ps - (k - 1) // ps) if ps > 1 else m
+        if self.available() < need:
+            return None
+        # apply m iterations
+        for r in running:
+            k = r.kv_len
+            grow = ps * ((k + m - 1) // ps - (k - 1) // ps) if ps > 1 else m
+            self._alloc(r, grow)
+            r.kv_len = k + m
+            r.decode_left -= m
+            r.output_len += m
+        self.tracker.on_decode_steps(m)
+        self.decode_ct += m
+        self.stats.decode_passes += m
+        self.stats.skipped_passes += m
+        self.pass_index += m
+        start = max(t, self.gpu_free) if not self.overlap else self.gpu_free
+        if self.overlap:
+            # results processed: last + the first m-1 new batches; the m-th is in flight
+            new_last = Batch("decode", list(running), [], self.pass_index)
+            new_last.end_ns = start + m * d
+            self.gpu_free = new_last.end_ns
+            return start + (m - 1) * d, new_last
+        self.gpu_free = t + m * d
+        return t + m * d, None
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, progress: Callable[[int], None] | None = None) -> SimStats:
+        """Run the whole schedule; returns statistics (events go to the publisher)."""
+        # startup: the tree's construction records AllBlocksCleared (seq 0)
+        self.queue.record_clear()
+        self._publish(0, -1, "startup")
+        t = 0
+        last: Batch | None = None
+        total = len(self.reqs)
+        reported = 0
+        cfg = self.cfg
+        skip = cfg.skip_decode_stretches
+        guard = 0
+        while True:
+            if skip:
+                jumped = self._skip_decode_stretch(t, last)
+                if jumped is not None:
+                    t, last = jumped
+                    continue
+            self._receive(t)
+            self._apply_aborts(t)
+            self._maybe_flush(t)
+            batch = self._get_next_batch(t)
+            if batch is not None:
+                if batch.kind == "prefill":
+                    dur = self.timer.prefill_ns(batch.tokens, len(batch.reqs))
+                else:
+                    dur = self.timer.decode_ns(len(batch.reqs))
+                start = max(t, self.gpu_free)
+                batch.end_ns = start + dur
+                self.gpu_free = batch.end_ns
+                self.stats.passes += 1
+            if self.overlap:
+                if last is not None:
+                    t = max(t, last.end_ns)
+                    self._process_result(last, t)
+                elif batch is None:
+                    if not self._idle_step(t):
+                        break
+                    t = self._next_wake(t)
+                last = batch
+            else:
+                if batch is not None:
+                    t = batch.end_ns
+                    self._process_result(batch, t)
+                else:
+                    if not self._idle_step(t):
+                        break
+                    t = self._next_wake(t)
+            if progress is not None and self.finished_count != reported:
+                progress(self.finished_count - reported)
+                reported = self.finished_count
+            guard += 1
+            if guard > 50_000_000:
+                raise ReplayError("simulation did not terminate (loop guard)")
+        if self.finished_count < total:
+            stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
+            raise ReplayError(f"simulation ended with unfinished requests: {stuck}")
+        self.stats.passes = self.pass_index + 1
+        self.stats.virtual_ns = t
+        return self.stats
+
+    def _idle_step(self, t: int) -> bool:
+        """No batch and no last batch: idle handling. False when the run is over."""
+        if self._fully_idle():
+            self._on_idle(t)
+            self._maybe_flush(t)
+            if not self.arrivals and not self.flush_times and not self._aborts:
+                return False
+            return True
+        # waiting requests that cannot be admitted while nothing runs: they never will
+        if not self.running and self.chunked_req is None and self.waiting:
+            if self.batch_is_full:
+                self.batch_is_full = False
+                return True
+            head = self.waiting.pop(0)
+            self._release(head, insert=False)
+            head.state = ABORTED
+            head.error = "does not fit in the KV pool"
+            head.finish_ns = t
+            self.finished_count += 1
+            self.stats.aborted += 1
+            for nxt in self.successors.get(head.idx, ()):
+                heapq.heappush(self.arrivals, (t + self.reqs[nxt].spec.gap_ns, nxt))
+            return True
+        return True
+
+    def _next_wake(self, t: int) -> int:
+        """Sleep (``--sleep-on-idle``) until the next arrival, flush or abort."""
+        if not self._fully_idle():
+            return t
+        cands = []
+        if self.arrivals:
+            cands.append(self.arrivals[0][0])
+        if self.flush_times:
+            cands.append(self.flush_times[0])
+        if self._aborts:
+            cands.append(min(self._aborts.values()))
+        if not cands:
+            return t
+        nxt = min(cands)
+        if nxt <= t:
+            return t
+        return nxt + self.timer.wakeup_ns

@@ -1,0 +1,283 @@
+"""Replay entry points: a captured schedule in, a simulated bundle (or in-memory result) out.
+
+What this file owns:
+
+* ``effective_config(header, records, overrides)`` — ``SimConfig`` from the bundle's
+  ``/server_info`` snapshot, the pass-time model calibrated from the capture's own timings,
+  then the caller's overrides (CLI flags) on top;
+* ``simulate(records, cfg, ...)`` — schedule reconstruction + one ``Scheduler`` run, returning
+  the published batches and one sim ``RequestRecord`` per request (no I/O);
+* ``replay_bundle(src, out, config)`` — read a bundle, simulate, write the sim bundle:
+  ``Header(source="sim", sim_config=…, server_info copied)``, one ``EventFrame`` per published
+  batch (real wire bytes, own seq from 0, ``via=VIA_SIM``, ``recv_ns`` = virtual publish time
+  anchored at the capture's first arrival, ``pass_index``), the ``RequestRecord``s, a
+  ``Trailer`` with the run statistics. Deterministic: the same input gives the same bytes.
+
+Flushes recorded in the source (an ``AllBlocksCleared`` after seq 0 of an epoch, or an
+``Annotation`` of kind ``flush``) are replayed at their recorded times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcadence.errors import InputError, UsageError
+from kvcadence.replay.config import SimConfig, from_server_info
+from kvcadence.replay.events import PublishedBatch, Publisher
+from kvcadence.replay.radix import Hasher, wire_hasher
+from kvcadence.replay.schedule import Schedule, build_schedule
+from kvcadence.replay.scheduler import ABORTED, Scheduler, SimStats
+from kvcadence.replay.timing import calibrate
+
+
+@dataclass
+class SimResult:
+    """Everything one replay produced."""
+
+    config: SimConfig
+    schedule: Schedule
+    stats: SimStats
+    batches: list[PublishedBatch]
+    requests: list[Any]  # RequestRecord
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    scheduler: Any = None  # the finished Scheduler (tree, publish log) for inspection
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": len(self.requests),
+            "passes": self.stats.passes,
+            "prefill_passes": self.stats.prefill_passes,
+            "decode_passes": self.stats.decode_passes,
+            "skipped_decode_passes": self.stats.skipped_passes,
+            "messages": len(self.batches),
+            "events": sum(b.n_events for b in self.batches),
+            "evictions": self.stats.evictions,
+            "retractions": self.stats.retractions,
+            "aborted": self.stats.aborted,
+            "flushes": self.stats.flushes,
+            "virtual_s": round(self.stats.virtual_ns / 1e9, 6),
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+_TIMING_KEYS = {f.name for f in dataclasses.fields(SimConfig().timing)}
+
+
+def effective_config(
+    server_info: dict[str, Any] | None,
+    records: Sequence[Any],
+    overrides: dict[str, Any] | None = None,
+    *,
+    sglang_version: str | None = None,
+    calibrate_timing: bool = True,
+) -> SimConfig:
+    """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored)."""
+    cfg = from_server_info(server_info or {}, sglang_version)
+    if calibrate_timing:
+        cfg.timing = calibrate(list(records), cfg.timing)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key in _TIMING_KEYS:
+            setattr(cfg.timing, key, value)
+        elif hasattr(cfg, key) and key != "timing":
+            setattr(cfg, key, value)
+        else:
+            raise UsageError(f"unknown simulator setting {key!r}")
+    return cfg.validate()
+
+
+def simulate(
+    records: Sequence[Any],
+    cfg: SimConfig,
+    *,
+    hasher: Hasher | None = None,
+    flush_abs_ns: Iterable[int] = (),
+    progress: Callable[[int], None] | None = None,
+    on_publish: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Simulate ``records`` (``RequestRecord``-like) under ``cfg``; no I/O."""
+    from kvcadence.capture.schema import RequestRecord
+
+    cfg.validate()
+    t0 = time.perf_counter()
+    schedule = build_schedule(
+        records,
+        default_gap_ns=int(cfg.timing.default_gap_s * 1e9),
+        flush_abs_ns=flush_abs_ns,
+    )
+    publisher = Publisher(cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns)
+    sched = Scheduler(
+        cfg, schedule, hasher or wire_hasher(), publisher=publisher, on_publish=on_publish
+    )
+    stats = sched.run(progress)
+    anchor = schedule.anchor_ns
+    out = []
+    for r in sched.reqs:
+        s = r.spec
+        aborted = r.state == ABORTED
+
+        def ts(v: int | None) -> float | None:
+            return None if v is None else (anchor + v) / 1e9
+
+        meta = {
+            "prompt_tokens": r.input_len,
+            "completion_tokens": r.output_len,
+            "cached_tokens": r.cached_tokens,
+            "num_retractions": r.retractions,
+            "request_received_ts": ts(r.arrival_ns),
+            "forward_entry_time": ts(r.entry_ns),
+            "prefill_finished_time": ts(r.first_token_ns),
+            "request_finished_ts": ts(r.finish_ns),
+        }
+        out.append(
+            RequestRecord(
+                rid=s.rid,
+                input_ids=_as_list(s.source.input_ids if s.source is not None else s.input_ids),
+                output_ids=list(s.output_ids[: r.output_len]),
+                send_ns=anchor + r.arrival_ns,
+                first_token_ns=None if r.first_token_ns is None else anchor + r.first_token_ns,
+                finish_ns=None if r.finish_ns is None else anchor + r.finish_ns,
+                lane=s.lane,
+                session=s.session,
+                turn=s.turn,
+                max_new_tokens=s.max_new_tokens,
+                prompt_tokens=r.input_len,
+                cached_tokens=r.cached_tokens if r.prefilled_once else None,
+                completion_tokens=r.output_len,
+                finish_reason="abort" if aborted else "length",
+                error=r.error,
+                dp_rank=cfg.attn_dp_rank,
+                source="sim",
+                think_ns=s.gap_ns if s.pred is not None else None,
+                arrival_ns=None if s.pred is not None else anchor + (s.arrival_ns or 0),
+                meta_info=meta,
+            )
+        )
+    return SimResult(
+        cfg, schedule, stats, publisher.batches, out, time.perf_counter() - t0, scheduler=sched
+    )
+
+
+def _as_list(v: Any) -> list[int]:
+    return v if isinstance(v, list) else list(v)
+
+
+def flush_times_from_bundle(reader: Any) -> list[int]:
+    """Receive times of flushes recorded in a bundle (clears after an epoch's first seq)."""
+    from kvcadence.capture import wire
+    from kvcadence.capture.bundle import event_payload
+    from kvcadence.capture.schema import AllBlocksCleared, Annotation, EventFrame
+
+    first_seq: dict[tuple[int, int], int] = {}
+    out: list[int] = []
+    for rec in reader.records():
+        if isinstance(rec, Annotation) and rec.kind == "flush":
+            out.append(rec.recv_ns)
+        elif isinstance(rec, EventFrame):
+            key = (rec.endpoint, rec.epoch)
+            first = first_seq.setdefault(key, rec.seq)
+            if rec.seq == first:
+                continue
+            try:
+                batch = wire.decode_batch(event_payload(rec))
+            except Exception:  # a malformed payload is not a flush
+                continue
+            if any(isinstance(e, AllBlocksCleared) for e in batch.events):
+                out.append(rec.recv_ns)
+    return sorted(set(out))
+
+
+def _close(writer: Any, stats: dict[str, Any], end_ns: int) -> None:
+    params = inspect.signature(writer.close).parameters
+    if "end_ns" in params:
+        writer.close(stats=stats, end_ns=end_ns)
+    else:
+        writer.close(stats=stats)
+
+
+def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
+    """Write ``result`` as a sim bundle at ``out`` (must not exist or be empty)."""
+    from kvcadence import __version__
+    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
+
+    cfg = result.config
+    endpoint = EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)
+    header = Header(
+        format_major=FORMAT_MAJOR,
+        format_minor=FORMAT_MINOR,
+        source="sim",
+        kvcadence_version=__version__,
+        sglang_version=cfg.sglang_version,
+        server_info=dict(getattr(source_header, "server_info", {}) or {}),
+        kv_events_config=getattr(source_header, "kv_events_config", None),
+        command=["kvcadence", "replay"],
+        start_ns=result.schedule.anchor_ns,
+        endpoints=[endpoint],
+        sim_config=cfg.to_dict(),
+    )
+    end_ns = result.schedule.anchor_ns + result.stats.virtual_ns
+    summary = result.summary()
+    summary.pop("wall_s", None)  # keep the bundle deterministic
+    with BundleWriter(out, header) as w:
+        for b in result.batches:
+            w.write_event(
+                endpoint=0,
+                seq=b.seq,
+                recv_ns=b.time_ns,
+                topic=cfg.topic,
+                payload=b.payload,
+                via=VIA_SIM,
+                epoch=0,
+                pass_index=b.pass_index,
+            )
+        for rec in result.requests:
+            w.write(rec)
+        _close(w, {"replay": summary}, end_ns)
+
+
+def replay_bundle(
+    src: str | Path,
+    out: str | Path | None,
+    config: SimConfig | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    sglang_version: str | None = None,
+    progress: Callable[[int], None] | None = None,
+    hasher: Hasher | None = None,
+) -> SimResult:
+    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None)."""
+    from kvcadence.capture.bundle import BundleReader
+
+    src_path = Path(src)
+    if not src_path.exists():
+        raise UsageError(f"{src_path}: no such bundle")
+    out_path = Path(out) if out is not None else None
+    if out_path is not None and out_path.exists():
+        if not out_path.is_dir() or any(out_path.iterdir()):
+            raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    reader = BundleReader(src_path)
+    header = reader.header
+    records = reader.requests()
+    if not records:
+        raise InputError(f"{src_path}: the bundle has no request records to replay")
+    if config is None:
+        config = effective_config(
+            header.server_info,
+            records,
+            overrides,
+            sglang_version=sglang_version or header.sglang_version,
+        )
+    flushes = flush_times_from_bundle(BundleReader(src_path))
+    result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
+    if out_path is not None:
+        write_sim_bundle(out_path, result, header)
+    return result

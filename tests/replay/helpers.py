@@ -1,0 +1,138 @@
+"""Hand-built schedules and event decoding shared by the replay tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcadence.capture import wire
+from kvcadence.capture.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    RequestRecord,
+)
+from kvcadence.replay.config import SimConfig, TimingParams
+from kvcadence.replay.simulator import SimResult, simulate
+
+MS = 1_000_000
+
+
+def req(
+    rid: str,
+    prompt: Sequence[int],
+    n_out: int,
+    *,
+    lane: int | None = None,
+    arrival_ms: float = 0.0,
+    out: Sequence[int] | None = None,
+    gap_ms: float | None = None,
+    prev_finish_ms: float | None = None,
+) -> RequestRecord:
+    """A request record: open loop at ``arrival_ms`` or, on a lane, ``gap_ms`` after its
+    predecessor finishes (encoded as recorded server timings)."""
+    outs = list(out) if out is not None else [(7 * i + len(prompt)) % 997 + 3 for i in range(n_out)]
+    meta: dict[str, Any] = {"request_received_ts": (1_000_000 + arrival_ms) / 1e3}
+    if prev_finish_ms is not None and gap_ms is not None:
+        meta["request_received_ts"] = (1_000_000 + prev_finish_ms + gap_ms) / 1e3
+    return RequestRecord(
+        rid=rid,
+        input_ids=list(prompt),
+        output_ids=outs,
+        lane=lane,
+        max_new_tokens=n_out,
+        completion_tokens=n_out,
+        prompt_tokens=len(prompt),
+        finish_reason="length",
+        send_ns=int(meta["request_received_ts"] * 1e9),
+        meta_info=meta,
+    )
+
+
+def lane_chain(lane: int, turns: list[tuple[list[int], int]], gap_ms: float = 1.0) -> list:
+    """Requests of one closed-loop lane; each turn arrives ``gap_ms`` after the previous
+    finishes (recorded finish times are synthetic: only the gap matters)."""
+    out = []
+    t = 0.0
+    for i, (prompt, n_out) in enumerate(turns):
+        r = req(f"l{lane}-t{i}", prompt, n_out, lane=lane, arrival_ms=t)
+        r.meta_info["request_finished_ts"] = (1_000_000 + t + 1.0) / 1e3
+        out.append(r)
+        t += 1.0 + gap_ms
+    return out
+
+
+def config(**kw: Any) -> SimConfig:
+    timing = TimingParams(
+        prefill_base_s=0.010,
+        prefill_per_token_s=0.0,
+        decode_base_s=0.005,
+        decode_per_req_s=0.0,
+        default_gap_s=0.001,
+        wakeup_s=0.0,
+    )
+    base: dict[str, Any] = dict(
+        page_size=1,
+        max_total_tokens=10_000,
+        chunked_prefill_size=None,
+        max_prefill_tokens=16384,
+        decode_log_interval=40,
+    )
+    base.update(kw)
+    return SimConfig(timing=timing, **base).validate()
+
+
+def run(records: list, cfg: SimConfig | None = None, **kw: Any) -> SimResult:
+    return simulate(records, cfg or config(), **kw)
+
+
+def decoded(result: SimResult) -> list[list]:
+    """Each published batch's canonical events."""
+    return [wire.decode_batch(b.payload).events for b in result.batches]
+
+
+def shape(result: SimResult) -> list[list[str]]:
+    """Messages as lists like ``["S10", "R4", "C"]``."""
+    out = []
+    for events in decoded(result):
+        row = []
+        for e in events:
+            if isinstance(e, BlockStored):
+                row.append(f"S{len(e.block_hashes)}")
+            elif isinstance(e, BlockRemoved):
+                row.append(f"R{len(e.block_hashes)}")
+            elif isinstance(e, AllBlocksCleared):
+                row.append("C")
+        out.append(row)
+    return out
+
+
+def check_stream(result: SimResult) -> set[int]:
+    """Replay the published events against a resident-block set and assert SGLang's
+    invariants at every publish; returns the final resident set (== the tree's)."""
+    resident: set[int] = set()
+    stored = removed = 0
+    for events in decoded(result):
+        for e in events:
+            if isinstance(e, BlockStored):
+                assert e.parent_block_hash is None or e.parent_block_hash in resident, (
+                    "store whose parent is not resident"
+                )
+                new = set(e.block_hashes)
+                assert len(new) == len(e.block_hashes) and not (new & resident), "double store"
+                resident |= new
+                stored += len(new)
+            elif isinstance(e, BlockRemoved):
+                gone = set(e.block_hashes)
+                assert gone <= resident, "removal of a block never stored"
+                resident -= gone
+                removed += len(gone)
+            elif isinstance(e, AllBlocksCleared):
+                removed += len(resident)
+                resident = set()
+        assert stored - removed == len(resident)
+    sched = result.scheduler
+    if sched is not None:
+        assert resident == sched.tree.resident_hashes()
+        sched.tree.check_invariants()
+    return resident

@@ -1,0 +1,182 @@
+"""PrefillAdder semantics against the numbers observed driving the real 0.5.23 adder
+(reference §9.9) and the classic differences; the new_token_ratio tracker formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcadence.replay.admission import AddReqResult, NewTokenRatioTracker, PrefillAdder
+
+CONT, NO, OTHER = AddReqResult.CONTINUE, AddReqResult.NO_TOKEN, AddReqResult.OTHER
+
+
+class FakeAlloc:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def available_size(self) -> int:
+        return self.free
+
+
+class FakeTree:
+    """Nodes are dicts {size, lock}; L2 load-back succeeds when free + evictable covers it."""
+
+    def __init__(self, alloc: FakeAlloc, page: int, l2_ok: bool = True) -> None:
+        self.alloc = alloc
+        self.page = page
+        self.l2_ok = l2_ok
+        self.nodes: list[dict] = []
+
+    def node(self, size: int) -> dict:
+        n = {"size": size, "lock": 0}
+        self.nodes.append(n)
+        return n
+
+    def evictable_size(self) -> int:
+        return sum(n["size"] for n in self.nodes if n["lock"] == 0)
+
+    def lock(self, node: dict) -> dict:
+        node["lock"] += 1
+        return node
+
+    def unlock(self, node: dict) -> None:
+        node["lock"] -= 1
+
+    def init_load_back(self, req, host_hit_length: int) -> int:
+        n = (host_hit_length // self.page) * self.page
+        if not self.l2_ok or n > self.alloc.free + self.evictable_size():
+            return 0
+        self.alloc.free -= n
+        return n
+
+
+class Req:
+    def __init__(self, rid, tree, l1=0, l2=0, ext=0, max_new=128, out=0):
+        self.rid = rid
+        self.fill_len = l1 + l2 + ext
+        self.prefix_len = l1
+        self.host_hit_length = l2
+        self.last_node = tree.node(l1)
+        self.max_new_tokens = max_new
+        self.output_len = out
+        self.ignore_eos = False
+
+
+def adder(tree, alloc, gen="0.5.23", page=64, max_prefill=16384, chunk=8192, running=()):
+    return PrefillAdder(page, tree, alloc, list(running), 0.7, max_prefill, chunk, generation=gen)
+
+
+def test_0523_load_back_whole_and_chunk_stop():
+    alloc = FakeAlloc(100_000)
+    tree = FakeTree(alloc, 64)
+    a = adder(tree, alloc)
+    r1 = Req("r1", tree, l1=1024, l2=512, ext=300)
+    assert a.add_one_req(r1) is CONT
+    assert (r1.prefix_len, r1.extend_len) == (1536, 300)
+    assert a.add_one_req(Req("r2", tree, ext=5000)) is CONT
+    r3 = Req("r3", tree, ext=6000)
+    assert a.add_one_req(r3) is OTHER  # admitted as a chunk, then rem_chunk is 0
+    assert r3.is_chunked and r3.extend_len == 2816 and a.new_chunked_req is r3
+    assert a.rem_chunk_tokens == 0
+    assert (a.log_hit_tokens, a.log_input_tokens) == (1536, 8116)
+    assert alloc.free == 99488
+    assert a.rem_total_tokens == 90848
+
+
+def test_0523_l2_counts_toward_memory():
+    alloc = FakeAlloc(3000)
+    tree = FakeTree(alloc, 64)
+    assert adder(tree, alloc).add_one_req(Req("r", tree, l2=4096, ext=100)) is NO
+
+
+def test_0523_oversize_alone_without_chunking():
+    alloc = FakeAlloc(100_000)
+    tree = FakeTree(alloc, 64)
+    a = adder(tree, alloc, chunk=None)
+    assert a.add_one_req(Req("r", tree, ext=20000)) is OTHER
+    assert a.rem_input_tokens == 16384 - 20032
+    assert len(a.can_run_list) == 1
+
+
+def test_0523_refused_load_back_recomputes():
+    alloc = FakeAlloc(100_000)
+    tree = FakeTree(alloc, 64, l2_ok=False)
+    a = adder(tree, alloc)
+    r = Req("r", tree, l1=1024, l2=4096, ext=300)
+    assert a.add_one_req(r) is CONT
+    assert (r.prefix_len, r.extend_len, a.log_input_tokens) == (1024, 4396, 4396)
+    assert a.load_back_events == [("r", 4096, 0)]
+
+
+def test_generations_differ_on_the_input_cap_with_chunking():
+    for gen, admitted in (("0.5.23", 2), ("classic", 1)):
+        alloc = FakeAlloc(100_000)
+        tree = FakeTree(alloc, 64)
+        a = adder(tree, alloc, gen=gen, max_prefill=8192, chunk=16384)
+        results = [a.add_one_req(Req(f"r{i}", tree, ext=6000)) for i in range(2)]
+        assert len(a.can_run_list) == admitted, gen
+        if gen == "classic":
+            assert results == [CONT, OTHER]
+        else:
+            assert a.rem_input_tokens == 8192 - 2 * 6016
+
+
+def test_real_l1_tree_example_page1():
+    # 64 tokens in the tree, the request matches 40: rem_total = 192 free + 24 evictable - 46
+    alloc = FakeAlloc(192)
+    tree = FakeTree(alloc, 1)
+    r = Req("r", tree, l1=40, ext=29, max_new=16)
+    tree.node(24)  # the unlocked rest of the inserted 64 tokens
+    a = adder(tree, alloc, page=1)
+    assert a.add_one_req(r) is CONT
+    assert (a.log_hit_tokens, a.log_input_tokens, a.rem_total_tokens) == (40, 29, 170)
+
+
+def test_no_token_is_never_admitted_alone_and_running_reservation_counts():
+    alloc = FakeAlloc(1000)
+    tree = FakeTree(alloc, 1)
+    running = [Req("run", tree, max_new=1000, out=0)]
+    a = adder(tree, alloc, page=1, running=running)  # offset 700 at ratio 0.7
+    assert a.rem_total_tokens == pytest.approx(300)
+    assert a.add_one_req(Req("r", tree, ext=200, max_new=100)) is NO
+    assert a.can_run_list == []
+
+
+def test_chunked_continuation_first_and_page_floor():
+    alloc = FakeAlloc(10_000)
+    tree = FakeTree(alloc, 16)
+    a = adder(tree, alloc, page=16, chunk=64)
+    r = Req("r", tree, ext=200)
+    r.prefix_len = 64  # two chunks done already
+    assert a.add_chunked_req(r) is r and r.extend_len == 64
+    a2 = adder(tree, alloc, page=16, chunk=100)
+    r.prefix_len = 192
+    assert a2.add_chunked_req(r) is None and r.extend_len == 8  # last chunk
+    assert a2.budget_state() is CONT
+
+
+def test_classic_logs_page_ceiled_input():
+    alloc = FakeAlloc(100_000)
+    tree = FakeTree(alloc, 64)
+    a = adder(tree, alloc, gen="classic")
+    assert a.add_one_req(Req("r", tree, ext=100)) is CONT
+    assert a.log_input_tokens == 128
+
+
+def test_new_token_ratio_tracker():
+    t = NewTokenRatioTracker()
+    assert t.init == pytest.approx(0.7) and t.min == pytest.approx(0.098)
+    t.on_decode_steps(1)
+    assert t.current == pytest.approx(0.7 - (0.7 - 0.098) / 600)
+    t.on_decode_steps(10_000)
+    assert t.current == pytest.approx(0.098)
+
+    class R:
+        def __init__(self, out, mx):
+            self.output_len, self.max_new_tokens = out, mx
+
+    t.on_retract([R(10, 100), R(30, 200)])
+    assert t.current == pytest.approx((40 + 20 * 2) / 301)
+    t.on_idle()
+    assert t.current == pytest.approx(0.7)
+    assert NewTokenRatioTracker(conservativeness=2.0).init == 1.0

@@ -1,0 +1,148 @@
+"""``kvcadence replay`` end to end: a bundle in, a sim bundle out; overrides land in the
+header; bad input is one error line with exit 2; live publishing over real loopback ZMQ
+(SUB receives every batch in SGLang framing, a DEALER replays from seq 0)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvcadence.capture import wire
+from kvcadence.capture.bundle import BundleReader, BundleWriter
+from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, Header
+from kvcadence.cli import main
+from kvcadence.replay.publish import publish_batches
+
+from .helpers import config, lane_chain, run
+
+
+def make_bundle(path: Path) -> None:
+    chain = lane_chain(0, [(list(range(3, 40)), 12), (list(range(3, 40)) + [1] * 30, 9)])
+    header = Header(
+        format_major=FORMAT_MAJOR,
+        format_minor=FORMAT_MINOR,
+        source="real",
+        kvcadence_version="test",
+        sglang_version="0.5.23",
+        server_info={"page_size": 1, "max_total_num_tokens": 300, "decode_log_interval": 40},
+    )
+    with BundleWriter(path, header) as w:
+        for r in chain:
+            w.write(r)
+
+
+def test_replay_command_writes_a_sim_bundle_with_overrides(tmp_path, capsys):
+    src = tmp_path / "src"
+    make_bundle(src)
+    out = tmp_path / "sim"
+    rc = main(
+        [
+            "replay",
+            str(src),
+            "--out",
+            str(out),
+            "--page-size",
+            "4",
+            "--sglang-version",
+            "0.5.17",
+            "--disable-overlap-schedule",
+            "--decode-base",
+            "0.002",
+            "--json",
+        ]  # fmt: skip
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert '"requests": 2' in text and '"messages"' in text
+    h = BundleReader(out).header
+    assert h.source == "sim" and h.sglang_version == "0.5.17"
+    cfg = h.sim_config
+    assert cfg["page_size"] == 4 and cfg["disable_overlap_schedule"] is True
+    assert cfg["timing"]["decode_base_s"] == 0.002 and cfg["max_total_tokens"] == 300
+    frames = list(BundleReader(out).events())
+    assert frames and all(f.pass_index >= -1 for f in frames)
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    src = tmp_path / "src"
+    make_bundle(src)
+    cases = [
+        ["replay", str(tmp_path / "missing"), "--out", str(tmp_path / "o1")],
+        ["replay", str(src), "--out", str(tmp_path / "o2"), "--page-size", "0"],
+        ["replay", str(src), "--out", str(tmp_path / "o3"), "--sglang-version", "0.5.5"],
+        ["replay", str(src)],
+    ]
+    for argv in cases:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcadence", *argv], capture_output=True, text=True
+        )
+        assert proc.returncode == 2, (argv, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvcadence: error:"), proc.stderr
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("keep")
+    assert main(["replay", str(src), "--out", str(tmp_path / "busy")]) == 2
+    assert (tmp_path / "busy" / "x").read_text() == "keep"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_live_publish_and_replay_socket():
+    zmq = pytest.importorskip("zmq")
+    result = run(lane_chain(0, [(list(range(3, 30)), 6), (list(range(3, 30)) + [2] * 9, 4)]),
+                 config())  # fmt: skip
+    batches = result.batches
+    pub_ep = f"tcp://127.0.0.1:{_free_port()}"
+    rep_ep = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(pub_ep)
+    sent: list[int] = []
+    th = threading.Thread(
+        target=lambda: sent.append(
+            publish_batches(
+                batches, pub_ep, topic="kv", replay_endpoint=rep_ep, linger_s=1.5, settle_s=0.5
+            )  # fmt: skip
+        )
+    )
+    th.start()
+    got = []
+    try:
+        while len(got) < len(batches) and sub.poll(3000):
+            got.append(wire.parse_live_message(sub.recv_multipart()))
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(rep_ep)
+        dealer.send_multipart(wire.replay_request(0))
+        replayed = []
+        while dealer.poll(3000):
+            frames = dealer.recv_multipart()
+            parsed = wire.parse_replay_reply(frames[1:])
+            if parsed is None:
+                break
+            replayed.append(parsed)
+        dealer.close()
+    finally:
+        th.join()
+        sub.close()
+    assert sent == [len(batches)]
+    assert [(t, s, p) for t, s, p in got] == [("kv", b.seq, b.payload) for b in batches]
+    assert [(s, p) for _t, s, p in replayed] == [(b.seq, b.payload) for b in batches]
+
+
+def test_publish_refuses_non_loopback():
+    from kvcadence.errors import UsageError
+
+    with pytest.raises(UsageError, match="loopback"):
+        publish_batches([], "tcp://0.0.0.0:5557")

@@ -1,0 +1,78 @@
+"""Waiting-queue policies: lpm (longest prefix, in-batch de-prioritisation, fcfs beyond 128),
+lof, dfs-weight (heaviest subtree first, post-order), fcfs."""
+
+from __future__ import annotations
+
+from kvcadence.replay.policy import order_waiting
+from kvcadence.replay.radix import RadixTree, wire_hasher
+
+
+class R:
+    def __init__(self, name, fill, max_new=10):
+        self.name = name
+        self.fill = tuple(fill)
+        self.max_new_tokens = max_new
+        self.prefix_len = 0
+        self.last_node = None
+
+
+def setup():
+    tree = RadixTree(1, wire_hasher())
+    tree.insert(tuple(range(100, 200)))  # a cached 100-token prefix
+    tree.insert(tuple(range(100, 150)) + (7,) * 30)
+
+    def match(r):
+        r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1)
+
+    return tree, match
+
+
+def names(rs):
+    return [r.name for r in rs]
+
+
+def test_lpm_longest_prefix_first_stable():
+    tree, match = setup()
+    q = [
+        R("none", range(1000, 1010)),
+        R("p50", list(range(100, 150)) + [1, 2]),
+        R("p100", list(range(100, 200)) + [3]),
+        R("p50b", list(range(100, 150)) + [5, 5]),
+    ]
+    assert names(order_waiting("lpm", q, tree, match)) == ["p100", "p50", "p50b", "none"]
+
+
+def test_lpm_in_batch_dedup_sends_shared_uncached_prefixes_to_the_end():
+    tree, match = setup()
+    shared = list(range(500, 540))
+    q = [R("a", shared + [1]), R("b", shared + [2]), R("c", range(900, 905)), R("d", shared + [3])]
+    assert names(order_waiting("lpm", q, tree, match)) == ["a", "c", "b", "d"]
+
+
+def test_lpm_falls_back_to_fcfs_beyond_128():
+    tree, match = setup()
+    q = [R(f"r{i}", [1000 + i, 2]) for i in range(129)] + [R("hit", list(range(100, 200)) + [1])]
+    assert names(order_waiting("lpm", q, tree, match)) == names(q)
+    assert names(order_waiting("lpm", q[-128:], tree, match))[0] == "hit"
+
+
+def test_lof_and_fcfs():
+    tree, match = setup()
+    q = [R("a", [1, 2], 5), R("b", [3, 4], 50), R("c", [5, 6], 50)]
+    assert names(order_waiting("lof", q, tree, match)) == ["b", "c", "a"]
+    assert names(order_waiting("fcfs", q, tree, match)) == ["a", "b", "c"]
+
+
+def test_dfs_weight_heaviest_subtree_first_post_order():
+    tree, match = setup()
+    q = [
+        R("x", range(1000, 1010)),
+        R("deep1", list(range(100, 200)) + [1]),
+        R("seven", list(range(100, 150)) + [7] * 30 + [1]),
+        R("deep2", list(range(100, 200)) + [2]),
+    ]
+    order = names(order_waiting("dfs-weight", q, tree, match))
+    assert order.index("deep1") < order.index("seven") and order.index("deep2") < order.index(
+        "seven"
+    )
+    assert order[-1] == "x"  # the root's own requests come after its children's

@@ -1,0 +1,142 @@
+"""Radix tree rules: SGLang hashes, page-aligned capped matching, one node per insert,
+lock refs, whole-leaf LRU eviction with parents becoming candidates, overshoot."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcadence.capture import wire
+from kvcadence.replay.events import EventQueue
+from kvcadence.replay.radix import RadixTree, wire_hasher
+
+
+def tree(ps: int = 1) -> tuple[RadixTree, EventQueue]:
+    q = EventQueue("0.5.23")
+    return RadixTree(ps, wire_hasher(), q), q
+
+
+def test_hashes_equal_sglang_chain_and_parent_links():
+    t, q = tree(4)
+    t.insert(tuple(range(1, 9)))
+    stored = q.take()
+    _, _, new = t.insert(tuple(range(1, 13)) + (99,))  # 3 full pages, trailing partial dropped
+    assert new is not None and len(new.key) == 4
+    stored += q.take()
+    assert stored[0].hashes == wire.block_hashes(list(range(1, 9)), 4)
+    assert stored[0].hashes[0] == -3488128144981237669  # golden: [1,2,3,4] at page 4
+    assert stored[1].hashes == wire.block_hashes(list(range(1, 13)), 4)[2:]
+    assert stored[1].parent == stored[0].hashes[-1]
+    assert stored[0].parent is None
+
+
+def test_match_is_page_aligned_capped_and_splits_without_event():
+    t, q = tree(4)
+    t.insert(tuple(range(100, 116)))  # 4 pages
+    q.take()
+    key = tuple(range(100, 110)) + (1, 2, 3)
+    n, node = t.match_prefix(key, len(key) - 1)
+    assert n == 8 and len(node.key) == 8  # split at the page boundary
+    assert not q.queue  # splits record nothing
+    full = tuple(range(100, 116))
+    n, _ = t.match_prefix(full, len(full) - 1)
+    assert n == 12  # capped at len-1 then floored to a page
+    t.check_invariants()
+
+
+def test_insert_creates_at_most_one_node_and_reinsert_stores_nothing():
+    t, q = tree(1)
+    t.insert((1, 2, 3, 4, 5))
+    t.insert((1, 2, 9, 9))  # branch: split (no event) + one new node
+    t.insert((1, 2, 3, 4, 5))
+    ev = q.take()
+    assert [len(e.hashes) for e in ev] == [5, 2]
+    assert ev[1].parent == ev[0].hashes[1]
+    assert t.total_size == 7
+
+
+def test_eviction_whole_leaves_lru_parent_becomes_candidate_overshoot():
+    t, q = tree(1)
+    _, a, _ = t.insert((1, 2, 3))  # node A
+    _, b, _ = t.insert((1, 2, 3, 4, 5, 6, 7))  # child B of A
+    _, c, _ = t.insert((9, 9))  # C, newest
+    q.take()
+    t.lock(c)
+    freed = t.evict(1)
+    assert freed == 4  # the whole leaf B (overshoot up to one node)
+    ev = q.take()
+    assert len(ev) == 1 and len(ev[0].hashes) == 4
+    freed = t.evict(1)  # A became a leaf; C is locked
+    assert freed == 3
+    assert t.evict(10) == 0  # only the locked C is left
+    t.unlock(c)
+    assert t.evictable_size == 2
+    t.check_invariants()
+
+
+def test_one_eviction_call_coalesces_into_one_removal_leaf_first():
+    t, q = tree(1)
+    t.insert((1, 2))
+    t.insert((1, 2, 3, 4))
+    t.insert((5,))
+    q.take()
+    t.evict(100)
+    ev = q.take()
+    assert len(ev) == 1 and len(ev[0].hashes) == 5
+    assert ev[0].hashes[:2] == wire.block_hashes([1, 2, 3, 4], 1)[2:]  # child before parent
+
+
+def test_match_touches_path_so_lru_prefers_untouched():
+    t, q = tree(1)
+    t.insert((1, 1, 1))
+    t.insert((2, 2, 2))
+    t.match_prefix((1, 1, 1, 1), 3)  # touch the first
+    q.take()
+    t.evict(1)
+    (ev,) = q.take()
+    assert ev.hashes == wire.block_hashes([2, 2, 2], 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["ins", "lock", "unlock", "evict", "match"]),
+            st.lists(st.integers(1, 3), min_size=1, max_size=12),
+            st.integers(1, 20),
+        ),
+        max_size=40,
+    ),
+    ps=st.sampled_from([1, 2, 4]),
+)
+def test_random_operations_keep_invariants(ops, ps):
+    t, q = tree(ps)
+    locked = []
+    resident: set[int] = set()
+    for op, toks, n in ops:
+        key = tuple(toks)
+        if op == "ins":
+            t.insert(key)
+        elif op == "match":
+            t.match_prefix(key, len(key) - 1)
+        elif op == "lock":
+            _, node = t.match_prefix(key, len(key))
+            if node is not t.root:
+                t.lock(node)
+                locked.append(node)
+        elif op == "unlock" and locked:
+            t.unlock(locked.pop())
+        elif op == "evict":
+            t.evict(n)
+        for e in q.take():
+            if e.kind == 0:
+                assert e.parent is None or e.parent in resident
+                assert not (set(e.hashes) & resident)
+                resident.update(e.hashes)
+            else:
+                assert set(e.hashes) <= resident  # never remove a block not stored
+                resident.difference_update(e.hashes)
+        t.check_invariants()
+        for node in locked:
+            assert node.alive
+    assert resident == t.resident_hashes()

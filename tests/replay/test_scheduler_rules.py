@@ -1,0 +1,154 @@
+"""Per-rule scheduler tests on small hand-built schedules (reference §4-§8, §17)."""
+
+from __future__ import annotations
+
+from kvcadence.capture.schema import BlockRemoved, BlockStored
+from kvcadence.replay.radix import wire_hasher
+from kvcadence.replay.schedule import build_schedule
+from kvcadence.replay.scheduler import Scheduler
+
+from .helpers import check_stream, config, decoded, lane_chain, req, run, shape
+
+
+def test_single_request_timeline_two_stores_finish_is_n_minus_1():
+    r = run([req("a", list(range(3, 13)), 5)])
+    assert shape(r) == [["C"], ["S10"], ["S4"]]
+    log = r.scheduler.publish_log
+    assert [x[0] for x in log] == ["startup", "prefill", "idle"]
+    assert r.requests[0].cached_tokens == 0 and r.requests[0].completion_tokens == 5
+    check_stream(r)
+
+
+def test_max_new_tokens_one_stores_the_prompt_only():
+    r = run([req("a", list(range(3, 13)), 1)])
+    assert shape(r) == [["C"], ["S10"]]
+
+
+def test_fully_cached_prompt_stores_nothing_and_reports_len_minus_1():
+    prompt = list(range(3, 23))
+    recs = lane_chain(0, [(prompt, 5), (prompt, 5)])
+    recs[1].output_ids = list(recs[0].output_ids)
+    r = run(recs)
+    assert shape(r) == [["C"], ["S20"], ["S4"]]
+    assert [x.cached_tokens for x in r.requests] == [0, 19]
+
+
+def test_chunked_prefill_one_store_per_chunk_in_separate_messages():
+    for overlap_off in (False, True):
+        cfg = config(page_size=16, chunked_prefill_size=64, disable_overlap_schedule=overlap_off)
+        r = run([req("a", list(range(3, 203)), 3)], cfg)
+        # 200 tokens: chunks 64/64/64/8; 12 full pages; the output never fills a new page
+        assert shape(r) == [["C"], ["S4"], ["S4"], ["S4"]]
+        check_stream(r)
+
+
+def test_finish_store_merges_with_the_same_sessions_next_prefill_store():
+    long = [req("long", list(range(500, 600)), 200, lane=0)]
+    t0 = list(range(3, 53))
+    outs = [(7 * i + 50) % 997 + 3 for i in range(10)]
+    chain = lane_chain(1, [(t0, 10), (t0 + outs + [9, 9, 9], 10)], gap_ms=2)
+    r = run(long + chain)
+    # turn 0's 9 output blocks and turn 1's 4 new prompt blocks form one chained event
+    assert ["S13"] in shape(r)
+    events = [e for batch in decoded(r) for e in batch if isinstance(e, BlockStored)]
+    merged = next(e for e in events if len(e.block_hashes) == 13)
+    first = next(e for e in events if len(e.block_hashes) == 50)
+    assert merged.parent_block_hash == first.block_hashes[-1]
+    assert r.requests[2].cached_tokens == 59
+    check_stream(r)
+
+
+def test_decode_publishes_fall_on_global_multiples_of_the_interval():
+    long = [req("long", list(range(500, 600)), 200, lane=0)]
+    t0 = list(range(3, 53))
+    chain = lane_chain(1, [(t0, 10), (t0 + [1] * 20, 10)], gap_ms=2)
+    for interval in (40, 7):
+        r = run(long + chain, config(decode_log_interval=interval))
+        decode_pubs = [x for x in r.scheduler.publish_log if x[0] == "decode"]
+        assert decode_pubs, interval
+        assert all(ct % interval == 0 for _, ct, _, _ in decode_pubs)
+        # the counter is global: prefills in between did not reset it
+        prefill_cts = [ct for reason, ct, _, _ in r.scheduler.publish_log if reason == "prefill"]
+        assert any(ct % interval for ct in prefill_cts)
+
+
+def test_overlap_puts_scheduling_removals_before_the_previous_prefill_store():
+    a = req("a", list(range(3, 103)), 1, arrival_ms=0)
+    b = req("b", list(range(200, 300)), 3, arrival_ms=500)
+    overlap = run([a, b], config(max_total_tokens=200))
+    assert shape(overlap) == [["C"], ["S100"], ["R100", "S100"], ["S2"]]
+    normal = run([a, b], config(max_total_tokens=200, disable_overlap_schedule=True))
+    assert shape(normal) == [["C"], ["S100"], ["S100"], ["R100", "S2"]]
+    check_stream(overlap)
+    check_stream(normal)
+
+
+def test_retraction_releases_without_storing_and_requeues():
+    def mk(rid, base):
+        r = req(rid, list(range(base, base + 50)), 58)
+        r.max_new_tokens, r.finish_reason = 60, "stop"
+        return r
+
+    a = mk("a", 3)
+    b = mk("b", 300)
+    b.meta_info["request_received_ts"] += 0.001
+    r = run([a, b], config(max_total_tokens=200, schedule_conservativeness=0.1))
+    assert r.stats.retractions >= 1
+    assert all(x.completion_tokens == 58 and x.error is None for x in r.requests)
+    assert sum(x.meta_info["num_retractions"] for x in r.requests) == r.stats.retractions
+    assert any(isinstance(e, BlockRemoved) for batch in decoded(r) for e in batch)
+    check_stream(r)
+
+
+def _scheduler(records, cfg, aborts=()):
+    schedule = build_schedule(records)
+    s = Scheduler(cfg, schedule, wire_hasher())
+    for rid, at_ms in aborts:
+        s.request_abort(rid, int(at_ms * 1e6))
+    return s
+
+
+def test_abort_running_inserts_what_it_computed_abort_waiting_emits_nothing():
+    a = req("a", list(range(3, 23)), 50)
+    b = req("b", list(range(100, 130)), 5, arrival_ms=40)
+    s = _scheduler([a, b], config(), aborts=[("a", 30), ("b", 40)])
+    s.run()
+    ra, rb = s.reqs
+    assert ra.error == "aborted" and 1 < ra.output_len < 50
+    assert rb.error == "aborted while waiting" and rb.output_len == 0
+    stored = sum(
+        len(e.block_hashes)
+        for b_ in s.publisher.batches
+        for e in __import__("kvcadence.capture.wire", fromlist=["x"])
+        .decode_batch(b_.payload)
+        .events
+        if isinstance(e, BlockStored)
+    )
+    assert stored == 20 + ra.output_len - 1
+
+
+def test_flush_clears_alone_and_resets_the_decode_counter():
+    prompt = list(range(3, 53))
+    a = req("a", prompt, 30, arrival_ms=0)
+    b = req("b", prompt, 20, arrival_ms=1000)
+    flush_ns = int((1_000_000 + 500) * 1e6)
+    r = run([a, b], flush_abs_ns=[flush_ns])
+    assert shape(r) == [["C"], ["S50"], ["S29"], ["C"], ["S50"], ["S19"]]
+    assert r.requests[1].cached_tokens == 0
+    assert r.scheduler.decode_ct == 19
+    assert r.stats.flushes == 1
+
+
+def test_skipping_decode_stretches_changes_nothing():
+    long = [req("long", list(range(500, 600)), 300, lane=0)]
+    chain = lane_chain(1, [(list(range(3, 53)), 37), (list(range(3, 53)) + [5] * 40, 21)])
+    for off in (False, True):
+        a = run(long + chain, config(disable_overlap_schedule=off, max_total_tokens=400))
+        b = run(
+            long + chain,
+            config(disable_overlap_schedule=off, max_total_tokens=400, skip_decode_stretches=False),
+        )
+        assert a.stats.skipped_passes > 0 and b.stats.skipped_passes == 0
+        assert [x.payload for x in a.batches] == [x.payload for x in b.batches]
+        assert [x.time_ns for x in a.batches] == [x.time_ns for x in b.batches]
+        assert a.requests == b.requests
