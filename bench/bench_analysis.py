@@ -1,0 +1,182 @@
+"""Analysis benchmark: ingest MB/s and report wall time on a synthetic bundle.
+
+Writes a synthetic SGLang-like bundle (BundleWriter + wire.encode_batch; page size 16, each
+request a prefill store, a finish store and, later, removals; 4 events per message), then
+measures in the same run:
+
+* baseline: read every EventFrame (BundleReader.events) + untyped msgpack decode of each
+  payload -- the floor any ingest must pay;
+* ingest:  kvcadence.analysis.ingest (decode + column building + Parquet), in MB/s of
+  segment bytes, and its ratio to the baseline;
+* report:  kvcadence.analysis.report.make_report on the ingested bundle (cache warm), with
+  DuckDB pinned to one thread (KVCADENCE_THREADS=1).
+
+Goals (issue 6): ingest >= 50 MB/s; report on 1M events <= 10 s on one core.
+Usage: ``python bench/bench_analysis.py [--events N] [--dir DIR]`` (default 100k events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("KVCADENCE_THREADS", "1")
+
+
+def build(path: Path, n_events: int, seed: int = 7) -> tuple[int, int]:
+    """Write the synthetic bundle; return (events, requests)."""
+    from kvcadence.capture import wire
+    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.capture.schema import (
+        BlockRemoved,
+        BlockStored,
+        EndpointInfo,
+        Header,
+        KVEventBatch,
+        RequestRecord,
+    )
+
+    rng = random.Random(seed)
+    ps = 16
+    hdr = Header(
+        1,
+        0,
+        "real",
+        "bench",
+        "0.5.23",
+        {"version": "0.5.23", "page_size": ps, "max_total_num_tokens": 1 << 20},
+        endpoints=[EndpointInfo(0, "tcp://127.0.0.1:5557", None, 0, "")],
+    )
+    t = 1_800_000_000_000_000_000
+    seq = 0
+    events: list = []
+    resident: list[list[int]] = []
+    n_ev = n_req = 0
+    with BundleWriter(path, hdr) as w:
+
+        def flush(force: bool = False) -> None:
+            nonlocal seq, events, t
+            while len(events) >= 4 or (force and events):
+                batch, events = events[:4], events[4:]
+                t += 2_000_000
+                w.write_event(
+                    endpoint=0,
+                    seq=seq,
+                    recv_ns=t,
+                    topic="",
+                    payload=wire.encode_batch(KVEventBatch(t / 1e9, batch, 0)),
+                    via=0,
+                    epoch=0,
+                )
+                seq += 1
+
+        while n_ev < n_events:
+            prompt = [rng.randrange(3, 30000) for _ in range(rng.randrange(32, 160))]
+            out = [rng.randrange(3, 30000) for _ in range(rng.randrange(8, 64))]
+            hs = wire.block_hashes(prompt + out[:-1], ps)
+            pp = len(prompt) // ps
+            send = t
+            events.append(BlockStored(hs[:pp], None, prompt[: pp * ps], ps, None, "GPU"))
+            n_ev += 1
+            if len(hs) > pp:
+                events.append(
+                    BlockStored(
+                        hs[pp:],
+                        hs[pp - 1] if pp else None,
+                        (prompt + out[:-1])[pp * ps : len(hs) * ps],
+                        ps,
+                        None,
+                        "GPU",
+                    )
+                )
+                n_ev += 1
+            resident.append(hs)
+            if len(resident) > 64:
+                victim = resident.pop(0)
+                events.append(BlockRemoved(victim[::-1], "GPU"))
+                n_ev += 1
+            flush()
+            w.write(
+                RequestRecord(
+                    rid=f"r{n_req}",
+                    input_ids=prompt,
+                    output_ids=out,
+                    send_ns=send,
+                    finish_ns=t + 1_000_000,
+                    cached_tokens=0,
+                )
+            )
+            n_req += 1
+        flush(force=True)
+    return n_ev, n_req
+
+
+def seg_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("seg-*.kvcb"))
+
+
+def baseline(path: Path) -> float:
+    import msgspec
+
+    from kvcadence.capture.bundle import BundleReader, event_payload
+
+    dec = msgspec.msgpack.Decoder()
+    t0 = time.perf_counter()
+    n = 0
+    for fr in BundleReader(path).events():
+        n += len(dec.decode(event_payload(fr))[1])
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=100_000)
+    ap.add_argument("--dir", help="work directory (default: a temp dir, removed afterwards)")
+    args = ap.parse_args(argv)
+    from kvcadence.analysis import ingest, report
+
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvc-bench-"))
+    try:
+        b = work / "bundle"
+        if b.exists():
+            shutil.rmtree(b)
+        t0 = time.perf_counter()
+        n_ev, n_req = build(b, args.events)
+        gen_s = time.perf_counter() - t0
+        size = seg_bytes(b)
+        print(
+            f"bundle: {n_ev} events, {n_req} requests, {size / 1e6:.1f} MB "
+            f"(written in {gen_s:.1f} s)"
+        )
+        base_s = baseline(b)
+        t0 = time.perf_counter()
+        ing = ingest.ingest(b, work / "pq", force=True)
+        ing_s = time.perf_counter() - t0
+        print(f"baseline read + untyped decode: {base_s:.2f} s = {size / 1e6 / base_s:.1f} MB/s")
+        print(
+            f"ingest: {ing_s:.2f} s = {size / 1e6 / ing_s:.1f} MB/s "
+            f"({ing_s / base_s:.2f}x baseline; goal >= 50 MB/s)"
+        )
+        t0 = time.perf_counter()
+        report.make_report([str(b)], work / "report", cache_dirs=[str(ing.dir)])
+        rep_s = time.perf_counter() - t0
+        print(
+            f"report (cache warm, 1 DuckDB thread): {rep_s:.2f} s "
+            f"({rep_s / base_s:.2f}x baseline; goal <= 10 s at 1M events)"
+        )
+        per_m = rep_s * 1_000_000 / max(1, n_ev)
+        print(f"report scaled to 1M events: ~{per_m:.1f} s")
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

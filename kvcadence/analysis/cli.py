@@ -1,0 +1,160 @@
+"""Analysis commands: ``ingest``, ``sql``, ``report``, ``prefixes`` (registered by kvcadence.cli).
+
+Only the standard library is imported here; every heavy import happens inside the run
+functions, so ``kvcadence --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    """Add the analysis subcommands to the ``kvcadence`` subparsers."""
+    p = sub.add_parser(
+        "ingest",
+        help="bundle -> Parquet tables (cached next to the bundle)",
+        description="Write a bundle's Parquet tables (batches, events, blocks, requests, gaps, "
+        "epochs, notes). Cached in BUNDLE/.parquet and rebuilt when the bundle changes.",
+    )
+    p.add_argument("bundle", help="bundle directory")
+    p.add_argument("--out", metavar="DIR", help="write the tables here instead of BUNDLE/.parquet")
+    p.add_argument("--force", action="store_true", help="rebuild even if the cache is current")
+    p.set_defaults(_run=run_ingest)
+
+    p = sub.add_parser(
+        "sql",
+        help="run DuckDB SQL over a bundle's tables",
+        description="Run one DuckDB statement over views batches, events, blocks, requests, "
+        "gaps, epochs, notes (docs/metrics.md lists the columns).",
+    )
+    p.add_argument("bundle", help="bundle directory")
+    p.add_argument("query", help='SQL, e.g. "SELECT kind, count(*) FROM events GROUP BY 1"')
+    p.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
+    p.add_argument("--out", metavar="FILE", help="write the result here (required for parquet)")
+    p.add_argument(
+        "--cache", metavar="DIR", help="Parquet cache directory (default BUNDLE/.parquet)"
+    )
+    p.set_defaults(_run=run_sql)
+
+    p = sub.add_parser(
+        "report",
+        help="cadence report of one bundle, or real vs sim side by side with a CI gate",
+        description="Write report.json, report.md, report.html and PNG plots into --out; with "
+        "several bundles the first is the reference (real). Exit 3 when a gate fails.",
+    )
+    p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="REAL [SIM ...]")
+    p.add_argument("--out", required=True, metavar="DIR", help="report directory")
+    p.add_argument(
+        "--gate",
+        action="append",
+        default=[],
+        metavar="METRIC=TOL",
+        help="tolerance: N%% relative, N absolute, >=N or <=N bound (repeatable)",
+    )
+    p.add_argument(
+        "--no-default-gates", action="store_true", help="do not apply the default headline gates"
+    )
+    p.add_argument(
+        "--window",
+        metavar="START:END",
+        help="steady-state window in seconds after the first message "
+        "(default: from the first removal)",
+    )
+    p.add_argument(
+        "--peer-compatible",
+        action="store_true",
+        help="the closest peer's definitions (labelled) instead of the defaults",
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(_run=run_report)
+
+    p = sub.add_parser(
+        "prefixes",
+        help="prefix-size distribution (plain JSON) for the kernels stage",
+        description="Cached tokens per request and stored run lengths as quantiles and a "
+        "log2 weighted histogram (schema kvcadence.prefixes/1, docs/metrics.md).",
+    )
+    p.add_argument("bundle", help="bundle directory")
+    p.add_argument("--out", required=True, metavar="FILE", help="prefixes.json to write")
+    p.add_argument(
+        "--cache", metavar="DIR", help="Parquet cache directory (default BUNDLE/.parquet)"
+    )
+    p.set_defaults(_run=run_prefixes)
+
+
+def run_ingest(args: argparse.Namespace) -> int:
+    from kvcadence.analysis import ingest
+
+    ing = ingest.ingest(args.bundle, args.out, force=args.force)
+    state = "built" if ing.rebuilt else "up to date"
+    rows = ", ".join(f"{t} {n}" for t, n in ing.manifest.get("tables", {}).items())
+    print(f"{ing.dir}: {state} ({rows})")
+    return 0
+
+
+def run_sql(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from kvcadence.analysis import ingest, sql
+    from kvcadence.errors import UsageError
+
+    if args.format == "parquet" and not args.out:
+        raise UsageError("--format parquet needs --out FILE")
+    ing = ingest.ingest(args.bundle, args.cache)
+    df = sql.query(sql.connect(ing), args.query)
+    if args.format == "parquet":
+        df.write_parquet(args.out, compression="zstd")
+        return 0
+    if args.format == "csv":
+        text = df.write_csv()
+    elif args.format == "json":
+        text = df.write_json()
+    else:
+        with pl.Config(
+            tbl_rows=-1,
+            tbl_cols=-1,
+            tbl_width_chars=200,
+            fmt_str_lengths=200,
+            tbl_hide_dataframe_shape=True,
+        ):
+            text = str(df)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text if text.endswith("\n") else text + "\n")
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from kvcadence.analysis import metrics, report
+
+    res = report.make_report(
+        args.bundles,
+        args.out,
+        gates=args.gate,
+        default_gates=not args.no_default_gates,
+        window=metrics.parse_window(args.window),
+        peer_compatible=args.peer_compatible,
+        plots=not args.no_plots,
+    )
+    print(f"report: {res.out / 'report.md'} (json, html, png alongside)")
+    report.print_gate_lines(res.gate_results)
+    return 0 if res.passed else 3
+
+
+def run_prefixes(args: argparse.Namespace) -> int:
+    from kvcadence.analysis import ingest, prefixes
+
+    ing = ingest.ingest(args.bundle, args.cache)
+    doc = prefixes.compute(ing)
+    path = prefixes.write(doc, args.out)
+    d = doc["distributions"]
+    print(
+        f"{path}: page_size {doc['page_size']}, cached_tokens n={d['cached_tokens']['n']}, "
+        f"stored_run_tokens n={d['stored_run_tokens']['n']}"
+    )
+    return 0

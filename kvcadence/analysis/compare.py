@@ -1,0 +1,227 @@
+"""Real vs sim: per-metric deltas, per-request differences matched by rid, and the CI gate.
+
+``compare(real, sim)`` lines up two ``BundleMetrics``: for every metric of the real bundle its
+sim value, absolute delta (sim - real) and relative delta ((sim - real) / |real|, null when
+real is 0 or either side is null). Per-request rows are joined on ``rid``; the comparison adds
+its own metrics (``COMPARE_DEFS``), e.g. the share of matched requests whose
+``cached_tokens`` are equal.
+
+Gates are ``METRIC=TOL``: ``TOL`` is ``N%`` (relative: |sim - real| <= N% of |real|), ``N``
+(absolute: |sim - real| <= N), or ``>=N`` / ``<=N`` (a bound on the sim's value, or on a
+comparison metric). ``DEFAULT_GATES`` hold the headline metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvcadence.analysis.metrics import DEFS, BundleMetrics
+from kvcadence.errors import UsageError
+
+COMPARE_DEFS: dict[str, tuple[str, str]] = {
+    "requests.matched": ("requests", "rids present in both bundles"),
+    "requests.only_real": ("requests", "rids only in the real bundle"),
+    "requests.only_sim": ("requests", "rids only in the sim bundle"),
+    "requests.cached_tokens_equal_share": (
+        "fraction",
+        "matched requests with equal cached_tokens / matched requests",
+    ),
+    "requests.stored_events_equal_share": (
+        "fraction",
+        "matched requests with the same attributed stored-event count / matched requests",
+    ),
+    "requests.cached_tokens_mean_abs_diff": (
+        "tokens",
+        "mean |cached_tokens(sim) - cached_tokens(real)| over matched requests",
+    ),
+}
+
+DEFAULT_GATES: tuple[str, ...] = (
+    "stored_events_per_request=3%",
+    "blocks_per_stored_event.median=3%",
+    "removed_events_per_request=10%",
+    "blocks_per_removed_event.median=10%",
+    "requests.cached_tokens_equal_share=>=0.95",
+)
+
+_TOL = re.compile(
+    r"^\s*(?:(?P<op>>=|<=)\s*(?P<bound>[-+0-9.eE]+)|(?P<num>[0-9.eE+]+)\s*(?P<pct>%)?)\s*$"
+)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One parsed ``METRIC=TOL``."""
+
+    metric: str
+    kind: str  # "rel" | "abs" | ">=" | "<="
+    value: float
+    text: str
+
+    @property
+    def tolerance(self) -> str:
+        return self.text.split("=", 1)[1]
+
+
+@dataclass
+class GateResult:
+    gate: Gate
+    sim: str
+    real_value: float | None
+    sim_value: float | None
+    ok: bool
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "metric": self.gate.metric,
+            "tolerance": self.gate.tolerance,
+            "sim": self.sim,
+            "real": self.real_value,
+            "value": self.sim_value,
+            "ok": self.ok,
+            "detail": self.detail,
+        }
+
+
+def parse_gate(text: str) -> Gate:
+    """``METRIC=TOL`` -> Gate; bad syntax or an unknown metric is a UsageError."""
+    if "=" not in text:
+        raise UsageError(
+            f"--gate must be METRIC=TOL (e.g. stored_events_per_request=3%), got {text!r}"
+        )
+    metric, tol = text.split("=", 1)
+    metric = metric.strip()
+    if metric not in DEFS and metric not in COMPARE_DEFS:
+        raise UsageError(f"--gate: unknown metric {metric!r} (see docs/metrics.md)")
+    m = _TOL.match(tol)
+    if not m:
+        raise UsageError(f"--gate {metric}: tolerance must be N%, N, >=N or <=N, got {tol!r}")
+    try:
+        if m.group("op"):
+            return Gate(metric, m.group("op"), float(m.group("bound")), f"{metric}={tol.strip()}")
+        value = float(m.group("num"))
+    except ValueError:
+        raise UsageError(f"--gate {metric}: not a number: {tol!r}") from None
+    if value < 0:
+        raise UsageError(f"--gate {metric}: tolerance must be >= 0")
+    kind = "rel" if m.group("pct") else "abs"
+    return Gate(metric, kind, value, f"{metric}={tol.strip()}")
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, str):
+        return None
+    f = float(v)
+    return None if math.isnan(f) else f
+
+
+@dataclass
+class Comparison:
+    """One real-vs-sim pair."""
+
+    real: str
+    sim: str
+    rows: list[dict[str, Any]]  # name, unit, real, sim, abs_delta, rel_delta
+    compare_metrics: dict[str, Any]
+    per_request: Any  # polars DataFrame of matched rids with deltas
+
+    def value(self, name: str, side: str) -> float | None:
+        if name in self.compare_metrics:
+            return _num(self.compare_metrics[name]) if side == "sim" else None
+        for row in self.rows:
+            if row["name"] == name:
+                return _num(row[side])
+        return None
+
+
+def compare(
+    real: BundleMetrics, sim: BundleMetrics, real_label: str = "real", sim_label: str = "sim"
+) -> Comparison:
+    import polars as pl
+
+    rows: list[dict[str, Any]] = []
+    for name, rv in real.metrics.items():
+        sv = sim.metrics.get(name)
+        r, s = _num(rv), _num(sv)
+        abs_d = None if r is None or s is None else s - r
+        rel_d = None if abs_d is None or r == 0 else abs_d / abs(r)
+        rows.append(
+            {
+                "name": name,
+                "unit": DEFS[name][0],
+                "real": rv,
+                "sim": sv,
+                "abs_delta": abs_d,
+                "rel_delta": rel_d,
+            }
+        )
+    a = real.per_request.select(
+        "rid", "cached_tokens", "stored_events", "prompt_blocks", "output_blocks"
+    )
+    b = sim.per_request.select(
+        "rid", "cached_tokens", "stored_events", "prompt_blocks", "output_blocks"
+    )
+    joined = a.join(b, on="rid", how="inner", suffix="_sim").with_columns(
+        (pl.col("cached_tokens_sim") - pl.col("cached_tokens")).alias("d_cached_tokens"),
+        (pl.col("stored_events_sim") - pl.col("stored_events")).alias("d_stored_events"),
+    )
+    matched = joined.height
+    ra, rb = set(a["rid"].to_list()), set(b["rid"].to_list())
+    eq_cached = joined.filter(pl.col("d_cached_tokens") == 0).height
+    eq_events = joined.filter(pl.col("d_stored_events") == 0).height
+    mad = joined["d_cached_tokens"].abs().mean() if matched else None
+    cm = {
+        "requests.matched": matched,
+        "requests.only_real": len(ra - rb),
+        "requests.only_sim": len(rb - ra),
+        "requests.cached_tokens_equal_share": eq_cached / matched if matched else None,
+        "requests.stored_events_equal_share": eq_events / matched if matched else None,
+        "requests.cached_tokens_mean_abs_diff": float(mad) if mad is not None else None,
+    }
+    return Comparison(real_label, sim_label, rows, cm, joined)
+
+
+def evaluate(
+    gates: list[Gate], comps: list[Comparison], single: BundleMetrics | None = None
+) -> list[GateResult]:
+    """Check every gate against every comparison (or ``single``'s own values for bounds)."""
+    out: list[GateResult] = []
+    if not comps and single is not None:
+        for g in gates:
+            if g.kind not in (">=", "<="):
+                raise UsageError(f"--gate {g.text}: a relative/absolute gate needs a SIM bundle")
+            v = _num(single.metrics.get(g.metric))
+            out.append(_bound(g, "real", None, v))
+        return out
+    for comp in comps:
+        for g in gates:
+            r = comp.value(g.metric, "real")
+            s = comp.value(g.metric, "sim")
+            if g.kind in (">=", "<="):
+                out.append(_bound(g, comp.sim, r, s))
+                continue
+            if r is None or s is None:
+                out.append(GateResult(g, comp.sim, r, s, False, "missing value"))
+                continue
+            d = abs(s - r)
+            if g.kind == "rel":
+                limit = abs(r) * g.value / 100.0
+                ok = d <= limit + 1e-12 * max(1.0, abs(r))
+                rel = (d / abs(r) * 100.0) if r else (0.0 if d == 0 else math.inf)
+                detail = f"{s:.6g} vs {r:.6g}: {rel:.2f}% off (limit {g.value:g}%)"
+            else:
+                ok = d <= g.value + 1e-12
+                detail = f"{s:.6g} vs {r:.6g}: off by {d:.6g} (limit {g.value:g})"
+            out.append(GateResult(g, comp.sim, r, s, ok, detail))
+    return out
+
+
+def _bound(g: Gate, sim: str, r: float | None, v: float | None) -> GateResult:
+    if v is None:
+        return GateResult(g, sim, r, v, False, "missing value")
+    ok = v >= g.value if g.kind == ">=" else v <= g.value
+    return GateResult(g, sim, r, v, ok, f"{v:.6g} (must be {g.kind} {g.value:g})")

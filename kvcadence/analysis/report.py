@@ -1,0 +1,538 @@
+"""``kvcadence report``: report.json / report.md / report.html / PNGs / runs.jsonl, and the gate.
+
+One bundle gives a single-bundle report; several give the first ("real") side by side with
+each of the others ("sim", or "sim1", "sim2", ...) with absolute and relative deltas,
+per-request differences matched by rid, and gates (``kvcadence.analysis.compare``).
+``report.json`` (``REPORT_VERSION``) is what CI reads: every number carries its unit, data
+quality comes first. ``report.md`` holds GitHub tables printed by Polars; ``report.html`` is one
+self-contained file (inline CSS, PNGs as base64 ``data:`` URIs, no external reference).
+A failed gate makes ``run`` return 3 after printing one line per failing metric (red on a
+TTY only). A one-line summary of every run is appended to ``<out>/runs.jsonl``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcadence import __version__
+from kvcadence.analysis import compare as cmp
+from kvcadence.analysis.metrics import DEFS, BundleMetrics
+
+REPORT_VERSION = 1
+REPORT_SCHEMA = "kvcadence.report/1"
+
+HEADLINE: tuple[str, ...] = (
+    "messages",
+    "events",
+    "stored_events",
+    "removed_events",
+    "cleared_events",
+    "requests",
+    "events_per_message.mean",
+    "events_per_message.p99",
+    "stored_events_per_request",
+    "removed_events_per_request",
+    "blocks_per_stored_event.mean",
+    "blocks_per_stored_event.median",
+    "blocks_per_stored_event.p90",
+    "blocks_per_stored_event.p99",
+    "blocks_per_stored_event.max",
+    "blocks_per_removed_event.mean",
+    "blocks_per_removed_event.median",
+    "blocks_per_removed_event.p90",
+    "blocks_per_removed_event.p99",
+    "blocks_per_removed_event.max",
+    "share_single_block_stores",
+    "total_stored_blocks",
+    "total_removed_blocks",
+    "events_per_second",
+    "stored_events_per_completion_token",
+    "requests.cache_hit_rate",
+    "attribution.prompt_blocks",
+    "attribution.output_blocks",
+    "attribution.unmatched_blocks",
+    "attribution.output_blocks_per_completion_token",
+    "removal.capacity_events",
+    "removal.flush_events",
+    "removal.pool_pressure_at_removal.median",
+    "window.stored_events_per_request",
+    "window.removed_events_per_request",
+)
+
+QUALITY: tuple[str, ...] = (
+    "quality.gap_records",
+    "quality.missing_seqs",
+    "quality.recovered",
+    "quality.unrecovered",
+    "quality.seq_holes",
+    "quality.duplicates",
+    "quality.epochs",
+    "quality.torn_bytes",
+    "quality.corrupt_frames",
+    "quality.unknown_events",
+    "quality.unknown_records",
+    "quality.undecodable_payloads",
+    "quality.clean_shutdown",
+    "quality.first_seq_zero",
+)
+
+
+@dataclass
+class ReportResult:
+    out: Path
+    doc: dict[str, Any]
+    gate_results: list[cmp.GateResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(g.ok for g in self.gate_results)
+
+
+# --------------------------------------------------------------------------------------
+# formatting helpers
+# --------------------------------------------------------------------------------------
+
+
+def fmt(v: Any) -> str:
+    """A number as a short human string ('-' for null)."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        if v.is_integer() and abs(v) < 1e15:
+            return str(int(v))
+        return f"{v:.6g}"
+    return str(v)
+
+
+def pct(v: Any) -> str:
+    return "-" if v is None else f"{v * 100:+.2f}%"
+
+
+def _with_unit(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: {"value": v, "unit": DEFS[k][0]} for k, v in metrics.items()}
+
+
+def _md_table(columns: dict[str, list[str]]) -> str:
+    """A GitHub Markdown table printed by Polars."""
+    import polars as pl
+
+    df = pl.DataFrame(columns, schema={k: pl.String for k in columns})
+    with pl.Config(
+        tbl_formatting="MARKDOWN",
+        tbl_hide_column_data_types=True,
+        tbl_hide_dataframe_shape=True,
+        float_precision=3,
+        tbl_rows=-1,
+        tbl_cols=-1,
+        tbl_width_chars=30_000,
+        fmt_str_lengths=10_000,
+    ):
+        return str(df)
+
+
+def _html_table(columns: dict[str, list[str]]) -> str:
+    keys = list(columns)
+    n = len(columns[keys[0]]) if keys else 0
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(columns[k][i])}</td>" for k in keys) + "</tr>"
+        for i in range(n)
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+# --------------------------------------------------------------------------------------
+# document
+# --------------------------------------------------------------------------------------
+
+
+def _labels(n: int) -> list[str]:
+    if n == 1:
+        return ["real"]
+    if n == 2:
+        return ["real", "sim"]
+    return ["real"] + [f"sim{i}" for i in range(1, n)]
+
+
+def build_doc(
+    labelled: list[tuple[str, BundleMetrics]],
+    comps: list[cmp.Comparison],
+    gates: list[cmp.GateResult],
+    plots: list[str],
+) -> dict[str, Any]:
+    """The report.json document (deterministic: no wall-clock fields)."""
+    bundles = []
+    for label, m in labelled:
+        bundles.append(
+            {
+                "label": label,
+                "inputs": m.inputs,
+                "variant": m.variant,
+                "quality": _with_unit(m.quality()),
+                "metrics": _with_unit(
+                    {k: v for k, v in m.metrics.items() if not k.startswith("quality.")}
+                ),
+                "per_rank": {r: _with_unit(d) for r, d in m.per_rank.items()},
+                "histograms": {
+                    k: {**v, "unit": "events and blocks per size bucket"}
+                    for k, v in m.histograms.items()
+                },
+                "series": {"events_per_second": m.series},
+                "window": m.window,
+                "attribution_event_kinds": m.attribution_kinds,
+            }
+        )
+    comparisons = []
+    for comp in comps:
+        comparisons.append(
+            {
+                "real": comp.real,
+                "sim": comp.sim,
+                "metrics": {
+                    r["name"]: {k: r[k] for k in ("unit", "real", "sim", "abs_delta", "rel_delta")}
+                    for r in comp.rows
+                },
+                "requests": {
+                    k: {"value": v, "unit": cmp.COMPARE_DEFS[k][0]}
+                    for k, v in comp.compare_metrics.items()
+                },
+                "per_request_differences": comp.per_request.filter(
+                    (comp.per_request["d_cached_tokens"] != 0)
+                    | (comp.per_request["d_stored_events"] != 0)
+                )
+                .sort("rid")
+                .to_dicts(),
+            }
+        )
+    return {
+        "schema": REPORT_SCHEMA,
+        "report_version": REPORT_VERSION,
+        "kvcadence_version": __version__,
+        "variant": labelled[0][1].variant,
+        "inputs": [{"label": label, **m.inputs} for label, m in labelled],
+        "quality": {label: _with_unit(m.quality()) for label, m in labelled},
+        "bundles": bundles,
+        "comparisons": comparisons,
+        "gates": [g.as_dict() for g in gates],
+        "gate_passed": all(g.ok for g in gates),
+        "plots": plots,
+    }
+
+
+def _metric_columns(
+    labelled: list[tuple[str, BundleMetrics]],
+    comps: list[cmp.Comparison],
+    names: tuple[str, ...] | list[str],
+) -> dict[str, list[str]]:
+    cols: dict[str, list[str]] = {"metric": [], "unit": []}
+    for label, _ in labelled:
+        cols[label] = []
+    for comp in comps:
+        cols[f"Δ {comp.sim}"] = []
+        cols[f"Δ% {comp.sim}"] = []
+    by_comp = [{r["name"]: r for r in comp.rows} for comp in comps]
+    for name in names:
+        cols["metric"].append(name)
+        cols["unit"].append(DEFS[name][0])
+        for label, m in labelled:
+            cols[label].append(fmt(m.metrics.get(name)))
+        for comp, rows in zip(comps, by_comp, strict=False):
+            r = rows.get(name, {})
+            cols[f"Δ {comp.sim}"].append(fmt(r.get("abs_delta")))
+            cols[f"Δ% {comp.sim}"].append(pct(r.get("rel_delta")))
+    return cols
+
+
+def _sections(
+    labelled: list[tuple[str, BundleMetrics]],
+    comps: list[cmp.Comparison],
+    gates: list[cmp.GateResult],
+) -> list[tuple[str, str, dict[str, list[str]] | None]]:
+    """(title, text, table) sections shared by report.md and report.html."""
+    out: list[tuple[str, str, dict[str, list[str]] | None]] = []
+    inputs: dict[str, list[str]] = {
+        "bundle": [],
+        "path": [],
+        "source": [],
+        "sglang": [],
+        "page_size": [],
+        "pool_tokens": [],
+        "dp_ranks": [],
+        "variant": [],
+    }
+    for label, m in labelled:
+        i = m.inputs
+        inputs["bundle"].append(label)
+        inputs["path"].append(str(i.get("bundle")))
+        inputs["source"].append(str(i.get("source")))
+        inputs["sglang"].append(str(i.get("sglang_version")))
+        inputs["page_size"].append(fmt(i.get("page_size")))
+        inputs["pool_tokens"].append(fmt(i.get("max_total_num_tokens")))
+        inputs["dp_ranks"].append(",".join(str(r) for r in i.get("dp_ranks", [])))
+        inputs["variant"].append(m.variant)
+    out.append(("Inputs", "", inputs))
+    q: dict[str, list[str]] = {"check": list(QUALITY), "unit": [DEFS[k][0] for k in QUALITY]}
+    for label, m in labelled:
+        q[label] = [fmt(m.metrics.get(k)) for k in QUALITY]
+    out.append(
+        (
+            "Data quality",
+            "Gaps, recovery, epochs, torn tails and unknown data of every input (read this first).",
+            q,
+        )
+    )
+    if gates:
+        g: dict[str, list[str]] = {"gate": [], "sim": [], "result": [], "detail": []}
+        for r in gates:
+            g["gate"].append(r.gate.text)
+            g["sim"].append(r.sim)
+            g["result"].append("PASS" if r.ok else "FAIL")
+            g["detail"].append(r.detail)
+        out.append(("Gates", "PASS" if all(r.ok for r in gates) else "FAILED", g))
+    out.append(
+        (
+            "Headline metrics",
+            "Δ = sim - real, Δ% = Δ / |real|.",
+            _metric_columns(labelled, comps, HEADLINE),
+        )
+    )
+    for key, title in (
+        ("blocks_per_stored_event", "Blocks per Stored event (histogram)"),
+        ("blocks_per_removed_event", "Blocks per Removed event (histogram)"),
+    ):
+        h: dict[str, list[str]] = {"bucket": list(labelled[0][1].histograms[key]["buckets"])}
+        for label, m in labelled:
+            hist = m.histograms[key]
+            h[f"{label} events"] = [str(x) for x in hist["events"]]
+            h[f"{label} blocks"] = [str(x) for x in hist["blocks"]]
+        out.append((title, "Upper bounds inclusive.", h))
+    kinds = sorted({k for _, m in labelled for k in m.attribution_kinds})
+    a: dict[str, list[str]] = {"stored event label": kinds}
+    for label, m in labelled:
+        a[label] = [str(m.attribution_kinds.get(k, 0)) for k in kinds]
+    out.append(
+        (
+            "Attribution of BlockStored events",
+            "Each event split into runs of one request's "
+            "pages at the storing request's own prompt/output boundary.",
+            a,
+        )
+    )
+    for label, m in labelled:
+        w = m.window
+        out.append(
+            (
+                f"Steady-state window ({label})",
+                f"Window: {w.get('source')}.",
+                _metric_columns([(label, m)], [], [k for k in DEFS if k.startswith("window.")]),
+            )
+        )
+    ranks = sorted({r for _, m in labelled for r in m.per_rank})
+    if len(ranks) > 1:
+        names = [
+            "messages",
+            "events",
+            "stored_events_per_request",
+            "removed_events_per_request",
+            "blocks_per_stored_event.median",
+            "blocks_per_removed_event.median",
+        ]
+        pr: dict[str, list[str]] = {"dp_rank": [], "metric": []}
+        for label, _ in labelled:
+            pr[label] = []
+        for r in ranks:
+            for name in names:
+                pr["dp_rank"].append(r)
+                pr["metric"].append(name)
+                for label, m in labelled:
+                    pr[label].append(fmt(m.per_rank.get(r, {}).get(name)))
+        out.append(("Per DP rank", "", pr))
+    for comp in comps:
+        cm = comp.compare_metrics
+        c: dict[str, list[str]] = {
+            "metric": list(cm),
+            "unit": [cmp.COMPARE_DEFS[k][0] for k in cm],
+            "value": [fmt(v) for v in cm.values()],
+        }
+        out.append(
+            (f"Per-request differences ({comp.real} vs {comp.sim})", "Requests matched by rid.", c)
+        )
+        diff = (
+            comp.per_request.filter(
+                (comp.per_request["d_cached_tokens"] != 0)
+                | (comp.per_request["d_stored_events"] != 0)
+            )
+            .sort("rid")
+            .head(20)
+        )
+        if diff.height:
+            d = {
+                "rid": diff["rid"].to_list(),
+                "cached real": [fmt(v) for v in diff["cached_tokens"].to_list()],
+                "cached sim": [fmt(v) for v in diff["cached_tokens_sim"].to_list()],
+                "stored events real": [fmt(v) for v in diff["stored_events"].to_list()],
+                "stored events sim": [fmt(v) for v in diff["stored_events_sim"].to_list()],
+            }
+            out.append((f"Differing requests ({comp.sim}, first 20 by rid)", "", d))
+    all_names = [k for k in labelled[0][1].metrics if not k.startswith("quality.")]
+    out.append(
+        (
+            "All metrics",
+            "Definitions: docs/metrics.md.",
+            _metric_columns(labelled, comps, all_names),
+        )
+    )
+    return out
+
+
+def write_markdown(path: Path, sections: list[Any], plots: list[str], title: str) -> None:
+    parts = [f"# {title}\n"]
+    for head, text, table in sections:
+        parts.append(f"## {head}\n")
+        if text:
+            parts.append(text + "\n")
+        if table is not None:
+            parts.append(_md_table(table) + "\n")
+    if plots:
+        parts.append("## Plots\n")
+        parts.extend(f"![{p}]({p})\n" for p in plots)
+    path.write_text("\n".join(parts))
+
+
+_CSS = (
+    "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}"
+    "table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px}"
+    "th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+    "th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}"
+    "img{max-width:100%;border:1px solid #eee;margin:.5em 0}"
+    ".fail{color:#b00;font-weight:bold}.pass{color:#070;font-weight:bold}"
+)
+
+
+def write_html(path: Path, out: Path, sections: list[Any], plots: list[str], title: str) -> None:
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    for head, text, table in sections:
+        parts.append(f"<h2>{html.escape(head)}</h2>")
+        if text:
+            cls = (
+                ' class="fail"' if text == "FAILED" else (' class="pass"' if text == "PASS" else "")
+            )
+            parts.append(f"<p{cls}>{html.escape(text)}</p>")
+        if table is not None:
+            parts.append(_html_table(table))
+    if plots:
+        parts.append("<h2>Plots</h2>")
+        for p in plots:
+            data = base64.b64encode((out / p).read_bytes()).decode("ascii")
+            parts.append(
+                f'<figure><img alt="{html.escape(p)}" src="data:image/png;base64,{data}">'
+                f"<figcaption>{html.escape(p)}</figcaption></figure>"
+            )
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts))
+
+
+# --------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------
+
+
+def make_report(
+    bundles: list[str],
+    out: str | os.PathLike[str],
+    *,
+    gates: list[str] | None = None,
+    default_gates: bool = True,
+    window: tuple[float, float] | None = None,
+    peer_compatible: bool = False,
+    plots: bool = True,
+    cache_dirs: list[str | None] | None = None,
+) -> ReportResult:
+    """Ingest (cached), compute, compare, gate and write every output file."""
+    from kvcadence.analysis import ingest, metrics
+    from kvcadence.analysis import plots as kplots
+
+    t0 = time.perf_counter()
+    parsed = [cmp.parse_gate(g) for g in (gates or [])]
+    if default_gates and len(bundles) > 1:
+        explicit = {g.metric for g in parsed}
+        parsed = [
+            cmp.parse_gate(g) for g in cmp.DEFAULT_GATES if g.split("=", 1)[0] not in explicit
+        ] + parsed
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    labels = _labels(len(bundles))
+    labelled: list[tuple[str, BundleMetrics]] = []
+    for i, (label, b) in enumerate(zip(labels, bundles, strict=False)):
+        cache = cache_dirs[i] if cache_dirs else None
+        ing = ingest.ingest(b, cache)
+        labelled.append(
+            (label, metrics.compute(ing, window=window, peer_compatible=peer_compatible))
+        )
+    real = labelled[0][1]
+    comps = [cmp.compare(real, m, labels[0], label) for label, m in labelled[1:]]
+    results = cmp.evaluate(parsed, comps, single=real if not comps else None)
+    plot_names = [p.name for p in kplots.render(labelled, outdir)] if plots else []
+    doc = build_doc(labelled, comps, results, plot_names)
+    (outdir / "report.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    title = "kvcadence report: " + " vs ".join(
+        f"{label} ({Path(m.inputs['bundle']).name})" for label, m in labelled
+    )
+    sections = _sections(labelled, comps, results)
+    write_markdown(outdir / "report.md", sections, plot_names, title)
+    write_html(outdir / "report.html", outdir, sections, plot_names, title)
+    summary = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "report_version": REPORT_VERSION,
+        "bundles": [m.inputs["bundle"] for _, m in labelled],
+        "variant": real.variant,
+        "gate_passed": all(r.ok for r in results),
+        "failed_gates": [r.gate.metric for r in results if not r.ok],
+        "headline": {
+            label: {
+                k: m.metrics.get(k)
+                for k in (
+                    "stored_events_per_request",
+                    "removed_events_per_request",
+                    "blocks_per_stored_event.median",
+                    "blocks_per_removed_event.median",
+                )
+            }
+            for label, m in labelled
+        },
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    with open(outdir / "runs.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(summary, default=str) + "\n")
+    return ReportResult(outdir, doc, results)
+
+
+def print_gate_lines(results: list[cmp.GateResult], stream: Any = None) -> None:
+    """One line per failing gate (red only when ``stream`` is a TTY), then a verdict."""
+    stream = stream or sys.stderr
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    red, green, reset = ("\033[31m", "\033[32m", "\033[0m") if tty else ("", "", "")
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(f"{red}GATE FAILED {r.gate.text} [{r.sim}]: {r.detail}{reset}", file=stream)
+    if results and not failed:
+        print(f"{green}gates passed ({len(results)}){reset}", file=stream)

@@ -1,0 +1,62 @@
+"""DuckDB over a bundle's Parquet tables: one connection with one view per table.
+
+``connect(ingested)`` returns an in-memory DuckDB connection where ``batches``, ``events``,
+``blocks``, ``requests``, ``gaps``, ``epochs`` and ``notes`` are views over the Parquet files
+written by ``kvcadence.analysis.ingest``; ``query(...)`` runs one statement and returns a
+Polars DataFrame (via Arrow; DOUBLE casts are the caller's job). The thread count follows
+``KVCADENCE_THREADS`` when set (benchmarks pin it to 1).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvcadence.analysis.ingest import TABLES, Ingested
+from kvcadence.errors import UsageError
+
+
+def connect(ing: Ingested) -> Any:
+    """An in-memory DuckDB connection with a view per table of ``ing``."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    threads = os.environ.get("KVCADENCE_THREADS")
+    if threads:
+        con.sql(f"SET threads = {int(threads)}")
+    for table in TABLES:
+        path = str(ing.path(table)).replace("'", "''")
+        con.sql(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{path}')")
+    return con
+
+
+def query(con: Any, sql: str, params: list[Any] | None = None) -> Any:
+    """Run ``sql`` and return a Polars DataFrame; a bad statement is a UsageError."""
+    import duckdb
+    import polars as pl
+
+    try:
+        rel = con.sql(sql, params=params) if params else con.sql(sql)
+        if rel is None:
+            return pl.DataFrame()
+        return rel.pl()
+    except duckdb.Error as exc:
+        msg = str(exc).strip().splitlines()[0]
+        raise UsageError(f"SQL error: {msg}") from None
+
+
+def arrow(con: Any, sql: str) -> Any:
+    """Run ``sql`` and return a pyarrow Table."""
+    return con.sql(sql).to_arrow_table()
+
+
+def rows(con: Any, sql: str) -> list[tuple[Any, ...]]:
+    """Run ``sql`` and return every row (a relation: leaves no pending result behind)."""
+    rel = con.sql(sql)
+    return [] if rel is None else rel.fetchall()
+
+
+def one(con: Any, sql: str) -> tuple[Any, ...]:
+    """The first row of ``sql`` (empty tuple when none)."""
+    got = rows(con, sql)
+    return tuple(got[0]) if got else ()

@@ -1,0 +1,100 @@
+"""Ingest: Parquet columns from hand-made bundles, dedupe, u64 hashes, the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from kvcadence.analysis import ingest
+from kvcadence.capture import wire
+from kvcadence.capture.bundle import BundleWriter
+from kvcadence.capture.schema import RequestRecord
+from kvcadence.errors import UsageError
+from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
+
+NEG = -3488128144981237669  # a real SGLang hash (negative int64)
+
+
+def _small(tmp_path: Path) -> Path:
+    return write_bundle(
+        tmp_path / "b",
+        [
+            (0, [cleared()]),
+            (10, [stored([NEG, 5], page_size=4), stored([7], page_size=4, parent=5)]),
+            (20, [removed([NEG])]),
+        ],
+        [RequestRecord(rid="r0", input_ids=[1, 2, 3], output_ids=[4, 5], cached_tokens=0)],
+        hdr=header(page_size=4),
+    )
+
+
+def test_tables_columns_and_hashes(tmp_path: Path) -> None:
+    ing = ingest.ingest(_small(tmp_path))
+    assert ing.rebuilt
+    b = pq.read_table(ing.path("batches")).to_pydict()
+    assert b["seq"] == [0, 1, 2]
+    assert b["n_events"] == [1, 2, 1]
+    assert b["n_stored"] == [0, 2, 0]
+    assert b["recv_ns"][1] == T0 + 10_000_000
+    assert b["ts"] == [0.0, 0.01, 0.02]
+    e = pq.read_table(ing.path("events")).to_pydict()
+    assert e["kind"] == ["cleared", "stored", "stored", "removed"]
+    assert e["n_blocks"] == [0, 2, 1, 1]
+    assert e["first_hash"][1] == wire.u64(NEG)
+    assert e["parent_hash"][2] == 5
+    assert e["n_tokens"] == [None, 8, 4, None]
+    k = pq.read_table(ing.path("blocks"))
+    assert str(k.schema.field("hash").type) == "uint64"
+    kd = k.to_pydict()
+    assert kd["hash"] == [wire.u64(NEG), 5, 7, wire.u64(NEG)]
+    assert kd["pos"] == [0, 1, 0, 0]
+    assert kd["event_id"] == [1, 1, 2, 3]
+    assert kd["n_tokens"] == [4, 4, 4, None]
+    r = pq.read_table(ing.path("requests")).to_pydict()
+    assert r["input_ids"] == [[1, 2, 3]] and r["n_output"] == [2]
+    assert ing.info["page_size"] == 4 and ing.info["clean_shutdown"] is True
+
+
+def test_schema_dict_matches_written_tables(tmp_path: Path) -> None:
+    ing = ingest.ingest(_small(tmp_path))
+    for table in ingest.TABLES:
+        assert pq.read_schema(ing.path(table)).names == [c for c, _, _ in ingest.TABLES[table]]
+
+
+def test_cache_reused_and_rebuilt_when_bundle_changes(tmp_path: Path) -> None:
+    b = _small(tmp_path)
+    assert ingest.ingest(b).rebuilt
+    assert not ingest.ingest(b).rebuilt
+    w = BundleWriter.append(b)
+    w.write(RequestRecord(rid="r1", input_ids=[9], output_ids=[]))
+    w.close()
+    again = ingest.ingest(b)
+    assert again.rebuilt and again.manifest["tables"]["requests"] == 2
+
+
+def test_duplicates_dropped_and_undecodable_counted(tmp_path: Path) -> None:
+    payload = wire.encode_batch(
+        __import__("kvcadence.capture.schema", fromlist=["KVEventBatch"]).KVEventBatch(
+            1.0, [stored([1])], 0
+        )
+    )
+    with BundleWriter(tmp_path / "d", header()) as w:
+        for seq in (0, 1, 1):
+            w.write_event(
+                endpoint=0, seq=seq, recv_ns=T0 + seq, topic="", payload=payload, via=0, epoch=0
+            )
+        w.write_event(
+            endpoint=0, seq=2, recv_ns=T0 + 2, topic="", payload=b"\xc1garbage", via=0, epoch=0
+        )
+    ing = ingest.ingest(tmp_path / "d")
+    assert ing.info["duplicates"] == 1
+    assert ing.info["undecodable_payloads"] == 1
+    b = pq.read_table(ing.path("batches")).to_pydict()
+    assert b["seq"] == [0, 1, 2] and b["decode_ok"] == [True, True, False]
+
+
+def test_missing_bundle_is_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError):
+        ingest.ingest(tmp_path / "nope")

@@ -1,0 +1,199 @@
+"""Golden metric values on small hand-made bundles with known answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcadence.analysis import ingest, metrics
+from kvcadence.capture.schema import Annotation, Gap, RequestRecord
+from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
+
+MS = 1_000_000
+
+
+def _golden(tmp_path: Path) -> Path:
+    reqs = [
+        RequestRecord(
+            rid="a",
+            input_ids=[1, 2, 3],
+            output_ids=[4, 5],
+            cached_tokens=0,
+            send_ns=T0 + 500 * MS,
+            finish_ns=T0 + 2500 * MS,
+        ),
+        RequestRecord(
+            rid="b",
+            input_ids=[1, 2, 3, 4],
+            output_ids=[6, 7, 8],
+            cached_tokens=2,
+            send_ns=T0 + 2600 * MS,
+            finish_ns=T0 + 2900 * MS,
+        ),
+    ]
+    return write_bundle(
+        tmp_path / "g",
+        [
+            (0, [cleared()]),
+            (1000, [stored([1, 2, 3]), stored([4])]),
+            (2000, [removed([1, 2]), stored([5, 6], parent=4)]),
+            (3000, [removed([3])]),
+        ],
+        reqs,
+        hdr=header(page_size=1, max_tokens=10),
+    )
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory: pytest.TempPathFactory) -> metrics.BundleMetrics:
+    return metrics.compute(ingest.ingest(_golden(tmp_path_factory.mktemp("golden"))))
+
+
+def test_counts_and_per_request(golden: metrics.BundleMetrics) -> None:
+    m = golden.metrics
+    assert (m["messages"], m["events"]) == (4, 6)
+    assert (m["stored_events"], m["removed_events"], m["cleared_events"]) == (3, 2, 1)
+    assert m["requests"] == 2
+    assert m["stored_events_per_request"] == 1.5
+    assert m["removed_events_per_request"] == 1.0
+    assert (m["total_stored_blocks"], m["total_removed_blocks"], m["total_stored_tokens"]) == (
+        6,
+        3,
+        6,
+    )
+    assert m["share_single_block_stores"] == pytest.approx(1 / 3)
+    assert m["span_s"] == 3.0
+    assert m["events_per_second"] == 2.0
+    assert m["stored_events_per_completion_token"] == pytest.approx(3 / 5)
+    assert m["orphan_parent_events"] == 0
+
+
+def test_distributions_linear_interpolation(golden: metrics.BundleMetrics) -> None:
+    m = golden.metrics
+    # stored sizes [3, 1, 2]; removed sizes [2, 1]
+    assert m["blocks_per_stored_event.n"] == 3
+    assert m["blocks_per_stored_event.mean"] == 2.0
+    assert m["blocks_per_stored_event.median"] == 2.0
+    assert m["blocks_per_stored_event.p90"] == pytest.approx(2.8)
+    assert m["blocks_per_stored_event.p10"] == pytest.approx(1.2)
+    assert (m["blocks_per_stored_event.min"], m["blocks_per_stored_event.max"]) == (1, 3)
+    assert m["blocks_per_removed_event.median"] == 1.5
+    assert m["blocks_per_removed_event.p99"] == pytest.approx(1.99)
+    # events per message [1, 2, 2, 1]
+    assert m["events_per_message.mean"] == 1.5
+    assert m["events_per_message.median"] == 1.5
+
+
+def test_composition_histograms_series(golden: metrics.BundleMetrics) -> None:
+    m = golden.metrics
+    assert m["message_composition.cleared"] == 1
+    assert m["message_composition.stored_only"] == 1
+    assert m["message_composition.removed_and_stored"] == 1
+    assert m["message_composition.removed_only"] == 1
+    h = golden.histograms["blocks_per_stored_event"]
+    assert h["buckets"] == ["1", "2-8", "9-64", "65-1024", "1025-8192", ">8192"]
+    assert h["events"] == [1, 2, 0, 0, 0, 0]
+    assert h["blocks"] == [1, 5, 0, 0, 0, 0]
+    assert golden.series["t_s"] == [0, 1, 2, 3]
+    assert golden.series["events"] == [1, 2, 2, 1]
+    assert golden.series["stored_blocks"] == [0, 4, 2, 0]
+
+
+def test_removals_pool_pressure_and_window(golden: metrics.BundleMetrics) -> None:
+    m = golden.metrics
+    assert m["removal.pool_pages"] == 10
+    assert (m["removal.capacity_events"], m["removal.flush_events"]) == (2, 0)
+    # resident before the removals: 3+1 = 4, then 4-2+2 = 4
+    assert m["removal.resident_blocks_at_removal.mean"] == 4.0
+    assert m["removal.pool_pressure_at_removal.median"] == pytest.approx(0.4)
+    assert golden.window["source"] == "from the first removal"
+    assert m["window.start_s"] == 2.0 and m["window.end_s"] == 3.0
+    assert m["window.events"] == 3
+    assert m["window.requests_finished"] == 2  # a at 2.5 s, b at 2.9 s
+    assert m["window.stored_events_per_request"] == 0.5
+    assert m["window.removed_events_per_request"] == 1.0
+
+
+def test_requests_metrics(golden: metrics.BundleMetrics) -> None:
+    m = golden.metrics
+    assert m["requests.total_prompt_tokens"] == 7
+    assert m["requests.total_cached_tokens"] == 2
+    assert m["requests.cache_hit_rate"] == pytest.approx(2 / 7)
+    assert m["requests.prompt_tokens.median"] == 3.5
+    # a removal message (2.0 s, 3.0 s) falls inside a's [0.5, 2.5] s; none inside b's [2.6, 2.9]
+    assert m["requests.share_with_removal_in_flight"] == 0.5
+
+
+def test_user_window_and_peer_variant(tmp_path: Path) -> None:
+    ing = ingest.ingest(_golden(tmp_path))
+    w = metrics.compute(ing, window=(0.5, 1.5)).metrics
+    assert w["window.events"] == 2 and w["window.requests_finished"] == 0
+    peer = metrics.compute(ing, peer_compatible=True)
+    assert peer.variant == "peer-compatible"
+    assert peer.metrics["messages"] == 3  # late start: no seq 0
+    assert peer.metrics["cleared_events"] == 0
+    # nearest rank: sorted[min(n-1, floor(q*n))] of [1, 2, 3]
+    assert peer.metrics["blocks_per_stored_event.p90"] == 3.0
+    assert peer.metrics["blocks_per_stored_event.median"] == 2.0
+
+
+def test_quality_flush_and_orphans(tmp_path: Path) -> None:
+    b = write_bundle(
+        tmp_path / "q",
+        [
+            (0, [stored([10, 11], parent=99)]),  # parent never seen: orphan
+            (100, [removed([10]), cleared()]),  # removal followed by a clear: flush
+            (200, [stored([12])]),
+        ],
+        gaps=[Gap(endpoint=0, epoch=0, first_seq=3, last_seq=5, recovered=2)],
+        hdr=header(max_tokens=None),
+        start_seq=7,
+    )
+    m = metrics.compute(ingest.ingest(b)).metrics
+    assert m["orphan_parent_events"] == 1
+    assert (m["removal.flush_events"], m["removal.capacity_events"]) == (1, 0)
+    assert m["removal.pool_pages"] is None
+    assert m["quality.gap_records"] == 1
+    assert (m["quality.missing_seqs"], m["quality.recovered"], m["quality.unrecovered"]) == (
+        3,
+        2,
+        1,
+    )
+    assert m["quality.first_seq_zero"] == 0
+    assert m["quality.clean_shutdown"] == 1
+
+
+def test_flush_annotation_and_per_rank(tmp_path: Path) -> None:
+    b = tmp_path / "r"
+    write_bundle(
+        b,
+        [
+            (0, [stored([1, 2])], 0),
+            (0, [stored([3])], 1),
+            (50, [removed([1])], 0),
+            (60, [removed([3])], 1),
+        ],
+        [
+            RequestRecord(rid="x", input_ids=[1], dp_rank=0),
+            RequestRecord(rid="y", input_ids=[1], dp_rank=1),
+        ],
+        hdr=header(ranks=2),
+    )
+    from kvcadence.capture.bundle import BundleWriter
+
+    w = BundleWriter.append(b)
+    w.write(Annotation(kind="flush_cache", recv_ns=T0 + 60 * MS))
+    w.close()
+    res = metrics.compute(ingest.ingest(b))
+    assert res.metrics["removal.flush_events"] == 2  # both within 1 s of the flush note
+    assert sorted(res.per_rank) == ["0", "1"]
+    assert res.per_rank["0"]["stored_events_per_request"] == 1.0
+    assert res.per_rank["1"]["blocks_per_stored_event.median"] == 1.0
+    assert res.metrics["quality.epochs"] == 2
+
+
+def test_every_metric_has_a_definition(golden: metrics.BundleMetrics) -> None:
+    for name in golden.metrics:
+        unit, definition = metrics.DEFS[name]
+        assert unit and definition
