@@ -1,0 +1,431 @@
+"""Commands ``capture`` (+ ``capture import``), ``drive`` and ``harness``.
+
+* ``kvcadence capture (--server URL | --endpoint URL [--replay-endpoint URL] ...) --out B``
+  records a live worker's KV events into bundle ``B`` until SIGINT/SIGTERM, ``--duration`` or
+  ``--until-idle``.
+* ``kvcadence capture import --sglang-metrics DIR_OR_FILE --sglang-request-log FILE B`` adds
+  ``RequestRecord``s from SGLang's own request logs to ``B`` (created when missing).
+* ``kvcadence drive --server URL --workload SPEC --out B`` sends a workload and records the
+  requests and (unless ``--no-capture``) the worker's KV events into the same bundle.
+* ``kvcadence harness setup|start|stop|status`` manages the real-SGLang CPU worker.
+
+Only the standard library is imported here; everything else is imported by the run
+functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvcadence.errors import UsageError
+
+
+def register(sub: Any) -> None:
+    _register_capture(sub)
+    _register_drive(sub)
+    _register_harness(sub)
+
+
+# ---------------------------------------------------------------------- shared options
+
+
+def _add_endpoint_opts(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV-event endpoints (default: discovered from --server)")
+    g.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="publisher PUB endpoint, e.g. tcp://127.0.0.1:5557 (repeat for each DP rank)",
+    )
+    g.add_argument(
+        "--replay-endpoint",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="replay ROUTER of the i-th --endpoint ('none' for none)",
+    )
+    g.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
+    g.add_argument(
+        "--replay-timeout",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="give up a replay after S seconds without a reply (default 2)",
+    )
+    g.add_argument(
+        "--no-initial-replay",
+        action="store_true",
+        help="do not fetch the publisher's replay ring from seq 0 at start",
+    )
+    g.add_argument(
+        "--segment-mb", type=float, default=256.0, help="segment size in MB (default 256)"
+    )
+
+
+def _register_capture(sub: Any) -> None:
+    p = sub.add_parser(
+        "capture",
+        help="record a live SGLang worker's KV events into a bundle",
+        description=(
+            "Record every KV-event batch a live SGLang worker publishes (ZMQ SUB per DP "
+            "rank, replay recovery of gaps) into bundle --out. Stops on SIGINT/SIGTERM, "
+            "--duration or --until-idle, writing a Trailer. Sub-mode 'import' adds SGLang's "
+            "own request logs to a bundle."
+        ),
+    )
+    p.add_argument("--server", metavar="URL", help="SGLang server for /server_info discovery")
+    p.add_argument("--out", metavar="BUNDLE", help="bundle directory to create")
+    p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    p.add_argument(
+        "--until-idle", type=float, metavar="S", help="stop S seconds after the last message"
+    )
+    p.add_argument("--quiet", action="store_true", help="no status line, no summary")
+    _add_endpoint_opts(p)
+    p.set_defaults(_run=run_capture)
+    modes = p.add_subparsers(title="modes", metavar="MODE", dest="capture_mode")
+    imp = modes.add_parser(
+        "import",
+        help="add SGLang's own request logs (metrics export / JSON request log) to a bundle",
+        description=(
+            "Convert SGLang's --export-metrics-to-file lines and/or --log-requests "
+            "--log-requests-format json lines into RequestRecords appended to BUNDLE "
+            "(created when missing). Pickled dumps are refused."
+        ),
+    )
+    imp.add_argument("bundle", metavar="BUNDLE")
+    imp.add_argument("--sglang-metrics", metavar="DIR_OR_FILE", action="append", default=[])
+    imp.add_argument("--sglang-request-log", metavar="FILE", action="append", default=[])
+    imp.add_argument("--quiet", action="store_true")
+    imp.set_defaults(_run=run_capture_import)
+
+
+def _register_drive(sub: Any) -> None:
+    p = sub.add_parser(
+        "drive",
+        help="send a workload to a worker and record requests + KV events",
+        description=(
+            "Send a workload to SGLang's POST /generate (input_ids, temperature 0, "
+            "ignore_eos) and record one RequestRecord per request, capturing the worker's KV "
+            "events into the same bundle. SPEC: agent[:k=v,...] | mooncake:path=FILE[,...] | "
+            "admission:path=FILE[,...] | @spec.json"
+        ),
+    )
+    p.add_argument("--server", required=True, metavar="URL")
+    p.add_argument("--workload", required=True, metavar="SPEC")
+    p.add_argument("--out", required=True, metavar="BUNDLE")
+    p.add_argument("--lanes", type=int, help="override the workload's lanes")
+    p.add_argument("--requests", type=int, help="override the agent workload's request count")
+    p.add_argument("--seed", type=int, help="override the workload seed")
+    p.add_argument("--no-capture", action="store_true", help="record requests only")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="after the last request, keep capturing until S s without events (default 2)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
+    p.add_argument("--quiet", action="store_true")
+    _add_endpoint_opts(p)
+    p.set_defaults(_run=run_drive)
+
+
+def _register_harness(sub: Any) -> None:
+    p = sub.add_parser(
+        "harness",
+        help="set up / start / stop a real SGLang 0.5.23 CPU worker (tests, demos)",
+        description=(
+            "The real-SGLang CPU harness: a cached venv (~/.cache/kvcadence, or "
+            "$KVCADENCE_SGLANG_VENV), a tiny random Llama, one loopback worker with KV "
+            "events + replay, stopped by PID."
+        ),
+    )
+    acts = p.add_subparsers(title="actions", metavar="ACTION", dest="harness_action")
+    s = acts.add_parser("setup", help="build the venv and the model (idempotent)")
+    s.add_argument("--force", action="store_true", help="rebuild the venv")
+    s.set_defaults(_run=run_harness)
+    st = acts.add_parser("start", help="start a detached worker; prints its JSON description")
+    st.add_argument("--page-size", type=int, default=1)
+    st.add_argument("--max-total-tokens", type=int, default=20000)
+    st.add_argument("--chunked-prefill-size", type=int)
+    st.add_argument("--workdir", default=None, help="log + metrics dir (default: a cache dir)")
+    st.add_argument("--no-replay", action="store_true")
+    st.set_defaults(_run=run_harness)
+    sp = acts.add_parser("stop", help="stop the worker started by 'harness start' (by PID)")
+    sp.set_defaults(_run=run_harness)
+    ss = acts.add_parser("status", help="venv / model / worker state as JSON")
+    ss.set_defaults(_run=run_harness)
+    p.set_defaults(_run=lambda a: (p.print_help(), 2)[1])
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM only set ``stop`` (the loop drains and writes the Trailer)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    for s in old:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _endpoints(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any] | None]:
+    from kvcadence.capture import discovery
+
+    info = None
+    if args.server:
+        info = discovery.fetch_server_info(args.server)
+    if args.endpoint:
+        eps = discovery.explicit_endpoints(args.endpoint, args.replay_endpoint, args.topic)
+    elif info is not None:
+        eps = discovery.endpoints_from_server_info(info, args.server)
+        if args.topic:
+            eps = [type(e)(e.id, e.url, e.replay_url, e.dp_rank, args.topic) for e in eps]
+    else:
+        raise UsageError("give --server URL (discovery) or at least one --endpoint URL")
+    if args.replay_endpoint and not args.endpoint:
+        raise UsageError("--replay-endpoint needs a matching --endpoint")
+    return eps, info
+
+
+def _open_writer(out: str, header: Any, segment_mb: float) -> Any:
+    from kvcadence.capture.bundle import BundleWriter
+
+    if segment_mb <= 0:
+        raise UsageError("--segment-mb must be > 0")
+    return BundleWriter(out, header, segment_bytes=max(64, int(segment_mb * (1 << 20))))
+
+
+def _make_recorder(args: argparse.Namespace, writer: Any, eps: list[Any], **kw: Any) -> Any:
+    from kvcadence.capture.recorder import Recorder, StatusLine
+
+    status = None if args.quiet else StatusLine()
+    return Recorder(
+        writer,
+        eps,
+        replay_timeout_s=args.replay_timeout,
+        initial_replay=not args.no_initial_replay,
+        status=status,
+        **kw,
+    )
+
+
+# ---------------------------------------------------------------------- capture
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from kvcadence.capture import discovery
+    from kvcadence.capture.recorder import summary_text
+
+    if not args.out:
+        raise UsageError("capture needs --out BUNDLE")
+    for name in ("duration", "until_idle"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    eps, info = _endpoints(args)
+    header = discovery.make_header(eps, server_info=info, command=sys.argv)
+    writer = _open_writer(args.out, header, args.segment_mb)
+    rec = _make_recorder(args, writer, eps, duration_s=args.duration, until_idle_s=args.until_idle)
+    stop = threading.Event()
+    with _stop_on_signals(stop):
+        stats = rec.run(stop)
+    if not args.quiet:
+        print(summary_text(stats, args.out), file=sys.stderr)
+    return 0
+
+
+def run_capture_import(args: argparse.Namespace) -> int:
+    from kvcadence.capture import sglang_logs
+    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.capture.discovery import make_header
+
+    if not args.sglang_metrics and not args.sglang_request_log:
+        raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
+    records = []
+    for m in args.sglang_metrics:
+        records += sglang_logs.read_metrics(m)
+    for r in args.sglang_request_log:
+        records += sglang_logs.read_request_log(r)
+    out = Path(args.bundle)
+    if out.exists() and any(out.iterdir()):
+        writer = BundleWriter.append(out)
+    else:
+        writer = BundleWriter(out, make_header([], server_info=None, command=sys.argv))
+    with writer:
+        for rec in records:
+            writer.write(rec)
+    if not args.quiet:
+        print(f"capture import: {len(records)} request records -> {out}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- drive
+
+
+def run_drive(args: argparse.Namespace) -> int:
+    from kvcadence.capture import discovery
+    from kvcadence.capture.driver import Driver
+    from kvcadence.capture.recorder import summary_text
+    from kvcadence.capture.schema import Annotation
+    from kvcadence.capture.workloads import build_workload
+
+    wl = build_workload(args.workload, lanes=args.lanes, requests=args.requests, seed=args.seed)
+    stop = threading.Event()
+    info = discovery.fetch_server_info(args.server)
+    eps: list[Any] = []
+    if not args.no_capture:
+        eps, _ = (
+            _endpoints(args)
+            if args.endpoint
+            else (discovery.endpoints_from_server_info(info, args.server), None)
+        )
+    header = discovery.make_header(eps, server_info=info, command=sys.argv)
+    writer = _open_writer(args.out, header, args.segment_mb)
+    note = Annotation(kind="workload", recv_ns=time.time_ns(), data=wl.describe())
+    progress = None if args.quiet or not sys.stderr.isatty() else _progress_bar(wl)
+    if args.no_capture:
+        writer.write(note)
+        try:
+            with _stop_on_signals(stop):
+                drv = Driver(args.server, wl, writer.write, timeout_s=args.timeout, stop=stop)
+                dst = drv.run()
+        finally:
+            writer.close(clean=not stop.is_set())
+        _drive_summary(args, dst, None)
+        return 0
+
+    rec_stop = threading.Event()
+    rec = _make_recorder(args, writer, eps)
+    rec.status = None  # the driver's progress bar owns the terminal
+    rec.submit(note)
+    result: dict[str, Any] = {}
+
+    def record() -> None:
+        try:
+            result["stats"] = rec.run(rec_stop)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            result["error"] = exc
+            stop.set()
+
+    t = threading.Thread(target=record, name="kv-capture")
+    t.start()
+    rec.ready.wait(10)
+    time.sleep(0.3)  # let SUB subscriptions reach the publisher (slow joiner)
+    try:
+        with _stop_on_signals(stop):
+            drv = Driver(
+                args.server, wl, rec.submit, timeout_s=args.timeout, stop=stop, progress=progress
+            )
+            dst = drv.run()
+            # the last finish stores are published when the worker goes idle
+            deadline = time.monotonic() + max(args.settle, 0) * 10
+            while not stop.is_set() and time.monotonic() < deadline:
+                last = rec.stats.last_msg_ns
+                idle = (time.time_ns() - last) / 1e9 if last else args.settle
+                if idle >= args.settle:
+                    break
+                time.sleep(0.1)
+    finally:
+        rec_stop.set()
+        t.join()
+        if progress is not None:
+            progress.close()  # type: ignore[attr-defined]
+    if "error" in result:
+        raise result["error"]
+    _drive_summary(args, dst, result.get("stats"))
+    if not args.quiet:
+        print(summary_text(result["stats"], args.out), file=sys.stderr)
+    return 0
+
+
+def _progress_bar(wl: Any) -> Any:
+    from tqdm import tqdm
+
+    total = getattr(wl, "requests", None)
+    bar = tqdm(total=total, unit="req", desc="drive", leave=False)
+
+    def cb(rec: Any) -> None:
+        bar.update(1)
+
+    cb.close = bar.close  # type: ignore[attr-defined]
+    return cb
+
+
+def _drive_summary(args: argparse.Namespace, dst: Any, cst: Any) -> None:
+    if args.quiet:
+        return
+    hit = dst.cached_tokens / dst.prompt_tokens if dst.prompt_tokens else 0.0
+    print(
+        f"drive: {dst.sent} requests ({dst.errors} errors) in {dst.wall_s:.1f} s, "
+        f"{dst.prompt_tokens} prompt / {dst.cached_tokens} cached ({hit:.1%}) / "
+        f"{dst.completion_tokens} completion tokens",
+        file=sys.stderr,
+    )
+
+
+# ---------------------------------------------------------------------- harness
+
+
+def run_harness(args: argparse.Namespace) -> int:
+    from kvcadence.capture import harness
+
+    act = args.harness_action
+    if act == "setup":
+        venv = harness.ensure_venv(force=args.force)
+        model = harness.ensure_model()
+        print(json.dumps({"venv": str(venv), "model": str(model)}))
+        return 0
+    if act == "status":
+        print(json.dumps(harness.status(), indent=2))
+        return 0
+    if act == "start":
+        st = harness.status().get("server")
+        if isinstance(st, dict) and st.get("alive"):
+            raise UsageError(f"a harness worker is already running (pid {st['pid']}); stop it")
+        workdir = Path(args.workdir) if args.workdir else harness.cache_dir() / "harness-run"
+        cfg = harness.ServerConfig(
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            replay=not args.no_replay,
+        )
+        h = harness.start_server(cfg, workdir, detach=True, quiet=False)
+        d = h.to_json()
+        d["url"] = h.url
+        harness.state_path().write_text(json.dumps(d))
+        print(json.dumps(d))
+        return 0
+    if act == "stop":
+        sp = harness.state_path()
+        if not sp.is_file():
+            print("harness: no worker recorded", file=sys.stderr)
+            return 0
+        st = json.loads(sp.read_text())
+        rc = harness.stop_pid(int(st["pid"]))
+        sp.unlink()
+        print(json.dumps({"pid": st["pid"], "stopped": rc is not None, "rc": rc}))
+        return 0
+    raise UsageError("harness needs an action: setup | start | stop | status")

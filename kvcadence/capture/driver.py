@@ -1,0 +1,242 @@
+"""The request driver: send a workload to SGLang's ``POST /generate`` and record each request.
+
+Requests carry ``input_ids`` (no tokenizer needed), ``temperature: 0``, ``ignore_eos: true``
+and the workload's ``max_new_tokens``; the workload's request id is sent as ``rid`` so the
+server's own logs (``--export-metrics-to-file``) name the same request. Each response becomes
+one ``RequestRecord`` (send / first-token / finish times, input and output token ids,
+``meta_info`` prompt / cached / completion tokens, finish reason, or the HTTP error).
+
+Closed loop: one thread per lane, each sending its next request after the previous one
+finished and the workload's pause. Open loop: requests start at their trace arrival offsets
+(a thread pool bounded by ``max_concurrency``). HTTP through one shared ``httpx.Client``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvcadence.capture.schema import RequestRecord
+from kvcadence.capture.workloads import Req, Workload
+from kvcadence.errors import CaptureError
+
+
+@dataclass
+class DriveStats:
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+
+
+def _finish_reason(meta: dict[str, Any]) -> str | None:
+    fr = meta.get("finish_reason")
+    if isinstance(fr, dict):
+        return str(fr.get("type")) if fr.get("type") is not None else None
+    return None if fr is None else str(fr)
+
+
+def _first_token_ns(meta: dict[str, Any]) -> int | None:
+    recv = meta.get("request_received_ts")
+    ftl = meta.get("first_token_latency")
+    if isinstance(recv, (int, float)) and isinstance(ftl, (int, float)):
+        return int((recv + ftl) * 1e9)
+    return None
+
+
+def _opt_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def record_from_response(
+    req: Req,
+    *,
+    send_ns: int,
+    finish_ns: int,
+    status: int | None,
+    body: Any,
+    error: str | None = None,
+) -> RequestRecord:
+    """Build a ``RequestRecord`` from one ``/generate`` exchange (or its failure)."""
+    out_ids: list[int] = []
+    meta: dict[str, Any] = {}
+    if error is None and status != 200:
+        text = body if isinstance(body, str) else str(body)
+        error = f"HTTP {status}: {text[:300]}"
+    if error is None:
+        if not isinstance(body, dict):
+            error = f"unexpected /generate response: {str(body)[:200]}"
+        else:
+            meta = body.get("meta_info") or {}
+            ids = body.get("output_ids")
+            out_ids = [int(t) for t in ids] if isinstance(ids, list) else []
+    return RequestRecord(
+        rid=req.rid,
+        input_ids=list(req.input_ids),
+        output_ids=out_ids,
+        send_ns=send_ns,
+        first_token_ns=_first_token_ns(meta),
+        finish_ns=finish_ns,
+        lane=req.lane,
+        session=req.session,
+        turn=req.turn,
+        max_new_tokens=req.max_new_tokens,
+        prompt_tokens=_opt_int(meta.get("prompt_tokens")),
+        cached_tokens=_opt_int(meta.get("cached_tokens")),
+        completion_tokens=_opt_int(meta.get("completion_tokens")),
+        finish_reason=_finish_reason(meta),
+        error=error,
+        dp_rank=_opt_int(meta.get("dp_rank")),
+        source="driver",
+        think_ns=req.think_ns,
+        arrival_ns=req.arrival_ns,
+        meta_info={**meta, **({"workload": req.note} if req.note else {})},
+    )
+
+
+class Driver:
+    """Sends a workload to one server; ``sink`` receives every ``RequestRecord``."""
+
+    def __init__(
+        self,
+        server_url: str,
+        workload: Workload,
+        sink: Callable[[RequestRecord], None],
+        *,
+        timeout_s: float = 600.0,
+        stop: threading.Event | None = None,
+        progress: Callable[[RequestRecord], None] | None = None,
+        transport: Any = None,
+    ) -> None:
+        self.transport = transport  # an httpx transport (tests use httpx.MockTransport)
+        self.url = server_url.rstrip("/") + "/generate"
+        self.workload = workload
+        self.sink = sink
+        self.timeout_s = timeout_s
+        self.stop = stop or threading.Event()
+        self.progress = progress
+        self.stats = DriveStats()
+        self._lock = threading.Lock()
+        self._client: Any = None
+
+    def send(self, req: Req) -> RequestRecord:
+        import httpx
+
+        body = {
+            "rid": req.rid,
+            "input_ids": req.input_ids,
+            "sampling_params": {
+                "max_new_tokens": req.max_new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+        send_ns = time.time_ns()
+        try:
+            resp = self._client.post(self.url, json=body)
+        except httpx.HTTPError as exc:
+            rec = record_from_response(
+                req,
+                send_ns=send_ns,
+                finish_ns=time.time_ns(),
+                status=None,
+                body=None,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+        else:
+            finish_ns = time.time_ns()
+            try:
+                payload: Any = resp.json()
+            except ValueError:
+                payload = resp.text
+            rec = record_from_response(
+                req, send_ns=send_ns, finish_ns=finish_ns, status=resp.status_code, body=payload
+            )
+        self._account(rec)
+        return rec
+
+    def _account(self, rec: RequestRecord) -> None:
+        with self._lock:
+            st = self.stats
+            st.sent += 1
+            if rec.error is None:
+                st.ok += 1
+                st.prompt_tokens += rec.prompt_tokens or 0
+                st.cached_tokens += rec.cached_tokens or 0
+                st.completion_tokens += rec.completion_tokens or 0
+            else:
+                st.errors += 1
+        self.sink(rec)
+        if self.progress is not None:
+            self.progress(rec)
+
+    def _lane(self, lane: int) -> None:
+        prev: Req | None = None
+        prev_out: list[int] = []
+        while not self.stop.is_set():
+            req = self.workload.next_request(lane, prev, prev_out)
+            if req is None:
+                return
+            if req.think_ns and self.stop.wait(req.think_ns / 1e9):
+                return
+            rec = self.send(req)
+            prev, prev_out = req, rec.output_ids
+
+    def run(self) -> DriveStats:
+        """Run the whole workload (blocks); returns the counts."""
+        import httpx
+
+        wl = self.workload
+        n_conc = max(1, getattr(wl, "max_concurrency", 0) if wl.open_loop() else wl.lanes)
+        limits = httpx.Limits(max_connections=n_conc + 2, max_keepalive_connections=n_conc + 2)
+        t0 = time.monotonic()
+        with httpx.Client(
+            timeout=self.timeout_s, limits=limits, transport=self.transport
+        ) as client:
+            self._client = client
+            errors: list[BaseException] = []
+            if wl.open_loop():
+                self._open_loop(n_conc, errors)
+            else:
+                threads = [
+                    threading.Thread(
+                        target=self._guard, args=(self._lane, lane, errors), name=f"lane-{lane}"
+                    )
+                    for lane in range(wl.lanes)
+                ]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            self._client = None
+        self.stats.wall_s = time.monotonic() - t0
+        if errors:
+            raise CaptureError(f"driver failed: {errors[0]}") from errors[0]
+        return self.stats
+
+    def _guard(self, fn: Callable[..., None], arg: Any, errors: list[BaseException]) -> None:
+        try:
+            fn(arg)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by run()
+            errors.append(exc)
+            self.stop.set()
+
+    def _open_loop(self, n_conc: int, errors: list[BaseException]) -> None:
+        reqs = sorted(self.workload.all_requests(), key=lambda r: r.arrival_ns or 0)
+        t0 = time.monotonic_ns()
+        with ThreadPoolExecutor(max_workers=n_conc, thread_name_prefix="open-loop") as pool:
+            futs = []
+            for req in reqs:
+                delay = ((req.arrival_ns or 0) - (time.monotonic_ns() - t0)) / 1e9
+                if delay > 0 and self.stop.wait(delay):
+                    break
+                futs.append(pool.submit(self._guard, self.send, req, errors))
+            for f in futs:
+                f.result()

@@ -1,0 +1,440 @@
+"""The capture loop: one thread polls every endpoint's sockets and writes the bundle.
+
+``Recorder.run(stop)`` runs one ``zmq.Poller`` over all SUB sockets (and replay DEALERs while
+a replay is outstanding), drains each ready socket with ``NOBLOCK``, hands frames to the
+endpoint's ``SeqTracker`` and writes what it returns through the bundle writer, in seq order.
+Other threads (the request driver) hand records in with ``submit()``; only this thread
+touches the writer. Stops when ``stop`` is set (SIGINT/SIGTERM handlers set it), after
+``duration_s``, or after ``until_idle_s`` without messages once some arrived; then it drains
+what is pending, ends outstanding replays, and closes the writer (``Trailer`` + fsync).
+
+Malformed ZMQ messages (wrong frame count, short seq) are counted and kept raw in an
+``Annotation``; payloads that do not decode are counted, annotated, and still written (the
+bundle writer keeps non-msgpack bytes as a bin payload). A write failure (disk full) stops the
+capture with a ``CaptureError``; segments already written stay intact.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from kvcadence.capture import wire
+from kvcadence.capture.schema import (
+    VIA_LIVE,
+    Annotation,
+    BlockRemoved,
+    BlockStored,
+    EndpointInfo,
+    Epoch,
+    Gap,
+)
+from kvcadence.capture.seqtrack import Out, Output
+from kvcadence.capture.source import EndpointSource
+from kvcadence.errors import BundleError, CaptureError, WireError
+
+
+@dataclass
+class CaptureStats:
+    """Counters of one capture (``as_dict()`` goes into the Trailer)."""
+
+    messages: int = 0  # live messages received
+    written: int = 0  # event frames written (live + recovered)
+    bytes: int = 0  # payload bytes written
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    malformed: int = 0
+    undecodable: int = 0
+    requests: int = 0
+    started_ns: int = 0
+    first_msg_ns: int = 0
+    last_msg_ns: int = 0
+    last_write_ns: int = 0
+    stop_reason: str = ""
+    per_endpoint: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def totals(self) -> dict[str, int]:
+        keys = ("gaps", "missed", "recovered", "unrecovered", "epochs", "replays")
+        return {k: sum(d.get(k, 0) for d in self.per_endpoint.values()) for k in keys}
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "messages",
+                "written",
+                "bytes",
+                "events",
+                "blocks_stored",
+                "blocks_removed",
+                "malformed",
+                "undecodable",
+                "requests",
+                "stop_reason",
+            )
+        }
+        d.update(self.totals())
+        d["per_endpoint"] = {str(k): v for k, v in self.per_endpoint.items()}
+        return d
+
+
+class StatusLine:
+    """A one-line live status on a TTY (``\\r``-rewritten), a summary at the end."""
+
+    def __init__(self, stream: TextIO | None = None, *, live: bool | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty() if live is None else live
+        self._last_t = time.monotonic()
+        self._last_n = 0
+        self._width = 0
+
+    def update(self, st: CaptureStats, force: bool = False) -> None:
+        if not self.live:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_t < 0.5:
+            return
+        rate = (st.messages - self._last_n) / max(now - self._last_t, 1e-9)
+        self._last_t, self._last_n = now, st.messages
+        t = st.totals()
+        line = (
+            f"capture: {rate:8.0f} msg/s  msgs {st.messages}  events {st.events}  "
+            f"blocks +{st.blocks_stored}/-{st.blocks_removed}  gaps {t['gaps']} "
+            f"(unrecovered {t['unrecovered']})  recovered {t['recovered']}  "
+            f"{st.bytes / 1e6:.1f} MB"
+        )
+        pad = max(0, self._width - len(line))
+        self._width = len(line)
+        self.stream.write("\r" + line + " " * pad)
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.live and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary_text(st: CaptureStats, path: str) -> str:
+    t = st.totals()
+    return (
+        f"capture: {st.written} event frames ({st.messages} live, {t['recovered']} recovered "
+        f"by replay), {st.events} events, blocks +{st.blocks_stored}/-{st.blocks_removed}, "
+        f"{t['gaps']} gaps ({t['missed']} seqs missed, {t['unrecovered']} unrecovered), "
+        f"{t['epochs']} new epochs, {st.malformed} malformed, {st.undecodable} undecodable, "
+        f"{st.requests} requests, {st.bytes / 1e6:.2f} MB -> {path} ({st.stop_reason})"
+    )
+
+
+class Recorder:
+    """Polls endpoints and writes a bundle (see the module docstring)."""
+
+    def __init__(
+        self,
+        writer: Any,
+        endpoints: list[EndpointInfo],
+        *,
+        replay_timeout_s: float = 2.0,
+        initial_replay: bool = True,
+        duration_s: float | None = None,
+        until_idle_s: float | None = None,
+        decode_stats: bool = True,
+        status: StatusLine | None = None,
+        ctx: Any = None,
+        max_buffer: int = 1_000_000,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        import zmq
+
+        if not endpoints:
+            raise CaptureError("no KV-event endpoint to capture")
+        self._zmq = zmq
+        self.writer = writer
+        self.ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
+        self.sources = [
+            EndpointSource(self.ctx, e, replay_timeout_s=replay_timeout_s, max_buffer=max_buffer)
+            for e in endpoints
+        ]
+        self.initial_replay = initial_replay
+        self.duration_s = duration_s
+        self.until_idle_s = until_idle_s
+        self.decode_stats = decode_stats
+        self.status = status
+        self.on_ready = on_ready
+        self.stats = CaptureStats(started_ns=time.time_ns())
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._backlog: deque[tuple[int, int, int, bytes]] = deque()
+        self.ready = threading.Event()
+
+    # -------------------------------------------------------------- public
+
+    def submit(self, record: Any) -> None:
+        """Queue a record (RequestRecord, Annotation) for writing; thread-safe."""
+        self._inbox.put(record)
+
+    def run(self, stop: threading.Event) -> CaptureStats:
+        """Capture until ``stop`` is set or a stop condition hits; close the writer."""
+        zmq = self._zmq
+        poller = zmq.Poller()
+        subs = {}
+        for src in self.sources:
+            poller.register(src.sub, zmq.POLLIN)
+            subs[src.sub] = src
+            if self.initial_replay:
+                src.tracker.begin_initial_replay(time.time_ns())
+                src.start_replay_if_wanted(poller)
+        dealers = lambda: {s.dealer: s for s in self.sources if s.dealer is not None}  # noqa: E731
+        t0 = time.monotonic()
+        self.ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
+        reason = "stopped"
+        try:
+            while True:
+                if stop.is_set():
+                    reason = "signal/stop requested"
+                    break
+                now = time.monotonic()
+                if self.duration_s is not None and now - t0 >= self.duration_s:
+                    reason = f"duration {self.duration_s:g} s reached"
+                    break
+                last = max(self.stats.last_msg_ns, self.stats.last_write_ns)
+                if (
+                    self.until_idle_s is not None
+                    and last
+                    and (time.time_ns() - last) / 1e9 >= self.until_idle_s
+                    and not any(s.tracker.session for s in self.sources)
+                ):
+                    reason = f"idle for {self.until_idle_s:g} s"
+                    break
+                ready = dict(poller.poll(0 if self._backlog else 100))
+                busy = self._service(ready, subs, dealers(), poller)
+                self._drain_inbox()
+                if self._backlog and busy < 256:
+                    self._decode_backlog(0.005)
+                if self.status is not None and self.status.live:
+                    self._refresh()
+                    self.status.update(self.stats)
+            self._shutdown_drain(subs, poller)
+        except (OSError, BundleError) as exc:
+            self.stats.stop_reason = f"write failed: {exc}"
+            self._refresh()
+            self._close_sockets(poller)
+            try:
+                self.writer.close(clean=False, stats=self.stats.as_dict())
+            except Exception:  # noqa: BLE001 - the disk is full: the first error is the one
+                pass
+            raise CaptureError(
+                f"cannot write the bundle ({exc}); capture stopped -- everything written "
+                "before this point is intact"
+            ) from exc
+        self.stats.stop_reason = reason
+        self._refresh()
+        self._close_sockets(poller)
+        if self.status is not None:
+            self.status.update(self.stats, force=True)
+            self.status.finish()
+        try:
+            self.writer.close(clean=True, stats=self.stats.as_dict())
+        except (OSError, BundleError) as exc:
+            raise CaptureError(f"cannot finish the bundle ({exc})") from exc
+        return self.stats
+
+    # ------------------------------------------------------------ internals
+
+    def _refresh(self) -> None:
+        for src in self.sources:
+            self.stats.per_endpoint[src.info.id] = _tracker_dict(src)
+
+    def _service(self, ready: dict, subs: dict, dealers: dict, poller: Any) -> int:
+        n = 0
+        for sock in ready:
+            src = subs.get(sock)
+            if src is not None:
+                n += self._drain_sub(src, poller)
+                continue
+            src = dealers.get(sock)
+            if src is not None:
+                self._apply(src, src.drain_replay(poller))
+                src.start_replay_if_wanted(poller)
+        now = time.monotonic_ns()
+        for src in self.sources:
+            if src.tracker.session is not None:
+                self._apply(src, src.check_replay_timeout(poller, now))
+                src.start_replay_if_wanted(poller)
+        return n
+
+    def _drain_sub(self, src: EndpointSource, poller: Any, max_msgs: int = 5000) -> int:
+        zmq = self._zmq
+        sub = src.sub
+        eid = src.info.id
+        st = self.stats
+        write_event = self.writer.write_event
+        decode = self.decode_stats
+        backlog = self._backlog
+        n = 0
+        while n < max_msgs:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            recv_ns = time.time_ns()
+            st.messages += 1
+            st.last_msg_ns = recv_ns
+            if not st.first_msg_ns:
+                st.first_msg_ns = recv_ns
+            try:
+                topic, seq, payload = src.parse_live(frames)
+            except WireError as exc:
+                self._malformed(src, frames, recv_ns, str(exc))
+                continue
+            tr = src.tracker
+            if tr.session is None and tr.last is not None and seq == tr.last + 1:
+                # fast path (the common case): next seq, no replay outstanding
+                tr.take_in_order(seq)
+                write_event(
+                    endpoint=eid,
+                    seq=seq,
+                    recv_ns=recv_ns,
+                    topic=topic,
+                    payload=payload,
+                    via=VIA_LIVE,
+                    epoch=tr.epoch,
+                )
+                st.written += 1
+                st.bytes += len(payload)
+                st.last_write_ns = recv_ns
+                if decode:
+                    backlog.append((eid, seq, recv_ns, payload))
+                continue
+            outs = tr.on_live(seq, topic, payload, recv_ns)
+            if outs:
+                self._apply(src, outs)
+            if src.tracker.replay_wanted is not None:
+                src.start_replay_if_wanted(poller)
+        return n
+
+    def _malformed(self, src: EndpointSource, frames: list[bytes], recv_ns: int, err: str) -> None:
+        self.stats.malformed += 1
+        self.writer.write(
+            Annotation(
+                kind="malformed_message",
+                recv_ns=recv_ns,
+                data={"endpoint": src.info.id, "error": err, "frames": [bytes(f) for f in frames]},
+            )
+        )
+
+    def _apply(self, src: EndpointSource, outs: list[Output]) -> None:
+        w = self.writer
+        st = self.stats
+        for o in outs:
+            if isinstance(o, Out):
+                w.write_event(
+                    endpoint=src.info.id,
+                    seq=o.seq,
+                    recv_ns=o.recv_ns,
+                    topic=o.topic,
+                    payload=o.payload,
+                    via=o.via,
+                    epoch=o.epoch,
+                )
+                st.written += 1
+                st.bytes += len(o.payload)
+                st.last_write_ns = o.recv_ns
+                if self.decode_stats:
+                    self._backlog.append((src.info.id, o.seq, o.recv_ns, o.payload))
+            else:
+                assert isinstance(o, (Gap, Epoch))
+                w.write(o)
+
+    def _decode_backlog(self, budget_s: float | None) -> None:
+        """Decode written payloads for the event/block counts (and to find undecodable
+        ones) when the loop has time: never on the receive path, all of it at shutdown."""
+        bl = self._backlog
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        n = 0
+        while bl:
+            self._count(*bl.popleft())
+            n += 1
+            if deadline is not None and not n & 31 and time.perf_counter() > deadline:
+                return
+
+    def _count(self, endpoint: int, seq: int, recv_ns: int, payload: bytes) -> None:
+        try:
+            batch = wire.decode_batch(payload)
+        except WireError as exc:
+            self.stats.undecodable += 1
+            self.writer.write(
+                Annotation(
+                    kind="undecodable_payload",
+                    recv_ns=recv_ns,
+                    data={"endpoint": endpoint, "seq": seq, "error": str(exc)},
+                )
+            )
+            return
+        st = self.stats
+        for ev in batch.events:
+            st.events += 1
+            if isinstance(ev, BlockStored):
+                st.blocks_stored += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                st.blocks_removed += len(ev.block_hashes)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                rec = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.writer.write(rec)
+            if type(rec).__name__ == "RequestRecord":
+                self.stats.requests += 1
+
+    def _shutdown_drain(self, subs: dict, poller: Any) -> None:
+        """Read what is already queued, let outstanding replays finish (bounded), flush."""
+        for src in self.sources:
+            self._drain_sub(src, poller, max_msgs=1_000_000)
+        deadline = time.monotonic() + max(
+            (s.replay_timeout_ns / 1e9 for s in self.sources if s.tracker.session), default=0.0
+        )
+        while any(s.tracker.session for s in self.sources) and time.monotonic() < deadline:
+            ready = dict(poller.poll(50))
+            self._service(ready, subs, {s.dealer: s for s in self.sources if s.dealer}, poller)
+        for src in self.sources:
+            src.close_dealer(poller)
+            self._apply(src, src.tracker.flush())
+        self._drain_inbox()
+        self._decode_backlog(None)
+
+    def _close_sockets(self, poller: Any) -> None:
+        for src in self.sources:
+            try:
+                src.close(poller)
+            except Exception:  # noqa: BLE001 - closing best effort
+                pass
+        if self._own_ctx:
+            self.ctx.term()
+
+
+def _tracker_dict(src: EndpointSource) -> dict[str, int]:
+    s = src.tracker.stats
+    return {
+        "live": s.live,
+        "written": s.written,
+        "gaps": s.gaps,
+        "missed": s.missed,
+        "recovered": s.recovered,
+        "unrecovered": s.unrecovered,
+        "epochs": s.epochs,
+        "replays": s.replays,
+        "replay_timeouts": s.replay_timeouts,
+        "malformed_replies": src.malformed_replies,
+    }

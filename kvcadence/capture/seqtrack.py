@@ -1,0 +1,246 @@
+"""Per-endpoint sequence tracking: gaps, epochs and replay recovery, as a pure state machine.
+
+One ``SeqTracker`` per publisher endpoint (one per DP rank). It is fed what the sockets
+deliver -- live messages, replay replies, "replay finished" -- and returns what must be
+written, in order: ``Out`` event frames (in seq order within an epoch), ``Gap`` records and
+``Epoch`` records. It never touches a socket, so the seq logic is testable on its own;
+``kvcadence.capture.source`` wires it to ZMQ.
+
+Rules (SGLang's publisher: seq starts at 0 per publisher instance, +1 per batch):
+
+* first seq of an epoch != 0, or a jump ``seq > last + 1`` -> the missing range is asked from
+  the replay endpoint (``replay_wanted``); live messages are buffered until the replay ends
+  (end marker, timeout, or buffer full); recovered frames are written in seq order, then the
+  buffered live ones. Each missing range becomes one ``Gap`` with its ``recovered`` count.
+* without a replay endpoint, or for seqs a finished replay did not return (ring moved on,
+  replay dropped), the ``Gap`` says how many were recovered (possibly 0).
+* ``seq <= last`` (a restarted publisher counts from 0 again) -> a new ``Epoch``; never a gap.
+* ``begin_initial_replay()`` asks for everything from seq 0 before any live message, so a late
+  subscriber recovers the publisher's history even when no new traffic arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvcadence.capture.schema import VIA_LIVE, VIA_REPLAY, Epoch, Gap
+
+
+class Out(NamedTuple):
+    """One event frame to write."""
+
+    seq: int
+    recv_ns: int
+    topic: str
+    payload: bytes
+    via: int
+    epoch: int
+
+
+class Live(NamedTuple):
+    seq: int
+    topic: str
+    payload: bytes
+    recv_ns: int
+
+
+Output = Out | Gap | Epoch
+
+
+@dataclass
+class ReplaySession:
+    """One outstanding replay request: ``[from_seq, until)`` (``until`` None = everything)."""
+
+    from_seq: int
+    until: int | None
+    reason: str
+    started_ns: int
+    buffer: list[Live] = field(default_factory=list)
+    got: dict[int, tuple[str, bytes, int]] = field(default_factory=dict)
+    ended: bool = False
+
+
+@dataclass
+class TrackerStats:
+    live: int = 0
+    written: int = 0
+    recovered: int = 0
+    replay_replies: int = 0
+    gaps: int = 0
+    missed: int = 0
+    unrecovered: int = 0
+    epochs: int = 0
+    replays: int = 0
+    replay_timeouts: int = 0
+
+
+class SeqTracker:
+    """Seq bookkeeping for one endpoint (see the module docstring)."""
+
+    def __init__(self, endpoint: int, *, has_replay: bool, max_buffer: int = 1_000_000) -> None:
+        self.endpoint = endpoint
+        self.has_replay = has_replay
+        self.max_buffer = max_buffer
+        self.epoch = 0
+        self.last: int | None = None
+        self.session: ReplaySession | None = None
+        self.replay_wanted: int | None = None  # from_seq the caller must request, then clear
+        self._fill: dict[int, tuple[str, bytes, int]] = {}
+        self._attempted: tuple[int, int] | None = None  # [lo, hi) a finished replay covered
+        self.stats = TrackerStats()
+
+    # ---------------------------------------------------------------- inputs
+
+    def begin_initial_replay(self, now_ns: int) -> None:
+        """Ask for the publisher's whole ring (from seq 0) before any live message."""
+        if self.has_replay and self.session is None and self.last is None:
+            self._start(0, None, "initial sync", now_ns)
+
+    def on_live(self, seq: int, topic: str, payload: bytes, recv_ns: int) -> list[Output]:
+        self.stats.live += 1
+        msg = Live(seq, topic, payload, recv_ns)
+        if self.session is not None:
+            self.session.buffer.append(msg)
+            return []
+        out: list[Output] = []
+        self._process(msg, out)
+        return out
+
+    def take_in_order(self, seq: int) -> None:
+        """Fast path: the caller wrote live message ``seq == last + 1`` itself (no replay
+        outstanding); same bookkeeping as ``on_live`` for that case."""
+        s = self.stats
+        s.live += 1
+        s.written += 1
+        self.last = seq
+
+    def on_replay(self, seq: int, topic: str | None, payload: bytes, recv_ns: int) -> None:
+        """A replay reply (not the end marker)."""
+        s = self.session
+        self.stats.replay_replies += 1
+        if s is None or seq < s.from_seq:
+            return
+        s.got[seq] = (topic if topic is not None else "", payload, recv_ns)
+
+    def buffer_full(self) -> bool:
+        return self.session is not None and len(self.session.buffer) >= self.max_buffer
+
+    def finish_replay(self, why: str = "end marker") -> list[Output]:
+        """The replay ended (end marker / timeout / buffer full): write what it brought."""
+        s = self.session
+        if s is None:
+            return []
+        self.session = None
+        if why != "end marker":
+            self.stats.replay_timeouts += 1
+        hi = s.until if s.until is not None else 0
+        if s.got:
+            hi = max(hi, max(s.got) + 1)
+        if s.until is None and s.buffer:
+            hi = max(hi, s.buffer[0].seq)
+        self._attempted = (s.from_seq, hi)
+        self._fill = s.got
+        out: list[Output] = []
+        if s.until is None and not s.buffer and s.got:
+            # initial sync with no live traffic yet: everything the ring had
+            top = max(s.got)
+            self._fill_range(0, top + 1, "late start (" + why + ")", out)
+            self.last = top
+        self._drain(s.buffer, out)
+        return out
+
+    def flush(self) -> list[Output]:
+        """At shutdown: end an outstanding replay with what it has."""
+        return self.finish_replay("shutdown") if self.session is not None else []
+
+    # ---------------------------------------------------------------- internals
+
+    def _drain(self, msgs: list[Live], out: list[Output]) -> None:
+        for i, m in enumerate(msgs):
+            self._process(m, out)
+            if self.session is not None:  # a new gap started another replay
+                self.session.buffer.extend(msgs[i + 1 :])
+                return
+        if self.last is not None:
+            self._fill = {k: v for k, v in self._fill.items() if k > self.last}
+
+    def _start(self, from_seq: int, until: int | None, reason: str, now_ns: int) -> None:
+        self.session = ReplaySession(from_seq, until, reason, now_ns)
+        self.replay_wanted = from_seq
+        self.stats.replays += 1
+
+    def _emit(self, m: Live, out: list[Output]) -> None:
+        out.append(Out(m.seq, m.recv_ns, m.topic, m.payload, VIA_LIVE, self.epoch))
+        self.stats.written += 1
+        self.last = m.seq
+
+    def _process(self, m: Live, out: list[Output]) -> None:
+        seq = m.seq
+        last = self.last
+        if last is not None and seq == last + 1:
+            self._emit(m, out)
+            return
+        if last is not None and seq <= last:
+            self.epoch += 1
+            self.stats.epochs += 1
+            out.append(
+                Epoch(
+                    endpoint=self.endpoint,
+                    epoch=self.epoch,
+                    first_seq=seq,
+                    recv_ns=m.recv_ns,
+                    reason=f"seq went back from {last} to {seq} (publisher restarted)",
+                )
+            )
+            self.last = last = None
+            self._fill = {}
+            self._attempted = None
+        if last is None:
+            if seq == 0:
+                self._emit(m, out)
+                return
+            self._missing(0, seq, m, "late start" if self.epoch == 0 else "restart", out)
+            return
+        self._missing(last + 1, seq, m, "seq gap", out)
+
+    def _missing(self, lo: int, hi: int, m: Live, reason: str, out: list[Output]) -> None:
+        if all(s in self._fill for s in range(lo, hi)):
+            self._fill_range(lo, hi, reason, out)
+            self._emit(m, out)
+            return
+        att = self._attempted
+        tried = att is not None and att[0] <= lo and hi <= att[1]
+        if self.has_replay and not tried:
+            self._start(lo, hi, reason, m.recv_ns)
+            self.session.buffer.append(m)  # type: ignore[union-attr]
+            return
+        why = "no replay endpoint" if not self.has_replay else "not in the replay ring"
+        self._fill_range(lo, hi, f"{reason}; {why}", out)
+        self._emit(m, out)
+
+    def _fill_range(self, lo: int, hi: int, reason: str, out: list[Output]) -> None:
+        """Write the recovered frames of [lo, hi) in seq order, preceded by their Gap."""
+        got = [s for s in range(lo, hi) if s in self._fill]
+        n = hi - lo
+        self.stats.gaps += 1
+        self.stats.missed += n
+        self.stats.recovered += len(got)
+        self.stats.unrecovered += n - len(got)
+        first_ns = self._fill[got[0]][2] if got else 0
+        out.append(
+            Gap(
+                endpoint=self.endpoint,
+                epoch=self.epoch,
+                first_seq=lo,
+                last_seq=hi - 1,
+                recovered=len(got),
+                reason=reason,
+                recv_ns=first_ns,
+            )
+        )
+        for s in got:
+            topic, payload, recv_ns = self._fill.pop(s)
+            out.append(Out(s, recv_ns, topic, payload, VIA_REPLAY, self.epoch))
+            self.stats.written += 1
+            self.last = s

@@ -1,0 +1,285 @@
+"""Fault tests against a test publisher speaking SGLang's framing (no real worker needed):
+restart (epoch), drops (replay recovery / Gap), malformed messages, disk full, SIGTERM."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcadence.capture.bundle import BundleReader, event_payload, list_segments
+from kvcadence.capture.schema import VIA_LIVE, VIA_REPLAY, Annotation, Epoch, Gap, Trailer
+from kvcadence.capture.testpub import TestPublisher, payload_pool
+
+POOL = payload_pool(64)
+
+
+def _records(reader: BundleReader, cls: type) -> list:
+    return [r for r in reader.records() if isinstance(r, cls)]
+
+
+def _publish(pub: TestPublisher, n: int) -> list[int]:
+    return [pub.publish(POOL[pub.seq % len(POOL)]) for _ in range(n)]
+
+
+def test_publisher_restart_starts_a_new_epoch(run_capture, endpoint_info):
+    with TestPublisher() as pub:
+        cap = run_capture([endpoint_info(pub)])
+        _publish(pub, 30)
+        cap.wait_for(30)
+        pub.restart()
+        time.sleep(0.5)  # SUB reconnects to the rebound port
+        _publish(pub, 20)
+        cap.wait_for(50)
+        r = cap.stop()
+    frames = list(r.events())
+    assert [(f.epoch, f.seq) for f in frames] == [(0, s) for s in range(30)] + [
+        (1, s) for s in range(20)
+    ]
+    epochs = _records(r, Epoch)
+    assert len(epochs) == 1 and epochs[0].epoch == 1 and epochs[0].first_seq == 0
+    assert not _records(r, Gap)
+
+
+def test_dropped_messages_are_recovered_by_replay(run_capture, endpoint_info):
+    with TestPublisher() as pub:
+        cap = run_capture([endpoint_info(pub)])
+        _publish(pub, 10)
+        pub.drop(25)  # consumed seqs that never reached the SUB (HWM drop), still in the ring
+        _publish(pub, 10)
+        cap.wait_for(45)
+        r = cap.stop()
+        ring = dict(pub.ring)
+    frames = list(r.events())
+    assert [f.seq for f in frames] == list(range(45))
+    assert all(event_payload(f) == ring[f.seq] for f in frames)
+    assert {f.seq for f in frames if f.via == VIA_REPLAY} == set(range(10, 35))
+    (gap,) = _records(r, Gap)
+    assert (gap.first_seq, gap.last_seq, gap.recovered) == (10, 34, 25)
+    trailer = _records(r, Trailer)[-1]
+    assert trailer.clean and trailer.stats["unrecovered"] == 0
+
+
+def test_gap_without_replay_is_recorded(run_capture, endpoint_info):
+    with TestPublisher(replay=False) as pub:
+        cap = run_capture([endpoint_info(pub)])
+        _publish(pub, 5)
+        pub.drop(7)
+        _publish(pub, 5)
+        cap.wait_for(10)
+        r = cap.stop()
+    (gap,) = _records(r, Gap)
+    assert (gap.first_seq, gap.last_seq, gap.recovered) == (5, 11, 0)
+    assert "no replay" in gap.reason
+    assert [f.seq for f in r.events()] == list(range(5)) + list(range(12, 17))
+
+
+def test_gap_when_the_replay_ring_moved_on(run_capture, endpoint_info):
+    with TestPublisher(buffer_steps=10) as pub:
+        cap = run_capture([endpoint_info(pub)], initial_replay=False)
+        _publish(pub, 3)
+        pub.drop(50)  # seqs 3..52; the ring keeps only the last 10 published
+        _publish(pub, 1)  # seq 53: ring = 44..53
+        cap.wait_for(3 + 9 + 1)
+        r = cap.stop()
+    (gap,) = _records(r, Gap)
+    assert (gap.first_seq, gap.last_seq, gap.recovered) == (3, 52, 9)
+    assert [f.seq for f in r.events()] == [0, 1, 2, *range(44, 54)]
+    assert _records(r, Trailer)[-1].stats["unrecovered"] == 41
+
+
+def test_replay_that_never_ends_times_out_and_capture_goes_on(run_capture, endpoint_info):
+    with TestPublisher() as pub:
+        pub.replay_mode = "stall"  # SGLang PR #38945: no replies, no end marker
+        cap = run_capture([endpoint_info(pub)], replay_timeout_s=0.5)
+        _publish(pub, 2)
+        pub.drop(3)
+        _publish(pub, 4)
+        cap.wait_for(6)
+        r = cap.stop()
+    gaps = _records(r, Gap)
+    assert [(g.first_seq, g.last_seq, g.recovered) for g in gaps] == [(2, 4, 0)]
+    assert [f.seq for f in r.events()] == [0, 1, 5, 6, 7, 8]
+    assert _records(r, Trailer)[-1].stats["per_endpoint"]["0"]["replay_timeouts"] >= 1
+
+
+def test_late_start_recovers_from_seq_zero_with_old_reply_layout(run_capture, endpoint_info):
+    with TestPublisher(reply_topic=False) as pub:  # SGLang <= 0.5.20 replies: no topic frame
+        _publish(pub, 40)  # before the capture exists: only the replay ring has them
+        cap = run_capture([endpoint_info(pub)])
+        cap.wait_for(40)
+        _publish(pub, 5)
+        cap.wait_for(45)
+        r = cap.stop()
+    frames = list(r.events())
+    assert [f.seq for f in frames] == list(range(45))
+    assert [f.via for f in frames] == [VIA_REPLAY] * 40 + [VIA_LIVE] * 5
+
+
+def test_malformed_messages_are_counted_kept_raw_and_capture_goes_on(run_capture, endpoint_info):
+    with TestPublisher() as pub:
+        cap = run_capture([endpoint_info(pub)])
+        _publish(pub, 3)
+        pub.send_raw([b"kv-events", b"\x00" * 8])  # wrong frame count
+        pub.send_raw([b"kv-events", b"\x00\x01\x02", POOL[0]])  # short seq
+        junk = b"\xc1 not msgpack"
+        pub.publish(junk)  # seq 3: undecodable payload (valid frames)
+        _publish(pub, 3)
+        cap.wait_for(7)
+        r = cap.stop()
+    frames = list(r.events())
+    assert [f.seq for f in frames] == list(range(7))
+    bad = next(f for f in frames if f.seq == 3)
+    assert bad.payload_is_bin and event_payload(bad) == junk
+    notes = _records(r, Annotation)
+    malformed = [n for n in notes if n.kind == "malformed_message"]
+    assert len(malformed) == 2
+    assert malformed[0].data["frames"] == [b"kv-events", b"\x00" * 8]
+    assert "3 frames" in malformed[0].data["error"]
+    assert malformed[1].data["frames"][1] == b"\x00\x01\x02"
+    undec = [n for n in notes if n.kind == "undecodable_payload"]
+    assert [n.data["seq"] for n in undec] == [3]
+    st = _records(r, Trailer)[-1].stats
+    assert (st["malformed"], st["undecodable"], st["written"]) == (2, 1, 7)
+
+
+def test_two_endpoints_are_tracked_separately(run_capture, endpoint_info):
+    with TestPublisher() as a, TestPublisher(topic="") as b:
+        cap = run_capture([endpoint_info(a, 0), endpoint_info(b, 1)])
+        _publish(a, 10)
+        _publish(b, 5)
+        b.drop(2)
+        _publish(b, 5)
+        cap.wait_for(22)
+        r = cap.stop()
+    by = {0: [], 1: []}
+    for f in r.events():
+        by[f.endpoint].append(f.seq)
+    assert by == {0: list(range(10)), 1: list(range(12))}
+    (gap,) = _records(r, Gap)
+    assert gap.endpoint == 1 and gap.recovered == 2
+
+
+# ------------------------------------------------------------ subprocess captures
+
+WRAPPER = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # a CI shell may start us with SIGINT ignored
+from kvcadence.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _capture_proc(pub: TestPublisher, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", WRAPPER, "capture", "--endpoint", pub.endpoint]
+    cmd += ["--replay-endpoint", pub.replay_endpoint or "none", "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(out: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not list_segments(out) if out.exists() else True:
+        assert time.monotonic() < deadline, "capture subprocess did not start"
+        time.sleep(0.05)
+    time.sleep(1.0)  # imports done, SUB connected
+
+
+def test_sigterm_drains_writes_trailer_and_exits_0(tmp_path):
+    out = tmp_path / "b"
+    with TestPublisher() as pub:
+        proc = _capture_proc(pub, out, "--quiet")
+        try:
+            _wait_ready(out)
+            _publish(pub, 200)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    r = BundleReader(out)
+    assert [f.seq for f in r.events()] == list(range(200))
+    trailer = _records(r, Trailer)[-1]
+    assert trailer.clean and trailer.stats["stop_reason"].startswith("signal")
+    assert r.report.torn_bytes == 0
+
+
+def test_sigint_also_stops_cleanly_with_a_summary(tmp_path):
+    out = tmp_path / "b"
+    with TestPublisher() as pub:
+        proc = _capture_proc(pub, out)
+        try:
+            _wait_ready(out)
+            _publish(pub, 20)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert "capture: 20 event frames" in err
+    assert len(list(BundleReader(out).events())) == 20
+
+
+def _unshare_ok() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs Linux mount namespaces")
+def test_disk_full_gives_one_clear_error_and_keeps_earlier_segments(tmp_path):
+    """A real full filesystem: a 256 KiB tmpfs mounted in a private user+mount namespace
+    (no root needed); the bundle is copied out before the namespace goes away."""
+    if not _unshare_ok():
+        pytest.skip("unprivileged user namespaces (unshare -rm) are not available here")
+    mnt, copy = tmp_path / "mnt", tmp_path / "copy"
+    mnt.mkdir()
+    with TestPublisher() as pub:
+        inner = [sys.executable, "-c", WRAPPER, "capture", "--endpoint", pub.endpoint]
+        inner += ["--replay-endpoint", str(pub.replay_endpoint), "--out", str(mnt / "b")]
+        inner += ["--quiet", "--segment-mb", "0.0625"]
+        script = (
+            f"mount -t tmpfs -o size=256k tmpfs {mnt} || exit 99; "
+            f"{' '.join(shlex.quote(c) for c in inner)}; rc=$?; "
+            f"cp -a {mnt}/b {copy}; exit $rc"
+        )
+        proc = subprocess.Popen(
+            ["unshare", "-rm", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(3.0)  # interpreter start + SUB connect (cannot see inside the mount)
+            for _ in range(200):
+                _publish(pub, 50)
+                time.sleep(0.02)
+                if proc.poll() is not None:
+                    break
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode != 99, f"tmpfs mount failed: {err}"
+    assert proc.returncode == 1, err
+    lines = [ln for ln in err.strip().splitlines() if ln]
+    assert len(lines) == 1 and lines[0].startswith("kvcadence: error:"), err
+    assert "disk full" in lines[0] and "intact" in lines[0]
+    segs = list_segments(copy)
+    assert len(segs) >= 2
+    r = BundleReader(copy)
+    seqs = [f.seq for f in r.events()]
+    assert len(seqs) > 100 and seqs == list(range(len(seqs)))
+    assert r.report.corrupt_bytes == 0  # at most a torn tail in the last segment
+    for seg in segs[:-1]:  # closed segments read back whole
+        assert BundleReader(copy).scan_segment(seg).good_end == seg.stat().st_size

@@ -1,0 +1,107 @@
+"""SGLang's own request logs -> RequestRecords: the real fixture's metrics export, the JSON
+request log, pickle refusal, bad lines; and the ``capture import`` command around them."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from kvcadence.capture.bundle import BundleReader
+from kvcadence.capture.sglang_logs import read_metrics, read_request_log
+from kvcadence.cli import main
+from kvcadence.errors import InputError
+
+
+def test_real_metrics_export_matches_the_drivers_requests(fixture_dir):
+    recs = {r.rid: r for r in read_metrics(fixture_dir / "sglang-metrics")}
+    truth = [json.loads(ln) for ln in (fixture_dir / "requests.jsonl").read_text().splitlines()]
+    assert len(recs) == len(truth) == 120
+    for t in truth:
+        r = recs[t["rid"]]
+        m = t["meta_info"]
+        assert r.input_ids == t["input_ids"]
+        assert (r.prompt_tokens, r.cached_tokens, r.completion_tokens) == (
+            m["prompt_tokens"],
+            m["cached_tokens"],
+            m["completion_tokens"],
+        )
+        assert r.max_new_tokens == t["max_new_tokens"] and r.finish_reason == "length"
+        assert r.source == "sglang-metrics" and r.output_ids == []
+        assert r.send_ns == int(m["request_received_ts"] * 1e9)
+        assert "input_ids" not in r.meta_info["request_parameters"]
+
+
+def test_json_request_log_pairs_received_and_finished(tmp_path):
+    log = tmp_path / "req.log"
+    lines = [
+        {
+            "timestamp": "2026-11-29T14:00:00.000000+00:00",
+            "event": "request.received",
+            "rid": "a",
+            "obj": {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}},
+        },
+        {
+            "timestamp": "2026-11-29T14:00:00.5+00:00",
+            "event": "request.received",
+            "rid": "b",
+            "obj": json.dumps({"input_ids": [9]}),
+        },
+        {
+            "timestamp": "2026-11-29T14:00:01.250000+00:00",
+            "event": "request.finished",
+            "rid": "a",
+            "out": {
+                "output_ids": [11, 12],
+                "meta_info": {
+                    "prompt_tokens": 3,
+                    "cached_tokens": 1,
+                    "completion_tokens": 2,
+                    "finish_reason": {"type": "length"},
+                },
+            },
+        },
+    ]
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    recs = {r.rid: r for r in read_request_log(log)}
+    a = recs["a"]
+    assert a.input_ids == [5, 6, 7] and a.output_ids == [11, 12]
+    assert (a.cached_tokens, a.max_new_tokens, a.finish_reason) == (1, 2, "length")
+    assert a.finish_ns - a.send_ns == 1_250_000_000
+    assert recs["b"].error == "no request.finished line" and recs["b"].input_ids == [9]
+
+
+def test_pickled_dumps_are_refused_with_the_reason(tmp_path, capsys):
+    dump = tmp_path / "dump.bin"
+    dump.write_bytes(pickle.dumps({"obj": 1}))  # never unpickled by the code under test
+    with pytest.raises(InputError, match="arbitrary code"):
+        read_request_log(dump)
+    d = tmp_path / "metrics"
+    d.mkdir()
+    (d / "requests_1.pkl").write_bytes(b"\x80\x04junk")
+    assert main(["capture", "import", "--sglang-metrics", str(d), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refusing to read a pickled request dump" in err[0]
+    assert not (tmp_path / "b").exists()
+
+
+def test_bad_lines_name_file_and_line(tmp_path):
+    f = tmp_path / "sglang-request-metrics-20261129_14.log"
+    f.write_text('{"request_parameters": "{\\"rid\\": \\"x\\", \\"input_ids\\": [1]}"}\n{oops\n')
+    with pytest.raises(InputError, match=r"_14.log:2: not a JSON line"):
+        read_metrics(tmp_path)
+    f.write_text('{"id": "x"}\n')
+    with pytest.raises(InputError, match=r":1: missing request_parameters"):
+        read_metrics(f)
+
+
+def test_capture_import_creates_then_appends(tmp_path, fixture_dir):
+    b = tmp_path / "b"
+    metrics = str(fixture_dir / "sglang-metrics")
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
+    assert len(BundleReader(b).requests()) == 120
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
+    r = BundleReader(b)
+    assert len(r.requests()) == 240 and r.report.torn_bytes == 0
+    assert main(["capture", "import", str(b)]) == 2
