@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check kvcadence tests bench
-	$(PY) -m ruff format --check kvcadence tests bench
+	$(PY) -m ruff check kvcadence tests bench bench/run
+	$(PY) -m ruff format --check kvcadence tests bench bench/run
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

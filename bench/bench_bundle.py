@@ -12,7 +12,11 @@ Goals (one core): envelope read >= 150 MB/s, full decode >= 50 MB/s. Nothing dec
 (engineering-notes 2.4: keeping hundreds of thousands of structs with lists wakes the cyclic
 GC and costs 3-4x), so the numbers are steady-state throughput.
 
-    .venv/bin/python bench/bench_bundle.py [--frames 200000] [--requests 2000]
+    .venv/bin/python bench/bench_bundle.py [--frames 200000] [--requests 2000] [--quick]
+        [--json PATH]
+
+``--quick``: 20,000 frames and 200 requests; ``--json``: the figures for ``bench/run`` (see
+``bench/common.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from common import add_output_args, figure, goal, write_results
 
 from kvcadence.capture import wire
 from kvcadence.capture.bundle import BundleReader, BundleWriter, list_segments
@@ -73,7 +78,10 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=200_000)
     ap.add_argument("--requests", type=int, default=2_000)
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    add_output_args(ap, "20,000 frames and 200 requests (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.frames, args.requests = 20_000, 200
 
     rng = random.Random(7)
     distinct = make_payloads(1000, rng)
@@ -178,6 +186,37 @@ def main() -> None:
     print(f"{'path':<30} {'MB/s':>8} {'vs baseline':>12}  note")
     for name, rate, base, note in rows:
         print(f"{name:<30} {rate:8.1f} {rate / base:11.2f}x  {note}")
+    raw_w, raw_r = "raw file.write of the bare payloads", "raw read + untyped msgpack decode"
+    figs = [
+        figure("bundle write", mb / t_write, "MB/s", baseline=base_w, baseline_name=raw_w),
+        figure(
+            "envelope read, records()",
+            mb / t_env,
+            "MB/s",
+            baseline=base_r,
+            baseline_name=raw_r,
+            goal=goal("value", ">=", 150, ">= 150 MB/s on one core"),
+        ),
+        figure(
+            "envelope read, events()", mb / t_events, "MB/s", baseline=base_r, baseline_name=raw_r
+        ),  # fmt: skip
+        figure(
+            "full decode, records() + wire.decode_batch",
+            mb / t_full,
+            "MB/s",
+            baseline=base_r,
+            baseline_name=raw_r,
+            goal=goal("value", ">=", 50, ">= 50 MB/s on one core"),
+        ),
+    ]
+    write_results(
+        args.json,
+        "bundle",
+        "Bundle write and read throughput (kvcadence.capture.bundle)",
+        figs,
+        {"frames": args.frames, "requests": args.requests, "avg_payload_bytes": round(avg)},
+        ["MB/s of bundle bytes (baselines: MB of bare payload bytes); one pass each"],
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ as a ratio to ``dense_all_reduce`` measured in the same run (ratio < 1: faster t
 CPU/gloo numbers show shape and relative cost only; never compare them with NCCL.
 
     .venv/bin/python bench/bench_collectives.py [--tokens 4096 16384 40320] [--payload mla]
+        [--quick] [--json PATH]
+
+``--quick``: 4096 tokens, mla, warmup 1, repeat 3; ``--json``: the figures for ``bench/run``
+(see bench/common.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import add_output_args, figure, write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "dense_all_reduce"
 
@@ -29,7 +35,10 @@ def main() -> int:
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
+    add_output_args(p, "4096 tokens, mla payload, warmup 1, repeat 3 (a smoke run)")
     args = p.parse_args()
+    if args.quick:
+        args.tokens, args.payload, args.warmup, args.repeat = [4096], "mla", 1, 3
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.jsonl"
         cmd = [
@@ -62,6 +71,34 @@ def main() -> int:
             f"{r['payload']:<8}{r['prefix_tokens']:>8}{r['full_mib']:>9.2f}  {r['path']:<30}"
             f"{r['cpu_ms_avg']:>10.3f}{ratio:>9.2f}x{r['goodput_gbps']:>9.3f}"
         )
+    figs = [
+        figure(
+            f"{r['payload']} {r['prefix_tokens']} tokens: {r['path']}",
+            r["cpu_ms_avg"],
+            "ms",
+            baseline=base[r["payload"], r["prefix_tokens"]],
+            baseline_name=f"{BASELINE} (same payload and size)",
+            higher_is_better=False,
+            note=f"{r['full_mib']:.2f} MiB prefix, goodput {r['goodput_gbps']:.3f} GB/s",
+        )
+        for r in rows
+        if r["path"] != BASELINE
+    ]
+    write_results(
+        args.json,
+        "collectives",
+        f"Prefix-merge paths vs dense all-reduce (torchrun, gloo, world {r0['world_size']})",
+        figs,
+        {
+            "tokens": args.tokens,
+            "payload": args.payload,
+            "warmup": args.warmup,
+            "repeat": args.repeat,
+            "torch": r0["torch"],
+        },
+        ["wall ms per merge (cpu_ms_avg); ratio < 1: faster than dense; CPU gloo shows shape "
+         "only, never compare with NCCL"],
+    )  # fmt: skip
     return 0
 
 

@@ -9,7 +9,9 @@ each against a baseline measured in the same run (a script, not a test).
 * hashes: ``block_hashes`` pages/s at page size 1 and 16 vs a bare hashlib chain over
   pre-packed page bytes.
 
-Usage: ``python bench/bench_wire.py [--payloads 50000] [--repeat 3]``.
+Usage: ``python bench/bench_wire.py [--payloads 50000] [--repeat 3] [--quick] [--json PATH]``
+(``--quick``: 3,000 payloads, 20k hashed tokens, repeat 1; ``--json``: the figures for
+``bench/run``, see ``bench/common.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from hashlib import sha256
 
 import msgspec
+from common import add_output_args, figure, goal, write_results
 
 from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvcadence.capture.wire import _decode_slow, block_hashes, decode_batch, encode_batch
@@ -85,7 +88,7 @@ def _pages_per_s(fn: Callable[[], object], pages: int, repeat: int) -> float:
     return pages / best
 
 
-def bench_decode(n: int, repeat: int) -> None:
+def bench_decode(n: int, repeat: int) -> list[dict]:
     t0 = time.perf_counter()
     maps = build_payloads(n, "0.5.23")
     arrays = build_payloads(max(1, n // 5), "0.5.14")
@@ -113,10 +116,37 @@ def bench_decode(n: int, repeat: int) -> None:
         f"decode 0.5.23 maps, forced untyped per-event fallback (unknown tags, bytes hashes): "
         f"{fallback:7.1f} MB/s | ratio {fallback / base:.2f}x"
     )
+    plain_name = "untyped msgspec.msgpack.decode"
+    return [
+        figure(
+            "decode_batch, 0.5.23 map payloads",
+            ours,
+            "MB/s",
+            baseline=base,
+            baseline_name=plain_name,
+            goal=goal("value", ">=", 50, ">= 50 MB/s on one core"),
+        ),
+        figure(
+            "decode_batch, 0.5.14 array payloads",
+            ours_arr,
+            "MB/s",
+            baseline=base_arr,
+            baseline_name=plain_name,
+        ),
+        figure(
+            "untyped per-event fallback, 0.5.23 maps",
+            fallback,
+            "MB/s",
+            baseline=base,
+            baseline_name=plain_name,
+            note="unknown tags / bytes hashes path, forced",
+        ),
+    ]
 
 
-def bench_hashes(repeat: int) -> None:
-    tokens = _tokens(200_000)
+def bench_hashes(repeat: int, n_tokens: int = 200_000) -> list[dict]:
+    tokens = _tokens(n_tokens)
+    figs = []
     for page_size in (1, 16):
         n_pages = len(tokens) // page_size
         packed = array("I", tokens[: n_pages * page_size]).tobytes()
@@ -137,16 +167,38 @@ def bench_hashes(repeat: int) -> None:
             f"block_hashes page_size={page_size:<2}: {o / 1e6:5.2f} M pages/s | bare hashlib "
             f"chain over pre-packed pages {b / 1e6:5.2f} M pages/s | ratio {o / b:.2f}x"
         )
+        figs.append(
+            figure(
+                f"block_hashes, page size {page_size}",
+                o / 1e6,
+                "M pages/s",
+                baseline=b / 1e6,
+                baseline_name="bare hashlib chain over pre-packed pages",
+            )
+        )
+    return figs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--payloads", type=int, default=50_000)
     ap.add_argument("--repeat", type=int, default=3)
+    add_output_args(ap, "3,000 payloads, 20k hashed tokens, repeat 1 (a smoke run)")
     args = ap.parse_args()
+    n_tokens = 200_000
+    if args.quick:
+        args.payloads, args.repeat, n_tokens = 3_000, 1, 20_000
     gc.collect()
-    bench_decode(args.payloads, args.repeat)
-    bench_hashes(args.repeat)
+    figs = bench_decode(args.payloads, args.repeat)
+    figs += bench_hashes(args.repeat, n_tokens)
+    write_results(
+        args.json,
+        "wire",
+        "SGLang payload decode and block-hash throughput (kvcadence.capture.wire)",
+        figs,
+        {"payloads": args.payloads, "repeat": args.repeat, "hashed_tokens": n_tokens},
+        ["best of `repeat` passes per figure; one core"],
+    )
 
 
 if __name__ == "__main__":

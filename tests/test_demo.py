@@ -1,0 +1,222 @@
+"""Tests of ``kvcadence demo``: the whole pipeline on the embedded capture, and its refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcadence import demo
+from kvcadence.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvcadence: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.torchrun
+def test_demo_end_to_end_on_embedded_bundle(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "demo"
+    assert demo.default_bundle().is_dir(), "the embedded sample bundle must ship in examples/"
+    rc = main(["demo", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+
+    # every stage's output exists
+    for rel in (
+        "real.kvcb",
+        "sim.kvcb",
+        "report/report.html",
+        "report/report.md",
+        "report/report.json",
+        "prefixes.json",
+        "collectives.jsonl",
+        "admit.json",
+        "summary.json",
+    ):
+        assert (out / rel).exists(), rel
+    rep = json.loads((out / "report" / "report.json").read_text())
+    for plot in rep["plots"]:
+        assert (out / "report" / plot).stat().st_size > 0
+    assert "<html" in (out / "report" / "report.html").read_text().lower()
+    # the sample in examples/ was not written to (its Parquet cache lives in --out)
+    assert not (demo.default_bundle() / ".parquet").exists()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["status"] for s in summary["steps"]] == ["ok"] * 6
+    assert [s["name"] for s in summary["steps"]] == [
+        "inspect",
+        "replay",
+        "report",
+        "prefixes",
+        "collectives",
+        "admit",
+    ]
+
+    # the headline numbers are report.json's, real = first bundle, sim = second
+    real, sim = rep["bundles"][0], rep["bundles"][1]
+    assert (real["inputs"]["source"], sim["inputs"]["source"]) == ("real", "sim")
+    rows = {r["metric"]: r for r in summary["cadence"]["headline"]}
+    assert set(rows) == {key for _, key in demo.HEADLINE}
+    for key, row in rows.items():
+        assert row["real"] == real["metrics"][key]["value"]
+        assert row["sim"] == sim["metrics"][key]["value"]
+        line = next(ln for ln in printed.splitlines() if ln.strip().startswith(row["title"]))
+        assert f"{row['real']:.4g}" in line and f"{row['sim']:.4g}" in line
+    share = rep["comparisons"][0]["requests"]["requests.cached_tokens_equal_share"]["value"]
+    assert summary["cadence"]["cached_tokens_agreement"]["share"] == share
+    assert f"({share * 100:.1f}%)" in printed
+    assert summary["cadence"]["gate_passed"] == rep["gate_passed"]
+
+    # collectives: one summary per payload, the winner is one of the three paths
+    recs = [json.loads(ln) for ln in (out / "collectives.jsonl").read_text().splitlines()]
+    results = [r for r in recs if r.get("record") == "result"]
+    assert results and all(r["world_size"] == 2 and r["backend"] == "gloo" for r in results)
+    assert all(r["page_size"] == 64 and r["verified"] for r in results)
+    col = {c["payload"]: c for c in summary["collectives"]}
+    assert set(col) == {"mla", "index"}
+    for c in col.values():
+        assert c["winner"] in {
+            "dense_all_reduce",
+            "packed_all_gather_scatter",
+            "packed_all_gather_rank_major",
+        }
+        assert f"{c['payload']}: winner under the distribution" in printed
+
+    # admit ran on the capture's requests with its pool and page size
+    adm = json.loads((out / "admit.json").read_text())
+    assert adm["summary"]["requests"] == real["metrics"]["requests"]["value"] == 120
+    assert adm["config"]["available_tokens"] == real["inputs"]["max_total_num_tokens"]
+    assert adm["config"]["page_size"] == real["inputs"]["page_size"]
+    assert summary["admit"]["stopped_results"] == adm["summary"]["stopped_results"]
+    assert "report/report.html" in printed
+
+
+def test_missing_bundle_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "demo"
+    rc = main(["demo", "--bundle", str(tmp_path / "nope.kvcb"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "nope.kvcb" in _one_error_line(err)
+    assert not out.exists()
+
+
+def test_missing_embedded_bundle_says_how_to_get_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(demo, "default_bundle", lambda: tmp_path / "examples" / "x.kvcb")
+    rc = main(["demo", "--out", str(tmp_path / "demo")])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2
+    assert "examples/" in line and "--bundle" in line
+
+
+def test_missing_stage_command_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = demo._available_commands()
+    monkeypatch.setattr(demo, "_available_commands", lambda: real - {"admit"})
+    rc = main(["demo", "--out", str(tmp_path / "demo")])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2
+    assert "kvcadence admit" in line and "--keep-going" in line
+    assert not (tmp_path / "demo").exists()
+
+
+def test_keep_going_runs_what_it_can(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = demo._available_commands()
+    monkeypatch.setattr(demo, "_available_commands", lambda: real - {"collectives"})
+    out = tmp_path / "demo"
+    rc = main(["demo", "--out", str(out), "--keep-going"])
+    printed = capsys.readouterr().out
+    assert rc == 2
+    summary = json.loads((out / "summary.json").read_text())
+    status = {s["name"]: s["status"] for s in summary["steps"]}
+    assert status == {
+        "inspect": "ok",
+        "replay": "ok",
+        "report": "ok",
+        "prefixes": "ok",
+        "collectives": "skipped",
+        "admit": "ok",
+    }
+    assert "SKIPPED" in printed and "kvcadence collectives" in printed
+    assert summary["collectives"] is None and summary["cadence"]["headline"]
+    assert (out / "report" / "report.html").is_file()
+
+    # a rerun into the same directory replaces the previous outputs (and keeps nothing stale)
+    (out / "report" / "stale.png").write_bytes(b"x")
+    assert main(["demo", "--out", str(out), "--keep-going"]) == 2
+    capsys.readouterr()
+    assert not (out / "report" / "stale.png").exists()
+    assert (out / "report" / "report.html").is_file()
+
+
+def test_failed_step_stops_with_its_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    bad = tmp_path / "bad.kvcb"
+    bad.mkdir()
+    (bad / "seg-000000.kvcb").write_bytes(b"this is not a bundle segment")
+    out = tmp_path / "demo"
+    rc = main(["demo", "--bundle", str(bad), "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc != 0
+    assert "Traceback" not in cap.out + cap.err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"][0]["status"] == "failed"
+    assert {s["status"] for s in summary["steps"][1:]} == {"skipped"}
+    assert "FAILED" in cap.out and "logs/01-inspect.log" in cap.out
+    # the source bundle is untouched
+    assert (bad / "seg-000000.kvcb").read_bytes() == b"this is not a bundle segment"
+
+
+def test_refuses_a_foreign_nonempty_out_dir(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    rc = main(["demo", "--out", str(out)])
+    assert rc == 2
+    assert str(out) in _one_error_line(capsys.readouterr().err)
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_live_without_harness_says_how_to_set_it_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCADENCE_SGLANG_VENV", str(tmp_path / "no-venv"))
+    out = tmp_path / "demo"
+    rc = main(["demo", "--live", "--out", str(out)])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2
+    assert "kvcadence harness setup" in line
+    assert not out.exists()
+
+
+def test_demo_module_imports_stdlib_only() -> None:
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "import kvcadence.demo\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "import kvcadence.cli\n"
+        "kvcadence.cli.build_parser()\n"
+        "heavy = {'zmq', 'polars', 'duckdb', 'pyarrow', 'matplotlib', 'torch', 'httpx'}\n"
+        "print(sorted(new - set(sys.stdlib_module_names)), sorted(heavy & set(sys.modules)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert proc.stdout.split() == ["['kvcadence']", "[]"], proc.stdout
