@@ -7,6 +7,12 @@ baseline measured in the same run the time of only hashing + inserting the same 
 streams into the radix tree (what any simulator must do at least), printing the ratio.
 
     .venv/bin/python bench/bench_replay.py [--requests 6000] [--lanes 16] [--profile]
+        [--no-gc] [--no-visibility] [--quick] [--json PATH]
+
+``--quick``: 600 requests; ``--json``: the figures for ``bench/run`` (see bench/common.py).
+Measurement flags (what a cost is, not a configuration to ship): ``--no-gc`` runs the timed
+simulation with the cyclic garbage collector disabled (its gen-2 passes walk every live token
+list); ``--no-visibility`` sets ``track_visibility=False`` (no per-page visibility log).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+
+from common import add_output_args, figure, goal, write_results
 
 from kvcadence.capture.schema import RequestRecord
 from kvcadence.replay.config import SimConfig, TimingParams
@@ -82,12 +90,20 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=16)
     ap.add_argument("--pool", type=int, default=60_000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-gc", action="store_true", help="time simulate() with gc disabled")
+    ap.add_argument(
+        "--no-visibility", action="store_true", help="track_visibility=False (no visibility log)"
+    )
+    add_output_args(ap, "600 requests (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.requests = 600
     records = workload(args.requests, args.lanes)
     cfg = SimConfig(
         page_size=1,
         max_total_tokens=args.pool,
         chunked_prefill_size=8192,
+        track_visibility=not args.no_visibility,
         timing=TimingParams(
             prefill_base_s=0.012,
             prefill_per_token_s=2e-5,
@@ -105,11 +121,19 @@ def main() -> None:
         res = simulate(records, cfg)
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    t = time.perf_counter()
-    c = time.process_time()
-    res = simulate(records, cfg)
-    cpu = time.process_time() - c
-    wall = time.perf_counter() - t
+    import gc
+
+    gc.collect()
+    if args.no_gc:
+        gc.disable()
+    try:
+        t = time.perf_counter()
+        c = time.process_time()
+        res = simulate(records, cfg)
+        cpu = time.process_time() - c
+        wall = time.perf_counter() - t
+    finally:
+        gc.enable()
     s = res.summary()
     rps = len(records) / cpu
     print(
@@ -124,6 +148,30 @@ def main() -> None:
     )
     print(f"baseline hash+insert only: {base:.3f} s CPU = {len(records) / base:,.0f} requests/s")
     print(f"ratio simulate / baseline CPU time: {cpu / base:.2f}x")
+    write_results(
+        args.json,
+        "replay",
+        "Replay simulator throughput (kvcadence.replay.simulator.simulate)",
+        [
+            figure(
+                "simulate, requests/s per core (CPU time)",
+                rps,
+                "requests/s",
+                baseline=len(records) / base,
+                baseline_name="hash + insert the same token streams into the radix tree only",
+                goal=goal("value", ">=", 5000, ">= 5,000 requests/s per core"),
+                note=f"{stored / len(records):.0f} hashed pages per request",
+            )
+        ],
+        {
+            "requests": len(records),
+            "lanes": args.lanes,
+            "pool_tokens": args.pool,
+            "gc": not args.no_gc,
+            "track_visibility": not args.no_visibility,
+        },
+        ["CPU time (time.process_time), one pass"],
+    )
 
 
 if __name__ == "__main__":

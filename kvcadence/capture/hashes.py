@@ -20,6 +20,7 @@ from there). Algorithm, from ``srt/mem_cache/utils.py`` / ``cpp_utils/hash_bindi
 
 from __future__ import annotations
 
+import importlib
 import operator
 import struct
 import sys
@@ -40,12 +41,39 @@ _NAMESPACE_PREFIX = b"sglang-kv-event-namespace-v1"
 _be_i64 = struct.Struct(">q").unpack_from
 _WIDE_MARK = b"\xff"
 _PACK_U32 = struct.Struct("<I").pack
+#: ``prior digest || one uint32 LE token`` in one call (page size 1, chained pages)
+_PACK_PRIOR_U32 = struct.Struct("<32sI").pack
 
 # array typecode with 4-byte unsigned items (``I`` everywhere that matters; ``L`` as a guard)
 _U32_CODE = "I" if array("I").itemsize == 4 else "L"
-_SWAP = sys.byteorder != "little"
+_LITTLE = sys.byteorder == "little"
+_SWAP = not _LITTLE
 
 _pack_cache: dict[int, struct.Struct] = {}
+_pages_cache: dict[int, struct.Struct] = {}
+
+#: SHA-256 inputs up to this many bytes fit one compression block (64 - 1 - 8)
+_ONE_BLOCK = 55
+
+
+def _small_sha256():  # noqa: ANN202 - a hashlib-style constructor
+    """CPython's own (HACL*/libtomcrypt) SHA-256: for one-block inputs its per-call cost is
+    lower than OpenSSL's EVP setup (~30 ns of ~330 per page-size-1 page); OpenSSL's SHA-NI
+    wins from the second block. Known-answer checked; ``hashlib.sha256`` when absent."""
+    for name in ("_sha2", "_sha256"):  # 3.12+, <= 3.11
+        try:
+            ctor = importlib.import_module(name).sha256
+        except (ImportError, AttributeError):
+            continue
+        try:
+            if ctor(b"abc" * 12).digest() == sha256(b"abc" * 12).digest():
+                return ctor
+        except Exception:  # noqa: BLE001 - any failure: use hashlib
+            continue
+    return sha256
+
+
+_sha256_small = _small_sha256()
 
 
 def norm_hash(h: int) -> int:
@@ -71,6 +99,17 @@ def digest_to_int64(digest: bytes) -> int:
     return _be_i64(digest)[0]
 
 
+def _digests_to_int64(digests: list[bytes]) -> list[int]:
+    """``digest_to_int64`` of many 32-byte digests at once (one C pass, no per-page call)."""
+    if len(digests) < 4:
+        be = _be_i64
+        return [be(d)[0] for d in digests]
+    words = array("q", b"".join(digests))[::4]  # each digest's first 8 bytes
+    if _LITTLE:
+        words.byteswap()
+    return words.tolist()
+
+
 def cache_salt_seed(salt: str) -> bytes:
     """The prior digest that starts a salted chain: ``sha256(b"sglang-cache-salt-v1\\0" + salt)``."""
     return sha256(_SALT_PREFIX + salt.encode("utf-8")).digest()
@@ -80,6 +119,14 @@ def _u32_struct(n: int) -> struct.Struct:
     s = _pack_cache.get(n)
     if s is None:
         s = _pack_cache[n] = struct.Struct(f"<{n}I")
+    return s
+
+
+def _pages_struct(step: int) -> struct.Struct:
+    """``{step}s``: ``iter_unpack`` cuts a packed buffer into pages in C."""
+    s = _pages_cache.get(step)
+    if s is None:
+        s = _pages_cache[step] = struct.Struct(f"{step}s")
     return s
 
 
@@ -115,10 +162,15 @@ def _page_words(page: Sequence) -> bytes:
 
 def page_digest(prev_digest: bytes | None, page_tokens: Sequence) -> bytes:
     """``sha256(prev_digest || page words)``: one page's 32-byte digest (prev None = root)."""
-    words = _page_words(page_tokens)
+    try:  # plain uint32 tokens: one C call packs and validates the page
+        words = _u32_struct(len(page_tokens)).pack(*page_tokens)
+    except struct.error:  # bigram pairs, wide or invalid tokens
+        words = _page_words(page_tokens)
     if prev_digest:
-        return sha256(bytes(prev_digest) + words).digest()
-    return sha256(words).digest()
+        if type(prev_digest) is not bytes:
+            prev_digest = bytes(prev_digest)
+        words = prev_digest + words
+    return (_sha256_small if len(words) <= _ONE_BLOCK else sha256)(words).digest()
 
 
 def _prior(cache_salt: str | None, parent_digest: bytes | None) -> bytes:
@@ -137,17 +189,56 @@ def _check_page_size(page_size: int) -> None:
         raise WireError(f"page size must be a positive integer, got {page_size!r}")
 
 
-def _u32_buffer(tokens: Sequence) -> bytes | None:
-    """All tokens as one uint32 LE buffer, or None when some token needs the slow path."""
-    if tokens and isinstance(tokens[0], (list, tuple)):
-        return None
-    try:
-        arr = array(_U32_CODE, tokens)
-    except (OverflowError, TypeError):
-        return None
-    if _SWAP:
-        arr.byteswap()
-    return arr.tobytes()
+def _chain(prev: bytes, token_ids: Sequence, page_size: int) -> list[bytes]:
+    """The digest chain over the full pages of ``token_ids`` from ``prev`` (b"" = root).
+
+    The fast paths validate every token once, in C, as a side effect of packing it (uint32
+    struct/array packing refuses negatives, >= 2**32, non-integers and bigram pairs); any
+    refusal drops the whole call to the per-page path, which hashes wide pages and raises
+    ``WireError`` for invalid tokens.
+    """
+    n = len(token_ids)
+    n_tok = n - n % page_size
+    if n_tok == 0:
+        return []
+    root = prev  # the comprehensions below rebind ``prev``
+    if page_size == 1:
+        sha = _sha256_small  # 36-byte inputs: one block
+        try:
+            if prev:
+                pack = _PACK_PRIOR_U32
+                return [prev := sha(pack(prev, t)).digest() for t in token_ids]  # noqa: F841
+            it = iter(token_ids)
+            prev = sha(_PACK_U32(next(it))).digest()
+            out = [prev]
+            if n > 1:
+                pack = _PACK_PRIOR_U32
+                out += [prev := sha(pack(prev, t)).digest() for t in it]
+            return out
+        except struct.error:
+            pass
+    else:
+        buf = None
+        if not (token_ids and isinstance(token_ids[0], (list, tuple))):
+            try:
+                arr = array(_U32_CODE, token_ids if n_tok == n else token_ids[:n_tok])
+            except (OverflowError, TypeError):
+                pass
+            else:
+                if _SWAP:
+                    arr.byteswap()
+                buf = arr.tobytes()
+        if buf is not None:
+            step = 4 * page_size
+            sha = _sha256_small if 32 + step <= _ONE_BLOCK else sha256
+            pages = _pages_struct(step).iter_unpack(buf)
+            return [prev := sha(prev + page).digest() for (page,) in pages]  # noqa: F841
+    out = []
+    prev = root
+    for start in range(0, n_tok, page_size):
+        prev = sha256(prev + _page_words(token_ids[start : start + page_size])).digest()
+        out.append(prev)
+    return out
 
 
 def block_digests(
@@ -159,34 +250,7 @@ def block_digests(
     """The 32-byte digest of every full page of ``token_ids`` (chained from ``parent_digest``,
     else from the ``cache_salt`` seed, else from the root)."""
     _check_page_size(page_size)
-    root = prev = _prior(cache_salt, parent_digest)
-    n_tok = (len(token_ids) // page_size) * page_size
-    out: list[bytes] = []
-    if n_tok == 0:
-        return out
-    append = out.append
-    if page_size == 1:
-        pack = _PACK_U32
-        try:
-            for t in token_ids:
-                prev = sha256(prev + pack(t)).digest()
-                append(prev)
-            return out
-        except struct.error:  # not all plain uint32: the per-page path below
-            prev = root
-            out.clear()
-    else:
-        buf = _u32_buffer(token_ids[:n_tok])
-        if buf is not None:
-            step = 4 * page_size
-            for off in range(0, len(buf), step):
-                prev = sha256(prev + buf[off : off + step]).digest()
-                append(prev)
-            return out
-    for start in range(0, n_tok, page_size):
-        prev = sha256(prev + _page_words(token_ids[start : start + page_size])).digest()
-        out.append(prev)
-    return out
+    return _chain(_prior(cache_salt, parent_digest), token_ids, page_size)
 
 
 def block_hashes(
@@ -201,37 +265,7 @@ def block_hashes(
     else from ``cache_salt_seed(cache_salt)`` when a salt is given, else from the root.
     """
     _check_page_size(page_size)
-    root = prev = _prior(cache_salt, parent_digest)
-    n_tok = (len(token_ids) // page_size) * page_size
-    out: list[int] = []
-    if n_tok == 0:
-        return out
-    append = out.append
-    be = _be_i64
-    if page_size == 1:
-        # the simulator's hot case: one struct.pack per token; any token that is not a plain
-        # uint32 (wide, negative, bigram pair, not an int) drops to the per-page path below
-        pack = _PACK_U32
-        try:
-            for t in token_ids:
-                prev = sha256(prev + pack(t)).digest()
-                append(be(prev)[0])
-            return out
-        except struct.error:
-            prev = root
-            out.clear()
-    else:
-        buf = _u32_buffer(token_ids[:n_tok])
-        if buf is not None:
-            step = 4 * page_size
-            for off in range(0, len(buf), step):
-                prev = sha256(prev + buf[off : off + step]).digest()
-                append(be(prev)[0])
-            return out
-    for start in range(0, n_tok, page_size):
-        prev = sha256(prev + _page_words(token_ids[start : start + page_size])).digest()
-        append(be(prev)[0])
-    return out
+    return _digests_to_int64(_chain(_prior(cache_salt, parent_digest), token_ids, page_size))
 
 
 def _part(value: str | None) -> bytes:

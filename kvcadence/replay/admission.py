@@ -193,19 +193,20 @@ class PrefillAdder:
 
     # ------------------------------------------------------------------ chunked continuation
     def add_chunked_req(self, req: Any) -> Any:
-        """Continue ``req``'s chunked prefill first; return it while still truncated."""
-        ps = self.page_size
+        """Continue ``req``'s chunked prefill first; return it while still truncated.
+
+        Both generations: ``available = min(rem_chunk_tokens, int(rem_total_tokens))``, or
+        ``rem_chunk_tokens`` when that is <= 0 (the request must progress to free its KV);
+        ``extend = min(remaining, available)`` -- no page rounding (0.5.23 ``fit_chunk`` is
+        the identity for a plain ``PrefillBudget``; the mamba grid floor does not apply).
+        """
         chunk = self.rem_chunk_tokens if self.rem_chunk_tokens is not None else 1 << 62
         avail = min(chunk, int(self.rem_total_tokens))
         if avail <= 0:
             avail = chunk
         remaining = req.fill_len - req.prefix_len
         truncated = remaining > avail
-        if truncated:
-            end = ((req.prefix_len + avail) // ps) * ps
-            extend = max(end - req.prefix_len, min(ps, remaining))
-        else:
-            extend = remaining
+        extend = avail if truncated else remaining
         req.extend_len = extend
         req.is_chunked = truncated
         req.load_back = 0
@@ -260,40 +261,50 @@ class PrefillAdder:
         host_hit = req.host_hit_length
         cand_extend = req.fill_len - req.prefix_len
         total_tokens = cand_extend + max_new + ps
+        # 0.5.23 holds the temporary pin of the candidate's device prefix (``with
+        # self._lock_node(req.last_node)``) across selection, the L2 load-back, the
+        # re-selection after a failed load, and the commit: the prefix is never evictable
+        # (nor counted in ``rem_total_tokens``) while the load makes room.
         handle = self.tree_cache.lock(req.last_node)
         try:
             verdict, prefix, extend, chunked = self._select(req, total_tokens, host_hit, align)
+            if verdict is not AddReqResult.CONTINUE:
+                return verdict
+            loaded = 0
+            if host_hit > 0:
+                loaded = self.tree_cache.init_load_back(req, host_hit)
+                self.load_back_events.append((req.rid, host_hit, loaded))
+                if loaded <= 0:
+                    # nothing loaded: full recompute of L2 + extend; this verdict is final
+                    loaded = 0
+                    verdict, prefix, extend, chunked = self._select(req, total_tokens, 0, align)
+                    if verdict is not AddReqResult.CONTINUE:
+                        return verdict
+                elif loaded > host_hit:
+                    # more than promised (resident KV behind the host hit): keep the
+                    # approved budget, shrink the work
+                    prefix = req.prefix_len + loaded
+                    extend = min(extend, req.fill_len - prefix)
+                    chunked = chunked and prefix + extend < req.fill_len
+                elif loaded < host_hit:
+                    # a partial load (SGLang raises: all or nothing); a lenient fake gets the
+                    # rest recomputed
+                    prefix = req.prefix_len + loaded
+                    if not chunked:
+                        extend = req.fill_len - prefix
+            req.prefix_len = prefix
+            req.extend_len = extend
+            req.is_chunked = chunked
+            req.load_back = loaded
+            req.adm_max_new = 0 if chunked else max_new
+            req.lock_handle = self.tree_cache.lock(req.last_node)
+            self.can_run_list.append(req)
+            if chunked:
+                self.new_chunked_req = req
+            self._charge(prefix, extend, req.adm_max_new)
         finally:
             self.tree_cache.unlock(handle)
-        if verdict is not AddReqResult.CONTINUE:
-            return verdict
-        loaded = 0
-        if host_hit > 0:
-            loaded = self.tree_cache.init_load_back(req, host_hit)
-            self.load_back_events.append((req.rid, host_hit, loaded))
-            if loaded <= 0:
-                handle = self.tree_cache.lock(req.last_node)
-                try:
-                    verdict, prefix, extend, chunked = self._select(req, total_tokens, 0, align)
-                finally:
-                    self.tree_cache.unlock(handle)
-                if verdict is not AddReqResult.CONTINUE:
-                    return verdict
-                loaded = 0
-            else:
-                prefix = req.prefix_len + loaded
-                if not chunked:
-                    extend = req.fill_len - prefix
-        req.prefix_len = prefix
-        req.extend_len = extend
-        req.is_chunked = chunked
-        req.load_back = loaded
-        req.adm_max_new = 0 if chunked else max_new
-        req.lock_handle = self.tree_cache.lock(req.last_node)
-        self.can_run_list.append(req)
-        if chunked:
-            self.new_chunked_req = req
-        self._charge(prefix, extend, req.adm_max_new)
+        # the verdict for the next candidate, read after the temporary pin is released
         return self.budget_state()
 
     def _add_one_req_classic(self, req: Any, align: int | None) -> AddReqResult:

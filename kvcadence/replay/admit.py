@@ -279,13 +279,9 @@ class FakeTreeCache:
         return host_hit_length if ok else 0
 
     def init_load_back(self, req: Any, host_hit_length: int) -> int:
-        """``kvcadence.replay.admission`` protocol: the candidate's own L1 stays pinned."""
-        node = req.last_node
-        self.lock(node)
-        try:
-            return self.load_back(req.rid, host_hit_length)
-        finally:
-            self.unlock(node)
+        """``kvcadence.replay.admission`` protocol. The adder keeps the candidate's own L1
+        pinned through load-back (as SGLang 0.5.23 does), so it never evicts itself here."""
+        return self.load_back(req.rid, host_hit_length)
 
 
 class AdmitReq:

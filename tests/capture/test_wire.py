@@ -740,3 +740,58 @@ def test_public_api_matches_architecture() -> None:
     ).split():
         assert name in wire.__all__ and hasattr(wire, name)
     assert END_SEQ == -1
+
+
+def _plain_chain(tokens, page_size: int, prior: bytes = b"") -> list[bytes]:
+    """Independent reference: one hashlib call per full page, narrow or wide words."""
+    import hashlib
+
+    out = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = tokens[start : start + page_size]
+        if any(t >= 2**32 for t in page):
+            data = b"\xff" + b"".join(t.to_bytes(8, "little") for t in page)
+        else:
+            data = b"".join(t.to_bytes(4, "little") for t in page)
+        prior = hashlib.sha256(prior + data).digest()
+        out.append(prior)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 5, 6, 8, 16, 64])
+def test_every_fast_path_matches_a_plain_chain(page_size: int) -> None:
+    # page sizes on both sides of the one-SHA-block boundary (32 + 4 * page <= 55 bytes),
+    # root / parent / salt priors, list and tuple input, a trailing partial page, and a wide
+    # token late in the stream (the fast path must restart from the prior, not mid-chain)
+    import random
+
+    rng = random.Random(page_size)
+    toks = [rng.randrange(0, 2**32) for _ in range(page_size * 9 + page_size // 2)]
+    parent = _plain_chain([7] * page_size, page_size)[0]
+    salt_seed = cache_salt_seed("s")
+    wide = toks[: page_size * 6] + [2**32 + 1] + toks[page_size * 6 + 1 :]
+    for tokens in (toks, tuple(toks), wide, toks[:page_size], toks[: page_size - 1]):
+        for kw, prior in (
+            ({}, b""),
+            ({"parent_digest": parent}, parent),
+            ({"parent_digest": bytearray(parent)}, parent),
+            ({"cache_salt": "s"}, salt_seed),
+        ):
+            want = _plain_chain(list(tokens), page_size, prior)
+            assert block_digests(tokens, page_size, **kw) == want, (page_size, kw)
+            assert block_hashes(tokens, page_size, **kw) == [digest_to_int64(d) for d in want]
+            prev = prior or None
+            for i, d in enumerate(want):
+                prev = page_digest(prev, tokens[i * page_size : (i + 1) * page_size])
+                assert prev == d
+
+
+def test_invalid_token_late_in_a_fast_path_raises() -> None:
+    for page_size in (1, 4, 16):
+        toks = list(range(page_size * 5))
+        toks[-2] = -1
+        with pytest.raises(WireError, match="non-negative int64"):
+            block_digests(toks, page_size)
+        toks[-2] = "7"
+        with pytest.raises(WireError, match="not an integer"):
+            block_hashes(toks, page_size, parent_digest=b"\x01" * 32)

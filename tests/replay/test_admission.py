@@ -180,3 +180,125 @@ def test_new_token_ratio_tracker():
     t.on_idle()
     assert t.current == pytest.approx(0.7)
     assert NewTokenRatioTracker(conservativeness=2.0).init == 1.0
+
+
+# -- continuing chunk: min(remaining, available), no page rounding (reference §9.6) ----------
+# Expected numbers observed driving the real 0.5.23 PrefillAdder.add_chunked_req with the
+# fakes of sglang_adder_driver.py (PrefillBudget, no mamba grid).
+
+
+@pytest.mark.parametrize(
+    ("page", "prefix", "free", "chunk", "extend", "rem_chunk", "rem_input", "state"),
+    [
+        (16, 70, 10_000, 64, 64, 0, 16320, OTHER),  # unaligned prefix: the whole chunk budget
+        (64, 128, 1000, 4096, 1000, 3072, 15360, NO),  # memory-bound: int(rem_total), not floored
+        (64, 128, 0, 100, 100, -28, 16256, NO),  # no memory: falls back to the chunk budget
+    ],
+)
+def test_chunked_continuation_is_not_page_rounded(
+    page, prefix, free, chunk, extend, rem_chunk, rem_input, state
+):
+    alloc = FakeAlloc(free)
+    tree = FakeTree(alloc, page)
+    r = Req("r", tree, ext=5000 if page == 64 else 1000)
+    r.prefix_len = prefix
+    a = adder(tree, alloc, page=page, chunk=chunk)
+    assert a.add_chunked_req(r) is r
+    assert (r.extend_len, r.is_chunked, r.adm_max_new) == (extend, True, 0)
+    assert (a.rem_chunk_tokens, a.rem_input_tokens, a.log_input_tokens) == (
+        rem_chunk,
+        rem_input,
+        extend,
+    )
+    assert a.budget_state() is state
+
+
+def test_chunked_continuation_last_chunk_reserves_decode():
+    alloc = FakeAlloc(10_000)
+    tree = FakeTree(alloc, 16)
+    r = Req("r", tree, ext=1000, max_new=128)
+    r.prefix_len = 930  # 70 left, chunk budget 64 + 16 ... the rest fits
+    a = adder(tree, alloc, page=16, chunk=100)
+    assert a.add_chunked_req(r) is None
+    assert (r.extend_len, r.is_chunked, r.adm_max_new) == (70, False, 128)
+    assert a.rem_total_tokens == 10_000 - (80 + 16 + 128)
+
+
+# -- 0.5.23: the candidate's prefix stays pinned through load-back and commit (§9.5) -----------
+
+
+class PinTree(FakeTree):
+    """Evicts unlocked nodes newest-first to make room for a load-back (like the admit fakes);
+    records the candidate node's lock count at every budget read and at the load."""
+
+    def __init__(self, alloc: FakeAlloc, page: int, l2_ok: bool = True) -> None:
+        super().__init__(alloc, page, l2_ok)
+        self.watch: dict | None = None
+        self.seen: list[int] = []
+        self.evicted: list[int] = []
+
+    def evictable_size(self) -> int:
+        if self.watch is not None:
+            self.seen.append(self.watch["lock"])
+        return super().evictable_size()
+
+    def init_load_back(self, req, host_hit_length: int) -> int:
+        self.seen.append(req.last_node["lock"])
+        n = -(-host_hit_length // self.page) * self.page
+        if not self.l2_ok or n > self.alloc.free + super().evictable_size():
+            return 0
+        for node in reversed(self.nodes):
+            if self.alloc.free >= n:
+                break
+            if node["lock"] == 0 and node["size"]:
+                self.alloc.free += node["size"]
+                self.evicted.append(node["size"])
+                node["size"] = 0
+        self.alloc.free -= n
+        return host_hit_length
+
+
+def test_0523_prefix_pinned_through_load_back_and_commit():
+    # (real 0.5.23 with the driver's fakes: evicts the other node, never the candidate's L1)
+    alloc = FakeAlloc(300)
+    tree = PinTree(alloc, 64)
+    tree.node(600)  # other evictable KV, older than the candidate's prefix
+    r = Req("r", tree, l1=1024, l2=512, ext=100, max_new=0)
+    tree.watch = r.last_node
+    a = adder(tree, alloc)
+    assert a.add_one_req(r) is CONT
+    assert tree.seen and min(tree.seen) >= 1  # pinned at every budget read and at the load
+    assert tree.evicted == [600] and r.last_node["size"] == 1024
+    assert (r.prefix_len, r.extend_len, r.load_back) == (1536, 100, 512)
+    assert r.last_node["lock"] == 1 and r.lock_handle is r.last_node  # only the long-lived pin
+    assert alloc.free == 388 and a.rem_total_tokens == 196
+
+
+def test_0523_prefix_pinned_through_failed_load_reselection():
+    # the load fails; the recompute re-selection still sees the prefix pinned, and rejects
+    alloc = FakeAlloc(1100)
+    tree = PinTree(alloc, 64, l2_ok=False)
+    r = Req("r", tree, l1=1024, l2=512, ext=100, max_new=0)
+    tree.watch = r.last_node
+    a = adder(tree, alloc, chunk=None)
+    a.rem_input_tokens = 16384
+    assert a.add_one_req(r) is CONT  # 612 + 64 < 1100: admitted as a full recompute
+    assert min(tree.seen) >= 1
+    assert (r.prefix_len, r.extend_len, r.load_back) == (1024, 612, 0)
+    assert a.load_back_events == [("r", 512, 0)]
+    assert r.last_node["lock"] == 1
+
+
+def test_0523_rejected_candidate_is_left_unpinned():
+    # the load fails; the recompute (no chunking) now hits the input cap: OTHER, not admitted
+    alloc = FakeAlloc(100_000)
+    tree = PinTree(alloc, 64, l2_ok=False)
+    a = adder(tree, alloc, chunk=None, max_prefill=1000)
+    assert a.add_one_req(Req("r0", tree, ext=500)) is CONT
+    assert a.rem_input_tokens == 488
+    r = Req("r", tree, l1=64, l2=512, ext=100, max_new=0)
+    tree.watch = r.last_node
+    assert a.add_one_req(r) is OTHER  # 640 >= 488 once the 512 L2 tokens are recomputed
+    assert min(tree.seen) >= 1 and r.last_node["lock"] == 0
+    assert [q.rid for q in a.can_run_list] == ["r0"] and r.prefix_len == 64
+    assert a.load_back_events == [("r", 512, 0)]
