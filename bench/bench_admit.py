@@ -8,7 +8,11 @@ the admission loop (adder construction, continuing chunk, queue scan); the cost 
 divided by the number of ``add_one_req`` calls. Both runs are checked to produce identical
 ticks first. Prints the ratio kvcadence / SGLang (goal <= 0.5).
 
-    .venv/bin/python bench/bench_admit.py [--queues 40] [--repeats 5] [--seed 11]
+    .venv/bin/python bench/bench_admit.py [--queues 40] [--repeats 5] [--seed 11] [--quick]
+        [--json PATH]
+
+(``--quick``: 8 queues, 2 repeats; ``--json``: the figures for ``bench/run``, see
+``bench/common.py``.)
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import argparse
 import random
 import sys
 import time
+
+from common import add_output_args, figure, goal, write_results
 
 from kvcadence.replay.admit import AdmitConfig, RequestSpec, run_admission
 from kvcadence.replay.admit_real import compare, run_real_many, sglang_available
@@ -65,7 +71,10 @@ def main() -> int:
     ap.add_argument("--queues", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=11)
+    add_output_args(ap, "8 queues, 2 repeats")
     args = ap.parse_args()
+    if args.quick:
+        args.queues, args.repeats = 8, 2
     ok, why = sglang_available()
     if not ok:
         print(f"bench_admit: skipped: {why}", file=sys.stderr)
@@ -103,6 +112,24 @@ def main() -> int:
     )
     verdict = "meets" if ratio <= 0.5 else "MISSES"
     print(f"ratio kvcadence / SGLang: {ratio:.3f}  ({verdict} the goal <= 0.5)")
+    write_results(
+        args.json,
+        "admit",
+        "Admission: kvcadence PrefillAdder model vs the real SGLang 0.5.23 PrefillAdder",
+        [
+            figure(
+                "admission cost per evaluated request",
+                kv_us,
+                "us",
+                baseline=sg_us,
+                baseline_name="real sglang 0.5.23 PrefillAdder, same queues and fakes",
+                higher_is_better=False,
+                goal=goal("ratio", "<=", 0.5, "<= 0.5x of SGLang's"),
+                note=f"{kv_n} add_one_req calls; ticks identical to SGLang",
+            )
+        ],
+        params={"queues": len(qs), "configs": len(CONFIGS), "repeats": args.repeats},
+    )
     return 0
 
 

@@ -11,8 +11,13 @@ Phase 1 ("max"): the publisher sends as fast as it can -> messages/s of each rec
 Phase 2 ("rate"): 20k batches/s for ``--rate-seconds`` (default 2 s; ``--full`` = 10 s) ->
 messages lost after replay recovery (goal: 0).
 
-Usage: ``python bench/bench_capture.py [--full] [--max-messages N]``. Prints a table and a
-JSON line; exits 0 (numbers are for reading, not a gate).
+The rates depend on how much CPU the three processes get (a 2-core box shared with other
+work gives noisy ratios), so each phase also reports CPU time per message: the bare loop's
+thread, and the capture loop's thread (``cpu_s`` in the Trailer; the deferred stats decode,
+``decode_cpu_s``, shown apart). ``--runs N`` repeats everything and prints the medians.
+
+Usage: ``python bench/bench_capture.py [--full] [--runs N] [--max-messages N]``. Prints a
+table and a JSON line; exits 0 (numbers are for reading, not a gate).
 """
 
 from __future__ import annotations
@@ -63,8 +68,9 @@ def publisher_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- receivers
 
 
-def bare_drain(endpoint: str, expect: int, idle_s: float = 1.5) -> tuple[int, float]:
-    """Count messages until ``expect`` arrived or ``idle_s`` without any; (n, seconds)."""
+def bare_drain(endpoint: str, expect: int, idle_s: float = 1.5) -> tuple[int, float, float]:
+    """Count messages until ``expect`` arrived or ``idle_s`` without any;
+    ``(n, seconds first to last, thread CPU seconds)``."""
     import zmq
 
     ctx = zmq.Context()
@@ -76,6 +82,7 @@ def bare_drain(endpoint: str, expect: int, idle_s: float = 1.5) -> tuple[int, fl
     poller.register(sub, zmq.POLLIN)
     n = 0
     first = last = 0.0
+    cpu0 = time.thread_time()
     try:
         ready_signal.set()
         while n < expect:
@@ -93,9 +100,10 @@ def bare_drain(endpoint: str, expect: int, idle_s: float = 1.5) -> tuple[int, fl
                 if n == 1:
                     first = last
     finally:
+        cpu = time.thread_time() - cpu0
         sub.close(0)
         ctx.term()
-    return n, max(last - first, 1e-9)
+    return n, max(last - first, 1e-9), cpu
 
 
 class _Ready:
@@ -169,11 +177,44 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=20_000.0, help="phase 2 batches/s")
     ap.add_argument("--rate-seconds", type=float, default=2.0)
     ap.add_argument("--full", action="store_true", help="phase 2 for 10 s")
+    ap.add_argument("--runs", type=int, default=1, help="repeat N times, print medians")
     args = ap.parse_args()
     if args.publisher:
         return publisher_main(args)
     if args.full:
         args.rate_seconds = 10.0
+    runs = [one_run(args) for _ in range(max(1, args.runs))]
+    results = {phase: _median(runs, phase) for phase in runs[0]}
+    print(
+        f"{'phase':6} {'sent':>8} {'pub msg/s':>10} {'bare msg/s':>11} {'rec msg/s':>10} "
+        f"{'ratio':>6} {'bare got':>9} {'rec live':>9} {'recovered':>9} {'lost':>5} "
+        f"{'bare us/msg':>11} {'rec us/msg':>10} {'+decode':>8}"
+    )
+    label = f"median of {len(runs)} runs" if len(runs) > 1 else "1 run"
+    for phase, r in results.items():
+        print(
+            f"{phase:6} {r['sent']:8.0f} {r['publisher_msgs_per_s']:10.0f} "
+            f"{r['bare_msgs_per_s']:11.0f} {r['recorded_msgs_per_s']:10.0f} {r['ratio']:6.2f} "
+            f"{r['bare_received']:9.0f} {r['recorded_live']:9.0f} "
+            f"{r['recovered_by_replay']:9.0f} {r['lost_after_recovery']:5.0f} "
+            f"{r['bare_cpu_us_per_msg']:11.2f} {r['recorded_cpu_us_per_msg']:10.2f} "
+            f"{r['decode_cpu_us_per_msg']:8.2f}"
+        )
+    ratios = {p: [round(x[p]["ratio"], 3) for x in runs] for p in results}
+    print(f"({label}; ratios per run: {ratios}; load {os.getloadavg()[0]:.1f})")
+    print(json.dumps({"bench": "capture", "runs": len(runs), "ratios": ratios, **results}))
+    return 0
+
+
+def _median(runs: list[dict[str, dict]], phase: str) -> dict[str, float]:
+    import statistics
+
+    keys = runs[0][phase].keys()
+    return {k: statistics.median(r[phase][k] for r in runs) for k in keys}
+
+
+def one_run(args: argparse.Namespace) -> dict[str, dict]:
+    """Both phases once; ``{phase: numbers}``."""
     import threading
 
     results: dict[str, dict] = {}
@@ -200,8 +241,8 @@ def main() -> int:
                 ready_signal.ev.clear()
 
                 def run_bare(n: int = n, bare: dict = bare, eps: dict = eps) -> None:
-                    got, secs = bare_drain(eps["endpoint"], n)
-                    bare.update(n=got, s=secs)
+                    got, secs, cpu = bare_drain(eps["endpoint"], n)
+                    bare.update(n=got, s=secs, cpu=cpu)
 
                 t = threading.Thread(target=run_bare)
                 t.start()
@@ -225,6 +266,13 @@ def main() -> int:
                     "recorded_msgs_per_s": bs["live"] / bs["span_s"],
                     "recovered_by_replay": bs["stats"].get("recovered", 0),
                     "lost_after_recovery": len(want - bs["seqs"]),
+                    "bare_cpu_us_per_msg": 1e6 * bare["cpu"] / max(1, bare["n"]),
+                    "recorded_cpu_us_per_msg": 1e6
+                    * (bs["stats"].get("cpu_s", 0.0) - bs["stats"].get("decode_cpu_s", 0.0))
+                    / max(1, bs["live"]),
+                    "decode_cpu_us_per_msg": 1e6
+                    * bs["stats"].get("decode_cpu_s", 0.0)
+                    / max(1, bs["live"]),
                 }
                 r = results[phase]
                 r["ratio"] = r["recorded_msgs_per_s"] / r["bare_msgs_per_s"]
@@ -232,19 +280,7 @@ def main() -> int:
             pub.stdin.write("quit\n")
             pub.stdin.flush()
             pub.wait(30)
-    print(
-        f"{'phase':6} {'sent':>8} {'pub msg/s':>10} {'bare msg/s':>11} {'rec msg/s':>10} "
-        f"{'ratio':>6} {'bare got':>9} {'rec live':>9} {'recovered':>9} {'lost':>5}"
-    )
-    for phase, r in results.items():
-        print(
-            f"{phase:6} {r['sent']:8d} {r['publisher_msgs_per_s']:10.0f} "
-            f"{r['bare_msgs_per_s']:11.0f} {r['recorded_msgs_per_s']:10.0f} {r['ratio']:6.2f} "
-            f"{r['bare_received']:9d} {r['recorded_live']:9d} {r['recovered_by_replay']:9d} "
-            f"{r['lost_after_recovery']:5d}"
-        )
-    print(json.dumps({"bench": "capture", **results}))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

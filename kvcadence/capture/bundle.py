@@ -75,6 +75,11 @@ _TAG_CLASSES: dict[bytes, type] = {tag.encode(): cls for cls, tag in RECORD_TAGS
 # fresh thread, whose stack is shallower than this headroom: see ``_decode_fresh_stack``.
 _DEPTH_HEADROOM = 32
 _DEPTH_PAD = b"\x91" * _DEPTH_HEADROOM
+# Payloads this short nest fewer levels than msgspec's limit under CPython's default
+# recursion limit (1000) minus a reader's fresh-thread stack and the frame's own nesting:
+# they need no padded check (most SGLang batches are shorter than this).
+_SHALLOW_BYTES = 1000 - 2 * _DEPTH_HEADROOM
+_RAW_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)
 
 # Where a frame may start when resynchronising: 8 bytes of frame header, then a msgpack
 # array header followed by a str header (every record is a tagged array).
@@ -106,13 +111,17 @@ def list_segments(path: Path) -> list[Path]:
 def is_single_msgpack(payload: bytes | bytearray | memoryview) -> bool:
     """True if ``payload`` is exactly one complete msgpack value (nothing before or after).
 
-    Cost: one copy (prefixing ``_DEPTH_HEADROOM`` one-element array headers) and one C-level
-    skip-parse: msgspec decoding to ``Raw`` walks the structure without building objects,
-    ~1 µs for a 700-byte KV batch, about an eighth of an untyped decode. String contents are
-    not UTF-8-checked (that is the wire decoder's job; the bytes are kept either way).
+    Cost: one C-level skip-parse (msgspec decoding to ``Raw`` walks the structure without
+    building objects, ~1 µs for a 700-byte KV batch, about an eighth of an untyped decode).
+    A value nests at most as many levels as it has bytes, so a payload of at most
+    ``_SHALLOW_BYTES`` can be read back from any stack (directly, or on the reader's fresh
+    thread) and is checked as is; a longer one is checked with ``_DEPTH_HEADROOM`` extra
+    levels of nesting around it (one copy). String contents are not UTF-8-checked (that is
+    the wire decoder's job; the bytes are kept either way).
     """
+    data = payload if type(payload) is bytes else bytes(payload)
     try:
-        msgspec.msgpack.decode(_DEPTH_PAD + bytes(payload), type=msgspec.Raw)
+        _RAW_DECODER.decode(data if len(data) <= _SHALLOW_BYTES else _DEPTH_PAD + data)
     except (msgspec.DecodeError, RecursionError):
         return False
     return True
@@ -121,7 +130,7 @@ def is_single_msgpack(payload: bytes | bytearray | memoryview) -> bool:
 def encode_payload(payload: bytes | bytearray | memoryview) -> tuple[msgspec.Raw, bool]:
     """``(Raw, payload_is_bin)`` for an EventFrame: Raw unchanged when ``payload`` is one
     msgpack value, otherwise a msgpack bin wrapping the exact bytes (``payload_is_bin``)."""
-    data = bytes(payload)
+    data = payload if type(payload) is bytes else bytes(payload)
     if is_single_msgpack(data):
         return msgspec.Raw(data), False
     return msgspec.Raw(msgspec.msgpack.encode(data)), True

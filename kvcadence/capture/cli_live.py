@@ -135,6 +135,16 @@ def _register_drive(sub: Any) -> None:
         help="after the last request, keep capturing until S s without events (default 2)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
+    p.add_argument(
+        "--flush-at",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="after N requests were sent, let them finish, POST /flush_cache (recorded as an "
+        "Annotation) and go on (repeatable)",
+    )
+    p.add_argument("--rid-prefix", default="", metavar="P", help="prefix every request id with P")
     p.add_argument("--quiet", action="store_true")
     _add_endpoint_opts(p)
     p.set_defaults(_run=run_drive)
@@ -310,7 +320,9 @@ def run_drive(args: argparse.Namespace) -> int:
         writer.write(note)
         try:
             with _stop_on_signals(stop):
-                drv = Driver(args.server, wl, writer.write, timeout_s=args.timeout, stop=stop)
+                drv = Driver(
+                    args.server, wl, writer.write, stop=stop, progress=None, **_drive_opts(args)
+                )
                 dst = drv.run()
         finally:
             writer.close(clean=not stop.is_set())
@@ -337,7 +349,7 @@ def run_drive(args: argparse.Namespace) -> int:
     try:
         with _stop_on_signals(stop):
             drv = Driver(
-                args.server, wl, rec.submit, timeout_s=args.timeout, stop=stop, progress=progress
+                args.server, wl, rec.submit, stop=stop, progress=progress, **_drive_opts(args)
             )
             dst = drv.run()
             # the last finish stores are published when the worker goes idle
@@ -361,6 +373,16 @@ def run_drive(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drive_opts(args: argparse.Namespace) -> dict[str, Any]:
+    if any(n < 1 for n in args.flush_at):
+        raise UsageError("--flush-at N needs N >= 1 (flush after the first N requests)")
+    return {
+        "timeout_s": args.timeout,
+        "flush_at": args.flush_at,
+        "rid_prefix": args.rid_prefix,
+    }
+
+
 def _progress_bar(wl: Any) -> Any:
     from tqdm import tqdm
 
@@ -381,7 +403,10 @@ def _drive_summary(args: argparse.Namespace, dst: Any, cst: Any) -> None:
     print(
         f"drive: {dst.sent} requests ({dst.errors} errors) in {dst.wall_s:.1f} s, "
         f"{dst.prompt_tokens} prompt / {dst.cached_tokens} cached ({hit:.1%}) / "
-        f"{dst.completion_tokens} completion tokens",
+        f"{dst.completion_tokens} completion tokens"
+        + (
+            f", {dst.flushes} cache flushes ({dst.flush_failures} refused)" if args.flush_at else ""
+        ),
         file=sys.stderr,
     )
 

@@ -9,20 +9,28 @@ one ``RequestRecord`` (send / first-token / finish times, input and output token
 Closed loop: one thread per lane, each sending its next request after the previous one
 finished and the workload's pause. Open loop: requests start at their trace arrival offsets
 (a thread pool bounded by ``max_concurrency``). HTTP through one shared ``httpx.Client``.
+
+``flush_at=[N, ...]``: after N requests were sent, no further request starts until the ones in
+flight finished; then (after ``flush_settle_s``, so the worker publishes its pending events
+first) the driver calls ``POST /flush_cache`` (SGLang flushes only when idle), records an
+``Annotation(kind="flush_cache")`` with the outcome, waits ``flush_settle_s`` again (the
+``AllBlocksCleared`` goes out on its own) and lets the lanes go on. ``rid_prefix`` is put in
+front of every request id (several drives against one worker keep distinct rids).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvcadence.capture.schema import RequestRecord
+from kvcadence.capture.schema import Annotation, RequestRecord
 from kvcadence.capture.workloads import Req, Workload
-from kvcadence.errors import CaptureError
+from kvcadence.errors import CaptureError, UsageError
 
 
 @dataclass
@@ -34,6 +42,8 @@ class DriveStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     wall_s: float = 0.0
+    flushes: int = 0
+    flush_failures: int = 0
 
 
 def _finish_reason(meta: dict[str, Any]) -> str | None:
@@ -102,21 +112,35 @@ def record_from_response(
 
 
 class Driver:
-    """Sends a workload to one server; ``sink`` receives every ``RequestRecord``."""
+    """Sends a workload to one server; ``sink`` receives every ``RequestRecord`` (and the
+    ``Annotation`` of each cache flush)."""
 
     def __init__(
         self,
         server_url: str,
         workload: Workload,
-        sink: Callable[[RequestRecord], None],
+        sink: Callable[[Any], None],
         *,
         timeout_s: float = 600.0,
         stop: threading.Event | None = None,
         progress: Callable[[RequestRecord], None] | None = None,
         transport: Any = None,
+        flush_at: Sequence[int] = (),
+        flush_settle_s: float = 0.5,
+        rid_prefix: str = "",
     ) -> None:
+        if any(n < 1 for n in flush_at):
+            raise UsageError("--flush-at N needs N >= 1 (flush after the first N requests)")
         self.transport = transport  # an httpx transport (tests use httpx.MockTransport)
-        self.url = server_url.rstrip("/") + "/generate"
+        self.base_url = server_url.rstrip("/")
+        self.url = self.base_url + "/generate"
+        self.flush_points = sorted(set(flush_at))
+        self.flush_settle_s = flush_settle_s
+        self.rid_prefix = rid_prefix
+        self._gate = threading.Condition()
+        self._started = 0  # requests past the gate
+        self._in_flight = 0
+        self._flushing = False
         self.workload = workload
         self.sink = sink
         self.timeout_s = timeout_s
@@ -126,9 +150,84 @@ class Driver:
         self._lock = threading.Lock()
         self._client: Any = None
 
-    def send(self, req: Req) -> RequestRecord:
+    # ------------------------------------------------------------ flush gate
+
+    def _enter(self) -> None:
+        """Wait for a due flush (performed by the last thread to arrive), then count this
+        request as in flight."""
+        while True:
+            with self._gate:
+                while True:
+                    due = bool(self.flush_points) and self._started >= self.flush_points[0]
+                    if not due:
+                        self._started += 1
+                        self._in_flight += 1
+                        return
+                    if self._in_flight == 0 and not self._flushing:
+                        self._flushing = True
+                        break
+                    self._gate.wait(0.5)
+            try:
+                self._flush(self.flush_points[0])
+            finally:
+                with self._gate:
+                    self.flush_points.pop(0)
+                    self._flushing = False
+                    self._gate.notify_all()
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._in_flight -= 1
+            self._gate.notify_all()
+
+    def _flush(self, after: int) -> None:
+        """``POST /flush_cache`` with nothing in flight; the outcome becomes an Annotation."""
         import httpx
 
+        if self.stop.wait(self.flush_settle_s):
+            return
+        t0 = time.time_ns()
+        try:
+            resp = self._client.post(self.base_url + "/flush_cache", params={"timeout": 10})
+            status: int | None = resp.status_code
+            text = resp.text
+        except httpx.HTTPError as exc:
+            status, text = None, f"{type(exc).__name__}: {exc}"
+        ok = status == 200
+        with self._lock:
+            self.stats.flushes += ok
+            self.stats.flush_failures += not ok
+        self.sink(
+            Annotation(
+                kind="flush_cache",
+                recv_ns=t0,
+                data={
+                    "after_requests": after,
+                    "ok": ok,
+                    "status": status,
+                    "response": text[:300],
+                    "send_ns": t0,
+                    "finish_ns": time.time_ns(),
+                },
+            )
+        )
+        self.stop.wait(self.flush_settle_s)
+
+    # ------------------------------------------------------------ requests
+
+    def send(self, req: Req) -> RequestRecord:
+        """Send one request (after any flush that is due) and record it."""
+        self._enter()
+        try:
+            return self._send(req)
+        finally:
+            self._leave()
+
+    def _send(self, req: Req) -> RequestRecord:
+        import httpx
+
+        if self.rid_prefix:
+            req = dataclasses.replace(req, rid=self.rid_prefix + req.rid)
         body = {
             "rid": req.rid,
             "input_ids": req.input_ids,

@@ -1,8 +1,14 @@
 """The capture loop: one thread polls every endpoint's sockets and writes the bundle.
 
 ``Recorder.run(stop)`` runs one ``zmq.Poller`` over all SUB sockets (and replay DEALERs while
-a replay is outstanding), drains each ready socket with ``NOBLOCK``, hands frames to the
-endpoint's ``SeqTracker`` and writes what it returns through the bundle writer, in seq order.
+a replay is outstanding), drains each ready socket with ``NOBLOCK`` (up to 5000 messages per
+poll), and writes each message in seq order. The receive path is kept lean: frames are read
+with ``copy=False`` (their more-flag saves ``recv_multipart``'s per-frame option lookup), the
+next expected seq is compared against a local counter and written straight away, counters are
+added once per burst; anything else (gaps, replays, epochs) goes through the endpoint's
+``SeqTracker``. The stats decode of written payloads (events, blocks, undecodable ones) is
+deferred: it runs when the stream pauses for a millisecond, when its backlog passes
+``max_backlog_bytes``, and at shutdown.
 Other threads (the request driver) hand records in with ``submit()``; only this thread
 touches the writer. Stops when ``stop`` is set (SIGINT/SIGTERM handlers set it), after
 ``duration_s``, or after ``until_idle_s`` without messages once some arrived; then it drains
@@ -57,6 +63,8 @@ class CaptureStats:
     first_msg_ns: int = 0
     last_msg_ns: int = 0
     last_write_ns: int = 0
+    cpu_s: float = 0.0  # CPU time of the capture loop's thread (receive, write, decode)
+    decode_cpu_s: float = 0.0  # of which the deferred stats decode
     stop_reason: str = ""
     per_endpoint: dict[int, dict[str, int]] = field(default_factory=dict)
 
@@ -80,6 +88,8 @@ class CaptureStats:
                 "stop_reason",
             )
         }
+        d["cpu_s"] = round(self.cpu_s, 4)
+        d["decode_cpu_s"] = round(self.decode_cpu_s, 4)
         d.update(self.totals())
         d["per_endpoint"] = {str(k): v for k, v in self.per_endpoint.items()}
         return d
@@ -149,6 +159,7 @@ class Recorder:
         ctx: Any = None,
         max_buffer: int = 1_000_000,
         on_ready: Callable[[], None] | None = None,
+        max_backlog_bytes: int = 64 << 20,
     ) -> None:
         import zmq
 
@@ -171,7 +182,10 @@ class Recorder:
         self.stats = CaptureStats(started_ns=time.time_ns())
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._backlog: deque[tuple[int, int, int, bytes]] = deque()
+        self._backlog_bytes = 0  # payload bytes waiting for the stats decode
+        self.max_backlog_bytes = max_backlog_bytes
         self.ready = threading.Event()
+        self._cpu0 = time.thread_time()
 
     # -------------------------------------------------------------- public
 
@@ -190,8 +204,8 @@ class Recorder:
             if self.initial_replay:
                 src.tracker.begin_initial_replay(time.time_ns())
                 src.start_replay_if_wanted(poller)
-        dealers = lambda: {s.dealer: s for s in self.sources if s.dealer is not None}  # noqa: E731
         t0 = time.monotonic()
+        self._cpu0 = time.thread_time()
         self.ready.set()
         if self.on_ready is not None:
             self.on_ready()
@@ -205,19 +219,16 @@ class Recorder:
                 if self.duration_s is not None and now - t0 >= self.duration_s:
                     reason = f"duration {self.duration_s:g} s reached"
                     break
-                last = max(self.stats.last_msg_ns, self.stats.last_write_ns)
-                if (
-                    self.until_idle_s is not None
-                    and last
-                    and (time.time_ns() - last) / 1e9 >= self.until_idle_s
-                    and not any(s.tracker.session for s in self.sources)
-                ):
+                if self.until_idle_s is not None and self._idle_for(self.until_idle_s):
                     reason = f"idle for {self.until_idle_s:g} s"
                     break
-                ready = dict(poller.poll(0 if self._backlog else 100))
-                busy = self._service(ready, subs, dealers(), poller)
-                self._drain_inbox()
-                if self._backlog and busy < 256:
+                # with stats left to decode, wait only briefly: a quiet millisecond means the
+                # stream paused, and the decode runs then (or when its backlog is too big)
+                ready = poller.poll(1 if self._backlog else 100)
+                self._service(ready, subs, poller)
+                if not self._inbox.empty():
+                    self._drain_inbox()
+                if self._backlog and (not ready or self._backlog_bytes > self.max_backlog_bytes):
                     self._decode_backlog(0.005)
                 if self.status is not None and self.status.live:
                     self._refresh()
@@ -250,77 +261,122 @@ class Recorder:
     # ------------------------------------------------------------ internals
 
     def _refresh(self) -> None:
+        self.stats.cpu_s = time.thread_time() - self._cpu0
         for src in self.sources:
             self.stats.per_endpoint[src.info.id] = _tracker_dict(src)
 
-    def _service(self, ready: dict, subs: dict, dealers: dict, poller: Any) -> int:
+    def _idle_for(self, seconds: float) -> bool:
+        last = max(self.stats.last_msg_ns, self.stats.last_write_ns)
+        return (
+            bool(last)
+            and (time.time_ns() - last) / 1e9 >= seconds
+            and not any(s.tracker.session for s in self.sources)
+        )
+
+    def _service(self, ready: list, subs: dict, poller: Any) -> int:
+        """Drain the ready SUBs and replay DEALERs; end replays that timed out."""
         n = 0
-        for sock in ready:
+        for sock, _ in ready:
             src = subs.get(sock)
             if src is not None:
                 n += self._drain_sub(src, poller)
                 continue
-            src = dealers.get(sock)
-            if src is not None:
-                self._apply(src, src.drain_replay(poller))
-                src.start_replay_if_wanted(poller)
-        now = time.monotonic_ns()
+            for src in self.sources:
+                if src.dealer is sock:
+                    self._apply(src, src.drain_replay(poller))
+                    src.start_replay_if_wanted(poller)
+                    break
         for src in self.sources:
             if src.tracker.session is not None:
-                self._apply(src, src.check_replay_timeout(poller, now))
+                self._apply(src, src.check_replay_timeout(poller, time.monotonic_ns()))
                 src.start_replay_if_wanted(poller)
         return n
 
     def _drain_sub(self, src: EndpointSource, poller: Any, max_msgs: int = 5000) -> int:
+        """Read up to ``max_msgs`` queued messages of one SUB (NOBLOCK) and write them.
+
+        The hot path: per message one ``recv`` per frame (``copy=False`` frames carry the
+        more-flag, which saves the per-frame RCVMORE option lookup of ``recv_multipart``),
+        the frame parse, a seq compare against a local counter and ``write_event``; the
+        counters are added once per burst, the payload is queued for the deferred stats
+        decode. Anything but the next seq goes through the ``SeqTracker``.
+        """
         zmq = self._zmq
-        sub = src.sub
+        recv = src.sub.recv
+        nonblock = zmq.NOBLOCK
+        again = zmq.Again
+        parse = wire.parse_live_message
+        time_ns = time.time_ns
         eid = src.info.id
-        st = self.stats
+        tr = src.tracker
         write_event = self.writer.write_event
-        decode = self.decode_stats
-        backlog = self._backlog
-        n = 0
-        while n < max_msgs:
-            try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            n += 1
-            recv_ns = time.time_ns()
-            st.messages += 1
-            st.last_msg_ns = recv_ns
-            if not st.first_msg_ns:
-                st.first_msg_ns = recv_ns
-            try:
-                topic, seq, payload = src.parse_live(frames)
-            except WireError as exc:
-                self._malformed(src, frames, recv_ns, str(exc))
-                continue
-            tr = src.tracker
-            if tr.session is None and tr.last is not None and seq == tr.last + 1:
-                # fast path (the common case): next seq, no replay outstanding
-                tr.take_in_order(seq)
-                write_event(
-                    endpoint=eid,
-                    seq=seq,
-                    recv_ns=recv_ns,
-                    topic=topic,
-                    payload=payload,
-                    via=VIA_LIVE,
-                    epoch=tr.epoch,
-                )
-                st.written += 1
-                st.bytes += len(payload)
-                st.last_write_ns = recv_ns
-                if decode:
-                    backlog.append((eid, seq, recv_ns, payload))
-                continue
-            outs = tr.on_live(seq, topic, payload, recv_ns)
-            if outs:
-                self._apply(src, outs)
-            if src.tracker.replay_wanted is not None:
-                src.start_replay_if_wanted(poller)
+        queue_decode = self._backlog.append if self.decode_stats else None
+        expect = tr.expected()
+        epoch = tr.epoch
+        n = run = nbytes = 0
+        recv_ns = 0
+        try:
+            while n < max_msgs:
+                try:
+                    f = recv(nonblock, copy=False)
+                except again:
+                    break
+                frames = [f.bytes]
+                while f.more:
+                    f = recv(nonblock, copy=False)
+                    frames.append(f.bytes)
+                recv_ns = time_ns()
+                n += 1
+                try:
+                    topic, seq, payload = parse(frames)
+                except WireError as exc:
+                    self._malformed(src, frames, recv_ns, str(exc))
+                    continue
+                if seq == expect:  # the common case: next seq, no replay outstanding
+                    write_event(
+                        endpoint=eid,
+                        seq=seq,
+                        recv_ns=recv_ns,
+                        topic=topic,
+                        payload=payload,
+                        via=VIA_LIVE,
+                        epoch=epoch,
+                    )
+                    expect += 1
+                    run += 1
+                    nbytes += len(payload)
+                    if queue_decode is not None:
+                        queue_decode((eid, seq, recv_ns, payload))
+                    continue
+                if run:
+                    self._took(tr, expect - 1, run, nbytes, recv_ns)
+                    run = nbytes = 0
+                outs = tr.on_live(seq, topic, payload, recv_ns)
+                if outs:
+                    self._apply(src, outs)
+                if tr.replay_wanted is not None:
+                    src.start_replay_if_wanted(poller)
+                expect = tr.expected()
+                epoch = tr.epoch
+        finally:
+            if run:
+                self._took(tr, expect - 1, run, nbytes, recv_ns)
+            if n:
+                st = self.stats
+                st.messages += n
+                st.last_msg_ns = recv_ns
+                if not st.first_msg_ns:
+                    st.first_msg_ns = recv_ns
         return n
+
+    def _took(self, tr: Any, last_seq: int, n: int, nbytes: int, recv_ns: int) -> None:
+        """Account ``n`` fast-path frames (``.. last_seq``, ``nbytes`` payload bytes)."""
+        tr.take_in_order(last_seq, n)
+        st = self.stats
+        st.written += n
+        st.bytes += nbytes
+        st.last_write_ns = recv_ns
+        self._backlog_bytes += nbytes
 
     def _malformed(self, src: EndpointSource, frames: list[bytes], recv_ns: int, err: str) -> None:
         self.stats.malformed += 1
@@ -351,6 +407,7 @@ class Recorder:
                 st.last_write_ns = o.recv_ns
                 if self.decode_stats:
                     self._backlog.append((src.info.id, o.seq, o.recv_ns, o.payload))
+                    self._backlog_bytes += len(o.payload)
             else:
                 assert isinstance(o, (Gap, Epoch))
                 w.write(o)
@@ -361,11 +418,19 @@ class Recorder:
         bl = self._backlog
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         n = 0
-        while bl:
-            self._count(*bl.popleft())
-            n += 1
-            if deadline is not None and not n & 31 and time.perf_counter() > deadline:
-                return
+        cpu0 = time.thread_time()
+        try:
+            while bl:
+                item = bl.popleft()
+                self._backlog_bytes -= len(item[3])
+                self._count(*item)
+                n += 1
+                if deadline is not None and not n & 31 and time.perf_counter() > deadline:
+                    return
+        finally:
+            if not bl:
+                self._backlog_bytes = 0
+            self.stats.decode_cpu_s += time.thread_time() - cpu0
 
     def _count(self, endpoint: int, seq: int, recv_ns: int, payload: bytes) -> None:
         try:
@@ -406,8 +471,7 @@ class Recorder:
             (s.replay_timeout_ns / 1e9 for s in self.sources if s.tracker.session), default=0.0
         )
         while any(s.tracker.session for s in self.sources) and time.monotonic() < deadline:
-            ready = dict(poller.poll(50))
-            self._service(ready, subs, {s.dealer: s for s in self.sources if s.dealer}, poller)
+            self._service(poller.poll(50), subs, poller)
         for src in self.sources:
             src.close_dealer(poller)
             self._apply(src, src.tracker.flush())

@@ -107,13 +107,20 @@ class SeqTracker:
         self._process(msg, out)
         return out
 
-    def take_in_order(self, seq: int) -> None:
-        """Fast path: the caller wrote live message ``seq == last + 1`` itself (no replay
-        outstanding); same bookkeeping as ``on_live`` for that case."""
+    def expected(self) -> int:
+        """The seq the caller may write itself (fast path: no replay outstanding, the next
+        after ``last``); -1 when every live message must go through ``on_live``."""
+        if self.session is None and self.last is not None:
+            return self.last + 1
+        return -1
+
+    def take_in_order(self, last_seq: int, n: int = 1) -> None:
+        """Fast path: the caller wrote the ``n`` live messages ``expected() .. last_seq`` itself
+        (no replay outstanding); the same bookkeeping as ``on_live`` for them."""
         s = self.stats
-        s.live += 1
-        s.written += 1
-        self.last = seq
+        s.live += n
+        s.written += n
+        self.last = last_seq
 
     def on_replay(self, seq: int, topic: str | None, payload: bytes, recv_ns: int) -> None:
         """A replay reply (not the end marker)."""

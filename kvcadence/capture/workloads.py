@@ -12,10 +12,12 @@ model's vocabulary (``[3, vocab - 1]``: 0/1/2 are pad/BOS/EOS on the harness mod
   ``hash_ids``): hash id ``h`` always maps to the same ``block_tokens`` token ids, so prefix
   sharing is preserved; open loop by timestamp (``speedup``) or closed loop with ``lanes``.
 * ``admission`` -- the admission benchmark's JSONL (``rid``, ``l1_cached_tokens``,
-  ``l2_cached_tokens``, ``extend_tokens``): each line becomes a priming request that caches a
-  prefix of ``l1 + l2`` tokens, then the measured request = that prefix + ``extend_tokens`` new
-  tokens, so the worker really reports that many cached tokens (page-aligned). The CPU worker
-  has no HiCache, so the L2 part is served from the device cache too (noted per record).
+  ``l2_cached_tokens``, ``extend_tokens``): each line becomes a priming request that caches the
+  ``l1`` prefix, then the measured request = that prefix + ``l2`` + ``extend_tokens`` new
+  tokens (the same total input as the benchmark's request), so the worker really reports
+  ``l1`` cached tokens (in whole pages: set ``page_size``). A worker without HiCache has no
+  host tier, so by default the L2 part is computed (``l2=extend``); ``l2=device`` primes
+  ``l1 + l2`` instead. Each record notes the split and ``expected_cached_tokens``.
 
 SPEC syntax: ``KIND[:key=value,key=value...]``, e.g. ``agent:lanes=4,requests=120,seed=101``,
 ``mooncake:path=trace.jsonl,speedup=4``, ``admission:path=mix.jsonl``; or ``@FILE.json``
@@ -353,10 +355,15 @@ class AdmissionWorkload(Workload):
     seed: int = 0
     vocab: int = 1024
     page_size: int = 1
+    l2: str = "extend"  # where the L2 part goes: "extend" (computed) or "device" (primed)
 
     def validate(self) -> None:
         if not self.path:
             raise UsageError("admission workload needs path=FILE")
+        if self.l2 not in ("extend", "device"):
+            raise UsageError(f"admission workload: l2 must be extend or device, got {self.l2!r}")
+        if self.page_size < 1:
+            raise UsageError("admission workload: page_size must be >= 1")
         rows = _read_jsonl(Path(self.path), "admission requests")
         self._pairs: list[tuple[Req | None, Req]] = []
         for i, d in enumerate(rows):
@@ -366,12 +373,22 @@ class AdmissionWorkload(Workload):
             l2 = _need_int(d, "l2_cached_tokens", where)
             ext = _need_int(d, "extend_tokens", where, 1)
             rng = random.Random(f"{self.seed}-adm-{rid}")
-            prefix = _tokens(rng, l1 + l2, self.vocab)
+            l1_ids = _tokens(rng, l1, self.vocab)
+            l2_ids = _tokens(rng, l2, self.vocab)
             extend = _tokens(rng, ext, self.vocab)
-            note = {"l1_cached_tokens": l1, "l2_cached_tokens": l2, "extend_tokens": ext}
-            prime = Req(f"{rid}-prime", prefix, 1, session=i, turn=0, note=note)
-            main = Req(rid, prefix + extend, self.out_tokens, session=i, turn=1, note=note)
-            self._pairs.append((prime if prefix else None, main))
+            primed = l1_ids + l2_ids if self.l2 == "device" else l1_ids
+            note = {
+                "l1_cached_tokens": l1,
+                "l2_cached_tokens": l2,
+                "extend_tokens": ext,
+                "l2_served_as": self.l2,
+                # what the worker should report: the primed prefix in whole pages (the
+                # prompt is longer than the prefix: extend_tokens >= 1)
+                "expected_cached_tokens": len(primed) // self.page_size * self.page_size,
+            }
+            prime = Req(f"{rid}-prime", primed, 1, session=i, turn=0, note=note)
+            main = Req(rid, l1_ids + l2_ids + extend, self.out_tokens, session=i, turn=1, note=note)
+            self._pairs.append((prime if primed else None, main))
         self._next = 0
         self._lock = threading.Lock()
 

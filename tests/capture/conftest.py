@@ -104,19 +104,22 @@ def sglang_harness():
 
 @pytest.fixture(scope="session")
 def sglang_worker_factory(sglang_harness, tmp_path_factory):
-    """``start(name, **ServerConfig fields)`` -> a running worker; stops the previous one
-    first (never two at once: ~2.4 GB each)."""
-    current: list[Any] = []
+    """``start(name, **ServerConfig fields)`` -> a running worker. Scenarios with the same
+    configuration share one worker (started once, for CI time); a different configuration
+    stops the previous worker first (never two at once: ~2.4 GB each)."""
+    current: list[tuple[dict[str, Any], Any]] = []
 
     def start(name: str, **cfg: Any) -> Any:
-        for h in current:
+        if current and current[0][0] == cfg and current[0][1].alive():
+            return current[0][1]
+        for _, h in current:
             h.stop()
         current.clear()
         workdir = tmp_path_factory.mktemp(f"sglang-{name}")
         h = sglang_harness.start_server(sglang_harness.ServerConfig(**cfg), workdir)
-        current.append(h)
+        current.append((dict(cfg), h))
         return h
 
     yield start
-    for h in current:
+    for _, h in current:
         h.stop()

@@ -5,29 +5,54 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
 
 from kvcadence.capture.driver import Driver
+from kvcadence.capture.schema import Annotation, RequestRecord
 from kvcadence.capture.workloads import AgentWorkload, build_workload, parse_spec
 from kvcadence.errors import InputError, UsageError
 
 
 class FakeSGLang:
     """Answers /generate like SGLang with --skip-tokenizer-init: output ids derived from the
-    prompt; cached_tokens = longest prefix seen before (page size 1)."""
+    prompt; cached_tokens = longest prefix seen before, in whole pages. ``/flush_cache``
+    forgets every prompt (refused with 400 while a request is in flight, like SGLang)."""
 
-    def __init__(self, fail_rids: set[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        fail_rids: set[str] = frozenset(),
+        page: int = 1,
+        refuse_flush: bool = False,
+        delay_s: float = 0.0,
+    ) -> None:
         self.seen: list[dict] = []
         self.prompts: list[list[int]] = []
         self.fail_rids = fail_rids
+        self.page = page
+        self.refuse_flush = refuse_flush
+        self.delay_s = delay_s  # > 0: requests of different lanes overlap
+        self.log: list[str] = []  # "gen:<rid>" / "flush:<status>" in arrival order
+        self.in_flight = 0
         self.lock = threading.Lock()
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/flush_cache":
+            with self.lock:
+                ok = self.in_flight == 0 and not self.refuse_flush
+                if ok:
+                    self.prompts.clear()
+                self.log.append(f"flush:{200 if ok else 400}")
+            if ok:
+                return httpx.Response(200, text="Cache flushed.")
+            return httpx.Response(400, text="Cache not flushed: pending requests")
         body = json.loads(request.content)
         with self.lock:
+            self.in_flight += 1
             self.seen.append(body)
+            self.log.append(f"gen:{body['rid']}")
             ids = body["input_ids"]
             cached = 0
             for p in self.prompts:
@@ -36,8 +61,12 @@ class FakeSGLang:
                     if a != b:
                         break
                     n += 1
-                cached = max(cached, min(n, len(ids) - 1))
+                cached = max(cached, min(n, len(ids) - 1) // self.page * self.page)
             self.prompts.append(ids)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        with self.lock:
+            self.in_flight -= 1
         if body["rid"] in self.fail_rids:
             return httpx.Response(503, text="overloaded")
         n = body["sampling_params"]["max_new_tokens"]
@@ -54,7 +83,12 @@ class FakeSGLang:
         return httpx.Response(200, json={"output_ids": out, "meta_info": meta})
 
 
-def drive(workload, fake: FakeSGLang) -> list:
+def drive(workload, fake: FakeSGLang, **kw) -> list:
+    """Request records only (see ``drive_all`` for the annotations too)."""
+    return [r for r in drive_all(workload, fake, **kw)[0] if isinstance(r, RequestRecord)]
+
+
+def drive_all(workload, fake: FakeSGLang, **kw) -> tuple[list, Driver]:
     records: list = []
     lock = threading.Lock()
 
@@ -62,8 +96,9 @@ def drive(workload, fake: FakeSGLang) -> list:
         with lock:
             records.append(r)
 
-    Driver("http://fake", workload, sink, transport=httpx.MockTransport(fake)).run()
-    return records
+    drv = Driver("http://fake", workload, sink, transport=httpx.MockTransport(fake), **kw)
+    drv.run()
+    return records, drv
 
 
 def test_agent_turns_extend_previous_prompt_and_output():
@@ -143,14 +178,68 @@ def test_admission_prompts_really_hit_the_cache(tmp_path):
     rows = [
         {"rid": "r0", "l1_cached_tokens": 64, "l2_cached_tokens": 32, "extend_tokens": 16},
         {"rid": "r1", "l1_cached_tokens": 0, "l2_cached_tokens": 0, "extend_tokens": 8},
+        {"rid": "r2", "l1_cached_tokens": 70, "l2_cached_tokens": 0, "extend_tokens": 1},
     ]
     f.write_text("\n".join(json.dumps(r) for r in rows))
     recs = drive(build_workload(f"admission:path={f}"), FakeSGLang())
     by = {r.rid: r for r in recs}
-    assert set(by) == {"r0-prime", "r0", "r1"}
-    assert len(by["r0"].input_ids) == 112 and by["r0"].cached_tokens == 96
-    assert by["r0"].input_ids[:96] == by["r0-prime"].input_ids
-    assert by["r1"].cached_tokens == 0
+    assert set(by) == {"r0-prime", "r0", "r1", "r2-prime", "r2"}
+    # the L1 part is primed and hit; L2 (no host tier here) and extend are computed
+    assert len(by["r0"].input_ids) == 112 and by["r0"].cached_tokens == 64
+    assert by["r0"].input_ids[:64] == by["r0-prime"].input_ids
+    assert by["r1"].cached_tokens == 0 and by["r2"].cached_tokens == 70
+    assert [by[k].meta_info["workload"]["expected_cached_tokens"] for k in ("r0", "r1", "r2")] == [
+        64,
+        0,
+        70,
+    ]
+    # whole pages: L1 = 70 at page 16 -> 64 cached; l2=device primes L1 + L2
+    paged = drive(build_workload(f"admission:path={f},page_size=16"), FakeSGLang(page=16))
+    p = {r.rid: r for r in paged}
+    assert p["r2"].cached_tokens == 64 == p["r2"].meta_info["workload"]["expected_cached_tokens"]
+    dev = {r.rid: r for r in drive(build_workload(f"admission:path={f},l2=device"), FakeSGLang())}
+    assert dev["r0"].cached_tokens == 96 and len(dev["r0"].input_ids) == 112
+    with pytest.raises(UsageError, match="l2 must be"):
+        build_workload(f"admission:path={f},l2=host")
+
+
+def test_flush_at_waits_for_in_flight_requests_and_is_annotated():
+    wl = build_workload("agent:lanes=3,requests=12,seed=4,think_ms=0,session_gap_ms=0")
+    fake = FakeSGLang(delay_s=0.005)
+    recs, drv = drive_all(wl, fake, flush_at=[5], flush_settle_s=0.0)
+    notes = [r for r in recs if isinstance(r, Annotation)]
+    assert len(notes) == 1 and notes[0].kind == "flush_cache"
+    assert notes[0].data["ok"] is True and notes[0].data["after_requests"] == 5
+    # exactly 5 requests before the flush, none in flight when it ran, 7 after
+    i = fake.log.index("flush:200")
+    assert len(fake.log) == 13 and i == 5
+    assert drv.stats.flushes == 1 and drv.stats.flush_failures == 0
+    # the cache was empty after the flush: the first request after it hit nothing
+    after = fake.log[i + 1].split(":", 1)[1]
+    (first,) = [r for r in recs if isinstance(r, RequestRecord) and r.rid == after]
+    assert first.cached_tokens == 0
+
+
+def test_refused_flush_is_recorded_and_the_drive_goes_on():
+    wl = build_workload("agent:lanes=2,requests=6,seed=4,think_ms=0,session_gap_ms=0")
+    recs, drv = drive_all(wl, FakeSGLang(refuse_flush=True), flush_at=[2, 4], flush_settle_s=0)
+    notes = [r for r in recs if isinstance(r, Annotation)]
+    assert [(n.data["after_requests"], n.data["ok"], n.data["status"]) for n in notes] == [
+        (2, False, 400),
+        (4, False, 400),
+    ]
+    assert drv.stats.flush_failures == 2 and drv.stats.ok == 6
+    with pytest.raises(UsageError, match="--flush-at"):
+        Driver("http://fake", wl, print, flush_at=[0])
+
+
+def test_rid_prefix_names_every_request():
+    wl = build_workload("agent:lanes=2,requests=6,seed=4,think_ms=0,session_gap_ms=0")
+    fake = FakeSGLang()
+    recs = drive(wl, fake, rid_prefix="run2-")
+    assert len(recs) == 6 and all(r.rid.startswith("run2-l") for r in recs)
+    assert {b["rid"] for b in fake.seen} == {r.rid for r in recs}
+    assert any(r.turn for r in recs)  # later turns still build on the previous ones
 
 
 def test_bad_specs_and_inputs_name_the_problem(tmp_path):

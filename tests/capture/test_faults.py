@@ -283,3 +283,59 @@ def test_disk_full_gives_one_clear_error_and_keeps_earlier_segments(tmp_path):
     assert r.report.corrupt_bytes == 0  # at most a torn tail in the last segment
     for seg in segs[:-1]:  # closed segments read back whole
         assert BundleReader(copy).scan_segment(seg).good_end == seg.stat().st_size
+
+
+def _expected_counts(payloads: list[bytes]) -> tuple[int, int, int]:
+    from kvcadence.capture import wire
+    from kvcadence.capture.schema import BlockRemoved, BlockStored
+
+    events = stored = removed = 0
+    for p in payloads:
+        for ev in wire.decode_batch(p).events:
+            events += 1
+            if isinstance(ev, BlockStored):
+                stored += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                removed += len(ev.block_hashes)
+    return events, stored, removed
+
+
+@pytest.mark.parametrize("cap", [0, 64 << 20])
+def test_deferred_stats_decode_counts_every_written_frame(run_capture, endpoint_info, cap):
+    # cap 0: the decode runs while messages keep coming (backlog over its cap); the default
+    # cap: it runs when the stream pauses / at shutdown. Same counts either way.
+    pool = payload_pool(40, seed=3)
+    with TestPublisher() as pub:
+        cap_run = run_capture([endpoint_info(pub)], max_backlog_bytes=cap)
+        for p in pool:
+            pub.publish(p)
+        cap_run.wait_for(len(pool))
+        r = cap_run.stop()
+    st = cap_run.rec.stats
+    assert (st.events, st.blocks_stored, st.blocks_removed) == _expected_counts(pool)
+    assert st.undecodable == 0 and cap_run.rec._backlog_bytes == 0
+    trailer = [t for t in r.records() if isinstance(t, Trailer)][-1]
+    assert trailer.stats["events"] == st.events
+    assert 0 < trailer.stats["decode_cpu_s"] <= trailer.stats["cpu_s"]
+
+
+def test_shallow_payload_checked_without_padding_reads_back_from_a_deep_stack(tmp_path):
+    from kvcadence.capture import bundle
+    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.capture.discovery import make_header
+
+    n = bundle._SHALLOW_BYTES
+    payload = b"\x91" * (n - 1) + b"\x01"  # as deep as a payload of that length can nest
+    assert len(payload) == n and bundle.is_single_msgpack(payload)
+    w = BundleWriter(tmp_path / "b", make_header([], server_info=None, command=[]))
+    w.write_event(endpoint=0, seq=0, recv_ns=1, topic="t", payload=payload, via=0, epoch=0)
+    w.close()
+
+    def read_deeper(k: int) -> list:
+        if k:
+            return read_deeper(k - 1)
+        return list(BundleReader(tmp_path / "b").events())
+
+    for depth in (0, 400):  # 400 frames deeper: msgspec's limit, then the fresh-thread retry
+        (ev,) = read_deeper(depth)
+        assert not ev.payload_is_bin and event_payload(ev) == payload

@@ -10,7 +10,15 @@ One worker per scenario (never two at once). Checks, per scenario:
   cached page in a message received before the request finished; cached counts are page
   aligned;
 * ``capture import --sglang-metrics`` of the worker's own metrics files agrees with the
-  driver's records (rids, input ids, prompt / cached / completion tokens).
+  driver's records (rids, input ids, prompt / cached / completion tokens);
+* a mid-run ``/flush_cache`` issued by ``drive --flush-at``: an ``AllBlocksCleared`` alone in
+  its message, the flush ``Annotation``, and no request after it hits a page stored before it;
+* ``mooncake``: cached tokens = the prefix shared (through hash ids) with earlier prompts;
+* ``admission``: cached tokens = the requested L1, in whole pages.
+
+Scenarios with the same worker configuration share one worker (the factory keeps it); each
+drive has its own rid prefix, and its capture still starts from seq 0 (initial replay), so the
+"no message lost" check covers the earlier drives' traffic too.
 """
 
 from __future__ import annotations
@@ -24,7 +32,15 @@ import pytest
 
 from kvcadence.capture import wire
 from kvcadence.capture.bundle import BundleReader, event_payload
-from kvcadence.capture.schema import VIA_REPLAY, BlockRemoved, BlockStored, Gap, Trailer
+from kvcadence.capture.schema import (
+    VIA_REPLAY,
+    AllBlocksCleared,
+    Annotation,
+    BlockRemoved,
+    BlockStored,
+    Gap,
+    Trailer,
+)
 from kvcadence.cli import main
 
 worker = pytest.mark.sglang_worker
@@ -54,7 +70,7 @@ def fetch_ring(replay_endpoint: str, timeout_s: float = 5.0) -> dict[int, bytes]
         ctx.term()
 
 
-def warm_requests(url: str, n: int) -> None:
+def warm_requests(url: str, n: int, prefix: str) -> None:
     """Traffic before any capture runs (its events exist only in the replay ring)."""
     import httpx
 
@@ -62,7 +78,7 @@ def warm_requests(url: str, n: int) -> None:
         r = httpx.post(
             url + "/generate",
             json={
-                "rid": f"warm-{i}",
+                "rid": f"{prefix}warm-{i}",
                 "input_ids": [5 + i, 6, 7, 8, 9, 10] * 4,
                 "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
             },
@@ -71,25 +87,42 @@ def warm_requests(url: str, n: int) -> None:
         assert r.status_code == 200, r.text
 
 
-def stream_index(reader: BundleReader) -> tuple[dict[int, int], dict[int, list[int]]]:
-    """hash -> recv_ns of its first store; hash -> recv_ns list of removals."""
-    stored: dict[int, int] = {}
-    removed: dict[int, list[int]] = {}
-    for f in reader.events():
-        batch = wire.decode_batch(event_payload(f))
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                for h in ev.block_hashes:
-                    stored.setdefault(h, f.recv_ns)
-            elif isinstance(ev, BlockRemoved):
-                for h in ev.block_hashes:
-                    removed.setdefault(h, []).append(f.recv_ns)
-    return stored, removed
+class Stream:
+    """The bundle's KV events in seq order: where each hash was stored / removed, and where
+    the cache was cleared (every frame's seq, recv_ns and decoded events)."""
+
+    def __init__(self, reader: BundleReader) -> None:
+        self.frames = sorted(reader.events(), key=lambda f: f.seq)
+        self.batches = [wire.decode_batch(event_payload(f)) for f in self.frames]
+        self.stored: dict[int, list[int]] = {}  # hash -> frame indexes of its stores
+        self.removed: dict[int, list[int]] = {}
+        self.clears: list[int] = []  # frame indexes holding an AllBlocksCleared
+        for i, batch in enumerate(self.batches):
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    for h in ev.block_hashes:
+                        self.stored.setdefault(h, []).append(i)
+                elif isinstance(ev, BlockRemoved):
+                    for h in ev.block_hashes:
+                        self.removed.setdefault(h, []).append(i)
+                elif isinstance(ev, AllBlocksCleared):
+                    self.clears.append(i)
+
+    def last_clear_before(self, t_ns: int) -> int:
+        """Index of the last clear received before ``t_ns`` (-1: none)."""
+        before = [i for i in self.clears if self.frames[i].recv_ns < t_ns]
+        return before[-1] if before else -1
 
 
-def check_cached_tokens(reader: BundleReader, page: int) -> dict[str, Any]:
-    stored, removed = stream_index(reader)
-    reqs = [r for r in reader.requests() if r.source == "driver" and r.error is None]
+def check_cached_tokens(reader: BundleReader, page: int, prefix: str) -> dict[str, Any]:
+    """Every cached page of every request was stored by the worker after the last cache clear
+    the capture saw before the request was sent, and before the request finished (+1 s)."""
+    st = Stream(reader)
+    reqs = [
+        r
+        for r in reader.requests()
+        if r.source == "driver" and r.error is None and r.rid.startswith(prefix)
+    ]
     n_hit = ok = aligned = 0
     bad: list[str] = []
     for r in reqs:
@@ -99,10 +132,13 @@ def check_cached_tokens(reader: BundleReader, page: int) -> dict[str, Any]:
             ok += 1
             continue
         n_hit += 1
-        hashes = wire.block_hashes(r.input_ids, page)
-        cached = hashes[: c // page]
-        last = cached[-1]
-        if all(h in stored for h in cached) and stored[last] <= (r.finish_ns or 0) + int(1e9):
+        cached = wire.block_hashes(r.input_ids, page)[: c // page]
+        lo = st.last_clear_before(r.send_ns)
+        hi_ns = (r.finish_ns or 0) + int(1e9)
+        if all(
+            any(i > lo and st.frames[i].recv_ns <= hi_ns for i in st.stored.get(h, ()))
+            for h in cached
+        ):
             ok += 1
         else:
             bad.append(r.rid)
@@ -113,19 +149,29 @@ def check_cached_tokens(reader: BundleReader, page: int) -> dict[str, Any]:
         "agree_pct": 100.0 * ok / max(1, len(reqs)),
         "page_aligned": aligned,
         "bad": bad,
-        "removed_blocks": sum(len(v) for v in removed.values()),
+        "removed_blocks": sum(len(v) for v in st.removed.values()),
     }
 
 
 def run_scenario(
-    factory: Any, tmp_path: Path, name: str, workload: str, warm: int, **cfg: Any
-) -> dict[str, Any]:
-    h = factory(name, **cfg)
-    warm_requests(h.url, warm)
+    factory: Any,
+    tmp_path: Path,
+    name: str,
+    workload: str,
+    warm: int,
+    *,
+    drive_args: tuple[str, ...] = (),
+    min_hits: int = 1,
+    **cfg: Any,
+) -> tuple[dict[str, Any], BundleReader]:
+    h = factory(f"page{cfg['page_size']}", **cfg)
+    prefix = f"{name}-"
+    warm_requests(h.url, warm, prefix)
     time.sleep(1.0)  # finish stores of the warm requests are published on idle
     out = tmp_path / f"{name}.kvcb"
     t0 = time.monotonic()
-    rc = main(["drive", "--server", h.url, "--workload", workload, "--out", str(out), "--quiet"])
+    argv = ["drive", "--server", h.url, "--workload", workload, "--out", str(out), "--quiet"]
+    rc = main([*argv, "--rid-prefix", prefix, *drive_args])
     drive_s = time.monotonic() - t0
     assert rc == 0
     assert h.alive(), "worker died during the run:\n" + h.log_tail()
@@ -137,7 +183,8 @@ def run_scenario(
     assert sorted(got) == sorted(ring) == list(range(len(ring)))
     assert all(got[s] == ring[s] for s in ring)
     assert reader.report.torn_bytes == 0 and reader.report.corrupt_bytes == 0
-    # -- late start: the warm requests' events (incl. seq 0) came through replay
+    # -- late start: what the worker published before the capture (incl. seq 0) came
+    #    through replay
     replayed = [f.seq for f in frames if f.via == VIA_REPLAY]
     assert replayed and replayed[0] == 0 and replayed == list(range(len(replayed)))
     gaps = [g for g in reader.records() if isinstance(g, Gap)]
@@ -149,16 +196,21 @@ def run_scenario(
     assert snap["page_size"] == cfg["page_size"] and reader.header.sglang_version == "0.5.23"
     # -- cached_tokens vs the event stream
     page = cfg["page_size"]
-    cache = check_cached_tokens(reader, page)
+    cache = check_cached_tokens(reader, page, prefix)
     assert cache["bad"] == [], cache
     assert cache["page_aligned"] == cache["requests"]
-    assert cache["with_cache_hits"] > 0
+    assert cache["with_cache_hits"] >= min_hits
     # -- SGLang's own metrics export agrees with the driver's records
     imported = tmp_path / f"{name}-import.kvcb"
     assert main(["capture", "import", "--sglang-metrics", h.metrics_dir, str(imported)]) == 0
     mine = {r.rid: r for r in reader.requests()}
-    theirs = {r.rid: r for r in BundleReader(imported).requests() if r.source == "sglang-metrics"}
-    theirs = {k: v for k, v in theirs.items() if not k.startswith("warm-")}
+    theirs = {
+        r.rid: r
+        for r in BundleReader(imported).requests()
+        if r.source == "sglang-metrics"
+        and r.rid.startswith(prefix)
+        and not r.rid.startswith(prefix + "warm-")
+    }
     assert set(theirs) == set(mine)
     fields = ("input_ids", "prompt_tokens", "cached_tokens", "completion_tokens")
     agree = sum(all(getattr(mine[k], f) == getattr(theirs[k], f) for f in fields) for k in mine)
@@ -178,38 +230,156 @@ def run_scenario(
     }
     RESULTS[name] = res
     print(f"\n[{name}] {res}")
-    return res
+    return res, reader
+
+
+PAGE1 = {"page_size": 1, "max_total_tokens": 600}
+PAGE16 = {"page_size": 16, "max_total_tokens": 600, "chunked_prefill_size": 64}
 
 
 @worker
 def test_page1_eviction_heavy(sglang_worker_factory, tmp_path):
-    res = run_scenario(
+    res, _ = run_scenario(
         sglang_worker_factory,
         tmp_path,
         "page1",
         "agent:lanes=4,requests=24,seed=7,max_prompt=400,out_min=4,out_max=16,"
         "think_ms=5,session_gap_ms=5",
         warm=3,
-        page_size=1,
-        max_total_tokens=600,
+        **PAGE1,
     )
     assert res["removed_blocks"] > 0, "the small pool must force evictions"
 
 
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@worker
+def test_mooncake_shared_hash_ids_are_cached(sglang_worker_factory, tmp_path):
+    """Same worker as page1: a closed-loop Mooncake trace whose hash ids share prefixes."""
+    rows = [
+        ([1, 2, 3], 56),
+        ([1, 2, 3, 4], 64),
+        ([1, 2, 5], 40),
+        ([6, 7], 32),
+        ([1, 2, 3, 4, 8], 80),
+        ([6, 7, 9], 48),
+    ]
+    trace = tmp_path / "mooncake.jsonl"
+    trace.write_text(
+        "\n".join(
+            json.dumps(
+                {"timestamp": 10 * i, "input_length": n, "output_length": 4, "hash_ids": ids}
+            )
+            for i, (ids, n) in enumerate(rows)
+        )
+    )
+    res, reader = run_scenario(
+        sglang_worker_factory,
+        tmp_path,
+        "mooncake",
+        f"mooncake:path={trace},block_tokens=16,lanes=1",
+        warm=0,
+        **PAGE1,
+    )
+    recs = sorted(reader.requests(), key=lambda r: int(r.rid.rsplit("-", 1)[1]))
+    assert len(recs) == len(rows)
+    shared_blocks = []
+    for i, (ids, _) in enumerate(rows):
+        best = 0
+        for prev, _ in rows[:i]:
+            best = max(best, _lcp(ids, prev))
+        shared_blocks.append(best)
+    for i, r in enumerate(recs):
+        lcp = max((_lcp(r.input_ids, p.input_ids) for p in recs[:i]), default=0)
+        expect = min(lcp, len(r.input_ids) - 1)  # page 1; at least one token is computed
+        assert expect >= min(shared_blocks[i] * 16, len(r.input_ids) - 1)
+        assert r.cached_tokens == expect, (r.rid, r.cached_tokens, expect)
+    assert [r.cached_tokens for r in recs] == [0, 48, 32, 0, 64, 32]
+    RESULTS["mooncake"]["cached"] = [r.cached_tokens for r in recs]
+
+
 @worker
 def test_page16_chunked_prefill(sglang_worker_factory, tmp_path):
-    res = run_scenario(
+    res, _ = run_scenario(
         sglang_worker_factory,
         tmp_path,
         "page16",
         "agent:lanes=2,requests=12,seed=9,max_prompt=400,out_min=4,out_max=16,"
         "think_ms=5,session_gap_ms=5",
         warm=2,
-        page_size=16,
-        max_total_tokens=600,
-        chunked_prefill_size=64,
+        **PAGE16,
     )
     assert res["messages"] > 0
+
+
+@worker
+def test_flush_cache_mid_run(sglang_worker_factory, tmp_path):
+    """Same worker as page16: ``drive --flush-at 6`` flushes the cache between requests."""
+    res, reader = run_scenario(
+        sglang_worker_factory,
+        tmp_path,
+        "flush",
+        "agent:lanes=2,requests=12,seed=11,max_prompt=400,out_min=4,out_max=16,"
+        "think_ms=5,session_gap_ms=5",
+        warm=0,
+        drive_args=("--flush-at", "6"),
+        **PAGE16,
+    )
+    notes = [a for a in reader.records() if isinstance(a, Annotation) and a.kind == "flush_cache"]
+    assert len(notes) == 1 and notes[0].data["ok"] is True, notes
+    st = Stream(reader)
+    mid = [i for i in st.clears if st.frames[i].seq > 0]  # seq 0: the worker's startup clear
+    assert len(mid) == 1, [st.frames[i].seq for i in st.clears]
+    (ci,) = mid
+    assert len(st.batches[ci].events) == 1  # alone in its message
+    clear_ns = st.frames[ci].recv_ns
+    assert notes[0].data["send_ns"] < clear_ns
+    reqs = [r for r in reader.requests() if r.rid.startswith("flush-")]
+    before = [r for r in reqs if r.finish_ns <= notes[0].data["send_ns"]]
+    after = [r for r in reqs if r.send_ns >= notes[0].data["finish_ns"]]
+    assert len(before) == 6 and len(after) == 6
+    # the first prefill after the flush found the cache empty; every later hit was re-stored
+    # after the clear (check_cached_tokens in run_scenario)
+    assert min(r.cached_tokens for r in after) == 0
+    RESULTS["flush"]["clear_seq"] = st.frames[ci].seq
+
+
+@worker
+def test_admission_hits_the_requested_l1(sglang_worker_factory, tmp_path):
+    """Same worker as page16: each measured request reports its L1 in whole pages."""
+    rows = [
+        {"rid": "a0", "l1_cached_tokens": 64, "l2_cached_tokens": 16, "extend_tokens": 8},
+        {"rid": "a1", "l1_cached_tokens": 100, "l2_cached_tokens": 0, "extend_tokens": 20},
+        {"rid": "a2", "l1_cached_tokens": 0, "l2_cached_tokens": 0, "extend_tokens": 30},
+        {"rid": "a3", "l1_cached_tokens": 200, "l2_cached_tokens": 40, "extend_tokens": 4},
+        {"rid": "a4", "l1_cached_tokens": 20, "l2_cached_tokens": 0, "extend_tokens": 1},
+    ]
+    spec = tmp_path / "admission.jsonl"
+    spec.write_text("\n".join(json.dumps(r) for r in rows))
+    res, reader = run_scenario(
+        sglang_worker_factory,
+        tmp_path,
+        "admission",
+        f"admission:path={spec},page_size=16",
+        warm=0,
+        **PAGE16,
+    )
+    by = {r.rid: r for r in reader.requests()}
+    got = []
+    for row in rows:
+        r = by[f"admission-{row['rid']}"]
+        want = row["l1_cached_tokens"] // 16 * 16
+        assert len(r.input_ids) == sum(v for k, v in row.items() if k != "rid")
+        assert r.cached_tokens == want == r.meta_info["workload"]["expected_cached_tokens"]
+        got.append(r.cached_tokens)
+    RESULTS["admission"]["cached"] = got
 
 
 # ---------------------------------------------------------------------- harness units
