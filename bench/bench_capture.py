@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_output_args, figure, goal, write_results
+
 HERE = Path(__file__).resolve()
 
 
@@ -178,11 +180,14 @@ def main() -> int:
     ap.add_argument("--rate-seconds", type=float, default=2.0)
     ap.add_argument("--full", action="store_true", help="phase 2 for 10 s")
     ap.add_argument("--runs", type=int, default=1, help="repeat N times, print medians")
+    add_output_args(ap, "phase 1 with 15k messages, phase 2 for 1 s")
     args = ap.parse_args()
     if args.publisher:
         return publisher_main(args)
     if args.full:
         args.rate_seconds = 10.0
+    if args.quick:
+        args.max_messages, args.rate_seconds = 15_000, 1.0
     runs = [one_run(args) for _ in range(max(1, args.runs))]
     results = {phase: _median(runs, phase) for phase in runs[0]}
     print(
@@ -203,6 +208,46 @@ def main() -> int:
     ratios = {p: [round(x[p]["ratio"], 3) for x in runs] for p in results}
     print(f"({label}; ratios per run: {ratios}; load {os.getloadavg()[0]:.1f})")
     print(json.dumps({"bench": "capture", "runs": len(runs), "ratios": ratios, **results}))
+    mx, rt = results["max"], results["rate"]
+    write_results(
+        args.json,
+        "capture",
+        "Capture: kvcadence capture vs a bare pyzmq drain loop on the same stream",
+        [
+            figure(
+                "recorded messages/s at the publisher's max rate",
+                mx["recorded_msgs_per_s"],
+                "msg/s",
+                baseline=mx["bare_msgs_per_s"],
+                baseline_name="bare pyzmq SUB drain loop, same stream",
+                goal=goal("ratio", ">=", 0.8, ">= 0.8x of bare"),
+                note=f"lost after recovery {mx['lost_after_recovery']:.0f}",
+            ),
+            figure(
+                f"recorded messages/s at {args.rate:.0f} batches/s for {args.rate_seconds:g} s",
+                rt["recorded_msgs_per_s"],
+                "msg/s",
+                baseline=rt["bare_msgs_per_s"],
+                baseline_name="bare pyzmq SUB drain loop, same stream",
+                note=f"lost after recovery {rt['lost_after_recovery']:.0f} of {rt['sent']:.0f}"
+                f" (goal 0); recovered by replay {rt['recovered_by_replay']:.0f}",
+            ),
+            figure(
+                "recorder CPU per message (receive + write)",
+                mx["recorded_cpu_us_per_msg"],
+                "us",
+                baseline=mx["bare_cpu_us_per_msg"],
+                baseline_name="bare loop CPU per message",
+                higher_is_better=False,
+            ),
+        ],
+        params={
+            "max_messages": args.max_messages,
+            "rate": args.rate,
+            "rate_seconds": args.rate_seconds,
+            "runs": len(runs),
+        },
+    )
     return 0
 
 
