@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("replay", "kvcadence.replay.cli"),  # replay
     ("replay", "kvcadence.replay.cli_admit"),  # admit
     ("analysis", "kvcadence.analysis.cli"),  # ingest, sql, report, prefixes
+    ("analysis", "kvcadence.analysis.cli_routing"),  # ranks
     ("kernels", "kvcadence.kernels.cli"),  # collectives
     ("demo", "kvcadence.demo"),  # demo
 )

@@ -69,6 +69,12 @@ def register(sub: Any) -> None:
         help="the closest peer's definitions (labelled) instead of the defaults",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--no-extra-sections",
+        action="store_true",
+        help="skip the optional sections (event visibility, per-rank figures; each is "
+        "otherwise included when its data are present)",
+    )
     p.set_defaults(_run=run_report)
 
     p = sub.add_parser(
@@ -140,6 +146,7 @@ def run_report(args: argparse.Namespace) -> int:
         window=metrics.parse_window(args.window),
         peer_compatible=args.peer_compatible,
         plots=not args.no_plots,
+        extra_sections=not args.no_extra_sections,
     )
     print(f"report: {res.out / 'report.md'} (json, html, png alongside)")
     report.print_gate_lines(res.gate_results)

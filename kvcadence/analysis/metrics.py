@@ -256,7 +256,7 @@ class BundleMetrics:
     window: dict[str, Any]
     attribution_kinds: dict[str, int]
     per_request: Any  # polars DataFrame
-    samples: dict[str, list[float]] = field(default_factory=dict)
+    samples: dict[str, Any] = field(default_factory=dict)  # name -> float64 numpy array
 
     def quality(self) -> dict[str, Any]:
         return {k: v for k, v in self.metrics.items() if k.startswith("quality.")}
@@ -409,34 +409,58 @@ def _core(c: _Ctx, scope: str, req_scope: str, n_requests: int) -> dict[str, Any
     m["removed_blocks_per_second"] = _div(rblk, span)
     (out_tokens,) = c.one(f"SELECT coalesce(sum(n_output), 0) FROM requests WHERE {req_scope}")
     m["stored_events_per_completion_token"] = _div(st, out_tokens)
+    # orphans: the parent's first store in the same (endpoint, epoch) is not earlier in
+    # (seq, idx) order (``_first_store`` is built once per bundle by ``_prepare``)
     (orphans,) = c.one(
-        "SELECT count(*) FROM events e WHERE e.kind = 'stored' AND e.parent_hash IS NOT NULL "
-        f"AND {scope} AND NOT EXISTS (SELECT 1 FROM blocks b JOIN events s "
-        "ON b.event_id = s.event_id WHERE b.kind = 'stored' AND b.hash = e.parent_hash "
-        "AND s.endpoint = e.endpoint AND s.epoch = e.epoch "
-        "AND (s.seq < e.seq OR (s.seq = e.seq AND s.idx < e.idx)))"
+        "SELECT count(*) FROM (SELECT endpoint, epoch, parent_hash, seq, idx FROM events "
+        f"WHERE kind = 'stored' AND parent_hash IS NOT NULL AND {scope}) e "
+        "LEFT JOIN _first_store f ON f.endpoint = e.endpoint AND f.epoch = e.epoch "
+        "AND f.hash = e.parent_hash "
+        f"WHERE f.pos IS NULL OR f.pos >= {_POS.format(t='e')}"
     )
     m["orphan_parent_events"] = int(orphans)
     return m
 
 
+# (seq, idx) as one orderable number: idx < 2**32 always (an int32 column)
+_POS = "({t}.seq::HUGEINT * 4294967296 + {t}.idx)"
+
+
+def _prepare(c: _Ctx) -> None:
+    """Per-bundle helper tables: the first store, per (endpoint, epoch), of every hash that is
+    some event's parent (the only hashes the orphan check looks up)."""
+    c.con.sql(
+        "CREATE OR REPLACE TEMP TABLE _first_store AS "
+        f"SELECT s.endpoint, s.epoch, b.hash, min({_POS.format(t='s')}) AS pos "
+        "FROM blocks b JOIN events s ON b.event_id = s.event_id "
+        "WHERE b.kind = 'stored' AND b.hash IN (SELECT parent_hash FROM events "
+        "WHERE kind = 'stored' AND parent_hash IS NOT NULL) GROUP BY s.endpoint, s.epoch, b.hash"
+    )
+
+
 def _histograms(c: _Ctx, scope: str) -> dict[str, dict[str, list[Any]]]:
+    cases = " ".join(
+        f"WHEN n_blocks >= {lo}"
+        + (f" AND n_blocks <= {hi}" if hi is not None else "")
+        + f" THEN {i}"
+        for i, (_, lo, hi) in enumerate(BUCKETS)
+    )
+    got = c.rows(
+        f"SELECT kind::VARCHAR, CASE {cases} END AS bucket, count(*), sum(n_blocks) FROM events "
+        f"WHERE kind IN ('stored', 'removed') AND {scope} GROUP BY ALL"
+    )
+    counts = {(k, b): (int(n), int(s)) for k, b, n, s in got if b is not None}
     out: dict[str, dict[str, list[Any]]] = {}
     for name, kind in (
         ("blocks_per_stored_event", "stored"),
         ("blocks_per_removed_event", "removed"),
     ):
-        events: list[int] = []
-        blocks: list[int] = []
-        for _, lo, hi in BUCKETS:
-            cond = f"n_blocks >= {lo}" + (f" AND n_blocks <= {hi}" if hi is not None else "")
-            n, b = c.one(
-                f"SELECT count(*), coalesce(sum(n_blocks), 0) FROM events "
-                f"WHERE kind = '{kind}' AND {cond} AND {scope}"
-            )
-            events.append(int(n))
-            blocks.append(int(b))
-        out[name] = {"buckets": [b[0] for b in BUCKETS], "events": events, "blocks": blocks}
+        cells = [counts.get((kind, i), (0, 0)) for i in range(len(BUCKETS))]
+        out[name] = {
+            "buckets": [b[0] for b in BUCKETS],
+            "events": [n for n, _ in cells],
+            "blocks": [s for _, s in cells],
+        }
     return out
 
 
@@ -473,9 +497,11 @@ def _requests(c: _Ctx, page_size: int) -> dict[str, Any]:
     m["requests.total_cached_tokens"] = int(tc)
     m["requests.cache_hit_rate"] = _div(tc, tp)
     m["requests.prompt_pages_per_request"] = pages
+    # the first removal message at or after send_ns (ASOF) arrived before finish_ns?
     n_req, with_rm = c.one(
-        "SELECT count(*), count(*) FILTER (EXISTS (SELECT 1 FROM batches b WHERE b.n_removed > 0 "
-        "AND b.recv_ns BETWEEN r.send_ns AND r.finish_ns)) FROM requests r"
+        "SELECT count(*), count(*) FILTER (b.t <= r.finish_ns) FROM "
+        "(SELECT send_ns, finish_ns FROM requests) r ASOF LEFT JOIN "
+        "(SELECT recv_ns AS t FROM batches WHERE n_removed > 0) b ON b.t >= r.send_ns"
     )
     m["requests.share_with_removal_in_flight"] = _div(with_rm, n_req)
     return m
@@ -497,11 +523,14 @@ def _removals(c: _Ctx, pool_pages: int | None) -> dict[str, Any]:
               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS resident
           FROM o)
         SELECT r.event_id, r.n_blocks, r.resident, r.recv_ns,
-          (EXISTS (SELECT 1 FROM events c WHERE c.batch_id = r.batch_id
-                     AND c.kind = 'cleared' AND c.idx > r.idx)
-           OR EXISTS (SELECT 1 FROM notes n WHERE n.kind ILIKE '%flush%'
-                     AND abs(n.recv_ns - r.recv_ns) <= 1000000000)) AS flush
-        FROM r WHERE kind = 'removed'
+          (coalesce(c.last_clear > r.idx, false)
+           OR coalesce(n.t <= r.recv_ns + 1000000000, false)) AS flush
+        FROM (SELECT *, recv_ns - 1000000000 AS lo FROM r WHERE kind = 'removed') r
+        LEFT JOIN (SELECT batch_id, max(idx) AS last_clear FROM events
+                   WHERE kind = 'cleared' GROUP BY batch_id) c ON c.batch_id = r.batch_id
+        -- the first flush note at or after recv_ns - 1 s (ASOF) is within recv_ns + 1 s?
+        ASOF LEFT JOIN (SELECT recv_ns AS t FROM notes WHERE kind ILIKE '%flush%') n
+          ON n.t >= r.lo
         """
     )
     fe, fb, ce, cb = c.one(
@@ -577,12 +606,15 @@ def _quality(c: _Ctx, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attribution(
-    c: _Ctx, page_size: int, n_out_tokens: int, scope: str
+    c: _Ctx, ing: Ingested, page_size: int, n_out_tokens: int, scope: str
 ) -> tuple[dict[str, Any], dict[str, int], Any]:
     import polars as pl
 
-    requests, events = attr.load(c.con, scope)
-    a = attr.attribute(requests, events, page_size)
+    from kvcadence.analysis import pages as kpages
+
+    rids, req, events = attr.load_columns(ing, c.con, scope)
+    pages = kpages.load(ing, c.con, page_size)
+    a = attr.attribute_arrays(pages, req, events, page_size)
     m: dict[str, Any] = {
         "attribution.stored_blocks": a.stored_blocks,
         "attribution.matched_blocks": a.matched_blocks,
@@ -597,7 +629,7 @@ def _attribution(
         "attribution.requests_without_prefill_store": a.requests_without_prefill_store,
     }
     if c.peer:
-        split = attr.any_prompt_split(requests, events, page_size)
+        split = attr.any_prompt_split_arrays(pages, req, events)
         m["attribution.prompt_blocks"] = split["prompt_blocks"]
         m["attribution.output_blocks"] = split["output_blocks"]
         m["attribution.output_blocks_per_completion_token"] = _div(
@@ -605,10 +637,10 @@ def _attribution(
         )
     per_req = pl.DataFrame(
         {
-            "rid": [r.rid for r in requests],
-            "cached_tokens": [r.cached_tokens for r in requests],
-            "prompt_tokens": [len(r.input_ids) for r in requests],
-            "output_tokens": [len(r.output_ids) for r in requests],
+            "rid": rids,
+            "cached_tokens": req.cached_tokens,
+            "prompt_tokens": req.n_input,
+            "output_tokens": req.n_output,
             "stored_events": a.req_stored_events,
             "prefill_events": a.req_prefill_events,
             "finish_events": a.req_finish_events,
@@ -693,10 +725,13 @@ def compute(
     con: Any = None,
 ) -> BundleMetrics:
     """Every metric of one ingested bundle."""
+    import polars as pl
+
     from kvcadence.analysis import sql
 
-    con = con if con is not None else sql.connect(ing)
+    con = con if con is not None else sql.connect(ing, materialize=("batches", "events"))
     c = _Ctx(con, peer_compatible)
+    _prepare(c)
     info = ing.info
     page_size = int(info.get("page_size") or 1)
     max_tokens = info.get("max_total_num_tokens")
@@ -712,7 +747,9 @@ def compute(
     metrics.update(_quality(c, info))
     metrics.update(_core(c, scope, "TRUE", int(n_requests)))
     metrics.update(_requests(c, page_size))
-    am, kinds, per_req = _attribution(c, page_size, metrics["requests.total_output_tokens"], scope)
+    am, kinds, per_req = _attribution(
+        c, ing, page_size, metrics["requests.total_output_tokens"], scope
+    )
     metrics.update(am)
     metrics.update(_removals(c, pool_pages))
     user_window = window
@@ -738,15 +775,13 @@ def compute(
         per_rank[str(r)] = _core(c, f"dp_rank = {r} AND {scope}", req_scope, int(nr))
 
     samples = {
-        "blocks_per_stored_event": [
-            float(x)
-            for (x,) in c.rows(f"SELECT n_blocks FROM events WHERE kind = 'stored' AND {scope}")
-        ],
-        "blocks_per_removed_event": [
-            float(x)
-            for (x,) in c.rows(f"SELECT n_blocks FROM events WHERE kind = 'removed' AND {scope}")
-        ],
-        "stored_events_per_request": [float(x) for x in per_req["stored_events"].to_list()],
+        "blocks_per_stored_event": _column(
+            c, f"SELECT n_blocks::DOUBLE FROM events WHERE kind = 'stored' AND {scope}"
+        ),
+        "blocks_per_removed_event": _column(
+            c, f"SELECT n_blocks::DOUBLE FROM events WHERE kind = 'removed' AND {scope}"
+        ),
+        "stored_events_per_request": per_req["stored_events"].cast(pl.Float64).to_numpy(),
     }
     metrics = {k: _clean(v) for k, v in metrics.items()}
     missing = [k for k in metrics if k not in DEFS]
@@ -773,6 +808,14 @@ def compute(
         per_request=per_req,
         samples=samples,
     )
+
+
+def _column(c: _Ctx, sql_text: str) -> Any:
+    """The one column of ``sql_text`` as a float64 numpy array (no Python floats)."""
+    from kvcadence.analysis import sql
+
+    t = sql.arrow(c.con, sql_text)
+    return t.column(0).to_numpy()
 
 
 def _clean(v: Any) -> Any:

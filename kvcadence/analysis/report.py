@@ -466,9 +466,14 @@ def make_report(
     peer_compatible: bool = False,
     plots: bool = True,
     cache_dirs: list[str | None] | None = None,
+    extra_sections: bool = True,
 ) -> ReportResult:
-    """Ingest (cached), compute, compare, gate and write every output file."""
-    from kvcadence.analysis import ingest, metrics
+    """Ingest (cached), compute, compare, gate and write every output file.
+
+    ``extra_sections`` runs the optional providers of ``report_extras`` (visibility, per
+    rank), each only when its data are present.
+    """
+    from kvcadence.analysis import ingest, metrics, report_extras
     from kvcadence.analysis import plots as kplots
 
     t0 = time.perf_counter()
@@ -482,9 +487,11 @@ def make_report(
     outdir.mkdir(parents=True, exist_ok=True)
     labels = _labels(len(bundles))
     labelled: list[tuple[str, BundleMetrics]] = []
+    ings = []
     for i, (label, b) in enumerate(zip(labels, bundles, strict=False)):
         cache = cache_dirs[i] if cache_dirs else None
         ing = ingest.ingest(b, cache)
+        ings.append(ing)
         labelled.append(
             (label, metrics.compute(ing, window=window, peer_compatible=peer_compatible))
         )
@@ -492,12 +499,22 @@ def make_report(
     comps = [cmp.compare(real, m, labels[0], label) for label, m in labelled[1:]]
     results = cmp.evaluate(parsed, comps, single=real if not comps else None)
     plot_names = [p.name for p in kplots.render(labelled, outdir)] if plots else []
+    # optional sections of other analysis modules (visibility, per rank): the hook
+    extras = report_extras.collect(labelled, ings, outdir) if extra_sections else []
+    if plots:
+        plot_names += [p for e in extras for p in e.plots]
+    else:  # the providers always draw; drop their files when plots are off
+        for p in {p for e in extras for p in e.plots}:
+            (outdir / p).unlink(missing_ok=True)
     doc = build_doc(labelled, comps, results, plot_names)
+    for e in extras:
+        doc.update(e.doc)
     (outdir / "report.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     title = "kvcadence report: " + " vs ".join(
         f"{label} ({Path(m.inputs['bundle']).name})" for label, m in labelled
     )
     sections = _sections(labelled, comps, results)
+    sections[-1:-1] = [sec for e in extras for sec in e.sections]  # before "All metrics"
     write_markdown(outdir / "report.md", sections, plot_names, title)
     write_html(outdir / "report.html", outdir, sections, plot_names, title)
     summary = {

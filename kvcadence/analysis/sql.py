@@ -16,17 +16,25 @@ from kvcadence.analysis.ingest import TABLES, Ingested
 from kvcadence.errors import UsageError
 
 
-def connect(ing: Ingested) -> Any:
-    """An in-memory DuckDB connection with a view per table of ``ing``."""
+def connect(ing: Ingested, materialize: tuple[str, ...] = ()) -> Any:
+    """An in-memory DuckDB connection with a view per table of ``ing``.
+
+    Tables named in ``materialize`` are loaded into memory once instead (a report runs ~70
+    queries over ``batches``/``events``; re-reading Parquet for each was a third of its time).
+    """
     import duckdb
 
     con = duckdb.connect(":memory:")
+    con.sql("SET enable_progress_bar = false")  # never draw on the user's terminal
     threads = os.environ.get("KVCADENCE_THREADS")
     if threads:
         con.sql(f"SET threads = {int(threads)}")
     for table in TABLES:
         path = str(ing.path(table)).replace("'", "''")
-        con.sql(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{path}')")
+        if table in materialize:
+            con.sql(f"CREATE TEMP TABLE {table} AS SELECT * FROM read_parquet('{path}')")
+        else:
+            con.sql(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{path}')")
     return con
 
 

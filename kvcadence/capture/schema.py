@@ -143,6 +143,69 @@ class KVEventBatchV05(msgspec.Struct, array_like=True, gc=False):
     attn_dp_rank: int | None = None
 
 
+# Decode-only "views" (analysis): token ids are left as msgpack bytes (``msgspec.Raw``), which
+# decodes ~2x faster when only hashes and counts are needed (engineering-notes §2.3).
+# Produced only by ``kvcadence.capture.wire.decode_batch_view``; never encoded.
+
+
+def _raw_array_len(raw: msgspec.Raw) -> int:
+    """Element count of a msgpack array held as ``Raw`` (read from its header only)."""
+    b = memoryview(raw)
+    h = b[0]
+    if 0x90 <= h <= 0x9F:
+        return h & 0x0F
+    if h == 0xDC:
+        return (b[1] << 8) | b[2]
+    if h == 0xDD:
+        return int.from_bytes(b[1:5], "big")
+    raise ValueError("token_ids is not a msgpack array")
+
+
+class BlockStoredView(KVCacheEvent, tag="BlockStored"):
+    """``BlockStored`` as analysis reads it: ``token_ids`` kept as its msgpack array bytes
+    (``n_tokens`` = its element count; a bigram pair counts as one). Extra keys
+    (``cache_salt``, ``session_id``, ``lora_name``, ...) are skipped."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return _raw_array_len(self.token_ids)
+
+
+class BlockStoredV17View(_ArrayEvent, tag="BlockStored"):
+    """0.5.5-0.5.17 positional ``BlockStored`` with ``token_ids`` as ``Raw`` (decode-only)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class KVEventBatchView(msgspec.Struct, array_like=True, gc=False):
+    """A payload decoded as a view: events are ``BlockStoredView``, ``BlockRemoved``,
+    ``AllBlocksCleared`` or ``UnknownEvent``; hashes signed int64 as in ``KVEventBatch``."""
+
+    ts: float
+    events: list[Union[BlockStoredView, BlockRemoved, AllBlocksCleared]]
+    attn_dp_rank: int | None = None
+
+
+class KVEventBatchV17View(msgspec.Struct, array_like=True, gc=False):
+    """Decode-only batch of 0.5.5-0.5.17 array events with ``token_ids`` as ``Raw``."""
+
+    ts: float
+    events: list[Union[BlockStoredV17View, BlockRemovedV17, AllBlocksClearedArr]]
+    attn_dp_rank: int | None = None
+
+
 # --------------------------------------------------------------------------------------
 # 2. Bundle records
 # --------------------------------------------------------------------------------------
@@ -296,6 +359,10 @@ __all__ = [
     "BlockRemovedV05",
     "KVEventBatchV17",
     "KVEventBatchV05",
+    "BlockStoredView",
+    "BlockStoredV17View",
+    "KVEventBatchView",
+    "KVEventBatchV17View",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
     "VIA_LIVE",

@@ -77,9 +77,13 @@ from kvcadence.capture.schema import (
     BlockStored,
     BlockStoredV05,
     BlockStoredV17,
+    BlockStoredV17View,
+    BlockStoredView,
     KVEventBatch,
     KVEventBatchV05,
     KVEventBatchV17,
+    KVEventBatchV17View,
+    KVEventBatchView,
     UnknownEvent,
 )
 from kvcadence.errors import UsageError, WireError
@@ -181,6 +185,91 @@ def decode_batch(payload: bytes | bytearray | memoryview | msgspec.Raw) -> KVEve
             _normalise_fast(batch)
             return batch
     return _decode_slow(payload)
+
+
+_VIEW = msgspec.msgpack.Decoder(KVEventBatchView)
+_VIEW_ARRAY = msgspec.msgpack.Decoder(KVEventBatchV17View)
+_RAW_ARRAY_HEADS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+
+
+def decode_batch_view(payload: bytes | bytearray | memoryview | msgspec.Raw) -> KVEventBatchView:
+    """``decode_batch`` for readers that need no token ids (analysis ingest): the same events,
+    hashes (signed int64) and errors, except that a ``BlockStored`` comes back as a
+    ``BlockStoredView`` whose ``token_ids`` is the msgpack array left undecoded (``Raw``;
+    ``n_tokens`` is its length) and whose extra keys are skipped. Token ids are not
+    validated element by element on the fast path (they are checked to be an array).
+    Anything the typed view cannot take (mixed shapes, unknown tags, bytes hashes, ...) goes
+    through ``decode_batch`` and is converted, so the two never disagree on hashes or counts.
+    """
+    if type(payload) is not bytes:
+        try:
+            payload = memoryview(payload)
+        except TypeError:
+            raise WireError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    if payload[:1] == b"\x93":
+        for dec in (_VIEW, _VIEW_ARRAY):
+            try:
+                batch = dec.decode(payload)
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+                continue
+            evs = batch.events
+            if dec is _VIEW_ARRAY:
+                evs = [_view_from_array(e) for e in evs]
+                batch = KVEventBatchView(batch.ts, evs, batch.attn_dp_rank)
+            if _view_checked(evs):
+                return batch
+            break  # token_ids not an array: let decode_batch name the error
+    full = decode_batch(payload)
+    return KVEventBatchView(
+        full.ts, [_view_from_canonical(e) for e in full.events], full.attn_dp_rank
+    )
+
+
+def _view_checked(evs: list[Any]) -> bool:
+    """Check stored token_ids are arrays and map hashes >= 2**63 to signed int64, in place."""
+    for ev in evs:
+        t = type(ev)
+        if t is AllBlocksCleared:
+            continue
+        hs = ev.block_hashes
+        if hs and max(hs) > I64_MAX:
+            ev.block_hashes = [h - _TWO64 if h > I64_MAX else h for h in hs]
+        if t is BlockStoredView:
+            if memoryview(ev.token_ids)[0] not in _RAW_ARRAY_HEADS:
+                return False
+            p = ev.parent_block_hash
+            if p is not None and p > I64_MAX:
+                ev.parent_block_hash = p - _TWO64
+    return True
+
+
+def _view_from_array(ev: Any) -> Any:
+    t = type(ev)
+    if t is BlockStoredV17View:
+        return BlockStoredView(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+        )
+    if t is BlockRemovedV17:
+        return BlockRemoved(ev.block_hashes, ev.medium)
+    return AllBlocksCleared()
+
+
+def _view_from_canonical(ev: Any) -> Any:
+    if type(ev) is BlockStored:
+        return BlockStoredView(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            msgspec.Raw(_ENC.encode(ev.token_ids)),
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+        )
+    return ev
 
 
 def _from_array(ev: Any) -> Any:
@@ -656,6 +745,7 @@ __all__ = [
     "VERSION_FAMILY",
     "version_family",
     "decode_batch",
+    "decode_batch_view",
     "encode_batch",
     "count_unknown",
     "to_canonical",

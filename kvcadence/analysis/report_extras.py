@@ -1,0 +1,194 @@
+"""Optional report sections contributed by other analysis modules: the hook ``report`` calls.
+
+``PROVIDERS`` lists them in report order. Each provider is a function
+``(labelled, ings, out_dir) -> Extra | None``: it imports its module lazily (a missing module
+means no section, never an error) and returns None when its data are absent from every
+input, so a report only pays for sections that say something:
+
+* ``visibility`` (issue 9, ``kvcadence.analysis.visibility``): when some input has sim
+  per-block visibility notes (``notes.kind = 'visibility'``) or requests with SGLang timing
+  fields (``prefill_finished_time`` / ``request_finished_ts`` in ``meta_info``). JSON
+  ``visibility``: label -> metrics (units inside); section "Event visibility"; plot
+  ``visibility.png``.
+* ``ranks`` (issue 10, ``kvcadence.analysis.ranks``): when some input has more than one DP
+  rank. JSON ``ranks``: label -> rank -> figures, plus ``rank_comparisons`` (real vs each sim,
+  rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
+  sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
+
+Both modules read the bundle themselves (not the Parquet tables); their cost is theirs and
+is only paid when the section applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Extra:
+    """What one provider adds to a report."""
+
+    doc: dict[str, Any]  # top-level report.json keys
+    sections: list[tuple[str, str, dict[str, list[str]] | None]]
+    plots: list[str] = field(default_factory=list)  # file names written into the out dir
+
+
+def _fmt(v: Any) -> str:
+    from kvcadence.analysis.report import fmt
+
+    return fmt(v)
+
+
+def _count(ing: Any, sql_text: str) -> int:
+    from kvcadence.analysis import sql
+
+    con = sql.connect(ing)
+    try:
+        return int(sql.one(con, sql_text)[0] or 0)
+    finally:
+        con.close()
+
+
+def visibility_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+    try:
+        from kvcadence.analysis import visibility
+    except ImportError:  # pragma: no cover - module not shipped
+        return None
+    probe = (
+        "SELECT (SELECT count(*) FROM notes WHERE kind = 'visibility') + "
+        "(SELECT count(*) FROM requests WHERE meta_info LIKE '%prefill_finished_time%' "
+        "OR meta_info LIKE '%request_finished_ts%')"
+    )
+    if not any(_count(ing, probe) for ing in ings):
+        return None
+    data = [
+        (label, visibility.visibility_data(ing.bundle))
+        for (label, _), ing in zip(labelled, ings, strict=True)
+    ]
+    metrics = [(label, visibility.visibility_metrics(d)) for label, d in data]
+    title, text, table = visibility.visibility_section(metrics)
+    plot = visibility.visibility_plot(data, out)
+    return Extra({"visibility": dict(metrics)}, [(title, text, table)], [Path(plot).name])
+
+
+_RANK_SHOW = (
+    "requests",
+    "messages",
+    "stored_events_per_request",
+    "removed_events_per_request",
+    "stored_blocks_median",
+    "removed_blocks_median",
+    "hit_rate",
+)
+
+
+def ranks_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+    try:
+        from kvcadence.analysis import ranks
+    except ImportError:  # pragma: no cover - module not shipped
+        return None
+    if not any(len(m.inputs.get("dp_ranks", [])) > 1 for _, m in labelled):
+        return None
+    figs = {
+        label: ranks.rank_figures(ing.bundle)
+        for (label, _), ing in zip(labelled, ings, strict=True)
+    }
+    public = {
+        label: {
+            rank: {k: v for k, v in f.items() if not k.startswith("_")} for rank, f in fr.items()
+        }
+        for label, fr in figs.items()
+    }
+    doc: dict[str, Any] = {"ranks": public}
+    sections: list[tuple[str, str, dict[str, list[str]] | None]] = []
+    t: dict[str, list[str]] = {"bundle": [], "rank": []}
+    for k in _RANK_SHOW:
+        t[k] = []
+    for label, fr in public.items():
+        for rank, f in fr.items():
+            t["bundle"].append(label)
+            t["rank"].append(str(rank))
+            for k in _RANK_SHOW:
+                t[k].append(_fmt(f.get(k)))
+    sections.append(
+        (
+            "Per-rank figures",
+            "Per DP rank (endpoint dp_rank; requests by dp_rank) and in total (kvcadence ranks).",
+            t,
+        )
+    )
+    real_label = labelled[0][0]
+    comps = {}
+    for label, _ in labelled[1:]:
+        rows = ranks.compare_ranks(figs[real_label], figs[label])
+        comps[label] = rows
+        c: dict[str, list[str]] = {"rank": [], "figure": [], "real": [], label: [], "Δ%": []}
+        for r in rows:
+            c["rank"].append(str(r["rank"]))
+            c["figure"].append(r["figure"])
+            c["real"].append(_fmt(r["real"]))
+            c[label].append(_fmt(r["sim"]))
+            d = r["delta"]
+            c["Δ%"].append("-" if d is None else f"{d * 100:+.2f}%")
+        sections.append((f"Per-rank {real_label} vs {label}", "Δ% = (sim - real) / real.", c))
+    if comps:
+        doc["rank_comparisons"] = comps
+    sims = [(label, ing.bundle) for (label, _), ing in zip(labelled[1:], ings[1:], strict=True)]
+    if len(sims) >= 2:
+        rows = ranks.what_if_table(sims, ings[0].bundle)
+        doc["routing_what_if"] = rows
+        cols = (
+            "route",
+            "requests",
+            "hit_rate",
+            "recorded_hit_rate",
+            "stored_events_per_request",
+            "removed_events_per_request",
+            "evictions",
+        )
+        w = {k: [_fmt(r.get(k)) for r in rows] for k in cols}
+        sections.append(("Routing what-if", "One row per sim bundle (routing policy).", w))
+    return Extra(doc, sections, [_ranks_plot(public, out)])
+
+
+def _ranks_plot(public: dict[str, dict[str, dict[str, Any]]], out: Path) -> str:
+    """``ranks.png``: Stored events per request and hit rate per rank, every bundle."""
+    from kvcadence.analysis import plots
+
+    plt = plots._plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels = list(public)
+    ranks_ = sorted({r for fr in public.values() for r in fr if r != "all"}, key=str)
+    width = 0.8 / max(1, len(labels))
+    for i, label in enumerate(labels):
+        xs = [j + i * width for j in range(len(ranks_))]
+        for ax, key in ((axes[0], "stored_events_per_request"), (axes[1], "hit_rate")):
+            ax.bar(
+                xs, [public[label].get(r, {}).get(key) or 0.0 for r in ranks_], width, label=label
+            )
+    for ax, title in ((axes[0], "Stored events / request"), (axes[1], "cache hit rate")):
+        ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(ranks_))], ranks_)
+        ax.set_xlabel("DP rank")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    return plots._save(fig, out / "ranks.png").name
+
+
+#: The optional section providers, in report order (see the module docstring).
+PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path], Extra | None]] = [
+    visibility_extra,
+    ranks_extra,
+]
+
+
+def collect(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> list[Extra]:
+    """Run every applicable provider."""
+    got = []
+    for provider in PROVIDERS:
+        extra = provider(labelled, ings, out)
+        if extra is not None:
+            got.append(extra)
+    return got

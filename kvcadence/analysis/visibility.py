@@ -1,0 +1,328 @@
+"""Event visibility: how long after a block's KV exists a KV-aware router can see it.
+
+What this file owns (pure functions; ``report.py`` adds the section and the plot):
+
+* ``visibility_data(bundle)`` reads one bundle (real or sim) and collects
+
+  - **per block** (sim bundles, from ``Annotation(kind="visibility")`` written by
+    ``kvcadence.replay.visibility``): delay = publish − computed, in scheduler passes
+    (``EventFrame.pass_index`` − ``computed_pass``) and in virtual seconds
+    (``recv_ns`` − ``computed_ns``), with the phase that computed the block (prefill or
+    decode) and the publish reason (prefill result, 40th decode batch, idle, command, ...);
+  - **per request** (any bundle with ``meta_info`` timings): the delay between the request's
+    ``prefill_finished_time`` and the ``recv_ns`` of the first message (at or after its
+    arrival) whose ``BlockStored`` carries its deepest new prompt page, and between its
+    ``request_finished_ts`` and the message carrying its deepest output page (chain
+    ``input_ids + output_ids[:-1]``, hashes by ``kvcadence.capture.wire.block_hashes`` at
+    the bundle's page size; prompt pages start at ``cached_tokens``). On a real capture both
+    clocks are the recorder host's wall clock; on a sim bundle both are virtual.
+
+* ``visibility_metrics(data)`` → a JSON-able dict of distributions (n, mean, p50, p90, p99,
+  max; numpy's linear percentiles) and counts, every value with its unit in ``units``;
+* ``visibility_section(labelled)`` → ``(title, text, table)`` in report.py's section form;
+* ``visibility_plot(labelled_data, out_dir)`` → ``visibility.png`` (ECDFs of the request
+  delays of every bundle; per-block pass-delay histograms of sim bundles by phase).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcadence.errors import UsageError
+
+PLOT_NAME = "visibility.png"
+
+UNITS: dict[str, str] = {
+    "blocks.n": "blocks",
+    "blocks.passes": "scheduler passes (publish pass - computing pass)",
+    "blocks.seconds": "virtual s (publish time - end of the computing pass)",
+    "blocks.prefill.passes": "scheduler passes, blocks computed by a prefill pass",
+    "blocks.prefill.seconds": "virtual s, blocks computed by a prefill pass",
+    "blocks.decode.passes": "scheduler passes, blocks computed by a decode pass",
+    "blocks.decode.seconds": "virtual s, blocks computed by a decode pass",
+    "blocks.by_reason": "blocks per publish reason",
+    "blocks.note_mismatches": "frames whose visibility note does not match their stored blocks",
+    "requests.prompt_delay_s": "s, Stored message recv - prefill_finished_time",
+    "requests.finish_delay_s": "s, Stored message recv - request_finished_ts",
+    "requests.prompt_matched": "requests whose prompt store was found",
+    "requests.prompt_unmatched": "requests with new prompt pages but no store found",
+    "requests.finish_matched": "requests whose output store was found",
+    "requests.finish_unmatched": "requests with output pages but no store found",
+}
+
+
+@dataclass
+class VisibilityData:
+    """Raw samples of one bundle."""
+
+    bundle: str
+    source: str
+    page_size: int
+    block_passes: list[int] = field(default_factory=list)
+    block_ns: list[int] = field(default_factory=list)
+    block_phase: list[int] = field(default_factory=list)
+    block_reason: list[str] = field(default_factory=list)
+    note_mismatches: int = 0
+    prompt_delay_ns: list[int] = field(default_factory=list)
+    finish_delay_ns: list[int] = field(default_factory=list)
+    prompt_unmatched: int = 0
+    finish_unmatched: int = 0
+
+
+def _page_size(header: Any) -> int:
+    for src in (header.sim_config or {}, header.server_info or {}):
+        v = src.get("page_size")
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1
+
+
+def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
+    v = meta.get(key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return int(round(v * 1e9))
+    return None
+
+
+def visibility_data(bundle: str | Path) -> VisibilityData:
+    """Collect the visibility samples of ``bundle`` (see the module docstring)."""
+    from kvcadence.capture import wire
+    from kvcadence.capture.bundle import BundleReader, event_payload
+    from kvcadence.capture.schema import Annotation, BlockStored, EventFrame, RequestRecord
+
+    path = Path(bundle)
+    if not path.exists():
+        raise UsageError(f"{path}: no such bundle")
+    reader = BundleReader(path)
+    header = reader.header
+    ps = _page_size(header)
+    data = VisibilityData(str(path), header.source, ps)
+    seen: set[tuple[int, int, int]] = set()
+    frame_pass: dict[tuple[int, int], int] = {}
+    frame_stored: dict[tuple[int, int], int] = {}
+    stores: dict[int, list[int]] = {}  # hash -> recv_ns of messages storing it
+    notes: list[Annotation] = []
+    requests: list[RequestRecord] = []
+    for rec in reader.records():
+        if isinstance(rec, EventFrame):
+            key = (rec.endpoint, rec.epoch, rec.seq)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                batch = wire.decode_batch(event_payload(rec))
+            except Exception:  # undecodable payloads are counted by ingest, not here
+                continue
+            n = 0
+            for e in batch.events:
+                if isinstance(e, BlockStored):
+                    n += len(e.block_hashes)
+                    for h in e.block_hashes:
+                        stores.setdefault(h, []).append(rec.recv_ns)
+            frame_pass[(rec.endpoint, rec.seq)] = rec.pass_index
+            frame_stored[(rec.endpoint, rec.seq)] = n
+        elif isinstance(rec, Annotation) and rec.kind == "visibility":
+            notes.append(rec)
+        elif isinstance(rec, RequestRecord):
+            requests.append(rec)
+    for note in notes:
+        d = note.data
+        key = (int(d.get("endpoint", 0)), int(d["seq"]))
+        passes, comp, phase = d["computed_pass"], d["computed_ns"], d["phase"]
+        if frame_stored.get(key) != len(passes) or not (len(passes) == len(comp) == len(phase)):
+            data.note_mismatches += 1
+            continue
+        pub_pass = int(d.get("publish_pass", frame_pass.get(key, -1)))
+        reason = str(d.get("reason", ""))
+        for p, c, ph in zip(passes, comp, phase, strict=True):
+            data.block_passes.append(pub_pass - p)
+            data.block_ns.append(note.recv_ns - c)
+            data.block_phase.append(ph)
+            data.block_reason.append(reason)
+    for times in stores.values():
+        times.sort()
+    for r in requests:
+        _request_delays(r, ps, stores, data, wire)
+    return data
+
+
+def _first_at_or_after(times: list[int] | None, t: int) -> int | None:
+    if not times:
+        return None
+    i = bisect.bisect_left(times, t)
+    return times[i] if i < len(times) else None
+
+
+def _request_delays(
+    r: Any, ps: int, stores: dict[int, list[int]], data: VisibilityData, wire: Any
+) -> None:
+    mi = r.meta_info or {}
+    received = _mi_ns(mi, "request_received_ts")
+    pf = _mi_ns(mi, "prefill_finished_time")
+    fin = _mi_ns(mi, "request_finished_ts")
+    if not r.input_ids or received is None:
+        return
+    n_in = len(r.input_ids)
+    chain = list(r.input_ids) + list(r.output_ids[:-1])
+    hashes = wire.block_hashes(chain, ps)
+    cached = r.cached_tokens or 0
+    first_new = cached // ps
+    prompt_end = n_in // ps
+    if pf is not None and prompt_end > first_new:
+        recv = _first_at_or_after(stores.get(hashes[prompt_end - 1]), received)
+        if recv is None:
+            data.prompt_unmatched += 1
+        else:
+            data.prompt_delay_ns.append(recv - pf)
+    if fin is not None and len(hashes) > prompt_end:
+        recv = _first_at_or_after(stores.get(hashes[-1]), pf if pf is not None else received)
+        if recv is None:
+            data.finish_unmatched += 1
+        else:
+            data.finish_delay_ns.append(recv - fin)
+
+
+def _dist(values: list[float]) -> dict[str, Any]:
+    import numpy as np
+
+    if not values:
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    a = np.asarray(values, dtype=float)
+    return {
+        "n": int(a.size),
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),
+    }
+
+
+def visibility_metrics(data: VisibilityData | str | Path) -> dict[str, Any]:
+    """Distributions and counts of ``data`` (or of the bundle at that path)."""
+    if not isinstance(data, VisibilityData):
+        data = visibility_data(data)
+    out: dict[str, Any] = {"bundle": data.bundle, "source": data.source}
+    out["page_size"] = data.page_size
+    out["blocks.n"] = len(data.block_passes)
+    if data.block_passes:
+        out["blocks.passes"] = _dist(data.block_passes)
+        out["blocks.seconds"] = _dist([x / 1e9 for x in data.block_ns])
+        for phase, name in ((0, "prefill"), (1, "decode")):
+            idx = [i for i, p in enumerate(data.block_phase) if p == phase]
+            out[f"blocks.{name}.passes"] = _dist([data.block_passes[i] for i in idx])
+            out[f"blocks.{name}.seconds"] = _dist([data.block_ns[i] / 1e9 for i in idx])
+        by_reason: dict[str, int] = {}
+        for reason in data.block_reason:
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+        out["blocks.by_reason"] = dict(sorted(by_reason.items()))
+    out["blocks.note_mismatches"] = data.note_mismatches
+    out["requests.prompt_delay_s"] = _dist([x / 1e9 for x in data.prompt_delay_ns])
+    out["requests.finish_delay_s"] = _dist([x / 1e9 for x in data.finish_delay_ns])
+    out["requests.prompt_matched"] = len(data.prompt_delay_ns)
+    out["requests.prompt_unmatched"] = data.prompt_unmatched
+    out["requests.finish_matched"] = len(data.finish_delay_ns)
+    out["requests.finish_unmatched"] = data.finish_unmatched
+    out["units"] = {k: v for k, v in UNITS.items() if k in out}
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def visibility_section(
+    labelled: list[tuple[str, dict[str, Any]]],
+) -> tuple[str, str, dict[str, list[str]]]:
+    """Report section "Event visibility": one row per distribution statistic."""
+    rows: list[tuple[str, str]] = []
+    for key in (
+        "requests.prompt_delay_s",
+        "requests.finish_delay_s",
+        "blocks.passes",
+        "blocks.seconds",
+        "blocks.prefill.passes",
+        "blocks.decode.passes",
+        "blocks.decode.seconds",
+    ):
+        for stat in ("n", "mean", "p50", "p90", "p99", "max"):
+            rows.append((key, stat))
+    table: dict[str, list[str]] = {
+        "metric": [f"{k}.{s}" for k, s in rows],
+        "unit": [UNITS[k] if s != "n" else "count" for k, s in rows],
+    }
+    for label, m in labelled:
+        table[label] = [_fmt((m.get(k) or {}).get(s)) for k, s in rows]
+    reasons = sorted({r for _, m in labelled for r in m.get("blocks.by_reason", {})})
+    for reason in reasons:
+        table["metric"].append(f"blocks published at {reason}")
+        table["unit"].append("blocks")
+        for label, m in labelled:
+            table[label].append(_fmt(m.get("blocks.by_reason", {}).get(reason, 0)))
+    text = (
+        "When stored blocks become visible to a KV-aware router. Requests: time from the "
+        "request's prefill result / finish (meta_info) to the receive time of the message "
+        "carrying its deepest new prompt / output page. Blocks (sim bundles): publish - "
+        "computing pass, in passes and virtual seconds; decoded blocks wait for the finish "
+        "store and its next publish point (prefill result, every decode_log_interval-th "
+        "decode batch, idle)."
+    )
+    return "Event visibility", text, table
+
+
+def visibility_plot(labelled: list[tuple[str, VisibilityData]], out_dir: str | Path) -> Path:
+    """Write ``visibility.png`` into ``out_dir`` and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out = Path(out_dir) / PLOT_NAME
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    for label, d in labelled:
+        for values, what in ((d.prompt_delay_ns, "prompt"), (d.finish_delay_ns, "finish")):
+            if not values:
+                continue
+            x = np.sort(np.asarray(values, dtype=float) / 1e6)
+            y = np.arange(1, x.size + 1) / x.size
+            ax.step(x, y, where="post", label=f"{label} {what} (n={x.size})")
+    ax.set_xlabel("store visible after prefill result / finish (ms)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("request-level visibility delay (ECDF)")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    ax = axes[1]
+    drawn = False
+    for label, d in labelled:
+        if not d.block_passes:
+            continue
+        p = np.asarray(d.block_passes)
+        ph = np.asarray(d.block_phase)
+        top = max(1, int(p.max()))
+        bins = np.arange(0, top + 2) - 0.5 if top <= 200 else 50
+        for phase, name in ((0, "prefill-computed"), (1, "decode-computed")):
+            sel = p[ph == phase]
+            if sel.size:
+                ax.hist(sel, bins=bins, alpha=0.6, label=f"{label} {name} (n={sel.size})")
+                drawn = True
+    ax.set_xlabel("visibility delay (scheduler passes)")
+    ax.set_ylabel("blocks")
+    ax.set_title("per-block delay (sim bundles)")
+    if drawn:
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no per-block visibility notes", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    return out

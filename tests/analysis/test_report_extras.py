@@ -1,0 +1,84 @@
+"""The report's optional sections (``report_extras``): visibility and per-rank figures appear
+in report.json / report.md / report.html with their plots exactly when their data exist."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvcadence.analysis import report
+from kvcadence.capture import wire
+from kvcadence.capture.schema import RequestRecord
+from tests.analysis.helpers import T0, cleared, header, stored, write_bundle
+
+MS = 1_000_000
+
+
+def _timed_bundle(path: Path) -> Path:
+    """One request whose prompt pages (page size 1) are stored 30 ms after its prefill."""
+    tokens = [5, 6, 7]
+    hs = wire.block_hashes(tokens, 1)
+    t_recv = (T0 + 100 * MS) / 1e9
+    req = RequestRecord(
+        rid="a",
+        input_ids=tokens,
+        output_ids=[8],
+        cached_tokens=0,
+        send_ns=T0 + 100 * MS,
+        finish_ns=T0 + 300 * MS,
+        meta_info={
+            "request_received_ts": t_recv,
+            "prefill_finished_time": t_recv + 0.1,
+            "request_finished_ts": t_recv + 0.2,
+        },
+    )
+    return write_bundle(path, [(0, [cleared()]), (230, [stored(hs)])], [req])
+
+
+def _two_rank_bundle(path: Path, extra: bool) -> Path:
+    msgs = [(0, [cleared()], 0), (0, [cleared()], 1), (10, [stored([1, 2])], 0)]
+    msgs.append((20, [stored([3])] + ([stored([4])] if extra else []), 1))
+    reqs = [
+        RequestRecord(rid=f"r{i}", input_ids=[1, 2], output_ids=[3], cached_tokens=0, dp_rank=i)
+        for i in (0, 1)
+    ]
+    return write_bundle(path, msgs, reqs, hdr=header(ranks=2))
+
+
+def test_visibility_section_when_requests_carry_timings(tmp_path: Path) -> None:
+    res = report.make_report([str(_timed_bundle(tmp_path / "b"))], tmp_path / "out")
+    vis = res.doc["visibility"]["real"]
+    assert vis["requests.prompt_matched"] == 1
+    assert abs(vis["requests.prompt_delay_s"]["p50"] - 0.03) < 1e-6
+    assert "visibility.png" in res.doc["plots"]
+    assert (tmp_path / "out" / "visibility.png").stat().st_size > 0
+    assert "## Event visibility" in (tmp_path / "out" / "report.md").read_text()
+    assert "<h2>Event visibility</h2>" in (tmp_path / "out" / "report.html").read_text()
+    assert "ranks" not in res.doc  # one DP rank: no per-rank section
+
+
+def test_rank_sections_for_two_ranks_real_vs_sim(tmp_path: Path) -> None:
+    real = _two_rank_bundle(tmp_path / "real", extra=False)
+    sim = _two_rank_bundle(tmp_path / "sim", extra=True)
+    res = report.make_report(
+        [str(real), str(sim)], tmp_path / "out", default_gates=False, plots=True
+    )
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert doc["ranks"]["real"]["1"]["stored_events_per_request"] == 1.0
+    assert doc["ranks"]["sim"]["1"]["stored_events_per_request"] == 2.0
+    rows = {(r["rank"], r["figure"]): r for r in doc["rank_comparisons"]["sim"]}
+    assert rows[("1", "stored_events_per_request")]["delta"] == 1.0
+    assert rows[("0", "stored_events_per_request")]["delta"] == 0.0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Per-rank figures" in md and "## Per-rank real vs sim" in md
+    assert md.index("## Per-rank figures") < md.index("## All metrics")
+    assert (tmp_path / "out" / "ranks.png").stat().st_size > 0
+    assert "ranks.png" in res.doc["plots"] and "visibility" not in doc
+
+
+def test_no_extra_sections_without_their_data_or_when_disabled(tmp_path: Path) -> None:
+    b = _timed_bundle(tmp_path / "b")
+    res = report.make_report([str(b)], tmp_path / "off", extra_sections=False)
+    assert "visibility" not in res.doc and not (tmp_path / "off" / "visibility.png").exists()
+    res = report.make_report([str(b)], tmp_path / "noplots", plots=False)
+    assert "visibility" in res.doc and not (tmp_path / "noplots" / "visibility.png").exists()
