@@ -14,8 +14,9 @@ measures in the same run:
 The whole process is pinned to one CPU (``sched_setaffinity``) so "one core" is literal.
 
 Goals (issue 6): ingest >= 50 MB/s; report on 1M events <= 10 s on one core.
-Usage: ``python bench/bench_analysis.py [--events N] [--dir DIR [--reuse]] [--skip-report]``
-(default 100k events).
+Usage: ``python bench/bench_analysis.py [--events N] [--dir DIR [--reuse]] [--skip-report]
+[--quick] [--json PATH]`` (default 100k events; ``--quick``: 20k; ``--json``: the figures for
+``bench/run``, see ``bench/common.py``; the report goal is attached only at >= 1M events).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import add_output_args, figure, goal, write_results
 
 os.environ.setdefault("KVCADENCE_THREADS", "1")
 os.environ.setdefault("POLARS_MAX_THREADS", "1")
@@ -166,6 +169,9 @@ def baseline(path: Path) -> float:
     return time.perf_counter() - t0
 
 
+TITLE = "Analysis: ingest and report on a synthetic bundle"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=100_000)
@@ -176,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         help="reuse DIR/bundle when it was written for the same --events (skips generation)",
     )
     ap.add_argument("--skip-report", action="store_true", help="measure ingest only")
+    add_output_args(ap, "20k events")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.events = 20_000
     print(f"one core: {pin_one_core()}; DuckDB/Polars/OpenMP threads = 1")
     from kvcadence.analysis import ingest, report
 
@@ -211,7 +220,20 @@ def main(argv: list[str] | None = None) -> int:
             f"ingest: {ing_t} = {mb / ing_t.wall:.1f} MB/s wall, {mb / ing_t.cpu:.1f} MB/cpu-s "
             f"({ing_t.cpu / base.cpu:.2f}x baseline cpu; goal >= 50 MB/s)"
         )
+        figures = [
+            figure(
+                "ingest (decode + columns + Parquet), one core",
+                mb / ing_t.cpu,
+                "MB/cpu-s",
+                baseline=mb / base.cpu,
+                baseline_name="read every EventFrame + untyped msgpack decode",
+                goal=goal("value", ">=", 50, ">= 50 MB/s"),
+                note=f"{n_ev} events, {mb:.0f} MB",
+            )
+        ]
+        params = {"events": n_ev, "requests": n_req, "bundle_mb": round(mb, 1)}
         if args.skip_report:
+            write_results(args.json, "analysis", TITLE, figures, params)
             return 0
         for f in ing.dir.glob("request_pages-*.parquet"):
             f.unlink()  # the first report after ingest computes the request page hashes
@@ -226,6 +248,19 @@ def main(argv: list[str] | None = None) -> int:
             f"duckdb, matplotlib): {first}; goal <= 10 s at 1M events on one core"
         )
         print(f"report again (page hashes cached): {again}")
+        figures.append(
+            figure(
+                f"report on {n_ev} events (first after ingest), one core",
+                first.cpu,
+                "cpu-s",
+                baseline=base.cpu,
+                baseline_name="read + untyped decode of the same bundle",
+                higher_is_better=False,
+                goal=goal("value", "<=", 10, "<= 10 s at 1M events") if n_ev >= 1_000_000 else None,
+                note="excludes ingest; includes importing polars/duckdb/matplotlib",
+            )
+        )
+        write_results(args.json, "analysis", TITLE, figures, params)
     finally:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
