@@ -77,11 +77,17 @@ def main(argv: Sequence[str] | None = None, stages: Sequence[str] | None = None)
     except KvcadenceError as exc:
         print(f"kvcadence: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:
+        # A path the user named cannot be read or written (exists, is a directory, missing
+        # parent, permission, disk full): one line, no traceback.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"kvcadence: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2 if exc.filename else 1
     except KeyboardInterrupt:
         print("kvcadence: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":
