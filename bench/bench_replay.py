@@ -11,8 +11,12 @@ streams into the radix tree (what any simulator must do at least), printing the 
 
 ``--quick``: 600 requests; ``--json``: the figures for ``bench/run`` (see bench/common.py).
 Measurement flags (what a cost is, not a configuration to ship): ``--no-gc`` runs the timed
-simulation with the cyclic garbage collector disabled (its gen-2 passes walk every live token
-list); ``--no-visibility`` sets ``track_visibility=False`` (no per-page visibility log).
+simulation with the cyclic garbage collector disabled (``simulate()`` now pauses it itself,
+so this changes little); ``--no-visibility`` sets ``track_visibility=False`` (no per-page
+visibility log).
+
+The workload's recorded latencies are synthetic (0.2 s each), so with the default
+``scale_client_gaps`` the simulated gaps follow the simulated / recorded latency ratio.
 """
 
 from __future__ import annotations

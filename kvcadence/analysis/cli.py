@@ -94,6 +94,8 @@ def register(sub: Any) -> None:
 def run_ingest(args: argparse.Namespace) -> int:
     from kvcadence.analysis import ingest
 
+    if args.out is not None:
+        ingest.check_cache_dir(args.out, "--out")
     ing = ingest.ingest(args.bundle, args.out, force=args.force)
     state = "built" if ing.rebuilt else "up to date"
     rows = ", ".join(f"{t} {n}" for t, n in ing.manifest.get("tables", {}).items())
@@ -101,14 +103,27 @@ def run_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_cache(args: argparse.Namespace) -> None:
+    """``--cache DIR`` and ``KVCADENCE_THREADS``, checked before any work."""
+    from kvcadence.analysis import ingest, sql
+
+    sql.env_threads()
+    if args.cache is not None:
+        ingest.check_cache_dir(args.cache, "--cache")
+
+
 def run_sql(args: argparse.Namespace) -> int:
     import polars as pl
 
     from kvcadence.analysis import ingest, sql
+    from kvcadence.analysis.outpaths import check_out_file
     from kvcadence.errors import UsageError
 
     if args.format == "parquet" and not args.out:
         raise UsageError("--format parquet needs --out FILE")
+    if args.out is not None:
+        check_out_file(args.out, "--out")
+    _check_cache(args)
     ing = ingest.ingest(args.bundle, args.cache)
     df = sql.query(sql.connect(ing), args.query)
     if args.format == "parquet":
@@ -136,26 +151,35 @@ def run_sql(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from kvcadence.analysis import metrics, report
+    from kvcadence.analysis import compare, metrics, report, sql
+    from kvcadence.analysis.outpaths import check_out_dir
 
+    # every input checked before any work (make_report checks gates and --out again)
+    window = metrics.parse_window(args.window)
+    compare.parse_gates(args.gate, len(args.bundles), default_gates=not args.no_default_gates)
+    sql.env_threads()
+    check_out_dir(args.out, "--out")
     res = report.make_report(
         args.bundles,
         args.out,
         gates=args.gate,
         default_gates=not args.no_default_gates,
-        window=metrics.parse_window(args.window),
+        window=window,
         peer_compatible=args.peer_compatible,
         plots=not args.no_plots,
         extra_sections=not args.no_extra_sections,
     )
-    print(f"report: {res.out / 'report.md'} (json, html, png alongside)")
+    print(res.summary_line())
     report.print_gate_lines(res.gate_results)
     return 0 if res.passed else 3
 
 
 def run_prefixes(args: argparse.Namespace) -> int:
     from kvcadence.analysis import ingest, prefixes
+    from kvcadence.analysis.outpaths import check_out_file
 
+    check_out_file(args.out, "--out", make_parents=True)
+    _check_cache(args)
     ing = ingest.ingest(args.bundle, args.cache)
     doc = prefixes.compute(ing)
     path = prefixes.write(doc, args.out)

@@ -3,41 +3,27 @@
 ``compare(real, sim)`` lines up two ``BundleMetrics``: for every metric of the real bundle its
 sim value, absolute delta (sim - real) and relative delta ((sim - real) / |real|, null when
 real is 0 or either side is null). Per-request rows are joined on ``rid``; the comparison adds
-its own metrics (``COMPARE_DEFS``), e.g. the share of matched requests whose
+its own metrics (``metrics.COMPARE_DEFS``), e.g. the share of matched requests whose
 ``cached_tokens`` are equal.
 
 Gates are ``METRIC=TOL``: ``TOL`` is ``N%`` (relative: |sim - real| <= N% of |real|), ``N``
 (absolute: |sim - real| <= N), or ``>=N`` / ``<=N`` (a bound on the sim's value, or on a
-comparison metric). ``DEFAULT_GATES`` hold the headline metrics.
+comparison metric). ``DEFAULT_GATES`` hold the headline metrics. ``parse_gates`` checks every
+gate before any work: a known metric (``metrics.DEFS`` or ``metrics.COMPARE_DEFS``), a finite
+tolerance, only bounds on comparison metrics (they have no real-side value), bounds within
+[0, 1] on fractions, and no relative/absolute or comparison gate on a single bundle.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvcadence.analysis.metrics import DEFS, BundleMetrics
+from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, STATS, BundleMetrics
 from kvcadence.errors import UsageError
-
-COMPARE_DEFS: dict[str, tuple[str, str]] = {
-    "requests.matched": ("requests", "rids present in both bundles"),
-    "requests.only_real": ("requests", "rids only in the real bundle"),
-    "requests.only_sim": ("requests", "rids only in the sim bundle"),
-    "requests.cached_tokens_equal_share": (
-        "fraction",
-        "matched requests with equal cached_tokens / matched requests",
-    ),
-    "requests.stored_events_equal_share": (
-        "fraction",
-        "matched requests with the same attributed stored-event count / matched requests",
-    ),
-    "requests.cached_tokens_mean_abs_diff": (
-        "tokens",
-        "mean |cached_tokens(sim) - cached_tokens(real)| over matched requests",
-    ),
-}
 
 DEFAULT_GATES: tuple[str, ...] = (
     "stored_events_per_request=3%",
@@ -87,8 +73,39 @@ class GateResult:
         }
 
 
+def gate_metric_names() -> list[str]:
+    """Every name a gate accepts, distributions folded as ``name.{n,mean,...}``."""
+    out: list[str] = []
+    for name in [*DEFS, *COMPARE_DEFS]:
+        base, _, suffix = name.rpartition(".")
+        key = f"{base}.{{{','.join(STATS)}}}" if base and suffix in STATS else name
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def _unknown_metric(text: str, metric: str) -> UsageError:
+    close = difflib.get_close_matches(metric, [*DEFS, *COMPARE_DEFS], n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    return UsageError(
+        f"--gate {text}: unknown metric {metric!r}{hint}; valid metrics: "
+        f"{', '.join(gate_metric_names())} (definitions: docs/metrics.md)"
+    )
+
+
+def _number(text: str, s: str) -> float:
+    try:
+        value = float(s)
+    except ValueError:
+        raise UsageError(f"--gate {text}: not a number: {s!r}") from None
+    if not math.isfinite(value):
+        raise UsageError(f"--gate {text}: the tolerance must be a finite number")
+    return value
+
+
 def parse_gate(text: str) -> Gate:
-    """``METRIC=TOL`` -> Gate; bad syntax or an unknown metric is a UsageError."""
+    """``METRIC=TOL`` -> Gate; bad syntax, an unknown metric or a tolerance form the metric
+    cannot take (see the module docstring) is a UsageError naming ``--gate``."""
     if "=" not in text:
         raise UsageError(
             f"--gate must be METRIC=TOL (e.g. stored_events_per_request=3%), got {text!r}"
@@ -96,20 +113,63 @@ def parse_gate(text: str) -> Gate:
     metric, tol = text.split("=", 1)
     metric = metric.strip()
     if metric not in DEFS and metric not in COMPARE_DEFS:
-        raise UsageError(f"--gate: unknown metric {metric!r} (see docs/metrics.md)")
+        raise _unknown_metric(text, metric)
     m = _TOL.match(tol)
     if not m:
-        raise UsageError(f"--gate {metric}: tolerance must be N%, N, >=N or <=N, got {tol!r}")
-    try:
-        if m.group("op"):
-            return Gate(metric, m.group("op"), float(m.group("bound")), f"{metric}={tol.strip()}")
-        value = float(m.group("num"))
-    except ValueError:
-        raise UsageError(f"--gate {metric}: not a number: {tol!r}") from None
-    if value < 0:
-        raise UsageError(f"--gate {metric}: tolerance must be >= 0")
+        raise UsageError(f"--gate {text}: tolerance must be N%, N, >=N or <=N, got {tol!r}")
+    canon = f"{metric}={tol.strip()}"
+    unit, definition = DEFS[metric] if metric in DEFS else COMPARE_DEFS[metric]
+    if m.group("op"):
+        op, bound = m.group("op"), _number(text, m.group("bound"))
+        if unit == "fraction" and not 0.0 <= bound <= 1.0:
+            hint = f"; did you mean {op}{bound / 100:g}?" if 1.0 < bound <= 100.0 else ""
+            raise UsageError(
+                f"--gate {text}: {metric} is a fraction between 0 and 1 ({definition}), so "
+                f"{op}{bound:g} is always {'true' if (op == '<=') == (bound > 1) else 'false'}"
+                f"{hint}"
+            )
+        return Gate(metric, op, bound, canon)
+    value = _number(text, m.group("num"))
     kind = "rel" if m.group("pct") else "abs"
-    return Gate(metric, kind, value, f"{metric}={tol.strip()}")
+    if metric in COMPARE_DEFS:
+        example = ">=0.95" if unit == "fraction" else "<=N"
+        form = "a relative (N%)" if kind == "rel" else "an absolute (N)"
+        raise UsageError(
+            f"--gate {text}: {metric} ({unit}: {definition}) is computed from the real/sim "
+            f"pair, so there is no real value for {form} tolerance; give a bound "
+            f"(>=N or <=N), e.g. {metric}={example}"
+        )
+    if value < 0:
+        raise UsageError(f"--gate {text}: tolerance must be >= 0")
+    return Gate(metric, kind, value, canon)
+
+
+def parse_gates(texts: list[str], n_bundles: int, *, default_gates: bool = True) -> list[Gate]:
+    """Every gate of a report of ``n_bundles`` bundles, checked before any work.
+
+    With two or more bundles the ``DEFAULT_GATES`` come first (unless ``default_gates`` is
+    false), each replaced by an explicit gate on the same metric. With one bundle only bounds
+    on the bundle's own metrics can be checked: anything else is a UsageError.
+    """
+    parsed = [parse_gate(g) for g in texts]
+    if n_bundles < 2:
+        for g in parsed:
+            if g.metric in COMPARE_DEFS:
+                raise UsageError(
+                    f"--gate {g.text}: {g.metric} compares two bundles; it needs a SIM bundle"
+                )
+            if g.kind not in (">=", "<="):
+                raise UsageError(
+                    f"--gate {g.text}: a relative/absolute gate needs a SIM bundle (with one "
+                    "bundle, give a bound: >=N or <=N)"
+                )
+        return parsed
+    if default_gates:
+        explicit = {g.metric for g in parsed}
+        parsed = [
+            parse_gate(g) for g in DEFAULT_GATES if g.split("=", 1)[0] not in explicit
+        ] + parsed
+    return parsed
 
 
 def _num(v: Any) -> float | None:

@@ -246,6 +246,32 @@ def _check_bundle(bundle: Path) -> None:
         raise UsageError(f"not a bundle directory: {bundle}")
 
 
+def _is_cache(path: Path) -> bool:
+    """``path`` holds a manifest written by ``_build`` (so replacing it loses nothing)."""
+    try:
+        doc = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "ingest_version" in doc
+
+
+def check_cache_dir(path: str | os.PathLike[str], flag: str = "--out") -> Path:
+    """A cache directory the caller named: new, empty, or an earlier cache (never anything else).
+
+    ``_build`` replaces the whole directory, so a non-empty directory without our manifest
+    (the user's own files, the bundle itself) is refused with a UsageError naming ``flag``.
+    """
+    from kvcadence.analysis.outpaths import check_out_dir
+
+    p = check_out_dir(path, flag)
+    if p.is_dir() and any(p.iterdir()) and not _is_cache(p):
+        raise UsageError(
+            f"{flag} {os.fspath(path)}: not a kvcadence Parquet cache (no {MANIFEST}) and not "
+            "empty; refusing to replace it (name a new or empty directory)"
+        )
+    return p
+
+
 def ingest(
     bundle: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,
@@ -258,7 +284,7 @@ def ingest(
     """
     bundle = Path(bundle)
     _check_bundle(bundle)
-    cache = Path(out) if out is not None else bundle / CACHE_DIRNAME
+    cache = check_cache_dir(out) if out is not None else bundle / CACHE_DIRNAME
     fp = fingerprint(bundle)
     man_path = cache / MANIFEST
     if not force and man_path.exists():
@@ -282,6 +308,7 @@ def _build(bundle: Path, cache: Path, fp: list[list[Any]]) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     tables, info = build_tables(bundle)
+    cache = Path(os.path.abspath(cache))  # "." / ".." have no usable name for the temp dir
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
     try:
         if tmp.exists():

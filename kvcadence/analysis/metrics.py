@@ -1,7 +1,9 @@
 """Every cadence metric of one bundle: name, unit, definition and the DuckDB SQL computing it.
 
-``DEFS`` is the catalogue (name -> (unit, definition)); ``docs/metrics.md`` mirrors it and a
-test checks they agree. ``compute(ingested)`` returns a ``BundleMetrics`` whose ``metrics`` is
+This module holds every metric catalogue (name -> (unit, definition)): ``DEFS`` (one
+bundle), ``COMPARE_DEFS`` (one real-vs-sim pair, computed by ``compare``) and
+``VISIBILITY_DEFS`` (event visibility, computed by ``visibility``); ``docs/metrics.md``
+mirrors them and a test checks they agree. ``compute(ingested)`` returns a ``BundleMetrics`` whose ``metrics`` is
 a flat ``{name: value}`` dict over the whole capture (every name is in ``DEFS``), plus per DP
 rank figures, size histograms, the events-per-second series, the steady-state window, the
 data-quality block, per-request rows (for real-vs-sim diffs) and raw samples for plots.
@@ -17,6 +19,7 @@ labelled ``variant = "peer-compatible"``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,6 +242,73 @@ _def("quality.unknown_events", "events", "KV events with an unknown tag")
 _def("quality.undecodable_payloads", "messages", "payloads wire.decode_batch rejected")
 _def("quality.clean_shutdown", "bool", "1 if the last writer session wrote a clean Trailer")
 _def("quality.first_seq_zero", "bool", "1 if every endpoint's first epoch starts at seq 0")
+
+
+# --- real vs sim: one value per (real, sim) pair, computed by kvcadence.analysis.compare ---
+COMPARE_DEFS: dict[str, tuple[str, str]] = {
+    "requests.matched": ("requests", "rids present in both bundles"),
+    "requests.only_real": ("requests", "rids only in the real bundle"),
+    "requests.only_sim": ("requests", "rids only in the sim bundle"),
+    "requests.cached_tokens_equal_share": (
+        "fraction",
+        "matched requests with equal cached_tokens / matched requests",
+    ),
+    "requests.stored_events_equal_share": (
+        "fraction",
+        "matched requests with the same attributed stored-event count / matched requests",
+    ),
+    "requests.cached_tokens_mean_abs_diff": (
+        "tokens",
+        "mean |cached_tokens(sim) - cached_tokens(real)| over matched requests",
+    ),
+}
+
+# --- event visibility (report.json ``visibility``), computed by analysis.visibility -------
+# Distributions (``n, mean, p50, p90, p99, max``; numpy's linear percentiles) and counts.
+VISIBILITY_DEFS: dict[str, tuple[str, str]] = {
+    "blocks.n": ("blocks", "stored blocks with a per-block visibility note (sim bundles)"),
+    "blocks.passes": ("scheduler passes", "publish pass - computing pass, per block"),
+    "blocks.seconds": ("virtual s", "publish time - end of the computing pass, per block"),
+    "blocks.prefill.passes": (
+        "scheduler passes",
+        "blocks.passes of blocks computed by a prefill pass",
+    ),
+    "blocks.prefill.seconds": ("virtual s", "blocks.seconds of blocks computed by a prefill pass"),
+    "blocks.decode.passes": (
+        "scheduler passes",
+        "blocks.passes of blocks computed by a decode pass",
+    ),
+    "blocks.decode.seconds": ("virtual s", "blocks.seconds of blocks computed by a decode pass"),
+    "blocks.by_reason": (
+        "blocks",
+        "blocks per publish reason (prefill result, decode interval, idle, command, ...)",
+    ),
+    "blocks.note_mismatches": (
+        "frames",
+        "frames whose visibility note does not match their stored blocks",
+    ),
+    "requests.prompt_delay_s": (
+        "s",
+        "recv_ns of the first message storing the request's deepest new prompt page - "
+        "prefill_finished_time",
+    ),
+    "requests.finish_delay_s": (
+        "s",
+        "recv_ns of the first message storing the request's deepest output page - "
+        "request_finished_ts",
+    ),
+    "requests.prompt_matched": ("requests", "requests whose prompt store was found"),
+    "requests.prompt_unmatched": ("requests", "requests with new prompt pages but no store found"),
+    "requests.finish_matched": ("requests", "requests whose output store was found"),
+    "requests.finish_unmatched": ("requests", "requests with output pages but no store found"),
+}
+
+#: every catalogue, by the report.json part its names appear in (docs/metrics.md lists all)
+CATALOGUES: dict[str, dict[str, tuple[str, str]]] = {
+    "metrics": DEFS,
+    "comparisons.requests": COMPARE_DEFS,
+    "visibility": VISIBILITY_DEFS,
+}
 
 HISTOGRAMS = ("blocks_per_stored_event", "blocks_per_removed_event")
 
@@ -671,14 +741,32 @@ def _attribution(
 
 
 def parse_window(text: str | None) -> tuple[float, float] | None:
-    """``START:END`` seconds after the first message (either side may be empty)."""
+    """``START:END`` seconds after the first message (either side may be empty).
+
+    An empty START is 0, an empty END the last message. Values must be finite, START >= 0 and
+    START < END; anything else is a UsageError naming ``--window``.
+    """
     if text is None:
         return None
+    form = f"--window must be START:END in seconds after the first message, got {text!r}"
+    lo_s, sep, hi_s = text.partition(":")
+    if not sep:
+        raise UsageError(form)
     try:
-        lo, hi = text.split(":", 1)
-        return (float(lo) if lo.strip() else 0.0, float(hi) if hi.strip() else float("inf"))
+        lo = float(lo_s) if lo_s.strip() else 0.0
+        hi = float(hi_s) if hi_s.strip() else None
     except ValueError:
-        raise UsageError(f"--window must be START:END in seconds, got {text!r}") from None
+        raise UsageError(form) from None
+    if not math.isfinite(lo) or (hi is not None and not math.isfinite(hi)):
+        raise UsageError(
+            f"--window {text}: START and END must be finite numbers (leave END "
+            "empty for 'to the last message')"
+        )
+    if lo < 0:
+        raise UsageError(f"--window {text}: START must be >= 0 (seconds after the first message)")
+    if hi is not None and lo >= hi:
+        raise UsageError(f"--window {text}: START must be before END")
+    return (lo, float("inf") if hi is None else hi)
 
 
 def _window(c: _Ctx, t0: int, t_end: int, user: tuple[float, float] | None) -> dict[str, Any]:

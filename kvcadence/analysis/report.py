@@ -18,16 +18,18 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
-from kvcadence.analysis.metrics import DEFS, BundleMetrics
+from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, BundleMetrics
+from kvcadence.errors import UsageError
 
 REPORT_VERSION = 1
 REPORT_SCHEMA = "kvcadence.report/1"
+REPORT_FILES: tuple[str, ...] = ("report.md", "report.json", "report.html")
 
 HEADLINE: tuple[str, ...] = (
     "messages",
@@ -90,10 +92,24 @@ class ReportResult:
     out: Path
     doc: dict[str, Any]
     gate_results: list[cmp.GateResult]
+    plots: list[str] = field(default_factory=list)  # PNG names written into ``out``
 
     @property
     def passed(self) -> bool:
         return all(g.ok for g in self.gate_results)
+
+    @property
+    def files(self) -> list[str]:
+        """Names of the files this run wrote into ``out`` (runs.jsonl is appended to)."""
+        return [*REPORT_FILES, *self.plots]
+
+    def summary_line(self) -> str:
+        """One line saying what was written, e.g. for the CLI."""
+        plots = f"plots: {', '.join(self.plots)}" if self.plots else "no plots"
+        return (
+            f"report: {self.out / 'report.md'} (also {', '.join(REPORT_FILES[1:])}; {plots}; "
+            "runs.jsonl appended)"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -207,7 +223,7 @@ def build_doc(
                     for r in comp.rows
                 },
                 "requests": {
-                    k: {"value": v, "unit": cmp.COMPARE_DEFS[k][0]}
+                    k: {"value": v, "unit": COMPARE_DEFS[k][0]}
                     for k, v in comp.compare_metrics.items()
                 },
                 "per_request_differences": comp.per_request.filter(
@@ -365,7 +381,7 @@ def _sections(
         cm = comp.compare_metrics
         c: dict[str, list[str]] = {
             "metric": list(cm),
-            "unit": [cmp.COMPARE_DEFS[k][0] for k in cm],
+            "unit": [COMPARE_DEFS[k][0] for k in cm],
             "value": [fmt(v) for v in cm.values()],
         }
         out.append(
@@ -473,17 +489,16 @@ def make_report(
     ``extra_sections`` runs the optional providers of ``report_extras`` (visibility, per
     rank), each only when its data are present.
     """
-    from kvcadence.analysis import ingest, metrics, report_extras
+    from kvcadence.analysis import ingest, metrics, report_extras, sql
     from kvcadence.analysis import plots as kplots
+    from kvcadence.analysis.outpaths import check_out_dir
 
     t0 = time.perf_counter()
-    parsed = [cmp.parse_gate(g) for g in (gates or [])]
-    if default_gates and len(bundles) > 1:
-        explicit = {g.metric for g in parsed}
-        parsed = [
-            cmp.parse_gate(g) for g in cmp.DEFAULT_GATES if g.split("=", 1)[0] not in explicit
-        ] + parsed
-    outdir = Path(out)
+    if not bundles:
+        raise UsageError("report needs at least one bundle")
+    parsed = cmp.parse_gates(list(gates or []), len(bundles), default_gates=default_gates)
+    sql.env_threads()  # a bad KVCADENCE_THREADS fails here, not after ingesting
+    outdir = check_out_dir(out, "--out")
     outdir.mkdir(parents=True, exist_ok=True)
     labels = _labels(len(bundles))
     labelled: list[tuple[str, BundleMetrics]] = []
@@ -540,7 +555,7 @@ def make_report(
     }
     with open(outdir / "runs.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps(summary, default=str) + "\n")
-    return ReportResult(outdir, doc, results)
+    return ReportResult(outdir, doc, results, plot_names)
 
 
 def print_gate_lines(results: list[cmp.GateResult], stream: Any = None) -> None:

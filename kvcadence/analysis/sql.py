@@ -4,7 +4,7 @@
 ``blocks``, ``requests``, ``gaps``, ``epochs`` and ``notes`` are views over the Parquet files
 written by ``kvcadence.analysis.ingest``; ``query(...)`` runs one statement and returns a
 Polars DataFrame (via Arrow; DOUBLE casts are the caller's job). The thread count follows
-``KVCADENCE_THREADS`` when set (benchmarks pin it to 1).
+``KVCADENCE_THREADS`` when set (benchmarks pin it to 1; ``env_threads`` validates it).
 """
 
 from __future__ import annotations
@@ -14,6 +14,22 @@ from typing import Any
 
 from kvcadence.analysis.ingest import TABLES, Ingested
 from kvcadence.errors import UsageError
+
+THREADS_ENV = "KVCADENCE_THREADS"
+
+
+def env_threads() -> int | None:
+    """``KVCADENCE_THREADS`` as a positive int (None when unset or blank); else a UsageError.
+
+    Commands call it before doing any work, so a bad value is one line and exit 2.
+    """
+    raw = os.environ.get(THREADS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise UsageError(f"{THREADS_ENV} must be a positive integer (DuckDB threads), got {raw!r}")
+    return int(text)
 
 
 def connect(ing: Ingested, materialize: tuple[str, ...] = ()) -> Any:
@@ -26,9 +42,9 @@ def connect(ing: Ingested, materialize: tuple[str, ...] = ()) -> Any:
 
     con = duckdb.connect(":memory:")
     con.sql("SET enable_progress_bar = false")  # never draw on the user's terminal
-    threads = os.environ.get("KVCADENCE_THREADS")
-    if threads:
-        con.sql(f"SET threads = {int(threads)}")
+    threads = env_threads()
+    if threads is not None:
+        con.sql(f"SET threads = {threads}")
     for table in TABLES:
         path = str(ing.path(table)).replace("'", "''")
         if table in materialize:

@@ -18,7 +18,8 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
     clocks are the recorder host's wall clock; on a sim bundle both are virtual.
 
 * ``visibility_metrics(data)`` → a JSON-able dict of distributions (n, mean, p50, p90, p99,
-  max; numpy's linear percentiles) and counts, every value with its unit in ``units``;
+  max; numpy's linear percentiles) and counts, every value with its unit in ``units``
+  (names, units and definitions: ``kvcadence.analysis.metrics.VISIBILITY_DEFS``);
 * ``visibility_section(labelled)`` → ``(title, text, table)`` in report.py's section form;
 * ``visibility_plot(labelled_data, out_dir)`` → ``visibility.png`` (ECDFs of the request
   delays of every bundle; per-block pass-delay histograms of sim bundles by phase).
@@ -31,27 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcadence.analysis.metrics import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
 
 PLOT_NAME = "visibility.png"
 
-UNITS: dict[str, str] = {
-    "blocks.n": "blocks",
-    "blocks.passes": "scheduler passes (publish pass - computing pass)",
-    "blocks.seconds": "virtual s (publish time - end of the computing pass)",
-    "blocks.prefill.passes": "scheduler passes, blocks computed by a prefill pass",
-    "blocks.prefill.seconds": "virtual s, blocks computed by a prefill pass",
-    "blocks.decode.passes": "scheduler passes, blocks computed by a decode pass",
-    "blocks.decode.seconds": "virtual s, blocks computed by a decode pass",
-    "blocks.by_reason": "blocks per publish reason",
-    "blocks.note_mismatches": "frames whose visibility note does not match their stored blocks",
-    "requests.prompt_delay_s": "s, Stored message recv - prefill_finished_time",
-    "requests.finish_delay_s": "s, Stored message recv - request_finished_ts",
-    "requests.prompt_matched": "requests whose prompt store was found",
-    "requests.prompt_unmatched": "requests with new prompt pages but no store found",
-    "requests.finish_matched": "requests whose output store was found",
-    "requests.finish_unmatched": "requests with output pages but no store found",
-}
+#: unit of every visibility metric; names, units and definitions live in
+#: ``kvcadence.analysis.metrics.VISIBILITY_DEFS`` (the one catalogue module)
+UNITS: dict[str, str] = {name: unit for name, (unit, _) in VISIBILITY_DEFS.items()}
 
 
 @dataclass

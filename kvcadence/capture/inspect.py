@@ -1,7 +1,9 @@
 """``kvcadence inspect``: a one-pass summary of a bundle (counts, seqs, gaps, damage).
 
 ``inspect_bundle(path)`` returns one JSON-ready dict with stable keys (documented in
-``docs/format.md``); ``format_text(summary)`` renders the short aligned text block. Payloads
+``docs/format.md``), including ``ranks``: the same counts per DP rank (endpoints by their
+``dp_rank``, requests by ``RequestRecord.dp_rank``, null = rank 0) next to the totals;
+``format_text(summary)`` renders the short aligned text block. Payloads
 are decoded with ``kvcadence.capture.wire.decode_batch`` one at a time and never kept, so a
 large bundle is summarised in constant memory.
 """
@@ -49,6 +51,15 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
     gaps = missed = recovered = 0
     epochs: list[dict[str, Any]] = []
     trailers = 0
+    ep_rank = {e.id: int(e.dp_rank) for e in header.endpoints} if header else {}
+    ranks: dict[int, dict[str, int]] = {}
+
+    def rank_acc(rank: int) -> dict[str, int]:
+        acc = ranks.get(rank)
+        if acc is None:
+            acc = ranks[rank] = dict.fromkeys(_RANK_KEYS, 0)
+        return acc
+
     decode = wire.decode_batch
     for rec in reader.records():
         t = type(rec)
@@ -63,6 +74,8 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
                 s[0] = min(s[0], rec.seq)
                 s[1] = max(s[1], rec.seq)
                 s[2] += 1
+            racc = rank_acc(ep_rank.get(rec.endpoint, rec.endpoint))
+            racc["messages"] += 1
             if first_recv is None or rec.recv_ns < first_recv:
                 first_recv = rec.recv_ns
             if last_recv is None or rec.recv_ns > last_recv:
@@ -83,15 +96,25 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
                 if et is BlockStored:
                     events_by_type["BlockStored"] += 1
                     stored_blocks += len(ev.block_hashes)
+                    racc["stored_events"] += 1
+                    racc["stored_blocks"] += len(ev.block_hashes)
                 elif et is BlockRemoved:
                     events_by_type["BlockRemoved"] += 1
                     removed_blocks += len(ev.block_hashes)
+                    racc["removed_events"] += 1
+                    racc["removed_blocks"] += len(ev.block_hashes)
                 elif et is AllBlocksCleared:
                     events_by_type["AllBlocksCleared"] += 1
                 else:
                     events_by_type["unknown"] += 1
         elif t is RequestRecord:
-            pass
+            r = rec.dp_rank
+            if r is None:
+                r = (rec.meta_info or {}).get("dp_rank")
+            racc = rank_acc(int(r) if isinstance(r, int) else 0)
+            racc["requests"] += 1
+            racc["prompt_tokens"] += rec.prompt_tokens or len(rec.input_ids)
+            racc["cached_tokens"] += rec.cached_tokens or 0
         elif t is Gap:
             gaps += 1
             missed += rec.last_seq - rec.first_seq + 1
@@ -145,6 +168,7 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "recovered_seqs": recovered,
         "epochs": epochs,
         "requests": records["request"],
+        "ranks": [_rank_row(k, v) for k, v in sorted(ranks.items())],
         "first_recv_ns": first_recv,
         "last_recv_ns": last_recv,
         "span_s": span,
@@ -155,6 +179,25 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "trailers": trailers,
         "clean_shutdown": rep.clean_shutdown,
     }
+
+
+_RANK_KEYS = (
+    "messages",
+    "stored_events",
+    "stored_blocks",
+    "removed_events",
+    "removed_blocks",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+)
+
+
+def _rank_row(rank: int, acc: dict[str, int]) -> dict[str, Any]:
+    row: dict[str, Any] = {"rank": rank, **acc}
+    p = acc["prompt_tokens"]
+    row["hit_rate"] = acc["cached_tokens"] / p if p else None
+    return row
 
 
 def format_text(s: dict[str, Any]) -> str:
@@ -188,6 +231,18 @@ def format_text(s: dict[str, Any]) -> str:
                 f"{st['first_seq']}..{st['last_seq']}  ({st['messages']:,} messages)",
             )
         )
+    if len(s.get("ranks") or []) > 1:
+        for rk in s["ranks"]:
+            hit = "-" if rk["hit_rate"] is None else f"{rk['hit_rate']:.3f}"
+            rows.append(
+                (
+                    f"rank {rk['rank']}",
+                    f"messages={rk['messages']:,}  stored={rk['stored_events']:,} "
+                    f"({rk['stored_blocks']:,} blocks)  removed={rk['removed_events']:,} "
+                    f"({rk['removed_blocks']:,} blocks)  requests={rk['requests']:,}  "
+                    f"hit={hit}",
+                )
+            )
     rows += [
         (
             "gaps",

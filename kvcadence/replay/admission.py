@@ -210,7 +210,8 @@ class PrefillAdder:
         req.extend_len = extend
         req.is_chunked = truncated
         req.load_back = 0
-        max_new = 0 if truncated else min(max(req.max_new_tokens - req.output_len, 0), self.clip)
+        # the last chunk reserves the whole clipped max_new_tokens (as a whole admission)
+        max_new = 0 if truncated else min(req.max_new_tokens, self.clip)
         req.adm_max_new = max_new
         self.can_run_list.append(req)
         self._charge(0, extend, max_new)
@@ -296,7 +297,10 @@ class PrefillAdder:
             req.extend_len = extend
             req.is_chunked = chunked
             req.load_back = loaded
-            req.adm_max_new = 0 if chunked else max_new
+            # the check above uses max_new − outputs; the reservation charged for a whole
+            # admission is ``min(max_new_tokens, clip)`` (``_PrefillAdmission``): a
+            # re-admitted retracted request reserves its full budget again
+            req.adm_max_new = 0 if chunked else min(req.max_new_tokens, self.clip)
             req.lock_handle = self.tree_cache.lock(req.last_node)
             self.can_run_list.append(req)
             if chunked:
@@ -341,10 +345,11 @@ class PrefillAdder:
             if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
                 req.extend_len = extend
                 req.is_chunked = False
-                req.adm_max_new = max_new
+                # classic ``_update_prefill_budget(..., min(max_new_tokens, clip))``
+                req.adm_max_new = min(req.max_new_tokens, self.clip)
                 self.can_run_list.append(req)
                 req.lock_handle = self.tree_cache.lock(req.last_node)
-                self._charge(req.prefix_len, extend, max_new)
+                self._charge(req.prefix_len, extend, req.adm_max_new)
             else:
                 trunc = (self.rem_chunk_tokens // ps) * ps
                 if align:

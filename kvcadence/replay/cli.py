@@ -32,7 +32,8 @@ def register(sub: Any) -> None:
             "every one can be overridden. The pass-time model is calibrated from the capture."
         ),
     )
-    p.add_argument("bundle", help="source bundle (a capture or an import)")
+    p.add_argument("bundle", nargs="+",
+                   help="source bundle(s): a capture or an import; several = several workers")  # fmt: skip
     p.add_argument("--out", help="sim bundle to write (a new or empty directory)")
     p.add_argument("--page-size", type=int, dest="page_size")
     p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens")
@@ -75,12 +76,49 @@ def register(sub: Any) -> None:
     t.add_argument("--default-gap", type=float, dest="default_gap_s",
                    help="client gap when a request has none recorded")  # fmt: skip
     t.add_argument("--no-calibrate", action="store_true", help="use the built-in timing defaults")
+    d = p.add_argument_group("PD disaggregation (default: the bundle's disaggregation_mode)")
+    d.add_argument("--role", choices=("prefill", "decode", "both"), dest="role",
+                   help="simulate a prefill-only or decode-only worker (default both)")  # fmt: skip
+    _bool_flag(
+        d,
+        "decode-radix-cache",
+        "decode_radix_cache",
+        "--role decode: the worker enabled its decode radix cache (inserts at finish)",
+        "--role decode: no radix cache (no KV events)",
+    )
+    d.add_argument("--transfer-base", type=float, dest="transfer_base_s",
+                   help="KV transfer time per request, s (default: from the capture, else 0.002)")  # fmt: skip
+    d.add_argument("--transfer-per-token", type=float, dest="transfer_per_token_s",
+                   help="KV transfer time per prompt token, s")  # fmt: skip
+    _bool_flag(
+        p,
+        "visibility",
+        "track_visibility",
+        "record per-block computed/published pass and time in the sim bundle (default)",
+        "do not record visibility notes",
+    )
     _bool_flag(
         p,
         "skip-decode-stretches",
         "skip_decode_stretches",
         "advance decode stretches at once (default; output is identical)",
         "simulate every decode pass one by one",
+    )
+    _bool_flag(
+        p,
+        "sync-forward",
+        "sync_forward",
+        "the forward runs inside the launch (a --device cpu worker): receive and process the "
+        "previous result after it ends",
+        "GPU overlap timing (default)",
+    )
+    _bool_flag(
+        p,
+        "scale-client-gaps",
+        "scale_client_gaps",
+        "scale each recorded client gap by the predecessor's simulated / recorded latency "
+        "(default)",
+        "replay recorded client gaps as they are",
     )
     pub = p.add_argument_group("live publishing (SGLang framing, loopback)")
     pub.add_argument("--publish", metavar="tcp://127.0.0.1:PORT", help="PUB endpoint to bind")
@@ -91,6 +129,9 @@ def register(sub: Any) -> None:
     pub.add_argument("--linger", type=float, default=0.0,
                      help="seconds to keep serving replay requests after the last message")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    from kvcadence.replay.cli_fleet import add_fleet_args  # DP ranks / workers / sweeps
+
+    add_fleet_args(p)
     p.set_defaults(_run=run)
 
 
@@ -112,13 +153,24 @@ _OVERRIDES = (
     "decode_per_req_s",
     "default_gap_s",
     "skip_decode_stretches",
+    "role",
+    "decode_radix_cache",
+    "transfer_base_s",
+    "transfer_per_token_s",
+    "track_visibility",
+    "sync_forward",
+    "scale_client_gaps",
 )
 
 
 def run(args: argparse.Namespace) -> int:
     from kvcadence.errors import UsageError
+    from kvcadence.replay.cli_fleet import maybe_run_fleet
     from kvcadence.replay.simulator import effective_config, replay_bundle
 
+    rc = maybe_run_fleet(args)  # several ranks / workers / --route / --sweep
+    if rc is not None:
+        return rc
     if args.out is None and args.publish is None:
         raise UsageError("replay: give --out SIM_BUNDLE and/or --publish ENDPOINT")
     if args.speed < 0:

@@ -18,6 +18,7 @@ from typing import Any
 from kvcadence.errors import UsageError
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(slots=True)
@@ -35,6 +36,10 @@ class TimingParams:
     default_gap_s: float = 0.03
     #: scheduling/loop overhead of one idle wake-up (arrival to first schedule)
     wakeup_s: float = 0.0005
+    #: PD disaggregation: KV transfer time = transfer_base + per token × prompt tokens
+    #: (a prefill-worker capture's own per-request times are used when it has them)
+    transfer_base_s: float = 0.002
+    transfer_per_token_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -63,6 +68,19 @@ class SimConfig:
     #: advance whole decode stretches at once (pure optimisation; output is identical)
     skip_decode_stretches: bool = True
     timing: TimingParams = field(default_factory=TimingParams)
+    #: PD disaggregation role: "both" (normal worker), "prefill" or "decode"
+    role: str = "both"
+    #: decode role only: the worker enabled its decode radix cache (inserts at finish)
+    decode_radix_cache: bool = False
+    #: record per-block computed/published pass and time (visibility notes)
+    track_visibility: bool = True
+    #: the forward runs synchronously inside the launch (what a ``--device cpu`` worker
+    #: does): the overlap loop then receives and processes the previous result only after
+    #: the current forward ends. Off by default (GPU timing); see docs/simulator.md
+    sync_forward: bool = False
+    #: closed loop: scale a recorded client gap by the predecessor's simulated / recorded
+    #: latency, so the gap spans as many scheduler passes as it did on the real worker
+    scale_client_gaps: bool = True
 
     # ------------------------------------------------------------------ derived
     @property
@@ -110,6 +128,8 @@ class SimConfig:
         if self.schedule_conservativeness <= 0:
             raise UsageError("schedule conservativeness must be > 0")
         event_mode(self.sglang_version)
+        if self.role not in ROLES:
+            raise UsageError(f"role {self.role!r} not simulated (choose from {', '.join(ROLES)})")
         t = self.timing
         for name in (
             "prefill_base_s",
@@ -119,6 +139,8 @@ class SimConfig:
             "decode_per_req_s",
             "default_gap_s",
             "wakeup_s",
+            "transfer_base_s",
+            "transfer_per_token_s",
         ):
             if getattr(t, name) < 0:
                 raise UsageError(f"timing parameter {name} must be >= 0")
@@ -202,6 +224,12 @@ def from_server_info(server_info: dict[str, Any], sglang_version: str | None = N
     v = _get(info, "disable_overlap_schedule")
     if v is not None:
         cfg.disable_overlap_schedule = bool(v)
+    v = _get(info, "disaggregation_mode")
+    if v is not None and str(v) in ("prefill", "decode"):
+        cfg.role = str(v)
+    v = _get(info, "disaggregation_decode_enable_radix_cache")
+    if v is not None:
+        cfg.decode_radix_cache = bool(v)
     kv = info.get("kv_events")
     if isinstance(kv, dict) and kv.get("topic") is not None:
         cfg.topic = str(kv["topic"])

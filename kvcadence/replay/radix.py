@@ -73,10 +73,10 @@ def wire_hasher() -> Hasher:
         if len(digests) < 8:
             return digests, [to_int(d) for d in digests]
         # wire's digest_to_int64 (first 8 bytes, big-endian, signed) for all pages at once
-        words = array("q", b"".join(digests))
+        words = array("q", b"".join(digests))[::4]  # the first 8 bytes of each digest
         if swap:
             words.byteswap()
-        return digests, words[::4].tolist()
+        return digests, words.tolist()
 
     return hasher
 

@@ -5,12 +5,23 @@ prompt token ids and output lengths, plus how each request is released:
 
 * **closed loop** (``lane`` known): requests of one lane are sent one after the other; the
   first at its recorded arrival, each next one ``gap_ns`` after its predecessor *finishes in
-  the simulation*. ``gap_ns`` is the recorded server-side gap (``meta_info`` next
-  ``request_received_ts`` − previous ``request_finished_ts``: client round trip + think
-  time), else the client-side gap (``send_ns`` − previous ``finish_ns``), else ``think_ns``,
-  else the configured default;
-* **open loop** (no lane): the recorded arrival time (``arrival_ns``, else
-  ``request_received_ts``, else ``send_ns``).
+  the simulation* (the scheduler may rescale it, ``SimConfig.scale_client_gaps``).
+  ``gap_ns`` is the recorded server-side gap (next receive − previous finish: client round
+  trip + think time), else the client-side gap (``send_ns`` − previous ``finish_ns``), else
+  ``think_ns``, else the configured default;
+* **open loop** (no lane): the recorded arrival time.
+
+Server-side times come first: receive = ``arrival_ns``, else ``request_received_ts``, else
+``response_sent_to_client_ts − e2e_latency`` (SGLang's e2e latency runs from the tokenizer
+manager's receive; captures without per-phase timings still carry both), else ``send_ns``;
+finish = ``request_finished_ts``, else ``response_sent_to_client_ts``, else ``finish_ns``.
+The server's receive order can differ from the client's send order. ``e2e_ns`` = recorded
+finish − receive (for the gap scaling).
+
+For PD disaggregation each spec also carries the recorded prefill-result → finish time:
+``transfer_ns`` when the record is a prefill worker's (one output token: its finish is the
+end of the KV transfer), else ``decode_ns`` (decode time, which ``--role prefill`` adds to
+the client gap because the decode runs elsewhere).
 
 Times are virtual ns relative to ``anchor_ns`` (the earliest recorded arrival). Output token
 ids are the recorded ones; when absent they are recovered from the next turn's prompt when it
@@ -47,6 +58,12 @@ class RequestSpec:
     real_cached_tokens: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     source: Any = None  # the RequestRecord this spec came from
+    #: PD prefill worker capture: recorded KV transfer time (prefill done -> released)
+    transfer_ns: int | None = None
+    #: recorded time from prefill result to finish (decode elsewhere, for --role prefill)
+    decode_ns: int = 0
+    #: recorded server-side latency (receive -> finish), when known
+    e2e_ns: int | None = None
 
     @property
     def n_out(self) -> int:
@@ -70,18 +87,34 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
     return None
 
 
+def _received_ns(meta: dict[str, Any]) -> int | None:
+    """Server-side receive time: ``request_received_ts``, else ``response_sent_to_client_ts −
+    e2e_latency`` (SGLang's e2e latency runs from the tokenizer manager's receive)."""
+    v = _mi_ns(meta, "request_received_ts")
+    if v is not None:
+        return v
+    sent, e2e = meta.get("response_sent_to_client_ts"), meta.get("e2e_latency")
+    if isinstance(sent, (int, float)) and isinstance(e2e, (int, float)) and sent > 0 and e2e >= 0:
+        return int(round((sent - e2e) * 1e9))
+    return None
+
+
 def _arrival(rec: Any) -> int | None:
     mi = rec.meta_info or {}
-    for v in (rec.arrival_ns, _mi_ns(mi, "request_received_ts"), rec.send_ns):
+    for v in (rec.arrival_ns, _received_ns(mi), rec.send_ns):
         if v is not None:
             return int(v)
     return None
 
 
 def _finish(rec: Any) -> int | None:
+    """Server-side finish: ``request_finished_ts``, else ``response_sent_to_client_ts``, else
+    the client's ``finish_ns``."""
     mi = rec.meta_info or {}
-    v = _mi_ns(mi, "request_finished_ts")
-    return v if v is not None else rec.finish_ns
+    for v in (_mi_ns(mi, "request_finished_ts"), _mi_ns(mi, "response_sent_to_client_ts")):
+        if v is not None:
+            return v
+    return rec.finish_ns
 
 
 def _synth_tokens(rid: str, n: int) -> tuple[int, ...]:
@@ -142,6 +175,17 @@ def build_schedule(
             source=r,
         )
         spec.meta["n_out"] = n_out
+        mi = r.meta_info or {}
+        pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
+        if pf is not None and fin is not None and fin >= pf:
+            if n_out <= 1:
+                # a prefill worker reports its request finished when the transfer is done
+                spec.transfer_ns = fin - pf
+            else:
+                spec.decode_ns = fin - pf
+        fin_ns = _finish(r)
+        if fin_ns is not None and fin_ns > arrivals[i]:
+            spec.e2e_ns = fin_ns - arrivals[i]
         specs.append(spec)
         if r.lane is not None:
             by_lane.setdefault(int(r.lane), []).append(new_idx)

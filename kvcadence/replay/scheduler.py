@@ -9,7 +9,10 @@ What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §
   leaves on a shortfall), launches it, then
 
   - **overlap** (default): processes the *previous* batch's result — so removals caused
-    while scheduling batch k+1 are queued before batch k's prefill stores;
+    while scheduling batch k+1 are queued before batch k's prefill stores; GPU timing by
+    default (the next iteration runs while the forward does); with ``sync_forward`` (what a
+    ``--device cpu`` worker does: the launch runs the forward) the iteration receives and
+    processes the previous result only after the current forward ends;
   - **normal** (``disable_overlap_schedule``): processes this batch's result at once;
 
 * result processing: a final prefill chunk checkpoints the prompt (one store) and the
@@ -20,9 +23,14 @@ What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §
 * decode memory: ``check_decode_mem`` (evict the shortfall), retraction (fewest outputs
   first, ties longest prompt; no store; evict ``remaining × 20`` tokens; re-queue;
   ratio reset), abort of waiting / running requests, flushes (``AllBlocksCleared`` alone);
-* closed-loop clients: a lane's next request arrives ``gap`` after its predecessor finishes;
+* closed-loop clients: a lane's next request arrives ``gap`` after its predecessor finishes,
+  the recorded gap scaled by the predecessor's simulated / recorded latency
+  (``scale_client_gaps``: the gap spans as many passes as it did on the real worker);
 * decode stretches: when only decode happens, whole stretches of passes are advanced at
-  once up to the next finish, publish point, allocation need or arrival (identical output).
+  once up to the next finish, publish point, allocation need or arrival (identical output);
+* visibility: per stored page, the pass that computed it — prefill marks per request and
+  one shared decode log (a decoding request is in every decode pass, so its decoded
+  positions map to consecutive log entries): no per-request, per-pass bookkeeping.
 
 KV accounting is in tokens: a request covers sequence positions ``[0, kv_len)``; the first
 ``tree_len`` are in the radix tree (locked through ``last_node``), the rest are private
@@ -31,7 +39,9 @@ slots (``alloc`` = page-ceiled). ``available = pool − tree.total_size − Σ a
 
 from __future__ import annotations
 
+import gc
 import heapq
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +61,8 @@ from kvcadence.replay.schedule import RequestSpec, Schedule
 from kvcadence.replay.timing import PassTimer
 
 WAITING, RUNNING, FINISHED, ABORTED = 0, 1, 2, 3
+_PREFILL_PHASE = array("b", (0,))
+_DECODE_PHASE = array("b", (1,))
 
 
 class SimReq:
@@ -90,6 +102,8 @@ class SimReq:
         "first_token_ns",
         "finish_ns",
         "error",
+        "marks",
+        "dec0",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -126,6 +140,14 @@ class SimReq:
         self.first_token_ns: int | None = None
         self.finish_ns: int | None = None
         self.error: str | None = None
+        #: KV computation marks of prefill passes, in kv order: ``(kv_end, batch)`` —
+        #: positions below kv_end (and at or above the previous mark's) were computed by
+        #: prefill ``batch``
+        self.marks: list[tuple[int, Batch]] = []
+        #: ``(kv0, g0)`` once the request decodes: position ``kv0 + j`` was computed by the
+        #: decode pass at ``Scheduler``'s decode log entry ``g0 + j`` (a decoding request is
+        #: in every decode pass until it stops, so its passes are consecutive log entries)
+        self.dec0: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -203,6 +225,9 @@ class Scheduler:
         self.schedule = schedule
         self.ps = cfg.page_size
         self.overlap = not cfg.disable_overlap_schedule
+        #: the forward runs inside the launch (CPU device): the overlap loop receives and
+        #: processes the previous result only after the current forward ends
+        self.sync = cfg.sync_forward
         self.queue = EventQueue(cfg.sglang_version, cfg.medium)
         self.tree = RadixTree(cfg.page_size, hasher, self.queue)
         self.publisher = publisher or Publisher(
@@ -220,14 +245,23 @@ class Scheduler:
         self.tc = _TreeCacheAdapter(self.tree)
         self.allocator = _AllocatorAdapter(self)
         self.reqs = [SimReq(s) for s in schedule.requests]
+        self.role = cfg.role
+        #: radix inserts happen (a decode worker inserts only with its decode radix cache)
+        self.inserts = cfg.role != "decode" or cfg.decode_radix_cache
+        if self.role == "prefill":
+            # PrefillBootstrapQueue._process_req: max_new_tokens = 1 (one token, no decode)
+            for r in self.reqs:
+                r.n_out = r.max_new_tokens = 1
         self.successors: dict[int, list[int]] = {}
+        #: pred idx -> lane successors over ``self.reqs`` (built on first use)
+        self._lane_next: dict[int, list[int]] | None = None
         for s in schedule.requests:
             if s.pred is not None:
                 self.successors.setdefault(s.pred, []).append(s.idx)
         self.arrivals: list[tuple[int, int]] = []
         for s in schedule.requests:
             if s.pred is None:
-                heapq.heappush(self.arrivals, (s.arrival_ns or 0, s.idx))
+                heapq.heappush(self.arrivals, ((s.arrival_ns or 0) + self._kv_ready_ns(s), s.idx))
         self.flush_times = list(schedule.flush_times_ns)
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []
@@ -245,6 +279,20 @@ class Scheduler:
         self.t = 0
         self.gpu_free = 0
         self._aborts: dict[str, int] = {}
+        #: pause commands: (at_ns, until_ns, mode), sorted
+        self._pauses: list[tuple[int, int, str]] = []
+        self.paused_until: int | None = None
+        #: PD prefill: requests whose KV is being transferred, (done_ns, idx)
+        self.held: list[tuple[int, int]] = []
+        self.track = cfg.track_visibility
+        #: stores queued since the last publish: (computed passes, computed ns, phases)
+        self.vis_pending: list[tuple[list[int], list[int], list[int]]] = []
+        #: one entry per published batch that carried stores:
+        #: (seq, publish pass, publish ns, reason, computed passes, computed ns, phases)
+        self.vis_frames: list[tuple[int, int, int, str, array, array, array]] = []
+        #: the decode log: pass index and end ns of every decode pass, in order
+        self._dec_pass = array("q")
+        self._dec_end = array("q")
 
     # ------------------------------------------------------------------ accounting
     def available(self) -> int:
@@ -280,25 +328,124 @@ class Scheduler:
         if events:
             self.publish_log.append((reason, self.decode_ct, pass_index, t))
             self.publisher.publish(events, t, pass_index)
+            pending = self.vis_pending
+            if pending:
+                # arrays, not lists: the log is not walked by the cyclic GC
+                passes, times, phases = pending[0]
+                for p_, t_, ph in pending[1:]:
+                    passes += p_
+                    times += t_
+                    phases += ph
+                self.vis_pending = []
+                seq = self.publisher.seq - 1
+                self.vis_frames.append((seq, pass_index, t, reason, passes, times, phases))
             if self.on_publish is not None:
                 self.on_publish(len(events))
+
+    # ------------------------------------------------------------------ visibility
+    def computed_at(self, req: SimReq, pos: int) -> tuple[int, int, int]:
+        """(pass, virtual end ns, phase 0 prefill / 1 decode) of the pass that computed the
+        KV at sequence position ``pos`` of ``req`` (a position this request computed)."""
+        dec0 = req.dec0
+        if dec0 is not None and pos >= dec0[0]:
+            g = dec0[1] + pos - dec0[0]
+            return self._dec_pass[g], self._dec_end[g], 1
+        _kv_end, batch = req.marks[self._mark_index(req.marks, pos)]
+        return batch.index, batch.end_ns, 0
+
+    @staticmethod
+    def _mark_index(marks: list[tuple[int, Batch]], pos: int) -> int:
+        lo, hi = 0, len(marks) - 1
+        while lo < hi:  # first mark with kv_end > pos
+            mid = (lo + hi) // 2
+            if marks[mid][0] > pos:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _record_store(self, req: SimReq, start: int, end: int) -> None:
+        """A new node of ``req.seq[start:end]`` was inserted: note when each page was
+        computed (the pass that wrote the KV of its last token): whole runs per prefill
+        mark, one strided slice of the decode log for the decoded pages."""
+        marks = req.marks
+        dec0 = req.dec0
+        ps = self.ps
+        pos = start + ps - 1  # last position of the first page
+        # arrays all the way (repeats and decode-log slices are C copies; no int objects)
+        passes = array("q")
+        times = array("q")
+        phases = array("b")
+        stop_pf = end if dec0 is None or dec0[0] > end else dec0[0]
+        if pos < stop_pf and marks:
+            i = self._mark_index(marks, pos)
+            n_marks = len(marks)
+            while pos < stop_pf and i < n_marks:
+                kv_end, batch = marks[i]
+                stop = kv_end if kv_end < stop_pf else stop_pf
+                if pos < stop:
+                    cnt = (stop - 1 - pos) // ps + 1  # pages whose last position is here
+                    passes += array("q", (batch.index,)) * cnt
+                    times += array("q", (batch.end_ns,)) * cnt
+                    phases += _PREFILL_PHASE * cnt
+                    pos += cnt * ps
+                i += 1
+        if dec0 is not None and pos < end:
+            cnt = (end - 1 - pos) // ps + 1
+            ga = dec0[1] + pos - dec0[0]
+            gb = ga + (cnt - 1) * ps + 1
+            passes += self._dec_pass[ga:gb:ps]
+            times += self._dec_end[ga:gb:ps]
+            phases += _DECODE_PHASE * cnt
+        if passes:
+            self.vis_pending.append((passes, times, phases))
+
+    def _mark_batch(self, batch: Batch) -> None:
+        """Called once the batch's end time is known: a prefill marks its requests (and
+        opens the decode run of those that go on decoding); a decode pass is one entry of
+        the decode log, shared by every request in it."""
+        if not self.track:
+            return
+        if batch.kind == "prefill":
+            g = len(self._dec_pass)
+            for r, final in zip(batch.reqs, batch.finals, strict=True):
+                r.marks.append((r.kv_len, batch))
+                if final and r.decode_left > 0:
+                    r.dec0 = (r.kv_len, g)
+            return
+        self._dec_pass.append(batch.index)
+        self._dec_end.append(batch.end_ns)
 
     # ------------------------------------------------------------------ public control
     def request_abort(self, rid: str, at_ns: int) -> None:
         """Abort ``rid`` at virtual time ``at_ns`` (tests; recorded aborts)."""
         self._aborts[rid] = at_ns
 
+    def request_pause(self, at_ns: int, until_ns: int, mode: str = "retract") -> None:
+        """``pause_generation`` at ``at_ns`` and ``continue_generation`` at ``until_ns``.
+
+        ``mode="retract"`` retracts every running request (no store; re-queued, prompts stay
+        cached); ``"in_place"`` keeps them. Either way the pause publishes the queue."""
+        if mode not in ("retract", "in_place"):
+            raise ValueError(f"unknown pause mode {mode!r}")
+        self._pauses.append((at_ns, max(at_ns, until_ns), mode))
+        self._pauses.sort()
+
     # ------------------------------------------------------------------ tree operations
     def _insert_upto(self, req: SimReq, upto: int) -> None:
         """Checkpoint ``req.seq[:upto]`` (page floored) into the tree; move the lock."""
+        if not self.inserts:
+            return
         ps = self.ps
         end = upto - upto % ps
         if end <= req.tree_len:
             return
         start = req.lock_handle
-        _existing, node, _new = self.tree.insert(
+        existing, node, new = self.tree.insert(
             req.seq, start, req.tree_len if start is not None else 0, end
         )
+        if new is not None and self.track:
+            self._record_store(req, existing, end)
         old = req.lock_handle
         self.tree.lock(node)
         if old is not None:
@@ -319,6 +466,8 @@ class Scheduler:
         req.lock_handle = None
         req.last_node = None
         req.kv_len = req.tree_len = 0
+        req.marks = []
+        req.dec0 = None
 
     def _finish(self, req: SimReq, t: int, insert: bool = True, error: str | None = None) -> None:
         self._release(req, insert)
@@ -328,9 +477,55 @@ class Scheduler:
         req.finish_ns = t
         self.finished_count += 1
         self.batch_is_full = False
+        self._release_successors(req, t)
+
+    def _release_successors(self, req: SimReq, t: int) -> None:
+        """Closed loop: the lane's next request arrives its gap after ``req`` finished."""
+        extra = 0
+        if self.role == "prefill" and req.spec.decode_ns:
+            # the decode runs on another worker: the client sees the finish that much later
+            extra = max(0, req.spec.decode_ns - self._transfer_ns(req))
+        if self.cfg.scale_client_gaps and self.role == "both":
+            self._scale_next_gap(req, t)
         for nxt in self.successors.get(req.idx, ()):
             spec = self.reqs[nxt].spec
-            heapq.heappush(self.arrivals, (t + spec.gap_ns, nxt))
+            gap = spec.gap_ns
+            heapq.heappush(self.arrivals, (t + gap + extra + self._kv_ready_ns(spec), nxt))
+
+    def _scale_next_gap(self, req: SimReq, t: int) -> None:
+        """The recorded gap before the lane's next turn is wall time on the real worker;
+        keep it the same share of the predecessor's service time (recorded receive → finish
+        becomes simulated arrival → finish), so the next turn arrives after as many passes
+        as it did on the real worker (whose speed may have varied). Written into the
+        successor's ``gap_ns`` (the recorded value kept in ``meta``) so that drivers routing
+        the lane themselves (``replay.fleet``) use it too."""
+        e2e = req.spec.e2e_ns
+        if not e2e or t <= req.arrival_ns:
+            return
+        nxt_of = self._lane_next
+        if nxt_of is None:  # built on first use: a driver may set ``self.reqs`` after init
+            nxt_of = self._lane_next = {}
+            for r in self.reqs:
+                if r.spec.pred is not None:
+                    nxt_of.setdefault(r.spec.pred, []).append(r.idx)
+        for idx in nxt_of.get(req.idx, ()):
+            spec = self.reqs[idx].spec
+            recorded = spec.meta.setdefault("recorded_gap_ns", spec.gap_ns)
+            spec.gap_ns = recorded * (t - req.arrival_ns) // e2e
+
+    def _transfer_ns(self, req: SimReq) -> int:
+        """KV transfer time of ``req`` (recorded by a prefill-worker capture, else modelled)."""
+        if req.spec.transfer_ns is not None:
+            return req.spec.transfer_ns
+        tp = self.cfg.timing
+        return int((tp.transfer_base_s + tp.transfer_per_token_s * req.input_len) * 1e9)
+
+    def _kv_ready_ns(self, spec: RequestSpec) -> int:
+        """Decode role: a request becomes schedulable once its KV has been transferred."""
+        if self.role != "decode":
+            return 0
+        tp = self.cfg.timing
+        return int((tp.transfer_base_s + tp.transfer_per_token_s * len(spec.input_ids)) * 1e9)
 
     # ------------------------------------------------------------------ batch building
     def _stash_chunked(self) -> None:
@@ -358,7 +553,8 @@ class Scheduler:
             self.running,
             self.tracker.current,
             cfg.max_prefill_tokens,
-            cfg.chunked_prefill_size,
+            # a decode worker receives the whole KV at once (no chunking)
+            None if self.role == "decode" else cfg.chunked_prefill_size,
             generation=cfg.admission_generation,
             clip_max_new_tokens=cfg.clip_max_new_tokens,
         )
@@ -447,14 +643,7 @@ class Scheduler:
                 break
             r = cand.pop()
             retracted.append(r)
-            self._release(r, insert=False)
-            r.gen += 1
-            r.state = WAITING
-            r.retractions += 1
-            r.fill = r.seq[: r.input_len + r.output_len]
-            r.fill_len = len(r.fill)
-            r.prefix_len = 0
-            r.decode_left = 0
+            self._requeue(r)
             self._evict_for(len(cand) * self.cfg.retract_decode_steps)
         if retracted:
             self.stats.retractions += len(retracted)
@@ -471,6 +660,37 @@ class Scheduler:
                 self.running.remove(r)
                 self._finish(r, t, insert=False, error="out of memory after retraction")
                 self.stats.aborted += 1
+
+    def _requeue(self, r: SimReq) -> None:
+        """``release_req`` of a retraction: free the request's KV without a store (its prompt,
+        checkpointed at its prefill result, stays cached and matchable) and make it wait
+        again; readmitted, it recomputes only what is not in the tree (its decoded tokens)."""
+        self._release(r, insert=False)
+        r.gen += 1
+        r.state = WAITING
+        r.retractions += 1
+        r.fill = r.seq[: r.input_len + r.output_len]
+        r.fill_len = len(r.fill)
+        r.prefix_len = 0
+        r.decode_left = 0
+
+    def _pause(self, t: int) -> None:
+        """``pause_generation``: retract (mode retract) every running request, publish the
+        queue (also when idle), and stop scheduling until ``continue_generation``."""
+        _at, until, mode = self._pauses.pop(0)
+        if mode == "retract":
+            victims = [r for r in self.running if r.state == RUNNING]
+            victims += [r for r in self.pending_merge if r.state == RUNNING]
+            for r in victims:
+                self._requeue(r)
+            if victims:
+                self.stats.retractions += len(victims)
+                self.running = []
+                self.pending_merge = []
+                self.waiting = victims + self.waiting
+                self.batch_is_full = False
+        self._publish(t, self.pass_index, "pause")
+        self.paused_until = until
 
     def _update_running_batch(self, t: int) -> Batch | None:
         running = [r for r in self.running if r.decode_left > 0]
@@ -543,11 +763,17 @@ class Scheduler:
                 r.output_len += 1
                 if r.first_token_ns is None:
                     r.first_token_ns = t
-                if r.output_len >= r.n_out:
+                if self.role == "prefill":
+                    self._hold_for_transfer(r, upto, t)
+                elif r.output_len >= r.n_out:
+                    # rule: a request finishing with its first token inserts its prompt at
+                    # release, once (release_kv_cache(checkpoint=True))
                     if r in self.running:
                         self.running.remove(r)
                     self._finish(r, t)
-                else:
+                elif self.role != "decode":
+                    # rule: the prompt is checkpointed after its prefill result whether or
+                    # not its first decode slots can be reserved; a later retraction keeps it
                     self._insert_upto(r, upto)
             self._publish(t, batch.index, "prefill")
             self.last_pass_published = batch.index
@@ -570,6 +796,25 @@ class Scheduler:
         if self.decode_ct % self.cfg.decode_log_interval == 0:
             self._publish(t, batch.index, "decode")
 
+    # ------------------------------------------------------------------ PD prefill
+    def _hold_for_transfer(self, req: SimReq, upto: int, t: int) -> None:
+        """PD prefill: insert the prompt (published with this result), keep it locked and
+        matchable while its KV is transferred (``disagg_prefill_inflight_queue``)."""
+        self._insert_upto(req, upto)
+        if req in self.running:
+            self.running.remove(req)
+        req.decode_left = 0
+        heapq.heappush(self.held, (t + self._transfer_ns(req), req.idx))
+
+    def _poll_transfers(self, t: int) -> None:
+        """``process_disagg_prefill_inflight_queue``: release finished transfers (unlock, free
+        the partial page; the prompt is already in the tree, so no event)."""
+        held = self.held
+        while held and held[0][0] <= t:
+            _done, idx = heapq.heappop(held)
+            req = self.reqs[idx]
+            self._finish(req, t, insert=False)
+
     # ------------------------------------------------------------------ idle, flush, abort
     def _fully_idle(self) -> bool:
         return (
@@ -587,7 +832,9 @@ class Scheduler:
     def _maybe_flush(self, t: int) -> None:
         while self.flush_times and self.flush_times[0] <= t and self._fully_idle():
             self.flush_times.pop(0)
-            self._publish(t, self.pass_index, "idle")
+            # rule: a command while idle publishes what is queued first (the clear goes
+            # out alone)
+            self._publish(t, self.pass_index, "command")
             self.tree.reset()
             self.queue.record_clear()
             self._publish(t, self.pass_index, "flush")
@@ -610,8 +857,7 @@ class Scheduler:
                 req.error = "aborted while waiting"
                 req.finish_ns = t
                 self.finished_count += 1
-                for nxt in self.successors.get(req.idx, ()):
-                    heapq.heappush(self.arrivals, (t + self.reqs[nxt].spec.gap_ns, nxt))
+                self._release_successors(req, t)
                 del self._aborts[rid]
             elif req.state == RUNNING and req is not self.chunked_req and req.decode_left > 0:
                 # FINISH_ABORT: one more forward, then the normal finish path
@@ -634,8 +880,7 @@ class Scheduler:
                 req.error = "aborted while waiting"
                 req.finish_ns = at
                 self.finished_count += 1
-                for nxt in self.successors.get(idx, ()):
-                    heapq.heappush(arrivals, (at + self.reqs[nxt].spec.gap_ns, nxt))
+                self._release_successors(req, at)
                 continue
             self.waiting.append(req)
 
@@ -647,32 +892,39 @@ class Scheduler:
         running = self.running
         if not running:
             return None
+        if self._aborts or self._pauses or self.held:
+            return None
         ps = self.ps
         interval = self.cfg.decode_log_interval
         d = self.timer.decode_ns(len(running))
         next_arr = self.arrivals[0][0] if self.arrivals else None
+        # the cheap bounds first (next publish point, next arrival); the per-request one
+        # (next finish) only when they allow a stretch
+        m = interval - 1 - (self.decode_ct % interval)
         if self.overlap:
             if last is None or last.kind != "decode" or last.reqs != running:
                 return None
-            m = min(r.decode_left for r in running)
-            m = min(m, interval - 1 - (self.decode_ct % interval))
             e = last.end_ns
             if next_arr is not None:
                 if next_arr <= t:
                     return None
                 jmax = (next_arr - e - 1) // d + 1 if next_arr > e else 0
-                m = min(m, jmax + 1)
+                # GPU overlap: iteration j receives at e + (j-2)d (j >= 2); synchronous
+                # forward (CPU): at e + (j-1)d, after the previous forward ended
+                m = min(m, jmax if self.sync else jmax + 1)
+            if m < 2:
+                return None
+            m = min(m, min([r.decode_left for r in running]))
         else:
             if last is not None:
                 return None
-            m = min(r.decode_left for r in running) - 1
-            m = min(m, interval - 1 - (self.decode_ct % interval))
             if next_arr is not None:
                 if next_arr <= t:
                     return None
                 m = min(m, (next_arr - t - 1) // d + 1)
-        if self._aborts:
-            return None
+            if m < 2:
+                return None
+            m = min(m, min([r.decode_left for r in running]) - 1)
         if m < 2:
             return None
         # memory: all allocations of the stretch must fit without eviction
@@ -683,40 +935,71 @@ class Scheduler:
         if self.available() < need:
             return None
         # apply m iterations
-        for r in running:
-            k = r.kv_len
-            grow = ps * ((k + m - 1) // ps - (k - 1) // ps) if ps > 1 else m
-            self._alloc(r, grow)
-            r.kv_len = k + m
-            r.decode_left -= m
-            r.output_len += m
+        start = max(t, self.gpu_free) if not self.overlap else self.gpu_free
+        first_pass = self.pass_index + 1
+        first_end = (start if self.overlap else t) + d
+        if self.track:
+            self._dec_pass.extend(range(first_pass, first_pass + m))
+            self._dec_end.extend(range(first_end, first_end + m * d, d))
+        if ps == 1:
+            for r in running:
+                r.kv_len += m
+                r.decode_left -= m
+                r.output_len += m
+            grown = m * len(running)
+            for r in running:
+                r.alloc += m
+            self.private_total += grown
+        else:
+            for r in running:
+                k = r.kv_len
+                self._alloc(r, ps * ((k + m - 1) // ps - (k - 1) // ps))
+                r.kv_len = k + m
+                r.decode_left -= m
+                r.output_len += m
         self.tracker.on_decode_steps(m)
         self.decode_ct += m
         self.stats.decode_passes += m
         self.stats.skipped_passes += m
         self.pass_index += m
-        start = max(t, self.gpu_free) if not self.overlap else self.gpu_free
         if self.overlap:
             # results processed: last + the first m-1 new batches; the m-th is in flight
             new_last = Batch("decode", list(running), [], self.pass_index)
             new_last.end_ns = start + m * d
             self.gpu_free = new_last.end_ns
-            return start + (m - 1) * d, new_last
+            return (new_last.end_ns if self.sync else start + (m - 1) * d), new_last
         self.gpu_free = t + m * d
         return t + m * d, None
 
     # ------------------------------------------------------------------ main loop
     def run(self, progress: Callable[[int], None] | None = None) -> SimStats:
-        """Run the whole schedule; returns statistics (events go to the publisher)."""
-        # startup: the tree's construction records AllBlocksCleared (seq 0)
-        self.queue.record_clear()
-        self._publish(0, -1, "startup")
+        """Run the whole schedule; returns statistics (events go to the publisher).
+
+        The cyclic garbage collector is paused for the run (restored after): the run
+        allocates millions of small objects that live until it ends (requests' token
+        tuples, nodes, event structs), so collections would only re-walk them (≈ 17 % of a
+        run); the objects that do form cycles (tree nodes) are freed when the tree goes."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(progress)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _run(self, progress: Callable[[int], None] | None) -> SimStats:
+        # startup: the tree's construction records AllBlocksCleared (seq 0); a decode worker
+        # without its radix cache has no tree and publishes nothing
+        if self.inserts:
+            self.queue.record_clear()
+            self._publish(0, -1, "startup")
         t = 0
         last: Batch | None = None
         total = len(self.reqs)
         reported = 0
         cfg = self.cfg
         skip = cfg.skip_decode_stretches
+        sync = self.sync
         guard = 0
         while True:
             if skip:
@@ -724,20 +1007,39 @@ class Scheduler:
                 if jumped is not None:
                     t, last = jumped
                     continue
+            if self._pauses and self._pauses[0][0] <= t and self.paused_until is None:
+                if self.overlap and last is not None:
+                    t = max(t, last.end_ns)
+                    self._process_result(last, t)
+                    last = None
+                self._pause(t)
+            if self.paused_until is not None:
+                self._receive(t)
+                if t < self.paused_until:
+                    t = self.paused_until
+                    continue
+                self.paused_until = None
             self._receive(t)
             self._apply_aborts(t)
             self._maybe_flush(t)
             batch = self._get_next_batch(t)
             if batch is not None:
                 if batch.kind == "prefill":
-                    dur = self.timer.prefill_ns(batch.tokens, len(batch.reqs))
+                    # a decode worker's "prefill" is the prebuilt batch of transferred KV
+                    tokens = 0 if self.role == "decode" else batch.tokens
+                    dur = self.timer.prefill_ns(tokens, len(batch.reqs))
                 else:
                     dur = self.timer.decode_ns(len(batch.reqs))
                 start = max(t, self.gpu_free)
                 batch.end_ns = start + dur
                 self.gpu_free = batch.end_ns
                 self.stats.passes += 1
+                self._mark_batch(batch)
             if self.overlap:
+                if sync and batch is not None:
+                    # CPU device: the launch runs the forward before the previous result is
+                    # processed and before the next receive
+                    t = max(t, batch.end_ns)
                 if last is not None:
                     t = max(t, last.end_ns)
                     self._process_result(last, t)
@@ -754,6 +1056,12 @@ class Scheduler:
                     if not self._idle_step(t):
                         break
                     t = self._next_wake(t)
+            if self.held:
+                self._poll_transfers(t)
+            if self.role == "prefill":
+                # SGLang resets the flag every iteration (no update_running_batch on a prefill
+                # worker)
+                self.batch_is_full = False
             if progress is not None and self.finished_count != reported:
                 progress(self.finished_count - reported)
                 reported = self.finished_count
@@ -772,11 +1080,18 @@ class Scheduler:
         if self._fully_idle():
             self._on_idle(t)
             self._maybe_flush(t)
-            if not self.arrivals and not self.flush_times and not self._aborts:
+            if (
+                not self.arrivals
+                and not self.flush_times
+                and not self._aborts
+                and not self._pauses
+                and not self.held
+            ):
                 return False
             return True
-        # waiting requests that cannot be admitted while nothing runs: they never will
-        if not self.running and self.chunked_req is None and self.waiting:
+        # waiting requests that cannot be admitted while nothing runs (and no transfer will
+        # release a held prompt): they never will
+        if not self.running and self.chunked_req is None and self.waiting and not self.held:
             if self.batch_is_full:
                 self.batch_is_full = False
                 return True
@@ -787,16 +1102,21 @@ class Scheduler:
             head.finish_ns = t
             self.finished_count += 1
             self.stats.aborted += 1
-            for nxt in self.successors.get(head.idx, ()):
-                heapq.heappush(self.arrivals, (t + self.reqs[nxt].spec.gap_ns, nxt))
+            self._release_successors(head, t)
             return True
         return True
 
     def _next_wake(self, t: int) -> int:
         """Sleep (``--sleep-on-idle``) until the next arrival, flush or abort."""
         if not self._fully_idle():
+            if self.held and not self.running and self.chunked_req is None:
+                return max(t, self.held[0][0])  # waiting for a held prompt to be released
             return t
         cands = []
+        if self.held:
+            cands.append(self.held[0][0])
+        if self._pauses:
+            cands.append(self._pauses[0][0])
         if self.arrivals:
             cands.append(self.arrivals[0][0])
         if self.flush_times:

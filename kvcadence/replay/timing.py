@@ -7,11 +7,21 @@ which derives the parameters from the capture's own ``meta_info`` timings (bundl
 
 * prefill batches are the requests sharing one ``forward_entry_time``; their duration is
   ``prefill_finished_time − forward_entry_time``, fitted by least squares against the batch's
-  uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients;
+  uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients. With
+  ``sync_forward`` (a CPU worker runs each forward inside its launch, so a prefill result is
+  processed only after the *next* forward) the duration is the next batch's
+  ``forward_entry_time`` − this one's when that batch is a prefill, else
+  ``prefill_finished_time − forward_entry_time`` − one decode pass;
 * a decode pass is, per request, ``(request_finished_ts − prefill_finished_time −
   prefill time of other batches finishing inside that window) / (completion_tokens − 1)``;
   the median over requests is split into a base and a per-request part by regressing on the
-  number of requests that overlapped the window.
+  number of requests that overlapped the window;
+* without per-phase timings but with server-side receive / finish times
+  (``request_received_ts``, else ``response_sent_to_client_ts − e2e_latency``; finish =
+  ``request_finished_ts``, else ``response_sent_to_client_ts``) and at least 16 requests:
+  one pass from each request's latency over the passes it spans (see
+  ``_calibrate_from_latency``), the prefill costs scaled with it;
+* the default client gap is the median server-side gap (previous finish → next receive).
 
 When the capture has no usable timings the defaults of ``TimingParams`` stay. Pure
 arithmetic on the records: deterministic.
@@ -65,72 +75,175 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, b
 
 
-def calibrate(records: Iterable[Any], base: TimingParams | None = None) -> TimingParams:
-    """Fit ``TimingParams`` from ``RequestRecord.meta_info`` timings (see module docstring)."""
+#: the latency-only fit (a median over whole request lifetimes) needs more requests than the
+#: per-phase one; smaller captures keep the defaults
+_MIN_LATENCY_SPANS = 16
+
+
+def _meta_s(mi: dict[str, Any], key: str) -> float | None:
+    v = mi.get(key)
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def _received_s(mi: dict[str, Any]) -> float | None:
+    """``request_received_ts``, else ``response_sent_to_client_ts − e2e_latency``."""
+    v = _meta_s(mi, "request_received_ts")
+    if v is not None:
+        return v
+    sent, e2e = _meta_s(mi, "response_sent_to_client_ts"), mi.get("e2e_latency")
+    if sent is not None and isinstance(e2e, (int, float)) and e2e >= 0:
+        return sent - float(e2e)
+    return None
+
+
+def _finished_s(mi: dict[str, Any]) -> float | None:
+    v = _meta_s(mi, "request_finished_ts")
+    return v if v is not None else _meta_s(mi, "response_sent_to_client_ts")
+
+
+def calibrate(
+    records: Iterable[Any], base: TimingParams | None = None, *, sync_forward: bool = False
+) -> TimingParams:
+    """Fit ``TimingParams`` from ``RequestRecord.meta_info`` timings (see module docstring).
+
+    ``sync_forward``: the worker ran each forward inside its launch (``--device cpu``), so a
+    prefill batch's ``prefill_finished_time`` is the end of the *next* forward: the batch's
+    own duration is the next batch's ``forward_entry_time`` minus its own when the next batch
+    is a prefill, else ``prefill_finished_time − forward_entry_time − one decode pass``."""
+    records = list(records)
     p = TimingParams() if base is None else TimingParams(**_asdict(base))
     rows = []
+    spans = []  # (received, finished, completion tokens) from server-side times
     for r in records:
         mi = r.meta_info or {}
-        fe, pf = mi.get("forward_entry_time"), mi.get("prefill_finished_time")
-        rx, fin = mi.get("request_received_ts"), mi.get("request_finished_ts")
-        if not all(isinstance(v, (int, float)) for v in (fe, pf, rx, fin)):
-            continue
         n = r.completion_tokens or len(r.output_ids) or 0
+        rx, fin = _received_s(mi), _finished_s(mi)
+        uncached = (r.prompt_tokens or len(r.input_ids)) - (r.cached_tokens or 0)
+        if rx is not None and fin is not None and fin > rx:
+            spans.append((rx, fin, int(n), max(uncached, 0)))
+        fe, pf = _meta_s(mi, "forward_entry_time"), _meta_s(mi, "prefill_finished_time")
+        if fe is None or pf is None or rx is None or fin is None:
+            continue
         prompt = r.prompt_tokens or len(r.input_ids)
         cached = r.cached_tokens or 0
-        rows.append((float(fe), float(pf), float(rx), float(fin), int(n), prompt - cached))
+        rows.append((fe, pf, rx, fin, int(n), prompt - cached))
     if len(rows) < 4:
+        if len(spans) >= _MIN_LATENCY_SPANS:
+            _calibrate_from_latency(p, spans, sync_forward)
+        p.default_gap_s = _median_gap(records, p.default_gap_s)
         return p
-    # prefill batches grouped by forward entry time
+    # prefill batches grouped by forward entry time: (entry, finished, uncached tokens)
     batches: dict[int, list[tuple]] = {}
     for row in rows:
         batches.setdefault(round(row[0] * 1e6), []).append(row)
-    xs, ys, ends = [], [], []
-    for group in batches.values():
-        dur = median(g[1] - g[0] for g in group)
-        toks = sum(g[5] for g in group)
-        if dur > 0:
-            xs.append(float(toks))
-            ys.append(dur)
-            ends.append((max(g[1] for g in group), dur))
-    if len(xs) >= 3:
-        a, b = _fit_line(xs, ys)
-        p.prefill_base_s, p.prefill_per_token_s = a, b
-    # decode pass time
-    per_pass, conc = [], []
-    for _fe, pf, _rx, fin, n, _u in rows:
-        if n < 2 or fin <= pf:
-            continue
-        inside = sum(d for e, d in ends if pf < e <= fin)
-        t = (fin - pf - inside) / (n - 1)
-        if t <= 0:
-            continue
-        overlap = sum(1 for r in rows if r[1] < fin and r[3] > pf)
-        per_pass.append(t)
-        conc.append(float(overlap))
-    if len(per_pass) >= 3:
+    groups = sorted(
+        (min(g[0] for g in grp), median(g[1] for g in grp), sum(g[5] for g in grp))
+        for grp in batches.values()
+    )
+    entries = [g[0] for g in groups]
+
+    def prefill_durations(decode_s: float) -> tuple[list[float], list[float], list[tuple]]:
+        xs, ys, ends = [], [], []
+        for i, (e, f, toks) in enumerate(groups):
+            dur = f - e
+            if sync_forward:
+                nxt = entries[i + 1] if i + 1 < len(entries) else None
+                dur = nxt - e if nxt is not None and nxt < f else dur - decode_s
+            if dur > 0:
+                xs.append(float(toks))
+                ys.append(dur)
+                ends.append((e + dur if sync_forward else f, dur))
+        return xs, ys, ends
+
+    def decode_fit(ends: list[tuple]) -> tuple[float, float] | None:
+        per_pass, conc = [], []
+        for _fe, pf, _rx, fin, n, _u in rows:
+            if n < 2 or fin <= pf:
+                continue
+            inside = sum(d for e, d in ends if pf < e <= fin)
+            t = (fin - pf - inside) / (n - 1)
+            if t <= 0:
+                continue
+            overlap = sum(1 for r in rows if r[1] < fin and r[3] > pf)
+            per_pass.append(t)
+            conc.append(float(overlap))
+        if len(per_pass) < 3:
+            return None
         a, b = _fit_line(conc, per_pass)
         if a + b * median(conc) <= 0:
             a, b = median(per_pass), 0.0
-        p.decode_base_s, p.decode_per_req_s = a, b
-    # default client gap (used only when a request has no recorded gap)
+        return a, b, median(conc)
+
+    xs, ys, ends = prefill_durations(0.0)
+    fit = decode_fit(ends)
+    if sync_forward and fit is not None:
+        # the decode pass that follows a prefill batch, then refit decode without it
+        xs, ys, ends = prefill_durations(fit[0] + fit[1] * fit[2])
+        fit = decode_fit(ends) or fit
+    if len(xs) >= 3:
+        a, b = _fit_line(xs, ys)
+        p.prefill_base_s, p.prefill_per_token_s = a, b
+    if fit is not None:
+        p.decode_base_s, p.decode_per_req_s = fit[0], fit[1]
+    p.default_gap_s = _median_gap(records, p.default_gap_s)
+    return p
+
+
+def _calibrate_from_latency(
+    p: TimingParams, spans: list[tuple[float, float, int, int]], sync_forward: bool
+) -> None:
+    """No per-phase timings (only receive and finish, e.g. a capture whose driver got no
+    ``forward_entry_time``): a request's latency spans its own passes — ``outputs − 1 + k``
+    decode-sized ones (``k`` = 2 under a synchronous forward: the prefill forward and the
+    one after it, else 1) — plus one prefill pass per request received meanwhile, each
+    worth ``rho`` decode passes (the default model's prefill / decode ratio at the median
+    uncached prompt and concurrency). One pass = the median of ``latency / passes``, split
+    into base + per request by the number of requests alive in the same window; the
+    prefill costs are the defaults scaled by the measured / default decode pass ratio."""
+    k = 2 if sync_forward else 1
+    conc_all = [float(sum(1 for r in spans if r[0] < fin and r[1] > rx)) for rx, fin, _, _ in spans]
+    mc = median(conc_all)
+    default_decode = p.decode_base_s + p.decode_per_req_s * mc
+    if default_decode <= 0:
+        return
+    default_prefill = (
+        p.prefill_base_s + p.prefill_per_token_s * median(s[3] for s in spans) + p.prefill_per_req_s
+    )
+    rho = default_prefill / default_decode
+    per_pass, conc = [], []
+    for (rx, fin, n, _u), c in zip(spans, conc_all, strict=True):
+        if n < 2:
+            continue
+        arrivals = sum(1 for r in spans if rx < r[0] < fin)
+        per_pass.append((fin - rx) / (n - 1 + k + rho * arrivals))
+        conc.append(c)
+    if len(per_pass) < 3:
+        return
+    a, b = _fit_line(conc, per_pass)
+    if a + b * mc <= 0:
+        a, b = median(per_pass), 0.0
+    scale = (a + b * mc) / default_decode
+    p.decode_base_s, p.decode_per_req_s = a, b
+    p.prefill_base_s *= scale
+    p.prefill_per_token_s *= scale
+    p.prefill_per_req_s *= scale
+
+
+def _median_gap(records: list[Any], default: float) -> float:
+    """Median client gap (previous finish → next receive on a lane)."""
     by_lane: dict[Any, list[Any]] = {}
-    for r in records if isinstance(records, list) else []:
+    for r in records:
         if r.lane is not None:
             by_lane.setdefault(r.lane, []).append(r)
     gaps = []
     for lane_recs in by_lane.values():
-        lane_recs = sorted(
-            lane_recs, key=lambda r: (r.meta_info or {}).get("request_received_ts", 0)
-        )
+        lane_recs = sorted(lane_recs, key=lambda r: _received_s(r.meta_info or {}) or 0.0)
         for a_, b_ in zip(lane_recs, lane_recs[1:], strict=False):
-            fa = (a_.meta_info or {}).get("request_finished_ts")
-            rb = (b_.meta_info or {}).get("request_received_ts")
-            if isinstance(fa, (int, float)) and isinstance(rb, (int, float)) and rb > fa:
+            fa = _finished_s(a_.meta_info or {})
+            rb = _received_s(b_.meta_info or {})
+            if fa is not None and rb is not None and rb > fa:
                 gaps.append(rb - fa)
-    if gaps:
-        p.default_gap_s = median(gaps)
-    return p
+    return median(gaps) if gaps else default
 
 
 def _asdict(p: TimingParams) -> dict[str, float]:

@@ -70,18 +70,18 @@ def test_fixture_prefixes_json(fixture_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_docs_name_every_metric() -> None:
-    from kvcadence.analysis.compare import COMPARE_DEFS
     from kvcadence.analysis.ingest import TABLES
-    from kvcadence.analysis.metrics import DEFS, STATS
+    from kvcadence.analysis.metrics import CATALOGUES, DEFS, STATS
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
     text = docs.read_text()
-    for name in list(DEFS) + list(COMPARE_DEFS):
-        base, _, suf = name.rpartition(".")
-        if suf in STATS:
-            assert f"`{base}.{{n,mean,median,p10,p90,p99,min,max}}`" in text, name
-        else:
-            assert f"`{name}`" in text, name
+    for catalogue in CATALOGUES.values():
+        for name, (unit, definition) in catalogue.items():
+            base, _, suf = name.rpartition(".")
+            if catalogue is DEFS and suf in STATS:
+                assert f"`{base}.{{n,mean,median,p10,p90,p99,min,max}}`" in text, name
+                continue
+            assert f"| `{name}` | {unit} | {definition} |" in text, name
     for table, cols in TABLES.items():
         assert f"### `{table}`" in text
         for col, _, _ in cols:

@@ -302,3 +302,32 @@ def test_0523_rejected_candidate_is_left_unpinned():
     assert min(tree.seen) >= 1 and r.last_node["lock"] == 0
     assert [q.rid for q in a.can_run_list] == ["r0"] and r.prefix_len == 64
     assert a.load_back_events == [("r", 512, 0)]
+
+
+# -- a re-admitted (retracted) request reserves its whole clipped max_new_tokens -------------
+
+
+@pytest.mark.parametrize("gen", ["0.5.23", "classic"])
+def test_readmitted_request_reserves_whole_max_new_tokens(gen):
+    """The memory check counts ``min(max_new − outputs, 4096)`` but the reservation charged
+    for a whole admission is ``min(max_new_tokens, 4096)`` (``_PrefillAdmission``;
+    classic ``_update_prefill_budget``): a retracted request with 100 of 128 outputs
+    re-admitted reserves 128 again, not 28."""
+    alloc = FakeAlloc(10_000)
+    tree = FakeTree(alloc, 16)
+    r = Req("r", tree, l1=0, ext=500, max_new=128, out=100)
+    a = adder(tree, alloc, gen=gen, page=16)
+    assert a.add_one_req(r) is CONT
+    page = 16 if gen == "0.5.23" else 0
+    assert r.adm_max_new == 128
+    assert a.rem_total_tokens == 10_000 - (512 + page + 128)
+
+
+def test_readmitted_request_check_uses_remaining_outputs():
+    """The admit/refuse check itself still uses the remaining outputs (28 here)."""
+    alloc = FakeAlloc(600)
+    tree = FakeTree(alloc, 1)
+    r = Req("r", tree, l1=0, ext=500, max_new=128, out=100)
+    a = adder(tree, alloc, page=1)
+    assert a.add_one_req(r) in (CONT, NO)  # admitted: 500 + 28 + 1 < 600
+    assert r in a.can_run_list and r.adm_max_new == 128

@@ -45,9 +45,13 @@ settings_ = settings(max_examples=40, deadline=None, suppress_health_check=[Heal
     chunk=st.sampled_from([None, 32]),
     policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof"]),
     interval=st.sampled_from([3, 40]),
+    sync=st.booleans(),
 )
-def test_stream_invariants_and_determinism(records, ps, pool, overlap_off, chunk, policy, interval):
+def test_stream_invariants_and_determinism(
+    records, ps, pool, overlap_off, chunk, policy, interval, sync
+):
     cfg = dict(
+        sync_forward=sync,
         page_size=ps,
         max_total_tokens=pool,
         chunked_prefill_size=chunk,

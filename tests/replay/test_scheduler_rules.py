@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvcadence.capture.schema import BlockRemoved, BlockStored
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.schedule import build_schedule
 from kvcadence.replay.scheduler import Scheduler
 
-from .helpers import check_stream, config, decoded, lane_chain, req, run, shape
+from .helpers import MS, check_stream, config, decoded, lane_chain, req, run, shape
 
 
 def test_single_request_timeline_two_stores_finish_is_n_minus_1():
@@ -142,13 +144,52 @@ def test_flush_clears_alone_and_resets_the_decode_counter():
 def test_skipping_decode_stretches_changes_nothing():
     long = [req("long", list(range(500, 600)), 300, lane=0)]
     chain = lane_chain(1, [(list(range(3, 53)), 37), (list(range(3, 53)) + [5] * 40, 21)])
-    for off in (False, True):
-        a = run(long + chain, config(disable_overlap_schedule=off, max_total_tokens=400))
-        b = run(
-            long + chain,
-            config(disable_overlap_schedule=off, max_total_tokens=400, skip_decode_stretches=False),
-        )
+    for off, sync in ((False, False), (True, False), (False, True)):
+        kw = dict(disable_overlap_schedule=off, max_total_tokens=400, sync_forward=sync)
+        a = run(long + chain, config(**kw))
+        b = run(long + chain, config(skip_decode_stretches=False, **kw))
         assert a.stats.skipped_passes > 0 and b.stats.skipped_passes == 0
         assert [x.payload for x in a.batches] == [x.payload for x in b.batches]
         assert [x.time_ns for x in a.batches] == [x.time_ns for x in b.batches]
         assert a.requests == b.requests
+
+
+def test_sync_forward_receives_only_after_the_running_forward():
+    """CPU worker (``sync_forward``): the launch runs the forward, so a request arriving
+    during it is received after it ends and scheduled before that batch's result is
+    processed -- it cannot hit the prefix the running prefill is computing. GPU timing: the
+    next iteration comes right after the launch, the request is received only after the
+    result (and its store), and it hits."""
+    shared = list(range(3, 67))
+    a = req("a", shared + list(range(100, 140)), 4, arrival_ms=0)
+    b = req("b", shared + list(range(200, 230)), 4, arrival_ms=1)
+    gpu = run([a, b], config())
+    cpu = run([a, b], config(sync_forward=True))
+    assert [r.cached_tokens for r in gpu.requests] == [0, 64]
+    assert [r.cached_tokens for r in cpu.requests] == [0, 0]
+    # CPU: b's prefill is scheduled at the end of a's forward (10 ms) and a's prompt store
+    # is published after b's forward (20 ms), b's after the next decode (25 ms); b computed
+    # all 94 tokens, but its insert finds a's 64 in the tree (duplicates freed, no event)
+    log = cpu.scheduler.publish_log
+    assert [(x[0], x[3]) for x in log[1:3]] == [("prefill", 20 * MS), ("prefill", 25 * MS)]
+    assert [(x[0], x[3]) for x in gpu.scheduler.publish_log[1:2]] == [("prefill", 10 * MS)]
+    assert shape(cpu)[1:3] == shape(gpu)[1:3] == [["S104"], ["S30"]]
+    check_stream(cpu)
+    check_stream(gpu)
+
+
+def test_client_gap_scaled_by_the_predecessors_simulated_over_recorded_latency():
+    """The recorded gap is wall time on the real worker; it is replayed as the same share of
+    the predecessor's service time (recorded e2e 200 ms, simulated 30 ms: a 100 ms gap
+    becomes 15 ms). ``scale_client_gaps=False`` replays it as recorded."""
+    t0 = req("l0-t0", list(range(3, 23)), 5, lane=0, arrival_ms=0)
+    t0.meta_info["request_finished_ts"] = (1_000_000 + 200) / 1e3
+    t1 = req("l0-t1", list(range(3, 23)) + [9] * 8, 3, lane=0, arrival_ms=300)
+    for scale, want in ((True, None), (False, 1.0)):
+        r = run([t0, t1], config(scale_client_gaps=scale))
+        s0, s1 = r.scheduler.reqs
+        e2e_sim = s0.finish_ns - s0.arrival_ns
+        assert e2e_sim < 60 * MS
+        got = (s1.arrival_ns - s0.finish_ns) / (100 * MS)
+        assert got == pytest.approx(e2e_sim / (200 * MS) if scale else want, abs=1e-6)
+        assert r.requests[1].think_ns == s1.spec.gap_ns

@@ -1,0 +1,235 @@
+"""``kvcadence replay`` across DP ranks, workers and parameter points (flags + dispatch).
+
+What this file owns: the flags ``--route``, ``--sweep``, ``--jobs``, ``--each``,
+``--align-workers`` added to the ``replay`` parser (``add_fleet_args``), and
+``maybe_run_fleet(args)``, which ``replay.cli.run`` calls first: it runs the fleet replay
+(``replay.fleet``) when several bundles are given, a ``--route`` is asked for, the bundle
+was captured from a ``--dp-size N > 1`` worker, or a sweep (``replay.sweep``) is asked for;
+otherwise it returns ``None`` and the single-rank replay proceeds unchanged.
+Imports only the standard library at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+ROUTE_CHOICES = ("recorded", "round_robin", "shortest_queue", "cache_aware")
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("DP ranks, several workers, sweeps")
+    g.add_argument(
+        "--route",
+        choices=ROUTE_CHOICES,
+        help="route requests over the simulated ranks (of all bundles): the recorded rank "
+        "(default for a multi-rank capture), round_robin, shortest_queue, or cache_aware "
+        "(longest prefix in the ranks' *published* events; ties: fewest waiting tokens)",
+    )
+    g.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="replay every point of the cartesian product of these settings (any override "
+        "above, or route) in parallel processes; --out is then a Parquet dataset directory "
+        "partitioned by worker/rank/route/KEY",
+    )
+    g.add_argument("--jobs", type=int, help="parallel processes for --sweep (default: CPUs)")
+    g.add_argument(
+        "--each",
+        action="store_true",
+        help="with several bundles and --sweep: replay each bundle on its own (not as a fleet)",
+    )
+    g.add_argument(
+        "--align-workers",
+        action="store_true",
+        help="start every bundle's schedule at virtual time 0 (default: recorded wall clock)",
+    )
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from kvcadence.replay.cli import _OVERRIDES
+
+    return {k: getattr(args, k, None) for k in _OVERRIDES}
+
+
+def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
+    if len(bundles) > 1 or getattr(args, "route", None) or getattr(args, "sweep", None):
+        return True
+    from pathlib import Path
+
+    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.replay.fleet import dp_size_of
+
+    p = Path(bundles[0])
+    if not p.exists():
+        return False  # the single-rank path reports it
+    reader = BundleReader(p)
+    return dp_size_of(reader.header, reader.requests()) > 1
+
+
+def maybe_run_fleet(args: argparse.Namespace) -> int | None:
+    """Run the fleet / sweep replay if ``args`` ask for it; else normalise ``args.bundle``."""
+    bundles = args.bundle if isinstance(args.bundle, list) else [args.bundle]
+    for name, default in (("route", None), ("sweep", []), ("jobs", None), ("each", False)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    if not hasattr(args, "align_workers"):
+        args.align_workers = False
+    if not _needs_fleet(args, bundles):
+        args.bundle = bundles[0]
+        return None
+    from kvcadence.errors import UsageError
+
+    if args.publish:
+        raise UsageError(
+            "replay: live --publish simulates one rank; use --out for several ranks/workers"
+        )
+    if args.out is None:
+        raise UsageError("replay: give --out (a sim bundle, or a directory for several workers)")
+    if args.sweep:
+        return _run_sweep(args, bundles)
+    return _run_fleet(args, bundles)
+
+
+def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
+    from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
+
+    ov = _overrides(args)
+    workers = [
+        load_worker(
+            b,
+            ov,
+            sglang_version=args.sglang_version,
+            calibrate_timing=not args.no_calibrate,
+        )
+        for b in bundles
+    ]
+    total = sum(len(w.records) for w in workers)
+    bar = None
+    progress = None
+    if sys.stderr.isatty() and total >= 200:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr)
+        progress = bar.update
+    try:
+        result = simulate_fleet(
+            workers, args.route or "recorded", align_workers=args.align_workers, progress=progress
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    paths = write_fleet_bundles(args.out, result)
+    summary = result.summary()
+    summary["out"] = [str(p) for p in paths]
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+        return 0
+    print(
+        f"replayed {summary['requests']} requests on {summary['ranks']} rank(s) of "
+        f"{summary['workers']} worker(s), route {summary['route']} -> {', '.join(summary['out'])}: "
+        f"{summary['events']} events in {summary['messages']} messages, "
+        f"{summary['evictions']} evictions; virtual {summary['virtual_s']:.3f} s, "
+        f"wall {summary['wall_s']:.3f} s"
+    )
+    for p in summary["per_rank"]:
+        print(
+            f"  {p['worker']} rank {p['rank']}: {p['requests']} requests, "
+            f"{p['messages']} messages, {p['events']} events, {p['evictions']} evictions"
+        )
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
+    import time
+
+    from kvcadence.replay.sweep import parse_sweep, point_label, run_sweep
+
+    points = parse_sweep(args.sweep)
+    t0 = time.perf_counter()
+    quiet = args.json
+
+    def done(res: dict[str, Any]) -> None:
+        if not quiet:
+            print(
+                f"  job {res['job']} {point_label(res['point'])}: {res['requests']} requests "
+                f"in {res['job_wall_s']:.2f} s",
+                file=sys.stderr,
+            )
+
+    results = run_sweep(
+        bundles,
+        points,
+        args.out,
+        overrides=_overrides(args),
+        route=args.route or "recorded",
+        each=args.each,
+        jobs=args.jobs,
+        sglang_version=args.sglang_version,
+        calibrate=not args.no_calibrate,
+        align_workers=args.align_workers,
+        on_done=done,
+    )
+    wall = time.perf_counter() - t0
+    table = [what_if_row(r) for r in results]
+    if args.json:
+        print(json.dumps({"jobs": table, "wall_s": round(wall, 3), "out": args.out}))
+        return 0
+    print(format_what_if(table))
+    n_req = sum(r["requests"] for r in results)
+    print(
+        f"{len(results)} job(s), {n_req} requests replayed in {wall:.2f} s "
+        f"({n_req / wall:.0f} requests/s) -> {args.out}"
+    )
+    return 0
+
+
+def what_if_row(res: dict[str, Any]) -> dict[str, Any]:
+    """One line of the what-if table from a job summary (``replay.sweep.run_job``)."""
+    t = res["totals"]
+    n = max(t["requests"], 1)
+    return {
+        "job": res["job"],
+        "point": res["point"],
+        "bundles": res["bundles"],
+        "requests": t["requests"],
+        "hit_rate": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
+        "recorded_hit_rate": (
+            t["recorded_cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0
+        ),
+        "events_per_request": t["events"] / n,
+        "stored_events_per_request": t["stored_events"] / n,
+        "removed_events_per_request": t["removed_events"] / n,
+        "stored_blocks_per_request": t["stored_blocks"] / n,
+        "removed_blocks_per_request": t["removed_blocks"] / n,
+        "evictions": res["evictions"],
+        "messages": t["messages"],
+        "off_recorded_rank": t["off_recorded_rank"],
+    }
+
+
+def format_what_if(rows: list[dict[str, Any]]) -> str:
+    from kvcadence.replay.sweep import point_label
+
+    head = (
+        f"{'point':<40} {'req':>5} {'hit':>6} {'real hit':>8} {'ev/req':>7} {'St/req':>7} "
+        f"{'Rm/req':>7} {'blk St/req':>10} {'blk Rm/req':>10} {'evict':>6} {'moved':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    several = len({tuple(r["bundles"]) for r in rows}) > 1  # --each: one job per bundle
+    for r in rows:
+        label = point_label(r["point"])
+        if several:
+            label = f"{r['bundles'][0].rstrip('/').rsplit('/', 1)[-1]}:{label}"
+        lines.append(
+            f"{label[:40]:<40} {r['requests']:>5} {r['hit_rate']:>6.3f} "
+            f"{r['recorded_hit_rate']:>8.3f} {r['events_per_request']:>7.3f} "
+            f"{r['stored_events_per_request']:>7.3f} {r['removed_events_per_request']:>7.3f} "
+            f"{r['stored_blocks_per_request']:>10.1f} {r['removed_blocks_per_request']:>10.1f} "
+            f"{r['evictions']:>6} {r['off_recorded_rank']:>6}"
+        )
+    return "\n".join(lines)

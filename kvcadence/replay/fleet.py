@@ -1,0 +1,702 @@
+"""Replay across data-parallel ranks and workers: N single-rank simulators in one clock.
+
+What this file owns:
+
+* ``WorkerInput`` / ``load_worker(path)`` -- one worker (one bundle): its request records,
+  ``dp_size`` (from ``/server_info`` or the bundle's endpoints / recorded ``dp_rank``s), one
+  ``SimConfig`` per rank (``max_total_num_tokens`` is per rank; ``attn_dp_rank`` = rank; the
+  pass-time model calibrated from that rank's own requests) and its recorded flushes;
+* ``simulate_fleet(workers, router)`` -- every (worker, rank) is a ``replay.scheduler.Scheduler``
+  with its own radix cache, event queue, publisher (own seq from 0) and pass timer. They step
+  in one virtual clock: always the rank with the smallest local time, ties by slot order.
+  Requests are routed by a ``replay.routing`` policy: static policies (``recorded``) at the
+  moment the arrival becomes known, dynamic ones at the arrival time itself, seeing the
+  ranks' states and (``cache_aware``) only the events the ranks had *published* by then.
+  Closed-loop lanes cross ranks: a lane's next request is released ``gap`` after its
+  predecessor finishes on whichever rank served it;
+* ``write_fleet_bundles`` -- one sim bundle per worker with one endpoint per rank, each
+  rank's batches under its endpoint id with its own seq, and every ``RequestRecord`` keeping
+  its serving rank (``dp_rank``, also ``meta_info["dp_rank"]``).
+
+The single-rank scheduler is wrapped, not changed: this module runs the same loop body as
+``Scheduler.run`` one iteration at a time (``_RankSim.step``), feeds each rank's arrival heap
+from the router, and learns about finished requests through the scheduler's successor
+lookup (``_SuccessorHook``). With one worker of one rank and ``recorded`` routing the result
+is byte-identical to ``replay.simulator.simulate``.
+
+Decode-stretch skipping is bounded by the earliest moment another rank (or a known, not yet
+routed arrival) could hand this rank a request -- a sentinel pushed on the rank's arrival
+heap while the skip reads it -- so a stretch never jumps over a cross-rank arrival. An idle
+rank recomputes its wake-up when a request is routed to it.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.replay.config import SimConfig
+from kvcadence.replay.events import Publisher, QueuedEvent
+from kvcadence.replay.radix import Hasher, wire_hasher
+from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
+from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq, SimStats
+
+_SENTINEL_IDX = sys.maxsize
+_INF = float("inf")
+
+
+# ---------------------------------------------------------------------- inputs
+@dataclass
+class WorkerInput:
+    """One worker to replay (normally one bundle)."""
+
+    name: str
+    records: list[Any]  # RequestRecord
+    rank_configs: list[SimConfig]
+    flush_abs_ns: list[int] = field(default_factory=list)
+    header: Any = None
+    path: str | None = None
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.rank_configs)
+
+
+def rank_of(rec: Any) -> int:
+    """The rank that served ``rec`` (``dp_rank``, else ``meta_info.dp_rank``; null = 0)."""
+    r = getattr(rec, "dp_rank", None)
+    if r is None:
+        r = (getattr(rec, "meta_info", None) or {}).get("dp_rank")
+    try:
+        return int(r) if r is not None else 0
+    except (TypeError, ValueError):
+        return 0
+
+
+def dp_size_of(header: Any, records: Sequence[Any]) -> int:
+    """DP ranks of a worker: ``/server_info`` (``dp_size`` or ``kv_events.dp_size``), the
+    bundle's endpoints, or the highest recorded rank + 1 -- whichever is largest."""
+    info = dict(getattr(header, "server_info", None) or {})
+    cands = [1]
+    for v in (info.get("dp_size"), (info.get("kv_events") or {}).get("dp_size")):
+        if isinstance(v, int) and v > 0:
+            cands.append(v)
+    eps = getattr(header, "endpoints", None) or []
+    if eps:
+        cands.append(max(int(e.dp_rank) for e in eps) + 1)
+    if records:
+        cands.append(max(rank_of(r) for r in records) + 1)
+    return max(cands)
+
+
+def rank_configs(
+    header: Any,
+    records: Sequence[Any],
+    overrides: dict[str, Any] | None = None,
+    *,
+    sglang_version: str | None = None,
+    calibrate_timing: bool = True,
+    dp_size: int | None = None,
+) -> list[SimConfig]:
+    """One ``SimConfig`` per rank of a worker (see module docstring)."""
+    from kvcadence.replay.simulator import effective_config
+
+    n = dp_size or dp_size_of(header, records)
+    info = dict(getattr(header, "server_info", None) or {})
+    internal = info.get("internal_states")
+    version = sglang_version or getattr(header, "sglang_version", None)
+    out = []
+    for rank in range(n):
+        rank_info = dict(info)
+        if isinstance(internal, list) and len(internal) > rank and isinstance(internal[rank], dict):
+            # the per-rank scheduler state first (its max_total_num_tokens is per rank)
+            rank_info = {k: v for k, v in info.items() if k != "internal_states"}
+            for k, v in internal[rank].items():
+                if v is not None:
+                    rank_info[k] = v
+        mine = [r for r in records if rank_of(r) == rank]
+        cfg = effective_config(
+            rank_info,
+            mine if len(mine) >= 8 else list(records),
+            overrides,
+            sglang_version=version,
+            calibrate_timing=calibrate_timing,
+        )
+        cfg.attn_dp_rank = rank
+        out.append(cfg)
+    return out
+
+
+def load_worker(
+    path: str | Path,
+    overrides: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    sglang_version: str | None = None,
+    calibrate_timing: bool = True,
+) -> WorkerInput:
+    """Read one bundle as a worker to replay."""
+    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.replay.simulator import flush_times_from_bundle
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{p}: no such bundle")
+    reader = BundleReader(p)
+    records = reader.requests()
+    if not records:
+        raise InputError(f"{p}: the bundle has no request records to replay")
+    cfgs = rank_configs(
+        reader.header,
+        records,
+        overrides,
+        sglang_version=sglang_version,
+        calibrate_timing=calibrate_timing,
+    )
+    flushes = flush_times_from_bundle(BundleReader(p))
+    return WorkerInput(name or p.name, records, cfgs, flushes, reader.header, str(p))
+
+
+# ---------------------------------------------------------------------- rank plumbing
+class TapPublisher(Publisher):
+    """``Publisher`` that also keeps each published batch's events (for the router)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        #: (absolute publish ns, events) per published batch, in order
+        self.log: list[tuple[int, list[QueuedEvent]]] = []
+
+    def publish(self, events: list[QueuedEvent], time_ns: int, pass_index: int) -> None:
+        super().publish(events, time_ns, pass_index)
+        if events:
+            self.log.append((self.anchor_ns + time_ns, events))
+
+
+class _SuccessorHook:
+    """Stands in for ``Scheduler.successors``: every lookup happens right after a request
+    finished (``finish_ns`` already set), so it reports the finish to the fleet and returns
+    no local successor (the fleet routes the lane's next request)."""
+
+    __slots__ = ("fleet",)
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def get(self, idx: int, default: Any = ()) -> tuple[()]:
+        self.fleet._on_done(idx)
+        return ()
+
+
+@dataclass
+class Slot:
+    """One simulated rank of one worker."""
+
+    index: int
+    worker: int
+    rank: int
+    sched: Scheduler
+    publisher: TapPublisher
+
+
+class _RankSim:
+    """One rank's event loop, advanced one iteration per ``step`` (``Scheduler.run``)."""
+
+    def __init__(self, fleet: Fleet, slot: Slot) -> None:
+        self.fleet = fleet
+        self.slot = slot
+        self.s = slot.sched
+        self.t = 0
+        self.last: Any = None
+        self.parked = False
+        self.idle_since: int | None = None
+
+    def start(self) -> None:
+        s = self.s
+        if getattr(s, "inserts", True):
+            s.queue.record_clear()
+            s._publish(0, -1, "startup")
+        self.sync = bool(getattr(s.cfg, "sync_forward", False))
+        s.sync = self.sync
+
+    @property
+    def next_t(self) -> float:
+        return _INF if self.parked else self.t
+
+    def _peek(self, fn: Callable[[], Any], bound: float) -> Any:
+        """Call ``fn`` with a sentinel arrival at ``bound`` on the heap (read-only users)."""
+        arr = self.s.arrivals
+        if bound < _INF and (not arr or bound < arr[0][0]):
+            heapq.heappush(arr, (int(bound), _SENTINEL_IDX))
+            try:
+                return fn()
+            finally:
+                heapq.heappop(arr)
+        return fn()
+
+    def notify_arrival(self) -> None:
+        """A request was pushed on this rank's heap: wake it if it sleeps."""
+        if self.parked:
+            self.parked = False
+            self.t = self.idle_since if self.idle_since is not None else self.t
+        if self.idle_since is not None:
+            # asleep since idle_since: recompute the wake-up with the new arrival
+            self.t = self.s._next_wake(self.idle_since)
+
+    def step(self) -> None:
+        s = self.s
+        t = self.t
+        last = self.last
+        bound = self.fleet.bound_for(self)
+        if s.cfg.skip_decode_stretches:
+            jumped = self._peek(lambda: s._skip_decode_stretch(t, last), bound)
+            if jumped is not None:
+                self.t, self.last = jumped
+                self.idle_since = None
+                return
+        self.idle_since = None
+        pauses = getattr(s, "_pauses", None)
+        if pauses and pauses[0][0] <= t and s.paused_until is None:
+            if s.overlap and last is not None:
+                t = max(t, last.end_ns)
+                s._process_result(last, t)
+                last = self.last = None
+            s._pause(t)
+        if getattr(s, "paused_until", None) is not None:
+            s._receive(t)
+            if t < s.paused_until:
+                self.t = s.paused_until
+                return
+            s.paused_until = None
+        s._receive(t)
+        s._apply_aborts(t)
+        s._maybe_flush(t)
+        batch = s._get_next_batch(t)
+        role = getattr(s, "role", None)
+        if batch is not None:
+            if batch.kind == "prefill":
+                tokens = 0 if role == "decode" else batch.tokens
+                dur = s.timer.prefill_ns(tokens, len(batch.reqs))
+            else:
+                dur = s.timer.decode_ns(len(batch.reqs))
+            start = max(t, s.gpu_free)
+            batch.end_ns = start + dur
+            s.gpu_free = batch.end_ns
+            s.stats.passes += 1
+            mark = getattr(s, "_mark_batch", None)
+            if mark is not None:
+                mark(batch)
+        if s.overlap:
+            if self.sync and batch is not None:
+                # CPU device: the forward runs before the previous result is processed
+                t = max(t, batch.end_ns)
+            if last is not None:
+                t = max(t, last.end_ns)
+                s._process_result(last, t)
+            elif batch is None:
+                t = self._idle(t)
+            self.last = batch
+        else:
+            if batch is not None:
+                t = batch.end_ns
+                s._process_result(batch, t)
+            else:
+                t = self._idle(t)
+        if getattr(s, "held", None):
+            s._poll_transfers(t)
+        if role == "prefill":
+            s.batch_is_full = False
+        self.t = t
+
+    def _idle(self, t: int) -> int:
+        s = self.s
+        if not s._idle_step(t):
+            self.parked = True
+            self.idle_since = t
+            return t
+        if s._fully_idle():
+            self.idle_since = t
+        return s._next_wake(t)
+
+
+# ---------------------------------------------------------------------- the fleet
+@dataclass
+class FleetResult:
+    """Everything one fleet replay produced."""
+
+    workers: list[WorkerInput]
+    slots: list[Slot]
+    router: str
+    requests: list[Any]  # sim RequestRecords, spec order
+    serving: list[int]  # slot index per spec
+    anchor_ns: int
+    virtual_ns: int
+    wall_s: float
+    specs: list[RequestSpec]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def slot_stats(self, slot: Slot) -> SimStats:
+        return slot.sched.stats
+
+    def summary(self) -> dict[str, Any]:
+        per_slot = []
+        for sl in self.slots:
+            st = sl.sched.stats
+            bs = sl.publisher.batches
+            per_slot.append(
+                {
+                    "worker": self.workers[sl.worker].name,
+                    "rank": sl.rank,
+                    "requests": sum(1 for x in self.serving if x == sl.index),
+                    "passes": st.passes,
+                    "prefill_passes": st.prefill_passes,
+                    "decode_passes": st.decode_passes,
+                    "messages": len(bs),
+                    "events": sum(b.n_events for b in bs),
+                    "evictions": st.evictions,
+                    "retractions": st.retractions,
+                    "aborted": st.aborted,
+                }
+            )
+        return {
+            "route": self.router,
+            "workers": len(self.workers),
+            "ranks": len(self.slots),
+            "requests": len(self.requests),
+            "messages": sum(p["messages"] for p in per_slot),
+            "events": sum(p["events"] for p in per_slot),
+            "evictions": sum(p["evictions"] for p in per_slot),
+            "virtual_s": round(self.virtual_ns / 1e9, 6),
+            "wall_s": round(self.wall_s, 3),
+            "per_rank": per_slot,
+        }
+
+
+class Fleet:
+    """N simulated ranks (over one or more workers) stepping in one virtual clock."""
+
+    def __init__(
+        self,
+        workers: Sequence[WorkerInput],
+        router: Any,
+        *,
+        hasher: Hasher | None = None,
+        align_workers: bool = False,
+    ) -> None:
+        if not workers:
+            raise UsageError("replay: no worker to simulate")
+        self.workers = list(workers)
+        self.router = router
+        self.hasher = hasher or wire_hasher()
+        # one global schedule: every worker's requests, renumbered, one anchor
+        per_worker: list[Schedule] = []
+        anchors = []
+        for w in self.workers:
+            sch = build_schedule(
+                w.records,
+                default_gap_ns=int(w.rank_configs[0].timing.default_gap_s * 1e9),
+                flush_abs_ns=w.flush_abs_ns,
+            )
+            per_worker.append(sch)
+            anchors.append(sch.anchor_ns)
+        self.anchor_ns = min(anchors)
+        specs: list[RequestSpec] = []
+        self.home: list[tuple[int, int]] = []  # (worker, recorded rank) per spec
+        flushes: list[list[int]] = []
+        for wi, (w, sch) in enumerate(zip(self.workers, per_worker, strict=True)):
+            shift = 0 if align_workers else sch.anchor_ns - self.anchor_ns
+            base = len(specs)
+            for s in sch.requests:
+                s.idx += base
+                if s.pred is not None:
+                    s.pred += base
+                if s.arrival_ns is not None:
+                    s.arrival_ns += shift
+                specs.append(s)
+                rank = rank_of(s.source) if s.source is not None else 0
+                if rank >= w.dp_size:
+                    raise InputError(
+                        f"{w.name}: request {s.rid!r} was served by dp rank {rank}, "
+                        f"but the worker has {w.dp_size} rank(s)"
+                    )
+                self.home.append((wi, rank))
+            flushes.append([f + shift for f in sch.flush_times_ns])
+        self.specs = specs
+        self.reqs = [SimReq(s) for s in specs]
+        self.successors: dict[int, list[int]] = {}
+        for s in specs:
+            if s.pred is not None:
+                self.successors.setdefault(s.pred, []).append(s.idx)
+        # slots
+        hook = _SuccessorHook(self)
+        self.slots: list[Slot] = []
+        for wi, w in enumerate(self.workers):
+            for rank, cfg in enumerate(w.rank_configs):
+                cfg = copy.deepcopy(cfg)
+                cfg.attn_dp_rank = rank
+                if hasattr(cfg, "track_visibility"):
+                    cfg.track_visibility = False  # fleet bundles carry no visibility notes
+                cfg.validate()
+                pub = TapPublisher(cfg.sglang_version, cfg.medium, rank, self.anchor_ns)
+                sched = Scheduler(
+                    cfg,
+                    Schedule([], self.anchor_ns, list(flushes[wi])),
+                    self.hasher,
+                    publisher=pub,
+                )
+                sched.reqs = self.reqs
+                sched.successors = hook  # type: ignore[assignment]
+                self.slots.append(Slot(len(self.slots), wi, rank, sched, pub))
+        self.slot_of = {(sl.worker, sl.rank): sl.index for sl in self.slots}
+        self.ranks = [_RankSim(self, sl) for sl in self.slots]
+        self.serving = [-1] * len(specs)
+        self.pending: list[tuple[int, int]] = []  # (arrival ns, idx): known, not routed
+        self.static = bool(getattr(router, "static", False))
+
+    # ------------------------------------------------------------------ routing
+    def bound_for(self, rs: _RankSim) -> float:
+        """Earliest time another rank (or a pending arrival) could hand ``rs`` a request."""
+        b = self.pending[0][0] if self.pending else _INF
+        for other in self.ranks:
+            if other is not rs and not other.parked and other.t < b:
+                b = other.t
+        return b
+
+    def _known(self, at: int, idx: int) -> None:
+        if self.static:
+            self._route(at, idx)
+        else:
+            heapq.heappush(self.pending, (at, idx))
+
+    def _route(self, at: int, idx: int) -> None:
+        slot = self.router.route(self, idx, at)
+        if not 0 <= slot < len(self.slots):
+            raise ReplayError(f"router {self.router.name!r} chose slot {slot} of {len(self.slots)}")
+        self.serving[idx] = slot
+        rs = self.ranks[slot]
+        heapq.heappush(rs.s.arrivals, (at, idx))
+        rs.notify_arrival()
+
+    def _on_done(self, idx: int) -> None:
+        req = self.reqs[idx]
+        t = req.finish_ns if req.finish_ns is not None else 0
+        for nxt in self.successors.get(idx, ()):
+            self._known(t + self.reqs[nxt].spec.gap_ns, nxt)
+
+    # ------------------------------------------------------------------ run
+    def run(self, progress: Callable[[int], None] | None = None) -> FleetResult:
+        t0 = time.perf_counter()
+        for rs in self.ranks:
+            rs.start()
+        for s in self.specs:
+            if s.pred is None:
+                self._known(s.arrival_ns or 0, s.idx)
+        ranks = self.ranks
+        guard = 0
+        done_reported = 0
+        while True:
+            best = None
+            bt = _INF
+            for rs in ranks:
+                nt = rs.next_t
+                if nt < bt:
+                    bt = nt
+                    best = rs
+            if self.pending and self.pending[0][0] <= bt:
+                at, idx = heapq.heappop(self.pending)
+                self._route(at, idx)
+                continue
+            if best is None:
+                break
+            best.step()
+            guard += 1
+            if guard > 100_000_000:
+                raise ReplayError("fleet simulation did not terminate (loop guard)")
+            if progress is not None:
+                done = sum(rs.s.finished_count for rs in ranks)
+                if done != done_reported:
+                    progress(done - done_reported)
+                    done_reported = done
+        stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
+        if stuck:
+            raise ReplayError(f"fleet simulation ended with unfinished requests: {stuck}")
+        vend = 0
+        for rs in ranks:
+            st = rs.s.stats
+            st.passes = rs.s.pass_index + 1
+            st.virtual_ns = rs.t
+            vend = max(vend, rs.t)
+        records = [self._record(i) for i in range(len(self.reqs))]
+        return FleetResult(
+            self.workers,
+            self.slots,
+            getattr(self.router, "name", "?"),
+            records,
+            list(self.serving),
+            self.anchor_ns,
+            vend,
+            time.perf_counter() - t0,
+            self.specs,
+        )
+
+    def _record(self, i: int) -> Any:
+        from kvcadence.capture.schema import RequestRecord
+
+        r = self.reqs[i]
+        s = r.spec
+        anchor = self.anchor_ns
+        slot = self.slots[self.serving[i]] if self.serving[i] >= 0 else None
+        rank = slot.rank if slot is not None else None
+        aborted = r.state == ABORTED
+
+        def ts(v: int | None) -> float | None:
+            return None if v is None else (anchor + v) / 1e9
+
+        meta = {
+            "prompt_tokens": r.input_len,
+            "completion_tokens": r.output_len,
+            "cached_tokens": r.cached_tokens,
+            "num_retractions": r.retractions,
+            "request_received_ts": ts(r.arrival_ns),
+            "forward_entry_time": ts(r.entry_ns),
+            "prefill_finished_time": ts(r.first_token_ns),
+            "request_finished_ts": ts(r.finish_ns),
+            "dp_rank": rank,
+        }
+        if slot is not None and len(self.workers) > 1:
+            meta["worker"] = self.workers[slot.worker].name
+        src_ids = s.source.input_ids if s.source is not None else s.input_ids
+        return RequestRecord(
+            rid=s.rid,
+            input_ids=src_ids if isinstance(src_ids, list) else list(src_ids),
+            output_ids=list(s.output_ids[: r.output_len]),
+            send_ns=anchor + r.arrival_ns,
+            first_token_ns=None if r.first_token_ns is None else anchor + r.first_token_ns,
+            finish_ns=None if r.finish_ns is None else anchor + r.finish_ns,
+            lane=s.lane,
+            session=s.session,
+            turn=s.turn,
+            max_new_tokens=s.max_new_tokens,
+            prompt_tokens=r.input_len,
+            cached_tokens=r.cached_tokens if r.prefilled_once else None,
+            completion_tokens=r.output_len,
+            finish_reason="abort" if aborted else "length",
+            error=r.error,
+            dp_rank=rank,
+            source="sim",
+            think_ns=s.gap_ns if s.pred is not None else None,
+            arrival_ns=None if s.pred is not None else anchor + (s.arrival_ns or 0),
+            meta_info=meta,
+        )
+
+
+def simulate_fleet(
+    workers: Sequence[WorkerInput],
+    route: str | Any = "recorded",
+    *,
+    hasher: Hasher | None = None,
+    align_workers: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> FleetResult:
+    """Replay ``workers`` with routing policy ``route`` (a name or a router object)."""
+    from kvcadence.replay.routing import make_router
+
+    router = make_router(route) if isinstance(route, str) else route
+    return Fleet(workers, router, hasher=hasher, align_workers=align_workers).run(progress)
+
+
+# ---------------------------------------------------------------------- output
+def worker_requests(result: FleetResult, worker: int) -> list[Any]:
+    """The sim ``RequestRecord``s served by ``worker``'s ranks."""
+    return [
+        rec
+        for rec, sl in zip(result.requests, result.serving, strict=True)
+        if sl >= 0 and result.slots[sl].worker == worker
+    ]
+
+
+def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> None:
+    """Write worker ``worker``'s ranks as one sim bundle (one endpoint per rank)."""
+    from kvcadence import __version__
+    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
+
+    w = result.workers[worker]
+    slots = [sl for sl in result.slots if sl.worker == worker]
+    cfg0 = slots[0].sched.cfg
+    endpoints = [
+        EndpointInfo(id=sl.rank, url=f"sim://rank{sl.rank}", dp_rank=sl.rank, topic=cfg0.topic)
+        for sl in slots
+    ]
+    sim_config = cfg0.to_dict()
+    sim_config["route"] = result.router
+    sim_config["dp_size"] = len(slots)
+    sim_config["ranks"] = [sl.sched.cfg.to_dict() for sl in slots]
+    header = Header(
+        format_major=FORMAT_MAJOR,
+        format_minor=FORMAT_MINOR,
+        source="sim",
+        kvcadence_version=__version__,
+        sglang_version=cfg0.sglang_version,
+        server_info=dict(getattr(w.header, "server_info", {}) or {}),
+        kv_events_config=getattr(w.header, "kv_events_config", None),
+        command=["kvcadence", "replay", "--route", result.router],
+        start_ns=result.anchor_ns,
+        endpoints=endpoints,
+        sim_config=sim_config,
+    )
+    summary = result.summary()
+    summary.pop("wall_s", None)
+    summary["per_rank"] = [p for p in summary["per_rank"] if p["worker"] == w.name]
+    end_ns = result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots)
+    out_path = Path(out)
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
+        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    with BundleWriter(out_path, header) as wr:
+        # interleave the ranks' batches by publish time (stable: rank order on ties)
+        frames = sorted(
+            ((b.time_ns, sl.rank, b) for sl in slots for b in sl.publisher.batches),
+            key=lambda x: (x[0], x[1], x[2].seq),
+        )
+        for _t, rank, b in frames:
+            wr.write_event(
+                endpoint=rank,
+                seq=b.seq,
+                recv_ns=b.time_ns,
+                topic=cfg0.topic,
+                payload=b.payload,
+                via=VIA_SIM,
+                epoch=0,
+                pass_index=b.pass_index,
+            )
+        for rec in worker_requests(result, worker):
+            wr.write(rec)
+        wr.close(stats={"replay": summary}, end_ns=end_ns)
+
+
+def write_fleet_bundles(out: str | Path, result: FleetResult) -> list[Path]:
+    """One worker: ``out`` is its sim bundle. Several: ``out/<worker name>`` each."""
+    out_path = Path(out)
+    if len(result.workers) == 1:
+        write_worker_bundle(out_path, result, 0)
+        return [out_path]
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
+        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    out_path.mkdir(parents=True, exist_ok=True)
+    paths = []
+    seen: set[str] = set()
+    for wi, w in enumerate(result.workers):
+        name = w.name
+        if name in seen:
+            name = f"{wi}-{name}"
+        seen.add(name)
+        p = out_path / name
+        write_worker_bundle(p, result, wi)
+        paths.append(p)
+    return paths

@@ -1,0 +1,386 @@
+"""Parallel replays of many bundles / parameter points into one Parquet dataset.
+
+What this file owns:
+
+* ``parse_sweep(["key=v1,v2", ...])`` -- the cartesian product of the points (keys are the
+  simulator settings ``kvcadence replay`` overrides, with ``-`` or ``_``, plus ``route``);
+  values are converted to each setting's type, unknown keys are a ``UsageError``;
+* ``run_sweep(bundles, points, out)`` -- one job per point (all bundles replayed together
+  as one fleet) or, with ``each=True``, one job per (bundle, point); jobs run in separate
+  processes (``concurrent.futures.ProcessPoolExecutor``, spawn) and only plain dicts and
+  paths cross the process boundary;
+* the dataset: every job writes its rows with pyarrow under ``out`` as a hive-partitioned
+  Parquet dataset ``worker=…/rank=…/route=…/<key>=<value>/…`` (one column per swept key, so
+  DuckDB's ``read_parquet('out/**/*.parquet', hive_partitioning = true)`` sees them), file
+  names unique per job. Rows have ``kind``:
+
+  - ``message``: one published batch -- ``seq``, ``time_ns``, ``pass_index``, ``n_events``,
+    ``stored_events``, ``stored_blocks``, ``removed_events``, ``removed_blocks``,
+    ``cleared``;
+  - ``request``: one request on its serving rank -- ``rid``, ``lane``, ``prompt_tokens``,
+    ``cached_tokens``, ``completion_tokens``, ``recorded_rank``, ``recorded_cached_tokens``,
+    ``send_ns``, ``finish_ns``;
+
+  plus ``point`` (the job's point as ``k=v;k=v``) and ``job``. ``out/_sweep.json`` lists
+  the jobs and their summaries (not Parquet, so globbing ``*.parquet`` skips it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcadence.errors import UsageError
+
+PARTITION_BASE = ("worker", "rank", "route")
+
+
+def _setting_types() -> dict[str, Any]:
+    import dataclasses
+
+    from kvcadence.replay.cli import _OVERRIDES
+    from kvcadence.replay.config import SimConfig, TimingParams
+
+    cfg = SimConfig()
+    timing = TimingParams()
+    types: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        types[f.name] = getattr(cfg, f.name)
+    for f in dataclasses.fields(timing):
+        types[f.name] = getattr(timing, f.name)
+    allowed = {k: types[k] for k in _OVERRIDES if k in types}
+    allowed["route"] = "recorded"
+    return allowed
+
+
+def _coerce(key: str, text: str, default: Any) -> Any:
+    text = text.strip()
+    try:
+        if isinstance(default, bool):
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if isinstance(default, int) or default is None:
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+    except ValueError:
+        raise UsageError(f"--sweep {key}: {text!r} is not a valid value") from None
+    return text
+
+
+def parse_sweep(specs: Sequence[str]) -> list[dict[str, Any]]:
+    """Cartesian product of ``key=v1,v2,…`` specs (later keys vary fastest)."""
+    from kvcadence.replay.routing import ROUTES
+
+    types = _setting_types()
+    axes: list[tuple[str, list[Any]]] = []
+    for spec in specs:
+        key, sep, vals = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key or not vals.strip():
+            raise UsageError(f"--sweep {spec!r}: expected key=v1,v2,...")
+        if key not in types:
+            raise UsageError(
+                f"--sweep {key!r}: not a simulator setting (choose from {', '.join(sorted(types))})"
+            )
+        if any(k == key for k, _ in axes):
+            raise UsageError(f"--sweep {key!r} given twice")
+        values = [_coerce(key, v, types[key]) for v in vals.split(",") if v.strip()]
+        if key == "route":
+            values = [str(v).replace("-", "_") for v in values]
+            bad = [v for v in values if v not in ROUTES]
+            if bad:
+                raise UsageError(f"--sweep route: unknown policy {bad[0]!r}")
+        if len(set(map(repr, values))) != len(values):
+            raise UsageError(f"--sweep {key!r}: repeated value")
+        axes.append((key, values))
+    if not axes:
+        return [{}]
+    keys = [k for k, _ in axes]
+    return [
+        dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(v for _, v in axes))
+    ]
+
+
+def point_label(point: dict[str, Any]) -> str:
+    return ";".join(f"{k}={point[k]}" for k in sorted(point)) or "-"
+
+
+# ---------------------------------------------------------------------- one job
+def fleet_rows(result: Any) -> list[dict[str, Any]]:
+    """The dataset rows (both kinds) of one fleet replay, partition columns included."""
+    from kvcadence.replay.events import CLEAR, REMOVE, STORE
+    from kvcadence.replay.fleet import rank_of
+
+    rows: list[dict[str, Any]] = []
+    for sl in result.slots:
+        wname = result.workers[sl.worker].name
+        batches = sl.publisher.batches
+        log = sl.publisher.log
+        for b, (_t, events) in zip(batches, log, strict=True):
+            se = sb = re_ = rb = cl = 0
+            for e in events:
+                if e.kind == STORE:
+                    se += 1
+                    sb += len(e.hashes)
+                elif e.kind == REMOVE:
+                    re_ += 1
+                    rb += len(e.hashes)
+                elif e.kind == CLEAR:
+                    cl += 1
+            rows.append(
+                {
+                    "kind": "message",
+                    "worker": wname,
+                    "rank": sl.rank,
+                    "seq": b.seq,
+                    "time_ns": b.time_ns,
+                    "pass_index": b.pass_index,
+                    "n_events": b.n_events,
+                    "stored_events": se,
+                    "stored_blocks": sb,
+                    "removed_events": re_,
+                    "removed_blocks": rb,
+                    "cleared": cl,
+                }
+            )
+    for spec, rec, slot in zip(result.specs, result.requests, result.serving, strict=True):
+        sl = result.slots[slot]
+        src = spec.source
+        rows.append(
+            {
+                "kind": "request",
+                "worker": result.workers[sl.worker].name,
+                "rank": sl.rank,
+                "rid": rec.rid,
+                "lane": rec.lane,
+                "prompt_tokens": rec.prompt_tokens,
+                "cached_tokens": rec.cached_tokens,
+                "completion_tokens": rec.completion_tokens,
+                "recorded_rank": rank_of(src) if src is not None else None,
+                "recorded_cached_tokens": getattr(src, "cached_tokens", None),
+                "send_ns": rec.send_ns,
+                "finish_ns": rec.finish_ns,
+            }
+        )
+    return rows
+
+
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("kind", "string"),
+    ("seq", "int64"),
+    ("time_ns", "int64"),
+    ("pass_index", "int64"),
+    ("n_events", "int64"),
+    ("stored_events", "int64"),
+    ("stored_blocks", "int64"),
+    ("removed_events", "int64"),
+    ("removed_blocks", "int64"),
+    ("cleared", "int64"),
+    ("rid", "string"),
+    ("lane", "int64"),
+    ("prompt_tokens", "int64"),
+    ("cached_tokens", "int64"),
+    ("completion_tokens", "int64"),
+    ("recorded_rank", "int64"),
+    ("recorded_cached_tokens", "int64"),
+    ("send_ns", "int64"),
+    ("finish_ns", "int64"),
+    ("point", "string"),
+    ("job", "int64"),
+)
+
+
+def write_rows(out: Path, rows: list[dict[str, Any]], point: dict[str, Any], job: int) -> int:
+    """Append ``rows`` to the dataset at ``out`` (hive partitions); returns files written."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    part_keys = list(PARTITION_BASE) + sorted(k for k in point if k != "route")
+    label = point_label(point)
+    cols: dict[str, list[Any]] = {name: [] for name, _ in _COLUMNS}
+    for k in part_keys:
+        cols[k] = []
+    for r in rows:
+        for name, _ in _COLUMNS:
+            cols[name].append(r.get(name))
+        cols["point"][-1] = label
+        cols["job"][-1] = job
+        cols["worker"].append(r["worker"])
+        cols["rank"].append(r["rank"])
+        cols["route"].append(point["route"])
+        for k in part_keys[3:]:
+            cols[k].append(point[k])
+    fields = [pa.field(n, getattr(pa, t)()) for n, t in _COLUMNS]
+    fields += [pa.field("worker", pa.string()), pa.field("rank", pa.int64())]
+    fields += [pa.field("route", pa.string())]
+    for k in part_keys[3:]:
+        v = point[k]
+        typ = (
+            pa.bool_()
+            if isinstance(v, bool)
+            else pa.int64()
+            if isinstance(v, int)
+            else pa.float64()
+            if isinstance(v, float)
+            else pa.string()
+        )
+        fields.append(pa.field(k, typ))
+    schema = pa.schema(fields)
+    table = pa.Table.from_pydict(cols, schema=schema)
+    part_schema = pa.schema([schema.field(k) for k in part_keys])
+    written: list[str] = []
+    pads.write_dataset(
+        table,
+        str(out),
+        format="parquet",
+        partitioning=pads.partitioning(part_schema, flavor="hive"),
+        basename_template=f"job{job:04d}-{{i}}.parquet",
+        existing_data_behavior="overwrite_or_ignore",
+        file_visitor=lambda f: written.append(f.path),
+    )
+    return len(written)
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One replay (in a worker process): plain dict in, plain dict out."""
+    import time
+
+    from kvcadence.replay.fleet import load_worker, simulate_fleet
+
+    t0 = time.perf_counter()
+    point = dict(job["point"])
+    route = point.get("route") or job.get("route") or "recorded"
+    point["route"] = route
+    overrides = dict(job.get("overrides") or {})
+    overrides.update({k: v for k, v in point.items() if k != "route"})
+    workers = [
+        load_worker(
+            p,
+            overrides,
+            sglang_version=job.get("sglang_version"),
+            calibrate_timing=job.get("calibrate", True),
+        )
+        for p in job["bundles"]
+    ]
+    result = simulate_fleet(workers, route, align_workers=job.get("align_workers", False))
+    rows = fleet_rows(result)
+    files = write_rows(Path(job["out"]), rows, point, job["job"])
+    summary = result.summary()
+    summary.update(
+        {
+            "job": job["job"],
+            "point": point,
+            "bundles": list(job["bundles"]),
+            "files": files,
+            "rows": len(rows),
+            "totals": totals(rows),
+            "job_wall_s": round(time.perf_counter() - t0, 3),
+        }
+    )
+    return summary
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts over all rows of a job (the CLI's what-if table is built from these)."""
+    t = {
+        "requests": 0,
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+        "recorded_cached_tokens": 0,
+        "messages": 0,
+        "events": 0,
+        "stored_events": 0,
+        "stored_blocks": 0,
+        "removed_events": 0,
+        "removed_blocks": 0,
+        "off_recorded_rank": 0,
+    }
+    for r in rows:
+        if r["kind"] == "message":
+            t["messages"] += 1
+            t["events"] += r["n_events"]
+            for k in ("stored_events", "stored_blocks", "removed_events", "removed_blocks"):
+                t[k] += r[k]
+        else:
+            t["requests"] += 1
+            t["prompt_tokens"] += r["prompt_tokens"] or 0
+            t["cached_tokens"] += r["cached_tokens"] or 0
+            t["recorded_cached_tokens"] += r["recorded_cached_tokens"] or 0
+            if r["recorded_rank"] is not None and r["recorded_rank"] != r["rank"]:
+                t["off_recorded_rank"] += 1
+    return t
+
+
+# ---------------------------------------------------------------------- many jobs
+def run_sweep(
+    bundles: Sequence[str | Path],
+    points: Sequence[dict[str, Any]],
+    out: str | Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    route: str = "recorded",
+    each: bool = False,
+    jobs: int | None = None,
+    sglang_version: str | None = None,
+    calibrate: bool = True,
+    align_workers: bool = False,
+    on_done: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every job (see module docstring); returns the job summaries in job order."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    out_path = Path(out)
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
+        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    paths = [str(Path(b)) for b in bundles]
+    for p in paths:
+        if not Path(p).exists():
+            raise UsageError(f"{p}: no such bundle")
+    groups = [[p] for p in paths] if each else [paths]
+    specs = []
+    for g in groups:
+        for pt in points:
+            specs.append(
+                {
+                    "job": len(specs),
+                    "bundles": g,
+                    "point": dict(pt),
+                    "route": route,
+                    "overrides": {k: v for k, v in (overrides or {}).items() if v is not None},
+                    "out": str(out_path),
+                    "sglang_version": sglang_version,
+                    "calibrate": calibrate,
+                    "align_workers": align_workers,
+                }
+            )
+    out_path.mkdir(parents=True, exist_ok=True)
+    n = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
+    results: list[dict[str, Any] | None] = [None] * len(specs)
+    if n == 1:
+        for s in specs:
+            results[s["job"]] = run_job(s)
+            if on_done is not None:
+                on_done(results[s["job"]])  # type: ignore[arg-type]
+    else:
+        with ProcessPoolExecutor(max_workers=n, mp_context=get_context("spawn")) as pool:
+            futs = {pool.submit(run_job, s): s["job"] for s in specs}
+            from concurrent.futures import as_completed
+
+            for f in as_completed(futs):
+                res = f.result()
+                results[futs[f]] = res
+                if on_done is not None:
+                    on_done(res)
+    done = [r for r in results if r is not None]
+    (out_path / "_sweep.json").write_text(json.dumps(done, indent=1, sort_keys=True, default=str))
+    return done
