@@ -11,6 +11,10 @@ Phase 1 ("max"): the publisher sends as fast as it can -> messages/s of each rec
 Phase 2 ("rate"): 20k batches/s for ``--rate-seconds`` (default 2 s; ``--full`` = 10 s) ->
 messages lost after replay recovery (goal: 0).
 
+Phase 3 ("writer", in this process, no sockets): the bundle writer alone on the same payloads,
+``write_event`` per message (the baseline) vs ``write_event_batch`` over bursts of
+``--burst`` messages (what the capture loop does per SUB drain) -> CPU us per message.
+
 The rates depend on how much CPU the three processes get (a 2-core box shared with other
 work gives noisy ratios), so each phase also reports CPU time per message: the bare loop's
 thread, and the capture loop's thread (``cpu_s`` in the Trailer; the deferred stats decode,
@@ -180,6 +184,12 @@ def main() -> int:
     ap.add_argument("--rate-seconds", type=float, default=2.0)
     ap.add_argument("--full", action="store_true", help="phase 2 for 10 s")
     ap.add_argument("--runs", type=int, default=1, help="repeat N times, print medians")
+    ap.add_argument(
+        "--burst",
+        type=int,
+        default=300,
+        help="phase 3: messages per write_event_batch (300: about the recorder's 256 KiB burst)",
+    )
     add_output_args(ap, "phase 1 with 15k messages, phase 2 for 1 s")
     args = ap.parse_args()
     if args.publisher:
@@ -190,6 +200,8 @@ def main() -> int:
         args.max_messages, args.rate_seconds = 15_000, 1.0
     runs = [one_run(args) for _ in range(max(1, args.runs))]
     results = {phase: _median(runs, phase) for phase in runs[0]}
+    wr = [writer_run(args.max_messages, args.burst) for _ in range(max(1, args.runs))]
+    writer = {k: _median_of([w[k] for w in wr]) for k in wr[0]}
     print(
         f"{'phase':6} {'sent':>8} {'pub msg/s':>10} {'bare msg/s':>11} {'rec msg/s':>10} "
         f"{'ratio':>6} {'bare got':>9} {'rec live':>9} {'recovered':>9} {'lost':>5} "
@@ -207,7 +219,17 @@ def main() -> int:
         )
     ratios = {p: [round(x[p]["ratio"], 3) for x in runs] for p in results}
     print(f"({label}; ratios per run: {ratios}; load {os.getloadavg()[0]:.1f})")
-    print(json.dumps({"bench": "capture", "runs": len(runs), "ratios": ratios, **results}))
+    print(
+        f"writer {args.max_messages} msgs: write_event {writer['per_frame_us']:.2f} us/msg, "
+        f"write_event_batch (bursts of {args.burst}) {writer['batch_us']:.2f} us/msg, "
+        f"ratio {writer['batch_us'] / writer['per_frame_us']:.2f} "
+        f"(per run: {[round(w['batch_us'] / w['per_frame_us'], 3) for w in wr]})"
+    )
+    print(
+        json.dumps(
+            {"bench": "capture", "runs": len(runs), "ratios": ratios, **results, "writer": writer}
+        )
+    )
     mx, rt = results["max"], results["rate"]
     write_results(
         args.json,
@@ -240,15 +262,56 @@ def main() -> int:
                 baseline_name="bare loop CPU per message",
                 higher_is_better=False,
             ),
+            figure(
+                f"bundle writer CPU per message, write_event_batch (bursts of {args.burst})",
+                writer["batch_us"],
+                "us",
+                baseline=writer["per_frame_us"],
+                baseline_name="write_event per message, same payloads",
+                higher_is_better=False,
+            ),
         ],
         params={
             "max_messages": args.max_messages,
             "rate": args.rate,
             "rate_seconds": args.rate_seconds,
             "runs": len(runs),
+            "burst": args.burst,
         },
     )
     return 0
+
+
+def writer_run(n: int, burst: int) -> dict[str, float]:
+    """Thread CPU us per message of the bundle writer: ``write_event`` per message vs
+    ``write_event_batch`` over bursts (same payloads, same bytes on disk)."""
+    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.capture.schema import Header
+    from kvcadence.capture.testpub import payload_pool
+
+    pool = payload_pool(512)
+    items = [(0, i, 1_000 + i, "kv-events", pool[i & 511], 0, 0) for i in range(n)]
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("per_frame_us", "batch_us"):
+            w = BundleWriter(Path(tmp) / name, Header(1, 0, "real", "bench"))
+            t0 = time.thread_time()
+            if name == "batch_us":
+                for lo in range(0, n, burst):
+                    w.write_event_batch(items[lo : lo + burst])
+            else:
+                put = w.write_event
+                for e, s, r, t, p, v, ep in items:
+                    put(endpoint=e, seq=s, recv_ns=r, topic=t, payload=p, via=v, epoch=ep)
+            out[name] = 1e6 * (time.thread_time() - t0) / n
+            w.close()
+    return out
+
+
+def _median_of(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
 
 
 def _median(runs: list[dict[str, dict]], phase: str) -> dict[str, float]:

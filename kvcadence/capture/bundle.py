@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,8 @@ _DEPTH_PAD = b"\x91" * _DEPTH_HEADROOM
 # they need no padded check (most SGLang batches are shorter than this).
 _SHALLOW_BYTES = 1000 - 2 * _DEPTH_HEADROOM
 _RAW_DECODER = msgspec.msgpack.Decoder(msgspec.Raw)
+# ``write_events`` hands its joined frames to the file at least every this many bytes.
+_BATCH_CHUNK = 1 << 20
 
 # Where a frame may start when resynchronising: 8 bytes of frame header, then a msgpack
 # array header followed by a str header (every record is a tagged array).
@@ -134,6 +136,23 @@ def encode_payload(payload: bytes | bytearray | memoryview) -> tuple[msgspec.Raw
     if is_single_msgpack(data):
         return msgspec.Raw(data), False
     return msgspec.Raw(msgspec.msgpack.encode(data)), True
+
+
+def _event_frames(
+    items: Iterable[tuple[int, int, int, str, bytes | bytearray | memoryview, int, int]],
+) -> Iterator[EventFrame]:
+    """EventFrames of ``(endpoint, seq, recv_ns, topic, payload, via, epoch)`` tuples: the
+    payload check of ``encode_payload`` inlined (the batch write path runs it per message)."""
+    check = _RAW_DECODER.decode
+    raw_of = msgspec.Raw
+    for e, s, r, t, p, v, ep in items:
+        data = p if type(p) is bytes else bytes(p)
+        try:
+            check(data if len(data) <= _SHALLOW_BYTES else _DEPTH_PAD + data)
+        except (msgspec.DecodeError, RecursionError):
+            yield EventFrame(e, s, r, t, v, ep, True, raw_of(msgspec.msgpack.encode(data)))
+        else:
+            yield EventFrame(e, s, r, t, v, ep, False, raw_of(data))
 
 
 def event_payload(frame: EventFrame) -> bytes:
@@ -304,10 +323,7 @@ class BundleWriter:
 
     def write(self, record: BundleRecord) -> None:
         """Append one record (any ``BundleRecord``)."""
-        if self._closed:
-            raise BundleError(f"{self.path}: writer is closed")
-        if self._failed is not None:
-            raise BundleError(f"{self.path}: writer failed earlier ({self._failed})")
+        self._check_writable()
         tag = RECORD_TAGS.get(type(record))
         if tag is None:
             raise TypeError(f"not a bundle record: {type(record).__name__}")
@@ -348,6 +364,87 @@ class BundleWriter:
         """Append one ZMQ message of KV events; ``payload`` is stored byte-exact."""
         raw, is_bin = encode_payload(payload)
         self.write(EventFrame(endpoint, seq, recv_ns, topic, via, epoch, is_bin, raw, pass_index))
+
+    def write_events(self, frames: Iterable[EventFrame]) -> None:
+        """Append many ``EventFrame``s with one file write per burst (per segment touched).
+
+        The bytes on disk are exactly those of ``write(frame)`` for each frame in order: same
+        framing and CRC, same rotation points (a frame that would overflow the segment starts
+        the next one; a frame larger than ``segment_bytes`` gets one of its own). Frames are
+        joined into one buffer (handed to the file every ``_BATCH_CHUNK`` = 1 MiB at most); the
+        flush interval is checked once, after the batch. A frame that is not an ``EventFrame``
+        (``TypeError``) or cannot be encoded stops the batch: the frames before it are
+        written, it and the rest are not (as with one ``write`` per frame).
+        """
+        self._check_writable()
+        enc = self._enc.encode
+        pack = FRAME_HEADER.pack
+        crc32 = zlib.crc32
+        limit = self.segment_bytes
+        parts: list[bytes] = []
+        put = parts.append
+        k = pending = 0  # frames / bytes in ``parts``
+        seg_size, seg_frames = self._seg_size, self._seg_frames
+        try:
+            for rec in frames:
+                if type(rec) is not EventFrame:
+                    raise TypeError(f"not an EventFrame: {type(rec).__name__}")
+                body = enc(rec)
+                size = len(body) + FRAME_HEADER_SIZE
+                if (seg_frames or k) and seg_size + pending + size > limit:
+                    if k:
+                        batch, n = parts[:], k
+                        parts.clear()
+                        k = pending = 0
+                        self._emit(batch, n)
+                    self._rotate()
+                    seg_size, seg_frames = self._seg_size, self._seg_frames
+                put(pack(len(body), crc32(body)))
+                put(body)
+                pending += size
+                k += 1
+                if pending >= _BATCH_CHUNK:
+                    batch, n = parts[:], k
+                    parts.clear()
+                    k = pending = 0
+                    self._emit(batch, n)
+                    seg_size, seg_frames = self._seg_size, self._seg_frames
+        except BaseException:
+            if k and self._failed is None:  # an encode/type error: keep what came before
+                self._emit(parts, k)
+            raise
+        if k:
+            self._emit(parts, k)
+        if self._clock() - self._last_flush >= self.flush_interval_s:
+            self.flush()
+
+    def write_event_batch(
+        self,
+        items: Iterable[tuple[int, int, int, str, bytes | bytearray | memoryview, int, int]],
+    ) -> None:
+        """``write_event`` for many messages at once: ``items`` are tuples
+        ``(endpoint, seq, recv_ns, topic, payload, via, epoch)`` (payloads stored byte-exact,
+        ``pass_index`` -1); written with ``write_events`` (one file write per burst)."""
+        self.write_events(_event_frames(items))
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise BundleError(f"{self.path}: writer is closed")
+        if self._failed is not None:
+            raise BundleError(f"{self.path}: writer failed earlier ({self._failed})")
+
+    def _emit(self, parts: list[bytes], frames: int) -> None:
+        """Write ``frames`` joined event frames to the current segment and count them."""
+        data = b"".join(parts)
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            self._fail(exc, f"cannot write to {self.segment_path}")
+        size = len(data)
+        self._seg_size += size
+        self._seg_frames += frames
+        self.bytes_written += size
+        self.counts["event"] = self.counts.get("event", 0) + frames
 
     def flush(self) -> None:
         """Hand buffered frames to the OS (readers see them); the capture loop calls this

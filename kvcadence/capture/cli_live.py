@@ -7,7 +7,8 @@
   ``RequestRecord``s from SGLang's own request logs to ``B`` (created when missing).
 * ``kvcadence drive --server URL --workload SPEC --out B`` sends a workload and records the
   requests and (unless ``--no-capture``) the worker's KV events into the same bundle.
-* ``kvcadence harness setup|start|stop|status`` manages the real-SGLang CPU worker.
+* ``kvcadence harness setup|start|stop|status`` manages the real-SGLang CPU worker
+  (``start --dp-size N`` for data-parallel ranks, ``--env KEY=VALUE`` for its environment).
 
 Only the standard library is imported here; everything else is imported by the run
 functions.
@@ -170,6 +171,28 @@ def _register_harness(sub: Any) -> None:
     st.add_argument("--chunked-prefill-size", type=int)
     st.add_argument("--workdir", default=None, help="log + metrics dir (default: a cache dir)")
     st.add_argument("--no-replay", action="store_true")
+    st.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks (--dp-size N): rank r publishes on events_port + r and "
+        "replays on replay_port + r; SGLANG_CPU_OMP_THREADS_BIND is set to split this "
+        "box's CPUs between the ranks unless given (default 1)",
+    )
+    st.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment variable for the worker (repeatable)",
+    )
+    st.add_argument(
+        "--no-enable-metrics",
+        action="store_true",
+        help="do not pass --enable-metrics (no request_received_ts etc. in meta_info; how "
+        "the bundles in examples/ were recorded)",
+    )
     st.set_defaults(_run=run_harness)
     sp = acts.add_parser("stop", help="stop the worker started by 'harness start' (by PID)")
     sp.set_defaults(_run=run_harness)
@@ -431,15 +454,22 @@ def run_harness(args: argparse.Namespace) -> int:
         if isinstance(st, dict) and st.get("alive"):
             raise UsageError(f"a harness worker is already running (pid {st['pid']}); stop it")
         workdir = Path(args.workdir) if args.workdir else harness.cache_dir() / "harness-run"
+        if args.dp_size < 1:
+            raise UsageError("--dp-size must be >= 1")
         cfg = harness.ServerConfig(
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
             chunked_prefill_size=args.chunked_prefill_size,
             replay=not args.no_replay,
+            dp_size=args.dp_size,
+            enable_metrics=not args.no_enable_metrics,
+            env=_env_pairs(args.env),
         )
         h = harness.start_server(cfg, workdir, detach=True, quiet=False)
         d = h.to_json()
         d["url"] = h.url
+        d["events_endpoints"] = h.events_endpoints
+        d["replay_endpoints"] = h.replay_endpoints
         harness.state_path().write_text(json.dumps(d))
         print(json.dumps(d))
         return 0
@@ -454,3 +484,14 @@ def run_harness(args: argparse.Namespace) -> int:
         print(json.dumps({"pid": st["pid"], "stopped": rc is not None, "rc": rc}))
         return 0
     raise UsageError("harness needs an action: setup | start | stop | status")
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    """``--env KEY=VALUE`` options -> a dict (UsageError for a malformed one)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not key.replace("_", "").isalnum() or key[0].isdigit():
+            raise UsageError(f"--env {item!r}: expected KEY=VALUE (KEY a variable name)")
+        out[key] = value
+    return out

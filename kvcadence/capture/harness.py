@@ -10,8 +10,16 @@ Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only L
   an ``flock`` lock file keeps two processes from building it at once.
 * ``ensure_model()`` -- the tiny random-weight Llama (``sglang_cpu/mkmodel.py``) in the cache.
 * ``start_server()`` / ``ServerHandle.stop()`` -- launch on loopback with free ports, KV events
-  bound with a replay ROUTER, ``--export-metrics-to-file``; readiness by polling ``/health``;
-  stop by PID (SIGTERM, then SIGKILL after a timeout), never by name.
+  bound with a replay ROUTER, ``--export-metrics-to-file`` and ``--enable-metrics`` (the
+  ``meta_info`` timings replay calibrates from); readiness by polling ``/health``; stop by PID
+  (SIGTERM, then SIGKILL after a timeout), never by name.
+* Data parallelism: ``ServerConfig.dp_size`` adds ``--dp-size N``; rank ``r`` publishes on
+  ``events_port + r`` and replays on ``replay_port + r`` (SGLang offsets both endpoints by the
+  rank), so ``reserve_ports`` holds the whole ranges ``[ev, ev+dp)`` and ``[rp, rp+dp)`` free
+  and apart while choosing. With ``dp_size > 1`` and no ``SGLANG_CPU_OMP_THREADS_BIND`` given
+  (``ServerConfig.env`` or the caller's environment), one is set that splits this process's
+  CPUs between the ranks (``0|1`` on a 2-CPU, 1-NUMA-node box, where SGLang otherwise refuses
+  more ranks than NUMA nodes).
 
 Only the standard library is imported here (httpx is not needed for a readiness probe).
 """
@@ -35,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kvcadence.errors import HarnessError
+from kvcadence.errors import HarnessError, UsageError
 
 SGLANG_VERSION = "0.5.23"
 TORCH_PINS: tuple[str, ...] = ("torch==2.14.1", "torchvision==0.29.1")
@@ -162,6 +170,98 @@ def ensure_model(*, quiet: bool = False) -> Path:
     return out
 
 
+def _bind_local(port: int) -> socket.socket | None:
+    """A TCP socket bound to ``127.0.0.1:port`` (0 = any free port), or None if taken."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def reserve_ports(dp_size: int = 1, *, attempts: int = 64) -> tuple[int, int, int]:
+    """``(http, events_base, replay_base)``: an HTTP port and two ranges ``[base, base+dp)``,
+    every port free on 127.0.0.1 and all distinct (each is held bound while the rest are
+    chosen, so the ranges cannot overlap each other or the HTTP port)."""
+    if dp_size < 1:
+        raise UsageError(f"dp_size must be >= 1, got {dp_size}")
+    held: list[socket.socket] = []
+    try:
+        http = _bind_local(0)
+        if http is None:
+            raise HarnessError("no free TCP port on 127.0.0.1")
+        held.append(http)
+        bases = []
+        for what in ("KV-event", "replay"):
+            for _ in range(attempts):
+                first = _bind_local(0)
+                if first is None:
+                    continue
+                base = first.getsockname()[1]
+                group = [first]
+                for r in range(1, dp_size):
+                    s = _bind_local(base + r) if base + r <= 65535 else None
+                    if s is None:
+                        break
+                    group.append(s)
+                if len(group) == dp_size:
+                    held += group
+                    bases.append(base)
+                    break
+                for s in group:
+                    s.close()
+            else:
+                raise HarnessError(
+                    f"no {dp_size} consecutive free {what} ports on 127.0.0.1 "
+                    f"after {attempts} tries"
+                )
+        return held[0].getsockname()[1], bases[0], bases[1]
+    finally:
+        for s in held:
+            s.close()
+
+
+def omp_threads_bind(dp_size: int, cpus: Sequence[int] | None = None) -> str:
+    """A ``SGLANG_CPU_OMP_THREADS_BIND`` value for ``dp_size`` ranks: ``cpus`` (default: the
+    CPUs this process may run on) split into ``dp_size`` contiguous groups, ``|``-separated
+    (``"0|1"`` for 2 ranks on CPUs 0-1, ``"0-1|2-3"`` on 4); with fewer CPUs than ranks the
+    ranks share CPUs round-robin."""
+    if cpus is None:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = list(range(os.cpu_count() or 1))
+    cpus = sorted(cpus)
+    if not cpus or dp_size < 1:
+        raise UsageError("omp_threads_bind needs >= 1 CPU and >= 1 rank")
+    if len(cpus) >= dp_size:
+        q, extra = divmod(len(cpus), dp_size)
+        groups, i = [], 0
+        for r in range(dp_size):
+            n = q + (r < extra)
+            groups.append(cpus[i : i + n])
+            i += n
+    else:
+        groups = [[cpus[r % len(cpus)]] for r in range(dp_size)]
+    return "|".join(_cpu_list(g) for g in groups)
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    start = prev = cpus[0]
+    for c in [*cpus[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(out)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (held open together while choosing)."""
     socks = []
@@ -187,6 +287,9 @@ class ServerConfig:
     replay: bool = True
     buffer_steps: int | None = None
     extra_args: list[str] = field(default_factory=list)
+    dp_size: int = 1  # --dp-size: one scheduler, KV cache and event publisher per rank
+    enable_metrics: bool = True  # --enable-metrics: meta_info request_received_ts etc.
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the worker
 
 
 @dataclass
@@ -202,6 +305,8 @@ class ServerHandle:
     log_path: str
     command: list[str]
     kv_events_config: str
+    dp_size: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # what was added to the environment
     _proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -210,11 +315,25 @@ class ServerHandle:
 
     @property
     def events_endpoint(self) -> str:
+        """Rank 0's PUB endpoint."""
         return f"tcp://127.0.0.1:{self.events_port}"
 
     @property
     def replay_endpoint(self) -> str | None:
+        """Rank 0's replay ROUTER endpoint."""
         return None if self.replay_port is None else f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def events_endpoints(self) -> list[str]:
+        """One PUB endpoint per DP rank (``events_port + rank``)."""
+        return [f"tcp://127.0.0.1:{self.events_port + r}" for r in range(self.dp_size)]
+
+    @property
+    def replay_endpoints(self) -> list[str | None]:
+        """One replay ROUTER endpoint per DP rank (``replay_port + rank``), or Nones."""
+        if self.replay_port is None:
+            return [None] * self.dp_size
+        return [f"tcp://127.0.0.1:{self.replay_port + r}" for r in range(self.dp_size)]
 
     def alive(self) -> bool:
         if self._proc is not None:
@@ -269,9 +388,23 @@ def stop_pid(
     return -9
 
 
-def server_env(venv: Path) -> dict[str, str]:
-    """The recipe's environment: CPU engine, no health generation, the stand-in first."""
+def worker_env_extra(cfg: ServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """What ``cfg`` adds to the worker's environment: ``cfg.env``, plus
+    ``SGLANG_CPU_OMP_THREADS_BIND`` (``omp_threads_bind``) when ``dp_size > 1`` and neither
+    ``cfg.env`` nor ``base`` (default: this process's environment) sets it."""
+    base = os.environ if base is None else base
+    extra = dict(cfg.env)
+    key = "SGLANG_CPU_OMP_THREADS_BIND"
+    if cfg.dp_size > 1 and not extra.get(key) and not base.get(key):
+        extra[key] = omp_threads_bind(cfg.dp_size)
+    return extra
+
+
+def server_env(venv: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The recipe's environment: CPU engine, no health generation, the stand-in first;
+    then ``extra`` (``worker_env_extra``) on top."""
     env = dict(os.environ)
+    env.update(extra or {})
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(
@@ -285,6 +418,12 @@ def server_env(venv: Path) -> dict[str, str]:
 def build_command(
     cfg: ServerConfig, model: Path, venv: Path, ports: Sequence[int], metrics_dir: Path
 ) -> tuple[list[str], str]:
+    """The launch command and its ``--kv-events-config`` JSON; ``ports`` = ``(http,
+    events_base, replay_base)`` (rank r: base + r)."""
+    if cfg.dp_size < 1:
+        raise UsageError(f"dp_size must be >= 1, got {cfg.dp_size}")
+    if any(a == "--dp-size" or a.startswith("--dp-size=") for a in cfg.extra_args):
+        raise UsageError("give the DP size as ServerConfig.dp_size, not in extra_args")
     port, ev_port, rp_port = ports
     kv_cfg: dict[str, object] = {
         "publisher": "zmq",
@@ -328,6 +467,10 @@ def build_command(
         "--export-metrics-to-file-dir",
         str(metrics_dir),
     ]
+    if cfg.enable_metrics and "--enable-metrics" not in cfg.extra_args:
+        cmd.append("--enable-metrics")
+    if cfg.dp_size > 1:
+        cmd += ["--dp-size", str(cfg.dp_size)]
     if cfg.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     cmd += list(cfg.extra_args)
@@ -357,14 +500,15 @@ def start_server(
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_dir = workdir / "sglang-metrics"
     metrics_dir.mkdir(exist_ok=True)
-    ports = free_ports(3)
+    ports = reserve_ports(cfg.dp_size)
     cmd, kv_json = build_command(cfg, model, venv, ports, metrics_dir)
+    extra_env = worker_env_extra(cfg)
     log_path = workdir / "server.log"
     log = open(log_path, "wb")
     try:
         proc = subprocess.Popen(
             cmd,
-            env=server_env(venv),
+            env=server_env(venv, extra_env),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -383,6 +527,8 @@ def start_server(
         log_path=str(log_path),
         command=cmd,
         kv_events_config=kv_json,
+        dp_size=cfg.dp_size,
+        env=extra_env,
         _proc=proc,
     )
     deadline = time.monotonic() + ready_timeout

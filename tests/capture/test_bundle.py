@@ -11,6 +11,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcadence.capture.bundle import (
     BundleReader,
@@ -549,3 +551,157 @@ def test_disk_full_with_a_real_file_size_limit(tmp_path: Path) -> None:
     segs = list_segments(tmp_path / "b")
     assert segs[-1].stat().st_size <= 6000 and r.report.corrupt == []
     assert r.report.torn_bytes == segs[-1].stat().st_size - 8
+
+
+# ---------------------------------------------------------------------- batched writes
+
+_MSGPACK_PAYLOADS = st.one_of(
+    st.sampled_from([BATCH, msgspec.msgpack.encode([1.0, [], None]), b"\xc0"]),
+    st.binary(min_size=0, max_size=300).map(msgspec.msgpack.encode),  # valid: a bin value
+)
+_ANY_PAYLOADS = st.one_of(
+    _MSGPACK_PAYLOADS,
+    st.binary(min_size=0, max_size=80),  # mostly not one msgpack value: stored as bin
+    st.just(b"\x91" * 2000 + b"\x01"),  # deep: stored as bin
+)
+
+
+def _items(payloads: list[bytes], first_seq: int = 0) -> list[tuple]:
+    return [
+        (i % 3, first_seq + i, 10_000 + i, "kv-events" if i % 4 else "", p, VIA_LIVE, i % 2)
+        for i, p in enumerate(payloads)
+    ]
+
+
+def _segment_bytes(path: Path) -> list[tuple[str, bytes]]:
+    return [(s.name, s.read_bytes()) for s in list_segments(path)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    payloads=st.lists(_ANY_PAYLOADS, min_size=0, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+    segment_bytes=st.sampled_from([64, 200, 700, 4096, 256 << 20]),
+    notes_at=st.sets(st.integers(0, 40), max_size=3),
+)
+def test_batched_writes_are_byte_identical_to_per_frame_writes(
+    payloads: list[bytes], cuts: list[int], segment_bytes: int, notes_at: set[int]
+) -> None:
+    """write_event_batch over any split of the stream (other records between batches) writes
+    the same segments, byte for byte, as write_event per message: framing, CRC, rotation
+    points (frames larger than a segment included), bin payloads, and the trailer's counts."""
+    import tempfile
+
+    items = _items(payloads)
+    bounds = sorted({0, len(items), *(c for c in cuts if c <= len(items)), *notes_at})
+    bounds = [b for b in bounds if b <= len(items)]
+    with tempfile.TemporaryDirectory() as tmp:
+        one, many = Path(tmp) / "one", Path(tmp) / "many"
+        w1 = BundleWriter(one, make_header(), segment_bytes=segment_bytes)
+        w2 = BundleWriter(many, make_header(), segment_bytes=segment_bytes)
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            if lo in notes_at:
+                w1.write(Annotation("x", lo))
+                w2.write(Annotation("x", lo))
+            for e, s, r, t, p, v, ep in items[lo:hi]:
+                w1.write_event(endpoint=e, seq=s, recv_ns=r, topic=t, payload=p, via=v, epoch=ep)
+            w2.write_event_batch(items[lo:hi])
+        assert w1.counts == w2.counts and w1.bytes_written == w2.bytes_written
+        w1.close(end_ns=5)
+        w2.close(end_ns=5)
+        assert _segment_bytes(one) == _segment_bytes(many)
+        got = [(f.endpoint, f.seq, event_payload(f)) for f in BundleReader(many).events()]
+        assert got == [(e, s, p) for e, s, _, _, p, _, _ in items]
+
+
+def test_write_events_takes_event_frames_and_write_event_batch_bytes_like(tmp_path: Path) -> None:
+    frames = [event(i) for i in range(5)]
+    w = BundleWriter(tmp_path / "a", make_header())
+    w.write_events(frames)
+    w.write_events([])  # nothing: no frame, no error
+    w.write_event_batch([(0, 5, 1, "t", memoryview(BATCH), VIA_LIVE, 0)])
+    w.write_event_batch([(0, 6, 1, "t", bytearray(b"\xc1"), VIA_LIVE, 0)])  # never valid
+    w.close()
+    got = list(BundleReader(tmp_path / "a").events())
+    assert got[:5] == frames
+    assert event_payload(got[5]) == BATCH and not got[5].payload_is_bin
+    assert event_payload(got[6]) == b"\xc1" and got[6].payload_is_bin
+
+
+def test_a_bad_frame_stops_the_batch_after_writing_the_ones_before(tmp_path: Path) -> None:
+    w = BundleWriter(tmp_path / "b", make_header())
+    with pytest.raises(TypeError, match="not an EventFrame"):
+        w.write_events([event(0), event(1), Annotation("x", 1), event(2)])  # type: ignore[list-item]
+    bad_topic = (0, 3, 1, object(), BATCH, VIA_LIVE, 0)  # msgpack cannot encode it
+    with pytest.raises(TypeError, match="object"):
+        w.write_event_batch([(0, 2, 1, "t", BATCH, VIA_LIVE, 0), bad_topic])  # type: ignore[list-item]
+    w.write_event_batch([(0, 4, 1, "t", BATCH, VIA_LIVE, 0)])  # still usable
+    w.close()
+    r = BundleReader(tmp_path / "b")
+    assert [e.seq for e in r.events()] == [0, 1, 2, 4]
+    assert r.report.corrupt == [] and r.report.clean_shutdown
+    assert w.counts["event"] == 4
+    with pytest.raises(BundleError, match="closed"):
+        w.write_events([event(9)])
+
+
+def test_batched_write_torn_tail_and_append(tmp_path: Path) -> None:
+    """A crash in the middle of a batch leaves the same torn tail as per-frame writes: the
+    reader yields exactly the frames that were whole, and append continues after them."""
+    path = tmp_path / "full"
+    w = BundleWriter(path, make_header(), flush_interval_s=0.0)
+    w.write_event_batch(_items([BATCH] * 6))
+    w.write_event_batch(_items([BATCH] * 4, first_seq=6))
+    data = (path / "seg-000000.kvcb").read_bytes()  # flushed (interval 0), not closed
+    w.close()
+    ends = frame_ends(data)
+    assert len(ends) == 11  # header + 10 events
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
+    seg = cut_dir / "seg-000000.kvcb"
+    for cut in range(ends[5] - 3, len(data) + 1):  # inside the second batch and its frames
+        seg.write_bytes(data[:cut])
+        r = BundleReader(cut_dir)
+        k = sum(1 for e in ends if e <= cut)
+        assert [e.seq for e in r.events()] == list(range(k - 1)), cut
+        assert r.report.torn_bytes == cut - ends[k - 1] and r.report.corrupt == []
+    seg.write_bytes(data[: ends[7] + 5])  # 7 events, 5 bytes of the 8th
+    a = BundleWriter.append(cut_dir, segment_bytes=300)
+    assert a.append_report is not None and a.append_report.dropped_bytes == 5
+    a.write_event_batch(_items([BATCH] * 8, first_seq=7))  # rolls segments as it goes
+    a.close()
+    r = BundleReader(cut_dir)
+    assert [e.seq for e in r.events()] == list(range(15))
+    assert r.report.torn_bytes == 0 and r.report.corrupt == [] and r.report.clean_shutdown
+    assert len(list_segments(cut_dir)) > 2
+    assert all(s.stat().st_size <= 300 for s in list_segments(cut_dir)[1:])
+
+
+def test_batched_write_checks_the_flush_interval_once_per_batch(tmp_path: Path) -> None:
+    clock = FakeClock()
+    path = tmp_path / "b"
+    w = BundleWriter(path, make_header(), flush_interval_s=0.2, clock=clock)
+    w.write_event_batch(_items([BATCH] * 3))
+    clock.now = 0.1
+    w.write_event_batch(_items([BATCH] * 3, first_seq=3))
+    assert list(BundleReader(path).events()) == []  # still buffered
+    clock.now = 0.21
+    w.write_event_batch(_items([BATCH] * 2, first_seq=6))  # interval passed: flushed
+    assert [e.seq for e in BundleReader(path).events()] == list(range(8))
+    w.close()
+
+
+def test_batched_write_disk_full_keeps_closed_segments(tmp_path: Path) -> None:
+    path = tmp_path / "b"
+    w = BundleWriter(path, make_header(), segment_bytes=300)
+    w.write_event_batch(_items([BATCH] * 6))
+    w._file = ENOSPCFile(w._file, 30)
+    with pytest.raises(BundleError, match="disk full"):
+        w.write_event_batch(_items([BATCH] * 14, first_seq=6))
+    with pytest.raises(BundleError, match="failed earlier"):
+        w.write_event_batch(_items([BATCH], first_seq=99))
+    w.close()
+    r = BundleReader(path)
+    seqs = [e.seq for e in r.events()]
+    assert seqs == list(range(len(seqs))) and len(seqs) >= 6
+    assert r.report.corrupt == [] and r.report.torn_bytes > 0

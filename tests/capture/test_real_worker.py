@@ -24,6 +24,7 @@ drive has its own rid prefix, and its capture still starts from seq 0 (initial r
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -382,6 +383,88 @@ def test_admission_hits_the_requested_l1(sglang_worker_factory, tmp_path):
     RESULTS["admission"]["cached"] = got
 
 
+DP2 = {"page_size": 1, "max_total_tokens": 3000, "dp_size": 2}
+
+
+@worker
+def test_dp2_both_ranks_captured_without_loss(sglang_worker_factory, tmp_path):
+    """``--dp-size 2``: discovery finds two publishers (ports base, base + 1), each stream
+    starts at seq 0 with its rank's startup AllBlocksCleared, nothing is lost per rank
+    against that rank's replay ring, and every request is served by rank 0 or 1 (the rank
+    whose stream stored its cached pages)."""
+    from kvcadence.capture import discovery
+
+    h = sglang_worker_factory("dp2", **DP2)
+    assert h.dp_size == 2 and "--dp-size" in h.command and "--enable-metrics" in h.command
+    bind = "SGLANG_CPU_OMP_THREADS_BIND"
+    assert h.env.get(bind) or os.environ.get(bind)  # set for the ranks unless already given
+    info = discovery.fetch_server_info(h.url)
+    eps = discovery.endpoints_from_server_info(info, h.url)
+    assert [e.url for e in eps] == h.events_endpoints
+    assert [e.replay_url for e in eps] == h.replay_endpoints
+    assert [e.dp_rank for e in eps] == [0, 1]
+    out = tmp_path / "dp2.kvcb"
+    t0 = time.monotonic()
+    workload = (
+        "agent:lanes=4,requests=16,seed=23,max_prompt=300,out_min=4,out_max=12,"
+        "think_ms=5,session_gap_ms=5"
+    )
+    argv = ["drive", "--server", h.url, "--workload", workload, "--out", str(out), "--quiet"]
+    assert main([*argv, "--rid-prefix", "dp2-"]) == 0
+    drive_s = time.monotonic() - t0
+    assert h.alive(), "worker died during the run:\n" + h.log_tail()
+    rings = [fetch_ring(rp) for rp in h.replay_endpoints]
+    reader = BundleReader(out)
+    assert [(e.id, e.dp_rank) for e in reader.header.endpoints] == [(0, 0), (1, 1)]
+    assert reader.header.server_info["kvcadence_snapshot"]["dp_size"] == 2
+    got: dict[int, dict[int, bytes]] = {0: {}, 1: {}}
+    for f in reader.events():
+        assert f.seq not in got[f.endpoint]
+        got[f.endpoint][f.seq] = event_payload(f)
+    stored: dict[int, set[int]] = {0: set(), 1: set()}
+    for r in (0, 1):
+        ring = rings[r]
+        assert sorted(got[r]) == sorted(ring) == list(range(len(ring))), r
+        assert all(got[r][s] == ring[s] for s in ring)
+        batches = [wire.decode_batch(got[r][s]) for s in sorted(got[r])]
+        assert [type(e) for e in batches[0].events] == [AllBlocksCleared]
+        assert {b.attn_dp_rank for b in batches} == {r}  # each publisher stamps its rank
+        for b in batches:
+            for ev in b.events:
+                if isinstance(ev, BlockStored):
+                    stored[r].update(ev.block_hashes)
+    assert reader.report.torn_bytes == 0 and reader.report.corrupt_bytes == 0
+    trailer = [t for t in reader.records() if isinstance(t, Trailer)][-1]
+    assert trailer.clean and trailer.stats["unrecovered"] == 0
+    reqs = [q for q in reader.requests() if q.rid.startswith("dp2-")]
+    assert len(reqs) == 16 and all(q.error is None for q in reqs)
+    assert {q.dp_rank for q in reqs} == {0, 1}  # round robin over both ranks
+    assert all("request_received_ts" in q.meta_info for q in reqs)  # --enable-metrics
+    hits = 0
+    for q in reqs:
+        c = q.cached_tokens or 0
+        if c:
+            hits += 1
+            cached = wire.block_hashes(q.input_ids, 1)[:c]
+            assert set(cached) <= stored[q.dp_rank], q.rid  # its rank's cache, not the other
+    # ``capture --server`` on its own discovers both ranks and recovers both histories
+    again = tmp_path / "dp2-capture.kvcb"
+    rc = main(["capture", "--server", h.url, "--out", str(again), "--until-idle", "1", "--quiet"])
+    assert rc == 0
+    per: dict[int, list[int]] = {0: [], 1: []}
+    for f in BundleReader(again).events():
+        per[f.endpoint].append(f.seq)
+    assert {r: sorted(v) for r, v in per.items()} == {r: sorted(rings[r]) for r in (0, 1)}
+    RESULTS["dp2"] = {
+        "requests": len(reqs),
+        "messages": {r: len(got[r]) for r in (0, 1)},
+        "requests_per_rank": {r: sum(q.dp_rank == r for q in reqs) for r in (0, 1)},
+        "with_cache_hits": hits,
+        "drive_s": round(drive_s, 1),
+    }
+    print(f"\n[dp2] {RESULTS['dp2']}")
+
+
 # ---------------------------------------------------------------------- harness units
 # (no worker: the stand-in with the project's own torch, the launch recipe, venv caching)
 
@@ -447,8 +530,10 @@ def test_launch_command_follows_the_recipe(tmp_path, monkeypatch):
         "--host 127.0.0.1",
         "--port 1",
         "--export-metrics-to-file",
+        "--enable-metrics",
     ):
         assert flag in joined
+    assert "--dp-size" not in cmd  # one rank: the command the examples were recorded with
     assert json.loads(kv) == {
         "publisher": "zmq",
         "endpoint": "tcp://127.0.0.1:2",
@@ -461,6 +546,91 @@ def test_launch_command_follows_the_recipe(tmp_path, monkeypatch):
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
     assert env["PYTHONPATH"].split(":")[0] == str(harness.ASSET_DIR)
     assert len(set(harness.free_ports(3))) == 3
+
+
+def test_dp_launch_command_and_environment(tmp_path):
+    from kvcadence.capture import harness
+    from kvcadence.errors import UsageError
+
+    cfg = harness.ServerConfig(dp_size=2, enable_metrics=False, env={"FOO": "1"})
+    cmd, kv = harness.build_command(cfg, tmp_path / "m", tmp_path / "v", [1, 20, 30], tmp_path)
+    assert cmd[cmd.index("--dp-size") + 1] == "2" and "--enable-metrics" not in cmd
+    # rank 0's endpoints; SGLang offsets both by the rank (events 20, 21; replay 30, 31)
+    assert json.loads(kv)["endpoint"] == "tcp://127.0.0.1:20"
+    assert json.loads(kv)["replay_endpoint"] == "tcp://127.0.0.1:30"
+    bind = "SGLANG_CPU_OMP_THREADS_BIND"
+    extra = harness.worker_env_extra(cfg, base={})
+    assert extra["FOO"] == "1" and extra[bind].count("|") == 1  # one group per rank
+    assert bind not in harness.worker_env_extra(cfg, base={bind: "0-1|2-3"})  # user's wins
+    mine = harness.ServerConfig(dp_size=2, env={bind: "5|6"})
+    assert harness.worker_env_extra(mine, base={})[bind] == "5|6"
+    assert bind not in harness.worker_env_extra(harness.ServerConfig(), base={})  # dp 1
+    env = harness.server_env(tmp_path / "v", {"FOO": "1", bind: "0|1"})
+    assert env["FOO"] == "1" and env[bind] == "0|1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    handle = harness.ServerHandle(1, 2, 20, 30, "w", "m", "l", [], kv, dp_size=2)
+    assert handle.events_endpoints == ["tcp://127.0.0.1:20", "tcp://127.0.0.1:21"]
+    assert handle.replay_endpoints == ["tcp://127.0.0.1:30", "tcp://127.0.0.1:31"]
+    assert harness.ServerHandle(1, 2, 20, None, "w", "m", "l", [], kv, 2).replay_endpoints == [
+        None,
+        None,
+    ]
+    with pytest.raises(UsageError, match="dp_size"):
+        bad = harness.ServerConfig(extra_args=["--dp-size", "2"])
+        harness.build_command(bad, tmp_path, tmp_path, [1, 2, 3], tmp_path)
+    with pytest.raises(UsageError, match="dp_size"):
+        harness.build_command(
+            harness.ServerConfig(dp_size=0), tmp_path, tmp_path, [1, 2, 3], tmp_path
+        )
+
+
+@pytest.mark.parametrize(
+    ("dp", "cpus", "want"),
+    [
+        (2, [0, 1], "0|1"),  # the 2-CPU, 1-NUMA-node box
+        (2, [0, 1, 2, 3], "0-1|2-3"),
+        (3, [0, 1, 2, 3, 4], "0-1|2-3|4"),
+        (2, [0, 2, 4, 5], "0,2|4-5"),
+        (3, [0, 1], "0|1|0"),  # more ranks than CPUs: shared round-robin
+        (1, [3, 1, 2], "1-3"),
+    ],
+)
+def test_omp_threads_bind_splits_cpus_between_ranks(dp, cpus, want):
+    from kvcadence.capture import harness
+
+    assert harness.omp_threads_bind(dp, cpus) == want
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_reserve_ports_gives_free_disjoint_rank_ranges(dp):
+    import socket
+
+    from kvcadence.capture import harness
+
+    http, ev, rp = harness.reserve_ports(dp)
+    ports = [http, *range(ev, ev + dp), *range(rp, rp + dp)]
+    assert len(set(ports)) == len(ports) == 1 + 2 * dp  # apart: no rank collides
+    socks = []
+    try:
+        for port in ports:  # every one of them can be bound (they were released free)
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", port))
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_harness_start_flags_are_checked_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from kvcadence.capture import harness
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no recorded worker
+    monkeypatch.setattr(harness, "start_server", lambda *a, **k: pytest.fail("started"))
+    assert main(["harness", "start", "--dp-size", "0"]) == 2
+    assert main(["harness", "start", "--dp-size", "2", "--env", "NOVALUE"]) == 2
+    assert main(["harness", "start", "--env", "1X=2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(ln.startswith("kvcadence: error:") for ln in lines)
+    assert "--dp-size" in lines[0] and "KEY=VALUE" in lines[1]
 
 
 def test_venv_location_and_staleness(tmp_path, monkeypatch):

@@ -144,3 +144,64 @@ def test_status_line_on_a_tty_only():
     quiet = io.StringIO()
     StatusLine(quiet).update(st, force=True)  # StringIO is not a TTY
     assert quiet.getvalue() == ""
+
+
+def test_capture_discovers_every_dp_rank(tmp_path, fake_server):
+    """/server_info with ``dp_size`` 2: one endpoint per rank on ``base + r`` (replay on
+    ``replay_base + r``, the ranges ``harness.reserve_ports`` keeps free), each recorded from
+    its own seq 0 through the initial replay, byte-exact."""
+    from kvcadence.capture.bundle import event_payload
+    from kvcadence.capture.harness import reserve_ports
+
+    state, url = fake_server
+    _, ev, rp = reserve_ports(2)
+    with (
+        TestPublisher(port=ev, replay_port=rp) as p0,
+        TestPublisher(port=ev + 1, replay_port=rp + 1) as p1,
+    ):
+        info = server_info_for(p0)
+        info["dp_size"] = info["kv_events"]["dp_size"] = 2
+        state["info"] = info
+        for i in range(7):
+            p0.publish(POOL[i])
+        for i in range(4):
+            p1.publish(POOL[8 + i])
+        out = tmp_path / "b"
+        rc = main(["capture", "--server", url, "--out", str(out), "--until-idle", "1", "--quiet"])
+    assert rc == 0
+    r = BundleReader(out)
+    assert [(e.id, e.url, e.replay_url, e.dp_rank) for e in r.header.endpoints] == [
+        (0, p0.endpoint, p0.replay_endpoint, 0),
+        (1, p1.endpoint, p1.replay_endpoint, 1),
+    ]
+    got: dict[int, list[tuple[int, bytes]]] = {0: [], 1: []}
+    for f in r.events():
+        got[f.endpoint].append((f.seq, event_payload(f)))
+    assert got == {0: [(i, POOL[i]) for i in range(7)], 1: [(i, POOL[8 + i]) for i in range(4)]}
+
+
+def test_malformed_messages_keep_their_place_between_burst_writes(
+    tmp_path, run_capture, endpoint_info
+):
+    """A malformed message inside a drain burst is annotated where it arrived: the frames
+    before it are written first (the burst is cut), the ones after it follow."""
+    from kvcadence.capture.schema import Annotation, EventFrame
+    from kvcadence.capture.testpub import TestPublisher as Pub
+
+    with Pub() as pub:
+        cap = run_capture([endpoint_info(pub)], initial_replay=False, decode_stats=False, name="m")
+        for i in range(5):
+            pub.publish(POOL[i])
+        pub.send_raw([b"kv-events", b"\x00\x01"])  # short seq frame: malformed
+        for i in range(5, 10):
+            pub.publish(POOL[i])
+        cap.wait_for(10)
+        r = cap.stop()
+    kinds = [
+        ("e", x.seq) if isinstance(x, EventFrame) else ("n", x.kind)
+        for x in r.records()
+        if isinstance(x, (EventFrame, Annotation))
+    ]
+    assert kinds == [("e", i) for i in range(5)] + [("n", "malformed_message")] + [
+        ("e", i) for i in range(5, 10)
+    ]
