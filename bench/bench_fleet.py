@@ -43,7 +43,7 @@ def cfg(pool: int, rank: int = 0) -> SimConfig:
         ),
     )
     if hasattr(c, "track_visibility"):
-        c.track_visibility = False  # fleet bundles carry no visibility notes: compare alike
+        c.track_visibility = False  # both sides without the visibility log: time the clock
     return c.validate()
 
 

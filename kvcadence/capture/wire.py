@@ -728,6 +728,23 @@ def replay_request(start_seq: int) -> list[bytes]:
     return [b"", _seq_bytes(start_seq)]
 
 
+def parse_replay_request(frames: list[bytes]) -> int:
+    """A replay request as received by the ROUTER, identity frame stripped: exactly
+    ``[b"", start_seq8 BE]`` (what a DEALER sends) -> the start seq (read unsigned, as
+    SGLang does). Anything else (SGLang logs it and sends no reply) raises ``WireError``."""
+    n = len(frames)
+    if n != 2:
+        raise WireError(
+            f"a replay request has 2 frames [b'', start_seq] after the identity, got {n}"
+        )
+    delim, seq_frame = frames
+    if len(delim) != 0:
+        raise WireError(
+            f"a replay request's frame 0 must be the empty delimiter, got {bytes(delim)[:32]!r}"
+        )
+    return _seq_from(seq_frame, "frame 1 (start seq)")
+
+
 def replay_reply_frames(topic: str | None, seq: int, payload: bytes) -> list[bytes]:
     """What a 0.5.23 ROUTER sends after the identity frame: ``[b"", topic, seq8, payload]``;
     ``topic=None`` gives the older ``[b"", seq8, payload]``. ``seq=END_SEQ`` is the end marker
@@ -763,6 +780,7 @@ __all__ = [
     "parse_replay_reply",
     "live_frames",
     "replay_request",
+    "parse_replay_request",
     "replay_reply_frames",
     "END_SEQ",
 ]

@@ -249,6 +249,8 @@ class FakeTreeCache:
     # -- load-back ------------------------------------------------------------------------
     def load_back(self, rid: str, host_hit_length: int) -> int:
         """All-or-nothing L2 load-back for ``rid``; returns tokens loaded (0 = recompute)."""
+        # Kept in sync by hand with ``sglang_adder_driver.FakeTreeCache.init_load_back`` (the copy
+        # run inside real SGLang, which must not import kvcadence): change both together.
         paged = ceil_paged(host_hit_length, self.page_size)
         before = self.allocator.free
         quota = before + self._evictable

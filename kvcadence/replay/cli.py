@@ -126,8 +126,9 @@ def register(sub: Any) -> None:
                      help="ROUTER replay endpoint to bind")  # fmt: skip
     pub.add_argument("--speed", type=float, default=0.0,
                      help="pace messages at virtual time / SPEED (0 = as fast as possible)")  # fmt: skip
-    pub.add_argument("--linger", type=float, default=0.0,
-                     help="seconds to keep serving replay requests after the last message")  # fmt: skip
+    pub.add_argument("--linger", type=float, default=2.0,
+                     help="seconds to keep serving replay requests after the last message "
+                     "(default 2; requests are also served while publishing)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     from kvcadence.replay.cli_fleet import add_fleet_args  # DP ranks / workers / sweeps
 
@@ -175,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("replay: give --out SIM_BUNDLE and/or --publish ENDPOINT")
     if args.speed < 0:
         raise UsageError("--speed must be >= 0")
+    if args.linger < 0:
+        raise UsageError("--linger must be >= 0")
     overrides = {k: getattr(args, k) for k in _OVERRIDES}
     from pathlib import Path
 
@@ -208,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     if args.publish:
         from kvcadence.replay.publish import publish_batches
 
+        pub_stats: dict[str, int] = {}
         sent = publish_batches(
             result.batches,
             args.publish,
@@ -215,8 +219,10 @@ def run(args: argparse.Namespace) -> int:
             replay_endpoint=args.replay_endpoint,
             speed=args.speed,
             linger_s=args.linger,
+            stats=pub_stats,
         )
         summary["published"] = sent
+        summary.update(pub_stats)
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
@@ -225,7 +231,24 @@ def run(args: argparse.Namespace) -> int:
             f"replayed {summary['requests']} requests{where}: {summary['passes']} passes "
             f"({summary['prefill_passes']} prefill, {summary['decode_passes']} decode), "
             f"{summary['events']} events in {summary['messages']} messages, "
-            f"{summary['evictions']} evictions, {summary['retractions']} retractions; "
+            f"{summary['evictions']} evictions, {summary['retractions']} retractions, "
+            f"{summary['aborted']} aborted; "
             f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.3f} s"
         )
+    check_some_ran(result.requests)
     return 0
+
+
+def check_some_ran(records: list[Any]) -> None:
+    """``ReplayError`` (exit 1, one line) when no simulated request produced a token: every
+    one was aborted (the sim bundle, already written, keeps why in each record)."""
+    if not records or any((r.completion_tokens or 0) > 0 for r in records):
+        return
+    from kvcadence.errors import ReplayError
+
+    reasons = sorted({r.error for r in records if r.error})
+    why = f" ({'; '.join(reasons[:3])})" if reasons else ""
+    raise ReplayError(
+        f"replay: no request ran: all {len(records)} were aborted{why}; "
+        "check --max-total-tokens / --page-size"
+    )

@@ -123,24 +123,30 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     finally:
         if bar is not None:
             bar.close()
+    from kvcadence.replay.cli import check_some_ran
+
     paths = write_fleet_bundles(args.out, result)
     summary = result.summary()
     summary["out"] = [str(p) for p in paths]
+    summary["aborted"] = sum(p["aborted"] for p in summary["per_rank"])
     if args.json:
         print(json.dumps(summary, sort_keys=True))
-        return 0
-    print(
-        f"replayed {summary['requests']} requests on {summary['ranks']} rank(s) of "
-        f"{summary['workers']} worker(s), route {summary['route']} -> {', '.join(summary['out'])}: "
-        f"{summary['events']} events in {summary['messages']} messages, "
-        f"{summary['evictions']} evictions; virtual {summary['virtual_s']:.3f} s, "
-        f"wall {summary['wall_s']:.3f} s"
-    )
-    for p in summary["per_rank"]:
+    else:
         print(
-            f"  {p['worker']} rank {p['rank']}: {p['requests']} requests, "
-            f"{p['messages']} messages, {p['events']} events, {p['evictions']} evictions"
+            f"replayed {summary['requests']} requests on {summary['ranks']} rank(s) of "
+            f"{summary['workers']} worker(s), route {summary['route']} -> "
+            f"{', '.join(summary['out'])}: {summary['events']} events in "
+            f"{summary['messages']} messages, {summary['evictions']} evictions, "
+            f"{summary['aborted']} aborted; virtual {summary['virtual_s']:.3f} s, "
+            f"wall {summary['wall_s']:.3f} s"
         )
+        for p in summary["per_rank"]:
+            print(
+                f"  {p['worker']} rank {p['rank']}: {p['requests']} requests, "
+                f"{p['messages']} messages, {p['events']} events, {p['evictions']} evictions, "
+                f"{p['aborted']} aborted"
+            )
+    check_some_ran(result.requests)
     return 0
 
 

@@ -34,16 +34,32 @@ from dataclasses import dataclass
 
 from kvcadence.errors import UsageError
 
+_PER_NODE_REMOVE_FROM = (0, 5, 17)  # array family: one BlockRemoved per node from 0.5.17
+
+
+def _vt(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
+
+
+def _version_modes() -> dict[str, str]:
+    """The event mode of every release ``capture.wire`` knows (``wire.VERSION_FAMILY``, the
+    one version table), newest first. Not simulated: 0.5.5 (process-seeded Python
+    ``hash()``, so its block hashes cannot be reproduced)."""
+    from kvcadence.capture import wire
+
+    modes: dict[str, str] = {}
+    for version in sorted(wire.SUPPORTED_VERSIONS, key=_vt, reverse=True):
+        family = wire.VERSION_FAMILY[version]
+        if family in (wire.FAMILY_MAP, wire.FAMILY_MAP20):
+            modes[version] = "coalesced"
+        elif family == wire.FAMILY_ARRAY:
+            per_node = _vt(version) >= _PER_NODE_REMOVE_FROM
+            modes[version] = "per_page_store_per_node_remove" if per_node else "per_page"
+    return modes
+
+
 #: versions the simulator can emit, newest first, and their event mode
-VERSION_MODES: dict[str, str] = {
-    "0.5.23": "coalesced",
-    "0.5.22": "coalesced",
-    "0.5.21": "coalesced",
-    "0.5.20": "coalesced",
-    "0.5.17": "per_page_store_per_node_remove",
-    "0.5.14": "per_page",
-    "0.5.10": "per_page",
-}
+VERSION_MODES: dict[str, str] = _version_modes()
 
 
 def event_mode(version: str) -> str:

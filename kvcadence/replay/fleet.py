@@ -15,26 +15,29 @@ What this file owns:
   Closed-loop lanes cross ranks: a lane's next request is released ``gap`` after its
   predecessor finishes on whichever rank served it;
 * ``write_fleet_bundles`` -- one sim bundle per worker with one endpoint per rank, each
-  rank's batches under its endpoint id with its own seq, and every ``RequestRecord`` keeping
-  its serving rank (``dp_rank``, also ``meta_info["dp_rank"]``).
+  rank's batches under its endpoint id with its own seq, each rank's visibility notes
+  (``replay.visibility.scheduler_notes``, ``endpoint`` = rank; none with
+  ``track_visibility`` off), and every ``RequestRecord`` keeping its serving rank
+  (``dp_rank``, also ``meta_info["dp_rank"]``; built by ``simulator.sim_request_record``).
 
-The single-rank scheduler is wrapped, not changed: this module runs the same loop body as
-``Scheduler.run`` one iteration at a time (``_RankSim.step``), feeds each rank's arrival heap
-from the router, and learns about finished requests through the scheduler's successor
-lookup (``_SuccessorHook``). With one worker of one rank and ``recorded`` routing the result
-is byte-identical to ``replay.simulator.simulate``.
+The single-rank scheduler is driven through its public stepping API, the same one
+``Scheduler.run`` uses: ``start``, ``step(horizon)`` (one loop iteration), ``next_time``,
+``add_arrival`` (the router hands a rank a request; wakes it) and ``finish_run``; every rank
+serves the fleet's shared request list (``requests=``) and reports finished requests
+through ``on_finish``, so the fleet releases each lane's next request on any rank. With one
+worker of one rank and ``recorded`` routing the result is byte-identical to
+``replay.simulator.simulate``.
 
 Decode-stretch skipping is bounded by the earliest moment another rank (or a known, not yet
-routed arrival) could hand this rank a request -- a sentinel pushed on the rank's arrival
-heap while the skip reads it -- so a stretch never jumps over a cross-rank arrival. An idle
-rank recomputes its wake-up when a request is routed to it.
+routed arrival) could hand this rank a request (``step``'s ``horizon``, ``bound_for``), so a
+stretch never jumps over a cross-rank arrival. An idle rank recomputes its wake-up when a
+request is routed to it.
 """
 
 from __future__ import annotations
 
 import copy
 import heapq
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +51,6 @@ from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq, SimStats
 
-_SENTINEL_IDX = sys.maxsize
 _INF = float("inf")
 
 
@@ -179,21 +181,6 @@ class TapPublisher(Publisher):
             self.log.append((self.anchor_ns + time_ns, events))
 
 
-class _SuccessorHook:
-    """Stands in for ``Scheduler.successors``: every lookup happens right after a request
-    finished (``finish_ns`` already set), so it reports the finish to the fleet and returns
-    no local successor (the fleet routes the lane's next request)."""
-
-    __slots__ = ("fleet",)
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-
-    def get(self, idx: int, default: Any = ()) -> tuple[()]:
-        self.fleet._on_done(idx)
-        return ()
-
-
 @dataclass
 class Slot:
     """One simulated rank of one worker."""
@@ -203,126 +190,6 @@ class Slot:
     rank: int
     sched: Scheduler
     publisher: TapPublisher
-
-
-class _RankSim:
-    """One rank's event loop, advanced one iteration per ``step`` (``Scheduler.run``)."""
-
-    def __init__(self, fleet: Fleet, slot: Slot) -> None:
-        self.fleet = fleet
-        self.slot = slot
-        self.s = slot.sched
-        self.t = 0
-        self.last: Any = None
-        self.parked = False
-        self.idle_since: int | None = None
-
-    def start(self) -> None:
-        s = self.s
-        if getattr(s, "inserts", True):
-            s.queue.record_clear()
-            s._publish(0, -1, "startup")
-        self.sync = bool(getattr(s.cfg, "sync_forward", False))
-        s.sync = self.sync
-
-    @property
-    def next_t(self) -> float:
-        return _INF if self.parked else self.t
-
-    def _peek(self, fn: Callable[[], Any], bound: float) -> Any:
-        """Call ``fn`` with a sentinel arrival at ``bound`` on the heap (read-only users)."""
-        arr = self.s.arrivals
-        if bound < _INF and (not arr or bound < arr[0][0]):
-            heapq.heappush(arr, (int(bound), _SENTINEL_IDX))
-            try:
-                return fn()
-            finally:
-                heapq.heappop(arr)
-        return fn()
-
-    def notify_arrival(self) -> None:
-        """A request was pushed on this rank's heap: wake it if it sleeps."""
-        if self.parked:
-            self.parked = False
-            self.t = self.idle_since if self.idle_since is not None else self.t
-        if self.idle_since is not None:
-            # asleep since idle_since: recompute the wake-up with the new arrival
-            self.t = self.s._next_wake(self.idle_since)
-
-    def step(self) -> None:
-        s = self.s
-        t = self.t
-        last = self.last
-        bound = self.fleet.bound_for(self)
-        if s.cfg.skip_decode_stretches:
-            jumped = self._peek(lambda: s._skip_decode_stretch(t, last), bound)
-            if jumped is not None:
-                self.t, self.last = jumped
-                self.idle_since = None
-                return
-        self.idle_since = None
-        pauses = getattr(s, "_pauses", None)
-        if pauses and pauses[0][0] <= t and s.paused_until is None:
-            if s.overlap and last is not None:
-                t = max(t, last.end_ns)
-                s._process_result(last, t)
-                last = self.last = None
-            s._pause(t)
-        if getattr(s, "paused_until", None) is not None:
-            s._receive(t)
-            if t < s.paused_until:
-                self.t = s.paused_until
-                return
-            s.paused_until = None
-        s._receive(t)
-        s._apply_aborts(t)
-        s._maybe_flush(t)
-        batch = s._get_next_batch(t)
-        role = getattr(s, "role", None)
-        if batch is not None:
-            if batch.kind == "prefill":
-                tokens = 0 if role == "decode" else batch.tokens
-                dur = s.timer.prefill_ns(tokens, len(batch.reqs))
-            else:
-                dur = s.timer.decode_ns(len(batch.reqs))
-            start = max(t, s.gpu_free)
-            batch.end_ns = start + dur
-            s.gpu_free = batch.end_ns
-            s.stats.passes += 1
-            mark = getattr(s, "_mark_batch", None)
-            if mark is not None:
-                mark(batch)
-        if s.overlap:
-            if self.sync and batch is not None:
-                # CPU device: the forward runs before the previous result is processed
-                t = max(t, batch.end_ns)
-            if last is not None:
-                t = max(t, last.end_ns)
-                s._process_result(last, t)
-            elif batch is None:
-                t = self._idle(t)
-            self.last = batch
-        else:
-            if batch is not None:
-                t = batch.end_ns
-                s._process_result(batch, t)
-            else:
-                t = self._idle(t)
-        if getattr(s, "held", None):
-            s._poll_transfers(t)
-        if role == "prefill":
-            s.batch_is_full = False
-        self.t = t
-
-    def _idle(self, t: int) -> int:
-        s = self.s
-        if not s._idle_step(t):
-            self.parked = True
-            self.idle_since = t
-            return t
-        if s._fully_idle():
-            self.idle_since = t
-        return s._next_wake(t)
 
 
 # ---------------------------------------------------------------------- the fleet
@@ -433,15 +300,13 @@ class Fleet:
         for s in specs:
             if s.pred is not None:
                 self.successors.setdefault(s.pred, []).append(s.idx)
-        # slots
-        hook = _SuccessorHook(self)
+        # slots: every rank's scheduler serves the shared request list; this fleet routes
+        # each request to one of them and releases lanes across ranks (``_on_finish``)
         self.slots: list[Slot] = []
         for wi, w in enumerate(self.workers):
             for rank, cfg in enumerate(w.rank_configs):
                 cfg = copy.deepcopy(cfg)
                 cfg.attn_dp_rank = rank
-                if hasattr(cfg, "track_visibility"):
-                    cfg.track_visibility = False  # fleet bundles carry no visibility notes
                 cfg.validate()
                 pub = TapPublisher(cfg.sglang_version, cfg.medium, rank, self.anchor_ns)
                 sched = Scheduler(
@@ -449,23 +314,24 @@ class Fleet:
                     Schedule([], self.anchor_ns, list(flushes[wi])),
                     self.hasher,
                     publisher=pub,
+                    requests=self.reqs,
+                    on_finish=self._on_finish,
                 )
-                sched.reqs = self.reqs
-                sched.successors = hook  # type: ignore[assignment]
                 self.slots.append(Slot(len(self.slots), wi, rank, sched, pub))
         self.slot_of = {(sl.worker, sl.rank): sl.index for sl in self.slots}
-        self.ranks = [_RankSim(self, sl) for sl in self.slots]
         self.serving = [-1] * len(specs)
         self.pending: list[tuple[int, int]] = []  # (arrival ns, idx): known, not routed
         self.static = bool(getattr(router, "static", False))
 
     # ------------------------------------------------------------------ routing
-    def bound_for(self, rs: _RankSim) -> float:
-        """Earliest time another rank (or a pending arrival) could hand ``rs`` a request."""
+    def bound_for(self, sched: Scheduler) -> float:
+        """Earliest time another rank (or a pending arrival) could hand ``sched`` a
+        request."""
         b = self.pending[0][0] if self.pending else _INF
-        for other in self.ranks:
-            if other is not rs and not other.parked and other.t < b:
-                b = other.t
+        for sl in self.slots:
+            other = sl.sched
+            if other is not sched and other.next_time < b:
+                b = other.next_time
         return b
 
     def _known(self, at: int, idx: int) -> None:
@@ -479,47 +345,45 @@ class Fleet:
         if not 0 <= slot < len(self.slots):
             raise ReplayError(f"router {self.router.name!r} chose slot {slot} of {len(self.slots)}")
         self.serving[idx] = slot
-        rs = self.ranks[slot]
-        heapq.heappush(rs.s.arrivals, (at, idx))
-        rs.notify_arrival()
+        self.slots[slot].sched.add_arrival(at, idx)
 
-    def _on_done(self, idx: int) -> None:
-        req = self.reqs[idx]
-        t = req.finish_ns if req.finish_ns is not None else 0
-        for nxt in self.successors.get(idx, ()):
+    def _on_finish(self, req: SimReq, t: int) -> None:
+        """A rank finished (or aborted) ``req`` at ``t``: its lane's next request becomes
+        known, arriving its (already scaled) gap later, on whichever rank it is routed to."""
+        for nxt in self.successors.get(req.idx, ()):
             self._known(t + self.reqs[nxt].spec.gap_ns, nxt)
 
     # ------------------------------------------------------------------ run
     def run(self, progress: Callable[[int], None] | None = None) -> FleetResult:
         t0 = time.perf_counter()
-        for rs in self.ranks:
-            rs.start()
+        scheds = [sl.sched for sl in self.slots]
+        for sched in scheds:
+            sched.start()
         for s in self.specs:
             if s.pred is None:
                 self._known(s.arrival_ns or 0, s.idx)
-        ranks = self.ranks
         guard = 0
         done_reported = 0
         while True:
             best = None
             bt = _INF
-            for rs in ranks:
-                nt = rs.next_t
+            for sched in scheds:
+                nt = sched.next_time
                 if nt < bt:
                     bt = nt
-                    best = rs
+                    best = sched
             if self.pending and self.pending[0][0] <= bt:
                 at, idx = heapq.heappop(self.pending)
                 self._route(at, idx)
                 continue
             if best is None:
                 break
-            best.step()
+            best.step(self.bound_for(best))
             guard += 1
             if guard > 100_000_000:
                 raise ReplayError("fleet simulation did not terminate (loop guard)")
             if progress is not None:
-                done = sum(rs.s.finished_count for rs in ranks)
+                done = sum(sched.finished_count for sched in scheds)
                 if done != done_reported:
                     progress(done - done_reported)
                     done_reported = done
@@ -527,11 +391,8 @@ class Fleet:
         if stuck:
             raise ReplayError(f"fleet simulation ended with unfinished requests: {stuck}")
         vend = 0
-        for rs in ranks:
-            st = rs.s.stats
-            st.passes = rs.s.pass_index + 1
-            st.virtual_ns = rs.t
-            vend = max(vend, rs.t)
+        for sched in scheds:
+            vend = max(vend, sched.finish_run().virtual_ns)
         records = [self._record(i) for i in range(len(self.reqs))]
         return FleetResult(
             self.workers,
@@ -546,54 +407,14 @@ class Fleet:
         )
 
     def _record(self, i: int) -> Any:
-        from kvcadence.capture.schema import RequestRecord
+        from kvcadence.replay.simulator import sim_request_record
 
-        r = self.reqs[i]
-        s = r.spec
-        anchor = self.anchor_ns
         slot = self.slots[self.serving[i]] if self.serving[i] >= 0 else None
-        rank = slot.rank if slot is not None else None
-        aborted = r.state == ABORTED
-
-        def ts(v: int | None) -> float | None:
-            return None if v is None else (anchor + v) / 1e9
-
-        meta = {
-            "prompt_tokens": r.input_len,
-            "completion_tokens": r.output_len,
-            "cached_tokens": r.cached_tokens,
-            "num_retractions": r.retractions,
-            "request_received_ts": ts(r.arrival_ns),
-            "forward_entry_time": ts(r.entry_ns),
-            "prefill_finished_time": ts(r.first_token_ns),
-            "request_finished_ts": ts(r.finish_ns),
-            "dp_rank": rank,
-        }
+        worker = None
         if slot is not None and len(self.workers) > 1:
-            meta["worker"] = self.workers[slot.worker].name
-        src_ids = s.source.input_ids if s.source is not None else s.input_ids
-        return RequestRecord(
-            rid=s.rid,
-            input_ids=src_ids if isinstance(src_ids, list) else list(src_ids),
-            output_ids=list(s.output_ids[: r.output_len]),
-            send_ns=anchor + r.arrival_ns,
-            first_token_ns=None if r.first_token_ns is None else anchor + r.first_token_ns,
-            finish_ns=None if r.finish_ns is None else anchor + r.finish_ns,
-            lane=s.lane,
-            session=s.session,
-            turn=s.turn,
-            max_new_tokens=s.max_new_tokens,
-            prompt_tokens=r.input_len,
-            cached_tokens=r.cached_tokens if r.prefilled_once else None,
-            completion_tokens=r.output_len,
-            finish_reason="abort" if aborted else "length",
-            error=r.error,
-            dp_rank=rank,
-            source="sim",
-            think_ns=s.gap_ns if s.pred is not None else None,
-            arrival_ns=None if s.pred is not None else anchor + (s.arrival_ns or 0),
-            meta_info=meta,
-        )
+            worker = self.workers[slot.worker].name
+        rank = slot.rank if slot is not None else None
+        return sim_request_record(self.reqs[i], self.anchor_ns, rank, worker, rank_in_meta=True)
 
 
 def simulate_fleet(
@@ -675,6 +496,11 @@ def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> No
                 epoch=0,
                 pass_index=b.pass_index,
             )
+        from kvcadence.replay.visibility import scheduler_notes
+
+        for sl in slots:  # each rank's visibility notes (none with --no-visibility)
+            for note in scheduler_notes(sl.sched, result.anchor_ns, endpoint=sl.rank):
+                wr.write(note)
         for rec in worker_requests(result, worker):
             wr.write(rec)
         wr.close(stats={"replay": summary}, end_ns=end_ns)

@@ -3,21 +3,27 @@
 What this file owns: ``publish_batches`` binds a PUB socket (and optionally a ROUTER replay
 socket) on loopback, sends every simulated batch as ``[topic, seq8, payload]``
 (``kvcadence.capture.wire.live_frames``), optionally paced at virtual time / ``speed``, and
-answers replay requests (``[b"", seq8]`` from a DEALER) with
-``wire.replay_reply_frames`` for every buffered seq ≥ the requested one, then the end marker
-— so KV-aware routers can be tested against the simulation. zmq is imported here only.
+answers replay requests the way SGLang's publisher thread does: the ROUTER is polled between
+sends (and while pacing, and for ``linger_s`` after the last send); a request
+(``wire.parse_replay_request``: ``[b"", seq8]`` from a DEALER) gets
+``wire.replay_reply_frames`` for every batch already sent with seq ≥ the requested one, then
+the end marker (``wire.END_SEQ``); a malformed request is counted and gets no reply (SGLang
+logs it and sends nothing). So KV-aware routers can be tested against the simulation.
+zmq is imported here only.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcadence.errors import UsageError
 
 #: a short settle time after binding so a subscriber that connects right away is joined
 SLOW_JOINER_S = 0.2
+#: seconds the ROUTER keeps answering replay requests after the last message (CLI default)
+DEFAULT_LINGER_S = 2.0
 
 
 def _check_endpoint(ep: str) -> None:
@@ -29,27 +35,45 @@ def _check_endpoint(ep: str) -> None:
         raise UsageError(f"{ep}: publishing binds loopback only (tcp://127.0.0.1:PORT)")
 
 
-def _serve_replay(router: Any, batches: Sequence[Any], topic: str, upto: int) -> int:
-    """Answer every pending replay request; returns the number answered."""
-    import zmq
+class ReplayServer:
+    """The ROUTER side of SGLang's replay protocol over the batches sent so far."""
 
-    from kvcadence.capture import wire
+    def __init__(self, router: Any, batches: Sequence[Any], topic: str) -> None:
+        self.router = router
+        self.batches = batches
+        self.topic = topic
+        self.answered = 0
+        self.malformed = 0
 
-    answered = 0
-    while True:
-        try:
-            frames = router.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return answered
-        if len(frames) < 3:
-            continue
-        ident, seq_frame = frames[0], frames[-1]
-        start = int.from_bytes(seq_frame[:8], "big") if len(seq_frame) >= 8 else 0
-        for b in batches[:upto]:
-            if b.seq >= start:
-                router.send_multipart([ident, *wire.replay_reply_frames(topic, b.seq, b.payload)])
-        router.send_multipart([ident, *wire.replay_reply_frames(topic, -1, b"")])
-        answered += 1
+    def serve(self, upto: int) -> int:
+        """Answer every pending request from ``batches[:upto]`` (the ones sent); returns
+        how many requests were answered."""
+        import zmq
+
+        from kvcadence.capture import wire
+        from kvcadence.errors import WireError
+
+        answered = 0
+        router = self.router
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            ident, rest = frames[0], frames[1:]
+            try:
+                start = wire.parse_replay_request(rest)
+            except WireError:
+                self.malformed += 1  # SGLang: logged as invalid, no reply
+                continue
+            for b in self.batches[:upto]:
+                if b.seq >= start:
+                    router.send_multipart(
+                        [ident, *wire.replay_reply_frames(self.topic, b.seq, b.payload)]
+                    )
+            router.send_multipart([ident, *wire.replay_reply_frames(self.topic, wire.END_SEQ, b"")])
+            answered += 1
+            self.answered += 1
 
 
 def publish_batches(
@@ -59,10 +83,15 @@ def publish_batches(
     topic: str = "kv-events",
     replay_endpoint: str | None = None,
     speed: float = 0.0,
-    linger_s: float = 0.0,
+    linger_s: float = DEFAULT_LINGER_S,
     settle_s: float = SLOW_JOINER_S,
+    stats: dict[str, int] | None = None,
+    on_sent: Callable[[int], None] | None = None,
 ) -> int:
-    """Publish ``batches`` (``PublishedBatch``) live; returns the number of messages sent."""
+    """Publish ``batches`` (``PublishedBatch``) live; returns the number of messages sent.
+
+    ``stats`` (optional) receives ``replay_requests`` (answered) and
+    ``malformed_replay_requests`` (ignored). ``on_sent(n)`` is called after the n-th send."""
     import zmq
 
     from kvcadence.capture import wire
@@ -75,6 +104,8 @@ def publish_batches(
     pub.setsockopt(zmq.SNDHWM, 100_000)
     pub.setsockopt(zmq.LINGER, 1000)
     router = None
+    server: ReplayServer | None = None
+    sent = 0
     try:
         try:
             pub.bind(endpoint)
@@ -82,33 +113,40 @@ def publish_batches(
                 router = ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
                 router.bind(replay_endpoint)
+                server = ReplayServer(router, batches, topic)
         except zmq.ZMQError as exc:
             raise UsageError(f"cannot bind {exc}") from exc
         time.sleep(settle_s)
         t0 = time.monotonic()
         first_ns = batches[0].time_ns if batches else 0
-        sent = 0
         for i, b in enumerate(batches):
+            if server is not None:
+                server.serve(i)  # between sends, like SGLang's publisher thread
             if speed > 0:
                 due = t0 + (b.time_ns - first_ns) / 1e9 / speed
                 while True:
                     now = time.monotonic()
-                    if router is not None:
-                        _serve_replay(router, batches, topic, i)
                     if now >= due:
                         break
                     time.sleep(min(0.01, due - now))
+                    if server is not None:
+                        server.serve(i)
             pub.send_multipart(wire.live_frames(topic, b.seq, b.payload))
             sent += 1
-        if router is not None:
+            if on_sent is not None:
+                on_sent(sent)
+        if server is not None:
             end = time.monotonic() + linger_s
             while True:
-                _serve_replay(router, batches, topic, len(batches))
+                server.serve(len(batches))
                 if time.monotonic() >= end:
                     break
                 time.sleep(0.01)
         return sent
     finally:
+        if stats is not None and server is not None:
+            stats["replay_requests"] = server.answered
+            stats["malformed_replay_requests"] = server.malformed
         pub.close()
         if router is not None:
             router.close()

@@ -28,6 +28,9 @@ What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §
   (``scale_client_gaps``: the gap spans as many passes as it did on the real worker);
 * decode stretches: when only decode happens, whole stretches of passes are advanced at
   once up to the next finish, publish point, allocation need or arrival (identical output);
+* stepping: ``start``, ``step(horizon)`` (one loop iteration, or one skipped stretch),
+  ``next_time``, ``add_arrival``, ``finish_run`` and the ``on_finish`` hook; ``run`` drives
+  them for one worker and ``replay.fleet`` for many ranks in one clock (one loop body);
 * visibility: per stored page, the pass that computed it — prefill marks per request and
   one shared decode log (a decoding request is in every decode pass, so its decoded
   positions map to consecutive log entries): no per-request, per-pass bookkeeping.
@@ -61,6 +64,7 @@ from kvcadence.replay.schedule import RequestSpec, Schedule
 from kvcadence.replay.timing import PassTimer
 
 WAITING, RUNNING, FINISHED, ABORTED = 0, 1, 2, 3
+_INF = float("inf")
 _PREFILL_PHASE = array("b", (0,))
 _DECODE_PHASE = array("b", (1,))
 
@@ -220,7 +224,15 @@ class Scheduler:
         *,
         publisher: Publisher | None = None,
         on_publish: Callable[[int], None] | None = None,
+        requests: list[SimReq] | None = None,
+        on_finish: Callable[[SimReq, int], None] | None = None,
     ) -> None:
+        """``requests``: serve these instead of the schedule's (a driver's shared list,
+        indexed by spec ``idx``; the driver prepares them and hands each its arrival with
+        ``add_arrival``). ``on_finish(req, t)``: called when a request finished or was
+        aborted at ``t`` (after the lane's next gap was scaled); when given, the driver
+        releases the lane's next request (``replay.fleet`` routes it to any rank), not this
+        scheduler."""
         self.cfg = cfg
         self.schedule = schedule
         self.ps = cfg.page_size
@@ -244,24 +256,28 @@ class Scheduler:
         )
         self.tc = _TreeCacheAdapter(self.tree)
         self.allocator = _AllocatorAdapter(self)
-        self.reqs = [SimReq(s) for s in schedule.requests]
+        shared = requests is not None
+        self.reqs = requests if shared else [SimReq(s) for s in schedule.requests]
         self.role = cfg.role
         #: radix inserts happen (a decode worker inserts only with its decode radix cache)
         self.inserts = cfg.role != "decode" or cfg.decode_radix_cache
-        if self.role == "prefill":
-            # PrefillBootstrapQueue._process_req: max_new_tokens = 1 (one token, no decode)
+        if self.role == "prefill" and not shared:
+            # PrefillBootstrapQueue._process_req: max_new_tokens = 1 (one token, no decode);
+            # a driver sharing its requests prepares them (the fleet models no PD roles)
             for r in self.reqs:
                 r.n_out = r.max_new_tokens = 1
+        self.on_finish = on_finish
+        #: pred idx -> the lane's next requests (idx into ``self.reqs``)
         self.successors: dict[int, list[int]] = {}
-        #: pred idx -> lane successors over ``self.reqs`` (built on first use)
-        self._lane_next: dict[int, list[int]] | None = None
-        for s in schedule.requests:
-            if s.pred is not None:
-                self.successors.setdefault(s.pred, []).append(s.idx)
+        for r in self.reqs:
+            if r.spec.pred is not None:
+                self.successors.setdefault(r.spec.pred, []).append(r.idx)
         self.arrivals: list[tuple[int, int]] = []
-        for s in schedule.requests:
-            if s.pred is None:
-                heapq.heappush(self.arrivals, ((s.arrival_ns or 0) + self._kv_ready_ns(s), s.idx))
+        if not shared:
+            for s in schedule.requests:
+                if s.pred is None:
+                    at = (s.arrival_ns or 0) + self._kv_ready_ns(s)
+                    heapq.heappush(self.arrivals, (at, s.idx))
         self.flush_times = list(schedule.flush_times_ns)
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []
@@ -276,7 +292,13 @@ class Scheduler:
         #: (reason, global decode counter, pass index, virtual ns) of every published batch
         self.publish_log: list[tuple[str, int, int, int]] = []
         self.finished_count = 0
+        #: stepping state: local virtual time, the batch in flight (overlap), parked = the
+        #: run is over unless ``add_arrival`` hands it more; asleep-idle since (ns)
         self.t = 0
+        self.last: Batch | None = None
+        self.parked = False
+        self._idle_since: int | None = None
+        self._started = False
         self.gpu_free = 0
         self._aborts: dict[str, int] = {}
         #: pause commands: (at_ns, until_ns, mode), sorted
@@ -315,8 +337,6 @@ class Scheduler:
 
     def _match(self, req: SimReq) -> None:
         """``init_next_round_input``: device match capped at len − 1, page aligned."""
-        if req.last_node is not None and req.lock_handle is None:
-            pass
         n, node = self.tree.match_prefix(req.fill, req.fill_len - 1)
         req.prefix_len = n
         req.last_node = node
@@ -487,6 +507,9 @@ class Scheduler:
             extra = max(0, req.spec.decode_ns - self._transfer_ns(req))
         if self.cfg.scale_client_gaps and self.role == "both":
             self._scale_next_gap(req, t)
+        if self.on_finish is not None:
+            self.on_finish(req, t)
+            return
         for nxt in self.successors.get(req.idx, ()):
             spec = self.reqs[nxt].spec
             gap = spec.gap_ns
@@ -502,13 +525,7 @@ class Scheduler:
         e2e = req.spec.e2e_ns
         if not e2e or t <= req.arrival_ns:
             return
-        nxt_of = self._lane_next
-        if nxt_of is None:  # built on first use: a driver may set ``self.reqs`` after init
-            nxt_of = self._lane_next = {}
-            for r in self.reqs:
-                if r.spec.pred is not None:
-                    nxt_of.setdefault(r.spec.pred, []).append(r.idx)
-        for idx in nxt_of.get(req.idx, ()):
+        for idx in self.successors.get(req.idx, ()):
             spec = self.reqs[idx].spec
             recorded = spec.meta.setdefault("recorded_gap_ns", spec.gap_ns)
             spec.gap_ns = recorded * (t - req.arrival_ns) // e2e
@@ -885,8 +902,13 @@ class Scheduler:
             self.waiting.append(req)
 
     # ------------------------------------------------------------------ decode stretches
-    def _skip_decode_stretch(self, t: int, last: Batch | None) -> tuple[int, Batch | None] | None:
-        """Advance M > 1 pure-decode iterations at once when nothing can happen in them."""
+    def _skip_decode_stretch(
+        self, t: int, last: Batch | None, horizon: float = _INF
+    ) -> tuple[int, Batch | None] | None:
+        """Advance M > 1 pure-decode iterations at once when nothing can happen in them.
+
+        ``horizon``: no arrival will be added before it (``step``'s); the stretch stops
+        there as at a known arrival."""
         if self.waiting or self.chunked_req is not None or self.pending_merge:
             return None
         running = self.running
@@ -898,6 +920,8 @@ class Scheduler:
         interval = self.cfg.decode_log_interval
         d = self.timer.decode_ns(len(running))
         next_arr = self.arrivals[0][0] if self.arrivals else None
+        if horizon < _INF and (next_arr is None or horizon < next_arr):
+            next_arr = int(horizon)
         # the cheap bounds first (next publish point, next arrival); the per-request one
         # (next finish) only when they allow a stretch
         m = interval - 1 - (self.decode_ct % interval)
@@ -973,7 +997,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ main loop
     def run(self, progress: Callable[[int], None] | None = None) -> SimStats:
-        """Run the whole schedule; returns statistics (events go to the publisher).
+        """Run the whole schedule (``start``, ``step`` until parked, ``finish_run``);
+        returns statistics (events go to the publisher).
 
         The cyclic garbage collector is paused for the run (restored after): the run
         allocates millions of small objects that live until it ends (requests' token
@@ -982,98 +1007,140 @@ class Scheduler:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return self._run(progress)
+            self.start()
+            reported = 0
+            guard = 0
+            while self.step():
+                if progress is not None and self.finished_count != reported:
+                    progress(self.finished_count - reported)
+                    reported = self.finished_count
+                guard += 1
+                if guard > 50_000_000:
+                    raise ReplayError("simulation did not terminate (loop guard)")
+            if progress is not None and self.finished_count != reported:
+                progress(self.finished_count - reported)
+            if self.finished_count < len(self.reqs):
+                stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
+                raise ReplayError(f"simulation ended with unfinished requests: {stuck}")
+            return self.finish_run()
         finally:
             if enabled:
                 gc.enable()
 
-    def _run(self, progress: Callable[[int], None] | None) -> SimStats:
-        # startup: the tree's construction records AllBlocksCleared (seq 0); a decode worker
-        # without its radix cache has no tree and publishes nothing
+    # ------------------------------------------------------------------ stepping API
+    def start(self) -> None:
+        """Begin the run at virtual time 0: the tree's construction records
+        AllBlocksCleared (published as seq 0); a decode worker without its radix cache has
+        no tree and publishes nothing."""
+        if self._started:
+            raise ReplayError("scheduler already started")
+        self._started = True
         if self.inserts:
             self.queue.record_clear()
             self._publish(0, -1, "startup")
-        t = 0
-        last: Batch | None = None
-        total = len(self.reqs)
-        reported = 0
-        cfg = self.cfg
-        skip = cfg.skip_decode_stretches
-        sync = self.sync
-        guard = 0
-        while True:
-            if skip:
-                jumped = self._skip_decode_stretch(t, last)
-                if jumped is not None:
-                    t, last = jumped
-                    continue
-            if self._pauses and self._pauses[0][0] <= t and self.paused_until is None:
-                if self.overlap and last is not None:
-                    t = max(t, last.end_ns)
-                    self._process_result(last, t)
-                    last = None
-                self._pause(t)
-            if self.paused_until is not None:
-                self._receive(t)
-                if t < self.paused_until:
-                    t = self.paused_until
-                    continue
-                self.paused_until = None
+
+    @property
+    def next_time(self) -> float:
+        """Virtual time of the next ``step`` (infinite while parked)."""
+        return _INF if self.parked else self.t
+
+    def step(self, horizon: float = _INF) -> bool:
+        """One iteration of SGLang's event loop at ``self.t`` (a whole decode stretch when
+        one can be skipped). ``horizon``: the earliest time a driver may still
+        ``add_arrival`` a request (a skipped stretch never jumps over it). Returns False
+        once the scheduler is parked: idle with nothing scheduled (no arrival, flush,
+        abort, pause or transfer ahead); ``add_arrival`` wakes it."""
+        t = self.t
+        last = self.last
+        if self.cfg.skip_decode_stretches:
+            jumped = self._skip_decode_stretch(t, last, horizon)
+            if jumped is not None:
+                self.t, self.last = jumped
+                self._idle_since = None
+                return True
+        self._idle_since = None
+        if self._pauses and self._pauses[0][0] <= t and self.paused_until is None:
+            if self.overlap and last is not None:
+                t = max(t, last.end_ns)
+                self._process_result(last, t)
+                last = self.last = None
+            self._pause(t)
+        if self.paused_until is not None:
             self._receive(t)
-            self._apply_aborts(t)
-            self._maybe_flush(t)
-            batch = self._get_next_batch(t)
-            if batch is not None:
-                if batch.kind == "prefill":
-                    # a decode worker's "prefill" is the prebuilt batch of transferred KV
-                    tokens = 0 if self.role == "decode" else batch.tokens
-                    dur = self.timer.prefill_ns(tokens, len(batch.reqs))
-                else:
-                    dur = self.timer.decode_ns(len(batch.reqs))
-                start = max(t, self.gpu_free)
-                batch.end_ns = start + dur
-                self.gpu_free = batch.end_ns
-                self.stats.passes += 1
-                self._mark_batch(batch)
-            if self.overlap:
-                if sync and batch is not None:
-                    # CPU device: the launch runs the forward before the previous result is
-                    # processed and before the next receive
-                    t = max(t, batch.end_ns)
-                if last is not None:
-                    t = max(t, last.end_ns)
-                    self._process_result(last, t)
-                elif batch is None:
-                    if not self._idle_step(t):
-                        break
-                    t = self._next_wake(t)
-                last = batch
+            if t < self.paused_until:
+                self.t = self.paused_until
+                return True
+            self.paused_until = None
+        self._receive(t)
+        self._apply_aborts(t)
+        self._maybe_flush(t)
+        batch = self._get_next_batch(t)
+        if batch is not None:
+            if batch.kind == "prefill":
+                # a decode worker's "prefill" is the prebuilt batch of transferred KV
+                tokens = 0 if self.role == "decode" else batch.tokens
+                dur = self.timer.prefill_ns(tokens, len(batch.reqs))
             else:
-                if batch is not None:
-                    t = batch.end_ns
-                    self._process_result(batch, t)
-                else:
-                    if not self._idle_step(t):
-                        break
-                    t = self._next_wake(t)
-            if self.held:
-                self._poll_transfers(t)
-            if self.role == "prefill":
-                # SGLang resets the flag every iteration (no update_running_batch on a prefill
-                # worker)
-                self.batch_is_full = False
-            if progress is not None and self.finished_count != reported:
-                progress(self.finished_count - reported)
-                reported = self.finished_count
-            guard += 1
-            if guard > 50_000_000:
-                raise ReplayError("simulation did not terminate (loop guard)")
-        if self.finished_count < total:
-            stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
-            raise ReplayError(f"simulation ended with unfinished requests: {stuck}")
+                dur = self.timer.decode_ns(len(batch.reqs))
+            start = max(t, self.gpu_free)
+            batch.end_ns = start + dur
+            self.gpu_free = batch.end_ns
+            self.stats.passes += 1
+            self._mark_batch(batch)
+        if self.overlap:
+            if self.sync and batch is not None:
+                # CPU device: the launch runs the forward before the previous result is
+                # processed and before the next receive
+                t = max(t, batch.end_ns)
+            if last is not None:
+                t = max(t, last.end_ns)
+                self._process_result(last, t)
+            elif batch is None:
+                t = self._idle(t)
+            self.last = batch
+        else:
+            if batch is not None:
+                t = batch.end_ns
+                self._process_result(batch, t)
+            else:
+                t = self._idle(t)
+        if self.held:
+            self._poll_transfers(t)
+        if self.role == "prefill":
+            # SGLang resets the flag every iteration (no update_running_batch on a prefill
+            # worker)
+            self.batch_is_full = False
+        self.t = t
+        return not self.parked
+
+    def add_arrival(self, at_ns: int, idx: int) -> None:
+        """A driver hands request ``idx`` (of ``self.reqs``) to this scheduler, arriving at
+        ``at_ns`` (not before ``self.t`` unless it sleeps): wakes it if parked or asleep."""
+        heapq.heappush(self.arrivals, (at_ns, idx))
+        if self.parked:
+            self.parked = False
+            if self._idle_since is not None:
+                self.t = self._idle_since
+        if self._idle_since is not None:
+            # asleep since _idle_since: recompute the wake-up with the new arrival
+            self.t = self._next_wake(self._idle_since)
+
+    def finish_run(self) -> SimStats:
+        """Close the run's statistics (passes, virtual end time) and return them."""
         self.stats.passes = self.pass_index + 1
-        self.stats.virtual_ns = t
+        self.stats.virtual_ns = self.t
         return self.stats
+
+    def _idle(self, t: int) -> int:
+        """No batch to launch (and none to process): idle handling; returns the time of the
+        next iteration (parks the scheduler when the run is over)."""
+        if not self._idle_step(t):
+            self.parked = True
+            self._idle_since = t
+            return t
+        if self._fully_idle():
+            self._idle_since = t
+        return self._next_wake(t)
 
     def _idle_step(self, t: int) -> bool:
         """No batch and no last batch: idle handling. False when the run is over."""

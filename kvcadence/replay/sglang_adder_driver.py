@@ -143,6 +143,8 @@ class FakeTreeCache:
         return 0 if node.evicted else node.size
 
     def init_load_back(self, params):
+        # A copy of ``kvcadence.replay.admit.FakeTreeCache.load_back`` (this driver runs inside
+        # real SGLang and must not import kvcadence): keep the two in sync by hand.
         req = params.req
         host = params.host_hit_length
         paged = _ceil_paged(host, self.page_size)

@@ -32,7 +32,7 @@ from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import Schedule, build_schedule
-from kvcadence.replay.scheduler import ABORTED, Scheduler, SimStats
+from kvcadence.replay.scheduler import ABORTED, Scheduler, SimReq, SimStats
 from kvcadence.replay.timing import calibrate
 
 
@@ -136,8 +136,6 @@ def _simulate(
     progress: Callable[[int], None] | None,
     on_publish: Callable[[int], None] | None,
 ) -> SimResult:
-    from kvcadence.capture.schema import RequestRecord
-
     cfg.validate()
     t0 = time.perf_counter()
     schedule = build_schedule(
@@ -151,55 +149,67 @@ def _simulate(
     )
     stats = sched.run(progress)
     anchor = schedule.anchor_ns
-    out = []
-    for r in sched.reqs:
-        s = r.spec
-        aborted = r.state == ABORTED
-
-        def ts(v: int | None) -> float | None:
-            return None if v is None else (anchor + v) / 1e9
-
-        meta = {
-            "prompt_tokens": r.input_len,
-            "completion_tokens": r.output_len,
-            "cached_tokens": r.cached_tokens,
-            "num_retractions": r.retractions,
-            "request_received_ts": ts(r.arrival_ns),
-            "forward_entry_time": ts(r.entry_ns),
-            "prefill_finished_time": ts(r.first_token_ns),
-            "request_finished_ts": ts(r.finish_ns),
-        }
-        out.append(
-            RequestRecord(
-                rid=s.rid,
-                input_ids=_as_list(s.source.input_ids if s.source is not None else s.input_ids),
-                output_ids=list(s.output_ids[: r.output_len]),
-                send_ns=anchor + r.arrival_ns,
-                first_token_ns=None if r.first_token_ns is None else anchor + r.first_token_ns,
-                finish_ns=None if r.finish_ns is None else anchor + r.finish_ns,
-                lane=s.lane,
-                session=s.session,
-                turn=s.turn,
-                max_new_tokens=s.max_new_tokens,
-                prompt_tokens=r.input_len,
-                cached_tokens=r.cached_tokens if r.prefilled_once else None,
-                completion_tokens=r.output_len,
-                finish_reason="abort" if aborted else "length",
-                error=r.error,
-                dp_rank=cfg.attn_dp_rank,
-                source="sim",
-                think_ns=s.gap_ns if s.pred is not None else None,
-                arrival_ns=None if s.pred is not None else anchor + (s.arrival_ns or 0),
-                meta_info=meta,
-            )
-        )
+    out = [sim_request_record(r, anchor, cfg.attn_dp_rank) for r in sched.reqs]
     return SimResult(
         cfg, schedule, stats, publisher.batches, out, time.perf_counter() - t0, scheduler=sched
     )
 
 
-def _as_list(v: Any) -> list[int]:
-    return v if isinstance(v, list) else list(v)
+def sim_request_record(
+    r: SimReq,
+    anchor_ns: int,
+    rank: int | None = None,
+    worker: str | None = None,
+    *,
+    rank_in_meta: bool = False,
+) -> Any:
+    """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
+    ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
+    (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
+    from kvcadence.capture.schema import RequestRecord
+
+    s = r.spec
+
+    def ts(v: int | None) -> float | None:
+        return None if v is None else (anchor_ns + v) / 1e9
+
+    meta: dict[str, Any] = {
+        "prompt_tokens": r.input_len,
+        "completion_tokens": r.output_len,
+        "cached_tokens": r.cached_tokens,
+        "num_retractions": r.retractions,
+        "request_received_ts": ts(r.arrival_ns),
+        "forward_entry_time": ts(r.entry_ns),
+        "prefill_finished_time": ts(r.first_token_ns),
+        "request_finished_ts": ts(r.finish_ns),
+    }
+    if rank_in_meta:
+        meta["dp_rank"] = rank
+    if worker is not None:
+        meta["worker"] = worker
+    src_ids = s.source.input_ids if s.source is not None else s.input_ids
+    return RequestRecord(
+        rid=s.rid,
+        input_ids=src_ids if isinstance(src_ids, list) else list(src_ids),
+        output_ids=list(s.output_ids[: r.output_len]),
+        send_ns=anchor_ns + r.arrival_ns,
+        first_token_ns=None if r.first_token_ns is None else anchor_ns + r.first_token_ns,
+        finish_ns=None if r.finish_ns is None else anchor_ns + r.finish_ns,
+        lane=s.lane,
+        session=s.session,
+        turn=s.turn,
+        max_new_tokens=s.max_new_tokens,
+        prompt_tokens=r.input_len,
+        cached_tokens=r.cached_tokens if r.prefilled_once else None,
+        completion_tokens=r.output_len,
+        finish_reason="abort" if r.state == ABORTED else "length",
+        error=r.error,
+        dp_rank=rank,
+        source="sim",
+        think_ns=s.gap_ns if s.pred is not None else None,
+        arrival_ns=None if s.pred is not None else anchor_ns + (s.arrival_ns or 0),
+        meta_info=meta,
+    )
 
 
 def flush_times_from_bundle(reader: Any) -> list[int]:

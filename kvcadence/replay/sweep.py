@@ -8,7 +8,10 @@ What this file owns:
 * ``run_sweep(bundles, points, out)`` -- one job per point (all bundles replayed together
   as one fleet) or, with ``each=True``, one job per (bundle, point); jobs run in separate
   processes (``concurrent.futures.ProcessPoolExecutor``, spawn) and only plain dicts and
-  paths cross the process boundary;
+  paths cross the process boundary. The executor pickles them (job spec out, job summary
+  back) between our own processes of one run; nothing read from a file or socket is ever
+  unpickled. ``validate_jobs`` builds every job's configs first, so a bad point is a
+  ``UsageError`` before ``out`` is created;
 * the dataset: every job writes its rows with pyarrow under ``out`` as a hive-partitioned
   Parquet dataset ``worker=…/rank=…/route=…/<key>=<value>/…`` (one column per swept key, so
   DuckDB's ``read_parquet('out/**/*.parquet', hive_partitioning = true)`` sees them), file
@@ -260,8 +263,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     point = dict(job["point"])
     route = point.get("route") or job.get("route") or "recorded"
     point["route"] = route
-    overrides = dict(job.get("overrides") or {})
-    overrides.update({k: v for k, v in point.items() if k != "route"})
+    overrides = _job_overrides(job)
+    if overrides.get("track_visibility") is None:
+        overrides["track_visibility"] = False  # the rows carry no visibility: skip the log
     workers = [
         load_worker(
             p,
@@ -321,6 +325,44 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- many jobs
+def _job_overrides(job: dict[str, Any]) -> dict[str, Any]:
+    overrides = dict(job.get("overrides") or {})
+    overrides.update({k: v for k, v in job["point"].items() if k != "route"})
+    return overrides
+
+
+def validate_jobs(specs: Sequence[dict[str, Any]]) -> None:
+    """Build every job's rank configs in this process (each bundle read once; no timing
+    calibration, which cannot make a config invalid): a bad point (``page_size=0``) or an
+    input without requests is a ``UsageError`` / ``InputError`` before anything is written."""
+    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.errors import InputError
+    from kvcadence.replay.fleet import rank_configs
+
+    inputs: dict[str, tuple[Any, list[Any]]] = {}
+    for job in specs:
+        for path in job["bundles"]:
+            if path not in inputs:
+                reader = BundleReader(path)
+                records = reader.requests()
+                if not records:
+                    raise InputError(f"{path}: the bundle has no request records to replay")
+                inputs[path] = (reader.header, records)
+            header, records = inputs[path]
+            try:
+                rank_configs(
+                    header,
+                    records,
+                    _job_overrides(job),
+                    sglang_version=job.get("sglang_version"),
+                    calibrate_timing=False,
+                )
+            except UsageError as exc:
+                if isinstance(exc, InputError):
+                    raise
+                raise UsageError(f"--sweep {point_label(job['point'])}: {exc}") from None
+
+
 def run_sweep(
     bundles: Sequence[str | Path],
     points: Sequence[dict[str, Any]],
@@ -363,6 +405,7 @@ def run_sweep(
                     "align_workers": align_workers,
                 }
             )
+    validate_jobs(specs)  # before anything is written: a bad point leaves no --out behind
     out_path.mkdir(parents=True, exist_ok=True)
     n = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
     results: list[dict[str, Any] | None] = [None] * len(specs)

@@ -146,3 +146,36 @@ def test_publish_refuses_non_loopback():
 
     with pytest.raises(UsageError, match="loopback"):
         publish_batches([], "tcp://0.0.0.0:5557")
+
+
+def test_no_request_ran_is_exit_1_with_the_aborted_count(tmp_path, capsys):
+    src = tmp_path / "src"
+    make_bundle(src)
+    out = tmp_path / "sim"
+    assert main(["replay", str(src), "--out", str(out), "--max-total-tokens", "10"]) == 1
+    cap = capsys.readouterr()
+    assert "2 aborted" in cap.out
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvcadence: error: replay: no request ran")
+    assert "does not fit in the KV pool" in err[0]
+    # the sim bundle was written all the same: every record says why
+    recs = BundleReader(out).requests()
+    assert [r.finish_reason for r in recs] == ["abort", "abort"]
+    # a run where requests ran reports 0 aborted and exits 0
+    assert main(["replay", str(src), "--out", str(tmp_path / "ok")]) == 0
+    assert "0 aborted" in capsys.readouterr().out
+
+
+def test_unknown_version_and_bad_sweep_point_write_nothing(tmp_path, capsys):
+    src = tmp_path / "src"
+    make_bundle(src)
+    out = tmp_path / "o"
+    assert main(["replay", str(src), "--out", str(out), "--sglang-version", "0.5.21"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "0.5.21" in err[0]
+    assert not out.exists()
+    argv = ["replay", str(src), "--out", str(out), "--sweep", "page-size=0,1", "--jobs", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "page_size=0" in err[0] and "page size must be >= 1" in err[0]
+    assert not out.exists()  # validated before --out is created

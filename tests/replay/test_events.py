@@ -106,3 +106,26 @@ def test_array_version_round_trips_through_the_decoder():
     events = wire.decode_batch(pub.batches[0].payload).events
     assert [type(e) for e in events] == [BlockStored, BlockStored]
     assert events[1].parent_block_hash == H1
+
+
+def test_simulated_versions_come_from_the_wire_version_table():
+    from kvcadence.replay.config import from_server_info
+    from kvcadence.replay.events import VERSION_MODES
+
+    # one table (capture.wire); 0.5.5 excluded (process-seeded hash()), no invented release
+    assert set(VERSION_MODES) == set(wire.SUPPORTED_VERSIONS) - {"0.5.5"}
+    assert "0.5.21" not in VERSION_MODES
+    assert VERSION_MODES["0.5.23"] == VERSION_MODES["0.5.20"] == "coalesced"
+    assert VERSION_MODES["0.5.17"] == "per_page_store_per_node_remove"
+    assert VERSION_MODES["0.5.14"] == VERSION_MODES["0.5.10"] == "per_page"
+    for version in VERSION_MODES:  # every listed version really encodes and decodes
+        q = EventQueue(version)
+        q.record_store([H1, H2], None, list(range(1, 9)), 4)
+        pub = Publisher(version, "GPU")
+        pub.publish(q.take(), 0, 0)
+        events = wire.decode_batch(pub.batches[0].payload).events
+        assert {tuple(e.block_hashes) for e in events} <= {(H1, H2), (H1,), (H2,)}
+    with pytest.raises(UsageError, match="0.5.21"):
+        EventQueue("0.5.21")
+    # a bundle recorded by an unlisted release maps to the nearest listed one below
+    assert from_server_info({"version": "0.5.21"}).sglang_version == "0.5.20"
