@@ -345,13 +345,18 @@ class Fleet:
         if not 0 <= slot < len(self.slots):
             raise ReplayError(f"router {self.router.name!r} chose slot {slot} of {len(self.slots)}")
         self.serving[idx] = slot
-        self.slots[slot].sched.add_arrival(at, idx)
+        sched = self.slots[slot].sched
+        # a decode rank can schedule it only once its KV has been transferred
+        sched.add_arrival(at + sched.kv_ready_ns(self.reqs[idx].spec), idx)
 
     def _on_finish(self, req: SimReq, t: int) -> None:
         """A rank finished (or aborted) ``req`` at ``t``: its lane's next request becomes
-        known, arriving its (already scaled) gap later, on whichever rank it is routed to."""
+        known, arriving its (already scaled) gap later -- plus, from a prefill rank, the
+        decode elsewhere -- on whichever rank it is routed to."""
+        sl = self.serving[req.idx]
+        extra = self.slots[sl].sched.remote_decode_ns(req) if sl >= 0 else 0
         for nxt in self.successors.get(req.idx, ()):
-            self._known(t + self.reqs[nxt].spec.gap_ns, nxt)
+            self._known(t + self.reqs[nxt].spec.gap_ns + extra, nxt)
 
     # ------------------------------------------------------------------ run
     def run(self, progress: Callable[[int], None] | None = None) -> FleetResult:

@@ -263,7 +263,8 @@ class Scheduler:
         self.inserts = cfg.role != "decode" or cfg.decode_radix_cache
         if self.role == "prefill" and not shared:
             # PrefillBootstrapQueue._process_req: max_new_tokens = 1 (one token, no decode);
-            # a driver sharing its requests prepares them (the fleet models no PD roles)
+            # a driver sharing its requests: each request when it is handed to this rank
+            # (``add_arrival``), so a fleet's other (non-prefill) ranks keep theirs
             for r in self.reqs:
                 r.n_out = r.max_new_tokens = 1
         self.on_finish = on_finish
@@ -499,12 +500,16 @@ class Scheduler:
         self.batch_is_full = False
         self._release_successors(req, t)
 
+    def remote_decode_ns(self, req: SimReq) -> int:
+        """Prefill role: how much later than this rank's finish the client sees ``req``
+        finish (its decode runs on another worker); 0 for the other roles."""
+        if self.role == "prefill" and req.spec.decode_ns:
+            return max(0, req.spec.decode_ns - self._transfer_ns(req))
+        return 0
+
     def _release_successors(self, req: SimReq, t: int) -> None:
         """Closed loop: the lane's next request arrives its gap after ``req`` finished."""
-        extra = 0
-        if self.role == "prefill" and req.spec.decode_ns:
-            # the decode runs on another worker: the client sees the finish that much later
-            extra = max(0, req.spec.decode_ns - self._transfer_ns(req))
+        extra = self.remote_decode_ns(req)
         if self.cfg.scale_client_gaps and self.role == "both":
             self._scale_next_gap(req, t)
         if self.on_finish is not None:
@@ -536,6 +541,10 @@ class Scheduler:
             return req.spec.transfer_ns
         tp = self.cfg.timing
         return int((tp.transfer_base_s + tp.transfer_per_token_s * req.input_len) * 1e9)
+
+    def kv_ready_ns(self, spec: RequestSpec) -> int:
+        """Decode role: the KV transfer delay before ``spec`` becomes schedulable here."""
+        return self._kv_ready_ns(spec)
 
     def _kv_ready_ns(self, spec: RequestSpec) -> int:
         """Decode role: a request becomes schedulable once its KV has been transferred."""
@@ -1115,7 +1124,12 @@ class Scheduler:
 
     def add_arrival(self, at_ns: int, idx: int) -> None:
         """A driver hands request ``idx`` (of ``self.reqs``) to this scheduler, arriving at
-        ``at_ns`` (not before ``self.t`` unless it sleeps): wakes it if parked or asleep."""
+        ``at_ns`` (not before ``self.t`` unless it sleeps): wakes it if parked or asleep.
+        ``at_ns`` is when the request is schedulable here (a decode rank's driver adds the
+        KV transfer, ``kv_ready_ns``). A prefill rank caps it at one new token."""
+        if self.role == "prefill":
+            r = self.reqs[idx]
+            r.n_out = r.max_new_tokens = 1
         heapq.heappush(self.arrivals, (at_ns, idx))
         if self.parked:
             self.parked = False

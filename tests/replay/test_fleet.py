@@ -73,6 +73,30 @@ def test_one_rank_recorded_is_byte_identical_to_single_simulator():
     assert all(r.dp_rank == 0 for r in fleet.requests)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_one_rank_fleet_equals_single_simulator_for_pd_roles(role):
+    # prefill: one new token per request, the lane's next turn after the decode elsewhere;
+    # decode: every request (first turns and later ones) waits for its KV transfer
+    recs = two_rank_records()
+    for i, r in enumerate(recs):
+        r.dp_rank = None
+        base = 1_000 + i * 0.001
+        r.meta_info.update(prefill_finished_time=base + 0.004, request_finished_ts=base + 0.09)
+    kw = {"max_total_tokens": 400, "role": role, "decode_radix_cache": role == "decode"}
+    single = run(copy.deepcopy(recs), config(**kw))
+    fleet = simulate_fleet([worker(copy.deepcopy(recs), 1, **kw)], "recorded")
+    assert single.batches  # not vacuous: the roles publish events
+    assert payloads(fleet.slots[0].publisher.batches) == payloads(single.batches)
+    assert [b.time_ns for b in fleet.slots[0].publisher.batches] == [
+        b.time_ns for b in single.batches
+    ]
+    got = [(r.rid, r.completion_tokens, r.cached_tokens, r.finish_ns) for r in fleet.requests]
+    want = [(r.rid, r.completion_tokens, r.cached_tokens, r.finish_ns) for r in single.requests]
+    assert got == want
+    if role == "prefill":
+        assert all(r.completion_tokens == 1 for r in fleet.requests)
+
+
 def test_independent_ranks_equal_separate_simulations():
     recs = two_rank_records()  # lanes 0, 2 on rank 0; lanes 1, 3 on rank 1
     fleet = simulate_fleet([worker(recs, 2, max_total_tokens=300)], "recorded")
