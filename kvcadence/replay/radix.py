@@ -20,7 +20,11 @@ What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics, reference
 
 Token counts only: the tree knows how many KV slots it owns (``total_size``), not where.
 Candidates live in a lazy heap (stale entries are skipped on pop), so an eviction costs
-O(evicted · log n) instead of SGLang's collect-all-leaves O(n).
+O(evicted · log n) instead of SGLang's collect-all-leaves O(n). Nodes that become candidates
+(touched or unlocked leaves) are only noted, and enter the heap at the next ``evict`` if they
+are still candidates then, with their access stamp of then: the pop order is the total order
+(last access, node id) over the current candidates either way, and a leaf touched or locked
+again in between costs no heap entry.
 """
 
 from __future__ import annotations
@@ -136,6 +140,8 @@ class RadixTree:
         self.protected_size = 0
         self.num_nodes = 0
         self._heap: list[tuple[int, int, Node]] = []
+        #: leaves that became candidates since the last ``evict`` (pushed there if still so)
+        self._noted: list[Node] = []
 
     # ------------------------------------------------------------------ helpers
     def _child_key(self, key: Sequence[int], pos: int) -> object:
@@ -144,8 +150,28 @@ class RadixTree:
         return tuple(key[pos : pos + self.page_size])
 
     def _push(self, node: Node) -> None:
-        heapq.heappush(self._heap, (node.last_access, node.nid, node))
-        if len(self._heap) > 64 + 4 * self.num_nodes:
+        noted = self._noted
+        noted.append(node)
+        if len(noted) > 64 + 4 * self.num_nodes:
+            self._rebuild_heap()  # bound the notes (and the dead nodes they keep)
+
+    def _push_noted(self) -> None:
+        """Push the noted nodes that are still eviction candidates, at their stamp now."""
+        heap = self._heap
+        root = self.root
+        seen: set[int] = set()
+        for node in self._noted:
+            if (
+                node.alive
+                and not node.children
+                and node.lock_ref == 0
+                and node is not root
+                and node.nid not in seen
+            ):
+                seen.add(node.nid)
+                heapq.heappush(heap, (node.last_access, node.nid, node))
+        self._noted = []
+        if len(heap) > 64 + 4 * self.num_nodes:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
@@ -159,12 +185,16 @@ class RadixTree:
                 heap.append((n.last_access, n.nid, n))
         heapq.heapify(heap)
         self._heap = heap
+        self._noted = []
 
     def _touch(self, node: Node) -> None:
         self._tick += 1
         node.last_access = self._tick
         if not node.children and node.lock_ref == 0:
-            self._push(node)
+            noted = self._noted
+            noted.append(node)
+            if len(noted) > 64 + 4 * self.num_nodes:
+                self._rebuild_heap()
 
     def _common_len(self, ckey: tuple[int, ...], key: Sequence[int], pos: int, limit: int) -> int:
         """Largest l <= limit with key[pos:pos+l] == ckey[:l] (binary search on slices)."""
@@ -279,8 +309,15 @@ class RadixTree:
             while cur is not root and cur is not None:
                 path.append(cur)
                 cur = cur.parent
+            # ``_touch`` inlined (ancestors top-down; only a leaf can enter the heap)
+            tick = self._tick
             for anc in reversed(path):
-                self._touch(anc)
+                tick += 1
+                anc.last_access = tick
+                if not anc.children and anc.lock_ref == 0:
+                    self._tick = tick
+                    self._push(anc)
+            self._tick = tick
             node = start_node
             pos = start_pos
         else:
@@ -329,6 +366,29 @@ class RadixTree:
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
+    def relock(self, old: Node, node: Node) -> None:
+        """``lock(node)`` then ``unlock(old)`` (a request's lock moving down its path).
+
+        When ``old`` is ``node`` or one of its ancestors, only the nodes below ``old`` gain a
+        reference: ``old`` and its ancestors are locked throughout (+1 then -1 never crosses
+        zero), so the result is the same with no walk above ``old``."""
+        root = self.root
+        cur = node
+        while cur is not old and cur is not root:
+            cur = cur.parent  # type: ignore[assignment]
+        if cur is not old or old.lock_ref <= 0:
+            self.lock(node)
+            self.unlock(old)
+            return
+        cur = node
+        while cur is not old:
+            if cur.lock_ref == 0:
+                k = len(cur.key)
+                self.evictable_size -= k
+                self.protected_size += k
+            cur.lock_ref += 1
+            cur = cur.parent  # type: ignore[assignment]
+
     def unlock(self, node: Node) -> None:
         """``dec_lock_ref``: release one reference on ``node`` and its ancestors."""
         root = self.root
@@ -346,10 +406,13 @@ class RadixTree:
 
     def evict(self, num_tokens: int) -> int:
         """Evict whole unlocked leaves (LRU) until ``num_tokens`` are freed; return freed."""
+        if self._noted:
+            self._push_noted()
         freed = 0
         heap = self._heap
         root = self.root
         sink = self.sink
+        ps = self.page_size
         while freed < num_tokens and heap:
             stamp, _nid, node = heapq.heappop(heap)
             if (
@@ -362,7 +425,8 @@ class RadixTree:
                 continue
             parent = node.parent
             assert parent is not None
-            del parent.children[self._child_key(node.key, 0)]
+            key = node.key
+            del parent.children[key[0] if ps == 1 else tuple(key[:ps])]
             node.alive = False
             k = len(node.key)
             freed += k
@@ -381,6 +445,7 @@ class RadixTree:
         self.total_size = self.evictable_size = self.protected_size = 0
         self.num_nodes = 0
         self._heap = []
+        self._noted = []
 
     # ------------------------------------------------------------------ introspection
     def resident_hashes(self) -> set[int]:

@@ -468,9 +468,10 @@ class Scheduler:
         if new is not None and self.track:
             self._record_store(req, existing, end)
         old = req.lock_handle
-        self.tree.lock(node)
         if old is not None:
-            self.tree.unlock(old)
+            self.tree.relock(old, node)
+        else:
+            self.tree.lock(node)
         req.lock_handle = node
         req.last_node = node
         freed = end - req.tree_len  # private slots now owned by the tree (or duplicates)
@@ -730,9 +731,13 @@ class Scheduler:
             for r in running:
                 if r.kv_len % ps == 0:
                     need += ps
-        if self.available() < need:
+        cap = self.cfg.max_total_tokens - self.private_total  # available() = cap - tree size
+        if cap - self.tree.total_size < need:
             self._evict_for(need)
-        if self.available() < need:
+            short = self.available() < need
+        else:
+            short = False
+        if short:
             self._retract(t)
             running = [r for r in self.running if r.decode_left > 0]
             if not running:
@@ -758,7 +763,8 @@ class Scheduler:
         return Batch("decode", running, [], self.pass_index, 0, len(running))
 
     def _get_next_batch(self, t: int) -> Batch | None:
-        self._stash_chunked()
+        if self.chunked_req is not None:
+            self._stash_chunked()
         if self.pending_merge:
             for r in self.pending_merge:
                 if r.state == RUNNING:
@@ -805,11 +811,13 @@ class Scheduler:
             self.last_pass_published = batch.index
             return
         finished = None
+        running_state = RUNNING
         for r in batch.reqs:
-            if r.state != RUNNING:
+            if r.state != running_state:
                 continue  # retracted (or aborted) after this batch was launched
-            r.output_len += 1
-            if r.output_len >= r.n_out:
+            n = r.output_len + 1
+            r.output_len = n
+            if n >= r.n_out:
                 if finished is None:
                     finished = []
                 finished.append(r)
@@ -925,18 +933,22 @@ class Scheduler:
             return None
         if self._aborts or self._pauses or self.held:
             return None
-        ps = self.ps
         interval = self.cfg.decode_log_interval
+        # the cheap bounds first (next publish point, next arrival); the per-request one
+        # (next finish) only when they allow a stretch
+        m = interval - 1 - (self.decode_ct % interval)
+        if m < 2:
+            return None  # every bound below only lowers m
+        overlap = self.overlap
+        if overlap and (last is None or last.kind != "decode" or last.reqs != running):
+            return None
+        ps = self.ps
         d = self.timer.decode_ns(len(running))
         next_arr = self.arrivals[0][0] if self.arrivals else None
         if horizon < _INF and (next_arr is None or horizon < next_arr):
             next_arr = int(horizon)
-        # the cheap bounds first (next publish point, next arrival); the per-request one
-        # (next finish) only when they allow a stretch
-        m = interval - 1 - (self.decode_ct % interval)
-        if self.overlap:
-            if last is None or last.kind != "decode" or last.reqs != running:
-                return None
+        if overlap:
+            assert last is not None
             e = last.end_ns
             if next_arr is not None:
                 if next_arr <= t:
@@ -961,10 +973,13 @@ class Scheduler:
         if m < 2:
             return None
         # memory: all allocations of the stretch must fit without eviction
-        need = 0
-        for r in running:
-            k = r.kv_len
-            need += ps * ((k + m - 1) // ps - (k - 1) // ps) if ps > 1 else m
+        if ps == 1:
+            need = m * len(running)
+        else:
+            need = 0
+            for r in running:
+                k = r.kv_len
+                need += ps * ((k + m - 1) // ps - (k - 1) // ps)
         if self.available() < need:
             return None
         # apply m iterations
@@ -979,10 +994,8 @@ class Scheduler:
                 r.kv_len += m
                 r.decode_left -= m
                 r.output_len += m
-            grown = m * len(running)
-            for r in running:
                 r.alloc += m
-            self.private_total += grown
+            self.private_total += need
         else:
             for r in running:
                 k = r.kv_len
@@ -1080,9 +1093,12 @@ class Scheduler:
                 self.t = self.paused_until
                 return True
             self.paused_until = None
-        self._receive(t)
-        self._apply_aborts(t)
-        self._maybe_flush(t)
+        if self.arrivals:
+            self._receive(t)
+        if self._aborts:
+            self._apply_aborts(t)
+        if self.flush_times:
+            self._maybe_flush(t)
         batch = self._get_next_batch(t)
         if batch is not None:
             if batch.kind == "prefill":
@@ -1095,7 +1111,8 @@ class Scheduler:
             batch.end_ns = start + dur
             self.gpu_free = batch.end_ns
             self.stats.passes += 1
-            self._mark_batch(batch)
+            if self.track:
+                self._mark_batch(batch)
         if self.overlap:
             if self.sync and batch is not None:
                 # CPU device: the launch runs the forward before the previous result is
