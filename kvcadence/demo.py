@@ -152,7 +152,9 @@ def _usage(msg: str) -> Exception:
 
 
 def _is_bundle(path: Path) -> bool:
-    return path.is_dir() and any(path.glob("seg-*.kvcb"))
+    from kvcadence.capture.bundle import is_bundle
+
+    return is_bundle(path)
 
 
 def _available_commands() -> set[str]:
@@ -185,14 +187,13 @@ def _prepare_out(out: Path) -> None:
     (out / MARKER).write_text("written by `kvcadence demo`; rerunning it replaces its outputs\n")
 
 
-def _link_bundle(src: Path, dst: Path) -> None:
-    """Give the demo its own copy of ``src`` (segments only), so caches land in --out."""
-    dst.mkdir(parents=True)
-    for seg in sorted(src.glob("seg-*.kvcb")):
-        try:
-            os.link(seg, dst / seg.name)
-        except OSError:
-            shutil.copy2(seg, dst / seg.name)
+def _copy_bundle(src: Path, dst: Path) -> None:
+    """Give the demo its own copy of ``src`` (segments only), so caches land in --out. A byte
+    copy, never a link: a repair of the copy (``BundleWriter.append`` truncates a torn last
+    segment in place) must never reach the committed sample in ``examples/``."""
+    from kvcadence.capture.bundle import copy_bundle
+
+    copy_bundle(src, dst)
 
 
 def _server_settings(bundle: Path) -> dict[str, Any]:
@@ -654,7 +655,7 @@ def run_demo(args: argparse.Namespace) -> int:
         what = "a fresh capture from the harness worker"
     else:
         assert src is not None
-        _link_bundle(src, lay.real)
+        _copy_bundle(src, lay.real)
         what = f"{_rel(src)}" + (
             " (the embedded real SGLang 0.5.23 capture)" if not args.bundle else ""
         )

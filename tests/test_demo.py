@@ -50,6 +50,13 @@ def test_demo_end_to_end_on_embedded_bundle(tmp_path: Path, capsys: pytest.Captu
     assert "<html" in (out / "report" / "report.html").read_text().lower()
     # the sample in examples/ was not written to (its Parquet cache lives in --out)
     assert not (demo.default_bundle() / ".parquet").exists()
+    # ... and the demo's real.kvcb is a byte copy, never a hard link of the committed segments
+    copies = sorted((out / "real.kvcb").glob("seg-*.kvcb"))
+    assert copies
+    for seg in copies:
+        src = demo.default_bundle() / seg.name
+        assert seg.read_bytes() == src.read_bytes()
+        assert seg.stat().st_ino != src.stat().st_ino
 
     summary = json.loads((out / "summary.json").read_text())
     assert [s["status"] for s in summary["steps"]] == ["ok"] * 6

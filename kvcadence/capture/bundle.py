@@ -15,18 +15,29 @@ fsyncs on rotation and close, so a crash loses at most that window and leaves a 
 does not check out in the middle of a segment is reported and skipped: the reader scans
 forward for the next offset where length, CRC and decoding all validate, and never yields a
 record that was not written.
+
+Whole bundles as files are handled here too: ``is_bundle`` (a directory of segment files;
+``strict``: segment 0 also starts with the magic), ``copy_bundle`` (copies the segment
+files, never hard-links them: appending repairs a bundle's last segment in place, which must
+never reach the original), and ``staged_bundle`` (write a new bundle into a hidden sibling
+directory and rename it into place only when everything succeeded). A record msgpack cannot
+encode (an int outside the int64/uint64 range, an unsupported type, nesting too deep) is a
+``BundleError`` naming the record, and nothing of it is written; ``check_encodable`` runs
+that check ahead of time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
+import shutil
 import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,14 +106,129 @@ def segment_name(index: int) -> str:
     return f"seg-{index:06d}.kvcb"
 
 
-def list_segments(path: Path) -> list[Path]:
+def list_segments(path: str | os.PathLike[str]) -> list[Path]:
     """Segment files of a bundle directory in index order."""
     found = []
-    for p in path.glob(SEGMENT_GLOB):
+    for p in Path(path).glob(SEGMENT_GLOB):
         m = _SEGMENT_NAME.match(p.name)
-        if m:
+        if m and p.is_file():
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
+
+
+def is_bundle(path: str | os.PathLike[str], *, strict: bool = False) -> bool:
+    """True if ``path`` is a bundle directory: it holds segment files (``seg-NNNNNN.kvcb``).
+    Damage inside them is the reader's to report (``BundleReader``, ``inspect``); with
+    ``strict`` the first segment must also start with the bundle magic."""
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    segs = list_segments(p)
+    if not segs:
+        return False
+    if not strict:
+        return True
+    try:
+        with open(segs[0], "rb") as f:
+            head = f.read(len(MAGIC))
+    except OSError:
+        return False
+    return head == MAGIC
+
+
+def copy_bundle(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[Path]:
+    """Copy the segment files of bundle ``src`` into the new directory ``dst`` (created; an
+    existing empty one is used) and return the copies. Always a byte copy, never a (hard)
+    link: ``BundleWriter.append`` truncates a bundle's last segment in place, and that must
+    not reach the original. Other files of ``src`` (caches, reports) are not copied."""
+    s, d = Path(src), Path(dst)
+    if not is_bundle(s):
+        raise UsageError(f"{s}: not a bundle (no seg-*.kvcb segment files)")
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise UsageError(f"{d}: exists and is not an empty directory; refusing to overwrite")
+    out = []
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for seg in list_segments(s):
+            target = d / seg.name
+            shutil.copyfile(seg, target)
+            out.append(target)
+    except OSError as exc:
+        raise BundleError(f"cannot copy bundle {s} to {d}: {exc}") from exc
+    return out
+
+
+@contextlib.contextmanager
+def staged_bundle(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Write a new bundle all-or-nothing: yields a hidden sibling directory of ``path`` to
+    write into; on success it is renamed to ``path`` (which must not exist, or be an empty
+    directory), on any exception it is removed and ``path`` is left as it was."""
+    final = Path(path)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise UsageError(f"{final}: already exists and is not empty; refusing to overwrite")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BundleError(f"cannot create {final.parent}: {exc}") from exc
+    tmp = final.parent / f".{final.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        yield tmp
+        try:
+            if final.is_dir():
+                final.rmdir()  # empty (checked above): rename replaces it
+            os.rename(tmp, final)
+        except OSError as exc:
+            msg = f"cannot move the finished bundle into place at {final}: {exc}"
+            raise BundleError(msg) from exc
+        with contextlib.suppress(OSError):
+            fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+_ENCODE_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError)
+
+
+def _describe(record: Any) -> str:
+    """``request rid='r1'`` / ``event endpoint 0 seq 5`` / ``note kind='x'``: which record."""
+    tag = RECORD_TAGS.get(type(record), type(record).__name__)
+    if isinstance(record, RequestRecord):
+        return f"{tag} record rid={record.rid!r}"
+    if isinstance(record, EventFrame):
+        return f"{tag} record endpoint {record.endpoint!r} seq {record.seq!r}"
+    if isinstance(record, Annotation):
+        return f"{tag} record kind={record.kind!r}"
+    if isinstance(record, (Gap, Epoch)):
+        return f"{tag} record endpoint {record.endpoint!r} epoch {record.epoch!r}"
+    return f"{tag} record"
+
+
+def _encode_error(record: Any, exc: BaseException) -> BundleError:
+    msg = str(exc) or type(exc).__name__
+    if isinstance(exc, OverflowError):
+        msg = f"an integer is outside the int64/uint64 range ({msg})"
+    elif isinstance(exc, RecursionError):
+        msg = "nested too deeply"
+    return BundleError(f"cannot encode {_describe(record)}: {msg}; nothing of it was written")
+
+
+def check_encodable(records: Sequence[Any]) -> None:
+    """Encode every record (nothing written): ``BundleError`` naming the first one msgpack
+    cannot encode, ``TypeError`` for a value that is not a bundle record."""
+    enc = msgspec.msgpack.Encoder()
+    buf = bytearray()
+    for rec in records:
+        if type(rec) not in RECORD_TAGS:
+            raise TypeError(f"not a bundle record: {type(rec).__name__}")
+        try:
+            enc.encode_into(rec, buf)
+        except _ENCODE_ERRORS as exc:
+            raise _encode_error(rec, exc) from exc
 
 
 # --------------------------------------------------------------------------------------
@@ -328,7 +454,10 @@ class BundleWriter:
         if tag is None:
             raise TypeError(f"not a bundle record: {type(record).__name__}")
         buf = self._buf
-        self._enc.encode_into(record, buf, FRAME_HEADER_SIZE)
+        try:
+            self._enc.encode_into(record, buf, FRAME_HEADER_SIZE)
+        except _ENCODE_ERRORS as exc:
+            raise _encode_error(record, exc) from exc
         n = len(buf) - FRAME_HEADER_SIZE
         with memoryview(buf) as mv:
             crc = zlib.crc32(mv[FRAME_HEADER_SIZE:])
@@ -373,8 +502,9 @@ class BundleWriter:
         the next one; a frame larger than ``segment_bytes`` gets one of its own). Frames are
         joined into one buffer (handed to the file every ``_BATCH_CHUNK`` = 1 MiB at most); the
         flush interval is checked once, after the batch. A frame that is not an ``EventFrame``
-        (``TypeError``) or cannot be encoded stops the batch: the frames before it are
-        written, it and the rest are not (as with one ``write`` per frame).
+        (``TypeError``) or cannot be encoded (``BundleError`` naming it) stops the batch: the
+        frames before it are written, it and the rest are not (as with one ``write`` per
+        frame).
         """
         self._check_writable()
         enc = self._enc.encode
@@ -389,7 +519,10 @@ class BundleWriter:
             for rec in frames:
                 if type(rec) is not EventFrame:
                     raise TypeError(f"not an EventFrame: {type(rec).__name__}")
-                body = enc(rec)
+                try:
+                    body = enc(rec)
+                except _ENCODE_ERRORS as exc:
+                    raise _encode_error(rec, exc) from exc
                 size = len(body) + FRAME_HEADER_SIZE
                 if (seg_frames or k) and seg_size + pending + size > limit:
                     if k:
@@ -920,9 +1053,13 @@ __all__ = [
     "BundleWriter",
     "ReadReport",
     "SegmentScan",
+    "check_encodable",
+    "copy_bundle",
     "encode_payload",
     "event_payload",
+    "is_bundle",
     "is_single_msgpack",
     "list_segments",
     "segment_name",
+    "staged_bundle",
 ]

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+NO_HEADER = "no header (damaged or not a kvcadence bundle)"
+
 
 def register(sub: Any) -> None:
     """Add ``inspect`` and ``import`` to the ``kvcadence`` subparsers."""
@@ -59,6 +61,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(format_text(summary))
+    if not summary["header_ok"]:
+        # the damage report above is still worth having; the exit says it is not a sound bundle
+        print(f"kvcadence: error: {args.bundle}: {NO_HEADER}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -88,7 +88,10 @@ def _register_capture(sub: Any) -> None:
     p.add_argument("--out", metavar="BUNDLE", help="bundle directory to create")
     p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     p.add_argument(
-        "--until-idle", type=float, metavar="S", help="stop S seconds after the last message"
+        "--until-idle",
+        type=float,
+        metavar="S",
+        help="stop after S seconds without messages (counted from start-up when nothing arrives)",
     )
     p.add_argument("--quiet", action="store_true", help="no status line, no summary")
     _add_endpoint_opts(p)
@@ -251,18 +254,27 @@ def _open_writer(out: str, header: Any, segment_mb: float) -> Any:
     return BundleWriter(out, header, segment_bytes=max(64, int(segment_mb * (1 << 20))))
 
 
-def _make_recorder(args: argparse.Namespace, writer: Any, eps: list[Any], **kw: Any) -> Any:
-    from kvcadence.capture.recorder import Recorder, StatusLine
+def _make_recorder(args: argparse.Namespace, eps: list[Any], **kw: Any) -> Any:
+    """A ``Recorder`` with its sockets connected and no writer yet (``attach`` it once the
+    bundle is opened: a socket error must not leave a bundle behind)."""
+    from kvcadence.capture.recorder import NO_TRAFFIC_WARN_S, Recorder, StatusLine
 
     status = None if args.quiet else StatusLine()
     return Recorder(
-        writer,
+        None,
         eps,
         replay_timeout_s=args.replay_timeout,
         initial_replay=not args.no_initial_replay,
         status=status,
+        warn_idle_s=None if args.quiet else NO_TRAFFIC_WARN_S,
         **kw,
     )
+
+
+def command_line() -> list[str]:
+    """The command line recorded in a header: ``["kvcadence", <args>]`` (never the path of
+    the interpreter's script; paths in the args are scrubbed by ``make_header``)."""
+    return ["kvcadence", *sys.argv[1:]]
 
 
 # ---------------------------------------------------------------------- capture
@@ -278,10 +290,22 @@ def run_capture(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    if args.segment_mb <= 0:
+        raise UsageError("--segment-mb must be > 0")
     eps, info = _endpoints(args)
-    header = discovery.make_header(eps, server_info=info, command=sys.argv)
-    writer = _open_writer(args.out, header, args.segment_mb)
-    rec = _make_recorder(args, writer, eps, duration_s=args.duration, until_idle_s=args.until_idle)
+    header = discovery.make_header(
+        eps,
+        server_info=info,
+        command=command_line(),
+        workdirs=discovery.harness_workdirs(args.server, info),
+    )
+    rec = _make_recorder(args, eps, duration_s=args.duration, until_idle_s=args.until_idle)
+    try:
+        writer = _open_writer(args.out, header, args.segment_mb)
+    except BaseException:
+        rec.close()
+        raise
+    rec.attach(writer)
     stop = threading.Event()
     with _stop_on_signals(stop):
         stats = rec.run(stop)
@@ -292,7 +316,7 @@ def run_capture(args: argparse.Namespace) -> int:
 
 def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
-    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.capture.bundle import BundleWriter, check_encodable
     from kvcadence.capture.discovery import make_header
 
     if not args.sglang_metrics and not args.sglang_request_log:
@@ -302,11 +326,12 @@ def run_capture_import(args: argparse.Namespace) -> int:
         records += sglang_logs.read_metrics(m)
     for r in args.sglang_request_log:
         records += sglang_logs.read_request_log(r)
+    check_encodable(records)  # a record that cannot be written fails before the bundle opens
     out = Path(args.bundle)
     if out.exists() and any(out.iterdir()):
         writer = BundleWriter.append(out)
     else:
-        writer = BundleWriter(out, make_header([], server_info=None, command=sys.argv))
+        writer = BundleWriter(out, make_header([], server_info=None, command=command_line()))
     with writer:
         for rec in records:
             writer.write(rec)
@@ -326,6 +351,7 @@ def run_drive(args: argparse.Namespace) -> int:
     from kvcadence.capture.workloads import build_workload
 
     wl = build_workload(args.workload, lanes=args.lanes, requests=args.requests, seed=args.seed)
+    opts = _drive_opts(args)  # bad options fail before anything is created
     stop = threading.Event()
     info = discovery.fetch_server_info(args.server)
     eps: list[Any] = []
@@ -335,17 +361,28 @@ def run_drive(args: argparse.Namespace) -> int:
             if args.endpoint
             else (discovery.endpoints_from_server_info(info, args.server), None)
         )
-    header = discovery.make_header(eps, server_info=info, command=sys.argv)
-    writer = _open_writer(args.out, header, args.segment_mb)
-    note = Annotation(kind="workload", recv_ns=time.time_ns(), data=wl.describe())
+    workdirs = discovery.harness_workdirs(args.server, info)
+    header = discovery.make_header(eps, server_info=info, command=command_line(), workdirs=workdirs)
+    if args.segment_mb <= 0:
+        raise UsageError("--segment-mb must be > 0")
+    rec = None if args.no_capture else _make_recorder(args, eps)
+    try:
+        writer = _open_writer(args.out, header, args.segment_mb)
+    except BaseException:
+        if rec is not None:
+            rec.close()
+        raise
+    note = Annotation(
+        kind="workload",
+        recv_ns=time.time_ns(),
+        data=discovery.redact_paths(wl.describe(), workdirs),
+    )
     progress = None if args.quiet or not sys.stderr.isatty() else _progress_bar(wl)
     if args.no_capture:
         writer.write(note)
         try:
             with _stop_on_signals(stop):
-                drv = Driver(
-                    args.server, wl, writer.write, stop=stop, progress=None, **_drive_opts(args)
-                )
+                drv = Driver(args.server, wl, writer.write, stop=stop, progress=None, **opts)
                 dst = drv.run()
         finally:
             writer.close(clean=not stop.is_set())
@@ -353,7 +390,8 @@ def run_drive(args: argparse.Namespace) -> int:
         return 0
 
     rec_stop = threading.Event()
-    rec = _make_recorder(args, writer, eps)
+    assert rec is not None
+    rec.attach(writer)
     rec.status = None  # the driver's progress bar owns the terminal
     rec.submit(note)
     result: dict[str, Any] = {}
@@ -371,9 +409,7 @@ def run_drive(args: argparse.Namespace) -> int:
     time.sleep(0.3)  # let SUB subscriptions reach the publisher (slow joiner)
     try:
         with _stop_on_signals(stop):
-            drv = Driver(
-                args.server, wl, rec.submit, stop=stop, progress=progress, **_drive_opts(args)
-            )
+            drv = Driver(args.server, wl, rec.submit, stop=stop, progress=progress, **opts)
             dst = drv.run()
             # the last finish stores are published when the worker goes idle
             deadline = time.monotonic() + max(args.settle, 0) * 10

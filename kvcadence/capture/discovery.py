@@ -5,12 +5,25 @@ SGLang's ``/server_info`` (0.5.23) carries a ``kv_events`` block (``endpoint_hos
 resolved server arguments and the scheduler info. Rank ``r`` publishes on ``base + r`` (and
 replays on ``replay_base + r``). A wildcard host is replaced by the server's own host.
 The snapshot keeps the fields the simulator needs; the whole JSON is stored as well.
+
+Also owned here: the check of endpoint URLs (``check_endpoint``: ``tcp://HOST:PORT`` with a
+host name, IPv4 or ``[IPv6]`` address and a port 1-65535, ``ipc://PATH``, ``inproc://NAME``),
+done before any socket or file exists, and the scrubbing of machine paths from what goes
+into a bundle header (``redact_paths``): the home directory becomes ``~``, a harness work
+directory ``<harness-workdir>``, the system temp directory ``<tmp>``. Only the header copy is
+scrubbed; the program keeps using the real paths.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
+import re
+import tempfile
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,6 +49,126 @@ SNAPSHOT_FIELDS = (
     "disable_radix_cache",
 )
 WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+ENDPOINT_SCHEMES = ("tcp", "ipc", "inproc")
+IPC_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
+HARNESS_PLACEHOLDER = "<harness-workdir>"
+TMP_PLACEHOLDER = "<tmp>"
+
+
+def endpoint_problem(url: str) -> str | None:
+    """What is wrong with a ZMQ endpoint URL to connect to, or None if its form is valid:
+    ``tcp://HOST:PORT`` (host name, IPv4, or ``[IPv6]``; port 1-65535), ``ipc://PATH``,
+    ``inproc://NAME``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "expected tcp://HOST:PORT (or ipc://PATH, inproc://NAME)"
+    if scheme not in ENDPOINT_SCHEMES:
+        return f"unknown scheme {scheme!r} (expected tcp, ipc or inproc)"
+    if scheme != "tcp":
+        if not rest or any(c.isspace() or not c.isprintable() for c in rest):
+            return f"{scheme}:// needs a non-empty name without spaces"
+        if scheme == "ipc" and len(rest.encode()) > IPC_PATH_MAX:
+            return f"ipc path longer than {IPC_PATH_MAX} bytes (the Unix socket limit)"
+        return None
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return "expected tcp://HOST:PORT"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"port {port!r} is not a number 1-65535"
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"host {host!r} is not an IPv6 address"
+        return None
+    if ":" in host:
+        return f"host {host!r}: an IPv6 address must be in brackets, e.g. tcp://[::1]:{port}"
+    if host.replace(".", "").isdigit():
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"host {host!r} is not an IPv4 address"
+        return None
+    if not _HOSTNAME.match(host):
+        return f"host {host!r} is not a valid host name"
+    return None
+
+
+def check_endpoint(url: str, what: str = "--endpoint") -> str:
+    """``url`` unchanged if its form is valid; else ``UsageError`` naming it (exit 2)."""
+    problem = endpoint_problem(url)
+    if problem is not None:
+        raise UsageError(f"{what} {url!r}: {problem}")
+    return url
+
+
+def redact_paths(value: Any, workdirs: Iterable[str | os.PathLike[str]] = ()) -> Any:
+    """A copy of ``value`` (JSON-like: dicts, lists, strings) with machine paths scrubbed:
+    inside every string, a ``workdirs`` entry becomes ``<harness-workdir>``, the home
+    directory ``~`` and the system temp directory ``<tmp>`` (longest prefix first, whole path
+    components only). Dict keys are kept; non-strings are returned as they are."""
+    subs: list[tuple[str, str]] = []
+    for w in workdirs:
+        subs.append((os.path.normpath(os.fspath(w)), HARNESS_PLACEHOLDER))
+    home = str(Path.home())
+    if home not in ("", "/"):
+        subs.append((os.path.normpath(home), "~"))
+    tmp = os.path.normpath(tempfile.gettempdir())
+    if tmp != "/":
+        subs.append((tmp, TMP_PLACEHOLDER))
+        real = os.path.realpath(tmp)
+        if real != tmp and real != "/":
+            subs.append((real, TMP_PLACEHOLDER))
+    subs = [(a, b) for a, b in subs if a not in ("", "/", ".")]
+    subs.sort(key=lambda ab: len(ab[0]), reverse=True)
+    if not subs:
+        return value
+    # whole path components only: not inside a longer name on either side
+    head = r"(?<![\w.~-])"
+    tail = f"(?=$|[{re.escape(os.sep)}\\s\"',;:=)\\]}}])"
+    pattern = re.compile("|".join(head + re.escape(a) + tail for a, _ in subs))
+    table = dict(subs)
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, str):
+            return pattern.sub(lambda m: table[m.group(0)], v) if v else v
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [fix(x) for x in v]
+        return v
+
+    return fix(value)
+
+
+def harness_workdirs(server_url: str | None, info: dict[str, Any] | None) -> list[str]:
+    """Work directories of a kvcadence harness worker behind ``server_url``: the one recorded
+    by ``kvcadence harness start`` (same port), and the parent of ``/server_info``'s
+    ``export_metrics_to_file_dir`` when it is the harness layout (``<workdir>/sglang-metrics``)."""
+    out: list[str] = []
+    if info:
+        mdir = _lookup(info, "export_metrics_to_file_dir")
+        if isinstance(mdir, str) and os.path.isabs(mdir):
+            p = Path(mdir)
+            if p.name == "sglang-metrics":
+                out.append(str(p.parent))
+    if server_url:
+        try:
+            from kvcadence.capture import harness
+
+            st = json.loads(harness.state_path().read_text())
+            port = urlsplit(server_url).port
+            if isinstance(st, dict) and port is not None and int(st.get("port", -1)) == port:
+                wd = st.get("workdir")
+                if isinstance(wd, str) and os.path.isabs(wd):
+                    out.append(wd)
+        except (OSError, ValueError, TypeError):
+            pass
+    return out
 
 
 def fetch_server_info(server_url: str, *, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -103,7 +236,12 @@ def endpoints_from_server_info(info: dict[str, Any], server_url: str) -> list[En
     out = []
     for r in range(dp):
         replay = f"tcp://{host}:{int(rbase) + r}" if rbase is not None else None
-        out.append(EndpointInfo(r, f"tcp://{host}:{base + r}", replay, r, topic))
+        url = f"tcp://{host}:{base + r}"
+        for u in (url, replay):
+            problem = None if u is None else endpoint_problem(u)
+            if problem is not None:
+                raise CaptureError(f"{server_url}: kv_events advertises endpoint {u!r}: {problem}")
+        out.append(EndpointInfo(r, url, replay, r, topic))
     return out
 
 
@@ -118,11 +256,12 @@ def explicit_endpoints(
         raise UsageError("an --endpoint is given twice (one socket per publisher)")
     out = []
     for i, url in enumerate(urls):
-        if "://" not in url:
-            raise UsageError(f"--endpoint {url!r}: expected tcp://HOST:PORT (or ipc://...)")
+        check_endpoint(url, "--endpoint")
         rp = replay_urls[i] if i < len(replay_urls) else None
         if rp is not None and rp.lower() in ("none", "-", ""):
             rp = None
+        if rp is not None:
+            check_endpoint(rp, "--replay-endpoint")
         out.append(EndpointInfo(i, url, rp, i, topic))
     return out
 
@@ -132,11 +271,16 @@ def make_header(
     *,
     server_info: dict[str, Any] | None,
     command: list[str],
+    workdirs: Iterable[str | os.PathLike[str]] = (),
 ) -> Header:
-    """A real-capture ``Header`` (``server_info`` whole, plus ``kvcadence_snapshot``)."""
-    info = dict(server_info or {})
+    """A real-capture ``Header`` (``server_info`` whole, plus ``kvcadence_snapshot``), with
+    machine paths in ``server_info`` and ``command`` scrubbed (``redact_paths``; harness
+    ``workdirs`` given, or found from ``export_metrics_to_file_dir``)."""
+    dirs = [*workdirs, *harness_workdirs(None, server_info)]
+    info = redact_paths(dict(server_info or {}), dirs)
     if server_info is not None:
-        info["kvcadence_snapshot"] = snapshot(server_info)
+        info["kvcadence_snapshot"] = snapshot(info)
+    command = redact_paths(list(command), dirs)
     kv_cfg = info.get("kv_events_config")
     return Header(
         format_major=FORMAT_MAJOR,

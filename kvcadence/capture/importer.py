@@ -13,7 +13,14 @@ Input formats (the real fixture ``sglang-0.5.23-agent-ps1`` is in exactly this f
   ``kv_events_config``, ...).
 
 Every input is validated before the bundle is created: a bad line is one ``InputError``
-naming ``file:line`` and the field, and no output is written. Seq bookkeeping per endpoint:
+naming ``file:line`` and the field, and no output is written. Integers are range-checked so
+that every record encodes and every table ingests: ``recv_ns`` 0..2**63-1, ``seq``
+0..2**63-1 (the recorder's ``seqtrack.MAX_SEQ``; analysis stores seqs as int64), ``endpoint``
+0..2**63-1, token ids 0..2**63-1, the optional request ints -2**63..2**63-1, and every int
+anywhere inside ``meta_info`` or the server info JSON -2**63..2**64-1 (what msgpack holds).
+A new bundle is written into a hidden sibling directory and renamed into place only when it
+is complete (``bundle.staged_bundle``); ``--append`` encodes every record before reopening
+the bundle, so a bad request never touches it. Seq bookkeeping per endpoint:
 ``Epoch`` 0 at the first frame, a new ``Epoch`` when seq goes backwards, a ``Gap``
 (``recovered=0``) for every missing range (including seqs before an epoch's first frame), an
 exact repeat of the previous frame is dropped as a duplicate.
@@ -25,7 +32,6 @@ import base64
 import binascii
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -35,7 +41,8 @@ from typing import Any
 import msgspec
 
 from kvcadence import __version__
-from kvcadence.capture.bundle import BundleWriter, encode_payload
+from kvcadence.capture.bundle import BundleWriter, check_encodable, encode_payload, staged_bundle
+from kvcadence.capture.discovery import redact_paths
 from kvcadence.capture.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -54,6 +61,8 @@ from kvcadence.errors import InputError, UsageError
 
 VIA_NAMES = {"live": VIA_LIVE, "replay": VIA_REPLAY}
 U64_MAX = 2**64 - 1
+I64_MIN = -(2**63)
+I64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -141,6 +150,40 @@ def _get(
     return v
 
 
+def _check_ints(value: Any, where: str, field_name: str) -> None:
+    """Every int anywhere inside ``value`` (dicts, lists) fits msgpack (-2**63..2**64-1);
+    ``InputError`` naming the path of the first one that does not. Iterative: a deeply
+    nested object cannot exhaust the stack."""
+    stack: list[tuple[str, Any]] = [(field_name, value)]
+    while stack:
+        path, v = stack.pop()
+        t = type(v)
+        if t is int:
+            if not I64_MIN <= v <= U64_MAX:
+                raise InputError(
+                    f"{where}: field `{path}`: {v} is outside the 64-bit integer range "
+                    f"[-2**63, 2**64-1]"
+                )
+        elif t is dict:
+            stack.extend((f"{path}.{k}", x) for k, x in reversed(v.items()))
+        elif t is list:
+            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+
+
+def _check_range(v: int | None, lo: int, hi: int, where: str, name: str, what: str) -> None:
+    if v is not None and not lo <= v <= hi:
+        raise InputError(f"{where}: field `{name}`: {v} is not {what}")
+
+
+def _check_ids(ids: list[int], where: str, name: str) -> None:
+    """Token ids are 0..2**63-1."""
+    for i, x in enumerate(ids):
+        if not 0 <= x <= I64_MAX:
+            raise InputError(
+                f"{where}: field `{name}`: {x} at index {i} is not a token id (0 .. 2**63-1)"
+            )
+
+
 def _lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, object)`` for each non-blank line of a JSONL file."""
     try:
@@ -171,12 +214,17 @@ def parse_frame_line(obj: dict[str, Any], where: str) -> FrameLine:
     b64 = _get(obj, "payload_b64", where, "str", required=True)
     endpoint = _get(obj, "endpoint", where, "int", required=False, default=0)
     via_name = _get(obj, "via", where, "str?", required=False)
-    if not 0 <= seq <= U64_MAX:
-        raise InputError(f"{where}: field `seq`: {seq} is not an unsigned 64-bit seq")
+    if not 0 <= seq <= I64_MAX:
+        raise InputError(
+            f"{where}: field `seq`: {seq} is not a publisher seq (0 .. 2**63-1; "
+            "ff x 8 is the replay end marker)"
+        )
     if recv_ns < 0:
         raise InputError(f"{where}: field `recv_ns`: negative ({recv_ns})")
+    _check_range(recv_ns, 0, I64_MAX, where, "recv_ns", "a time in ns (0 .. 2**63-1)")
     if endpoint < 0:
         raise InputError(f"{where}: field `endpoint`: negative ({endpoint})")
+    _check_range(endpoint, 0, I64_MAX, where, "endpoint", "an endpoint id (0 .. 2**63-1)")
     if via_name is None:
         via = VIA_IMPORT
     elif via_name in VIA_NAMES:
@@ -224,6 +272,11 @@ def parse_request_line(obj: dict[str, Any], where: str) -> RequestRecord:
         )
     }
     error = _get(obj, "error", where, "str?", required=False)
+    _check_ids(input_ids, where, "input_ids")
+    _check_ids(output_ids, where, "output_ids")
+    for k, v in opt.items():
+        _check_range(v, I64_MIN, I64_MAX, where, k, "a signed 64-bit int")
+    _check_ints(meta, where, "meta_info")
 
     def meta_int(key: str) -> int | None:
         v = meta.get(key)
@@ -285,6 +338,7 @@ def read_server_info(path: Path) -> dict[str, Any]:
         raise InputError(f"{path}: expected a JSON object, got {_kind(info)}")
     where = str(path)
     _get(info, "version", where, "str?", required=False)
+    _check_ints(info, where, "server_info")
     if "kv_events_config" in info and type(info["kv_events_config"]) not in (str, dict):
         raise InputError(f"{where}: field `kv_events_config`: expected a string or an object")
     if info.get("kv_events") is not None:
@@ -406,6 +460,7 @@ def import_bundle(
         if requests is None:
             raise UsageError("--append needs --requests")
         reqs = read_requests(Path(requests))
+        check_encodable(reqs)  # a record that cannot be written fails before the bundle opens
         with BundleWriter.append(out_path, segment_bytes=segment_bytes) as w:
             for r in reqs:
                 w.write(r)
@@ -439,15 +494,19 @@ def import_bundle(
         source="real",
         kvcadence_version=__version__,
         sglang_version=sglang_version or info.get("version"),
-        server_info=info,
+        server_info=redact_paths(info),
         kv_events_config=kv_cfg,
-        command=list(command) if command is not None else list(sys.argv),
+        command=redact_paths(list(command) if command is not None else ["kvcadence", "import"]),
         start_ns=min(starts) if starts else time.time_ns(),
         endpoints=endpoints,
     )
+    check_encodable([header])
     book = SeqBook()
     summary.endpoints = sorted(ep_topics)
-    with BundleWriter(out_path, header, segment_bytes=segment_bytes) as w:
+    with (
+        staged_bundle(out_path) as tmp,
+        BundleWriter(tmp, header, segment_bytes=segment_bytes) as w,
+    ):
         for where, obj in _lines(frames_path, "frames"):
             fr = parse_frame_line(obj, where)
             summary.frames += 1

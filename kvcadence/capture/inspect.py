@@ -3,7 +3,8 @@
 ``inspect_bundle(path)`` returns one JSON-ready dict with stable keys (documented in
 ``docs/format.md``), including ``ranks``: the same counts per DP rank (endpoints by their
 ``dp_rank``, requests by ``RequestRecord.dp_rank``, null = rank 0) next to the totals;
-``format_text(summary)`` renders the short aligned text block. Payloads
+``format_text(summary)`` renders the short aligned text block (a bundle without a readable
+header says so in place of the format line; ``kvcadence inspect`` then exits 1). Payloads
 are decoded with ``kvcadence.capture.wire.decode_batch`` one at a time and never kept, so a
 large bundle is summarised in constant memory.
 """
@@ -29,6 +30,7 @@ from kvcadence.capture.schema import (
 from kvcadence.errors import BundleError, WireError
 
 INSPECT_VERSION = 1
+NO_HEADER = "no header (damaged or not a kvcadence bundle)"
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")
 
 
@@ -209,7 +211,9 @@ def format_text(s: dict[str, Any]) -> str:
         (
             "format",
             f"{s['format']['major']}.{s['format']['minor']}  source={s['source']}  "
-            f"sglang={s['sglang_version']}  kvcadence={s['kvcadence_version']}",
+            f"sglang={s['sglang_version']}  kvcadence={s['kvcadence_version']}"
+            if s["header_ok"]
+            else NO_HEADER,
         ),
         ("segments", f"{s['segments']}  ({s['bytes']:,} bytes, {s['frames']:,} frames)"),
         ("records", "  ".join(f"{k}={v}" for k, v in rec.items())),
@@ -269,4 +273,4 @@ def format_text(s: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-__all__ = ["EVENT_TYPES", "INSPECT_VERSION", "format_text", "inspect_bundle"]
+__all__ = ["EVENT_TYPES", "INSPECT_VERSION", "NO_HEADER", "format_text", "inspect_bundle"]

@@ -13,13 +13,22 @@ payloads (events, blocks, undecodable ones) is deferred: it runs when the stream
 millisecond, when its backlog passes ``max_backlog_bytes``, and at shutdown.
 Other threads (the request driver) hand records in with ``submit()``; only this thread
 touches the writer. Stops when ``stop`` is set (SIGINT/SIGTERM handlers set it), after
-``duration_s``, or after ``until_idle_s`` without messages once some arrived; then it drains
-what is pending, ends outstanding replays, and closes the writer (``Trailer`` + fsync).
+``duration_s``, or after ``until_idle_s`` seconds without messages (counted from the last
+message, or from start-up when nothing arrived yet, so a wrong endpoint still ends); then it
+drains what is pending, ends outstanding replays, and closes the writer (``Trailer`` +
+fsync). With ``warn_idle_s`` set (the CLI: 10 s unless ``--quiet``), one warning line goes
+to ``warn_stream`` (stderr) when nothing at all arrived that long after start-up.
 
-Malformed ZMQ messages (wrong frame count, short seq) are counted and kept raw in an
-``Annotation``; payloads that do not decode are counted, annotated, and still written (the
-bundle writer keeps non-msgpack bytes as a bin payload). A write failure (disk full) stops the
-capture with a ``CaptureError``; segments already written stay intact.
+The sockets are made (and connected) in ``__init__``, before the caller opens the bundle:
+``Recorder(None, endpoints)`` then ``attach(writer)``, so a socket error leaves no bundle
+behind (``close()`` releases the sockets of a recorder that never ran). Whatever exception
+ends ``run``, the writer is closed with ``clean=False`` first.
+
+Malformed ZMQ messages (wrong frame count, short seq, a seq above ``seqtrack.MAX_SEQ``) are
+counted and kept raw in an ``Annotation``; payloads that do not decode are counted,
+annotated, and still written (the bundle writer keeps non-msgpack bytes as a bin payload).
+A write failure (disk full) stops the capture with a ``CaptureError``; segments already
+written stay intact.
 """
 
 from __future__ import annotations
@@ -44,9 +53,12 @@ from kvcadence.capture.schema import (
     Epoch,
     Gap,
 )
-from kvcadence.capture.seqtrack import Out, Output
+from kvcadence.capture.seqtrack import MAX_SEQ, Out, Output
 from kvcadence.capture.source import EndpointSource
 from kvcadence.errors import BundleError, CaptureError, WireError
+
+#: the CLI's "no traffic yet" warning delay (seconds after start-up)
+NO_TRAFFIC_WARN_S = 10.0
 
 # A drain burst is written once this many payload bytes are pending: small enough that the
 # payloads are still in the CPU cache when the writer checks, copies and CRCs them (measured
@@ -169,6 +181,8 @@ class Recorder:
         max_buffer: int = 1_000_000,
         on_ready: Callable[[], None] | None = None,
         max_backlog_bytes: int = 64 << 20,
+        warn_idle_s: float | None = None,
+        warn_stream: TextIO | None = None,
     ) -> None:
         import zmq
 
@@ -178,10 +192,25 @@ class Recorder:
         self.writer = writer
         self.ctx = ctx or zmq.Context()
         self._own_ctx = ctx is None
-        self.sources = [
-            EndpointSource(self.ctx, e, replay_timeout_s=replay_timeout_s, max_buffer=max_buffer)
-            for e in endpoints
-        ]
+        self.sources: list[EndpointSource] = []
+        try:
+            for e in endpoints:
+                self.sources.append(
+                    EndpointSource(
+                        self.ctx, e, replay_timeout_s=replay_timeout_s, max_buffer=max_buffer
+                    )
+                )
+        except zmq.ZMQError as exc:
+            self._close_sockets(None)
+            raise CaptureError(f"cannot connect to endpoint {e.url!r}: {exc}") from exc
+        except BaseException:
+            self._close_sockets(None)
+            raise
+        self.warn_idle_s = warn_idle_s
+        self.warn_stream = warn_stream
+        self._warned_idle = False
+        self._start_ns = 0
+        self._closed = False
         self.initial_replay = initial_replay
         self.duration_s = duration_s
         self.until_idle_s = until_idle_s
@@ -201,28 +230,40 @@ class Recorder:
 
     # -------------------------------------------------------------- public
 
+    def attach(self, writer: Any) -> None:
+        """Give a recorder built with ``writer=None`` the ``BundleWriter`` to fill."""
+        self.writer = writer
+
+    def close(self) -> None:
+        """Release the sockets of a recorder that will not ``run`` (``run`` closes its own)."""
+        self._close_sockets(None)
+
     def submit(self, record: Any) -> None:
         """Queue a record (RequestRecord, Annotation) for writing; thread-safe."""
         self._inbox.put(record)
 
     def run(self, stop: threading.Event) -> CaptureStats:
         """Capture until ``stop`` is set or a stop condition hits; close the writer."""
+        if self.writer is None:
+            self._close_sockets(None)
+            raise CaptureError("Recorder.run: no bundle writer attached")
         zmq = self._zmq
         poller = zmq.Poller()
         subs = {}
-        for src in self.sources:
-            poller.register(src.sub, zmq.POLLIN)
-            subs[src.sub] = src
-            if self.initial_replay:
-                src.tracker.begin_initial_replay(time.time_ns())
-                src.start_replay_if_wanted(poller)
-        t0 = time.monotonic()
-        self._cpu0 = time.thread_time()
-        self.ready.set()
-        if self.on_ready is not None:
-            self.on_ready()
         reason = "stopped"
         try:
+            for src in self.sources:
+                poller.register(src.sub, zmq.POLLIN)
+                subs[src.sub] = src
+                if self.initial_replay:
+                    src.tracker.begin_initial_replay(time.time_ns())
+                    src.start_replay_if_wanted(poller)
+            t0 = time.monotonic()
+            self._start_ns = time.time_ns()
+            self._cpu0 = time.thread_time()
+            self.ready.set()
+            if self.on_ready is not None:
+                self.on_ready()
             while True:
                 if stop.is_set():
                     reason = "signal/stop requested"
@@ -234,6 +275,8 @@ class Recorder:
                 if self.until_idle_s is not None and self._idle_for(self.until_idle_s):
                     reason = f"idle for {self.until_idle_s:g} s"
                     break
+                if self.warn_idle_s is not None and not self._warned_idle:
+                    self._warn_if_no_traffic()
                 # with stats left to decode, wait only briefly: a quiet millisecond means the
                 # stream paused, and the decode runs then (or when its backlog is too big)
                 ready = poller.poll(1 if self._backlog else 100)
@@ -258,6 +301,16 @@ class Recorder:
                 f"cannot write the bundle ({exc}); capture stopped -- everything written "
                 "before this point is intact"
             ) from exc
+        except BaseException as exc:
+            # anything else (a bug, a socket error, an interrupt): the bundle still gets its
+            # Trailer (clean=False) and the sockets are released, then the error goes on
+            self.stats.stop_reason = f"error: {type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                self._refresh()
+            self._close_sockets(poller)
+            with contextlib.suppress(Exception):
+                self.writer.close(clean=False, stats=self.stats.as_dict())
+            raise
         self.stats.stop_reason = reason
         self._refresh()
         self._close_sockets(poller)
@@ -278,12 +331,32 @@ class Recorder:
             self.stats.per_endpoint[src.info.id] = _tracker_dict(src)
 
     def _idle_for(self, seconds: float) -> bool:
-        last = max(self.stats.last_msg_ns, self.stats.last_write_ns)
-        return (
-            bool(last)
-            and (time.time_ns() - last) / 1e9 >= seconds
-            and not any(s.tracker.session for s in self.sources)
+        """No message for ``seconds``: since the last one, or since start-up if none came
+        (never while a replay is outstanding)."""
+        last = max(self.stats.last_msg_ns, self.stats.last_write_ns) or self._start_ns
+        return (time.time_ns() - last) / 1e9 >= seconds and not any(
+            s.tracker.session for s in self.sources
         )
+
+    def _warn_if_no_traffic(self) -> None:
+        """One stderr line when nothing arrived ``warn_idle_s`` after start-up."""
+        st = self.stats
+        if st.messages or st.written:
+            self._warned_idle = True
+            return
+        assert self.warn_idle_s is not None
+        if (time.time_ns() - self._start_ns) / 1e9 < self.warn_idle_s:
+            return
+        self._warned_idle = True
+        urls = ", ".join(s.info.url for s in self.sources)
+        stream = self.warn_stream or sys.stderr
+        if self.status is not None and self.status.live:
+            stream.write("\n")
+        stream.write(
+            f"kvcadence: warning: no KV-event message from {urls} in "
+            f"{self.warn_idle_s:g} s -- is the endpoint right and the worker publishing?\n"
+        )
+        stream.flush()
 
     def _service(self, ready: list, subs: dict, poller: Any) -> int:
         """Drain the ready SUBs and replay DEALERs; end replays that timed out."""
@@ -352,6 +425,7 @@ class Recorder:
                     self._malformed(src, frames, recv_ns, str(exc))
                     continue
                 if seq == expect:  # the common case: next seq, no replay outstanding
+                    # (expect is -1 or <= MAX_SEQ: a seq above MAX_SEQ never takes this path)
                     item = (eid, seq, recv_ns, topic, payload, VIA_LIVE, epoch)
                     put(item)
                     expect += 1
@@ -365,6 +439,15 @@ class Recorder:
                 if burst:
                     burst, nbytes = self._write_burst(tr, burst, nbytes, expect - 1)
                     put = burst.append
+                if seq > MAX_SEQ:
+                    self._malformed(
+                        src,
+                        frames,
+                        recv_ns,
+                        f"seq {seq} is above {MAX_SEQ} (not a publisher seq; ff x 8 is the "
+                        "replay end marker)",
+                    )
+                    continue
                 outs = tr.on_live(seq, topic, payload, recv_ns)
                 if outs:
                     self._apply(src, outs)
@@ -519,6 +602,9 @@ class Recorder:
         self._decode_backlog(None)
 
     def _close_sockets(self, poller: Any) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         for src in self.sources:
             try:
                 src.close(poller)

@@ -17,6 +17,16 @@ Rules (SGLang's publisher: seq starts at 0 per publisher instance, +1 per batch)
 * ``seq <= last`` (a restarted publisher counts from 0 again) -> a new ``Epoch``; never a gap.
 * ``begin_initial_replay()`` asks for everything from seq 0 before any live message, so a late
   subscriber recovers the publisher's history even when no new traffic arrives.
+* Large jumps cost nothing: a missing range is handled as bounds ``[lo, hi)`` plus the frames
+  actually buffered from replay (work is O(frames received), never O(seqs missed)). A forward
+  jump of any size below ``MAX_SEQ`` is an ordinary gap (one ``Gap`` with the exact bounds;
+  replay is still asked, and can bring back at most the publisher's ring, ``ring_size``
+  batches, SGLang's ``buffer_steps``; a longer jump says so in the ``Gap`` reason).
+* A seq above ``MAX_SEQ`` (2**63 - 1) is not a publisher's seq (SGLang counts up from 0 in
+  an int64; ``ff`` x 8 is the replay end marker): ``valid_seq`` is False, the recorder keeps
+  such a message as a ``malformed_message`` annotation without feeding it here, and the
+  tracker itself ignores it (``stats.rejected``) so it can never move ``last``. A replay reply
+  with such a seq is ignored the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +57,17 @@ class Live(NamedTuple):
 
 Output = Out | Gap | Epoch
 
+#: highest seq a publisher can send (SGLang's counter is a Python int sent as u64, but it
+#: starts at 0 and bundles store seqs as int64); anything above is a malformed message.
+MAX_SEQ = (1 << 63) - 1
+#: SGLang's default replay ring (``buffer_steps``), in batches.
+DEFAULT_RING_SIZE = 10_000
+
+
+def valid_seq(seq: int) -> bool:
+    """True if ``seq`` can be a publisher's seq (0 <= seq <= ``MAX_SEQ``)."""
+    return 0 <= seq <= MAX_SEQ
+
 
 @dataclass
 class ReplaySession:
@@ -73,15 +94,24 @@ class TrackerStats:
     epochs: int = 0
     replays: int = 0
     replay_timeouts: int = 0
+    rejected: int = 0  # live messages / replay replies with a seq above MAX_SEQ (ignored)
 
 
 class SeqTracker:
     """Seq bookkeeping for one endpoint (see the module docstring)."""
 
-    def __init__(self, endpoint: int, *, has_replay: bool, max_buffer: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        endpoint: int,
+        *,
+        has_replay: bool,
+        max_buffer: int = 1_000_000,
+        ring_size: int = DEFAULT_RING_SIZE,
+    ) -> None:
         self.endpoint = endpoint
         self.has_replay = has_replay
         self.max_buffer = max_buffer
+        self.ring_size = ring_size
         self.epoch = 0
         self.last: int | None = None
         self.session: ReplaySession | None = None
@@ -98,6 +128,9 @@ class SeqTracker:
             self._start(0, None, "initial sync", now_ns)
 
     def on_live(self, seq: int, topic: str, payload: bytes, recv_ns: int) -> list[Output]:
+        if not valid_seq(seq):  # the caller should have annotated it as malformed
+            self.stats.rejected += 1
+            return []
         self.stats.live += 1
         msg = Live(seq, topic, payload, recv_ns)
         if self.session is not None:
@@ -110,7 +143,7 @@ class SeqTracker:
     def expected(self) -> int:
         """The seq the caller may write itself (fast path: no replay outstanding, the next
         after ``last``); -1 when every live message must go through ``on_live``."""
-        if self.session is None and self.last is not None:
+        if self.session is None and self.last is not None and self.last < MAX_SEQ:
             return self.last + 1
         return -1
 
@@ -126,6 +159,9 @@ class SeqTracker:
         """A replay reply (not the end marker)."""
         s = self.session
         self.stats.replay_replies += 1
+        if not valid_seq(seq):
+            self.stats.rejected += 1
+            return
         if s is None or seq < s.from_seq:
             return
         s.got[seq] = (topic if topic is not None else "", payload, recv_ns)
@@ -211,11 +247,24 @@ class SeqTracker:
             return
         self._missing(last + 1, seq, m, "seq gap", out)
 
+    def _have_all(self, lo: int, hi: int) -> bool:
+        """Every seq of ``[lo, hi)`` is buffered in ``_fill``: O(min(hi - lo, buffer))."""
+        n = hi - lo
+        fill = self._fill
+        if n > len(fill):
+            return False  # cannot hold them all: no walk over the (maybe huge) range
+        return all(s in fill for s in range(lo, hi))
+
     def _missing(self, lo: int, hi: int, m: Live, reason: str, out: list[Output]) -> None:
-        if all(s in self._fill for s in range(lo, hi)):
+        if self._have_all(lo, hi):
             self._fill_range(lo, hi, reason, out)
             self._emit(m, out)
             return
+        if hi - lo > self.ring_size:
+            reason = (
+                f"{reason}; {hi - lo} seqs missing, more than the replay ring holds "
+                f"({self.ring_size})"
+            )
         att = self._attempted
         tried = att is not None and att[0] <= lo and hi <= att[1]
         if self.has_replay and not tried:
@@ -228,7 +277,11 @@ class SeqTracker:
 
     def _fill_range(self, lo: int, hi: int, reason: str, out: list[Output]) -> None:
         """Write the recovered frames of [lo, hi) in seq order, preceded by their Gap."""
-        got = [s for s in range(lo, hi) if s in self._fill]
+        fill = self._fill
+        if hi - lo <= len(fill):  # walk the shorter of the range and the buffer
+            got = [s for s in range(lo, hi) if s in fill]
+        else:
+            got = sorted(k for k in fill if lo <= k < hi)
         n = hi - lo
         self.stats.gaps += 1
         self.stats.missed += n

@@ -4,8 +4,10 @@ Used by the fault tests and the capture benchmark in place of a real worker. Lik
 ``ZmqEventPublisher``: live frames ``[topic, seq8, payload]`` on a PUB socket, a replay ring of
 the last ``buffer_steps`` batches served by a ROUTER (``[identity, b"", start8]`` in; per-batch
 replies then the ``ff x 8`` end marker out, in the 0.5.22+ layout with a topic frame or the
-older one without). Frames are built with ``kvcadence.capture.wire``; payloads with
-``wire.encode_batch``. Binds only to 127.0.0.1.
+older one without). Frames are built and replay requests parsed with
+``kvcadence.capture.wire`` (``wire.parse_replay_request``: a malformed request is counted in
+``bad_requests`` and, as by SGLang, not answered); payloads with ``wire.encode_batch``.
+Binds only to 127.0.0.1.
 
 Fault knobs: ``restart()`` (close and rebind the same ports, seq back to 0, ring emptied),
 ``drop(n)`` (consume seqs without sending: still in the ring, i.e. an HWM drop, or not, i.e. a
@@ -23,6 +25,7 @@ from typing import Any
 
 from kvcadence.capture import wire
 from kvcadence.capture.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvcadence.errors import WireError
 
 
 class TestPublisher:
@@ -56,6 +59,7 @@ class TestPublisher:
         self.seq = 0
         self.sent = 0
         self.replay_requests = 0
+        self.bad_requests = 0  # replay requests wire.parse_replay_request refused (no reply)
         self.port = port
         self.replay_port = replay_port
         self._stop = threading.Event()
@@ -177,13 +181,15 @@ class TestPublisher:
                     frames = router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if len(frames) != 3 or len(frames[2]) != 8:
+                try:
+                    start = wire.parse_replay_request(frames[1:])
+                except WireError:
+                    self.bad_requests += 1
                     continue  # SGLang logs and ignores anything else
                 self.replay_requests += 1
                 if self.replay_mode == "stall":
                     continue
                 ident = frames[0]
-                start = int.from_bytes(frames[2], "big")
                 with self._ring_lock:
                     items = [(s, p) for s, p in self.ring if s >= start]
                 topic = self.topic if self.reply_topic else None

@@ -633,8 +633,9 @@ def test_a_bad_frame_stops_the_batch_after_writing_the_ones_before(tmp_path: Pat
     with pytest.raises(TypeError, match="not an EventFrame"):
         w.write_events([event(0), event(1), Annotation("x", 1), event(2)])  # type: ignore[list-item]
     bad_topic = (0, 3, 1, object(), BATCH, VIA_LIVE, 0)  # msgpack cannot encode it
-    with pytest.raises(TypeError, match="object"):
-        w.write_event_batch([(0, 2, 1, "t", BATCH, VIA_LIVE, 0), bad_topic])  # type: ignore[list-item]
+    good = (0, 2, 1, "t", BATCH, VIA_LIVE, 0)
+    with pytest.raises(BundleError, match="event record endpoint 0 seq 3.*object"):
+        w.write_event_batch([good, bad_topic])  # type: ignore[list-item]
     w.write_event_batch([(0, 4, 1, "t", BATCH, VIA_LIVE, 0)])  # still usable
     w.close()
     r = BundleReader(tmp_path / "b")
