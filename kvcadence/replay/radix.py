@@ -239,16 +239,26 @@ class RadixTree:
         n -= n % ps
         node = self.root
         pos = 0
-        children_get = None
+        # tuple keys (a request's prompt) compare by slice, without a tuple() copy
+        as_tuple = type(key) is tuple
         while pos < n:
-            children_get = node.children.get
-            child = children_get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
+            child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
             if child is None:
                 break
-            self._touch(child)
+            # ``_touch`` inlined
+            tick = self._tick = self._tick + 1
+            child.last_access = tick
+            if not child.children and child.lock_ref == 0:
+                noted = self._noted
+                noted.append(child)
+                if len(noted) > 64 + 4 * self.num_nodes:
+                    self._rebuild_heap()
             ckey = child.key
             m = len(ckey)
-            if pos + m <= n and tuple(key[pos : pos + m]) == ckey:
+            if (
+                pos + m <= n
+                and (key[pos : pos + m] if as_tuple else tuple(key[pos : pos + m])) == ckey
+            ):
                 pos += m
                 node = child
                 continue

@@ -77,7 +77,6 @@ class SimReq:
         "rid",
         "idx",
         "input_len",
-        "seq",
         "fill",
         "fill_len",
         "n_out",
@@ -115,7 +114,6 @@ class SimReq:
         self.rid = spec.rid
         self.idx = spec.idx
         self.input_len = len(spec.input_ids)
-        self.seq = spec.input_ids + spec.output_ids
         self.n_out = len(spec.output_ids)
         self.max_new_tokens = spec.max_new_tokens
         self.ignore_eos = spec.ignore_eos
@@ -152,6 +150,19 @@ class SimReq:
         #: decode pass at ``Scheduler``'s decode log entry ``g0 + j`` (a decoding request is
         #: in every decode pass until it stops, so its passes are consecutive log entries)
         self.dec0: tuple[int, int] | None = None
+
+    @property
+    def seq(self) -> tuple[int, ...]:
+        """The full sequence (prompt + outputs), built on demand: not kept per request."""
+        return self.spec.input_ids + self.spec.output_ids
+
+    def seq_upto(self, end: int) -> tuple[int, ...]:
+        """A prefix of ``seq`` holding at least ``seq[:end]`` (the prompt itself when it
+        covers ``end``): what a tree walk up to ``end`` reads, without a full copy."""
+        ids = self.spec.input_ids
+        if end <= len(ids):
+            return ids
+        return ids + self.spec.output_ids[: end - len(ids)]
 
 
 @dataclass(slots=True)
@@ -463,7 +474,7 @@ class Scheduler:
             return
         start = req.lock_handle
         existing, node, new = self.tree.insert(
-            req.seq, start, req.tree_len if start is not None else 0, end
+            req.seq_upto(end), start, req.tree_len if start is not None else 0, end
         )
         if new is not None and self.track:
             self._record_store(req, existing, end)
@@ -696,7 +707,8 @@ class Scheduler:
         r.gen += 1
         r.state = WAITING
         r.retractions += 1
-        r.fill = r.seq[: r.input_len + r.output_len]
+        n = r.input_len + r.output_len
+        r.fill = r.seq_upto(n)[:n]
         r.fill_len = len(r.fill)
         r.prefix_len = 0
         r.decode_left = 0
@@ -1074,7 +1086,8 @@ class Scheduler:
         abort, pause or transfer ahead); ``add_arrival`` wakes it."""
         t = self.t
         last = self.last
-        if self.cfg.skip_decode_stretches:
+        # the skip's cheapest refusals inlined (a call per pass otherwise)
+        if self.running and not self.waiting and self.cfg.skip_decode_stretches:
             jumped = self._skip_decode_stretch(t, last, horizon)
             if jumped is not None:
                 self.t, self.last = jumped

@@ -169,19 +169,16 @@ def sim_request_record(
     from kvcadence.capture.schema import RequestRecord
 
     s = r.spec
-
-    def ts(v: int | None) -> float | None:
-        return None if v is None else (anchor_ns + v) / 1e9
-
+    arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
     meta: dict[str, Any] = {
         "prompt_tokens": r.input_len,
         "completion_tokens": r.output_len,
         "cached_tokens": r.cached_tokens,
         "num_retractions": r.retractions,
-        "request_received_ts": ts(r.arrival_ns),
-        "forward_entry_time": ts(r.entry_ns),
-        "prefill_finished_time": ts(r.first_token_ns),
-        "request_finished_ts": ts(r.finish_ns),
+        "request_received_ts": None if arr is None else (anchor_ns + arr) / 1e9,
+        "forward_entry_time": None if entry is None else (anchor_ns + entry) / 1e9,
+        "prefill_finished_time": None if first is None else (anchor_ns + first) / 1e9,
+        "request_finished_ts": None if fin is None else (anchor_ns + fin) / 1e9,
     }
     if rank_in_meta:
         meta["dp_rank"] = rank
