@@ -185,10 +185,16 @@ class AgentWorkload(Workload):
         self._issued = 0
         self._state: dict[int, dict[str, Any]] = {}
 
-    def _take(self) -> bool:
+    def _take(self, lane: int) -> bool:
+        """Spend one request of ``lane``'s quota. Each lane owns a fixed share of
+        ``requests`` (``requests // lanes``, the first ``requests % lanes`` lanes one more),
+        so the set of requests a seed produces does not depend on which lane runs faster."""
+        quota = self.requests // self.lanes + (1 if lane < self.requests % self.lanes else 0)
         with self._lock:
-            if self._issued >= self.requests:
+            st = self._state[lane]
+            if st.get("issued", 0) >= quota:
                 return False
+            st["issued"] = st.get("issued", 0) + 1
             self._issued += 1
             return True
 
@@ -220,7 +226,7 @@ class AgentWorkload(Workload):
         out_len = rng.randint(self.out_min, self.out_max)
         if prev is None:
             pause_ms = 0.0
-        if not self._take():
+        if not self._take(lane):
             return None
         return Req(
             rid=f"l{lane}-s{st['session']}-t{turn}",

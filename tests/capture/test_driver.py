@@ -255,3 +255,9 @@ def test_bad_specs_and_inputs_name_the_problem(tmp_path):
     spec = tmp_path / "w.json"
     spec.write_text(json.dumps({"kind": "agent", "lanes": 2}))
     assert isinstance(build_workload(f"@{spec}"), AgentWorkload)
+
+
+def test_agent_lanes_own_fixed_request_quotas():
+    recs = drive(build_workload("agent:lanes=3,requests=8,seed=5,think_ms=0"), FakeSGLang())
+    per_lane = [sum(1 for r in recs if r.lane == lane) for lane in range(3)]
+    assert per_lane == [3, 3, 2]
