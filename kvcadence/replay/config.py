@@ -188,6 +188,19 @@ def _get(info: dict[str, Any], *names: str) -> Any:
     return None
 
 
+# (SimConfig attribute, conversion, /server_info keys in order of preference)
+_SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
+    ("page_size", int, ("page_size",)),
+    ("max_total_tokens", int, ("max_total_num_tokens", "max_total_tokens")),
+    ("max_prefill_tokens", int, ("max_prefill_tokens",)),
+    ("max_running_requests", int, ("max_running_requests",)),
+    ("decode_log_interval", int, ("decode_log_interval",)),
+    ("schedule_policy", str, ("schedule_policy",)),
+    ("schedule_conservativeness", float, ("schedule_conservativeness",)),
+    ("disable_overlap_schedule", bool, ("disable_overlap_schedule",)),
+)
+
+
 def from_server_info(server_info: dict[str, Any], sglang_version: str | None = None) -> SimConfig:
     """Read the worker's resolved settings from a ``/server_info`` snapshot."""
     cfg = SimConfig()
@@ -197,33 +210,13 @@ def from_server_info(server_info: dict[str, Any], sglang_version: str | None = N
         merged = dict(internal[0])
         merged.update(info)
         info = merged
-    v = _get(info, "page_size")
-    if v is not None:
-        cfg.page_size = int(v)
-    v = _get(info, "max_total_num_tokens", "max_total_tokens")
-    if v is not None:
-        cfg.max_total_tokens = int(v)
+    for attr, conv, names in _SERVER_INFO_FIELDS:
+        v = _get(info, *names)
+        if v is not None:
+            setattr(cfg, attr, conv(v))
     if "chunked_prefill_size" in info:
         v = info["chunked_prefill_size"]
         cfg.chunked_prefill_size = int(v) if v is not None and int(v) > 0 else None
-    v = _get(info, "max_prefill_tokens")
-    if v is not None:
-        cfg.max_prefill_tokens = int(v)
-    v = _get(info, "max_running_requests")
-    if v is not None:
-        cfg.max_running_requests = int(v)
-    v = _get(info, "decode_log_interval")
-    if v is not None:
-        cfg.decode_log_interval = int(v)
-    v = _get(info, "schedule_policy")
-    if v is not None:
-        cfg.schedule_policy = str(v)
-    v = _get(info, "schedule_conservativeness")
-    if v is not None:
-        cfg.schedule_conservativeness = float(v)
-    v = _get(info, "disable_overlap_schedule")
-    if v is not None:
-        cfg.disable_overlap_schedule = bool(v)
     v = _get(info, "disaggregation_mode")
     if v is not None and str(v) in ("prefill", "decode"):
         cfg.role = str(v)
