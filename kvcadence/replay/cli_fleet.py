@@ -1,7 +1,7 @@
 """``kvcadence replay`` across DP ranks, workers and parameter points (flags + dispatch).
 
 What this file owns: the flags ``--route``, ``--sweep``, ``--jobs``, ``--each``,
-``--align-workers`` added to the ``replay`` parser (``add_fleet_args``), and
+``--align-workers``, ``--pace`` added to the ``replay`` parser (``add_fleet_args``), and
 ``maybe_run_fleet(args)``, which ``replay.cli.run`` calls first: it runs the fleet replay
 (``replay.fleet``) when several bundles are given, a ``--route`` is asked for, the bundle
 was captured from a ``--dp-size N > 1`` worker, or a sweep (``replay.sweep``) is asked for;
@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 ROUTE_CHOICES = ("recorded", "round_robin", "shortest_queue", "cache_aware")
+PACE_CHOICES = ("auto", "recorded", "model")  # = replay.fleet.PACES (not imported: stdlib only)
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
@@ -48,12 +49,28 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start every bundle's schedule at virtual time 0 (default: recorded wall clock)",
     )
+    g.add_argument(
+        "--pace",
+        choices=PACE_CHOICES,
+        default="auto",
+        help="pass times of the simulated ranks: 'recorded' keeps each rank on the pace its "
+        "requests' outputs were recorded at (the pass-time model clamped to 0.5-2x), 'model' "
+        "uses the pass-time model alone; 'auto' (default) = recorded for a multi-rank worker "
+        "replayed with --route recorded and a calibrated pass-time model, else model",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     from kvcadence.replay.cli import _OVERRIDES
 
     return {k: getattr(args, k, None) for k in _OVERRIDES}
+
+
+def _pace(args: argparse.Namespace) -> str:
+    """``--pace``; ``auto`` becomes ``model`` under ``--no-calibrate`` (the built-in pass
+    times are no base for the recorded pace)."""
+    pace = getattr(args, "pace", None) or "auto"
+    return "model" if pace == "auto" and getattr(args, "no_calibrate", False) else pace
 
 
 def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
@@ -74,7 +91,13 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
 def maybe_run_fleet(args: argparse.Namespace) -> int | None:
     """Run the fleet / sweep replay if ``args`` ask for it; else normalise ``args.bundle``."""
     bundles = args.bundle if isinstance(args.bundle, list) else [args.bundle]
-    for name, default in (("route", None), ("sweep", []), ("jobs", None), ("each", False)):
+    for name, default in (
+        ("route", None),
+        ("sweep", []),
+        ("jobs", None),
+        ("each", False),
+        ("pace", "auto"),
+    ):
         if not hasattr(args, name):
             setattr(args, name, default)
     if not hasattr(args, "align_workers"):
@@ -118,7 +141,11 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
         progress = bar.update
     try:
         result = simulate_fleet(
-            workers, args.route or "recorded", align_workers=args.align_workers, progress=progress
+            workers,
+            args.route or "recorded",
+            align_workers=args.align_workers,
+            progress=progress,
+            pace=_pace(args),
         )
     finally:
         if bar is not None:
@@ -179,6 +206,7 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
         calibrate=not args.no_calibrate,
         align_workers=args.align_workers,
         on_done=done,
+        pace=_pace(args),
     )
     wall = time.perf_counter() - t0
     table = [what_if_row(r) for r in results]

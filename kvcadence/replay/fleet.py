@@ -14,6 +14,11 @@ What this file owns:
   ranks' states and (``cache_aware``) only the events the ranks had *published* by then.
   Closed-loop lanes cross ranks: a lane's next request is released ``gap`` after its
   predecessor finishes on whichever rank served it;
+* pass-time pacing (``PACES``, ``Fleet.pace_of``): ``recorded`` gives each rank a
+  ``timing.PacedTimer`` that keeps it on the pace its requests' outputs were recorded at
+  (per rank: ``timing.recorded_token_times``); ``auto`` does so for a multi-rank worker
+  under ``recorded`` routing -- the DP controller's round robin was decided on the recorded
+  arrival order, which the pass-time model's drift would scramble -- else ``model``;
 * ``write_fleet_bundles`` -- one sim bundle per worker with one endpoint per rank, each
   rank's batches under its endpoint id with its own seq, each rank's visibility notes
   (``replay.visibility.scheduler_notes``, ``endpoint`` = rank; none with
@@ -28,7 +33,8 @@ through ``on_finish``, so the fleet releases each lane's next request on any ran
 worker of one rank and ``recorded`` routing the result is byte-identical to
 ``replay.simulator.simulate``.
 
-Decode-stretch skipping is bounded by the earliest moment another rank (or a known, not yet
+A paced rank steps one pass at a time (no decode stretch is skipped). Otherwise
+decode-stretch skipping is bounded by the earliest moment another rank (or a known, not yet
 routed arrival) could hand this rank a request (``step``'s ``horizon``, ``bound_for``), so a
 stretch never jumps over a cross-rank arrival. An idle rank recomputes its wake-up when a
 request is routed to it.
@@ -50,8 +56,11 @@ from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq, SimStats
+from kvcadence.replay.timing import PacedTimer, recorded_token_times
 
 _INF = float("inf")
+#: pass-time pacing of a fleet replay (``Fleet.pace_of``)
+PACES = ("auto", "recorded", "model")
 
 
 # ---------------------------------------------------------------------- inputs
@@ -255,7 +264,10 @@ class Fleet:
         *,
         hasher: Hasher | None = None,
         align_workers: bool = False,
+        pace: str = "auto",
     ) -> None:
+        if pace not in PACES:
+            raise UsageError(f"pace {pace!r} not known (choose from {', '.join(PACES)})")
         if not workers:
             raise UsageError("replay: no worker to simulate")
         self.workers = list(workers)
@@ -303,7 +315,20 @@ class Fleet:
         # slots: every rank's scheduler serves the shared request list; this fleet routes
         # each request to one of them and releases lanes across ranks (``_on_finish``)
         self.slots: list[Slot] = []
-        for wi, w in enumerate(self.workers):
+        for wi, (w, sch) in enumerate(zip(self.workers, per_worker, strict=True)):
+            # scheduler time 0 = this absolute capture time of the worker
+            origin = sch.anchor_ns if align_workers else self.anchor_ns
+            paced = self.pace_of(w, pace)
+            times: list[dict[int, list[float]]] = [{} for _ in w.rank_configs]
+            if paced:
+                for rank, cfg in enumerate(w.rank_configs):
+                    mine = [
+                        sp
+                        for sp in sch.requests
+                        if sp.source is not None and self.home[sp.idx] == (wi, rank)
+                    ]
+                    got = recorded_token_times([sp.source for sp in mine], cfg.timing)
+                    times[rank] = {mine[i].idx: ts for i, ts in got.items()}
             for rank, cfg in enumerate(w.rank_configs):
                 cfg = copy.deepcopy(cfg)
                 cfg.attn_dp_rank = rank
@@ -317,11 +342,21 @@ class Fleet:
                     requests=self.reqs,
                     on_finish=self._on_finish,
                 )
+                if times[rank]:
+                    sched.timer = PacedTimer(cfg.timing, sched, times[rank], origin)
                 self.slots.append(Slot(len(self.slots), wi, rank, sched, pub))
         self.slot_of = {(sl.worker, sl.rank): sl.index for sl in self.slots}
         self.serving = [-1] * len(specs)
         self.pending: list[tuple[int, int]] = []  # (arrival ns, idx): known, not routed
         self.static = bool(getattr(router, "static", False))
+
+    def pace_of(self, w: WorkerInput, pace: str) -> bool:
+        """Whether worker ``w``'s ranks run on the recorded pace: ``recorded`` yes,
+        ``model`` no, ``auto`` when several ranks share the worker's host and the requests
+        are routed to their recorded ranks."""
+        if pace != "auto":
+            return pace == "recorded"
+        return w.dp_size > 1 and getattr(self.router, "name", None) == "recorded"
 
     # ------------------------------------------------------------------ routing
     def bound_for(self, sched: Scheduler) -> float:
@@ -383,7 +418,11 @@ class Fleet:
                 continue
             if best is None:
                 break
-            best.step(self.bound_for(best))
+            if type(best.timer) is PacedTimer:
+                # every paced pass has its own duration: no decode stretch is skipped
+                best.step(best.t + 1)
+            else:
+                best.step(self.bound_for(best))
             guard += 1
             if guard > 100_000_000:
                 raise ReplayError("fleet simulation did not terminate (loop guard)")
@@ -429,12 +468,15 @@ def simulate_fleet(
     hasher: Hasher | None = None,
     align_workers: bool = False,
     progress: Callable[[int], None] | None = None,
+    pace: str = "auto",
 ) -> FleetResult:
-    """Replay ``workers`` with routing policy ``route`` (a name or a router object)."""
+    """Replay ``workers`` with routing policy ``route`` (a name or a router object) and
+    pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``)."""
     from kvcadence.replay.routing import make_router
 
     router = make_router(route) if isinstance(route, str) else route
-    return Fleet(workers, router, hasher=hasher, align_workers=align_workers).run(progress)
+    fleet = Fleet(workers, router, hasher=hasher, align_workers=align_workers, pace=pace)
+    return fleet.run(progress)
 
 
 # ---------------------------------------------------------------------- output

@@ -275,7 +275,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         )
         for p in job["bundles"]
     ]
-    result = simulate_fleet(workers, route, align_workers=job.get("align_workers", False))
+    result = simulate_fleet(
+        workers,
+        route,
+        align_workers=job.get("align_workers", False),
+        pace=job.get("pace", "auto"),
+    )
     rows = fleet_rows(result)
     files = write_rows(Path(job["out"]), rows, point, job["job"])
     summary = result.summary()
@@ -376,6 +381,7 @@ def run_sweep(
     calibrate: bool = True,
     align_workers: bool = False,
     on_done: Callable[[dict[str, Any]], None] | None = None,
+    pace: str = "auto",
 ) -> list[dict[str, Any]]:
     """Run every job (see module docstring); returns the job summaries in job order."""
     from concurrent.futures import ProcessPoolExecutor
@@ -403,6 +409,7 @@ def run_sweep(
                     "sglang_version": sglang_version,
                     "calibrate": calibrate,
                     "align_workers": align_workers,
+                    "pace": pace,
                 }
             )
     validate_jobs(specs)  # before anything is written: a bad point leaves no --out behind

@@ -4,13 +4,22 @@
   the single-rank replay (so its issue-4 fidelity numbers hold unchanged);
 * ``data/sglang-0.5.23-dp2-agent-ps1``: a real ``--dp-size 2`` capture (CPU worker, page 1,
   pool 3000 tokens per rank, 100 agent requests on 4 lanes, ``--enable-metrics``; see
-  ``data/README.md``). With ``--route recorded``, per rank: the same requests, identical
-  stored-hash sets, stored and removed block totals within 2 %, ``cached_tokens``
-  equal for >= 95 % of requests, hit rate within 0.01, the run's span within 5 % (the CPU-aware pass-time calibration lands at -3.4 % on this capture), and event
-  counts within 30 % (a regression guard). The replay issue's tighter event bars (``BARS``)
-  do **not** hold on rank 0 of this capture (recorded on a heavily shared 2-core box; 28 vs
-  36 removal events): ``test_dp2_issue4_event_bars_per_rank`` is a strict xfail that
-  flags the day they do;
+  ``data/README.md``). With ``--route recorded`` (pace ``auto`` = ``recorded`` here), per
+  rank: the same requests, identical stored-hash sets, stored and removed block totals
+  within 2 %, ``cached_tokens`` equal for >= 95 % of requests, hit rate within 0.01, the
+  run's span within 5 %, and event counts within 30 % (a regression guard);
+* the cause of the issue-4 misses under the pass-time model alone (``pace="model"``): the
+  recorded ranks were decided by a strict round robin over the *recorded* arrival order;
+  per-request pass-time errors add up along each lane (±10–30 s), the simulated arrival
+  order drifts, and the recorded ranks then no longer alternate (37 of 99 consecutive
+  arrivals on the same rank vs 0 recorded): a rank idles twice as often as it did (9 vs 4
+  and 5 vs 2 idle spells), each idle publish splits a finish store from the next turn's
+  prefill store, and the pools fill at other moments (more, smaller removals). The
+  recorded pace keeps the order (``test_dp2_recorded_pace_keeps_the_round_robin_order``);
+* with the recorded pace every issue-4 bar (``BARS``) holds on rank 1 and all but the
+  median blocks per Stored event on rank 0 (-12.5 %: 89 vs 88 events, and the real
+  sizes jump from 66 to 78 at the median, so one event more or less moves it by ~15 %);
+  ``test_dp2_issue4_event_bars_per_rank`` stays a strict xfail that flags the day it holds;
 * with ``--route cache_aware`` the simulated hit rate is reported next to the recorded one.
 """
 
@@ -61,10 +70,10 @@ def dp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp2")
     w = load_worker(DP2)
     out = {}
-    for route in ("recorded", "cache_aware"):
-        res = simulate_fleet([w], route)
+    for route, pace in (("recorded", "auto"), ("cache_aware", "auto"), ("model", "model")):
+        res = simulate_fleet([w], "recorded" if route == "model" else route, pace=pace)
         (path,) = write_fleet_bundles(tmp / route, res)
-        out[route] = (res, rank_figures(path))
+        out[route] = (res, rank_figures(path), path)
     return w, rank_figures(DP2), out
 
 
@@ -87,14 +96,14 @@ def test_dp2_capture_has_two_ranks(dp2):
     assert all(r.dp_rank in (0, 1) and r.meta_info["dp_rank"] == r.dp_rank for r in w.records)
 
 
-def _rows(dp2) -> dict:
+def _rows(dp2, run: str = "recorded") -> dict:
     _w, real, runs = dp2
-    return {(r["rank"], r["figure"]): r for r in compare_ranks(real, runs["recorded"][1])}
+    return {(r["rank"], r["figure"]): r for r in compare_ranks(real, runs[run][1])}
 
 
 def test_dp2_recorded_route_per_rank_fidelity(dp2):
     w, real, runs = dp2
-    res, sim = runs["recorded"]
+    res, sim, _path = runs["recorded"]
     by = _rows(dp2)
     for rank in ("0", "1", "all"):
         assert sim[rank]["requests"] == real[rank]["requests"]
@@ -113,7 +122,56 @@ def test_dp2_recorded_route_per_rank_fidelity(dp2):
     assert abs(res.virtual_ns / 1e9 - span) / span <= 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="rank 0 of the dp2 capture misses the issue-4 bars")
+def _arrival_ranks(path) -> str:
+    from kvcadence.capture.bundle import BundleReader
+
+    recs = BundleReader(path).requests()
+    recs.sort(key=lambda r: r.meta_info["request_received_ts"])
+    return "".join(str(r.dp_rank) for r in recs)
+
+
+def _repeats(seq: str) -> int:
+    return sum(1 for a, b in zip(seq, seq[1:], strict=False) if a == b)
+
+
+def test_dp2_recorded_pace_keeps_the_round_robin_order(dp2):
+    _w, _real, runs = dp2
+    real = _arrival_ranks(DP2)
+    assert _repeats(real) == 0  # round_robin: the recorded ranks alternate strictly
+    paced = _repeats(_arrival_ranks(runs["recorded"][2]))
+    model = _repeats(_arrival_ranks(runs["model"][2]))
+    print(f"same-rank consecutive arrivals: real 0, recorded pace {paced}, model {model}")
+    assert paced <= 12 < 30 <= model
+
+
+def test_dp2_recorded_pace_event_bars(dp2):
+    """Regression guard: the issue-4 bars that hold with the recorded pace (all but rank
+    0's median blocks per Stored event), and per rank the message count within 3 %."""
+    by = _rows(dp2)
+    model = _rows(dp2, "model")
+    for rank in ("0", "1"):
+        for fig, bar in BARS.items():
+            if (rank, fig) == ("0", "stored_blocks_median"):
+                continue
+            assert abs(by[(rank, fig)]["delta"]) <= bar, (rank, fig, by[(rank, fig)])
+        assert abs(by[(rank, "messages")]["delta"]) <= 0.03
+    # the pass-time model alone misses (see the module docstring)
+    assert (
+        abs(model[("0", "stored_events_per_request")]["delta"]) > BARS["stored_events_per_request"]
+    )
+
+
+def test_dp2_recorded_pace_is_deterministic(dp2, tmp_path):
+    w, _real, runs = dp2
+    again = simulate_fleet([w], "recorded")
+    for a, b in zip(runs["recorded"][0].slots, again.slots, strict=True):
+        assert [x.payload for x in a.publisher.batches] == [x.payload for x in b.publisher.batches]
+        assert [x.time_ns for x in a.publisher.batches] == [x.time_ns for x in b.publisher.batches]
+
+
+@pytest.mark.xfail(
+    strict=True, reason="rank 0's median blocks per Stored event: -12.5 % (72 -> 63)"
+)
 def test_dp2_issue4_event_bars_per_rank(dp2):
     by = _rows(dp2)
     for rank in ("0", "1"):
@@ -126,7 +184,7 @@ def test_dp2_cache_aware_hit_rate_next_to_recorded(dp2):
     _w, real, runs = dp2
     rec_hit = real["all"]["hit_rate"]
     sim_rec = runs["recorded"][1]["all"]["hit_rate"]
-    aware_res, aware = runs["cache_aware"]
+    aware_res, aware, _path = runs["cache_aware"]
     aware_hit = aware["all"]["hit_rate"]
     print(
         f"hit rate: recorded {rec_hit:.3f}, sim recorded {sim_rec:.3f}, cache_aware {aware_hit:.3f}"
@@ -139,3 +197,19 @@ def test_dp2_cache_aware_hit_rate_next_to_recorded(dp2):
         if r.dp_rank != s.source.dp_rank
     )
     assert moved > 0
+
+
+def test_replay_cli_pace_flag(dp2, tmp_path, capsys):
+    import json
+
+    from kvcadence.cli import main
+
+    _w, _real, runs = dp2
+    for pace, run in (("auto", "recorded"), ("model", "model")):
+        out = tmp_path / pace
+        assert main(["replay", str(DP2), "--out", str(out), "--pace", pace, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["messages"] == runs[run][0].summary()["messages"]
+        assert rank_figures(out) == runs[run][1]
+    with pytest.raises(SystemExit) as e:
+        main(["replay", str(DP2), "--out", str(tmp_path / "x"), "--pace", "fast"])
+    assert e.value.code == 2

@@ -1,7 +1,8 @@
 """Schedule times and the pass-time calibration: server-side receive / finish times from
 ``meta_info`` (``response_sent_to_client_ts − e2e_latency`` when ``request_received_ts`` is
-missing), a latency-based calibration when per-phase timings are missing, and the
-synchronous-forward (CPU worker) correction of prefill durations."""
+missing), a latency-based calibration when per-phase timings are missing, the
+synchronous-forward (CPU worker) correction of prefill durations, and the recorded pace of a
+rank (``recorded_token_times``, ``PacedTimer``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 from kvcadence.capture.schema import RequestRecord
 from kvcadence.replay.config import TimingParams
 from kvcadence.replay.schedule import build_schedule
-from kvcadence.replay.timing import calibrate
+from kvcadence.replay.timing import (
+    PACE_MAX_FACTOR,
+    PACE_MIN_FACTOR,
+    PacedTimer,
+    PassTimer,
+    calibrate,
+    recorded_token_times,
+)
 
 T0 = 1_800_000_000.0
 
@@ -128,3 +136,103 @@ def test_sync_forward_calibration_takes_the_next_forward_out_of_prefill_times():
     assert cpu.prefill_per_token_s == pytest.approx(1e-5, rel=0.05)
     assert cpu.prefill_base_s == pytest.approx(0.010, rel=0.1)
     assert gpu.prefill_base_s > cpu.prefill_base_s + 0.003  # includes the next forward
+
+
+def phased(rid, fe, pf, fin, n) -> RequestRecord:
+    """A record with per-phase timings (seconds after ``T0``)."""
+    mi = {
+        "forward_entry_time": T0 + fe,
+        "prefill_finished_time": T0 + pf,
+        "request_finished_ts": T0 + fin,
+        "request_received_ts": T0 + fe,
+    }
+    return RequestRecord(
+        rid=rid,
+        input_ids=[3] * 20,
+        output_ids=[5] * n,
+        send_ns=int((T0 + fe) * 1e9),
+        max_new_tokens=n,
+        completion_tokens=n,
+        prompt_tokens=20,
+        cached_tokens=0,
+        finish_reason="length",
+        meta_info=mi,
+    )
+
+
+P = TimingParams(decode_base_s=0.1, decode_per_req_s=0.0)
+
+
+def test_recorded_token_times_end_exactly_and_never_go_back():
+    recs = [phased("a", 0.0, 0.5, 10.5, 21), phased("b", 1.0, 1.5, 4.5, 7)]
+    out = recorded_token_times(recs, P)
+    assert sorted(out) == [0, 1]
+    for i, r in enumerate(recs):
+        ts = out[i]
+        assert len(ts) == r.completion_tokens
+        assert ts[0] == pytest.approx(r.meta_info["prefill_finished_time"])
+        assert ts[-1] == pytest.approx(r.meta_info["request_finished_ts"])
+        assert all(x <= y for x, y in zip(ts, ts[1:], strict=False))
+
+
+def test_a_request_follows_its_ranks_speed_not_its_own_average():
+    # b runs 20 passes in [0.5, 2.5] (fast: 0.1 s), then a alone from 2.5 to 10.5 (slow);
+    # a spans both: 40 outputs, 20 of them inside b's window (they share every pass)
+    a = phased("a", 0.0, 0.5, 10.5, 41)
+    b = phased("b", 0.0, 0.5, 2.5, 21)
+    ts = recorded_token_times([a, b], P)[0]
+    # linear interpolation would put a's 21st output at 5.5 s; the rank's pace at ~2.5 s
+    assert ts[20] - T0 == pytest.approx(2.5, abs=0.3)
+    assert ts[-1] - T0 == pytest.approx(10.5)
+
+
+def test_records_without_phase_timings_have_no_recorded_pace():
+    r = phased("a", 0.0, 0.5, 10.5, 21)
+    r.meta_info = {"e2e_latency": 3.0}
+    assert recorded_token_times([r], P) == {}
+
+
+class _Sched:
+    """The scheduler state a ``PacedTimer`` reads."""
+
+    def __init__(self, running, t=0, gpu_free=0, last=None, pending=()):
+        self.running = running
+        self.t = t
+        self.gpu_free = gpu_free
+        self.last = last
+        self.pending_merge = list(pending)
+
+
+class _Req:
+    def __init__(self, idx, output_len):
+        self.idx = idx
+        self.output_len = output_len
+
+
+def test_paced_decode_aims_at_the_recorded_output_within_the_clamp():
+    base = PassTimer(P).decode_ns(1)  # 0.1 s
+    times = {0: [1.0 + 0.12 * j for j in range(10)]}  # recorded: 0.12 s per output
+    r = _Req(0, output_len=3)  # outputs 1..3 processed, the next one is the 4th
+    sched = _Sched([r], t=int(1.26e9), gpu_free=int(1.26e9))
+    timer = PacedTimer(P, sched, times, origin_ns=0)
+    # the 4th output was recorded at 1.36 s: the pass launched at 1.26 s takes 0.1 s
+    assert timer.decode_ns(1) == pytest.approx(int(0.1e9), abs=2)
+    # a drifted rank (0.5 s late) catches up at the fastest allowed pace
+    sched.t = sched.gpu_free = int(1.76e9)
+    assert timer.decode_ns(1) == int(base * PACE_MIN_FACTOR)
+    # far ahead of the record: waits at most the slowest allowed pace
+    sched.t = sched.gpu_free = 0
+    assert timer.decode_ns(1) == int(base * PACE_MAX_FACTOR)
+    # no recorded request running: the model's pass time
+    assert PacedTimer(P, _Sched([_Req(7, 0)]), times, 0).decode_ns(1) == base
+
+
+def test_paced_prefill_aims_at_the_recorded_prefill_result():
+    times = {0: [2.0, 2.1, 2.2]}
+    sched = _Sched([], t=int(1.5e9), gpu_free=int(1.5e9), pending=[_Req(0, 0)])
+    timer = PacedTimer(P, sched, times, origin_ns=int(0.5e9))  # scheduler 0 = wall 0.5 s
+    model = PassTimer(P).prefill_ns(20, 1)
+    # recorded at 2.0 s wall = 1.5 s scheduler time = now: as fast as allowed
+    assert timer.prefill_ns(20, 1) == int(model * PACE_MIN_FACTOR)
+    sched.t = sched.gpu_free = int(1.5e9) - model  # one model pass early: the model time
+    assert timer.prefill_ns(20, 1) == model
