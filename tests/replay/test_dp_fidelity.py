@@ -19,7 +19,15 @@
 * with the recorded pace every issue-4 bar (``BARS``) holds on rank 1 and all but the
   median blocks per Stored event on rank 0 (-12.5 %: 89 vs 88 events, and the real
   sizes jump from 66 to 78 at the median, so one event more or less moves it by ~15 %);
-  ``test_dp2_issue4_event_bars_per_rank`` stays a strict xfail that flags the day it holds;
+  ``test_dp2_issue4_event_bars_per_rank`` stays a strict xfail that flags the day it holds.
+  The miss is timing, not memory accounting
+  (``test_dp2_rank0_miss_is_one_late_arrival_not_accounting``): at the prefills where the
+  two streams part, the rank's pool (tree size, running requests' KV, free slots) is the
+  real one; what differs is *which* leaves LRU eviction takes, because one request
+  (``l1-s2-t0``) arrives 3.3 s late (its lane's previous turn finished two decode passes
+  later on rank 1, after a 2.4 s prefill instead of before it), finishes after instead of
+  before ``l3-s0-t4``, and so is newer in LRU order. Put at its recorded arrival, rank 0's
+  first 24 removals equal the real ones hash for hash (9 otherwise);
 * with ``--route cache_aware`` the simulated hit rate is reported next to the recorded one.
 """
 
@@ -31,7 +39,8 @@ import pytest
 
 from kvcadence.analysis.ranks import compare_ranks, rank_figures
 from kvcadence.capture.importer import import_bundle
-from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
+from kvcadence.replay.fleet import Fleet, load_worker, simulate_fleet, write_fleet_bundles
+from kvcadence.replay.routing import make_router
 from kvcadence.replay.simulator import replay_bundle
 
 DP2 = Path(__file__).parent / "data" / "sglang-0.5.23-dp2-agent-ps1"
@@ -170,7 +179,10 @@ def test_dp2_recorded_pace_is_deterministic(dp2, tmp_path):
 
 
 @pytest.mark.xfail(
-    strict=True, reason="rank 0's median blocks per Stored event: -12.5 % (72 -> 63)"
+    strict=True,
+    reason="rank 0's median blocks per Stored event: -12.5 % (72 -> 63); pass timing "
+    "(finish order / publish windows), not memory accounting: see "
+    "test_dp2_rank0_miss_is_one_late_arrival_not_accounting",
 )
 def test_dp2_issue4_event_bars_per_rank(dp2):
     by = _rows(dp2)
@@ -178,6 +190,84 @@ def test_dp2_issue4_event_bars_per_rank(dp2):
         for fig, bar in BARS.items():
             d = by[(rank, fig)]["delta"]
             assert d is not None and abs(d) <= bar, (rank, fig, by[(rank, fig)])
+
+
+def _removals_real(rank: int) -> list[tuple[int, ...]]:
+    """Every BlockRemoved of ``rank`` in the real capture, in publish order."""
+    from kvcadence.capture import wire
+    from kvcadence.capture.bundle import BundleReader, event_payload
+    from kvcadence.capture.schema import BlockRemoved
+
+    out = []
+    for f in BundleReader(DP2).events():
+        if f.endpoint == rank:
+            for e in wire.decode_batch(event_payload(f)).events:
+                if isinstance(e, BlockRemoved):
+                    out.append(tuple(e.block_hashes))
+    return out
+
+
+def _removals_sim(res, rank: int) -> list[tuple[int, ...]]:
+    from kvcadence.capture import wire
+    from kvcadence.capture.schema import BlockRemoved
+
+    out = []
+    for b in res.slots[rank].publisher.batches:
+        for e in wire.decode_batch(b.payload).events:
+            if isinstance(e, BlockRemoved):
+                out.append(tuple(e.block_hashes))
+    return out
+
+
+def _same_prefix(a: list, b: list) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+class _OnTimeFleet(Fleet):
+    """A recorded-route replay where the named requests arrive at their recorded receive
+    time instead of their (scaled) gap after the lane's previous turn finished."""
+
+    def __init__(self, *a, rids: set[str], **kw) -> None:
+        super().__init__(*a, **kw)
+        self.on_time = {s.idx for s in self.specs if s.rid in rids}
+        for s in self.specs:
+            if s.idx in self.on_time:
+                at = int(s.source.meta_info["request_received_ts"] * 1e9) - self.anchor_ns
+                self._route(at, s.idx)
+
+    def _known(self, at: int, idx: int) -> None:
+        if idx not in self.on_time:
+            super()._known(at, idx)
+
+
+def test_dp2_rank0_miss_is_one_late_arrival_not_accounting(dp2):
+    """Where rank 0's event stream first parts from the real one, and why.
+
+    Its first 9 removals are the real ones hash for hash; the 10th is taken at
+    ``l3-s2-t0``'s prefill, where the sim's pool equals the real one (tree 2852 tokens,
+    running KV 22 vs ~23, 126 vs ~125 free; need 224) but evicts other leaves: real 124
+    blocks (``l1-s2-t0``'s two nodes, then ``l3-s0-t4``'s finish node), sim 180
+    (``l3-s0-t4``'s finish node and its parent). LRU order: ``l1-s2-t0`` finished before
+    ``l3-s0-t4`` on the real worker, after it in the sim, because it arrived 3.3 s late
+    (its lane's previous turn ``l1-s1-t2`` finished late on rank 1). From there the free
+    headroom differs by 41-56 tokens: the sim evicts the 489-block node right after
+    ``l3-s2-t1``'s prefill (splitting a finish + next-prefill merge) where the real worker
+    evicted it 18 s later. With ``l1-s2-t0`` at its recorded arrival the first 24 removals
+    are the real ones and that split is gone: eviction (whole LRU leaves, shortfall only)
+    and the pool accounting are not what misses."""
+    w, _real, runs = dp2
+    real = _removals_real(0)
+    base = _removals_sim(runs["recorded"][0], 0)
+    k = _same_prefix(real, base)
+    assert k == 9
+    assert (len(real[k]), len(base[k])) == (124, 180)
+    assert real[k][-38:] == base[k][:38]  # both take l3-s0-t4's finish node (38 blocks)
+    fleet = _OnTimeFleet([w], make_router("recorded"), pace="auto", rids={"l1-s2-t0"})
+    fixed = _removals_sim(fleet.run(), 0)
+    assert _same_prefix(real, fixed) >= 24
 
 
 def test_dp2_cache_aware_hit_rate_next_to_recorded(dp2):
