@@ -81,8 +81,8 @@ def baseline(records: list[RequestRecord]) -> float:
     t = time.process_time()
     tree = RadixTree(1, wire_hasher())
     for r in records:
-        tree.insert(tuple(r.input_ids))
-        tree.insert(tuple(r.input_ids) + tuple(r.output_ids[:-1]))
+        tree.insert(r.input_ids)
+        tree.insert(r.input_ids + r.output_ids[:-1])
     return time.process_time() - t
 
 

@@ -143,10 +143,17 @@ class PrefillAdder:
         )
         self.rem_total_token_offset: float = num_mixed_decode_tokens
         self.cur_rem_token_offset: float = num_mixed_decode_tokens
+        # the running requests' reservations, summed in order (a loop per admission pass)
+        ignore_eos_at_1 = generation == "0.5.23"  # 0.5.23: ignore-EOS requests at ratio 1.0
+        clip = self.clip
+        offset = self.rem_total_token_offset
         for r in running:
-            ratio = 1.0 if (generation == "0.5.23" and getattr(r, "ignore_eos", False)) else None
-            left = min(max(r.max_new_tokens - r.output_len, 0), self.clip)
-            self.rem_total_token_offset += left * (new_token_ratio if ratio is None else ratio)
+            left = min(max(r.max_new_tokens - r.output_len, 0), clip)
+            if ignore_eos_at_1 and getattr(r, "ignore_eos", False):
+                offset += left * 1.0
+            else:
+                offset += left * new_token_ratio
+        self.rem_total_token_offset = offset
         self.can_run_list: list[Any] = []
         self.new_chunked_req: Any = None
         self.log_hit_tokens = 0

@@ -169,8 +169,7 @@ class EventQueue:
 
 def to_schema_events(events: list[QueuedEvent], medium: str | None) -> list:
     """Canonical ``kvcadence.capture.schema`` events for ``events``."""
-    from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored
-
+    AllBlocksCleared, BlockRemoved, BlockStored = _schema_events()  # noqa: N806 - classes
     out: list = []
     for e in events:
         if e.kind == STORE:
@@ -192,6 +191,19 @@ def to_schema_events(events: list[QueuedEvent], medium: str | None) -> list:
     return out
 
 
+def _schema_events() -> tuple[type, type, type]:
+    """The schema's event classes, imported once (``to_schema_events`` runs per publish)."""
+    global _SCHEMA_EVENTS
+    if _SCHEMA_EVENTS is None:
+        from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored
+
+        _SCHEMA_EVENTS = (AllBlocksCleared, BlockRemoved, BlockStored)
+    return _SCHEMA_EVENTS
+
+
+_SCHEMA_EVENTS: tuple[type, type, type] | None = None
+
+
 @dataclass(slots=True)
 class PublishedBatch:
     """One simulated ZMQ message: seq, virtual publish time, pass index and payload bytes."""
@@ -210,9 +222,11 @@ class Publisher:
         self, version: str, medium: str | None, attn_dp_rank: int = 0, anchor_ns: int = 0
     ) -> None:
         from kvcadence.capture import wire
+        from kvcadence.capture.schema import KVEventBatch
 
         event_mode(version)
         self._encode = wire.encode_batch
+        self._batch_cls = KVEventBatch
         self.version = version
         self.medium = medium
         self.attn_dp_rank = attn_dp_rank
@@ -224,10 +238,8 @@ class Publisher:
         """Encode one non-empty batch stamped at virtual ``time_ns`` (relative to anchor)."""
         if not events:
             return
-        from kvcadence.capture.schema import KVEventBatch
-
         abs_ns = self.anchor_ns + time_ns
-        batch = KVEventBatch(
+        batch = self._batch_cls(
             ts=abs_ns / 1e9,
             events=to_schema_events(events, self.medium),
             attn_dp_rank=self.attn_dp_rank,

@@ -25,9 +25,9 @@ IN_BATCH_CHECK_THRESHOLD = 32
 IN_BATCH_DEPRIORITIZE_THRESHOLD = 32
 
 
-def _null_hasher(parent: bytes | None, tokens: Any, page_size: int) -> tuple[list, list]:
-    n = len(tokens) // page_size
-    return [b""] * n, [0] * n
+def _null_hasher(parent: bytes | None, tokens: Any, page_size: int) -> tuple[bytes, list]:
+    """No digests (an in-batch probe tree publishes nothing): zero hashes."""
+    return b"", [0] * (len(tokens) // page_size)
 
 
 def order_waiting(

@@ -3,8 +3,11 @@
 What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics, reference
 ``sglang-scheduler-model.md`` §2, §5, §6):
 
-* Nodes hold a page-aligned run of token ids (a tuple), one SHA-256 digest and one int64
-  block hash per page, chained from the parent node's last page (hashes come from
+* Nodes hold a page-aligned run of token ids (a list: a request's prompt, kept as the list
+  its record holds, is sliced and compared without a copy into another type), one SHA-256
+  digest (all of them
+  concatenated in one ``bytes``, 32 per page) and one int64 block hash per page, chained
+  from the parent node's last page (hashes come from
   ``kvcadence.capture.wire`` through an injected ``Hasher``, so a simulated hash equals the
   real one for the same tokens).
 * ``match_prefix`` walks from the root, splits a node on a partial (page-aligned) match
@@ -33,8 +36,12 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-# (parent_digest or None, page-aligned token ids, page_size) -> (digests, int64 hashes)
-Hasher = Callable[[bytes | None, Sequence[int], int], tuple[list[bytes], list[int]]]
+#: 32 bytes per page: a node's page digests, concatenated (one object per node, not per page)
+DIGEST_SIZE = 32
+
+# (parent_digest or None, page-aligned token ids, page_size)
+#   -> (the pages' 32-byte digests concatenated, their int64 hashes)
+Hasher = Callable[[bytes | None, Sequence[int], int], tuple[bytes, list[int]]]
 
 
 class EventSink(Protocol):
@@ -72,21 +79,23 @@ def wire_hasher() -> Hasher:
 
     def hasher(
         parent: bytes | None, tokens: Sequence[int], page_size: int
-    ) -> tuple[list[bytes], list[int]]:
+    ) -> tuple[bytes, list[int]]:
         digests = block_digests(tokens, page_size, parent_digest=parent)
+        joined = b"".join(digests)
         if len(digests) < 8:
-            return digests, [to_int(d) for d in digests]
+            return joined, [to_int(d) for d in digests]
         # wire's digest_to_int64 (first 8 bytes, big-endian, signed) for all pages at once
-        words = array("q", b"".join(digests))[::4]  # the first 8 bytes of each digest
+        words = array("q", joined)[::4]  # the first 8 bytes of each digest
         if swap:
             words.byteswap()
-        return digests, words.tolist()
+        return joined, words.tolist()
 
     return hasher
 
 
 class Node:
-    """One radix node: a page-aligned token run with its page digests and hashes."""
+    """One radix node: a page-aligned token run with its page digests and hashes
+    (``digests``: ``DIGEST_SIZE`` bytes per page, concatenated)."""
 
     __slots__ = (
         "key",
@@ -102,9 +111,9 @@ class Node:
 
     def __init__(
         self,
-        key: tuple[int, ...],
+        key: list[int],
         parent: Node | None,
-        digests: list[bytes],
+        digests: bytes,
         hashes: list[int],
         nid: int,
     ) -> None:
@@ -133,7 +142,7 @@ class RadixTree:
         self.sink: EventSink = sink if sink is not None else NullSink()
         self._next_id = 1
         self._tick = 0
-        self.root = Node((), None, [], [], 0)
+        self.root = Node([], None, b"", [], 0)
         self.root.lock_ref = 1  # the root is never evicted
         self.total_size = 0
         self.evictable_size = 0
@@ -196,12 +205,12 @@ class RadixTree:
             if len(noted) > 64 + 4 * self.num_nodes:
                 self._rebuild_heap()
 
-    def _common_len(self, ckey: tuple[int, ...], key: Sequence[int], pos: int, limit: int) -> int:
+    def _common_len(self, ckey: list[int], key: Sequence[int], pos: int, limit: int) -> int:
         """Largest l <= limit with key[pos:pos+l] == ckey[:l] (binary search on slices)."""
         lo, hi = 0, limit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if tuple(key[pos : pos + mid]) == ckey[:mid]:
+            if list(key[pos : pos + mid]) == ckey[:mid]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -213,8 +222,9 @@ class RadixTree:
         npages = length // ps
         parent = child.parent
         assert parent is not None
+        cut = npages * DIGEST_SIZE
         new = Node(
-            child.key[:length], parent, child.digests[:npages], child.hashes[:npages], self._next_id
+            child.key[:length], parent, child.digests[:cut], child.hashes[:npages], self._next_id
         )
         self._next_id += 1
         self.num_nodes += 1
@@ -222,7 +232,7 @@ class RadixTree:
         new.last_access = child.last_access
         parent.children[self._child_key(child.key, 0)] = new
         child.key = child.key[length:]
-        child.digests = child.digests[npages:]
+        child.digests = child.digests[cut:]
         child.hashes = child.hashes[npages:]
         child.parent = new
         new.children[self._child_key(child.key, 0)] = child
@@ -239,8 +249,8 @@ class RadixTree:
         n -= n % ps
         node = self.root
         pos = 0
-        # tuple keys (a request's prompt) compare by slice, without a tuple() copy
-        as_tuple = type(key) is tuple
+        # list keys (a request's prompt) compare by slice, without a list() copy
+        as_list = type(key) is list
         while pos < n:
             child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
             if child is None:
@@ -257,7 +267,7 @@ class RadixTree:
             m = len(ckey)
             if (
                 pos + m <= n
-                and (key[pos : pos + m] if as_tuple else tuple(key[pos : pos + m])) == ckey
+                and (key[pos : pos + m] if as_list else list(key[pos : pos + m])) == ckey
             ):
                 pos += m
                 node = child
@@ -283,7 +293,7 @@ class RadixTree:
                 break
             ckey = child.key
             m = len(ckey)
-            if pos + m <= n and tuple(key[pos : pos + m]) == ckey:
+            if pos + m <= n and list(key[pos : pos + m]) == ckey:
                 pos += m
                 node = child
                 continue
@@ -304,18 +314,30 @@ class RadixTree:
 
         ``start_node``/``start_pos`` is a shortcut for callers that hold a lock on the node
         whose path is exactly ``key[:start_pos]`` (a request's locked prefix): the walk then
-        starts there, touching the ancestors top-down as the walk from the root would.
-        Returns ``(existing_tokens, last_node, new_node_or_None)``: ``existing_tokens`` were
-        already in the tree (their KV in the request is a duplicate and gets freed), and
-        the new node (if any) recorded one ``BlockStored``.
+        starts there (``insert_below``). Returns ``(existing_tokens, last_node,
+        new_node_or_None)``: ``existing_tokens`` were already in the tree (their KV in the
+        request is a duplicate and gets freed), and the new node (if any) recorded one
+        ``BlockStored``.
         """
-        ps = self.page_size
         n = len(key) if end is None else min(end, len(key))
-        n -= n % ps
+        n -= n % self.page_size
         if start_node is not None and start_node is not self.root and start_pos <= n:
+            return self.insert_below(start_node, start_pos, key[start_pos:n])
+        return self.insert_below(self.root, 0, key[:n])
+
+    def insert_below(
+        self, node: Node, depth: int, run: Sequence[int]
+    ) -> tuple[int, Node, Node | None]:
+        """Insert ``path(node) + run`` (page floored), where ``node`` is the root (``depth``
+        0) or a node the caller holds locked whose path is ``depth`` tokens long: its
+        ancestors are touched top-down as the walk from the root would, then the walk goes
+        on from ``node`` over ``run`` only, so a caller passes just the tokens past its
+        locked prefix. Returns what ``insert`` does (positions counted from the root)."""
+        ps = self.page_size
+        root = self.root
+        if node is not root:
             path = []
-            cur: Node | None = start_node
-            root = self.root
+            cur: Node | None = node
             while cur is not root and cur is not None:
                 path.append(cur)
                 cur = cur.parent
@@ -328,42 +350,45 @@ class RadixTree:
                     self._tick = tick
                     self._push(anc)
             self._tick = tick
-            node = start_node
-            pos = start_pos
-        else:
-            node = self.root
-            pos = 0
+        n = len(run)
+        n -= n % ps
+        pos = 0
+        # list runs compare by slice, without a list() copy
+        as_list = type(run) is list
         while pos < n:
-            child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
+            child = node.children.get(run[pos] if ps == 1 else tuple(run[pos : pos + ps]))
             if child is None:
                 break
             self._touch(child)
             ckey = child.key
             m = len(ckey)
-            if pos + m <= n and tuple(key[pos : pos + m]) == ckey:
+            if (
+                pos + m <= n
+                and (run[pos : pos + m] if as_list else list(run[pos : pos + m])) == ckey
+            ):
                 pos += m
                 node = child
                 continue
-            common = self._common_len(ckey, key, pos, min(m, n - pos))
+            common = self._common_len(ckey, run, pos, min(m, n - pos))
             common -= common % ps
             node = self._split(child, common)
             pos += common
             break
         if pos >= n:
-            return pos, node, None
-        rest = tuple(key[pos:n])
-        parent_digest = node.digests[-1] if node.digests else None
-        digests, hashes = self.hasher(parent_digest, rest, ps)
+            return depth + pos, node, None
+        rest = run[pos:n] if as_list else list(run[pos:n])
+        digests = node.digests
+        digests, hashes = self.hasher(digests[-DIGEST_SIZE:] if digests else None, rest, ps)
         new = Node(rest, node, digests, hashes, self._next_id)
         self._next_id += 1
         self.num_nodes += 1
-        node.children[rest[0] if ps == 1 else rest[:ps]] = new
+        node.children[rest[0] if ps == 1 else tuple(rest[:ps])] = new
         self.total_size += len(rest)
         self.evictable_size += len(rest)
         self._touch(new)
         parent_hash = node.hashes[-1] if node.hashes else None
         self.sink.record_store(hashes, parent_hash, rest, ps)
-        return pos, new, new
+        return depth + pos, new, new
 
     def lock(self, node: Node) -> None:
         """``inc_lock_ref``: protect ``node`` and its ancestors from eviction."""
@@ -450,7 +475,7 @@ class RadixTree:
 
     def reset(self) -> None:
         """Drop every node (``/flush_cache``); the caller records ``AllBlocksCleared``."""
-        self.root = Node((), None, [], [], 0)
+        self.root = Node([], None, b"", [], 0)
         self.root.lock_ref = 1
         self.total_size = self.evictable_size = self.protected_size = 0
         self.num_nodes = 0

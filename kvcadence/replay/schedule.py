@@ -45,8 +45,8 @@ class RequestSpec:
 
     idx: int
     rid: str
-    input_ids: tuple[int, ...]
-    output_ids: tuple[int, ...]
+    input_ids: list[int]  # the record's own list (not copied)
+    output_ids: list[int]
     max_new_tokens: int
     lane: int | None = None
     session: int | None = None
@@ -107,24 +107,26 @@ def _arrival(rec: Any) -> int | None:
     return None
 
 
-def _finish(rec: Any) -> int | None:
-    """Server-side finish: ``request_finished_ts``, else ``response_sent_to_client_ts``, else
-    the client's ``finish_ns``."""
+def _finish(rec: Any, finished_ts_ns: int | None = None) -> int | None:
+    """Server-side finish: ``request_finished_ts`` (``finished_ts_ns`` when the caller read it
+    already), else ``response_sent_to_client_ts``, else the client's ``finish_ns``."""
     mi = rec.meta_info or {}
-    for v in (_mi_ns(mi, "request_finished_ts"), _mi_ns(mi, "response_sent_to_client_ts")):
-        if v is not None:
-            return v
-    return rec.finish_ns
+    if finished_ts_ns is None:
+        finished_ts_ns = _mi_ns(mi, "request_finished_ts")
+    if finished_ts_ns is not None:
+        return finished_ts_ns
+    v = _mi_ns(mi, "response_sent_to_client_ts")
+    return v if v is not None else rec.finish_ns
 
 
-def _synth_tokens(rid: str, n: int) -> tuple[int, ...]:
+def _synth_tokens(rid: str, n: int) -> list[int]:
     out: list[int] = []
     counter = 0
     while len(out) < n:
         h = hashlib.sha256(f"{rid}/{counter}".encode()).digest()
         out.extend(3 + int.from_bytes(h[i : i + 2], "little") % 1021 for i in range(0, 32, 2))
         counter += 1
-    return tuple(out[:n])
+    return out[:n]
 
 
 def build_schedule(
@@ -149,6 +151,7 @@ def build_schedule(
     anchor = min(arrivals) if anchor_ns is None else anchor_ns
     order = sorted(range(len(recs)), key=lambda i: (arrivals[i], recs[i].rid))
     specs: list[RequestSpec] = []
+    finishes: list[int | None] = []  # server-side finish of each spec
     by_lane: dict[int, list[int]] = {}
     for new_idx, i in enumerate(order):
         r = recs[i]
@@ -164,8 +167,9 @@ def build_schedule(
         spec = RequestSpec(
             idx=new_idx,
             rid=r.rid,
-            input_ids=tuple(r.input_ids),
-            output_ids=tuple(r.output_ids[:n_out]) if len(r.output_ids) >= n_out else (),
+            # the record's prompt list itself: a copy of every prompt costs ~5 % of a replay
+            input_ids=r.input_ids if type(r.input_ids) is list else list(r.input_ids),
+            output_ids=list(r.output_ids[:n_out]) if len(r.output_ids) >= n_out else [],
             max_new_tokens=max(int(max_new), n_out),
             lane=r.lane,
             session=r.session,
@@ -183,7 +187,8 @@ def build_schedule(
                 spec.transfer_ns = fin - pf
             else:
                 spec.decode_ns = fin - pf
-        fin_ns = _finish(r)
+        fin_ns = _finish(r, fin)
+        finishes.append(fin_ns)
         if fin_ns is not None and fin_ns > arrivals[i]:
             spec.e2e_ns = fin_ns - arrivals[i]
         specs.append(spec)
@@ -192,26 +197,25 @@ def build_schedule(
         else:
             spec.arrival_ns = arrivals[i] - anchor
     # closed-loop dependencies
-    src = [recs[i] for i in order]
     arr = [arrivals[i] for i in order]
     for idxs in by_lane.values():
         first = idxs[0]
         specs[first].arrival_ns = arr[first] - anchor
         for prev, cur in zip(idxs, idxs[1:], strict=False):
             specs[cur].pred = prev
-            pf = _finish(src[prev])
+            pf = finishes[prev]
             gap: int | None = None
             if pf is not None:
                 gap = arr[cur] - pf
-            elif src[cur].think_ns is not None:
-                gap = int(src[cur].think_ns)
+            elif specs[cur].source.think_ns is not None:
+                gap = int(specs[cur].source.think_ns)
             specs[cur].gap_ns = max(0, gap) if gap is not None else default_gap_ns
     # output tokens
     for pos, s in enumerate(specs):
         n_out = s.meta.pop("n_out")
         if len(s.output_ids) == n_out:
             continue
-        recovered: tuple[int, ...] = ()
+        recovered: list[int] = []
         nxt = next((t for t in specs[pos + 1 :] if t.pred == s.idx), None)
         if nxt is not None and nxt.input_ids[: len(s.input_ids)] == s.input_ids:
             cand = nxt.input_ids[len(s.input_ids) : len(s.input_ids) + n_out]

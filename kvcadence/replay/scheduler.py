@@ -27,7 +27,9 @@ What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §
   the recorded gap scaled by the predecessor's simulated / recorded latency
   (``scale_client_gaps``: the gap spans as many passes as it did on the real worker);
 * decode stretches: when only decode happens, whole stretches of passes are advanced at
-  once up to the next finish, publish point, allocation need or arrival (identical output);
+  once up to the next finish, publish point, arrival or a pass whose KV does not fit even
+  after evicting (passes short of free slots evict inside the stretch as they would
+  stepped; identical output, statistics included);
 * stepping: ``start``, ``step(horizon)`` (one loop iteration, or one skipped stretch),
   ``next_time``, ``add_arrival``, ``finish_run`` and the ``on_finish`` hook; ``run`` drives
   them for one worker and ``replay.fleet`` for many ranks in one clock (one loop body);
@@ -152,17 +154,19 @@ class SimReq:
         self.dec0: tuple[int, int] | None = None
 
     @property
-    def seq(self) -> tuple[int, ...]:
+    def seq(self) -> list[int]:
         """The full sequence (prompt + outputs), built on demand: not kept per request."""
         return self.spec.input_ids + self.spec.output_ids
 
-    def seq_upto(self, end: int) -> tuple[int, ...]:
-        """A prefix of ``seq`` holding at least ``seq[:end]`` (the prompt itself when it
-        covers ``end``): what a tree walk up to ``end`` reads, without a full copy."""
+    def seq_slice(self, start: int, end: int) -> list[int]:
+        """``seq[start:end]`` without building ``seq`` (only the slice is copied)."""
         ids = self.spec.input_ids
-        if end <= len(ids):
-            return ids
-        return ids + self.spec.output_ids[: end - len(ids)]
+        k = len(ids)
+        if end <= k:
+            return ids[start:end]
+        if start >= k:
+            return self.spec.output_ids[start - k : end - k]
+        return ids[start:] + self.spec.output_ids[: end - k]
 
 
 @dataclass(slots=True)
@@ -472,10 +476,13 @@ class Scheduler:
         end = upto - upto % ps
         if end <= req.tree_len:
             return
+        tree = self.tree
         start = req.lock_handle
-        existing, node, new = self.tree.insert(
-            req.seq_upto(end), start, req.tree_len if start is not None else 0, end
-        )
+        if start is None or start is tree.root:
+            start, depth = tree.root, 0
+        else:
+            depth = req.tree_len  # the locked node's path: only the tokens past it are walked
+        existing, node, new = tree.insert_below(start, depth, req.seq_slice(depth, end))
         if new is not None and self.track:
             self._record_store(req, existing, end)
         old = req.lock_handle
@@ -708,7 +715,7 @@ class Scheduler:
         r.state = WAITING
         r.retractions += 1
         n = r.input_len + r.output_len
-        r.fill = r.seq_upto(n)[:n]
+        r.fill = r.seq_slice(0, n)
         r.fill_len = len(r.fill)
         r.prefix_len = 0
         r.decode_left = 0
@@ -954,17 +961,17 @@ class Scheduler:
         overlap = self.overlap
         if overlap and (last is None or last.kind != "decode" or last.reqs != running):
             return None
-        ps = self.ps
-        d = self.timer.decode_ns(len(running))
         next_arr = self.arrivals[0][0] if self.arrivals else None
         if horizon < _INF and (next_arr is None or horizon < next_arr):
             next_arr = int(horizon)
+        if next_arr is not None and next_arr <= t:
+            return None  # an arrival to receive now
+        ps = self.ps
+        d = self.timer.decode_ns(len(running))
         if overlap:
             assert last is not None
             e = last.end_ns
             if next_arr is not None:
-                if next_arr <= t:
-                    return None
                 jmax = (next_arr - e - 1) // d + 1 if next_arr > e else 0
                 # GPU overlap: iteration j receives at e + (j-2)d (j >= 2); synchronous
                 # forward (CPU): at e + (j-1)d, after the previous forward ended
@@ -976,15 +983,14 @@ class Scheduler:
             if last is not None:
                 return None
             if next_arr is not None:
-                if next_arr <= t:
-                    return None
                 m = min(m, (next_arr - t - 1) // d + 1)
             if m < 2:
                 return None
             m = min(m, min([r.decode_left for r in running]) - 1)
         if m < 2:
             return None
-        # memory: all allocations of the stretch must fit without eviction
+        # memory: the stretch's allocations fit, or fit after each pass evicts its own
+        # shortfall first (as ``_update_running_batch`` does)
         if ps == 1:
             need = m * len(running)
         else:
@@ -992,8 +998,12 @@ class Scheduler:
             for r in running:
                 k = r.kv_len
                 need += ps * ((k + m - 1) // ps - (k - 1) // ps)
+        stepped = 0  # leading passes booked as stepped one at a time
         if self.available() < need:
-            return None
+            m, stepped = self._evict_through_stretch(m)
+            if m < 2:
+                return None
+            need = sum(self._stretch_needs(m))
         # apply m iterations
         start = max(t, self.gpu_free) if not self.overlap else self.gpu_free
         first_pass = self.pass_index + 1
@@ -1015,10 +1025,14 @@ class Scheduler:
                 r.kv_len = k + m
                 r.decode_left -= m
                 r.output_len += m
-        self.tracker.on_decode_steps(m)
+        tracker = self.tracker
+        for _ in range(stepped):
+            tracker.on_decode_steps(1)
+        if m > stepped:
+            tracker.on_decode_steps(m - stepped)
         self.decode_ct += m
         self.stats.decode_passes += m
-        self.stats.skipped_passes += m
+        self.stats.skipped_passes += m - stepped
         self.pass_index += m
         if self.overlap:
             # results processed: last + the first m-1 new batches; the m-th is in flight
@@ -1029,6 +1043,49 @@ class Scheduler:
         self.gpu_free = t + m * d
         return t + m * d, None
 
+    def _stretch_needs(self, m: int) -> list[int]:
+        """KV slots each of the next ``m`` decode passes allocates (page size > 1: a page
+        per request whose KV length is page aligned at that pass)."""
+        running = self.running
+        ps = self.ps
+        if ps == 1:
+            return [len(running)] * m
+        needs = [0] * m
+        for r in running:
+            for j in range((-r.kv_len) % ps, m, ps):
+                needs[j] += ps
+        return needs
+
+    def _evict_through_stretch(self, m: int) -> tuple[int, int]:
+        """A decode stretch of up to ``m`` passes whose allocations do not fit in the free
+        slots: evict, pass by pass, what each pass's ``check_decode_mem`` would (its
+        shortfall, whole LRU leaves; the same calls in the same order as stepping).
+
+        Returns ``(kept, stepped)``: the passes that fit (at the first that does not, which
+        would retract, the stretch ends; stepping it again evicts nothing more, since
+        nothing is left to evict), and how many of them stepping one pass at a time would
+        have run before the rest fitted without eviction and were skipped at once (all
+        ``kept`` when never). The caller books the ratio decay and the skipped-pass count
+        as that stepping would, so the run's output is the same."""
+        tree = self.tree
+        cap = self.cfg.max_total_tokens
+        private = self.private_total
+        needs = self._stretch_needs(m)
+        left = sum(needs)  # allocations of this pass and the ones after it
+        stepped = -1
+        for j, need in enumerate(needs):
+            avail = cap - tree.total_size - private
+            if stepped < 0 and j > 0 and m - j >= 2 and avail >= left:
+                stepped = j  # from here the step's own stretch check would have passed
+            if avail < need:
+                if tree.evict(need - avail):
+                    self.stats.evictions += 1
+                if cap - tree.total_size - private < need:
+                    return j, j
+            private += need
+            left -= need
+        return m, (m if stepped < 0 else stepped)
+
     # ------------------------------------------------------------------ main loop
     def run(self, progress: Callable[[int], None] | None = None) -> SimStats:
         """Run the whole schedule (``start``, ``step`` until parked, ``finish_run``);
@@ -1036,7 +1093,7 @@ class Scheduler:
 
         The cyclic garbage collector is paused for the run (restored after): the run
         allocates millions of small objects that live until it ends (requests' token
-        tuples, nodes, event structs), so collections would only re-walk them (≈ 17 % of a
+        lists, nodes, event structs), so collections would only re-walk them (≈ 17 % of a
         run); the objects that do form cycles (tree nodes) are freed when the tree goes."""
         enabled = gc.isenabled()
         gc.disable()

@@ -109,7 +109,7 @@ def simulate(
     """Simulate ``records`` (``RequestRecord``-like) under ``cfg``; no I/O.
 
     The cyclic garbage collector is paused for the call (restored after): a replay creates
-    millions of long-lived objects (token tuples, radix nodes, events, records) that
+    millions of long-lived objects (token lists, radix nodes, events, records) that
     collections would only re-walk (≈ 20 % of a large replay)."""
     gc_was_enabled = gc.isenabled()
     gc.disable()

@@ -207,3 +207,16 @@ def test_the_server_info_snapshot_chooses_the_loop():
     assert from_server_info({"disable_overlap_schedule": True}).disable_overlap_schedule
     assert not from_server_info({"disable_overlap_schedule": False}).disable_overlap_schedule
     assert not from_server_info({}).disable_overlap_schedule  # SGLang's default: overlap
+
+
+def test_seq_slice_is_a_slice_of_prompt_plus_outputs():
+    """Checkpoints read ``seq[start:end]`` through ``seq_slice`` (no full-sequence copy)."""
+    from kvcadence.replay.scheduler import SimReq
+
+    spec = build_schedule([req("a", list(range(3, 13)), 6)]).requests[0]
+    r = SimReq(spec)
+    seq = r.seq
+    assert seq == list(range(3, 13)) + list(spec.output_ids) and len(seq) == 16
+    for start in range(17):
+        for end in range(start, 17):
+            assert r.seq_slice(start, end) == seq[start:end]

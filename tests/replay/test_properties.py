@@ -8,6 +8,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcadence.replay.radix import wire_hasher
+from kvcadence.replay.schedule import build_schedule
+from kvcadence.replay.scheduler import Scheduler
+
 from .helpers import check_stream, config, req, run
 
 
@@ -71,3 +75,63 @@ def test_stream_invariants_and_determinism(
         (b.payload, b.time_ns, b.pass_index) for b in a.batches
     ]
     assert slow.requests == a.requests
+
+
+@st.composite
+def decode_heavy(draw):
+    """Open-loop requests with long decodes (some not ignoring EOS) for small pools."""
+    records = []
+    for i in range(draw(st.integers(2, 6))):
+        prompt = [draw(st.integers(3, 40)) for _ in range(draw(st.integers(1, 30)))] + [1000 + i]
+        r = req(f"r{i}", prompt, draw(st.integers(1, 150)), arrival_ms=draw(st.integers(0, 200)))
+        if draw(st.booleans()):
+            r.finish_reason = "stop"
+            r.max_new_tokens = r.completion_tokens + draw(st.integers(1, 100))
+        records.append(r)
+    return records
+
+
+class _FittingStretchesOnly(Scheduler):
+    """Stretches only where their allocations fit in the free slots (no evicting stretch)."""
+
+    def _evict_through_stretch(self, m: int) -> tuple[int, int]:
+        return 0, 0
+
+
+@settings_
+@given(
+    records=st.one_of(workloads(), decode_heavy()),
+    ps=st.sampled_from([1, 4]),
+    pool=st.integers(100, 600),
+    overlap_off=st.booleans(),
+    interval=st.sampled_from([3, 40]),
+    sync=st.booleans(),
+)
+def test_evicting_stretches_book_as_stepping(records, ps, pool, overlap_off, interval, sync):
+    """Under tight pools (decode passes that evict, aborts) a run with decode stretches
+    that evict equals the rule without them in every output, statistic and the final
+    ``new_token_ratio``; and stepping every pass publishes the same."""
+    cfg_kw = dict(
+        sync_forward=sync,
+        page_size=ps,
+        max_total_tokens=pool,
+        disable_overlap_schedule=overlap_off,
+        decode_log_interval=interval,
+    )
+    cfg = config(**cfg_kw)
+    runs = []
+    for cls in (Scheduler, _FittingStretchesOnly):
+        s = cls(cfg, build_schedule(records), wire_hasher())
+        s.run()
+        runs.append(s)
+    a, b = runs
+    assert [(x.payload, x.time_ns, x.pass_index) for x in a.publisher.batches] == [
+        (x.payload, x.time_ns, x.pass_index) for x in b.publisher.batches
+    ]
+    assert [(r.state, r.output_len, r.cached_tokens, r.finish_ns) for r in a.reqs] == [
+        (r.state, r.output_len, r.cached_tokens, r.finish_ns) for r in b.reqs
+    ]
+    assert a.stats == b.stats
+    assert a.tracker.current == b.tracker.current
+    slow = run(records, config(skip_decode_stretches=False, **cfg_kw))
+    assert [x.payload for x in slow.batches] == [x.payload for x in a.publisher.batches]

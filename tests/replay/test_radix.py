@@ -140,3 +140,45 @@ def test_random_operations_keep_invariants(ops, ps):
         for node in locked:
             assert node.alive
     assert resident == t.resident_hashes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    keys=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=12), max_size=20),
+    ps=st.sampled_from([1, 2, 4]),
+)
+def test_list_and_tuple_keys_build_the_same_tree(keys, ps):
+    """Prompts are replayed as their records' lists; any sequence type gives the same
+    matches, nodes, digests and events."""
+    a, qa = tree(ps)
+    b, qb = tree(ps)
+    for k in keys:
+        assert a.match_prefix(list(k), len(k) - 1)[0] == b.match_prefix(tuple(k), len(k) - 1)[0]
+        assert a.insert(list(k))[0] == b.insert(tuple(k))[0]
+        assert a.peek_prefix_len(list(k)) == b.peek_prefix_len(tuple(k))
+    assert [(e.kind, e.hashes, e.parent, e.tokens) for e in qa.take()] == [
+        (e.kind, e.hashes, e.parent, e.tokens) for e in qb.take()
+    ]
+    a.check_invariants()
+    stack = list(a.root.children.values())
+    while stack:  # every node's digests: its pages' SGLang digests, concatenated
+        n = stack.pop()
+        path, cur = [], n
+        while cur is not a.root:
+            path[:0] = cur.key
+            cur = cur.parent
+        assert n.digests == b"".join(wire.block_digests(path, ps)[-(len(n.key) // ps) :])
+        stack.extend(n.children.values())
+
+
+def test_insert_below_a_locked_node_walks_only_the_new_tokens():
+    t, q = tree(2)
+    _, node, _ = t.insert([1, 2, 3, 4])
+    t.lock(node)
+    q.take()
+    got = t.insert_below(node, 4, [5, 6, 7])  # the trailing partial page is dropped
+    assert got[0] == 4 and got[2] is not None and got[2].key == [5, 6]
+    (stored,) = q.take()
+    assert stored.hashes == wire.block_hashes([1, 2, 3, 4, 5, 6], 2)[2:]
+    assert stored.parent == node.hashes[-1]
+    assert t.match_prefix([1, 2, 3, 4, 5, 6, 9])[0] == 6

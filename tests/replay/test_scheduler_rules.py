@@ -193,3 +193,61 @@ def test_client_gap_scaled_by_the_predecessors_simulated_over_recorded_latency()
         got = (s1.arrival_ns - s0.finish_ns) / (100 * MS)
         assert got == pytest.approx(e2e_sim / (200 * MS) if scale else want, abs=1e-6)
         assert r.requests[1].think_ns == s1.spec.gap_ns
+
+
+class _CountingStretches(Scheduler):
+    """Counts the decode stretches taken through evictions (``kept`` >= 2)."""
+
+    def _evict_through_stretch(self, m: int) -> tuple[int, int]:
+        kept, stepped = super()._evict_through_stretch(m)
+        self.evicting_stretches = getattr(self, "evicting_stretches", 0) + (kept >= 2)
+        return kept, stepped
+
+
+class _FittingStretchesOnly(Scheduler):
+    """The stretch rule without evicting stretches: a stretch only when its allocations fit
+    in the free slots (every pass that evicts is stepped)."""
+
+    def _evict_through_stretch(self, m: int) -> tuple[int, int]:
+        return 0, 0
+
+
+def _sched_run(cls: type[Scheduler], records: list, cfg) -> Scheduler:
+    s = cls(cfg, build_schedule(records), wire_hasher())
+    s.run()
+    return s
+
+
+def _outcome(s: Scheduler) -> tuple:
+    batches = [(b.payload, b.time_ns, b.pass_index) for b in s.publisher.batches]
+    reqs = [
+        (r.rid, r.state, r.output_len, r.cached_tokens, r.first_token_ns, r.finish_ns, r.error)
+        for r in s.reqs
+    ]
+    return batches, reqs, s.stats.evictions, s.stats.retractions, s.stats.aborted
+
+
+@pytest.mark.parametrize(
+    "ps, overlap_off, sync",
+    [(1, False, False), (4, False, False), (1, True, False), (1, False, True)],
+)
+def test_decode_stretches_that_evict_change_nothing(ps, overlap_off, sync):
+    """Finished requests leave evictable leaves; long decodes then evict them pass by pass.
+    A stretch over such passes evicts what each pass would, and books the ratio decay and
+    the skipped passes as the stretches that need no eviction would have: the run equals
+    stepping every pass, and equals the rule without evicting stretches bit for bit
+    (stats and ``new_token_ratio`` included)."""
+    recs = [req("long", list(range(3, 53)), 400)]
+    recs += [
+        req(f"o{i}", list(range(1000 + 100 * i, 1060 + 100 * i)), 6, arrival_ms=i) for i in range(6)
+    ]
+    kw = dict(page_size=ps, max_total_tokens=600, disable_overlap_schedule=overlap_off)
+    cfg = config(sync_forward=sync, **kw)
+    a = _sched_run(_CountingStretches, recs, cfg)
+    b = _sched_run(_FittingStretchesOnly, recs, cfg)
+    c = _sched_run(Scheduler, recs, config(sync_forward=sync, skip_decode_stretches=False, **kw))
+    assert getattr(a, "evicting_stretches", 0) > 0 and a.stats.evictions > 0
+    assert _outcome(a) == _outcome(b) == _outcome(c)
+    assert a.stats == b.stats
+    assert a.tracker.current == b.tracker.current
+    assert a.stats.skipped_passes > 0 and c.stats.skipped_passes == 0
