@@ -15,8 +15,9 @@ The whole process is pinned to one CPU (``sched_setaffinity``) so "one core" is 
 
 Goals (issue 6): ingest >= 50 MB/s; report on 1M events <= 10 s on one core.
 Usage: ``python bench/bench_analysis.py [--events N] [--dir DIR [--reuse]] [--skip-report]
-[--quick] [--json PATH]`` (default 100k events; ``--quick``: 20k; ``--json``: the figures for
-``bench/run``, see ``bench/common.py``; the report goal is attached only at >= 1M events).
+[--quick] [--json PATH]`` (default 1M events, the size the goals name; ``--quick``: 20k;
+``--json``: the figures for ``bench/run``, see ``bench/common.py``; the report goal is
+attached only at >= 1M events).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ TITLE = "Analysis: ingest and report on a synthetic bundle"
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--events", type=int, default=100_000)
+    ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--dir", help="work directory (default: a temp dir, removed afterwards)")
     ap.add_argument(
         "--reuse",

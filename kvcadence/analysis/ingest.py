@@ -1,10 +1,12 @@
 """Bundle -> Parquet: the ONE dict of Parquet table schemas and the column-wise ingest.
 
-``ingest(bundle)`` reads a bundle through ``kvcadence.capture.bundle.BundleReader``, decodes
-each KV-event payload once with ``kvcadence.capture.wire.decode_batch_view`` (token ids left
-undecoded), flattens everything straight into ``array``/list columns (never keeping the
-decoded structs, cyclic GC paused: the GC trap of engineering-notes §2.4), derives the rest
-with numpy and writes one Parquet file per table with pyarrow (``write_options``):
+``ingest(bundle)`` reads a bundle through ``kvcadence.capture.bundle.BundleReader`` (requests
+as ``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
+chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once with
+``kvcadence.capture.wire.decode_batch_view`` (token ids left undecoded), flattens everything
+straight into ``array``/list columns (never keeping the decoded structs, cyclic GC paused: the
+GC trap of engineering-notes §2.4), derives the rest with numpy and writes one Parquet file
+per table with pyarrow (``write_options``):
 
 ``batches``  one row per ZMQ message (EventFrame), de-duplicated by (endpoint, epoch, seq)
 ``events``   one row per KV event inside a batch
@@ -199,10 +201,14 @@ def write_options(table: str) -> dict[str, Any]:
     dict_cols = [c for c, _, _ in TABLES[table] if c in _DICT_COLS]
     # random 64-bit hashes do not compress: LZ4 on them only costs time
     comp = {c: ("none" if t == "uint64" else "lz4") for c, t, _ in TABLES[table]}
+    # min/max statistics of random hashes and of token ids prune nothing (every row group
+    # spans almost the whole range); skipping them saves ~5% of the write
+    stats = [c for c, t, _ in TABLES[table] if t != "uint64" and not t.startswith("list")]
     return {
         "compression": comp,
         "use_dictionary": dict_cols,
         "column_encoding": enc,
+        "write_statistics": stats,
     }
 
 
@@ -375,23 +381,56 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@contextmanager
+def _small_pages() -> Iterator[None]:
+    """numpy's transparent-huge-page advice off while the columns are built.
+
+    numpy asks the kernel for huge pages on every allocation of 4 MB or more; the kernel
+    then zeroes (and, under ``defrag=madvise``, compacts memory for) 2 MB at a time. Ingest
+    makes many large short-lived arrays: measured on the 1M-event bench bundle, the advice
+    cost ~0.6 cpu-s of system time and bought nothing. Process-wide (numpy has one switch),
+    restored afterwards; a no-op where numpy lacks the switch.
+    """
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage
+    except ImportError:  # pragma: no cover (numpy < 2)
+        yield
+        return
+    was = _set_madvise_hugepage(False)
+    try:
+        yield
+    finally:
+        _set_madvise_hugepage(was)
+
+
 def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict).
 
-    The cyclic GC is paused throughout (the GC trap of engineering-notes §2.4).
+    The cyclic GC is paused throughout (the GC trap of engineering-notes §2.4), and so is
+    numpy's huge-page advice (``_small_pages``).
     """
-    with _gc_paused():
-        return _build_tables(bundle)
+    from kvcadence.analysis.tokcols import NotInt64Arrays
+
+    with _gc_paused(), _small_pages():
+        try:
+            return _build_tables(bundle, views=True)
+        except NotInt64Arrays:
+            # some request's ids are not int64s: read the ordinary way (same verdicts as
+            # every other reader: such a record is an undecodable frame, or an InputError)
+            return _build_tables(bundle, views=False)
 
 
-def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """``build_tables`` proper.
 
     One pass over the records. Payloads are decoded with ``wire.decode_batch_view`` (token ids
     left undecoded) and flattened at once into ``array`` columns: one kind code, block count
-    and medium per event, the stored-only fields in one tuple per BlockStored, every hash in
+    and medium per event, the stored-only fields in their own columns, every hash in
     one flat ``array('q')``. Everything derivable (event/batch ids, positions, per-message
     kind counts, first/last hashes, block token counts) is computed afterwards with numpy.
+    ``views``: requests are read as ``RequestRecordView`` and their token ids converted in
+    numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
+    otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
     """
     from kvcadence.capture import bundle as kbundle
     from kvcadence.capture import schema as S
@@ -410,24 +449,27 @@ def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     ep_rank = {e.id: e.dp_rank for e in header.endpoints}
 
     # batches (one entry per de-duplicated message)
-    b_endpoint, b_rank, b_epoch, b_seq, b_recv = (array("q") for _ in range(5))
-    b_nev, b_via, b_pass, b_bytes = array("q"), array("q"), array("q"), array("q")
-    b_ts: list[float | None] = []
-    b_ok: list[bool] = []
-    # events: per-event columns; stored-only fields as one tuple per BlockStored
-    e_kind = array("b")
-    e_nb = array("q")
+    # (endpoint, rank, epoch, seq, recv_ns, n_events, via, pass_index, payload bytes, ts,
+    # decode_ok): one tuple per message, transposed at the end (cheaper than eleven appends)
+    b_rows: list[tuple[Any, ...]] = []
+    # events: kind code and block count per event as list appends (cheaper than array
+    # appends; made arrays at the end), medium per event
+    e_kind: list[int] = []
+    e_nb: list[int] = []
     e_medium: list[str | None] = []
-    st_rows: list[tuple[int, int | None, int, int, int | None]] = []
+    # stored-only fields (event row, block size, tokens; parent hash, lora id may be None)
+    st_idx, st_bs, st_ntok = array("q"), array("q"), array("q")
+    st_parent: list[int | None] = []
+    st_lora: list[int | None] = []
     un_rows: list[tuple[int, str]] = []
-    # every Stored/Removed event's hashes, in event order, and the requests' token ids: copied
-    # into int64 arrays right after decoding, while the ints are still in cache (at 1M events
-    # converting them all at the end was much slower: cache misses, 3.7 GB of live ints)
-    k_hash, tok_in, tok_out = array("q"), array("q"), array("q")
-    n_in, n_out = array("q"), array("q")
-    if S.RequestRecord.__struct_fields__[:3] != ("rid", "input_ids", "output_ids"):
-        raise AssertionError("RequestRecord field order changed")  # pragma: no cover
-    requests: list[tuple[Any, ...]] = []
+    # every Stored/Removed event's hashes, in event order: gathered in a list (list.extend
+    # per event is cheaper than array.extend) and moved into the int64 array every ~16k
+    # hashes, while the ints are still in cache (at 1M events converting them all at the end
+    # was much slower: cache misses, GBs of live ints). Token ids: see RawIdColumns.
+    k_hash = array("q")
+    hash_buf: list[int] = []
+    reqs = _RequestColumns(bundle, views)
+    req_rows, req_app = reqs.rows, reqs.rows.append
     gaps: list[Any] = []
     epochs: list[Any] = []
     notes: list[Any] = []
@@ -439,19 +481,23 @@ def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     n_frames = 0
     payload_total = 0
 
-    EventFrame, RequestRecord = S.EventFrame, S.RequestRecord
+    EventFrame = S.EventFrame
+    Request = S.RequestRecordView if views else S.RequestRecord
     Stored, Removed, Cleared = S.BlockStoredView, S.BlockRemoved, S.AllBlocksCleared
     decode = wire.decode_batch_view
-    payload_of = kbundle.event_payload
+    payload_of = kbundle.event_payload_view  # no copy: decoded at once, then dropped
     astuple = _astuple()
     kind_app, nb_app, med_app, hext = (
         e_kind.append,
         e_nb.append,
         e_medium.append,
-        k_hash.extend,
+        hash_buf.extend,
     )
-    st_app = st_rows.append
-    for rec in reader.records():
+    si_app, sb_app, sn_app = st_idx.append, st_bs.append, st_ntok.append
+    sp_app, sl_app = st_parent.append, st_lora.append
+    b_app = b_rows.append
+    mv = memoryview
+    for rec in reader.records(request_view=views):
         t = type(rec)
         if t is EventFrame:
             n_frames += 1
@@ -476,15 +522,21 @@ def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                 te = type(ev)
                 if te is Stored:
                     hs = ev.block_hashes
-                    st_app(
-                        (
-                            len(e_kind),
-                            ev.parent_block_hash,
-                            ev.block_size,
-                            ev.n_tokens,
-                            ev.lora_id,
-                        )
+                    # ev.n_tokens inlined (the token_ids array's header; wire checked it is
+                    # an array): a property call per event cost ~0.25 s per 1M events
+                    tk = mv(ev.token_ids)
+                    h = tk[0]
+                    sn_app(
+                        h & 0x0F
+                        if h < 0xDC
+                        else (tk[1] << 8 | tk[2])
+                        if h == 0xDC
+                        else int.from_bytes(tk[1:5], "big")
                     )
+                    si_app(len(e_kind))
+                    sp_app(ev.parent_block_hash)
+                    sb_app(ev.block_size)
+                    sl_app(ev.lora_id)
                     kind_app(K_STORED)
                     nb_app(len(hs))
                     med_app(ev.medium)
@@ -508,26 +560,28 @@ def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             if rank is None:
                 rank = batch.attn_dp_rank if batch is not None else None
                 rank = rank if rank is not None else 0
-            b_endpoint.append(rec.endpoint)
-            b_rank.append(rank)
-            b_epoch.append(rec.epoch)
-            b_seq.append(rec.seq)
-            b_recv.append(rec.recv_ns)
-            b_ts.append(ts)
-            b_nev.append(len(evs))
-            b_via.append(rec.via)
-            b_pass.append(rec.pass_index)
-            b_bytes.append(len(payload))
-            b_ok.append(ok)
-        elif t is RequestRecord:
-            row = astuple(rec)  # (rid, input_ids, output_ids, ...): token lists kept apart
-            ids = row[1]
-            tok_in.extend(ids)
-            n_in.append(len(ids))
-            ids = row[2]
-            tok_out.extend(ids)
-            n_out.append(len(ids))
-            requests.append(row[:1] + row[3:])
+            b_app(
+                (
+                    rec.endpoint,
+                    rank,
+                    rec.epoch,
+                    rec.seq,
+                    rec.recv_ns,
+                    len(evs),
+                    rec.via,
+                    rec.pass_index,
+                    len(payload),
+                    ts,
+                    ok,
+                )
+            )
+            if len(hash_buf) >= 16384:
+                k_hash.extend(array("q", hash_buf))
+                hash_buf.clear()
+        elif t is Request:
+            req_app(astuple(rec))
+            if len(req_rows) >= reqs.batch:
+                reqs.flush()
         elif t is S.Gap:
             gaps.append(rec)
         elif t is S.Epoch:
@@ -537,13 +591,15 @@ def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         elif t is S.Trailer:
             trailer = rec
 
+    k_hash.extend(array("q", hash_buf))
+    del hash_buf
     unknown_events = len(un_rows)
     rep = reader.report
     corrupt = list(getattr(rep, "corrupt", []) or [])
     info.update(
         {
             "frames": n_frames,
-            "messages": len(b_seq),
+            "messages": len(b_rows),
             "duplicates": duplicates,
             "undecodable_payloads": undecodable,
             "unknown_events": unknown_events,
@@ -564,10 +620,18 @@ def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             else (bool(trailer.clean) if trailer is not None else False),
         }
     )
-    if info["page_size"] is None and st_rows:
-        sizes = [r[2] for r in st_rows]
+    if info["page_size"] is None and st_bs:
+        sizes = list(st_bs)
         info["page_size"] = max(set(sizes), key=sizes.count)
 
+    reqs.flush()
+    b_cols = list(zip(*b_rows, strict=True)) or [()] * 11
+    del b_rows
+    b_ts, b_ok = list(b_cols[9]), list(b_cols[10])
+    b_endpoint, b_rank, b_epoch, b_seq, b_recv, b_nev, b_via, b_pass, b_bytes = (
+        array("q", c) for c in b_cols[:9]
+    )
+    del b_cols
     batch_cols = {
         "endpoint": b_endpoint,
         "rank": b_rank,
@@ -576,12 +640,20 @@ def _build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "recv": b_recv,
         "nev": b_nev,
     }
-    ev = _EventColumns(e_kind, e_nb, e_medium, st_rows, un_rows, k_hash, b_nev)
+    ev = _EventColumns(
+        array("b", e_kind),
+        array("q", e_nb),
+        e_medium,
+        (st_idx, st_parent, st_bs, st_ntok, st_lora),
+        un_rows,
+        k_hash,
+        b_nev,
+    )
     tables = {
         "batches": _batches_table(batch_cols, ev, b_ts, b_via, b_pass, b_bytes, b_ok),
         "events": _events_table(ev, batch_cols),
         "blocks": _blocks_table(ev),
-        "requests": _requests_table(requests, (_np(tok_in), _np(n_in)), (_np(tok_out), _np(n_out))),
+        "requests": _requests_table(reqs),
         "gaps": _gaps_table(gaps),
         "epochs": _epochs_table(epochs),
         "notes": _notes_table(notes),
@@ -627,7 +699,7 @@ class _EventColumns:
         kind: array,
         n_blocks: array,
         medium: list[str | None],
-        stored: list[tuple[int, int | None, int, int, int | None]],
+        stored: tuple[array, list[int | None], array, array, list[int | None]],
         unknown: list[tuple[int, str]],
         hashes: array,
         per_batch: array,
@@ -648,13 +720,10 @@ class _EventColumns:
         self.off = np.zeros(self.n + 1, dtype=np.int64)
         np.cumsum(self.n_blocks, out=self.off[1:])
         # stored-only fields, scattered to full-length columns with a null mask
-        ns = len(stored)
-        cols = list(zip(*stored, strict=True)) if ns else [()] * 5
-        self.st_idx = np.fromiter(cols[0], np.int64, ns)
-        self.st_parent = cols[1]
-        self.st_bs = np.fromiter(cols[2], np.int64, ns)
-        self.st_ntok = np.fromiter(cols[3], np.int64, ns)
-        self.st_lora = cols[4]
+        st_idx, self.st_parent, st_bs, st_ntok, self.st_lora = stored
+        self.st_idx = _np(st_idx)
+        self.st_bs = _np(st_bs)
+        self.st_ntok = _np(st_ntok)
         self.unknown = unknown
 
     def counts_per_batch(self, code: int) -> Any:
@@ -762,59 +831,125 @@ def _blocks_table(ev: _EventColumns) -> Any:
     nt = np.zeros(ev.n, dtype=np.int64)
     bs[ev.st_idx] = ev.st_bs
     nt[ev.st_idx] = ev.st_ntok
+    # in place where possible: every temporary here is one int64 per block (5M+ at 1M events)
     event_of = np.repeat(np.arange(ev.n, dtype=np.int64), ev.n_blocks)
-    pos = np.arange(len(event_of), dtype=np.int64) - ev.off[:-1][event_of]
+    pos = np.arange(len(event_of), dtype=np.int64)
+    pos -= ev.off[:-1][event_of]
+    pos32 = pos.astype(np.int32)
     kinds = ev.kind[event_of]
-    stored = kinds == K_STORED
+    not_stored = kinds != K_STORED
     bs_b = bs[event_of]
-    tokens = np.minimum(bs_b, nt[event_of] - pos * bs_b)
+    tokens = nt[event_of]
+    pos *= bs_b
+    tokens -= pos  # nt - pos * bs
+    del pos
+    np.minimum(bs_b, tokens, out=tokens)
+    del bs_b
     cols = [
         pa.array(event_of),
         _kind_array(kinds),
-        pa.array(pos.astype(np.int32)),
+        pa.array(pos32),
         pa.array(ev.hashes).view(pa.uint64()),
-        pa.array(tokens.astype(np.int32), mask=~stored),
+        pa.array(tokens.astype(np.int32), mask=not_stored),
     ]
     return pa.Table.from_arrays(cols, schema=arrow_schema("blocks"))
 
 
-def _id_lists(flat: Any, lens: Any) -> Any:
-    """Flat ids + per-row lengths -> an arrow list<int64> column."""
+def _id_lists(chunks: list[tuple[Any, Any]]) -> Any:
+    """Chunks of (flat ids, per-row lengths) -> an arrow list<int64> column (one chunk each:
+    no copy of the ids) and the row lengths (one int64 array)."""
     import numpy as np
     import pyarrow as pa
 
-    off = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=off[1:])
-    return pa.ListArray.from_arrays(pa.array(off, type=pa.int32()), pa.array(flat))
+    arrays = []
+    for flat, lens in chunks:
+        off = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=off[1:])
+        arrays.append(pa.ListArray.from_arrays(pa.array(off, type=pa.int32()), pa.array(flat)))
+    lens = [n for _, n in chunks]
+    return (
+        pa.chunked_array(arrays, type=pa.list_(pa.int64())),
+        np.concatenate(lens) if lens else np.zeros(0, np.int64),
+    )
 
 
-def _requests_table(
-    reqs: list[tuple[Any, ...]], inp_ids: tuple[Any, Any], out_ids: tuple[Any, Any]
-) -> Any:
-    """RequestRecords (``msgspec.structs.astuple`` rows without the token-id fields) and
-    their token ids (flat values, lengths) -> the requests table."""
+class _RequestColumns:
+    """Request rows (``msgspec.structs.astuple`` of RequestRecord or RequestRecordView) ->
+    columns, a chunk of rows at a time: the hot loop appends to ``rows`` and calls ``flush``
+    once ``len(rows) >= batch``; the chunk is transposed while its rows are still in cache.
+
+    Token ids: views -> ``tokcols.RawIdColumns`` (numpy from the raw msgpack; raises
+    ``NotInt64Arrays`` if any id is not an int64); RequestRecord lists -> ``array('q')``
+    (an id beyond int64 is an ``InputError`` naming the request).
+    """
+
+    def __init__(self, bundle: Path, views: bool) -> None:
+        from kvcadence.analysis.tokcols import RawIdColumns
+        from kvcadence.capture.schema import RequestRecord, RequestRecordView
+
+        for cls in (RequestRecord, RequestRecordView):
+            if cls.__struct_fields__[:3] != ("rid", "input_ids", "output_ids"):
+                raise AssertionError("RequestRecord field order changed")  # pragma: no cover
+        self.bundle = bundle
+        self.names = [f for f in RequestRecord.__struct_fields__ if f not in _ID_FIELDS]
+        self.cols: list[list[Any]] = [[] for _ in self.names]
+        self.rows: list[tuple[Any, ...]] = []
+        self.raw_ids = RawIdColumns() if views else None
+        self.batch = self.raw_ids.batch if self.raw_ids is not None else 4096
+        self.lists: tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]] = ([], [])
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        cols = list(zip(*self.rows, strict=True))
+        self.rows.clear()
+        if self.raw_ids is not None:
+            self.raw_ids.add_chunk(cols[1], cols[2])
+            self.batch = self.raw_ids.batch
+        else:
+            for side, ids in ((0, cols[1]), (1, cols[2])):
+                flat, lens = array("q"), array("q")
+                for rid, x in zip(cols[0], ids, strict=True):
+                    try:
+                        flat.extend(x)
+                    except OverflowError:
+                        raise InputError(
+                            f"{self.bundle}: request {rid!r}: a token id is outside the int64 range"
+                        ) from None
+                    lens.append(len(x))
+                self.lists[side].append((_np(flat), _np(lens)))
+        for dst, col in zip(self.cols, cols[:1] + cols[3:], strict=True):
+            dst.extend(col)
+
+    def token_ids(self) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+        """(input chunks, output chunks), each chunk (flat int64 ids, int64 row lengths)."""
+        return self.raw_ids.columns() if self.raw_ids is not None else self.lists
+
+
+_ID_FIELDS = ("input_ids", "output_ids")
+
+
+def _requests_table(reqs: _RequestColumns) -> Any:
+    """The requests table from the request columns and their token ids."""
     import msgspec
     import numpy as np
     import pyarrow as pa
 
-    from kvcadence.capture.schema import RequestRecord
-
-    n = len(reqs)
-    names = [f for f in RequestRecord.__struct_fields__ if f not in ("input_ids", "output_ids")]
-    cols = dict(zip(names, zip(*reqs, strict=True), strict=True)) if n else {}
+    cols = dict(zip(reqs.names, reqs.cols, strict=True))
+    n = len(cols["rid"])
 
     def col(name: str, typ: Any) -> Any:
-        return pa.array(cols[name], type=typ) if n else pa.array([], type=typ)
+        return pa.array(cols[name], type=typ)
 
+    inp_ids, out_ids = reqs.token_ids()
     if n:
-        inp, n_in = _id_lists(*inp_ids), inp_ids[1]
-        out, n_out = _id_lists(*out_ids), out_ids[1]
-        enc = msgspec.json.encode
-        meta = pa.array([enc(m).decode() for m in cols["meta_info"]], type=pa.string())
+        inp, n_in = _id_lists(inp_ids)
+        out, n_out = _id_lists(out_ids)
     else:
         inp = out = pa.array([], type=pa.list_(pa.int64()))
         n_in = n_out = np.zeros(0, np.int64)
-        meta = pa.array([], type=pa.string())
+    enc = msgspec.json.encode
+    meta = pa.array([enc(m).decode() for m in cols["meta_info"]], type=pa.string())
     arrays = [
         pa.array(np.arange(n, dtype=np.int64)),
         col("rid", pa.string()),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import re
 import shutil
@@ -40,7 +41,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
@@ -55,6 +56,7 @@ from kvcadence.capture.schema import (
     Gap,
     Header,
     RequestRecord,
+    RequestRecordView,
     Trailer,
 )
 from kvcadence.errors import (
@@ -286,6 +288,15 @@ def event_payload(frame: EventFrame) -> bytes:
     if frame.payload_is_bin:
         return msgspec.msgpack.decode(frame.payload, type=bytes)
     return bytes(frame.payload)
+
+
+def event_payload_view(frame: EventFrame) -> bytes | memoryview:
+    """``event_payload`` without the copy: a read-only view of the payload bytes inside the
+    buffer the frame was decoded from (bytes when the payload was stored bin-wrapped).
+    For readers that decode the payload at once (analysis ingest)."""
+    if frame.payload_is_bin:
+        return msgspec.msgpack.decode(frame.payload, type=bytes)
+    return memoryview(frame.payload)
 
 
 # --------------------------------------------------------------------------------------
@@ -740,6 +751,14 @@ _DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     tag: msgspec.msgpack.Decoder(cls) for tag, cls in _TAG_CLASSES.items()
 }
 _ANY = msgspec.msgpack.Decoder()
+# Decode-only views (``records(request_view=True)``): RequestRecord as RequestRecordView.
+_UNION_VIEW = msgspec.msgpack.Decoder(
+    Union[Header, EventFrame, RequestRecordView, Gap, Epoch, Annotation, Trailer]
+)
+_VIEW_DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
+    **_DECODERS,
+    b"request": msgspec.msgpack.Decoder(RequestRecordView),
+}
 
 
 def _peek_tag(body: memoryview) -> bytes | None:
@@ -795,6 +814,26 @@ def _decode_fresh_stack(decoder: msgspec.msgpack.Decoder[Any], body: memoryview)
     if isinstance(out[0], BaseException):
         raise out[0]
     return out[0]
+
+
+def _segment_data(seg: Path) -> bytes | mmap.mmap:
+    """A read-only memory map of a *complete* segment (not the bundle's last one).
+
+    Reading a 256 MB segment copies it into fresh memory (a page fault per 4 KB); mapping
+    it uses the page cache as is (measured: ~0.15 cpu-s less per 256 MB). Records decoded
+    from it keep the map alive (``Raw`` fields are views into it). Only segments before the
+    last are mapped: nothing ever changes a segment once the writer has moved past it,
+    while ``BundleWriter.append`` truncates a torn *last* segment in place, which would make
+    a live map of it fault (SIGBUS) instead of raising. Empty files, and files that cannot be
+    mapped, are read normally.
+    """
+    with open(seg, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        try:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # a file system that cannot map: read it
+            return f.read()
 
 
 class BundleReader:
@@ -881,11 +920,14 @@ class BundleReader:
                 return cand
             search = m.start() + 1
 
-    def _walk(self, seg: Path, report: ReadReport) -> Iterator[tuple[int, memoryview]]:
+    def _walk(
+        self, seg: Path, report: ReadReport, mapped: bool = False
+    ) -> Iterator[tuple[int, memoryview]]:
         """Yield ``(offset, body)`` of each frame of ``seg`` whose length and CRC check out;
-        resynchronise past corrupt spans; count a torn tail. Fills ``report``."""
+        resynchronise past corrupt spans; count a torn tail. Fills ``report``.
+        ``mapped``: memory-map the segment instead of reading it (see ``_segment_data``)."""
         try:
-            data = seg.read_bytes()
+            data = _segment_data(seg) if mapped else seg.read_bytes()
         except OSError as exc:
             raise BundleError(f"cannot read {seg}: {exc}") from exc
         n = len(data)
@@ -940,20 +982,23 @@ class BundleReader:
         report.frames -= 1
         self._corrupt(report, seg, pos, FRAME_HEADER_SIZE + len(body), "undecodable record")
 
-    def _iter(self, wanted: frozenset[bytes] | None) -> Iterator[BundleRecord]:
+    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[BundleRecord]:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
-        (all when None). Trailers are always looked at (for ``clean_shutdown``)."""
+        (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
+        request frames decode as ``RequestRecordView`` (every other record as usual)."""
         report = ReadReport()
         clean = False  # the last frame read is a Trailer(clean=True)
+        decoders = _VIEW_DECODERS if views else _DECODERS
         # Fast path: try the one decoder most frames need; peek at the tag only on failure.
         if wanted is None:
-            fast = _UNION.decode
+            fast = (_UNION_VIEW if views else _UNION).decode
         elif len(wanted) == 1:
-            fast = _DECODERS[next(iter(wanted))].decode
+            fast = decoders[next(iter(wanted))].decode
         else:
             fast = None
-        for seg in self.segments:
-            for pos, body in self._walk(seg, report):
+        last = len(self.segments) - 1
+        for i, seg in enumerate(self.segments):
+            for pos, body in self._walk(seg, report, mapped=i < last):
                 if fast is not None:
                     try:
                         rec = fast(body)
@@ -972,10 +1017,10 @@ class BundleReader:
                 if tag is None or tag not in _DECODERS:
                     self._odd(report, seg, pos, body)
                     continue
-                if tag != b"trailer" and (wanted is None or tag not in wanted):
+                if tag != b"trailer" and wanted is not None and tag not in wanted:
                     continue  # a known record nobody asked for: not decoded
                 try:
-                    rec = _decode_fresh_stack(_DECODERS[tag], body)
+                    rec = _decode_fresh_stack(decoders[tag], body)
                 except (msgspec.DecodeError, RecursionError):
                     self._odd(report, seg, pos, body)
                     continue
@@ -987,9 +1032,16 @@ class BundleReader:
         report.clean_shutdown = clean
         self._report = report
 
-    def records(self) -> Iterator[BundleRecord]:
-        """Every record in order (unknown record types are skipped and counted)."""
-        return self._iter(_KEEP_ALL)
+    def records(self, *, request_view: bool = False) -> Iterator[BundleRecord]:
+        """Every record in order (unknown record types are skipped and counted).
+
+        ``request_view=True``: requests come as ``RequestRecordView`` (token ids left as
+        msgpack bytes, ``msgspec.Raw``), which decodes several times faster. The ids are not
+        checked element by element, so a request frame whose ids are not ints (which the
+        ordinary pass reports as an undecodable record) is yielded; a caller that needs the
+        ordinary pass's exact verdict checks the ids and reads again without views if not.
+        """
+        return self._iter(_KEEP_ALL, request_view)
 
     def events(self) -> Iterator[EventFrame]:
         """Only the ``EventFrame``s (payload left as ``Raw``: envelope-only decoding)."""
@@ -1012,12 +1064,38 @@ class BundleReader:
         assert self._report is not None
         return self._report
 
+    @staticmethod
+    def _first_frame(seg: Path) -> memoryview | None:
+        """The body of the frame right after the segment header when its length and CRC
+        check out -- what ``_walk`` yields first -- read without reading the whole segment
+        (segment 0 is up to ``segment_bytes`` long); None otherwise (the caller walks)."""
+        head_size = SEGMENT_HEADER_SIZE + FRAME_HEADER_SIZE
+        try:
+            with open(seg, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(head_size)
+                if len(head) < head_size:
+                    return None
+                length, crc = FRAME_HEADER.unpack_from(head, SEGMENT_HEADER_SIZE)
+                if length < MIN_BODY or head_size + length > size:
+                    return None
+                body = f.read(length)
+        except OSError:
+            return None
+        if len(body) != length or zlib.crc32(body) != crc:
+            return None
+        return memoryview(body)
+
     @property
     def header(self) -> Header:
         """The ``Header`` record (first frame of segment 0)."""
         if self._header is None:
-            scratch = ReadReport()
-            for _, body in self._walk(self.segments[0], scratch):
+            first = self._first_frame(self.segments[0])
+            if first is not None:
+                bodies: Iterable[memoryview] = (first,)
+            else:  # torn or corrupt at the start: the walk resynchronises (or raises)
+                bodies = (body for _, body in self._walk(self.segments[0], ReadReport()))
+            for body in bodies:
                 if _peek_tag(body) == b"header":
                     try:
                         self._header = _DECODERS[b"header"].decode(body)
@@ -1057,6 +1135,7 @@ __all__ = [
     "copy_bundle",
     "encode_payload",
     "event_payload",
+    "event_payload_view",
     "is_bundle",
     "is_single_msgpack",
     "list_segments",

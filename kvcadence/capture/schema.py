@@ -300,6 +300,34 @@ class RequestRecord(BundleRecordBase, tag="request"):
     meta_info: dict[str, Any] = {}
 
 
+class RequestRecordView(BundleRecordBase, tag="request"):
+    """``RequestRecord`` as analysis ingest reads it (decode-only, never encoded): the same
+    wire layout and tag, but ``input_ids``/``output_ids`` kept as their msgpack array bytes
+    (``msgspec.Raw``; not validated element by element). Produced only by
+    ``kvcadence.capture.bundle.BundleReader.records(request_view=True)``."""
+
+    rid: str
+    input_ids: msgspec.Raw
+    output_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty msgpack array, as RequestRecord
+    send_ns: int | None = None
+    first_token_ns: int | None = None
+    finish_ns: int | None = None
+    lane: int | None = None
+    session: int | None = None
+    turn: int | None = None
+    max_new_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    dp_rank: int | None = None
+    source: str = "driver"
+    think_ns: int | None = None
+    arrival_ns: int | None = None
+    meta_info: dict[str, Any] = {}
+
+
 class Gap(BundleRecordBase, tag="gap"):
     """Seqs ``first_seq..last_seq`` (inclusive) of one endpoint/epoch that were missed;
     ``recovered`` of them were fetched through replay (written as EventFrames)."""
@@ -374,6 +402,7 @@ __all__ = [
     "Header",
     "EventFrame",
     "RequestRecord",
+    "RequestRecordView",
     "Gap",
     "Epoch",
     "Annotation",

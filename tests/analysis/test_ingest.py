@@ -11,7 +11,7 @@ from kvcadence.analysis import ingest
 from kvcadence.capture import wire
 from kvcadence.capture.bundle import BundleWriter
 from kvcadence.capture.schema import RequestRecord
-from kvcadence.errors import UsageError
+from kvcadence.errors import InputError, UsageError
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
 NEG = -3488128144981237669  # a real SGLang hash (negative int64)
@@ -98,3 +98,65 @@ def test_duplicates_dropped_and_undecodable_counted(tmp_path: Path) -> None:
 def test_missing_bundle_is_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError):
         ingest.ingest(tmp_path / "nope")
+
+
+def _tables_both_ways(bundle: Path) -> tuple[dict, dict]:
+    """build_tables through the view path and through the ordinary RequestRecord path."""
+    with ingest._gc_paused():
+        fast = ingest._build_tables(bundle, views=True)[0]
+        slow = ingest._build_tables(bundle, views=False)[0]
+    return fast, slow
+
+
+def test_request_view_path_equals_ordinary_path(tmp_path: Path) -> None:
+    """Token ids converted from raw msgpack (chunked) == ids read as RequestRecord lists."""
+    import random
+
+    rng = random.Random(3)
+    reqs = []
+    for i in range(3000):  # several RawIdColumns chunks, long and empty id lists
+        n = rng.choice([0, 1, 15, 16, 200, rng.randrange(1, 4000)])
+        ids = [rng.choice([rng.randrange(128), rng.randrange(2**17), -rng.randrange(2**40)])]
+        ids = (ids * n)[:n]
+        reqs.append(
+            RequestRecord(rid=f"r{i}", input_ids=ids, output_ids=ids[: i % 7], send_ns=i or None)
+        )
+    b = write_bundle(tmp_path / "b", [(0, [cleared()])], reqs, hdr=header())
+    fast, slow = _tables_both_ways(b)
+    assert fast.keys() == slow.keys()
+    for name in fast:
+        assert fast[name].equals(slow[name]), name
+    got = fast["requests"].column("input_ids").to_pylist()
+    assert got == [r.input_ids for r in reqs]
+
+
+def _write_raw_request(path: Path, ids: list, good: RequestRecord) -> Path:
+    """A bundle with one good request and one whose ids the typed decoder refuses (Struct
+    construction does not type-check, so the bad ids are written as given)."""
+    with BundleWriter(path, header()) as w:
+        w.write(good)
+        w.write(RequestRecord(rid="bad", input_ids=ids, output_ids=[]))
+    return path
+
+
+def test_non_int_ids_fall_back_to_the_ordinary_reader(tmp_path: Path) -> None:
+    """Ids that are not ints: the whole ingest reads the ordinary way (RequestRecord), so the
+    frame gets exactly the verdict every other reader gives it (not a request row)."""
+    good = RequestRecord(rid="ok", input_ids=[1, 2, 300], output_ids=[5])
+    b = _write_raw_request(tmp_path / "b", [1, 2.5], good)
+    ing = ingest.ingest(b)
+    r = pq.read_table(ing.path("requests")).to_pydict()
+    assert r["rid"] == ["ok"] and r["input_ids"] == [[1, 2, 300]]
+    with ingest._gc_paused():
+        slow, slow_info = ingest._build_tables(b, views=False)
+    for name in slow:
+        assert pq.read_table(ing.path(name)).equals(slow[name]), name
+    assert ing.info["corrupt_frames"] == slow_info["corrupt_frames"]
+
+
+def test_token_id_beyond_int64_is_input_error(tmp_path: Path) -> None:
+    good = RequestRecord(rid="ok", input_ids=[1], output_ids=[])
+    b = _write_raw_request(tmp_path / "b", [1, 2**63], good)
+    with pytest.raises(InputError, match="'bad'.*int64"):
+        ingest.ingest(b)
+    assert not (b / ".parquet").exists()  # nothing half-written

@@ -1,0 +1,164 @@
+"""``tokcols.int_arrays``: raw msgpack int arrays -> int64 numpy, equal to msgspec's decoding.
+
+Every msgpack int encoding (minimal as msgspec writes it, and the wider ones other writers
+may use), every array header, the tail path for long arrays, and the refusals (non-ints,
+uint64 above int64) -- property-tested against ``msgspec.msgpack.decode(..., list[int])``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcadence.analysis.tokcols import NotInt64Arrays, RawIdColumns, int_arrays
+
+I64 = st.integers(-(2**63), 2**63 - 1)
+TOKENS = st.one_of(st.integers(0, 300), st.integers(0, 200_000), I64)
+
+
+def _encodings(v: int) -> list[bytes]:
+    """Every msgpack encoding of ``v`` (minimal and wider)."""
+    out = []
+    if 0 <= v <= 0x7F or -32 <= v < 0:
+        out.append(struct.pack(">b", v) if v < 0 else bytes([v]))
+    for tag, fmt, lo, hi in (
+        (0xCC, ">B", 0, 2**8 - 1),
+        (0xCD, ">H", 0, 2**16 - 1),
+        (0xCE, ">I", 0, 2**32 - 1),
+        (0xCF, ">Q", 0, 2**64 - 1),
+        (0xD0, ">b", -(2**7), 2**7 - 1),
+        (0xD1, ">h", -(2**15), 2**15 - 1),
+        (0xD2, ">i", -(2**31), 2**31 - 1),
+        (0xD3, ">q", -(2**63), 2**63 - 1),
+    ):
+        if lo <= v <= hi:
+            out.append(bytes([tag]) + struct.pack(fmt, v))
+    return out
+
+
+def _header(n: int, wide: int) -> bytes:
+    if n <= 15 and wide == 0:
+        return bytes([0x90 | n])
+    if n <= 0xFFFF and wide <= 1:
+        return b"\xdc" + struct.pack(">H", n)
+    return b"\xdd" + struct.pack(">I", n)
+
+
+@st.composite
+def raw_arrays(draw: st.DrawFn, values: st.SearchStrategy[int] = TOKENS) -> tuple[bytes, list]:
+    """(raw msgpack array bytes with randomly chosen int encodings, the ints)."""
+    vals = draw(st.lists(values, max_size=40))
+    parts = [_header(len(vals), draw(st.integers(0, 2)))]
+    for v in vals:
+        encs = _encodings(v)
+        parts.append(encs[draw(st.integers(0, len(encs) - 1))])
+    return b"".join(parts), vals
+
+
+def _reference(raws: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    lists = [msgspec.msgpack.decode(r, type=list[int]) for r in raws]
+    flat = [v for lst in lists for v in lst]
+    return np.array(flat, dtype=np.int64), np.array([len(x) for x in lists], dtype=np.int64)
+
+
+def _check(raws: list[bytes]) -> None:
+    vals, lens = int_arrays(raws)
+    ref_vals, ref_lens = _reference(raws)
+    assert vals.dtype == np.int64 and lens.dtype == np.int64
+    assert np.array_equal(lens, ref_lens)
+    assert np.array_equal(vals, ref_vals)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(raw_arrays(), max_size=30))
+def test_equals_msgspec_for_every_encoding(arrays: list[tuple[bytes, list]]) -> None:
+    raws = [r for r, _ in arrays]
+    _check(raws)
+    vals, _ = int_arrays(raws)
+    assert vals.tolist() == [v for _, vs in arrays for v in vs]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(TOKENS, max_size=300), min_size=1, max_size=200))
+def test_equals_msgspec_on_msgspec_encoded_ids(lists: list[list[int]]) -> None:
+    """What bundles hold: msgspec's own (minimal) encoding, many arrays (walk + tail)."""
+    _check([msgspec.msgpack.encode(x) for x in lists])
+
+
+def test_long_arrays_take_the_tail_path() -> None:
+    rng = np.random.default_rng(1)
+    lists = [rng.integers(-(2**40), 2**40, size=n).tolist() for n in rng.integers(0, 50, 300)]
+    lists += [rng.integers(0, 200_000, size=5000).tolist() for _ in range(3)]  # > _MIN_ACTIVE
+    lists.append(list(range(-40, 70_000)))  # array32 header, every width
+    _check([msgspec.msgpack.encode(x) for x in lists])
+
+
+def test_empty_inputs() -> None:
+    vals, lens = int_arrays([])
+    assert len(vals) == 0 and len(lens) == 0
+    _check([b"\x90", b"\xdc\x00\x00", b"\xdd\x00\x00\x00\x00"])
+
+
+def test_raw_objects_accepted() -> None:
+    raws = [msgspec.Raw(msgspec.msgpack.encode([1, -2, 2**40])), memoryview(b"\x91\x05")]
+    vals, lens = int_arrays(raws)
+    assert vals.tolist() == [1, -2, 2**40, 5] and lens.tolist() == [3, 1]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [1, 2.5, 3],
+        [1, None],
+        ["a"],
+        [[1, 2]],
+        [True],
+        [1, {"a": 1}],
+    ],
+)
+@pytest.mark.parametrize("where", ["walk", "tail"])
+def test_non_ints_refused(bad: list, where: str) -> None:
+    good = [msgspec.msgpack.encode([7] * (3 if where == "walk" else 1))] * 100
+    raw = msgspec.msgpack.encode([1] * (200 if where == "tail" else 0) + bad)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(raw, type=list[int])
+    with pytest.raises(NotInt64Arrays):
+        int_arrays([*good, raw])
+
+
+@pytest.mark.parametrize("n", [1, 200])
+def test_uint64_above_int64_refused(n: int) -> None:
+    raw = _header(n, 1) + b"\x05" * (n - 1) + b"\xcf" + struct.pack(">Q", 2**63)
+    assert msgspec.msgpack.decode(raw, type=list[int])[-1] == 2**63  # msgspec takes it...
+    with pytest.raises(NotInt64Arrays):  # ...an int64 column cannot
+        int_arrays([msgspec.msgpack.encode([1, 2])] * 100 + [raw])
+    top = b"\x91\xcf" + struct.pack(">Q", 2**63 - 1)
+    assert int_arrays([top])[0].tolist() == [2**63 - 1]
+
+
+@pytest.mark.parametrize("raw", [b"\xc0", b"\x05", b"\xa1a", b"\x81\x01\x02"])
+def test_not_an_array_refused(raw: bytes) -> None:
+    with pytest.raises(NotInt64Arrays):
+        int_arrays([b"\x90", raw])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.lists(TOKENS, max_size=60), st.lists(TOKENS, max_size=20))),
+    st.integers(1, 4096),
+)
+def test_raw_id_columns_chunks(rows: list[tuple[list, list]], chunk: int) -> None:
+    cols = RawIdColumns(chunk_bytes=chunk)
+    for a, b in rows:
+        cols.add(msgspec.Raw(msgspec.msgpack.encode(a)), msgspec.Raw(msgspec.msgpack.encode(b)))
+    inp, out = cols.columns()
+    for side, chunks in ((0, inp), (1, out)):
+        flat = [v for vals, _ in chunks for v in vals.tolist()]
+        lens = [n for _, ns in chunks for n in ns.tolist()]
+        assert flat == [v for r in rows for v in r[side]]
+        assert lens == [len(r[side]) for r in rows]
