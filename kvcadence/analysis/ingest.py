@@ -3,10 +3,12 @@
 ``ingest(bundle)`` reads a bundle through ``kvcadence.capture.bundle.BundleReader`` (requests
 as ``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
 chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once with
-``kvcadence.capture.wire.decode_batch_view`` (token ids left undecoded), flattens everything
-straight into ``array``/list columns (never keeping the decoded structs, cyclic GC paused: the
-GC trap of engineering-notes §2.4), derives the rest with numpy and writes one Parquet file
-per table with pyarrow (``write_options``):
+``kvcadence.capture.wire.decode_batch_raw`` (block hashes and token ids left as msgpack
+bytes, hashes converted in numpy chunks too; if any of those bytes does not check out, the
+bundle is read again with ``decode_batch_view``: hashes as Python ints, token ids undecoded),
+flattens everything straight into ``array``/list columns (never keeping the decoded structs,
+cyclic GC paused: the GC trap of engineering-notes §2.4), derives the rest with numpy and
+writes one Parquet file per table with pyarrow (``write_options``):
 
 ``batches``  one row per ZMQ message (EventFrame), de-duplicated by (endpoint, epoch, seq)
 ``events``   one row per KV event inside a batch
@@ -411,16 +413,61 @@ def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     from kvcadence.analysis.tokcols import NotInt64Arrays
 
+    views = raw = True
     with _gc_paused(), _small_pages():
+        while True:
+            try:
+                return _build_tables(bundle, views=views, raw=raw)
+            except _RawCheckFailed:
+                # some event's hashes are not ints, or its token ids not an array: read the
+                # payloads with decode_batch_view (its verdicts: converted, or undecodable)
+                raw = False
+            except NotInt64Arrays:
+                # some request's ids are not int64s: read the ordinary way (same verdicts as
+                # every other reader: such a record is an undecodable frame, or an InputError)
+                views = False
+
+
+class _RawCheckFailed(Exception):
+    """A ``decode_batch_raw`` event whose raw hashes / token ids did not check out."""
+
+
+class _RawEvents:
+    """The raw hash and token-id arrays of ``decode_batch_raw`` events, converted to numpy a
+    chunk at a time (``flush``) while their bytes are still in cache: hashes with
+    ``tokcols.int_arrays(wrap_u64=True)`` (flat int64 + per-event counts), token ids with
+    ``tokcols.array_lengths`` (per stored event). Raises ``_RawCheckFailed`` where a hash is
+    not an int or token ids are not an array (the caller then reads the bundle again)."""
+
+    def __init__(self) -> None:
+        self.hashes: list[Any] = []  # raw block_hashes of stored/removed events, event order
+        self.tokens: list[Any] = []  # raw token_ids of stored events, event order
+        self.parts: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+
+    def flush(self) -> None:
+        from kvcadence.analysis.tokcols import NotInt64Arrays, array_lengths, int_arrays
+
         try:
-            return _build_tables(bundle, views=True)
+            vals, counts = int_arrays(self.hashes, wrap_u64=True)
+            ntok = array_lengths(self.tokens)
         except NotInt64Arrays:
-            # some request's ids are not int64s: read the ordinary way (same verdicts as
-            # every other reader: such a record is an undecodable frame, or an InputError)
-            return _build_tables(bundle, views=False)
+            raise _RawCheckFailed from None
+        self.hashes.clear()
+        self.tokens.clear()
+        for dst, part in zip(self.parts, (vals, counts, ntok), strict=True):
+            dst.append(part)
+
+    def columns(self) -> tuple[Any, Any, Any]:
+        """(flat int64 hashes, hashes per stored/removed event, tokens per stored event)."""
+        import numpy as np
+
+        self.flush()
+        return tuple(np.concatenate(p) for p in self.parts)  # type: ignore[return-value]
 
 
-def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _build_tables(
+    bundle: Path, *, views: bool, raw: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``build_tables`` proper.
 
     One pass over the records. Payloads are decoded with ``wire.decode_batch_view`` (token ids
@@ -431,6 +478,9 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
     ``views``: requests are read as ``RequestRecordView`` and their token ids converted in
     numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
     otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
+    ``raw``: payloads are decoded with ``wire.decode_batch_raw`` instead (hashes too left as
+    msgpack bytes, converted in numpy chunks by ``_RawEvents``; per event only its kind,
+    medium and raw fields are kept); raises ``_RawCheckFailed`` if a raw field is not valid.
     """
     from kvcadence.capture import bundle as kbundle
     from kvcadence.capture import schema as S
@@ -478,14 +528,22 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
     seen: set[tuple[int, int, int]] = set()
     duplicates = 0
     undecodable = 0
-    n_frames = 0
-    payload_total = 0
 
     EventFrame = S.EventFrame
     Request = S.RequestRecordView if views else S.RequestRecord
-    Stored, Removed, Cleared = S.BlockStoredView, S.BlockRemoved, S.AllBlocksCleared
-    decode = wire.decode_batch_view
-    payload_of = kbundle.event_payload_view  # no copy: decoded at once, then dropped
+    if raw:
+        Stored, Removed = S.BlockStoredRawView, S.BlockRemovedRawView
+        decode = wire.decode_batch_raw
+    else:
+        Stored, Removed = S.BlockStoredView, S.BlockRemoved  # type: ignore[assignment]
+        decode = wire.decode_batch_view  # type: ignore[assignment]
+    Cleared = S.AllBlocksCleared
+    raws = _RawEvents()
+    raw_hashes = raws.hashes
+    hr_app, tr_app = raw_hashes.append, raws.tokens.append
+    st_bs_raw: list[int] = []
+    sbr_app = st_bs_raw.append
+    payload_of = kbundle.event_payload_view
     astuple = _astuple()
     kind_app, nb_app, med_app, hext = (
         e_kind.append,
@@ -500,14 +558,14 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
     for rec in reader.records(request_view=views):
         t = type(rec)
         if t is EventFrame:
-            n_frames += 1
             key = (rec.endpoint, rec.epoch, rec.seq)
             if key in seen:
                 duplicates += 1
                 continue
             seen.add(key)
-            payload = payload_of(rec)
-            payload_total += len(payload)
+            # the payload as stored (Raw, no copy; decoded at once, then dropped) unless it
+            # was stored bin-wrapped
+            payload = payload_of(rec) if rec.payload_is_bin else rec.payload
             try:
                 batch = decode(payload)
             except WireError:
@@ -518,44 +576,74 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
                 batch = None
             else:
                 evs, ts, ok = batch.events, batch.ts, True
-            for ev in evs:
-                te = type(ev)
-                if te is Stored:
-                    hs = ev.block_hashes
-                    # ev.n_tokens inlined (the token_ids array's header; wire checked it is
-                    # an array): a property call per event cost ~0.25 s per 1M events
-                    tk = mv(ev.token_ids)
-                    h = tk[0]
-                    sn_app(
-                        h & 0x0F
-                        if h < 0xDC
-                        else (tk[1] << 8 | tk[2])
-                        if h == 0xDC
-                        else int.from_bytes(tk[1:5], "big")
-                    )
-                    si_app(len(e_kind))
-                    sp_app(ev.parent_block_hash)
-                    sb_app(ev.block_size)
-                    sl_app(ev.lora_id)
-                    kind_app(K_STORED)
-                    nb_app(len(hs))
-                    med_app(ev.medium)
-                    hext(hs)
-                elif te is Removed:
-                    hs = ev.block_hashes
-                    kind_app(K_REMOVED)
-                    nb_app(len(hs))
-                    med_app(ev.medium)
-                    hext(hs)
-                elif te is Cleared:
-                    kind_app(K_CLEARED)
-                    nb_app(0)
-                    med_app(None)
-                else:
-                    un_rows.append((len(e_kind), str(getattr(ev, "tag", te.__name__))))
-                    kind_app(K_UNKNOWN)
-                    nb_app(0)
-                    med_app(None)
+            if raw:
+                # per event only its kind, medium and fields as they are; hashes, token
+                # counts, block counts and stored-event rows are derived in numpy
+                for ev in evs:
+                    te = type(ev)
+                    if te is Stored:
+                        kind_app(K_STORED)
+                        hr_app(ev.block_hashes)
+                        tr_app(ev.token_ids)
+                        sp_app(ev.parent_block_hash)
+                        sbr_app(ev.block_size)
+                        sl_app(ev.lora_id)
+                        med_app(ev.medium)
+                    elif te is Removed:
+                        kind_app(K_REMOVED)
+                        hr_app(ev.block_hashes)
+                        med_app(ev.medium)
+                    elif te is Cleared:
+                        kind_app(K_CLEARED)
+                        med_app(None)
+                    else:
+                        un_rows.append((len(e_kind), str(getattr(ev, "tag", te.__name__))))
+                        kind_app(K_UNKNOWN)
+                        med_app(None)
+                if len(raw_hashes) >= 16384:
+                    raws.flush()
+            else:
+                for ev in evs:
+                    te = type(ev)
+                    if te is Stored:
+                        hs = ev.block_hashes
+                        # ev.n_tokens inlined (the token_ids array's header; wire checked it is
+                        # an array): a property call per event cost ~0.25 s per 1M events
+                        tk = mv(ev.token_ids)
+                        h = tk[0]
+                        sn_app(
+                            h & 0x0F
+                            if h < 0xDC
+                            else (tk[1] << 8 | tk[2])
+                            if h == 0xDC
+                            else int.from_bytes(tk[1:5], "big")
+                        )
+                        si_app(len(e_kind))
+                        sp_app(ev.parent_block_hash)
+                        sb_app(ev.block_size)
+                        sl_app(ev.lora_id)
+                        kind_app(K_STORED)
+                        nb_app(len(hs))
+                        med_app(ev.medium)
+                        hext(hs)
+                    elif te is Removed:
+                        hs = ev.block_hashes
+                        kind_app(K_REMOVED)
+                        nb_app(len(hs))
+                        med_app(ev.medium)
+                        hext(hs)
+                    elif te is Cleared:
+                        kind_app(K_CLEARED)
+                        nb_app(0)
+                        med_app(None)
+                    else:
+                        un_rows.append((len(e_kind), str(getattr(ev, "tag", te.__name__))))
+                        kind_app(K_UNKNOWN)
+                        nb_app(0)
+                        med_app(None)
+                if len(hash_buf) >= 16384:
+                    k_hash.extend(array("q", hash_buf))
+                    hash_buf.clear()
             rank = ep_rank.get(rec.endpoint)
             if rank is None:
                 rank = batch.attn_dp_rank if batch is not None else None
@@ -575,9 +663,6 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
                     ok,
                 )
             )
-            if len(hash_buf) >= 16384:
-                k_hash.extend(array("q", hash_buf))
-                hash_buf.clear()
         elif t is Request:
             req_app(astuple(rec))
             if len(req_rows) >= reqs.batch:
@@ -593,17 +678,31 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
 
     k_hash.extend(array("q", hash_buf))
     del hash_buf
+    kinds = array("b", e_kind)
+    del e_kind
+    n_blocks: Any = array("q", e_nb)
+    hashes: Any = k_hash
+    if raw:
+        import numpy as np
+
+        hashes, per_event, st_ntok = raws.columns()  # type: ignore[assignment]
+        kind_np = np.frombuffer(kinds, np.int8)
+        n_blocks = np.zeros(len(kinds), np.int64)
+        n_blocks[kind_np <= K_REMOVED] = per_event  # one raw hash array per such event
+        st_idx = np.flatnonzero(kind_np == K_STORED)  # type: ignore[assignment]
+        st_bs = array("q", st_bs_raw)
+        del st_bs_raw
     unknown_events = len(un_rows)
     rep = reader.report
     corrupt = list(getattr(rep, "corrupt", []) or [])
     info.update(
         {
-            "frames": n_frames,
+            "frames": len(b_rows) + duplicates,
             "messages": len(b_rows),
             "duplicates": duplicates,
             "undecodable_payloads": undecodable,
             "unknown_events": unknown_events,
-            "payload_bytes": payload_total,
+            "payload_bytes": 0,  # below, from the batches' payload_bytes column
             "torn_bytes": int(getattr(rep, "torn_bytes", 0) or 0),
             "corrupt_frames": len(corrupt),
             "corrupt": [list(c) if isinstance(c, (tuple, list)) else str(c) for c in corrupt],
@@ -632,6 +731,7 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
         array("q", c) for c in b_cols[:9]
     )
     del b_cols
+    info["payload_bytes"] = int(_np(b_bytes).sum())
     batch_cols = {
         "endpoint": b_endpoint,
         "rank": b_rank,
@@ -641,12 +741,12 @@ def _build_tables(bundle: Path, *, views: bool) -> tuple[dict[str, Any], dict[st
         "nev": b_nev,
     }
     ev = _EventColumns(
-        array("b", e_kind),
-        array("q", e_nb),
+        kinds,
+        n_blocks,
         e_medium,
         (st_idx, st_parent, st_bs, st_ntok, st_lora),
         un_rows,
-        k_hash,
+        hashes,
         b_nev,
     )
     tables = {
@@ -676,9 +776,12 @@ def _count(x: Any) -> int:
         return 0
 
 
-def _np(a: array, dtype: str = "int64") -> Any:
+def _np(a: Any, dtype: str = "int64") -> Any:
+    """An ``array`` (no copy) or numpy array as a numpy array of ``dtype``."""
     import numpy as np
 
+    if isinstance(a, np.ndarray):
+        return a.astype(dtype, copy=False)
     src = {"q": np.int64, "b": np.int8}[a.typecode]
     return np.frombuffer(a, dtype=src).astype(dtype, copy=False) if len(a) else np.zeros(0, dtype)
 
@@ -949,7 +1052,8 @@ def _requests_table(reqs: _RequestColumns) -> Any:
         inp = out = pa.array([], type=pa.list_(pa.int64()))
         n_in = n_out = np.zeros(0, np.int64)
     enc = msgspec.json.encode
-    meta = pa.array([enc(m).decode() for m in cols["meta_info"]], type=pa.string())
+    # an empty meta_info (most request sources) is "{}" without an encode call per row
+    meta = pa.array([enc(m).decode() if m else "{}" for m in cols["meta_info"]], type=pa.string())
     arrays = [
         pa.array(np.arange(n, dtype=np.int64)),
         col("rid", pa.string()),

@@ -20,6 +20,12 @@ Anything else -- an element that is not an int, a value above the int64 range (u
 records the ordinary way (msgspec ``list[int]``), so its behaviour on such bundles is exactly
 that of the ordinary path. The answer always equals ``msgspec`` decoding each array as
 ``list[int]`` (property-tested in ``tests/analysis/test_tokcols.py``).
+
+Ingest uses the same conversion for the KV events' block hashes (``wire.decode_batch_raw``
+leaves them as msgpack bytes) with ``wrap_u64=True`` (a uint64 >= 2**63 is the int64 of the
+same bits, as ``wire`` normalises hashes); arrays whose elements are all 9-byte ints (random
+64-bit hashes) skip step 2. ``array_lengths`` reads only the headers (stored events' token
+counts).
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ from typing import Any
 # Below this many arrays still running at element index k, the per-k numpy calls cost more
 # than msgspec decoding the remaining (longest) arrays whole.
 _MIN_ACTIVE = 64
+_I64_MAX = (1 << 63) - 1
+_TWO64 = 1 << 64
 _PAD = 16  # zero bytes after the joined arrays: 8-byte reads past the last element stay inside
+_PADDING = bytes(_PAD)
 
 
 class NotInt64Arrays(ValueError):
@@ -78,28 +87,12 @@ def _tables() -> tuple[Any, ...]:
     return _TABLES
 
 
-def int_arrays(raws: Sequence[Any]) -> tuple[Any, Any]:
-    """``raws`` (bytes-like msgpack arrays of ints) -> (flat int64 values, int64 lengths).
-
-    Equal to ``np.concatenate([msgspec.msgpack.decode(r, type=list[int]) for r in raws])``
-    and ``[len(...) for ...]``; raises ``NotInt64Arrays`` where that would fail or an int is
-    outside int64.
-    """
-    import msgspec
+def _headers(buf: Any, st: Any) -> tuple[Any, Any]:
+    """Element counts and header sizes of the msgpack arrays starting at offsets ``st`` of
+    ``buf`` (uint8, padded); raises ``NotInt64Arrays`` where a value is not an array."""
     import numpy as np
 
-    width, skip, shift, sign, klass = _tables()
-    m = len(raws)
-    if m == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    joined = b"".join(raws)
-    buf = np.frombuffer(joined + bytes(_PAD), np.uint8)
-    lens = np.fromiter(map(len, raws), np.int64, m)
-    st = np.zeros(m, np.int64)
-    np.cumsum(lens[:-1], out=st[1:])
-    if int(lens.min()) < 1:
-        raise NotInt64Arrays("empty raw value")
-    # 1. headers
+    m = len(st)
     b0 = buf[st]
     n = (b0 & 0x0F).astype(np.int64)
     h = np.ones(m, np.int64)
@@ -120,6 +113,99 @@ def int_arrays(raws: Sequence[Any]) -> tuple[Any, Any]:
             | buf[s + 4]
         )
         h[a32] = 5
+    return n, h
+
+
+def _joined(raws: Sequence[Any]) -> tuple[int, Any, Any, Any]:
+    """(bytes of the raws, the raws joined + ``_PAD`` zero bytes as uint8, their start offsets,
+    their byte lengths). One join, padding included: a second multi-MB copy to append the
+    padding cost ~4x the join itself (fresh memory, measured on 16k-array chunks)."""
+    import numpy as np
+
+    m = len(raws)
+    buf = np.frombuffer(b"".join([*raws, _PADDING]), np.uint8)
+    lens = np.fromiter(map(len, raws), np.int64, m)
+    st = np.zeros(m, np.int64)
+    np.cumsum(lens[:-1], out=st[1:])
+    if int(lens.min()) < 1:
+        raise NotInt64Arrays("empty raw value")
+    return len(buf) - _PAD, buf, st, lens
+
+
+def array_lengths(raws: Sequence[Any]) -> Any:
+    """Element counts (int64 numpy) of ``raws``, bytes-like msgpack arrays, read from their
+    headers only (a bigram ``[t, t+1]`` element counts as one); raises ``NotInt64Arrays``
+    where a raw value is not an array. The elements are not looked at."""
+    import numpy as np
+
+    if not len(raws):
+        return np.zeros(0, np.int64)
+    _, buf, st, _ = _joined(raws)
+    return _headers(buf, st)[0]
+
+
+def _all_wide(buf: Any, first: Any, body: Any, n: Any, off: Any) -> Any:
+    """Element starts when every element is a 9-byte int (int64 / uint64: what random 64-bit
+    hashes encode as), else None. Elements are at most 9 bytes, so bodies of exactly 9 bytes
+    per element can only be that; the type byte at every 9-byte stride is then checked, which
+    makes the walk exact by induction (element k starts at 9k iff elements < k are 9 wide)."""
+    import numpy as np
+
+    if not np.array_equal(body, 9 * n):
+        return None
+    total = int(off[-1])
+    starts = np.repeat(first - 9 * off[:-1], n)
+    starts += 9 * np.arange(total, dtype=np.int64)
+    t = buf[starts]
+    if not ((t == 0xCF) | (t == 0xD3)).all():
+        return None  # not all 9-byte ints: the general walk decides
+    return starts
+
+
+def _values(buf: Any, starts: Any, wrap_u64: bool) -> Any:
+    """The int64 values of the ints starting at ``starts`` (step 3 of ``int_arrays``)."""
+    import numpy as np
+
+    width, skip, shift, sign, klass = _tables()
+    t = buf[starts]
+    cls = klass[t]
+    if int(cls.min()) == 0:
+        raise NotInt64Arrays("element is not an int")
+    # 8 bytes at every value start (unaligned), big-endian: read native, then byte-swap
+    at = np.ndarray((len(buf) - 8,), dtype=np.uint64, buffer=buf, strides=(1,))
+    x = at[starts + skip[t]]
+    if np.little_endian:
+        x.byteswap(inplace=True)
+    x >>= shift[t]
+    worst = int(cls.max())
+    if worst == 3:  # some signed encoding: sign-extend (a no-op where the mask is 0)
+        msk = sign[t]
+        x ^= msk
+        x -= msk
+    vals = x.view(np.int64)
+    if worst >= 2 and not wrap_u64 and (vals[cls == 2] < 0).any():
+        raise NotInt64Arrays("int above the int64 range")
+    return vals
+
+
+def int_arrays(raws: Sequence[Any], *, wrap_u64: bool = False) -> tuple[Any, Any]:
+    """``raws`` (bytes-like msgpack arrays of ints) -> (flat int64 values, int64 lengths).
+
+    Equal to ``np.concatenate([msgspec.msgpack.decode(r, type=list[int]) for r in raws])``
+    and ``[len(...) for ...]``; raises ``NotInt64Arrays`` where that would fail or an int is
+    outside int64. ``wrap_u64``: a uint64 value >= 2**63 is taken as the int64 of the same 64
+    bits (``value - 2**64``: how SGLang's signed hashes read back) instead of refused.
+    """
+    import msgspec
+    import numpy as np
+
+    width, skip, shift, sign, klass = _tables()
+    m = len(raws)
+    if m == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    size, buf, st, lens = _joined(raws)
+    # 1. headers
+    n, h = _headers(buf, st)
     off = np.zeros(m + 1, np.int64)
     np.cumsum(n, out=off[1:])
     total = int(off[-1])
@@ -127,6 +213,9 @@ def int_arrays(raws: Sequence[Any]) -> tuple[Any, Any]:
         if not np.array_equal(h, lens):
             raise NotInt64Arrays("trailing bytes after an empty array")
         return np.zeros(0, np.int64), n
+    starts = _all_wide(buf, st + h, lens - h, n, off)
+    if starts is not None:
+        return _values(buf, starts, wrap_u64), n
     # 2. element starts, element index k at a time over the arrays still running
     order = np.argsort(-n, kind="stable")
     ns = n[order]
@@ -151,33 +240,19 @@ def int_arrays(raws: Sequence[Any]) -> tuple[Any, Any]:
     tail = order[: int(active[k])]  # the longest arrays, not walked to their end
     if not np.array_equal(pos[len(tail) :], ends[len(tail) :]):
         raise NotInt64Arrays("element is not an int")  # the walk stopped on a non-int
-    pad = len(joined)  # a zero byte (fixint 0), overwritten below
+    pad = size  # a zero byte (fixint 0), overwritten below
     for i in tail.tolist():
         starts[off[i] + k : off[i + 1]] = pad
     # 3. values
-    t = buf[starts]
-    cls = klass[t]
-    if int(cls.min()) == 0:
-        raise NotInt64Arrays("element is not an int")
-    # 8 bytes at every value start (unaligned), big-endian: read native, then byte-swap
-    at = np.ndarray((len(buf) - 8,), dtype=np.uint64, buffer=buf, strides=(1,))
-    x = at[starts + skip[t]]
-    if np.little_endian:
-        x.byteswap(inplace=True)
-    x >>= shift[t]
-    worst = int(cls.max())
-    if worst == 3:  # some signed encoding: sign-extend (a no-op where the mask is 0)
-        msk = sign[t]
-        x ^= msk
-        x -= msk
-    vals = x.view(np.int64)
-    if worst >= 2 and (vals[cls == 2] < 0).any():
-        raise NotInt64Arrays("int above the int64 range")
+    vals = _values(buf, starts, wrap_u64)
     if len(tail):
         dec = msgspec.msgpack.Decoder(list[int])
         for i in tail.tolist():
             try:
-                got = np.array(dec.decode(raws[i]), dtype=np.int64)
+                ints = dec.decode(raws[i])
+                if wrap_u64:
+                    ints = [v - _TWO64 if v > _I64_MAX else v for v in ints]
+                got = np.array(ints, dtype=np.int64)
             except (msgspec.DecodeError, OverflowError) as exc:
                 raise NotInt64Arrays(str(exc)) from None
             if len(got) != n[i]:
@@ -227,4 +302,4 @@ class RawIdColumns:
         return list(zip(pi, li, strict=True)), list(zip(po, lo, strict=True))
 
 
-__all__ = ["NotInt64Arrays", "RawIdColumns", "int_arrays"]
+__all__ = ["NotInt64Arrays", "RawIdColumns", "array_lengths", "int_arrays"]

@@ -25,7 +25,7 @@ incompatible bumps ``FORMAT_MAJOR`` (old readers refuse the bundle).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -203,6 +203,68 @@ class KVEventBatchV17View(msgspec.Struct, array_like=True, gc=False):
 
     ts: float
     events: list[Union[BlockStoredV17View, BlockRemovedV17, AllBlocksClearedArr]]
+    attn_dp_rank: int | None = None
+
+
+# Decode-only "raw views" (analysis ingest's fast path): ``block_hashes`` too is left as its
+# msgpack array bytes (``Raw``: no Python int per hash; ingest converts them in numpy chunks
+# with ``kvcadence.analysis.tokcols``). A parent hash outside int64 fails msgspec's range
+# check in C, so such a payload takes the canonical path. Produced only by
+# ``kvcadence.capture.wire.decode_batch_raw``; never encoded.
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+
+
+class BlockStoredRawView(KVCacheEvent, tag="BlockStored"):
+    """``BlockStored`` with ``block_hashes`` and ``token_ids`` as their msgpack bytes."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Int64 | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class BlockRemovedRawView(KVCacheEvent, tag="BlockRemoved"):
+    """``BlockRemoved`` with ``block_hashes`` as its msgpack bytes."""
+
+    block_hashes: msgspec.Raw
+    medium: str | None = None
+
+
+class BlockStoredV17RawView(_ArrayEvent, tag="BlockStored"):
+    """0.5.5-0.5.17 positional ``BlockStored``, hashes and token ids as ``Raw``."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Int64 | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class BlockRemovedV17RawView(_ArrayEvent, tag="BlockRemoved"):
+    """0.5.5-0.5.17 positional ``BlockRemoved``, hashes as ``Raw``."""
+
+    block_hashes: msgspec.Raw
+    medium: str | None = None
+
+
+class KVEventBatchRawView(msgspec.Struct, array_like=True, gc=False):
+    """A payload decoded as a raw view: events are ``BlockStoredRawView``,
+    ``BlockRemovedRawView``, ``AllBlocksCleared`` or ``UnknownEvent``."""
+
+    ts: float
+    events: list[Union[BlockStoredRawView, BlockRemovedRawView, AllBlocksCleared]]
+    attn_dp_rank: int | None = None
+
+
+class KVEventBatchV17RawView(msgspec.Struct, array_like=True, gc=False):
+    """Decode-only batch of 0.5.5-0.5.17 array events, hashes and token ids as ``Raw``."""
+
+    ts: float
+    events: list[Union[BlockStoredV17RawView, BlockRemovedV17RawView, AllBlocksClearedArr]]
     attn_dp_rank: int | None = None
 
 
@@ -391,6 +453,13 @@ __all__ = [
     "BlockStoredV17View",
     "KVEventBatchView",
     "KVEventBatchV17View",
+    "Int64",
+    "BlockStoredRawView",
+    "BlockRemovedRawView",
+    "BlockStoredV17RawView",
+    "BlockRemovedV17RawView",
+    "KVEventBatchRawView",
+    "KVEventBatchV17RawView",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
     "VIA_LIVE",

@@ -72,16 +72,22 @@ from kvcadence.capture.schema import (
     AllBlocksCleared,
     AllBlocksClearedArr,
     BlockRemoved,
+    BlockRemovedRawView,
     BlockRemovedV05,
     BlockRemovedV17,
+    BlockRemovedV17RawView,
     BlockStored,
+    BlockStoredRawView,
     BlockStoredV05,
     BlockStoredV17,
+    BlockStoredV17RawView,
     BlockStoredV17View,
     BlockStoredView,
     KVEventBatch,
+    KVEventBatchRawView,
     KVEventBatchV05,
     KVEventBatchV17,
+    KVEventBatchV17RawView,
     KVEventBatchV17View,
     KVEventBatchView,
     UnknownEvent,
@@ -269,6 +275,82 @@ def _view_from_canonical(ev: Any) -> Any:
             ev.lora_id,
             ev.medium,
         )
+    return ev
+
+
+_RAW_VIEW = msgspec.msgpack.Decoder(KVEventBatchRawView)
+_RAW_VIEW_ARRAY = msgspec.msgpack.Decoder(KVEventBatchV17RawView)
+_RAW_FAILS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
+
+
+def decode_batch_raw(payload: bytes | bytearray | memoryview | msgspec.Raw) -> KVEventBatchRawView:
+    """``decode_batch_view`` that leaves the block hashes undecoded too (analysis ingest's fast
+    path): a ``BlockStored`` comes back as ``BlockStoredRawView``, a ``BlockRemoved`` as
+    ``BlockRemovedRawView``, both with ``block_hashes`` as its msgpack array bytes (``Raw``).
+
+    The typed fast path checks the envelope, tags, ``parent_block_hash`` (int64 range, in C),
+    ``block_size``, ``lora_id`` and ``medium``, but nothing *inside* the two ``Raw`` fields:
+    the caller must check that ``block_hashes`` is an array of ints and ``token_ids`` an array
+    (``kvcadence.analysis.tokcols``: ``int_arrays(..., wrap_u64=True)`` and ``array_lengths``
+    raise otherwise) and use ``decode_batch_view`` for the payload where either is not.
+    Read that way, the hashes are exactly ``decode_batch``'s: a uint64 wire hash >= 2**63 is
+    the signed int64 of the same 64 bits. Payloads the typed raw view cannot take (mixed
+    shapes, unknown tags, bytes hashes, a parent hash >= 2**63, ...) go through
+    ``decode_batch`` and come back converted, their hashes re-encoded as int64 arrays (valid
+    by construction); malformed input raises ``WireError`` as there.
+    """
+    if type(payload) is not bytes:
+        try:
+            payload = memoryview(payload)
+        except TypeError:
+            raise WireError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    if payload[:1] == b"\x93":
+        try:
+            return _RAW_VIEW.decode(payload)
+        except _RAW_FAILS:
+            pass
+        try:
+            arr = _RAW_VIEW_ARRAY.decode(payload)
+        except _RAW_FAILS:
+            pass
+        else:
+            evs = [_raw_from_array(e) for e in arr.events]
+            return KVEventBatchRawView(arr.ts, evs, arr.attn_dp_rank)
+    full = decode_batch(payload)
+    return KVEventBatchRawView(
+        full.ts, [_raw_from_canonical(e) for e in full.events], full.attn_dp_rank
+    )
+
+
+def _raw_from_array(ev: Any) -> Any:
+    t = type(ev)
+    if t is BlockStoredV17RawView:
+        return BlockStoredRawView(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+        )
+    if t is BlockRemovedV17RawView:
+        return BlockRemovedRawView(ev.block_hashes, ev.medium)
+    return AllBlocksCleared()
+
+
+def _raw_from_canonical(ev: Any) -> Any:
+    t = type(ev)
+    if t is BlockStored:
+        return BlockStoredRawView(
+            msgspec.Raw(_ENC.encode(ev.block_hashes)),
+            ev.parent_block_hash,
+            msgspec.Raw(_ENC.encode(ev.token_ids)),
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+        )
+    if t is BlockRemoved:
+        return BlockRemovedRawView(msgspec.Raw(_ENC.encode(ev.block_hashes)), ev.medium)
     return ev
 
 
@@ -763,6 +845,7 @@ __all__ = [
     "version_family",
     "decode_batch",
     "decode_batch_view",
+    "decode_batch_raw",
     "encode_batch",
     "count_unknown",
     "to_canonical",

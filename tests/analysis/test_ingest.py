@@ -10,7 +10,7 @@ import pytest
 from kvcadence.analysis import ingest
 from kvcadence.capture import wire
 from kvcadence.capture.bundle import BundleWriter
-from kvcadence.capture.schema import RequestRecord
+from kvcadence.capture.schema import BlockStored, KVEventBatch, RequestRecord
 from kvcadence.errors import InputError, UsageError
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
@@ -160,3 +160,101 @@ def test_token_id_beyond_int64_is_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="'bad'.*int64"):
         ingest.ingest(b)
     assert not (b / ".parquet").exists()  # nothing half-written
+
+
+def _raw_and_list_paths(bundle: Path) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
+    with ingest._gc_paused():
+        raw = ingest._build_tables(bundle, views=True, raw=True)
+        lst = ingest._build_tables(bundle, views=True, raw=False)
+    return raw, lst
+
+
+def _bundle(path: Path, batches: list[KVEventBatch], extra: list[tuple[int, list]]) -> Path:
+    """``batches`` encoded by wire, then ``extra`` (seq, plain msgpack value) payloads."""
+    import msgspec
+
+    payloads = [(i, wire.encode_batch(bt)) for i, bt in enumerate(batches)]
+    payloads += [(seq, msgspec.msgpack.encode(v)) for seq, v in extra]
+    with BundleWriter(path, header(page_size=4)) as w:
+        for seq, payload in payloads:
+            w.write_event(
+                endpoint=0, seq=seq, recv_ns=T0 + seq, topic="", payload=payload, via=0, epoch=0
+            )
+        w.write(RequestRecord(rid="r0", input_ids=[1, 2, 3], output_ids=[4, 5]))
+    return path
+
+
+def test_raw_event_path_equals_list_path(tmp_path: Path) -> None:
+    """decode_batch_raw + numpy hashes (several 16k-array chunks, uint64 wire hashes, long
+    arrays, clears, an unknown tag, a duplicate) == decode_batch_view + Python lists."""
+    import random
+
+    rng = random.Random(11)
+    batches = []
+    for i in range(4500):
+        evs: list = []
+        for _ in range(rng.randrange(0, 9)):
+            n = rng.choice([0, 1, 3, 16, rng.randrange(1, 200)])
+            hs = [
+                rng.choice([rng.randrange(-(2**63), 2**63), rng.randrange(128)]) for _ in range(n)
+            ]
+            if rng.random() < 0.5:
+                evs.append(removed(hs))
+            else:
+                toks = list(range(rng.randrange(0, 70)))
+                parent = rng.choice([None, rng.randrange(-(2**63), 2**63)])
+                evs.append(BlockStored(hs, parent, toks, 4, rng.choice([None, 3]), "GPU"))
+        if i % 500 == 7:
+            evs.append(cleared())
+        batches.append(KVEventBatch(i / 1000, evs, 0))
+    unknown = [1.0, [{"type": "BlockUpdated", "x": 1}], None]
+    big = [2.0, [{"type": "BlockRemoved", "block_hashes": [2**64 - 1, 2**63]}], None]
+    b = _bundle(tmp_path / "b", batches, [(9000, unknown), (9001, big), (9001, big)])
+    (raw_t, raw_i), (lst_t, lst_i) = _raw_and_list_paths(b)
+    assert raw_t.keys() == lst_t.keys()
+    for name in raw_t:
+        assert raw_t[name].equals(lst_t[name]), name
+    assert raw_i == lst_i
+    assert raw_i["unknown_events"] == 1 and raw_i["duplicates"] == 1
+    assert raw_t["blocks"].num_rows > 16384 * 2  # several hash chunks
+    assert raw_t["events"].column("first_hash").to_pylist()[-1] == 2**64 - 1
+
+
+_BYTES_HASH = [1.0, [{"type": "BlockRemoved", "block_hashes": [b"\x00" * 7 + b"\x09"]}], 0]
+_BAD_TOKENS = [
+    1.0,
+    [
+        {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": "x",
+            "block_size": 1,
+            "lora_id": None,
+        }
+    ],
+    0,
+]
+
+
+@pytest.mark.parametrize(
+    "extra", [[_BYTES_HASH], [_BAD_TOKENS], [_BYTES_HASH, _BAD_TOKENS]], ids=["bh", "tk", "both"]
+)
+def test_raw_check_failure_reads_the_bundle_with_decode_batch_view(
+    tmp_path: Path, extra: list
+) -> None:
+    """A bytes hash (the typed raw view takes it, numpy refuses it) and token ids that are not
+    an array: ingest reads the bundle again through decode_batch_view, so the bytes hash
+    becomes its int64 and the bad-token payload is undecodable -- the list path's tables."""
+    good = KVEventBatch(0.5, [stored([NEG, 5], page_size=4), removed([NEG])], 0)
+    c = _bundle(tmp_path / "c", [good], [(100 + i, v) for i, v in enumerate(extra)])
+    with pytest.raises(ingest._RawCheckFailed), ingest._gc_paused():
+        ingest._build_tables(c, views=True, raw=True)
+    ing = ingest.ingest(c)
+    with ingest._gc_paused():
+        lst, lst_info = ingest._build_tables(c, views=True, raw=False)
+    for name in lst:
+        assert pq.read_table(ing.path(name)).equals(lst[name]), name
+    assert ing.info["undecodable_payloads"] == (_BAD_TOKENS in extra)
+    if _BYTES_HASH in extra:
+        assert 9 in pq.read_table(ing.path("blocks")).column("hash").to_pylist()

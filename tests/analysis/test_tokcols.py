@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.analysis.tokcols import NotInt64Arrays, RawIdColumns, int_arrays
+from kvcadence.analysis.tokcols import NotInt64Arrays, RawIdColumns, array_lengths, int_arrays
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 TOKENS = st.one_of(st.integers(0, 300), st.integers(0, 200_000), I64)
@@ -162,3 +162,76 @@ def test_raw_id_columns_chunks(rows: list[tuple[list, list]], chunk: int) -> Non
         lens = [n for _, ns in chunks for n in ns.tolist()]
         assert flat == [v for r in rows for v in r[side]]
         assert lens == [len(r[side]) for r in rows]
+
+
+# -- wrap_u64 (block hashes), the 9-byte fast path, array_lengths ---------------------------
+
+U64 = st.integers(0, 2**64 - 1)
+HASHES = st.one_of(I64, U64, st.integers(-(2**31), 2**32))
+
+
+def _wrapped(v: int) -> int:
+    return v - 2**64 if v >= 2**63 else v
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(raw_arrays(HASHES), max_size=30))
+def test_wrap_u64_is_the_int64_of_the_same_bits(arrays: list[tuple[bytes, list]]) -> None:
+    vals, lens = int_arrays([r for r, _ in arrays], wrap_u64=True)
+    assert vals.tolist() == [_wrapped(v) for _, vs in arrays for v in vs]
+    assert lens.tolist() == [len(vs) for _, vs in arrays]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.one_of(I64, U64), max_size=25), min_size=1, max_size=150))
+def test_random_hashes_msgspec_encoded(lists: list[list[int]]) -> None:
+    """What SGLang hash arrays look like (mostly 9-byte ints: the fast path), walk + tail."""
+    raws = [msgspec.msgpack.encode(x) for x in lists]
+    vals, lens = int_arrays(raws, wrap_u64=True)
+    assert vals.tolist() == [_wrapped(v) for x in lists for v in x]
+    assert lens.tolist() == [len(x) for x in lists]
+
+
+def test_nine_byte_fast_path_and_its_near_misses() -> None:
+    rng = np.random.default_rng(5)
+    wide = [rng.integers(-(2**63), -(2**40), size=n).tolist() for n in rng.integers(0, 12, 400)]
+    raws = [msgspec.msgpack.encode(x) for x in wide]
+    vals, lens = int_arrays(raws)  # all int64 (0xd3): 9 bytes per element
+    assert vals.tolist() == [v for x in wide for v in x]
+    # 9 bytes per element that are not all 9-byte ints: a str8 of 7 chars, or a 1-byte and a
+    # 17-byte element side by side, or a float64 (9 bytes, not an int)
+    odd = [
+        b"\x91\xd9\x07abcdefg",
+        b"\x92\x01\xd9\x0fabcdefghijklmno",
+        b"\x91\xcb" + struct.pack(">d", 1.5),
+    ]
+    for raw in odd:
+        with pytest.raises(NotInt64Arrays):
+            int_arrays([*raws, raw], wrap_u64=True)
+    # uint64 >= 2**63 in 9 bytes: refused unless wrapped
+    big = b"\x92\xcf" + struct.pack(">Q", 2**64 - 3) + b"\xd3" + struct.pack(">q", -7)
+    with pytest.raises(NotInt64Arrays):
+        int_arrays([*raws, big])
+    assert int_arrays([big], wrap_u64=True)[0].tolist() == [-3, -7]
+
+
+def test_wrap_u64_in_the_tail_path() -> None:
+    lists = [[2**64 - 1, 5] * 150] + [[1, 2]] * 100  # one array longer than the walk goes
+    vals, lens = int_arrays([msgspec.msgpack.encode(x) for x in lists], wrap_u64=True)
+    assert vals.tolist() == [_wrapped(v) for x in lists for v in x]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.one_of(TOKENS, st.lists(TOKENS, max_size=2)), max_size=70_000 // 2000)))
+def test_array_lengths_reads_headers_only(lists: list[list]) -> None:
+    raws = [msgspec.Raw(msgspec.msgpack.encode(x)) for x in lists]
+    assert array_lengths(raws).tolist() == [len(x) for x in lists]
+
+
+def test_array_lengths_every_header_and_refusals() -> None:
+    raws = [msgspec.msgpack.encode(list(range(n))) for n in (0, 15, 16, 300, 70_000)]
+    assert array_lengths(raws).tolist() == [0, 15, 16, 300, 70_000]
+    assert array_lengths([]).tolist() == []
+    for bad in (b"\xc0", b"\x05", b"\xa1a", b"\x81\x01\x02"):
+        with pytest.raises(NotInt64Arrays):
+            array_lengths([raws[0], bad])
