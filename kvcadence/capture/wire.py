@@ -25,6 +25,9 @@ Fast path: one typed msgspec decode into the canonical structs (the 0.5.20+ map 
 one into the ``*V17`` array structs (0.5.5-0.5.17; converted to canonical), plus a C-speed range
 check that normalises hashes >= 2**63; any validation failure falls back to an untyped decode
 and a per-event dispatch (mixed shapes, unknown tags, bytes hashes, bigram tokens, ...).
+Two decode-only variants for readers that need fewer Python objects (analysis ingest):
+``decode_batch_view`` leaves stored token ids as raw msgpack, ``decode_batch_raw`` leaves
+block hashes raw too (the caller checks them); both agree with ``decode_batch`` otherwise.
 
 Encoding (``encode_batch``) mirrors each release's own structs: 0.5.22/0.5.23 maps, 0.5.20 maps
 without ``lora_name``, 0.5.10/0.5.14/0.5.17 7/3-slot arrays (``*V17``), 0.5.5 6/2-slot arrays
