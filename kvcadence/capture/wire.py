@@ -166,17 +166,23 @@ def _kind(v: Any) -> str:
     return type(v).__name__
 
 
+def _buffer(payload: Any) -> bytes | memoryview:
+    """``payload`` as bytes or a memoryview (bytearray, memoryview, msgspec.Raw, ...)."""
+    if type(payload) is bytes:
+        return payload
+    try:
+        return memoryview(payload)
+    except TypeError:
+        raise WireError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+
+
 def decode_batch(payload: bytes | bytearray | memoryview | msgspec.Raw) -> KVEventBatch:
     """Decode one KV-event payload of any SGLang/vLLM shape into canonical structs.
 
     Hashes come out as signed int64; unknown event tags become ``UnknownEvent``; malformed
     input raises ``WireError`` naming what and where.
     """
-    if type(payload) is not bytes:
-        try:
-            payload = memoryview(payload)  # bytearray, memoryview, msgspec.Raw, ...
-        except TypeError:
-            raise WireError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    payload = _buffer(payload)
     if payload[:1] == b"\x93":  # fixarray(3): the only shape the typed fast path may take
         try:
             batch = _FAST.decode(payload)
@@ -210,11 +216,7 @@ def decode_batch_view(payload: bytes | bytearray | memoryview | msgspec.Raw) -> 
     Anything the typed view cannot take (mixed shapes, unknown tags, bytes hashes, ...) goes
     through ``decode_batch`` and is converted, so the two never disagree on hashes or counts.
     """
-    if type(payload) is not bytes:
-        try:
-            payload = memoryview(payload)
-        except TypeError:
-            raise WireError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    payload = _buffer(payload)
     if payload[:1] == b"\x93":
         for dec in (_VIEW, _VIEW_ARRAY):
             try:
@@ -223,7 +225,7 @@ def decode_batch_view(payload: bytes | bytearray | memoryview | msgspec.Raw) -> 
                 continue
             evs = batch.events
             if dec is _VIEW_ARRAY:
-                evs = [_view_from_array(e) for e in evs]
+                evs = [_from_array(e, BlockStoredV17View, BlockStoredView) for e in evs]
                 batch = KVEventBatchView(batch.ts, evs, batch.attn_dp_rank)
             if _view_checked(evs):
                 return batch
@@ -252,22 +254,6 @@ def _view_checked(evs: list[Any]) -> bool:
     return True
 
 
-def _view_from_array(ev: Any) -> Any:
-    t = type(ev)
-    if t is BlockStoredV17View:
-        return BlockStoredView(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-        )
-    if t is BlockRemovedV17:
-        return BlockRemoved(ev.block_hashes, ev.medium)
-    return AllBlocksCleared()
-
-
 def _view_from_canonical(ev: Any) -> Any:
     if type(ev) is BlockStored:
         return BlockStoredView(
@@ -284,6 +270,12 @@ def _view_from_canonical(ev: Any) -> Any:
 _RAW_VIEW = msgspec.msgpack.Decoder(KVEventBatchRawView)
 _RAW_VIEW_ARRAY = msgspec.msgpack.Decoder(KVEventBatchV17RawView)
 _RAW_FAILS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
+_RAW_ARRAY_TYPES = (
+    BlockStoredV17RawView,
+    BlockStoredRawView,
+    BlockRemovedV17RawView,
+    BlockRemovedRawView,
+)
 
 
 def decode_batch_raw(payload: bytes | bytearray | memoryview | msgspec.Raw) -> KVEventBatchRawView:
@@ -302,11 +294,7 @@ def decode_batch_raw(payload: bytes | bytearray | memoryview | msgspec.Raw) -> K
     ``decode_batch`` and come back converted, their hashes re-encoded as int64 arrays (valid
     by construction); malformed input raises ``WireError`` as there.
     """
-    if type(payload) is not bytes:
-        try:
-            payload = memoryview(payload)
-        except TypeError:
-            raise WireError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    payload = _buffer(payload)
     if payload[:1] == b"\x93":
         try:
             return _RAW_VIEW.decode(payload)
@@ -317,28 +305,12 @@ def decode_batch_raw(payload: bytes | bytearray | memoryview | msgspec.Raw) -> K
         except _RAW_FAILS:
             pass
         else:
-            evs = [_raw_from_array(e) for e in arr.events]
+            evs = [_from_array(e, *_RAW_ARRAY_TYPES) for e in arr.events]
             return KVEventBatchRawView(arr.ts, evs, arr.attn_dp_rank)
     full = decode_batch(payload)
     return KVEventBatchRawView(
         full.ts, [_raw_from_canonical(e) for e in full.events], full.attn_dp_rank
     )
-
-
-def _raw_from_array(ev: Any) -> Any:
-    t = type(ev)
-    if t is BlockStoredV17RawView:
-        return BlockStoredRawView(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-        )
-    if t is BlockRemovedV17RawView:
-        return BlockRemovedRawView(ev.block_hashes, ev.medium)
-    return AllBlocksCleared()
 
 
 def _raw_from_canonical(ev: Any) -> Any:
@@ -357,10 +329,18 @@ def _raw_from_canonical(ev: Any) -> Any:
     return ev
 
 
-def _from_array(ev: Any) -> Any:
+def _from_array(
+    ev: Any,
+    stored_v17: type = BlockStoredV17,
+    stored: type = BlockStored,
+    removed_v17: type = BlockRemovedV17,
+    removed: type = BlockRemoved,
+) -> Any:
+    """A positional (0.5.5-0.5.17) event as its map-shaped counterpart: canonical structs by
+    default, the view / raw-view structs for ``decode_batch_view`` / ``decode_batch_raw``."""
     t = type(ev)
-    if t is BlockStoredV17:
-        return BlockStored(
+    if t is stored_v17:
+        return stored(
             ev.block_hashes,
             ev.parent_block_hash,
             ev.token_ids,
@@ -368,8 +348,8 @@ def _from_array(ev: Any) -> Any:
             ev.lora_id,
             ev.medium,
         )
-    if t is BlockRemovedV17:
-        return BlockRemoved(ev.block_hashes, ev.medium)
+    if t is removed_v17:
+        return removed(ev.block_hashes, ev.medium)
     return AllBlocksCleared()
 
 
