@@ -31,6 +31,24 @@ from kvcadence.capture.schema import (
 )
 from kvcadence.errors import WireError
 
+#: a 0.5.20+ batch whose one BlockStored has token_ids that are not an array
+BAD_TOKENS = msgspec.msgpack.encode(
+    [
+        1.0,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [1],
+                "parent_block_hash": None,
+                "token_ids": "not an array",
+                "block_size": 1,
+                "lora_id": None,
+            }
+        ],
+        None,
+    ]
+)
+
 
 def _summary(batch: Any) -> list[tuple[Any, ...]]:
     """What ingest reads of a batch, comparable between the full and the view decode."""
@@ -166,22 +184,7 @@ def test_old_array_shapes_agree() -> None:
         b"\xc1",
         msgspec.msgpack.encode([1.0, [], None, 4]),
         msgspec.msgpack.encode({"ts": 1.0}),
-        msgspec.msgpack.encode(
-            [
-                1.0,
-                [
-                    {
-                        "type": "BlockStored",
-                        "block_hashes": [1],
-                        "parent_block_hash": None,
-                        "token_ids": "not an array",
-                        "block_size": 1,
-                        "lora_id": None,
-                    }
-                ],
-                None,
-            ]
-        ),
+        BAD_TOKENS,
     ],
 )
 def test_malformed_payloads_raise_like_decode_batch(payload: bytes) -> None:
@@ -325,22 +328,7 @@ def test_raw_typed_path_leaves_invalid_raw_fields_to_the_caller() -> None:
     with pytest.raises(NotInt64Arrays):
         int_arrays([raw.events[0].block_hashes], wrap_u64=True)
     assert _summary(wire.decode_batch_view(payload))[1] == ("removed", [9], None)
-    bad_tokens = msgspec.msgpack.encode(
-        [
-            1.0,
-            [
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [1],
-                    "parent_block_hash": None,
-                    "token_ids": "not an array",
-                    "block_size": 1,
-                    "lora_id": None,
-                }
-            ],
-            None,
-        ]
-    )
+    bad_tokens = BAD_TOKENS
     ev0 = wire.decode_batch_raw(bad_tokens).events[0]
     with pytest.raises(NotInt64Arrays):
         array_lengths([ev0.token_ids])
