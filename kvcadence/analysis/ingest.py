@@ -5,7 +5,7 @@ as ``RequestRecordView``: token ids left as msgpack bytes, converted to int64 co
 chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once with
 ``kvcadence.capture.wire.decode_batch_raw`` (block hashes and token ids left as msgpack
 bytes, hashes converted in numpy chunks too; if any of those bytes does not check out, the
-bundle is read again with ``decode_batch_view``: hashes as Python ints, token ids undecoded),
+bundle is read again with ``decode_batch_raw(checked=True)``: ``decode_batch_view``'s verdicts),
 flattens everything straight into ``array``/list columns (never keeping the decoded structs,
 cyclic GC paused: the GC trap of engineering-notes §2.4), derives the rest with numpy and
 writes one Parquet file per table with pyarrow (``write_options``):
@@ -420,7 +420,7 @@ def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                 return _build_tables(bundle, views=views, raw=raw)
             except _RawCheckFailed:
                 # some event's hashes are not ints, or its token ids not an array: read the
-                # payloads with decode_batch_view (its verdicts: converted, or undecodable)
+                # payloads checked (decode_batch_view's verdicts: converted, or undecodable)
                 raw = False
             except NotInt64Arrays:
                 # some request's ids are not int64s: read the ordinary way (same verdicts as
@@ -470,17 +470,18 @@ def _build_tables(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``build_tables`` proper.
 
-    One pass over the records. Payloads are decoded with ``wire.decode_batch_view`` (token ids
-    left undecoded) and flattened at once into ``array`` columns: one kind code, block count
-    and medium per event, the stored-only fields in their own columns, every hash in
-    one flat ``array('q')``. Everything derivable (event/batch ids, positions, per-message
-    kind counts, first/last hashes, block token counts) is computed afterwards with numpy.
+    One pass over the records. Payloads are decoded with ``wire.decode_batch_raw`` (block
+    hashes and token ids left as msgpack bytes) and flattened at once: per event its kind
+    code and medium, per stored event its block size, parent hash and lora id, the raw
+    arrays gathered by ``_RawEvents`` and converted to numpy a chunk at a time. Everything
+    derivable (event/batch ids, positions, block and token counts, per-message kind counts,
+    first/last hashes, block token counts) is computed afterwards with numpy.
+    ``raw=False``: ``decode_batch_raw(checked=True)`` (``decode_batch_view``'s events and
+    verdicts, every raw field valid by construction); with ``raw=True`` a raw field that
+    does not check out raises ``_RawCheckFailed``.
     ``views``: requests are read as ``RequestRecordView`` and their token ids converted in
     numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
     otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
-    ``raw``: payloads are decoded with ``wire.decode_batch_raw`` instead (hashes too left as
-    msgpack bytes, converted in numpy chunks by ``_RawEvents``; per event only its kind,
-    medium and raw fields are kept); raises ``_RawCheckFailed`` if a raw field is not valid.
     """
     from kvcadence.capture import bundle as kbundle
     from kvcadence.capture import schema as S
@@ -502,22 +503,15 @@ def _build_tables(
     # (endpoint, rank, epoch, seq, recv_ns, n_events, via, pass_index, payload bytes, ts,
     # decode_ok): one tuple per message, transposed at the end (cheaper than eleven appends)
     b_rows: list[tuple[Any, ...]] = []
-    # events: kind code and block count per event as list appends (cheaper than array
-    # appends; made arrays at the end), medium per event
+    # events: kind code and medium per event (list appends, cheaper than array appends)
     e_kind: list[int] = []
-    e_nb: list[int] = []
     e_medium: list[str | None] = []
-    # stored-only fields (event row, block size, tokens; parent hash, lora id may be None)
-    st_idx, st_bs, st_ntok = array("q"), array("q"), array("q")
+    # stored-only fields as they come (parent hash, lora id may be None); the stored events'
+    # rows, block and token counts and every hash are derived in numpy (``_RawEvents``)
+    st_bs_raw: list[int] = []
     st_parent: list[int | None] = []
     st_lora: list[int | None] = []
     un_rows: list[tuple[int, str]] = []
-    # every Stored/Removed event's hashes, in event order: gathered in a list (list.extend
-    # per event is cheaper than array.extend) and moved into the int64 array every ~16k
-    # hashes, while the ints are still in cache (at 1M events converting them all at the end
-    # was much slower: cache misses, GBs of live ints). Token ids: see RawIdColumns.
-    k_hash = array("q")
-    hash_buf: list[int] = []
     reqs = _RequestColumns(bundle, views)
     req_rows, req_app = reqs.rows, reqs.rows.append
     gaps: list[Any] = []
@@ -531,30 +525,17 @@ def _build_tables(
 
     EventFrame = S.EventFrame
     Request = S.RequestRecordView if views else S.RequestRecord
-    if raw:
-        Stored, Removed = S.BlockStoredRawView, S.BlockRemovedRawView
-        decode = wire.decode_batch_raw
-    else:
-        Stored, Removed = S.BlockStoredView, S.BlockRemoved  # type: ignore[assignment]
-        decode = wire.decode_batch_view  # type: ignore[assignment]
-    Cleared = S.AllBlocksCleared
+    Stored, Removed, Cleared = S.BlockStoredRawView, S.BlockRemovedRawView, S.AllBlocksCleared
+    decode = wire.decode_batch_raw
+    checked = not raw
     raws = _RawEvents()
     raw_hashes = raws.hashes
     hr_app, tr_app = raw_hashes.append, raws.tokens.append
-    st_bs_raw: list[int] = []
-    sbr_app = st_bs_raw.append
     payload_of = kbundle.event_payload_view
     astuple = _astuple()
-    kind_app, nb_app, med_app, hext = (
-        e_kind.append,
-        e_nb.append,
-        e_medium.append,
-        hash_buf.extend,
-    )
-    si_app, sb_app, sn_app = st_idx.append, st_bs.append, st_ntok.append
-    sp_app, sl_app = st_parent.append, st_lora.append
+    kind_app, med_app = e_kind.append, e_medium.append
+    sb_app, sp_app, sl_app = st_bs_raw.append, st_parent.append, st_lora.append
     b_app = b_rows.append
-    mv = memoryview
     for rec in reader.records(request_view=views):
         t = type(rec)
         if t is EventFrame:
@@ -567,7 +548,7 @@ def _build_tables(
             # was stored bin-wrapped
             payload = payload_of(rec) if rec.payload_is_bin else rec.payload
             try:
-                batch = decode(payload)
+                batch = decode(payload, checked=checked)
             except WireError:
                 evs: list[Any] = []
                 ts: float | None = None
@@ -576,74 +557,30 @@ def _build_tables(
                 batch = None
             else:
                 evs, ts, ok = batch.events, batch.ts, True
-            if raw:
-                # per event only its kind, medium and fields as they are; hashes, token
-                # counts, block counts and stored-event rows are derived in numpy
-                for ev in evs:
-                    te = type(ev)
-                    if te is Stored:
-                        kind_app(K_STORED)
-                        hr_app(ev.block_hashes)
-                        tr_app(ev.token_ids)
-                        sp_app(ev.parent_block_hash)
-                        sbr_app(ev.block_size)
-                        sl_app(ev.lora_id)
-                        med_app(ev.medium)
-                    elif te is Removed:
-                        kind_app(K_REMOVED)
-                        hr_app(ev.block_hashes)
-                        med_app(ev.medium)
-                    elif te is Cleared:
-                        kind_app(K_CLEARED)
-                        med_app(None)
-                    else:
-                        un_rows.append((len(e_kind), str(getattr(ev, "tag", te.__name__))))
-                        kind_app(K_UNKNOWN)
-                        med_app(None)
-                if len(raw_hashes) >= 16384:
-                    raws.flush()
-            else:
-                for ev in evs:
-                    te = type(ev)
-                    if te is Stored:
-                        hs = ev.block_hashes
-                        # ev.n_tokens inlined (the token_ids array's header; wire checked it is
-                        # an array): a property call per event cost ~0.25 s per 1M events
-                        tk = mv(ev.token_ids)
-                        h = tk[0]
-                        sn_app(
-                            h & 0x0F
-                            if h < 0xDC
-                            else (tk[1] << 8 | tk[2])
-                            if h == 0xDC
-                            else int.from_bytes(tk[1:5], "big")
-                        )
-                        si_app(len(e_kind))
-                        sp_app(ev.parent_block_hash)
-                        sb_app(ev.block_size)
-                        sl_app(ev.lora_id)
-                        kind_app(K_STORED)
-                        nb_app(len(hs))
-                        med_app(ev.medium)
-                        hext(hs)
-                    elif te is Removed:
-                        hs = ev.block_hashes
-                        kind_app(K_REMOVED)
-                        nb_app(len(hs))
-                        med_app(ev.medium)
-                        hext(hs)
-                    elif te is Cleared:
-                        kind_app(K_CLEARED)
-                        nb_app(0)
-                        med_app(None)
-                    else:
-                        un_rows.append((len(e_kind), str(getattr(ev, "tag", te.__name__))))
-                        kind_app(K_UNKNOWN)
-                        nb_app(0)
-                        med_app(None)
-                if len(hash_buf) >= 16384:
-                    k_hash.extend(array("q", hash_buf))
-                    hash_buf.clear()
+            # per event only its kind, medium and fields as they are
+            for ev in evs:
+                te = type(ev)
+                if te is Stored:
+                    kind_app(K_STORED)
+                    hr_app(ev.block_hashes)
+                    tr_app(ev.token_ids)
+                    sp_app(ev.parent_block_hash)
+                    sb_app(ev.block_size)
+                    sl_app(ev.lora_id)
+                    med_app(ev.medium)
+                elif te is Removed:
+                    kind_app(K_REMOVED)
+                    hr_app(ev.block_hashes)
+                    med_app(ev.medium)
+                elif te is Cleared:
+                    kind_app(K_CLEARED)
+                    med_app(None)
+                else:
+                    un_rows.append((len(e_kind), str(getattr(ev, "tag", te.__name__))))
+                    kind_app(K_UNKNOWN)
+                    med_app(None)
+            if len(raw_hashes) >= 16384:
+                raws.flush()
             rank = ep_rank.get(rec.endpoint)
             if rank is None:
                 rank = batch.attn_dp_rank if batch is not None else None
@@ -676,22 +613,17 @@ def _build_tables(
         elif t is S.Trailer:
             trailer = rec
 
-    k_hash.extend(array("q", hash_buf))
-    del hash_buf
+    import numpy as np
+
     kinds = array("b", e_kind)
     del e_kind
-    n_blocks: Any = array("q", e_nb)
-    hashes: Any = k_hash
-    if raw:
-        import numpy as np
-
-        hashes, per_event, st_ntok = raws.columns()  # type: ignore[assignment]
-        kind_np = np.frombuffer(kinds, np.int8)
-        n_blocks = np.zeros(len(kinds), np.int64)
-        n_blocks[kind_np <= K_REMOVED] = per_event  # one raw hash array per such event
-        st_idx = np.flatnonzero(kind_np == K_STORED)  # type: ignore[assignment]
-        st_bs = array("q", st_bs_raw)
-        del st_bs_raw
+    hashes, per_event, st_ntok = raws.columns()
+    kind_np = np.frombuffer(kinds, np.int8)
+    n_blocks = np.zeros(len(kinds), np.int64)
+    n_blocks[kind_np <= K_REMOVED] = per_event  # one raw hash array per such event
+    st_idx = np.flatnonzero(kind_np == K_STORED)
+    st_bs = array("q", st_bs_raw)
+    del st_bs_raw
     unknown_events = len(un_rows)
     rep = reader.report
     corrupt = list(getattr(rep, "corrupt", []) or [])

@@ -278,7 +278,9 @@ _RAW_ARRAY_TYPES = (
 )
 
 
-def decode_batch_raw(payload: bytes | bytearray | memoryview | msgspec.Raw) -> KVEventBatchRawView:
+def decode_batch_raw(
+    payload: bytes | bytearray | memoryview | msgspec.Raw, *, checked: bool = False
+) -> KVEventBatchRawView:
     """``decode_batch_view`` that leaves the block hashes undecoded too (analysis ingest's fast
     path): a ``BlockStored`` comes back as ``BlockStoredRawView``, a ``BlockRemoved`` as
     ``BlockRemovedRawView``, both with ``block_hashes`` as its msgpack array bytes (``Raw``).
@@ -291,10 +293,17 @@ def decode_batch_raw(payload: bytes | bytearray | memoryview | msgspec.Raw) -> K
     Read that way, the hashes are exactly ``decode_batch``'s: a uint64 wire hash >= 2**63 is
     the signed int64 of the same 64 bits. Payloads the typed raw view cannot take (mixed
     shapes, unknown tags, bytes hashes, a parent hash >= 2**63, ...) go through
-    ``decode_batch`` and come back converted, their hashes re-encoded as int64 arrays (valid
+    ``decode_batch_view`` and come back converted, their hashes re-encoded as int64 arrays (valid
     by construction); malformed input raises ``WireError`` as there.
+
+    ``checked=True``: no unchecked fast path: ``decode_batch_view``'s events (and verdict)
+    converted, hashes re-encoded as int64 arrays -- every ``Raw`` field valid by
+    construction (the reader's second pass where the caller's check refused a field).
     """
     payload = _buffer(payload)
+    if checked:
+        v = decode_batch_view(payload)
+        return KVEventBatchRawView(v.ts, [_raw_from_view(e) for e in v.events], v.attn_dp_rank)
     if payload[:1] == b"\x93":
         try:
             return _RAW_VIEW.decode(payload)
@@ -307,19 +316,16 @@ def decode_batch_raw(payload: bytes | bytearray | memoryview | msgspec.Raw) -> K
         else:
             evs = [_from_array(e, *_RAW_ARRAY_TYPES) for e in arr.events]
             return KVEventBatchRawView(arr.ts, evs, arr.attn_dp_rank)
-    full = decode_batch(payload)
-    return KVEventBatchRawView(
-        full.ts, [_raw_from_canonical(e) for e in full.events], full.attn_dp_rank
-    )
+    return decode_batch_raw(payload, checked=True)
 
 
-def _raw_from_canonical(ev: Any) -> Any:
+def _raw_from_view(ev: Any) -> Any:
     t = type(ev)
-    if t is BlockStored:
+    if t is BlockStoredView:
         return BlockStoredRawView(
             msgspec.Raw(_ENC.encode(ev.block_hashes)),
             ev.parent_block_hash,
-            msgspec.Raw(_ENC.encode(ev.token_ids)),
+            ev.token_ids,
             ev.block_size,
             ev.lora_id,
             ev.medium,
