@@ -228,3 +228,40 @@ def requests_from_bundle(
         raise UsageError(f"--bundle needs kvcadence.capture.bundle ({exc})") from None
     reader = BundleReader(path)
     return specs_from_request_records(reader.requests(), str(path), max_new_tokens=max_new_tokens)
+
+
+#: ``admit`` flag (dest) -> the ``/server_info`` setting it defaults to under ``--bundle``
+BUNDLE_SETTINGS = (
+    ("page_size", "page_size"),
+    ("chunked_prefill_size", "chunked_prefill_size"),
+    ("available_tokens", "max_total_num_tokens"),
+    ("max_prefill_tokens", "max_prefill_tokens"),
+    ("max_running_requests", "max_running_requests"),
+)
+
+
+def bundle_settings(path: str | Path) -> dict[str, int]:
+    """The worker settings of a capture bundle's ``/server_info`` snapshot as ``admit``
+    options (``BUNDLE_SETTINGS``): only those recorded as integers. A recorded chunked prefill
+    size of none or <= 0 (chunking off) becomes -1; the KV pool becomes ``available_tokens``."""
+    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.capture.discovery import snapshot
+
+    info = BundleReader(Path(path)).header.server_info
+    if not isinstance(info, dict) or not info:
+        return {}
+    snap = snapshot(info)
+    stored = info.get("kvcadence_snapshot")
+    if isinstance(stored, dict):
+        snap.update({k: v for k, v in stored.items() if v is not None})
+    out: dict[str, int] = {}
+    for dest, key in BUNDLE_SETTINGS:
+        v = snap.get(key)
+        if dest == "chunked_prefill_size" and (v is None or (isinstance(v, int) and v <= 0)):
+            recorded = key in info or (isinstance(stored, dict) and key in stored)
+            if recorded:
+                out[dest] = -1  # the worker ran without chunked prefill
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[dest] = v
+    return out

@@ -29,23 +29,39 @@ def register(sub: Any) -> None:
         description=(
             "Replay BUNDLE's request schedule through a simulated SGLang worker and write a "
             "sim bundle (source=sim). Settings come from the bundle's /server_info snapshot; "
-            "every one can be overridden. The pass-time model is calibrated from the capture."
+            "every one can be overridden. The pass-time model is calibrated from the capture. "
+            "docs/simulator.md describes the model; docs/fleet.md DP ranks and sweeps."
         ),
+        epilog="examples:\n"
+        "  kvcadence replay run.kvcb --out sim.kvcb\n"
+        "  kvcadence replay run.kvcb --out sim-p64.kvcb --page-size 64 --chunked-prefill-size 2048\n"
+        "  kvcadence replay run.kvcb --publish tcp://127.0.0.1:5557 "
+        "--replay-endpoint tcp://127.0.0.1:5558 --speed 1\n"
+        "  kvcadence replay dp2.kvcb --sweep route=recorded,cache_aware --out sweep/\n",
     )
     p.add_argument("bundle", nargs="+",
                    help="source bundle(s): a capture or an import; several = several workers")  # fmt: skip
     p.add_argument("--out", help="sim bundle to write (a new or empty directory)")
-    p.add_argument("--page-size", type=int, dest="page_size")
-    p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens")
+    p.add_argument("--page-size", type=int, dest="page_size",
+                   help="tokens per KV page (SGLang --page-size; default: the bundle's)")  # fmt: skip
+    p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens",
+                   help="KV pool size in tokens (default: the bundle's max_total_num_tokens)")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, dest="chunked_prefill_size",
                    help="<= 0 disables chunked prefill")  # fmt: skip
-    p.add_argument("--max-prefill-tokens", type=int, dest="max_prefill_tokens")
-    p.add_argument("--max-running-requests", type=int, dest="max_running_requests")
-    p.add_argument("--decode-log-interval", type=int, dest="decode_log_interval")
+    p.add_argument("--max-prefill-tokens", type=int, dest="max_prefill_tokens",
+                   help="prefill token budget per batch (SGLang --max-prefill-tokens)")  # fmt: skip
+    p.add_argument("--max-running-requests", type=int, dest="max_running_requests",
+                   help="cap on running requests (SGLang --max-running-requests)")  # fmt: skip
+    p.add_argument("--decode-log-interval", type=int, dest="decode_log_interval",
+                   help="publish KV events every N-th decode result (SGLang --decode-log-interval)")  # fmt: skip
     p.add_argument(
-        "--schedule-policy", choices=("fcfs", "lpm", "dfs-weight", "lof"), dest="schedule_policy"
+        "--schedule-policy",
+        choices=("fcfs", "lpm", "dfs-weight", "lof"),
+        dest="schedule_policy",
+        help="waiting-queue order (SGLang --schedule-policy; default: the bundle's)",
     )
-    p.add_argument("--schedule-conservativeness", type=float, dest="schedule_conservativeness")
+    p.add_argument("--schedule-conservativeness", type=float, dest="schedule_conservativeness",
+                   help="scales the decode-token reservation (SGLang's option, default 1.0)")  # fmt: skip
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--disable-overlap-schedule",
@@ -68,12 +84,17 @@ def register(sub: Any) -> None:
         "0.5.10 per-page arrays); default: the bundle's",
     )
     t = p.add_argument_group("pass-time model (seconds; default: calibrated from the capture)")
-    t.add_argument("--prefill-base", type=float, dest="prefill_base_s")
-    t.add_argument("--prefill-per-token", type=float, dest="prefill_per_token_s")
-    t.add_argument("--prefill-per-req", type=float, dest="prefill_per_req_s")
-    t.add_argument("--decode-base", type=float, dest="decode_base_s")
-    t.add_argument("--decode-per-req", type=float, dest="decode_per_req_s")
-    t.add_argument("--default-gap", type=float, dest="default_gap_s",
+    t.add_argument("--prefill-base", type=float, dest="prefill_base_s", metavar="S",
+                   help="fixed time of a prefill pass")  # fmt: skip
+    t.add_argument("--prefill-per-token", type=float, dest="prefill_per_token_s", metavar="S",
+                   help="prefill time per extended (computed) token")  # fmt: skip
+    t.add_argument("--prefill-per-req", type=float, dest="prefill_per_req_s", metavar="S",
+                   help="prefill time per request in the batch")  # fmt: skip
+    t.add_argument("--decode-base", type=float, dest="decode_base_s", metavar="S",
+                   help="fixed time of a decode pass")  # fmt: skip
+    t.add_argument("--decode-per-req", type=float, dest="decode_per_req_s", metavar="S",
+                   help="decode time per running request")  # fmt: skip
+    t.add_argument("--default-gap", type=float, dest="default_gap_s", metavar="S",
                    help="client gap when a request has none recorded")  # fmt: skip
     t.add_argument("--no-calibrate", action="store_true", help="use the built-in timing defaults")
     d = p.add_argument_group("PD disaggregation (default: the bundle's disaggregation_mode)")

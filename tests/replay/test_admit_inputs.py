@@ -230,11 +230,12 @@ def test_cli_module_imports_only_stdlib():
 # --- bundle input ---------------------------------------------------------------------------
 
 
-def _write_bundle(path: Path, records) -> None:
+def _write_bundle(path: Path, records, server_info: dict | None = None) -> None:
     from kvcadence.capture.bundle import BundleWriter
     from kvcadence.capture.schema import Header
 
     header = Header(format_major=0, format_minor=0, source="real", kvcadence_version="test")
+    header.server_info = server_info or {}
     with BundleWriter(path, header) as w:
         for rec in records:
             w.write(rec)
@@ -314,3 +315,66 @@ def test_bundle_request_without_cached_tokens_is_an_input_error(tmp_path):
 def test_missing_bundle_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="no such bundle"):
         requests_from_bundle(tmp_path / "nope")
+
+
+def _admit_json(capsys, argv: list[str]) -> dict:
+    assert main(["admit", *argv, "--output", "json"]) == 0
+    return json.loads(capsys.readouterr().out)["config"]
+
+
+def test_bundle_budgets_come_from_its_server_info_and_flags_override(tmp_path, capsys):
+    from kvcadence.capture.schema import RequestRecord
+
+    recs = [
+        RequestRecord(rid=f"r{i}", input_ids=[1] * 300, send_ns=i, prompt_tokens=300,
+                      cached_tokens=0, max_new_tokens=4)
+        for i in range(3)
+    ]  # fmt: skip
+    info = {
+        "page_size": 1,
+        "chunked_prefill_size": 4096,
+        "max_prefill_tokens": 8000,
+        "max_running_requests": None,
+        "internal_states": [{"max_total_num_tokens": 2000}],
+    }
+    b = tmp_path / "b"
+    _write_bundle(b, recs, info)
+    cfg = _admit_json(capsys, ["--bundle", str(b)])
+    assert (cfg["page_size"], cfg["chunked_prefill_size"]) == (1, 4096)
+    assert (cfg["available_tokens"], cfg["max_prefill_tokens"]) == (2000, 8000)
+    assert cfg["max_running_requests"] is None  # not recorded: admit's own default
+    argv = ["--bundle", str(b), "--page-size", "16", "--available-tokens", "500"]
+    cfg = _admit_json(capsys, argv + ["--chunked-prefill-size", "256"])
+    assert (cfg["page_size"], cfg["available_tokens"], cfg["chunked_prefill_size"]) == (
+        16,
+        500,
+        256,
+    )
+    assert cfg["max_prefill_tokens"] == 8000  # the flags override only what they name
+    # the text output says where each setting came from
+    assert main(["admit", "--bundle", str(b), "--page-size", "16"]) == 0
+    err = capsys.readouterr().err
+    assert "page 16 (flag), chunk 4096 (bundle), pool 2000 (bundle)" in err
+    # a worker that ran without chunked prefill: chunking off, not admit's 8192
+    nochunk = tmp_path / "nochunk"
+    _write_bundle(nochunk, recs, {**info, "chunked_prefill_size": None})
+    assert _admit_json(capsys, ["--bundle", str(nochunk)])["chunked_prefill_size"] is None
+
+
+def test_bundle_without_a_pool_needs_available_tokens(tmp_path, capsys):
+    from kvcadence.capture.schema import RequestRecord
+
+    b = tmp_path / "b"
+    _write_bundle(b, [RequestRecord(rid="x", input_ids=[1] * 8, prompt_tokens=8, cached_tokens=0)])
+    assert main(["admit", "--bundle", str(b)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvcadence: error: admit needs --available-tokens N ({b} records no KV pool "
+                   "(max_total_num_tokens))"]  # fmt: skip
+    cfg = _admit_json(capsys, ["--bundle", str(b), "--available-tokens", "100"])
+    assert (cfg["available_tokens"], cfg["page_size"], cfg["chunked_prefill_size"]) == (
+        100,
+        64,
+        8192,
+    )
+    assert main(["admit", "--synthetic-grid"]) == 2
+    assert "admit needs --available-tokens N (no --bundle)" in capsys.readouterr().err
