@@ -69,6 +69,10 @@ def register(sub: Any) -> None:
             "winning collective path per size range, admission's stop reasons and where the "
             "report is. Each step's output goes to DIR/logs/."
         ),
+        epilog="examples:\n"
+        "  kvcadence demo\n"
+        "  kvcadence demo --out out/my-demo --bundle run.kvcb --keep-going\n"
+        "  kvcadence demo --live --requests 16   # needs 'kvcadence harness setup' first\n",
     )
     p.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output directory ({DEFAULT_OUT})"

@@ -16,7 +16,6 @@ tolerance, only bounds on comparison metrics (they have no real-side value), bou
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -85,11 +84,27 @@ def gate_metric_names() -> list[str]:
 
 
 def _unknown_metric(text: str, metric: str) -> UsageError:
-    close = difflib.get_close_matches(metric, [*DEFS, *COMPARE_DEFS], n=3, cutoff=0.6)
-    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    """One short line: the closest names, then the valid names of the metric's family
+    (``requests.*``, ...) or the headline metrics and the families; the full list of
+    ``gate_metric_names()`` (~90) is in docs/metrics.md, not in the error."""
+    from kvcadence.suggest import did_you_mean, short_list
+
+    names = gate_metric_names()
+    hint = did_you_mean(metric, [*DEFS, *COMPARE_DEFS])
+    family = metric.split(".", 1)[0] if "." in metric else ""
+    members = [n for n in names if family and n.startswith(family + ".")]
+    if members:
+        valid = f"valid {family}.* metrics: {short_list(members)}"
+    else:
+        headline = [g.split("=", 1)[0] for g in DEFAULT_GATES]
+        families = sorted({n.split(".", 1)[0] + ".*" for n in names if "." in n})
+        valid = (
+            f"headline metrics: {', '.join(headline)}; "
+            f"families: {short_list(families, max_chars=160)}"
+        )
     return UsageError(
-        f"--gate {text}: unknown metric {metric!r}{hint}; valid metrics: "
-        f"{', '.join(gate_metric_names())} (definitions: docs/metrics.md)"
+        f"--gate {text}: unknown metric {metric!r}{hint}; {valid} "
+        f"(all {len(names)} metrics: docs/metrics.md)"
     )
 
 

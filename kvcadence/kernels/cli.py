@@ -25,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "collectives",
         help=HELP,
         description=HELP + ". Launches torchrun; see docs/kernels.md.",
+        epilog="examples:\n"
+        "  kvcadence collectives --backend gloo --tokens 4096 65536 --repeat 5\n"
+        "  kvcadence prefixes run.kvcb --out prefixes.json\n"
+        "  kvcadence collectives --nproc-per-node 2 --backend gloo --prefixes prefixes.json "
+        "--out collectives.jsonl\n",
     )
     p.add_argument(
         "--nproc-per-node",

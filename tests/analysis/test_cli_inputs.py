@@ -252,8 +252,16 @@ def test_unknown_gate_metric_lists_valid_names(
     rc = main(
         ["report", str(pair[0]), "--out", str(tmp_path / "g"), "--gate", "stored_event_per_req=3%"]
     )
-    err = _usage(capsys, rc, "unknown metric", "stored_events_per_request")
-    assert "requests.cached_tokens_equal_share" in err
+    err = _usage(capsys, rc, "unknown metric", "(did you mean stored_events_per_request")
+    # one short line: the headline metrics and the families, not all ~90 names
+    assert len(err) < 700 and "requests.cached_tokens_equal_share" in err
+    assert "families: attribution.*," in err and "docs/metrics.md" in err
+    assert "quality.torn_bytes" not in err
+    # a name inside a family lists that family's metrics
+    rc = main(["report", str(pair[0]), "--out", str(tmp_path / "g"), "--gate",
+               "blocks_per_stored_event.mediam=3%"])  # fmt: skip
+    err = _usage(capsys, rc, "did you mean blocks_per_stored_event.median")
+    assert "valid blocks_per_stored_event.* metrics: " in err
     assert "blocks_per_stored_event.{n,mean,median,p10,p90,p99,min,max}" in err
 
 
