@@ -17,6 +17,7 @@ import importlib
 import re
 import sys
 import textwrap
+import time
 from collections.abc import Iterator, Sequence
 
 from kvcadence import __version__
@@ -109,8 +110,10 @@ def build_parser(stages: Sequence[str] | None = None) -> argparse.ArgumentParser
 
 def main(argv: Sequence[str] | None = None, stages: Sequence[str] | None = None) -> int:
     """Run one command; return its exit code (``kvcadence.errors.EXIT_CODES``)."""
+    started = time.perf_counter()  # "wall" in a summary is the whole command from here
     parser = build_parser(stages)
     args = parser.parse_args(argv)
+    args._started = started
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help()

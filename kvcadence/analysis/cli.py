@@ -85,6 +85,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr (gate lines stay)"
+    )
+    p.add_argument(
         "--no-extra-sections",
         action="store_true",
         help="skip the optional sections (event visibility, per-rank figures; each is "
@@ -177,6 +180,9 @@ def run_report(args: argparse.Namespace) -> int:
     compare.parse_gates(args.gate, len(args.bundles), default_gates=not args.no_default_gates)
     sql.env_threads()
     check_out_dir(args.out, "--out")
+    from kvcadence.progress import Phases
+
+    phases = Phases("report", quiet=args.quiet, started=getattr(args, "_started", None))
     res = report.make_report(
         args.bundles,
         args.out,
@@ -186,7 +192,10 @@ def run_report(args: argparse.Namespace) -> int:
         peer_compatible=args.peer_compatible,
         plots=not args.no_plots,
         extra_sections=not args.no_extra_sections,
+        phases=phases,
     )
+    if phases.spoke:  # a slow report: where the time went
+        phases.say(f"done in {phases.wall():.1f} s ({phases.breakdown()})")
     print(res.summary_line())
     report.print_gate_lines(res.gate_results)
     return 0 if res.passed else 3

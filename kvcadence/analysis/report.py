@@ -483,12 +483,17 @@ def make_report(
     plots: bool = True,
     cache_dirs: list[str | None] | None = None,
     extra_sections: bool = True,
+    phases: Any = None,
 ) -> ReportResult:
     """Ingest (cached), compute, compare, gate and write every output file.
 
     ``extra_sections`` runs the optional providers of ``report_extras`` (visibility, per
-    rank), each only when its data are present.
+    rank), each only when its data are present. ``phases`` (a ``kvcadence.progress.Phases``)
+    says each long step on stderr and times it.
     """
+    from kvcadence.progress import NoPhases
+
+    phases = phases or NoPhases()
     from kvcadence.analysis import ingest, metrics, report_extras, sql
     from kvcadence.analysis import plots as kplots
     from kvcadence.analysis.outpaths import check_out_dir
@@ -505,17 +510,24 @@ def make_report(
     ings = []
     for i, (label, b) in enumerate(zip(labels, bundles, strict=False)):
         cache = cache_dirs[i] if cache_dirs else None
-        ing = ingest.ingest(b, cache)
+        with phases.phase("ingest", f"reading {label} {b} (Parquet tables, cached)"):
+            ing = ingest.ingest(b, cache)
         ings.append(ing)
-        labelled.append(
-            (label, metrics.compute(ing, window=window, peer_compatible=peer_compatible))
-        )
+        with phases.phase("metrics", f"computing {label}'s metrics"):
+            m = metrics.compute(ing, window=window, peer_compatible=peer_compatible)
+        labelled.append((label, m))
     real = labelled[0][1]
     comps = [cmp.compare(real, m, labels[0], label) for label, m in labelled[1:]]
     results = cmp.evaluate(parsed, comps, single=real if not comps else None)
-    plot_names = [p.name for p in kplots.render(labelled, outdir)] if plots else []
+    plot_names: list[str] = []
+    if plots:
+        with phases.phase("plots", "drawing plots"):
+            plot_names = [p.name for p in kplots.render(labelled, outdir)]
     # optional sections of other analysis modules (visibility, per rank): the hook
-    extras = report_extras.collect(labelled, ings, outdir) if extra_sections else []
+    extras = []
+    if extra_sections:
+        with phases.phase("extras", "optional sections (visibility, per rank)"):
+            extras = report_extras.collect(labelled, ings, outdir)
     if plots:
         plot_names += [p for e in extras for p in e.plots]
     else:  # the providers always draw; drop their files when plots are off

@@ -151,6 +151,11 @@ def register(sub: Any) -> None:
                      help="seconds to keep serving replay requests after the last message "
                      "(default 2; requests are also served while publishing)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no phase lines (loading, simulating, writing) or progress bar on stderr",
+    )
     from kvcadence.replay.cli_fleet import add_fleet_args  # DP ranks / workers / sweeps
 
     add_fleet_args(p)
@@ -203,12 +208,15 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvcadence.capture.bundle import BundleReader
+    from kvcadence.progress import Phases
 
+    phases = Phases("replay", quiet=args.quiet, started=getattr(args, "_started", None))
     src = Path(args.bundle)
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
-    reader = BundleReader(src)
-    records = reader.requests()
+    with phases.phase("load", f"loading {src}"):
+        reader = BundleReader(src)
+        records = reader.requests()
     cfg = effective_config(
         reader.header.server_info,
         records,
@@ -218,32 +226,41 @@ def run(args: argparse.Namespace) -> int:
     )
     bar = None
     progress = None
-    if sys.stderr.isatty() and len(records) >= 200:
+    if not args.quiet and sys.stderr.isatty() and len(records) >= 200:
         from tqdm import tqdm
 
         bar = tqdm(total=len(records), unit="req", desc="replay", file=sys.stderr)
         progress = bar.update
     try:
-        result = replay_bundle(src, args.out, cfg, progress=progress)
+        result = replay_bundle(
+            src, args.out, cfg, progress=progress, phases=phases, loaded=(reader.header, records)
+        )
     finally:
         if bar is not None:
             bar.close()
     summary = result.summary()
+    summary["simulate_s"] = summary.pop("wall_s")
     if args.publish:
         from kvcadence.replay.publish import publish_batches
 
         pub_stats: dict[str, int] = {}
-        sent = publish_batches(
-            result.batches,
-            args.publish,
-            topic=cfg.topic,
-            replay_endpoint=args.replay_endpoint,
-            speed=args.speed,
-            linger_s=args.linger,
-            stats=pub_stats,
-        )
+        with phases.phase(
+            "publish", f"publishing {len(result.batches)} messages on {args.publish}"
+        ):
+            sent = publish_batches(
+                result.batches,
+                args.publish,
+                topic=cfg.topic,
+                replay_endpoint=args.replay_endpoint,
+                speed=args.speed,
+                linger_s=args.linger,
+                stats=pub_stats,
+            )
         summary["published"] = sent
         summary.update(pub_stats)
+    # "wall" is the whole command (imports, load, simulate, write, publish), with its phases
+    summary["wall_s"] = round(phases.wall(), 3)
+    summary["phases_s"] = {k: round(v, 3) for k, v in phases.times.items()}
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
@@ -254,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['events']} events in {summary['messages']} messages, "
             f"{summary['evictions']} evictions, {summary['retractions']} retractions, "
             f"{summary['aborted']} aborted; "
-            f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.3f} s"
+            f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.2f} s "
+            f"({phases.breakdown()})"
         )
     check_some_ran(result.requests)
     return 0

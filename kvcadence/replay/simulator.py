@@ -288,9 +288,17 @@ def replay_bundle(
     sglang_version: str | None = None,
     progress: Callable[[int], None] | None = None,
     hasher: Hasher | None = None,
+    phases: Any = None,
+    loaded: tuple[Any, Sequence[Any]] | None = None,
 ) -> SimResult:
-    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None)."""
+    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None).
+
+    ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
+    phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller."""
     from kvcadence.capture.bundle import BundleReader
+    from kvcadence.progress import NoPhases
+
+    phases = phases or NoPhases()
 
     src_path = Path(src)
     if not src_path.exists():
@@ -299,20 +307,26 @@ def replay_bundle(
     if out_path is not None and out_path.exists():
         if not out_path.is_dir() or any(out_path.iterdir()):
             raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
-    reader = BundleReader(src_path)
-    header = reader.header
-    records = reader.requests()
-    if not records:
-        raise InputError(f"{src_path}: the bundle has no request records to replay")
-    if config is None:
-        config = effective_config(
-            header.server_info,
-            records,
-            overrides,
-            sglang_version=sglang_version or header.sglang_version,
-        )
-    flushes = flush_times_from_bundle(BundleReader(src_path))
-    result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
+    what = f"loading {src_path}" if loaded is None else f"scanning {src_path} for cache flushes"
+    with phases.phase("load", what):
+        if loaded is None:
+            reader = BundleReader(src_path)
+            header, records = reader.header, reader.requests()
+        else:
+            header, records = loaded
+        if not records:
+            raise InputError(f"{src_path}: the bundle has no request records to replay")
+        if config is None:
+            config = effective_config(
+                header.server_info,
+                records,
+                overrides,
+                sglang_version=sglang_version or header.sglang_version,
+            )
+        flushes = flush_times_from_bundle(BundleReader(src_path))
+    with phases.phase("simulate", f"simulating {len(records)} requests"):
+        result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
     if out_path is not None:
-        write_sim_bundle(out_path, result, header)
+        with phases.phase("write", f"writing {out_path}"):
+            write_sim_bundle(out_path, result, header)
     return result

@@ -319,3 +319,27 @@ def test_compare_and_visibility_emit_only_catalogued_names(pair: tuple[Path, Pat
     names = set(vis) - {"bundle", "source", "page_size", "units"}
     assert names <= set(metrics.VISIBILITY_DEFS)
     assert set(vis["units"]) == names
+
+
+def test_report_says_its_slow_phases_on_stderr_unless_quiet(
+    pair: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcadence import progress
+
+    monkeypatch.setattr(progress, "SAY_AFTER_S", 0.0)  # every phase counts as slow
+    args = ["report", str(pair[0]), str(pair[1]), "--no-plots", "--no-default-gates"]
+    assert main([*args, "--out", str(tmp_path / "r1")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:4] == [
+        f"report: reading real {pair[0]} (Parquet tables, cached) ...",
+        "report: computing real's metrics ...",
+        f"report: reading sim {pair[1]} (Parquet tables, cached) ...",
+        "report: computing sim's metrics ...",
+    ]
+    done = [ln for ln in err if ln.startswith("report: done in ")]
+    assert len(done) == 1 and "(ingest " in done[0] and "metrics " in done[0]
+    assert main([*args, "--out", str(tmp_path / "r2"), "--quiet"]) == 0
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("report:")]
