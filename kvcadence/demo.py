@@ -65,7 +65,7 @@ def register(sub: Any) -> None:
         description=(
             "Run inspect -> replay -> report (real vs sim) -> prefixes -> collectives (gloo, "
             "world 2) -> admit on a real SGLang 0.5.23 capture (default: the sample bundle "
-            "under examples/), then print the headline cadence metrics real vs sim, the "
+            "shipped with kvcadence), then print the headline cadence metrics real vs sim, the "
             "winning collective path per size range, admission's stop reasons and where the "
             "report is. Each step's output goes to DIR/logs/."
         ),
@@ -145,8 +145,13 @@ class Layout:
 
 
 def default_bundle() -> Path:
-    """The embedded sample: ``examples/`` of the checkout this package runs from."""
-    return Path(__file__).resolve().parent.parent / "examples" / EXAMPLE_NAME
+    """The embedded sample: ``kvcadence/_data/`` of an installed wheel (the build copies it
+    there, see pyproject.toml), else ``examples/`` of the checkout this package runs from."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "_data" / EXAMPLE_NAME
+    if packaged.is_dir():
+        return packaged
+    return here.parent / "examples" / EXAMPLE_NAME
 
 
 def _usage(msg: str) -> Exception:
@@ -294,7 +299,10 @@ def _digest_replay(log: Path) -> list[str]:
 
 
 def _digest_report(log: Path) -> list[str]:
-    return _grep(log, ("GATE", "report:"))
+    # the report's own progress lines ("report: drawing plots ...", "report: done in") stay
+    # in the log, out of the digest
+    lines = _grep(log, ("GATE", "report:"), limit=50)
+    return [ln for ln in lines if not ln.endswith(" ...") and " done in " not in ln][:6]
 
 
 def _digest_prefixes(log: Path) -> list[str]:
@@ -641,9 +649,9 @@ def run_demo(args: argparse.Namespace) -> int:
             src = default_bundle()
             if not _is_bundle(src):
                 raise _usage(
-                    f"the embedded sample bundle examples/{EXAMPLE_NAME} is missing (it ships "
-                    "with the source checkout): run `make demo` in a kvcadence checkout, or "
-                    "pass --bundle B"
+                    f"the sample bundle {EXAMPLE_NAME} is missing (it ships inside the wheel "
+                    "as kvcadence/_data/ and in a source checkout's examples/): reinstall "
+                    "kvcadence, run `make demo` in a checkout, or pass --bundle B"
                 )
 
     plan = _plan(lay, lambda: _server_settings(lay.real))

@@ -227,3 +227,18 @@ def test_demo_module_imports_stdlib_only() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
     )
     assert proc.stdout.split() == ["['kvcadence']", "[]"], proc.stdout
+
+
+def test_report_digest_leaves_out_the_progress_lines(tmp_path: Path) -> None:
+    log = tmp_path / "report.log"
+    log.write_text(
+        "report: reading real r.kvcb (Parquet tables, cached) ...\n"
+        "report: drawing plots ...\n"
+        "report: out/report.md (also report.json, report.html)\n"
+        "report: done in 4.0 s (ingest 0.39 s, metrics 0.81 s)\n"
+        "GATE FAILED events=1% [sim]: 3 vs 4\n"
+    )
+    assert demo._digest_report(log) == [
+        "report: out/report.md (also report.json, report.html)",
+        "GATE FAILED events=1% [sim]: 3 vs 4",
+    ]
