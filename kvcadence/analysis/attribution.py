@@ -1,6 +1,6 @@
 """Prompt vs output attribution of stored blocks, by recomputing each request's page hashes.
 
-Rule (reference/cadence-metrics.md): every request's token chain is ``input_ids +
+Rule (docs/metrics.md, attribution): every request's token chain is ``input_ids +
 output_ids[:-1]`` (what SGLang caches at finish); its page hashes come from
 ``kvcadence.capture.wire.block_hashes`` at the bundle's page size. A request can only have
 *stored* pages at or past its ``cached_tokens`` (the rest were already in the tree at

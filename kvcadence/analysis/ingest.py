@@ -7,7 +7,8 @@ chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once wi
 bytes, hashes converted in numpy chunks too; if any of those bytes does not check out, the
 bundle is read again with ``decode_batch_raw(checked=True)``: ``decode_batch_view``'s verdicts),
 flattens everything straight into ``array``/list columns (never keeping the decoded structs,
-cyclic GC paused: the GC trap of engineering-notes §2.4), derives the rest with numpy and
+cyclic GC paused: keeping hundreds of thousands of decoded structs with lists makes
+CPython's cyclic GC cut throughput 3-4x, docs/format.md), derives the rest with numpy and
 writes one Parquet file per table with pyarrow (``write_options``):
 
 ``batches``  one row per ZMQ message (EventFrame), de-duplicated by (endpoint, epoch, seq)
@@ -373,7 +374,7 @@ def _header_info(header: Any) -> dict[str, Any]:
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Cyclic GC off while millions of small containers are built (engineering-notes §2.4)."""
+    """Cyclic GC off while millions of small containers are built (docs/format.md: the GC trap)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -408,7 +409,7 @@ def _small_pages() -> Iterator[None]:
 def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict).
 
-    The cyclic GC is paused throughout (the GC trap of engineering-notes §2.4), and so is
+    The cyclic GC is paused throughout (the GC trap, docs/format.md), and so is
     numpy's huge-page advice (``_small_pages``).
     """
     from kvcadence.analysis.tokcols import NotInt64Arrays

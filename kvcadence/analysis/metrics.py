@@ -8,7 +8,7 @@ a flat ``{name: value}`` dict over the whole capture (every name is in ``DEFS``)
 rank figures, size histograms, the events-per-second series, the steady-state window, the
 data-quality block, per-request rows (for real-vs-sim diffs) and raw samples for plots.
 
-Definitions follow ``reference/cadence-metrics.md``: messages de-duplicated by (endpoint,
+Definitions follow ``docs/metrics.md`` (conventions): messages de-duplicated by (endpoint,
 epoch, seq) at ingest; every event counted, the startup ``AllBlocksCleared`` included;
 "per request" = count / number of requests in the bundle; percentiles interpolate linearly
 between closest ranks (numpy's default; DuckDB ``quantile_cont``). ``peer_compatible=True``

@@ -2,8 +2,7 @@
 
 Owns the admission benchmark around the one PrefillAdder model (``kvcadence.replay.admission``;
 this file never re-implements it): the request model (L1 / L2 / extend per request), the fake
-tree cache and fake allocator of the upstream benchmark's conventions (``upstream-benchmarks.md``
-§3), the scheduler-side tick loop (chunk continuation first, the 0.5.23 ``budget_state() ==
+tree cache and fake allocator of the upstream benchmark's conventions (docs/admit.md), the scheduler-side tick loop (chunk continuation first, the 0.5.23 ``budget_state() ==
 OTHER`` pre-check, max running requests, kvcadence's CP shared-KV limits), the between-tick
 model (running requests keep their KV; ``--drain`` frees it) and the three output formats.
 

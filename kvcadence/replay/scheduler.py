@@ -1,6 +1,6 @@
 """The simulated SGLang scheduler loop (overlap and normal), in virtual time.
 
-What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §17):
+What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
 
 * the loop: each iteration receives arrived requests, stashes the in-flight chunked
   request (its chunk is inserted → one store), merges the last prefill batch into the
