@@ -382,8 +382,11 @@ def summarize(lay: Layout) -> dict[str, Any]:
                     {
                         "payload": rec.get("payload"),
                         "winner": rec.get("winner"),
+                        "leader": rec.get("leader"),
+                        "within_spread": rec.get("within_spread", []),
+                        "repeat": rec.get("repeat"),
                         "expected_vs_dense": rec.get("expected_vs_dense", {}).get(
-                            rec.get("winner")
+                            rec.get("winner") or rec.get("leader")
                         ),
                         "ranges": rec.get("ranges", []),
                         "backend": rec.get("backend"),
@@ -452,17 +455,25 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         for c in col:
             ratio = c.get("expected_vs_dense")
             r = f" ({ratio:.2f}x dense)" if isinstance(ratio, (int, float)) else ""
-            lines.append(
-                f"  {c['payload']}: winner under the distribution {_short_path(c['winner'])}{r}"
-            )
+            if c.get("winner") or "leader" not in c:
+                lines.append(
+                    f"  {c['payload']}: winner under the distribution {_short_path(c['winner'])}{r}"
+                )
+            else:  # the fastest median is inside the others' spread: say so, name no winner
+                tied = ", ".join(_short_path(p) for p in c.get("within_spread") or [])
+                lines.append(
+                    f"  {c['payload']}: no clear winner ({_short_path(c['leader'])} fastest "
+                    f"median{r}, {tied} within its p25-p75 spread over {c.get('repeat')} repeats)"
+                )
             ranges = c.get("ranges", [])
             weighted = [rg for rg in ranges if rg.get("weight", 0) > 0]
             for rg in weighted:
                 lo, hi = rg.get("from_tokens"), rg.get("to_tokens")
                 span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+                noise = "" if rg.get("clear", True) else "  (within the spread)"
                 lines.append(
                     f"    {span + ' tokens':<18}{_short_path(rg.get('path')):<24}"
-                    f"{rg.get('weight', 0) * 100:4.0f}% of requests"
+                    f"{rg.get('weight', 0) * 100:4.0f}% of requests{noise}"
                 )
             if len(weighted) < len(ranges):
                 lines.append(
@@ -540,7 +551,7 @@ def _plan(lay: Layout, settings: Callable[[], dict[str, Any]]) -> list[Step]:
                 "--warmup",
                 "2",
                 "--repeat",
-                "5",
+                "20",  # enough for the p25-p75 spread that decides "winner" vs "no clear winner"
                 "--out",
                 str(lay.collectives),
             ],  # fmt: skip

@@ -125,3 +125,16 @@ def test_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as info:
         bench.main(["--tokens", "0"])
     assert info.value.code == 2
+
+
+def test_cpu_default_repeats_and_spread_fields(tmp_path: Path) -> None:
+    from kvcadence.kernels.options import DEFAULT_REPEAT_CPU
+
+    out = tmp_path / "r.jsonl"
+    argv = ["--tokens", "64", "--page-size", "16", "--payload", "index", "--paths",
+            "dense_all_reduce", "--kv-dim", "4", "--index-page-bytes", "32", "--warmup", "0"]  # fmt: skip
+    _run([*argv, "--out", str(out)])
+    (row,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert row["repeat"] == DEFAULT_REPEAT_CPU == 50  # no --repeat on CPU: more repeats
+    assert row["cpu_ms_min"] <= row["cpu_ms_p25"] <= row["cpu_ms_p50"] <= row["cpu_ms_p75"]
+    assert row["cpu_ms_p75"] <= row["cpu_ms_max"] and row["gpu_ms_p25"] is None
