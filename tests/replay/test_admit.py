@@ -33,7 +33,7 @@ def rids(tick) -> list[str]:
     return [a["rid"] for a in tick["accepted"]]
 
 
-# --- the reference scenarios (sglang-scheduler-model.md §9.9, real 0.5.23 PrefillAdder) ------
+# --- the reference scenarios (docs/admit.md, observed on the real 0.5.23 PrefillAdder) -------
 
 
 def test_reference_chunk_scenario_0523():

@@ -1,4 +1,4 @@
-"""Lifecycle rules of the simulated worker (issue 9), one named regression test per rule.
+"""Lifecycle rules of the simulated worker (docs/simulator.md), one named regression test per rule.
 
 Each test fails when its rule is removed from ``replay.scheduler`` (checked by mutation).
 """
