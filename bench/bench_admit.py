@@ -24,8 +24,8 @@ import time
 
 from common import add_output_args, figure, goal, write_results
 
-from kvcadence.replay.admit import AdmitConfig, RequestSpec, run_admission
-from kvcadence.replay.admit_real import compare, run_real_many, sglang_available
+from kvcadence.admit.real import compare, run_real_many, sglang_available
+from kvcadence.admit.ticks import AdmitConfig, RequestSpec, run_admission
 
 CONFIGS = [
     AdmitConfig(available_tokens=400_000),

@@ -2,7 +2,7 @@
 
 Rule (reference/cadence-metrics.md): every request's token chain is ``input_ids +
 output_ids[:-1]`` (what SGLang caches at finish); its page hashes come from
-``kvcadence.capture.wire.block_hashes`` at the bundle's page size. A request can only have
+``kvcadence.format.wire.block_hashes`` at the bundle's page size. A request can only have
 *stored* pages at or past its ``cached_tokens`` (the rest were already in the tree at
 admission). Each ``BlockStored`` event's hashes are split greedily into runs of consecutive
 pages of one request's chain; a run is then split at that request's own prompt/output
@@ -84,7 +84,7 @@ class Attribution:
 
 
 def _chain_hashes(req: Request, page_size: int) -> list[int]:
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     tokens = list(req.input_ids) + list(req.output_ids[:-1])
     return [h & _U64 for h in wire.block_hashes(tokens, page_size)]  # == wire.u64(h)
@@ -212,7 +212,7 @@ def any_prompt_split(
     requests: list[Request], events: list[StoredEvent], page_size: int
 ) -> dict[str, int]:
     """Peer-compatible split: prompt if the hash is a page of any request's prompt."""
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     ps = max(1, int(page_size))
     prompt: set[int] = set()

@@ -1,9 +1,9 @@
 """Bundle -> Parquet: the ONE dict of Parquet table schemas and the column-wise ingest.
 
-``ingest(bundle)`` reads a bundle through ``kvcadence.capture.bundle.BundleReader`` (requests
+``ingest(bundle)`` reads a bundle through ``kvcadence.format.bundle.BundleReader`` (requests
 as ``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
 chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once with
-``kvcadence.capture.wire.decode_batch_raw`` (block hashes and token ids left as msgpack
+``kvcadence.format.wire.decode_batch_raw`` (block hashes and token ids left as msgpack
 bytes, hashes converted in numpy chunks too; if any of those bytes does not check out, the
 bundle is read again with ``decode_batch_raw(checked=True)``: ``decode_batch_view``'s verdicts),
 flattens everything straight into ``array``/list columns (never keeping the decoded structs,
@@ -483,10 +483,10 @@ def _build_tables(
     numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
     otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
     """
-    from kvcadence.capture import bundle as kbundle
-    from kvcadence.capture import schema as S
-    from kvcadence.capture import wire
     from kvcadence.errors import BundleError, WireError
+    from kvcadence.format import bundle as kbundle
+    from kvcadence.format import schema as S
+    from kvcadence.format import wire
 
     try:
         reader = kbundle.BundleReader(bundle)
@@ -920,7 +920,7 @@ class _RequestColumns:
 
     def __init__(self, bundle: Path, views: bool) -> None:
         from kvcadence.analysis.tokcols import RawIdColumns
-        from kvcadence.capture.schema import RequestRecord, RequestRecordView
+        from kvcadence.format.schema import RequestRecord, RequestRecordView
 
         for cls in (RequestRecord, RequestRecordView):
             if cls.__struct_fields__[:3] != ("rid", "input_ids", "output_ids"):

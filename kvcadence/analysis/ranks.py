@@ -1,7 +1,7 @@
 """Per-rank figures, real-vs-sim per rank, and the routing what-if table.
 
-What this file owns (pure functions; bundles are read through ``capture.bundle`` and
-payloads decoded through ``capture.wire``):
+What this file owns (pure functions; bundles are read through ``format.bundle`` and
+payloads decoded through ``format.wire``):
 
 * ``rank_figures(bundle)`` -- per DP rank (endpoint ``dp_rank``; requests by ``dp_rank``,
   null = rank 0) and in total: requests, messages, Stored/Removed events per request,
@@ -63,9 +63,9 @@ def _mean(xs: list[int]) -> float | None:
 
 def rank_figures(bundle: str | Path) -> dict[str, dict[str, Any]]:
     """``{"0": {...}, "1": {...}, "all": {...}}`` for one bundle (see module docstring)."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import BundleReader, event_payload
-    from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored
+    from kvcadence.format import wire
+    from kvcadence.format.bundle import BundleReader, event_payload
+    from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored
 
     reader = BundleReader(Path(bundle))
     ep_rank = {e.id: int(e.dp_rank) for e in reader.header.endpoints}
@@ -208,7 +208,7 @@ def what_if_table(runs: Sequence[tuple[str, str | Path]], real: str | Path | Non
     rec_hit = rank_figures(real)["all"]["hit_rate"] if real is not None else None
     rows = []
     for label, path in runs:
-        from kvcadence.capture.bundle import BundleReader
+        from kvcadence.format.bundle import BundleReader
 
         f = rank_figures(path)
         a = f["all"]

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in _OVERRIDES}
     from pathlib import Path
 
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     src = Path(args.bundle)
     if not src.exists():

@@ -78,7 +78,7 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
         return True
     from pathlib import Path
 
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.fleet import dp_size_of
 
     p = Path(bundles[0])

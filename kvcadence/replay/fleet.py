@@ -154,7 +154,7 @@ def load_worker(
     calibrate_timing: bool = True,
 ) -> WorkerInput:
     """Read one bundle as a worker to replay."""
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.simulator import flush_times_from_bundle
 
     p = Path(path)
@@ -492,8 +492,8 @@ def worker_requests(result: FleetResult, worker: int) -> list[Any]:
 def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> None:
     """Write worker ``worker``'s ranks as one sim bundle (one endpoint per rank)."""
     from kvcadence import __version__
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
 
     w = result.workers[worker]
     slots = [sl for sl in result.slots if sl.worker == worker]

@@ -166,7 +166,7 @@ def sim_request_record(
     """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
     ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
     (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
-    from kvcadence.capture.schema import RequestRecord
+    from kvcadence.format.schema import RequestRecord
 
     s = r.spec
     arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
@@ -211,9 +211,9 @@ def sim_request_record(
 
 def flush_times_from_bundle(reader: Any) -> list[int]:
     """Receive times of flushes recorded in a bundle (clears after an epoch's first seq)."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import event_payload
-    from kvcadence.capture.schema import AllBlocksCleared, Annotation, EventFrame
+    from kvcadence.format import wire
+    from kvcadence.format.bundle import event_payload
+    from kvcadence.format.schema import AllBlocksCleared, Annotation, EventFrame
 
     first_seq: dict[tuple[int, int], int] = {}
     out: list[int] = []
@@ -237,8 +237,8 @@ def flush_times_from_bundle(reader: Any) -> list[int]:
 def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
     """Write ``result`` as a sim bundle at ``out`` (must not exist or be empty)."""
     from kvcadence import __version__
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
 
     cfg = result.config
     endpoint = EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)
@@ -290,7 +290,7 @@ def replay_bundle(
     hasher: Hasher | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None)."""
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     src_path = Path(src)
     if not src_path.exists():

@@ -340,8 +340,8 @@ def validate_jobs(specs: Sequence[dict[str, Any]]) -> None:
     """Build every job's rank configs in this process (each bundle read once; no timing
     calibration, which cannot make a config invalid): a bad point (``page_size=0``) or an
     input without requests is a ``UsageError`` / ``InputError`` before anything is written."""
-    from kvcadence.capture.bundle import BundleReader
     from kvcadence.errors import InputError
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.fleet import rank_configs
 
     inputs: dict[str, tuple[Any, list[Any]]] = {}

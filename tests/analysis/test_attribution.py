@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcadence.analysis.attribution import Request, StoredEvent, any_prompt_split, attribute
-from kvcadence.capture import wire
+from kvcadence.format import wire
 
 
 def chain(tokens: list[int], ps: int) -> list[int]:

@@ -18,7 +18,7 @@ from kvcadence.analysis.attribution import (
     attribute_arrays,
     columns_from_objects,
 )
-from kvcadence.capture import wire
+from kvcadence.format import wire
 
 FIELDS = (
     "stored_blocks",

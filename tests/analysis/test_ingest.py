@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvcadence.analysis import ingest
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleWriter
-from kvcadence.capture.schema import BlockStored, KVEventBatch, RequestRecord
 from kvcadence.errors import InputError, UsageError
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleWriter
+from kvcadence.format.schema import BlockStored, KVEventBatch, RequestRecord
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
 NEG = -3488128144981237669  # a real SGLang hash (negative int64)
@@ -76,7 +76,7 @@ def test_cache_reused_and_rebuilt_when_bundle_changes(tmp_path: Path) -> None:
 
 def test_duplicates_dropped_and_undecodable_counted(tmp_path: Path) -> None:
     payload = wire.encode_batch(
-        __import__("kvcadence.capture.schema", fromlist=["KVEventBatch"]).KVEventBatch(
+        __import__("kvcadence.format.schema", fromlist=["KVEventBatch"]).KVEventBatch(
             1.0, [stored([1])], 0
         )
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcadence.replay.admit import (
+from kvcadence.admit.ticks import (
     STOP_RESULTS,
     AdmitConfig,
     RequestSpec,

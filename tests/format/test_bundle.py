@@ -14,14 +14,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture.bundle import (
+from kvcadence.errors import (
+    BundleError,
+    CorruptFrameError,
+    FormatVersionError,
+    UsageError,
+)
+from kvcadence.format.bundle import (
     BundleReader,
     BundleWriter,
     event_payload,
     is_single_msgpack,
     list_segments,
 )
-from kvcadence.capture.schema import (
+from kvcadence.format.schema import (
     FORMAT_MAJOR,
     VIA_LIVE,
     VIA_REPLAY,
@@ -33,12 +39,6 @@ from kvcadence.capture.schema import (
     Header,
     RequestRecord,
     Trailer,
-)
-from kvcadence.errors import (
-    BundleError,
-    CorruptFrameError,
-    FormatVersionError,
-    UsageError,
 )
 
 BATCH = msgspec.msgpack.encode(
@@ -521,8 +521,8 @@ def test_disk_full_with_a_real_file_size_limit(tmp_path: Path) -> None:
         """
         import resource, signal, sys
         import msgspec
-        from kvcadence.capture.bundle import BundleWriter
-        from kvcadence.capture.schema import Header, RequestRecord
+        from kvcadence.format.bundle import BundleWriter
+        from kvcadence.format.schema import Header, RequestRecord
         from kvcadence.errors import BundleError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (6000, 6000))

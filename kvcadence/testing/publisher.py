@@ -5,7 +5,7 @@ Used by the fault tests and the capture benchmark in place of a real worker. Lik
 the last ``buffer_steps`` batches served by a ROUTER (``[identity, b"", start8]`` in; per-batch
 replies then the ``ff x 8`` end marker out, in the 0.5.22+ layout with a topic frame or the
 older one without). Frames are built and replay requests parsed with
-``kvcadence.capture.wire`` (``wire.parse_replay_request``: a malformed request is counted in
+``kvcadence.format.wire`` (``wire.parse_replay_request``: a malformed request is counted in
 ``bad_requests`` and, as by SGLang, not answered); payloads with ``wire.encode_batch``.
 Binds only to 127.0.0.1.
 
@@ -23,9 +23,9 @@ import time
 from collections import deque
 from typing import Any
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import BlockRemoved, BlockStored, KVEventBatch
 from kvcadence.errors import WireError
+from kvcadence.format import wire
+from kvcadence.format.schema import BlockRemoved, BlockStored, KVEventBatch
 
 
 class TestPublisher:

@@ -1,6 +1,6 @@
 """SGLang KV-event payload bytes and ZMQ frames: the one codec (decode any shape, encode any
 version byte-identically), the vectors' canonical JSON form, and the block-hash functions
-(re-exported from ``kvcadence.capture.hashes``).
+(re-exported from ``kvcadence.format.hashes``).
 
 Decoding (``decode_batch``) accepts every shape seen on the wire:
 
@@ -58,7 +58,8 @@ from typing import Any
 
 import msgspec
 
-from kvcadence.capture.hashes import (
+from kvcadence.errors import UsageError, WireError
+from kvcadence.format.hashes import (
     I64_MAX,
     U64_MAX,
     block_digests,
@@ -71,7 +72,7 @@ from kvcadence.capture.hashes import (
     page_digest,
     u64,
 )
-from kvcadence.capture.schema import (
+from kvcadence.format.schema import (
     AllBlocksCleared,
     AllBlocksClearedArr,
     BlockRemoved,
@@ -95,7 +96,6 @@ from kvcadence.capture.schema import (
     KVEventBatchView,
     UnknownEvent,
 )
-from kvcadence.errors import UsageError, WireError
 
 # --------------------------------------------------------------------------------------
 # Versions

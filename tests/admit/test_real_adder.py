@@ -4,8 +4,9 @@ Both drive the adder with the same fakes (``upstream-benchmarks.md`` §3); the r
 the capture harness's SGLang venv through ``sglang_adder_driver.py`` -- all queues in ONE
 subprocess (the sglang import takes ~10 s). Without CP limits (kvcadence-only), every tick's
 accepted set (rid, prefix, extend, loaded), stop (rid, result), logged tokens, remaining budgets,
-allocator count, load-back events and evictions must be identical. Skipped, with the reason,
-when the venv is missing.
+allocator count, load-back events and evictions must be identical. The venv is built (session
+fixture ``sglang_harness``) before the availability check, which runs at test time; an adder
+that cannot be imported after that fails the test.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import random
 
 import pytest
 
-from kvcadence.replay.admit import AdmitConfig, RequestSpec, run_admission
-from kvcadence.replay.admit_real import compare, run_real_many, sglang_available
+from kvcadence.admit.real import compare, run_real_many, sglang_available
+from kvcadence.admit.ticks import AdmitConfig, RequestSpec, run_admission
 
 pytestmark = pytest.mark.sglang_adder
-
-_OK, _WHY = sglang_available()
 
 
 def _queue(rng: random.Random, n: int) -> list[RequestSpec]:
@@ -71,9 +70,10 @@ REFERENCE_CFG = AdmitConfig(available_tokens=100_000)
 
 
 @pytest.fixture(scope="module")
-def real_runs():
-    if not _OK:
-        pytest.skip(f"real sglang PrefillAdder unavailable: {_WHY}")
+def real_runs(sglang_harness):
+    ok, why = sglang_available()
+    assert ok, f"real sglang PrefillAdder unavailable after the harness set-up: {why}"
+
     cases = _cases()
     # ONE subprocess for all 50 random queues and the reference queue
     reals = run_real_many([*cases, (REFERENCE_CFG, [REFERENCE_QUEUE])])

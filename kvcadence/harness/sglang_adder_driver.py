@@ -1,6 +1,6 @@
 """Drive the REAL ``sglang.srt.managers.schedule_policy.PrefillAdder`` with kvcadence's fakes.
 
-A standalone script for the SGLang 0.5.23 venv's python (``kvcadence.capture.harness``): it
+A standalone script for the SGLang 0.5.23 venv's python (``kvcadence.harness.worker``): it
 imports nothing from kvcadence. It reads one JSON job on stdin::
 
     {"config": {"available_tokens": 20000, "max_prefill_tokens": 16384,
@@ -17,7 +17,7 @@ sglang import) and prints ``{"sglang_version", "jobs": [document, ...]}``. Each 
 was admitted), ``log_hit_tokens``, ``log_input_tokens``, the remaining budgets, the allocator's
 free count after admission, load-back events and the admission loop's duration.
 
-The fakes and the tick loop follow the same conventions as ``kvcadence/replay/admit.py``
+The fakes and the tick loop follow the same conventions as ``kvcadence/admit/ticks.py``
 (``upstream-benchmarks.md`` §3, ``sglang-scheduler-model.md`` §15) so the two can be compared
 tick by tick; the CP limits are kvcadence-only and not modelled here. With
 ``timing_repeats > 0`` every queue is re-run that many times and only the admission loop
@@ -143,7 +143,7 @@ class FakeTreeCache:
         return 0 if node.evicted else node.size
 
     def init_load_back(self, params):
-        # A copy of ``kvcadence.replay.admit.FakeTreeCache.load_back`` (this driver runs inside
+        # A copy of ``kvcadence.admit.ticks.FakeTreeCache.load_back`` (this driver runs inside
         # real SGLang and must not import kvcadence): keep the two in sync by hand.
         req = params.req
         host = params.host_hit_length

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture import bundle as kb
-from kvcadence.capture.bundle import BundleReader, BundleWriter, event_payload, event_payload_view
-from kvcadence.capture.schema import (
+from kvcadence.errors import BundleError, CorruptFrameError
+from kvcadence.format import bundle as kb
+from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload, event_payload_view
+from kvcadence.format.schema import (
     FORMAT_MAJOR,
     Annotation,
     EndpointInfo,
@@ -25,7 +26,6 @@ from kvcadence.capture.schema import (
     RequestRecord,
     RequestRecordView,
 )
-from kvcadence.errors import BundleError, CorruptFrameError
 
 BATCH = msgspec.msgpack.encode(
     [1795963124.5, [{"type": "BlockRemoved", "block_hashes": [-5, 7], "medium": "GPU"}], 0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcadence.replay.admit import (
+from kvcadence.admit.ticks import (
     NO_TOKEN,
     OTHER_CHUNK,
     OTHER_CP_BATCH,

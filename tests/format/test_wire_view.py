@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcadence.analysis.tokcols import NotInt64Arrays, array_lengths, int_arrays
-from kvcadence.capture import wire
-from kvcadence.capture.schema import (
+from kvcadence.errors import WireError
+from kvcadence.format import wire
+from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockRemovedRawView,
@@ -29,7 +30,6 @@ from kvcadence.capture.schema import (
     KVEventBatch,
     UnknownEvent,
 )
-from kvcadence.errors import WireError
 
 #: a 0.5.20+ batch whose one BlockStored has token_ids that are not an array
 BAD_TOKENS = msgspec.msgpack.encode(

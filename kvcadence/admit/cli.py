@@ -1,8 +1,8 @@
 """``kvcadence admit``: the offline PrefillAdder admission benchmark (command registration).
 
 Registers the ``admit`` subcommand with ``kvcadence.cli``. Imports only the standard library
-and argparse at top level; the work lives in ``kvcadence.replay.admit`` (tick loop, fakes,
-outputs) and ``kvcadence.replay.admit_inputs`` (synthetic grid, requests JSONL, bundle),
+and argparse at top level; the work lives in ``kvcadence.admit.ticks`` (tick loop, fakes,
+outputs) and ``kvcadence.admit.inputs`` (synthetic grid, requests JSONL, bundle),
 imported when the command runs.
 """
 
@@ -156,13 +156,13 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcadence.replay.admit import DEFAULT_MAX_NEW_TOKENS, AdmitConfig, render, run_admission
-    from kvcadence.replay.admit_inputs import (
+    from kvcadence.admit.inputs import (
         parse_int_list,
         read_requests_jsonl,
         requests_from_bundle,
         synthetic_grid,
     )
+    from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, AdmitConfig, render, run_admission
 
     mnt = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     if args.synthetic_grid:

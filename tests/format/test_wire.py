@@ -1,4 +1,4 @@
-"""Golden and behaviour tests of ``kvcadence.capture.wire``: payload codec, canonical form,
+"""Golden and behaviour tests of ``kvcadence.format.wire``: payload codec, canonical form,
 block hashes and ZMQ framing, against the SGLang vectors and the real 0.5.23 capture."""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import (
+from kvcadence.errors import UsageError, WireError
+from kvcadence.format import wire
+from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     UnknownEvent,
 )
-from kvcadence.capture.wire import (
+from kvcadence.format.wire import (
     END_SEQ,
     batch_from_canonical,
     block_digests,
@@ -40,7 +41,6 @@ from kvcadence.capture.wire import (
     to_canonical,
     u64,
 )
-from kvcadence.errors import UsageError, WireError
 
 
 @pytest.fixture(scope="module")

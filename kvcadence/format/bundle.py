@@ -1,7 +1,7 @@
 """Bundle bytes on disk: segment files, CRC-checked frames, the writer and the reader.
 
 This module is the only code that reads or writes bundle bytes (record layouts live in
-``kvcadence.capture.schema``; the format is specified in ``docs/format.md``).
+``kvcadence.format.schema``; the format is specified in ``docs/format.md``).
 
 A bundle is a directory of segment files ``seg-000000.kvcb``, ``seg-000001.kvcb``, ... Each
 segment starts with an 8-byte header ``b"KVCB" + u16 LE major + u16 LE minor`` followed by
@@ -46,7 +46,13 @@ from typing import Any, Union
 import msgspec
 
 from kvcadence import __version__
-from kvcadence.capture.schema import (
+from kvcadence.errors import (
+    BundleError,
+    CorruptFrameError,
+    FormatVersionError,
+    UsageError,
+)
+from kvcadence.format.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
     Annotation,
@@ -58,12 +64,6 @@ from kvcadence.capture.schema import (
     RequestRecord,
     RequestRecordView,
     Trailer,
-)
-from kvcadence.errors import (
-    BundleError,
-    CorruptFrameError,
-    FormatVersionError,
-    UsageError,
 )
 
 MAGIC = b"KVCB"

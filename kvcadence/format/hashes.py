@@ -1,6 +1,6 @@
 """SGLang block hashes (0.5.10+): the chained per-page SHA-256 and its event int64 form.
 
-Owns the hash half of ``kvcadence.capture.wire`` (which re-exports everything here; import it
+Owns the hash half of ``kvcadence.format.wire`` (which re-exports everything here; import it
 from there). Algorithm, from ``srt/mem_cache/utils.py`` / ``cpp_utils/hash_binding.cpp``:
 
 * page *i*: ``digest_i = sha256(digest_{i-1} || page words)``; no prior digest for the first

@@ -1,4 +1,4 @@
-"""Property tests of ``kvcadence.capture.wire``: round trips per wire family, hash-form
+"""Property tests of ``kvcadence.format.wire``: round trips per wire family, hash-form
 equivalence, chain continuation, and that hostile bytes only ever raise ``WireError``."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import msgspec
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import BlockRemoved, BlockStored, KVEventBatch, UnknownEvent
-from kvcadence.capture.wire import (
+from kvcadence.errors import WireError
+from kvcadence.format import wire
+from kvcadence.format.schema import BlockRemoved, BlockStored, KVEventBatch, UnknownEvent
+from kvcadence.format.wire import (
     batch_from_canonical,
     block_digests,
     block_hashes,
@@ -23,7 +24,6 @@ from kvcadence.capture.wire import (
     to_canonical,
     u64,
 )
-from kvcadence.errors import WireError
 from tests.strategies import (
     FAMILY_VERSION,
     canonical_batches,

@@ -8,11 +8,11 @@ Two families live here and nowhere else:
    ``KVEventBatch`` (array-like ``[ts, events, attn_dp_rank]``). Encoding them with msgspec
    gives bytes identical to SGLang 0.5.23. The ``*V17`` / ``*V05`` structs are the older
    tagged positional-array shapes (0.5.10-0.5.17 and 0.5.5) used only to *encode* for those
-   versions; decoding any shape is ``kvcadence.capture.wire``'s job, and always yields the
+   versions; decoding any shape is ``kvcadence.format.wire``'s job, and always yields the
    canonical structs. Block hashes in canonical structs are signed int64 (SGLang's form).
    An event whose tag is unknown becomes ``UnknownEvent(tag, raw)``.
 
-2. **Bundle records** -- what a bundle stores (framing on disk is ``kvcadence.capture.bundle``):
+2. **Bundle records** -- what a bundle stores (framing on disk is ``kvcadence.format.bundle``):
    ``Header``, ``EventFrame``, ``RequestRecord``, ``Gap``, ``Epoch``, ``Annotation``,
    ``Trailer``; one tagged union ``BundleRecord``. All are ``array_like`` + ``gc=False``:
    the tag is the first array element.
@@ -145,7 +145,7 @@ class KVEventBatchV05(msgspec.Struct, array_like=True, gc=False):
 
 # Decode-only "views" (analysis): token ids are left as msgpack bytes (``msgspec.Raw``), which
 # decodes ~2x faster when only hashes and counts are needed (engineering-notes §2.3).
-# Produced only by ``kvcadence.capture.wire.decode_batch_view``; never encoded.
+# Produced only by ``kvcadence.format.wire.decode_batch_view``; never encoded.
 
 
 def _raw_array_len(raw: msgspec.Raw) -> int:
@@ -210,7 +210,7 @@ class KVEventBatchV17View(msgspec.Struct, array_like=True, gc=False):
 # msgpack array bytes (``Raw``: no Python int per hash; ingest converts them in numpy chunks
 # with ``kvcadence.analysis.tokcols``). A parent hash outside int64 fails msgspec's range
 # check in C, so such a payload takes the canonical path. Produced only by
-# ``kvcadence.capture.wire.decode_batch_raw``; never encoded.
+# ``kvcadence.format.wire.decode_batch_raw``; never encoded.
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
@@ -317,7 +317,7 @@ class EventFrame(BundleRecordBase, tag="event"):
 
     ``payload`` is the msgpack payload inserted unchanged (``msgspec.Raw``). A payload that is
     not one complete msgpack value is stored as a msgpack *bin* wrapping the exact bytes with
-    ``payload_is_bin=True`` (see ``kvcadence.capture.bundle``), so nothing is ever lost.
+    ``payload_is_bin=True`` (see ``kvcadence.format.bundle``), so nothing is ever lost.
     For sim bundles ``recv_ns`` is the virtual publish time and ``pass_index`` the scheduler
     pass that published it.
     """
@@ -366,7 +366,7 @@ class RequestRecordView(BundleRecordBase, tag="request"):
     """``RequestRecord`` as analysis ingest reads it (decode-only, never encoded): the same
     wire layout and tag, but ``input_ids``/``output_ids`` kept as their msgpack array bytes
     (``msgspec.Raw``; not validated element by element). Produced only by
-    ``kvcadence.capture.bundle.BundleReader.records(request_view=True)``."""
+    ``kvcadence.format.bundle.BundleReader.records(request_view=True)``."""
 
     rid: str
     input_ids: msgspec.Raw

@@ -572,7 +572,7 @@ def status() -> dict:
     return out
 
 
-if __name__ == "__main__":  # python -m kvcadence.capture.harness setup
+if __name__ == "__main__":  # python -m kvcadence.harness.worker setup
     if sys.argv[1:] == ["setup"]:
         print(ensure_venv(), ensure_model())
     else:

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.cli import main
-from kvcadence.errors import InputError, UsageError
-from kvcadence.replay.admit import RequestSpec
-from kvcadence.replay.admit_inputs import (
+from kvcadence.admit.inputs import (
     parse_int_list,
     parse_request_lines,
     read_requests_jsonl,
     requests_from_bundle,
     synthetic_grid,
 )
+from kvcadence.admit.ticks import RequestSpec
+from kvcadence.cli import main
+from kvcadence.errors import InputError, UsageError
 
 GRID_ARGS = [
     "admit",
@@ -219,7 +219,7 @@ def test_help_labels_cp_limits_as_kvcadence_model():
 
 def test_cli_module_imports_only_stdlib():
     code = (
-        "import sys, kvcadence.replay.cli_admit; "
+        "import sys, kvcadence.admit.cli; "
         "heavy = {'zmq','polars','duckdb','pyarrow','matplotlib','torch','httpx','msgspec'}; "
         "print(sorted(heavy & set(sys.modules)))"
     )
@@ -231,8 +231,8 @@ def test_cli_module_imports_only_stdlib():
 
 
 def _write_bundle(path: Path, records) -> None:
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import Header
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import Header
 
     header = Header(format_major=0, format_minor=0, source="real", kvcadence_version="test")
     with BundleWriter(path, header) as w:
@@ -241,8 +241,8 @@ def _write_bundle(path: Path, records) -> None:
 
 
 def test_bundle_requests_give_cached_tokens_at_admission(tmp_path, capsys):
-    pytest.importorskip("kvcadence.capture.bundle")
-    from kvcadence.capture.schema import RequestRecord
+    pytest.importorskip("kvcadence.format.bundle")
+    from kvcadence.format.schema import RequestRecord
 
     recs = [
         RequestRecord(
@@ -302,8 +302,8 @@ def test_bundle_requests_give_cached_tokens_at_admission(tmp_path, capsys):
 
 
 def test_bundle_request_without_cached_tokens_is_an_input_error(tmp_path):
-    pytest.importorskip("kvcadence.capture.bundle")
-    from kvcadence.capture.schema import RequestRecord
+    pytest.importorskip("kvcadence.format.bundle")
+    from kvcadence.format.schema import RequestRecord
 
     b = tmp_path / "bundle"
     _write_bundle(b, [RequestRecord(rid="x", input_ids=[1, 2, 3])])

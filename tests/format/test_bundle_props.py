@@ -10,8 +10,9 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture.bundle import BundleReader, BundleWriter, event_payload, list_segments
-from kvcadence.capture.schema import (
+from kvcadence.errors import FormatVersionError, KvcadenceError, UsageError
+from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload, list_segments
+from kvcadence.format.schema import (
     FORMAT_MAJOR,
     Annotation,
     Epoch,
@@ -20,7 +21,6 @@ from kvcadence.capture.schema import (
     Header,
     RequestRecord,
 )
-from kvcadence.errors import FormatVersionError, KvcadenceError, UsageError
 
 I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 NAT = st.integers(min_value=0, max_value=2**63 - 1)

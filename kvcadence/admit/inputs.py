@@ -1,6 +1,6 @@
 """Inputs of ``kvcadence admit``: the waiting queue as a list of ``RequestSpec``.
 
-Three sources, one result type (``kvcadence.replay.admit.RequestSpec``):
+Three sources, one result type (``kvcadence.admit.ticks.RequestSpec``):
 
 * ``synthetic_grid`` -- the Cartesian product of comma lists of L1 / L2 / extend token counts,
   repeated ``repeat`` times (rids ``g<index>``);
@@ -8,7 +8,7 @@ Three sources, one result type (``kvcadence.replay.admit.RequestSpec``):
   ``l2_cached_tokens``, ``extend_tokens``, optional ``max_new_tokens`` and ``priority``); a bad
   line raises ``InputError`` naming the file, the line and the field;
 * ``requests_from_bundle`` -- each captured request's cached tokens at admission, read through
-  ``kvcadence.capture.bundle.BundleReader``: L1 = ``cached_tokens`` (or the device part of
+  ``kvcadence.format.bundle.BundleReader``: L1 = ``cached_tokens`` (or the device part of
   ``meta_info.cached_tokens_details`` when SGLang reported a device/host split), L2 = the host
   part (0 without HiCache), extend = ``prompt_tokens - cached``.
 
@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, RequestSpec
 from kvcadence.errors import InputError, UsageError
-from kvcadence.replay.admit import DEFAULT_MAX_NEW_TOKENS, RequestSpec
 
 REQUEST_FIELDS = (
     "rid",
@@ -223,8 +223,8 @@ def requests_from_bundle(
     if not path.exists():
         raise UsageError(f"{path}: no such bundle")
     try:
-        from kvcadence.capture.bundle import BundleReader
+        from kvcadence.format.bundle import BundleReader
     except ModuleNotFoundError as exc:  # capture stage not built yet
-        raise UsageError(f"--bundle needs kvcadence.capture.bundle ({exc})") from None
+        raise UsageError(f"--bundle needs kvcadence.format.bundle ({exc})") from None
     reader = BundleReader(path)
     return specs_from_request_records(reader.requests(), str(path), max_new_tokens=max_new_tokens)

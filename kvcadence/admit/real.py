@@ -1,6 +1,6 @@
 """Run ``sglang_adder_driver.py`` (the REAL SGLang PrefillAdder) and compare it with ``admit``.
 
-Owns the bridge to the SGLang 0.5.23 venv built by ``kvcadence.capture.harness`` (found via
+Owns the bridge to the SGLang 0.5.23 venv built by ``kvcadence.harness.worker`` (found via
 ``harness.venv_python()``; ``$KVCADENCE_SGLANG_VENV`` overrides it): one subprocess per call,
 all queues in one JSON job (the ~10 s sglang import is paid once), and the projection of a tick
 (kvcadence's or the driver's raw one) onto the fields both must agree on.
@@ -16,22 +16,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import HarnessError
-from kvcadence.replay.admit import (
+from kvcadence.admit.ticks import (
     AdmitConfig,
     AdmitResult,
     RequestSpec,
     classify_stop,
     specs_to_jobs,
 )
+from kvcadence.errors import HarnessError
 
-DRIVER = Path(__file__).resolve().parent / "sglang_adder_driver.py"
+DRIVER = Path(__file__).resolve().parent.parent / "harness" / "sglang_adder_driver.py"
 
 
 def sglang_python() -> Path:
     """The SGLang venv's python (it may not exist; see ``sglang_available``)."""
     try:
-        from kvcadence.capture.harness import venv_python
+        from kvcadence.harness.worker import venv_python
 
         return Path(venv_python())
     except ImportError:
@@ -48,7 +48,7 @@ def sglang_available() -> tuple[bool, str]:
     """(available, reason) -- whether the real sglang PrefillAdder can be imported."""
     py = sglang_python()
     try:
-        from kvcadence.capture.harness import venv_ready
+        from kvcadence.harness.worker import venv_ready
 
         if py.exists() and not venv_ready(py.parent.parent):
             return False, f"the SGLang venv at {py.parent.parent} is incomplete (being built?)"
@@ -57,7 +57,7 @@ def sglang_available() -> tuple[bool, str]:
     if not py.exists():
         return False, (
             f"no SGLang 0.5.23 venv at {py.parent.parent} (build it with the capture harness, "
-            "kvcadence.capture.harness.ensure_venv(), or set KVCADENCE_SGLANG_VENV)"
+            "kvcadence.harness.worker.ensure_venv(), or set KVCADENCE_SGLANG_VENV)"
         )
     if not (py.parent.parent / "lib").exists():
         return False, f"{py.parent.parent} is not a virtualenv"
