@@ -82,17 +82,6 @@ def driver_config(cfg: AdmitConfig) -> dict[str, Any]:
     }
 
 
-def run_real(
-    queues: Sequence[Sequence[RequestSpec]],
-    cfg: AdmitConfig,
-    *,
-    timing_repeats: int = 0,
-    timeout_s: float = 600.0,
-) -> dict[str, Any]:
-    """Drive the real PrefillAdder over every queue in one subprocess; return its JSON."""
-    return run_real_many([(cfg, queues)], timing_repeats=timing_repeats, timeout_s=timeout_s)[0]
-
-
 def run_real_many(
     cases: Sequence[tuple[AdmitConfig, Sequence[Sequence[RequestSpec]]]],
     *,

@@ -53,10 +53,6 @@ class EndpointSource:
 
     # ------------------------------------------------------------------ live
 
-    def parse_live(self, frames: list[bytes]) -> tuple[str, int, bytes]:
-        """``(topic, seq, payload)``; raises ``WireError`` for a malformed message."""
-        return wire.parse_live_message(frames)
-
     # ---------------------------------------------------------------- replay
 
     def start_replay_if_wanted(self, poller: zmq.Poller) -> bool:
@@ -116,11 +112,6 @@ class EndpointSource:
             self.close_dealer(poller)
             return self.tracker.finish_replay("replay timeout")
         return []
-
-    def replay_deadline_ns(self) -> int | None:
-        if self.tracker.session is None:
-            return None
-        return self._last_replay_ns + self.replay_timeout_ns
 
     def close_dealer(self, poller: zmq.Poller | None = None) -> None:
         if self.dealer is not None:

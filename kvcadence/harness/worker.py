@@ -314,11 +314,6 @@ class ServerHandle:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def events_endpoint(self) -> str:
-        """Rank 0's PUB endpoint."""
-        return f"tcp://127.0.0.1:{self.events_port}"
-
-    @property
     def replay_endpoint(self) -> str | None:
         """Rank 0's replay ROUTER endpoint."""
         return None if self.replay_port is None else f"tcp://127.0.0.1:{self.replay_port}"

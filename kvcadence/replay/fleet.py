@@ -55,7 +55,7 @@ from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
-from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq, SimStats
+from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 
 _INF = float("inf")
@@ -216,9 +216,6 @@ class FleetResult:
     wall_s: float
     specs: list[RequestSpec]
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def slot_stats(self, slot: Slot) -> SimStats:
-        return slot.sched.stats
 
     def summary(self) -> dict[str, Any]:
         per_slot = []

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import InputError, UsageError
+from kvcadence.errors import InputError, ReplayError, UsageError
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.radix import Hasher, wire_hasher
@@ -316,3 +316,16 @@ def replay_bundle(
     if out_path is not None:
         write_sim_bundle(out_path, result, header)
     return result
+
+
+def check_some_ran(records: list[Any]) -> None:
+    """``ReplayError`` (exit 1, one line) when no simulated request produced a token: every
+    one was aborted (the sim bundle, already written, keeps why in each record)."""
+    if not records or any((r.completion_tokens or 0) > 0 for r in records):
+        return
+    reasons = sorted({r.error for r in records if r.error})
+    why = f" ({'; '.join(reasons[:3])})" if reasons else ""
+    raise ReplayError(
+        f"replay: no request ran: all {len(records)} were aborted{why}; "
+        "check --max-total-tokens / --page-size"
+    )

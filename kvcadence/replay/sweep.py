@@ -45,8 +45,7 @@ PARTITION_BASE = ("worker", "rank", "route")
 def _setting_types() -> dict[str, Any]:
     import dataclasses
 
-    from kvcadence.replay.cli import _OVERRIDES
-    from kvcadence.replay.config import SimConfig, TimingParams
+    from kvcadence.replay.config import CLI_OVERRIDES, SimConfig, TimingParams
 
     cfg = SimConfig()
     timing = TimingParams()
@@ -55,7 +54,7 @@ def _setting_types() -> dict[str, Any]:
         types[f.name] = getattr(cfg, f.name)
     for f in dataclasses.fields(timing):
         types[f.name] = getattr(timing, f.name)
-    allowed = {k: types[k] for k in _OVERRIDES if k in types}
+    allowed = {k: types[k] for k in CLI_OVERRIDES if k in types}
     allowed["route"] = "recorded"
     return allowed
 

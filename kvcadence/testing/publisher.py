@@ -140,9 +140,6 @@ class TestPublisher:
         self.sent += 1
         return seq
 
-    def publish_batch(self, batch: KVEventBatch, version: str = "0.5.23") -> int:
-        return self.publish(wire.encode_batch(batch, version))
-
     def drop(self, n: int = 1, payloads: list[bytes] | None = None, in_ring: bool = True) -> None:
         """Consume ``n`` seqs without sending them live. ``in_ring``: still replayable (an
         HWM drop); otherwise lost for good (a failed send)."""
