@@ -61,6 +61,7 @@ from kvcadence.format.schema import (
     EventFrame,
     Gap,
     Header,
+    ReadRecord,
     RequestRecord,
     RequestRecordView,
     Trailer,
@@ -77,7 +78,7 @@ _SEGMENT_NAME = re.compile(r"^seg-(\d{6,})\.kvcb$")
 
 #: record class -> tag written on disk (the first array element)
 RECORD_TAGS: dict[type, str] = {
-    cls: cls.__struct_config__.tag  # type: ignore[attr-defined]
+    cls: str(cls.__struct_config__.tag)
     for cls in (Header, EventFrame, RequestRecord, Gap, Epoch, Annotation, Trailer)
 }
 _TAG_CLASSES: dict[bytes, type] = {tag.encode(): cls for cls, tag in RECORD_TAGS.items()}
@@ -879,12 +880,14 @@ class BundleReader:
 
     # -- the frame walk ----------------------------------------------------------------
 
-    def _valid_at(self, data: bytes, mv: memoryview, pos: int, full: bool) -> int:
+    def _valid_at(self, data: bytes | mmap.mmap, mv: memoryview, pos: int, full: bool) -> int:
         """Body length of a frame at ``pos`` whose length and CRC check out (and, when
         ``full``, whose body decodes), else -1."""
         n = len(data)
         if pos + FRAME_HEADER_SIZE > n:
             return -1
+        length: int
+        crc: int
         length, crc = FRAME_HEADER.unpack_from(data, pos)
         start = pos + FRAME_HEADER_SIZE
         if length < MIN_BODY or start + length > n:
@@ -908,7 +911,7 @@ class BundleReader:
                 return -1
         return length
 
-    def _resync(self, data: bytes, mv: memoryview, pos: int) -> int:
+    def _resync(self, data: bytes | mmap.mmap, mv: memoryview, pos: int) -> int:
         """Next offset > ``pos`` where a fully valid frame starts, or -1."""
         search = pos + 1 + FRAME_HEADER_SIZE
         while True:
@@ -982,7 +985,7 @@ class BundleReader:
         report.frames -= 1
         self._corrupt(report, seg, pos, FRAME_HEADER_SIZE + len(body), "undecodable record")
 
-    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[BundleRecord]:
+    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[ReadRecord]:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
         request frames decode as ``RequestRecordView`` (every other record as usual)."""
@@ -1032,7 +1035,7 @@ class BundleReader:
         report.clean_shutdown = clean
         self._report = report
 
-    def records(self, *, request_view: bool = False) -> Iterator[BundleRecord]:
+    def records(self, *, request_view: bool = False) -> Iterator[ReadRecord]:
         """Every record in order (unknown record types are skipped and counted).
 
         ``request_view=True``: requests come as ``RequestRecordView`` (token ids left as
@@ -1053,7 +1056,7 @@ class BundleReader:
 
     def iter_kinds(self, *tags: str) -> Iterator[BundleRecord]:
         """Only the records whose tag is in ``tags`` (e.g. ``"gap", "epoch"``)."""
-        return self._iter(frozenset(t.encode() for t in tags))
+        return self._iter(frozenset(t.encode() for t in tags))  # type: ignore[return-value]
 
     @property
     def report(self) -> ReadReport:

@@ -432,6 +432,8 @@ class Trailer(BundleRecordBase, tag="trailer"):
 
 
 BundleRecord = Union[Header, EventFrame, RequestRecord, Gap, Epoch, Annotation, Trailer]
+#: what a reader yields: a bundle record, or a request read as a view (``records(request_view=True)``)
+ReadRecord = Union[BundleRecord, RequestRecordView]
 
 __all__ = [
     "KVCacheEvent",
@@ -477,4 +479,5 @@ __all__ = [
     "Annotation",
     "Trailer",
     "BundleRecord",
+    "ReadRecord",
 ]

@@ -226,9 +226,9 @@ def decode_batch_view(payload: bytes | bytearray | memoryview | msgspec.Raw) -> 
             evs = batch.events
             if dec is _VIEW_ARRAY:
                 evs = [_from_array(e, BlockStoredV17View, BlockStoredView) for e in evs]
-                batch = KVEventBatchView(batch.ts, evs, batch.attn_dp_rank)
+                batch = KVEventBatchView(batch.ts, evs, batch.attn_dp_rank)  # type: ignore[arg-type]
             if _view_checked(evs):
-                return batch
+                return batch  # type: ignore[return-value]  # converted above
             break  # token_ids not an array: let decode_batch name the error
     full = decode_batch(payload)
     return KVEventBatchView(
@@ -364,9 +364,9 @@ def _normalise_fast(batch: KVEventBatch) -> None:
     for ev in batch.events:
         if type(ev) is AllBlocksCleared:
             continue
-        hs = ev.block_hashes
+        hs = ev.block_hashes  # type: ignore[union-attr]  # not AllBlocksCleared
         if hs and max(hs) > I64_MAX:
-            ev.block_hashes = [h - _TWO64 if h > I64_MAX else h for h in hs]
+            ev.block_hashes = [h - _TWO64 if h > I64_MAX else h for h in hs]  # type: ignore[union-attr]
         if type(ev) is BlockStored:
             p = ev.parent_block_hash
             if p is not None and p > I64_MAX:
@@ -406,10 +406,10 @@ def _hash(h: Any, where: str, normalise: bool) -> int:
             if h > I64_MAX:
                 if h > U64_MAX:
                     raise WireError(f"hash {h} does not fit in 64 bits - at `{where}`")
-                return h - _TWO64
+                return h - _TWO64  # type: ignore[no-any-return]
             if h < -(1 << 63):
                 raise WireError(f"hash {h} does not fit in 64 bits - at `{where}`")
-        return h
+        return h  # type: ignore[no-any-return]  # checked int above
     if t is bytes or t is bytearray:
         if len(h) < 8:
             raise WireError(f"a bytes hash needs at least 8 bytes, got {len(h)} - at `{where}`")
@@ -432,7 +432,7 @@ def _parent(v: Any, where: str, normalise: bool) -> int | None:
     return _hash(v, where, normalise)
 
 
-def _tokens(v: Any, where: str) -> list:
+def _tokens(v: Any, where: str) -> list[int]:
     if type(v) is not list:
         raise WireError(f"token_ids must be an array, got {_kind(v)} - at `{where}`")
     if all(type(t) is int for t in v):
@@ -470,7 +470,7 @@ def _opt_str(v: Any, name: str, where: str) -> str | None:
 _MISSING = object()
 
 
-def _req(ev: dict, key: str, where: str) -> Any:
+def _req(ev: dict[str, Any], key: str, where: str) -> Any:
     v = ev.get(key, _MISSING)
     if v is _MISSING:
         raise WireError(f"{ev.get('type')} has no `{key}` key - at `{where}`")
@@ -549,7 +549,7 @@ def _event(ev: Any, where: str, normalise: bool) -> Any:
 
 def count_unknown(batch: KVEventBatch) -> int:
     """How many events of ``batch`` had a tag kvcadence does not know (``UnknownEvent``)."""
-    return sum(1 for ev in batch.events if type(ev) is UnknownEvent)
+    return sum(1 for ev in batch.events if type(ev) is UnknownEvent)  # type: ignore[comparison-overlap, misc]
 
 
 # --------------------------------------------------------------------------------------
@@ -630,7 +630,7 @@ def encode_batch(batch: KVEventBatch, version: str = DEFAULT_VERSION) -> bytes:
     events = batch.events
     try:
         if fam == FAMILY_MAP:
-            if type(batch.ts) is float and not any(type(e) is UnknownEvent for e in events):
+            if type(batch.ts) is float and not any(type(e) is UnknownEvent for e in events):  # type: ignore[comparison-overlap]
                 return _ENC.encode(batch)
             out: Any = KVEventBatch(
                 ts, [_to_map(e, fam, version) for e in events], batch.attn_dp_rank
@@ -679,7 +679,7 @@ def _canon_event(ev: Any, fam: str) -> dict[str, Any]:
     d = msgspec.to_builtins(ev)
     if fam == FAMILY_MAP20:
         d.pop("lora_name", None)
-    return d
+    return d  # type: ignore[no-any-return]
 
 
 def to_canonical(batch: KVEventBatch, version: str | None = None) -> dict[str, Any]:
@@ -722,7 +722,7 @@ def batch_from_canonical(d: dict[str, Any]) -> KVEventBatch:
             out.append(UnknownEvent(tag=tag, raw=raw))
         else:
             out.append(_event(ev, where, False))
-    return KVEventBatch(ts=ts, events=out, attn_dp_rank=rank)
+    return KVEventBatch(ts=ts, events=out, attn_dp_rank=rank)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------------------
