@@ -29,7 +29,6 @@ payloads, unknown events).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, UsageError
+from kvcadence.gcpause import gc_paused
 
 INGEST_VERSION = 2
 CACHE_DIRNAME = ".parquet"
@@ -372,18 +372,6 @@ def _header_info(header: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Cyclic GC off while millions of small containers are built (engineering-notes §2.4)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-@contextmanager
 def _small_pages() -> Iterator[None]:
     """numpy's transparent-huge-page advice off while the columns are built.
 
@@ -414,7 +402,7 @@ def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     from kvcadence.analysis.tokcols import NotInt64Arrays
 
     views = raw = True
-    with _gc_paused(), _small_pages():
+    with gc_paused(), _small_pages():
         while True:
             try:
                 return _build_tables(bundle, views=views, raw=raw)

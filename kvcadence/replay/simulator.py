@@ -20,7 +20,6 @@ Flushes recorded in the source (an ``AllBlocksCleared`` after seq 0 of an epoch,
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.gcpause import gc_paused
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.radix import Hasher, wire_hasher
@@ -111,9 +111,7 @@ def simulate(
     The cyclic garbage collector is paused for the call (restored after): a replay creates
     millions of long-lived objects (token lists, radix nodes, events, records) that
     collections would only re-walk (≈ 20 % of a large replay)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _simulate(
             records,
             cfg,
@@ -122,9 +120,6 @@ def simulate(
             progress=progress,
             on_publish=on_publish,
         )
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _simulate(
