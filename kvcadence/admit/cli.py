@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         requests_from_bundle,
         synthetic_grid,
     )
-    from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, AdmitConfig, render, run_admission
+    from kvcadence.admit.render import render
+    from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, AdmitConfig, run_admission
 
     mnt = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     if args.synthetic_grid:

@@ -16,7 +16,7 @@ from kvcadence.admit.inputs import (
     requests_from_bundle,
     synthetic_grid,
 )
-from kvcadence.admit.ticks import RequestSpec
+from kvcadence.admit.ticks import QueuedRequest
 from kvcadence.cli import main
 from kvcadence.errors import InputError, UsageError
 
@@ -43,8 +43,8 @@ GRID_ARGS = [
 def test_grid_is_the_cartesian_product_repeated():
     specs = synthetic_grid([0, 4096], [0, 64], [128, 2048, 7], repeat=2, max_new_tokens=3)
     assert len(specs) == 2 * 2 * 3 * 2
-    assert specs[0] == RequestSpec("g0", 0, 0, 128, 3)
-    assert specs[5] == RequestSpec("g5", 0, 64, 7, 3)
+    assert specs[0] == QueuedRequest("g0", 0, 0, 128, 3)
+    assert specs[5] == QueuedRequest("g5", 0, 64, 7, 3)
     assert specs[12].rid == "g12" and (specs[12].l1, specs[12].l2, specs[12].extend) == (0, 0, 128)
     assert len({s.rid for s in specs}) == len(specs)
 
@@ -65,8 +65,8 @@ def test_requests_jsonl_parses_optional_fields():
         '"priority":2}',
     ]
     a, b = parse_request_lines(lines, "q.jsonl", max_new_tokens=99)
-    assert a == RequestSpec("r0", 40320, 0, 128, 99)
-    assert b == RequestSpec("r1", 0, 64, 1, 7, 2)
+    assert a == QueuedRequest("r0", 40320, 0, 128, 99)
+    assert b == QueuedRequest("r1", 0, 64, 1, 7, 2)
 
 
 @pytest.mark.parametrize(
@@ -277,8 +277,8 @@ def test_bundle_requests_give_cached_tokens_at_admission(tmp_path, capsys):
     _write_bundle(b, recs)
     specs = requests_from_bundle(b)
     assert [s.rid for s in specs] == ["early", "late", "hicache", "full"]  # arrival order
-    assert specs[0] == RequestSpec("early", 0, 0, 200, 8)
-    assert specs[1] == RequestSpec("late", 256, 0, 44, 4)
+    assert specs[0] == QueuedRequest("early", 0, 0, 200, 8)
+    assert specs[1] == QueuedRequest("late", 256, 0, 44, 4)
     assert (specs[2].l1, specs[2].l2, specs[2].extend) == (128, 320, 52)
     assert (specs[3].l1, specs[3].extend) == (63, 1)  # at least one token is computed
     assert (

@@ -16,24 +16,24 @@ import random
 import pytest
 
 from kvcadence.admit.real import compare, run_real_many, sglang_available
-from kvcadence.admit.ticks import AdmitConfig, RequestSpec, run_admission
+from kvcadence.admit.ticks import AdmitConfig, QueuedRequest, run_admission
 
 pytestmark = pytest.mark.sglang_adder
 
 
-def _queue(rng: random.Random, n: int) -> list[RequestSpec]:
+def _queue(rng: random.Random, n: int) -> list[QueuedRequest]:
     def tokens() -> int:
         return rng.choice([0, 0, 5, 64, 100, 1024, 4096, rng.randrange(0, 9000)])
 
     return [
-        RequestSpec(
+        QueuedRequest(
             f"q{i}", tokens(), tokens(), rng.randrange(1, 9000), rng.choice([0, 1, 128, 5000])
         )
         for i in range(n)
     ]
 
 
-def _cases(seed: int = 5) -> list[tuple[AdmitConfig, list[list[RequestSpec]]]]:
+def _cases(seed: int = 5) -> list[tuple[AdmitConfig, list[list[QueuedRequest]]]]:
     rng = random.Random(seed)
     cases = []
     configs = [
@@ -62,9 +62,9 @@ def _cases(seed: int = 5) -> list[tuple[AdmitConfig, list[list[RequestSpec]]]]:
 
 
 REFERENCE_QUEUE = [
-    RequestSpec("a", 1024, 512, 300, 0),
-    RequestSpec("b", 0, 0, 5000, 0),
-    RequestSpec("c", 0, 0, 6000, 0),
+    QueuedRequest("a", 1024, 512, 300, 0),
+    QueuedRequest("b", 0, 0, 5000, 0),
+    QueuedRequest("c", 0, 0, 6000, 0),
 ]
 REFERENCE_CFG = AdmitConfig(available_tokens=100_000)
 
