@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcadence.format.schema import served_rank
+
 FIGURES = (
     "requests",
     "messages",
@@ -44,13 +46,6 @@ FIGURES = (
     "removed_blocks_per_request",
     "hit_rate",
 )
-
-
-def _rank_of(rec: Any) -> int:
-    r = rec.dp_rank
-    if r is None:
-        r = (rec.meta_info or {}).get("dp_rank")
-    return int(r) if r is not None else 0
 
 
 def _median(xs: list[int]) -> float | None:
@@ -104,7 +99,7 @@ def rank_figures(bundle: str | Path) -> dict[str, dict[str, Any]]:
             elif isinstance(e, AllBlocksCleared):
                 a["cleared"] += 1
     for rec in reader.requests():
-        slot(_rank_of(rec))["requests"].append(rec)
+        slot(served_rank(rec))["requests"].append(rec)
     out: dict[str, dict[str, Any]] = {}
     total = {
         "messages": 0,

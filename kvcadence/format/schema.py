@@ -29,6 +29,8 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from kvcadence.errors import InputError
+
 # --------------------------------------------------------------------------------------
 # 1. SGLang wire structs
 # --------------------------------------------------------------------------------------
@@ -435,7 +437,26 @@ BundleRecord = Union[Header, EventFrame, RequestRecord, Gap, Epoch, Annotation, 
 #: what a reader yields: a bundle record, or a request read as a view (``records(request_view=True)``)
 ReadRecord = Union[BundleRecord, RequestRecordView]
 
+
+def served_rank(rec: Any) -> int:
+    """The DP rank that served a request record: ``dp_rank``, else ``meta_info.dp_rank``
+    (SGLang's own field), else 0 (a one-rank worker records none). A value that is not a
+    non-negative integer is an ``InputError`` naming the request, never guessed."""
+    r = getattr(rec, "dp_rank", None)
+    if r is None:
+        meta = getattr(rec, "meta_info", None)
+        r = meta.get("dp_rank") if isinstance(meta, dict) else None
+    if r is None:
+        return 0
+    if type(r) is int and r >= 0:
+        return r
+    raise InputError(
+        f"request {getattr(rec, 'rid', '?')!r}: dp_rank {r!r} is not a non-negative integer"
+    )
+
+
 __all__ = [
+    "served_rank",
     "KVCacheEvent",
     "BlockStored",
     "BlockRemoved",

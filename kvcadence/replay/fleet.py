@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.format.schema import served_rank
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.radix import Hasher, wire_hasher
@@ -80,17 +81,6 @@ class WorkerInput:
         return len(self.rank_configs)
 
 
-def rank_of(rec: Any) -> int:
-    """The rank that served ``rec`` (``dp_rank``, else ``meta_info.dp_rank``; null = 0)."""
-    r = getattr(rec, "dp_rank", None)
-    if r is None:
-        r = (getattr(rec, "meta_info", None) or {}).get("dp_rank")
-    try:
-        return int(r) if r is not None else 0
-    except (TypeError, ValueError):
-        return 0
-
-
 def dp_size_of(header: Any, records: Sequence[Any]) -> int:
     """DP ranks of a worker: ``/server_info`` (``dp_size`` or ``kv_events.dp_size``), the
     bundle's endpoints, or the highest recorded rank + 1 -- whichever is largest."""
@@ -103,7 +93,7 @@ def dp_size_of(header: Any, records: Sequence[Any]) -> int:
     if eps:
         cands.append(max(int(e.dp_rank) for e in eps) + 1)
     if records:
-        cands.append(max(rank_of(r) for r in records) + 1)
+        cands.append(max(served_rank(r) for r in records) + 1)
     return max(cands)
 
 
@@ -132,7 +122,7 @@ def rank_configs(
             for k, v in internal[rank].items():
                 if v is not None:
                     rank_info[k] = v
-        mine = [r for r in records if rank_of(r) == rank]
+        mine = [r for r in records if served_rank(r) == rank]
         cfg = effective_config(
             rank_info,
             mine if len(mine) >= 8 else list(records),
@@ -295,7 +285,7 @@ class Fleet:
                 if s.arrival_ns is not None:
                     s.arrival_ns += shift
                 specs.append(s)
-                rank = rank_of(s.source) if s.source is not None else 0
+                rank = served_rank(s.source) if s.source is not None else 0
                 if rank >= w.dp_size:
                     raise InputError(
                         f"{w.name}: request {s.rid!r} was served by dp rank {rank}, "

@@ -119,8 +119,8 @@ def point_label(point: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- one job
 def fleet_rows(result: Any) -> list[dict[str, Any]]:
     """The dataset rows (both kinds) of one fleet replay, partition columns included."""
+    from kvcadence.format.schema import served_rank
     from kvcadence.replay.events import CLEAR, REMOVE, STORE
-    from kvcadence.replay.fleet import rank_of
 
     rows: list[dict[str, Any]] = []
     for sl in result.slots:
@@ -167,7 +167,7 @@ def fleet_rows(result: Any) -> list[dict[str, Any]]:
                 "prompt_tokens": rec.prompt_tokens,
                 "cached_tokens": rec.cached_tokens,
                 "completion_tokens": rec.completion_tokens,
-                "recorded_rank": rank_of(src) if src is not None else None,
+                "recorded_rank": served_rank(src) if src is not None else None,
                 "recorded_cached_tokens": getattr(src, "cached_tokens", None),
                 "send_ns": rec.send_ns,
                 "finish_ns": rec.finish_ns,
