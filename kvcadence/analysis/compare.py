@@ -23,6 +23,7 @@ from typing import Any
 
 from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, STATS, BundleMetrics
 from kvcadence.errors import UsageError
+from kvcadence.suggest import did_you_mean, short_list
 
 DEFAULT_GATES: tuple[str, ...] = (
     "stored_events_per_request=3%",
@@ -87,7 +88,6 @@ def _unknown_metric(text: str, metric: str) -> UsageError:
     """One short line: the closest names, then the valid names of the metric's family
     (``requests.*``, ...) or the headline metrics and the families; the full list of
     ``gate_metric_names()`` (~90) is in docs/metrics.md, not in the error."""
-    from kvcadence.suggest import did_you_mean, short_list
 
     names = gate_metric_names()
     hint = did_you_mean(metric, [*DEFS, *COMPARE_DEFS])

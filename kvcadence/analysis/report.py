@@ -24,8 +24,10 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
+from kvcadence.analysis.formatting import fmt
 from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, BundleMetrics
 from kvcadence.errors import UsageError
+from kvcadence.progress import NoPhases
 
 REPORT_VERSION = 1
 REPORT_SCHEMA = "kvcadence.report/1"
@@ -111,27 +113,9 @@ class ReportResult:
             "runs.jsonl appended)"
         )
 
-
-# --------------------------------------------------------------------------------------
-# formatting helpers
-# --------------------------------------------------------------------------------------
-
-
-def fmt(v: Any) -> str:
-    """A number as a short human string ('-' for null)."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return str(int(v))
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if v != v:
-            return "-"
-        if v.is_integer() and abs(v) < 1e15:
-            return str(int(v))
-        return f"{v:.6g}"
-    return str(v)
+    # --------------------------------------------------------------------------------------
+    # formatting helpers
+    # --------------------------------------------------------------------------------------
 
 
 def pct(v: Any) -> str:
@@ -491,7 +475,6 @@ def make_report(
     rank), each only when its data are present. ``phases`` (a ``kvcadence.progress.Phases``)
     says each long step on stderr and times it.
     """
-    from kvcadence.progress import NoPhases
 
     phases = phases or NoPhases()
     from kvcadence.analysis import ingest, metrics, report_extras, sql

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, UsageError
+from kvcadence.suggest import did_you_mean
 
 FIRST_TOKEN = 3
 
@@ -103,7 +104,6 @@ def workload_keys() -> dict[str, list[tuple[str, Any]]]:
 
 
 def build_workload(spec: str, **overrides: Any) -> Workload:
-    from kvcadence.suggest import did_you_mean
 
     kind, params = parse_spec(spec)
     params.update({k: v for k, v in overrides.items() if v is not None})
