@@ -96,6 +96,9 @@ def test_every_flag_has_help_and_every_command_an_example_that_parses() -> None:
     parses (a renamed or removed flag)."""
     import argparse
 
+    from kvcadence.analysis import compare
+    from kvcadence.errors import UsageError
+
     parser = cli.build_parser()
     missing: list[str] = []
     checked = 0
@@ -118,9 +121,15 @@ def test_every_flag_has_help_and_every_command_an_example_that_parses() -> None:
             if "--help" in argv or "COMMAND" in argv:
                 continue
             try:
-                cli.build_parser().parse_args(argv[1:])
+                parsed = cli.build_parser().parse_args(argv[1:])
             except SystemExit:
                 missing.append(f"{where}: example does not parse: {' '.join(argv)}")
+                continue
+            for gate in getattr(parsed, "gate", None) or []:  # report: a real metric, too
+                try:
+                    compare.parse_gate(gate)
+                except UsageError as exc:
+                    missing.append(f"{where}: example gate: {exc}")
     assert checked > 150  # the walk really saw every command's flags
     assert not missing, "\n".join(missing)
 

@@ -58,7 +58,7 @@ def register(sub: Any) -> None:
         "  kvcadence report run.kvcb --out report-one/\n"
         "  kvcadence report run.kvcb sim.kvcb --out report/\n"
         "  kvcadence report run.kvcb sim.kvcb --out ci/ --no-default-gates \\\n"
-        "      --gate stored_events_per_request=3% --gate cached_tokens_equal_share=>=0.95\n",
+        "      --gate stored_events_per_request=3% --gate requests.cached_tokens_equal_share=>=0.95\n",
     )
     p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="REAL [SIM ...]")
     p.add_argument("--out", required=True, metavar="DIR", help="report directory")
