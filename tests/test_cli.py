@@ -97,6 +97,7 @@ def test_every_flag_has_help_and_every_command_an_example_that_parses() -> None:
     import argparse
 
     from kvcadence.analysis import compare
+    from kvcadence.capture.workloads import parse_spec, workload_keys
     from kvcadence.errors import UsageError
 
     parser = cli.build_parser()
@@ -125,6 +126,12 @@ def test_every_flag_has_help_and_every_command_an_example_that_parses() -> None:
             except SystemExit:
                 missing.append(f"{where}: example does not parse: {' '.join(argv)}")
                 continue
+            spec = getattr(parsed, "workload", None)  # drive: a real kind and real keys
+            if spec and not spec.startswith("@"):
+                kind, params = parse_spec(spec)
+                valid = {k for k, _ in workload_keys().get(kind, [])}
+                if not valid or set(params) - valid:
+                    missing.append(f"{where}: example workload {spec!r} has unknown keys")
             for gate in getattr(parsed, "gate", None) or []:  # report: a real metric, too
                 try:
                     compare.parse_gate(gate)
