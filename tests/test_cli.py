@@ -164,3 +164,15 @@ def test_help_formatter_fills_prose_and_keeps_examples() -> None:
     out = fmt._fill_text(text, 20, "")
     assert out.splitlines()[:2] == ["one two three four", "five six seven"]
     assert out.endswith("examples:\n  kvcadence x --a 1\n  kvcadence y")
+
+
+def test_drive_with_an_unknown_workload_key_lists_the_valid_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "b"
+    argv = ["drive", "--server", "http://127.0.0.1:1", "--workload", "agent:lane=4", "--out"]
+    assert cli.main([*argv, str(out)]) == 2  # refused before the server is contacted
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "unknown key 'lane' (did you mean lanes?); valid keys: lanes, requests, seed" in err
+    assert not out.exists()
