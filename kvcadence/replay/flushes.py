@@ -10,8 +10,8 @@ What this file owns:
 * ``FlushLedger`` (one per worker) and ``FlushPlan`` (one per simulated rank) -- where each
   flush sits in the simulated schedule.
 
-The rule (reference ``sglang-scheduler-model.md`` §2, §17; SGLang's ``flush_cache`` refuses
-unless nothing is running or waiting): a recorded flush at receive time ``t`` sits **after
+The rule (SGLang's ``flush_cache`` refuses unless nothing is running or waiting, and a
+``/flush_cache`` clear goes out alone in its message): a recorded flush at receive time ``t`` sits **after
 every request that finished before ``t``** (recorded finish ≤ ``t``; a request without a
 recorded finish: arrival < ``t``) and **before every other request** (they arrived after
 it: a request in the scheduler at ``t`` would have made the flush fail). Replayed:

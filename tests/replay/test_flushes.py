@@ -171,6 +171,17 @@ def test_one_flush_sits_between_the_requests_it_separated():
     assert stream == joined(parts)
     sim_clear = [t for (why, _c, _p, t) in res.scheduler.publish_log if why == "flush"]
     check_order(res, sim_clear, groups)
+    # timing: the clear came as long after the last request before it as recorded, each
+    # lane's next turn as long after the clear as recorded (500 ms + its stagger)
+    by = {r.rid: r for r in res.requests}
+    anchor = res.schedule.anchor_ns
+    last_before = max(by[rid].finish_ns for rid in groups[0]) - anchor
+    rec_fin = max(r.meta_info["request_finished_ts"] for r in recs if r.rid in set(groups[0]))
+    rec_delay = flushes[0] - round(rec_fin * 1e9)
+    assert rec_delay == 323 * MS  # the last request's stagger and gap, then 300 ms
+    assert sim_clear == [last_before + rec_delay]
+    firsts = [by[f"p1-l{lane}-t0"].send_ns - anchor for lane in range(6)]
+    assert firsts == [sim_clear[0] + (500 + 3 * lane) * MS for lane in range(6)]
     # the first prefill after the clear found nothing cached; later ones hit what the
     # second phase stored again
     after = [r for r in res.requests if r.rid in set(groups[1])]
