@@ -25,7 +25,7 @@ import copy
 from pathlib import Path
 
 from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, BundleWriter
+from kvcadence.capture.bundle import BundleReader, BundleWriter, event_payload
 from kvcadence.capture.schema import (
     AllBlocksCleared,
     Annotation,
@@ -327,3 +327,26 @@ def test_contradictory_records_still_flush_once():
     fl = simulate_fleet([w], "recorded")
     assert fl.slots[0].sched.stats.flushes == 1
     assert all(r.completion_tokens == 5 for r in fl.requests)
+
+
+def test_replay_cli_reads_the_clear_of_a_single_rank_bundle(tmp_path: Path):
+    from kvcadence.cli import main
+    from kvcadence.replay.simulator import write_sim_bundle
+
+    recs, flushes, groups = phased(3, 2, 2)
+    src = tmp_path / "src"
+    write_sim_bundle(src, run(copy.deepcopy(recs), config(), flush_abs_ns=flushes), None)
+    (clear,) = recorded_flushes(BundleReader(src))
+    assert clear.rank == 0 and clear.seq is not None and clear.seq > 0
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim")]) == 0
+    reader = BundleReader(tmp_path / "sim")
+    frames = list(reader.events())
+    clears = [
+        f
+        for f in frames
+        if wire.decode_batch(event_payload(f)).events == [AllBlocksCleared()] and f.seq > 0
+    ]
+    assert len(clears) == 1
+    by = {r.rid: r for r in reader.requests()}
+    assert max(by[rid].finish_ns for rid in groups[0]) <= clears[0].recv_ns
+    assert min(by[rid].send_ns for rid in groups[1]) >= clears[0].recv_ns
