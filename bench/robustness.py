@@ -13,8 +13,8 @@ held to the fidelity bars (issue 16):
 
 A DP capture is replayed as a fleet with ``recorded`` routing (the default pace) and a bar
 holds only when it holds on every rank (each rank's events, requests by their recorded
-rank). The Kolmogorov–Smirnov distance of blocks per Stored event (``analysis.distance``) is
-reported next to the bars (not a bar).
+rank). The Kolmogorov–Smirnov distances of blocks per Stored and per Removed event
+(``analysis.distance``) are reported next to the bars (not bars).
 
 Captures: the shared fixture (``--fixture``, imported into a temporary bundle), the
 ``examples/`` sample and the DP captures of ``tests/replay/data``. ``--write-docs`` replaces
@@ -111,6 +111,7 @@ def figures(payloads: Sequence[bytes], requests: Sequence[Any]) -> dict[str, Any
         "removed_median": statistics.median(removed) if removed else None,
         "removed_mean": statistics.fmean(removed) if removed else None,
         "stored": stored,
+        "removed": removed,
         "hashes": hashes,
         "cached": {r.rid: r.cached_tokens for r in requests},
     }
@@ -266,9 +267,10 @@ def run_capture(cap: Capture, params: Sequence[str] = PARAMS) -> dict[str, Any]:
         sim = cap.replay(param, factor)
         per_rank = {k: bars(real[k], sim.get(k, figures([], []))) for k in real}
         held = {key: all(b[key] for b in per_rank.values()) for key, _t, _tol in BARS}
-        ks = max(
-            (ks_statistic(real[k]["stored"], sim[k]["stored"]) or 0.0) for k in real if k in sim
-        )
+        ks = {
+            kind: max((ks_statistic(real[k][kind], sim[k][kind]) or 0.0) for k in real if k in sim)
+            for kind in ("stored", "removed")
+        }
         rows.append(
             {
                 "variant": label(param, factor),
@@ -276,7 +278,8 @@ def run_capture(cap: Capture, params: Sequence[str] = PARAMS) -> dict[str, Any]:
                 "factor": factor,
                 "bars": held,
                 "all": all(held.values()),
-                "ks_stored": ks,
+                "ks_stored": ks["stored"],
+                "ks_removed": ks["removed"],
                 "per_rank": {
                     str(k): {
                         "real": {x: real[k][x] for x in ("stored_per_req", "stored_median",
@@ -301,7 +304,8 @@ def run_capture(cap: Capture, params: Sequence[str] = PARAMS) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- table
 def table(results: list[dict[str, Any]], notes: list[str]) -> str:
-    head = ["capture", "variants"] + [t for _k, t, _tol in BARS] + ["every bar", "KS blk/Stored"]
+    head = ["capture", "variants"] + [t for _k, t, _tol in BARS]
+    head += ["every bar", "KS blk/Stored", "KS blk/Removed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res in results:
         rows = res["rows"]
@@ -313,8 +317,9 @@ def table(results: list[dict[str, Any]], notes: list[str]) -> str:
             cells.append(f"{k}/{n}" + ("" if base["bars"][key] else " (✗ as calibrated)"))
         k_all = sum(1 for r in rows if r["all"])
         cells.append(f"**{k_all}/{n}** ({100 * k_all / n:.0f} %)")
-        ks = [r["ks_stored"] for r in rows]
-        cells.append(f"{base['ks_stored']:.3f} (max {max(ks):.3f})")
+        for kind in ("ks_stored", "ks_removed"):
+            ks = [r[kind] for r in rows]
+            cells.append(f"{base[kind]:.3f} (max {max(ks):.3f})")
         lines.append("| " + " | ".join(cells) + " |")
     total = sum(len(r["rows"]) for r in results)
     held = sum(1 for r in results for row in r["rows"] if row["all"])
@@ -325,8 +330,9 @@ def table(results: list[dict[str, Any]], notes: list[str]) -> str:
         f"({', '.join(f'`{p}`' for p in PARAMS)}; one left at 0 has none) × "
         f"{', '.join(f'{f:g}' for f in FACTORS)}. A cell is how many variants meet the bar "
         '(a DP capture: on every rank); "✗ as calibrated": the unperturbed replay misses it. '
-        "KS blk/Stored: Kolmogorov–Smirnov distance of blocks per Stored event as calibrated "
-        "(the largest over ranks) and the largest over the variants.",
+        "KS blk/Stored, KS blk/Removed: Kolmogorov–Smirnov distance of blocks per Stored / "
+        "Removed event as calibrated (the largest over ranks) and the largest over the "
+        "variants (not bars).",
         "",
         *lines,
         "",
