@@ -6,15 +6,18 @@ What this file owns:
   ``AllBlocksCleared`` after the first seq of an epoch of an endpoint (seq 0 is the
   publisher's startup clear), with its receive time, seq and the endpoint's DP rank; an
   ``Annotation`` of kind ``flush`` (every rank); without any such clear in the event stream
-  (a requests-only capture), the driver's successful ``flush_cache`` annotations;
+  (a requests-only capture), the driver's successful ``flush_cache`` annotations. A clear
+  recovered through the replay socket (``VIA_REPLAY``) was received late (when the gap was
+  noticed, after later messages): its time is its batch's publish ``ts`` moved onto the
+  receive clock by the endpoint's median ``recv_ns − ts`` over the messages received live;
 * ``FlushLedger`` (one per worker) and ``FlushPlan`` (one per simulated rank) -- where each
   flush sits in the simulated schedule.
 
-The rule (SGLang's ``flush_cache`` refuses unless nothing is running or waiting, and a
-``/flush_cache`` clear goes out alone in its message): a recorded flush at receive time ``t`` sits **after
-every request that finished before ``t``** (recorded finish ≤ ``t``; a request without a
-recorded finish: arrival < ``t``) and **before every other request** (they arrived after
-it: a request in the scheduler at ``t`` would have made the flush fail). Replayed:
+The rule (SGLang's ``flush_cache`` refuses unless nothing is running or waiting): a recorded
+flush at receive time ``t`` sits **after every request that finished before ``t``**
+(recorded finish ≤ ``t``; a request without a recorded finish: arrival < ``t``) and
+**before every other request** (they arrived after it: a request in the scheduler at ``t``
+would have made the flush fail). Replayed:
 
 * the flush becomes *due* once all its "before" requests have finished in the simulation
   (whichever rank served them), ``delay`` after the last of them, ``delay`` = recorded
@@ -60,35 +63,48 @@ def recorded_flushes(reader: Any) -> list[RecordedFlush]:
     """The mid-run flushes recorded in a bundle (see module docstring), by time then rank."""
     from kvcadence.capture import wire
     from kvcadence.capture.bundle import event_payload
-    from kvcadence.capture.schema import AllBlocksCleared, Annotation, EventFrame
+    from kvcadence.capture.schema import VIA_REPLAY, AllBlocksCleared, Annotation, EventFrame
 
     rank_of_ep = {e.id: int(e.dp_rank) for e in (getattr(reader.header, "endpoints", None) or [])}
     first_seq: dict[tuple[int, int], int] = {}
-    clears: dict[tuple[int, int, int], RecordedFlush] = {}
+    #: (endpoint, epoch, seq) -> (recv_ns, publish ts in ns or None, recovered late)
+    clears: dict[tuple[int, int, int], tuple[int, int | None, bool]] = {}
+    lag: dict[int, list[int]] = {}  # endpoint -> recv_ns - ts of live messages
     notes: list[RecordedFlush] = []
     driver_notes: list[RecordedFlush] = []
     for rec in reader.records():
         if isinstance(rec, EventFrame):
             key = (rec.endpoint, rec.epoch)
-            if first_seq.setdefault(key, rec.seq) == rec.seq:
-                continue
+            first = first_seq.setdefault(key, rec.seq) == rec.seq
             try:
                 batch = wire.decode_batch(event_payload(rec))
             except Exception:  # a malformed payload is not a flush
                 continue
-            if any(isinstance(e, AllBlocksCleared) for e in batch.events):
-                rank = rank_of_ep.get(rec.endpoint, rec.endpoint)
-                # a frame recovered twice (live and through the replay socket) counts once
-                clears.setdefault(
-                    (rec.endpoint, rec.epoch, rec.seq), RecordedFlush(rec.recv_ns, rank, rec.seq)
-                )
+            ts = batch.ts
+            ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
+            late = rec.via == VIA_REPLAY
+            if ts_ns is not None and not late:
+                lag.setdefault(rec.endpoint, []).append(rec.recv_ns - ts_ns)
+            if not first and any(isinstance(e, AllBlocksCleared) for e in batch.events):
+                # a frame recorded twice (live and through the replay socket) counts once,
+                # live first
+                ck = (rec.endpoint, rec.epoch, rec.seq)
+                if ck not in clears or clears[ck][2]:
+                    clears[ck] = (rec.recv_ns, ts_ns, late)
         elif isinstance(rec, Annotation):
             if rec.kind == "flush":
                 notes.append(RecordedFlush(rec.recv_ns))
             elif rec.kind == "flush_cache" and (rec.data or {}).get("ok") is True:
                 at = (rec.data or {}).get("finish_ns", rec.recv_ns)
                 driver_notes.append(RecordedFlush(int(at)))
-    out = list(clears.values()) + notes
+    out = list(notes)
+    for (ep, _epoch, seq), (recv_ns, ts_ns, late) in clears.items():
+        at = recv_ns
+        if late and ts_ns is not None:
+            lags = sorted(lag.get(ep) or [x for v in lag.values() for x in v])
+            if lags:
+                at = min(recv_ns, ts_ns + lags[len(lags) // 2])
+        out.append(RecordedFlush(at, rank_of_ep.get(ep, ep), seq))
     if not clears:
         out += driver_notes
     out.sort(key=lambda f: (f.recv_ns, -1 if f.rank is None else f.rank, f.seq or 0))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
+
 from kvcadence.capture import wire
 from kvcadence.capture.bundle import BundleReader, BundleWriter, event_payload
 from kvcadence.capture.schema import (
@@ -350,3 +352,35 @@ def test_replay_cli_reads_the_clear_of_a_single_rank_bundle(tmp_path: Path):
     by = {r.rid: r for r in reader.requests()}
     assert max(by[rid].finish_ns for rid in groups[0]) <= clears[0].recv_ns
     assert min(by[rid].send_ns for rid in groups[1]) >= clears[0].recv_ns
+
+
+def test_a_clear_recovered_late_is_placed_at_its_publish_time(tmp_path: Path):
+    from kvcadence.capture.schema import VIA_LIVE, VIA_REPLAY, KVEventBatch
+
+    eps = [EndpointInfo(0, "tcp://127.0.0.1:5557", None, 0, "kv-events")]
+    header = Header(1, 0, "real", "test", "0.5.23", {"page_size": 1}, None, [], 0, eps)
+    store = BlockStored(
+        block_hashes=[11], parent_block_hash=None, token_ids=[5], block_size=1, lora_id=None
+    )
+    base = 1_700_000_000 * 10**9  # publish times (server clock); received 3 ms later
+    frames = [  # (seq, publish ns, received ns, events, via)
+        (0, base, base + 3 * MS, [AllBlocksCleared()], VIA_LIVE),
+        (1, base + 100 * MS, base + 103 * MS, [store], VIA_LIVE),
+        (3, base + 900 * MS, base + 903 * MS, [store], VIA_LIVE),
+        # seq 2 was missed live and fetched from the replay socket after seq 3 came
+        (2, base + 500 * MS, base + 950 * MS, [AllBlocksCleared()], VIA_REPLAY),
+        (4, base + 1200 * MS, base + 1203 * MS, [AllBlocksCleared()], VIA_LIVE),
+    ]
+    with BundleWriter(tmp_path / "b", header) as bw:
+        for seq, pub, recv, events, via in frames:
+            payload = wire.encode_batch(KVEventBatch(pub / 1e9, events, 0))
+            bw.write_event(
+                endpoint=0, seq=seq, recv_ns=recv, topic="kv-events", payload=payload, via=via,
+                epoch=0,
+            )  # fmt: skip
+        bw.close()
+    got = recorded_flushes(BundleReader(tmp_path / "b"))
+    assert [(f.seq, f.rank) for f in got] == [(2, 0), (4, 0)]
+    # the recovered clear: its publish time + the live messages' 3 ms; the live one as received
+    assert got[0].recv_ns == pytest.approx(base + 503 * MS, abs=1000)
+    assert got[1].recv_ns == base + 1203 * MS
