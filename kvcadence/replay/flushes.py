@@ -188,10 +188,6 @@ class FlushPlan:
         """A flush is still to be performed."""
         return self.performed_n < len(self.times)
 
-    @property
-    def held(self) -> int:
-        return len(self._held)
-
     def attach(self, on_due: Callable[[int], None]) -> None:
         self._on_due = on_due
         self._check_due()
