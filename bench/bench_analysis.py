@@ -50,9 +50,9 @@ def pin_one_core() -> str:
 
 def build(path: Path, n_events: int, seed: int = 7) -> tuple[int, int]:
     """Write the synthetic bundle; return (events, requests)."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import (
+    from kvcadence.format import wire
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import (
         BlockRemoved,
         BlockStored,
         EndpointInfo,
@@ -160,7 +160,7 @@ def seg_bytes(path: Path) -> int:
 def baseline(path: Path) -> float:
     import msgspec
 
-    from kvcadence.capture.bundle import BundleReader, event_payload
+    from kvcadence.format.bundle import BundleReader, event_payload
 
     dec = msgspec.msgpack.Decoder()
     t0 = time.perf_counter()

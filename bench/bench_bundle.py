@@ -32,9 +32,9 @@ from pathlib import Path
 import msgspec
 from common import add_output_args, figure, goal, write_results
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, BundleWriter, list_segments
-from kvcadence.capture.schema import (
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, BundleWriter, list_segments
+from kvcadence.format.schema import (
     VIA_LIVE,
     BlockRemoved,
     BlockStored,
@@ -212,7 +212,7 @@ def main() -> None:
     write_results(
         args.json,
         "bundle",
-        "Bundle write and read throughput (kvcadence.capture.bundle)",
+        "Bundle write and read throughput (kvcadence.format.bundle)",
         figs,
         {"frames": args.frames, "requests": args.requests, "avg_payload_bytes": round(avg)},
         ["MB/s of bundle bytes (baselines: MB of bare payload bytes); one pass each"],

@@ -25,7 +25,7 @@ COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("capture", "kvcadence.capture.cli_bundle"),  # inspect, import
     ("capture", "kvcadence.capture.cli_live"),  # capture, drive, harness
     ("replay", "kvcadence.replay.cli"),  # replay
-    ("replay", "kvcadence.replay.cli_admit"),  # admit
+    ("admit", "kvcadence.admit.cli"),  # admit
     ("analysis", "kvcadence.analysis.cli"),  # ingest, sql, report, prefixes
     ("analysis", "kvcadence.analysis.cli_routing"),  # ranks
     ("kernels", "kvcadence.kernels.cli"),  # collectives
@@ -37,6 +37,7 @@ kvcadence: does a simulator reproduce what a real SGLang worker publishes?
 
   capture   record a live worker's KV events + request schedule into a bundle
   replay    push the same schedule through a simulated SGLang scheduler
+  admit     SGLang's offline admission benchmark (PrefillAdder tick by tick)
   analysis  real vs simulated cadence reports (DuckDB/Polars over Parquet)
   kernels   replay observed prefix sizes through torch.distributed collectives
 """

@@ -152,7 +152,7 @@ def _usage(msg: str) -> Exception:
 
 
 def _is_bundle(path: Path) -> bool:
-    from kvcadence.capture.bundle import is_bundle
+    from kvcadence.format.bundle import is_bundle
 
     return is_bundle(path)
 
@@ -191,14 +191,14 @@ def _copy_bundle(src: Path, dst: Path) -> None:
     """Give the demo its own copy of ``src`` (segments only), so caches land in --out. A byte
     copy, never a link: a repair of the copy (``BundleWriter.append`` truncates a torn last
     segment in place) must never reach the committed sample in ``examples/``."""
-    from kvcadence.capture.bundle import copy_bundle
+    from kvcadence.format.bundle import copy_bundle
 
     copy_bundle(src, dst)
 
 
 def _server_settings(bundle: Path) -> dict[str, Any]:
     """The worker settings recorded in the capture header (``/server_info``), if any."""
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     info = BundleReader(bundle).header.server_info or {}
     snap = info.get("kvcadence_snapshot") if isinstance(info, dict) else None
@@ -560,7 +560,7 @@ def _live_check(args: argparse.Namespace, commands: set[str]) -> None:
                 f"--live needs `kvcadence {cmd}` (the live capture stage), which is not installed"
                 " in this kvcadence; update the checkout and reinstall"
             )
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     st = harness.status()
     if not (st.get("venv_ready") and st.get("model_ready")):

@@ -1,7 +1,7 @@
 """Per-rank figures, real-vs-sim per rank, and the routing what-if table.
 
-What this file owns (pure functions; bundles are read through ``capture.bundle`` and
-payloads decoded through ``capture.wire``):
+What this file owns (pure functions; bundles are read through ``format.bundle`` and
+payloads decoded through ``format.wire``):
 
 * ``rank_figures(bundle)`` -- per DP rank (endpoint ``dp_rank``; requests by ``dp_rank``,
   null = rank 0) and in total: requests, messages, Stored/Removed events per request,
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.analysis.distance import ks_statistic
+from kvcadence.format.schema import served_rank
 
 FIGURES = (
     "requests",
@@ -50,13 +51,6 @@ FIGURES = (
 )
 
 
-def _rank_of(rec: Any) -> int:
-    r = rec.dp_rank
-    if r is None:
-        r = (rec.meta_info or {}).get("dp_rank")
-    return int(r) if r is not None else 0
-
-
 def _median(xs: list[int]) -> float | None:
     return float(statistics.median(xs)) if xs else None
 
@@ -67,9 +61,9 @@ def _mean(xs: list[int]) -> float | None:
 
 def rank_figures(bundle: str | Path) -> dict[str, dict[str, Any]]:
     """``{"0": {...}, "1": {...}, "all": {...}}`` for one bundle (see module docstring)."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import BundleReader, event_payload
-    from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored
+    from kvcadence.format import wire
+    from kvcadence.format.bundle import BundleReader, event_payload
+    from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored
 
     reader = BundleReader(Path(bundle))
     ep_rank = {e.id: int(e.dp_rank) for e in reader.header.endpoints}
@@ -108,7 +102,7 @@ def rank_figures(bundle: str | Path) -> dict[str, dict[str, Any]]:
             elif isinstance(e, AllBlocksCleared):
                 a["cleared"] += 1
     for rec in reader.requests():
-        slot(_rank_of(rec))["requests"].append(rec)
+        slot(served_rank(rec))["requests"].append(rec)
     out: dict[str, dict[str, Any]] = {}
     total = {
         "messages": 0,
@@ -217,7 +211,7 @@ def what_if_table(runs: Sequence[tuple[str, str | Path]], real: str | Path | Non
     rec_hit = rank_figures(real)["all"]["hit_rate"] if real is not None else None
     rows = []
     for label, path in runs:
-        from kvcadence.capture.bundle import BundleReader
+        from kvcadence.format.bundle import BundleReader
 
         f = rank_figures(path)
         a = f["all"]

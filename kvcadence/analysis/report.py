@@ -25,6 +25,7 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
+from kvcadence.analysis.formatting import fmt
 from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, DISTANCES, BundleMetrics
 from kvcadence.errors import UsageError
 
@@ -112,27 +113,9 @@ class ReportResult:
             "runs.jsonl appended)"
         )
 
-
-# --------------------------------------------------------------------------------------
-# formatting helpers
-# --------------------------------------------------------------------------------------
-
-
-def fmt(v: Any) -> str:
-    """A number as a short human string ('-' for null)."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return str(int(v))
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if v != v:
-            return "-"
-        if v.is_integer() and abs(v) < 1e15:
-            return str(int(v))
-        return f"{v:.6g}"
-    return str(v)
+    # --------------------------------------------------------------------------------------
+    # formatting helpers
+    # --------------------------------------------------------------------------------------
 
 
 def pct(v: Any) -> str:

@@ -37,7 +37,7 @@ class Extra:
 
 
 def _fmt(v: Any) -> str:
-    from kvcadence.analysis.report import fmt
+    from kvcadence.analysis.formatting import fmt
 
     return fmt(v)
 

@@ -247,7 +247,7 @@ def _endpoints(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any] | No
 
 
 def _open_writer(out: str, header: Any, segment_mb: float) -> Any:
-    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.format.bundle import BundleWriter
 
     if segment_mb <= 0:
         raise UsageError("--segment-mb must be > 0")
@@ -316,8 +316,8 @@ def run_capture(args: argparse.Namespace) -> int:
 
 def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
-    from kvcadence.capture.bundle import BundleWriter, check_encodable
     from kvcadence.capture.discovery import make_header
+    from kvcadence.format.bundle import BundleWriter, check_encodable
 
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
@@ -347,8 +347,8 @@ def run_drive(args: argparse.Namespace) -> int:
     from kvcadence.capture import discovery
     from kvcadence.capture.driver import Driver
     from kvcadence.capture.recorder import summary_text
-    from kvcadence.capture.schema import Annotation
     from kvcadence.capture.workloads import build_workload
+    from kvcadence.format.schema import Annotation
 
     wl = build_workload(args.workload, lanes=args.lanes, requests=args.requests, seed=args.seed)
     opts = _drive_opts(args)  # bad options fail before anything is created
@@ -474,7 +474,7 @@ def _drive_summary(args: argparse.Namespace, dst: Any, cst: Any) -> None:
 
 
 def run_harness(args: argparse.Namespace) -> int:
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     act = args.harness_action
     if act == "setup":

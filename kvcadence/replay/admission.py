@@ -90,12 +90,6 @@ class NewTokenRatioTracker:
         """``n`` decode steps without retraction."""
         self.current = max(self.current - self.decay * n, self.min)
 
-    def steps_to_min(self) -> int:
-        """Decode steps until the ratio reaches its floor (for stretch skipping)."""
-        if self.current <= self.min:
-            return 0
-        return int((self.current - self.min) / self.decay) + 1
-
     def on_retract(self, batch: Iterable[Any]) -> None:
         """After a retraction: ``(Σ out + steps × n) / (Σ max_new + 1)``, capped at 1."""
         reqs = list(batch)

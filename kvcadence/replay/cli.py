@@ -136,38 +136,11 @@ def register(sub: Any) -> None:
     p.set_defaults(_run=run)
 
 
-_OVERRIDES = (
-    "page_size",
-    "max_total_tokens",
-    "chunked_prefill_size",
-    "max_prefill_tokens",
-    "max_running_requests",
-    "decode_log_interval",
-    "schedule_policy",
-    "schedule_conservativeness",
-    "disable_overlap_schedule",
-    "sglang_version",
-    "prefill_base_s",
-    "prefill_per_token_s",
-    "prefill_per_req_s",
-    "decode_base_s",
-    "decode_per_req_s",
-    "default_gap_s",
-    "skip_decode_stretches",
-    "role",
-    "decode_radix_cache",
-    "transfer_base_s",
-    "transfer_per_token_s",
-    "track_visibility",
-    "sync_forward",
-    "scale_client_gaps",
-)
-
-
 def run(args: argparse.Namespace) -> int:
     from kvcadence.errors import UsageError
     from kvcadence.replay.cli_fleet import maybe_run_fleet
-    from kvcadence.replay.simulator import effective_config, replay_bundle
+    from kvcadence.replay.config import CLI_OVERRIDES
+    from kvcadence.replay.simulator import check_some_ran, effective_config, replay_bundle
 
     rc = maybe_run_fleet(args)  # several ranks / workers / --route / --sweep
     if rc is not None:
@@ -178,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--speed must be >= 0")
     if args.linger < 0:
         raise UsageError("--linger must be >= 0")
-    overrides = {k: getattr(args, k) for k in _OVERRIDES}
+    overrides = {k: getattr(args, k) for k in CLI_OVERRIDES}
     from pathlib import Path
 
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     src = Path(args.bundle)
     if not src.exists():
@@ -237,18 +210,3 @@ def run(args: argparse.Namespace) -> int:
         )
     check_some_ran(result.requests)
     return 0
-
-
-def check_some_ran(records: list[Any]) -> None:
-    """``ReplayError`` (exit 1, one line) when no simulated request produced a token: every
-    one was aborted (the sim bundle, already written, keeps why in each record)."""
-    if not records or any((r.completion_tokens or 0) > 0 for r in records):
-        return
-    from kvcadence.errors import ReplayError
-
-    reasons = sorted({r.error for r in records if r.error})
-    why = f" ({'; '.join(reasons[:3])})" if reasons else ""
-    raise ReplayError(
-        f"replay: no request ran: all {len(records)} were aborted{why}; "
-        "check --max-total-tokens / --page-size"
-    )

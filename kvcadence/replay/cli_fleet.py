@@ -61,9 +61,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from kvcadence.replay.cli import _OVERRIDES
+    from kvcadence.replay.config import CLI_OVERRIDES
 
-    return {k: getattr(args, k, None) for k in _OVERRIDES}
+    return {k: getattr(args, k, None) for k in CLI_OVERRIDES}
 
 
 def _pace(args: argparse.Namespace) -> str:
@@ -78,7 +78,7 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
         return True
     from pathlib import Path
 
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.fleet import dp_size_of
 
     p = Path(bundles[0])
@@ -150,7 +150,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     finally:
         if bar is not None:
             bar.close()
-    from kvcadence.replay.cli import check_some_ran
+    from kvcadence.replay.simulator import check_some_ran
 
     paths = write_fleet_bundles(args.out, result)
     summary = result.summary()

@@ -54,12 +54,13 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.format.schema import served_rank
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
-from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq, SimStats
+from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 
 _INF = float("inf")
@@ -97,17 +98,6 @@ class WorkerInput:
         return len(self.rank_configs)
 
 
-def rank_of(rec: Any) -> int:
-    """The rank that served ``rec`` (``dp_rank``, else ``meta_info.dp_rank``; null = 0)."""
-    r = getattr(rec, "dp_rank", None)
-    if r is None:
-        r = (getattr(rec, "meta_info", None) or {}).get("dp_rank")
-    try:
-        return int(r) if r is not None else 0
-    except (TypeError, ValueError):
-        return 0
-
-
 def dp_size_of(header: Any, records: Sequence[Any]) -> int:
     """DP ranks of a worker: ``/server_info`` (``dp_size`` or ``kv_events.dp_size``), the
     bundle's endpoints, or the highest recorded rank + 1 -- whichever is largest."""
@@ -120,7 +110,7 @@ def dp_size_of(header: Any, records: Sequence[Any]) -> int:
     if eps:
         cands.append(max(int(e.dp_rank) for e in eps) + 1)
     if records:
-        cands.append(max(rank_of(r) for r in records) + 1)
+        cands.append(max(served_rank(r) for r in records) + 1)
     return max(cands)
 
 
@@ -149,7 +139,7 @@ def rank_configs(
             for k, v in internal[rank].items():
                 if v is not None:
                     rank_info[k] = v
-        mine = [r for r in records if rank_of(r) == rank]
+        mine = [r for r in records if served_rank(r) == rank]
         cfg = effective_config(
             rank_info,
             mine if len(mine) >= 8 else list(records),
@@ -171,7 +161,7 @@ def load_worker(
     calibrate_timing: bool = True,
 ) -> WorkerInput:
     """Read one bundle as a worker to replay."""
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     p = Path(path)
     if not p.exists():
@@ -240,9 +230,6 @@ class FleetResult:
     wall_s: float
     specs: list[RequestSpec]
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def slot_stats(self, slot: Slot) -> SimStats:
-        return slot.sched.stats
 
     def summary(self) -> dict[str, Any]:
         per_slot = []
@@ -321,7 +308,7 @@ class Fleet:
                 if s.arrival_ns is not None:
                     s.arrival_ns += shift
                 specs.append(s)
-                rank = rank_of(s.source) if s.source is not None else 0
+                rank = served_rank(s.source) if s.source is not None else 0
                 if rank >= w.dp_size:
                     raise InputError(
                         f"{w.name}: request {s.rid!r} was served by dp rank {rank}, "
@@ -526,8 +513,8 @@ def worker_requests(result: FleetResult, worker: int) -> list[Any]:
 def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> None:
     """Write worker ``worker``'s ranks as one sim bundle (one endpoint per rank)."""
     from kvcadence import __version__
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
 
     w = result.workers[worker]
     slots = [sl for sl in result.slots if sl.worker == worker]

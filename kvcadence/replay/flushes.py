@@ -46,6 +46,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcadence.format import wire
+from kvcadence.format.bundle import event_payload
+from kvcadence.format.schema import VIA_REPLAY, AllBlocksCleared, Annotation, EventFrame
 from kvcadence.replay.schedule import RequestSpec, _arrival, _finish
 
 
@@ -61,10 +64,6 @@ class RecordedFlush:
 
 def recorded_flushes(reader: Any) -> list[RecordedFlush]:
     """The mid-run flushes recorded in a bundle (see module docstring), by time then rank."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import event_payload
-    from kvcadence.capture.schema import VIA_REPLAY, AllBlocksCleared, Annotation, EventFrame
-
     rank_of_ep = {e.id: int(e.dp_rank) for e in (getattr(reader.header, "endpoints", None) or [])}
     first_seq: dict[tuple[int, int], int] = {}
     #: (endpoint, epoch, seq) -> (recv_ns, publish ts in ns or None, recovered late)

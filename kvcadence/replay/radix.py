@@ -8,7 +8,7 @@ What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics, reference
   digest (all of them
   concatenated in one ``bytes``, 32 per page) and one int64 block hash per page, chained
   from the parent node's last page (hashes come from
-  ``kvcadence.capture.wire`` through an injected ``Hasher``, so a simulated hash equals the
+  ``kvcadence.format.wire`` through an injected ``Hasher``, so a simulated hash equals the
   real one for the same tokens).
 * ``match_prefix`` walks from the root, splits a node on a partial (page-aligned) match
   (no event), and touches every node on the path (LRU access stamp, deeper = newer).
@@ -67,11 +67,11 @@ class NullSink:
 
 
 def wire_hasher() -> Hasher:
-    """The production hasher: ``kvcadence.capture.wire`` (SGLang's chained SHA-256)."""
+    """The production hasher: ``kvcadence.format.wire`` (SGLang's chained SHA-256)."""
     import sys
     from array import array
 
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     block_digests = wire.block_digests
     to_int = wire.digest_to_int64

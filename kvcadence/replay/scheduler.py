@@ -45,7 +45,6 @@ slots (``alloc`` = page-ceiled). ``available = pool − tree.total_size − Σ a
 from __future__ import annotations
 
 import bisect
-import gc
 import heapq
 from array import array
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcadence.errors import ReplayError
+from kvcadence.gcpause import gc_paused
 from kvcadence.replay.admission import (
     AddReqResult,
     NewTokenRatioTracker,
@@ -1134,9 +1134,7 @@ class Scheduler:
         allocates millions of small objects that live until it ends (requests' token
         lists, nodes, event structs), so collections would only re-walk them (≈ 17 % of a
         run); the objects that do form cycles (tree nodes) are freed when the tree goes."""
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             self.start()
             reported = 0
             guard = 0
@@ -1153,9 +1151,6 @@ class Scheduler:
                 stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
                 raise ReplayError(f"simulation ended with unfinished requests: {stuck}")
             return self.finish_run()
-        finally:
-            if enabled:
-                gc.enable()
 
     # ------------------------------------------------------------------ stepping API
     def start(self) -> None:

@@ -22,14 +22,14 @@ rank is idle (``replay.flushes``).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import InputError, UsageError
+from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.gcpause import gc_paused
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
@@ -114,9 +114,7 @@ def simulate(
     The cyclic garbage collector is paused for the call (restored after): a replay creates
     millions of long-lived objects (token lists, radix nodes, events, records) that
     collections would only re-walk (≈ 20 % of a large replay)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _simulate(
             records,
             cfg,
@@ -125,9 +123,6 @@ def simulate(
             progress=progress,
             on_publish=on_publish,
         )
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _simulate(
@@ -175,7 +170,7 @@ def sim_request_record(
     """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
     ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
     (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
-    from kvcadence.capture.schema import RequestRecord
+    from kvcadence.format.schema import RequestRecord
 
     s = r.spec
     arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
@@ -232,8 +227,8 @@ def flush_times_from_bundle(reader: Any, rank: int | None = None) -> list[int]:
 def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
     """Write ``result`` as a sim bundle at ``out`` (must not exist or be empty)."""
     from kvcadence import __version__
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
 
     cfg = result.config
     endpoint = EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)
@@ -285,7 +280,7 @@ def replay_bundle(
     hasher: Hasher | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None)."""
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     src_path = Path(src)
     if not src_path.exists():
@@ -312,3 +307,16 @@ def replay_bundle(
     if out_path is not None:
         write_sim_bundle(out_path, result, header)
     return result
+
+
+def check_some_ran(records: list[Any]) -> None:
+    """``ReplayError`` (exit 1, one line) when no simulated request produced a token: every
+    one was aborted (the sim bundle, already written, keeps why in each record)."""
+    if not records or any((r.completion_tokens or 0) > 0 for r in records):
+        return
+    reasons = sorted({r.error for r in records if r.error})
+    why = f" ({'; '.join(reasons[:3])})" if reasons else ""
+    raise ReplayError(
+        f"replay: no request ran: all {len(records)} were aborted{why}; "
+        "check --max-total-tokens / --page-size"
+    )

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvcadence.analysis import compare, metrics
-from kvcadence.capture.schema import RequestRecord
 from kvcadence.cli import main
 from kvcadence.errors import UsageError
+from kvcadence.format.schema import RequestRecord
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
 MS = 1_000_000

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from kvcadence.capture.driver import Driver
-from kvcadence.capture.schema import Annotation, RequestRecord
 from kvcadence.capture.workloads import AgentWorkload, build_workload, parse_spec
 from kvcadence.errors import InputError, UsageError
+from kvcadence.format.schema import Annotation, RequestRecord
 
 
 class FakeSGLang:

@@ -10,13 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvcadence.capture.bundle import BundleReader
 from kvcadence.capture.discovery import endpoints_from_server_info, explicit_endpoints
 from kvcadence.capture.recorder import CaptureStats, StatusLine
-from kvcadence.capture.schema import Trailer
-from kvcadence.capture.testpub import TestPublisher, payload_pool
 from kvcadence.cli import main
 from kvcadence.errors import CaptureError, UsageError
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import Trailer
+from kvcadence.testing.publisher import TestPublisher, payload_pool
 
 POOL = payload_pool(16)
 
@@ -150,8 +150,8 @@ def test_capture_discovers_every_dp_rank(tmp_path, fake_server):
     """/server_info with ``dp_size`` 2: one endpoint per rank on ``base + r`` (replay on
     ``replay_base + r``, the ranges ``harness.reserve_ports`` keeps free), each recorded from
     its own seq 0 through the initial replay, byte-exact."""
-    from kvcadence.capture.bundle import event_payload
-    from kvcadence.capture.harness import reserve_ports
+    from kvcadence.format.bundle import event_payload
+    from kvcadence.harness.worker import reserve_ports
 
     state, url = fake_server
     _, ev, rp = reserve_ports(2)
@@ -185,8 +185,8 @@ def test_malformed_messages_keep_their_place_between_burst_writes(
 ):
     """A malformed message inside a drain burst is annotated where it arrived: the frames
     before it are written first (the burst is cut), the ones after it follow."""
-    from kvcadence.capture.schema import Annotation, EventFrame
-    from kvcadence.capture.testpub import TestPublisher as Pub
+    from kvcadence.format.schema import Annotation, EventFrame
+    from kvcadence.testing.publisher import TestPublisher as Pub
 
     with Pub() as pub:
         cap = run_capture([endpoint_info(pub)], initial_replay=False, decode_stats=False, name="m")

@@ -20,18 +20,22 @@ from typing import Any
 
 import pytest
 
-from kvcadence.capture import discovery, wire
-from kvcadence.capture.bundle import (
+from kvcadence.capture import discovery
+from kvcadence.capture.discovery import make_header
+from kvcadence.capture.importer import import_bundle
+from kvcadence.capture.recorder import Recorder
+from kvcadence.capture.seqtrack import MAX_SEQ, Out, SeqTracker
+from kvcadence.cli import main
+from kvcadence.errors import BundleError, CaptureError, InputError
+from kvcadence.format import wire
+from kvcadence.format.bundle import (
     BundleReader,
     BundleWriter,
     copy_bundle,
     is_bundle,
     list_segments,
 )
-from kvcadence.capture.discovery import make_header
-from kvcadence.capture.importer import import_bundle
-from kvcadence.capture.recorder import Recorder
-from kvcadence.capture.schema import (
+from kvcadence.format.schema import (
     Annotation,
     EndpointInfo,
     EventFrame,
@@ -39,10 +43,7 @@ from kvcadence.capture.schema import (
     RequestRecord,
     Trailer,
 )
-from kvcadence.capture.seqtrack import MAX_SEQ, Out, SeqTracker
-from kvcadence.capture.testpub import TestPublisher, payload_pool
-from kvcadence.cli import main
-from kvcadence.errors import BundleError, CaptureError, InputError
+from kvcadence.testing.publisher import TestPublisher, payload_pool
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = payload_pool(8)

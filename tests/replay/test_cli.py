@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, BundleWriter
-from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, Header
 from kvcadence.cli import main
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, BundleWriter
+from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, Header
 from kvcadence.replay.publish import publish_batches
 
 from .helpers import config, lane_chain, run
@@ -97,7 +97,8 @@ def _free_port() -> int:
 
 
 def test_live_publish_and_replay_socket():
-    zmq = pytest.importorskip("zmq")
+    import zmq
+
     result = run(lane_chain(0, [(list(range(3, 30)), 6), (list(range(3, 30)) + [2] * 9, 4)]),
                  config())  # fmt: skip
     batches = result.batches

@@ -94,7 +94,7 @@ def test_dp2_capture_has_two_ranks(dp2):
     assert real["0"]["requests"] + real["1"]["requests"] == real["all"]["requests"] == 100
     assert real["0"]["requests"] > 0 and real["1"]["requests"] > 0
     # capture side: one event stream per rank, each from seq 0; every record names its rank
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     rd = BundleReader(DP2)
     assert [(e.id, e.dp_rank) for e in rd.header.endpoints] == [(0, 0), (1, 1)]
@@ -132,7 +132,7 @@ def test_dp2_recorded_route_per_rank_fidelity(dp2):
 
 
 def _arrival_ranks(path) -> str:
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
 
     recs = BundleReader(path).requests()
     recs.sort(key=lambda r: r.meta_info["request_received_ts"])
@@ -194,9 +194,9 @@ def test_dp2_issue4_event_bars_per_rank(dp2):
 
 def _removals_real(rank: int) -> list[tuple[int, ...]]:
     """Every BlockRemoved of ``rank`` in the real capture, in publish order."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import BundleReader, event_payload
-    from kvcadence.capture.schema import BlockRemoved
+    from kvcadence.format import wire
+    from kvcadence.format.bundle import BundleReader, event_payload
+    from kvcadence.format.schema import BlockRemoved
 
     out = []
     for f in BundleReader(DP2).events():
@@ -208,8 +208,8 @@ def _removals_real(rank: int) -> list[tuple[int, ...]]:
 
 
 def _removals_sim(res, rank: int) -> list[tuple[int, ...]]:
-    from kvcadence.capture import wire
-    from kvcadence.capture.schema import BlockRemoved
+    from kvcadence.format import wire
+    from kvcadence.format.schema import BlockRemoved
 
     out = []
     for b in res.slots[rank].publisher.batches:

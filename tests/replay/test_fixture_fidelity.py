@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, event_payload
 from kvcadence.capture.importer import import_bundle
-from kvcadence.capture.schema import VIA_SIM, AllBlocksCleared, BlockRemoved, BlockStored
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, event_payload
+from kvcadence.format.schema import VIA_SIM, AllBlocksCleared, BlockRemoved, BlockStored
 from kvcadence.replay.simulator import replay_bundle
 
 
@@ -116,7 +116,7 @@ def test_replay_is_byte_deterministic(replayed):
     assert [p.name for p in seg1] == [p.name for p in seg2]
     import inspect
 
-    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.format.bundle import BundleWriter
 
     if "end_ns" in inspect.signature(BundleWriter.close).parameters:
         assert [p.read_bytes() for p in seg1] == [p.read_bytes() for p in seg2]

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, BundleWriter, event_payload
-from kvcadence.capture.schema import (
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload
+from kvcadence.format.schema import (
     AllBlocksCleared,
     Annotation,
     BlockRemoved,
@@ -355,7 +355,7 @@ def test_replay_cli_reads_the_clear_of_a_single_rank_bundle(tmp_path: Path):
 
 
 def test_a_clear_recovered_late_is_placed_at_its_publish_time(tmp_path: Path):
-    from kvcadence.capture.schema import VIA_LIVE, VIA_REPLAY, KVEventBatch
+    from kvcadence.format.schema import VIA_LIVE, VIA_REPLAY, KVEventBatch
 
     eps = [EndpointInfo(0, "tcp://127.0.0.1:5557", None, 0, "kv-events")]
     header = Header(1, 0, "real", "test", "0.5.23", {"page_size": 1}, None, [], 0, eps)

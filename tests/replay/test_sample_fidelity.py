@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.capture.bundle import BundleReader, event_payload
+from kvcadence.format.bundle import BundleReader, event_payload
 from kvcadence.replay.simulator import replay_bundle
 
 from .test_fixture_fidelity import assert_issue4_bars, cadence
@@ -23,7 +23,7 @@ SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang-0.5.23-agent
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
     if not SAMPLE.exists():
-        pytest.skip("examples/sglang-0.5.23-agent-ps1.kvcb not found")
+        pytest.fail("examples/sglang-0.5.23-agent-ps1.kvcb not found")
     tmp = tmp_path_factory.mktemp("sample")
     out = tmp / "sim"
     result = replay_bundle(SAMPLE, out)
