@@ -384,3 +384,26 @@ def test_a_clear_recovered_late_is_placed_at_its_publish_time(tmp_path: Path):
     # the recovered clear: its publish time + the live messages' 3 ms; the live one as received
     assert got[0].recv_ns == pytest.approx(base + 503 * MS, abs=1000)
     assert got[1].recv_ns == base + 1203 * MS
+
+
+@pytest.mark.parametrize("route", ["recorded", "round_robin", "cache_aware"])
+def test_dp_two_flushes_per_rank_under_every_route(route):
+    recs, flushes, groups = phased(4, 3, 3, rank_of_lane=lambda lane: lane % 2)
+    w = WorkerInput(
+        "w",
+        copy.deepcopy(recs),
+        [config(max_total_tokens=400) for _ in range(2)],
+        [flushes[0], flushes[0] + MS, flushes[1], flushes[1] + MS],
+        flush_ranks=[0, 1, 0, 1],
+    )
+    res = simulate_fleet([w], route)  # default pace (recorded for recorded routing)
+    by = {r.rid: r for r in res.requests}
+    served = {r.rid: s for r, s in zip(res.requests, res.serving, strict=True)}
+    assert all(r.completion_tokens == 20 for r in res.requests)
+    for sl in res.slots:
+        clears = [t for (why, _c, _p, t) in sl.sched.publish_log if why == "flush"]
+        assert len(clears) == 2 and sl.sched.stats.flushes == 2
+        for k, t_clear in enumerate(clears):
+            assert max(by[rid].finish_ns for rid in groups[k]) - res.anchor_ns <= t_clear
+            mine = [rid for rid in groups[k + 1] if served[rid] == sl.index]
+            assert all(by[rid].send_ns - res.anchor_ns >= t_clear for rid in mine)
