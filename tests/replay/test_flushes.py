@@ -7,7 +7,8 @@ recorded flush time falls, on the simulated clock, after the next phase has star
 correct replay gives is known exactly: each phase replayed alone from an empty cache, the
 phases' streams joined by one ``AllBlocksCleared``. Checked:
 
-* one flush, two flushes, and a DP capture (one clear per rank, each rank's stream);
+* one flush, two flushes, and a DP capture (one clear per rank, each rank's stream; two
+  flushes per rank under recorded, round-robin and cache-aware routing);
 * the sim's clear lies after every request that finished before it and before every one that
   came after it (publish time and the blocks stored on either side);
 * Removed counts are the phases' own (the old rule, the recorded time mapped onto the
