@@ -61,6 +61,8 @@ PARAMS = (
     "default_gap_s",
 )
 FACTORS = (0.90, 0.95, 1.05, 1.10)
+#: the alternative bar on blocks per Stored event: the KS distance instead of the median
+KS_STORED_BAR = 0.05
 #: (key, column title, relative tolerance or None for the two special bars)
 BARS: tuple[tuple[str, str, float | None], ...] = (
     ("stored_per_req", "Stored/req ±3 %", 0.03),
@@ -272,6 +274,8 @@ def run_capture(cap: Capture, params: Sequence[str] = PARAMS) -> dict[str, Any]:
                 "factor": factor,
                 "bars": held,
                 "all": all(held.values()),
+                "all_ks": ks["stored"] <= KS_STORED_BAR
+                and all(v for k, v in held.items() if k != "stored_median"),
                 "ks_stored": ks["stored"],
                 "ks_removed": ks["removed"],
                 "per_rank": {
@@ -299,7 +303,8 @@ def run_capture(cap: Capture, params: Sequence[str] = PARAMS) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- table
 def table(results: list[dict[str, Any]], notes: list[str]) -> str:
     head = ["capture", "variants"] + [t for _k, t, _tol in BARS]
-    head += ["every bar", "KS blk/Stored", "KS blk/Removed"]
+    head += ["every bar", f"… with KS blk/Stored ≤ {KS_STORED_BAR:g} for its median"]
+    head += ["KS blk/Stored", "KS blk/Removed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res in results:
         rows = res["rows"]
@@ -311,12 +316,15 @@ def table(results: list[dict[str, Any]], notes: list[str]) -> str:
             cells.append(f"{k}/{n}" + ("" if base["bars"][key] else " (✗ as calibrated)"))
         k_all = sum(1 for r in rows if r["all"])
         cells.append(f"**{k_all}/{n}** ({100 * k_all / n:.0f} %)")
+        k_ks = sum(1 for r in rows if r["all_ks"])
+        cells.append(f"{k_ks}/{n} ({100 * k_ks / n:.0f} %)")
         for kind in ("ks_stored", "ks_removed"):
             ks = [r[kind] for r in rows]
             cells.append(f"{base[kind]:.3f} (max {max(ks):.3f})")
         lines.append("| " + " | ".join(cells) + " |")
     total = sum(len(r["rows"]) for r in results)
     held = sum(1 for r in results for row in r["rows"] if row["all"])
+    held_ks = sum(1 for r in results for row in r["rows"] if row["all_ks"])
     out = [
         BEGIN,
         "",
@@ -331,7 +339,9 @@ def table(results: list[dict[str, Any]], notes: list[str]) -> str:
         *lines,
         "",
         f"All captures: {held} of {total} variants ({100 * held / max(total, 1):.0f} %) hold "
-        "every bar. Failing variants:",
+        f"every bar; {held_ks} ({100 * held_ks / max(total, 1):.0f} %) with the KS distance of "
+        f"blocks per Stored event ≤ {KS_STORED_BAR:g} in place of its median (a measurement, "
+        "not a bar of the replay). Failing variants:",
         "",
     ]
     for res in results:

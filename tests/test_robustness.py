@@ -84,7 +84,11 @@ def test_sample_replayed_under_one_parameter(rob, tmp_path: Path):
         "decode_base_s +10 %",
     ]
     # as calibrated the sample meets every bar (tests/replay/test_sample_fidelity.py)
-    assert rows[0]["all"] is True and res["requests"] == 120
+    assert rows[0]["all"] is True and rows[0]["all_ks"] is True and res["requests"] == 120
+    # the KS alternative replaces only the median bar: a miss of another bar stays a miss
+    for r in rows:
+        others = all(v for k, v in r["bars"].items() if k != "stored_median")
+        assert r["all_ks"] == (others and r["ks_stored"] <= rob.KS_STORED_BAR)
     assert 0.0 < rows[0]["ks_stored"] < 0.1 and 0.0 < rows[0]["ks_removed"] < 0.2
     # a perturbed pass time changes what is published
     sims = {json.dumps(r["per_rank"]["0"]["sim"], sort_keys=True) for r in rows}
@@ -98,15 +102,16 @@ def test_docs_table_replaces_only_the_marked_block(rob, tmp_path: Path):
         "ranks": 1,
         "rows": [
             {"variant": "as calibrated", "bars": dict.fromkeys(rob.SHORT, True), "all": True,
-             "ks_stored": 0.02, "ks_removed": 0.05},
+             "all_ks": True, "ks_stored": 0.02, "ks_removed": 0.05},
             {"variant": "decode_base_s +5 %",
              "bars": {**dict.fromkeys(rob.SHORT, True), "cached_equal": False}, "all": False,
-             "ks_stored": 0.04, "ks_removed": 0.03},
+             "all_ks": False, "ks_stored": 0.04, "ks_removed": 0.03},
         ],
     }  # fmt: skip
     text = rob.table([res], [])
     assert "| c (10 req, 1 rank(s)) | 2 | 2/2 | 2/2 | 2/2 | 2/2 | 2/2 | 1/2 | 2/2 |" in text
-    assert "**1/2** (50 %) | 0.020 (max 0.040) | 0.050 (max 0.050) |" in text
+    assert "**1/2** (50 %) | 1/2 (50 %) | 0.020 (max 0.040) | 0.050 (max 0.050) |" in text
+    assert "1 of 2 variants (50 %) hold every bar; 1 (50 %) with the KS distance" in text
     assert "* c: decode_base_s +5 % (cached)" in text
     doc = tmp_path / "d.md"
     doc.write_text(f"head\n{rob.BEGIN}\nSTALE TABLE\n{rob.END}\ntail\n")
