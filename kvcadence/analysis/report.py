@@ -2,7 +2,8 @@
 
 One bundle gives a single-bundle report; several give the first ("real") side by side with
 each of the others ("sim", or "sim1", "sim2", ...) with absolute and relative deltas,
-per-request differences matched by rid, and gates (``kvcadence.analysis.compare``).
+per-request differences matched by rid, blocks per Stored / Removed event as median, mean and
+Kolmogorov–Smirnov distance side by side, and gates (``kvcadence.analysis.compare``).
 ``report.json`` (``REPORT_VERSION``) is what CI reads: every number carries its unit, data
 quality comes first. ``report.md`` holds GitHub tables printed by Polars; ``report.html`` is one
 self-contained file (inline CSS, PNGs as base64 ``data:`` URIs, no external reference).
@@ -25,7 +26,7 @@ from typing import Any
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
 from kvcadence.analysis.formatting import fmt
-from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, BundleMetrics
+from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, DISTANCES, BundleMetrics
 from kvcadence.errors import UsageError
 from kvcadence.progress import NoPhases
 
@@ -209,6 +210,12 @@ def build_doc(
                 "requests": {
                     k: {"value": v, "unit": COMPARE_DEFS[k][0]}
                     for k, v in comp.compare_metrics.items()
+                    if k not in DISTANCES
+                },
+                "distributions": {
+                    k: {"value": v, "unit": COMPARE_DEFS[k][0]}
+                    for k, v in comp.compare_metrics.items()
+                    if k in DISTANCES
                 },
                 "per_request_differences": comp.per_request.filter(
                     (comp.per_request["d_cached_tokens"] != 0)
@@ -254,6 +261,28 @@ def _metric_columns(
             r = rows.get(name, {})
             cols[f"Δ {comp.sim}"].append(fmt(r.get("abs_delta")))
             cols[f"Δ% {comp.sim}"].append(pct(r.get("rel_delta")))
+    return cols
+
+
+def _distribution_columns(
+    labelled: list[tuple[str, BundleMetrics]], comps: list[cmp.Comparison]
+) -> dict[str, list[str]]:
+    """One row per blocks-per-event distribution: each bundle's median and mean, each
+    comparison's KS statistic."""
+    cols: dict[str, list[str]] = {"distribution": []}
+    for label, _ in labelled:
+        cols[f"{label} median"] = []
+        cols[f"{label} mean"] = []
+    for comp in comps:
+        cols[f"KS {comp.sim}"] = []
+    for name in DISTANCES:
+        dist = name.rsplit(".", 1)[0]
+        cols["distribution"].append(dist)
+        for label, m in labelled:
+            cols[f"{label} median"].append(fmt(m.metrics.get(f"{dist}.median")))
+            cols[f"{label} mean"].append(fmt(m.metrics.get(f"{dist}.mean")))
+        for comp in comps:
+            cols[f"KS {comp.sim}"].append(fmt(comp.compare_metrics.get(name)))
     return cols
 
 
@@ -310,6 +339,16 @@ def _sections(
             _metric_columns(labelled, comps, HEADLINE),
         )
     )
+    if comps:
+        out.append(
+            (
+                "Blocks per event: median, mean and distribution distance",
+                "KS = two-sample Kolmogorov-Smirnov statistic of the blocks-per-event "
+                "distributions, real vs sim (0 = equal; a median of a few blocks moves a "
+                "whole step for one event, KS by about 1/n).",
+                _distribution_columns(labelled, comps),
+            )
+        )
     for key, title in (
         ("blocks_per_stored_event", "Blocks per Stored event (histogram)"),
         ("blocks_per_removed_event", "Blocks per Removed event (histogram)"),
@@ -362,7 +401,7 @@ def _sections(
                     pr[label].append(fmt(m.per_rank.get(r, {}).get(name)))
         out.append(("Per DP rank", "", pr))
     for comp in comps:
-        cm = comp.compare_metrics
+        cm = {k: v for k, v in comp.compare_metrics.items() if k not in DISTANCES}
         c: dict[str, list[str]] = {
             "metric": list(cm),
             "unit": [COMPARE_DEFS[k][0] for k in cm],

@@ -14,7 +14,9 @@ What this file owns:
   ``Trailer`` with the run statistics. Deterministic: the same input gives the same bytes.
 
 Flushes recorded in the source (an ``AllBlocksCleared`` after seq 0 of an epoch, or an
-``Annotation`` of kind ``flush``) are replayed at their recorded times.
+``Annotation`` of kind ``flush``; ``replay.flushes.recorded_flushes``) are replayed in request
+order: after every request that finished before them, before every other one, each when the
+rank is idle (``replay.flushes``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
+from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import Schedule, build_schedule
 from kvcadence.replay.scheduler import ABORTED, Scheduler, SimReq, SimStats
@@ -134,14 +137,20 @@ def _simulate(
 ) -> SimResult:
     cfg.validate()
     t0 = time.perf_counter()
-    schedule = build_schedule(
-        records,
-        default_gap_ns=int(cfg.timing.default_gap_s * 1e9),
-        flush_abs_ns=flush_abs_ns,
-    )
+    schedule = build_schedule(records, default_gap_ns=int(cfg.timing.default_gap_s * 1e9))
+    flushes = sorted(int(f) for f in flush_abs_ns)
+    plan = None
+    if flushes:
+        plan = FlushPlan(flushes, FlushLedger(schedule.requests), schedule.anchor_ns)
+        schedule.flush_times_ns = [max(0, f - schedule.anchor_ns) for f in flushes]
     publisher = Publisher(cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns)
     sched = Scheduler(
-        cfg, schedule, hasher or wire_hasher(), publisher=publisher, on_publish=on_publish
+        cfg,
+        schedule,
+        hasher or wire_hasher(),
+        publisher=publisher,
+        on_publish=on_publish,
+        flush_plan=plan,
     )
     stats = sched.run(progress)
     anchor = schedule.anchor_ns
@@ -205,29 +214,15 @@ def sim_request_record(
     )
 
 
-def flush_times_from_bundle(reader: Any) -> list[int]:
-    """Receive times of flushes recorded in a bundle (clears after an epoch's first seq)."""
-    from kvcadence.format import wire
-    from kvcadence.format.bundle import event_payload
-    from kvcadence.format.schema import AllBlocksCleared, Annotation, EventFrame
-
-    first_seq: dict[tuple[int, int], int] = {}
-    out: list[int] = []
-    for rec in reader.records():
-        if isinstance(rec, Annotation) and rec.kind == "flush":
-            out.append(rec.recv_ns)
-        elif isinstance(rec, EventFrame):
-            key = (rec.endpoint, rec.epoch)
-            first = first_seq.setdefault(key, rec.seq)
-            if rec.seq == first:
-                continue
-            try:
-                batch = wire.decode_batch(event_payload(rec))
-            except Exception:  # a malformed payload is not a flush
-                continue
-            if any(isinstance(e, AllBlocksCleared) for e in batch.events):
-                out.append(rec.recv_ns)
-    return sorted(set(out))
+def flush_times_from_bundle(reader: Any, rank: int | None = None) -> list[int]:
+    """Receive times of the flushes recorded in a bundle (``recorded_flushes``): those of
+    DP ``rank`` (the lowest rank that has any when it has none) and those of every rank;
+    ``rank`` None: all of them."""
+    flushes = recorded_flushes(reader)
+    ranks = sorted({f.rank for f in flushes if f.rank is not None})
+    if rank is not None and ranks and rank not in ranks:
+        rank = ranks[0]
+    return sorted({f.recv_ns for f in flushes if rank is None or f.rank is None or f.rank == rank})
 
 
 def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
@@ -318,7 +313,8 @@ def replay_bundle(
                 overrides,
                 sglang_version=sglang_version or header.sglang_version,
             )
-        flushes = flush_times_from_bundle(BundleReader(src_path))
+        # one rank's clears (a DP bundle replayed as one rank would flush once per rank)
+        flushes = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank)
     with phases.phase("simulate", f"simulating {len(records)} requests"):
         result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
     if out_path is not None:
