@@ -367,6 +367,7 @@ class BundleWriter:
         self._seg_size = 0
         self._seg_frames = 0
         self._last_flush = clock()
+        self._dirty_at: float | None = None  # clock() of the oldest record not yet flushed
         self._failed: BaseException | None = None
         self._closed = False
         self.counts: dict[str, int] = {}
@@ -484,6 +485,8 @@ class BundleWriter:
         self._seg_frames += 1
         self.bytes_written += size
         self.counts[tag] = self.counts.get(tag, 0) + 1
+        if self._dirty_at is None:
+            self._dirty_at = self._clock()
         if len(buf) > 16 << 20:
             self._buf = bytearray(4096)
         if self._clock() - self._last_flush >= self.flush_interval_s:
@@ -589,17 +592,31 @@ class BundleWriter:
         self._seg_frames += frames
         self.bytes_written += size
         self.counts["event"] = self.counts.get("event", 0) + frames
+        if self._dirty_at is None:
+            self._dirty_at = self._clock()
 
     def flush(self) -> None:
         """Hand buffered frames to the OS (readers see them); the capture loop calls this
         when idle. Not an fsync: rotation and ``close`` fsync."""
         self._last_flush = self._clock()
+        self._dirty_at = None
         if self._file is None or self._failed is not None:
             return
         try:
             self._file.flush()
         except OSError as exc:
             self._fail(exc, f"cannot flush {self.segment_path}")
+
+    def flush_pending(self, max_age_s: float = 0.0) -> bool:
+        """``flush()`` if a record written ``max_age_s`` or more ago is still in the file
+        buffer (cheap when nothing is pending); True if it flushed. The capture loop calls
+        it on every turn, so received data reaches the OS within the flush interval even
+        when no further write comes to trigger the write-time check."""
+        at = self._dirty_at
+        if at is None or self._clock() - at < max_age_s:
+            return False
+        self.flush()
+        return True
 
     def _sync_close(self) -> None:
         f = self._file
