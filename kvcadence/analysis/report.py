@@ -79,6 +79,8 @@ QUALITY: tuple[str, ...] = (
     "quality.epochs",
     "quality.torn_bytes",
     "quality.corrupt_frames",
+    "quality.missing_segments",
+    "quality.missing_records",
     "quality.unknown_events",
     "quality.unknown_records",
     "quality.undecodable_payloads",

@@ -59,6 +59,7 @@ from kvcadence.capture.schema import (
     RequestRecordView,
     Trailer,
 )
+from kvcadence.capture.segment_survey import survey_segments
 from kvcadence.errors import (
     BundleError,
     CorruptFrameError,
@@ -395,6 +396,9 @@ class BundleWriter:
         header = reader.header  # BundleError when unreadable: nothing to continue
         segments = reader.segments
         last = segments[-1]
+        if reader.refused_segments and reader.refused_segments[-1][0] > last.name:
+            name, why = reader.refused_segments[-1]
+            raise BundleError(f"{reader.path}: cannot append: its last segment {name} is {why}")
         scan = reader.scan_segment(last)
         self = cls.__new__(cls)
         self.path = reader.path
@@ -731,10 +735,34 @@ class ReadReport:
     unknown_tags: dict[str, int] = field(default_factory=dict)
     trailer_seen: bool = False
     clean_shutdown: bool = False  # the last record is a Trailer with clean=True
+    # segments lost from the numbering: (name, why) -- see ``segment_survey``
+    missing_segments: list[tuple[str, str]] = field(default_factory=list)
+    # segments whose segment header was refused (bad magic, unknown major): (name, why)
+    refused_segments: list[tuple[str, str]] = field(default_factory=list)
+    # writer sessions whose Trailer counts more records than were read:
+    # (segment of the trailer, records the trailer counts, records read)
+    shortfall: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def corrupt_bytes(self) -> int:
         return sum(n for _, _, n in self.corrupt)
+
+    @property
+    def missing_records(self) -> int:
+        """Records the trailers count that this pass did not read."""
+        return sum(want - got for _, want, got in self.shortfall)
+
+    @property
+    def damaged(self) -> bool:
+        """Anything was lost: a missing or refused segment, a shortfall against a trailer's
+        counts, corrupt frames or a torn tail."""
+        return bool(
+            self.missing_segments
+            or self.refused_segments
+            or self.shortfall
+            or self.corrupt
+            or self.torn_bytes
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -750,6 +778,10 @@ class ReadReport:
             "unknown_tags": dict(self.unknown_tags),
             "trailer_seen": self.trailer_seen,
             "clean_shutdown": self.clean_shutdown,
+            "missing_segments": [list(m) for m in self.missing_segments],
+            "refused_segments": [list(m) for m in self.refused_segments],
+            "shortfall": [list(m) for m in self.shortfall],
+            "missing_records": self.missing_records,
         }
 
 
@@ -807,6 +839,18 @@ def _peek_tag(body: memoryview) -> bytes | None:
 
 
 _KEEP_ALL = None
+_APPEND_NOTE = msgspec.msgpack.Decoder(Annotation)
+
+
+def _is_append_note(body: memoryview) -> bool:
+    """The frame is the ``Annotation(kind="append")`` a reopened bundle's segment starts
+    with (the first record of a new writer session). Checked once per segment."""
+    if _peek_tag(body) != b"note":
+        return False
+    try:
+        return _APPEND_NOTE.decode(body).kind == "append"
+    except (msgspec.DecodeError, RecursionError):
+        return False
 
 
 def _decode_fresh_stack(decoder: msgspec.msgpack.Decoder[Any], body: memoryview) -> Any:
@@ -868,28 +912,47 @@ class BundleReader:
             raise UsageError(f"{self.path}: no such bundle")
         if not self.path.is_dir():
             raise UsageError(f"{self.path}: not a bundle (expected a directory of seg-*.kvcb)")
-        self.segments = list_segments(self.path)
-        if not self.segments:
+        # the numbering check: holes, directories / dangling links, empty middle segments
+        segments, self.missing_segments = survey_segments(self.path)
+        if not segments:
             raise UsageError(f"{self.path}: not a bundle (no seg-*.kvcb segment files)")
+        if self.missing_segments and strict:
+            name, why = self.missing_segments[0]
+            raise BundleError(f"{self.path}: segment {name} is {why}")
         self._minors: dict[Path, int] = {}
-        for i, seg in enumerate(self.segments):
+        #: segments whose segment header is refused (bad magic, unknown major): not read
+        self.refused_segments: list[tuple[str, str]] = []
+        self.segments: list[Path] = []
+        for i, seg in enumerate(segments):
             try:
                 with open(seg, "rb") as f:
                     head = f.read(SEGMENT_HEADER_SIZE)
             except OSError as exc:
                 raise BundleError(f"cannot read {seg}: {exc}") from exc
             if len(head) < SEGMENT_HEADER_SIZE:
+                self.segments.append(seg)
                 continue  # torn at birth: counted as torn bytes when read
             magic, major, minor = SEGMENT_HEADER.unpack(head)
+            refused = None
             if magic != MAGIC:
                 if i == 0:
                     raise UsageError(f"{self.path}: not a kvcadence bundle ({seg.name}: bad magic)")
-                raise BundleError(f"{seg}: not a kvcadence segment (bad magic {magic!r})")
-            if major != FORMAT_MAJOR:
-                raise FormatVersionError(
-                    f"{seg}: bundle format {major}.{minor} is not readable by kvcadence "
-                    f"{__version__} (reads format {FORMAT_MAJOR}.x); upgrade kvcadence"
+                refused = f"not a kvcadence segment (bad magic {magic!r})"
+            elif major != FORMAT_MAJOR:
+                msg = (
+                    f"bundle format {major}.{minor} is not readable by kvcadence "
+                    f"{__version__} (reads format {FORMAT_MAJOR}.x)"
                 )
+                if i == 0:
+                    raise FormatVersionError(f"{seg}: {msg}; upgrade kvcadence")
+                refused = msg
+            if refused is not None:
+                # one damaged segment costs that segment, not the bundle (strict: an error)
+                if strict:
+                    raise BundleError(f"{seg}: {refused}")
+                self.refused_segments.append((seg.name, refused))
+                continue
+            self.segments.append(seg)
             self._minors[seg] = minor
         self._header: Header | None = None
         self._report: ReadReport | None = None
@@ -1003,8 +1066,12 @@ class BundleReader:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
         request frames decode as ``RequestRecordView`` (every other record as usual)."""
-        report = ReadReport()
+        report = ReadReport(
+            missing_segments=list(self.missing_segments),
+            refused_segments=list(self.refused_segments),
+        )
         clean = False  # the last frame read is a Trailer(clean=True)
+        sess0 = 0  # report.frames when the current writer session began
         decoders = _VIEW_DECODERS if views else _DECODERS
         # Fast path: try the one decoder most frames need; peek at the tag only on failure.
         if wanted is None:
@@ -1015,7 +1082,12 @@ class BundleReader:
             fast = None
         last = len(self.segments) - 1
         for i, seg in enumerate(self.segments):
+            seg_first = True
             for pos, body in self._walk(seg, report, mapped=i < last):
+                if seg_first:
+                    seg_first = False
+                    if pos == SEGMENT_HEADER_SIZE and _is_append_note(body):
+                        sess0 = report.frames - 1  # a new writer session starts here
                 if fast is not None:
                     try:
                         rec = fast(body)
@@ -1025,6 +1097,7 @@ class BundleReader:
                         if type(rec) is Trailer:
                             report.trailer_seen = True
                             clean = rec.clean
+                            sess0 = self._session_end(report, seg, rec, sess0)
                         else:
                             clean = False
                         yield rec
@@ -1044,10 +1117,28 @@ class BundleReader:
                 if type(rec) is Trailer:
                     report.trailer_seen = True
                     clean = rec.clean
+                    sess0 = self._session_end(report, seg, rec, sess0)
                 if wanted is None or tag in wanted:
                     yield rec
         report.clean_shutdown = clean
+        if self.strict and report.shortfall:
+            name, want, got = report.shortfall[0]
+            raise BundleError(
+                f"{self.path}: the trailer in {name} counts {want} records, {got} were read"
+            )
         self._report = report
+
+    @staticmethod
+    def _session_end(report: ReadReport, seg: Path, trailer: Trailer, sess0: int) -> int:
+        """A Trailer ends a writer session: compare its counts with the records read since
+        the session began (a shortfall is a lost segment or frames); returns the next
+        session's start."""
+        counts = trailer.counts
+        want = sum(v for v in counts.values() if isinstance(v, int)) if counts else 0
+        got = report.frames - sess0 - 1
+        if got < want:
+            report.shortfall.append((seg.name, want, got))
+        return report.frames
 
     def records(self, *, request_view: bool = False) -> Iterator[BundleRecord]:
         """Every record in order (unknown record types are skipped and counted).
