@@ -46,6 +46,7 @@ from typing import Any, Union
 import msgspec
 
 from kvcadence import __version__
+from kvcadence.capture.bundle_lock import BundleLock
 from kvcadence.capture.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -347,11 +348,21 @@ class BundleWriter:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BundleError(f"cannot create bundle directory {self.path}: {exc}") from exc
-        self.header = msgspec.structs.replace(
-            header, format_major=FORMAT_MAJOR, format_minor=FORMAT_MINOR
-        )
-        self._open_segment(0)
-        self.write(self.header)
+        self._lock = BundleLock(self.path)  # one writer per bundle (UsageError otherwise)
+        try:
+            if any(self.path.iterdir()):  # another writer got here first and is done
+                raise UsageError(
+                    f"{self.path}: directory is not empty; refusing to overwrite a recording "
+                    "(choose a new path, or append to a bundle)"
+                )
+            self.header = msgspec.structs.replace(
+                header, format_major=FORMAT_MAJOR, format_minor=FORMAT_MINOR
+            )
+            self._open_segment(0)
+            self.write(self.header)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def _setup(
         self, segment_bytes: int, flush_interval_s: float, clock: Callable[[], float]
@@ -374,6 +385,7 @@ class BundleWriter:
         self.counts: dict[str, int] = {}
         self.bytes_written = 0
         self.append_report: AppendReport | None = None
+        self._lock: BundleLock | None = None
 
     # -- opening -----------------------------------------------------------------------
 
@@ -392,6 +404,24 @@ class BundleWriter:
         was dropped is in ``append_report`` and in an ``Annotation(kind="append")`` written
         first); writing continues in a new segment. The header is read, never rewritten.
         """
+        if not Path(path).is_dir():
+            BundleReader(path)  # the reader's one-line UsageError for a missing / non-bundle
+        lock = BundleLock(path)  # before anything is read or repaired: one writer per bundle
+        try:
+            return cls._append_locked(path, lock, segment_bytes, flush_interval_s, clock)
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def _append_locked(
+        cls,
+        path: str | os.PathLike[str],
+        lock: BundleLock,
+        segment_bytes: int,
+        flush_interval_s: float,
+        clock: Callable[[], float],
+    ) -> BundleWriter:
         reader = BundleReader(path)
         header = reader.header  # BundleError when unreadable: nothing to continue
         segments = reader.segments
@@ -403,6 +433,7 @@ class BundleWriter:
         self = cls.__new__(cls)
         self.path = reader.path
         self._setup(segment_bytes, flush_interval_s, clock)
+        self._lock = lock
         self.header = header
         size = last.stat().st_size
         try:
@@ -677,6 +708,7 @@ class BundleWriter:
             return
         if self._failed is not None:
             self._closed = True
+            self._release_lock()
             return
         trailer = Trailer(
             end_ns=time.time_ns() if end_ns is None else end_ns,
@@ -684,13 +716,26 @@ class BundleWriter:
             counts=dict(self.counts),
             stats=stats or {},
         )
-        self.write(trailer)
+        try:
+            self.write(trailer)
+        except BundleError:
+            if self._failed is not None:  # the disk failed: the writer is done
+                self._closed = True
+                self._release_lock()
+            raise  # else (a record it cannot encode) the writer stays open, as before
         self._closed = True
         try:
             self._sync_close()
         except OSError as exc:
             self._fail(exc, f"cannot close segment {self.segment_path}")
+        finally:
+            self._release_lock()
         self._sync_dir()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @property
     def closed(self) -> bool:

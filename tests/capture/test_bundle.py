@@ -407,6 +407,7 @@ def test_append_truncates_a_torn_tail_and_continues(tmp_path: Path) -> None:
     last.write_bytes(good + data[16 + length : 16 + length + 9] + bytes(30))
     w._file.close()  # the crashed process wrote nothing more (its buffer was flushed)
     w._file = None
+    w._release_lock()  # and its bundle lock went with it (the kernel drops it at exit)
     before = [x for x in BundleReader(path).records()]
     a = BundleWriter.append(path)
     assert a.append_report is not None
