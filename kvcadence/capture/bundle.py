@@ -67,6 +67,7 @@ from kvcadence.errors import (
     FormatVersionError,
     UsageError,
 )
+from kvcadence.outguard import refuse_nonempty_dir
 
 MAGIC = b"KVCB"
 SEGMENT_HEADER = struct.Struct("<4sHH")  # magic, major, minor
@@ -148,8 +149,7 @@ def copy_bundle(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> lis
     s, d = Path(src), Path(dst)
     if not is_bundle(s):
         raise UsageError(f"{s}: not a bundle (no seg-*.kvcb segment files)")
-    if d.exists() and (not d.is_dir() or any(d.iterdir())):
-        raise UsageError(f"{d}: exists and is not an empty directory; refusing to overwrite")
+    refuse_nonempty_dir(d)
     out = []
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -167,9 +167,7 @@ def staged_bundle(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Write a new bundle all-or-nothing: yields a hidden sibling directory of ``path`` to
     write into; on success it is renamed to ``path`` (which must not exist, or be an empty
     directory), on any exception it is removed and ``path`` is left as it was."""
-    final = Path(path)
-    if final.exists() and (not final.is_dir() or any(final.iterdir())):
-        raise UsageError(f"{final}: already exists and is not empty; refusing to overwrite")
+    final = refuse_nonempty_dir(path)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -317,6 +315,9 @@ class AppendReport:
     removed_segment: bool = False  # the segment had no valid segment header and was removed
 
 
+_NEW_BUNDLE_HINT = "choose a new path, or append to a bundle"
+
+
 class BundleWriter:
     """Write a bundle directory: frames into rolling segments, flushed and fsynced.
 
@@ -334,15 +335,7 @@ class BundleWriter:
         flush_interval_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.path = Path(path)
-        if self.path.exists():
-            if not self.path.is_dir():
-                raise UsageError(f"{self.path}: exists and is not a directory")
-            if any(self.path.iterdir()):
-                raise UsageError(
-                    f"{self.path}: directory is not empty; refusing to overwrite a recording "
-                    "(choose a new path, or append to a bundle)"
-                )
+        self.path = refuse_nonempty_dir(path, hint=_NEW_BUNDLE_HINT)
         self._setup(segment_bytes, flush_interval_s, clock)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -350,11 +343,7 @@ class BundleWriter:
             raise BundleError(f"cannot create bundle directory {self.path}: {exc}") from exc
         self._lock = BundleLock(self.path)  # one writer per bundle (UsageError otherwise)
         try:
-            if any(self.path.iterdir()):  # another writer got here first and is done
-                raise UsageError(
-                    f"{self.path}: directory is not empty; refusing to overwrite a recording "
-                    "(choose a new path, or append to a bundle)"
-                )
+            refuse_nonempty_dir(path, hint=_NEW_BUNDLE_HINT)  # did a writer just finish here?
             self.header = msgspec.structs.replace(
                 header, format_major=FORMAT_MAJOR, format_minor=FORMAT_MINOR
             )

@@ -58,6 +58,7 @@ from kvcadence.capture.schema import (
 )
 from kvcadence.capture.think import think_times
 from kvcadence.errors import InputError, UsageError
+from kvcadence.outguard import refuse_nonempty_dir
 
 VIA_NAMES = {"live": VIA_LIVE, "replay": VIA_REPLAY}
 U64_MAX = 2**64 - 1
@@ -470,8 +471,7 @@ def import_bundle(
 
     if frames is None:
         raise UsageError("--frames is required (or --append with --requests)")
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     frames_path = Path(frames)
     n_frames, ep_topics, first_recv = _scan_frames(frames_path)
     reqs = read_requests(Path(requests)) if requests is not None else []

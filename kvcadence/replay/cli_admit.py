@@ -152,6 +152,7 @@ def register(sub: Any) -> None:
     o.add_argument("--max-ticks", type=_pos_int, default=100_000)
     o.add_argument("--output", choices=("text", "json", "jsonl"), default="text")
     o.add_argument("--out", metavar="FILE", help="write the output here instead of stdout")
+    o.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.set_defaults(_run=run)
 
 
@@ -164,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
         synthetic_grid,
     )
 
+    if args.out:  # checked before any work: never replaced without --force, never in a bundle
+        from kvcadence.outguard import refuse_out_file
+
+        refuse_out_file(args.out, "--out", force=args.force)
     mnt = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     if args.synthetic_grid:
         specs = synthetic_grid(

@@ -291,14 +291,14 @@ def replay_bundle(
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None)."""
     from kvcadence.capture.bundle import BundleReader
+    from kvcadence.outguard import refuse_nonempty_dir
 
     src_path = Path(src)
     if not src_path.exists():
         raise UsageError(f"{src_path}: no such bundle")
     out_path = Path(out) if out is not None else None
-    if out_path is not None and out_path.exists():
-        if not out_path.is_dir() or any(out_path.iterdir()):
-            raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    if out_path is not None:
+        refuse_nonempty_dir(out_path)
     reader = BundleReader(src_path)
     header = reader.header
     records = reader.requests()

@@ -474,7 +474,7 @@ def test_copy_bundle_copies_bytes_and_a_repair_never_reaches_the_source(tmp_path
     assert w.append_report is not None and w.append_report.dropped_bytes == 8
     w.close()
     assert {p.name: p.read_bytes() for p in list_segments(src)} == before
-    with pytest.raises(Exception, match="not an empty directory"):
+    with pytest.raises(Exception, match="not empty; refusing to overwrite"):
         copy_bundle(src, dst)
 
 
