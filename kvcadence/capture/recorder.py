@@ -490,7 +490,7 @@ class Recorder:
             self._write_failed = True
             raise
         n = len(burst)
-        tr.take_in_order(last_seq, n)
+        tr.take_in_order(last_seq, n, burst[-1][2])
         st = self.stats
         st.written += n
         st.bytes += nbytes
@@ -634,5 +634,6 @@ def _tracker_dict(src: EndpointSource) -> dict[str, int]:
         "epochs": s.epochs,
         "replays": s.replays,
         "replay_timeouts": s.replay_timeouts,
+        "duplicates": s.duplicates,
         "malformed_replies": src.malformed_replies,
     }

@@ -408,3 +408,21 @@ def test_busy_capture_hands_data_to_the_os_within_the_flush_interval(run_capture
     assert lag, (received, visible)
     # a quiet box measures ~0.1 s; the bound leaves room for a loaded 2-core CI box
     assert max(lag) < 0.45, sorted(lag)[-5:]
+
+
+def test_one_duplicated_seq_is_dropped_not_a_restart(run_capture, endpoint_info):
+    """Issue 17 item 8: one duplicated seq used to start a false epoch and write the whole
+    replay ring again (99 duplicate frames)."""
+    with TestPublisher() as pub:
+        cap = run_capture([endpoint_info(pub)])
+        _publish(pub, 100)
+        cap.wait_for(100)
+        pub.send_raw([pub.topic.encode(), (99).to_bytes(8, "big"), POOL[99 % len(POOL)]])
+        _publish(pub, 10)
+        cap.wait_for(110)
+        time.sleep(0.3)  # anything a false restart would have asked the ring for
+        r = cap.stop()
+    assert [(f.epoch, f.seq) for f in r.events()] == [(0, s) for s in range(110)]
+    assert not _records(r, Epoch) and not _records(r, Gap)
+    ep = _records(r, Trailer)[-1].stats["per_endpoint"]["0"]
+    assert ep["duplicates"] == 1 and ep["epochs"] == 0
