@@ -183,7 +183,9 @@ class SeqTracker:
         s.got[seq] = (topic if topic is not None else "", payload, recv_ns)
 
     def buffer_full(self) -> bool:
-        return self.session is not None and len(self.session.buffer) >= self.max_buffer
+        """The live messages held back plus the replies kept reach ``max_buffer``."""
+        s = self.session
+        return s is not None and len(s.buffer) + len(s.got) >= self.max_buffer
 
     def finish_replay(self, why: str = "end marker") -> list[Output]:
         """The replay ended (end marker / timeout / buffer full): write what it brought."""
