@@ -318,6 +318,7 @@ def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
     from kvcadence.capture.bundle import BundleWriter, check_encodable
     from kvcadence.capture.discovery import make_header
+    from kvcadence.capture.importer import check_request_record
 
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
@@ -326,6 +327,8 @@ def run_capture_import(args: argparse.Namespace) -> int:
         records += sglang_logs.read_metrics(m)
     for r in args.sglang_request_log:
         records += sglang_logs.read_request_log(r)
+    for rec in records:  # validated as `kvcadence import` validates, before anything opens
+        check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
     check_encodable(records)  # a record that cannot be written fails before the bundle opens
     out = Path(args.bundle)
     if out.exists() and any(out.iterdir()):

@@ -185,6 +185,50 @@ def _check_ids(ids: list[int], where: str, name: str) -> None:
             )
 
 
+_OPTIONAL_INTS = (
+    "send_ns",
+    "first_token_ns",
+    "finish_ns",
+    "arrival_ns",
+    "think_ns",
+    "lane",
+    "session",
+    "turn",
+    "max_new_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "dp_rank",
+)
+
+
+def check_request_record(rec: RequestRecord, where: str) -> None:
+    """The checks ``parse_request_line`` makes, on a ``RequestRecord`` built elsewhere
+    (``capture import`` from SGLang logs): a string rid, token ids that are ints (not bools)
+    in 0 .. 2**63-1, optional ints in the signed 64-bit range, every int of ``meta_info`` in
+    -2**63 .. 2**64-1. ``InputError`` naming the record and field; a record that passes reads
+    back as it was written."""
+    if type(rec.rid) is not str:
+        raise InputError(f"{where}: field `rid`: expected a string, got {_kind(rec.rid)}")
+    for name in ("input_ids", "output_ids"):
+        ids = getattr(rec, name)
+        if type(ids) is not list:
+            raise InputError(f"{where}: field `{name}`: expected an array of ints")
+        bad = next((i for i, x in enumerate(ids) if not _is_int(x)), None)
+        if bad is not None:
+            raise InputError(
+                f"{where}: field `{name}`: expected an array of ints, got "
+                f"{_kind(ids[bad])} at index {bad}"
+            )
+        _check_ids(ids, where, name)
+    for name in _OPTIONAL_INTS:
+        v = getattr(rec, name)
+        if v is not None and not _is_int(v):
+            raise InputError(f"{where}: field `{name}`: expected an int or null, got {_kind(v)}")
+        _check_range(v, I64_MIN, I64_MAX, where, name, "a signed 64-bit int")
+    _check_ints(rec.meta_info, where, "meta_info")
+
+
 def _lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, object)`` for each non-blank line of a JSONL file."""
     try:
@@ -540,6 +584,7 @@ __all__ = [
     "FrameLine",
     "ImportSummary",
     "SeqBook",
+    "check_request_record",
     "endpoints_from_server_info",
     "import_bundle",
     "parse_frame_line",
