@@ -81,6 +81,7 @@ QUALITY: tuple[str, ...] = (
     "quality.corrupt_frames",
     "quality.missing_segments",
     "quality.missing_records",
+    "quality.duplicate_rids",
     "quality.unknown_events",
     "quality.unknown_records",
     "quality.undecodable_payloads",

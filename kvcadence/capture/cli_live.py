@@ -319,6 +319,7 @@ def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture.bundle import BundleWriter, check_encodable
     from kvcadence.capture.discovery import make_header
     from kvcadence.capture.importer import check_request_record
+    from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
 
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
@@ -330,8 +331,10 @@ def run_capture_import(args: argparse.Namespace) -> int:
     for rec in records:  # validated as `kvcadence import` validates, before anything opens
         check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
     check_encodable(records)  # a record that cannot be written fails before the bundle opens
+    refuse_duplicate_rids(records, "capture import")  # e.g. metrics and request log together
     out = Path(args.bundle)
     if out.exists() and any(out.iterdir()):
+        refuse_known_rids(out, records)  # never a request twice (issue 17)
         writer = BundleWriter.append(out)
     else:
         writer = BundleWriter(out, make_header([], server_info=None, command=command_line()))

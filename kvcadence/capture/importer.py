@@ -43,6 +43,7 @@ import msgspec
 from kvcadence import __version__
 from kvcadence.capture.bundle import BundleWriter, check_encodable, encode_payload, staged_bundle
 from kvcadence.capture.discovery import redact_paths
+from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
 from kvcadence.capture.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -360,7 +361,9 @@ def parse_request_line(obj: dict[str, Any], where: str) -> RequestRecord:
 def read_requests(path: Path) -> list[RequestRecord]:
     """Every request of a requests JSONL file, ``think_ns`` derived for closed-loop lanes
     (unless the line gave it)."""
-    recs = [parse_request_line(obj, where) for where, obj in _lines(path, "requests")]
+    lines = list(_lines(path, "requests"))
+    recs = [parse_request_line(obj, where) for where, obj in lines]
+    refuse_duplicate_rids(recs, str(path), [where for where, _ in lines])
     derived = think_times([(r.lane, r.send_ns, r.finish_ns) for r in recs])
     return [
         r if r.think_ns is not None or t is None else msgspec.structs.replace(r, think_ns=t)
@@ -506,6 +509,7 @@ def import_bundle(
             raise UsageError("--append needs --requests")
         reqs = read_requests(Path(requests))
         check_encodable(reqs)  # a record that cannot be written fails before the bundle opens
+        refuse_known_rids(out_path, reqs)
         with BundleWriter.append(out_path, segment_bytes=segment_bytes) as w:
             for r in reqs:
                 w.write(r)

@@ -101,9 +101,12 @@ def test_capture_import_creates_then_appends(tmp_path, fixture_dir):
     metrics = str(fixture_dir / "sglang-metrics")
     assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
     assert len(BundleReader(b).requests()) == 120
-    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
+    # the same requests again: refused, never counted twice (issue 17 item 10)
+    before = sorted(p.name for p in b.iterdir())
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 2
+    assert sorted(p.name for p in b.iterdir()) == before
     r = BundleReader(b)
-    assert len(r.requests()) == 240 and r.report.torn_bytes == 0
+    assert len(r.requests()) == 120 and r.report.torn_bytes == 0
     assert main(["capture", "import", str(b)]) == 2
 
 
@@ -139,3 +142,19 @@ def test_capture_import_checks_the_built_record_too(tmp_path, capsys):
         check_request_record(RequestRecord(rid="a", input_ids=[1], output_ids=[True]), "w")
     with pytest.raises(InputError, match=r"meta_info.x"):
         check_request_record(RequestRecord(rid="a", input_ids=[1], meta_info={"x": 2**64}), "w")
+
+
+def test_capture_import_refuses_a_rid_twice(tmp_path, capsys, fixture_dir):
+    """Issue 17 item 10: a request recorded twice double-counts every per-request metric."""
+    metrics = str(fixture_dir / "sglang-metrics")
+    b = tmp_path / "b"
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
+    capsys.readouterr()
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a request with rid" in err
+    # the same rid twice in one batch (metrics given twice)
+    b2 = tmp_path / "b2"
+    argv = ["capture", "import", "--quiet", "--sglang-metrics", metrics]
+    assert main([*argv, "--sglang-metrics", metrics, str(b2)]) == 2
+    assert "appears twice" in capsys.readouterr().err and not b2.exists()
