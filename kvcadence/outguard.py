@@ -72,11 +72,11 @@ def refuse_nonempty_dir(path: str | os.PathLike[str], flag: str = "", hint: str 
     a bundle directory. Returns it as a ``Path``."""
     p = Path(path)
     shown = f"{flag} {p}" if flag else str(p)
-    if p.exists() and (not p.is_dir() or any(p.iterdir())):
-        raise UsageError(
-            f"{shown}: already exists and is not empty; refusing to overwrite"
-            + (f" ({hint})" if hint else "")
-        )
+    tail = f"; refusing to overwrite ({hint})" if hint else "; refusing to overwrite"
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{shown}: already exists and is not a directory{tail}")
+    if p.is_dir() and any(p.iterdir()):
+        raise UsageError(f"{shown}: already exists and is not empty{tail}")
     refuse_inside_bundle(p, flag)
     return p
 

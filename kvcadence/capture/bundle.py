@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import mmap
 import os
 import re
@@ -58,6 +59,7 @@ from kvcadence.capture.schema import (
     Header,
     RequestRecord,
     RequestRecordView,
+    SegmentStart,
     Trailer,
 )
 from kvcadence.capture.segment_survey import survey_segments
@@ -104,6 +106,13 @@ _BATCH_CHUNK = 1 << 20
 _RESYNC = re.compile(
     rb"(?s)[\x91-\x9f][\xa0-\xbf\xd9]|\xdc..[\xa0-\xbf\xd9]|\xdd....[\xa0-\xbf\xd9]"
 )
+
+
+def bundle_identity(header_body: bytes | memoryview) -> str:
+    """A bundle's identity: a 64-bit BLAKE2b digest (hex) of its Header record's body (the
+    header holds the start time, the command and the server info, so two recordings differ).
+    Every segment after segment 0 names it in its ``SegmentStart`` record (format 1.1)."""
+    return hashlib.blake2b(header_body, digest_size=8).hexdigest()
 
 
 def segment_name(index: int) -> str:
@@ -349,6 +358,7 @@ class BundleWriter:
             )
             self._open_segment(0)
             self.write(self.header)
+            self.bundle_id = bundle_identity(self._enc.encode(self.header))
         except BaseException:
             self._lock.release()
             raise
@@ -375,6 +385,7 @@ class BundleWriter:
         self.bytes_written = 0
         self.append_report: AppendReport | None = None
         self._lock: BundleLock | None = None
+        self.bundle_id: str | None = None  # set once the header is known (SegmentStart)
 
     # -- opening -----------------------------------------------------------------------
 
@@ -424,6 +435,7 @@ class BundleWriter:
         self._setup(segment_bytes, flush_interval_s, clock)
         self._lock = lock
         self.header = header
+        self.bundle_id = reader.bundle_id
         size = last.stat().st_size
         try:
             if scan.header_ok:
@@ -459,10 +471,14 @@ class BundleWriter:
 
     def _open_segment(self, index: int) -> None:
         seg = self.path / segment_name(index)
+        start = b""  # every segment after the first starts with the bundle's identity
+        if index > 0 and self.bundle_id is not None:
+            body = self._enc.encode(SegmentStart(self.bundle_id, index))
+            start = FRAME_HEADER.pack(len(body), zlib.crc32(body)) + body
         try:
             f = open(seg, "xb", buffering=1 << 20)  # never clobber an existing segment
             try:
-                f.write(SEGMENT_HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR))
+                f.write(SEGMENT_HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR) + start)
             except BaseException:
                 f.close()
                 raise
@@ -472,9 +488,11 @@ class BundleWriter:
             self._fail(exc, f"cannot create segment {seg}")
         self._file = f
         self._seg_index = index
-        self._seg_size = SEGMENT_HEADER_SIZE
-        self._seg_frames = 0
-        self.bytes_written += SEGMENT_HEADER_SIZE
+        self._seg_size = SEGMENT_HEADER_SIZE + len(start)
+        self._seg_frames = 0  # the SegmentStart frame never makes a big frame rotate again
+        self.bytes_written += SEGMENT_HEADER_SIZE + len(start)
+        if start:
+            self.counts["segment"] = self.counts.get("segment", 0) + 1
 
     @property
     def segment_path(self) -> Path:
@@ -874,6 +892,7 @@ def _peek_tag(body: memoryview) -> bytes | None:
 
 _KEEP_ALL = None
 _APPEND_NOTE = msgspec.msgpack.Decoder(Annotation)
+_SEGMENT_START = msgspec.msgpack.Decoder(SegmentStart)
 
 
 def _is_append_note(body: memoryview) -> bool:
@@ -989,6 +1008,7 @@ class BundleReader:
             self.segments.append(seg)
             self._minors[seg] = minor
         self._header: Header | None = None
+        self._header_body: bytes | None = None
         self._report: ReadReport | None = None
 
     # -- the frame walk ----------------------------------------------------------------
@@ -1106,6 +1126,10 @@ class BundleReader:
         )
         clean = False  # the last frame read is a Trailer(clean=True)
         sess0 = 0  # report.frames when the current writer session began
+        try:
+            expect_id: str | None = self.bundle_id
+        except BundleError:
+            expect_id = None  # no header: nothing to compare segments with
         decoders = _VIEW_DECODERS if views else _DECODERS
         # Fast path: try the one decoder most frames need; peek at the tag only on failure.
         if wanted is None:
@@ -1120,8 +1144,18 @@ class BundleReader:
             for pos, body in self._walk(seg, report, mapped=i < last):
                 if seg_first:
                     seg_first = False
-                    if pos == SEGMENT_HEADER_SIZE and _is_append_note(body):
-                        sess0 = report.frames - 1  # a new writer session starts here
+                    if pos == SEGMENT_HEADER_SIZE:
+                        what, why = self._first_record_check(seg, body, expect_id)
+                        if what == "start":
+                            continue  # the segment is this bundle's: never yielded
+                        if what == "foreign":
+                            if self.strict:
+                                raise BundleError(f"{seg}: {why}")
+                            report.refused_segments.append((seg.name, why))
+                            report.frames -= 1
+                            break  # nothing of it is read
+                        if what == "append":
+                            sess0 = report.frames - 1  # a new writer session starts here
                 if fast is not None:
                     try:
                         rec = fast(body)
@@ -1241,6 +1275,7 @@ class BundleReader:
                 if _peek_tag(body) == b"header":
                     try:
                         self._header = _DECODERS[b"header"].decode(body)
+                        self._header_body = bytes(body)
                     except msgspec.DecodeError:
                         pass
                 break
@@ -1249,6 +1284,39 @@ class BundleReader:
                     f"{self.path}: no readable header record in {self.segments[0].name}"
                 )
         return self._header
+
+    @property
+    def bundle_id(self) -> str:
+        """``bundle_identity`` of this bundle's Header record (``BundleError`` without one)."""
+        _ = self.header
+        assert self._header_body is not None
+        return bundle_identity(self._header_body)
+
+    def _first_record_check(
+        self, seg: Path, body: memoryview, expect_id: str | None
+    ) -> tuple[str, str]:
+        """What the first frame of a segment says: ``("start", "")`` a SegmentStart of this
+        bundle (not yielded), ``("foreign", why)`` the segment is not this bundle's,
+        ``("append", "")`` an append note (a new writer session), else ``("", "")``."""
+        tag = _peek_tag(body)
+        index = _segment_index(seg)
+        if tag == b"segment":
+            try:
+                ss = _SEGMENT_START.decode(body)
+            except (msgspec.DecodeError, RecursionError):
+                return "", ""  # an odd record: the ordinary path reports it
+            if expect_id is not None and ss.bundle_id != expect_id:
+                return "foreign", (
+                    f"a segment of another bundle (bundle {ss.bundle_id}, this one is {expect_id})"
+                )
+            if ss.index != index:
+                return "foreign", f"segment {ss.index} of this bundle under another name"
+            return "start", ""
+        if tag == b"header" and index > 0:
+            return "foreign", "starts with a Header record: the first segment of another bundle"
+        if tag == b"note" and _is_append_note(body):
+            return "append", ""
+        return "", ""
 
     def scan_segment(self, seg: Path) -> SegmentScan:
         """Validate one segment: where its last good frame ends, what is corrupt or torn."""
@@ -1272,6 +1340,7 @@ __all__ = [
     "BundleReader",
     "BundleWriter",
     "ReadReport",
+    "bundle_identity",
     "SegmentScan",
     "check_encodable",
     "copy_bundle",

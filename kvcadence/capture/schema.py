@@ -273,7 +273,7 @@ class KVEventBatchV17RawView(msgspec.Struct, array_like=True, gc=False):
 # --------------------------------------------------------------------------------------
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1.1: SegmentStart (the first record of every segment after the first)
 
 # EventFrame.via values
 VIA_LIVE = 0  # received on the SUB socket
@@ -431,6 +431,16 @@ class Trailer(BundleRecordBase, tag="trailer"):
     stats: dict[str, Any] = {}
 
 
+class SegmentStart(BundleRecordBase, tag="segment"):
+    """First record of every segment after segment 0 (format 1.1): which bundle the segment
+    belongs to (``bundle_id``: a digest of the bundle's Header record, see
+    ``kvcadence.capture.bundle.bundle_identity``) and its index. The reader checks it and
+    never yields it; older readers count it as an unknown record."""
+
+    bundle_id: str
+    index: int
+
+
 BundleRecord = Union[Header, EventFrame, RequestRecord, Gap, Epoch, Annotation, Trailer]
 
 __all__ = [
@@ -476,5 +486,6 @@ __all__ = [
     "Epoch",
     "Annotation",
     "Trailer",
+    "SegmentStart",
     "BundleRecord",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import msgspec
@@ -33,6 +34,7 @@ def _header() -> Header:
         format_minor=0,
         source="real",
         kvcadence_version="0.1.0",
+        start_ns=time.time_ns(),  # two recordings differ (and so do their identities)
         endpoints=[EndpointInfo(0, "tcp://127.0.0.1:5557", None, 0, "kv")],
     )
 
@@ -98,9 +100,11 @@ def test_lost_middle_segment_is_reported_and_fails_strict(tmp_path: Path, capsys
     assert got < N_REQUESTS  # the segment held some
     rep = r.report
     assert [m[0] for m in rep.missing_segments] == [mid.name]
-    # the trailer's counts (header + events + requests) against what was read
+    # the trailer's counts (header + events + requests + a SegmentStart per later segment)
+    # against what was read
     ((where, want, read),) = rep.shortfall
-    assert where == segs[-1].name and want == 1 + N_EVENTS + N_REQUESTS and read < want
+    assert where == segs[-1].name and want == 1 + N_EVENTS + N_REQUESTS + len(segs) - 1
+    assert read < want
     assert rep.missing_records == want - read and rep.damaged
     assert rep.clean_shutdown  # the trailer itself is fine: the shortfall is what says so
     rc, s, err = _inspect_cli(tmp_path / "b", capsys)
@@ -189,3 +193,53 @@ def test_report_data_quality_names_the_lost_segment(tmp_path: Path) -> None:
     assert q["quality.missing_records"]["value"] > 0
     md = (tmp_path / "r" / "report.md").read_text()
     assert "quality.missing_records" in md.split("## Headline metrics")[0]
+
+
+def test_every_later_segment_names_its_bundle(tmp_path: Path) -> None:
+    from kvcadence.capture.bundle import bundle_identity
+    from kvcadence.capture.schema import SegmentStart
+
+    segs = _multi_segment(tmp_path / "b")
+    r = BundleReader(tmp_path / "b")
+    assert r.bundle_id == bundle_identity(msgspec.msgpack.encode(r.header))
+    for i, seg in enumerate(segs[1:], start=1):
+        data = seg.read_bytes()
+        (n,) = struct.unpack_from("<I", data, 8)
+        start = msgspec.msgpack.decode(data[16 : 16 + n], type=SegmentStart)
+        assert (start.bundle_id, start.index) == (r.bundle_id, i)
+    assert not any(isinstance(x, SegmentStart) for x in r.records())  # never yielded
+
+
+@pytest.mark.parametrize("what", ["later segment", "first segment"])
+def test_segment_of_another_bundle_is_refused_and_reported(tmp_path: Path, capsys, what) -> None:
+    """Issue 17 item 9: a segment spliced in from another bundle was merged silently (two
+    headers, 255 messages under one stream)."""
+    segs = _multi_segment(tmp_path / "b")
+    other = _multi_segment(tmp_path / "other")  # same content, another start: another id
+    assert BundleReader(tmp_path / "b").bundle_id != BundleReader(tmp_path / "other").bundle_id
+    victim = segs[2]
+    donor = other[2] if what == "later segment" else other[0]
+    victim.write_bytes(donor.read_bytes())
+    r = BundleReader(tmp_path / "b")
+    seqs = [e.seq for e in r.events()]
+    assert len(seqs) == len(set(seqs))  # nothing of the other bundle merged in
+    headers = [x for x in r.records() if isinstance(x, Header)]
+    assert len(headers) == 1
+    rep = r.report
+    assert [n for n, _ in rep.refused_segments] == [victim.name]
+    assert "another bundle" in rep.refused_segments[0][1]
+    assert rep.shortfall and rep.damaged  # its own records are missing
+    rc, s, _ = _inspect_cli(tmp_path / "b", capsys, "--strict")
+    assert rc == 1 and s["refused_segments"][0]["segment"] == victim.name
+    with pytest.raises(BundleError, match="another bundle"):
+        list(BundleReader(tmp_path / "b", strict=True).records())
+
+
+def test_appended_segments_carry_the_identity_too(tmp_path: Path) -> None:
+    _multi_segment(tmp_path / "b")
+    w = BundleWriter.append(tmp_path / "b")
+    w.write(RequestRecord(rid="late", input_ids=[1]))
+    w.close()
+    r = BundleReader(tmp_path / "b")
+    assert len(r.requests()) == N_REQUESTS + 1
+    assert not r.report.damaged and r.report.refused_segments == []

@@ -709,6 +709,7 @@ def test_capture_import_append_with_an_unencodable_record_changes_nothing(tmp_pa
     ]  # fmt: skip
     log.write_text("".join(json.dumps(d) + "\n" for d in lines))
     rc = main(["capture", "import", str(b), "--sglang-request-log", str(log), "--quiet"])
-    assert rc == 1
-    assert "rid='r1'" in one_error_line(capsys.readouterr().err)
+    # refused as bad input by the import-style validation (exit 2), before the encoder sees it
+    assert rc == 2
+    assert "rid 'r1'" in one_error_line(capsys.readouterr().err)
     assert {p.name: p.read_bytes() for p in list_segments(b)} == before
