@@ -163,8 +163,9 @@ def _raw_array_len(raw: msgspec.Raw) -> int:
 
 class BlockStoredView(KVCacheEvent, tag="BlockStored"):
     """``BlockStored`` as analysis reads it: ``token_ids`` kept as its msgpack array bytes
-    (``n_tokens`` = its element count; a bigram pair counts as one). Extra keys
-    (``cache_salt``, ``session_id``, ``lora_name``, ...) are skipped."""
+    (``n_tokens`` = its element count; a bigram pair counts as one). The optional keys are
+    type-checked as in ``BlockStored`` (so the view's verdict is ``decode_batch``'s); other
+    extra keys are skipped."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -172,6 +173,10 @@ class BlockStoredView(KVCacheEvent, tag="BlockStored"):
     block_size: int
     lora_id: int | None
     medium: str | None = None
+    # typed as in BlockStored so a view refuses what decode_batch refuses (one verdict)
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -224,6 +229,10 @@ class BlockStoredRawView(KVCacheEvent, tag="BlockStored"):
     block_size: int
     lora_id: int | None
     medium: str | None = None
+    # typed as in BlockStored so a view refuses what decode_batch refuses (one verdict)
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
 
 
 class BlockRemovedRawView(KVCacheEvent, tag="BlockRemoved"):
