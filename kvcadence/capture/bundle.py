@@ -48,6 +48,7 @@ import msgspec
 
 from kvcadence import __version__
 from kvcadence.capture.bundle_lock import BundleLock
+from kvcadence.capture.crcspan import SpanCrc
 from kvcadence.capture.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -891,6 +892,17 @@ def _peek_tag(body: memoryview) -> bytes | None:
 
 
 _KEEP_ALL = None
+
+
+def _one_value(body: memoryview) -> bool:
+    """``body`` is exactly one complete msgpack value (a C skip-parse, no objects built)."""
+    try:
+        _RAW_DECODER.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return True
+
+
 _APPEND_NOTE = msgspec.msgpack.Decoder(Annotation)
 _SEGMENT_START = msgspec.msgpack.Decoder(SegmentStart)
 
@@ -1013,9 +1025,12 @@ class BundleReader:
 
     # -- the frame walk ----------------------------------------------------------------
 
-    def _valid_at(self, data: bytes, mv: memoryview, pos: int, full: bool) -> int:
+    def _valid_at(
+        self, data: bytes, mv: memoryview, pos: int, full: bool, spans: SpanCrc | None = None
+    ) -> int:
         """Body length of a frame at ``pos`` whose length and CRC check out (and, when
-        ``full``, whose body decodes), else -1."""
+        ``full``, whose body decodes), else -1. ``spans``: CRCs of long bodies in O(log n)
+        (resynchronisation, where candidate bodies overlap)."""
         n = len(data)
         if pos + FRAME_HEADER_SIZE > n:
             return -1
@@ -1024,12 +1039,17 @@ class BundleReader:
         if length < MIN_BODY or start + length > n:
             return -1
         body = mv[start : start + length]
-        if zlib.crc32(body) != crc:
+        if full:
+            # Resynchronising: before the CRC (whose cost is the *claimed* length, so checking
+            # every candidate first made a crafted or garbage span quadratic), the body must
+            # be tag-shaped and exactly one msgpack value -- a skip-parse in C whose cost is
+            # the value's real extent, which for garbage ends within a few bytes.
+            tag = _peek_tag(body)
+            if tag is None or not _one_value(body):
+                return -1
+        if (zlib.crc32(body) if spans is None else spans.crc(start, start + length)) != crc:
             return -1
         if full:
-            tag = _peek_tag(body)
-            if tag is None:
-                return -1
             dec = _DECODERS.get(tag)
             try:
                 if dec is not None:
@@ -1045,12 +1065,13 @@ class BundleReader:
     def _resync(self, data: bytes, mv: memoryview, pos: int) -> int:
         """Next offset > ``pos`` where a fully valid frame starts, or -1."""
         search = pos + 1 + FRAME_HEADER_SIZE
+        spans = SpanCrc(mv, pos)  # linear in the span however the candidates overlap
         while True:
             m = _RESYNC.search(data, search)
             if m is None:
                 return -1
             cand = m.start() - FRAME_HEADER_SIZE
-            if self._valid_at(data, mv, cand, True) >= 0:
+            if self._valid_at(data, mv, cand, True, spans) >= 0:
                 return cand
             search = m.start() + 1
 
