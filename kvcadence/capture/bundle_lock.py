@@ -61,7 +61,10 @@ class BundleLock:
             os.close(fd)
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the kernel drops it anyway
+            pass
 
 
 __all__ = ["BundleLock"]
