@@ -190,6 +190,7 @@ def register(sub: Any) -> None:
                    help="text (a table per tick), json (one document) or jsonl (a line per "
                    "tick) (default text)")  # fmt: skip
     o.add_argument("--out", metavar="FILE", help="write the output here instead of stdout")
+    o.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.set_defaults(_run=run)
 
 
@@ -203,6 +204,10 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.admit.render import render
     from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, AdmitConfig, run_admission
 
+    if args.out:  # checked before any work: never replaced without --force, never in a bundle
+        from kvcadence.outguard import refuse_out_file
+
+        refuse_out_file(args.out, "--out", force=args.force)
     mnt = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     if args.synthetic_grid:
         specs = synthetic_grid(

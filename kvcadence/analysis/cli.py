@@ -43,6 +43,7 @@ def register(sub: Any) -> None:
         help="output format (default table; parquet needs --out)",
     )
     p.add_argument("--out", metavar="FILE", help="write the result here (required for parquet)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument(
         "--cache", metavar="DIR", help="Parquet cache directory (default BUNDLE/.parquet)"
     )
@@ -106,6 +107,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("bundle", help="bundle directory")
     p.add_argument("--out", required=True, metavar="FILE", help="prefixes.json to write")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument(
         "--cache", metavar="DIR", help="Parquet cache directory (default BUNDLE/.parquet)"
     )
@@ -143,7 +145,7 @@ def run_sql(args: argparse.Namespace) -> int:
     if args.format == "parquet" and not args.out:
         raise UsageError("--format parquet needs --out FILE")
     if args.out is not None:
-        check_out_file(args.out, "--out")
+        check_out_file(args.out, "--out", force=args.force)
     _check_cache(args)
     ing = ingest.ingest(args.bundle, args.cache)
     df = sql.query(sql.connect(ing), args.query)
@@ -205,7 +207,7 @@ def run_prefixes(args: argparse.Namespace) -> int:
     from kvcadence.analysis import ingest, prefixes
     from kvcadence.analysis.outpaths import check_out_file
 
-    check_out_file(args.out, "--out", make_parents=True)
+    check_out_file(args.out, "--out", make_parents=True, force=args.force)
     _check_cache(args)
     ing = ingest.ingest(args.bundle, args.cache)
     doc = prefixes.compute(ing)

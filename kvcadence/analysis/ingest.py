@@ -44,7 +44,7 @@ from typing import Any
 from kvcadence.errors import InputError, UsageError
 from kvcadence.gcpause import gc_paused
 
-INGEST_VERSION = 2
+INGEST_VERSION = 3
 CACHE_DIRNAME = ".parquet"
 MANIFEST = "manifest.json"
 
@@ -628,6 +628,16 @@ def _build_tables(
             "corrupt_frames": len(corrupt),
             "corrupt": [list(c) if isinstance(c, (tuple, list)) else str(c) for c in corrupt],
             "unknown_records": _count(getattr(rep, "unknown_records", 0)),
+            # lost segments (numbering holes, refused segment headers) and records a trailer
+            # counts that were not read (docs/format.md section 4)
+            "missing_segments": [
+                list(m)
+                for m in [
+                    *getattr(rep, "missing_segments", []),
+                    *getattr(rep, "refused_segments", []),
+                ]
+            ],
+            "missing_records": _count(getattr(rep, "missing_records", 0)),
             "trailer": None
             if trailer is None
             else {

@@ -238,7 +238,22 @@ _def("quality.epochs", "epochs", "distinct (endpoint, epoch) pairs among message
 _def("quality.epoch_records", "epochs", "Epoch records (publisher restarts seen)")
 _def("quality.torn_bytes", "bytes", "bytes dropped from torn segment tails")
 _def("quality.corrupt_frames", "frames", "frames that failed their length/CRC check")
+_def(
+    "quality.missing_segments",
+    "segments",
+    "segments lost: holes in the numbering, empty/non-file middle segments, refused headers",
+)
+_def(
+    "quality.missing_records",
+    "records",
+    "records the writer sessions' Trailers count that were not read",
+)
 _def("quality.unknown_records", "records", "bundle records with an unknown tag")
+_def(
+    "quality.duplicate_rids",
+    "requests",
+    "request records whose rid an earlier record has (kept, and counted per request)",
+)
 _def("quality.unknown_events", "events", "KV events with an unknown tag")
 _def("quality.undecodable_payloads", "messages", "payloads wire.decode_batch rejected")
 _def("quality.clean_shutdown", "bool", "1 if the last writer session wrote a clean Trailer")
@@ -665,6 +680,9 @@ def _quality(c: _Ctx, info: dict[str, Any]) -> dict[str, Any]:
     )
     (epochs,) = c.one("SELECT count(*) FROM (SELECT DISTINCT endpoint, epoch FROM batches)")
     (epoch_recs,) = c.one("SELECT count(*) FROM epochs")
+    # request records kept apart, never merged, but counted: each one counts in per-request
+    # metrics (the importers refuse them; an older bundle may hold some)
+    (dup_rids,) = c.one("SELECT count(*) - count(DISTINCT rid) FROM requests")
     (first_zero,) = c.one(
         "SELECT coalesce(bool_and(first_seq = 0), false) FROM (SELECT endpoint, min(seq) first_seq "
         "FROM batches WHERE epoch = (SELECT min(epoch) FROM batches b2 WHERE b2.endpoint = "
@@ -682,6 +700,9 @@ def _quality(c: _Ctx, info: dict[str, Any]) -> dict[str, Any]:
     m["quality.epoch_records"] = int(epoch_recs)
     m["quality.torn_bytes"] = int(info.get("torn_bytes", 0))
     m["quality.corrupt_frames"] = int(info.get("corrupt_frames", 0))
+    m["quality.missing_segments"] = len(info.get("missing_segments") or [])
+    m["quality.missing_records"] = int(info.get("missing_records", 0))
+    m["quality.duplicate_rids"] = int(dup_rids)
     m["quality.unknown_records"] = int(info.get("unknown_records", 0))
     m["quality.unknown_events"] = int(info.get("unknown_events", 0))
     m["quality.undecodable_payloads"] = int(info.get("undecodable_payloads", 0))

@@ -31,6 +31,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("bundle", help="bundle directory (seg-*.kvcb files)")
     p.add_argument("--json", action="store_true", help="print one JSON document (stable keys)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when anything was lost: a missing, empty or refused segment, fewer "
+        "records than a trailer counts, corrupt frames, a torn tail",
+    )
     p.set_defaults(_run=run_inspect)
 
     p = sub.add_parser(
@@ -71,6 +77,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not summary["header_ok"]:
         # the damage report above is still worth having; the exit says it is not a sound bundle
         print(f"kvcadence: error: {args.bundle}: {NO_HEADER}", file=sys.stderr)
+        return 1
+    if args.strict and summary["damaged"]:
+        from kvcadence.capture.inspect import damage_lines
+
+        what = damage_lines(summary) or [
+            f"{summary['corrupt_bytes']} corrupt bytes, {summary['torn_bytes']} torn bytes"
+        ]
+        print(f"kvcadence: error: {args.bundle}: damaged: {what[0]}", file=sys.stderr)
         return 1
     return 0
 

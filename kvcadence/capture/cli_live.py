@@ -445,6 +445,8 @@ def check_recorded(stats: Any, eps: list[Any], out: str) -> None:
 def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
     from kvcadence.capture.discovery import make_header
+    from kvcadence.capture.importer import check_request_record
+    from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
     from kvcadence.format.bundle import BundleWriter, check_encodable
 
     if not args.sglang_metrics and not args.sglang_request_log:
@@ -454,9 +456,13 @@ def run_capture_import(args: argparse.Namespace) -> int:
         records += sglang_logs.read_metrics(m)
     for r in args.sglang_request_log:
         records += sglang_logs.read_request_log(r)
+    for rec in records:  # validated as `kvcadence import` validates, before anything opens
+        check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
     check_encodable(records)  # a record that cannot be written fails before the bundle opens
+    refuse_duplicate_rids(records, "capture import")  # e.g. metrics and request log together
     out = Path(args.bundle)
     if out.exists() and any(out.iterdir()):
+        refuse_known_rids(out, records)  # never a request twice
         writer = BundleWriter.append(out)
     else:
         writer = BundleWriter(out, make_header([], server_info=None, command=command_line()))

@@ -180,6 +180,14 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "corrupt": [{"segment": s, "offset": o, "bytes": n} for s, o, n in rep.corrupt],
         "trailers": trailers,
         "clean_shutdown": rep.clean_shutdown,
+        "missing_segments": [{"segment": n, "why": w} for n, w in rep.missing_segments],
+        "refused_segments": [{"segment": n, "why": w} for n, w in rep.refused_segments],
+        "missing_records": rep.missing_records,
+        "shortfall": [
+            {"trailer_segment": n, "trailer_counts": want, "read": got}
+            for n, want, got in rep.shortfall
+        ],
+        "damaged": rep.damaged,
     }
 
 
@@ -200,6 +208,18 @@ def _rank_row(rank: int, acc: dict[str, int]) -> dict[str, Any]:
     p = acc["prompt_tokens"]
     row["hit_rate"] = acc["cached_tokens"] / p if p else None
     return row
+
+
+def damage_lines(s: dict[str, Any]) -> list[str]:
+    """One line per lost segment and per trailer shortfall (empty for a whole bundle)."""
+    out = [f"segment {m['segment']}: {m['why']}" for m in s.get("missing_segments", [])]
+    out += [f"segment {m['segment']} refused: {m['why']}" for m in s.get("refused_segments", [])]
+    out += [
+        f"{m['trailer_counts'] - m['read']} records missing: the trailer in "
+        f"{m['trailer_segment']} counts {m['trailer_counts']}, {m['read']} were read"
+        for m in s.get("shortfall", [])
+    ]
+    return out
 
 
 def format_text(s: dict[str, Any]) -> str:
@@ -267,10 +287,19 @@ def format_text(s: dict[str, Any]) -> str:
         ),
         ("clean shutdown", "yes" if s["clean_shutdown"] else "no"),
     ]
+    at = next(i for i, r in enumerate(rows) if r[0] == "damage") + 1
+    rows[at:at] = [("LOST" if i == 0 else "", line) for i, line in enumerate(damage_lines(s))]
     if not s["header_ok"]:
         rows.insert(1, ("WARNING", "no readable header record"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-__all__ = ["EVENT_TYPES", "INSPECT_VERSION", "NO_HEADER", "format_text", "inspect_bundle"]
+__all__ = [
+    "EVENT_TYPES",
+    "INSPECT_VERSION",
+    "NO_HEADER",
+    "damage_lines",
+    "format_text",
+    "inspect_bundle",
+]

@@ -55,6 +55,7 @@ from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
 from kvcadence.format.schema import served_rank
+from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
@@ -545,8 +546,7 @@ def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> No
     summary["per_rank"] = [p for p in summary["per_rank"] if p["worker"] == w.name]
     end_ns = result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots)
     out_path = Path(out)
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     with BundleWriter(out_path, header) as wr:
         # interleave the ranks' batches by publish time (stable: rank order on ties)
         frames = sorted(
@@ -580,8 +580,7 @@ def write_fleet_bundles(out: str | Path, result: FleetResult) -> list[Path]:
     if len(result.workers) == 1:
         write_worker_bundle(out_path, result, 0)
         return [out_path]
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     out_path.mkdir(parents=True, exist_ok=True)
     paths = []
     seen: set[str] = set()

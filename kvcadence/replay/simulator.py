@@ -287,6 +287,7 @@ def replay_bundle(
     ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller."""
     from kvcadence.format.bundle import BundleReader
+    from kvcadence.outguard import refuse_nonempty_dir
 
     phases = phases or NoPhases()
 
@@ -294,9 +295,8 @@ def replay_bundle(
     if not src_path.exists():
         raise UsageError(f"{src_path}: no such bundle")
     out_path = Path(out) if out is not None else None
-    if out_path is not None and out_path.exists():
-        if not out_path.is_dir() or any(out_path.iterdir()):
-            raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    if out_path is not None:
+        refuse_nonempty_dir(out_path)
     what = f"loading {src_path}" if loaded is None else f"scanning {src_path} for cache flushes"
     with phases.phase("load", what):
         if loaded is None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import UsageError
+from kvcadence.outguard import refuse_nonempty_dir
 
 PARTITION_BASE = ("worker", "rank", "route")
 
@@ -387,8 +388,7 @@ def run_sweep(
     from multiprocessing import get_context
 
     out_path = Path(out)
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     paths = [str(Path(b)) for b in bundles]
     for p in paths:
         if not Path(p).exists():

@@ -477,7 +477,7 @@ def test_copy_bundle_copies_bytes_and_a_repair_never_reaches_the_source(tmp_path
     assert w.append_report is not None and w.append_report.dropped_bytes == 8
     w.close()
     assert {p.name: p.read_bytes() for p in list_segments(src)} == before
-    with pytest.raises(Exception, match="not an empty directory"):
+    with pytest.raises(Exception, match="not empty; refusing to overwrite"):
         copy_bundle(src, dst)
 
 
@@ -712,6 +712,7 @@ def test_capture_import_append_with_an_unencodable_record_changes_nothing(tmp_pa
     ]  # fmt: skip
     log.write_text("".join(json.dumps(d) + "\n" for d in lines))
     rc = main(["capture", "import", str(b), "--sglang-request-log", str(log), "--quiet"])
-    assert rc == 1
-    assert "rid='r1'" in one_error_line(capsys.readouterr().err)
+    # refused as bad input by the import-style validation (exit 2), before the encoder sees it
+    assert rc == 2
+    assert "rid 'r1'" in one_error_line(capsys.readouterr().err)
     assert {p.name: p.read_bytes() for p in list_segments(b)} == before
