@@ -186,8 +186,10 @@ def run(args: argparse.Namespace) -> int:
     src = Path(args.bundle)
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
+    from kvcadence.replay.production import records_for_replay
+
     reader = BundleReader(src)
-    records = reader.requests()
+    records, inferred = records_for_replay(reader)
     cfg = effective_config(
         reader.header.server_info,
         records,
@@ -203,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
         bar = tqdm(total=len(records), unit="req", desc="replay", file=sys.stderr)
         progress = bar.update
     try:
-        result = replay_bundle(src, args.out, cfg, progress=progress)
+        result = replay_bundle(
+            src, args.out, cfg, progress=progress, records=records, inferred=inferred
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -235,6 +239,10 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['aborted']} aborted; "
             f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.3f} s"
         )
+        if inferred:
+            from kvcadence.replay.production import report_text
+
+            print(report_text(inferred))
     check_some_ran(result.requests)
     return 0
 

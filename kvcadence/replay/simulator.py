@@ -64,6 +64,8 @@ class SimResult:
             "flushes": self.stats.flushes,
             "virtual_s": round(self.stats.virtual_ns / 1e9, 6),
             "wall_s": round(self.wall_s, 3),
+            # production captures: how outputs and sessions were inferred (replay/production)
+            **({"inferred": self.extra["inferred"]} if "inferred" in self.extra else {}),
         }
 
 
@@ -288,9 +290,15 @@ def replay_bundle(
     sglang_version: str | None = None,
     progress: Callable[[int], None] | None = None,
     hasher: Hasher | None = None,
+    records: list[Any] | None = None,
+    inferred: dict[str, Any] | None = None,
 ) -> SimResult:
-    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None)."""
+    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None).
+
+    ``records``/``inferred``: the bundle's records as ``production.records_for_replay``
+    returned them (read and completed here when not given)."""
     from kvcadence.capture.bundle import BundleReader
+    from kvcadence.replay.production import records_for_replay
 
     src_path = Path(src)
     if not src_path.exists():
@@ -301,7 +309,8 @@ def replay_bundle(
             raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
     reader = BundleReader(src_path)
     header = reader.header
-    records = reader.requests()
+    if records is None:
+        records, inferred = records_for_replay(reader)
     if not records:
         raise InputError(f"{src_path}: the bundle has no request records to replay")
     if config is None:
@@ -313,6 +322,8 @@ def replay_bundle(
         )
     flushes = flush_times_from_bundle(BundleReader(src_path))
     result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
+    if inferred:
+        result.extra["inferred"] = inferred
     if out_path is not None:
         write_sim_bundle(out_path, result, header)
     return result

@@ -1,0 +1,204 @@
+"""Production captures: complete request records that carry no output ids and no lanes.
+
+What this file owns: ``complete_records`` (and ``records_for_replay``, its bundle entry
+point). Records from SGLang's own request logs (``--export-metrics-to-file``) have the
+prompt, the output *length* and the timings, but no output ids, no lane/session/turn and
+opaque rids. Before the replay builds its schedule:
+
+1. **Outputs from the KV events** (``outputs.StoreIndex``): the finish store chained below
+   the prompt's last full page gives every output token SGLang ever inserted.
+2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
+   requests becomes one inferred session, written as ``lane = session`` with ``turn`` its
+   position, so the schedule replays it closed loop (think time = recorded receive − the
+   predecessor's recorded finish). Requests without a predecessor (and a second successor
+   of one request) arrive open loop at their recorded times.
+3. **Outputs from the next prompt**: a successor's prompt extends its predecessor's prompt +
+   output, so the tokens the finish never stored (the last token at page size 1, a partial
+   last page) -- or the whole output when the events had none -- are read from it.
+4. The rest stays synthetic (``schedule._synth_tokens``); the report says why. Tokens that
+   are never stored and never reused change no hash and no cache hit.
+
+Records that already have output ids keep them; a bundle whose records all have output ids
+or lanes (a ``kvcadence drive`` bundle) is returned unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.sessions import Node, infer_predecessors
+
+#: why an output stays synthetic (report keys)
+WHY_NO_PROMPT = "prompt not in the event stream"
+WHY_NO_FINISH = "finish store not found"
+WHY_NO_PAGE = "output fills no page and no later prompt extends it"
+WHY_TAIL = "unstored tail, no later prompt extends it"
+
+
+def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
+    v = meta.get(key)
+    return int(round(v * 1e9)) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def _times(r: Any) -> tuple[int | None, int | None]:
+    from kvcadence.replay.schedule import _arrival, _finish
+
+    return _arrival(r), _finish(r)
+
+
+def needs_completion(records: list[Any]) -> bool:
+    """True when some record lacks output ids and no record has a lane."""
+    if any(r.lane is not None for r in records):
+        return False
+    return any(not r.output_ids and (r.completion_tokens or 0) > 0 for r in records)
+
+
+def _n_out(r: Any) -> int:
+    n = r.completion_tokens
+    if n is None:
+        n = len(r.output_ids) if r.output_ids else (r.max_new_tokens or 0)
+    return max(int(n), 0)
+
+
+def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], dict[str, Any]]:
+    """Records with recovered outputs and inferred sessions, and the report (see module)."""
+    ps = index.page_size
+    nodes: list[Node] = []
+    known: list[list[int] | None] = []  # None: the record's own output ids
+    missing: dict[int, str] = {}  # index -> why the stored part of its output is unknown
+    via_events = 0
+    for i, r in enumerate(records):
+        arr, fin = _times(r)
+        node = Node(arrival_ns=arr if arr is not None else 0, finish_ns=fin)
+        nodes.append(node)
+        prompt = r.input_ids
+        n = _n_out(r)
+        L = len(prompt)
+        P = L // ps
+        h, p, node.segs = index.walk(prompt, P)
+        if p < P or not prompt:
+            known.append(None if r.output_ids else [])
+            if not r.output_ids:
+                missing[i] = WHY_NO_PROMPT
+            continue
+        node.prompt_anchor = h
+        K = (L + n - 1) // ps - P if n > 0 else 0
+        if r.output_ids:
+            known.append(None)
+            seq = list(prompt) + list(r.output_ids[: max(n - 1, 0)])
+            he, pe, _ = index.walk(seq, P + max(K, 0), start=(h, P))
+            node.end_anchor = he if pe == P + max(K, 0) else None
+            continue
+        if K <= 0:
+            known.append([])
+            node.end_anchor = h
+            continue
+        got = None if fin is None else index.finish_pages(h, prompt[P * ps :], K, fin)
+        if got is None:
+            known.append([])
+            missing[i] = WHY_NO_FINISH
+            continue
+        toks, last = got
+        out = toks[L - P * ps :].tolist()
+        known.append(out)
+        via_events += 1
+        if len(toks) == K * ps:
+            node.end_anchor = last
+        else:
+            missing[i] = WHY_NO_FINISH
+    infer_predecessors(nodes, [e.hashes for e in index.events])
+
+    # outputs from the next prompt: the first successor (by arrival) of each request
+    first_succ: dict[int, int] = {}
+    for q in sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i)):
+        pr = nodes[q].pred
+        if pr is not None and pr not in first_succ:
+            first_succ[pr] = q
+    via_prompt = 0
+    tail_synth: Counter[str] = Counter()
+    outs: list[list[int] | None] = []
+    for i, r in enumerate(records):
+        kn = known[i]
+        if kn is None:
+            outs.append(None)
+            continue
+        n = _n_out(r)
+        L = len(r.input_ids)
+        q = first_succ.get(i)
+        if len(kn) < n and q is not None:
+            nxt = records[q].input_ids
+            if nxt[L - L % ps : L + len(kn)] == r.input_ids[L - L % ps :] + kn:
+                more = nxt[L + len(kn) : L + n]
+                if more:
+                    kn = kn + list(more)
+                    via_prompt += 1
+                    missing.pop(i, None)
+        if len(kn) < n:
+            if i in missing:
+                pass
+            elif (L + n - 1) // ps == L // ps and not kn:
+                tail_synth[WHY_NO_PAGE] += 1
+            else:
+                tail_synth[WHY_TAIL] += 1
+        outs.append(kn)
+
+    # sessions: a chain of first successors is one session (lane = session)
+    from kvcadence.replay.schedule import _synth_tokens
+
+    session_of: dict[int, tuple[int, int]] = {}
+    n_sessions = 0
+    out_records = []
+    for i in sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i)):
+        pr = nodes[i].pred
+        if pr is not None and first_succ.get(pr) == i and pr in session_of:
+            s, t = session_of[pr]
+            session_of[i] = (s, t + 1)
+        else:
+            session_of[i] = (n_sessions, 0)
+            n_sessions += 1
+    for i, r in enumerate(records):
+        s, t = session_of[i]
+        upd: dict[str, Any] = {"lane": s, "session": s, "turn": t}
+        kn = outs[i]
+        if kn is not None:
+            n = _n_out(r)
+            upd["output_ids"] = kn[:n] + _synth_tokens(r.rid, n - len(kn)) if len(kn) < n else kn
+        out_records.append(msgspec.structs.replace(r, **upd))
+    report = {
+        "requests": len(records),
+        "outputs_recorded": sum(1 for k in known if k is None),
+        "outputs_from_events": via_events,
+        "outputs_from_next_prompt": via_prompt,
+        "outputs_synthetic": dict(sorted(Counter(missing.values()).items())),
+        "unstored_tail_synthetic": dict(sorted(tail_synth.items())),
+        "sessions": n_sessions,
+        "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
+    }
+    return out_records, report
+
+
+def records_for_replay(reader: Any, records: list[Any] | None = None) -> tuple[list[Any], dict]:
+    """``reader``'s request records, completed when they need it (``{}`` report if not)."""
+    recs = reader.requests() if records is None else records
+    if not needs_completion(recs):
+        return recs, {}
+    ps = (reader.header.server_info or {}).get("page_size") or 1
+    index = StoreIndex.from_reader(reader, int(ps))
+    return complete_records(recs, index)
+
+
+def report_text(rep: dict[str, Any]) -> str:
+    """One paragraph for the replay's output: where the outputs and sessions came from."""
+    syn = rep["outputs_synthetic"]
+    tail = rep["unstored_tail_synthetic"]
+    why = "; ".join(f"{n} {k}" for k, n in {**syn, **tail}.items()) or "none"
+    return (
+        f"inferred (no output ids / lanes recorded): outputs of {rep['requests']} requests: "
+        f"{rep['outputs_recorded']} recorded, {rep['outputs_from_events']} from KV events, "
+        f"{rep['outputs_from_next_prompt']} completed from the next prompt; synthetic: {why}; "
+        f"{rep['sessions']} sessions, {rep['with_predecessor']} requests with a predecessor"
+    )
