@@ -160,8 +160,10 @@ def load_worker(
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
+    from kvcadence.replay.production import records_for_replay
+
     reader = BundleReader(p)
-    records = reader.requests()
+    records, _ = records_for_replay(reader)  # production captures: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(

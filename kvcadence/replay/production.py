@@ -30,13 +30,16 @@ from typing import Any
 import msgspec
 
 from kvcadence.replay.outputs import StoreIndex
-from kvcadence.replay.sessions import Node, infer_predecessors
+from kvcadence.replay.sessions import Node, infer_clients, infer_predecessors
 
 #: why an output stays synthetic (report keys)
 WHY_NO_PROMPT = "prompt not in the event stream"
 WHY_NO_FINISH = "finish store not found"
 WHY_NO_PAGE = "output fills no page and no later prompt extends it"
 WHY_TAIL = "unstored tail, no later prompt extends it"
+#: a session start joins the client whose session ended last before it, at most this many
+#: median think times (predecessor finish -> successor receive) earlier
+CLIENT_GAP_FACTOR = 10
 
 
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
@@ -149,20 +152,35 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     # sessions: a chain of first successors is one session (lane = session)
     from kvcadence.replay.schedule import _synth_tokens
 
+    gaps = sorted(
+        nodes[q].arrival_ns - nodes[p].finish_ns  # type: ignore[operator]
+        for p, q in first_succ.items()
+        if nodes[p].finish_ns is not None
+    )
+    max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
+    clients = infer_clients(nodes, max_gap)
     session_of: dict[int, tuple[int, int]] = {}
-    n_sessions = 0
-    out_records = []
+    lane_of: dict[int, int] = {}
+    n_sessions = n_lanes = 0
     for i in sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i)):
         pr = nodes[i].pred
         if pr is not None and first_succ.get(pr) == i and pr in session_of:
             s, t = session_of[pr]
             session_of[i] = (s, t + 1)
+            lane_of[i] = lane_of[pr]
+            continue
+        session_of[i] = (n_sessions, 0)
+        n_sessions += 1
+        c = clients[i]
+        if c is not None and c in lane_of:
+            lane_of[i] = lane_of[c]
         else:
-            session_of[i] = (n_sessions, 0)
-            n_sessions += 1
+            lane_of[i] = n_lanes
+            n_lanes += 1
+    out_records = []
     for i, r in enumerate(records):
         s, t = session_of[i]
-        upd: dict[str, Any] = {"lane": s, "session": s, "turn": t}
+        upd: dict[str, Any] = {"lane": lane_of[i], "session": s, "turn": t}
         kn = outs[i]
         if kn is not None:
             n = _n_out(r)
@@ -176,6 +194,7 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
         "outputs_synthetic": dict(sorted(Counter(missing.values()).items())),
         "unstored_tail_synthetic": dict(sorted(tail_synth.items())),
         "sessions": n_sessions,
+        "clients": n_lanes,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
     }
     return out_records, report

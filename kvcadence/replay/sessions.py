@@ -83,3 +83,29 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
         )
         node.pred = best[1]
         nodes[best[1]].has_successor = True
+
+
+def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> list[int | None]:
+    """For each request without a predecessor, the closed-loop client it most likely came
+    from: the request that ended a session (no successor) last before it arrived, at most
+    ``max_gap_ns`` earlier and not claimed by another session start. ``None`` = open loop."""
+    out: list[int | None] = [None] * len(nodes)
+    ends = sorted(
+        (i for i, n in enumerate(nodes) if not n.has_successor and n.finish_ns is not None),
+        key=lambda i: (nodes[i].finish_ns, i),
+    )
+    starts = sorted(
+        (i for i, n in enumerate(nodes) if n.pred is None), key=lambda i: (nodes[i].arrival_ns, i)
+    )
+    free: list[int] = []  # session ends finished so far, unclaimed, by finish time
+    ei = 0
+    for q in starts:
+        t = nodes[q].arrival_ns
+        while ei < len(ends) and nodes[ends[ei]].finish_ns <= t:  # type: ignore[operator]
+            free.append(ends[ei])
+            ei += 1
+        if free and t - nodes[free[-1]].finish_ns > max_gap_ns:  # type: ignore[operator]
+            free.clear()  # the latest is too old: so are all the others, for every later one
+        if free:
+            out[q] = free.pop()
+    return out
