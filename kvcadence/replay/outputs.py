@@ -147,11 +147,11 @@ class StoreIndex:
 
     def finish_pages(
         self, h: int | None, tail: list[int], k: int, finish_ns: int
-    ) -> tuple[array, int] | None:
+    ) -> tuple[array, int, bool] | None:
         """Tokens of up to ``k`` pages stored under block ``h`` (``None`` = the root) by the
         first event published from ``finish_ns`` on whose run below ``h`` starts with
-        ``tail``, and the hash of the last of those pages; ``None`` when there is none in
-        the search window."""
+        ``tail``, the hash of the last of those pages and whether that event also held other
+        stores (tail merging); ``None`` when there is none in the search window."""
         ps = self.page_size
         evs = self._ts
         i = bisect_left(evs, finish_ns - FINISH_SLACK_NS)
@@ -174,7 +174,8 @@ class StoreIndex:
             if tail and ev.tokens[j * ps : j * ps + len(tail)] != want_tail:
                 continue
             m = min(k, len(ev.hashes) - j)
-            return ev.tokens[j * ps : (j + m) * ps], ev.hashes[j + m - 1]
+            merged = j > 0 or j + m < len(ev.hashes)
+            return ev.tokens[j * ps : (j + m) * ps], ev.hashes[j + m - 1], merged
         return None
 
 

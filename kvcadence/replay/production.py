@@ -73,7 +73,7 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     nodes: list[Node] = []
     known: list[list[int] | None] = []  # None: the record's own output ids
     missing: dict[int, str] = {}  # index -> why the stored part of its output is unknown
-    via_events = 0
+    via_events = in_merged = 0
     for i, r in enumerate(records):
         arr, fin = _times(r)
         node = Node(arrival_ns=arr if arr is not None else 0, finish_ns=fin)
@@ -105,10 +105,11 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
             known.append([])
             missing[i] = WHY_NO_FINISH
             continue
-        toks, last = got
+        toks, last, was_merged = got
         out = toks[L - P * ps :].tolist()
         known.append(out)
         via_events += 1
+        in_merged += was_merged
         if len(toks) == K * ps:
             node.end_anchor = last
         else:
@@ -190,6 +191,7 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
         "requests": len(records),
         "outputs_recorded": sum(1 for k in known if k is None),
         "outputs_from_events": via_events,
+        "finish_stores_in_merged_events": in_merged,
         "outputs_from_next_prompt": via_prompt,
         "outputs_synthetic": dict(sorted(Counter(missing.values()).items())),
         "unstored_tail_synthetic": dict(sorted(tail_synth.items())),
