@@ -1,32 +1,34 @@
 """Output token ids recovered from a capture's KV events (production captures).
 
 What this file owns: ``StoreIndex``, the content of every ``BlockStored`` event of a bundle
-(all endpoints / DP ranks together: a block hash is a function of the tokens only), and the
-two lookups a production replay needs when requests were recorded without output ids
-(SGLang's ``--export-metrics-to-file``):
+(all endpoints / DP ranks together: a block hash is a function of the tokens only), sorted
+by publish time, and the lookups a production replay needs when requests were recorded
+without output ids (SGLang's ``--export-metrics-to-file``):
 
-* ``walk(tokens)``: how far a token sequence runs down the stored content tree, jumping a
-  whole event run at a time (one dict lookup per run, a C-level slice compare per run), and
-  the block hash it ends on -- for a prompt, ``h_L``, the hash of its last full page;
-* ``finish_pages(h_L, tail, k, finish_ns)``: the request's finish store -- the event run whose
-  first block's parent is ``h_L`` (also inside an event where tail merging appended it to the
-  request's own prefill store, or put the next request's store after it), published at or
-  after the request's recorded finish. Its ``token_ids`` are the prompt's partial tail page
-  plus the output tokens SGLang inserted (all but the last output token at page size 1; all
-  full pages at page size > 1). The rest of the output is never inserted, so it never
-  changes a block hash or a cache hit.
+* ``prefill_run(prompt, cached, ...)``: the request's own prefill store -- the run of
+  ``prompt[cached:]``'s full pages (``cached`` = its recorded ``cached_tokens``) published
+  between its receive and its finish, followed across chunks -- giving the hash of the
+  prompt's last full page ``h_L`` and the block it attached to. A search of a few events
+  near the request, not a walk of the whole prompt;
+* (a prompt with no prefill store of its own -- fully cached -- is hashed instead:
+  ``capture.hashes.block_hashes``, SGLang's chained SHA-256);
+* ``finish_pages(h_L, tail, k, finish_ns)``: the request's finish store -- the event run
+  whose first block's parent is ``h_L`` (also inside an event where tail merging appended
+  it to the request's own prefill store, or put the next request's store after it),
+  published at or after the request's recorded finish. Its ``token_ids`` are the prompt's
+  partial tail page plus the output tokens SGLang inserted (all but the last output token at
+  page size 1; all full pages at page size > 1). The rest of the output is never inserted,
+  so it never changes a block hash or a cache hit.
 
-Blocks are indexed by ``(parent hash, page tokens)``; event token lists are kept as
-``array('q')`` (8 bytes a token, no int objects).
+Memory: the decoded events' hash and token lists (the stored content once; the replay's
+own prompts are not copied).
 """
 
 from __future__ import annotations
 
-from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
@@ -44,7 +46,7 @@ class StoredEvent:
     ts_ns: int
     parent: int | None
     hashes: list[int]
-    tokens: array
+    tokens: list[int]
 
 
 class StoreIndex:
@@ -54,7 +56,6 @@ class StoreIndex:
         self.page_size = page_size
         self.events: list[StoredEvent] = []
         self._ts: list[int] = []
-        self._child: dict[tuple[int | None, Any], tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -76,7 +77,7 @@ class StoreIndex:
                     raw.append((ts, n, e))
         raw.sort(key=lambda t: (t[0], t[1]))
         for ts, _, e in raw:
-            idx._add(ts, e.parent_block_hash, list(e.block_hashes), e.token_ids)
+            idx._add(ts, e.parent_block_hash, e.block_hashes, e.token_ids)
         return idx
 
     @classmethod
@@ -97,97 +98,140 @@ class StoreIndex:
         return cls.from_batches(batches(), page_size)
 
     def _add(self, ts: int, parent: int | None, hashes: list[int], tokens: list[int]) -> None:
-        ps = self.page_size
-        ei = len(self.events)
-        toks = array("q", tokens)
-        self.events.append(StoredEvent(ts, parent, hashes, toks))
+        self.events.append(StoredEvent(ts, parent, hashes, tokens))
         self._ts.append(ts)
-        parents = [parent, *hashes[:-1]]
-        if ps == 1:
-            keys: Iterable[Any] = zip(parents, tokens, strict=True)
-        else:
-            pages = (hash(tuple(tokens[i : i + ps])) for i in range(0, len(tokens), ps))
-            keys = zip(parents, pages, strict=True)
-        # the latest occurrence wins: any occurrence of a block has the same content
-        self._child.update(zip(keys, zip(repeat(ei), range(len(hashes))), strict=False))
 
     # ------------------------------------------------------------------ lookups
-    def _page_key(self, tokens: list[int], p: int) -> Any:
+    def prefill_run(
+        self, prompt: list[int], cached: int, t0: int, t1: int
+    ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
+        """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
+        (receive .. finish): ``(hash of the last full page, segments ``(first page, event
+        index, position, pages)``, the hash the first page attached to)``; ``None`` when not
+        found (nothing new stored, another page size, or outside the window)."""
         ps = self.page_size
-        return tokens[p] if ps == 1 else hash(tuple(tokens[p * ps : (p + 1) * ps]))
-
-    def walk(
-        self,
-        tokens: list[int],
-        limit_pages: int | None = None,
-        start: tuple[int | None, int] = (None, 0),
-    ) -> tuple[int | None, int, list[tuple[int, int, int, int]]]:
-        """Follow ``tokens`` down the stored content from ``start`` (a block hash and the
-        pages of ``tokens`` it covers): ``(last hash, full pages matched, segments)``, a
-        segment being ``(first page, event index, position, pages)``."""
-        ps = self.page_size
-        limit = len(tokens) // ps if limit_pages is None else min(limit_pages, len(tokens) // ps)
-        h, p = start
-        segs: list[tuple[int, int, int, int]] = []
-        child, evs = self._child, self.events
-        while p < limit:
-            v = child.get((h, self._page_key(tokens, p)))
-            if v is None:
+        pages = len(prompt) // ps
+        start = cached // ps
+        if start >= pages or cached < 0:
+            return None
+        ts = self._ts
+        i = bisect_left(ts, t0 - FINISH_SLACK_NS)
+        end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        found = self._first_chunk(prompt, start, pages, i, end)
+        if found is None:
+            return None
+        e0, j, n = found
+        ev = self.events[e0]
+        base = ev.parent if j == 0 else ev.hashes[j - 1]
+        segs = [(start, e0, j, n)]
+        cur = ev.hashes[j + n - 1]
+        p = start + n
+        for ei in range(e0 + 1, end):  # later chunks: chained below the last page found
+            if p >= pages:
                 break
-            ei, j = v
-            ev = evs[ei]
-            n = min(len(ev.hashes) - j, limit - p)
-            m = _match_pages(ev.tokens, j * ps, tokens, p * ps, n, ps)
-            if m == 0:
-                break  # a page-key collision (ps > 1): tokens differ
-            segs.append((p, ei, j, m))
-            h = ev.hashes[j + m - 1]
-            p += m
-        return h, p, segs
-
-    def finish_pages(
-        self, h: int | None, tail: list[int], k: int, finish_ns: int
-    ) -> tuple[array, int, bool] | None:
-        """Tokens of up to ``k`` pages stored under block ``h`` (``None`` = the root) by the
-        first event published from ``finish_ns`` on whose run below ``h`` starts with
-        ``tail``, the hash of the last of those pages and whether that event also held other
-        stores (tail merging); ``None`` when there is none in the search window."""
-        ps = self.page_size
-        evs = self._ts
-        i = bisect_left(evs, finish_ns - FINISH_SLACK_NS)
-        end = min(len(evs), i + FINISH_MAX_EVENTS)
-        horizon = finish_ns + FINISH_WINDOW_NS
-        want_tail = array("q", tail)
-        for ei in range(i, end):
             ev = self.events[ei]
-            if ev.ts_ns > horizon:
-                break
-            if ev.parent == h:
+            if ev.parent == cur:
                 j = 0
             else:
                 try:
-                    j = ev.hashes.index(h) + 1  # type: ignore[arg-type]
+                    j = ev.hashes.index(cur) + 1  # type: ignore[arg-type]
                 except ValueError:
                     continue
                 if j >= len(ev.hashes):
                     continue
-            if tail and ev.tokens[j * ps : j * ps + len(tail)] != want_tail:
+            n = min(len(ev.hashes) - j, pages - p)
+            if ev.tokens[j * ps : (j + n) * ps] != prompt[p * ps : (p + n) * ps]:
                 continue
+            segs.append((p, ei, j, n))
+            cur = ev.hashes[j + n - 1]
+            p += n
+        return (cur, segs, base) if p >= pages else None
+
+    def _first_chunk(
+        self, prompt: list[int], start: int, pages: int, i: int, end: int
+    ) -> tuple[int, int, int] | None:
+        """``(event, position, pages)`` of the first run of ``prompt``'s pages from
+        ``start`` among events ``[i, end)``: at an event's start first, then (tail merging:
+        after another request's finish store) anywhere in it."""
+        ps, evs = self.page_size, self.events
+        want = prompt[start * ps]
+        for ei in range(i, end):
+            ev = evs[ei]
+            if ev.tokens[0] == want:
+                n = min(len(ev.hashes), pages - start)
+                if ev.tokens[: n * ps] == prompt[start * ps : (start + n) * ps]:
+                    return ei, 0, n
+        for ei in range(i, end):
+            toks = evs[ei].tokens
+            k = 1
+            while True:
+                try:
+                    k = toks.index(want, k)
+                except ValueError:
+                    break
+                if k % ps == 0:
+                    j = k // ps
+                    n = min(len(evs[ei].hashes) - j, pages - start)
+                    if toks[k : k + n * ps] == prompt[start * ps : (start + n) * ps]:
+                        return ei, j, n
+                k += 1
+        return None
+
+    def finish_pages(
+        self,
+        h: int | None,
+        tail: list[int],
+        k: int,
+        arrival_ns: int,
+        finish_ns: int,
+        at: tuple[int, int] | None = None,
+    ) -> tuple[list[int], int, bool] | None:
+        """The finish store below block ``h`` (``None`` = the root): the tokens of up to
+        ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
+        last page and whether its event also held other stores (tail merging); ``None``
+        when the search window holds none.
+
+        Searched, in this order: right after ``h`` in the request's own prefill event
+        (``at`` = (event, position of ``h``): prefill and finish stores merged); then the
+        first later event whose parent is ``h``; then (rare: merged after another store
+        ending at ``h``) any event holding ``h`` from ``finish_ns`` on."""
+        ps = self.page_size
+        evs, ts = self.events, self._ts
+        horizon = finish_ns + FINISH_WINDOW_NS
+
+        def run(ei: int, j: int) -> tuple[list[int], int, bool] | None:
+            ev = evs[ei]
+            if j >= len(ev.hashes) or (tail and ev.tokens[j * ps : j * ps + len(tail)] != tail):
+                return None
             m = min(k, len(ev.hashes) - j)
             merged = j > 0 or j + m < len(ev.hashes)
             return ev.tokens[j * ps : (j + m) * ps], ev.hashes[j + m - 1], merged
-        return None
 
-
-def _match_pages(ev_tokens: array, a: int, tokens: list[int], b: int, n: int, ps: int) -> int:
-    """How many of ``n`` pages agree between ``ev_tokens[a:]`` and ``tokens[b:]``."""
-    if ev_tokens[a : a + n * ps] == array("q", tokens[b : b + n * ps]):
-        return n
-    lo, hi = 0, n - 1  # page n differs somewhere: binary search the longest equal prefix
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ev_tokens[a : a + mid * ps] == array("q", tokens[b : b + mid * ps]):
-            lo = mid
+        if at is not None:
+            got = run(at[0], at[1] + 1)
+            if got is not None:
+                return got
+            i = at[0] + 1
         else:
-            hi = mid - 1
-    return lo
+            i = bisect_left(ts, arrival_ns - FINISH_SLACK_NS)
+        for ei in range(i, min(len(ts), i + FINISH_MAX_EVENTS)):
+            ev = evs[ei]
+            if ev.ts_ns > horizon:
+                break
+            if ev.parent == h:
+                got = run(ei, 0)
+                if got is not None:
+                    return got
+        i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
+        for ei in range(i, min(len(ts), i + FINISH_MAX_EVENTS)):
+            ev = evs[ei]
+            if ev.ts_ns > horizon:
+                break
+            try:
+                j = ev.hashes.index(h) + 1  # type: ignore[arg-type]
+            except ValueError:
+                continue
+            got = run(ei, j)
+            if got is not None:
+                return got
+        return None

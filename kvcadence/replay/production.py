@@ -29,10 +29,14 @@ from typing import Any
 
 import msgspec
 
+from kvcadence.capture.hashes import block_hashes
+from kvcadence.errors import WireError
 from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import Node, infer_clients, infer_predecessors
 
 #: why an output stays synthetic (report keys)
+WHY_NO_IDS = "no prompt token ids (text prompt)"
 WHY_NO_PROMPT = "prompt not in the event stream"
 WHY_NO_FINISH = "finish store not found"
 WHY_NO_PAGE = "output fills no page and no later prompt extends it"
@@ -42,14 +46,7 @@ WHY_TAIL = "unstored tail, no later prompt extends it"
 CLIENT_GAP_FACTOR = 10
 
 
-def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
-    v = meta.get(key)
-    return int(round(v * 1e9)) if isinstance(v, (int, float)) and v > 0 else None
-
-
 def _times(r: Any) -> tuple[int | None, int | None]:
-    from kvcadence.replay.schedule import _arrival, _finish
-
     return _arrival(r), _finish(r)
 
 
@@ -82,32 +79,49 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
         n = _n_out(r)
         L = len(prompt)
         P = L // ps
-        h, p, node.segs = index.walk(prompt, P)
-        if p < P or not prompt:
+        if not prompt:
             known.append(None if r.output_ids else [])
             if not r.output_ids:
-                missing[i] = WHY_NO_PROMPT
+                missing[i] = WHY_NO_IDS
             continue
+        fast = None
+        if r.cached_tokens is not None and arr is not None and fin is not None:
+            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin)
+        if fast is not None:
+            h, node.segs, node.base = fast
+        else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
+            try:
+                node.path = block_hashes(prompt[: P * ps], ps)
+            except WireError:
+                node.path = []
+            h = node.path[-1] if node.path else None
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
-        if r.output_ids:
-            known.append(None)
-            seq = list(prompt) + list(r.output_ids[: max(n - 1, 0)])
-            he, pe, _ = index.walk(seq, P + max(K, 0), start=(h, P))
-            node.end_anchor = he if pe == P + max(K, 0) else None
-            continue
         if K <= 0:
-            known.append([])
+            known.append(None if r.output_ids else [])
             node.end_anchor = h
             continue
-        got = None if fin is None else index.finish_pages(h, prompt[P * ps :], K, fin)
+        at = None
+        if fast is not None:
+            _, ei, j, m = node.segs[-1]
+            at = (ei, j + m - 1)
+        got = (
+            None
+            if fin is None or arr is None
+            else index.finish_pages(h, prompt[P * ps :], K, arr, fin, at)
+        )
+        if r.output_ids:
+            known.append(None)
+            if got is not None and len(got[0]) == K * ps:
+                node.end_anchor = got[1]
+            continue
         if got is None:
             known.append([])
-            missing[i] = WHY_NO_FINISH
+            stored_prompt = fast is not None or (r.cached_tokens or 0) >= P * ps
+            missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
             continue
         toks, last, was_merged = got
-        out = toks[L - P * ps :].tolist()
-        known.append(out)
+        known.append(toks[L - P * ps :])
         via_events += 1
         in_merged += was_merged
         if len(toks) == K * ps:
@@ -151,8 +165,6 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
         outs.append(kn)
 
     # sessions: a chain of first successors is one session (lane = session)
-    from kvcadence.replay.schedule import _synth_tokens
-
     gaps = sorted(
         nodes[q].arrival_ns - nodes[p].finish_ns  # type: ignore[operator]
         for p, q in first_succ.items()

@@ -30,6 +30,8 @@ class Node:
     finish_ns: int | None
     #: stored-content path of the prompt: (first page, event index, position, pages)
     segs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    base: int | None = None  # the block ``segs`` attached to, when they do not start at 0
+    path: list[int] | None = None  # instead of ``segs``: every page hash of the prompt
     prompt_anchor: int | None = None  # hash of the prompt's last full page (when stored)
     end_anchor: int | None = None  # hash of the last page the finish inserted
     pred: int | None = None
@@ -60,9 +62,13 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
         if not anchors:
             continue
         keys = anchors.keys()
+        runs = [event_hashes[ei][j : j + m] for _, ei, j, m in reversed(node.segs)]
+        if node.path:
+            runs.append(node.path)
+        if node.base is not None:
+            runs.append([node.base])
         hit: list[tuple[int, int]] | None = None
-        for _, ei, j, m in reversed(node.segs):
-            hs = event_hashes[ei][j : j + m]
+        for hs in runs:  # deepest first
             if keys.isdisjoint(hs):
                 continue
             for h in reversed(hs):

@@ -23,10 +23,13 @@ from tests.replay.helpers import config, lane_chain, run
 S = 1_000_000_000
 
 
-def rec(rid: str, prompt: list[int], n: int, recv_s: float, fin_s: float) -> RequestRecord:
+def rec(
+    rid: str, prompt: list[int], n: int, recv_s: float, fin_s: float, cached: int | None = None
+) -> RequestRecord:
     return RequestRecord(
         rid=rid,
         input_ids=prompt,
+        cached_tokens=cached,
         completion_tokens=n,
         max_new_tokens=n,
         source="sglang-metrics",
@@ -69,8 +72,8 @@ def test_finish_store_merged_with_next_prefill_on_another_rank():
     ]
     idx = StoreIndex.from_batches(batches, ps)
     recs = [
-        rec("9f2c", a, 3, 0.5, 1.9),
-        rec("01ab", b, 2, 1.95, 3.0),
+        rec("9f2c", a, 3, 0.5, 1.9, cached=0),
+        rec("01ab", b, 2, 1.95, 3.0, cached=8),
         rec("77ee", [900, 901, 902], 2, 1.0, 1.5),  # never stored: capture started late
     ]
     assert needs_completion(recs)
@@ -105,7 +108,7 @@ def test_page_four_partial_prompt_page_and_prefill_finish_merge():
     idx2 = StoreIndex.from_batches(
         [(int(1.0 * S), [ev]), (int(0.15 * S), [store(short.input_ids, 0, 1, ps)])], ps
     )
-    recs = [rec("a", a, 9, 0.5, 0.99), rec("b", b, 6, 1.2, 1.5)]
+    recs = [rec("a", a, 9, 0.5, 0.99, cached=0), rec("b", b, 6, 1.2, 1.5, cached=16)]
     out, rep = complete_records(recs, idx)
     # pages 2..3 hold a's 2-token tail and its first 6 outputs; the rest from b's prompt
     assert out[0].output_ids == out_a
