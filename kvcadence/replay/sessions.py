@@ -1,19 +1,24 @@
-"""Sessions without lanes: each request's predecessor, inferred from prompt content.
+"""Sessions without lanes: each request's predecessor, and the client of a session start.
 
-What this file owns: ``infer_predecessors``. A request Q's predecessor is an earlier request
-R, finished (server-side) before Q arrived, whose stored sequence lies deepest on Q's prompt:
-Q's prompt runs (in the stored content tree of ``outputs.StoreIndex``) through R's *end
-anchor* (the last block R's finish inserted: prompt + output, page aligned) or, failing
-that, R's *prompt anchor* (its prompt's last full page: the client rewrote or dropped the
-output). Whatever follows in Q's prompt (chat-template tokens, the new user turn) is
-ignored, so this is the longest common prefix over anchors, not strict containment.
+What this file owns: ``infer_predecessors`` and ``infer_clients``. A request Q's
+predecessor is an earlier request R, finished (server-side) before Q arrived, whose stored
+sequence lies deepest on Q's prompt: Q's prompt path (its prefill run and the block it
+attached to, from ``outputs.StoreIndex``, or every page hash of a prompt that stored
+nothing) runs through R's *end anchor* (the last block R's finish inserted: prompt +
+output, page aligned) or, failing that, R's *prompt anchor* (its prompt's last full page:
+the client rewrote or dropped the output). Whatever follows in Q's prompt (chat-template
+tokens, the new user turn) is ignored: the longest common prefix over anchors, not strict
+containment.
 
 Ties at one anchor (identical sequences) go to an R that has no successor yet, then to the
 one that finished last, then to the later index: deterministic, and nothing is read from
-rid text. Requests whose prompt runs through no anchor have no predecessor (open loop).
-Limits: a context truncated or rewritten *inside* the predecessor's prompt has no anchor on
-its path, so it starts a new session; a prompt that was never stored (capture started
-late) has no path at all.
+rid text. Limits: a context truncated or rewritten *inside* the predecessor's prompt has no
+anchor on its path (a new session); a request whose cache hit ran past its predecessor's
+end anchor is not linked.
+
+``infer_clients`` links each request without a predecessor (a session start) to the
+session end (a request without a successor) that finished last before it, within a gap
+bound: a closed-loop client's next session (timing only).
 """
 
 from __future__ import annotations
