@@ -2,9 +2,10 @@
 ids, no lanes/sessions/turns and opaque rids (SGLang's ``--export-metrics-to-file``), with
 the KV events recorded alongside.
 
-* the fixture, built exactly as a user would (frames + ``capture import --sglang-metrics``,
-  every rid rewritten to random hex), meets the replay's fidelity bars
-  (``assert_issue4_bars``); every output and every session link is the real one;
+* the fixture, built and replayed exactly as a user would (frames + ``capture import
+  --sglang-metrics`` with every rid rewritten to random hex, then ``kvcadence replay``),
+  meets the replay's fidelity bars (``assert_issue4_bars``), and ``replay`` / ``inspect``
+  say what was inferred; every output and every session link is the real one;
 * the DP 2 capture, stripped to the same form, replays per rank exactly as its driver
   records do (outputs recovered across both ranks' event streams);
 * driver bundles are left alone (same records, no report).
@@ -20,10 +21,10 @@ import msgspec
 
 from kvcadence.capture.bundle import BundleReader, BundleWriter, event_payload
 from kvcadence.capture.importer import import_bundle
+from kvcadence.capture.inspect import inspect_bundle
 from kvcadence.capture.schema import Header, RequestRecord, Trailer
 from kvcadence.cli import main
 from kvcadence.replay.production import records_for_replay
-from kvcadence.replay.simulator import replay_bundle
 from tests.replay.test_fixture_fidelity import assert_issue4_bars, cadence
 
 DATA = Path(__file__).parent / "data"
@@ -67,7 +68,7 @@ def production_copy(src: Path, dst: Path, seed: int = 15) -> None:
             w.write(rec)
 
 
-def test_fixture_production_path_meets_the_bars(fixture_dir, tmp_path):
+def test_fixture_production_path_meets_the_bars(fixture_dir, tmp_path, capsys):
     metrics = tmp_path / "metrics"
     _hex_rids(fixture_dir / "sglang-metrics", metrics, seed=15)
     real = tmp_path / "real"
@@ -82,10 +83,16 @@ def test_fixture_production_path_meets_the_bars(fixture_dir, tmp_path):
     assert all(not r.output_ids and r.lane is None for r in real_reqs)
     assert all(len(r.rid) == 32 and "-" not in r.rid for r in real_reqs)
 
-    result = replay_bundle(real, tmp_path / "sim")
-    rep = result.summary()["inferred"]
+    capsys.readouterr()
+    assert main(["replay", str(real), "--out", str(tmp_path / "sim")]) == 0
+    printed = capsys.readouterr().out
+    assert "120 from KV events, 87 completed from the next prompt" in printed
+    assert "33 sessions" in printed and "87 requests with a predecessor" in printed
+    rep = inspect_bundle(tmp_path / "sim")["inferred"]  # kept in the sim bundle's trailer
     assert rep["outputs_from_events"] == 120 and rep["outputs_synthetic"] == {}
-    assert rep["sessions"] == 33 and rep["with_predecessor"] == 87
+    assert rep["sessions"] == 33 and rep["with_predecessor"] == 87 and rep["clients"] == 4
+    assert main(["inspect", str(tmp_path / "sim")]) == 0
+    assert "sessions=33 clients=4 with predecessor=87" in capsys.readouterr().out
 
     rr = BundleReader(real)
     real_c = cadence([event_payload(f) for f in rr.events()], len(real_reqs))
