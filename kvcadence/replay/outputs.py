@@ -82,20 +82,43 @@ class StoreIndex:
 
     @classmethod
     def from_reader(cls, reader: Any, page_size: int) -> StoreIndex:
-        """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks one)."""
+        """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
+        one). Only ``BlockStored`` hashes and tokens are decoded (``wire.decode_batch_raw``:
+        removals stay undecoded bytes); an event whose fields are not int arrays (bigram
+        keys, damage) is skipped."""
+        import msgspec
+
         from kvcadence.capture import wire
         from kvcadence.capture.bundle import event_payload
+        from kvcadence.capture.hashes import I64_MAX, norm_hash
+        from kvcadence.capture.schema import BlockStoredRawView, BlockStoredV17RawView
 
-        def batches() -> Iterable[tuple[int, Any]]:
-            for f in reader.events():
-                try:
-                    b = wire.decode_batch(event_payload(f))
-                except Exception:  # noqa: BLE001 - a torn payload holds no usable store
+        ints = msgspec.msgpack.Decoder(list[int])
+        stored = (BlockStoredRawView, BlockStoredV17RawView)
+        idx = cls(page_size)
+        raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
+        for n, f in enumerate(reader.events()):
+            try:
+                b = wire.decode_batch_raw(event_payload(f))
+            except Exception:  # noqa: BLE001 - a torn payload holds no usable store
+                continue
+            ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
+            for e in b.events:
+                if type(e) not in stored or e.block_size != page_size:
                     continue
-                ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
-                yield ts, b.events
-
-        return cls.from_batches(batches(), page_size)
+                try:
+                    hashes, tokens = ints.decode(e.block_hashes), ints.decode(e.token_ids)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if not hashes or len(tokens) != page_size * len(hashes):
+                    continue
+                if max(hashes) > I64_MAX:  # a uint64 wire hash: the int64 of the same bits
+                    hashes = [norm_hash(h) for h in hashes]
+                raw.append((ts, n, e.parent_block_hash, hashes, tokens))
+        raw.sort(key=lambda t: (t[0], t[1]))
+        for ts, _, parent, hashes, tokens in raw:
+            idx._add(ts, parent, hashes, tokens)
+        return idx
 
     def _add(self, ts: int, parent: int | None, hashes: list[int], tokens: list[int]) -> None:
         self.events.append(StoredEvent(ts, parent, hashes, tokens))
