@@ -8,6 +8,7 @@ the KV events recorded alongside.
   say what was inferred; every output and every session link is the real one;
 * the DP 2 capture, stripped to the same form, replays per rank exactly as its driver
   records do (outputs recovered across both ranks' event streams);
+* the sample bundle, stripped the same way, meets the bars with the driver records' figures;
 * driver bundles are left alone (same records, no report).
 """
 
@@ -25,6 +26,7 @@ from kvcadence.capture.inspect import inspect_bundle
 from kvcadence.capture.schema import Header, RequestRecord, Trailer
 from kvcadence.cli import main
 from kvcadence.replay.production import records_for_replay
+from kvcadence.replay.simulator import replay_bundle
 from tests.replay.test_fixture_fidelity import assert_issue4_bars, cadence
 
 DATA = Path(__file__).parent / "data"
@@ -172,3 +174,25 @@ def test_driver_bundles_are_not_touched():
     recs = rd.requests()
     out, rep = records_for_replay(rd, recs)
     assert out is recs and rep == {}
+
+
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
+
+
+def test_sample_production_path_meets_the_bars_like_its_driver_records(tmp_path):
+    """The sample bundle (no per-phase timings, evictions on most requests), stripped to
+    SGLang's metrics-file form: the bars hold, and the event figures equal the driver
+    records' replay."""
+    prod = tmp_path / "prod"
+    production_copy(SAMPLE, prod)
+    replay_bundle(prod, tmp_path / "sim-prod")
+    replay_bundle(SAMPLE, tmp_path / "sim-drv")
+    real_reqs = BundleReader(prod).requests()
+    real = cadence([event_payload(f) for f in BundleReader(prod).events()], len(real_reqs))
+    sims = []
+    for name in ("sim-prod", "sim-drv"):
+        rd = BundleReader(tmp_path / name)
+        sims.append((cadence([event_payload(f) for f in rd.events()], 120), rd.requests()))
+    (sim, sim_reqs), (drv, _) = sims
+    assert_issue4_bars(real, sim, real_reqs, sim_reqs)
+    assert sim == drv
