@@ -7,12 +7,14 @@ no page, opaque rids, and a round trip through the simulator."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from kvcadence.capture.hashes import block_hashes
 from kvcadence.capture.schema import BlockStored, RequestRecord
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.production import (
     WHY_NO_FINISH,
+    WHY_NO_IDS,
     WHY_NO_PAGE,
     WHY_NO_PROMPT,
     complete_records,
@@ -94,6 +96,22 @@ def test_finish_store_merged_with_next_prefill_on_another_rank():
     assert rep2 == rep
     assert [(r.session, r.turn) for r in out2] == [(r.session, r.turn) for r in out]
     assert out2[0].output_ids == out[0].output_ids
+    # clients that reuse one rid for everything: still the same inference
+    same = [msgspec.structs.replace(r, rid="req") for r in recs]
+    out3, rep3 = complete_records(same, idx)
+    assert rep3 == rep and out3[0].output_ids == out_a and out3[1].output_ids[0] == out_b[0]
+    assert [(r.session, r.turn) for r in out3] == [(r.session, r.turn) for r in out]
+
+
+def test_text_prompt_without_ids_is_reported_and_refused_in_one_line(tmp_path):
+    from kvcadence.errors import InputError
+    from kvcadence.replay.simulator import simulate
+
+    recs = [rec("t", [], 4, 0.5, 0.9), rec("u", [5, 6, 7], 2, 0.5, 0.9, cached=0)]
+    _, rep = complete_records(recs, StoreIndex.from_batches([], 1))
+    assert rep["outputs_synthetic"][WHY_NO_IDS] == 1
+    with pytest.raises(InputError, match="'t': no input_ids recorded .*text prompt"):
+        simulate(recs, config())
 
 
 def test_page_four_partial_prompt_page_and_prefill_finish_merge():
