@@ -24,6 +24,7 @@ or lanes (a ``kvcadence drive`` bundle) is returned unchanged.
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from typing import Any
 
@@ -220,8 +221,15 @@ def records_for_replay(reader: Any, records: list[Any] | None = None) -> tuple[l
     if not needs_completion(recs):
         return recs, {}
     ps = (reader.header.server_info or {}).get("page_size") or 1
-    index = StoreIndex.from_reader(reader, int(ps))
-    return complete_records(recs, index)
+    # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        index = StoreIndex.from_reader(reader, int(ps))
+        return complete_records(recs, index)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def report_text(rep: dict[str, Any]) -> str:
