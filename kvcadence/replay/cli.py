@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.replay.production import records_for_replay
 
     reader = BundleReader(src)
-    records, inferred = records_for_replay(reader)
+    records, inferred, flushes = records_for_replay(reader)
     cfg = effective_config(
         reader.header.server_info,
         records,
@@ -206,7 +206,13 @@ def run(args: argparse.Namespace) -> int:
         progress = bar.update
     try:
         result = replay_bundle(
-            src, args.out, cfg, progress=progress, records=records, inferred=inferred
+            src,
+            args.out,
+            cfg,
+            progress=progress,
+            records=records,
+            inferred=inferred,
+            flushes=flushes,
         )
     finally:
         if bar is not None:

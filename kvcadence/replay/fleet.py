@@ -163,7 +163,7 @@ def load_worker(
     from kvcadence.replay.production import records_for_replay
 
     reader = BundleReader(p)
-    records, _ = records_for_replay(reader)  # production captures: outputs, sessions
+    records, _, flushes = records_for_replay(reader)  # production captures: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(
@@ -173,7 +173,8 @@ def load_worker(
         sglang_version=sglang_version,
         calibrate_timing=calibrate_timing,
     )
-    flushes = flush_times_from_bundle(BundleReader(p))
+    if flushes is None:
+        flushes = flush_times_from_bundle(BundleReader(p))
     return WorkerInput(name or p.name, records, cfgs, flushes, reader.header, str(p))
 
 

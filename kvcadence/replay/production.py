@@ -215,18 +215,22 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     return out_records, report
 
 
-def records_for_replay(reader: Any, records: list[Any] | None = None) -> tuple[list[Any], dict]:
-    """``reader``'s request records, completed when they need it (``{}`` report if not)."""
+def records_for_replay(
+    reader: Any, records: list[Any] | None = None
+) -> tuple[list[Any], dict[str, Any], list[int] | None]:
+    """``reader``'s request records, completed when they need it: ``(records, report,
+    flush receive times)``; report ``{}`` and flushes ``None`` (not read) when not."""
     recs = reader.requests() if records is None else records
     if not needs_completion(recs):
-        return recs, {}
+        return recs, {}, None
     ps = (reader.header.server_info or {}).get("page_size") or 1
     # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         index = StoreIndex.from_reader(reader, int(ps))
-        return complete_records(recs, index)
+        out, report = complete_records(recs, index)
+        return out, report, index.flush_times_ns
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -292,11 +292,12 @@ def replay_bundle(
     hasher: Hasher | None = None,
     records: list[Any] | None = None,
     inferred: dict[str, Any] | None = None,
+    flushes: list[int] | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None).
 
-    ``records``/``inferred``: the bundle's records as ``production.records_for_replay``
-    returned them (read and completed here when not given)."""
+    ``records``/``inferred``/``flushes``: what ``production.records_for_replay`` returned
+    for the bundle (read and completed here when not given; flushes scanned when None)."""
     from kvcadence.capture.bundle import BundleReader
     from kvcadence.replay.production import records_for_replay
 
@@ -310,7 +311,7 @@ def replay_bundle(
     reader = BundleReader(src_path)
     header = reader.header
     if records is None:
-        records, inferred = records_for_replay(reader)
+        records, inferred, flushes = records_for_replay(reader)
     if not records:
         raise InputError(f"{src_path}: the bundle has no request records to replay")
     if config is None:
@@ -320,7 +321,8 @@ def replay_bundle(
             overrides,
             sglang_version=sglang_version or header.sglang_version,
         )
-    flushes = flush_times_from_bundle(BundleReader(src_path))
+    if flushes is None:
+        flushes = flush_times_from_bundle(BundleReader(src_path))
     result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
     if inferred:
         result.extra["inferred"] = inferred

@@ -124,7 +124,7 @@ def test_fixture_inference_matches_the_driver_truth(fixture_dir, tmp_path):
     metrics = tmp_path / "metrics"
     _hex_rids(fixture_dir / "sglang-metrics", metrics, seed=7)
     assert main(["capture", "import", "--quiet", "--sglang-metrics", str(metrics), str(real)]) == 0
-    recs, rep = records_for_replay(BundleReader(real))
+    recs, rep, _ = records_for_replay(BundleReader(real))
     truth = [json.loads(line) for line in (fixture_dir / "requests.jsonl").read_text().splitlines()]
     by_prompt = {tuple(t["input_ids"]): t for t in truth}
     exact = sum(by_prompt[tuple(r.input_ids)]["output_ids"] == r.output_ids for r in recs)
@@ -148,7 +148,7 @@ def test_dp2_production_path_replays_like_the_driver_records(tmp_path):
     src = DATA / "sglang-0.5.23-dp2-agent-ps1"
     prod = tmp_path / "prod"
     production_copy(src, prod)
-    recs, rep = records_for_replay(BundleReader(prod))
+    recs, rep, _ = records_for_replay(BundleReader(prod))
     assert rep["outputs_from_events"] == 100 and rep["outputs_synthetic"] == {}
     drv = {tuple(r.input_ids): r for r in BundleReader(src).requests()}
     assert all(drv[tuple(r.input_ids)].output_ids[:-1] == r.output_ids[:-1] for r in recs)
@@ -172,8 +172,8 @@ def test_dp2_production_path_replays_like_the_driver_records(tmp_path):
 def test_driver_bundles_are_not_touched():
     rd = BundleReader(DATA / "sglang-0.5.23-dp2-agent-ps1")
     recs = rd.requests()
-    out, rep = records_for_replay(rd, recs)
-    assert out is recs and rep == {}
+    out, rep, flushes = records_for_replay(rd, recs)
+    assert out is recs and rep == {} and flushes is None
 
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
@@ -196,3 +196,25 @@ def test_sample_production_path_meets_the_bars_like_its_driver_records(tmp_path)
     (sim, sim_reqs), (drv, _) = sims
     assert_issue4_bars(real, sim, real_reqs, sim_reqs)
     assert sim == drv
+
+
+def test_production_replay_reads_the_flushes_in_the_same_pass(tmp_path):
+    """A capture with a mid-run flush: the production path's one pass over the events finds
+    the flushes ``flush_times_from_bundle`` finds, and the replay uses them."""
+    from kvcadence.replay.simulator import flush_times_from_bundle, simulate, write_sim_bundle
+    from tests.replay.helpers import config, lane_chain
+
+    recs = []
+    for lane in range(2):
+        base = [7 + lane] * 5 + list(range(20, 40))
+        recs += lane_chain(lane, [(base, 6), (base + [1] * 7 + [2, 3], 5)], gap_ms=30.0)
+    mid = int((recs[0].meta_info["request_finished_ts"] + 0.015) * 1e9)
+    res = simulate(recs, config(), flush_abs_ns=[mid])
+    write_sim_bundle(tmp_path / "real", res, None)
+    production_copy(tmp_path / "real", tmp_path / "prod")
+    want = flush_times_from_bundle(BundleReader(tmp_path / "prod"))
+    assert len(want) == 1
+    _, rep, flushes = records_for_replay(BundleReader(tmp_path / "prod"))
+    assert flushes == want and rep["outputs_from_events"] == 4
+    out = replay_bundle(tmp_path / "prod", None)
+    assert out.stats.flushes == 1
