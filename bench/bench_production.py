@@ -1,5 +1,5 @@
 """Production-capture inference benchmark: what completing records without output ids and
-lanes costs next to the replay itself (issue 15: at most 10 % of the replay's time).
+lanes costs next to the replay itself (goal: at most 10 % of the replay's time).
 
 The replay benchmark's workload (``bench_replay.workload``: closed-loop agent sessions,
 page size 1, an evicting pool) is simulated once and written as a bundle (its events stand
