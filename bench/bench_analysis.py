@@ -13,7 +13,7 @@ measures in the same run:
 
 The whole process is pinned to one CPU (``sched_setaffinity``) so "one core" is literal.
 
-Goals (issue 6): ingest >= 50 MB/s; report on 1M events <= 10 s on one core.
+Goals: ingest >= 50 MB/s; report on 1M events <= 10 s on one core.
 Usage: ``python bench/bench_analysis.py [--events N] [--dir DIR [--reuse]] [--skip-report]
 [--quick] [--json PATH]`` (default 1M events, the size the goals name; ``--quick``: 20k;
 ``--json``: the figures for ``bench/run``, see ``bench/common.py``; the report goal is
@@ -50,9 +50,9 @@ def pin_one_core() -> str:
 
 def build(path: Path, n_events: int, seed: int = 7) -> tuple[int, int]:
     """Write the synthetic bundle; return (events, requests)."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import (
+    from kvcadence.format import wire
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import (
         BlockRemoved,
         BlockStored,
         EndpointInfo,
@@ -160,7 +160,7 @@ def seg_bytes(path: Path) -> int:
 def baseline(path: Path) -> float:
     import msgspec
 
-    from kvcadence.capture.bundle import BundleReader, event_payload
+    from kvcadence.format.bundle import BundleReader, event_payload
 
     dec = msgspec.msgpack.Decoder()
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ to a baseline measured in the same run on the same payloads:
 * full decode      same baseline; records() + ``wire.decode_batch`` on every payload
 
 Goals (one core): envelope read >= 150 MB/s, full decode >= 50 MB/s. Nothing decoded is kept
-(engineering-notes 2.4: keeping hundreds of thousands of structs with lists wakes the cyclic
+(docs/format.md: keeping hundreds of thousands of structs with lists wakes the cyclic
 GC and costs 3-4x), so the numbers are steady-state throughput.
 
     .venv/bin/python bench/bench_bundle.py [--frames 200000] [--requests 2000] [--quick]
@@ -32,9 +32,9 @@ from pathlib import Path
 import msgspec
 from common import add_output_args, figure, goal, write_results
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, BundleWriter, list_segments
-from kvcadence.capture.schema import (
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, BundleWriter, list_segments
+from kvcadence.format.schema import (
     VIA_LIVE,
     BlockRemoved,
     BlockStored,
@@ -212,7 +212,7 @@ def main() -> None:
     write_results(
         args.json,
         "bundle",
-        "Bundle write and read throughput (kvcadence.capture.bundle)",
+        "Bundle write and read throughput (kvcadence.format.bundle)",
         figs,
         {"frames": args.frames, "requests": args.requests, "avg_payload_bytes": round(avg)},
         ["MB/s of bundle bytes (baselines: MB of bare payload bytes); one pass each"],

@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve()
 
 
 def publisher_main(args: argparse.Namespace) -> int:
-    from kvcadence.capture.testpub import TestPublisher, payload_pool
+    from kvcadence.testing.publisher import TestPublisher, payload_pool
 
     pool = payload_pool(512)
     with TestPublisher(buffer_steps=args.ring, sndhwm=100_000) as pub:
@@ -141,8 +141,8 @@ def stop_capture(proc: subprocess.Popen) -> None:
 
 
 def bundle_stats(out: Path) -> dict:
-    from kvcadence.capture.bundle import BundleReader
-    from kvcadence.capture.schema import VIA_LIVE, Trailer
+    from kvcadence.format.bundle import BundleReader
+    from kvcadence.format.schema import VIA_LIVE, Trailer
 
     r = BundleReader(out)
     live_ns = []
@@ -162,7 +162,7 @@ def bundle_stats(out: Path) -> dict:
 
 
 def wait_until_connected(proc: subprocess.Popen, out: Path) -> None:
-    from kvcadence.capture.bundle import list_segments
+    from kvcadence.format.bundle import list_segments
 
     deadline = time.monotonic() + 60
     while not (out.exists() and list_segments(out)):
@@ -285,9 +285,9 @@ def main() -> int:
 def writer_run(n: int, burst: int) -> dict[str, float]:
     """Thread CPU us per message of the bundle writer: ``write_event`` per message vs
     ``write_event_batch`` over bursts (same payloads, same bytes on disk)."""
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import Header
-    from kvcadence.capture.testpub import payload_pool
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import Header
+    from kvcadence.testing.publisher import payload_pool
 
     pool = payload_pool(512)
     items = [(0, i, 1_000 + i, "kv-events", pool[i & 511], 0, 0) for i in range(n)]

@@ -89,8 +89,8 @@ def main() -> None:
         f"(ratio {t_rec / t_aware:.2f} of recorded), hit {hit(aware):.3f}"
     )
     # sweep: write a source bundle, then 4 points serially in-process vs parallel processes
-    from kvcadence.capture.bundle import BundleWriter
-    from kvcadence.capture.schema import EndpointInfo, Header
+    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.schema import EndpointInfo, Header
     from kvcadence.replay.sweep import parse_sweep, run_job, run_sweep
 
     with tempfile.TemporaryDirectory() as tmp:

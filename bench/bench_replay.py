@@ -27,7 +27,7 @@ import time
 
 from common import add_output_args, figure, goal, write_results
 
-from kvcadence.capture.schema import RequestRecord
+from kvcadence.format.schema import RequestRecord
 from kvcadence.replay.config import SimConfig, TimingParams
 from kvcadence.replay.radix import RadixTree, wire_hasher
 from kvcadence.replay.simulator import simulate

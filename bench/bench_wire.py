@@ -1,4 +1,4 @@
-"""Benchmark of ``kvcadence.capture.wire``: full payload decode and block-hash throughput,
+"""Benchmark of ``kvcadence.format.wire``: full payload decode and block-hash throughput,
 each against a baseline measured in the same run (a script, not a test).
 
 * decode: ~50k realistic 0.5.23 payloads (page-size-1 ``BlockStored`` of 50-300 pages, some
@@ -28,8 +28,8 @@ from hashlib import sha256
 import msgspec
 from common import add_output_args, figure, goal, write_results
 
-from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvcadence.capture.wire import _decode_slow, block_hashes, decode_batch, encode_batch
+from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvcadence.format.wire import _decode_slow, block_hashes, decode_batch, encode_batch
 
 
 def _ints(n: int) -> list[int]:
@@ -194,7 +194,7 @@ def main() -> None:
     write_results(
         args.json,
         "wire",
-        "SGLang payload decode and block-hash throughput (kvcadence.capture.wire)",
+        "SGLang payload decode and block-hash throughput (kvcadence.format.wire)",
         figs,
         {"payloads": args.payloads, "repeat": args.repeat, "hashed_tokens": n_tokens},
         ["best of `repeat` passes per figure; one core"],

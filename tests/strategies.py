@@ -1,7 +1,7 @@
 """Shared hypothesis strategies: token lists, 64-bit hashes, canonical KV events and batches.
 
 Import from any test (``from tests.strategies import canonical_batches``). Every strategy
-builds the canonical structs of ``kvcadence.capture.schema``; ``family`` restricts the fields
+builds the canonical structs of ``kvcadence.format.schema``; ``family`` restricts the fields
 to what one SGLang wire family carries, so ``decode(encode(b, version)) == b`` holds for it:
 
 * ``"map"`` (0.5.22/0.5.23): every field;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from kvcadence.capture.schema import (
+from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

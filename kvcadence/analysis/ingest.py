@@ -1,13 +1,14 @@
 """Bundle -> Parquet: the ONE dict of Parquet table schemas and the column-wise ingest.
 
-``ingest(bundle)`` reads a bundle through ``kvcadence.capture.bundle.BundleReader`` (requests
+``ingest(bundle)`` reads a bundle through ``kvcadence.format.bundle.BundleReader`` (requests
 as ``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
 chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once with
-``kvcadence.capture.wire.decode_batch_raw`` (block hashes and token ids left as msgpack
+``kvcadence.format.wire.decode_batch_raw`` (block hashes and token ids left as msgpack
 bytes, hashes converted in numpy chunks too; if any of those bytes does not check out, the
 bundle is read again with ``decode_batch_raw(checked=True)``: ``decode_batch_view``'s verdicts),
 flattens everything straight into ``array``/list columns (never keeping the decoded structs,
-cyclic GC paused: the GC trap of engineering-notes §2.4), derives the rest with numpy and
+cyclic GC paused: keeping hundreds of thousands of decoded structs with lists makes
+CPython's cyclic GC cut throughput 3-4x, docs/format.md), derives the rest with numpy and
 writes one Parquet file per table with pyarrow (``write_options``):
 
 ``batches``  one row per ZMQ message (EventFrame), de-duplicated by (endpoint, epoch, seq)
@@ -29,7 +30,6 @@ payloads, unknown events).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, UsageError
+from kvcadence.gcpause import gc_paused
 
 INGEST_VERSION = 2
 CACHE_DIRNAME = ".parquet"
@@ -372,18 +373,6 @@ def _header_info(header: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Cyclic GC off while millions of small containers are built (engineering-notes §2.4)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-@contextmanager
 def _small_pages() -> Iterator[None]:
     """numpy's transparent-huge-page advice off while the columns are built.
 
@@ -408,13 +397,13 @@ def _small_pages() -> Iterator[None]:
 def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict).
 
-    The cyclic GC is paused throughout (the GC trap of engineering-notes §2.4), and so is
+    The cyclic GC is paused throughout (the GC trap, docs/format.md), and so is
     numpy's huge-page advice (``_small_pages``).
     """
     from kvcadence.analysis.tokcols import NotInt64Arrays
 
     views = raw = True
-    with _gc_paused(), _small_pages():
+    with gc_paused(), _small_pages():
         while True:
             try:
                 return _build_tables(bundle, views=views, raw=raw)
@@ -483,10 +472,10 @@ def _build_tables(
     numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
     otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
     """
-    from kvcadence.capture import bundle as kbundle
-    from kvcadence.capture import schema as S
-    from kvcadence.capture import wire
     from kvcadence.errors import BundleError, WireError
+    from kvcadence.format import bundle as kbundle
+    from kvcadence.format import schema as S
+    from kvcadence.format import wire
 
     try:
         reader = kbundle.BundleReader(bundle)
@@ -920,7 +909,7 @@ class _RequestColumns:
 
     def __init__(self, bundle: Path, views: bool) -> None:
         from kvcadence.analysis.tokcols import RawIdColumns
-        from kvcadence.capture.schema import RequestRecord, RequestRecordView
+        from kvcadence.format.schema import RequestRecord, RequestRecordView
 
         for cls in (RequestRecord, RequestRecordView):
             if cls.__struct_fields__[:3] != ("rid", "input_ids", "output_ids"):

@@ -1,14 +1,15 @@
 """Every cadence metric of one bundle: name, unit, definition and the DuckDB SQL computing it.
 
 This module holds every metric catalogue (name -> (unit, definition)): ``DEFS`` (one
-bundle), ``COMPARE_DEFS`` (one real-vs-sim pair, computed by ``compare``) and
+bundle), ``COMPARE_DEFS`` (one real-vs-sim pair, computed by ``compare``: per-request
+agreement and, ``DISTANCES``, distances between distributions) and
 ``VISIBILITY_DEFS`` (event visibility, computed by ``visibility``); ``docs/metrics.md``
 mirrors them and a test checks they agree. ``compute(ingested)`` returns a ``BundleMetrics`` whose ``metrics`` is
 a flat ``{name: value}`` dict over the whole capture (every name is in ``DEFS``), plus per DP
 rank figures, size histograms, the events-per-second series, the steady-state window, the
 data-quality block, per-request rows (for real-vs-sim diffs) and raw samples for plots.
 
-Definitions follow ``reference/cadence-metrics.md``: messages de-duplicated by (endpoint,
+Definitions follow ``docs/metrics.md`` (conventions): messages de-duplicated by (endpoint,
 epoch, seq) at ingest; every event counted, the startup ``AllBlocksCleared`` included;
 "per request" = count / number of requests in the bundle; percentiles interpolate linearly
 between closest ranks (numpy's default; DuckDB ``quantile_cont``). ``peer_compatible=True``
@@ -261,7 +262,20 @@ COMPARE_DEFS: dict[str, tuple[str, str]] = {
         "tokens",
         "mean |cached_tokens(sim) - cached_tokens(real)| over matched requests",
     ),
+    "blocks_per_stored_event.ks": (
+        "fraction",
+        "two-sample Kolmogorov-Smirnov statistic of len(block_hashes) over BlockStored events, "
+        "real vs sim: max over x of |F_real(x) - F_sim(x)| (empirical CDFs)",
+    ),
+    "blocks_per_removed_event.ks": (
+        "fraction",
+        "two-sample Kolmogorov-Smirnov statistic of len(block_hashes) over BlockRemoved events, "
+        "real vs sim: max over x of |F_real(x) - F_sim(x)| (empirical CDFs)",
+    ),
 }
+#: the ``COMPARE_DEFS`` names that compare two distributions (report.json
+#: ``comparisons[].distributions``); the others compare requests (``comparisons[].requests``)
+DISTANCES: tuple[str, ...] = ("blocks_per_stored_event.ks", "blocks_per_removed_event.ks")
 
 # --- event visibility (report.json ``visibility``), computed by analysis.visibility -------
 # Distributions (``n, mean, p50, p90, p99, max``; numpy's linear percentiles) and counts.
@@ -306,7 +320,8 @@ VISIBILITY_DEFS: dict[str, tuple[str, str]] = {
 #: every catalogue, by the report.json part its names appear in (docs/metrics.md lists all)
 CATALOGUES: dict[str, dict[str, tuple[str, str]]] = {
     "metrics": DEFS,
-    "comparisons.requests": COMPARE_DEFS,
+    "comparisons.requests": {k: v for k, v in COMPARE_DEFS.items() if k not in DISTANCES},
+    "comparisons.distributions": {k: COMPARE_DEFS[k] for k in DISTANCES},
     "visibility": VISIBILITY_DEFS,
 }
 

@@ -2,7 +2,7 @@
 chain, computed once per bundle and page size and cached next to the ingest tables.
 
 A request's chain is ``input_ids + output_ids[:-1]`` (what SGLang caches at finish; see
-``reference/cadence-metrics.md``); its page hashes come from ``kvcadence.capture.wire``'s
+``docs/metrics.md``); its page hashes come from ``kvcadence.format.wire``'s
 ``block_digests`` (the one implementation of SGLang's hash), fed with uint32 token buffers
 built in bulk with numpy. A request whose tokens are not all plain uint32 is hashed from its
 Python list (the wide / error path of ``wire``). Consecutive requests of one ``(lane,
@@ -145,7 +145,7 @@ def hash_requests(
 
     import numpy as np
 
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     n = len(io) - 1
     n_in = np.diff(io)

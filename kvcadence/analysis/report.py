@@ -2,7 +2,8 @@
 
 One bundle gives a single-bundle report; several give the first ("real") side by side with
 each of the others ("sim", or "sim1", "sim2", ...) with absolute and relative deltas,
-per-request differences matched by rid, and gates (``kvcadence.analysis.compare``).
+per-request differences matched by rid, blocks per Stored / Removed event as median, mean and
+Kolmogorov–Smirnov distance side by side, and gates (``kvcadence.analysis.compare``).
 ``report.json`` (``REPORT_VERSION``) is what CI reads: every number carries its unit, data
 quality comes first. ``report.md`` holds GitHub tables printed by Polars; ``report.html`` is one
 self-contained file (inline CSS, PNGs as base64 ``data:`` URIs, no external reference).
@@ -24,8 +25,10 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
-from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, BundleMetrics
+from kvcadence.analysis.formatting import fmt
+from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, DISTANCES, BundleMetrics
 from kvcadence.errors import UsageError
+from kvcadence.progress import NoPhases
 
 REPORT_VERSION = 1
 REPORT_SCHEMA = "kvcadence.report/1"
@@ -111,27 +114,9 @@ class ReportResult:
             "runs.jsonl appended)"
         )
 
-
-# --------------------------------------------------------------------------------------
-# formatting helpers
-# --------------------------------------------------------------------------------------
-
-
-def fmt(v: Any) -> str:
-    """A number as a short human string ('-' for null)."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return str(int(v))
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if v != v:
-            return "-"
-        if v.is_integer() and abs(v) < 1e15:
-            return str(int(v))
-        return f"{v:.6g}"
-    return str(v)
+    # --------------------------------------------------------------------------------------
+    # formatting helpers
+    # --------------------------------------------------------------------------------------
 
 
 def pct(v: Any) -> str:
@@ -225,6 +210,12 @@ def build_doc(
                 "requests": {
                     k: {"value": v, "unit": COMPARE_DEFS[k][0]}
                     for k, v in comp.compare_metrics.items()
+                    if k not in DISTANCES
+                },
+                "distributions": {
+                    k: {"value": v, "unit": COMPARE_DEFS[k][0]}
+                    for k, v in comp.compare_metrics.items()
+                    if k in DISTANCES
                 },
                 "per_request_differences": comp.per_request.filter(
                     (comp.per_request["d_cached_tokens"] != 0)
@@ -270,6 +261,28 @@ def _metric_columns(
             r = rows.get(name, {})
             cols[f"Δ {comp.sim}"].append(fmt(r.get("abs_delta")))
             cols[f"Δ% {comp.sim}"].append(pct(r.get("rel_delta")))
+    return cols
+
+
+def _distribution_columns(
+    labelled: list[tuple[str, BundleMetrics]], comps: list[cmp.Comparison]
+) -> dict[str, list[str]]:
+    """One row per blocks-per-event distribution: each bundle's median and mean, each
+    comparison's KS statistic."""
+    cols: dict[str, list[str]] = {"distribution": []}
+    for label, _ in labelled:
+        cols[f"{label} median"] = []
+        cols[f"{label} mean"] = []
+    for comp in comps:
+        cols[f"KS {comp.sim}"] = []
+    for name in DISTANCES:
+        dist = name.rsplit(".", 1)[0]
+        cols["distribution"].append(dist)
+        for label, m in labelled:
+            cols[f"{label} median"].append(fmt(m.metrics.get(f"{dist}.median")))
+            cols[f"{label} mean"].append(fmt(m.metrics.get(f"{dist}.mean")))
+        for comp in comps:
+            cols[f"KS {comp.sim}"].append(fmt(comp.compare_metrics.get(name)))
     return cols
 
 
@@ -326,6 +339,16 @@ def _sections(
             _metric_columns(labelled, comps, HEADLINE),
         )
     )
+    if comps:
+        out.append(
+            (
+                "Blocks per event: median, mean and distribution distance",
+                "KS = two-sample Kolmogorov-Smirnov statistic of the blocks-per-event "
+                "distributions, real vs sim (0 = equal; a median of a few blocks moves a "
+                "whole step for one event, KS by about 1/n).",
+                _distribution_columns(labelled, comps),
+            )
+        )
     for key, title in (
         ("blocks_per_stored_event", "Blocks per Stored event (histogram)"),
         ("blocks_per_removed_event", "Blocks per Removed event (histogram)"),
@@ -378,7 +401,7 @@ def _sections(
                     pr[label].append(fmt(m.per_rank.get(r, {}).get(name)))
         out.append(("Per DP rank", "", pr))
     for comp in comps:
-        cm = comp.compare_metrics
+        cm = {k: v for k, v in comp.compare_metrics.items() if k not in DISTANCES}
         c: dict[str, list[str]] = {
             "metric": list(cm),
             "unit": [COMPARE_DEFS[k][0] for k in cm],
@@ -483,12 +506,16 @@ def make_report(
     plots: bool = True,
     cache_dirs: list[str | None] | None = None,
     extra_sections: bool = True,
+    phases: Any = None,
 ) -> ReportResult:
     """Ingest (cached), compute, compare, gate and write every output file.
 
     ``extra_sections`` runs the optional providers of ``report_extras`` (visibility, per
-    rank), each only when its data are present.
+    rank), each only when its data are present. ``phases`` (a ``kvcadence.progress.Phases``)
+    says each long step on stderr and times it.
     """
+
+    phases = phases or NoPhases()
     from kvcadence.analysis import ingest, metrics, report_extras, sql
     from kvcadence.analysis import plots as kplots
     from kvcadence.analysis.outpaths import check_out_dir
@@ -505,17 +532,24 @@ def make_report(
     ings = []
     for i, (label, b) in enumerate(zip(labels, bundles, strict=False)):
         cache = cache_dirs[i] if cache_dirs else None
-        ing = ingest.ingest(b, cache)
+        with phases.phase("ingest", f"reading {label} {b} (Parquet tables, cached)"):
+            ing = ingest.ingest(b, cache)
         ings.append(ing)
-        labelled.append(
-            (label, metrics.compute(ing, window=window, peer_compatible=peer_compatible))
-        )
+        with phases.phase("metrics", f"computing {label}'s metrics"):
+            m = metrics.compute(ing, window=window, peer_compatible=peer_compatible)
+        labelled.append((label, m))
     real = labelled[0][1]
     comps = [cmp.compare(real, m, labels[0], label) for label, m in labelled[1:]]
     results = cmp.evaluate(parsed, comps, single=real if not comps else None)
-    plot_names = [p.name for p in kplots.render(labelled, outdir)] if plots else []
+    plot_names: list[str] = []
+    if plots:
+        with phases.phase("plots", "drawing plots"):
+            plot_names = [p.name for p in kplots.render(labelled, outdir)]
     # optional sections of other analysis modules (visibility, per rank): the hook
-    extras = report_extras.collect(labelled, ings, outdir) if extra_sections else []
+    extras = []
+    if extra_sections:
+        with phases.phase("extras", "optional sections (visibility, per rank)"):
+            extras = report_extras.collect(labelled, ings, outdir)
     if plots:
         plot_names += [p for e in extras for p in e.plots]
     else:  # the providers always draw; drop their files when plots are off

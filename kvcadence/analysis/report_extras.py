@@ -5,12 +5,12 @@
 means no section, never an error) and returns None when its data are absent from every
 input, so a report only pays for sections that say something:
 
-* ``visibility`` (issue 9, ``kvcadence.analysis.visibility``): when some input has sim
+* ``visibility`` (``kvcadence.analysis.visibility``): when some input has sim
   per-block visibility notes (``notes.kind = 'visibility'``) or requests with SGLang timing
   fields (``prefill_finished_time`` / ``request_finished_ts`` in ``meta_info``). JSON
   ``visibility``: label -> metrics (units inside); section "Event visibility"; plot
   ``visibility.png``.
-* ``ranks`` (issue 10, ``kvcadence.analysis.ranks``): when some input has more than one DP
+* ``ranks`` (``kvcadence.analysis.ranks``): when some input has more than one DP
   rank. JSON ``ranks``: label -> rank -> figures, plus ``rank_comparisons`` (real vs each sim,
   rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
   sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
@@ -37,7 +37,7 @@ class Extra:
 
 
 def _fmt(v: Any) -> str:
-    from kvcadence.analysis.report import fmt
+    from kvcadence.analysis.formatting import fmt
 
     return fmt(v)
 

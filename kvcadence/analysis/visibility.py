@@ -13,7 +13,7 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
     ``prefill_finished_time`` and the ``recv_ns`` of the first message (at or after its
     arrival) whose ``BlockStored`` carries its deepest new prompt page, and between its
     ``request_finished_ts`` and the message carrying its deepest output page (chain
-    ``input_ids + output_ids[:-1]``, hashes by ``kvcadence.capture.wire.block_hashes`` at
+    ``input_ids + output_ids[:-1]``, hashes by ``kvcadence.format.wire.block_hashes`` at
     the bundle's page size; prompt pages start at ``cached_tokens``). On a real capture both
     clocks are the recorder host's wall clock; on a sim bundle both are virtual.
 
@@ -77,9 +77,9 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
 
 def visibility_data(bundle: str | Path) -> VisibilityData:
     """Collect the visibility samples of ``bundle`` (see the module docstring)."""
-    from kvcadence.capture import wire
-    from kvcadence.capture.bundle import BundleReader, event_payload
-    from kvcadence.capture.schema import Annotation, BlockStored, EventFrame, RequestRecord
+    from kvcadence.format import wire
+    from kvcadence.format.bundle import BundleReader, event_payload
+    from kvcadence.format.schema import Annotation, BlockStored, EventFrame, RequestRecord
 
     path = Path(bundle)
     if not path.exists():

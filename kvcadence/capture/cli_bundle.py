@@ -25,6 +25,9 @@ def register(sub: Any) -> None:
             "blocks, seq ranges per endpoint and epoch, gaps, torn/corrupt bytes, requests, "
             "time span and whether the writer shut down cleanly."
         ),
+        epilog="examples:\n"
+        "  kvcadence inspect examples/sglang-0.5.23-agent-ps1.kvcb\n"
+        "  kvcadence inspect run.kvcb --json | jq .events\n",
     )
     p.add_argument("bundle", help="bundle directory (seg-*.kvcb files)")
     p.add_argument("--json", action="store_true", help="print one JSON document (stable keys)")
@@ -38,6 +41,10 @@ def register(sub: Any) -> None:
             "[endpoint], [via]) and a JSONL request log into a bundle. Every input is "
             "validated before anything is written; a bad line exits 2 naming file:line:field."
         ),
+        epilog="examples:\n"
+        "  kvcadence import --frames frames.jsonl --requests requests.jsonl \\\n"
+        "      --server-info server_info.json --out run.kvcb\n"
+        "  kvcadence import --requests more.jsonl --out run.kvcb --append\n",
     )
     p.add_argument("--frames", metavar="FRAMES.jsonl", help="one JSON object per ZMQ message")
     p.add_argument("--requests", metavar="REQUESTS.jsonl", help="one JSON object per request")

@@ -28,8 +28,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvcadence import __version__
-from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, EndpointInfo, Header
 from kvcadence.errors import CaptureError, UsageError
+from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, EndpointInfo, Header
 
 SNAPSHOT_FIELDS = (
     "version",
@@ -158,7 +158,7 @@ def harness_workdirs(server_url: str | None, info: dict[str, Any] | None) -> lis
                 out.append(str(p.parent))
     if server_url:
         try:
-            from kvcadence.capture import harness
+            from kvcadence.harness import worker as harness
 
             st = json.loads(harness.state_path().read_text())
             port = urlsplit(server_url).port

@@ -28,9 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvcadence.capture.schema import Annotation, RequestRecord
 from kvcadence.capture.workloads import Req, Workload
 from kvcadence.errors import CaptureError, UsageError
+from kvcadence.format.schema import Annotation, RequestRecord
 
 
 @dataclass

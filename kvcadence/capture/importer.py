@@ -41,9 +41,11 @@ from typing import Any
 import msgspec
 
 from kvcadence import __version__
-from kvcadence.capture.bundle import BundleWriter, check_encodable, encode_payload, staged_bundle
 from kvcadence.capture.discovery import redact_paths
-from kvcadence.capture.schema import (
+from kvcadence.capture.think import think_times
+from kvcadence.errors import InputError, UsageError
+from kvcadence.format.bundle import BundleWriter, check_encodable, encode_payload, staged_bundle
+from kvcadence.format.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
     VIA_IMPORT,
@@ -56,8 +58,6 @@ from kvcadence.capture.schema import (
     Header,
     RequestRecord,
 )
-from kvcadence.capture.think import think_times
-from kvcadence.errors import InputError, UsageError
 
 VIA_NAMES = {"live": VIA_LIVE, "replay": VIA_REPLAY}
 U64_MAX = 2**64 - 1

@@ -5,7 +5,7 @@
 ``dp_rank``, requests by ``RequestRecord.dp_rank``, null = rank 0) next to the totals;
 ``format_text(summary)`` renders the short aligned text block (a bundle without a readable
 header says so in place of the format line; ``kvcadence inspect`` then exits 1). Payloads
-are decoded with ``kvcadence.capture.wire.decode_batch`` one at a time and never kept, so a
+are decoded with ``kvcadence.format.wire.decode_batch`` one at a time and never kept, so a
 large bundle is summarised in constant memory.
 """
 
@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvcadence.capture.bundle import RECORD_TAGS, BundleReader, event_payload
-from kvcadence.capture.schema import (
+from kvcadence.errors import BundleError, WireError
+from kvcadence.format.bundle import RECORD_TAGS, BundleReader, event_payload
+from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -27,7 +28,6 @@ from kvcadence.capture.schema import (
     RequestRecord,
     Trailer,
 )
-from kvcadence.errors import BundleError, WireError
 
 INSPECT_VERSION = 1
 NO_HEADER = "no header (damaged or not a kvcadence bundle)"
@@ -36,7 +36,7 @@ EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")
 
 def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarise the bundle at ``path`` (see ``docs/format.md`` for every key)."""
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     reader = BundleReader(path)
     try:

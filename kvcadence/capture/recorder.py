@@ -43,8 +43,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import (
+from kvcadence.capture.seqtrack import MAX_SEQ, Out, Output
+from kvcadence.capture.source import EndpointSource
+from kvcadence.errors import BundleError, CaptureError, WireError
+from kvcadence.format import wire
+from kvcadence.format.schema import (
     VIA_LIVE,
     Annotation,
     BlockRemoved,
@@ -53,9 +56,6 @@ from kvcadence.capture.schema import (
     Epoch,
     Gap,
 )
-from kvcadence.capture.seqtrack import MAX_SEQ, Out, Output
-from kvcadence.capture.source import EndpointSource
-from kvcadence.errors import BundleError, CaptureError, WireError
 
 #: the CLI's "no traffic yet" warning delay (seconds after start-up)
 NO_TRAFFIC_WARN_S = 10.0

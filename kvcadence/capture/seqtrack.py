@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvcadence.capture.schema import VIA_LIVE, VIA_REPLAY, Epoch, Gap
+from kvcadence.format.schema import VIA_LIVE, VIA_REPLAY, Epoch, Gap
 
 
 class Out(NamedTuple):

@@ -25,8 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvcadence.capture.schema import RequestRecord
 from kvcadence.errors import InputError
+from kvcadence.format.schema import RequestRecord
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pk")

@@ -4,7 +4,7 @@
 publishers are never mixed on a socket, so per-endpoint seq tracking stays meaningful) with
 ``RCVHWM=0`` (unlimited), and -- while a replay is outstanding -- one fresh DEALER connected to
 that publisher's replay ROUTER (a new DEALER per request, so late replies of an abandoned
-request can never mix into the next one). Frames are parsed with ``kvcadence.capture.wire``;
+request can never mix into the next one). Frames are parsed with ``kvcadence.format.wire``;
 seq logic is ``kvcadence.capture.seqtrack.SeqTracker``. The poll loop is the recorder's.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import EndpointInfo
 from kvcadence.capture.seqtrack import Output, SeqTracker
 from kvcadence.errors import WireError
+from kvcadence.format import wire
+from kvcadence.format.schema import EndpointInfo
 
 if TYPE_CHECKING:
     import zmq
@@ -52,10 +52,6 @@ class EndpointSource:
         self.malformed_replies = 0
 
     # ------------------------------------------------------------------ live
-
-    def parse_live(self, frames: list[bytes]) -> tuple[str, int, bytes]:
-        """``(topic, seq, payload)``; raises ``WireError`` for a malformed message."""
-        return wire.parse_live_message(frames)
 
     # ---------------------------------------------------------------- replay
 
@@ -116,11 +112,6 @@ class EndpointSource:
             self.close_dealer(poller)
             return self.tracker.finish_replay("replay timeout")
         return []
-
-    def replay_deadline_ns(self) -> int | None:
-        if self.tracker.session is None:
-            return None
-        return self._last_replay_ns + self.replay_timeout_ns
 
     def close_dealer(self, poller: zmq.Poller | None = None) -> None:
         if self.dealer is not None:

@@ -1,4 +1,4 @@
-"""The one model of SGLang's ``PrefillAdder`` (reference ``sglang-scheduler-model.md`` §8–§11, §14).
+"""The one model of SGLang's ``PrefillAdder`` (``schedule_policy.py``; docs/sglang-sources.md).
 
 Used by ``replay.scheduler`` and by ``kvcadence admit`` (fake tree cache / allocator). Two
 generations: ``"0.5.23"`` (budget-object ``PrefillBudget``: one extra page reserved per
@@ -89,12 +89,6 @@ class NewTokenRatioTracker:
     def on_decode_steps(self, n: int = 1) -> None:
         """``n`` decode steps without retraction."""
         self.current = max(self.current - self.decay * n, self.min)
-
-    def steps_to_min(self) -> int:
-        """Decode steps until the ratio reaches its floor (for stretch skipping)."""
-        if self.current <= self.min:
-            return 0
-        return int((self.current - self.min) / self.decay) + 1
 
     def on_retract(self, batch: Iterable[Any]) -> None:
         """After a retraction: ``(Σ out + steps × n) / (Σ max_new + 1)``, capped at 1."""

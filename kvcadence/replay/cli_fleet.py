@@ -61,9 +61,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from kvcadence.replay.cli import _OVERRIDES
+    from kvcadence.replay.config import CLI_OVERRIDES
 
-    return {k: getattr(args, k, None) for k in _OVERRIDES}
+    return {k: getattr(args, k, None) for k in CLI_OVERRIDES}
 
 
 def _pace(args: argparse.Namespace) -> str:
@@ -78,7 +78,7 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
         return True
     from pathlib import Path
 
-    from kvcadence.capture.bundle import BundleReader
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.fleet import dp_size_of
 
     p = Path(bundles[0])
@@ -119,41 +119,50 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
 
 
 def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
+    from kvcadence.progress import Phases
     from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
 
+    quiet = getattr(args, "quiet", False)
+    phases = Phases("replay", quiet=quiet, started=getattr(args, "_started", None))
     ov = _overrides(args)
-    workers = [
-        load_worker(
-            b,
-            ov,
-            sglang_version=args.sglang_version,
-            calibrate_timing=not args.no_calibrate,
-        )
-        for b in bundles
-    ]
+    with phases.phase("load", f"loading {', '.join(bundles)}"):
+        workers = [
+            load_worker(
+                b,
+                ov,
+                sglang_version=args.sglang_version,
+                calibrate_timing=not args.no_calibrate,
+            )
+            for b in bundles
+        ]
     total = sum(len(w.records) for w in workers)
     bar = None
     progress = None
-    if sys.stderr.isatty() and total >= 200:
+    if not quiet and sys.stderr.isatty() and total >= 200:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr)
         progress = bar.update
     try:
-        result = simulate_fleet(
-            workers,
-            args.route or "recorded",
-            align_workers=args.align_workers,
-            progress=progress,
-            pace=_pace(args),
-        )
+        with phases.phase("simulate", f"simulating {total} requests"):
+            result = simulate_fleet(
+                workers,
+                args.route or "recorded",
+                align_workers=args.align_workers,
+                progress=progress,
+                pace=_pace(args),
+            )
     finally:
         if bar is not None:
             bar.close()
-    from kvcadence.replay.cli import check_some_ran
+    from kvcadence.replay.simulator import check_some_ran
 
-    paths = write_fleet_bundles(args.out, result)
+    with phases.phase("write", f"writing {args.out}"):
+        paths = write_fleet_bundles(args.out, result)
     summary = result.summary()
+    summary["simulate_s"] = summary.pop("wall_s")
+    summary["wall_s"] = round(phases.wall(), 3)  # the whole command
+    summary["phases_s"] = {k: round(v, 3) for k, v in phases.times.items()}
     summary["out"] = [str(p) for p in paths]
     summary["aborted"] = sum(p["aborted"] for p in summary["per_rank"])
     if args.json:
@@ -165,7 +174,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
             f"{', '.join(summary['out'])}: {summary['events']} events in "
             f"{summary['messages']} messages, {summary['evictions']} evictions, "
             f"{summary['aborted']} aborted; virtual {summary['virtual_s']:.3f} s, "
-            f"wall {summary['wall_s']:.3f} s"
+            f"wall {summary['wall_s']:.2f} s ({phases.breakdown()})"
         )
         for p in summary["per_rank"]:
             print(

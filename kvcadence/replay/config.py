@@ -3,7 +3,7 @@
 What this file owns: every knob of the simulated worker (pool, page size, chunking,
 admission, decode publish interval, queue policy, loop kind, SGLang version for the event
 encoding, the new-token-ratio constants and the pass-time model), how each is read from the
-resolved server args in ``Header.server_info`` (reference ``sglang-kv-events.md`` §4.5), the
+resolved server args in ``Header.server_info`` (``/server_info``, docs/sglang-sources.md), the
 CLI overrides on top, validation (``UsageError`` with one clear line) and the plain-dict form
 written into the sim bundle's ``Header.sim_config``.
 """
@@ -102,10 +102,6 @@ class SimConfig:
     def min_ratio(self) -> float:
         return min(self.init_ratio * self.min_new_token_ratio_factor, 1.0)
 
-    @property
-    def ratio_decay(self) -> float:
-        return (self.init_ratio - self.min_ratio) / self.new_token_ratio_decay_steps
-
     # ------------------------------------------------------------------ build
     def validate(self) -> SimConfig:
         from kvcadence.replay.events import event_mode
@@ -155,17 +151,6 @@ class SimConfig:
         d = dataclasses.asdict(self)
         d["admission_generation"] = self.admission_generation
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SimConfig:
-        d = dict(d)
-        d.pop("admission_generation", None)
-        timing = TimingParams(**d.pop("timing", {}))
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise UsageError(f"unknown simulator config keys: {', '.join(sorted(unknown))}")
-        return cls(timing=timing, **d).validate()
 
 
 @functools.lru_cache(maxsize=64)
@@ -238,3 +223,32 @@ def from_server_info(server_info: dict[str, Any], sglang_version: str | None = N
             ver = max(cands, key=_version_tuple) if cands else ver
         cfg.sglang_version = ver
     return cfg
+
+
+# SimConfig / TimingParams fields the replay command line may override (flag name = field).
+CLI_OVERRIDES = (
+    "page_size",
+    "max_total_tokens",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "max_running_requests",
+    "decode_log_interval",
+    "schedule_policy",
+    "schedule_conservativeness",
+    "disable_overlap_schedule",
+    "sglang_version",
+    "prefill_base_s",
+    "prefill_per_token_s",
+    "prefill_per_req_s",
+    "decode_base_s",
+    "decode_per_req_s",
+    "default_gap_s",
+    "skip_decode_stretches",
+    "role",
+    "decode_radix_cache",
+    "transfer_base_s",
+    "transfer_per_token_s",
+    "track_visibility",
+    "sync_forward",
+    "scale_client_gaps",
+)

@@ -1,10 +1,10 @@
 """The simulated KV-event queue: per-version event granularity and tail coalescing.
 
-What this file owns (reference ``sglang-kv-events.md`` §2–§3 and
-``sglang-scheduler-model.md`` §3):
+What this file owns (SGLang's ``KVCacheEventRecorder`` and event structs;
+docs/sglang-sources.md, docs/format.md):
 
 * ``EventQueue`` is the radix tree's ``EventSink``: it turns "a node was stored / removed"
-  into canonical ``kvcadence.capture.schema`` events, with the granularity of the chosen
+  into canonical ``kvcadence.format.schema`` events, with the granularity of the chosen
   SGLang version:
 
   ==============  =========================  ==========================  ============
@@ -21,7 +21,7 @@ What this file owns (reference ``sglang-kv-events.md`` §2–§3 and
   lora_id, block_size, cache_salt, session_id, lora_name) matches; anything else (and any
   ``AllBlocksCleared``) appends. ``take()`` empties the queue (one publish).
 * ``Publisher`` numbers published batches (seq from 0) and encodes them with
-  ``kvcadence.capture.wire.encode_batch`` for the chosen version.
+  ``kvcadence.format.wire.encode_batch`` for the chosen version.
 
 The canonical events are built lazily from plain lists so the merge is cheap; the version
 encoding happens only at publish.
@@ -42,10 +42,10 @@ def _vt(version: str) -> tuple[int, ...]:
 
 
 def _version_modes() -> dict[str, str]:
-    """The event mode of every release ``capture.wire`` knows (``wire.VERSION_FAMILY``, the
+    """The event mode of every release ``format.wire`` knows (``wire.VERSION_FAMILY``, the
     one version table), newest first. Not simulated: 0.5.5 (process-seeded Python
     ``hash()``, so its block hashes cannot be reproduced)."""
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     modes: dict[str, str] = {}
     for version in sorted(wire.SUPPORTED_VERSIONS, key=_vt, reverse=True):
@@ -168,7 +168,7 @@ class EventQueue:
 
 
 def to_schema_events(events: list[QueuedEvent], medium: str | None) -> list:
-    """Canonical ``kvcadence.capture.schema`` events for ``events``."""
+    """Canonical ``kvcadence.format.schema`` events for ``events``."""
     AllBlocksCleared, BlockRemoved, BlockStored = _schema_events()  # noqa: N806 - classes
     out: list = []
     for e in events:
@@ -195,7 +195,7 @@ def _schema_events() -> tuple[type, type, type]:
     """The schema's event classes, imported once (``to_schema_events`` runs per publish)."""
     global _SCHEMA_EVENTS
     if _SCHEMA_EVENTS is None:
-        from kvcadence.capture.schema import AllBlocksCleared, BlockRemoved, BlockStored
+        from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored
 
         _SCHEMA_EVENTS = (AllBlocksCleared, BlockRemoved, BlockStored)
     return _SCHEMA_EVENTS
@@ -221,8 +221,8 @@ class Publisher:
     def __init__(
         self, version: str, medium: str | None, attn_dp_rank: int = 0, anchor_ns: int = 0
     ) -> None:
-        from kvcadence.capture import wire
-        from kvcadence.capture.schema import KVEventBatch
+        from kvcadence.format import wire
+        from kvcadence.format.schema import KVEventBatch
 
         event_mode(version)
         self._encode = wire.encode_batch

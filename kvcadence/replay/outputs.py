@@ -31,6 +31,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from kvcadence.format import wire
+from kvcadence.format.bundle import event_payload
+from kvcadence.format.hashes import I64_MAX, norm_hash
+from kvcadence.format.schema import BlockStored, BlockStoredRawView, BlockStoredV17RawView
+
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
 #: ... up to this long after it (publish points: next prefill result, 40th decode, idle)
@@ -56,15 +63,11 @@ class StoreIndex:
         self.page_size = page_size
         self.events: list[StoredEvent] = []
         self._ts: list[int] = []
-        #: receive times of the recorded flushes (``from_reader`` only)
-        self.flush_times_ns: list[int] = []
 
     # ------------------------------------------------------------------ building
     @classmethod
     def from_batches(cls, batches: Iterable[tuple[int, Any]], page_size: int) -> StoreIndex:
         """``batches``: ``(publish_ns, events)`` pairs (any order, all ranks)."""
-        from kvcadence.capture.schema import BlockStored
-
         idx = cls(page_size)
         raw: list[tuple[int, int, Any]] = []
         for n, (ts, evs) in enumerate(batches):
@@ -87,40 +90,16 @@ class StoreIndex:
         """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
         one). Only ``BlockStored`` hashes and tokens are decoded (``wire.decode_batch_raw``:
         removals stay undecoded bytes); an event whose fields are not int arrays (bigram
-        keys, damage) is skipped. The same pass collects the recorded flushes
-        (``flush_times_ns``, the rule of ``simulator.flush_times_from_bundle``), so a
-        production replay reads and decodes the events once."""
-        import msgspec
-
-        from kvcadence.capture import wire
-        from kvcadence.capture.bundle import event_payload
-        from kvcadence.capture.hashes import I64_MAX, norm_hash
-        from kvcadence.capture.schema import (
-            AllBlocksCleared,
-            Annotation,
-            BlockStoredRawView,
-            BlockStoredV17RawView,
-        )
-
+        keys, damage) is skipped."""
         ints = msgspec.msgpack.Decoder(list[int])
         stored = (BlockStoredRawView, BlockStoredV17RawView)
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
-        first_seq: dict[tuple[int, int], int] = {}
-        flushes: set[int] = set()
-        for n, f in enumerate(reader.iter_kinds("event", "note")):
-            if isinstance(f, Annotation):
-                if f.kind == "flush":
-                    flushes.add(f.recv_ns)
-                continue
+        for n, f in enumerate(reader.events()):
             try:
                 b = wire.decode_batch_raw(event_payload(f))
             except Exception:  # noqa: BLE001 - a torn payload holds no usable store
                 continue
-            if first_seq.setdefault((f.endpoint, f.epoch), f.seq) != f.seq and any(
-                type(e) is AllBlocksCleared for e in b.events
-            ):
-                flushes.add(f.recv_ns)  # as simulator.flush_times_from_bundle
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
             for e in b.events:
                 if type(e) not in stored or e.block_size != page_size:
@@ -134,7 +113,6 @@ class StoreIndex:
                 if max(hashes) > I64_MAX:  # a uint64 wire hash: the int64 of the same bits
                     hashes = [norm_hash(h) for h in hashes]
                 raw.append((ts, n, e.parent_block_hash, hashes, tokens))
-        idx.flush_times_ns = sorted(flushes)
         raw.sort(key=lambda t: (t[0], t[1]))
         for ts, _, parent, hashes, tokens in raw:
             idx._add(ts, parent, hashes, tokens)

@@ -24,14 +24,14 @@ or lanes (a ``kvcadence drive`` bundle) is returned unchanged.
 
 from __future__ import annotations
 
-import gc
 from collections import Counter
 from typing import Any
 
 import msgspec
 
-from kvcadence.capture.hashes import block_hashes
 from kvcadence.errors import WireError
+from kvcadence.format.hashes import block_hashes
+from kvcadence.gcpause import gc_paused
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import Node, infer_clients, infer_predecessors
@@ -215,25 +215,15 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     return out_records, report
 
 
-def records_for_replay(
-    reader: Any, records: list[Any] | None = None
-) -> tuple[list[Any], dict[str, Any], list[int] | None]:
-    """``reader``'s request records, completed when they need it: ``(records, report,
-    flush receive times)``; report ``{}`` and flushes ``None`` (not read) when not."""
+def records_for_replay(reader: Any, records: list[Any] | None = None) -> tuple[list[Any], dict]:
+    """``reader``'s request records, completed when they need it (``{}`` report if not)."""
     recs = reader.requests() if records is None else records
     if not needs_completion(recs):
-        return recs, {}, None
+        return recs, {}
     ps = (reader.header.server_info or {}).get("page_size") or 1
     # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        index = StoreIndex.from_reader(reader, int(ps))
-        out, report = complete_records(recs, index)
-        return out, report, index.flush_times_ns
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    with gc_paused():
+        return complete_records(recs, StoreIndex.from_reader(reader, int(ps)))
 
 
 def report_text(rep: dict[str, Any]) -> str:

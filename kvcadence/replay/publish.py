@@ -2,7 +2,7 @@
 
 What this file owns: ``publish_batches`` binds a PUB socket (and optionally a ROUTER replay
 socket) on loopback, sends every simulated batch as ``[topic, seq8, payload]``
-(``kvcadence.capture.wire.live_frames``), optionally paced at virtual time / ``speed``, and
+(``kvcadence.format.wire.live_frames``), optionally paced at virtual time / ``speed``, and
 answers replay requests the way SGLang's publisher thread does: the ROUTER is polled between
 sends (and while pacing, and for ``linger_s`` after the last send); a request
 (``wire.parse_replay_request``: ``[b"", seq8]`` from a DEALER) gets
@@ -50,8 +50,8 @@ class ReplayServer:
         how many requests were answered."""
         import zmq
 
-        from kvcadence.capture import wire
         from kvcadence.errors import WireError
+        from kvcadence.format import wire
 
         answered = 0
         router = self.router
@@ -94,7 +94,7 @@ def publish_batches(
     ``malformed_replay_requests`` (ignored). ``on_sent(n)`` is called after the n-th send."""
     import zmq
 
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     _check_endpoint(endpoint)
     if replay_endpoint is not None:

@@ -1,14 +1,14 @@
 """The simulated radix cache: page-granular radix tree with SGLang's chained block hashes.
 
-What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics, reference
-``sglang-scheduler-model.md`` §2, §5, §6):
+What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics,
+docs/sglang-sources.md):
 
 * Nodes hold a page-aligned run of token ids (a list: a request's prompt, kept as the list
   its record holds, is sliced and compared without a copy into another type), one SHA-256
   digest (all of them
   concatenated in one ``bytes``, 32 per page) and one int64 block hash per page, chained
   from the parent node's last page (hashes come from
-  ``kvcadence.capture.wire`` through an injected ``Hasher``, so a simulated hash equals the
+  ``kvcadence.format.wire`` through an injected ``Hasher``, so a simulated hash equals the
   real one for the same tokens).
 * ``match_prefix`` walks from the root, splits a node on a partial (page-aligned) match
   (no event), and touches every node on the path (LRU access stamp, deeper = newer).
@@ -67,11 +67,11 @@ class NullSink:
 
 
 def wire_hasher() -> Hasher:
-    """The production hasher: ``kvcadence.capture.wire`` (SGLang's chained SHA-256)."""
+    """The production hasher: ``kvcadence.format.wire`` (SGLang's chained SHA-256)."""
     import sys
     from array import array
 
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     block_digests = wire.block_digests
     to_int = wire.digest_to_int64

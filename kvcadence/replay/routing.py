@@ -16,7 +16,7 @@ at_ns) -> slot index`` (a slot is one DP rank of one worker, in worker-then-rank
   hashes per slot, fed with each slot's published batches whose publish time is at or
   before the routing moment (``BlockStored`` adds, ``BlockRemoved`` drops,
   ``AllBlocksCleared`` empties). So event cadence changes routing, as in production.
-  The prompt's block hashes are SGLang's chained SHA-256 (``capture.wire`` through the
+  The prompt's block hashes are SGLang's chained SHA-256 (``format.wire`` through the
   fleet's hasher), computed once per request.
 
 Routers keep counters of their decisions (``stats``) for the report.

@@ -1,6 +1,6 @@
 """The simulated SGLang scheduler loop (overlap and normal), in virtual time.
 
-What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §17):
+What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
 
 * the loop: each iteration receives arrived requests, stashes the in-flight chunked
   request (its chunk is inserted → one store), merges the last prefill batch into the
@@ -44,7 +44,7 @@ slots (``alloc`` = page-ceiled). ``available = pool − tree.total_size − Σ a
 
 from __future__ import annotations
 
-import gc
+import bisect
 import heapq
 from array import array
 from collections.abc import Callable
@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcadence.errors import ReplayError
+from kvcadence.gcpause import gc_paused
 from kvcadence.replay.admission import (
     AddReqResult,
     NewTokenRatioTracker,
@@ -60,6 +61,7 @@ from kvcadence.replay.admission import (
 )
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
+from kvcadence.replay.flushes import FlushPlan
 from kvcadence.replay.policy import order_waiting
 from kvcadence.replay.radix import Hasher, Node, RadixTree
 from kvcadence.replay.schedule import RequestSpec, Schedule
@@ -241,13 +243,15 @@ class Scheduler:
         on_publish: Callable[[int], None] | None = None,
         requests: list[SimReq] | None = None,
         on_finish: Callable[[SimReq, int], None] | None = None,
+        flush_plan: FlushPlan | None = None,
     ) -> None:
         """``requests``: serve these instead of the schedule's (a driver's shared list,
         indexed by spec ``idx``; the driver prepares them and hands each its arrival with
         ``add_arrival``). ``on_finish(req, t)``: called when a request finished or was
         aborted at ``t`` (after the lane's next gap was scaled); when given, the driver
         releases the lane's next request (``replay.fleet`` routes it to any rank), not this
-        scheduler."""
+        scheduler. ``flush_plan``: the recorded flushes in request order
+        (``replay.flushes``; instead of the schedule's ``flush_times_ns``)."""
         self.cfg = cfg
         self.schedule = schedule
         self.ps = cfg.page_size
@@ -289,12 +293,14 @@ class Scheduler:
             if r.spec.pred is not None:
                 self.successors.setdefault(r.spec.pred, []).append(r.idx)
         self.arrivals: list[tuple[int, int]] = []
+        self.flush_plan = flush_plan
         if not shared:
             for s in schedule.requests:
                 if s.pred is None:
                     at = (s.arrival_ns or 0) + self._kv_ready_ns(s)
-                    heapq.heappush(self.arrivals, (at, s.idx))
-        self.flush_times = list(schedule.flush_times_ns)
+                    self._push_arrival(at, s.idx)
+        #: virtual times of the flushes to perform (each once fully idle), sorted
+        self.flush_times = list(schedule.flush_times_ns) if flush_plan is None else []
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []
         self.pending_merge: list[SimReq] = []
@@ -331,6 +337,8 @@ class Scheduler:
         #: the decode log: pass index and end ns of every decode pass, in order
         self._dec_pass = array("q")
         self._dec_end = array("q")
+        if flush_plan is not None:
+            flush_plan.attach(self._flush_due)
 
     # ------------------------------------------------------------------ accounting
     def available(self) -> int:
@@ -534,10 +542,21 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(req, t)
             return
+        if self.flush_plan is not None:
+            self.flush_plan.ledger.finished(req.idx, t)
         for nxt in self.successors.get(req.idx, ()):
             spec = self.reqs[nxt].spec
             gap = spec.gap_ns
-            heapq.heappush(self.arrivals, (t + gap + extra + self._kv_ready_ns(spec), nxt))
+            self._push_arrival(t + gap + extra + self._kv_ready_ns(spec), nxt)
+
+    def _push_arrival(self, at: int, idx: int) -> None:
+        """Request ``idx`` arrives at ``at`` -- unless it comes after a recorded flush not
+        performed yet: then it waits for it (``replay.flushes``)."""
+        plan = self.flush_plan
+        if plan is not None and plan.holds(idx):
+            plan.hold(at, idx)
+            return
+        heapq.heappush(self.arrivals, (at, idx))
 
     def _scale_next_gap(self, req: SimReq, t: int) -> None:
         """The recorded gap before the lane's next turn is wall time on the real worker;
@@ -893,6 +912,26 @@ class Scheduler:
             self._publish(t, self.pass_index, "flush")
             self.decode_ct = 0
             self.stats.flushes += 1
+            if self.flush_plan is not None:
+                # the requests that came after it (may make the next flush due)
+                for at, idx in self.flush_plan.performed(t):
+                    heapq.heappush(self.arrivals, (at, idx))
+
+    def _flush_due(self, at: int) -> None:
+        """``FlushPlan`` callback: the next recorded flush may be performed from ``at`` on
+        (its requests before it all finished, on this rank or another): wake up for it."""
+        bisect.insort(self.flush_times, at)
+        self._wake()
+
+    def force_flush(self) -> bool:
+        """A driver found every rank stopped: perform this rank's next recorded flush even
+        though requests before it never finished (inconsistent records). False when none
+        is pending."""
+        plan = self.flush_plan
+        if plan is None or not plan.pending or self.flush_times:
+            return False
+        plan.force(self._idle_since if self._idle_since is not None else self.t)
+        return True
 
     def _apply_aborts(self, t: int) -> None:
         if not self._aborts:
@@ -1095,9 +1134,7 @@ class Scheduler:
         allocates millions of small objects that live until it ends (requests' token
         lists, nodes, event structs), so collections would only re-walk them (≈ 17 % of a
         run); the objects that do form cycles (tree nodes) are freed when the tree goes."""
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             self.start()
             reported = 0
             guard = 0
@@ -1114,9 +1151,6 @@ class Scheduler:
                 stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
                 raise ReplayError(f"simulation ended with unfinished requests: {stuck}")
             return self.finish_run()
-        finally:
-            if enabled:
-                gc.enable()
 
     # ------------------------------------------------------------------ stepping API
     def start(self) -> None:
@@ -1217,7 +1251,12 @@ class Scheduler:
         if self.role == "prefill":
             r = self.reqs[idx]
             r.n_out = r.max_new_tokens = 1
-        heapq.heappush(self.arrivals, (at_ns, idx))
+        self._push_arrival(at_ns, idx)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Something new is scheduled (an arrival, a due flush): unpark / recompute the
+        wake-up of a sleeping scheduler."""
         if self.parked:
             self.parked = False
             if self._idle_since is not None:
@@ -1255,6 +1294,11 @@ class Scheduler:
                 and not self._pauses
                 and not self.held
             ):
+                plan = self.flush_plan
+                if plan is not None and plan.pending and self.on_finish is None:
+                    # requests before the flush that can never finish here: flush now
+                    plan.force(t)
+                    return True
                 return False
             return True
         # waiting requests that cannot be admitted while nothing runs (and no transfer will

@@ -45,8 +45,7 @@ PARTITION_BASE = ("worker", "rank", "route")
 def _setting_types() -> dict[str, Any]:
     import dataclasses
 
-    from kvcadence.replay.cli import _OVERRIDES
-    from kvcadence.replay.config import SimConfig, TimingParams
+    from kvcadence.replay.config import CLI_OVERRIDES, SimConfig, TimingParams
 
     cfg = SimConfig()
     timing = TimingParams()
@@ -55,7 +54,7 @@ def _setting_types() -> dict[str, Any]:
         types[f.name] = getattr(cfg, f.name)
     for f in dataclasses.fields(timing):
         types[f.name] = getattr(timing, f.name)
-    allowed = {k: types[k] for k in _OVERRIDES if k in types}
+    allowed = {k: types[k] for k in CLI_OVERRIDES if k in types}
     allowed["route"] = "recorded"
     return allowed
 
@@ -120,8 +119,8 @@ def point_label(point: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- one job
 def fleet_rows(result: Any) -> list[dict[str, Any]]:
     """The dataset rows (both kinds) of one fleet replay, partition columns included."""
+    from kvcadence.format.schema import served_rank
     from kvcadence.replay.events import CLEAR, REMOVE, STORE
-    from kvcadence.replay.fleet import rank_of
 
     rows: list[dict[str, Any]] = []
     for sl in result.slots:
@@ -168,7 +167,7 @@ def fleet_rows(result: Any) -> list[dict[str, Any]]:
                 "prompt_tokens": rec.prompt_tokens,
                 "cached_tokens": rec.cached_tokens,
                 "completion_tokens": rec.completion_tokens,
-                "recorded_rank": rank_of(src) if src is not None else None,
+                "recorded_rank": served_rank(src) if src is not None else None,
                 "recorded_cached_tokens": getattr(src, "cached_tokens", None),
                 "send_ns": rec.send_ns,
                 "finish_ns": rec.finish_ns,
@@ -340,8 +339,8 @@ def validate_jobs(specs: Sequence[dict[str, Any]]) -> None:
     """Build every job's rank configs in this process (each bundle read once; no timing
     calibration, which cannot make a config invalid): a bad point (``page_size=0``) or an
     input without requests is a ``UsageError`` / ``InputError`` before anything is written."""
-    from kvcadence.capture.bundle import BundleReader
     from kvcadence.errors import InputError
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.fleet import rank_configs
 
     inputs: dict[str, tuple[Any, list[Any]]] = {}

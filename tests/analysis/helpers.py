@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleWriter
-from kvcadence.capture.schema import (
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleWriter
+from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

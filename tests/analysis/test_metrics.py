@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvcadence.analysis import ingest, metrics
-from kvcadence.capture.schema import Annotation, Gap, RequestRecord
+from kvcadence.format.schema import Annotation, Gap, RequestRecord
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
 MS = 1_000_000
@@ -180,7 +180,7 @@ def test_flush_annotation_and_per_rank(tmp_path: Path) -> None:
         ],
         hdr=header(ranks=2),
     )
-    from kvcadence.capture.bundle import BundleWriter
+    from kvcadence.format.bundle import BundleWriter
 
     w = BundleWriter.append(b)
     w.write(Annotation(kind="flush_cache", recv_ns=T0 + 60 * MS))

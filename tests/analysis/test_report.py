@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvcadence.analysis import report
-from kvcadence.capture.schema import RequestRecord
 from kvcadence.cli import main
+from kvcadence.format.schema import RequestRecord
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
 MS = 1_000_000

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from kvcadence.analysis import report
-from kvcadence.capture import wire
-from kvcadence.capture.schema import RequestRecord
+from kvcadence.format import wire
+from kvcadence.format.schema import RequestRecord
 from tests.analysis.helpers import T0, cleared, header, stored, write_bundle
 
 MS = 1_000_000

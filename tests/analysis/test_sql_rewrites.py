@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcadence.analysis import ingest, metrics, sql
-from kvcadence.capture.bundle import BundleWriter
-from kvcadence.capture.schema import Annotation, RequestRecord
+from kvcadence.format.bundle import BundleWriter
+from kvcadence.format.schema import Annotation, RequestRecord
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
 MS = 1_000_000

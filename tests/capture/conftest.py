@@ -3,9 +3,8 @@
 * ``run_capture`` -- start a ``Recorder`` (thread) on the given endpoints writing a bundle in
   ``tmp_path``; returns a handle with ``wait_for(n)``, ``stop()`` and the bundle path.
 * ``sglang_worker_factory`` (session) -- starts real SGLang 0.5.23 CPU workers through the
-  harness, one at a time; skips (with the reason) only when the harness cannot be set up
-  (venv cannot be built, e.g. no network and nothing cached). A worker that starts but then
-  misbehaves fails the test.
+  harness, one at a time; fails when the harness cannot be set up (the
+  ``sglang_harness`` fixture in ``tests/conftest.py``); a worker that misbehaves fails too.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from kvcadence.capture.bundle import BundleReader, BundleWriter
 from kvcadence.capture.discovery import make_header
 from kvcadence.capture.recorder import Recorder
-from kvcadence.capture.schema import EndpointInfo
+from kvcadence.format.bundle import BundleReader, BundleWriter
+from kvcadence.format.schema import EndpointInfo
 
 
 class CaptureRun:
@@ -86,20 +85,6 @@ def endpoint_info():
 
 
 # ---------------------------------------------------------------------- real worker
-
-
-@pytest.fixture(scope="session")
-def sglang_harness():
-    """The harness, set up once (venv + model); skips when it cannot be set up."""
-    from kvcadence.capture import harness
-    from kvcadence.errors import HarnessError
-
-    try:
-        harness.ensure_venv(quiet=True)
-        harness.ensure_model(quiet=True)
-    except (HarnessError, OSError) as exc:
-        pytest.skip(f"real-SGLang harness cannot be set up here: {exc}")
-    return harness
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.capture.bundle import BundleReader, event_payload, list_segments
-from kvcadence.capture.schema import VIA_LIVE, VIA_REPLAY, Annotation, Epoch, Gap, Trailer
-from kvcadence.capture.testpub import TestPublisher, payload_pool
+from kvcadence.format.bundle import BundleReader, event_payload, list_segments
+from kvcadence.format.schema import VIA_LIVE, VIA_REPLAY, Annotation, Epoch, Gap, Trailer
+from kvcadence.testing.publisher import TestPublisher, payload_pool
 
 POOL = payload_pool(64)
 
@@ -286,8 +286,8 @@ def test_disk_full_gives_one_clear_error_and_keeps_earlier_segments(tmp_path):
 
 
 def _expected_counts(payloads: list[bytes]) -> tuple[int, int, int]:
-    from kvcadence.capture import wire
-    from kvcadence.capture.schema import BlockRemoved, BlockStored
+    from kvcadence.format import wire
+    from kvcadence.format.schema import BlockRemoved, BlockStored
 
     events = stored = removed = 0
     for p in payloads:
@@ -320,9 +320,9 @@ def test_deferred_stats_decode_counts_every_written_frame(run_capture, endpoint_
 
 
 def test_shallow_payload_checked_without_padding_reads_back_from_a_deep_stack(tmp_path):
-    from kvcadence.capture import bundle
-    from kvcadence.capture.bundle import BundleWriter
     from kvcadence.capture.discovery import make_header
+    from kvcadence.format import bundle
+    from kvcadence.format.bundle import BundleWriter
 
     n = bundle._SHALLOW_BYTES
     payload = b"\x91" * (n - 1) + b"\x01"  # as deep as a payload of that length can nest

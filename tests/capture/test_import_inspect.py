@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcadence.capture.bundle import BundleReader, event_payload, list_segments
-from kvcadence.capture.schema import VIA_IMPORT, VIA_LIVE, VIA_REPLAY, Epoch, EventFrame, Gap
 from kvcadence.capture.think import think_times
 from kvcadence.cli import main
+from kvcadence.format.bundle import BundleReader, event_payload, list_segments
+from kvcadence.format.schema import VIA_IMPORT, VIA_LIVE, VIA_REPLAY, Epoch, EventFrame, Gap
 
 BATCH = msgspec.msgpack.encode([1.5, [{"type": "AllBlocksCleared"}], 0])
 STORED = msgspec.msgpack.encode(
@@ -425,7 +425,7 @@ def test_command_module_imports_only_stdlib() -> None:
     code = (
         "import sys; import kvcadence.capture.cli_bundle as m; import argparse;"
         "p = argparse.ArgumentParser(); m.register(p.add_subparsers());"
-        "bad = [n for n in ('msgspec', 'kvcadence.capture.bundle', 'zmq', 'polars', 'duckdb',"
+        "bad = [n for n in ('msgspec', 'kvcadence.format.bundle', 'zmq', 'polars', 'duckdb',"
         " 'pyarrow', 'torch', 'httpx', 'matplotlib') if n in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

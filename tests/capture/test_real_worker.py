@@ -31,9 +31,10 @@ from typing import Any
 
 import pytest
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, event_payload
-from kvcadence.capture.schema import (
+from kvcadence.cli import main
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, event_payload
+from kvcadence.format.schema import (
     VIA_REPLAY,
     AllBlocksCleared,
     Annotation,
@@ -42,7 +43,6 @@ from kvcadence.capture.schema import (
     Gap,
     Trailer,
 )
-from kvcadence.cli import main
 
 worker = pytest.mark.sglang_worker
 RESULTS: dict[str, Any] = {}
@@ -472,7 +472,7 @@ def test_dp2_both_ranks_captured_without_loss(sglang_worker_factory, tmp_path):
 def _load_standin():
     import importlib.util
 
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     spec = importlib.util.spec_from_file_location(
         "sgl_kernel_standin", harness.ASSET_DIR / "sgl_kernel" / "__init__.py"
@@ -483,7 +483,8 @@ def _load_standin():
 
 
 def test_standin_assigns_request_slots_like_the_cpu_kernel():
-    torch = pytest.importorskip("torch")
+    import torch
+
     k = _load_standin()
     table = torch.zeros((4, 8), dtype=torch.int32)
     k.assign_req_to_token_pool_cpu(
@@ -512,7 +513,7 @@ def test_standin_placeholders_import_but_refuse_to_run(caplog):
 
 
 def test_launch_command_follows_the_recipe(tmp_path, monkeypatch):
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     cfg = harness.ServerConfig(page_size=16, max_total_tokens=600, chunked_prefill_size=64)
     cmd, kv = harness.build_command(cfg, tmp_path / "m", tmp_path / "v", [1, 2, 3], tmp_path)
@@ -549,8 +550,8 @@ def test_launch_command_follows_the_recipe(tmp_path, monkeypatch):
 
 
 def test_dp_launch_command_and_environment(tmp_path):
-    from kvcadence.capture import harness
     from kvcadence.errors import UsageError
+    from kvcadence.harness import worker as harness
 
     cfg = harness.ServerConfig(dp_size=2, enable_metrics=False, env={"FOO": "1"})
     cmd, kv = harness.build_command(cfg, tmp_path / "m", tmp_path / "v", [1, 20, 30], tmp_path)
@@ -595,7 +596,7 @@ def test_dp_launch_command_and_environment(tmp_path):
     ],
 )
 def test_omp_threads_bind_splits_cpus_between_ranks(dp, cpus, want):
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     assert harness.omp_threads_bind(dp, cpus) == want
 
@@ -604,7 +605,7 @@ def test_omp_threads_bind_splits_cpus_between_ranks(dp, cpus, want):
 def test_reserve_ports_gives_free_disjoint_rank_ranges(dp):
     import socket
 
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     http, ev, rp = harness.reserve_ports(dp)
     ports = [http, *range(ev, ev + dp), *range(rp, rp + dp)]
@@ -621,7 +622,7 @@ def test_reserve_ports_gives_free_disjoint_rank_ranges(dp):
 
 
 def test_harness_start_flags_are_checked_before_anything_starts(tmp_path, monkeypatch, capsys):
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no recorded worker
     monkeypatch.setattr(harness, "start_server", lambda *a, **k: pytest.fail("started"))
@@ -634,7 +635,7 @@ def test_harness_start_flags_are_checked_before_anything_starts(tmp_path, monkey
 
 
 def test_venv_location_and_staleness(tmp_path, monkeypatch):
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     monkeypatch.setenv("KVCADENCE_SGLANG_VENV", str(tmp_path / "venv"))
     assert harness.venv_dir() == tmp_path / "venv"
@@ -654,6 +655,6 @@ def test_venv_location_and_staleness(tmp_path, monkeypatch):
 def test_stop_pid_never_touches_a_process_that_is_not_a_worker():
     import os
 
-    from kvcadence.capture import harness
+    from kvcadence.harness import worker as harness
 
     assert harness.stop_pid(os.getpid()) is None  # pytest is not sglang.launch_server

@@ -10,13 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvcadence.capture.bundle import BundleReader
 from kvcadence.capture.discovery import endpoints_from_server_info, explicit_endpoints
 from kvcadence.capture.recorder import CaptureStats, StatusLine
-from kvcadence.capture.schema import Trailer
-from kvcadence.capture.testpub import TestPublisher, payload_pool
 from kvcadence.cli import main
 from kvcadence.errors import CaptureError, UsageError
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import Trailer
+from kvcadence.testing.publisher import TestPublisher, payload_pool
 
 POOL = payload_pool(16)
 
@@ -99,9 +99,23 @@ def test_duration_stops_and_summary_is_printed(tmp_path, capsys):
     with TestPublisher() as pub:
         out = tmp_path / "b"
         args = ["capture", "--endpoint", pub.endpoint, "--replay-endpoint", "none"]
-        assert main([*args, "--out", str(out), "--duration", "0.5"]) == 0
+        pub.publish(POOL[0])  # before the SUB connects and no replay: never received
+        assert main([*args, "--out", str(out), "--duration", "0.5"]) == 4
     err = capsys.readouterr().err
     assert "capture: 0 event frames" in err and "duration 0.5 s reached" in err
+    # zero messages is an error with its own exit code, said on stderr even with --quiet
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"kvcadence: error: capture recorded 0 KV-event messages from {pub.endpoint}")
+    )
+    assert BundleReader(out).header is not None  # the (empty) bundle is still written
+    with TestPublisher() as pub:
+        out = tmp_path / "q"
+        args = ["capture", "--endpoint", pub.endpoint, "--replay-endpoint", "none", "--quiet"]
+        assert main([*args, "--out", str(out), "--until-idle", "0.3"]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "recorded 0 KV-event messages" in err[0], err
 
 
 def test_dp_ranks_get_one_endpoint_each():
@@ -150,8 +164,8 @@ def test_capture_discovers_every_dp_rank(tmp_path, fake_server):
     """/server_info with ``dp_size`` 2: one endpoint per rank on ``base + r`` (replay on
     ``replay_base + r``, the ranges ``harness.reserve_ports`` keeps free), each recorded from
     its own seq 0 through the initial replay, byte-exact."""
-    from kvcadence.capture.bundle import event_payload
-    from kvcadence.capture.harness import reserve_ports
+    from kvcadence.format.bundle import event_payload
+    from kvcadence.harness.worker import reserve_ports
 
     state, url = fake_server
     _, ev, rp = reserve_ports(2)
@@ -185,8 +199,8 @@ def test_malformed_messages_keep_their_place_between_burst_writes(
 ):
     """A malformed message inside a drain burst is annotated where it arrived: the frames
     before it are written first (the burst is cut), the ones after it follow."""
-    from kvcadence.capture.schema import Annotation, EventFrame
-    from kvcadence.capture.testpub import TestPublisher as Pub
+    from kvcadence.format.schema import Annotation, EventFrame
+    from kvcadence.testing.publisher import TestPublisher as Pub
 
     with Pub() as pub:
         cap = run_capture([endpoint_info(pub)], initial_replay=False, decode_stats=False, name="m")

@@ -20,18 +20,22 @@ from typing import Any
 
 import pytest
 
-from kvcadence.capture import discovery, wire
-from kvcadence.capture.bundle import (
+from kvcadence.capture import discovery
+from kvcadence.capture.discovery import make_header
+from kvcadence.capture.importer import import_bundle
+from kvcadence.capture.recorder import Recorder
+from kvcadence.capture.seqtrack import MAX_SEQ, Out, SeqTracker
+from kvcadence.cli import main
+from kvcadence.errors import BundleError, CaptureError, InputError
+from kvcadence.format import wire
+from kvcadence.format.bundle import (
     BundleReader,
     BundleWriter,
     copy_bundle,
     is_bundle,
     list_segments,
 )
-from kvcadence.capture.discovery import make_header
-from kvcadence.capture.importer import import_bundle
-from kvcadence.capture.recorder import Recorder
-from kvcadence.capture.schema import (
+from kvcadence.format.schema import (
     Annotation,
     EndpointInfo,
     EventFrame,
@@ -39,10 +43,7 @@ from kvcadence.capture.schema import (
     RequestRecord,
     Trailer,
 )
-from kvcadence.capture.seqtrack import MAX_SEQ, Out, SeqTracker
-from kvcadence.capture.testpub import TestPublisher, payload_pool
-from kvcadence.cli import main
-from kvcadence.errors import BundleError, CaptureError, InputError
+from kvcadence.testing.publisher import TestPublisher, payload_pool
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = payload_pool(8)
@@ -365,7 +366,8 @@ def test_until_idle_fires_when_nothing_ever_arrives(tmp_path, capsys):
     out = tmp_path / "b"
     argv = ["capture", "--endpoint", f"tcp://127.0.0.1:{free_port()}"]
     argv += ["--replay-endpoint", "none", "--out", str(out), "--until-idle", "0.5", "--quiet"]
-    assert within(lambda: main(argv), 15) == 0
+    assert within(lambda: main(argv), 15) == 4  # NothingCaptured: the bundle is still written
+    assert "capture recorded 0 KV-event messages" in capsys.readouterr().err
     last = list(BundleReader(out).records())[-1]
     assert (
         isinstance(last, Trailer) and last.clean and last.stats["stop_reason"] == "idle for 0.5 s"
@@ -390,9 +392,10 @@ def test_cli_warns_about_no_traffic_unless_quiet(tmp_path, capsys, monkeypatch, 
     monkeypatch.setattr(recorder_mod, "NO_TRAFFIC_WARN_S", 0.2)
     argv = ["capture", "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--replay-endpoint"]
     argv += ["none", "--out", str(tmp_path / "b"), "--until-idle", "0.7"]
-    assert within(lambda: main(argv + (["--quiet"] if quiet else [])), 15) == 0
+    assert within(lambda: main(argv + (["--quiet"] if quiet else [])), 15) == 4  # nothing came
     err = capsys.readouterr().err
-    assert ("no KV-event message" in err) is not quiet
+    assert ("no KV-event message" in err) is not quiet  # the early warning, not with --quiet
+    assert err.strip().splitlines()[-1].startswith("kvcadence: error: capture recorded 0 KV-event")
 
 
 def test_warning_is_not_printed_when_traffic_flows(tmp_path, run_capture, endpoint_info):

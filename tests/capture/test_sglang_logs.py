@@ -8,10 +8,10 @@ import pickle
 
 import pytest
 
-from kvcadence.capture.bundle import BundleReader
 from kvcadence.capture.sglang_logs import read_metrics, read_request_log
 from kvcadence.cli import main
 from kvcadence.errors import InputError
+from kvcadence.format.bundle import BundleReader
 
 
 def test_real_metrics_export_matches_the_drivers_requests(fixture_dir):

@@ -7,8 +7,8 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture.schema import VIA_LIVE, VIA_REPLAY, Epoch, Gap
 from kvcadence.capture.seqtrack import Out, SeqTracker
+from kvcadence.format.schema import VIA_LIVE, VIA_REPLAY, Epoch, Gap
 
 
 def _payload(epoch: int, seq: int) -> bytes:

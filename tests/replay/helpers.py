@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import (
+from kvcadence.format import wire
+from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -1,4 +1,4 @@
-"""PD disaggregation roles (issue 9): ``--role prefill`` holds transferred prompts,
+"""PD disaggregation roles: ``--role prefill`` holds transferred prompts,
 ``--role decode`` inserts only with its decode radix cache."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, BundleWriter
-from kvcadence.capture.schema import FORMAT_MAJOR, FORMAT_MINOR, BlockStored, Header
 from kvcadence.cli import main
 from kvcadence.errors import UsageError
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, BundleWriter
+from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, BlockStored, Header
 from kvcadence.replay.config import from_server_info
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.schedule import build_schedule

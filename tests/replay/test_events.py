@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import BlockStored
 from kvcadence.errors import UsageError
+from kvcadence.format import wire
+from kvcadence.format.schema import BlockStored
 from kvcadence.replay.events import CLEAR, REMOVE, STORE, EventQueue, Publisher
 
 H1, H2 = -3488128144981237669, 5674439469042975057
@@ -112,7 +112,7 @@ def test_simulated_versions_come_from_the_wire_version_table():
     from kvcadence.replay.config import from_server_info
     from kvcadence.replay.events import VERSION_MODES
 
-    # one table (capture.wire); 0.5.5 excluded (process-seeded hash()), no invented release
+    # one table (format.wire); 0.5.5 excluded (process-seeded hash()), no invented release
     assert set(VERSION_MODES) == set(wire.SUPPORTED_VERSIONS) - {"0.5.5"}
     assert "0.5.21" not in VERSION_MODES
     assert VERSION_MODES["0.5.23"] == VERSION_MODES["0.5.20"] == "coalesced"

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, BundleWriter, event_payload
-from kvcadence.capture.schema import AllBlocksCleared, BlockStored, EndpointInfo, Header
 from kvcadence.errors import InputError
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload
+from kvcadence.format.schema import AllBlocksCleared, BlockStored, EndpointInfo, Header
 from kvcadence.replay.fleet import (
     WorkerInput,
     dp_size_of,

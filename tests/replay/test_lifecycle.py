@@ -1,12 +1,12 @@
-"""Lifecycle rules of the simulated worker (issue 9), one named regression test per rule.
+"""Lifecycle rules of the simulated worker (docs/simulator.md), one named regression test per rule.
 
 Each test fails when its rule is removed from ``replay.scheduler`` (checked by mutation).
 """
 
 from __future__ import annotations
 
-from kvcadence.capture import wire
-from kvcadence.capture.schema import BlockStored
+from kvcadence.format import wire
+from kvcadence.format.schema import BlockStored
 from kvcadence.replay.config import from_server_info
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.schedule import build_schedule

@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvcadence.capture.hashes import block_hashes
-from kvcadence.capture.schema import BlockStored, RequestRecord
+from kvcadence.format.hashes import block_hashes
+from kvcadence.format.schema import BlockStored, RequestRecord
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.production import (
     WHY_NO_FINISH,
@@ -171,7 +171,7 @@ def _roundtrip(ps: int) -> None:
         for a, b in zip(rs, rs[1:], strict=False):
             a.output_ids = b.input_ids[len(a.input_ids) : len(a.input_ids) + len(a.output_ids)]
     res = run(lanes, config(page_size=ps, max_total_tokens=400))
-    from kvcadence.capture import wire
+    from kvcadence.format import wire
 
     decoded = [wire.decode_batch(b.payload) for b in res.batches]
     batches = [(int(d.ts * 1e9), d.events) for d in decoded]

@@ -18,8 +18,8 @@ import threading
 
 import pytest
 
-from kvcadence.capture import wire
 from kvcadence.errors import WireError
+from kvcadence.format import wire
 from kvcadence.replay.events import PublishedBatch
 from kvcadence.replay.publish import publish_batches
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture import wire
+from kvcadence.format import wire
 from kvcadence.replay.events import EventQueue
 from kvcadence.replay.radix import RadixTree, wire_hasher
 

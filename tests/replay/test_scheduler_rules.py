@@ -1,10 +1,10 @@
-"""Per-rule scheduler tests on small hand-built schedules (reference §4-§8, §17)."""
+"""Per-rule scheduler tests on small hand-built schedules (docs/sglang-sources.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvcadence.capture.schema import BlockRemoved, BlockStored
+from kvcadence.format.schema import BlockRemoved, BlockStored
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.schedule import build_schedule
 from kvcadence.replay.scheduler import Scheduler
@@ -121,9 +121,7 @@ def test_abort_running_inserts_what_it_computed_abort_waiting_emits_nothing():
     stored = sum(
         len(e.block_hashes)
         for b_ in s.publisher.batches
-        for e in __import__("kvcadence.capture.wire", fromlist=["x"])
-        .decode_batch(b_.payload)
-        .events
+        for e in __import__("kvcadence.format.wire", fromlist=["x"]).decode_batch(b_.payload).events
         if isinstance(e, BlockStored)
     )
     assert stored == 20 + ra.output_len - 1

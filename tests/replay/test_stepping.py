@@ -17,9 +17,9 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcadence.capture.bundle import BundleReader
-from kvcadence.capture.schema import Annotation
 from kvcadence.errors import ReplayError
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import Annotation
 from kvcadence.replay.events import Publisher
 from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
 from kvcadence.replay.radix import wire_hasher

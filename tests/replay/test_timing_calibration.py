@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcadence.capture.schema import RequestRecord
+from kvcadence.format.schema import RequestRecord
 from kvcadence.replay.config import TimingParams
 from kvcadence.replay.schedule import build_schedule
 from kvcadence.replay.timing import (

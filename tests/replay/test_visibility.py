@@ -1,4 +1,4 @@
-"""Event visibility (issue 9): per-block computed vs published pass/time in the simulator,
+"""Event visibility: per-block computed vs published pass/time in the simulator,
 the sim bundle's visibility notes, and ``kvcadence.analysis.visibility`` on real and sim
 bundles."""
 
@@ -15,10 +15,10 @@ from kvcadence.analysis.visibility import (
     visibility_plot,
     visibility_section,
 )
-from kvcadence.capture import wire
-from kvcadence.capture.bundle import BundleReader, event_payload
 from kvcadence.capture.importer import import_bundle
-from kvcadence.capture.schema import Annotation, BlockStored
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, event_payload
+from kvcadence.format.schema import Annotation, BlockStored
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.schedule import build_schedule
 from kvcadence.replay.scheduler import Scheduler

@@ -1,0 +1,504 @@
+"""Every record layout kvcadence reads or writes, as msgspec Structs (the one schema module).
+
+Two families live here and nowhere else:
+
+1. **SGLang wire structs** -- mirrors of SGLang's ``srt/disaggregation/kv_events.py``.
+   The *canonical* in-memory events are the 0.5.20+ map-shaped structs (``BlockStored``,
+   ``BlockRemoved``, ``AllBlocksCleared``; tagged maps, ``omit_defaults``) inside a
+   ``KVEventBatch`` (array-like ``[ts, events, attn_dp_rank]``). Encoding them with msgspec
+   gives bytes identical to SGLang 0.5.23. The ``*V17`` / ``*V05`` structs are the older
+   tagged positional-array shapes (0.5.10-0.5.17 and 0.5.5) used only to *encode* for those
+   versions; decoding any shape is ``kvcadence.format.wire``'s job, and always yields the
+   canonical structs. Block hashes in canonical structs are signed int64 (SGLang's form).
+   An event whose tag is unknown becomes ``UnknownEvent(tag, raw)``.
+
+2. **Bundle records** -- what a bundle stores (framing on disk is ``kvcadence.format.bundle``):
+   ``Header``, ``EventFrame``, ``RequestRecord``, ``Gap``, ``Epoch``, ``Annotation``,
+   ``Trailer``; one tagged union ``BundleRecord``. All are ``array_like`` + ``gc=False``:
+   the tag is the first array element.
+
+Evolution rules (also in ``docs/format.md``): new fields only at the end of a struct and
+always with a default; never reorder, rename the tag of, or retype a field; a new record
+type gets a new tag and bumps ``FORMAT_MINOR`` (old readers skip unknown tags); anything
+incompatible bumps ``FORMAT_MAJOR`` (old readers refuse the bundle).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from kvcadence.errors import InputError
+
+# --------------------------------------------------------------------------------------
+# 1. SGLang wire structs
+# --------------------------------------------------------------------------------------
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the canonical (0.5.20+ map-shaped) events; the tag key is ``"type"``."""
+
+
+class BlockStored(KVCacheEvent):
+    """Pages inserted into the radix tree (one hash per page, chained from the root)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Pages evicted from a medium (all pages of the evicted leaves, leaf-first)."""
+
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole tree was reset (startup, ``/flush_cache``)."""
+
+
+class UnknownEvent(msgspec.Struct, gc=False):
+    """An event whose tag kvcadence does not know; kept whole so nothing is lost."""
+
+    tag: str
+    raw: Any
+
+
+KnownEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared, UnknownEvent]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """One ZMQ message's payload: ``[ts, events, attn_dp_rank]`` (always 3 elements)."""
+
+    ts: float
+    events: list[KnownEvent]
+    attn_dp_rank: int | None = None
+
+
+# Positional-array shapes (encode-only mirrors of older SGLang releases).
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """Base of the 0.5.5-0.5.17 tagged positional-array events."""
+
+
+class BlockStoredV17(_ArrayEvent, tag="BlockStored"):
+    """0.5.10-0.5.17 ``BlockStored``: 7 slots including the tag."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class BlockRemovedV17(_ArrayEvent, tag="BlockRemoved"):
+    """0.5.10-0.5.17 ``BlockRemoved``: 3 slots including the tag."""
+
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksClearedArr(_ArrayEvent, tag="AllBlocksCleared"):
+    """``["AllBlocksCleared"]`` in every array version."""
+
+
+class BlockStoredV05(_ArrayEvent, tag="BlockStored"):
+    """0.5.5 ``BlockStored``: 6 slots including the tag (no ``medium``)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class BlockRemovedV05(_ArrayEvent, tag="BlockRemoved"):
+    """0.5.5 ``BlockRemoved``: 2 slots including the tag."""
+
+    block_hashes: list[int]
+
+
+class KVEventBatchV17(msgspec.Struct, array_like=True, gc=False):
+    """Batch of 0.5.10-0.5.17 array events."""
+
+    ts: float
+    events: list[Union[BlockStoredV17, BlockRemovedV17, AllBlocksClearedArr]]
+    attn_dp_rank: int | None = None
+
+
+class KVEventBatchV05(msgspec.Struct, array_like=True, gc=False):
+    """Batch of 0.5.5 array events."""
+
+    ts: float
+    events: list[Union[BlockStoredV05, BlockRemovedV05, AllBlocksClearedArr]]
+    attn_dp_rank: int | None = None
+
+
+# Decode-only "views" (analysis): token ids are left as msgpack bytes (``msgspec.Raw``), which
+# decodes ~2.4x faster when only hashes and counts are needed (measured on msgspec 0.23).
+# Produced only by ``kvcadence.format.wire.decode_batch_view``; never encoded.
+
+
+def _raw_array_len(raw: msgspec.Raw) -> int:
+    """Element count of a msgpack array held as ``Raw`` (read from its header only)."""
+    b = memoryview(raw)
+    h = b[0]
+    if 0x90 <= h <= 0x9F:
+        return h & 0x0F
+    if h == 0xDC:
+        return (b[1] << 8) | b[2]
+    if h == 0xDD:
+        return int.from_bytes(b[1:5], "big")
+    raise ValueError("token_ids is not a msgpack array")
+
+
+class BlockStoredView(KVCacheEvent, tag="BlockStored"):
+    """``BlockStored`` as analysis reads it: ``token_ids`` kept as its msgpack array bytes
+    (``n_tokens`` = its element count; a bigram pair counts as one). Extra keys
+    (``cache_salt``, ``session_id``, ``lora_name``, ...) are skipped."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return _raw_array_len(self.token_ids)
+
+
+class BlockStoredV17View(_ArrayEvent, tag="BlockStored"):
+    """0.5.5-0.5.17 positional ``BlockStored`` with ``token_ids`` as ``Raw`` (decode-only)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class KVEventBatchView(msgspec.Struct, array_like=True, gc=False):
+    """A payload decoded as a view: events are ``BlockStoredView``, ``BlockRemoved``,
+    ``AllBlocksCleared`` or ``UnknownEvent``; hashes signed int64 as in ``KVEventBatch``."""
+
+    ts: float
+    events: list[Union[BlockStoredView, BlockRemoved, AllBlocksCleared]]
+    attn_dp_rank: int | None = None
+
+
+class KVEventBatchV17View(msgspec.Struct, array_like=True, gc=False):
+    """Decode-only batch of 0.5.5-0.5.17 array events with ``token_ids`` as ``Raw``."""
+
+    ts: float
+    events: list[Union[BlockStoredV17View, BlockRemovedV17, AllBlocksClearedArr]]
+    attn_dp_rank: int | None = None
+
+
+# Decode-only "raw views" (analysis ingest's fast path): ``block_hashes`` too is left as its
+# msgpack array bytes (``Raw``: no Python int per hash; ingest converts them in numpy chunks
+# with ``kvcadence.analysis.tokcols``). A parent hash outside int64 fails msgspec's range
+# check in C, so such a payload takes the canonical path. Produced only by
+# ``kvcadence.format.wire.decode_batch_raw``; never encoded.
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+
+
+class BlockStoredRawView(KVCacheEvent, tag="BlockStored"):
+    """``BlockStored`` with ``block_hashes`` and ``token_ids`` as their msgpack bytes."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Int64 | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class BlockRemovedRawView(KVCacheEvent, tag="BlockRemoved"):
+    """``BlockRemoved`` with ``block_hashes`` as its msgpack bytes."""
+
+    block_hashes: msgspec.Raw
+    medium: str | None = None
+
+
+class BlockStoredV17RawView(_ArrayEvent, tag="BlockStored"):
+    """0.5.5-0.5.17 positional ``BlockStored``, hashes and token ids as ``Raw``."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Int64 | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class BlockRemovedV17RawView(_ArrayEvent, tag="BlockRemoved"):
+    """0.5.5-0.5.17 positional ``BlockRemoved``, hashes as ``Raw``."""
+
+    block_hashes: msgspec.Raw
+    medium: str | None = None
+
+
+class KVEventBatchRawView(msgspec.Struct, array_like=True, gc=False):
+    """A payload decoded as a raw view: events are ``BlockStoredRawView``,
+    ``BlockRemovedRawView``, ``AllBlocksCleared`` or ``UnknownEvent``."""
+
+    ts: float
+    events: list[Union[BlockStoredRawView, BlockRemovedRawView, AllBlocksCleared]]
+    attn_dp_rank: int | None = None
+
+
+class KVEventBatchV17RawView(msgspec.Struct, array_like=True, gc=False):
+    """Decode-only batch of 0.5.5-0.5.17 array events, hashes and token ids as ``Raw``."""
+
+    ts: float
+    events: list[Union[BlockStoredV17RawView, BlockRemovedV17RawView, AllBlocksClearedArr]]
+    attn_dp_rank: int | None = None
+
+
+# --------------------------------------------------------------------------------------
+# 2. Bundle records
+# --------------------------------------------------------------------------------------
+
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+
+# EventFrame.via values
+VIA_LIVE = 0  # received on the SUB socket
+VIA_REPLAY = 1  # fetched from the publisher's replay (ROUTER) socket
+VIA_IMPORT = 2  # converted from another recorder's dump
+VIA_SIM = 3  # published by the kvcadence simulator
+
+
+class EndpointInfo(msgspec.Struct, array_like=True, gc=False):
+    """One publisher endpoint (one per DP rank). ``id`` is what EventFrame.endpoint names."""
+
+    id: int
+    url: str
+    replay_url: str | None = None
+    dp_rank: int = 0
+    topic: str = ""
+
+
+class BundleRecordBase(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """Base of every record stored in a bundle (tag = first array element)."""
+
+
+class Header(BundleRecordBase, tag="header"):
+    """First record of a bundle: what was recorded, from where, with which settings."""
+
+    format_major: int
+    format_minor: int
+    source: str  # "real" | "sim"
+    kvcadence_version: str
+    sglang_version: str | None = None
+    server_info: dict[str, Any] = {}  # the whole /server_info JSON (or the sim's config)
+    kv_events_config: str | None = None
+    command: list[str] = []
+    start_ns: int = 0
+    endpoints: list[EndpointInfo] = []
+    sim_config: dict[str, Any] | None = None  # effective simulator configuration (sim only)
+
+
+class EventFrame(BundleRecordBase, tag="event"):
+    """One ZMQ message of KV events, payload bytes exactly as received (or as simulated).
+
+    ``payload`` is the msgpack payload inserted unchanged (``msgspec.Raw``). A payload that is
+    not one complete msgpack value is stored as a msgpack *bin* wrapping the exact bytes with
+    ``payload_is_bin=True`` (see ``kvcadence.format.bundle``), so nothing is ever lost.
+    For sim bundles ``recv_ns`` is the virtual publish time and ``pass_index`` the scheduler
+    pass that published it.
+    """
+
+    endpoint: int
+    seq: int
+    recv_ns: int
+    topic: str
+    via: int
+    epoch: int
+    payload_is_bin: bool
+    payload: msgspec.Raw
+    pass_index: int = -1
+
+
+class RequestRecord(BundleRecordBase, tag="request"):
+    """One request of the schedule: what was sent, what came back, when.
+
+    Times are ``time.time_ns()`` host wall clock (virtual ns for sim bundles); ``None`` when
+    unknown. ``meta_info`` keeps SGLang's whole ``meta_info`` (or the metrics line) as sent.
+    """
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int] = []
+    send_ns: int | None = None
+    first_token_ns: int | None = None
+    finish_ns: int | None = None
+    lane: int | None = None
+    session: int | None = None
+    turn: int | None = None
+    max_new_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    dp_rank: int | None = None
+    source: str = "driver"  # driver | sglang-metrics | request-log | import | sim
+    think_ns: int | None = None  # client pause before this request (closed loop), if known
+    arrival_ns: int | None = None  # open-loop trace arrival time, if the workload had one
+    meta_info: dict[str, Any] = {}
+
+
+class RequestRecordView(BundleRecordBase, tag="request"):
+    """``RequestRecord`` as analysis ingest reads it (decode-only, never encoded): the same
+    wire layout and tag, but ``input_ids``/``output_ids`` kept as their msgpack array bytes
+    (``msgspec.Raw``; not validated element by element). Produced only by
+    ``kvcadence.format.bundle.BundleReader.records(request_view=True)``."""
+
+    rid: str
+    input_ids: msgspec.Raw
+    output_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty msgpack array, as RequestRecord
+    send_ns: int | None = None
+    first_token_ns: int | None = None
+    finish_ns: int | None = None
+    lane: int | None = None
+    session: int | None = None
+    turn: int | None = None
+    max_new_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    dp_rank: int | None = None
+    source: str = "driver"
+    think_ns: int | None = None
+    arrival_ns: int | None = None
+    meta_info: dict[str, Any] = {}
+
+
+class Gap(BundleRecordBase, tag="gap"):
+    """Seqs ``first_seq..last_seq`` (inclusive) of one endpoint/epoch that were missed;
+    ``recovered`` of them were fetched through replay (written as EventFrames)."""
+
+    endpoint: int
+    epoch: int
+    first_seq: int
+    last_seq: int
+    recovered: int
+    reason: str = ""
+    recv_ns: int = 0
+
+
+class Epoch(BundleRecordBase, tag="epoch"):
+    """A publisher (re)started: seq went backwards or a leading AllBlocksCleared at seq 0."""
+
+    endpoint: int
+    epoch: int
+    first_seq: int
+    recv_ns: int
+    reason: str = ""
+
+
+class Annotation(BundleRecordBase, tag="note"):
+    """A timestamped fact that is not an event or a request (flush issued, server_info
+    snapshot refreshed, malformed ZMQ message counted, sim visibility table, ...)."""
+
+    kind: str
+    recv_ns: int
+    data: dict[str, Any] = {}
+
+
+class Trailer(BundleRecordBase, tag="trailer"):
+    """Last record of a cleanly closed writer session: counts and the shutdown flag."""
+
+    end_ns: int
+    clean: bool
+    counts: dict[str, int] = {}
+    stats: dict[str, Any] = {}
+
+
+BundleRecord = Union[Header, EventFrame, RequestRecord, Gap, Epoch, Annotation, Trailer]
+#: what a reader yields: a bundle record, or a request read as a view (``records(request_view=True)``)
+ReadRecord = Union[BundleRecord, RequestRecordView]
+
+
+def served_rank(rec: Any) -> int:
+    """The DP rank that served a request record: ``dp_rank``, else ``meta_info.dp_rank``
+    (SGLang's own field), else 0 (a one-rank worker records none). A value that is not a
+    non-negative integer is an ``InputError`` naming the request, never guessed."""
+    r = getattr(rec, "dp_rank", None)
+    if r is None:
+        meta = getattr(rec, "meta_info", None)
+        r = meta.get("dp_rank") if isinstance(meta, dict) else None
+    if r is None:
+        return 0
+    if type(r) is int and r >= 0:
+        return r
+    raise InputError(
+        f"request {getattr(rec, 'rid', '?')!r}: dp_rank {r!r} is not a non-negative integer"
+    )
+
+
+__all__ = [
+    "served_rank",
+    "KVCacheEvent",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "UnknownEvent",
+    "KnownEvent",
+    "Event",
+    "KVEventBatch",
+    "BlockStoredV17",
+    "BlockRemovedV17",
+    "AllBlocksClearedArr",
+    "BlockStoredV05",
+    "BlockRemovedV05",
+    "KVEventBatchV17",
+    "KVEventBatchV05",
+    "BlockStoredView",
+    "BlockStoredV17View",
+    "KVEventBatchView",
+    "KVEventBatchV17View",
+    "Int64",
+    "BlockStoredRawView",
+    "BlockRemovedRawView",
+    "BlockStoredV17RawView",
+    "BlockRemovedV17RawView",
+    "KVEventBatchRawView",
+    "KVEventBatchV17RawView",
+    "FORMAT_MAJOR",
+    "FORMAT_MINOR",
+    "VIA_LIVE",
+    "VIA_REPLAY",
+    "VIA_IMPORT",
+    "VIA_SIM",
+    "EndpointInfo",
+    "BundleRecordBase",
+    "Header",
+    "EventFrame",
+    "RequestRecord",
+    "RequestRecordView",
+    "Gap",
+    "Epoch",
+    "Annotation",
+    "Trailer",
+    "BundleRecord",
+    "ReadRecord",
+]

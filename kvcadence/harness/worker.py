@@ -1,0 +1,574 @@
+"""The real-SGLang CPU harness: build SGLang 0.5.23's venv, make the tiny model, run a worker.
+
+Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only Linux box
+(the recipe is this module; examples/README.md shows the command it runs):
+
+* ``ensure_venv()`` -- a venv cached outside the repository (``~/.cache/kvcadence/
+  sglang-0.5.23-venv``, or ``$KVCADENCE_SGLANG_VENV``), built with ``torch==2.14.1
+  torchvision==0.29.1``, then ``--no-deps sglang==0.5.23``, then the pinned requirements
+  shipped as package data. Rebuilt when missing or when the requirements' hash changed;
+  an ``flock`` lock file keeps two processes from building it at once.
+* ``ensure_model()`` -- the tiny random-weight Llama (``sglang_cpu/mkmodel.py``) in the cache.
+* ``start_server()`` / ``ServerHandle.stop()`` -- launch on loopback with free ports, KV events
+  bound with a replay ROUTER, ``--export-metrics-to-file`` and ``--enable-metrics`` (the
+  ``meta_info`` timings replay calibrates from); readiness by polling ``/health``; stop by PID
+  (SIGTERM, then SIGKILL after a timeout), never by name.
+* Data parallelism: ``ServerConfig.dp_size`` adds ``--dp-size N``; rank ``r`` publishes on
+  ``events_port + r`` and replays on ``replay_port + r`` (SGLang offsets both endpoints by the
+  rank), so ``reserve_ports`` holds the whole ranges ``[ev, ev+dp)`` and ``[rp, rp+dp)`` free
+  and apart while choosing. With ``dp_size > 1`` and no ``SGLANG_CPU_OMP_THREADS_BIND`` given
+  (``ServerConfig.env`` or the caller's environment), one is set that splits this process's
+  CPUs between the ranks (``0|1`` on a 2-CPU, 1-NUMA-node box, where SGLang otherwise refuses
+  more ranks than NUMA nodes).
+
+Only the standard library is imported here (httpx is not needed for a readiness probe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from kvcadence.errors import HarnessError, UsageError
+
+SGLANG_VERSION = "0.5.23"
+TORCH_PINS: tuple[str, ...] = ("torch==2.14.1", "torchvision==0.29.1")
+ASSET_DIR = Path(__file__).resolve().parent / "sglang_cpu"
+REQUIREMENTS = ASSET_DIR / "sglang-cpu-requirements.txt"
+MKMODEL = ASSET_DIR / "mkmodel.py"
+STAMP_NAME = ".kvcadence-stamp"
+DEFAULT_TOPIC = "kv-events"
+
+
+def cache_dir() -> Path:
+    """``~/.cache/kvcadence`` (computed at call time from ``Path.home()``)."""
+    return Path.home() / ".cache" / "kvcadence"
+
+
+def venv_dir() -> Path:
+    """The SGLang venv: ``$KVCADENCE_SGLANG_VENV`` or ``<cache>/sglang-0.5.23-venv``."""
+    env = os.environ.get("KVCADENCE_SGLANG_VENV")
+    return Path(env).expanduser() if env else cache_dir() / f"sglang-{SGLANG_VERSION}-venv"
+
+
+def model_dir() -> Path:
+    """Where the tiny Llama is generated."""
+    return cache_dir() / "tinyllama-1024v-128h-2l"
+
+
+def venv_python(venv: Path | None = None) -> Path:
+    return (venv or venv_dir()) / "bin" / "python"
+
+
+def requirements_hash() -> str:
+    """Hash of everything that defines the venv (pins + requirements file bytes)."""
+    h = hashlib.sha256()
+    h.update(("\n".join(TORCH_PINS) + f"\nsglang=={SGLANG_VERSION}\n").encode())
+    h.update(REQUIREMENTS.read_bytes())
+    return h.hexdigest()
+
+
+def venv_ready(venv: Path | None = None) -> bool:
+    """True when the venv exists and was built from the current requirements."""
+    venv = venv or venv_dir()
+    stamp = venv / STAMP_NAME
+    if not stamp.is_file() or not venv_python(venv).exists():
+        return False
+    try:
+        return json.loads(stamp.read_text()).get("hash") == requirements_hash()
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _pip(venv: Path, args: Sequence[str], log) -> None:
+    cmd = [str(venv_python(venv)), "-m", "pip", "install", "--disable-pip-version-check", *args]
+    print("+ " + " ".join(cmd), file=log, flush=True)
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise HarnessError(
+            f"pip install {' '.join(args)} failed (exit {proc.returncode}); see {log.name}"
+        )
+
+
+def ensure_venv(*, force: bool = False, quiet: bool = False) -> Path:
+    """Build the SGLang venv unless an up-to-date one exists; return its directory."""
+    venv = venv_dir()
+    if not force and venv_ready(venv):
+        return venv
+    with _file_lock(venv.with_name(venv.name + ".lock")):
+        if not force and venv_ready(venv):  # someone else built it while we waited
+            return venv
+        if venv.exists():
+            shutil.rmtree(venv)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        log_path = venv.with_name(venv.name + ".build.log")
+        t0 = time.monotonic()
+        if not quiet:
+            print(f"harness: building {venv} (log: {log_path}) ...", file=sys.stderr, flush=True)
+        with open(log_path, "w") as log:
+            base = getattr(sys, "_base_executable", None) or sys.executable
+            proc = subprocess.run(
+                [base, "-m", "venv", str(venv)], stdout=log, stderr=subprocess.STDOUT
+            )
+            if proc.returncode != 0:
+                raise HarnessError(f"could not create venv {venv}; see {log_path}")
+            _pip(venv, list(TORCH_PINS), log)
+            _pip(venv, ["--no-deps", f"sglang=={SGLANG_VERSION}"], log)
+            _pip(venv, ["-r", str(REQUIREMENTS)], log)
+        stamp = {"hash": requirements_hash(), "built_s": round(time.monotonic() - t0, 1)}
+        (venv / STAMP_NAME).write_text(json.dumps(stamp))
+        if not quiet:
+            print(f"harness: venv ready in {stamp['built_s']} s", file=sys.stderr, flush=True)
+    return venv
+
+
+def ensure_model(*, quiet: bool = False) -> Path:
+    """Generate the tiny deterministic Llama into the cache (once)."""
+    out = model_dir()
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    venv = ensure_venv(quiet=quiet)
+    with _file_lock(out.with_name(out.name + ".lock")):
+        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+            return out
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        proc = subprocess.run(
+            [str(venv_python(venv)), str(MKMODEL), str(tmp)],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise HarnessError(f"mkmodel.py failed: {proc.stderr.strip().splitlines()[-1:]}")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out
+
+
+def _bind_local(port: int) -> socket.socket | None:
+    """A TCP socket bound to ``127.0.0.1:port`` (0 = any free port), or None if taken."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def reserve_ports(dp_size: int = 1, *, attempts: int = 64) -> tuple[int, int, int]:
+    """``(http, events_base, replay_base)``: an HTTP port and two ranges ``[base, base+dp)``,
+    every port free on 127.0.0.1 and all distinct (each is held bound while the rest are
+    chosen, so the ranges cannot overlap each other or the HTTP port)."""
+    if dp_size < 1:
+        raise UsageError(f"dp_size must be >= 1, got {dp_size}")
+    held: list[socket.socket] = []
+    try:
+        http = _bind_local(0)
+        if http is None:
+            raise HarnessError("no free TCP port on 127.0.0.1")
+        held.append(http)
+        bases = []
+        for what in ("KV-event", "replay"):
+            for _ in range(attempts):
+                first = _bind_local(0)
+                if first is None:
+                    continue
+                base = first.getsockname()[1]
+                group = [first]
+                for r in range(1, dp_size):
+                    s = _bind_local(base + r) if base + r <= 65535 else None
+                    if s is None:
+                        break
+                    group.append(s)
+                if len(group) == dp_size:
+                    held += group
+                    bases.append(base)
+                    break
+                for s in group:
+                    s.close()
+            else:
+                raise HarnessError(
+                    f"no {dp_size} consecutive free {what} ports on 127.0.0.1 "
+                    f"after {attempts} tries"
+                )
+        return held[0].getsockname()[1], bases[0], bases[1]
+    finally:
+        for s in held:
+            s.close()
+
+
+def omp_threads_bind(dp_size: int, cpus: Sequence[int] | None = None) -> str:
+    """A ``SGLANG_CPU_OMP_THREADS_BIND`` value for ``dp_size`` ranks: ``cpus`` (default: the
+    CPUs this process may run on) split into ``dp_size`` contiguous groups, ``|``-separated
+    (``"0|1"`` for 2 ranks on CPUs 0-1, ``"0-1|2-3"`` on 4); with fewer CPUs than ranks the
+    ranks share CPUs round-robin."""
+    if cpus is None:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = list(range(os.cpu_count() or 1))
+    cpus = sorted(cpus)
+    if not cpus or dp_size < 1:
+        raise UsageError("omp_threads_bind needs >= 1 CPU and >= 1 rank")
+    if len(cpus) >= dp_size:
+        q, extra = divmod(len(cpus), dp_size)
+        groups, i = [], 0
+        for r in range(dp_size):
+            n = q + (r < extra)
+            groups.append(cpus[i : i + n])
+            i += n
+    else:
+        groups = [[cpus[r % len(cpus)]] for r in range(dp_size)]
+    return "|".join(_cpu_list(g) for g in groups)
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    start = prev = cpus[0]
+    for c in [*cpus[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(out)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (held open together while choosing)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class ServerConfig:
+    """What to launch. ``max_total_tokens`` is the KV pool in tokens (small = evictions)."""
+
+    page_size: int = 1
+    max_total_tokens: int = 20000
+    chunked_prefill_size: int | None = None
+    topic: str = DEFAULT_TOPIC
+    replay: bool = True
+    buffer_steps: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+    dp_size: int = 1  # --dp-size: one scheduler, KV cache and event publisher per rank
+    enable_metrics: bool = True  # --enable-metrics: meta_info request_received_ts etc.
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the worker
+
+
+@dataclass
+class ServerHandle:
+    """A running (or stopped) SGLang worker started by this harness."""
+
+    pid: int
+    port: int
+    events_port: int
+    replay_port: int | None
+    workdir: str
+    metrics_dir: str
+    log_path: str
+    command: list[str]
+    kv_events_config: str
+    dp_size: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # what was added to the environment
+    _proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """Rank 0's replay ROUTER endpoint."""
+        return None if self.replay_port is None else f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def events_endpoints(self) -> list[str]:
+        """One PUB endpoint per DP rank (``events_port + rank``)."""
+        return [f"tcp://127.0.0.1:{self.events_port + r}" for r in range(self.dp_size)]
+
+    @property
+    def replay_endpoints(self) -> list[str | None]:
+        """One replay ROUTER endpoint per DP rank (``replay_port + rank``), or Nones."""
+        if self.replay_port is None:
+            return [None] * self.dp_size
+        return [f"tcp://127.0.0.1:{self.replay_port + r}" for r in range(self.dp_size)]
+
+    def alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return _pid_is_our_server(self.pid)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM the launcher PID, wait, SIGKILL after ``timeout``. Returns the exit code."""
+        return stop_pid(self.pid, timeout=timeout, proc=self._proc)
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_proc"}
+
+
+def _pid_is_our_server(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"sglang.launch_server" in cmdline
+
+
+def stop_pid(
+    pid: int, *, timeout: float = 30.0, proc: subprocess.Popen | None = None
+) -> int | None:
+    """Stop one launcher PID (SIGTERM, then SIGKILL after ``timeout`` s)."""
+    if proc is not None:
+        if proc.poll() is not None:
+            return proc.returncode
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+    if not _pid_is_our_server(pid):
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_is_our_server(pid):
+            return 0
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return -9
+
+
+def worker_env_extra(cfg: ServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """What ``cfg`` adds to the worker's environment: ``cfg.env``, plus
+    ``SGLANG_CPU_OMP_THREADS_BIND`` (``omp_threads_bind``) when ``dp_size > 1`` and neither
+    ``cfg.env`` nor ``base`` (default: this process's environment) sets it."""
+    base = os.environ if base is None else base
+    extra = dict(cfg.env)
+    key = "SGLANG_CPU_OMP_THREADS_BIND"
+    if cfg.dp_size > 1 and not extra.get(key) and not base.get(key):
+        extra[key] = omp_threads_bind(cfg.dp_size)
+    return extra
+
+
+def server_env(venv: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The recipe's environment: CPU engine, no health generation, the stand-in first;
+    then ``extra`` (``worker_env_extra``) on top."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ASSET_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.pop("VIRTUAL_ENV", None)
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+    return env
+
+
+def build_command(
+    cfg: ServerConfig, model: Path, venv: Path, ports: Sequence[int], metrics_dir: Path
+) -> tuple[list[str], str]:
+    """The launch command and its ``--kv-events-config`` JSON; ``ports`` = ``(http,
+    events_base, replay_base)`` (rank r: base + r)."""
+    if cfg.dp_size < 1:
+        raise UsageError(f"dp_size must be >= 1, got {cfg.dp_size}")
+    if any(a == "--dp-size" or a.startswith("--dp-size=") for a in cfg.extra_args):
+        raise UsageError("give the DP size as ServerConfig.dp_size, not in extra_args")
+    port, ev_port, rp_port = ports
+    kv_cfg: dict[str, object] = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{ev_port}",
+        "bind": True,
+        "topic": cfg.topic,
+    }
+    if cfg.replay:
+        kv_cfg["replay_endpoint"] = f"tcp://127.0.0.1:{rp_port}"
+    if cfg.buffer_steps is not None:
+        kv_cfg["buffer_steps"] = cfg.buffer_steps
+    kv_json = json.dumps(kv_cfg, separators=(",", ":"))
+    cmd = [
+        str(venv_python(venv)),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--skip-tokenizer-init",
+        "--page-size",
+        str(cfg.page_size),
+        "--max-total-tokens",
+        str(cfg.max_total_tokens),
+        "--mem-fraction-static",
+        "0.05",
+        "--skip-server-warmup",
+        "--sleep-on-idle",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-events-config",
+        kv_json,
+        "--export-metrics-to-file",
+        "--export-metrics-to-file-dir",
+        str(metrics_dir),
+    ]
+    if cfg.enable_metrics and "--enable-metrics" not in cfg.extra_args:
+        cmd.append("--enable-metrics")
+    if cfg.dp_size > 1:
+        cmd += ["--dp-size", str(cfg.dp_size)]
+    if cfg.chunked_prefill_size is not None:
+        cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
+    cmd += list(cfg.extra_args)
+    return cmd, kv_json
+
+
+def _health(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def start_server(
+    cfg: ServerConfig,
+    workdir: Path,
+    *,
+    ready_timeout: float = 180.0,
+    detach: bool = False,
+    quiet: bool = True,
+) -> ServerHandle:
+    """Launch a worker (venv + model built first if needed) and wait for ``/health``."""
+    venv = ensure_venv(quiet=quiet)
+    model = ensure_model(quiet=quiet)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics_dir = workdir / "sglang-metrics"
+    metrics_dir.mkdir(exist_ok=True)
+    ports = reserve_ports(cfg.dp_size)
+    cmd, kv_json = build_command(cfg, model, venv, ports, metrics_dir)
+    extra_env = worker_env_extra(cfg)
+    log_path = workdir / "server.log"
+    log = open(log_path, "wb")
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            env=server_env(venv, extra_env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=workdir,
+            start_new_session=detach,
+        )
+    finally:
+        log.close()
+    handle = ServerHandle(
+        pid=proc.pid,
+        port=ports[0],
+        events_port=ports[1],
+        replay_port=ports[2] if cfg.replay else None,
+        workdir=str(workdir),
+        metrics_dir=str(metrics_dir),
+        log_path=str(log_path),
+        command=cmd,
+        kv_events_config=kv_json,
+        dp_size=cfg.dp_size,
+        env=extra_env,
+        _proc=proc,
+    )
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        if _health(handle.url):
+            return handle
+        if proc.poll() is not None:
+            raise HarnessError(
+                f"SGLang worker exited with {proc.returncode} before it was ready:\n"
+                + handle.log_tail()
+            )
+        if time.monotonic() > deadline:
+            handle.stop()
+            raise HarnessError(
+                f"SGLang worker not ready after {ready_timeout:.0f} s:\n" + handle.log_tail()
+            )
+        time.sleep(0.5)
+
+
+def state_path() -> Path:
+    """Where ``kvcadence harness start`` records the detached worker it started."""
+    return cache_dir() / "harness-server.json"
+
+
+def status() -> dict:
+    """What the harness has: venv, model, a recorded detached server."""
+    out: dict[str, object] = {
+        "venv": str(venv_dir()),
+        "venv_ready": venv_ready(),
+        "model": str(model_dir()),
+        "model_ready": (model_dir() / "config.json").is_file(),
+    }
+    sp = state_path()
+    if sp.is_file():
+        try:
+            st = json.loads(sp.read_text())
+            st["alive"] = _pid_is_our_server(int(st["pid"]))
+            out["server"] = st
+        except (OSError, ValueError, KeyError):
+            out["server"] = None
+    return out
+
+
+if __name__ == "__main__":  # python -m kvcadence.harness.worker setup
+    if sys.argv[1:] == ["setup"]:
+        print(ensure_venv(), ensure_model())
+    else:
+        print(json.dumps(status(), indent=2))
