@@ -202,3 +202,36 @@ def test_roundtrip_through_the_simulator_page_1():
 
 def test_roundtrip_through_the_simulator_page_4():
     _roundtrip(4)
+
+
+def test_session_starts_join_a_client_only_within_the_gap_bound():
+    """Two sessions one after the other: the second's first turn joins the first's client
+    when it follows its last turn by about a think time, and arrives open loop when it
+    comes much later (more than 10 median think times)."""
+    ps = 1
+    p1 = list(range(10, 20))
+    o1 = [50, 51, 52]
+    p2 = p1 + o1 + [60, 61]
+    q1 = list(range(200, 210))
+
+    def stream(q_at: float) -> StoreIndex:
+        return StoreIndex.from_batches(
+            [
+                (int(0.1 * S), [store(p1, 0, 10, ps)]),
+                (int(0.21 * S), [store(p1 + o1, 10, 12, ps)]),
+                (int(0.3 * S), [store(p2, 12, 15, ps)]),
+                (int((q_at + 0.05) * S), [store(q1, 0, 10, ps)]),
+            ],
+            ps,
+        )
+
+    for q_at, joined in ((0.45, True), (3.0, False)):
+        recs = [
+            rec("a", p1, 3, 0.05, 0.2, cached=0),
+            rec("b", p2, 2, 0.25, 0.4, cached=12),  # think time 50 ms
+            rec("c", q1, 2, q_at, q_at + 0.2, cached=0),
+        ]
+        out, rep = complete_records(recs, stream(q_at))
+        assert out[1].session == out[0].session and out[2].session != out[0].session
+        assert (out[2].lane == out[0].lane) is joined
+        assert rep["clients"] == (1 if joined else 2)

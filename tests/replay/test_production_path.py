@@ -217,3 +217,20 @@ def test_production_replay_with_a_mid_run_flush(tmp_path):
     assert rep["outputs_from_events"] == 4 and rep["with_predecessor"] == 2
     out = replay_bundle(tmp_path / "prod", None)
     assert out.stats.flushes == 1
+
+
+def test_production_replay_is_byte_deterministic(fixture_dir, tmp_path):
+    real = tmp_path / "real"
+    import_bundle(
+        real,
+        frames=fixture_dir / "events.jsonl",
+        server_info=fixture_dir / "server_info.json",
+        command=["test"],
+    )
+    metrics = tmp_path / "metrics"
+    _hex_rids(fixture_dir / "sglang-metrics", metrics, seed=3)
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(metrics), str(real)]) == 0
+    replay_bundle(real, tmp_path / "a")
+    replay_bundle(real, tmp_path / "b")
+    a, b = sorted((tmp_path / "a").iterdir()), sorted((tmp_path / "b").iterdir())
+    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
