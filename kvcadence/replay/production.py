@@ -18,8 +18,9 @@ opaque rids. Before the replay builds its schedule:
 4. The rest stays synthetic (``schedule._synth_tokens``); the report says why. Tokens that
    are never stored and never reused change no hash and no cache hit.
 
-Records that already have output ids keep them; a bundle whose records all have output ids
-or lanes (a ``kvcadence drive`` bundle) is returned unchanged.
+Records that already have output ids keep them (``--log-requests`` records: only the
+sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
+all have output ids and come from elsewhere (an open-loop trace), is returned unchanged.
 """
 
 from __future__ import annotations
@@ -51,11 +52,19 @@ def _times(r: Any) -> tuple[int | None, int | None]:
     return _arrival(r), _finish(r)
 
 
+#: record sources that are SGLang's own request logs (no lanes, opaque rids)
+PRODUCTION_SOURCES = ("sglang-metrics", "request-log")
+
+
 def needs_completion(records: list[Any]) -> bool:
-    """True when some record lacks output ids and no record has a lane."""
+    """True when no record has a lane and some record lacks output ids or comes from
+    SGLang's own request logs (``--log-requests`` records have outputs, not sessions)."""
     if any(r.lane is not None for r in records):
         return False
-    return any(not r.output_ids and (r.completion_tokens or 0) > 0 for r in records)
+    return any(
+        (not r.output_ids and (r.completion_tokens or 0) > 0) or r.source in PRODUCTION_SOURCES
+        for r in records
+    )
 
 
 def _n_out(r: Any) -> int:

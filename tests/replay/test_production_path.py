@@ -234,3 +234,27 @@ def test_production_replay_is_byte_deterministic(fixture_dir, tmp_path):
     replay_bundle(real, tmp_path / "b")
     a, b = sorted((tmp_path / "a").iterdir()), sorted((tmp_path / "b").iterdir())
     assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
+
+
+def test_request_log_records_keep_their_outputs_and_get_sessions(tmp_path):
+    """``--log-requests`` records have output ids but no lanes: their outputs stay, the
+    sessions are inferred (the real ones), and the replay is the driver records' replay."""
+    src = DATA / "sglang-0.5.23-dp2-agent-ps1"
+    prod = tmp_path / "prod"
+    production_copy(src, prod)
+    drv = {tuple(r.input_ids): r for r in BundleReader(src).requests()}
+    logged = [
+        msgspec.structs.replace(
+            r, output_ids=drv[tuple(r.input_ids)].output_ids, source="request-log"
+        )
+        for r in BundleReader(prod).requests()
+    ]
+    out, rep = records_for_replay(BundleReader(prod), logged)
+    assert rep["outputs_recorded"] == 100 and rep["outputs_from_events"] == 0
+    assert rep["with_predecessor"] == 75 and rep["sessions"] == 25
+    assert [r.output_ids for r in out] == [r.output_ids for r in logged]
+    for r in out:
+        if r.turn:
+            prev = next(p for p in out if (p.session, p.turn) == (r.session, r.turn - 1))
+            a, b = drv[tuple(prev.input_ids)], drv[tuple(r.input_ids)]
+            assert (a.lane, a.session, a.turn + 1) == (b.lane, b.session, b.turn)
