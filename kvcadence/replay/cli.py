@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
 
     with phases.phase("load", f"loading {src}"):
         reader = BundleReader(src)
-        records, inferred = records_for_replay(reader)
+        records, inferred, flushes = records_for_replay(reader)
     cfg = effective_config(
         reader.header.server_info,
         records,
@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             phases=phases,
             loaded=(reader.header, records),
             inferred=inferred,
+            flushes=flushes,
         )
     finally:
         if bar is not None:

@@ -168,7 +168,7 @@ def load_worker(
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
     reader = BundleReader(p)
-    records, _ = records_for_replay(reader)  # production captures: outputs, sessions
+    records, _, recorded = records_for_replay(reader)  # production: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(
@@ -178,7 +178,7 @@ def load_worker(
         sglang_version=sglang_version,
         calibrate_timing=calibrate_timing,
     )
-    flushes = recorded_flushes(BundleReader(p))
+    flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
     return WorkerInput(
         name or p.name,
         records,

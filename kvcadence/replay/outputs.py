@@ -36,7 +36,13 @@ import msgspec
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload
 from kvcadence.format.hashes import I64_MAX, norm_hash
-from kvcadence.format.schema import BlockStored, BlockStoredRawView, BlockStoredV17RawView
+from kvcadence.format.schema import (
+    AllBlocksCleared,
+    Annotation,
+    BlockStored,
+    BlockStoredRawView,
+    BlockStoredV17RawView,
+)
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -86,20 +92,36 @@ class StoreIndex:
         return idx
 
     @classmethod
-    def from_reader(cls, reader: Any, page_size: int) -> StoreIndex:
+    def from_reader(cls, reader: Any, page_size: int, scan: Any = None) -> StoreIndex:
         """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
         one). Only ``BlockStored`` hashes and tokens are decoded (``wire.decode_batch_raw``:
         removals stay undecoded bytes); an event whose fields are not int arrays (bigram
-        keys, damage) is skipped."""
+        keys, damage) is skipped. ``scan`` (a ``flushes.FlushScan``) is fed every frame and
+        annotation of the same pass (a frame with a clear is decoded fully first: a payload
+        ``wire.decode_batch`` refuses is no flush)."""
         ints = msgspec.msgpack.Decoder(list[int])
         stored = (BlockStoredRawView, BlockStoredV17RawView)
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
-        for n, f in enumerate(reader.events()):
+        records = reader.events() if scan is None else reader.iter_kinds("event", "note")
+        for n, f in enumerate(records):
+            if type(f) is Annotation:
+                scan.note(f)
+                continue
             try:
                 b = wire.decode_batch_raw(event_payload(f))
             except Exception:  # noqa: BLE001 - a torn payload holds no usable store
                 continue
+            if scan is not None:
+                if any(type(e) is AllBlocksCleared for e in b.events):
+                    try:
+                        full = wire.decode_batch(event_payload(f))
+                    except Exception:  # noqa: BLE001 - as recorded_flushes: not a flush
+                        full = None
+                    if full is not None:
+                        scan.frame(f, full.ts, full.events)
+                else:
+                    scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
             for e in b.events:
                 if type(e) not in stored or e.block_size != page_size:

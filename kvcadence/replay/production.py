@@ -33,6 +33,7 @@ import msgspec
 from kvcadence.errors import WireError
 from kvcadence.format.hashes import block_hashes
 from kvcadence.gcpause import gc_paused
+from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import Node, infer_clients, infer_predecessors
@@ -224,15 +225,22 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     return out_records, report
 
 
-def records_for_replay(reader: Any, records: list[Any] | None = None) -> tuple[list[Any], dict]:
-    """``reader``'s request records, completed when they need it (``{}`` report if not)."""
+def records_for_replay(
+    reader: Any, records: list[Any] | None = None
+) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:
+    """``reader``'s request records, completed when they need it: ``(records, report,
+    recorded flushes)``; report ``{}`` and flushes None (not read) when not. The flushes
+    come from the same pass over the events (``flushes.FlushScan``), so a production replay
+    reads and decodes its events once."""
     recs = reader.requests() if records is None else records
     if not needs_completion(recs):
-        return recs, {}
+        return recs, {}, None
     ps = (reader.header.server_info or {}).get("page_size") or 1
+    scan = FlushScan(reader.header)
     # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
     with gc_paused():
-        return complete_records(recs, StoreIndex.from_reader(reader, int(ps)))
+        out, report = complete_records(recs, StoreIndex.from_reader(reader, int(ps), scan))
+    return out, report, scan.result()
 
 
 def report_text(rep: dict[str, Any]) -> str:

@@ -217,11 +217,13 @@ def sim_request_record(
     )
 
 
-def flush_times_from_bundle(reader: Any, rank: int | None = None) -> list[int]:
-    """Receive times of the flushes recorded in a bundle (``recorded_flushes``): those of
-    DP ``rank`` (the lowest rank that has any when it has none) and those of every rank;
-    ``rank`` None: all of them."""
-    flushes = recorded_flushes(reader)
+def flush_times_from_bundle(
+    reader: Any, rank: int | None = None, recorded: list[Any] | None = None
+) -> list[int]:
+    """Receive times of the flushes recorded in a bundle (``recorded_flushes``; ``recorded``:
+    those already read): those of DP ``rank`` (the lowest rank that has any when it has
+    none) and those of every rank; ``rank`` None: all of them."""
+    flushes = recorded_flushes(reader) if recorded is None else recorded
     ranks = sorted({f.rank for f in flushes if f.rank is not None})
     if rank is not None and ranks and rank not in ranks:
         rank = ranks[0]
@@ -285,13 +287,15 @@ def replay_bundle(
     phases: Any = None,
     loaded: tuple[Any, Sequence[Any]] | None = None,
     inferred: dict[str, Any] | None = None,
+    flushes: list[Any] | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None).
 
     ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
     records as ``production.records_for_replay`` returned them with its report
-    ``inferred`` (a production capture's records are completed here when not given)."""
+    ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
+    here when not given; flushes scanned when None)."""
     from kvcadence.format.bundle import BundleReader
 
     phases = phases or NoPhases()
@@ -308,7 +312,7 @@ def replay_bundle(
         if loaded is None:
             reader = BundleReader(src_path)
             header = reader.header
-            records, inferred = records_for_replay(reader)
+            records, inferred, flushes = records_for_replay(reader)
         else:
             header, records = loaded
         if not records:
@@ -321,9 +325,9 @@ def replay_bundle(
                 sglang_version=sglang_version or header.sglang_version,
             )
         # one rank's clears (a DP bundle replayed as one rank would flush once per rank)
-        flushes = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank)
+        flush_ns = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank, flushes)
     with phases.phase("simulate", f"simulating {len(records)} requests"):
-        result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
+        result = simulate(records, config, hasher=hasher, flush_abs_ns=flush_ns, progress=progress)
     if inferred:
         result.extra["inferred"] = inferred
     if out_path is not None:

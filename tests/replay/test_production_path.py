@@ -124,7 +124,7 @@ def test_fixture_inference_matches_the_driver_truth(fixture_dir, tmp_path):
     metrics = tmp_path / "metrics"
     _hex_rids(fixture_dir / "sglang-metrics", metrics, seed=7)
     assert main(["capture", "import", "--quiet", "--sglang-metrics", str(metrics), str(real)]) == 0
-    recs, rep = records_for_replay(BundleReader(real))
+    recs, rep, _ = records_for_replay(BundleReader(real))
     truth = [json.loads(line) for line in (fixture_dir / "requests.jsonl").read_text().splitlines()]
     by_prompt = {tuple(t["input_ids"]): t for t in truth}
     exact = sum(by_prompt[tuple(r.input_ids)]["output_ids"] == r.output_ids for r in recs)
@@ -148,7 +148,7 @@ def test_dp2_production_path_replays_like_the_driver_records(tmp_path):
     src = DATA / "sglang-0.5.23-dp2-agent-ps1"
     prod = tmp_path / "prod"
     production_copy(src, prod)
-    recs, rep = records_for_replay(BundleReader(prod))
+    recs, rep, _ = records_for_replay(BundleReader(prod))
     assert rep["outputs_from_events"] == 100 and rep["outputs_synthetic"] == {}
     drv = {tuple(r.input_ids): r for r in BundleReader(src).requests()}
     assert all(drv[tuple(r.input_ids)].output_ids[:-1] == r.output_ids[:-1] for r in recs)
@@ -172,8 +172,8 @@ def test_dp2_production_path_replays_like_the_driver_records(tmp_path):
 def test_driver_bundles_are_not_touched():
     rd = BundleReader(DATA / "sglang-0.5.23-dp2-agent-ps1")
     recs = rd.requests()
-    out, rep = records_for_replay(rd, recs)
-    assert out is recs and rep == {}
+    out, rep, flushes = records_for_replay(rd, recs)
+    assert out is recs and rep == {} and flushes is None
 
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
@@ -200,7 +200,9 @@ def test_sample_production_path_meets_the_bars_like_its_driver_records(tmp_path)
 
 def test_production_replay_with_a_mid_run_flush(tmp_path):
     """A capture with a mid-run flush: outputs are still found across it (a block hash
-    stored again after the flush is the same content), and the replay performs it."""
+    stored again after the flush is the same content), the pass over the events finds the
+    flush as ``recorded_flushes`` does, and the replay performs it."""
+    from kvcadence.replay.flushes import recorded_flushes
     from kvcadence.replay.simulator import simulate, write_sim_bundle
     from tests.replay.helpers import config, lane_chain
 
@@ -213,8 +215,11 @@ def test_production_replay_with_a_mid_run_flush(tmp_path):
     assert res.stats.flushes == 1
     write_sim_bundle(tmp_path / "real", res, None)
     production_copy(tmp_path / "real", tmp_path / "prod")
-    _, rep = records_for_replay(BundleReader(tmp_path / "prod"))
+    _, rep, flushes = records_for_replay(BundleReader(tmp_path / "prod"))
     assert rep["outputs_from_events"] == 4 and rep["with_predecessor"] == 2
+    # found in the same pass over the events, exactly as the replay's own flush scan
+    assert flushes == recorded_flushes(BundleReader(tmp_path / "prod"))
+    assert len(flushes) == 1
     out = replay_bundle(tmp_path / "prod", None)
     assert out.stats.flushes == 1
 
@@ -249,7 +254,7 @@ def test_request_log_records_keep_their_outputs_and_get_sessions(tmp_path):
         )
         for r in BundleReader(prod).requests()
     ]
-    out, rep = records_for_replay(BundleReader(prod), logged)
+    out, rep, _ = records_for_replay(BundleReader(prod), logged)
     assert rep["outputs_recorded"] == 100 and rep["outputs_from_events"] == 0
     assert rep["with_predecessor"] == 75 and rep["sessions"] == 25
     assert [r.output_ids for r in out] == [r.output_ids for r in logged]
