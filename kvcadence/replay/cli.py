@@ -187,9 +187,11 @@ def run(args: argparse.Namespace) -> int:
     src = Path(args.bundle)
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
+    from kvcadence.replay.production import records_for_replay
+
     with phases.phase("load", f"loading {src}"):
         reader = BundleReader(src)
-        records = reader.requests()
+        records, inferred, flushes = records_for_replay(reader)
     cfg = effective_config(
         reader.header.server_info,
         records,
@@ -206,7 +208,14 @@ def run(args: argparse.Namespace) -> int:
         progress = bar.update
     try:
         result = replay_bundle(
-            src, args.out, cfg, progress=progress, phases=phases, loaded=(reader.header, records)
+            src,
+            args.out,
+            cfg,
+            progress=progress,
+            phases=phases,
+            loaded=(reader.header, records),
+            inferred=inferred,
+            flushes=flushes,
         )
     finally:
         if bar is not None:
@@ -247,5 +256,9 @@ def run(args: argparse.Namespace) -> int:
             f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.2f} s "
             f"({phases.breakdown()})"
         )
+        if inferred:
+            from kvcadence.replay.production import report_text
+
+            print(report_text(inferred))
     check_some_ran(result.requests)
     return 0

@@ -59,6 +59,7 @@ from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
+from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq
@@ -168,7 +169,7 @@ def load_worker(
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
     reader = BundleReader(p)
-    records = reader.requests()
+    records, _, recorded = records_for_replay(reader)  # production: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(
@@ -178,7 +179,7 @@ def load_worker(
         sglang_version=sglang_version,
         calibrate_timing=calibrate_timing,
     )
-    flushes = recorded_flushes(BundleReader(p))
+    flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
     return WorkerInput(
         name or p.name,
         records,

@@ -2,10 +2,11 @@
 
 What this file owns:
 
-* ``RecordedFlush`` / ``recorded_flushes(reader)`` -- the mid-run flushes of a bundle: every
-  ``AllBlocksCleared`` after the first seq of an epoch of an endpoint (seq 0 is the
-  publisher's startup clear), with its receive time, seq and the endpoint's DP rank; an
-  ``Annotation`` of kind ``flush`` (every rank); without any such clear in the event stream
+* ``RecordedFlush`` / ``recorded_flushes(reader)`` (``FlushScan``: the same, fed frame by
+  frame) -- the mid-run flushes of a bundle: every ``AllBlocksCleared`` after the first
+  seq of an epoch of an endpoint (seq 0 is the publisher's startup clear), with its
+  receive time, seq and the endpoint's DP rank; an ``Annotation`` of kind ``flush``
+  (every rank); without any such clear in the event stream
   (a requests-only capture), the driver's successful ``flush_cache`` annotations. A clear
   recovered through the replay socket (``VIA_REPLAY``) was received late (when the gap was
   noticed, after later messages): its time is its batch's publish ``ts`` moved onto the
@@ -64,50 +65,69 @@ class RecordedFlush:
 
 def recorded_flushes(reader: Any) -> list[RecordedFlush]:
     """The mid-run flushes recorded in a bundle (see module docstring), by time then rank."""
-    rank_of_ep = {e.id: int(e.dp_rank) for e in (getattr(reader.header, "endpoints", None) or [])}
-    first_seq: dict[tuple[int, int], int] = {}
-    #: (endpoint, epoch, seq) -> (recv_ns, publish ts in ns or None, recovered late)
-    clears: dict[tuple[int, int, int], tuple[int, int | None, bool]] = {}
-    lag: dict[int, list[int]] = {}  # endpoint -> recv_ns - ts of live messages
-    notes: list[RecordedFlush] = []
-    driver_notes: list[RecordedFlush] = []
+    scan = FlushScan(reader.header)
     for rec in reader.records():
         if isinstance(rec, EventFrame):
-            key = (rec.endpoint, rec.epoch)
-            first = first_seq.setdefault(key, rec.seq) == rec.seq
             try:
                 batch = wire.decode_batch(event_payload(rec))
             except Exception:  # a malformed payload is not a flush
                 continue
-            ts = batch.ts
-            ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
-            late = rec.via == VIA_REPLAY
-            if ts_ns is not None and not late:
-                lag.setdefault(rec.endpoint, []).append(rec.recv_ns - ts_ns)
-            if not first and any(isinstance(e, AllBlocksCleared) for e in batch.events):
-                # a frame recorded twice (live and through the replay socket) counts once,
-                # live first
-                ck = (rec.endpoint, rec.epoch, rec.seq)
-                if ck not in clears or clears[ck][2]:
-                    clears[ck] = (rec.recv_ns, ts_ns, late)
+            scan.frame(rec, batch.ts, batch.events)
         elif isinstance(rec, Annotation):
-            if rec.kind == "flush":
-                notes.append(RecordedFlush(rec.recv_ns))
-            elif rec.kind == "flush_cache" and (rec.data or {}).get("ok") is True:
-                at = (rec.data or {}).get("finish_ns", rec.recv_ns)
-                driver_notes.append(RecordedFlush(int(at)))
-    out = list(notes)
-    for (ep, _epoch, seq), (recv_ns, ts_ns, late) in clears.items():
-        at = recv_ns
-        if late and ts_ns is not None:
-            lags = sorted(lag.get(ep) or [x for v in lag.values() for x in v])
-            if lags:
-                at = min(recv_ns, ts_ns + lags[len(lags) // 2])
-        out.append(RecordedFlush(at, rank_of_ep.get(ep, ep), seq))
-    if not clears:
-        out += driver_notes
-    out.sort(key=lambda f: (f.recv_ns, -1 if f.rank is None else f.rank, f.seq or 0))
-    return out
+            scan.note(rec)
+    return scan.result()
+
+
+class FlushScan:
+    """``recorded_flushes`` fed one record at a time: ``frame`` (an ``EventFrame`` with its
+    decoded batch ``ts`` and events) and ``note`` (an ``Annotation``), in bundle order, then
+    ``result``. Lets a caller that decodes the frames anyway find the flushes in the same
+    pass (``replay.production``)."""
+
+    def __init__(self, header: Any) -> None:
+        self.rank_of_ep = {e.id: int(e.dp_rank) for e in (getattr(header, "endpoints", None) or [])}
+        self.first_seq: dict[tuple[int, int], int] = {}
+        #: (endpoint, epoch, seq) -> (recv_ns, publish ts in ns or None, recovered late)
+        self.clears: dict[tuple[int, int, int], tuple[int, int | None, bool]] = {}
+        self.lag: dict[int, list[int]] = {}  # endpoint -> recv_ns - ts of live messages
+        self.notes: list[RecordedFlush] = []
+        self.driver_notes: list[RecordedFlush] = []
+
+    def frame(self, rec: Any, ts: Any, events: Sequence[Any]) -> None:
+        key = (rec.endpoint, rec.epoch)
+        first = self.first_seq.setdefault(key, rec.seq) == rec.seq
+        ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
+        late = rec.via == VIA_REPLAY
+        if ts_ns is not None and not late:
+            self.lag.setdefault(rec.endpoint, []).append(rec.recv_ns - ts_ns)
+        if not first and any(isinstance(e, AllBlocksCleared) for e in events):
+            # a frame recorded twice (live and through the replay socket) counts once,
+            # live first
+            ck = (rec.endpoint, rec.epoch, rec.seq)
+            if ck not in self.clears or self.clears[ck][2]:
+                self.clears[ck] = (rec.recv_ns, ts_ns, late)
+
+    def note(self, rec: Any) -> None:
+        if rec.kind == "flush":
+            self.notes.append(RecordedFlush(rec.recv_ns))
+        elif rec.kind == "flush_cache" and (rec.data or {}).get("ok") is True:
+            at = (rec.data or {}).get("finish_ns", rec.recv_ns)
+            self.driver_notes.append(RecordedFlush(int(at)))
+
+    def result(self) -> list[RecordedFlush]:
+        out = list(self.notes)
+        lag = self.lag
+        for (ep, _epoch, seq), (recv_ns, ts_ns, late) in self.clears.items():
+            at = recv_ns
+            if late and ts_ns is not None:
+                lags = sorted(lag.get(ep) or [x for v in lag.values() for x in v])
+                if lags:
+                    at = min(recv_ns, ts_ns + lags[len(lags) // 2])
+            out.append(RecordedFlush(at, self.rank_of_ep.get(ep, ep), seq))
+        if not self.clears:
+            out += self.driver_notes
+        out.sort(key=lambda f: (f.recv_ns, -1 if f.rank is None else f.rank, f.seq or 0))
+        return out
 
 
 class FlushLedger:

@@ -34,6 +34,7 @@ from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
+from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.schedule import Schedule, build_schedule
 from kvcadence.replay.scheduler import ABORTED, Scheduler, SimReq, SimStats
@@ -68,6 +69,8 @@ class SimResult:
             "flushes": self.stats.flushes,
             "virtual_s": round(self.stats.virtual_ns / 1e9, 6),
             "wall_s": round(self.wall_s, 3),
+            # production captures: how outputs and sessions were inferred (replay/production)
+            **({"inferred": self.extra["inferred"]} if "inferred" in self.extra else {}),
         }
 
 
@@ -214,11 +217,13 @@ def sim_request_record(
     )
 
 
-def flush_times_from_bundle(reader: Any, rank: int | None = None) -> list[int]:
-    """Receive times of the flushes recorded in a bundle (``recorded_flushes``): those of
-    DP ``rank`` (the lowest rank that has any when it has none) and those of every rank;
-    ``rank`` None: all of them."""
-    flushes = recorded_flushes(reader)
+def flush_times_from_bundle(
+    reader: Any, rank: int | None = None, recorded: list[Any] | None = None
+) -> list[int]:
+    """Receive times of the flushes recorded in a bundle (``recorded_flushes``; ``recorded``:
+    those already read): those of DP ``rank`` (the lowest rank that has any when it has
+    none) and those of every rank; ``rank`` None: all of them."""
+    flushes = recorded_flushes(reader) if recorded is None else recorded
     ranks = sorted({f.rank for f in flushes if f.rank is not None})
     if rank is not None and ranks and rank not in ranks:
         rank = ranks[0]
@@ -281,11 +286,16 @@ def replay_bundle(
     hasher: Hasher | None = None,
     phases: Any = None,
     loaded: tuple[Any, Sequence[Any]] | None = None,
+    inferred: dict[str, Any] | None = None,
+    flushes: list[Any] | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None).
 
     ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
-    phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller."""
+    phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
+    records as ``production.records_for_replay`` returned them with its report
+    ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
+    here when not given; flushes scanned when None)."""
     from kvcadence.format.bundle import BundleReader
     from kvcadence.outguard import refuse_nonempty_dir
 
@@ -301,7 +311,8 @@ def replay_bundle(
     with phases.phase("load", what):
         if loaded is None:
             reader = BundleReader(src_path)
-            header, records = reader.header, reader.requests()
+            header = reader.header
+            records, inferred, flushes = records_for_replay(reader)
         else:
             header, records = loaded
         if not records:
@@ -314,9 +325,11 @@ def replay_bundle(
                 sglang_version=sglang_version or header.sglang_version,
             )
         # one rank's clears (a DP bundle replayed as one rank would flush once per rank)
-        flushes = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank)
+        flush_ns = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank, flushes)
     with phases.phase("simulate", f"simulating {len(records)} requests"):
-        result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
+        result = simulate(records, config, hasher=hasher, flush_abs_ns=flush_ns, progress=progress)
+    if inferred:
+        result.extra["inferred"] = inferred
     if out_path is not None:
         with phases.phase("write", f"writing {out_path}"):
             write_sim_bundle(out_path, result, header)
