@@ -135,6 +135,13 @@ def main(argv: Sequence[str] | None = None, stages: Sequence[str] | None = None)
     except KeyboardInterrupt:
         print("kvcadence: interrupted", file=sys.stderr)
         return 130
+    except RecursionError:
+        # the last line of defence against hostile nesting (inputs are depth-checked on entry)
+        print("kvcadence: error: input nested too deeply to process", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("kvcadence: error: out of memory", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ What this file owns, for every command that writes an ``--out``:
   ``seg-NNNNNN.kvcb`` segment files, itself or any directory above the path, symbolic links
   resolved): writing there can replace a segment (``prefixes B --out B/seg-000000.kvcb``
   destroyed the bundle) or leave foreign files among them. ``enclosing_bundle`` is that test.
+* ``refuse_nonempty_dir`` also refuses a new directory that cannot be created (a parent that
+  is a file, not writable): a ``UsageError`` naming the path, exit 2 for every command, before
+  any work (it used to surface as a bundle error, exit 1, for replay/capture/import).
 
 Standard library only (imported by the capture, replay and analysis command modules alike).
 """
@@ -78,7 +81,23 @@ def refuse_nonempty_dir(path: str | os.PathLike[str], flag: str = "", hint: str 
     if p.is_dir() and any(p.iterdir()):
         raise UsageError(f"{shown}: already exists and is not empty{tail}")
     refuse_inside_bundle(p, flag)
+    if not p.exists():
+        refuse_uncreatable(p, shown)
     return p
+
+
+def refuse_uncreatable(p: Path, shown: str) -> None:
+    """``p`` does not exist: ``UsageError`` (exit 2, like every other bad ``--out``) unless
+    its closest existing ancestor is a writable directory it can be created in."""
+    if p.is_symlink():
+        raise UsageError(f"{shown}: a broken symbolic link; cannot create it")
+    anc = Path(os.path.abspath(p))
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise UsageError(f"{shown}: cannot create it ({anc} is not a directory)")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise UsageError(f"{shown}: cannot create it ({anc} is not writable)")
 
 
 def refuse_out_file(
@@ -95,4 +114,10 @@ def refuse_out_file(
     return p
 
 
-__all__ = ["enclosing_bundle", "refuse_inside_bundle", "refuse_nonempty_dir", "refuse_out_file"]
+__all__ = [
+    "enclosing_bundle",
+    "refuse_inside_bundle",
+    "refuse_nonempty_dir",
+    "refuse_out_file",
+    "refuse_uncreatable",
+]

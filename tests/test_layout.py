@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 COMMAND_FILES = ("cli", "demo", "__main__")
 # stdlib-only modules at the package root that every stage may use
-SHARED_ROOT = ("errors", "gcpause", "outguard", "progress", "suggest")
+SHARED_ROOT = ("argtypes", "bounds", "errors", "gcpause", "outguard", "progress", "suggest")
 
 
 def _modules() -> dict[str, Path]:

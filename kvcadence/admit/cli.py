@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Any
 
+from kvcadence.argtypes import nonneg_float
 from kvcadence.errors import UsageError
 
 DESCRIPTION = """\
@@ -145,7 +146,7 @@ def register(sub: Any) -> None:
     )
     b.add_argument(
         "--new-token-ratio",
-        type=float,
+        type=nonneg_float,
         default=0.7,
         help="decode reservation ratio for running requests (default 0.7, SGLang's initial)",
     )

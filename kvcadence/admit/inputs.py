@@ -55,6 +55,10 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+#: the most requests ``--synthetic-grid`` (values x ``--repeat``) may make
+MAX_GRID_REQUESTS = 100_000
+
+
 def synthetic_grid(
     l1: Sequence[int],
     l2: Sequence[int],
@@ -66,6 +70,12 @@ def synthetic_grid(
     """The Cartesian product ``l1 x l2 x extend`` (in that nesting order), ``repeat`` times."""
     if repeat < 1:
         raise UsageError(f"--repeat must be >= 1, got {repeat}")
+    total = repeat * len(l1) * len(l2) * len(extend)
+    if total > MAX_GRID_REQUESTS:  # checked before a single request is made
+        raise UsageError(
+            f"the synthetic grid would hold {total:,} requests (--repeat {repeat} x "
+            f"{len(l1)}x{len(l2)}x{len(extend)} values); at most {MAX_GRID_REQUESTS:,}"
+        )
     specs: list[QueuedRequest] = []
     for _ in range(repeat):
         for a in l1:

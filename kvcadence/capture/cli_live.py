@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvcadence.argtypes import nonneg_float, positive_float
 from kvcadence.errors import UsageError
 
 
@@ -59,7 +60,7 @@ def _add_endpoint_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     g.add_argument(
         "--replay-timeout",
-        type=float,
+        type=positive_float,
         default=2.0,
         metavar="S",
         help="give up a replay after S seconds without a reply (default 2)",
@@ -70,7 +71,7 @@ def _add_endpoint_opts(p: argparse.ArgumentParser) -> None:
         help="do not fetch the publisher's replay ring from seq 0 at start",
     )
     g.add_argument(
-        "--segment-mb", type=float, default=256.0, help="segment size in MB (default 256)"
+        "--segment-mb", type=positive_float, default=256.0, help="segment size in MB (default 256)"
     )
 
 
@@ -93,10 +94,10 @@ def _register_capture(sub: Any) -> None:
     )
     p.add_argument("--server", metavar="URL", help="SGLang server for /server_info discovery")
     p.add_argument("--out", metavar="BUNDLE", help="bundle directory to create")
-    p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    p.add_argument("--duration", type=positive_float, metavar="S", help="stop after S seconds")
     p.add_argument(
         "--until-idle",
-        type=float,
+        type=positive_float,
         metavar="S",
         help="stop after S seconds without messages (counted from start-up when nothing arrives)",
     )
@@ -169,14 +170,14 @@ def _register_drive(sub: Any) -> None:
     p.add_argument("--no-capture", action="store_true", help="record requests only")
     p.add_argument(
         "--settle",
-        type=float,
+        type=nonneg_float,
         default=2.0,
         metavar="S",
         help="after the last request, keep capturing until S s without events (default 2)",
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=600.0,
         metavar="S",
         help="per-request HTTP timeout, s (default 600)",

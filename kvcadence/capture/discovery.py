@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvcadence import __version__
+from kvcadence.bounds import dp_size_problem
 from kvcadence.errors import CaptureError, UsageError
 from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, EndpointInfo, Header
 
@@ -223,16 +224,25 @@ def endpoints_from_server_info(info: dict[str, Any], server_url: str) -> list[En
         raise CaptureError(f"{server_url}: KV-event publisher is {kv.get('publisher')!r}, not zmq")
     try:
         base = int(kv["endpoint_port_base"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CaptureError(f"{server_url}: kv_events has no endpoint_port_base") from exc
     host = str(kv.get("endpoint_host") or "")
     if host in WILDCARD_HOSTS:
         host = urlsplit(server_url).hostname or "127.0.0.1"
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    dp = int(kv.get("dp_size") or 1)
+    dp = kv.get("dp_size") or 1
+    if isinstance(dp, str) and dp.strip().isdigit():
+        dp = int(dp)
+    problem = dp_size_problem(dp)
+    if problem is not None:  # hostile or damaged: never one endpoint per claimed rank
+        raise CaptureError(f"{server_url}: kv_events.dp_size: {problem}")
     topic = str(kv.get("topic") or "")
     rbase = kv.get("replay_endpoint_port_base")
+    if rbase is not None and (isinstance(rbase, bool) or not isinstance(rbase, int)):
+        raise CaptureError(
+            f"{server_url}: kv_events.replay_endpoint_port_base is not an integer: {rbase!r}"[:300]
+        )
     out = []
     for r in range(dp):
         replay = f"tcp://{host}:{int(rbase) + r}" if rbase is not None else None

@@ -41,6 +41,7 @@ from typing import Any
 import msgspec
 
 from kvcadence import __version__
+from kvcadence.bounds import MAX_DP_SIZE, MAX_JSON_DEPTH, too_deep
 from kvcadence.capture.discovery import redact_paths
 from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
 from kvcadence.capture.think import think_times
@@ -230,6 +231,9 @@ def check_request_record(rec: RequestRecord, where: str) -> None:
     _check_ints(rec.meta_info, where, "meta_info")
 
 
+_TOO_DEEP = object()  # a JSON value the decoder's recursion limit refused
+
+
 def _lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, object)`` for each non-blank line of a JSONL file."""
     try:
@@ -247,6 +251,10 @@ def _lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
                 obj = msgspec.json.decode(line)
             except msgspec.DecodeError as exc:
                 raise InputError(f"{where}: not valid JSON ({exc})") from None
+            except RecursionError:
+                obj = _TOO_DEEP  # too deep for the decoder: refused just below
+            if obj is _TOO_DEEP or too_deep(obj):
+                raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
             if type(obj) is not dict:
                 raise InputError(f"{where}: expected a JSON object, got {_kind(obj)}")
             yield where, obj
@@ -382,6 +390,10 @@ def read_server_info(path: Path) -> dict[str, Any]:
         info = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
         raise InputError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        info = _TOO_DEEP  # too deep for the decoder: refused just below
+    if info is _TOO_DEEP or too_deep(info):
+        raise InputError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     if type(info) is not dict:
         raise InputError(f"{path}: expected a JSON object, got {_kind(info)}")
     where = str(path)
@@ -397,6 +409,17 @@ def read_server_info(path: Path) -> dict[str, Any]:
                 raise InputError(
                     f"{where}: field `kv_events.{key}`: expected an int, got {_kind(v)}"
                 )
+        dp = kv.get("dp_size")
+        if dp is not None and not 1 <= dp <= MAX_DP_SIZE:  # one endpoint per rank is made
+            raise InputError(
+                f"{where}: field `kv_events.dp_size`: {dp} is outside 1..{MAX_DP_SIZE}"
+            )
+    for key in ("dp_size",):
+        v = info.get(key)
+        if v is not None and (not _is_int(v) or not 1 <= v <= MAX_DP_SIZE):
+            raise InputError(
+                f"{where}: field `{key}`: expected an int in 1..{MAX_DP_SIZE}, got {v!r}"[:300]
+            )
     return info
 
 

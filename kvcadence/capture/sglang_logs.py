@@ -19,12 +19,12 @@ file:line.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kvcadence.bounds import json_loads
 from kvcadence.errors import InputError
 from kvcadence.format.schema import RequestRecord
 
@@ -59,16 +59,23 @@ def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{i}: not a JSON line ({exc.msg})") from exc
+            d = json_loads(line)
+        except ValueError as exc:
+            raise InputError(f"{path}:{i}: not a JSON line ({getattr(exc, 'msg', exc)})") from None
         if not isinstance(d, dict):
             raise InputError(f"{path}:{i}: expected a JSON object")
         yield i, d
 
 
+#: the latest time in seconds an int64 nanosecond timestamp holds
+_MAX_S = (2**63 - 1) / 1e9
+
+
 def _ns(seconds: Any) -> int | None:
-    return int(seconds * 1e9) if isinstance(seconds, (int, float)) and seconds > 0 else None
+    """Seconds -> ns; None unless a number in (0, _MAX_S) (``Infinity``, ``NaN``, ``1e300``
+    and negative times are no timestamp)."""
+    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+    return int(seconds * 1e9) if ok and 0 < seconds < _MAX_S else None
 
 
 def _int(v: Any) -> int | None:
@@ -130,9 +137,10 @@ def metrics_record(d: dict[str, Any], where: str) -> RequestRecord:
     raw = d.get("request_parameters")
     if isinstance(raw, str):
         try:
-            params = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: request_parameters is not JSON ({exc.msg})") from exc
+            params = json_loads(raw)
+        except ValueError as exc:
+            msg = getattr(exc, "msg", exc)
+            raise InputError(f"{where}: request_parameters is not JSON ({msg})") from None
     elif isinstance(raw, dict):
         params = raw
     else:
@@ -172,6 +180,8 @@ def _iso_ns(ts: Any, where: str) -> int | None:
     if ts is None:
         return None
     if isinstance(ts, (int, float)):
+        if isinstance(ts, bool) or not 0 <= ts < _MAX_S:  # Infinity, NaN, 1e300
+            raise InputError(f"{where}: bad timestamp {ts!r}")
         return int(ts * 1e9)
     try:
         dt = datetime.fromisoformat(str(ts).replace("Z", "+00:00"))
@@ -180,7 +190,10 @@ def _iso_ns(ts: Any, where: str) -> int | None:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     d = dt - _EPOCH  # exact integer arithmetic (a float timestamp loses microseconds)
-    return (d.days * 86_400 + d.seconds) * 1_000_000_000 + d.microseconds * 1_000
+    ns = (d.days * 86_400 + d.seconds) * 1_000_000_000 + d.microseconds * 1_000
+    if not 0 <= ns < 2**63:  # before 1970 or after 2262: no int64 ns timestamp
+        raise InputError(f"{where}: timestamp {ts!r} is outside 1970..2262")
+    return ns
 
 
 def _obj(v: Any, where: str, name: str) -> dict[str, Any]:
@@ -188,9 +201,9 @@ def _obj(v: Any, where: str, name: str) -> dict[str, Any]:
         return {}
     if isinstance(v, str):
         try:
-            v = json.loads(v)
-        except json.JSONDecodeError:
-            return {"repr": v}
+            v = json_loads(v)
+        except ValueError:
+            return {"repr": v[:4096]}
     if not isinstance(v, dict):
         raise InputError(f"{where}: {name} must be a JSON object")
     return v

@@ -13,6 +13,8 @@ import json
 import sys
 from typing import Any
 
+from kvcadence.argtypes import nonneg_float
+
 
 def _bool_flag(
     p: argparse.ArgumentParser, name: str, dest: str, help_on: str, help_off: str
@@ -60,7 +62,7 @@ def register(sub: Any) -> None:
         dest="schedule_policy",
         help="waiting-queue order (SGLang --schedule-policy; default: the bundle's)",
     )
-    p.add_argument("--schedule-conservativeness", type=float, dest="schedule_conservativeness",
+    p.add_argument("--schedule-conservativeness", type=nonneg_float, dest="schedule_conservativeness",
                    help="scales the decode-token reservation (SGLang's option, default 1.0)")  # fmt: skip
     g = p.add_mutually_exclusive_group()
     g.add_argument(
@@ -84,17 +86,17 @@ def register(sub: Any) -> None:
         "0.5.10 per-page arrays); default: the bundle's",
     )
     t = p.add_argument_group("pass-time model (seconds; default: calibrated from the capture)")
-    t.add_argument("--prefill-base", type=float, dest="prefill_base_s", metavar="S",
+    t.add_argument("--prefill-base", type=nonneg_float, dest="prefill_base_s", metavar="S",
                    help="fixed time of a prefill pass")  # fmt: skip
-    t.add_argument("--prefill-per-token", type=float, dest="prefill_per_token_s", metavar="S",
+    t.add_argument("--prefill-per-token", type=nonneg_float, dest="prefill_per_token_s", metavar="S",
                    help="prefill time per extended (computed) token")  # fmt: skip
-    t.add_argument("--prefill-per-req", type=float, dest="prefill_per_req_s", metavar="S",
+    t.add_argument("--prefill-per-req", type=nonneg_float, dest="prefill_per_req_s", metavar="S",
                    help="prefill time per request in the batch")  # fmt: skip
-    t.add_argument("--decode-base", type=float, dest="decode_base_s", metavar="S",
+    t.add_argument("--decode-base", type=nonneg_float, dest="decode_base_s", metavar="S",
                    help="fixed time of a decode pass")  # fmt: skip
-    t.add_argument("--decode-per-req", type=float, dest="decode_per_req_s", metavar="S",
+    t.add_argument("--decode-per-req", type=nonneg_float, dest="decode_per_req_s", metavar="S",
                    help="decode time per running request")  # fmt: skip
-    t.add_argument("--default-gap", type=float, dest="default_gap_s", metavar="S",
+    t.add_argument("--default-gap", type=nonneg_float, dest="default_gap_s", metavar="S",
                    help="client gap when a request has none recorded")  # fmt: skip
     t.add_argument("--no-calibrate", action="store_true", help="use the built-in timing defaults")
     d = p.add_argument_group("PD disaggregation (default: the bundle's disaggregation_mode)")
@@ -107,9 +109,9 @@ def register(sub: Any) -> None:
         "--role decode: the worker enabled its decode radix cache (inserts at finish)",
         "--role decode: no radix cache (no KV events)",
     )
-    d.add_argument("--transfer-base", type=float, dest="transfer_base_s",
+    d.add_argument("--transfer-base", type=nonneg_float, dest="transfer_base_s",
                    help="KV transfer time per request, s (default: from the capture, else 0.002)")  # fmt: skip
-    d.add_argument("--transfer-per-token", type=float, dest="transfer_per_token_s",
+    d.add_argument("--transfer-per-token", type=nonneg_float, dest="transfer_per_token_s",
                    help="KV transfer time per prompt token, s")  # fmt: skip
     _bool_flag(
         p,
@@ -145,9 +147,9 @@ def register(sub: Any) -> None:
     pub.add_argument("--publish", metavar="tcp://127.0.0.1:PORT", help="PUB endpoint to bind")
     pub.add_argument("--replay-endpoint", metavar="tcp://127.0.0.1:PORT",
                      help="ROUTER replay endpoint to bind")  # fmt: skip
-    pub.add_argument("--speed", type=float, default=0.0,
+    pub.add_argument("--speed", type=nonneg_float, default=0.0,
                      help="pace messages at virtual time / SPEED (0 = as fast as possible)")  # fmt: skip
-    pub.add_argument("--linger", type=float, default=2.0,
+    pub.add_argument("--linger", type=nonneg_float, default=2.0,
                      help="seconds to keep serving replay requests after the last message "
                      "(default 2; requests are also served while publishing)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -16,6 +16,8 @@ import json
 import sys
 from typing import Any
 
+from kvcadence.argtypes import positive_int
+
 ROUTE_CHOICES = ("recorded", "round_robin", "shortest_queue", "cache_aware")
 PACE_CHOICES = ("auto", "recorded", "model")  # = replay.fleet.PACES (not imported: stdlib only)
 
@@ -38,7 +40,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "above, or route) in parallel processes; --out is then a Parquet dataset directory "
         "partitioned by worker/rank/route/KEY",
     )
-    g.add_argument("--jobs", type=int, help="parallel processes for --sweep (default: CPUs)")
+    g.add_argument(
+        "--jobs", type=positive_int, help="parallel processes for --sweep (default: CPUs)"
+    )
     g.add_argument(
         "--each",
         action="store_true",

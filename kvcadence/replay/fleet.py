@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcadence.bounds import MAX_DP_SIZE
 from kvcadence.errors import InputError, ReplayError, UsageError
 from kvcadence.format.schema import served_rank
 from kvcadence.outguard import refuse_nonempty_dir
@@ -113,6 +114,11 @@ def dp_size_of(header: Any, records: Sequence[Any]) -> int:
         cands.append(max(int(e.dp_rank) for e in eps) + 1)
     if records:
         cands.append(max(served_rank(r) for r in records) + 1)
+    if max(cands) > MAX_DP_SIZE:  # a damaged or hostile bundle, not a worker: refuse, never
+        raise UsageError(  # allocate a rank per claimed dp_size / dp_rank
+            f"the bundle claims {max(cands)} DP ranks (server_info dp_size, endpoints or a "
+            f"request's dp_rank); at most {MAX_DP_SIZE} are supported"
+        )
     return max(cands)
 
 

@@ -1,0 +1,68 @@
+"""Bounds on what a hostile or damaged input may make kvcadence allocate or recurse into.
+
+What this file owns:
+
+* ``MAX_DP_SIZE``: the most data-parallel ranks a ``/server_info`` (or a bundle's recorded
+  ``dp_rank``s) may claim. A worker's ranks are one publisher port each, so a larger
+  ``dp_size`` is a damaged or hostile input, not a worker (``dp_size: 100000000`` used to
+  allocate one endpoint/config per rank until MemoryError). ``dp_size_problem`` says why a
+  value is not usable.
+* ``MAX_JSON_DEPTH``: the deepest nesting of a JSON value kvcadence takes in (SGLang's
+  ``meta_info``, ``/server_info``, request parameters nest a handful of levels). Deeper
+  values would overflow the recursion of the JSON decoders, the msgpack encoder or the
+  integer range check (RecursionError tracebacks); ``too_deep`` measures the depth without
+  recursion, ``json_loads`` decodes with the stdlib and turns both into one ``ValueError``.
+
+Standard library only (capture, replay and analysis import it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: the most DP ranks (publisher ports) one worker may claim
+MAX_DP_SIZE = 1024
+#: the deepest JSON nesting accepted in an input (objects and arrays count one level each)
+MAX_JSON_DEPTH = 64
+
+
+def dp_size_problem(value: object) -> str | None:
+    """Why ``value`` is no usable ``dp_size`` (None when it is an int in 1..MAX_DP_SIZE)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"expected an integer, got {value!r}"[:120]
+    if not 1 <= value <= MAX_DP_SIZE:
+        return f"{value} is outside 1..{MAX_DP_SIZE}"
+    return None
+
+
+def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``obj`` (decoded JSON: dicts, lists, scalars) nests deeper than ``limit``."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            children: Any = v.values()
+        elif isinstance(v, (list, tuple)):
+            children = v
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
+    return False
+
+
+def json_loads(text: str | bytes) -> Any:
+    """``json.loads`` that raises ``ValueError`` (never RecursionError) for a value nested
+    deeper than ``MAX_JSON_DEPTH``."""
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if too_deep(obj):
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return obj
+
+
+__all__ = ["MAX_DP_SIZE", "MAX_JSON_DEPTH", "dp_size_problem", "json_loads", "too_deep"]

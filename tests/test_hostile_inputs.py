@@ -1,0 +1,266 @@
+"""Hostile flags and inputs: one error line and exit 2, never a traceback, a hang or an
+allocation without bound (NaN/inf flags, huge counts, deep JSON, absurd timestamps,
+non-numeric /server_info fields, an --out that cannot be created)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcadence import argtypes
+from kvcadence.capture import discovery
+from kvcadence.cli import build_parser, main, walk_parsers
+from kvcadence.errors import CaptureError
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "tests" / "data" / "fixtures" / "sglang-0.5.23-agent-ps1"
+SAMPLE = REPO / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
+CHECKED_FLOATS = (argtypes.finite_float, argtypes.nonneg_float, argtypes.positive_float)
+
+
+def one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvcadence: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def _float_flags() -> list[tuple[str, str, argparse.Action]]:
+    out = []
+    for path, parser in walk_parsers(build_parser()):
+        for action in parser._actions:
+            if action.option_strings and action.type in (float, *CHECKED_FLOATS):
+                out.append((" ".join(path[1:]), action.option_strings[0], action))
+    return out
+
+
+def test_no_flag_is_a_bare_float_or_a_bare_int_count():
+    """Every float flag goes through one checked type (NaN/inf refused); --jobs is >= 1."""
+    flags = _float_flags()
+    assert len(flags) >= 20
+    bare = [f"{cmd} {flag}" for cmd, flag, a in flags if a.type is float]
+    assert bare == []
+    jobs = [
+        a
+        for _, p in walk_parsers(build_parser())
+        for a in p._actions
+        if "--jobs" in a.option_strings
+    ]
+    assert jobs and all(a.type is argtypes.positive_int for a in jobs)
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e999"])
+def test_every_float_flag_refuses_non_finite_values(value):
+    for cmd, flag, action in _float_flags():
+        with pytest.raises(argparse.ArgumentTypeError):
+            action.type(value)  # type: ignore[misc]
+        assert action.type("1.5") == 1.5, f"{cmd} {flag}"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", str(SAMPLE), "--out", "x", "--prefill-base", "nan"],
+        ["replay", str(SAMPLE), "--out", "x", "--transfer-base", "inf"],
+        ["replay", str(SAMPLE), "--out", "x", "--schedule-conservativeness", "nan"],
+        ["replay", str(SAMPLE), "--out", "x", "--decode-base", "-1"],
+        ["replay", str(SAMPLE), "--out", "x", "--sweep", "route=recorded", "--jobs", "0"],
+        ["replay", str(SAMPLE), "--out", "x", "--sweep", "route=recorded", "--jobs", "-1"],
+        ["capture", "--endpoint", "tcp://127.0.0.1:5", "--out", "x", "--duration", "nan"],
+        ["capture", "--endpoint", "tcp://127.0.0.1:5", "--out", "x", "--until-idle", "nan"],
+        ["capture", "--endpoint", "tcp://127.0.0.1:5", "--out", "x", "--until-idle", "inf"],
+        ["capture", "--endpoint", "tcp://127.0.0.1:5", "--out", "x", "--replay-timeout", "nan"],
+        ["capture", "--endpoint", "tcp://127.0.0.1:5", "--out", "x", "--segment-mb", "nan"],
+        ["admit", "--synthetic-grid", "--new-token-ratio", "nan"],
+    ],
+)
+def test_bad_numeric_flags_exit_2_before_any_work(argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"argument {argv[-2]}" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_window_nan_is_one_line(tmp_path, capsys):
+    rc = main(["report", str(SAMPLE), "--out", str(tmp_path / "r"), "--window", "nan:"])
+    assert rc == 2 and "--window" in one_error_line(capsys.readouterr().err)
+
+
+def test_admit_repeat_is_bounded_before_anything_is_allocated(capsys):
+    t0 = time.monotonic()
+    rc = main(["admit", "--synthetic-grid", "--repeat", "100000000", "--available-tokens", "9"])
+    assert rc == 2 and time.monotonic() - t0 < 5
+    assert "--repeat 100000000" in one_error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ /server_info, dp_size
+
+
+def _import(tmp_path: Path, capsys, info: dict, reqs: Path | None = None) -> tuple[int, str]:
+    si = tmp_path / "si.json"
+    si.write_text(json.dumps(info))
+    argv = ["import", "--frames", str(FIX / "events.jsonl"), "--server-info", str(si)]
+    argv += ["--requests", str(reqs or FIX / "requests.jsonl"), "--out", str(tmp_path / "b")]
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        {"dp_size": 100_000_000},
+        {"dp_size": "many"},
+        {"kv_events": {"endpoint_port_base": 5557, "dp_size": 100_000_000}},
+        {"kv_events": {"endpoint_port_base": 5557, "dp_size": 0}},
+        {"kv_events": {"endpoint_port_base": 5557, "replay_endpoint_port_base": "x"}},
+    ],
+)
+def test_import_refuses_absurd_dp_sizes_in_one_line(tmp_path, capsys, info):
+    t0 = time.monotonic()
+    rc, err = _import(tmp_path, capsys, info)
+    assert rc == 2 and time.monotonic() - t0 < 20
+    assert "si.json" in one_error_line(err)
+    assert not (tmp_path / "b").exists()
+
+
+def test_replay_refuses_a_bundle_claiming_a_huge_dp_rank(tmp_path, capsys):
+    rows = [json.loads(ln) for ln in (FIX / "requests.jsonl").read_text().splitlines()]
+    rows[0].setdefault("meta_info", {})["dp_rank"] = 100_000_000
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, err = _import(tmp_path, capsys, {"version": "0.5.23"}, reqs)
+    assert rc == 0, err
+    t0 = time.monotonic()
+    rc = main(["replay", str(tmp_path / "b"), "--out", str(tmp_path / "s"), "--quiet"])
+    assert rc == 2 and time.monotonic() - t0 < 20
+    assert "100000001 DP ranks" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {"endpoint_port_base": 5557, "dp_size": "two"},
+        {"endpoint_port_base": 5557, "dp_size": 100_000_000},
+        {"endpoint_port_base": 5557, "dp_size": 1.5},
+        {"endpoint_port_base": 5557, "replay_endpoint_port_base": "x"},
+        {"endpoint_port_base": 5557, "replay_endpoint_port_base": 1e300},
+        {"endpoint_port_base": float("inf")},
+        {"endpoint_port_base": "x"},
+    ],
+)
+def test_discovery_refuses_hostile_kv_events_blocks(kv):
+    t0 = time.monotonic()
+    with pytest.raises(CaptureError):
+        discovery.endpoints_from_server_info({"kv_events": kv}, "http://127.0.0.1:1")
+    assert time.monotonic() - t0 < 5
+
+
+def test_discovery_still_takes_a_numeric_string_dp_size():
+    eps = discovery.endpoints_from_server_info(
+        {"kv_events": {"endpoint_port_base": 5557, "dp_size": "2"}}, "http://127.0.0.1:1"
+    )
+    assert [e.url for e in eps] == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
+
+
+# ------------------------------------------------------------------ deep JSON, timestamps
+
+DEEP = 20_000
+
+
+def test_import_refuses_meta_info_nested_20000_deep(tmp_path, capsys):
+    deep = '{"a":' * DEEP + "1" + "}" * DEEP
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text('{"rid":"a","input_ids":[1,2],"meta_info":' + deep + "}\n")
+    rc, err = _import(tmp_path, capsys, {}, reqs)
+    assert rc == 2 and "nested deeper" in one_error_line(err)
+
+
+def test_import_refuses_server_info_nested_20000_deep(tmp_path, capsys):
+    si = tmp_path / "si.json"
+    si.write_text('{"x":' + "[" * DEEP + "]" * DEEP + "}")
+    rc = main(["import", "--frames", str(FIX / "events.jsonl"), "--server-info", str(si)] + [
+        "--out", str(tmp_path / "b")])  # fmt: skip
+    assert rc == 2 and "nested deeper" in one_error_line(capsys.readouterr().err)
+
+
+def _cimport(tmp_path: Path, flag: str, text: str) -> tuple[int, Path]:
+    log = tmp_path / "in.log"
+    log.write_text(text)
+    out = tmp_path / "c"
+    return main(["capture", "import", flag, str(log), "--quiet", str(out)]), out
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a":' + "[" * DEEP + "]" * DEEP + "}\n",
+        '{"request_parameters": "{\\"rid\\": \\"x\\", \\"a\\": '
+        + "[" * DEEP
+        + "]" * DEEP
+        + '}"}\n',
+    ],
+)
+def test_sglang_metrics_nested_20000_deep_is_one_line(tmp_path, capsys, text):
+    rc, _ = _cimport(tmp_path, "--sglang-metrics", text)
+    assert rc == 2 and "nested deeper" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("ts", ["Infinity", "-Infinity", "NaN", "1e300", "1e12"])
+def test_sglang_metrics_absurd_timestamps_are_no_timestamps(tmp_path, capsys, ts):
+    params = json.dumps({"rid": "x", "input_ids": [1, 2]})
+    line = f'{{"request_parameters": {json.dumps(params)}, "request_received_ts": {ts}, '
+    line += f'"first_token_latency": {ts}, "request_finished_ts": {ts}}}\n'
+    rc, out = _cimport(tmp_path, "--sglang-metrics", line)
+    assert rc == 0, capsys.readouterr().err
+    from kvcadence.format.bundle import BundleReader
+
+    (rec,) = BundleReader(out).requests()
+    assert rec.send_ns is None and rec.finish_ns is None and rec.first_token_ns is None
+
+
+@pytest.mark.parametrize("ts", ["Infinity", "NaN", "1e300", '"9999-01-01T00:00:00"', "-5"])
+def test_request_log_absurd_timestamps_are_one_line(tmp_path, capsys, ts):
+    line = f'{{"event": "request.finished", "rid": "x", "timestamp": {ts}, "obj": {{}}}}\n'
+    rc, out = _cimport(tmp_path, "--sglang-request-log", line)
+    assert rc == 2 and "timestamp" in one_error_line(capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_a_recursion_error_anywhere_is_one_line(monkeypatch, capsys):
+    from kvcadence.analysis import cli as acli
+
+    def deep(args):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(acli, "run_ingest", deep)
+    assert main(["ingest", str(SAMPLE)]) == 2
+    assert "nested too deeply" in one_error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ --out that cannot be made
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", str(SAMPLE), "--quiet", "--out"],
+        ["replay", str(SAMPLE), "--quiet", "--sweep", "route=recorded", "--out"],
+        ["import", "--frames", str(FIX / "events.jsonl"), "--out"],
+        ["capture", "--endpoint", "tcp://127.0.0.1:5", "--duration", "0.2", "--out"],
+        ["capture", "import", "--sglang-metrics", str(FIX / "sglang-metrics")],
+        ["report", str(SAMPLE), "--no-plots", "--quiet", "--out"],
+        ["ingest", str(SAMPLE), "--out"],
+    ],
+)
+def test_an_out_that_cannot_be_created_is_exit_2_everywhere(tmp_path, capsys, argv):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main([*argv, str(blocker / "out")]) == 2
+    assert str(blocker) in one_error_line(capsys.readouterr().err)
