@@ -15,17 +15,28 @@ What this file owns, for every command that writes an ``--out``:
 * ``refuse_nonempty_dir`` also refuses a new directory that cannot be created (a parent that
   is a file, not writable): a ``UsageError`` naming the path, exit 2 for every command, before
   any work (it used to surface as a bundle error, exit 1, for replay/capture/import).
+* ``removed_on_failure(run, flag_attr)`` -- wraps a command whose ``--out`` directory it
+  creates (``replay``): when the command fails on the file system (a full disk, an I/O error,
+  a failure from a writer library) the output it began is removed again, so a full disk
+  leaves no partial sim bundle or sweep directory behind. An output that existed before
+  (refused anyway) is never touched; a deliberate run-time verdict without an ``OSError``
+  behind it (``replay``'s "no request ran", which keeps the written bundle) is not a failure
+  of the write.
 
 Standard library only (imported by the capture, replay and analysis command modules alike).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from kvcadence.errors import UsageError
+from kvcadence.errors import KvcadenceError, UsageError
 
 _SEGMENT_NAME = re.compile(r"^seg-\d{6,}\.kvcb$")
 
@@ -114,10 +125,53 @@ def refuse_out_file(
     return p
 
 
+def _write_failure(exc: BaseException) -> bool:
+    """An exception that means "the output could not be written" (see the module doc)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return not isinstance(exc, KvcadenceError) and isinstance(exc, Exception)
+
+
+def removed_on_failure(run: Callable[[Any], int], attr: str = "out") -> Callable[[Any], int]:
+    """``run(args)``, removing ``args.<attr>`` again when it did not exist (or was an empty
+    directory) before and the run failed writing it (``_write_failure``)."""
+
+    @functools.wraps(run)
+    def wrapped(args: Any) -> int:
+        out = getattr(args, attr, None)
+        p = Path(out) if out else None
+        fresh = (
+            p is not None
+            and not p.is_symlink()
+            and (not p.exists() or (p.is_dir() and not any(p.iterdir())))
+        )
+        was_dir = fresh and p is not None and p.is_dir()
+        try:
+            return run(args)
+        except BaseException as exc:
+            if fresh and p is not None and p.exists() and _write_failure(exc):
+                shutil.rmtree(p, ignore_errors=True)
+                if was_dir:
+                    p.mkdir(exist_ok=True)
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                err = KvcadenceError(f"{why}; the unfinished output {p} was removed")
+                err.exit_code = getattr(exc, "exit_code", 1)
+                raise err from None
+            raise
+
+    return wrapped
+
+
 __all__ = [
     "enclosing_bundle",
     "refuse_inside_bundle",
     "refuse_nonempty_dir",
     "refuse_out_file",
     "refuse_uncreatable",
+    "removed_on_failure",
 ]

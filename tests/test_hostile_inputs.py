@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -264,3 +265,44 @@ def test_an_out_that_cannot_be_created_is_exit_2_everywhere(tmp_path, capsys, ar
     blocker.write_text("not a directory")
     assert main([*argv, str(blocker / "out")]) == 2
     assert str(blocker) in one_error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ report.md, collectives
+
+
+def test_report_md_escapes_request_ids(tmp_path, capsys):
+    rows = [json.loads(ln) for ln in (FIX / "requests.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r["rid"] = f"[r{i}](javascript:alert(1))|<img src=x>_{i}"
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, err = _import(tmp_path, capsys, json.loads((FIX / "server_info.json").read_text()), reqs)
+    assert rc == 0, err
+    sim = tmp_path / "s"
+    assert (
+        main(["replay", str(tmp_path / "b"), "--out", str(sim), "--quiet", "--page-size", "16"])
+        == 0
+    )
+    out = tmp_path / "rep"
+    main(["report", str(tmp_path / "b"), str(sim), "--out", str(out), "--no-plots", "--quiet"])
+    md = (out / "report.md").read_text()
+    assert "Differing requests" in md
+    assert not re.search(r"(?<!\\)\]\(javascript:", md) and not re.search(r"(?<!\\)<img", md)
+    assert r"\[r" in md and r"\<img src=x\>" in md
+
+
+def test_md_escape_leaves_plain_text_alone():
+    from kvcadence.analysis.report import md_escape
+
+    assert md_escape("l1-s0-t0") == "l1-s0-t0"
+    assert md_escape("a|b\nc") == r"a\|b c"
+
+
+def test_collectives_nccl_without_a_gpu_is_the_line_alone(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: nccl runs")
+    t0 = time.monotonic()
+    assert main(["collectives", "--backend", "nccl", "--tokens", "16"]) == 2
+    assert "needs CUDA" in one_error_line(capsys.readouterr().err)
+    assert time.monotonic() - t0 < 30  # no torchrun launched

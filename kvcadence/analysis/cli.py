@@ -139,7 +139,7 @@ def run_sql(args: argparse.Namespace) -> int:
     import polars as pl
 
     from kvcadence.analysis import ingest, sql
-    from kvcadence.analysis.outpaths import check_out_file
+    from kvcadence.analysis.outpaths import check_out_file, write_atomic
     from kvcadence.errors import UsageError
 
     if args.format == "parquet" and not args.out:
@@ -150,7 +150,7 @@ def run_sql(args: argparse.Namespace) -> int:
     ing = ingest.ingest(args.bundle, args.cache)
     df = sql.query(sql.connect(ing), args.query)
     if args.format == "parquet":
-        df.write_parquet(args.out, compression="zstd")
+        write_atomic(args.out, lambda tmp: df.write_parquet(tmp, compression="zstd"))
         return 0
     if args.format == "csv":
         text = df.write_csv()
@@ -166,8 +166,8 @@ def run_sql(args: argparse.Namespace) -> int:
         ):
             text = str(df)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text if text.endswith("\n") else text + "\n")
+        body = text if text.endswith("\n") else text + "\n"
+        write_atomic(args.out, lambda tmp: tmp.write_text(body, encoding="utf-8"))
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     return 0

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcadence.analysis.cachedir import cache_write_error, default_cache
 from kvcadence.errors import InputError, UsageError
 from kvcadence.gcpause import gc_paused
 
@@ -293,7 +294,9 @@ def ingest(
     """
     bundle = Path(bundle)
     _check_bundle(bundle)
-    cache = check_cache_dir(out) if out is not None else bundle / CACHE_DIRNAME
+    cache = (
+        check_cache_dir(out) if out is not None else default_cache(bundle, CACHE_DIRNAME, MANIFEST)
+    )
     fp = fingerprint(bundle)
     man_path = cache / MANIFEST
     if not force and man_path.exists():
@@ -337,11 +340,12 @@ def _build(bundle: Path, cache: Path, fp: list[list[Any]]) -> dict[str, Any]:
         if cache.exists():
             shutil.rmtree(cache)
         os.replace(tmp, cache)
-    except PermissionError as exc:
+    except BaseException as exc:  # never leave a .tmp-PID directory behind
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UsageError(
-            f"cannot write the Parquet cache {cache}: {exc.strerror}; pass --out DIR"
-        ) from None
+        err = cache_write_error(exc, cache)
+        if err is exc:
+            raise
+        raise err from None
     return manifest
 
 

@@ -118,7 +118,7 @@ def write(doc: dict[str, Any], out: str | os.PathLike[str]) -> Path:
     path = Path(out)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    from kvcadence.analysis.outpaths import write_atomic
+
+    text = json.dumps(doc, indent=1) + "\n"
+    return write_atomic(path, lambda tmp: tmp.write_text(text))

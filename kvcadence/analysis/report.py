@@ -17,6 +17,7 @@ import base64
 import html
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -128,6 +129,18 @@ def pct(v: Any) -> str:
 
 def _with_unit(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {k: {"value": v, "unit": DEFS[k][0]} for k, v in metrics.items()}
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()<>#+!|~])")
+
+
+def md_escape(text: Any) -> str:
+    """``text`` as literal Markdown text: every character Markdown (or the HTML it may carry)
+    gives a meaning to is backslash-escaped, line breaks become spaces. For strings the
+    report copies from the bundle (request ids): a rid like ``[x](javascript:..)``, ``<img>``
+    or ``a|b`` must not become a link, markup or a table column."""
+    flat = " ".join(str(text).splitlines())
+    return _MD_SPECIAL.sub(r"\\\1", flat)
 
 
 def _md_table(columns: dict[str, list[str]]) -> str:
@@ -423,7 +436,7 @@ def _sections(
         )
         if diff.height:
             d = {
-                "rid": diff["rid"].to_list(),
+                "rid": [md_escape(r) for r in diff["rid"].to_list()],
                 "cached real": [fmt(v) for v in diff["cached_tokens"].to_list()],
                 "cached sim": [fmt(v) for v in diff["cached_tokens_sim"].to_list()],
                 "stored events real": [fmt(v) for v in diff["stored_events"].to_list()],

@@ -131,6 +131,7 @@ class SeqTracker:
         self.replay_wanted: int | None = None  # from_seq the caller must request, then clear
         self._fill: dict[int, tuple[str, bytes, int]] = {}
         self._attempted: tuple[int, int] | None = None  # [lo, hi) a finished replay covered
+        self._attempt_end = "end marker"  # why that replay ended (finish_replay's ``why``)
         self.stats = TrackerStats()
 
     # ---------------------------------------------------------------- inputs
@@ -201,6 +202,7 @@ class SeqTracker:
         if s.until is None and s.buffer:
             hi = max(hi, s.buffer[0].seq)
         self._attempted = (s.from_seq, hi)
+        self._attempt_end = why  # how it ended: a Gap after a timeout must not blame the ring
         self._fill = s.got
         out: list[Output] = []
         if s.until is None and not s.buffer and s.got:
@@ -300,7 +302,12 @@ class SeqTracker:
             self._start(lo, hi, reason, m.recv_ns)
             self.session.buffer.append(m)  # type: ignore[union-attr]
             return
-        why = "no replay endpoint" if not self.has_replay else "not in the replay ring"
+        if tried and self._attempt_end != "end marker":
+            why = f"not recovered: the replay ended early ({self._attempt_end})"
+        elif not self.has_replay:
+            why = "no replay endpoint"
+        else:
+            why = "not in the replay ring"
         self._fill_range(lo, hi, f"{reason}; {why}", out)
         self._emit(m, out)
 

@@ -81,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
     config_from_args(args)  # raises UsageError / InputError on bad flags or prefixes.json
     if importlib.util.find_spec("torch") is None:
         raise UsageError("torch is not installed (pip install 'kvcadence[kernels]')")
+    if args.backend == "nccl":  # said here, once: not by every rank plus torchrun's traceback
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--backend nccl needs CUDA, and torch sees no GPU (use gloo)")
     proc = subprocess.run(launch_command(args), env=launch_env(), check=False)
     if proc.returncode == 0:
         return 0

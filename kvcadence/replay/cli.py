@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float
+from kvcadence.outguard import removed_on_failure
 
 
 def _bool_flag(
@@ -161,7 +162,7 @@ def register(sub: Any) -> None:
     from kvcadence.replay.cli_fleet import add_fleet_args  # DP ranks / workers / sweeps
 
     add_fleet_args(p)
-    p.set_defaults(_run=run)
+    p.set_defaults(_run=removed_on_failure(run))  # no partial sim bundle on a full disk
 
 
 def run(args: argparse.Namespace) -> int:

@@ -107,6 +107,8 @@ def test_replay_that_never_ends_times_out_and_capture_goes_on(run_capture, endpo
     assert [(g.first_seq, g.last_seq, g.recovered) for g in gaps] == [(2, 4, 0)]
     assert [f.seq for f in r.events()] == [0, 1, 5, 6, 7, 8]
     assert _records(r, Trailer)[-1].stats["per_endpoint"]["0"]["replay_timeouts"] >= 1
+    # reported as what happened: the replay timed out (the ring was never asked to the end)
+    assert "replay timeout" in gaps[0].reason and "not in the replay ring" not in gaps[0].reason
 
 
 def test_late_start_recovers_from_seq_zero_with_old_reply_layout(run_capture, endpoint_info):
