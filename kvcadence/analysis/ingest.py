@@ -354,6 +354,17 @@ def _build(bundle: Path, cache: Path, fp: list[list[Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
+def _int_or_none(v: Any) -> int | None:
+    """A /server_info count as an int; None for anything that is not one (a damaged or
+    hostile snapshot must not stop the tables from being built)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        return None
+    try:
+        return int(v)
+    except (ValueError, OverflowError):
+        return None
+
+
 def _header_info(header: Any) -> dict[str, Any]:
     si = dict(header.server_info or {})
     sim = header.sim_config or {}
@@ -364,8 +375,8 @@ def _header_info(header: Any) -> dict[str, Any]:
         "sglang_version": header.sglang_version or si.get("version"),
         "kvcadence_version": header.kvcadence_version,
         "format": [header.format_major, header.format_minor],
-        "page_size": int(page_size) if page_size is not None else None,
-        "max_total_num_tokens": int(max_tokens) if max_tokens is not None else None,
+        "page_size": _int_or_none(page_size),
+        "max_total_num_tokens": _int_or_none(max_tokens),
         "kv_events_config": header.kv_events_config,
         "start_ns": header.start_ns,
         "endpoints": [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,30 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
 )
 
 
+#: the range a /server_info setting must lie in (anything else is a damaged or hostile snapshot)
+_INT_RANGE = {"page_size": (1, 1 << 20), "decode_log_interval": (1, 1 << 31)}
+_INT_DEFAULT_RANGE = (1, 1 << 40)
+
+
+def _checked(conv: Any, v: Any, key: str, lo: int | None = None) -> Any:
+    """``conv(v)`` for the /server_info setting ``key``, or a UsageError naming it (never a
+    TypeError/OverflowError traceback, a NaN or a page size of 0 inside the simulator)."""
+    bad = UsageError(f"/server_info {key}: {v!r} is not a usable value"[:300])
+    if isinstance(v, (list, dict)):
+        raise bad
+    try:
+        out = conv(v)
+    except (TypeError, ValueError, OverflowError):
+        raise bad from None
+    if conv is float and (not math.isfinite(out) or out < 0):
+        raise bad
+    if conv is int:
+        rlo, rhi = _INT_RANGE.get(key, _INT_DEFAULT_RANGE)
+        if not (rlo if lo is None else lo) <= out <= rhi:
+            raise bad
+    return out
+
+
 def from_server_info(server_info: dict[str, Any], sglang_version: str | None = None) -> SimConfig:
     """Read the worker's resolved settings from a ``/server_info`` snapshot."""
     cfg = SimConfig()
@@ -198,10 +223,12 @@ def from_server_info(server_info: dict[str, Any], sglang_version: str | None = N
     for attr, conv, names in _SERVER_INFO_FIELDS:
         v = _get(info, *names)
         if v is not None:
-            setattr(cfg, attr, conv(v))
+            setattr(cfg, attr, _checked(conv, v, names[0]))
     if "chunked_prefill_size" in info:
         v = info["chunked_prefill_size"]
-        cfg.chunked_prefill_size = int(v) if v is not None and int(v) > 0 else None
+        if v is not None:
+            v = _checked(int, v, "chunked_prefill_size", lo=-(2**40))
+        cfg.chunked_prefill_size = v if v is not None and v > 0 else None
     v = _get(info, "disaggregation_mode")
     if v is not None and str(v) in ("prefill", "decode"):
         cfg.role = str(v)
