@@ -306,3 +306,10 @@ def test_collectives_nccl_without_a_gpu_is_the_line_alone(capsys):
     assert main(["collectives", "--backend", "nccl", "--tokens", "16"]) == 2
     assert "needs CUDA" in one_error_line(capsys.readouterr().err)
     assert time.monotonic() - t0 < 30  # no torchrun launched
+
+
+def test_admit_requests_nested_20000_deep_is_one_line_naming_the_line(tmp_path, capsys):
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"rid": "a", "x": ' + "[" * DEEP + "]" * DEEP + "}\n")
+    assert main(["admit", "--requests-jsonl", str(f), "--available-tokens", "9"]) == 2
+    assert "q.jsonl:1: not valid JSON (nested deeper" in one_error_line(capsys.readouterr().err)

@@ -17,12 +17,12 @@ Only the standard library is imported at module level.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, QueuedRequest
+from kvcadence.bounds import json_loads
 from kvcadence.errors import InputError, UsageError
 
 REQUEST_FIELDS = (
@@ -142,9 +142,9 @@ def parse_request_lines(
             continue
         where = f"{name}:{lineno}"
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+            obj = json_loads(line)  # deep nesting refused, never a RecursionError
+        except ValueError as exc:
+            raise InputError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
         spec = parse_request_obj(obj, where, len(specs), max_new_tokens=max_new_tokens)
         if spec.rid in seen:
             raise InputError(f"{where}: field 'rid' {spec.rid!r} repeats line {seen[spec.rid]}")
