@@ -10,7 +10,8 @@ model's vocabulary (``[3, vocab - 1]``: 0/1/2 are pad/BOS/EOS on the harness mod
   ``session_gap_ms``). Mirrors the shared fixture's ``workload.json`` parameters.
 * ``mooncake`` -- Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
   ``hash_ids``): hash id ``h`` always maps to the same ``block_tokens`` token ids, so prefix
-  sharing is preserved; open loop by timestamp (``speedup``) or closed loop with ``lanes``.
+  sharing is preserved (the mapping is ``format.mooncake``'s, shared with ``replay --trace``);
+  open loop by timestamp (``speedup``) or closed loop with ``lanes``.
 * ``admission`` -- the admission benchmark's JSONL (``rid``, ``l1_cached_tokens``,
   ``l2_cached_tokens``, ``extend_tokens``): each line becomes a priming request that caches the
   ``l1`` prefix, then the measured request = that prefix + ``l2`` + ``extend_tokens`` new

@@ -30,6 +30,8 @@ def register(sub: Any) -> None:
             "Replay BUNDLE's request schedule through a simulated SGLang worker and write a "
             "sim bundle (source=sim). Settings come from the bundle's /server_info snapshot; "
             "every one can be overridden. The pass-time model is calibrated from the capture. "
+            "With --trace FILE instead of BUNDLE: an offline trace (Mooncake format or a "
+            "requests JSONL), no capture needed. "
             "docs/simulator.md describes the model; docs/fleet.md DP ranks and sweeps."
         ),
         epilog="examples:\n"

@@ -22,8 +22,9 @@ formats, told apart by the first line (or ``--trace-format``):
 The file is read one line at a time (a 10^5-line trace is never held as text or JSON); a bad
 line is one ``InputError`` naming ``file:line`` (exit 2) before anything is written. Server
 settings come from ``server_info`` (a ``/server_info`` JSON) and the CLI overrides; the sim
-bundle's header keeps that ``server_info`` and its Trailer's ``stats["replay"]["trace"]``
-says which file and format were replayed.
+bundle's header keeps that ``server_info`` with the simulated settings written over it
+(``trace_server_info``), and its Trailer's ``stats["replay"]["trace"]`` says which file and
+format were replayed.
 """
 
 from __future__ import annotations
