@@ -17,6 +17,7 @@ comparable. Standard library only.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,9 +27,32 @@ from kvcadence.errors import InputError
 FIRST_TOKEN = 3
 
 
+@functools.lru_cache(maxsize=8)
+def _token_ints(vocab: int) -> tuple[int, ...]:
+    """One int object per token id ``FIRST_TOKEN .. vocab - 1``: every prompt shares them (a
+    10^5-request trace would otherwise hold ~10^7 int objects of its own)."""
+    return tuple(range(FIRST_TOKEN, vocab))
+
+
 def synthetic_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    """``n`` token ids drawn from ``rng`` in ``[FIRST_TOKEN, vocab - 1]``."""
-    return [rng.randint(FIRST_TOKEN, vocab - 1) for _ in range(n)]
+    """``n`` token ids drawn from ``rng`` in ``[FIRST_TOKEN, vocab - 1]``: exactly
+    ``[rng.randint(FIRST_TOKEN, vocab - 1) for _ in range(n)]`` (the values every drive and
+    replay of a workload has used), without randint's per-call overhead: randint(a, b) is
+    ``a + r`` for the first ``r = getrandbits(k) < b - a + 1``, ``k`` that width's bit length
+    (CPython's ``_randbelow_with_getrandbits``; a test checks the two agree)."""
+    ints = _token_ints(vocab)
+    span = len(ints)
+    if span < 1:
+        raise ValueError(f"vocab {vocab} leaves no token ids above {FIRST_TOKEN - 1}")
+    k = span.bit_length()
+    bits = rng.getrandbits
+    out = []
+    for _ in range(n):
+        r = bits(k)
+        while r >= span:
+            r = bits(k)
+        out.append(ints[r])
+    return out
 
 
 def need_int(d: dict[str, Any], key: str, where: str, minimum: int = 0) -> int:
