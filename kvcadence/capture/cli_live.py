@@ -456,7 +456,7 @@ def run_drive(args: argparse.Namespace) -> int:
         rec_stop.set()
         t.join()
         if progress is not None:
-            progress.close()  # type: ignore[attr-defined]
+            progress.close()
     if "error" in result:
         raise result["error"]
     _drive_summary(args, dst, result.get("stats"))

@@ -64,6 +64,9 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         return acc
 
     decode = wire.decode_batch
+    rec: Any
+    ev: Any
+    payload: bytes | memoryview
     for rec in reader.records():
         t = type(rec)
         records[RECORD_TAGS[t]] += 1

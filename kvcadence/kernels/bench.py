@@ -246,6 +246,8 @@ class Runner:
     def run_case(self, spec: Any, tokens: int) -> Iterator[dict[str, Any]]:
         """Yield one record per path as soon as it is measured and verified."""
         cfg = self.cfg
+        repeat = cfg.repeat
+        assert repeat is not None  # set from the device in __init__
         pages = layout.prefix_pages(tokens, cfg.page_size)
         case = RankCase(spec, pages, self.world, self.rank, self.device)
         try:
@@ -256,7 +258,7 @@ class Runner:
 
                 for _ in range(cfg.warmup):
                     step()
-                samples = [self.time_once(step) for _ in range(cfg.repeat)]
+                samples = [self.time_once(step) for _ in range(repeat)]
                 if cfg.verify:
                     self.check(path, case)
                 per_rank = self.gather_samples(samples)
