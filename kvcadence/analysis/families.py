@@ -39,6 +39,7 @@ from kvcadence.analysis import attribution as attr
 from kvcadence.analysis import pages as kpages
 from kvcadence.analysis import sql
 from kvcadence.analysis.formatting import fmt
+from kvcadence.errors import KvcadenceError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import BlockStored
@@ -80,12 +81,21 @@ def _verdict(checked: int, matching: int) -> str:
     return SGLANG if share >= 0.9 else OTHER if share <= 0.1 else MIXED
 
 
+def _frames(bundle: str | Path) -> Any:
+    """The bundle's event frames; an unreadable bundle just ends them (the quality checks and
+    ingest say why)."""
+    try:
+        yield from BundleReader(bundle).events()
+    except (OSError, KvcadenceError):
+        return
+
+
 def bundle_family(bundle: str | Path, *, sample: int = SAMPLE_EVENTS) -> Family:
     """Recompute SGLang hashes from each Stored event's ``token_ids`` (see the module doc)."""
     fam = Family()
     digests: dict[int, bytes] = {}  # published hash -> recomputed SGLang digest
     full = False
-    for frame in BundleReader(bundle).events():
+    for frame in _frames(bundle):
         try:
             batch = wire.decode_batch(frame.payload)
         except Exception:  # undecodable payloads are counted by the quality checks
