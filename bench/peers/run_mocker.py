@@ -128,6 +128,7 @@ def ensure_venv(venv: Path, python: str | None) -> Path:
 def real_bundle(inp: Path, out: Path) -> Path:
     if (inp / "events.jsonl").exists():
         dst = out / "real.kvcb"
+        shutil.rmtree(dst, ignore_errors=True)
         args = ["import", "--frames", str(inp / "events.jsonl")]
         args += ["--requests", str(inp / "requests.jsonl")]
         if (inp / "server_info.json").exists():
