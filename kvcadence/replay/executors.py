@@ -5,11 +5,11 @@ What this file owns:
 * ``EXECUTORS`` and ``require(executor)``: ``ray`` needs the optional extra
   (``pip install 'kvcadence[ray]'``); without it a one-line ``UsageError`` (exit 2), raised
   before anything is read or written;
-* ``run_ray(specs, out, jobs=…, on_done=…)``: every job spec of ``replay.sweep.run_sweep``
-  becomes one Ray task (``num_cpus=1``) running ``replay.sweep.simulate_job``; the task
-  returns the job's rows as one Arrow table (``sweep.job_table``) and its summary, and the
-  driver writes the table into ``out`` with ``sweep.write_table`` -- the very function the
-  process pool's workers call, so both executors produce the same hive-partitioned Parquet
+* ``run_ray(specs, job_fn, write, jobs=…, on_done=…)``: every job spec of
+  ``replay.sweep.run_sweep`` becomes one Ray task (``num_cpus=1``) running ``job_fn``
+  (``sweep.table_job``), which returns the job's summary and its rows as one Arrow table
+  (``sweep.job_table``); the driver writes the table into the dataset with ``write``
+  (``sweep.write_table``) -- the very function the process pool's workers call, so both executors produce the same hive-partitioned Parquet
   dataset (same files, same rows). Only the driver writes: ``out`` need not be shared with
   the cluster (a local directory; or anything pyarrow writes to).
 
@@ -65,13 +65,14 @@ def require(executor: str) -> None:
             ) from None
 
 
-def _ray_task(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """One job on a Ray worker: the summary and the rows as an Arrow table."""
+def _ray_task(
+    job_fn: Callable[[dict[str, Any]], tuple[dict[str, Any], Any]], spec: dict[str, Any]
+) -> tuple[dict[str, Any], Any]:
+    """One job on a Ray worker: ``job_fn(spec)`` (``sweep.table_job``: the summary and the
+    rows as an Arrow table) after checking the node can run it."""
     from kvcadence import __version__
     from kvcadence.errors import InputError
-    from kvcadence.replay.sweep import job_table, simulate_job
 
-    t0 = time.perf_counter()
     want = spec.get("kvcadence_version")
     if want is not None and want != __version__:
         raise UsageError(
@@ -86,10 +87,7 @@ def _ray_task(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
                 f"{p}: no such bundle on Ray node {socket.gethostname()}; every node must "
                 "read the bundles at the same path (a shared filesystem)"
             )
-    rows, summary = simulate_job(spec)
-    table = job_table(rows, summary["point"], spec["job"])
-    summary["job_wall_s"] = round(time.perf_counter() - t0, 3)
-    return summary, table
+    return job_fn(spec)
 
 
 def _prepare_env() -> None:
@@ -128,15 +126,16 @@ def _connect(n_local: int) -> tuple[Any, bool]:
 
 def run_ray(
     specs: Sequence[dict[str, Any]],
-    out: Path,
+    job_fn: Callable[[dict[str, Any]], tuple[dict[str, Any], Any]],
+    write: Callable[[dict[str, Any], Any], int],
     *,
     jobs: int | None = None,
     on_done: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the job specs as Ray tasks; write each job's table into ``out`` as it arrives.
-    Returns the summaries in job order."""
+    """Run ``job_fn(spec)`` for every spec as a Ray task (``job_fn`` must be importable:
+    Ray pickles it by reference); ``write(summary, table)`` each result in the driver as it
+    arrives (returns files written). Returns the summaries in job order."""
     from kvcadence import __version__
-    from kvcadence.replay.sweep import write_table
 
     local_cpus = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
     ray, started = _connect(local_cpus)
@@ -157,7 +156,7 @@ def run_ray(
         nxt = 0
         while nxt < len(todo) or pending:
             while nxt < len(todo) and len(pending) < limit:
-                pending[task.remote(todo[nxt])] = nxt
+                pending[task.remote(job_fn, todo[nxt])] = nxt
                 nxt += 1
             ready, _ = ray.wait(list(pending), num_returns=1)
             i = pending.pop(ready[0])
@@ -169,7 +168,7 @@ def run_ray(
                     raise cause from None
                 raise
             t0 = time.perf_counter()
-            summary["files"] = write_table(out, table, summary["point"], summary["job"])
+            summary["files"] = write(summary, table)
             summary["job_wall_s"] = round(summary["job_wall_s"] + time.perf_counter() - t0, 3)
             summary["bundles"] = list(specs[i]["bundles"])  # as given, not resolved
             del table

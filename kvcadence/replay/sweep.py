@@ -324,6 +324,18 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def table_job(job: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """One replay for an executor that writes in the driver (Ray): the summary (without
+    ``files``) and the rows as one Arrow table (``job_table``)."""
+    import time
+
+    t0 = time.perf_counter()
+    rows, summary = simulate_job(job)
+    table = job_table(rows, summary["point"], job["job"])
+    summary["job_wall_s"] = round(time.perf_counter() - t0, 3)
+    return summary, table
+
+
 def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts over all rows of a job (the CLI's what-if table is built from these)."""
     t = {
@@ -447,7 +459,17 @@ def run_sweep(
     n = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
     results: list[dict[str, Any] | None] = [None] * len(specs)
     if executor == "ray":
-        results = list(executors.run_ray(specs, out_path, jobs=jobs, on_done=on_done))
+        results = list(
+            executors.run_ray(
+                specs,
+                table_job,
+                lambda summary, table: write_table(
+                    out_path, table, summary["point"], summary["job"]
+                ),
+                jobs=jobs,
+                on_done=on_done,
+            )
+        )
     elif n == 1:
         for s in specs:
             results[s["job"]] = run_job(s)
