@@ -63,6 +63,24 @@ def require(executor: str) -> None:
             raise UsageError(
                 f"--executor ray: Ray is not installed ({exc}); {RAY_EXTRA_HINT}"
             ) from None
+        _probe()
+
+
+def _probe(timeout_s: float = 5.0) -> None:
+    """A ``host:port`` ``RAY_ADDRESS`` that accepts no TCP connection is one line, exit 2,
+    now (``ray.init`` would retry for minutes)."""
+    import socket
+
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    head = _head(address) if address else None
+    if head is None:
+        return
+    try:
+        socket.create_connection(head, timeout=timeout_s).close()
+    except OSError as exc:
+        raise UsageError(
+            f"--executor ray: RAY_ADDRESS={address}: no Ray head answers there ({exc})"
+        ) from None
 
 
 def _ray_task(
@@ -90,11 +108,25 @@ def _ray_task(
     return job_fn(spec)
 
 
+def _head(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` GCS address; None for ``ray://``, ``auto`` …"""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def _prepare_env() -> None:
     """Without ``RAY_ADDRESS``: the private local instance listens on 127.0.0.1 only and
     uses token authentication with a fresh token (unless the environment says otherwise).
-    Must run before ``import ray`` (Ray reads these at import; its processes inherit them)."""
-    if os.environ.get("RAY_ADDRESS", "").strip():
+    With a loopback ``RAY_ADDRESS`` (a head on this machine): stay on loopback (Ray would
+    otherwise swap 127.0.0.1 for the machine's address). Must run before ``import ray``
+    (Ray reads these at import; its processes inherit them)."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        head = _head(address)
+        if head is not None and head[0] in ("127.0.0.1", "localhost", "::1"):
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if "RAY_AUTH_MODE" not in os.environ:

@@ -33,11 +33,11 @@ SWEEP = ["--sweep", "route=recorded,cache_aware", "--sweep", "max_total_tokens=1
 
 
 def _ray_env(**extra: str) -> dict[str, str]:
+    """The environment without any RAY_* variable of the caller's, plus ``extra``. The
+    commands get no loopback switch: ``replay.executors`` sets it itself (for a loopback
+    RAY_ADDRESS and for its private instance)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # every Ray process on 127.0.0.1
-        RAY_USAGE_STATS_ENABLED="0",
-    )
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.update(extra)
     return env
 
@@ -77,7 +77,7 @@ def ray_head():
             "--temp-dir",
             temp,
         ],  # fmt: skip
-        env=_ray_env(**auth),
+        env=_ray_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **auth),  # all on 127.0.0.1
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -194,6 +194,14 @@ def test_executor_ray_without_ray_is_one_line_and_exit_2(sources, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert "Ray is not installed" in r.stderr and "kvcadence[ray]" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_executor_ray_unreachable_address_is_one_line_and_exit_2(sources, tmp_path):
+    env = _ray_env(RAY_ADDRESS=f"127.0.0.1:{_free_port()}")  # nothing listens there
+    r = _replay(["w0", *SWEEP, "--executor", "ray", "--out", str(tmp_path / "o")], env, sources)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "no Ray head answers there" in r.stderr
     assert not (tmp_path / "o").exists()
 
 
