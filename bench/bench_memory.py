@@ -88,7 +88,7 @@ def child_build(path: str, target_mb: float) -> dict[str, Any]:
     from bench_analysis import build
 
     probe = Path(path + ".probe")
-    n_probe = 20_000
+    n_probe = 20_000 if target_mb >= 100 else 2_000
     build(probe, n_probe)
     per_event = _segment_bytes(probe) / n_probe
     shutil.rmtree(probe)
