@@ -45,7 +45,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import KvcadenceError, UsageError
+from kvcadence import __version__
+from kvcadence.errors import InputError, KvcadenceError, UsageError
 
 EXECUTORS = ("process", "ray")
 RAY_EXTRA_HINT = "pip install 'kvcadence[ray]'"
@@ -88,9 +89,6 @@ def _ray_task(
 ) -> tuple[dict[str, Any], Any]:
     """One job on a Ray worker: ``job_fn(spec)`` (``sweep.table_job``: the summary and the
     rows as an Arrow table) after checking the node can run it."""
-    from kvcadence import __version__
-    from kvcadence.errors import InputError
-
     want = spec.get("kvcadence_version")
     if want is not None and want != __version__:
         raise UsageError(
@@ -167,8 +165,6 @@ def run_ray(
     """Run ``job_fn(spec)`` for every spec as a Ray task (``job_fn`` must be importable:
     Ray pickles it by reference); ``write(summary, table)`` each result in the driver as it
     arrives (returns files written). Returns the summaries in job order."""
-    from kvcadence import __version__
-
     local_cpus = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
     ray, started = _connect(local_cpus)
     try:

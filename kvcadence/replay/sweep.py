@@ -40,6 +40,7 @@ from typing import Any
 
 from kvcadence.errors import UsageError
 from kvcadence.outguard import refuse_nonempty_dir
+from kvcadence.replay import executors
 
 PARTITION_BASE = ("worker", "rank", "route")
 
@@ -426,8 +427,6 @@ def run_sweep(
     ``executor="ray"`` runs the jobs as Ray tasks (``replay.executors``): same dataset."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
-
-    from kvcadence.replay import executors
 
     executors.require(executor)  # a missing Ray is one line, before anything is read
     out_path = Path(out)
