@@ -40,7 +40,12 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "above, or route) in parallel processes; --out is then a Parquet dataset directory "
         "partitioned by worker/rank/route/KEY",
     )
-    g.add_argument("--jobs", type=int, help="parallel processes for --sweep (default: CPUs)")
+    g.add_argument(
+        "--jobs",
+        type=int,
+        help="parallel processes for --sweep (default: CPUs); with --executor ray: the "
+        "private instance's CPUs, or the tasks in flight on a RAY_ADDRESS cluster (default: all)",
+    )
     g.add_argument(
         "--executor",
         choices=EXECUTOR_CHOICES,
