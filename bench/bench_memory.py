@@ -11,16 +11,20 @@ measured in the same run:
   and, for the larger sizes, against the 6k point (``ratio`` = growth); the marginal
   KB/request between the two smallest sizes; and the share of the peak that is the workload
   itself (the records, built and not simulated: a child of its own).
+* long-prompt replay: agent sessions whose contexts grow to 32k tokens (2k-token system
+  prompt, 500-2,000 new tokens a turn, 8 lanes, pool 400,000 tokens) at 500 and 2,000
+  requests; the same figures.
 * ingest: ``kvcadence.analysis.ingest`` (bundle -> Parquet cache) on ``bench_analysis.py``'s
   synthetic bundle at 250 MB and 2 GB of segments (10 GB with ``--full``); figures: peak RSS
   of each against the 250 MB point (issue 18's goal: RSS(2 GB) <= 1.2 x RSS(250 MB)), and
   RSS per bundle MB. The bundles are written by a child (not measured) into ``--dir`` or a
   temporary directory removed at the end.
 
-    .venv/bin/python bench/bench_memory.py [--only replay|ingest] [--quick] [--full]
-        [--replay-requests N ...] [--ingest-mb MB ...] [--dir DIR] [--json PATH]
+    .venv/bin/python bench/bench_memory.py [--only replay|long|ingest] [--quick] [--full]
+        [--replay-requests N ...] [--long-requests N ...] [--ingest-mb MB ...] [--dir DIR]
+        [--json PATH]
 
-``--quick``: replay 600 / 6,000 requests, ingest 25 / 250 MB (a smoke run; with the current
+``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, ingest 25 / 250 MB (a smoke run; with the current
 code ingest RSS is ~5x the bundle, so the default 2 GB point needs ~10 GB free).
 Measures only; nothing here changes the code measured.
 """
@@ -52,20 +56,62 @@ def child_imports() -> dict[str, Any]:
     return {}
 
 
-def child_workload(n: int, lanes: int, simulate_too: bool) -> dict[str, Any]:
+def long_workload(n: int, lanes: int, seed: int = 11) -> list[Any]:
+    """Long-context agent sessions: a 2k-token system prompt (one of 4), then each turn adds
+    its output (64-256 tokens) and a user/tool chunk (500-2,000 tokens) until the context
+    would pass 32k tokens; then the lane starts a new session."""
+    import random
+
+    from kvcadence.format.schema import RequestRecord
+
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 32000) for _ in range(2048)] for _ in range(4)]
+    out: list[Any] = []
+    lane_state = [(list(rng.choice(systems)), 0, 0, 1_000_000.0 + i * 0.01) for i in range(lanes)]
+    while len(out) < n:
+        for lane in range(lanes):
+            if len(out) >= n:
+                break
+            prompt, session, turn, t = lane_state[lane]
+            prompt = prompt + [rng.randrange(3, 32000) for _ in range(rng.randint(500, 2000))]
+            if len(prompt) > 32_768:
+                session, turn = session + 1, 0
+                prompt = list(rng.choice(systems)) + [rng.randrange(3, 32000) for _ in range(500)]
+            n_out = rng.randint(64, 256)
+            outs = [rng.randrange(3, 32000) for _ in range(n_out)]
+            out.append(
+                RequestRecord(
+                    rid=f"l{lane}-s{session}-t{turn}",
+                    input_ids=prompt,
+                    output_ids=outs,
+                    lane=lane,
+                    session=session,
+                    turn=turn,
+                    max_new_tokens=n_out,
+                    completion_tokens=n_out,
+                    finish_reason="length",
+                    meta_info={"request_received_ts": t, "request_finished_ts": t + 2.0},
+                )
+            )
+            t += 2.0 + rng.expovariate(1 / 0.5)
+            lane_state[lane] = (prompt + outs, session, turn + 1, t)
+    return out
+
+
+def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     from bench_replay import workload
 
     from kvcadence.replay.config import SimConfig, TimingParams
     from kvcadence.replay.simulator import simulate
 
-    records = workload(n, lanes)
+    records = long_workload(n, lanes) if long else workload(n, lanes)
     out: dict[str, Any] = {"requests": len(records)}
     out["prompt_tokens"] = sum(len(r.input_ids) for r in records)
     if simulate_too:
         cfg = SimConfig(
             page_size=1,
-            max_total_tokens=60_000,
+            max_total_tokens=400_000 if long else 60_000,
             chunked_prefill_size=8192,
             timing=TimingParams(
                 prefill_base_s=0.012,
@@ -73,7 +119,7 @@ def child_workload(n: int, lanes: int, simulate_too: bool) -> dict[str, Any]:
                 decode_base_s=0.004,
                 decode_per_req_s=8e-5,
             ),
-        ).validate()  # bench_replay.py's configuration
+        ).validate()  # bench_replay.py's configuration (a pool for 8+ 32k contexts if long)
         c = time.process_time()
         res = simulate(records, cfg)
         cpu = time.process_time() - c
@@ -112,8 +158,10 @@ def run_child(argv: list[str]) -> None:
     kind, *rest = argv
     if kind == "imports":
         out = child_imports()
-    elif kind in ("workload", "replay"):
-        out = child_workload(int(rest[0]), int(rest[1]), kind == "replay")
+    elif kind in ("workload", "replay", "long-workload", "long-replay"):
+        out = child_workload(
+            int(rest[0]), int(rest[1]), kind.endswith("replay"), kind.startswith("long")
+        )
     elif kind == "build":
         out = child_build(rest[0], float(rest[1]))
     elif kind == "ingest":
@@ -143,12 +191,15 @@ def measure(*args: str) -> tuple[float, dict[str, Any]]:
     return rss, info
 
 
-def bench_replay(sizes: list[int], lanes: int, figures: list, notes: list) -> None:
+def bench_replay(
+    sizes: list[int], lanes: int, figures: list, notes: list, long: bool = False
+) -> None:
     floor, _ = measure("imports")
+    pre, what = ("long-", "long-prompt replay") if long else ("", "replay")
     points = []
     for n in sizes:
-        wl, _ = measure("workload", str(n), str(lanes))
-        rss, info = measure("replay", str(n), str(lanes))
+        wl, _ = measure(f"{pre}workload", str(n), str(lanes))
+        rss, info = measure(f"{pre}replay", str(n), str(lanes))
         points.append((n, rss, wl, info))
     n0, rss0 = points[0][0], points[0][1]
     for i, (n, rss, wl, info) in enumerate(points):
@@ -156,17 +207,17 @@ def bench_replay(sizes: list[int], lanes: int, figures: list, notes: list) -> No
         if i == 0:
             base, base_name = floor, "interpreter + kvcadence imported (no workload)"
         else:
-            base, base_name = rss0, f"replay peak RSS at {n0:,} requests"
+            base, base_name = rss0, f"{what} peak RSS at {n0:,} requests"
         figures.append(
             figure(
-                f"replay peak RSS, {label} requests",
+                f"{what} peak RSS, {label} requests",
                 rss,
                 "MB",
                 baseline=base,
                 baseline_name=base_name,
                 higher_is_better=False,
                 goal=goal("value", "<=", 4096, "<= 4 GB at 600k (issue 18)")
-                if n >= 600_000
+                if n >= 600_000 and not long
                 else None,
                 note=(
                     f"the workload alone (records built, not simulated): {wl:,.0f} MB; "
@@ -181,7 +232,7 @@ def bench_replay(sizes: list[int], lanes: int, figures: list, notes: list) -> No
         per_req_wl = (w_b - w_a) * 1024 / (n_b - n_a)
         figures.append(
             figure(
-                f"replay RSS growth per request ({n_a:,} -> {n_b:,})",
+                f"{what} RSS growth per request ({n_a:,} -> {n_b:,})",
                 per_req,
                 "KB/request",
                 baseline=per_req_wl,
@@ -190,10 +241,16 @@ def bench_replay(sizes: list[int], lanes: int, figures: list, notes: list) -> No
                 note="issue 18's bar on its agent log: <= 20 KB/request",
             )
         )
-    notes.append(
-        f"replay: bench_replay.py workload, --lanes {lanes}, page 1, pool 60,000 tokens; "
-        "peak RSS = the child's ru_maxrss (records + simulation + result)"
-    )
+    if long:
+        notes.append(
+            f"long-prompt replay: contexts growing to 32k tokens (2k system prompt, 500-2,000 "
+            f"new tokens a turn), {lanes} lanes, page 1, pool 400,000 tokens"
+        )
+    else:
+        notes.append(
+            f"replay: bench_replay.py workload, --lanes {lanes}, page 1, pool 60,000 tokens; "
+            "peak RSS = the child's ru_maxrss (records + simulation + result)"
+        )
 
 
 def bench_ingest(sizes_mb: list[float], work: Path, figures: list, notes: list) -> None:
@@ -238,15 +295,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--only", choices=("replay", "ingest"), help="one of the two curves")
+    ap.add_argument("--only", choices=("replay", "long", "ingest"), help="one of the curves")
     ap.add_argument("--full", action="store_true", help="add 600k requests and a 10 GB bundle")
     ap.add_argument("--lanes", type=int, default=64)
     ap.add_argument("--dir", type=Path, help="where to write the bundles (default: a tmp dir)")
     ap.add_argument("--replay-requests", type=int, nargs="+", metavar="N",
                     help="replay sizes instead of the defaults (the first is the baseline)")  # fmt: skip
+    ap.add_argument("--long-requests", type=int, nargs="+", metavar="N",
+                    help="long-prompt replay sizes instead of the defaults")  # fmt: skip
+    ap.add_argument("--long-lanes", type=int, default=8)
     ap.add_argument("--ingest-mb", type=float, nargs="+", metavar="MB",
                     help="bundle sizes instead of the defaults (the first is the baseline)")  # fmt: skip
-    add_output_args(ap, "replay 600 / 6,000 requests, ingest 25 / 250 MB")
+    add_output_args(ap, "replay 600 / 6,000 requests, long 50 / 200, ingest 25 / 250 MB")
     args = ap.parse_args()
     replay_sizes = [600, 6000] if args.quick else [6000, 60_000]
     ingest_mb = [25.0, 250.0] if args.quick else [250.0, 2048.0]
@@ -254,12 +314,16 @@ def main() -> None:
         replay_sizes.append(600_000)
         ingest_mb.append(10_240.0)
     replay_sizes = args.replay_requests or replay_sizes
+    long_sizes = args.long_requests or ([50, 200] if args.quick else [500, 2000])
     ingest_mb = args.ingest_mb or ingest_mb
     figures: list[dict[str, Any]] = []
     notes: list[str] = ["peak RSS of a fresh child process per point (os.wait4 ru_maxrss)"]
     if args.only in (None, "replay"):
         print("replay:", flush=True)
         bench_replay(replay_sizes, args.lanes, figures, notes)
+    if args.only in (None, "long"):
+        print("long-prompt replay:", flush=True)
+        bench_replay(long_sizes, args.long_lanes, figures, notes, long=True)
     if args.only in (None, "ingest"):
         print("ingest:", flush=True)
         work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
@@ -277,7 +341,13 @@ def main() -> None:
         "memory",
         "Peak RSS against input size (replay, ingest)",
         figures,
-        {"replay_requests": replay_sizes, "ingest_mb": ingest_mb, "lanes": args.lanes},
+        {
+            "replay_requests": replay_sizes,
+            "lanes": args.lanes,
+            "long_requests": long_sizes,
+            "long_lanes": args.long_lanes,
+            "ingest_mb": ingest_mb,
+        },
         notes,
     )
 

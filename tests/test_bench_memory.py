@@ -18,8 +18,11 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
             sys.executable,
             str(SCRIPT),
             "--replay-requests",
+            "600",
+            "2000",
+            "--long-requests",
+            "16",
             "64",
-            "640",
             "--ingest-mb",
             "1",
             "4",
@@ -37,13 +40,16 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
     assert doc["schema"] == "kvcadence.bench/1" and doc["bench"] == "memory"
     by = {f["name"]: f for f in doc["figures"]}
     assert list(by) == [
-        "replay peak RSS, 64 requests",
-        "replay peak RSS, 640 requests",
-        "replay RSS growth per request (64 -> 640)",
+        "replay peak RSS, 600 requests",
+        "replay peak RSS, 2k requests",
+        "replay RSS growth per request (600 -> 2,000)",
+        "long-prompt replay peak RSS, 16 requests",
+        "long-prompt replay peak RSS, 64 requests",
+        "long-prompt replay RSS growth per request (16 -> 64)",
         "ingest peak RSS, 1 MB bundle",
         "ingest peak RSS, 4 MB bundle",
     ]
-    small, big = by["replay peak RSS, 64 requests"], by["replay peak RSS, 640 requests"]
+    small, big = by["replay peak RSS, 600 requests"], by["replay peak RSS, 2k requests"]
     assert 10 < small["baseline"] < small["value"] < big["value"] < 2000  # MB, a real RSS
     assert big["baseline"] == small["value"] and big["ratio"] > 1
     ing = by["ingest peak RSS, 4 MB bundle"]
