@@ -9,17 +9,19 @@ What this file owns:
   ``replay.sweep.run_sweep`` becomes one Ray task (``num_cpus=1``) running ``job_fn``
   (``sweep.table_job``), which returns the job's summary and its rows as one Arrow table
   (``sweep.job_table``); the driver writes the table into the dataset with ``write``
-  (``sweep.write_table``) -- the very function the process pool's workers call, so both executors produce the same hive-partitioned Parquet
-  dataset (same files, same rows). Only the driver writes: ``out`` need not be shared with
-  the cluster (a local directory; or anything pyarrow writes to).
+  (``sweep.write_table``) -- the very function the process pool's workers call, so both
+  executors produce the same hive-partitioned Parquet dataset (same files, same rows). Only
+  the driver writes: ``out`` is a directory on the driver's machine, not shared with the
+  cluster.
 
 The cluster: ``RAY_ADDRESS`` when set (``host:port`` of a head's GCS, or ``ray://host:10001``
 for Ray Client), as ``ray.init`` reads it; otherwise a private single-machine Ray instance
 started for this run and stopped at its end: every Ray process listens on 127.0.0.1 only
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's switch for single-machine clusters), no
-dashboard, token authentication with a fresh random token (``RAY_AUTH_MODE=token``,
-``RAY_AUTH_TOKEN``) unless the environment sets them, ``num_cpus`` = ``--jobs`` (default:
-CPUs, at most one per job). It never attaches to a cluster found in ``/tmp/ray`` by chance.
+dashboard, no usage statistics (``RAY_USAGE_STATS_ENABLED=0``), token authentication with
+a fresh random token (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``) unless the environment
+sets them, ``num_cpus`` = ``--jobs`` (default: CPUs, at most one per job). It never attaches
+to a cluster found in ``/tmp/ray`` by chance.
 
 On a cluster, every node must have kvcadence (the same version: a task refuses another) and
 read the bundles at the same path (shared filesystem): relative paths are made absolute on
@@ -117,9 +119,11 @@ def _head(address: str) -> tuple[str, int] | None:
 def _prepare_env() -> None:
     """Without ``RAY_ADDRESS``: the private local instance listens on 127.0.0.1 only and
     uses token authentication with a fresh token (unless the environment says otherwise).
+    Either way Ray's usage statistics stay off unless the environment turns them on.
     With a loopback ``RAY_ADDRESS`` (a head on this machine): stay on loopback (Ray would
     otherwise swap 127.0.0.1 for the machine's address). Must run before ``import ray``
     (Ray reads these at import; its processes inherit them)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # Ray reports nothing home
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
         head = _head(address)

@@ -37,7 +37,6 @@ def _ray_env(**extra: str) -> dict[str, str]:
     commands get no loopback switch: ``replay.executors`` sets it itself (for a loopback
     RAY_ADDRESS and for its private instance)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.update(extra)
     return env
 
@@ -77,7 +76,7 @@ def ray_head():
             "--temp-dir",
             temp,
         ],  # fmt: skip
-        env=_ray_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **auth),  # all on 127.0.0.1
+        env=_ray_env(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", **auth),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
