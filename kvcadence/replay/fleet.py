@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import EndpointInfo, served_rank
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.config import SimConfig
@@ -62,9 +63,11 @@ from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
 from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
+from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simbundle import sim_header, write_sim
+from kvcadence.replay.simulator import effective_config, sim_request_record
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 from kvcadence.replay.visibility import scheduler_notes
 
@@ -129,7 +132,6 @@ def rank_configs(
     dp_size: int | None = None,
 ) -> list[SimConfig]:
     """One ``SimConfig`` per rank of a worker (see module docstring)."""
-    from kvcadence.replay.simulator import effective_config
 
     n = dp_size or dp_size_of(header, records)
     info = dict(getattr(header, "server_info", None) or {})
@@ -166,7 +168,6 @@ def load_worker(
     calibrate_timing: bool = True,
 ) -> WorkerInput:
     """Read one bundle as a worker to replay."""
-    from kvcadence.format.bundle import BundleReader
 
     p = Path(path)
     if not p.exists():
@@ -477,7 +478,6 @@ class Fleet:
         )
 
     def _record(self, i: int) -> Any:
-        from kvcadence.replay.simulator import sim_request_record
 
         slot = self.slots[self.serving[i]] if self.serving[i] >= 0 else None
         worker = None
@@ -498,7 +498,6 @@ def simulate_fleet(
 ) -> FleetResult:
     """Replay ``workers`` with routing policy ``route`` (a name or a router object) and
     pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``)."""
-    from kvcadence.replay.routing import make_router
 
     router = make_router(route) if isinstance(route, str) else route
     fleet = Fleet(workers, router, hasher=hasher, align_workers=align_workers, pace=pace)

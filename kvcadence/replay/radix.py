@@ -36,6 +36,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvcadence.format import wire
+
 #: 32 bytes per page: a node's page digests, concatenated (one object per node, not per page)
 DIGEST_SIZE = 32
 
@@ -70,8 +72,6 @@ def wire_hasher() -> Hasher:
     """The production hasher: ``kvcadence.format.wire`` (SGLang's chained SHA-256)."""
     import sys
     from array import array
-
-    from kvcadence.format import wire
 
     block_digests = wire.block_digests
     to_int = wire.digest_to_int64

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
-from kvcadence.format.schema import EndpointInfo
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import EndpointInfo, RequestRecord
 from kvcadence.gcpause import gc_paused
+from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
@@ -178,7 +180,6 @@ def sim_request_record(
     """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
     ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
     (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
-    from kvcadence.format.schema import RequestRecord
 
     s = r.spec
     arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
@@ -277,8 +278,6 @@ def replay_bundle(
     records as ``production.records_for_replay`` returned them with its report
     ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
     here when not given; flushes scanned when None)."""
-    from kvcadence.format.bundle import BundleReader
-    from kvcadence.outguard import refuse_nonempty_dir
 
     phases = phases or NoPhases()
 
