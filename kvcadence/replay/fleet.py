@@ -351,11 +351,15 @@ class Fleet:
                 cfg.attn_dp_rank = rank
                 cfg.validate()
                 pub = TapPublisher(cfg.sglang_version, cfg.medium, rank, self.anchor_ns)
-                mine = w.flushes_of(rank)
-                plan = FlushPlan(mine, ledger, origin) if ledger is not None and mine else None
+                rank_flushes = w.flushes_of(rank)
+                plan = (
+                    FlushPlan(rank_flushes, ledger, origin)
+                    if ledger is not None and rank_flushes
+                    else None
+                )
                 sched = Scheduler(
                     cfg,
-                    Schedule([], self.anchor_ns, [max(0, f - origin) for f in mine]),
+                    Schedule([], self.anchor_ns, [max(0, f - origin) for f in rank_flushes]),
                     self.hasher,
                     publisher=pub,
                     requests=self.reqs,

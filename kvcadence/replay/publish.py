@@ -59,7 +59,7 @@ def publish_batches(
     _check_endpoint(endpoint)
     if replay_endpoint is not None:
         _check_endpoint(replay_endpoint)
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)
     pub.setsockopt(zmq.LINGER, 1000)

@@ -376,7 +376,7 @@ class RadixTree:
             break
         if pos >= n:
             return depth + pos, node, None
-        rest = run[pos:n] if as_list else list(run[pos:n])
+        rest: list[int] = run[pos:n] if as_list else list(run[pos:n])  # type: ignore[assignment]
         digests = node.digests
         digests, hashes = self.hasher(digests[-DIGEST_SIZE:] if digests else None, rest, ps)
         new = Node(rest, node, digests, hashes, self._next_id)

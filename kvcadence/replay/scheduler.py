@@ -163,7 +163,9 @@ class Scheduler:
         self.tc = _TreeCacheAdapter(self.tree)
         self.allocator = _AllocatorAdapter(self)
         shared = requests is not None
-        self.reqs = requests if shared else [SimReq(s) for s in schedule.requests]
+        self.reqs: list[SimReq] = (
+            requests if requests is not None else [SimReq(s) for s in schedule.requests]
+        )
         self.role = cfg.role
         #: radix inserts happen (a decode worker inserts only with its decode radix cache)
         self.inserts = cfg.role != "decode" or cfg.decode_radix_cache
@@ -217,7 +219,7 @@ class Scheduler:
         self.held: list[tuple[int, int]] = []
         self.track = cfg.track_visibility
         #: stores queued since the last publish: (computed passes, computed ns, phases)
-        self.vis_pending: list[tuple[list[int], list[int], list[int]]] = []
+        self.vis_pending: list[tuple[array[int], array[int], array[int]]] = []
         #: one entry per published batch that carried stores:
         #: (seq, publish pass, publish ns, reason, computed passes, computed ns, phases)
         self.vis_frames: list[tuple[int, int, int, str, array, array, array]] = []

@@ -287,6 +287,7 @@ def replay_bundle(
     out_path = Path(out) if out is not None else None
     if out_path is not None:
         refuse_nonempty_dir(out_path)
+    records: Sequence[Any]
     what = f"loading {src_path}" if loaded is None else f"scanning {src_path} for cache flushes"
     with phases.phase("load", what):
         if loaded is None:

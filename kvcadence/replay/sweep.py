@@ -433,7 +433,7 @@ def run_sweep(
         if not Path(p).exists():
             raise UsageError(f"{p}: no such bundle")
     groups = [[p] for p in paths] if each else [paths]
-    specs = []
+    specs: list[dict[str, Any]] = []
     for g in groups:
         for pt in points:
             specs.append(
@@ -470,7 +470,7 @@ def run_sweep(
         for s in specs:
             results[s["job"]] = run_job(s)
             if on_done is not None:
-                on_done(results[s["job"]])  # type: ignore[arg-type]
+                on_done(results[s["job"]])
     else:
         with ProcessPoolExecutor(max_workers=n, mp_context=get_context("spawn")) as pool:
             futs = {pool.submit(run_job, s): s["job"] for s in specs}
