@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcadence.analysis import attribution as attr
-from kvcadence.analysis.ingest import Ingested
+from kvcadence.analysis.cache import Ingested
 from kvcadence.errors import UsageError
 
 STATS: tuple[str, ...] = ("n", "mean", "median", "p10", "p90", "p99", "min", "max")

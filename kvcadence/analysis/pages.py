@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis.ingest import Ingested
+from kvcadence.analysis.cache import Ingested
 
 _I64_BITS = "int64"
 

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis.ingest import Ingested
+from kvcadence.analysis.cache import Ingested
 
 SCHEMA = "kvcadence.prefixes/1"
 QUANTILES: dict[str, float] = {
