@@ -135,7 +135,7 @@ def test_no_import_circles() -> None:
 
 
 # Packages already held to the rule (the others still carry lazy imports being hoisted).
-LAZY_FREE = ("format", "harness", "testing")
+LAZY_FREE = ("format", "harness", "testing", "analysis")
 
 
 @pytest.mark.parametrize("pkg", LAZY_FREE)

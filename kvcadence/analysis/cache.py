@@ -43,7 +43,8 @@ class Ingested:
 
     @property
     def info(self) -> dict[str, Any]:
-        return self.manifest["info"]
+        info: dict[str, Any] = self.manifest["info"]
+        return info
 
 
 # --------------------------------------------------------------------------------------

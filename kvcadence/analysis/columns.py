@@ -22,6 +22,9 @@ from kvcadence.analysis.tokcols import RawIdColumns
 from kvcadence.errors import InputError
 from kvcadence.format.schema import RequestRecord, RequestRecordView
 
+#: a column as the record loop hands it over: an ``array('q')``/``array('b')`` or a numpy array
+Column = Any
+
 
 def as_numpy(a: Any, dtype: str = "int64") -> Any:
     """An ``array`` (no copy) or numpy array as a numpy array of ``dtype``."""
@@ -46,13 +49,13 @@ class EventColumns:
 
     def __init__(
         self,
-        kind: array,
-        n_blocks: array,
+        kind: Column,
+        n_blocks: Column,
         medium: list[str | None],
-        stored: tuple[array, list[int | None], array, array, list[int | None]],
+        stored: tuple[Column, list[int | None], Column, Column, list[int | None]],
         unknown: list[tuple[int, str]],
-        hashes: array,
-        per_batch: array,
+        hashes: Column,
+        per_batch: Column,
     ) -> None:
         import numpy as np
 
@@ -102,12 +105,12 @@ class EventColumns:
 
 
 def batches_table(
-    b: dict[str, array],
+    b: dict[str, Column],
     ev: EventColumns,
     ts: list[float | None],
-    via: array,
-    pidx: array,
-    nbytes: array,
+    via: Column,
+    pidx: Column,
+    nbytes: Column,
     ok: list[bool],
 ) -> Any:
     import numpy as np
@@ -135,7 +138,7 @@ def batches_table(
     return pa.Table.from_arrays(cols, schema=arrow_schema("batches"))
 
 
-def events_table(ev: EventColumns, b: dict[str, array]) -> Any:
+def events_table(ev: EventColumns, b: dict[str, Column]) -> Any:
     import numpy as np
     import pyarrow as pa
 

@@ -77,7 +77,9 @@ def _small_pages() -> Iterator[None]:
     restored afterwards; a no-op where numpy lacks the switch.
     """
     try:
-        from numpy._core.multiarray import _set_madvise_hugepage
+        from numpy._core.multiarray import (  # type: ignore[attr-defined]
+            _set_madvise_hugepage,
+        )
     except ImportError:  # pragma: no cover (numpy < 2)
         yield
         return
@@ -210,6 +212,10 @@ def _build_tables(
     kind_app, med_app = e_kind.append, e_medium.append
     sb_app, sp_app, sl_app = st_bs_raw.append, st_parent.append, st_lora.append
     b_app = b_rows.append
+    # annotated, not cast: the loop dispatches on type(rec) / type(ev) itself
+    rec: Any
+    batch: Any
+    ev: Any
     for rec in reader.records(request_view=views):
         t = type(rec)
         if t is EventFrame:

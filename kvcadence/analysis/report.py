@@ -25,8 +25,12 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
+from kvcadence.analysis import ingest, metrics, report_extras, sql
+from kvcadence.analysis import plots as kplots
+from kvcadence.analysis.catalogue import COMPARE_DEFS, DEFS, DISTANCES
 from kvcadence.analysis.formatting import fmt
-from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, DISTANCES, BundleMetrics
+from kvcadence.analysis.metrics import BundleMetrics
+from kvcadence.analysis.outpaths import check_out_dir
 from kvcadence.errors import UsageError
 from kvcadence.progress import NoPhases
 
@@ -396,12 +400,12 @@ def _sections(
         pr: dict[str, list[str]] = {"dp_rank": [], "metric": []}
         for label, _ in labelled:
             pr[label] = []
-        for r in ranks:
+        for rk in ranks:
             for name in names:
-                pr["dp_rank"].append(r)
+                pr["dp_rank"].append(rk)
                 pr["metric"].append(name)
                 for label, m in labelled:
-                    pr[label].append(fmt(m.per_rank.get(r, {}).get(name)))
+                    pr[label].append(fmt(m.per_rank.get(rk, {}).get(name)))
         out.append(("Per DP rank", "", pr))
     for comp in comps:
         cm = {k: v for k, v in comp.compare_metrics.items() if k not in DISTANCES}
@@ -519,9 +523,6 @@ def make_report(
     """
 
     phases = phases or NoPhases()
-    from kvcadence.analysis import ingest, metrics, report_extras, sql
-    from kvcadence.analysis import plots as kplots
-    from kvcadence.analysis.outpaths import check_out_dir
 
     t0 = time.perf_counter()
     if not bundles:
