@@ -654,7 +654,10 @@ def make_report(
     )
     sim_configs = [BundleReader(ing.bundle).header.sim_config for ing in ings]
     sections = _sections(labelled, comps, results, sim_configs)
-    sections[-1:-1] = [sec for e in extras for sec in e.sections]  # before "All metrics"
+    for e in extras:  # before "All metrics", or after the section the provider names
+        titles = [s[0] for s in sections]
+        at = titles.index(e.after) + 1 if e.after in titles else len(sections) - 1
+        sections[at:at] = e.sections
     write_markdown(outdir / "report.md", sections, plot_names, title)
     write_html(outdir / "report.html", outdir, sections, plot_names, title)
     summary = {

@@ -9,14 +9,17 @@ every input, so a report only pays for sections that say something:
   fields (``prefill_finished_time`` / ``request_finished_ts`` in ``meta_info``). JSON
   ``visibility``: label -> metrics (units inside); section "Event visibility"; plot
   ``visibility.png``.
+* ``families`` (``kvcadence.analysis.families``): with two or more inputs. JSON
+  ``hash_families``; section "Hash families" right after "Data quality" (``Extra.after``),
+  one sentence saying whether the inputs hash blocks the same way.
 * ``ranks`` (``kvcadence.analysis.ranks``): when some input has more than one DP
   rank. JSON ``ranks``: label -> rank -> figures, plus ``rank_comparisons`` (real vs each sim,
   rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
   sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
 
-``visibility`` reads the bundle itself, ``ranks`` the Parquet tables (``ranks.rank_figures``,
-the one place hit rate and per-rank figures are computed); either cost is only paid when the
-section applies.
+``visibility`` and ``families`` read the bundles themselves, ``ranks`` the Parquet tables
+(``ranks.rank_figures``, the one place hit rate and per-rank figures are computed); each cost
+is only paid when its section applies.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis import plots, ranks, sql, visibility
+from kvcadence.analysis import families, plots, ranks, sql, visibility
 from kvcadence.analysis.formatting import fmt
 
 
@@ -37,6 +40,7 @@ class Extra:
     doc: dict[str, Any]  # top-level report.json keys
     sections: list[tuple[str, str, dict[str, list[str]] | None]]
     plots: list[str] = field(default_factory=list)  # file names written into the out dir
+    after: str | None = None  # put the sections after this one (default: before the last)
 
 
 def _fmt(v: Any) -> str:
@@ -163,8 +167,16 @@ def _ranks_plot(public: dict[str, dict[str, dict[str, Any]]], out: Path) -> str:
     return plots._save(fig, out / "ranks.png").name
 
 
+def families_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+    if len(labelled) < 2:
+        return None
+    data = families.compare_families(labelled, ings)
+    return Extra({"hash_families": data}, [families.families_section(data)], after="Data quality")
+
+
 #: The optional section providers, in report order (see the module docstring).
 PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path], Extra | None]] = [
+    families_extra,
     visibility_extra,
     ranks_extra,
 ]

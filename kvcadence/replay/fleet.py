@@ -61,8 +61,9 @@ from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
 from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
+from kvcadence.replay.request import ABORTED, FINISHED, SimReq
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
-from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq
+from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 
 _INF = float("inf")

@@ -36,8 +36,9 @@ from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
 from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
+from kvcadence.replay.request import ABORTED, SimReq, SimStats
 from kvcadence.replay.schedule import Schedule, build_schedule
-from kvcadence.replay.scheduler import ABORTED, Scheduler, SimReq, SimStats
+from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.timing import calibrate
 
 
