@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import BundleError, WireError
-from kvcadence.format import hitrate
+from kvcadence.format import hitrate, wire
 from kvcadence.format.bundle import RECORD_TAGS, BundleReader, event_payload
 from kvcadence.format.schema import (
     AllBlocksCleared,
@@ -37,8 +37,6 @@ EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")
 
 def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarise the bundle at ``path`` (see ``docs/format.md`` for every key)."""
-    from kvcadence.format import wire
-
     reader = BundleReader(path)
     try:
         header: Header | None = reader.header
@@ -66,6 +64,9 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         return acc
 
     decode = wire.decode_batch
+    rec: Any
+    ev: Any
+    payload: bytes | memoryview
     for rec in reader.records():
         t = type(rec)
         records[RECORD_TAGS[t]] += 1

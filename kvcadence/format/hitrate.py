@@ -21,12 +21,14 @@ CACHED_SQL = "coalesce(cached_tokens, 0)"
 
 def prompt_tokens(rec: Any) -> int:
     """A request record's prompt tokens (server-reported, else ``len(input_ids)``)."""
-    return rec.prompt_tokens or len(rec.input_ids)
+    n: int = rec.prompt_tokens or len(rec.input_ids)
+    return n
 
 
 def cached_tokens(rec: Any) -> int:
     """A request record's cached tokens (absent = 0)."""
-    return rec.cached_tokens or 0
+    n: int = rec.cached_tokens or 0
+    return n
 
 
 def hit_rate(cached: int, prompt: int) -> float | None:

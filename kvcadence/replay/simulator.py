@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.format.schema import EndpointInfo
 from kvcadence.gcpause import gc_paused
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
@@ -39,7 +40,9 @@ from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, SimReq, SimStats
 from kvcadence.replay.schedule import Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
+from kvcadence.replay.simbundle import sim_header, write_sim
 from kvcadence.replay.timing import calibrate
+from kvcadence.replay.visibility import visibility_notes
 
 
 @dataclass
@@ -233,47 +236,24 @@ def flush_times_from_bundle(
 
 def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
     """Write ``result`` as a sim bundle at ``out`` (must not exist or be empty)."""
-    from kvcadence import __version__
-    from kvcadence.format.bundle import BundleWriter
-    from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
-
     cfg = result.config
-    endpoint = EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)
-    header = Header(
-        format_major=FORMAT_MAJOR,
-        format_minor=FORMAT_MINOR,
-        source="sim",
-        kvcadence_version=__version__,
+    header = sim_header(
+        source_header,
         sglang_version=cfg.sglang_version,
-        server_info=dict(getattr(source_header, "server_info", {}) or {}),
-        kv_events_config=getattr(source_header, "kv_events_config", None),
         command=["kvcadence", "replay"],
         start_ns=result.schedule.anchor_ns,
-        endpoints=[endpoint],
+        endpoints=[EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)],
         sim_config=cfg.to_dict(),
     )
-    end_ns = result.schedule.anchor_ns + result.stats.virtual_ns
-    summary = result.summary()
-    summary.pop("wall_s", None)  # keep the bundle deterministic
-    with BundleWriter(out, header) as w:
-        for b in result.batches:
-            w.write_event(
-                endpoint=0,
-                seq=b.seq,
-                recv_ns=b.time_ns,
-                topic=cfg.topic,
-                payload=b.payload,
-                via=VIA_SIM,
-                epoch=0,
-                pass_index=b.pass_index,
-            )
-        from kvcadence.replay.visibility import visibility_notes
-
-        for note in visibility_notes(result):
-            w.write(note)
-        for rec in result.requests:
-            w.write(rec)
-        w.close(stats={"replay": summary}, end_ns=end_ns)
+    write_sim(
+        out,
+        header,
+        ((0, b) for b in result.batches),
+        visibility_notes(result),
+        result.requests,
+        result.summary(),
+        result.schedule.anchor_ns + result.stats.virtual_ns,
+    )
 
 
 def replay_bundle(
