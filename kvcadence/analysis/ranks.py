@@ -34,7 +34,7 @@ from typing import Any
 from kvcadence.analysis import sql as ksql
 from kvcadence.analysis.cache import Ingested, ingest
 from kvcadence.analysis.distance import ks_statistic
-from kvcadence.errors import UsageError
+from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.hitrate import CACHED_SQL, PROMPT_SQL, hit_rate
 
@@ -97,8 +97,28 @@ def request_totals(con: Any, where: str = "TRUE") -> tuple[int, int, int, float 
 REQUEST_RANK_SQL = "coalesce(dp_rank, TRY_CAST(json_extract(meta_info, '$.dp_rank') AS BIGINT), 0)"
 
 
+#: requests whose recorded ``meta_info.dp_rank`` is not a non-negative integer
+_BAD_RANK_SQL = (
+    "SELECT rid, json_extract(meta_info, '$.dp_rank')::VARCHAR FROM requests "
+    "WHERE dp_rank IS NULL AND json_extract(meta_info, '$.dp_rank') IS NOT NULL "
+    "AND json_type(json_extract(meta_info, '$.dp_rank')) <> 'NULL' "
+    "AND (json_type(json_extract(meta_info, '$.dp_rank')) NOT IN ('BIGINT', 'UBIGINT') "
+    "OR TRY_CAST(json_extract(meta_info, '$.dp_rank') AS BIGINT) < 0) LIMIT 1"
+)
+
+
+def check_request_ranks(con: Any) -> None:
+    """``InputError`` naming the first request whose ``meta_info.dp_rank`` is not a
+    non-negative integer (``served_rank``'s rule: a bad rank is never read as rank 0)."""
+    bad = ksql.rows(con, _BAD_RANK_SQL)
+    if bad:
+        rid, value = bad[0]
+        raise InputError(f"request {rid!r}: dp_rank {value} is not a non-negative integer")
+
+
 def _rank_figures(ing: Ingested, con: Any) -> dict[str, dict[str, Any]]:
     con = con if con is not None else ksql.connect(ing)
+    check_request_ranks(con)
     ranks = sorted(
         {int(r) for (r,) in ksql.rows(con, "SELECT DISTINCT dp_rank FROM batches")}
         | {int(r) for (r,) in ksql.rows(con, f"SELECT DISTINCT {REQUEST_RANK_SQL} FROM requests")}
