@@ -219,8 +219,10 @@ def parse_request_line(obj: dict[str, Any], where: str) -> RequestRecord:
 
     def meta_int(key: str) -> int | None:
         v = meta.get(key)
-        if v is None or _is_int(v):
-            return v
+        if v is None:
+            return None
+        if _is_int(v):
+            return int(v)
         raise InputError(f"{where}: field `meta_info.{key}`: expected an int, got {_kind(v)}")
 
     completion = meta_int("completion_tokens")

@@ -16,7 +16,12 @@ from typing import Any
 
 TRACE_FORMAT_CHOICES = ("auto", "mooncake", "requests")  # = replay.trace.TRACE_FORMATS + auto
 #: fleet flags that need bundles (their defaults: not asked for)
-_FLEET_FLAGS = (("route", None), ("sweep", []), ("each", False), ("align_workers", False))
+_FLEET_FLAGS: tuple[tuple[str, Any], ...] = (
+    ("route", None),
+    ("sweep", []),
+    ("each", False),
+    ("align_workers", False),
+)
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
