@@ -148,9 +148,6 @@ def _shift_to_zero(recs: list[RequestRecord]) -> None:
                 r.send_ns -= low
 
 
-_ARRIVAL_META = ("request_received_ts", "response_sent_to_client_ts")
-
-
 def read_requests_trace(path: Path, *, limit: int = 0) -> tuple[list[RequestRecord], TraceInfo]:
     """The requests of a requests JSONL (``import --requests``'s format), each line checked
     by the importer's parser plus what a replay needs (see the module docstring)."""
@@ -167,7 +164,10 @@ def read_requests_trace(path: Path, *, limit: int = 0) -> tuple[list[RequestReco
         if not r.input_ids:
             raise InputError(f"{where}: field `input_ids`: empty (nothing to replay)")
         mi = r.meta_info
-        if r.arrival_ns is None and r.send_ns is None and not any(mi.get(k) for k in _ARRIVAL_META):
+        received = mi.get("request_received_ts") or (
+            mi.get("response_sent_to_client_ts") and mi.get("e2e_latency") is not None
+        )
+        if r.arrival_ns is None and r.send_ns is None and not received:
             raise InputError(
                 f"{where}: no arrival time (give `arrival_ns`, `send_ns` or "
                 "`meta_info.request_received_ts`)"

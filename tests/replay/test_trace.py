@@ -257,6 +257,24 @@ def test_a_requests_trace_replays_like_its_imported_bundle(
     assert a == b
 
 
+def test_settings_come_from_server_info_then_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    info = tmp_path / "server_info.json"
+    info.write_text(
+        json.dumps({"page_size": 16, "max_total_num_tokens": 5000, "version": "0.5.17"})
+    )
+    out = tmp_path / "sim.kvcb"
+    argv = ["--trace", str(SAMPLE), "--server-info", str(info), "--max-total-tokens", "8000"]
+    rc, summary, _ = _replay([*argv, "--trace-limit", "30", "--out", str(out)], capsys)
+    assert rc == 0 and summary["requests"] == 30
+    header = BundleReader(out).header
+    assert header.sim_config["page_size"] == 16  # from --server-info
+    assert header.sim_config["max_total_tokens"] == 8000  # the flag wins
+    assert header.sglang_version == header.sim_config["sglang_version"] == "0.5.17"
+    assert header.server_info["max_total_num_tokens"] == 8000  # what the run used
+
+
 def test_limit_and_speedup() -> None:
     recs, info = read_trace(SAMPLE, block_tokens=BLOCK, limit=10, speedup=4)
     full, _ = read_trace(SAMPLE, "mooncake", block_tokens=BLOCK)
