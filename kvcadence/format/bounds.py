@@ -13,7 +13,8 @@ What this file owns:
   integer range check (RecursionError tracebacks); ``too_deep`` measures the depth without
   recursion, ``json_loads`` decodes with the stdlib and turns both into one ``ValueError``.
 
-Standard library only (capture, replay and analysis import it).
+Standard library only (part of the shared format package: capture, replay, admit and analysis
+import it).
 """
 
 from __future__ import annotations
