@@ -23,6 +23,7 @@ from typing import Any
 
 from kvcadence.analysis import sql
 from kvcadence.analysis.cache import Ingested
+from kvcadence.analysis.outpaths import write_atomic
 
 SCHEMA = "kvcadence.prefixes/1"
 QUANTILES: dict[str, float] = {
@@ -118,7 +119,5 @@ def write(doc: dict[str, Any], out: str | os.PathLike[str]) -> Path:
     path = Path(out)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-    from kvcadence.analysis.outpaths import write_atomic
-
     text = json.dumps(doc, indent=1) + "\n"
     return write_atomic(path, lambda tmp: tmp.write_text(text))
