@@ -313,3 +313,11 @@ def test_admit_requests_nested_20000_deep_is_one_line_naming_the_line(tmp_path, 
     f.write_text('{"rid": "a", "x": ' + "[" * DEEP + "]" * DEEP + "}\n")
     assert main(["admit", "--requests-jsonl", str(f), "--available-tokens", "9"]) == 2
     assert "q.jsonl:1: not valid JSON (nested deeper" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_sweep_refuses_non_finite_pass_times(tmp_path, capsys, value):
+    argv = ["replay", str(SAMPLE), "--sweep", f"prefill_base_s={value},0.01", "--jobs", "1"]
+    assert main([*argv, "--out", str(tmp_path / "sw"), "--quiet"]) == 2
+    assert f"{value!r} is not a valid value" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "sw").exists()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,7 +80,10 @@ def _coerce(key: str, text: str, default: Any) -> Any:
         if isinstance(default, int) or default is None:
             return int(text)
         if isinstance(default, float):
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value) or value < 0:  # a NaN pass time poisons the run
+                raise ValueError(text)
+            return value
     except ValueError:
         raise UsageError(f"--sweep {key}: {text!r} is not a valid value") from None
     return text
