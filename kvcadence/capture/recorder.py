@@ -490,7 +490,7 @@ class Recorder:
             self._write_failed = True
             raise
         n = len(burst)
-        tr.take_in_order(last_seq, n, burst[-1][2])
+        tr.take_in_order(last_seq, n, burst[-1][2], burst[-1][4])
         st = self.stats
         st.written += n
         st.bytes += nbytes
