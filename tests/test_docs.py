@@ -40,11 +40,28 @@ OTHER_FLAGS = {
     "--sampling-backend",
     "--skip-server-warmup",
     "--skip-tokenizer-init",
+    # Dynamo's mocker command and bench/peers/run_mocker.py (docs/peers.md)
+    "--block-size",
+    "--discovery-backend",
+    "--engine-type",
+    "--kv-bytes-per-token",
+    "--num-gpu-blocks-override",
+    "--response-replay-trace-path",
+    "--sglang-chunked-prefill-size",
+    "--sglang-max-prefill-tokens",
+    "--sglang-schedule-conservativeness",
+    "--sglang-schedule-policy",
+    "--speedup-ratio",
+    "--zmq-kv-events-ports",
+    "--zmq-replay-ports",
+    "--input",
+    "--speedup",
+    "--update-doc",
 }
 OUTSIDE = re.compile(
     r"\.\./shared|\.\./fixtures|shared/reference|sglang-scheduler-model|sglang-kv-events"
     r"|cadence-metrics\.md|engineering-notes|upstream-benchmarks|sglang-cpu-worker"
-    r"|peers\.md|dynamo-mocker|\bissues? ?#?\d|issue-\d|the issue\b|issue's",
+    r"|reference/peers\.md|dynamo-mocker|\bissues? ?#?\d|issue-\d|the issue\b|issue's",
     re.IGNORECASE,
 )
 

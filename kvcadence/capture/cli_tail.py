@@ -74,7 +74,9 @@ class _Pending:
 
         for p in [*metrics, *logs]:
             check_source(Path(p))
-        self.kw = {"metrics": metrics, "request_logs": logs, "from_start": backlog}
+        self.metrics: list[str | Path] = list(metrics)
+        self.logs: list[str | Path] = list(logs)
+        self.backlog = backlog
         self.page_size = ps
         self.tail: Any = None
 
@@ -82,7 +84,13 @@ class _Pending:
         """Start tailing into ``rec``'s inbox; its last read runs before the Trailer."""
         from kvcadence.capture.tail import LogTail
 
-        self.tail = LogTail(rec.submit, page_size=self.page_size, **self.kw)
+        self.tail = LogTail(
+            rec.submit,
+            metrics=self.metrics,
+            request_logs=self.logs,
+            from_start=self.backlog,
+            page_size=self.page_size,
+        )
 
         def last_read() -> None:
             rec.stats.sglang_logs = self.tail.stop().as_dict()

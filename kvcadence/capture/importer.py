@@ -475,7 +475,8 @@ class SeqBook:
 
 def _scan_frames(path: Path) -> tuple[int, dict[int, str], int | None]:
     """Validate every line; return (count, endpoint -> first topic, first recv_ns)."""
-    n, endpoints, first = 0, {}, None
+    n, first = 0, None
+    endpoints: dict[int, str] = {}
     for where, obj in _lines(path, "frames"):
         fr = parse_frame_line(obj, where)
         n += 1

@@ -39,7 +39,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -108,8 +108,8 @@ class LogTail:
         self,
         submit: Callable[[Any], None],
         *,
-        metrics: list[str | Path] = (),  # type: ignore[assignment]
-        request_logs: list[str | Path] = (),  # type: ignore[assignment]
+        metrics: Sequence[str | Path] = (),
+        request_logs: Sequence[str | Path] = (),
         from_start: bool = False,
         page_size: int = 1,
         poll_s: float = 0.25,

@@ -108,7 +108,7 @@ def build_workload(spec: str, **overrides: Any) -> Workload:
     kind, params = parse_spec(spec)
     params.update({k: v for k, v in overrides.items() if v is not None})
     classes = workload_classes()
-    cls = classes.get(kind)
+    cls: Any = classes.get(kind)  # a dataclass subclass of Workload
     if cls is None:
         raise UsageError(
             f"unknown workload {kind!r}{did_you_mean(kind, classes)}; valid: {', '.join(classes)}"

@@ -1,7 +1,8 @@
 """``kvcadence replay`` across DP ranks, workers and parameter points (flags + dispatch).
 
 What this file owns: the flags ``--route``, ``--sweep``, ``--jobs``, ``--each``,
-``--align-workers``, ``--pace`` added to the ``replay`` parser (``add_fleet_args``), and
+``--align-workers``, ``--pace``, ``--executor`` added to the ``replay`` parser
+(``add_fleet_args``), and
 ``maybe_run_fleet(args)``, which ``replay.cli.run`` calls first: it runs the fleet replay
 (``replay.fleet``) when several bundles are given, a ``--route`` is asked for, the bundle
 was captured from a ``--dp-size N > 1`` worker, or a sweep (``replay.sweep``) is asked for;
@@ -18,6 +19,7 @@ from typing import Any
 
 ROUTE_CHOICES = ("recorded", "round_robin", "shortest_queue", "cache_aware")
 PACE_CHOICES = ("auto", "recorded", "model")  # = replay.fleet.PACES (not imported: stdlib only)
+EXECUTOR_CHOICES = ("process", "ray")  # = replay.executors.EXECUTORS
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +40,22 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "above, or route) in parallel processes; --out is then a Parquet dataset directory "
         "partitioned by worker/rank/route/KEY",
     )
-    g.add_argument("--jobs", type=int, help="parallel processes for --sweep (default: CPUs)")
+    g.add_argument(
+        "--jobs",
+        type=int,
+        help="parallel processes for --sweep (default: CPUs); with --executor ray: the "
+        "private instance's CPUs, or the tasks in flight on a RAY_ADDRESS cluster (default: all)",
+    )
+    g.add_argument(
+        "--executor",
+        choices=EXECUTOR_CHOICES,
+        default="process",
+        help="where --sweep jobs run: 'process' (default) = a local process pool; 'ray' = Ray "
+        "tasks (pip install 'kvcadence[ray]') on the cluster at $RAY_ADDRESS, or, when "
+        "RAY_ADDRESS is unset, on a private Ray instance started for this run on 127.0.0.1 "
+        "(--jobs CPUs, no dashboard) and stopped at its end; every node must read the bundles "
+        "at the same path; the same Parquet dataset either way (docs/fleet.md)",
+    )
     g.add_argument(
         "--each",
         action="store_true",
@@ -97,11 +114,19 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
         ("jobs", None),
         ("each", False),
         ("pace", "auto"),
+        ("executor", "process"),
     ):
         if not hasattr(args, name):
             setattr(args, name, default)
     if not hasattr(args, "align_workers"):
         args.align_workers = False
+    if args.executor != "process" and not args.sweep:
+        from kvcadence.errors import UsageError
+
+        raise UsageError(
+            f"replay: --executor {args.executor} runs --sweep jobs; a replay without --sweep "
+            "is one simulation (give a one-point sweep, e.g. --sweep route=recorded)"
+        )
     if not _needs_fleet(args, bundles):
         args.bundle = bundles[0]
         return None
@@ -216,6 +241,7 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
         align_workers=args.align_workers,
         on_done=done,
         pace=_pace(args),
+        executor=args.executor,
     )
     wall = time.perf_counter() - t0
     table = [what_if_row(r) for r in results]
@@ -233,6 +259,8 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
 
 def what_if_row(res: dict[str, Any]) -> dict[str, Any]:
     """One line of the what-if table from a job summary (``replay.sweep.run_job``)."""
+    from kvcadence.format import hitrate
+
     t = res["totals"]
     n = max(t["requests"], 1)
     return {
@@ -240,10 +268,9 @@ def what_if_row(res: dict[str, Any]) -> dict[str, Any]:
         "point": res["point"],
         "bundles": res["bundles"],
         "requests": t["requests"],
-        "hit_rate": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
-        "recorded_hit_rate": (
-            t["recorded_cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0
-        ),
+        "hit_rate": hitrate.hit_rate(t["cached_tokens"], t["prompt_tokens"]) or 0.0,
+        "recorded_hit_rate": hitrate.hit_rate(t["recorded_cached_tokens"], t["prompt_tokens"])
+        or 0.0,
         "events_per_request": t["events"] / n,
         "stored_events_per_request": t["stored_events"] / n,
         "removed_events_per_request": t["removed_events"] / n,
