@@ -14,8 +14,8 @@ Rules (SGLang's publisher: seq starts at 0 per publisher instance, +1 per batch)
   buffered live ones. Each missing range becomes one ``Gap`` with its ``recovered`` count.
 * without a replay endpoint, or for seqs a finished replay did not return (ring moved on,
   replay dropped), the ``Gap`` says how many were recovered (possibly 0).
-* A publisher restart is seq going back to a small number after a pause: ``seq <= last``,
-  ``seq < ring_size`` (a restarted publisher counts from 0 again, and its replay ring can
+* A publisher restart is seq going back to a small number after a pause: ``seq < last``
+  (a re-sent last seq is a duplicate however late it comes), ``seq < ring_size`` (a restarted publisher counts from 0 again, and its replay ring can
   bring back what was missed of it) and at least ``restart_gap_ns`` (default 100 ms, ZMQ's
   reconnect interval: a restarted publisher cannot be heard sooner) since the previous live
   message -> a new ``Epoch``; never a gap. Any other ``seq <= last`` (a duplicated message, a
@@ -240,7 +240,7 @@ class SeqTracker:
     def _is_restart(self, m: Live) -> bool:
         """``m.seq <= last``: a restarted publisher (seq back to a small number after a
         pause), or else a duplicate / swapped / stale seq (see the module docstring)."""
-        if m.seq >= self.ring_size:
+        if m.seq >= self.ring_size or m.seq == self.last:
             return False
         return self._last_ns is None or m.recv_ns - self._last_ns >= self.restart_gap_ns
 

@@ -77,6 +77,8 @@ class SimResult:
             "wall_s": round(self.wall_s, 3),
             # production captures: how outputs and sessions were inferred (replay/production)
             **({"inferred": self.extra["inferred"]} if "inferred" in self.extra else {}),
+            # offline traces: which file and format (replay/trace)
+            **({"trace": self.extra["trace"]} if "trace" in self.extra else {}),
         }
 
 

@@ -195,3 +195,14 @@ def test_fast_path_records_the_time_of_the_last_message():
     t.take_in_order(9, 9, 5 * SEC)  # seqs 1..9 written by the caller, the last at 5 s
     t.on_live(0, "kv", b"x", 5 * SEC + 1000)  # back to 0 with no pause: a duplicate
     assert t.epoch == 0 and t.stats.duplicates == 1
+
+
+def test_the_last_seq_sent_again_after_a_pause_is_a_duplicate_not_a_restart():
+    """A re-sent last message is a duplicate however late it comes (a loaded host can hold
+    it past the restart pause); a restarted publisher starts below the last seq."""
+    t = SeqTracker(0, has_replay=True)
+    for s in range(100):
+        t.on_live(s, "kv", b"%d" % s, 1000 + s)
+    outs = t.on_live(99, "kv", b"99", 5 * SEC)
+    assert t.stats.duplicates == 1 and t.epoch == 0 and t.replay_wanted is None
+    assert not [o for o in outs if isinstance(o, (Epoch, Gap))]
