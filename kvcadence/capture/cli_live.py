@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvcadence.capture import cli_tail
 from kvcadence.errors import UsageError
 
 
@@ -85,6 +86,8 @@ def _register_capture(sub: Any) -> None:
         "  kvcadence capture --endpoint tcp://127.0.0.1:5557 --replay-endpoint "
         "tcp://127.0.0.1:5558 \\\n"
         "      --out live.kvcb --duration 60\n"
+        "  kvcadence capture --server http://127.0.0.1:30000 --sglang-metrics METRICS_DIR "
+        "--out prod.kvcb\n"
         "  kvcadence capture import --sglang-metrics METRICS_DIR run.kvcb\n",
     )
     p.add_argument("--server", metavar="URL", help="SGLang server for /server_info discovery")
@@ -98,6 +101,7 @@ def _register_capture(sub: Any) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no status line, no summary")
     _add_endpoint_opts(p)
+    cli_tail.add_options(p)
     p.set_defaults(_run=run_capture)
     modes = p.add_subparsers(title="modes", metavar="MODE", dest="capture_mode")
     imp = modes.add_parser(
@@ -309,6 +313,7 @@ def run_capture(args: argparse.Namespace) -> int:
         command=command_line(),
         workdirs=discovery.harness_workdirs(args.server, info),
     )
+    logs = cli_tail.open_tail(args, info)  # bad log paths fail before anything opens
     rec = _make_recorder(args, eps, duration_s=args.duration, until_idle_s=args.until_idle)
     try:
         writer = _open_writer(args.out, header, args.segment_mb)
@@ -317,10 +322,17 @@ def run_capture(args: argparse.Namespace) -> int:
         raise
     rec.attach(writer)
     stop = threading.Event()
-    with _stop_on_signals(stop):
-        stats = rec.run(stop)
+    try:
+        if logs is not None:
+            logs.attach(rec)
+        with _stop_on_signals(stop):
+            stats = rec.run(stop)
+    finally:
+        if logs is not None:
+            logs.abort()
     if not args.quiet:
         print(summary_text(stats, args.out), file=sys.stderr)
+    cli_tail.print_summary(logs, args.out, args.quiet)
     if stats.written == 0:
         check_recorded(stats, eps, args.out)
     return 0

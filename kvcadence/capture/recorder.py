@@ -93,6 +93,7 @@ class CaptureStats:
     decode_cpu_s: float = 0.0  # of which the deferred stats decode
     stop_reason: str = ""
     per_endpoint: dict[int, dict[str, int]] = field(default_factory=dict)
+    sglang_logs: dict[str, int] = field(default_factory=dict)  # capture.tail's counters
 
     def totals(self) -> dict[str, int]:
         keys = ("gaps", "missed", "recovered", "unrecovered", "epochs", "replays")
@@ -118,6 +119,8 @@ class CaptureStats:
         d["decode_cpu_s"] = round(self.decode_cpu_s, 4)
         d.update(self.totals())
         d["per_endpoint"] = {str(k): v for k, v in self.per_endpoint.items()}
+        if self.sglang_logs:
+            d["sglang_logs"] = dict(self.sglang_logs)
         return d
 
 
@@ -232,6 +235,9 @@ class Recorder:
         self.max_backlog_bytes = max_backlog_bytes
         self.ready = threading.Event()
         self._cpu0 = time.thread_time()
+        #: called by the capture thread once the sockets are drained, before the last inbox
+        #: drain and the Trailer (the log tail's last read: its records still get written)
+        self.before_close: Callable[[], None] | None = None
 
     # -------------------------------------------------------------- public
 
@@ -606,6 +612,8 @@ class Recorder:
         for src in self.sources:
             src.close_dealer(poller)
             self._apply(src, src.tracker.flush())
+        if self.before_close is not None:
+            self.before_close()
         self._drain_inbox()
         self._decode_backlog(None)
 
