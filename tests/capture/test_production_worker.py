@@ -163,14 +163,13 @@ def replay_and_check(capture: Path, tmp_path: Path, name: str, seed: int) -> dic
 
 
 class BarMiss(AssertionError):
-    """The bars a run is known to miss, missed exactly as recorded (the tests' strict xfail
+    """The bars a run is known to miss, missed exactly as recorded (the tests' xfail
     expects this and nothing else)."""
 
 
 def check_bars(res: dict[str, Any], known_misses: tuple[str, ...] = ()) -> None:
     """Every bar holds; or only bars in ``known_misses`` fail (``BarMiss``: the test's
-    strict xfail, which turns into a failure once every bar holds). Another bar failing is
-    a plain failure."""
+    xfail). Another bar failing is a plain failure."""
     failed = tuple(sorted(res["failed"]))
     assert set(failed) <= set(known_misses), res
     if failed:
@@ -225,7 +224,8 @@ HTTPX_CFG = {
 
 @worker
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # the misses change from run to run (timing on a shared box): a run that
+    # meets every bar must not fail the suite; any other failure still does (raises=)
     raises=BarMiss,
     reason="32 requests: the simulator (driver records and production path alike) misses "
     "Stored events/request (+8.8 %, +3.6 %), median blocks/Stored (-4.3 %, -22.4 %), Removed "
