@@ -67,6 +67,14 @@ def _add_endpoint_opts(p: argparse.ArgumentParser) -> None:
         help="do not fetch the publisher's replay ring from seq 0 at start",
     )
     g.add_argument(
+        "--from-now",
+        action="store_true",
+        help="record from the first live message on: no initial replay, and a first seq "
+        "above 0 starts the recording instead of being a gap to recover (what the worker "
+        "published before has no requests in this capture). The default when tailing "
+        "--sglang-metrics / --sglang-request-log without --sglang-backlog",
+    )
+    g.add_argument(
         "--segment-mb", type=float, default=256.0, help="segment size in MB (default 256)"
     )
 
@@ -279,9 +287,21 @@ def _make_recorder(args: argparse.Namespace, eps: list[Any], **kw: Any) -> Any:
         eps,
         replay_timeout_s=args.replay_timeout,
         initial_replay=not args.no_initial_replay,
+        from_now=from_now(args),
         status=status,
         warn_idle_s=None if args.quiet else NO_TRAFFIC_WARN_S,
         **kw,
+    )
+
+
+def from_now(args: argparse.Namespace) -> bool:
+    """``--from-now``, or a capture that tails SGLang's request files from now on: their
+    requests start at the capture, so must the events (history would have no requests)."""
+    tailing = bool(
+        getattr(args, "sglang_metrics", None) or getattr(args, "sglang_request_log", None)
+    )
+    return bool(getattr(args, "from_now", False)) or (
+        tailing and not getattr(args, "sglang_backlog", False)
     )
 
 

@@ -162,12 +162,22 @@ class StatusLine:
 
 def summary_text(st: CaptureStats, path: str) -> str:
     t = st.totals()
+    attached = sorted(
+        (int(k), d["attached_at_seq"]) for k, d in st.per_endpoint.items() if "attached_at_seq" in d
+    )
+    joined = (
+        "; attached mid-run at seq "
+        + ", ".join(f"{s} (endpoint {e})" for e, s in attached)
+        + ", earlier history not recorded"
+        if attached
+        else ""
+    )
     return (
         f"capture: {st.written} event frames ({st.messages} live, {t['recovered']} recovered "
         f"by replay), {st.events} events, blocks +{st.blocks_stored}/-{st.blocks_removed}, "
         f"{t['gaps']} gaps ({t['missed']} seqs missed, {t['unrecovered']} unrecovered), "
         f"{t['epochs']} new epochs, {st.malformed} malformed, {st.undecodable} undecodable, "
-        f"{st.requests} requests, {st.bytes / 1e6:.2f} MB -> {path} ({st.stop_reason})"
+        f"{st.requests} requests, {st.bytes / 1e6:.2f} MB -> {path} ({st.stop_reason}){joined}"
     )
 
 
@@ -181,6 +191,7 @@ class Recorder:
         *,
         replay_timeout_s: float = 2.0,
         initial_replay: bool = True,
+        from_now: bool = False,
         duration_s: float | None = None,
         until_idle_s: float | None = None,
         decode_stats: bool = True,
@@ -205,7 +216,11 @@ class Recorder:
             for e in endpoints:
                 self.sources.append(
                     EndpointSource(
-                        self.ctx, e, replay_timeout_s=replay_timeout_s, max_buffer=max_buffer
+                        self.ctx,
+                        e,
+                        replay_timeout_s=replay_timeout_s,
+                        max_buffer=max_buffer,
+                        from_now=from_now,
                     )
                 )
         except zmq.ZMQError as exc:
@@ -219,7 +234,7 @@ class Recorder:
         self._warned_idle = False
         self._start_ns = 0
         self._closed = False
-        self.initial_replay = initial_replay
+        self.initial_replay = initial_replay and not from_now
         self.duration_s = duration_s
         self.until_idle_s = until_idle_s
         self.decode_stats = decode_stats
@@ -632,7 +647,8 @@ class Recorder:
 
 def _tracker_dict(src: EndpointSource) -> dict[str, int]:
     s = src.tracker.stats
-    return {
+    attached = {} if s.attached_at_seq is None else {"attached_at_seq": s.attached_at_seq}
+    return attached | {
         "live": s.live,
         "written": s.written,
         "gaps": s.gaps,

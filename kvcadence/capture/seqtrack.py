@@ -24,6 +24,10 @@ Rules (SGLang's publisher: seq starts at 0 per publisher instance, +1 per batch)
   epoch, so one stray seq cannot make the replay ring be written again.
 * ``begin_initial_replay()`` asks for everything from seq 0 before any live message, so a late
   subscriber recovers the publisher's history even when no new traffic arrives.
+* ``from_now``: attaching to a worker that already serves traffic (a production capture that
+  records requests from now on): the first live message starts the recording
+  (``stats.attached_at_seq``), its lower seqs are neither a gap nor recovered. Later gaps and
+  restarts are handled as always.
 * Large jumps cost nothing: a missing range is handled as bounds ``[lo, hi)`` plus the frames
   actually buffered from replay (work is O(frames received), never O(seqs missed)). A forward
   jump of any size below ``MAX_SEQ`` is an ordinary gap (one ``Gap`` with the exact bounds;
@@ -106,6 +110,7 @@ class TrackerStats:
     replay_timeouts: int = 0
     rejected: int = 0  # live messages / replay replies with a seq above MAX_SEQ (ignored)
     duplicates: int = 0  # live messages with seq <= last that are not a restart (dropped)
+    attached_at_seq: int | None = None  # from_now: the seq the recording started at
 
 
 class SeqTracker:
@@ -119,8 +124,10 @@ class SeqTracker:
         max_buffer: int = 1_000_000,
         ring_size: int = DEFAULT_RING_SIZE,
         restart_gap_ns: int = DEFAULT_RESTART_GAP_NS,
+        from_now: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self.from_now = from_now
         self.has_replay = has_replay
         self.max_buffer = max_buffer
         self.ring_size = ring_size
@@ -282,6 +289,12 @@ class SeqTracker:
             self._attempted = None
         if last is None:
             if seq == 0:
+                self._emit(m, out)
+                return
+            if self.from_now and self.epoch == 0:
+                # attached to a worker already serving: the recording starts here (what it
+                # published before has no request records in this capture), not a gap
+                self.stats.attached_at_seq = seq
                 self._emit(m, out)
                 return
             self._missing(0, seq, m, "late start" if self.epoch == 0 else "restart", out)
