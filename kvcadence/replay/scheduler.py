@@ -20,7 +20,9 @@ What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §
   frees its private KV and unlocks; publishes after every prefill result, at every
   ``decode_log_interval``-th decode result counted globally (reset by a flush), and when
   fully idle (``on_idle``, which also resets ``new_token_ratio``);
-* decode memory: ``check_decode_mem`` (evict the shortfall), retraction (fewest outputs
+* decode memory: ``check_decode_mem`` (evict the shortfall; at page > 1 the allocation
+  then evicts until a page per running request is free, ``alloc_paged_token_slots_decode``'s
+  over-estimate, every pass), retraction (fewest outputs
   first, ties longest prompt; no store; evict ``remaining × 20`` tokens; re-queue;
   ratio reset), abort of waiting / running requests, flushes (``AllBlocksCleared`` alone);
 * closed-loop clients: a lane's next request arrives ``gap`` after its predecessor finishes,
@@ -763,6 +765,9 @@ class Scheduler:
                 return None
         else:
             self.tracker.on_decode_steps(1)
+        if ps > 1:
+            # alloc_paged_token_slots_decode over-estimates: one new page per request
+            self._evict_for(len(running) * ps)
         if ps == 1:
             for r in running:
                 r.alloc += 1
@@ -999,7 +1004,8 @@ class Scheduler:
                 k = r.kv_len
                 need += ps * ((k + m - 1) // ps - (k - 1) // ps)
         stepped = 0  # leading passes booked as stepped one at a time
-        if self.available() < need:
+        # page > 1: every pass's allocation evicts unless a page per request is free
+        if self.available() < need + (len(running) * ps if ps > 1 else 0):
             m, stepped = self._evict_through_stretch(m)
             if m < 2:
                 return None
@@ -1072,16 +1078,22 @@ class Scheduler:
         private = self.private_total
         needs = self._stretch_needs(m)
         left = sum(needs)  # allocations of this pass and the ones after it
+        ps = self.ps
+        page_each = len(self.running) * ps if ps > 1 else 0  # the allocation's own target
         stepped = -1
         for j, need in enumerate(needs):
             avail = cap - tree.total_size - private
-            if stepped < 0 and j > 0 and m - j >= 2 and avail >= left:
+            if stepped < 0 and j > 0 and m - j >= 2 and avail >= left + page_each:
                 stepped = j  # from here the step's own stretch check would have passed
             if avail < need:
                 if tree.evict(need - avail):
                     self.stats.evictions += 1
                 if cap - tree.total_size - private < need:
                     return j, j
+            if page_each:
+                avail = cap - tree.total_size - private
+                if avail < page_each and tree.evict(page_each - avail):
+                    self.stats.evictions += 1
             private += need
             left -= need
         return m, (m if stepped < 0 else stepped)
