@@ -19,6 +19,7 @@ A DP capture (``dp_size`` > 1) is replayed as the fleet replays a multi-rank wor
 
 from __future__ import annotations
 
+import atexit
 import random
 import sys
 import tempfile
@@ -88,6 +89,14 @@ def production_bundle(name: str, out: Path) -> Path:
 
 
 @cache
+def _workdir() -> Path:
+    """One temporary directory for every replay of this process, removed at exit."""
+    tmp = tempfile.TemporaryDirectory(prefix="kvcadence-corpus-")
+    atexit.register(tmp.cleanup)
+    return Path(tmp.name)
+
+
+@cache
 def replayed(name: str, path: str = "driver") -> dict[str, dict]:
     """``figure -> compare_ranks row`` (rank ``all``) of capture ``name`` replayed with the
     driver's records (``path="driver"``) or as a production capture (``"production"``)."""
@@ -99,7 +108,7 @@ def replayed(name: str, path: str = "driver") -> dict[str, dict]:
     )
     from kvcadence.replay.simulator import replay_bundle
 
-    out = Path(tempfile.mkdtemp(prefix=f"corpus-{name}-"))
+    out = _workdir() / f"{name}-{path}"
     src = CORPUS / name / "bundle"
     if path == "production":
         src = production_bundle(name, out / "real")
