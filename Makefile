@@ -1,5 +1,5 @@
 # Two commands do the whole set-up on a fresh machine:
-#   make test   create .venv, install kvcadence with its test and kernels extras, lint, run the tests
+#   make test   create .venv, install kvcadence with its test, kernels and ray extras, lint, run the tests
 #   make test-fast  the same without the real SGLang worker, the real PrefillAdder and torchrun
 #   make demo   create .venv, install, run the main job (kvcadence demo)
 VENV ?= .venv
@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q 'torch==2.13.0'
-	$(PY) -m pip install -q -e '.[test,kernels]'
+	$(PY) -m pip install -q -e '.[test,kernels,ray]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -20,6 +20,7 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check kvcadence tests bench bench/run
 	$(PY) -m ruff format --check kvcadence tests bench bench/run
+	$(PY) -m mypy kvcadence/format
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -25,7 +25,7 @@ import time
 from common import add_output_args, figure, goal, write_results
 
 from kvcadence.admit.real import compare, run_real_many, sglang_available
-from kvcadence.admit.ticks import AdmitConfig, RequestSpec, run_admission
+from kvcadence.admit.ticks import AdmitConfig, QueuedRequest, run_admission
 
 CONFIGS = [
     AdmitConfig(available_tokens=400_000),
@@ -34,14 +34,14 @@ CONFIGS = [
 ]
 
 
-def queues(n: int, seed: int) -> list[list[RequestSpec]]:
+def queues(n: int, seed: int) -> list[list[QueuedRequest]]:
     rng = random.Random(seed)
     out = []
     for q in range(n):
         size = rng.randint(16, 96)
         out.append(
             [
-                RequestSpec(
+                QueuedRequest(
                     f"q{q}r{i}",
                     rng.choice([0, 0, 1024, 4096, rng.randrange(0, 8192)]),
                     rng.choice([0, 0, 0, 512, 4096, rng.randrange(0, 8192)]),

@@ -13,7 +13,7 @@ measures in the same run:
 
 The whole process is pinned to one CPU (``sched_setaffinity``) so "one core" is literal.
 
-Goals (issue 6): ingest >= 50 MB/s; report on 1M events <= 10 s on one core.
+Goals: ingest >= 50 MB/s; report on 1M events <= 10 s on one core.
 Usage: ``python bench/bench_analysis.py [--events N] [--dir DIR [--reuse]] [--skip-report]
 [--quick] [--json PATH]`` (default 1M events, the size the goals name; ``--quick``: 20k;
 ``--json``: the figures for ``bench/run``, see ``bench/common.py``; the report goal is

@@ -9,7 +9,7 @@ to a baseline measured in the same run on the same payloads:
 * full decode      same baseline; records() + ``wire.decode_batch`` on every payload
 
 Goals (one core): envelope read >= 150 MB/s, full decode >= 50 MB/s. Nothing decoded is kept
-(engineering-notes 2.4: keeping hundreds of thousands of structs with lists wakes the cyclic
+(docs/format.md: keeping hundreds of thousands of structs with lists wakes the cyclic
 GC and costs 3-4x), so the numbers are steady-state throughput.
 
     .venv/bin/python bench/bench_bundle.py [--frames 200000] [--requests 2000] [--quick]

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
-from collections.abc import Sequence
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
 
 from kvcadence import __version__
-from kvcadence.errors import KvcadenceError
+from kvcadence.errors import KvcadenceError, exit_code_table
 
 # (stage, module) in the order they appear in --help.
 COMMAND_MODULES: tuple[tuple[str, str], ...] = (
@@ -42,13 +45,52 @@ kvcadence: does a simulator reproduce what a real SGLang worker publishes?
   kernels   replay observed prefix sizes through torch.distributed collectives
 """
 
+EPILOG = """\
+examples:
+  kvcadence demo                                   # the whole pipeline on the shipped sample
+  kvcadence replay run.kvcb --out sim.kvcb         # simulate a capture
+  kvcadence report run.kvcb sim.kvcb --out report/ # real vs sim, exit 3 when a gate fails
+  kvcadence COMMAND --help                         # every flag of one command, with examples
+
+"""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Fills prose paragraphs to the terminal width but keeps a paragraph whose lines are
+    indented (examples, tables, lists) exactly as written. Every kvcadence parser uses it,
+    so a description can be one long string and an epilog a block of example commands."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in re.split(r"\n[ \t]*\n", text.strip("\n")):
+            lines = para.splitlines()
+            if any(line[:1].isspace() for line in lines):
+                out.append("\n".join(indent + line for line in lines))
+            else:
+                flat = " ".join(line.strip() for line in lines)
+                out.append(textwrap.fill(flat, width, initial_indent=indent,
+                                         subsequent_indent=indent))  # fmt: skip
+        return "\n\n".join(out)
+
+
+def walk_parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ("kvcadence",)
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every parser of the command tree with its command path, parents first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from walk_parsers(child, (*path, name))
+
 
 def build_parser(stages: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """Build the parser with every registered command (or only those of ``stages``)."""
     parser = argparse.ArgumentParser(
         prog="kvcadence",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG + exit_code_table(),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvcadence {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -62,13 +104,17 @@ def build_parser(stages: Sequence[str] | None = None) -> argparse.ArgumentParser
                 continue  # stage not built yet
             raise
         module.register(sub)
+    for _, p in walk_parsers(parser):
+        p.formatter_class = HelpFormatter
     return parser
 
 
 def main(argv: Sequence[str] | None = None, stages: Sequence[str] | None = None) -> int:
-    """Run one command; return its exit code (0 ok, 1 error, 2 usage, 3 gate failed)."""
+    """Run one command; return its exit code (``kvcadence.errors.EXIT_CODES``)."""
+    started = time.perf_counter()  # "wall" in a summary is the whole command from here
     parser = build_parser(stages)
     args = parser.parse_args(argv)
+    args._started = started
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help()

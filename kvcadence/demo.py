@@ -65,10 +65,14 @@ def register(sub: Any) -> None:
         description=(
             "Run inspect -> replay -> report (real vs sim) -> prefixes -> collectives (gloo, "
             "world 2) -> admit on a real SGLang 0.5.23 capture (default: the sample bundle "
-            "under examples/), then print the headline cadence metrics real vs sim, the "
+            "shipped with kvcadence), then print the headline cadence metrics real vs sim, the "
             "winning collective path per size range, admission's stop reasons and where the "
             "report is. Each step's output goes to DIR/logs/."
         ),
+        epilog="examples:\n"
+        "  kvcadence demo\n"
+        "  kvcadence demo --out out/my-demo --bundle run.kvcb --keep-going\n"
+        "  kvcadence demo --live --requests 16   # needs 'kvcadence harness setup' first\n",
     )
     p.add_argument(
         "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output directory ({DEFAULT_OUT})"
@@ -141,8 +145,13 @@ class Layout:
 
 
 def default_bundle() -> Path:
-    """The embedded sample: ``examples/`` of the checkout this package runs from."""
-    return Path(__file__).resolve().parent.parent / "examples" / EXAMPLE_NAME
+    """The embedded sample: ``kvcadence/_data/`` of an installed wheel (the build copies it
+    there, see pyproject.toml), else ``examples/`` of the checkout this package runs from."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "_data" / EXAMPLE_NAME
+    if packaged.is_dir():
+        return packaged
+    return here.parent / "examples" / EXAMPLE_NAME
 
 
 def _usage(msg: str) -> Exception:
@@ -290,7 +299,10 @@ def _digest_replay(log: Path) -> list[str]:
 
 
 def _digest_report(log: Path) -> list[str]:
-    return _grep(log, ("GATE", "report:"))
+    # the report's own progress lines ("report: drawing plots ...", "report: done in") stay
+    # in the log, out of the digest
+    lines = _grep(log, ("GATE", "report:"), limit=50)
+    return [ln for ln in lines if not ln.endswith(" ...") and " done in " not in ln][:6]
 
 
 def _digest_prefixes(log: Path) -> list[str]:
@@ -370,8 +382,11 @@ def summarize(lay: Layout) -> dict[str, Any]:
                     {
                         "payload": rec.get("payload"),
                         "winner": rec.get("winner"),
+                        "leader": rec.get("leader"),
+                        "within_spread": rec.get("within_spread", []),
+                        "repeat": rec.get("repeat"),
                         "expected_vs_dense": rec.get("expected_vs_dense", {}).get(
-                            rec.get("winner")
+                            rec.get("winner") or rec.get("leader")
                         ),
                         "ranges": rec.get("ranges", []),
                         "backend": rec.get("backend"),
@@ -440,17 +455,25 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         for c in col:
             ratio = c.get("expected_vs_dense")
             r = f" ({ratio:.2f}x dense)" if isinstance(ratio, (int, float)) else ""
-            lines.append(
-                f"  {c['payload']}: winner under the distribution {_short_path(c['winner'])}{r}"
-            )
+            if c.get("winner") or "leader" not in c:
+                lines.append(
+                    f"  {c['payload']}: winner under the distribution {_short_path(c['winner'])}{r}"
+                )
+            else:  # the fastest median is inside the others' spread: say so, name no winner
+                tied = ", ".join(_short_path(p) for p in c.get("within_spread") or [])
+                lines.append(
+                    f"  {c['payload']}: no clear winner ({_short_path(c['leader'])} fastest "
+                    f"median{r}, {tied} within its p25-p75 spread over {c.get('repeat')} repeats)"
+                )
             ranges = c.get("ranges", [])
             weighted = [rg for rg in ranges if rg.get("weight", 0) > 0]
             for rg in weighted:
                 lo, hi = rg.get("from_tokens"), rg.get("to_tokens")
                 span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+                noise = "" if rg.get("clear", True) else "  (within the spread)"
                 lines.append(
                     f"    {span + ' tokens':<18}{_short_path(rg.get('path')):<24}"
-                    f"{rg.get('weight', 0) * 100:4.0f}% of requests"
+                    f"{rg.get('weight', 0) * 100:4.0f}% of requests{noise}"
                 )
             if len(weighted) < len(ranges):
                 lines.append(
@@ -528,7 +551,7 @@ def _plan(lay: Layout, settings: Callable[[], dict[str, Any]]) -> list[Step]:
                 "--warmup",
                 "2",
                 "--repeat",
-                "5",
+                "20",  # enough for the p25-p75 spread that decides "winner" vs "no clear winner"
                 "--out",
                 str(lay.collectives),
             ],  # fmt: skip
@@ -637,9 +660,9 @@ def run_demo(args: argparse.Namespace) -> int:
             src = default_bundle()
             if not _is_bundle(src):
                 raise _usage(
-                    f"the embedded sample bundle examples/{EXAMPLE_NAME} is missing (it ships "
-                    "with the source checkout): run `make demo` in a kvcadence checkout, or "
-                    "pass --bundle B"
+                    f"the sample bundle {EXAMPLE_NAME} is missing (it ships inside the wheel "
+                    "as kvcadence/_data/ and in a source checkout's examples/): reinstall "
+                    "kvcadence, run `make demo` in a checkout, or pass --bundle B"
                 )
 
     plan = _plan(lay, lambda: _server_settings(lay.real))

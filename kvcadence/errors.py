@@ -11,6 +11,7 @@ line (``kvcadence: error: ...``) and exits with ``exit_code``::
     │   ├── FormatVersionError     exit 1   unknown major format version (refused)
     │   └── CorruptFrameError      exit 1   a frame failed its CRC / length check (strict reads)
     ├── CaptureError               exit 1   ZMQ / HTTP capture failures (endpoint, discovery, disk)
+    │   └── NothingCaptured        exit 4   a capture ended without recording one KV-event message
     ├── ReplayError                exit 1   the simulator met an impossible state or config
     ├── KernelsError               exit 1   collective benchmark failure (verification mismatch)
     ├── HarnessError               exit 1   the real-SGLang CPU harness could not be set up/run
@@ -58,6 +59,13 @@ class CaptureError(KvcadenceError):
     """Live capture or driving failed (endpoint, discovery, HTTP, disk)."""
 
 
+class NothingCaptured(CaptureError):
+    """A capture ran to its end and recorded zero KV-event messages (exit 4): the bundle is
+    written, but the endpoint was probably wrong or the worker had KV events off."""
+
+    exit_code = 4
+
+
 class ReplayError(KvcadenceError):
     """The simulator cannot run with the given schedule or configuration."""
 
@@ -76,7 +84,26 @@ class GateFailed(KvcadenceError):
     exit_code = 3
 
 
+#: Every exit code of the ``kvcadence`` command (shown by ``kvcadence --help``; the README
+#: carries the same table).
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (0, "success (report: every gate passed)"),
+    (1, "run-time error: capture/replay/kernels/harness failure, unreadable bundle"),
+    (2, "usage or input error: bad flag, missing or malformed input file"),
+    (3, "a data-quality or fidelity gate failed (report)"),
+    (4, "capture recorded zero KV-event messages (wrong endpoint? KV events off?)"),
+    (130, "interrupted (Ctrl-C)"),
+)
+
+
+def exit_code_table() -> str:
+    """``EXIT_CODES`` as the indented text block of ``kvcadence --help``."""
+    return "exit codes:\n" + "".join(f"  {code:<4} {text}\n" for code, text in EXIT_CODES)
+
+
 __all__ = [
+    "EXIT_CODES",
+    "exit_code_table",
     "KvcadenceError",
     "UsageError",
     "InputError",
@@ -85,6 +112,7 @@ __all__ = [
     "FormatVersionError",
     "CorruptFrameError",
     "CaptureError",
+    "NothingCaptured",
     "ReplayError",
     "KernelsError",
     "HarnessError",

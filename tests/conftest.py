@@ -51,3 +51,58 @@ def sglang_harness():
     except (HarnessError, OSError) as exc:
         pytest.fail(f"real-SGLang harness cannot be set up here: {exc}")
     return harness
+
+
+@pytest.fixture(scope="session")
+def mocker_recording() -> Path:
+    """``tests/data/peers/mocker-dynamo-1.6.1``: Dynamo's mocker run on the fixture's workload,
+    recorded live (see its README)."""
+    return data_path("peers", "mocker-dynamo-1.6.1")
+
+
+@pytest.fixture(scope="session")
+def mocker_frames(mocker_recording) -> list[dict]:
+    """The recording's frames JSONL lines (gunzipped)."""
+    import gzip
+    import json
+
+    with gzip.open(mocker_recording / "frames.jsonl.gz", "rt") as fh:
+        return [json.loads(line) for line in fh]
+
+
+@pytest.fixture(scope="session")
+def mocker_bundles(
+    tmp_path_factory, fixture_dir, mocker_recording, mocker_frames
+) -> tuple[Path, Path]:
+    """(real, mocker) bundles: the fixture imported, and the mocker's recording imported with
+    its requests joined to the fixture's token ids by rid."""
+    import json
+
+    from kvcadence.cli import main
+
+    tmp = tmp_path_factory.mktemp("peers")
+    real = tmp / "real.kvcb"
+    args = ["import", "--frames", str(fixture_dir / "events.jsonl")]
+    args += ["--requests", str(fixture_dir / "requests.jsonl")]
+    args += ["--server-info", str(fixture_dir / "server_info.json"), "--out", str(real)]
+    assert main(args) == 0
+    tokens = {}
+    with open(fixture_dir / "requests.jsonl") as fh:
+        for line in fh:
+            r = json.loads(line)
+            tokens[r["rid"]] = (r["input_ids"], r["output_ids"])
+    frames = tmp / "mocker-frames.jsonl"
+    frames.write_text("".join(json.dumps(f) + "\n" for f in mocker_frames))
+    reqs = tmp / "mocker-requests.jsonl"
+    with open(mocker_recording / "requests.jsonl") as fh, open(reqs, "w") as out:
+        for line in fh:
+            r = json.loads(line)
+            r["input_ids"], r["output_ids"] = tokens[r["rid"]]
+            assert r.pop("n_output") == len(r["output_ids"])  # the outputs came back as recorded
+            out.write(json.dumps(r) + "\n")
+    mocker = tmp / "mocker.kvcb"
+    assert (
+        main(["import", "--frames", str(frames), "--requests", str(reqs), "--out", str(mocker)])
+        == 0
+    )
+    return real, mocker

@@ -31,7 +31,21 @@ examples:
     --cp-max-total-extend-tokens 65536 --cp-max-batch-requests 8 --output text
   kvcadence admit --requests-jsonl requests.jsonl --available-tokens 200000 \\
     --cp-max-total-extend-tokens 65536 --cp-max-total-cached-tokens 131072 --output json
+  kvcadence admit --bundle run.kvcb --output text
+  kvcadence admit --bundle run.kvcb --available-tokens 500 --chunked-prefill-size 256
+
+With --bundle, --page-size, --chunked-prefill-size, --available-tokens (the KV pool),
+--max-prefill-tokens and --max-running-requests default to the capture's /server_info
+(the flags still override); the text output names where each came from.
 """
+
+#: built-in defaults of the budget flags (used when neither a flag nor a bundle gives one)
+DEFAULTS = {
+    "page_size": 64,
+    "chunked_prefill_size": 8192,
+    "max_prefill_tokens": 16384,
+    "max_running_requests": None,
+}
 
 
 def _nonneg_int(text: str) -> int:
@@ -76,7 +90,8 @@ def register(sub: Any) -> None:
         "--bundle",
         metavar="B",
         help="a capture bundle: each request's cached tokens at admission (L1 = cached_tokens, "
-        "L2 = the host part when SGLang reported one), extend = prompt - cached",
+        "L2 = the host part when SGLang reported one), extend = prompt - cached; the budgets "
+        "default to its /server_info",
     )
     src.add_argument("--l1-cached-tokens", default="0", metavar="LIST", help="comma list (grid)")
     src.add_argument("--l2-cached-tokens", default="0", metavar="LIST", help="comma list (grid)")
@@ -93,23 +108,40 @@ def register(sub: Any) -> None:
     b.add_argument(
         "--available-tokens",
         type=_nonneg_int,
-        required=True,
+        default=None,
+        metavar="N",
         help="free KV slots of the fake allocator (the waiting requests' L1 prefixes are "
-        "resident on top of this, evictable until admitted)",
+        "resident on top of this, evictable until admitted); required unless --bundle "
+        "records the KV pool (max_total_num_tokens)",
     )
-    b.add_argument("--max-prefill-tokens", type=_nonneg_int, default=16384)
+    b.add_argument(
+        "--max-prefill-tokens",
+        type=_nonneg_int,
+        default=None,
+        metavar="N",
+        help="prefill token budget per tick (default: the bundle's, else 16384)",
+    )
     b.add_argument(
         "--chunked-prefill-size",
         type=int,
-        default=8192,
-        help="chunk budget per tick; -1 or 0 disables chunking (default 8192)",
+        default=None,
+        metavar="N",
+        help="chunk budget per tick; -1 or 0 disables chunking (default: the bundle's, else 8192)",
     )
-    b.add_argument("--page-size", type=_pos_int, default=64)
+    b.add_argument(
+        "--page-size",
+        type=_pos_int,
+        default=None,
+        metavar="N",
+        help="tokens per KV page (default: the bundle's, else 64)",
+    )
     b.add_argument(
         "--max-running-requests",
         type=_pos_int,
         default=None,
-        help="scheduler cap: stop when the batch reaches max_running - running (default: none)",
+        metavar="N",
+        help="scheduler cap: stop when the batch reaches max_running - running (default: the "
+        "bundle's, else none)",
     )
     b.add_argument(
         "--new-token-ratio",
@@ -139,9 +171,12 @@ def register(sub: Any) -> None:
         "accepted requests' tokens accumulate page-aligned; a request that would exceed a "
         "limit stops the batch when it is not empty; a single request over a limit runs alone.",
     )
-    cp.add_argument("--cp-max-total-extend-tokens", type=_pos_int, default=None, metavar="N")
-    cp.add_argument("--cp-max-total-cached-tokens", type=_pos_int, default=None, metavar="N")
-    cp.add_argument("--cp-max-batch-requests", type=_pos_int, default=None, metavar="N")
+    cp.add_argument("--cp-max-total-extend-tokens", type=_pos_int, default=None, metavar="N",
+                    help="limit on the batch's page-aligned extend tokens (default: none)")  # fmt: skip
+    cp.add_argument("--cp-max-total-cached-tokens", type=_pos_int, default=None, metavar="N",
+                    help="limit on the batch's page-aligned cached tokens (default: none)")  # fmt: skip
+    cp.add_argument("--cp-max-batch-requests", type=_pos_int, default=None, metavar="N",
+                    help="limit on the requests in one batch (default: none)")  # fmt: skip
 
     o = p.add_argument_group("run and output")
     o.add_argument(
@@ -149,9 +184,13 @@ def register(sub: Any) -> None:
         action="store_true",
         help="running requests finish between ticks and free their KV (default: they keep it)",
     )
-    o.add_argument("--max-ticks", type=_pos_int, default=100_000)
-    o.add_argument("--output", choices=("text", "json", "jsonl"), default="text")
+    o.add_argument("--max-ticks", type=_pos_int, default=100_000, metavar="N",
+                   help="stop after N ticks (default 100000)")  # fmt: skip
+    o.add_argument("--output", choices=("text", "json", "jsonl"), default="text",
+                   help="text (a table per tick), json (one document) or jsonl (a line per "
+                   "tick) (default text)")  # fmt: skip
     o.add_argument("--out", metavar="FILE", help="write the output here instead of stdout")
+    o.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.set_defaults(_run=run)
 
 
@@ -162,8 +201,13 @@ def run(args: argparse.Namespace) -> int:
         requests_from_bundle,
         synthetic_grid,
     )
-    from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, AdmitConfig, render, run_admission
+    from kvcadence.admit.render import render
+    from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, AdmitConfig, run_admission
 
+    if args.out:  # checked before any work: never replaced without --force, never in a bundle
+        from kvcadence.outguard import refuse_out_file
+
+        refuse_out_file(args.out, "--out", force=args.force)
     mnt = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
     if args.synthetic_grid:
         specs = synthetic_grid(
@@ -179,12 +223,13 @@ def run(args: argparse.Namespace) -> int:
         specs = requests_from_bundle(args.bundle, max_new_tokens=mnt)
     if args.new_token_ratio != args.new_token_ratio:  # NaN
         raise UsageError("--new-token-ratio must be a number")
+    budgets = resolve_budgets(args)
     cfg = AdmitConfig(
-        available_tokens=args.available_tokens,
-        max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        page_size=args.page_size,
-        max_running_requests=args.max_running_requests,
+        available_tokens=budgets["available_tokens"],
+        max_prefill_tokens=budgets["max_prefill_tokens"],
+        chunked_prefill_size=budgets["chunked_prefill_size"],
+        page_size=budgets["page_size"],
+        max_running_requests=budgets["max_running_requests"],
         new_token_ratio=args.new_token_ratio,
         semantics=args.semantics,
         cp_max_total_extend_tokens=args.cp_max_total_extend_tokens,
@@ -195,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         max_ticks=args.max_ticks,
     )
     result = run_admission(specs, cfg)
+    if args.bundle and args.output == "text":
+        print(f"admit: settings {_origin_line(args, budgets)}", file=sys.stderr)
     if args.out:
         try:
             with open(args.out, "w", encoding="utf-8") as fh:
@@ -204,3 +251,45 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(result, args.output, sys.stdout)
     return 0
+
+
+def resolve_budgets(args: argparse.Namespace) -> dict[str, Any]:
+    """The budget settings: a flag when given, else (``--bundle``) the capture's
+    ``/server_info``, else ``DEFAULTS``. ``UsageError`` when no KV pool is known."""
+    from_bundle: dict[str, int] = {}
+    if args.bundle:
+        from kvcadence.admit.inputs import bundle_settings
+
+        from_bundle = bundle_settings(args.bundle)
+    out: dict[str, Any] = {}
+    for dest in ("available_tokens", *DEFAULTS):
+        flag = getattr(args, dest)
+        out[dest] = flag if flag is not None else from_bundle.get(dest, DEFAULTS.get(dest))
+    if out["available_tokens"] is None:
+        where = (
+            f"{args.bundle} records no KV pool (max_total_num_tokens)"
+            if args.bundle
+            else "no --bundle"
+        )
+        raise UsageError(f"admit needs --available-tokens N ({where})")
+    args._from_bundle = {k for k in from_bundle if getattr(args, k) is None}
+    return out
+
+
+def _origin_line(args: argparse.Namespace, budgets: dict[str, Any]) -> str:
+    """``page 1 (bundle), chunk 4096 (bundle), pool 500 (flag), ...``."""
+    names = {
+        "page_size": "page",
+        "chunked_prefill_size": "chunk",
+        "available_tokens": "pool",
+        "max_prefill_tokens": "max_prefill",
+        "max_running_requests": "max_running",
+    }
+    used = getattr(args, "_from_bundle", set())
+    parts = []
+    for dest, name in names.items():
+        origin = (
+            "bundle" if dest in used else ("flag" if getattr(args, dest) is not None else "default")
+        )
+        parts.append(f"{name} {budgets[dest]} ({origin})")
+    return ", ".join(parts)

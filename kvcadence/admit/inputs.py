@@ -1,6 +1,6 @@
-"""Inputs of ``kvcadence admit``: the waiting queue as a list of ``RequestSpec``.
+"""Inputs of ``kvcadence admit``: the waiting queue as a list of ``QueuedRequest``.
 
-Three sources, one result type (``kvcadence.admit.ticks.RequestSpec``):
+Three sources, one result type (``kvcadence.admit.ticks.QueuedRequest``):
 
 * ``synthetic_grid`` -- the Cartesian product of comma lists of L1 / L2 / extend token counts,
   repeated ``repeat`` times (rids ``g<index>``);
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, RequestSpec
+from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, QueuedRequest
 from kvcadence.errors import InputError, UsageError
 
 REQUEST_FIELDS = (
@@ -62,11 +62,11 @@ def synthetic_grid(
     *,
     repeat: int = 1,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-) -> list[RequestSpec]:
+) -> list[QueuedRequest]:
     """The Cartesian product ``l1 x l2 x extend`` (in that nesting order), ``repeat`` times."""
     if repeat < 1:
         raise UsageError(f"--repeat must be >= 1, got {repeat}")
-    specs: list[RequestSpec] = []
+    specs: list[QueuedRequest] = []
     for _ in range(repeat):
         for a in l1:
             for b in l2:
@@ -74,7 +74,7 @@ def synthetic_grid(
                     if c < 1:
                         raise UsageError("--extend-tokens: every value must be >= 1")
                     specs.append(
-                        RequestSpec(
+                        QueuedRequest(
                             rid=f"g{len(specs)}",
                             l1=a,
                             l2=b,
@@ -96,7 +96,7 @@ def _int_field(obj: dict[str, Any], key: str, where: str, *, minimum: int) -> in
 
 def parse_request_obj(
     obj: Any, where: str, index: int, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-) -> RequestSpec:
+) -> QueuedRequest:
     """Validate one decoded JSON request (``where`` names file and line in errors)."""
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -118,14 +118,14 @@ def parse_request_obj(
     priority = None
     if obj.get("priority") is not None:
         priority = _int_field(obj, "priority", where, minimum=-(2**62))
-    return RequestSpec(rid=rid, l1=l1, l2=l2, extend=ext, max_new_tokens=mnt, priority=priority)
+    return QueuedRequest(rid=rid, l1=l1, l2=l2, extend=ext, max_new_tokens=mnt, priority=priority)
 
 
 def parse_request_lines(
     lines: Iterable[str], name: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-) -> list[RequestSpec]:
+) -> list[QueuedRequest]:
     """Parse JSONL text lines (blank lines skipped); rids must be unique."""
-    specs: list[RequestSpec] = []
+    specs: list[QueuedRequest] = []
     seen: dict[str, int] = {}
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -147,7 +147,7 @@ def parse_request_lines(
 
 def read_requests_jsonl(
     path: str | Path, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-) -> list[RequestSpec]:
+) -> list[QueuedRequest]:
     """Read a requests JSONL file (``InputError`` naming line and field on bad content)."""
     path = Path(path)
     try:
@@ -179,7 +179,7 @@ def _cached_split(record: Any) -> tuple[int, int] | None:
 
 def specs_from_request_records(
     records: Sequence[Any], name: str, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-) -> list[RequestSpec]:
+) -> list[QueuedRequest]:
     """Turn captured ``RequestRecord``s into specs, in arrival order (``send_ns`` when known)."""
     indexed = list(enumerate(records))
     indexed.sort(
@@ -188,7 +188,7 @@ def specs_from_request_records(
             ir[0],
         )
     )
-    specs: list[RequestSpec] = []
+    specs: list[QueuedRequest] = []
     for _, rec in indexed:
         where = f"{name}: request {rec.rid!r}"
         split = _cached_split(rec)
@@ -209,7 +209,7 @@ def specs_from_request_records(
             l1 = min(l1, prompt - 1)
             l2 = max(0, prompt - 1 - l1)
         mnt = rec.max_new_tokens if rec.max_new_tokens is not None else max_new_tokens
-        specs.append(RequestSpec(rid=rec.rid, l1=l1, l2=l2, extend=extend, max_new_tokens=mnt))
+        specs.append(QueuedRequest(rid=rec.rid, l1=l1, l2=l2, extend=extend, max_new_tokens=mnt))
     if not specs:
         raise InputError(f"{name}: the bundle has no request records")
     return specs
@@ -217,7 +217,7 @@ def specs_from_request_records(
 
 def requests_from_bundle(
     path: str | Path, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-) -> list[RequestSpec]:
+) -> list[QueuedRequest]:
     """The waiting queue built from a capture bundle's request records."""
     path = Path(path)
     if not path.exists():
@@ -228,3 +228,42 @@ def requests_from_bundle(
         raise UsageError(f"--bundle needs kvcadence.format.bundle ({exc})") from None
     reader = BundleReader(path)
     return specs_from_request_records(reader.requests(), str(path), max_new_tokens=max_new_tokens)
+
+
+#: ``admit`` flag (dest) -> the ``/server_info`` setting it defaults to under ``--bundle``
+BUNDLE_SETTINGS = (
+    ("page_size", "page_size"),
+    ("chunked_prefill_size", "chunked_prefill_size"),
+    ("available_tokens", "max_total_num_tokens"),
+    ("max_prefill_tokens", "max_prefill_tokens"),
+    ("max_running_requests", "max_running_requests"),
+)
+
+
+def bundle_settings(path: str | Path) -> dict[str, int]:
+    """The worker settings of a capture bundle's ``/server_info`` snapshot as ``admit``
+    options (``BUNDLE_SETTINGS``): only those recorded as integers. A recorded chunked prefill
+    size of none or <= 0 (chunking off) becomes -1; the KV pool becomes ``available_tokens``."""
+    from kvcadence.format.bundle import BundleReader
+
+    info = BundleReader(Path(path)).header.server_info
+    if not isinstance(info, dict) or not info:
+        return {}
+    # top level first, then internal_states[0] (where SGLang puts max_total_num_tokens)
+    states = info.get("internal_states")
+    inner = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+    snap = {key: info[key] if key in info else inner.get(key) for _, key in BUNDLE_SETTINGS}
+    stored = info.get("kvcadence_snapshot")
+    if isinstance(stored, dict):
+        snap.update({k: v for k, v in stored.items() if v is not None})
+    out: dict[str, int] = {}
+    for dest, key in BUNDLE_SETTINGS:
+        v = snap.get(key)
+        if dest == "chunked_prefill_size" and (v is None or (isinstance(v, int) and v <= 0)):
+            recorded = key in info or (isinstance(stored, dict) and key in stored)
+            if recorded:
+                out[dest] = -1  # the worker ran without chunked prefill
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[dest] = v
+    return out

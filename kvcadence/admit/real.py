@@ -19,7 +19,7 @@ from typing import Any
 from kvcadence.admit.ticks import (
     AdmitConfig,
     AdmitResult,
-    RequestSpec,
+    QueuedRequest,
     classify_stop,
     specs_to_jobs,
 )
@@ -83,7 +83,7 @@ def driver_config(cfg: AdmitConfig) -> dict[str, Any]:
 
 
 def run_real_many(
-    cases: Sequence[tuple[AdmitConfig, Sequence[Sequence[RequestSpec]]]],
+    cases: Sequence[tuple[AdmitConfig, Sequence[Sequence[QueuedRequest]]]],
     *,
     timing_repeats: int = 0,
     timeout_s: float = 600.0,

@@ -2,8 +2,7 @@
 
 Owns the admission benchmark around the one PrefillAdder model (``kvcadence.replay.admission``;
 this file never re-implements it): the request model (L1 / L2 / extend per request), the fake
-tree cache and fake allocator of the upstream benchmark's conventions (``upstream-benchmarks.md``
-§3), the scheduler-side tick loop (chunk continuation first, the 0.5.23 ``budget_state() ==
+tree cache and fake allocator of the upstream benchmark's conventions (docs/admit.md), the scheduler-side tick loop (chunk continuation first, the 0.5.23 ``budget_state() ==
 OTHER`` pre-check, max running requests, kvcadence's CP shared-KV limits), the between-tick
 model (running requests keep their KV; ``--drain`` frees it) and the three output formats.
 
@@ -26,17 +25,22 @@ SGLang's. Only the standard library is imported at module level.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from typing import Any
 
+from kvcadence.admit.fakes import (
+    LOAD_BACK_THRESHOLD,
+    FakeAllocator,
+    FakeNode,
+    FakeTreeCache,
+)
 from kvcadence.errors import ReplayError, UsageError
+from kvcadence.replay.admission import AddReqResult, PrefillAdder, ceil_paged
 
 SEMANTICS = ("classic", "0.5.23")
 DEFAULT_MAX_NEW_TOKENS = 128
-LOAD_BACK_THRESHOLD = 10
 CLIP_MAX_NEW_TOKENS = 4096
 
 # stopped_result values
@@ -61,16 +65,12 @@ DURATION_NOTE = (
 )
 
 
-def ceil_paged(tokens: int, page: int) -> int:
-    return -(-tokens // page) * page
-
-
 # ---------------------------------------------------------------------------------------------
 # Request model and configuration
 
 
 @dataclass(frozen=True)
-class RequestSpec:
+class QueuedRequest:
     """One waiting request: device hit (L1), host hit (L2), tokens to compute (extend)."""
 
     rid: str
@@ -142,150 +142,6 @@ class AdmitConfig:
 # Fakes: allocator and tree cache (the upstream benchmark's conventions)
 
 
-class FakeAllocator:
-    """A token pool with a free count; ``available_size()`` as SGLang's allocator."""
-
-    def __init__(self, page_size: int, available: int) -> None:
-        self.page_size = page_size
-        self.free = available
-
-    def available_size(self) -> int:
-        return self.free
-
-
-@dataclass
-class FakeNode:
-    """One request's own L1 path in the fake radix tree."""
-
-    rid: str
-    size: int
-    lock_ref: int = 0
-    evicted: bool = False
-
-
-@dataclass
-class LoadBackEvent:
-    rid: str
-    requested: int  # host_hit_length asked for
-    page_aligned: int  # device slots it needs
-    loaded: int  # tokens that joined the prefix (0 on failure)
-    quota: int  # free + evictable when asked (what the fake could make room from)
-    available_before: int
-    available_after: int
-    evicted_tokens: int
-    success: bool
-    reason: str  # "ok" | "threshold" | "no_space"
-
-
-class FakeTreeCache:
-    """Per-request L1 nodes, whole-node eviction from the back of the queue, L2 load-back."""
-
-    disable = False
-
-    def __init__(self, allocator: FakeAllocator, *, load_back_threshold: int = LOAD_BACK_THRESHOLD):
-        self.allocator = allocator
-        self.page_size = allocator.page_size
-        self.nodes: dict[str, FakeNode] = {}
-        self._evictable = 0
-        self.load_back_threshold = load_back_threshold
-        self.events: list[LoadBackEvent] = []
-        self.evictions: list[tuple[str, int]] = []
-
-    # -- tree state -----------------------------------------------------------------------
-    def add_node(self, rid: str, size: int) -> FakeNode:
-        node = FakeNode(rid, size)
-        self.nodes[rid] = node
-        self._evictable += size
-        return node
-
-    def remove_node(self, rid: str) -> int:
-        """Drop a finished request's node; returns the device tokens it held."""
-        node = self.nodes.pop(rid)
-        if node.lock_ref == 0 and not node.evicted:
-            self._evictable -= node.size
-        return 0 if node.evicted else node.size
-
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def full_evictable_size(self) -> int:
-        return self._evictable
-
-    def lock(self, node: FakeNode) -> FakeNode:
-        if node.lock_ref == 0 and not node.evicted:
-            self._evictable -= node.size
-        node.lock_ref += 1
-        return node
-
-    def unlock(self, node: FakeNode) -> None:
-        if node.lock_ref <= 0:
-            raise ReplayError(f"admit: unlock of unlocked node {node.rid}")
-        node.lock_ref -= 1
-        if node.lock_ref == 0 and not node.evicted:
-            self._evictable += node.size
-
-    inc_lock_ref = lock
-    dec_lock_ref = unlock
-
-    def evict(self, need: int) -> int:
-        """Evict whole unlocked nodes (back of the queue first) until ``need`` tokens freed."""
-        freed = 0
-        for node in reversed(list(self.nodes.values())):
-            if freed >= need:
-                break
-            if node.lock_ref or node.evicted or node.size == 0:
-                continue
-            node.evicted = True
-            self._evictable -= node.size
-            self.allocator.free += node.size
-            freed += node.size
-            self.evictions.append((node.rid, node.size))
-        return freed
-
-    def current_l1(self, rid: str) -> int:
-        node = self.nodes[rid]
-        return 0 if node.evicted else node.size
-
-    # -- load-back ------------------------------------------------------------------------
-    def load_back(self, rid: str, host_hit_length: int) -> int:
-        """All-or-nothing L2 load-back for ``rid``; returns tokens loaded (0 = recompute)."""
-        # Kept in sync by hand with ``sglang_adder_driver.FakeTreeCache.init_load_back`` (the copy
-        # run inside real SGLang, which must not import kvcadence): change both together.
-        paged = ceil_paged(host_hit_length, self.page_size)
-        before = self.allocator.free
-        quota = before + self._evictable
-        evicted = 0
-        if host_hit_length < max(1, self.load_back_threshold):
-            ok, reason = False, "threshold"
-        elif paged > quota:
-            ok, reason = False, "no_space"
-        else:
-            if before < paged:
-                evicted = self.evict(paged - before)
-            self.allocator.free -= paged
-            ok, reason = True, "ok"
-        self.events.append(
-            LoadBackEvent(
-                rid=rid,
-                requested=host_hit_length,
-                page_aligned=paged,
-                loaded=host_hit_length if ok else 0,
-                quota=quota,
-                available_before=before,
-                available_after=self.allocator.free,
-                evicted_tokens=evicted,
-                success=ok,
-                reason=reason,
-            )
-        )
-        return host_hit_length if ok else 0
-
-    def init_load_back(self, req: Any, host_hit_length: int) -> int:
-        """``kvcadence.replay.admission`` protocol. The adder keeps the candidate's own L1
-        pinned through load-back (as SGLang 0.5.23 does), so it never evicts itself here."""
-        return self.load_back(req.rid, host_hit_length)
-
-
 class AdmitReq:
     """The request object ``kvcadence.replay.admission.PrefillAdder`` reads and updates."""
 
@@ -305,7 +161,7 @@ class AdmitReq:
         "lock_handle",
     )
 
-    def __init__(self, spec: RequestSpec, node: FakeNode) -> None:
+    def __init__(self, spec: QueuedRequest, node: FakeNode) -> None:
         self.rid = spec.rid
         self.fill_len = spec.fill_len
         self.prefix_len = spec.l1
@@ -326,7 +182,7 @@ class _State:
 
     __slots__ = ("spec", "req", "loaded", "held")
 
-    def __init__(self, spec: RequestSpec, req: AdmitReq) -> None:
+    def __init__(self, spec: QueuedRequest, req: AdmitReq) -> None:
         self.spec = spec
         self.req = req
         self.loaded = 0  # L2 tokens loaded back by an earlier, refused evaluation (classic)
@@ -409,7 +265,6 @@ class AdmitResult:
 
 
 def _new_adder(cfg: AdmitConfig, tree: FakeTreeCache, alloc: FakeAllocator, running: list[Any]):
-    from kvcadence.replay.admission import PrefillAdder
 
     return PrefillAdder(
         cfg.page_size,
@@ -423,7 +278,7 @@ def _new_adder(cfg: AdmitConfig, tree: FakeTreeCache, alloc: FakeAllocator, runn
     )
 
 
-def order_queue(specs: Sequence[RequestSpec]) -> list[RequestSpec]:
+def order_queue(specs: Sequence[QueuedRequest]) -> list[QueuedRequest]:
     """FCFS; with any ``priority`` set, higher priority first (stable), as SGLang's default."""
     if any(s.priority is not None for s in specs):
         return sorted(specs, key=lambda s: -(s.priority or 0))
@@ -431,13 +286,12 @@ def order_queue(specs: Sequence[RequestSpec]) -> list[RequestSpec]:
 
 
 def run_admission(
-    specs: Sequence[RequestSpec],
+    specs: Sequence[QueuedRequest],
     cfg: AdmitConfig,
     *,
     clock: Callable[[], int] = time.perf_counter_ns,
 ) -> AdmitResult:
     """Run the waiting queue through the PrefillAdder tick by tick (see the module docstring)."""
-    from kvcadence.replay.admission import AddReqResult
 
     if len({s.rid for s in specs}) != len(specs):
         raise UsageError("admit: request ids must be unique")
@@ -630,89 +484,7 @@ def run_admission(
 # Outputs
 
 
-def _fmt_accepted(a: dict[str, Any]) -> str:
-    tag = "+" if a["continuation"] else ""
-    chunk = "*" if a["chunked"] else ""
-    return (
-        f"{tag}{a['rid']}{chunk}(l1={a['l1']},l2={a['l2']},ext={a['extend']},"
-        f"loaded={a['loaded']},run={a['extend_len']})"
-    )
-
-
-def render_text(result: AdmitResult, out: IO[str]) -> None:
-    """A readable block per tick, then the summary of which budget stopped how many ticks."""
-    cfg = result.config
-    out.write(
-        f"kvcadence admit: {result.n_requests} requests, semantics {cfg['semantics']}, "
-        f"page {cfg['page_size']}, available {cfg['available_tokens']}, "
-        f"max_prefill {cfg['max_prefill_tokens']}, chunk {cfg['chunked_prefill_size']}\n"
-    )
-    out.write(
-        "accepted: rid(l1,l2,ext,loaded,run=tokens computed this tick); "
-        "+ = continuing chunk, * = chunked\n"
-    )
-    out.write(f"note: {DURATION_NOTE}\n\n")
-    header = (
-        f"{'tick':>4} {'acc':>4} {'stopped_result':<24} {'stopped_on':<12} {'hit':>8} "
-        f"{'input':>8} {'cp_ext':>8} {'cp_cached':>9} {'avail':>9} {'lb ok/fail':>10} "
-        f"{'dur_us':>9}"
-    )
-    out.write(header + "\n" + "-" * len(header) + "\n")
-    for t in result.ticks:
-        ok = sum(1 for e in t["load_back_events"] if e["success"])
-        fail = len(t["load_back_events"]) - ok
-        stopped = t["stopped_result"] or "-"
-        if t["stopped_admitted"]:
-            stopped += " (adm)"
-        out.write(
-            f"{t['tick']:>4} {len(t['accepted']):>4} {stopped:<24} "
-            f"{(t['stopped_on_rid'] or '-'):<12} {t['log_hit_tokens']:>8} "
-            f"{t['log_input_tokens']:>8} {t['cp_total_extend_tokens']:>8} "
-            f"{t['cp_total_cached_tokens']:>9} {t['allocator_available_after_tick']:>9} "
-            f"{f'{ok}/{fail}':>10} {t['duration_us']:>9.1f}\n"
-        )
-        out.write(
-            "     accepted: " + (", ".join(_fmt_accepted(a) for a in t["accepted"]) or "-") + "\n"
-        )
-        for e in t["load_back_events"]:
-            out.write(
-                f"     load-back {e['rid']}: requested {e['requested']} paged "
-                f"{e['page_aligned']} loaded {e['loaded']} quota {e['quota']} available "
-                f"{e['available_before']}->{e['available_after']} {e['reason']}\n"
-            )
-    s = result.summary()
-    out.write("\nsummary\n")
-    out.write(
-        f"  ticks {s['ticks']}, admitted {s['admitted_requests']}/{s['requests']}, "
-        f"log_hit_tokens {s['log_hit_tokens']}, log_input_tokens {s['log_input_tokens']}, "
-        f"load-backs {s['load_back_events']} ({s['load_back_failures']} failed)\n"
-    )
-    out.write("  ticks stopped by:\n")
-    for key, n in s["stopped_results"].items():
-        out.write(f"    {key:<26} {n}\n")
-    if s["unadmitted"]:
-        out.write(f"  never admitted: {', '.join(s['unadmitted'])}\n")
-    out.write(
-        f"  admission path {s['duration_us_total']} us total, "
-        f"{s['duration_us_per_evaluated_request']} us per evaluated request "
-        "(Python admission path only, not end-to-end latency)\n"
-    )
-
-
-def render(result: AdmitResult, fmt: str, out: IO[str]) -> None:
-    if fmt == "text":
-        render_text(result, out)
-    elif fmt == "json":
-        json.dump(result.to_json(), out, indent=1)
-        out.write("\n")
-    elif fmt == "jsonl":
-        for t in result.ticks:
-            out.write(json.dumps(t, separators=(",", ":")) + "\n")
-    else:
-        raise UsageError(f"unknown --output {fmt!r}")
-
-
-def specs_to_jobs(specs: Iterable[RequestSpec]) -> list[dict[str, Any]]:
+def specs_to_jobs(specs: Iterable[QueuedRequest]) -> list[dict[str, Any]]:
     """Requests in the driver's JSON form."""
     return [
         {

@@ -1,6 +1,6 @@
 """Prompt vs output attribution of stored blocks, by recomputing each request's page hashes.
 
-Rule (reference/cadence-metrics.md): every request's token chain is ``input_ids +
+Rule (docs/metrics.md, attribution): every request's token chain is ``input_ids +
 output_ids[:-1]`` (what SGLang caches at finish); its page hashes come from
 ``kvcadence.format.wire.block_hashes`` at the bundle's page size. A request can only have
 *stored* pages at or past its ``cached_tokens`` (the rest were already in the tree at
@@ -17,10 +17,9 @@ interval is closest in time to the message, then the earliest request.
 The peer-compatible variant (``any_prompt=True``) labels a stored block "prompt" when its hash
 is a page of *any* request's prompt (Dynamo's definition), else "output".
 
-Two implementations of the one rule: ``attribute`` (per-event loop over ``Request`` /
-``StoredEvent`` objects: the reference, readable) and ``attribute_arrays`` (numpy columns
-from ``load_columns`` + cached request page hashes from ``kvcadence.analysis.pages``: what
-reports run; equal to the reference on random inputs, ``tests/analysis/test_attribution_fast``).
+One implementation: ``attribute_arrays`` (numpy columns from ``load_columns`` + cached request
+page hashes from ``kvcadence.analysis.pages``). The readable per-event reference loop it is
+checked against on random inputs lives with the tests (``tests/analysis/attribution_oracle.py``).
 """
 
 from __future__ import annotations
@@ -43,15 +42,6 @@ class Request:
     finish_ns: int | None = None
     lane: int | None = None
     session: int | None = None
-
-
-@dataclass
-class StoredEvent:
-    """One BlockStored event: its row id, receive time and hashes (uint64 form)."""
-
-    event_id: int
-    recv_ns: int
-    hashes: list[int]
 
 
 @dataclass
@@ -83,13 +73,6 @@ class Attribution:
         return sum(1 for n in self.req_prefill_events if n == 0)
 
 
-def _chain_hashes(req: Request, page_size: int) -> list[int]:
-    from kvcadence.format import wire
-
-    tokens = list(req.input_ids) + list(req.output_ids[:-1])
-    return [h & _U64 for h in wire.block_hashes(tokens, page_size)]  # == wire.u64(h)
-
-
 def _distance(req: Request, t: int) -> int:
     lo, hi = req.send_ns, req.finish_ns
     if lo is None and hi is None:
@@ -103,137 +86,15 @@ def _distance(req: Request, t: int) -> int:
     return 0
 
 
-def attribute(requests: list[Request], events: list[StoredEvent], page_size: int) -> Attribution:
-    """Split every stored event into per-request prompt/output runs (see module docstring)."""
-    ps = max(1, int(page_size))
-    res = Attribution(page_size=ps)
-    nreq = len(requests)
-    res.req_prompt_blocks = [0] * nreq
-    res.req_output_blocks = [0] * nreq
-    res.req_stored_events = [0] * nreq
-    res.req_prefill_events = [0] * nreq
-    res.req_finish_events = [0] * nreq
-
-    chains: list[list[int]] = []
-    prompt_pages: list[int] = []
-    index: dict[int, list[tuple[int, int]]] = {}
-    for r, req in enumerate(requests):
-        chain = _chain_hashes(req, ps)
-        chains.append(chain)
-        pp = len(req.input_ids) // ps
-        prompt_pages.append(pp)
-        if req.output_ids:
-            res.expected_output_blocks += len(chain) - pp
-        first = (req.cached_tokens or 0) // ps
-        for p in range(first, len(chain)):
-            index.setdefault(chain[p], []).append((r, p))
-
-    consumed: set[tuple[int, int]] = set()
-    for ev in sorted(events, key=lambda e: (e.recv_ns, e.event_id)):
-        hs = ev.hashes
-        n = len(hs)
-        res.stored_blocks += n
-        i = 0
-        unmatched = 0
-        ev_prompt = ev_output = 0
-        runs: list[tuple[int, str]] = []  # (request, kind)
-        while i < n:
-            cands = index.get(hs[i])
-            if not cands:
-                unmatched += 1
-                i += 1
-                continue
-            if len(cands) == 1:
-                r, p = cands[0]
-            else:
-                r, p = min(
-                    cands,
-                    key=lambda c: (
-                        (c[0], c[1]) in consumed,
-                        _distance(requests[c[0]], ev.recv_ns),
-                        c[0],
-                    ),
-                )
-            chain = chains[r]
-            # extend the run while the event's hashes follow this request's chain
-            m = 1
-            limit = min(n - i, len(chain) - p)
-            if hs[i : i + limit] == chain[p : p + limit]:
-                m = limit
-            else:
-                while m < limit and hs[i + m] == chain[p + m]:
-                    m += 1
-            for q in range(p, p + m):
-                consumed.add((r, q))
-            pp = prompt_pages[r]
-            n_prompt = max(0, min(p + m, pp) - p)
-            n_output = m - n_prompt
-            if n_prompt:
-                runs.append((r, "prefill"))
-                res.req_prompt_blocks[r] += n_prompt
-                ev_prompt += n_prompt
-            if n_output:
-                runs.append((r, "finish"))
-                res.req_output_blocks[r] += n_output
-                ev_output += n_output
-            i += m
-        res.matched_blocks += n - unmatched
-        res.unmatched_blocks += unmatched
-        res.prompt_blocks += ev_prompt
-        res.output_blocks += ev_output
-        if unmatched:
-            res.unmatched_events += 1
-        res.per_event[ev.event_id] = (ev_prompt, ev_output, unmatched)
-        reqs = sorted({r for r, _ in runs})
-        for r in reqs:
-            res.req_stored_events[r] += 1
-        for r in sorted({r for r, k in runs if k == "prefill"}):
-            res.req_prefill_events[r] += 1
-        for r in sorted({r for r, k in runs if k == "finish"}):
-            res.req_finish_events[r] += 1
-        kinds = sorted({k for _, k in runs})
-        if unmatched:
-            kinds.append("unmatched")
-        label = " | ".join(kinds) if kinds else "empty"
-        if len(reqs) > 1:
-            sessions = {(requests[r].lane, requests[r].session) for r in reqs}
-            same = len(sessions) == 1 and None not in next(iter(sessions))
-            if same:
-                res.events_spanning_same_session += 1
-                label += " (same session)"
-            else:
-                res.events_spanning_other += 1
-                label += " (other sessions)"
-        res.event_kinds[label] = res.event_kinds.get(label, 0) + 1
-    return res
-
-
-def any_prompt_split(
-    requests: list[Request], events: list[StoredEvent], page_size: int
-) -> dict[str, int]:
-    """Peer-compatible split: prompt if the hash is a page of any request's prompt."""
-    from kvcadence.format import wire
-
-    ps = max(1, int(page_size))
-    prompt: set[int] = set()
-    for req in requests:
-        prompt.update(wire.u64(h) for h in wire.block_hashes(list(req.input_ids), ps))
-    n_prompt = n_total = 0
-    for ev in events:
-        n_total += len(ev.hashes)
-        n_prompt += sum(1 for h in ev.hashes if h in prompt)
-    return {"prompt_blocks": n_prompt, "output_blocks": n_total - n_prompt}
-
-
 # --------------------------------------------------------------------------------------
 # Column-wise attribution (the report's path): the same rule over numpy arrays
 # --------------------------------------------------------------------------------------
 #
-# ``attribute`` above walks every event in Python. ``attribute_arrays`` gives identical
-# results (tests check it against ``attribute`` on random inputs) by splitting the events:
+# The reference loop (tests/analysis/attribution_oracle.py) walks every event in Python.
+# ``attribute_arrays`` gives identical results (tests check it on random inputs) by splitting the events:
 #
 # * a *fast* event has no hash with more than one candidate page: each block then maps to
-#   its one (request, page) or to nothing, and the greedy runs of ``attribute`` are exactly
+#   its one (request, page) or to nothing, and the greedy runs of the reference loop are exactly
 #   the maximal stretches of one request's consecutive pages (a run extending past a block
 #   means that block's hash is the next page of the same chain, which is then its only
 #   candidate). Everything is counted with numpy (bincount / unique), no per-event Python.
@@ -307,9 +168,9 @@ def _label(finish: bool, prefill: bool, unmatched: bool, span: int) -> str:
 def attribute_arrays(
     pages: Any, req: RequestColumns, ev: EventColumns, page_size: int
 ) -> Attribution:
-    """``attribute`` over columns; ``pages`` is a ``kvcadence.analysis.pages.RequestPages``.
+    """The attribution rule over columns; ``pages`` is a ``kvcadence.analysis.pages.RequestPages``.
 
-    ``per_event`` is left empty (use ``attribute`` for per-event labels).
+    ``per_event`` is left empty (the test oracle gives per-event labels).
     """
     import numpy as np
 
@@ -568,41 +429,6 @@ def _slow_events(
         kset = {k for _, k in runs}
         label = _label("finish" in kset, "prefill" in kset, bool(unmatched), span)
         kinds[label] = kinds.get(label, 0) + 1
-
-
-def columns_from_objects(
-    requests: list[Request], events: list[StoredEvent], page_size: int
-) -> tuple[Any, RequestColumns, EventColumns]:
-    """(pages, RequestColumns, EventColumns) of the object inputs of ``attribute`` (tests)."""
-    import numpy as np
-
-    from kvcadence.analysis.pages import RequestPages
-
-    ps = max(1, int(page_size))
-    chains = [
-        [h - (1 << 64) if h >= 1 << 63 else h for h in _chain_hashes(r, ps)] for r in requests
-    ]
-    offsets = np.zeros(len(requests) + 1, dtype=np.int64)
-    np.cumsum([len(c) for c in chains], out=offsets[1:])
-    flat = np.array([h for c in chains for h in c], dtype=np.int64)
-    pages = RequestPages(ps, offsets, flat)
-    rc = RequestColumns(
-        n_input=np.array([len(r.input_ids) for r in requests], dtype=np.int64),
-        n_output=np.array([len(r.output_ids) for r in requests], dtype=np.int64),
-        cached_tokens=[r.cached_tokens for r in requests],
-        send_ns=[r.send_ns for r in requests],
-        finish_ns=[r.finish_ns for r in requests],
-        lane=[r.lane for r in requests],
-        session=[r.session for r in requests],
-    )
-    hs = [h - (1 << 64) if h >= 1 << 63 else h for e in events for h in e.hashes]
-    ec = EventColumns(
-        event_id=np.array([e.event_id for e in events], dtype=np.int64),
-        recv_ns=np.array([e.recv_ns for e in events], dtype=np.int64),
-        n_blocks=np.array([len(e.hashes) for e in events], dtype=np.int64),
-        hashes=np.array(hs, dtype=np.int64),
-    )
-    return pages, rc, ec
 
 
 def load_columns(

@@ -18,6 +18,7 @@ def register(sub: Any) -> None:
         help="bundle -> Parquet tables (cached next to the bundle)",
         description="Write a bundle's Parquet tables (batches, events, blocks, requests, gaps, "
         "epochs, notes). Cached in BUNDLE/.parquet and rebuilt when the bundle changes.",
+        epilog="examples:\n  kvcadence ingest run.kvcb\n  kvcadence ingest run.kvcb --out tables/ --force\n",
     )
     p.add_argument("bundle", help="bundle directory")
     p.add_argument("--out", metavar="DIR", help="write the tables here instead of BUNDLE/.parquet")
@@ -29,11 +30,20 @@ def register(sub: Any) -> None:
         help="run DuckDB SQL over a bundle's tables",
         description="Run one DuckDB statement over views batches, events, blocks, requests, "
         "gaps, epochs, notes (docs/metrics.md lists the columns).",
+        epilog="examples:\n"
+        '  kvcadence sql run.kvcb "SELECT kind, count(*) AS n FROM events GROUP BY 1 ORDER BY 1"\n'
+        '  kvcadence sql run.kvcb "SELECT * FROM requests" --format csv --out requests.csv\n',
     )
     p.add_argument("bundle", help="bundle directory")
     p.add_argument("query", help='SQL, e.g. "SELECT kind, count(*) FROM events GROUP BY 1"')
-    p.add_argument("--format", choices=("table", "csv", "json", "parquet"), default="table")
+    p.add_argument(
+        "--format",
+        choices=("table", "csv", "json", "parquet"),
+        default="table",
+        help="output format (default table; parquet needs --out)",
+    )
     p.add_argument("--out", metavar="FILE", help="write the result here (required for parquet)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument(
         "--cache", metavar="DIR", help="Parquet cache directory (default BUNDLE/.parquet)"
     )
@@ -43,7 +53,13 @@ def register(sub: Any) -> None:
         "report",
         help="cadence report of one bundle, or real vs sim side by side with a CI gate",
         description="Write report.json, report.md, report.html and PNG plots into --out; with "
-        "several bundles the first is the reference (real). Exit 3 when a gate fails.",
+        "several bundles the first is the reference (real). Exit 3 when a gate fails. "
+        "docs/metrics.md lists the metrics and the gate syntax.",
+        epilog="examples:\n"
+        "  kvcadence report run.kvcb --out report-one/\n"
+        "  kvcadence report run.kvcb sim.kvcb --out report/\n"
+        "  kvcadence report run.kvcb sim.kvcb --out ci/ --no-default-gates \\\n"
+        "      --gate stored_events_per_request=3% --gate requests.cached_tokens_equal_share=>=0.95\n",
     )
     p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="REAL [SIM ...]")
     p.add_argument("--out", required=True, metavar="DIR", help="report directory")
@@ -70,6 +86,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr (gate lines stay)"
+    )
+    p.add_argument(
         "--no-extra-sections",
         action="store_true",
         help="skip the optional sections (event visibility, per-rank figures; each is "
@@ -82,9 +101,13 @@ def register(sub: Any) -> None:
         help="prefix-size distribution (plain JSON) for the kernels stage",
         description="Cached tokens per request and stored run lengths as quantiles and a "
         "log2 weighted histogram (schema kvcadence.prefixes/1, docs/metrics.md).",
+        epilog="examples:\n"
+        "  kvcadence prefixes run.kvcb --out prefixes.json\n"
+        "  kvcadence collectives --prefixes prefixes.json --backend gloo\n",
     )
     p.add_argument("bundle", help="bundle directory")
     p.add_argument("--out", required=True, metavar="FILE", help="prefixes.json to write")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument(
         "--cache", metavar="DIR", help="Parquet cache directory (default BUNDLE/.parquet)"
     )
@@ -122,7 +145,7 @@ def run_sql(args: argparse.Namespace) -> int:
     if args.format == "parquet" and not args.out:
         raise UsageError("--format parquet needs --out FILE")
     if args.out is not None:
-        check_out_file(args.out, "--out")
+        check_out_file(args.out, "--out", force=args.force)
     _check_cache(args)
     ing = ingest.ingest(args.bundle, args.cache)
     df = sql.query(sql.connect(ing), args.query)
@@ -159,6 +182,9 @@ def run_report(args: argparse.Namespace) -> int:
     compare.parse_gates(args.gate, len(args.bundles), default_gates=not args.no_default_gates)
     sql.env_threads()
     check_out_dir(args.out, "--out")
+    from kvcadence.progress import Phases
+
+    phases = Phases("report", quiet=args.quiet, started=getattr(args, "_started", None))
     res = report.make_report(
         args.bundles,
         args.out,
@@ -168,7 +194,10 @@ def run_report(args: argparse.Namespace) -> int:
         peer_compatible=args.peer_compatible,
         plots=not args.no_plots,
         extra_sections=not args.no_extra_sections,
+        phases=phases,
     )
+    if phases.spoke:  # a slow report: where the time went
+        phases.say(f"done in {phases.wall():.1f} s ({phases.breakdown()})")
     print(res.summary_line())
     report.print_gate_lines(res.gate_results)
     return 0 if res.passed else 3
@@ -178,7 +207,7 @@ def run_prefixes(args: argparse.Namespace) -> int:
     from kvcadence.analysis import ingest, prefixes
     from kvcadence.analysis.outpaths import check_out_file
 
-    check_out_file(args.out, "--out", make_parents=True)
+    check_out_file(args.out, "--out", make_parents=True, force=args.force)
     _check_cache(args)
     ing = ingest.ingest(args.bundle, args.cache)
     doc = prefixes.compute(ing)

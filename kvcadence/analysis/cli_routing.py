@@ -27,11 +27,22 @@ def register(sub: Any) -> None:
             "Per-rank cadence figures of a bundle; with --sim, real vs sim rank by rank; "
             "with --what-if LABEL=SIM_BUNDLE (repeatable), the routing what-if table."
         ),
+        epilog="examples:\n"
+        "  kvcadence ranks dp2.kvcb\n"
+        "  kvcadence ranks dp2.kvcb --sim sim.kvcb\n"
+        "  kvcadence ranks dp2.kvcb --what-if recorded=sim-rec.kvcb --what-if cache_aware=sim-ca.kvcb\n",
     )
     p.add_argument("bundle", help="the real (or any) bundle")
     p.add_argument("--sim", help="a sim bundle of the same capture to compare rank by rank")
-    p.add_argument("--what-if", action="append", default=[], metavar="LABEL=SIM_BUNDLE")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--what-if",
+        action="append",
+        default=[],
+        metavar="LABEL=SIM_BUNDLE",
+        help="a sim bundle of the same capture replayed under one routing policy, shown as "
+        "row LABEL of the what-if table (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(_run=run)
 
 

@@ -7,7 +7,8 @@ chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once wi
 bytes, hashes converted in numpy chunks too; if any of those bytes does not check out, the
 bundle is read again with ``decode_batch_raw(checked=True)``: ``decode_batch_view``'s verdicts),
 flattens everything straight into ``array``/list columns (never keeping the decoded structs,
-cyclic GC paused: the GC trap of engineering-notes §2.4), derives the rest with numpy and
+cyclic GC paused: keeping hundreds of thousands of decoded structs with lists makes
+CPython's cyclic GC cut throughput 3-4x, docs/format.md), derives the rest with numpy and
 writes one Parquet file per table with pyarrow (``write_options``):
 
 ``batches``  one row per ZMQ message (EventFrame), de-duplicated by (endpoint, epoch, seq)
@@ -29,7 +30,6 @@ payloads, unknown events).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, UsageError
+from kvcadence.gcpause import gc_paused
 
-INGEST_VERSION = 2
+INGEST_VERSION = 3
 CACHE_DIRNAME = ".parquet"
 MANIFEST = "manifest.json"
 
@@ -372,18 +373,6 @@ def _header_info(header: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Cyclic GC off while millions of small containers are built (engineering-notes §2.4)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-@contextmanager
 def _small_pages() -> Iterator[None]:
     """numpy's transparent-huge-page advice off while the columns are built.
 
@@ -408,13 +397,13 @@ def _small_pages() -> Iterator[None]:
 def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict).
 
-    The cyclic GC is paused throughout (the GC trap of engineering-notes §2.4), and so is
+    The cyclic GC is paused throughout (the GC trap, docs/format.md), and so is
     numpy's huge-page advice (``_small_pages``).
     """
     from kvcadence.analysis.tokcols import NotInt64Arrays
 
     views = raw = True
-    with _gc_paused(), _small_pages():
+    with gc_paused(), _small_pages():
         while True:
             try:
                 return _build_tables(bundle, views=views, raw=raw)
@@ -639,6 +628,16 @@ def _build_tables(
             "corrupt_frames": len(corrupt),
             "corrupt": [list(c) if isinstance(c, (tuple, list)) else str(c) for c in corrupt],
             "unknown_records": _count(getattr(rep, "unknown_records", 0)),
+            # lost segments (numbering holes, refused segment headers) and records a trailer
+            # counts that were not read (docs/format.md section 4)
+            "missing_segments": [
+                list(m)
+                for m in [
+                    *getattr(rep, "missing_segments", []),
+                    *getattr(rep, "refused_segments", []),
+                ]
+            ],
+            "missing_records": _count(getattr(rep, "missing_records", 0)),
             "trailer": None
             if trailer is None
             else {

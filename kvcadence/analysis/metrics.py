@@ -1,14 +1,15 @@
 """Every cadence metric of one bundle: name, unit, definition and the DuckDB SQL computing it.
 
 This module holds every metric catalogue (name -> (unit, definition)): ``DEFS`` (one
-bundle), ``COMPARE_DEFS`` (one real-vs-sim pair, computed by ``compare``) and
+bundle), ``COMPARE_DEFS`` (one real-vs-sim pair, computed by ``compare``: per-request
+agreement and, ``DISTANCES``, distances between distributions) and
 ``VISIBILITY_DEFS`` (event visibility, computed by ``visibility``); ``docs/metrics.md``
 mirrors them and a test checks they agree. ``compute(ingested)`` returns a ``BundleMetrics`` whose ``metrics`` is
 a flat ``{name: value}`` dict over the whole capture (every name is in ``DEFS``), plus per DP
 rank figures, size histograms, the events-per-second series, the steady-state window, the
 data-quality block, per-request rows (for real-vs-sim diffs) and raw samples for plots.
 
-Definitions follow ``reference/cadence-metrics.md``: messages de-duplicated by (endpoint,
+Definitions follow ``docs/metrics.md`` (conventions): messages de-duplicated by (endpoint,
 epoch, seq) at ingest; every event counted, the startup ``AllBlocksCleared`` included;
 "per request" = count / number of requests in the bundle; percentiles interpolate linearly
 between closest ranks (numpy's default; DuckDB ``quantile_cont``). ``peer_compatible=True``
@@ -237,7 +238,22 @@ _def("quality.epochs", "epochs", "distinct (endpoint, epoch) pairs among message
 _def("quality.epoch_records", "epochs", "Epoch records (publisher restarts seen)")
 _def("quality.torn_bytes", "bytes", "bytes dropped from torn segment tails")
 _def("quality.corrupt_frames", "frames", "frames that failed their length/CRC check")
+_def(
+    "quality.missing_segments",
+    "segments",
+    "segments lost: holes in the numbering, empty/non-file middle segments, refused headers",
+)
+_def(
+    "quality.missing_records",
+    "records",
+    "records the writer sessions' Trailers count that were not read",
+)
 _def("quality.unknown_records", "records", "bundle records with an unknown tag")
+_def(
+    "quality.duplicate_rids",
+    "requests",
+    "request records whose rid an earlier record has (kept, and counted per request)",
+)
 _def("quality.unknown_events", "events", "KV events with an unknown tag")
 _def("quality.undecodable_payloads", "messages", "payloads wire.decode_batch rejected")
 _def("quality.clean_shutdown", "bool", "1 if the last writer session wrote a clean Trailer")
@@ -261,7 +277,20 @@ COMPARE_DEFS: dict[str, tuple[str, str]] = {
         "tokens",
         "mean |cached_tokens(sim) - cached_tokens(real)| over matched requests",
     ),
+    "blocks_per_stored_event.ks": (
+        "fraction",
+        "two-sample Kolmogorov-Smirnov statistic of len(block_hashes) over BlockStored events, "
+        "real vs sim: max over x of |F_real(x) - F_sim(x)| (empirical CDFs)",
+    ),
+    "blocks_per_removed_event.ks": (
+        "fraction",
+        "two-sample Kolmogorov-Smirnov statistic of len(block_hashes) over BlockRemoved events, "
+        "real vs sim: max over x of |F_real(x) - F_sim(x)| (empirical CDFs)",
+    ),
 }
+#: the ``COMPARE_DEFS`` names that compare two distributions (report.json
+#: ``comparisons[].distributions``); the others compare requests (``comparisons[].requests``)
+DISTANCES: tuple[str, ...] = ("blocks_per_stored_event.ks", "blocks_per_removed_event.ks")
 
 # --- event visibility (report.json ``visibility``), computed by analysis.visibility -------
 # Distributions (``n, mean, p50, p90, p99, max``; numpy's linear percentiles) and counts.
@@ -306,7 +335,8 @@ VISIBILITY_DEFS: dict[str, tuple[str, str]] = {
 #: every catalogue, by the report.json part its names appear in (docs/metrics.md lists all)
 CATALOGUES: dict[str, dict[str, tuple[str, str]]] = {
     "metrics": DEFS,
-    "comparisons.requests": COMPARE_DEFS,
+    "comparisons.requests": {k: v for k, v in COMPARE_DEFS.items() if k not in DISTANCES},
+    "comparisons.distributions": {k: COMPARE_DEFS[k] for k in DISTANCES},
     "visibility": VISIBILITY_DEFS,
 }
 
@@ -650,6 +680,9 @@ def _quality(c: _Ctx, info: dict[str, Any]) -> dict[str, Any]:
     )
     (epochs,) = c.one("SELECT count(*) FROM (SELECT DISTINCT endpoint, epoch FROM batches)")
     (epoch_recs,) = c.one("SELECT count(*) FROM epochs")
+    # request records kept apart, never merged, but counted: each one counts in per-request
+    # metrics (the importers refuse them; an older bundle may hold some)
+    (dup_rids,) = c.one("SELECT count(*) - count(DISTINCT rid) FROM requests")
     (first_zero,) = c.one(
         "SELECT coalesce(bool_and(first_seq = 0), false) FROM (SELECT endpoint, min(seq) first_seq "
         "FROM batches WHERE epoch = (SELECT min(epoch) FROM batches b2 WHERE b2.endpoint = "
@@ -667,6 +700,9 @@ def _quality(c: _Ctx, info: dict[str, Any]) -> dict[str, Any]:
     m["quality.epoch_records"] = int(epoch_recs)
     m["quality.torn_bytes"] = int(info.get("torn_bytes", 0))
     m["quality.corrupt_frames"] = int(info.get("corrupt_frames", 0))
+    m["quality.missing_segments"] = len(info.get("missing_segments") or [])
+    m["quality.missing_records"] = int(info.get("missing_records", 0))
+    m["quality.duplicate_rids"] = int(dup_rids)
     m["quality.unknown_records"] = int(info.get("unknown_records", 0))
     m["quality.unknown_events"] = int(info.get("unknown_events", 0))
     m["quality.undecodable_payloads"] = int(info.get("undecodable_payloads", 0))

@@ -3,7 +3,9 @@
 What this file owns: ``check_out_dir`` (a directory to write into, created if missing) and
 ``check_out_file`` (a file to write), each raising a ``UsageError`` that names the flag and
 the path ("--out x: exists and is not a directory") before a command does any work, so bad
-paths never surface as an ``OSError`` half-way through. Standard library only.
+paths never surface as an ``OSError`` half-way through. Overwriting is decided by the one
+overwrite guard, ``kvcadence.outguard``: an existing file only with ``force``, and never a
+path inside a bundle directory. Standard library only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from pathlib import Path
 
 from kvcadence.errors import UsageError
+from kvcadence.outguard import refuse_inside_bundle, refuse_out_file
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -39,6 +42,7 @@ def check_out_dir(path: str | os.PathLike[str], flag: str = "--out") -> Path:
     if not shown:
         raise UsageError(f"{flag}: empty path")
     p = Path(shown)
+    refuse_inside_bundle(p, flag, is_dir=True)
     if p.exists():
         if not p.is_dir():
             raise UsageError(f"{flag} {shown}: exists and is not a directory")
@@ -50,15 +54,21 @@ def check_out_dir(path: str | os.PathLike[str], flag: str = "--out") -> Path:
 
 
 def check_out_file(
-    path: str | os.PathLike[str], flag: str = "--out", *, make_parents: bool = False
+    path: str | os.PathLike[str],
+    flag: str = "--out",
+    *,
+    make_parents: bool = False,
+    force: bool = False,
 ) -> Path:
-    """A file to (over)write; its directory must exist unless ``make_parents``."""
+    """A file to write; its directory must exist unless ``make_parents``; an existing file
+    is replaced only with ``force``; never inside a bundle directory."""
     shown = os.fspath(path)
     if not shown:
         raise UsageError(f"{flag}: empty path")
     p = Path(shown)
     if p.is_dir():
         raise UsageError(f"{flag} {shown}: is a directory (name a file)")
+    refuse_out_file(p, flag, force=force)
     if p.exists():
         if not os.access(p, os.W_OK):
             raise UsageError(f"{flag} {shown}: file is not writable")

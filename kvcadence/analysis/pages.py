@@ -2,7 +2,7 @@
 chain, computed once per bundle and page size and cached next to the ingest tables.
 
 A request's chain is ``input_ids + output_ids[:-1]`` (what SGLang caches at finish; see
-``reference/cadence-metrics.md``); its page hashes come from ``kvcadence.format.wire``'s
+``docs/metrics.md``); its page hashes come from ``kvcadence.format.wire``'s
 ``block_digests`` (the one implementation of SGLang's hash), fed with uint32 token buffers
 built in bulk with numpy. A request whose tokens are not all plain uint32 is hashed from its
 Python list (the wide / error path of ``wire``). Consecutive requests of one ``(lane,

@@ -10,8 +10,10 @@ payloads decoded through ``format.wire``):
   ``cached_tokens``. Messages are de-duplicated by (endpoint, epoch, seq); the startup
   ``AllBlocksCleared`` counts as an event, as everywhere in the project;
 * ``compare_ranks(real, sim)`` -- one row per rank (and ``all``) with real, sim and the
-  relative delta of each figure, the stored-hash overlap and the share of requests whose
-  ``cached_tokens`` agree;
+  relative delta of each figure, the stored-hash overlap, the share of requests whose
+  ``cached_tokens`` agree and the Kolmogorov–Smirnov distance between the real and sim
+  blocks-per-Stored / per-Removed distributions (``stored_blocks_ks``, ``removed_blocks_ks``:
+  real 0, sim and delta = the distance; ``analysis.distance``);
 * ``what_if_table(runs)`` -- rows ``{route, hit_rate, recorded_hit_rate, events/blocks per
   request, evictions}`` for several sim bundles of the same capture (one per routing
   policy), side by side;
@@ -27,6 +29,9 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvcadence.analysis.distance import ks_statistic
+from kvcadence.format.schema import served_rank
 
 FIGURES = (
     "requests",
@@ -44,13 +49,6 @@ FIGURES = (
     "removed_blocks_per_request",
     "hit_rate",
 )
-
-
-def _rank_of(rec: Any) -> int:
-    r = rec.dp_rank
-    if r is None:
-        r = (rec.meta_info or {}).get("dp_rank")
-    return int(r) if r is not None else 0
 
 
 def _median(xs: list[int]) -> float | None:
@@ -104,7 +102,7 @@ def rank_figures(bundle: str | Path) -> dict[str, dict[str, Any]]:
             elif isinstance(e, AllBlocksCleared):
                 a["cleared"] += 1
     for rec in reader.requests():
-        slot(_rank_of(rec))["requests"].append(rec)
+        slot(served_rank(rec))["requests"].append(rec)
     out: dict[str, dict[str, Any]] = {}
     total = {
         "messages": 0,
@@ -151,6 +149,8 @@ def _figures(a: dict[str, Any]) -> dict[str, Any]:
         "hit_rate": cached / prompt if prompt else None,
         "_hashes": a["hashes"],
         "_cached": {r.rid: r.cached_tokens for r in reqs},
+        "_stored": list(stored),
+        "_removed": list(removed),
     }
 
 
@@ -200,6 +200,9 @@ def compare_ranks(
         eq = sum(1 for rid in both if rc[rid] == sc[rid]) / len(both) if both else None
         rows.append({"rank": rank, "figure": "cached_tokens_equal", "real": 1.0, "sim": eq,
                      "delta": None if eq is None else eq - 1.0})  # fmt: skip
+        for fig, key in (("stored_blocks_ks", "_stored"), ("removed_blocks_ks", "_removed")):
+            d = ks_statistic(r[key], s[key])
+            rows.append({"rank": rank, "figure": fig, "real": 0.0, "sim": d, "delta": d})
     return rows
 
 

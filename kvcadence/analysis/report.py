@@ -2,7 +2,8 @@
 
 One bundle gives a single-bundle report; several give the first ("real") side by side with
 each of the others ("sim", or "sim1", "sim2", ...) with absolute and relative deltas,
-per-request differences matched by rid, and gates (``kvcadence.analysis.compare``).
+per-request differences matched by rid, blocks per Stored / Removed event as median, mean and
+Kolmogorov–Smirnov distance side by side, and gates (``kvcadence.analysis.compare``).
 ``report.json`` (``REPORT_VERSION``) is what CI reads: every number carries its unit, data
 quality comes first. ``report.md`` holds GitHub tables printed by Polars; ``report.html`` is one
 self-contained file (inline CSS, PNGs as base64 ``data:`` URIs, no external reference).
@@ -25,8 +26,9 @@ from typing import Any
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
 from kvcadence.analysis.formatting import fmt
-from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, BundleMetrics
+from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, DISTANCES, BundleMetrics
 from kvcadence.errors import UsageError
+from kvcadence.progress import NoPhases
 
 REPORT_VERSION = 1
 REPORT_SCHEMA = "kvcadence.report/1"
@@ -80,6 +82,9 @@ QUALITY: tuple[str, ...] = (
     "quality.epochs",
     "quality.torn_bytes",
     "quality.corrupt_frames",
+    "quality.missing_segments",
+    "quality.missing_records",
+    "quality.duplicate_rids",
     "quality.unknown_events",
     "quality.unknown_records",
     "quality.undecodable_payloads",
@@ -208,6 +213,12 @@ def build_doc(
                 "requests": {
                     k: {"value": v, "unit": COMPARE_DEFS[k][0]}
                     for k, v in comp.compare_metrics.items()
+                    if k not in DISTANCES
+                },
+                "distributions": {
+                    k: {"value": v, "unit": COMPARE_DEFS[k][0]}
+                    for k, v in comp.compare_metrics.items()
+                    if k in DISTANCES
                 },
                 "per_request_differences": comp.per_request.filter(
                     (comp.per_request["d_cached_tokens"] != 0)
@@ -253,6 +264,28 @@ def _metric_columns(
             r = rows.get(name, {})
             cols[f"Δ {comp.sim}"].append(fmt(r.get("abs_delta")))
             cols[f"Δ% {comp.sim}"].append(pct(r.get("rel_delta")))
+    return cols
+
+
+def _distribution_columns(
+    labelled: list[tuple[str, BundleMetrics]], comps: list[cmp.Comparison]
+) -> dict[str, list[str]]:
+    """One row per blocks-per-event distribution: each bundle's median and mean, each
+    comparison's KS statistic."""
+    cols: dict[str, list[str]] = {"distribution": []}
+    for label, _ in labelled:
+        cols[f"{label} median"] = []
+        cols[f"{label} mean"] = []
+    for comp in comps:
+        cols[f"KS {comp.sim}"] = []
+    for name in DISTANCES:
+        dist = name.rsplit(".", 1)[0]
+        cols["distribution"].append(dist)
+        for label, m in labelled:
+            cols[f"{label} median"].append(fmt(m.metrics.get(f"{dist}.median")))
+            cols[f"{label} mean"].append(fmt(m.metrics.get(f"{dist}.mean")))
+        for comp in comps:
+            cols[f"KS {comp.sim}"].append(fmt(comp.compare_metrics.get(name)))
     return cols
 
 
@@ -309,6 +342,16 @@ def _sections(
             _metric_columns(labelled, comps, HEADLINE),
         )
     )
+    if comps:
+        out.append(
+            (
+                "Blocks per event: median, mean and distribution distance",
+                "KS = two-sample Kolmogorov-Smirnov statistic of the blocks-per-event "
+                "distributions, real vs sim (0 = equal; a median of a few blocks moves a "
+                "whole step for one event, KS by about 1/n).",
+                _distribution_columns(labelled, comps),
+            )
+        )
     for key, title in (
         ("blocks_per_stored_event", "Blocks per Stored event (histogram)"),
         ("blocks_per_removed_event", "Blocks per Removed event (histogram)"),
@@ -361,7 +404,7 @@ def _sections(
                     pr[label].append(fmt(m.per_rank.get(r, {}).get(name)))
         out.append(("Per DP rank", "", pr))
     for comp in comps:
-        cm = comp.compare_metrics
+        cm = {k: v for k, v in comp.compare_metrics.items() if k not in DISTANCES}
         c: dict[str, list[str]] = {
             "metric": list(cm),
             "unit": [COMPARE_DEFS[k][0] for k in cm],
@@ -466,12 +509,16 @@ def make_report(
     plots: bool = True,
     cache_dirs: list[str | None] | None = None,
     extra_sections: bool = True,
+    phases: Any = None,
 ) -> ReportResult:
     """Ingest (cached), compute, compare, gate and write every output file.
 
     ``extra_sections`` runs the optional providers of ``report_extras`` (visibility, per
-    rank), each only when its data are present.
+    rank), each only when its data are present. ``phases`` (a ``kvcadence.progress.Phases``)
+    says each long step on stderr and times it.
     """
+
+    phases = phases or NoPhases()
     from kvcadence.analysis import ingest, metrics, report_extras, sql
     from kvcadence.analysis import plots as kplots
     from kvcadence.analysis.outpaths import check_out_dir
@@ -488,17 +535,24 @@ def make_report(
     ings = []
     for i, (label, b) in enumerate(zip(labels, bundles, strict=False)):
         cache = cache_dirs[i] if cache_dirs else None
-        ing = ingest.ingest(b, cache)
+        with phases.phase("ingest", f"reading {label} {b} (Parquet tables, cached)"):
+            ing = ingest.ingest(b, cache)
         ings.append(ing)
-        labelled.append(
-            (label, metrics.compute(ing, window=window, peer_compatible=peer_compatible))
-        )
+        with phases.phase("metrics", f"computing {label}'s metrics"):
+            m = metrics.compute(ing, window=window, peer_compatible=peer_compatible)
+        labelled.append((label, m))
     real = labelled[0][1]
     comps = [cmp.compare(real, m, labels[0], label) for label, m in labelled[1:]]
     results = cmp.evaluate(parsed, comps, single=real if not comps else None)
-    plot_names = [p.name for p in kplots.render(labelled, outdir)] if plots else []
+    plot_names: list[str] = []
+    if plots:
+        with phases.phase("plots", "drawing plots"):
+            plot_names = [p.name for p in kplots.render(labelled, outdir)]
     # optional sections of other analysis modules (visibility, per rank): the hook
-    extras = report_extras.collect(labelled, ings, outdir) if extra_sections else []
+    extras = []
+    if extra_sections:
+        with phases.phase("extras", "optional sections (visibility, per rank)"):
+            extras = report_extras.collect(labelled, ings, outdir)
     if plots:
         plot_names += [p for e in extras for p in e.plots]
     else:  # the providers always draw; drop their files when plots are off
@@ -512,7 +566,10 @@ def make_report(
         f"{label} ({Path(m.inputs['bundle']).name})" for label, m in labelled
     )
     sections = _sections(labelled, comps, results)
-    sections[-1:-1] = [sec for e in extras for sec in e.sections]  # before "All metrics"
+    for e in extras:  # before "All metrics", or after the section the provider names
+        titles = [s[0] for s in sections]
+        at = titles.index(e.after) + 1 if e.after in titles else len(sections) - 1
+        sections[at:at] = e.sections
     write_markdown(outdir / "report.md", sections, plot_names, title)
     write_html(outdir / "report.html", outdir, sections, plot_names, title)
     summary = {

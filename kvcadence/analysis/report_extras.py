@@ -5,17 +5,20 @@
 means no section, never an error) and returns None when its data are absent from every
 input, so a report only pays for sections that say something:
 
-* ``visibility`` (issue 9, ``kvcadence.analysis.visibility``): when some input has sim
+* ``visibility`` (``kvcadence.analysis.visibility``): when some input has sim
   per-block visibility notes (``notes.kind = 'visibility'``) or requests with SGLang timing
   fields (``prefill_finished_time`` / ``request_finished_ts`` in ``meta_info``). JSON
   ``visibility``: label -> metrics (units inside); section "Event visibility"; plot
   ``visibility.png``.
-* ``ranks`` (issue 10, ``kvcadence.analysis.ranks``): when some input has more than one DP
+* ``families`` (``kvcadence.analysis.families``): with two or more inputs. JSON
+  ``hash_families``; section "Hash families" right after "Data quality" (``Extra.after``),
+  one sentence saying whether the inputs hash blocks the same way.
+* ``ranks`` (``kvcadence.analysis.ranks``): when some input has more than one DP
   rank. JSON ``ranks``: label -> rank -> figures, plus ``rank_comparisons`` (real vs each sim,
   rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
   sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
 
-Both modules read the bundle themselves (not the Parquet tables); their cost is theirs and
+The modules read the bundle themselves (not the Parquet tables); their cost is theirs and
 is only paid when the section applies.
 """
 
@@ -34,6 +37,7 @@ class Extra:
     doc: dict[str, Any]  # top-level report.json keys
     sections: list[tuple[str, str, dict[str, list[str]] | None]]
     plots: list[str] = field(default_factory=list)  # file names written into the out dir
+    after: str | None = None  # put the sections after this one (default: before the last)
 
 
 def _fmt(v: Any) -> str:
@@ -177,8 +181,20 @@ def _ranks_plot(public: dict[str, dict[str, dict[str, Any]]], out: Path) -> str:
     return plots._save(fig, out / "ranks.png").name
 
 
+def families_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+    try:
+        from kvcadence.analysis import families
+    except ImportError:  # pragma: no cover - module not shipped
+        return None
+    if len(labelled) < 2:
+        return None
+    data = families.compare_families(labelled, ings)
+    return Extra({"hash_families": data}, [families.families_section(data)], after="Data quality")
+
+
 #: The optional section providers, in report order (see the module docstring).
 PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path], Extra | None]] = [
+    families_extra,
     visibility_extra,
     ranks_extra,
 ]

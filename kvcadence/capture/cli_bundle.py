@@ -25,9 +25,18 @@ def register(sub: Any) -> None:
             "blocks, seq ranges per endpoint and epoch, gaps, torn/corrupt bytes, requests, "
             "time span and whether the writer shut down cleanly."
         ),
+        epilog="examples:\n"
+        "  kvcadence inspect examples/sglang-0.5.23-agent-ps1.kvcb\n"
+        "  kvcadence inspect run.kvcb --json | jq .events\n",
     )
     p.add_argument("bundle", help="bundle directory (seg-*.kvcb files)")
     p.add_argument("--json", action="store_true", help="print one JSON document (stable keys)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when anything was lost: a missing, empty or refused segment, fewer "
+        "records than a trailer counts, corrupt frames, a torn tail",
+    )
     p.set_defaults(_run=run_inspect)
 
     p = sub.add_parser(
@@ -38,6 +47,10 @@ def register(sub: Any) -> None:
             "[endpoint], [via]) and a JSONL request log into a bundle. Every input is "
             "validated before anything is written; a bad line exits 2 naming file:line:field."
         ),
+        epilog="examples:\n"
+        "  kvcadence import --frames frames.jsonl --requests requests.jsonl \\\n"
+        "      --server-info server_info.json --out run.kvcb\n"
+        "  kvcadence import --requests more.jsonl --out run.kvcb --append\n",
     )
     p.add_argument("--frames", metavar="FRAMES.jsonl", help="one JSON object per ZMQ message")
     p.add_argument("--requests", metavar="REQUESTS.jsonl", help="one JSON object per request")
@@ -64,6 +77,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not summary["header_ok"]:
         # the damage report above is still worth having; the exit says it is not a sound bundle
         print(f"kvcadence: error: {args.bundle}: {NO_HEADER}", file=sys.stderr)
+        return 1
+    if args.strict and summary["damaged"]:
+        from kvcadence.capture.inspect import damage_lines
+
+        what = damage_lines(summary) or [
+            f"{summary['corrupt_bytes']} corrupt bytes, {summary['torn_bytes']} torn bytes"
+        ]
+        print(f"kvcadence: error: {args.bundle}: damaged: {what[0]}", file=sys.stderr)
         return 1
     return 0
 

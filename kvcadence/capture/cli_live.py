@@ -22,6 +22,7 @@ import json
 import shlex
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -82,8 +83,14 @@ def _register_capture(sub: Any) -> None:
             "Record every KV-event batch a live SGLang worker publishes (ZMQ SUB per DP "
             "rank, replay recovery of gaps) into bundle --out. Stops on SIGINT/SIGTERM, "
             "--duration or --until-idle, writing a Trailer. Sub-mode 'import' adds SGLang's "
-            "own request logs to a bundle."
+            "own request logs to a bundle. Exit 4 when nothing was recorded."
         ),
+        epilog="examples:\n"
+        "  kvcadence capture --server http://127.0.0.1:30000 --out run.kvcb --until-idle 3\n"
+        "  kvcadence capture --endpoint tcp://127.0.0.1:5557 --replay-endpoint "
+        "tcp://127.0.0.1:5558 \\\n"
+        "      --out live.kvcb --duration 60\n"
+        "  kvcadence capture import --sglang-metrics METRICS_DIR run.kvcb\n",
     )
     p.add_argument("--server", metavar="URL", help="SGLang server for /server_info discovery")
     p.add_argument("--out", metavar="BUNDLE", help="bundle directory to create")
@@ -106,11 +113,26 @@ def _register_capture(sub: Any) -> None:
             "--log-requests-format json lines into RequestRecords appended to BUNDLE "
             "(created when missing). Pickled dumps are refused."
         ),
+        epilog="examples:\n"
+        "  kvcadence capture import --sglang-metrics METRICS_DIR run.kvcb\n"
+        "  kvcadence capture import --sglang-request-log server.log --quiet requests.kvcb\n",
     )
-    imp.add_argument("bundle", metavar="BUNDLE")
-    imp.add_argument("--sglang-metrics", metavar="DIR_OR_FILE", action="append", default=[])
-    imp.add_argument("--sglang-request-log", metavar="FILE", action="append", default=[])
-    imp.add_argument("--quiet", action="store_true")
+    imp.add_argument("bundle", metavar="BUNDLE", help="bundle to append to (created when missing)")
+    imp.add_argument(
+        "--sglang-metrics",
+        metavar="DIR_OR_FILE",
+        action="append",
+        default=[],
+        help="SGLang's --export-metrics-to-file output: the directory or one file (repeatable)",
+    )
+    imp.add_argument(
+        "--sglang-request-log",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="a log written with --log-requests --log-requests-format json (repeatable)",
+    )
+    imp.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     imp.set_defaults(_run=run_capture_import)
 
 
@@ -122,12 +144,26 @@ def _register_drive(sub: Any) -> None:
             "Send a workload to SGLang's POST /generate (input_ids, temperature 0, "
             "ignore_eos) and record one RequestRecord per request, capturing the worker's KV "
             "events into the same bundle. SPEC: agent[:k=v,...] | mooncake:path=FILE[,...] | "
-            "admission:path=FILE[,...] | @spec.json"
+            'admission:path=FILE[,...] | @spec.json (a JSON object with "kind" and the keys). '
+            "docs/drive.md describes each key."
         ),
+        epilog=_drive_epilog(),
     )
-    p.add_argument("--server", required=True, metavar="URL")
-    p.add_argument("--workload", required=True, metavar="SPEC")
-    p.add_argument("--out", required=True, metavar="BUNDLE")
+    p.add_argument(
+        "--server",
+        required=True,
+        metavar="URL",
+        help="the SGLang server, e.g. http://127.0.0.1:30000",
+    )
+    p.add_argument(
+        "--workload",
+        required=True,
+        metavar="SPEC",
+        help="KIND[:key=value,...] or @spec.json; the keys of each KIND are listed below",
+    )
+    p.add_argument(
+        "--out", required=True, metavar="BUNDLE", help="bundle directory to create (new or empty)"
+    )
     p.add_argument("--lanes", type=int, help="override the workload's lanes")
     p.add_argument("--requests", type=int, help="override the agent workload's request count")
     p.add_argument("--seed", type=int, help="override the workload seed")
@@ -139,7 +175,13 @@ def _register_drive(sub: Any) -> None:
         metavar="S",
         help="after the last request, keep capturing until S s without events (default 2)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="per-request HTTP timeout, s (default 600)",
+    )
     p.add_argument(
         "--flush-at",
         type=int,
@@ -150,9 +192,31 @@ def _register_drive(sub: Any) -> None:
         "Annotation) and go on (repeatable)",
     )
     p.add_argument("--rid-prefix", default="", metavar="P", help="prefix every request id with P")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary lines")
     _add_endpoint_opts(p)
     p.set_defaults(_run=run_drive)
+
+
+def _drive_epilog() -> str:
+    """Examples plus every workload KIND's keys with their defaults (from the dataclasses)."""
+    from kvcadence.capture.workloads import workload_keys  # standard library only
+
+    lines = [
+        "examples:",
+        "  kvcadence drive --server http://127.0.0.1:30000 "
+        "--workload agent:lanes=4,requests=120,seed=101 --out run.kvcb",
+        "  kvcadence drive --server URL --workload mooncake:path=trace.jsonl,speedup=4 --out mc.kvcb",
+        "  kvcadence drive --server URL --workload admission:path=mix.jsonl,page_size=64 "
+        "--out adm.kvcb",
+        "",
+        "workload keys (KIND: key=default ...):",
+    ]
+    for kind, keys in workload_keys().items():
+        text = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in keys)
+        lines.append(
+            textwrap.fill(text, 88, initial_indent=f"  {kind}: ", subsequent_indent="    ")
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _register_harness(sub: Any) -> None:
@@ -164,17 +228,54 @@ def _register_harness(sub: Any) -> None:
             "$KVCADENCE_SGLANG_VENV), a tiny random Llama, one loopback worker with KV "
             "events + replay, stopped by PID."
         ),
+        epilog="examples:\n"
+        "  kvcadence harness setup\n"
+        "  kvcadence harness start --page-size 1 --max-total-tokens 2000\n"
+        "  kvcadence harness status\n"
+        "  kvcadence harness stop\n",
     )
     acts = p.add_subparsers(title="actions", metavar="ACTION", dest="harness_action")
-    s = acts.add_parser("setup", help="build the venv and the model (idempotent)")
+    s = acts.add_parser(
+        "setup",
+        help="build the venv and the model (idempotent)",
+        description="Build the cached venv with SGLang 0.5.23 (needs network, once) and the tiny "
+        "random-weight Llama; prints their paths as JSON.",
+        epilog="examples:\n  kvcadence harness setup\n  kvcadence harness setup --force\n",
+    )
     s.add_argument("--force", action="store_true", help="rebuild the venv")
     s.set_defaults(_run=run_harness)
-    st = acts.add_parser("start", help="start a detached worker; prints its JSON description")
-    st.add_argument("--page-size", type=int, default=1)
-    st.add_argument("--max-total-tokens", type=int, default=20000)
-    st.add_argument("--chunked-prefill-size", type=int)
+    st = acts.add_parser(
+        "start",
+        help="start a detached worker; prints its JSON description",
+        description="Start one detached SGLang worker on loopback with KV events on; prints its "
+        "URL, PID and event/replay endpoints as JSON (also kept for 'harness stop').",
+        epilog="examples:\n"
+        "  kvcadence harness start --page-size 1 --max-total-tokens 2000\n"
+        "  kvcadence harness start --dp-size 2 --chunked-prefill-size 512\n",
+    )
+    st.add_argument(
+        "--page-size",
+        type=int,
+        default=1,
+        help="SGLang --page-size, tokens per KV page (default 1)",
+    )
+    st.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=20000,
+        help="SGLang --max-total-tokens, the KV pool size in tokens (default 20000)",
+    )
+    st.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        help="SGLang --chunked-prefill-size (default: SGLang's own)",
+    )
     st.add_argument("--workdir", default=None, help="log + metrics dir (default: a cache dir)")
-    st.add_argument("--no-replay", action="store_true")
+    st.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="no replay_endpoint in --kv-events-config (missed messages cannot be recovered)",
+    )
     st.add_argument(
         "--dp-size",
         type=int,
@@ -208,9 +309,19 @@ def _register_harness(sub: Any) -> None:
         "the bundles in examples/ were recorded)",
     )
     st.set_defaults(_run=run_harness)
-    sp = acts.add_parser("stop", help="stop the worker started by 'harness start' (by PID)")
+    sp = acts.add_parser(
+        "stop",
+        help="stop the worker started by 'harness start' (by PID)",
+        description="Stop the worker 'harness start' recorded (by its PID); prints what was done.",
+        epilog="examples:\n  kvcadence harness stop\n",
+    )
     sp.set_defaults(_run=run_harness)
-    ss = acts.add_parser("status", help="venv / model / worker state as JSON")
+    ss = acts.add_parser(
+        "status",
+        help="venv / model / worker state as JSON",
+        description="Print whether the venv and the model exist and whether a worker is alive.",
+        epilog="examples:\n  kvcadence harness status\n",
+    )
     ss.set_defaults(_run=run_harness)
     p.set_defaults(_run=lambda a: (p.print_help(), 2)[1])
 
@@ -322,12 +433,31 @@ def run_capture(args: argparse.Namespace) -> int:
         stats = rec.run(stop)
     if not args.quiet:
         print(summary_text(stats, args.out), file=sys.stderr)
+    if stats.written == 0:
+        check_recorded(stats, eps, args.out)
     return 0
+
+
+def check_recorded(stats: Any, eps: list[Any], out: str) -> None:
+    """``NothingCaptured`` (exit 4, one line on stderr even with ``--quiet``) when a capture
+    wrote no KV-event message: the bundle exists but holds nothing to replay."""
+    from kvcadence.errors import NothingCaptured
+
+    if stats.written:
+        return
+    where = ", ".join(e.url for e in eps) or "no endpoint"
+    raise NothingCaptured(
+        f"capture recorded 0 KV-event messages from {where} ({stats.stop_reason or 'stopped'}); "
+        f"{out} holds no events. Check --endpoint/--server and that the worker runs with "
+        "--kv-events-config"
+    )
 
 
 def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
     from kvcadence.capture.discovery import make_header
+    from kvcadence.capture.importer import check_request_record
+    from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
     from kvcadence.format.bundle import BundleWriter, check_encodable
 
     if not args.sglang_metrics and not args.sglang_request_log:
@@ -337,9 +467,13 @@ def run_capture_import(args: argparse.Namespace) -> int:
         records += sglang_logs.read_metrics(m)
     for r in args.sglang_request_log:
         records += sglang_logs.read_request_log(r)
+    for rec in records:  # validated as `kvcadence import` validates, before anything opens
+        check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
     check_encodable(records)  # a record that cannot be written fails before the bundle opens
+    refuse_duplicate_rids(records, "capture import")  # e.g. metrics and request log together
     out = Path(args.bundle)
     if out.exists() and any(out.iterdir()):
+        refuse_known_rids(out, records)  # never a request twice
         writer = BundleWriter.append(out)
     else:
         writer = BundleWriter(out, make_header([], server_info=None, command=command_line()))

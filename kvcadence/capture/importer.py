@@ -42,6 +42,7 @@ import msgspec
 
 from kvcadence import __version__
 from kvcadence.capture.discovery import redact_paths
+from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
 from kvcadence.capture.think import think_times
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bundle import BundleWriter, check_encodable, encode_payload, staged_bundle
@@ -58,6 +59,7 @@ from kvcadence.format.schema import (
     Header,
     RequestRecord,
 )
+from kvcadence.outguard import refuse_nonempty_dir
 
 VIA_NAMES = {"live": VIA_LIVE, "replay": VIA_REPLAY}
 U64_MAX = 2**64 - 1
@@ -182,6 +184,50 @@ def _check_ids(ids: list[int], where: str, name: str) -> None:
             raise InputError(
                 f"{where}: field `{name}`: {x} at index {i} is not a token id (0 .. 2**63-1)"
             )
+
+
+_OPTIONAL_INTS = (
+    "send_ns",
+    "first_token_ns",
+    "finish_ns",
+    "arrival_ns",
+    "think_ns",
+    "lane",
+    "session",
+    "turn",
+    "max_new_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "dp_rank",
+)
+
+
+def check_request_record(rec: RequestRecord, where: str) -> None:
+    """The checks ``parse_request_line`` makes, on a ``RequestRecord`` built elsewhere
+    (``capture import`` from SGLang logs): a string rid, token ids that are ints (not bools)
+    in 0 .. 2**63-1, optional ints in the signed 64-bit range, every int of ``meta_info`` in
+    -2**63 .. 2**64-1. ``InputError`` naming the record and field; a record that passes reads
+    back as it was written."""
+    if type(rec.rid) is not str:
+        raise InputError(f"{where}: field `rid`: expected a string, got {_kind(rec.rid)}")
+    for name in ("input_ids", "output_ids"):
+        ids = getattr(rec, name)
+        if type(ids) is not list:
+            raise InputError(f"{where}: field `{name}`: expected an array of ints")
+        bad = next((i for i, x in enumerate(ids) if not _is_int(x)), None)
+        if bad is not None:
+            raise InputError(
+                f"{where}: field `{name}`: expected an array of ints, got "
+                f"{_kind(ids[bad])} at index {bad}"
+            )
+        _check_ids(ids, where, name)
+    for name in _OPTIONAL_INTS:
+        v = getattr(rec, name)
+        if v is not None and not _is_int(v):
+            raise InputError(f"{where}: field `{name}`: expected an int or null, got {_kind(v)}")
+        _check_range(v, I64_MIN, I64_MAX, where, name, "a signed 64-bit int")
+    _check_ints(rec.meta_info, where, "meta_info")
 
 
 def _lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -315,7 +361,9 @@ def parse_request_line(obj: dict[str, Any], where: str) -> RequestRecord:
 def read_requests(path: Path) -> list[RequestRecord]:
     """Every request of a requests JSONL file, ``think_ns`` derived for closed-loop lanes
     (unless the line gave it)."""
-    recs = [parse_request_line(obj, where) for where, obj in _lines(path, "requests")]
+    lines = list(_lines(path, "requests"))
+    recs = [parse_request_line(obj, where) for where, obj in lines]
+    refuse_duplicate_rids(recs, str(path), [where for where, _ in lines])
     derived = think_times([(r.lane, r.send_ns, r.finish_ns) for r in recs])
     return [
         r if r.think_ns is not None or t is None else msgspec.structs.replace(r, think_ns=t)
@@ -461,6 +509,7 @@ def import_bundle(
             raise UsageError("--append needs --requests")
         reqs = read_requests(Path(requests))
         check_encodable(reqs)  # a record that cannot be written fails before the bundle opens
+        refuse_known_rids(out_path, reqs)
         with BundleWriter.append(out_path, segment_bytes=segment_bytes) as w:
             for r in reqs:
                 w.write(r)
@@ -470,8 +519,7 @@ def import_bundle(
 
     if frames is None:
         raise UsageError("--frames is required (or --append with --requests)")
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     frames_path = Path(frames)
     n_frames, ep_topics, first_recv = _scan_frames(frames_path)
     reqs = read_requests(Path(requests)) if requests is not None else []
@@ -540,6 +588,7 @@ __all__ = [
     "FrameLine",
     "ImportSummary",
     "SeqBook",
+    "check_request_record",
     "endpoints_from_server_info",
     "import_bundle",
     "parse_frame_line",

@@ -53,6 +53,8 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
     gaps = missed = recovered = 0
     epochs: list[dict[str, Any]] = []
     trailers = 0
+    no_outputs = no_lanes = 0
+    inferred: dict[str, Any] | None = None
     ep_rank = {e.id: int(e.dp_rank) for e in header.endpoints} if header else {}
     ranks: dict[int, dict[str, int]] = {}
 
@@ -117,6 +119,8 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
             racc["requests"] += 1
             racc["prompt_tokens"] += rec.prompt_tokens or len(rec.input_ids)
             racc["cached_tokens"] += rec.cached_tokens or 0
+            no_outputs += not rec.output_ids
+            no_lanes += rec.lane is None
         elif t is Gap:
             gaps += 1
             missed += rec.last_seq - rec.first_seq + 1
@@ -133,6 +137,7 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
             )
         elif t is Trailer:
             trailers += 1
+            inferred = ((rec.stats or {}).get("replay") or {}).get("inferred") or inferred
     rep = reader.report
     span = (
         (last_recv - first_recv) / 1e9 if first_recv is not None and last_recv is not None else None
@@ -170,6 +175,9 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "recovered_seqs": recovered,
         "epochs": epochs,
         "requests": records["request"],
+        "requests_without_output_ids": no_outputs,
+        "requests_without_lanes": no_lanes,
+        "inferred": inferred,
         "ranks": [_rank_row(k, v) for k, v in sorted(ranks.items())],
         "first_recv_ns": first_recv,
         "last_recv_ns": last_recv,
@@ -180,6 +188,14 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "corrupt": [{"segment": s, "offset": o, "bytes": n} for s, o, n in rep.corrupt],
         "trailers": trailers,
         "clean_shutdown": rep.clean_shutdown,
+        "missing_segments": [{"segment": n, "why": w} for n, w in rep.missing_segments],
+        "refused_segments": [{"segment": n, "why": w} for n, w in rep.refused_segments],
+        "missing_records": rep.missing_records,
+        "shortfall": [
+            {"trailer_segment": n, "trailer_counts": want, "read": got}
+            for n, want, got in rep.shortfall
+        ],
+        "damaged": rep.damaged,
     }
 
 
@@ -200,6 +216,18 @@ def _rank_row(rank: int, acc: dict[str, int]) -> dict[str, Any]:
     p = acc["prompt_tokens"]
     row["hit_rate"] = acc["cached_tokens"] / p if p else None
     return row
+
+
+def damage_lines(s: dict[str, Any]) -> list[str]:
+    """One line per lost segment and per trailer shortfall (empty for a whole bundle)."""
+    out = [f"segment {m['segment']}: {m['why']}" for m in s.get("missing_segments", [])]
+    out += [f"segment {m['segment']} refused: {m['why']}" for m in s.get("refused_segments", [])]
+    out += [
+        f"{m['trailer_counts'] - m['read']} records missing: the trailer in "
+        f"{m['trailer_segment']} counts {m['trailer_counts']}, {m['read']} were read"
+        for m in s.get("shortfall", [])
+    ]
+    return out
 
 
 def format_text(s: dict[str, Any]) -> str:
@@ -253,7 +281,11 @@ def format_text(s: dict[str, Any]) -> str:
             f"{s['gaps']}  (missed {s['missed_seqs']} seqs, recovered {s['recovered_seqs']})",
         ),
         ("epochs", str(len(s["epochs"]))),
-        ("requests", f"{s['requests']:,}"),
+        (
+            "requests",
+            f"{s['requests']:,}  (without output ids {s['requests_without_output_ids']:,}, "
+            f"without lanes {s['requests_without_lanes']:,})",
+        ),
         (
             "time",
             "-"
@@ -267,10 +299,31 @@ def format_text(s: dict[str, Any]) -> str:
         ),
         ("clean shutdown", "yes" if s["clean_shutdown"] else "no"),
     ]
+    at = next(i for i, r in enumerate(rows) if r[0] == "damage") + 1
+    rows[at:at] = [("LOST" if i == 0 else "", line) for i, line in enumerate(damage_lines(s))]
+    inf = s.get("inferred")
+    if inf:  # a replay of a production capture: where its outputs and sessions came from
+        syn = sum(inf["outputs_synthetic"].values())
+        rows.append(
+            (
+                "inferred",
+                f"outputs from events={inf['outputs_from_events']:,} "
+                f"from next prompt={inf['outputs_from_next_prompt']:,} synthetic={syn:,}  "
+                f"sessions={inf['sessions']:,} clients={inf['clients']:,} "
+                f"with predecessor={inf['with_predecessor']:,}",
+            )
+        )
     if not s["header_ok"]:
         rows.insert(1, ("WARNING", "no readable header record"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-__all__ = ["EVENT_TYPES", "INSPECT_VERSION", "NO_HEADER", "format_text", "inspect_bundle"]
+__all__ = [
+    "EVENT_TYPES",
+    "INSPECT_VERSION",
+    "NO_HEADER",
+    "damage_lines",
+    "format_text",
+    "inspect_bundle",
+]

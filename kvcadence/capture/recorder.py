@@ -65,6 +65,11 @@ NO_TRAFFIC_WARN_S = 10.0
 # on the capture benchmark's stream: 256 KiB ~6.2 us/msg, 8 MiB ~6.6-7.6 us/msg), and it
 # bounds the burst's memory.
 _BURST_BYTES = 256 << 10
+# Received data is handed to the OS (what a SIGKILL cannot take) at the first quiet poll, and
+# while messages keep coming once the oldest unflushed record is this old: with the idle poll
+# below, nothing received waits more than ~150 ms (docs/format.md section 4: <= 200 ms).
+_FLUSH_AGE_S = 0.1
+_IDLE_POLL_MS = 50
 
 
 @dataclass
@@ -279,10 +284,13 @@ class Recorder:
                     self._warn_if_no_traffic()
                 # with stats left to decode, wait only briefly: a quiet millisecond means the
                 # stream paused, and the decode runs then (or when its backlog is too big)
-                ready = poller.poll(1 if self._backlog else 100)
+                ready = poller.poll(1 if self._backlog else _IDLE_POLL_MS)
                 self._service(ready, subs, poller)
                 if not self._inbox.empty():
                     self._drain_inbox()
+                # what was written reaches the OS (survives a SIGKILL, a reader sees it) when
+                # the stream pauses, and while busy once it is _FLUSH_AGE_S old
+                self.writer.flush_pending(_FLUSH_AGE_S if ready else 0.0)
                 if self._backlog and (not ready or self._backlog_bytes > self.max_backlog_bytes):
                     self._decode_backlog(0.005)
                 if self.status is not None and self.status.live:
@@ -482,7 +490,7 @@ class Recorder:
             self._write_failed = True
             raise
         n = len(burst)
-        tr.take_in_order(last_seq, n)
+        tr.take_in_order(last_seq, n, burst[-1][2])
         st = self.stats
         st.written += n
         st.bytes += nbytes
@@ -626,5 +634,6 @@ def _tracker_dict(src: EndpointSource) -> dict[str, int]:
         "epochs": s.epochs,
         "replays": s.replays,
         "replay_timeouts": s.replay_timeouts,
+        "duplicates": s.duplicates,
         "malformed_replies": src.malformed_replies,
     }

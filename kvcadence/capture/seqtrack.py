@@ -14,7 +14,13 @@ Rules (SGLang's publisher: seq starts at 0 per publisher instance, +1 per batch)
   buffered live ones. Each missing range becomes one ``Gap`` with its ``recovered`` count.
 * without a replay endpoint, or for seqs a finished replay did not return (ring moved on,
   replay dropped), the ``Gap`` says how many were recovered (possibly 0).
-* ``seq <= last`` (a restarted publisher counts from 0 again) -> a new ``Epoch``; never a gap.
+* A publisher restart is seq going back to a small number after a pause: ``seq <= last``,
+  ``seq < ring_size`` (a restarted publisher counts from 0 again, and its replay ring can
+  bring back what was missed of it) and at least ``restart_gap_ns`` (default 100 ms, ZMQ's
+  reconnect interval: a restarted publisher cannot be heard sooner) since the previous live
+  message -> a new ``Epoch``; never a gap. Any other ``seq <= last`` (a duplicated message, a
+  swapped pair, a stale seq) is dropped and counted (``stats.duplicates``): it never starts an
+  epoch, so one stray seq cannot make the replay ring be written again.
 * ``begin_initial_replay()`` asks for everything from seq 0 before any live message, so a late
   subscriber recovers the publisher's history even when no new traffic arrives.
 * Large jumps cost nothing: a missing range is handled as bounds ``[lo, hi)`` plus the frames
@@ -62,6 +68,9 @@ Output = Out | Gap | Epoch
 MAX_SEQ = (1 << 63) - 1
 #: SGLang's default replay ring (``buffer_steps``), in batches.
 DEFAULT_RING_SIZE = 10_000
+#: the least pause before a seq that went back is taken for a restarted publisher (ZMQ's
+#: default reconnect interval: a SUB cannot hear a new publisher sooner)
+DEFAULT_RESTART_GAP_NS = 100_000_000
 
 
 def valid_seq(seq: int) -> bool:
@@ -95,6 +104,7 @@ class TrackerStats:
     replays: int = 0
     replay_timeouts: int = 0
     rejected: int = 0  # live messages / replay replies with a seq above MAX_SEQ (ignored)
+    duplicates: int = 0  # live messages with seq <= last that are not a restart (dropped)
 
 
 class SeqTracker:
@@ -107,11 +117,14 @@ class SeqTracker:
         has_replay: bool,
         max_buffer: int = 1_000_000,
         ring_size: int = DEFAULT_RING_SIZE,
+        restart_gap_ns: int = DEFAULT_RESTART_GAP_NS,
     ) -> None:
         self.endpoint = endpoint
         self.has_replay = has_replay
         self.max_buffer = max_buffer
         self.ring_size = ring_size
+        self.restart_gap_ns = restart_gap_ns
+        self._last_ns: int | None = None  # recv_ns of the last live message written
         self.epoch = 0
         self.last: int | None = None
         self.session: ReplaySession | None = None
@@ -147,13 +160,16 @@ class SeqTracker:
             return self.last + 1
         return -1
 
-    def take_in_order(self, last_seq: int, n: int = 1) -> None:
+    def take_in_order(self, last_seq: int, n: int = 1, last_recv_ns: int | None = None) -> None:
         """Fast path: the caller wrote the ``n`` live messages ``expected() .. last_seq`` itself
-        (no replay outstanding); the same bookkeeping as ``on_live`` for them."""
+        (no replay outstanding, the last received at ``last_recv_ns``); the same bookkeeping
+        as ``on_live`` for them."""
         s = self.stats
         s.live += n
         s.written += n
         self.last = last_seq
+        if last_recv_ns is not None:
+            self._last_ns = last_recv_ns
 
     def on_replay(self, seq: int, topic: str | None, payload: bytes, recv_ns: int) -> None:
         """A replay reply (not the end marker)."""
@@ -167,7 +183,9 @@ class SeqTracker:
         s.got[seq] = (topic if topic is not None else "", payload, recv_ns)
 
     def buffer_full(self) -> bool:
-        return self.session is not None and len(self.session.buffer) >= self.max_buffer
+        """The live messages held back plus the replies kept reach ``max_buffer``."""
+        s = self.session
+        return s is not None and len(s.buffer) + len(s.got) >= self.max_buffer
 
     def finish_replay(self, why: str = "end marker") -> list[Output]:
         """The replay ended (end marker / timeout / buffer full): write what it brought."""
@@ -217,6 +235,14 @@ class SeqTracker:
         out.append(Out(m.seq, m.recv_ns, m.topic, m.payload, VIA_LIVE, self.epoch))
         self.stats.written += 1
         self.last = m.seq
+        self._last_ns = m.recv_ns
+
+    def _is_restart(self, m: Live) -> bool:
+        """``m.seq <= last``: a restarted publisher (seq back to a small number after a
+        pause), or else a duplicate / swapped / stale seq (see the module docstring)."""
+        if m.seq >= self.ring_size:
+            return False
+        return self._last_ns is None or m.recv_ns - self._last_ns >= self.restart_gap_ns
 
     def _process(self, m: Live, out: list[Output]) -> None:
         seq = m.seq
@@ -225,6 +251,9 @@ class SeqTracker:
             self._emit(m, out)
             return
         if last is not None and seq <= last:
+            if not self._is_restart(m):
+                self.stats.duplicates += 1  # dropped: never a new epoch
+                return
             self.epoch += 1
             self.stats.epochs += 1
             out.append(

@@ -82,9 +82,17 @@ def _ids(v: Any, where: str, name: str) -> list[int]:
         if len(v) != 1:
             raise InputError(f"{where}: batched {name} ({len(v)} prompts in one request)")
         v = v[0]
-    if not isinstance(v, list) or not all(isinstance(t, int) for t in v):
+    if not isinstance(v, list):
         raise InputError(f"{where}: {name} must be a list of integers")
+    for i, t in enumerate(v):  # as `kvcadence import` checks them: ints (not bools), 0..2**63-1
+        if type(t) is not int:
+            raise InputError(f"{where}: {name} must be a list of integers ({t!r} at index {i})")
+        if not 0 <= t <= _TOKEN_MAX:
+            raise InputError(f"{where}: {name}: {t} at index {i} is not a token id (0 .. 2**63-1)")
     return list(v)
+
+
+_TOKEN_MAX = 2**63 - 1
 
 
 def _finish_reason(fr: Any) -> str | None:

@@ -6,6 +6,14 @@ publishers are never mixed on a socket, so per-endpoint seq tracking stays meani
 that publisher's replay ROUTER (a new DEALER per request, so late replies of an abandoned
 request can never mix into the next one). Frames are parsed with ``kvcadence.format.wire``;
 seq logic is ``kvcadence.capture.seqtrack.SeqTracker``. The poll loop is the recorder's.
+
+A replay is bounded three ways, so a replay endpoint that answers garbage (or answers
+forever) can never pin the live stream in memory: it ends when it goes quiet for
+``replay_timeout_s`` (only well-formed replies count as activity), when it has run
+``replay_total_s`` in all (default 5 x the timeout), and after ``max_bad_replies`` (64)
+malformed replies -- then replay is switched off for that endpoint (its later gaps are
+recorded unrecovered at once). Live messages held back during the replay are written when it
+ends, whichever way.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ class EndpointSource:
         *,
         replay_timeout_s: float = 2.0,
         max_buffer: int = 1_000_000,
+        replay_total_s: float | None = None,
+        max_bad_replies: int = 64,
     ) -> None:
         import zmq
 
@@ -39,6 +49,11 @@ class EndpointSource:
         self.ctx = ctx
         self.info = info
         self.replay_timeout_ns = int(replay_timeout_s * 1e9)
+        total = 5 * replay_timeout_s if replay_total_s is None else replay_total_s
+        self.replay_total_ns = int(total * 1e9)
+        self.max_bad_replies = max_bad_replies
+        self._replay_started_ns = 0
+        self._bad_in_replay = 0
         self.tracker = SeqTracker(
             info.id, has_replay=info.replay_url is not None, max_buffer=max_buffer
         )
@@ -70,7 +85,8 @@ class EndpointSource:
         d.connect(self.info.replay_url)
         d.send_multipart(wire.replay_request(start))
         self.dealer = d
-        self._last_replay_ns = time.monotonic_ns()
+        self._last_replay_ns = self._replay_started_ns = time.monotonic_ns()
+        self._bad_in_replay = 0
         poller.register(d, zmq.POLLIN)
         return True
 
@@ -85,15 +101,23 @@ class EndpointSource:
                 frames = d.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._last_replay_ns = time.monotonic_ns()
-            if not frames or frames[0] != b"":
-                self.malformed_replies += 1  # a DEALER reply starts with the empty delimiter
-                continue
             try:
+                if not frames or frames[0] != b"":  # a DEALER reply starts with b""
+                    raise WireError("a replay reply without the empty delimiter frame")
                 reply = wire.parse_replay_reply(frames[1:])
             except WireError:
+                # garbage is not activity: it never extends the replay's quiet timeout
                 self.malformed_replies += 1
+                self._bad_in_replay += 1
+                if self._bad_in_replay >= self.max_bad_replies:
+                    self.close_dealer(poller)
+                    self.tracker.has_replay = False
+                    return self.tracker.finish_replay(
+                        f"{self._bad_in_replay} malformed replay replies; replay off for "
+                        "this endpoint"
+                    )
                 continue
+            self._last_replay_ns = time.monotonic_ns()
             if reply is None:
                 self.close_dealer(poller)
                 return self.tracker.finish_replay("end marker")
@@ -111,6 +135,9 @@ class EndpointSource:
         if now_mono_ns - self._last_replay_ns > self.replay_timeout_ns:
             self.close_dealer(poller)
             return self.tracker.finish_replay("replay timeout")
+        if now_mono_ns - self._replay_started_ns > self.replay_total_ns:
+            self.close_dealer(poller)
+            return self.tracker.finish_replay("replay ran past its total time")
         return []
 
     def close_dealer(self, poller: zmq.Poller | None = None) -> None:

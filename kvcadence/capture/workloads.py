@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, UsageError
+from kvcadence.suggest import did_you_mean
 
 FIRST_TOKEN = 3
 
@@ -89,21 +90,34 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return kind, params
 
 
+def workload_classes() -> dict[str, type[Workload]]:
+    """Workload kind -> class (the ``KIND`` of a ``--workload`` SPEC)."""
+    return {"agent": AgentWorkload, "mooncake": MooncakeWorkload, "admission": AdmissionWorkload}
+
+
+def workload_keys() -> dict[str, list[tuple[str, Any]]]:
+    """Workload kind -> its SPEC keys with their defaults (``drive --help`` lists them)."""
+    return {
+        kind: [(f.name, f.default) for f in fields(cls)]  # type: ignore[arg-type]
+        for kind, cls in workload_classes().items()
+    }
+
+
 def build_workload(spec: str, **overrides: Any) -> Workload:
+
     kind, params = parse_spec(spec)
     params.update({k: v for k, v in overrides.items() if v is not None})
-    classes: dict[str, type[Workload]] = {
-        "agent": AgentWorkload,
-        "mooncake": MooncakeWorkload,
-        "admission": AdmissionWorkload,
-    }
+    classes = workload_classes()
     cls = classes.get(kind)
     if cls is None:
-        raise UsageError(f"unknown workload {kind!r} (agent, mooncake, admission)")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(params) - names)
+        raise UsageError(
+            f"unknown workload {kind!r}{did_you_mean(kind, classes)}; valid: {', '.join(classes)}"
+        )
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(params) - set(names))
     if unknown:
-        raise UsageError(f"workload {kind}: unknown parameter(s) {', '.join(unknown)}")
+        what = ", ".join(f"{k!r}{did_you_mean(k, names)}" for k in unknown)
+        raise UsageError(f"workload {kind}: unknown key {what}; valid keys: {', '.join(names)}")
     wl = cls(**params)
     wl.validate()
     return wl

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import mmap
 import os
 import re
@@ -52,6 +53,8 @@ from kvcadence.errors import (
     FormatVersionError,
     UsageError,
 )
+from kvcadence.format.crcspan import SpanCrc
+from kvcadence.format.lock import BundleLock
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -61,10 +64,14 @@ from kvcadence.format.schema import (
     EventFrame,
     Gap,
     Header,
+    ReadRecord,
     RequestRecord,
     RequestRecordView,
+    SegmentStart,
     Trailer,
 )
+from kvcadence.format.segments import survey_segments
+from kvcadence.outguard import refuse_nonempty_dir
 
 MAGIC = b"KVCB"
 SEGMENT_HEADER = struct.Struct("<4sHH")  # magic, major, minor
@@ -77,7 +84,7 @@ _SEGMENT_NAME = re.compile(r"^seg-(\d{6,})\.kvcb$")
 
 #: record class -> tag written on disk (the first array element)
 RECORD_TAGS: dict[type, str] = {
-    cls: cls.__struct_config__.tag  # type: ignore[attr-defined]
+    cls: str(cls.__struct_config__.tag)
     for cls in (Header, EventFrame, RequestRecord, Gap, Epoch, Annotation, Trailer)
 }
 _TAG_CLASSES: dict[bytes, type] = {tag.encode(): cls for cls, tag in RECORD_TAGS.items()}
@@ -101,6 +108,13 @@ _BATCH_CHUNK = 1 << 20
 _RESYNC = re.compile(
     rb"(?s)[\x91-\x9f][\xa0-\xbf\xd9]|\xdc..[\xa0-\xbf\xd9]|\xdd....[\xa0-\xbf\xd9]"
 )
+
+
+def bundle_identity(header_body: bytes | memoryview) -> str:
+    """A bundle's identity: a 64-bit BLAKE2b digest (hex) of its Header record's body (the
+    header holds the start time, the command and the server info, so two recordings differ).
+    Every segment after segment 0 names it in its ``SegmentStart`` record (format 1.1)."""
+    return hashlib.blake2b(header_body, digest_size=8).hexdigest()
 
 
 def segment_name(index: int) -> str:
@@ -146,8 +160,7 @@ def copy_bundle(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> lis
     s, d = Path(src), Path(dst)
     if not is_bundle(s):
         raise UsageError(f"{s}: not a bundle (no seg-*.kvcb segment files)")
-    if d.exists() and (not d.is_dir() or any(d.iterdir())):
-        raise UsageError(f"{d}: exists and is not an empty directory; refusing to overwrite")
+    refuse_nonempty_dir(d)
     out = []
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -165,9 +178,7 @@ def staged_bundle(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Write a new bundle all-or-nothing: yields a hidden sibling directory of ``path`` to
     write into; on success it is renamed to ``path`` (which must not exist, or be an empty
     directory), on any exception it is removed and ``path`` is left as it was."""
-    final = Path(path)
-    if final.exists() and (not final.is_dir() or any(final.iterdir())):
-        raise UsageError(f"{final}: already exists and is not empty; refusing to overwrite")
+    final = refuse_nonempty_dir(path)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -315,6 +326,9 @@ class AppendReport:
     removed_segment: bool = False  # the segment had no valid segment header and was removed
 
 
+_NEW_BUNDLE_HINT = "choose a new path, or append to a bundle"
+
+
 class BundleWriter:
     """Write a bundle directory: frames into rolling segments, flushed and fsynced.
 
@@ -322,6 +336,9 @@ class BundleWriter:
     exception). Every ``OSError`` while writing becomes a ``BundleError``; segments closed
     before the failure stay intact and the failed one ends in a torn tail.
     """
+
+    _lock: BundleLock | None
+    bundle_id: str | None
 
     def __init__(
         self,
@@ -332,25 +349,24 @@ class BundleWriter:
         flush_interval_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.path = Path(path)
-        if self.path.exists():
-            if not self.path.is_dir():
-                raise UsageError(f"{self.path}: exists and is not a directory")
-            if any(self.path.iterdir()):
-                raise UsageError(
-                    f"{self.path}: directory is not empty; refusing to overwrite a recording "
-                    "(choose a new path, or append to a bundle)"
-                )
+        self.path = refuse_nonempty_dir(path, hint=_NEW_BUNDLE_HINT)
         self._setup(segment_bytes, flush_interval_s, clock)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BundleError(f"cannot create bundle directory {self.path}: {exc}") from exc
-        self.header = msgspec.structs.replace(
-            header, format_major=FORMAT_MAJOR, format_minor=FORMAT_MINOR
-        )
-        self._open_segment(0)
-        self.write(self.header)
+        self._lock = BundleLock(self.path)  # one writer per bundle (UsageError otherwise)
+        try:
+            refuse_nonempty_dir(path, hint=_NEW_BUNDLE_HINT)  # did a writer just finish here?
+            self.header = msgspec.structs.replace(
+                header, format_major=FORMAT_MAJOR, format_minor=FORMAT_MINOR
+            )
+            self._open_segment(0)
+            self.write(self.header)
+            self.bundle_id = bundle_identity(self._enc.encode(self.header))
+        except BaseException:
+            self._lock.release()
+            raise
 
     def _setup(
         self, segment_bytes: int, flush_interval_s: float, clock: Callable[[], float]
@@ -367,11 +383,14 @@ class BundleWriter:
         self._seg_size = 0
         self._seg_frames = 0
         self._last_flush = clock()
+        self._dirty_at: float | None = None  # clock() of the oldest record not yet flushed
         self._failed: BaseException | None = None
         self._closed = False
         self.counts: dict[str, int] = {}
         self.bytes_written = 0
         self.append_report: AppendReport | None = None
+        self._lock = None
+        self.bundle_id = None  # set once the header is known (SegmentStart)
 
     # -- opening -----------------------------------------------------------------------
 
@@ -390,15 +409,38 @@ class BundleWriter:
         was dropped is in ``append_report`` and in an ``Annotation(kind="append")`` written
         first); writing continues in a new segment. The header is read, never rewritten.
         """
+        if not Path(path).is_dir():
+            BundleReader(path)  # the reader's one-line UsageError for a missing / non-bundle
+        lock = BundleLock(path)  # before anything is read or repaired: one writer per bundle
+        try:
+            return cls._append_locked(path, lock, segment_bytes, flush_interval_s, clock)
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def _append_locked(
+        cls,
+        path: str | os.PathLike[str],
+        lock: BundleLock,
+        segment_bytes: int,
+        flush_interval_s: float,
+        clock: Callable[[], float],
+    ) -> BundleWriter:
         reader = BundleReader(path)
         header = reader.header  # BundleError when unreadable: nothing to continue
         segments = reader.segments
         last = segments[-1]
+        if reader.refused_segments and reader.refused_segments[-1][0] > last.name:
+            name, why = reader.refused_segments[-1]
+            raise BundleError(f"{reader.path}: cannot append: its last segment {name} is {why}")
         scan = reader.scan_segment(last)
         self = cls.__new__(cls)
         self.path = reader.path
         self._setup(segment_bytes, flush_interval_s, clock)
+        self._lock = lock
         self.header = header
+        self.bundle_id = reader.bundle_id
         size = last.stat().st_size
         try:
             if scan.header_ok:
@@ -434,10 +476,14 @@ class BundleWriter:
 
     def _open_segment(self, index: int) -> None:
         seg = self.path / segment_name(index)
+        start = b""  # every segment after the first starts with the bundle's identity
+        if index > 0 and self.bundle_id is not None:
+            body = self._enc.encode(SegmentStart(self.bundle_id, index))
+            start = FRAME_HEADER.pack(len(body), zlib.crc32(body)) + body
         try:
             f = open(seg, "xb", buffering=1 << 20)  # never clobber an existing segment
             try:
-                f.write(SEGMENT_HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR))
+                f.write(SEGMENT_HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR) + start)
             except BaseException:
                 f.close()
                 raise
@@ -447,9 +493,11 @@ class BundleWriter:
             self._fail(exc, f"cannot create segment {seg}")
         self._file = f
         self._seg_index = index
-        self._seg_size = SEGMENT_HEADER_SIZE
-        self._seg_frames = 0
-        self.bytes_written += SEGMENT_HEADER_SIZE
+        self._seg_size = SEGMENT_HEADER_SIZE + len(start)
+        self._seg_frames = 0  # the SegmentStart frame never makes a big frame rotate again
+        self.bytes_written += SEGMENT_HEADER_SIZE + len(start)
+        if start:
+            self.counts["segment"] = self.counts.get("segment", 0) + 1
 
     @property
     def segment_path(self) -> Path:
@@ -484,6 +532,8 @@ class BundleWriter:
         self._seg_frames += 1
         self.bytes_written += size
         self.counts[tag] = self.counts.get(tag, 0) + 1
+        if self._dirty_at is None:
+            self._dirty_at = self._clock()
         if len(buf) > 16 << 20:
             self._buf = bytearray(4096)
         if self._clock() - self._last_flush >= self.flush_interval_s:
@@ -589,17 +639,31 @@ class BundleWriter:
         self._seg_frames += frames
         self.bytes_written += size
         self.counts["event"] = self.counts.get("event", 0) + frames
+        if self._dirty_at is None:
+            self._dirty_at = self._clock()
 
     def flush(self) -> None:
         """Hand buffered frames to the OS (readers see them); the capture loop calls this
         when idle. Not an fsync: rotation and ``close`` fsync."""
         self._last_flush = self._clock()
+        self._dirty_at = None
         if self._file is None or self._failed is not None:
             return
         try:
             self._file.flush()
         except OSError as exc:
             self._fail(exc, f"cannot flush {self.segment_path}")
+
+    def flush_pending(self, max_age_s: float = 0.0) -> bool:
+        """``flush()`` if a record written ``max_age_s`` or more ago is still in the file
+        buffer (cheap when nothing is pending); True if it flushed. The capture loop calls
+        it on every turn, so received data reaches the OS within the flush interval even
+        when no further write comes to trigger the write-time check."""
+        at = self._dirty_at
+        if at is None or self._clock() - at < max_age_s:
+            return False
+        self.flush()
+        return True
 
     def _sync_close(self) -> None:
         f = self._file
@@ -656,6 +720,7 @@ class BundleWriter:
             return
         if self._failed is not None:
             self._closed = True
+            self._release_lock()
             return
         trailer = Trailer(
             end_ns=time.time_ns() if end_ns is None else end_ns,
@@ -663,13 +728,26 @@ class BundleWriter:
             counts=dict(self.counts),
             stats=stats or {},
         )
-        self.write(trailer)
+        try:
+            self.write(trailer)
+        except BundleError:
+            if self._failed is not None:  # the disk failed: the writer is done
+                self._closed = True
+                self._release_lock()
+            raise  # else (a record it cannot encode) the writer stays open, as before
         self._closed = True
         try:
             self._sync_close()
         except OSError as exc:
             self._fail(exc, f"cannot close segment {self.segment_path}")
+        finally:
+            self._release_lock()
         self._sync_dir()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @property
     def closed(self) -> bool:
@@ -714,10 +792,34 @@ class ReadReport:
     unknown_tags: dict[str, int] = field(default_factory=dict)
     trailer_seen: bool = False
     clean_shutdown: bool = False  # the last record is a Trailer with clean=True
+    # segments lost from the numbering: (name, why) -- see ``segment_survey``
+    missing_segments: list[tuple[str, str]] = field(default_factory=list)
+    # segments whose segment header was refused (bad magic, unknown major): (name, why)
+    refused_segments: list[tuple[str, str]] = field(default_factory=list)
+    # writer sessions whose Trailer counts more records than were read:
+    # (segment of the trailer, records the trailer counts, records read)
+    shortfall: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def corrupt_bytes(self) -> int:
         return sum(n for _, _, n in self.corrupt)
+
+    @property
+    def missing_records(self) -> int:
+        """Records the trailers count that this pass did not read."""
+        return sum(want - got for _, want, got in self.shortfall)
+
+    @property
+    def damaged(self) -> bool:
+        """Anything was lost: a missing or refused segment, a shortfall against a trailer's
+        counts, corrupt frames or a torn tail."""
+        return bool(
+            self.missing_segments
+            or self.refused_segments
+            or self.shortfall
+            or self.corrupt
+            or self.torn_bytes
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -733,6 +835,10 @@ class ReadReport:
             "unknown_tags": dict(self.unknown_tags),
             "trailer_seen": self.trailer_seen,
             "clean_shutdown": self.clean_shutdown,
+            "missing_segments": [list(m) for m in self.missing_segments],
+            "refused_segments": [list(m) for m in self.refused_segments],
+            "shortfall": [list(m) for m in self.shortfall],
+            "missing_records": self.missing_records,
         }
 
 
@@ -790,6 +896,30 @@ def _peek_tag(body: memoryview) -> bytes | None:
 
 
 _KEEP_ALL = None
+
+
+def _one_value(body: memoryview) -> bool:
+    """``body`` is exactly one complete msgpack value (a C skip-parse, no objects built)."""
+    try:
+        _RAW_DECODER.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return True
+
+
+_APPEND_NOTE = msgspec.msgpack.Decoder(Annotation)
+_SEGMENT_START = msgspec.msgpack.Decoder(SegmentStart)
+
+
+def _is_append_note(body: memoryview) -> bool:
+    """The frame is the ``Annotation(kind="append")`` a reopened bundle's segment starts
+    with (the first record of a new writer session). Checked once per segment."""
+    if _peek_tag(body) != b"note":
+        return False
+    try:
+        return _APPEND_NOTE.decode(body).kind == "append"
+    except (msgspec.DecodeError, RecursionError):
+        return False
 
 
 def _decode_fresh_stack(decoder: msgspec.msgpack.Decoder[Any], body: memoryview) -> Any:
@@ -851,51 +981,86 @@ class BundleReader:
             raise UsageError(f"{self.path}: no such bundle")
         if not self.path.is_dir():
             raise UsageError(f"{self.path}: not a bundle (expected a directory of seg-*.kvcb)")
-        self.segments = list_segments(self.path)
-        if not self.segments:
+        # the numbering check: holes, directories / dangling links, empty middle segments
+        segments, self.missing_segments = survey_segments(self.path)
+        if not segments:
             raise UsageError(f"{self.path}: not a bundle (no seg-*.kvcb segment files)")
+        if self.missing_segments and strict:
+            name, why = self.missing_segments[0]
+            raise BundleError(f"{self.path}: segment {name} is {why}")
         self._minors: dict[Path, int] = {}
-        for i, seg in enumerate(self.segments):
+        #: segments whose segment header is refused (bad magic, unknown major): not read
+        self.refused_segments: list[tuple[str, str]] = []
+        self.segments: list[Path] = []
+        for i, seg in enumerate(segments):
             try:
                 with open(seg, "rb") as f:
                     head = f.read(SEGMENT_HEADER_SIZE)
             except OSError as exc:
                 raise BundleError(f"cannot read {seg}: {exc}") from exc
             if len(head) < SEGMENT_HEADER_SIZE:
+                self.segments.append(seg)
                 continue  # torn at birth: counted as torn bytes when read
             magic, major, minor = SEGMENT_HEADER.unpack(head)
+            refused = None
             if magic != MAGIC:
                 if i == 0:
                     raise UsageError(f"{self.path}: not a kvcadence bundle ({seg.name}: bad magic)")
-                raise BundleError(f"{seg}: not a kvcadence segment (bad magic {magic!r})")
-            if major != FORMAT_MAJOR:
-                raise FormatVersionError(
-                    f"{seg}: bundle format {major}.{minor} is not readable by kvcadence "
-                    f"{__version__} (reads format {FORMAT_MAJOR}.x); upgrade kvcadence"
+                refused = f"not a kvcadence segment (bad magic {magic!r})"
+            elif major != FORMAT_MAJOR:
+                msg = (
+                    f"bundle format {major}.{minor} is not readable by kvcadence "
+                    f"{__version__} (reads format {FORMAT_MAJOR}.x)"
                 )
+                if i == 0:
+                    raise FormatVersionError(f"{seg}: {msg}; upgrade kvcadence")
+                refused = msg
+            if refused is not None:
+                # one damaged segment costs that segment, not the bundle (strict: an error)
+                if strict:
+                    raise BundleError(f"{seg}: {refused}")
+                self.refused_segments.append((seg.name, refused))
+                continue
+            self.segments.append(seg)
             self._minors[seg] = minor
         self._header: Header | None = None
+        self._header_body: bytes | None = None
         self._report: ReadReport | None = None
 
     # -- the frame walk ----------------------------------------------------------------
 
-    def _valid_at(self, data: bytes, mv: memoryview, pos: int, full: bool) -> int:
+    def _valid_at(
+        self,
+        data: bytes | mmap.mmap,
+        mv: memoryview,
+        pos: int,
+        full: bool,
+        spans: SpanCrc | None = None,
+    ) -> int:
         """Body length of a frame at ``pos`` whose length and CRC check out (and, when
-        ``full``, whose body decodes), else -1."""
+        ``full``, whose body decodes), else -1. ``spans``: CRCs of long bodies in O(log n)
+        (resynchronisation, where candidate bodies overlap)."""
         n = len(data)
         if pos + FRAME_HEADER_SIZE > n:
             return -1
+        length: int
+        crc: int
         length, crc = FRAME_HEADER.unpack_from(data, pos)
         start = pos + FRAME_HEADER_SIZE
         if length < MIN_BODY or start + length > n:
             return -1
         body = mv[start : start + length]
-        if zlib.crc32(body) != crc:
-            return -1
         if full:
+            # Resynchronising: before the CRC (whose cost is the *claimed* length, so checking
+            # every candidate first made a crafted or garbage span quadratic), the body must
+            # be tag-shaped and exactly one msgpack value -- a skip-parse in C whose cost is
+            # the value's real extent, which for garbage ends within a few bytes.
             tag = _peek_tag(body)
-            if tag is None:
+            if tag is None or not _one_value(body):
                 return -1
+        if (zlib.crc32(body) if spans is None else spans.crc(start, start + length)) != crc:
+            return -1
+        if full and tag is not None:
             dec = _DECODERS.get(tag)
             try:
                 if dec is not None:
@@ -908,15 +1073,16 @@ class BundleReader:
                 return -1
         return length
 
-    def _resync(self, data: bytes, mv: memoryview, pos: int) -> int:
+    def _resync(self, data: bytes | mmap.mmap, mv: memoryview, pos: int) -> int:
         """Next offset > ``pos`` where a fully valid frame starts, or -1."""
         search = pos + 1 + FRAME_HEADER_SIZE
+        spans = SpanCrc(mv, pos)  # linear in the span however the candidates overlap
         while True:
             m = _RESYNC.search(data, search)
             if m is None:
                 return -1
             cand = m.start() - FRAME_HEADER_SIZE
-            if self._valid_at(data, mv, cand, True) >= 0:
+            if self._valid_at(data, mv, cand, True, spans) >= 0:
                 return cand
             search = m.start() + 1
 
@@ -982,12 +1148,20 @@ class BundleReader:
         report.frames -= 1
         self._corrupt(report, seg, pos, FRAME_HEADER_SIZE + len(body), "undecodable record")
 
-    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[BundleRecord]:
+    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[ReadRecord]:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
         request frames decode as ``RequestRecordView`` (every other record as usual)."""
-        report = ReadReport()
+        report = ReadReport(
+            missing_segments=list(self.missing_segments),
+            refused_segments=list(self.refused_segments),
+        )
         clean = False  # the last frame read is a Trailer(clean=True)
+        sess0 = 0  # report.frames when the current writer session began
+        try:
+            expect_id: str | None = self.bundle_id
+        except BundleError:
+            expect_id = None  # no header: nothing to compare segments with
         decoders = _VIEW_DECODERS if views else _DECODERS
         # Fast path: try the one decoder most frames need; peek at the tag only on failure.
         if wanted is None:
@@ -998,7 +1172,22 @@ class BundleReader:
             fast = None
         last = len(self.segments) - 1
         for i, seg in enumerate(self.segments):
+            seg_first = True
             for pos, body in self._walk(seg, report, mapped=i < last):
+                if seg_first:
+                    seg_first = False
+                    if pos == SEGMENT_HEADER_SIZE:
+                        what, why = self._first_record_check(seg, body, expect_id)
+                        if what == "start":
+                            continue  # the segment is this bundle's: never yielded
+                        if what == "foreign":
+                            if self.strict:
+                                raise BundleError(f"{seg}: {why}")
+                            report.refused_segments.append((seg.name, why))
+                            report.frames -= 1
+                            break  # nothing of it is read
+                        if what == "append":
+                            sess0 = report.frames - 1  # a new writer session starts here
                 if fast is not None:
                     try:
                         rec = fast(body)
@@ -1008,6 +1197,7 @@ class BundleReader:
                         if type(rec) is Trailer:
                             report.trailer_seen = True
                             clean = rec.clean
+                            sess0 = self._session_end(report, seg, rec, sess0)
                         else:
                             clean = False
                         yield rec
@@ -1027,12 +1217,30 @@ class BundleReader:
                 if type(rec) is Trailer:
                     report.trailer_seen = True
                     clean = rec.clean
+                    sess0 = self._session_end(report, seg, rec, sess0)
                 if wanted is None or tag in wanted:
                     yield rec
         report.clean_shutdown = clean
+        if self.strict and report.shortfall:
+            name, want, got = report.shortfall[0]
+            raise BundleError(
+                f"{self.path}: the trailer in {name} counts {want} records, {got} were read"
+            )
         self._report = report
 
-    def records(self, *, request_view: bool = False) -> Iterator[BundleRecord]:
+    @staticmethod
+    def _session_end(report: ReadReport, seg: Path, trailer: Trailer, sess0: int) -> int:
+        """A Trailer ends a writer session: compare its counts with the records read since
+        the session began (a shortfall is a lost segment or frames); returns the next
+        session's start."""
+        counts = trailer.counts
+        want = sum(v for v in counts.values() if isinstance(v, int)) if counts else 0
+        got = report.frames - sess0 - 1
+        if got < want:
+            report.shortfall.append((seg.name, want, got))
+        return report.frames
+
+    def records(self, *, request_view: bool = False) -> Iterator[ReadRecord]:
         """Every record in order (unknown record types are skipped and counted).
 
         ``request_view=True``: requests come as ``RequestRecordView`` (token ids left as
@@ -1053,7 +1261,7 @@ class BundleReader:
 
     def iter_kinds(self, *tags: str) -> Iterator[BundleRecord]:
         """Only the records whose tag is in ``tags`` (e.g. ``"gap", "epoch"``)."""
-        return self._iter(frozenset(t.encode() for t in tags))
+        return self._iter(frozenset(t.encode() for t in tags))  # type: ignore[return-value]
 
     @property
     def report(self) -> ReadReport:
@@ -1099,6 +1307,7 @@ class BundleReader:
                 if _peek_tag(body) == b"header":
                     try:
                         self._header = _DECODERS[b"header"].decode(body)
+                        self._header_body = bytes(body)
                     except msgspec.DecodeError:
                         pass
                 break
@@ -1107,6 +1316,39 @@ class BundleReader:
                     f"{self.path}: no readable header record in {self.segments[0].name}"
                 )
         return self._header
+
+    @property
+    def bundle_id(self) -> str:
+        """``bundle_identity`` of this bundle's Header record (``BundleError`` without one)."""
+        _ = self.header
+        assert self._header_body is not None
+        return bundle_identity(self._header_body)
+
+    def _first_record_check(
+        self, seg: Path, body: memoryview, expect_id: str | None
+    ) -> tuple[str, str]:
+        """What the first frame of a segment says: ``("start", "")`` a SegmentStart of this
+        bundle (not yielded), ``("foreign", why)`` the segment is not this bundle's,
+        ``("append", "")`` an append note (a new writer session), else ``("", "")``."""
+        tag = _peek_tag(body)
+        index = _segment_index(seg)
+        if tag == b"segment":
+            try:
+                ss = _SEGMENT_START.decode(body)
+            except (msgspec.DecodeError, RecursionError):
+                return "", ""  # an odd record: the ordinary path reports it
+            if expect_id is not None and ss.bundle_id != expect_id:
+                return "foreign", (
+                    f"a segment of another bundle (bundle {ss.bundle_id}, this one is {expect_id})"
+                )
+            if ss.index != index:
+                return "foreign", f"segment {ss.index} of this bundle under another name"
+            return "start", ""
+        if tag == b"header" and index > 0:
+            return "foreign", "starts with a Header record: the first segment of another bundle"
+        if tag == b"note" and _is_append_note(body):
+            return "append", ""
+        return "", ""
 
     def scan_segment(self, seg: Path) -> SegmentScan:
         """Validate one segment: where its last good frame ends, what is corrupt or torn."""
@@ -1130,6 +1372,7 @@ __all__ = [
     "BundleReader",
     "BundleWriter",
     "ReadReport",
+    "bundle_identity",
     "SegmentScan",
     "check_encodable",
     "copy_bundle",

@@ -25,8 +25,9 @@ import operator
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from hashlib import sha256
+from typing import Any
 
 from kvcadence.errors import WireError
 
@@ -38,7 +39,7 @@ _TWO64 = 1 << 64
 _SALT_PREFIX = b"sglang-cache-salt-v1\x00"
 _NAMESPACE_PREFIX = b"sglang-kv-event-namespace-v1"
 
-_be_i64 = struct.Struct(">q").unpack_from
+_be_i64: Callable[..., tuple[int]] = struct.Struct(">q").unpack_from
 _WIDE_MARK = b"\xff"
 _PACK_U32 = struct.Struct("<I").pack
 #: ``prior digest || one uint32 LE token`` in one call (page size 1, chained pages)
@@ -56,13 +57,13 @@ _pages_cache: dict[int, struct.Struct] = {}
 _ONE_BLOCK = 55
 
 
-def _small_sha256():  # noqa: ANN202 - a hashlib-style constructor
+def _small_sha256() -> Callable[[bytes], Any]:  # a hashlib-style constructor
     """CPython's own (HACL*/libtomcrypt) SHA-256: for one-block inputs its per-call cost is
     lower than OpenSSL's EVP setup (~30 ns of ~330 per page-size-1 page); OpenSSL's SHA-NI
     wins from the second block. Known-answer checked; ``hashlib.sha256`` when absent."""
     for name in ("_sha2", "_sha256"):  # 3.12+, <= 3.11
         try:
-            ctor = importlib.import_module(name).sha256
+            ctor: Callable[[bytes], Any] = importlib.import_module(name).sha256
         except (ImportError, AttributeError):
             continue
         try:
@@ -130,7 +131,7 @@ def _pages_struct(step: int) -> struct.Struct:
     return s
 
 
-def _flatten_pairs(page: Sequence) -> list[int]:
+def _flatten_pairs(page: Sequence[Any]) -> list[int]:
     words: list[int] = []
     for item in page:
         if isinstance(item, (list, tuple)):
@@ -140,7 +141,7 @@ def _flatten_pairs(page: Sequence) -> list[int]:
     return words
 
 
-def _page_words(page: Sequence) -> bytes:
+def _page_words(page: Sequence[Any]) -> bytes:
     """The bytes SGLang hashes for one page (after the prior digest)."""
     if page and isinstance(page[0], (list, tuple)):
         page = _flatten_pairs(page)
@@ -160,7 +161,7 @@ def _page_words(page: Sequence) -> bytes:
     return _WIDE_MARK + struct.pack(f"<{len(words)}Q", *words)
 
 
-def page_digest(prev_digest: bytes | None, page_tokens: Sequence) -> bytes:
+def page_digest(prev_digest: bytes | None, page_tokens: Sequence[Any]) -> bytes:
     """``sha256(prev_digest || page words)``: one page's 32-byte digest (prev None = root)."""
     try:  # plain uint32 tokens: one C call packs and validates the page
         words = _u32_struct(len(page_tokens)).pack(*page_tokens)
@@ -189,7 +190,7 @@ def _check_page_size(page_size: int) -> None:
         raise WireError(f"page size must be a positive integer, got {page_size!r}")
 
 
-def _chain(prev: bytes, token_ids: Sequence, page_size: int) -> list[bytes]:
+def _chain(prev: bytes, token_ids: Sequence[Any], page_size: int) -> list[bytes]:
     """The digest chain over the full pages of ``token_ids`` from ``prev`` (b"" = root).
 
     The fast paths validate every token once, in C, as a side effect of packing it (uint32
@@ -242,7 +243,7 @@ def _chain(prev: bytes, token_ids: Sequence, page_size: int) -> list[bytes]:
 
 
 def block_digests(
-    token_ids: Sequence,
+    token_ids: Sequence[Any],
     page_size: int,
     cache_salt: str | None = None,
     parent_digest: bytes | None = None,
@@ -254,7 +255,7 @@ def block_digests(
 
 
 def block_hashes(
-    token_ids: Sequence,
+    token_ids: Sequence[Any],
     page_size: int,
     cache_salt: str | None = None,
     parent_digest: bytes | None = None,

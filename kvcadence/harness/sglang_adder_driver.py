@@ -18,7 +18,7 @@ was admitted), ``log_hit_tokens``, ``log_input_tokens``, the remaining budgets, 
 free count after admission, load-back events and the admission loop's duration.
 
 The fakes and the tick loop follow the same conventions as ``kvcadence/admit/ticks.py``
-(``upstream-benchmarks.md`` §3, ``sglang-scheduler-model.md`` §15) so the two can be compared
+(docs/admit.md) so the two can be compared
 tick by tick; the CP limits are kvcadence-only and not modelled here. With
 ``timing_repeats > 0`` every queue is re-run that many times and only the admission loop
 (adder construction, continuing chunk, scan) is timed.
@@ -178,7 +178,7 @@ class FakeTreeCache:
 
 
 class FakeReq:
-    """The attributes 0.5.23's PrefillAdder reads (sglang-scheduler-model.md §15)."""
+    """The attributes 0.5.23's PrefillAdder reads."""
 
     def __init__(self, rid: str, fill_len: int, max_new_tokens: int, node: FakeNode) -> None:
         self.rid = rid

@@ -1,7 +1,7 @@
 """The real-SGLang CPU harness: build SGLang 0.5.23's venv, make the tiny model, run a worker.
 
 Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only Linux box
-(recipe: the project's ``sglang-cpu-worker.md``):
+(the recipe is this module; examples/README.md shows the command it runs):
 
 * ``ensure_venv()`` -- a venv cached outside the repository (``~/.cache/kvcadence/
   sglang-0.5.23-venv``, or ``$KVCADENCE_SGLANG_VENV``), built with ``torch==2.14.1

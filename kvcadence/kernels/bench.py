@@ -15,6 +15,7 @@ Without torchrun's environment (``WORLD_SIZE`` unset) it runs as a world of one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -26,7 +27,13 @@ from typing import IO, Any
 from kvcadence.errors import KernelsError, KvcadenceError, UsageError
 from kvcadence.kernels import layout, report
 from kvcadence.kernels.bw import MIB, algbw_gbps, busbw_gbps, gbps, summarize
-from kvcadence.kernels.options import Config, build_parser, config_from_args
+from kvcadence.kernels.options import (
+    DEFAULT_REPEAT_CPU,
+    DEFAULT_REPEAT_CUDA,
+    Config,
+    build_parser,
+    config_from_args,
+)
 
 PROG = "python -m kvcadence.kernels"
 
@@ -122,9 +129,13 @@ class Runner:
         import torch.distributed as dist
 
         self.torch, self.dist = torch, dist
+        self.cuda = device.type == "cuda"
+        if cfg.repeat is None:  # more repeats where times are noisier (options.DEFAULT_REPEAT_*)
+            cfg = dataclasses.replace(
+                cfg, repeat=DEFAULT_REPEAT_CUDA if self.cuda else DEFAULT_REPEAT_CPU
+            )
         self.cfg, self.backend, self.device, self.stdout = cfg, backend, device, stdout
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.cuda = device.type == "cuda"
         self.time_source = "cuda_event" if self.cuda else "wall"
         self.coll = DistCollectives()
         self._flag = torch.zeros(1, dtype=torch.int32, device=device)
@@ -287,10 +298,16 @@ class Runner:
             "gpu_ms_p50": gpu["p50"] if gpu else None,
             "gpu_ms_min": gpu["min"] if gpu else None,
             "gpu_ms_max_rank_avg": gpu["max_rank_avg"] if gpu else None,
+            "gpu_ms_p25": gpu["p25"] if gpu else None,
+            "gpu_ms_p75": gpu["p75"] if gpu else None,
+            "gpu_ms_max": gpu["max"] if gpu else None,
             "cpu_ms_avg": cpu["avg"],
             "cpu_ms_p50": cpu["p50"],
             "cpu_ms_min": cpu["min"],
             "cpu_ms_max_rank_avg": cpu["max_rank_avg"],
+            "cpu_ms_p25": cpu["p25"],
+            "cpu_ms_p75": cpu["p75"],
+            "cpu_ms_max": cpu["max"],
             "time_source": self.time_source,
             "collective": collective,
             "bw_bytes": s_bytes,

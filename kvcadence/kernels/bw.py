@@ -51,18 +51,31 @@ def busbw_gbps(s_bytes: float, ms: float | None, collective: str, world: int) ->
 
 
 def summarize(per_rank_ms: Sequence[Sequence[float]]) -> dict[str, float]:
-    """Timing summary over ranks: ``avg`` (all samples), ``p50``, ``min``, ``max_rank_avg``.
+    """Timing summary over ranks: ``avg`` (all samples), ``p50``, ``min``, ``max_rank_avg``,
+    and the spread ``p25``, ``p75``, ``max``.
 
     ``avg`` is the mean over every sample of every rank (each rank has the same number of
     repeats, so it is also the mean of the rank averages, like nccl-tests' default ``-a 1``);
-    ``max_rank_avg`` is the slowest rank's average.
+    ``max_rank_avg`` is the slowest rank's average; the quantiles are over every sample
+    (linear interpolation between closest ranks, numpy's default).
     """
     if not per_rank_ms or any(len(r) == 0 for r in per_rank_ms):
         raise ValueError("need at least one sample per rank")
-    flat = [x for r in per_rank_ms for x in r]
+    flat = sorted(x for r in per_rank_ms for x in r)
     return {
         "avg": statistics.fmean(flat),
         "p50": statistics.median(flat),
-        "min": min(flat),
+        "min": flat[0],
         "max_rank_avg": max(statistics.fmean(r) for r in per_rank_ms),
+        "p25": quantile(flat, 0.25),
+        "p75": quantile(flat, 0.75),
+        "max": flat[-1],
     }
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ascending ``sorted_values``, interpolated linearly (numpy's)."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)

@@ -25,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "collectives",
         help=HELP,
         description=HELP + ". Launches torchrun; see docs/kernels.md.",
+        epilog="examples:\n"
+        "  kvcadence collectives --backend gloo --tokens 4096 65536 --repeat 5\n"
+        "  kvcadence prefixes run.kvcb --out prefixes.json\n"
+        "  kvcadence collectives --nproc-per-node 2 --backend gloo --prefixes prefixes.json "
+        "--out collectives.jsonl\n",
     )
     p.add_argument(
         "--nproc-per-node",
@@ -54,6 +59,18 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The workers' environment: ``base`` (this process's) plus this checkout on PYTHONPATH
+    (the workers must import this kvcadence even from an uninstalled tree) and
+    ``OMP_NUM_THREADS=1`` unless set: torchrun sets the same for several ranks, but prints a
+    five-line banner about it on stderr when it has to."""
+    env = dict(os.environ if base is None else base)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate, launch, and pass the workers' failure on as exit 1 (their lines say why)."""
     from kvcadence.errors import UsageError
@@ -64,11 +81,7 @@ def run(args: argparse.Namespace) -> int:
     config_from_args(args)  # raises UsageError / InputError on bad flags or prefixes.json
     if importlib.util.find_spec("torch") is None:
         raise UsageError("torch is not installed (pip install 'kvcadence[kernels]')")
-    env = dict(os.environ)
-    # the workers must import this checkout's kvcadence even from an uninstalled tree
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(launch_command(args), env=env, check=False)
+    proc = subprocess.run(launch_command(args), env=launch_env(), check=False)
     if proc.returncode == 0:
         return 0
     print(

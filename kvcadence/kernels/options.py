@@ -25,6 +25,10 @@ DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
 DEFAULT_TOKENS: tuple[int, ...] = (4096, 8192, 16384, 32768, 40320, 65536)
 DEFAULT_PAGE_SIZE = 64
+#: timed iterations per case when --repeat is not given: host wall times on CPU (gloo) are
+#: much noisier than CUDA events, so more repeats there (the spread decides the winner)
+DEFAULT_REPEAT_CUDA = 20
+DEFAULT_REPEAT_CPU = 50
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class Config:
     index_page_bytes: int = 8448
     dtype: str = "bf16"
     warmup: int = 5
-    repeat: int = 20
+    repeat: int | None = None  # None: DEFAULT_REPEAT_CUDA or _CPU, by the device (bench)
     backend: str = "auto"
     out: str | None = None
     verify: bool = True
@@ -117,7 +121,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup", type=_non_negative, default=5, help="untimed iterations per case (default 5)"
     )
     p.add_argument(
-        "--repeat", type=_positive, default=20, help="timed iterations per case (default 20)"
+        "--repeat",
+        type=_positive,
+        default=None,
+        help=f"timed iterations per case (default {DEFAULT_REPEAT_CUDA} on CUDA, "
+        f"{DEFAULT_REPEAT_CPU} on CPU, whose wall times are noisier)",
     )
     p.add_argument(
         "--backend",
@@ -240,8 +248,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         args.dtype,
         "--warmup",
         str(args.warmup),
-        "--repeat",
-        str(args.repeat),
+        *(["--repeat", str(args.repeat)] if args.repeat is not None else []),
         "--backend",
         args.backend,
         "--verify" if args.verify else "--no-verify",

@@ -100,10 +100,12 @@ class RankCase:
         owned = layout.owned_pages(pages, world, rank)
         self.n_owned = len(owned)
         self.per_rank = layout.padded_per_rank(pages, world)
-        idx = dict(dtype=torch.int64, device=device)
-        self.owned_idx = torch.tensor(owned, **idx)
-        self.slot_idx = torch.tensor(layout.source_slots(self.n_owned), **idx)
-        self.gather_pos = torch.tensor(layout.gather_positions(pages, world), **idx)
+        i64 = torch.int64
+        self.owned_idx = torch.tensor(owned, dtype=i64, device=device)
+        self.slot_idx = torch.tensor(layout.source_slots(self.n_owned), dtype=i64, device=device)
+        self.gather_pos = torch.tensor(
+            layout.gather_positions(pages, world), dtype=i64, device=device
+        )
         e = spec.page_elems
         self.pool = torch.empty((1 + self.n_owned, e), dtype=spec.dtype, device=device)
         self.pool[0].fill_(SENTINEL.get(spec.dtype, -1))

@@ -67,10 +67,17 @@ def summary_text(summary: Mapping[str, Any]) -> str:
         f"{'path':<30} {'expected_ms':>12} {'vs_dense':>9}",
     ]
     rel = summary.get("expected_vs_dense") or {}
+    band = summary.get("expected_ms_spread") or {}
+    lines[-1] += f" {'median_ms':>10} {'p25-p75 ms':>21}"
     for path, ms in summary["expected_ms"].items():
         r = rel.get(path)
-        lines.append(f"{path:<30} {ms:>12.4f} {f'{r:.3f}x' if r is not None else 'n/a':>9}")
-    lines.append(f"winner under the distribution: {summary['winner']}")
+        line = f"{path:<30} {ms:>12.4f} {f'{r:.3f}x' if r is not None else 'n/a':>9}"
+        if path in band:
+            lo, hi = band[path]
+            mid = (summary.get("expected_ms_p50") or {}).get(path, float("nan"))
+            line += f" {mid:>10.4f} {f'{lo:.4f}-{hi:.4f}':>21}"
+        lines.append(line)
+    lines.append(verdict_line(summary))
     zero = summary.get("zero_prefix_weight", 0.0)
     if zero:
         lines.append(f"0-token prefixes (nothing to merge, cost 0): weight {zero:.4f}")
@@ -82,7 +89,8 @@ def summary_text(summary: Mapping[str, Any]) -> str:
             else f"{r['from_tokens']}–{r['to_tokens']} tokens"
         )
         w = f" (weight {r['weight']:.4f})" if "weight" in r else ""
-        lines.append(f"  {span:<24} {r['path']}{w}")
+        noise = "" if r.get("clear", True) else " (within the spread)"
+        lines.append(f"  {span:<24} {r['path']}{w}{noise}")
     if summary["crossovers"]:
         lines.append("crossovers:")
         for c in summary["crossovers"]:
@@ -93,3 +101,20 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     else:
         lines.append("crossovers: none (one path wins at every measured size)")
     return "\n".join(lines)
+
+
+def verdict_line(summary: Mapping[str, Any]) -> str:
+    """``winner under the distribution: P`` when the winner is outside the spread, else
+    ``no clear winner under the distribution: ...`` naming the paths within it."""
+    repeats = summary.get("repeat")
+    over = f" over {repeats} repeats" if repeats else ""
+    if summary.get("winner"):
+        return (
+            f"winner under the distribution: {summary['winner']} (its p25-p75 band{over} is "
+            "below every other path's)"
+        )
+    tied = ", ".join(summary.get("within_spread") or [])
+    return (
+        f"no clear winner under the distribution: {summary.get('leader')} has the lowest "
+        f"median, but {tied} within its p25-p75 spread{over}"
+    )

@@ -1,4 +1,4 @@
-"""The one model of SGLang's ``PrefillAdder`` (reference ``sglang-scheduler-model.md`` §8–§11, §14).
+"""The one model of SGLang's ``PrefillAdder`` (``schedule_policy.py``; docs/sglang-sources.md).
 
 Used by ``replay.scheduler`` and by ``kvcadence admit`` (fake tree cache / allocator). Two
 generations: ``"0.5.23"`` (budget-object ``PrefillBudget``: one extra page reserved per

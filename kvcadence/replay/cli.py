@@ -29,23 +29,39 @@ def register(sub: Any) -> None:
         description=(
             "Replay BUNDLE's request schedule through a simulated SGLang worker and write a "
             "sim bundle (source=sim). Settings come from the bundle's /server_info snapshot; "
-            "every one can be overridden. The pass-time model is calibrated from the capture."
+            "every one can be overridden. The pass-time model is calibrated from the capture. "
+            "docs/simulator.md describes the model; docs/fleet.md DP ranks and sweeps."
         ),
+        epilog="examples:\n"
+        "  kvcadence replay run.kvcb --out sim.kvcb\n"
+        "  kvcadence replay run.kvcb --out sim-p64.kvcb --page-size 64 --chunked-prefill-size 2048\n"
+        "  kvcadence replay run.kvcb --publish tcp://127.0.0.1:5557 "
+        "--replay-endpoint tcp://127.0.0.1:5558 --speed 1\n"
+        "  kvcadence replay dp2.kvcb --sweep route=recorded,cache_aware --out sweep/\n",
     )
     p.add_argument("bundle", nargs="+",
                    help="source bundle(s): a capture or an import; several = several workers")  # fmt: skip
     p.add_argument("--out", help="sim bundle to write (a new or empty directory)")
-    p.add_argument("--page-size", type=int, dest="page_size")
-    p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens")
+    p.add_argument("--page-size", type=int, dest="page_size",
+                   help="tokens per KV page (SGLang --page-size; default: the bundle's)")  # fmt: skip
+    p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens",
+                   help="KV pool size in tokens (default: the bundle's max_total_num_tokens)")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, dest="chunked_prefill_size",
                    help="<= 0 disables chunked prefill")  # fmt: skip
-    p.add_argument("--max-prefill-tokens", type=int, dest="max_prefill_tokens")
-    p.add_argument("--max-running-requests", type=int, dest="max_running_requests")
-    p.add_argument("--decode-log-interval", type=int, dest="decode_log_interval")
+    p.add_argument("--max-prefill-tokens", type=int, dest="max_prefill_tokens",
+                   help="prefill token budget per batch (SGLang --max-prefill-tokens)")  # fmt: skip
+    p.add_argument("--max-running-requests", type=int, dest="max_running_requests",
+                   help="cap on running requests (SGLang --max-running-requests)")  # fmt: skip
+    p.add_argument("--decode-log-interval", type=int, dest="decode_log_interval",
+                   help="publish KV events every N-th decode result (SGLang --decode-log-interval)")  # fmt: skip
     p.add_argument(
-        "--schedule-policy", choices=("fcfs", "lpm", "dfs-weight", "lof"), dest="schedule_policy"
+        "--schedule-policy",
+        choices=("fcfs", "lpm", "dfs-weight", "lof"),
+        dest="schedule_policy",
+        help="waiting-queue order (SGLang --schedule-policy; default: the bundle's)",
     )
-    p.add_argument("--schedule-conservativeness", type=float, dest="schedule_conservativeness")
+    p.add_argument("--schedule-conservativeness", type=float, dest="schedule_conservativeness",
+                   help="scales the decode-token reservation (SGLang's option, default 1.0)")  # fmt: skip
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--disable-overlap-schedule",
@@ -68,12 +84,17 @@ def register(sub: Any) -> None:
         "0.5.10 per-page arrays); default: the bundle's",
     )
     t = p.add_argument_group("pass-time model (seconds; default: calibrated from the capture)")
-    t.add_argument("--prefill-base", type=float, dest="prefill_base_s")
-    t.add_argument("--prefill-per-token", type=float, dest="prefill_per_token_s")
-    t.add_argument("--prefill-per-req", type=float, dest="prefill_per_req_s")
-    t.add_argument("--decode-base", type=float, dest="decode_base_s")
-    t.add_argument("--decode-per-req", type=float, dest="decode_per_req_s")
-    t.add_argument("--default-gap", type=float, dest="default_gap_s",
+    t.add_argument("--prefill-base", type=float, dest="prefill_base_s", metavar="S",
+                   help="fixed time of a prefill pass")  # fmt: skip
+    t.add_argument("--prefill-per-token", type=float, dest="prefill_per_token_s", metavar="S",
+                   help="prefill time per extended (computed) token")  # fmt: skip
+    t.add_argument("--prefill-per-req", type=float, dest="prefill_per_req_s", metavar="S",
+                   help="prefill time per request in the batch")  # fmt: skip
+    t.add_argument("--decode-base", type=float, dest="decode_base_s", metavar="S",
+                   help="fixed time of a decode pass")  # fmt: skip
+    t.add_argument("--decode-per-req", type=float, dest="decode_per_req_s", metavar="S",
+                   help="decode time per running request")  # fmt: skip
+    t.add_argument("--default-gap", type=float, dest="default_gap_s", metavar="S",
                    help="client gap when a request has none recorded")  # fmt: skip
     t.add_argument("--no-calibrate", action="store_true", help="use the built-in timing defaults")
     d = p.add_argument_group("PD disaggregation (default: the bundle's disaggregation_mode)")
@@ -130,6 +151,11 @@ def register(sub: Any) -> None:
                      help="seconds to keep serving replay requests after the last message "
                      "(default 2; requests are also served while publishing)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no phase lines (loading, simulating, writing) or progress bar on stderr",
+    )
     from kvcadence.replay.cli_fleet import add_fleet_args  # DP ranks / workers / sweeps
 
     add_fleet_args(p)
@@ -155,12 +181,17 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvcadence.format.bundle import BundleReader
+    from kvcadence.progress import Phases
 
+    phases = Phases("replay", quiet=args.quiet, started=getattr(args, "_started", None))
     src = Path(args.bundle)
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
-    reader = BundleReader(src)
-    records = reader.requests()
+    from kvcadence.replay.production import records_for_replay
+
+    with phases.phase("load", f"loading {src}"):
+        reader = BundleReader(src)
+        records, inferred, flushes = records_for_replay(reader)
     cfg = effective_config(
         reader.header.server_info,
         records,
@@ -170,32 +201,48 @@ def run(args: argparse.Namespace) -> int:
     )
     bar = None
     progress = None
-    if sys.stderr.isatty() and len(records) >= 200:
+    if not args.quiet and sys.stderr.isatty() and len(records) >= 200:
         from tqdm import tqdm
 
         bar = tqdm(total=len(records), unit="req", desc="replay", file=sys.stderr)
         progress = bar.update
     try:
-        result = replay_bundle(src, args.out, cfg, progress=progress)
+        result = replay_bundle(
+            src,
+            args.out,
+            cfg,
+            progress=progress,
+            phases=phases,
+            loaded=(reader.header, records),
+            inferred=inferred,
+            flushes=flushes,
+        )
     finally:
         if bar is not None:
             bar.close()
     summary = result.summary()
+    summary["simulate_s"] = summary.pop("wall_s")
     if args.publish:
         from kvcadence.replay.publish import publish_batches
 
         pub_stats: dict[str, int] = {}
-        sent = publish_batches(
-            result.batches,
-            args.publish,
-            topic=cfg.topic,
-            replay_endpoint=args.replay_endpoint,
-            speed=args.speed,
-            linger_s=args.linger,
-            stats=pub_stats,
-        )
+        with phases.phase(
+            "publish", f"publishing {len(result.batches)} messages on {args.publish}"
+        ):
+            sent = publish_batches(
+                result.batches,
+                args.publish,
+                topic=cfg.topic,
+                replay_endpoint=args.replay_endpoint,
+                speed=args.speed,
+                linger_s=args.linger,
+                stats=pub_stats,
+            )
         summary["published"] = sent
         summary.update(pub_stats)
+    # "wall" is the whole command (imports, load, simulate, write, publish), with its phases
+    summary["wall_s"] = round(phases.wall(), 3)
+    summary["phases_s"] = {k: round(v, 3) for k, v in phases.times.items()}
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
@@ -206,7 +253,12 @@ def run(args: argparse.Namespace) -> int:
             f"{summary['events']} events in {summary['messages']} messages, "
             f"{summary['evictions']} evictions, {summary['retractions']} retractions, "
             f"{summary['aborted']} aborted; "
-            f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.3f} s"
+            f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.2f} s "
+            f"({phases.breakdown()})"
         )
+        if inferred:
+            from kvcadence.replay.production import report_text
+
+            print(report_text(inferred))
     check_some_ran(result.requests)
     return 0

@@ -1,7 +1,8 @@
 """``kvcadence replay`` across DP ranks, workers and parameter points (flags + dispatch).
 
 What this file owns: the flags ``--route``, ``--sweep``, ``--jobs``, ``--each``,
-``--align-workers``, ``--pace`` added to the ``replay`` parser (``add_fleet_args``), and
+``--align-workers``, ``--pace``, ``--executor`` added to the ``replay`` parser
+(``add_fleet_args``), and
 ``maybe_run_fleet(args)``, which ``replay.cli.run`` calls first: it runs the fleet replay
 (``replay.fleet``) when several bundles are given, a ``--route`` is asked for, the bundle
 was captured from a ``--dp-size N > 1`` worker, or a sweep (``replay.sweep``) is asked for;
@@ -18,6 +19,7 @@ from typing import Any
 
 ROUTE_CHOICES = ("recorded", "round_robin", "shortest_queue", "cache_aware")
 PACE_CHOICES = ("auto", "recorded", "model")  # = replay.fleet.PACES (not imported: stdlib only)
+EXECUTOR_CHOICES = ("process", "ray")  # = replay.executors.EXECUTORS
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +40,22 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "above, or route) in parallel processes; --out is then a Parquet dataset directory "
         "partitioned by worker/rank/route/KEY",
     )
-    g.add_argument("--jobs", type=int, help="parallel processes for --sweep (default: CPUs)")
+    g.add_argument(
+        "--jobs",
+        type=int,
+        help="parallel processes for --sweep (default: CPUs); with --executor ray: the "
+        "private instance's CPUs, or the tasks in flight on a RAY_ADDRESS cluster (default: all)",
+    )
+    g.add_argument(
+        "--executor",
+        choices=EXECUTOR_CHOICES,
+        default="process",
+        help="where --sweep jobs run: 'process' (default) = a local process pool; 'ray' = Ray "
+        "tasks (pip install 'kvcadence[ray]') on the cluster at $RAY_ADDRESS, or, when "
+        "RAY_ADDRESS is unset, on a private Ray instance started for this run on 127.0.0.1 "
+        "(--jobs CPUs, no dashboard) and stopped at its end; every node must read the bundles "
+        "at the same path; the same Parquet dataset either way (docs/fleet.md)",
+    )
     g.add_argument(
         "--each",
         action="store_true",
@@ -97,11 +114,19 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
         ("jobs", None),
         ("each", False),
         ("pace", "auto"),
+        ("executor", "process"),
     ):
         if not hasattr(args, name):
             setattr(args, name, default)
     if not hasattr(args, "align_workers"):
         args.align_workers = False
+    if args.executor != "process" and not args.sweep:
+        from kvcadence.errors import UsageError
+
+        raise UsageError(
+            f"replay: --executor {args.executor} runs --sweep jobs; a replay without --sweep "
+            "is one simulation (give a one-point sweep, e.g. --sweep route=recorded)"
+        )
     if not _needs_fleet(args, bundles):
         args.bundle = bundles[0]
         return None
@@ -119,41 +144,50 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
 
 
 def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
+    from kvcadence.progress import Phases
     from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
 
+    quiet = getattr(args, "quiet", False)
+    phases = Phases("replay", quiet=quiet, started=getattr(args, "_started", None))
     ov = _overrides(args)
-    workers = [
-        load_worker(
-            b,
-            ov,
-            sglang_version=args.sglang_version,
-            calibrate_timing=not args.no_calibrate,
-        )
-        for b in bundles
-    ]
+    with phases.phase("load", f"loading {', '.join(bundles)}"):
+        workers = [
+            load_worker(
+                b,
+                ov,
+                sglang_version=args.sglang_version,
+                calibrate_timing=not args.no_calibrate,
+            )
+            for b in bundles
+        ]
     total = sum(len(w.records) for w in workers)
     bar = None
     progress = None
-    if sys.stderr.isatty() and total >= 200:
+    if not quiet and sys.stderr.isatty() and total >= 200:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr)
         progress = bar.update
     try:
-        result = simulate_fleet(
-            workers,
-            args.route or "recorded",
-            align_workers=args.align_workers,
-            progress=progress,
-            pace=_pace(args),
-        )
+        with phases.phase("simulate", f"simulating {total} requests"):
+            result = simulate_fleet(
+                workers,
+                args.route or "recorded",
+                align_workers=args.align_workers,
+                progress=progress,
+                pace=_pace(args),
+            )
     finally:
         if bar is not None:
             bar.close()
     from kvcadence.replay.simulator import check_some_ran
 
-    paths = write_fleet_bundles(args.out, result)
+    with phases.phase("write", f"writing {args.out}"):
+        paths = write_fleet_bundles(args.out, result)
     summary = result.summary()
+    summary["simulate_s"] = summary.pop("wall_s")
+    summary["wall_s"] = round(phases.wall(), 3)  # the whole command
+    summary["phases_s"] = {k: round(v, 3) for k, v in phases.times.items()}
     summary["out"] = [str(p) for p in paths]
     summary["aborted"] = sum(p["aborted"] for p in summary["per_rank"])
     if args.json:
@@ -165,7 +199,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
             f"{', '.join(summary['out'])}: {summary['events']} events in "
             f"{summary['messages']} messages, {summary['evictions']} evictions, "
             f"{summary['aborted']} aborted; virtual {summary['virtual_s']:.3f} s, "
-            f"wall {summary['wall_s']:.3f} s"
+            f"wall {summary['wall_s']:.2f} s ({phases.breakdown()})"
         )
         for p in summary["per_rank"]:
             print(
@@ -207,6 +241,7 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
         align_workers=args.align_workers,
         on_done=done,
         pace=_pace(args),
+        executor=args.executor,
     )
     wall = time.perf_counter() - t0
     table = [what_if_row(r) for r in results]

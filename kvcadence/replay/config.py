@@ -3,7 +3,7 @@
 What this file owns: every knob of the simulated worker (pool, page size, chunking,
 admission, decode publish interval, queue policy, loop kind, SGLang version for the event
 encoding, the new-token-ratio constants and the pass-time model), how each is read from the
-resolved server args in ``Header.server_info`` (reference ``sglang-kv-events.md`` §4.5), the
+resolved server args in ``Header.server_info`` (``/server_info``, docs/sglang-sources.md), the
 CLI overrides on top, validation (``UsageError`` with one clear line) and the plain-dict form
 written into the sim bundle's ``Header.sim_config``.
 """

@@ -1,7 +1,7 @@
 """The simulated KV-event queue: per-version event granularity and tail coalescing.
 
-What this file owns (reference ``sglang-kv-events.md`` §2–§3 and
-``sglang-scheduler-model.md`` §3):
+What this file owns (SGLang's ``KVCacheEventRecorder`` and event structs;
+docs/sglang-sources.md, docs/format.md):
 
 * ``EventQueue`` is the radix tree's ``EventSink``: it turns "a node was stored / removed"
   into canonical ``kvcadence.format.schema`` events, with the granularity of the chosen

@@ -5,7 +5,8 @@ What this file owns:
 * ``WorkerInput`` / ``load_worker(path)`` -- one worker (one bundle): its request records,
   ``dp_size`` (from ``/server_info`` or the bundle's endpoints / recorded ``dp_rank``s), one
   ``SimConfig`` per rank (``max_total_num_tokens`` is per rank; ``attn_dp_rank`` = rank; the
-  pass-time model calibrated from that rank's own requests) and its recorded flushes;
+  pass-time model calibrated from that rank's own requests) and its recorded flushes (with
+  the DP rank whose stream carried each);
 * ``simulate_fleet(workers, router)`` -- every (worker, rank) is a ``replay.scheduler.Scheduler``
   with its own radix cache, event queue, publisher (own seq from 0) and pass timer. They step
   in one virtual clock: always the rank with the smallest local time, ties by slot order.
@@ -13,7 +14,9 @@ What this file owns:
   moment the arrival becomes known, dynamic ones at the arrival time itself, seeing the
   ranks' states and (``cache_aware``) only the events the ranks had *published* by then.
   Closed-loop lanes cross ranks: a lane's next request is released ``gap`` after its
-  predecessor finishes on whichever rank served it;
+  predecessor finishes on whichever rank served it. Recorded flushes are replayed in
+  request order (``replay.flushes``): one ledger per worker, one plan per rank with that
+  rank's clears;
 * pass-time pacing (``PACES``, ``Fleet.pace_of``): ``recorded`` gives each rank a
   ``timing.PacedTimer`` that keeps it on the pace its requests' outputs were recorded at
   (per rank: ``timing.recorded_token_times``); ``auto`` does so for a multi-rank worker
@@ -51,11 +54,16 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.format.schema import served_rank
+from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
+from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
+from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
+from kvcadence.replay.request import ABORTED, FINISHED, SimReq
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
-from kvcadence.replay.scheduler import ABORTED, FINISHED, Scheduler, SimReq
+from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 
 _INF = float("inf")
@@ -74,21 +82,23 @@ class WorkerInput:
     flush_abs_ns: list[int] = field(default_factory=list)
     header: Any = None
     path: str | None = None
+    #: the DP rank whose stream carried each of ``flush_abs_ns`` (None: every rank); None:
+    #: every flush is every rank's
+    flush_ranks: list[int | None] | None = None
+
+    def flushes_of(self, rank: int) -> list[int]:
+        """Recorded flush times (absolute ns) of DP ``rank``."""
+        if self.flush_ranks is None:
+            return list(self.flush_abs_ns)
+        return [
+            t
+            for t, r in zip(self.flush_abs_ns, self.flush_ranks, strict=True)
+            if r is None or r == rank
+        ]
 
     @property
     def dp_size(self) -> int:
         return len(self.rank_configs)
-
-
-def rank_of(rec: Any) -> int:
-    """The rank that served ``rec`` (``dp_rank``, else ``meta_info.dp_rank``; null = 0)."""
-    r = getattr(rec, "dp_rank", None)
-    if r is None:
-        r = (getattr(rec, "meta_info", None) or {}).get("dp_rank")
-    try:
-        return int(r) if r is not None else 0
-    except (TypeError, ValueError):
-        return 0
 
 
 def dp_size_of(header: Any, records: Sequence[Any]) -> int:
@@ -103,7 +113,7 @@ def dp_size_of(header: Any, records: Sequence[Any]) -> int:
     if eps:
         cands.append(max(int(e.dp_rank) for e in eps) + 1)
     if records:
-        cands.append(max(rank_of(r) for r in records) + 1)
+        cands.append(max(served_rank(r) for r in records) + 1)
     return max(cands)
 
 
@@ -132,7 +142,7 @@ def rank_configs(
             for k, v in internal[rank].items():
                 if v is not None:
                     rank_info[k] = v
-        mine = [r for r in records if rank_of(r) == rank]
+        mine = [r for r in records if served_rank(r) == rank]
         cfg = effective_config(
             rank_info,
             mine if len(mine) >= 8 else list(records),
@@ -155,13 +165,12 @@ def load_worker(
 ) -> WorkerInput:
     """Read one bundle as a worker to replay."""
     from kvcadence.format.bundle import BundleReader
-    from kvcadence.replay.simulator import flush_times_from_bundle
 
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
     reader = BundleReader(p)
-    records = reader.requests()
+    records, _, recorded = records_for_replay(reader)  # production: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(
@@ -171,8 +180,16 @@ def load_worker(
         sglang_version=sglang_version,
         calibrate_timing=calibrate_timing,
     )
-    flushes = flush_times_from_bundle(BundleReader(p))
-    return WorkerInput(name or p.name, records, cfgs, flushes, reader.header, str(p))
+    flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
+    return WorkerInput(
+        name or p.name,
+        records,
+        cfgs,
+        [f.recv_ns for f in flushes],
+        reader.header,
+        str(p),
+        [f.rank for f in flushes],
+    )
 
 
 # ---------------------------------------------------------------------- rank plumbing
@@ -275,16 +292,15 @@ class Fleet:
         anchors = []
         for w in self.workers:
             sch = build_schedule(
-                w.records,
-                default_gap_ns=int(w.rank_configs[0].timing.default_gap_s * 1e9),
-                flush_abs_ns=w.flush_abs_ns,
+                w.records, default_gap_ns=int(w.rank_configs[0].timing.default_gap_s * 1e9)
             )
             per_worker.append(sch)
             anchors.append(sch.anchor_ns)
         self.anchor_ns = min(anchors)
         specs: list[RequestSpec] = []
         self.home: list[tuple[int, int]] = []  # (worker, recorded rank) per spec
-        flushes: list[list[int]] = []
+        #: per worker: the flush ledger (None: no recorded flush)
+        self.ledgers: list[FlushLedger | None] = []
         for wi, (w, sch) in enumerate(zip(self.workers, per_worker, strict=True)):
             shift = 0 if align_workers else sch.anchor_ns - self.anchor_ns
             base = len(specs)
@@ -295,14 +311,14 @@ class Fleet:
                 if s.arrival_ns is not None:
                     s.arrival_ns += shift
                 specs.append(s)
-                rank = rank_of(s.source) if s.source is not None else 0
+                rank = served_rank(s.source) if s.source is not None else 0
                 if rank >= w.dp_size:
                     raise InputError(
                         f"{w.name}: request {s.rid!r} was served by dp rank {rank}, "
                         f"but the worker has {w.dp_size} rank(s)"
                     )
                 self.home.append((wi, rank))
-            flushes.append([f + shift for f in sch.flush_times_ns])
+            self.ledgers.append(FlushLedger(sch.requests) if w.flush_abs_ns else None)
         self.specs = specs
         self.reqs = [SimReq(s) for s in specs]
         self.successors: dict[int, list[int]] = {}
@@ -326,18 +342,22 @@ class Fleet:
                     ]
                     got = recorded_token_times([sp.source for sp in mine], cfg.timing)
                     times[rank] = {mine[i].idx: ts for i, ts in got.items()}
+            ledger = self.ledgers[wi]
             for rank, cfg in enumerate(w.rank_configs):
                 cfg = copy.deepcopy(cfg)
                 cfg.attn_dp_rank = rank
                 cfg.validate()
                 pub = TapPublisher(cfg.sglang_version, cfg.medium, rank, self.anchor_ns)
+                mine = w.flushes_of(rank)
+                plan = FlushPlan(mine, ledger, origin) if ledger is not None and mine else None
                 sched = Scheduler(
                     cfg,
-                    Schedule([], self.anchor_ns, list(flushes[wi])),
+                    Schedule([], self.anchor_ns, [max(0, f - origin) for f in mine]),
                     self.hasher,
                     publisher=pub,
                     requests=self.reqs,
                     on_finish=self._on_finish,
+                    flush_plan=plan,
                 )
                 if times[rank]:
                     sched.timer = PacedTimer(cfg.timing, sched, times[rank], origin)
@@ -385,6 +405,9 @@ class Fleet:
         """A rank finished (or aborted) ``req`` at ``t``: its lane's next request becomes
         known, arriving its (already scaled) gap later -- plus, from a prefill rank, the
         decode elsewhere -- on whichever rank it is routed to."""
+        ledger = self.ledgers[self.home[req.idx][0]]
+        if ledger is not None:
+            ledger.finished(req.idx, t)  # may make a flush due on any of its ranks
         sl = self.serving[req.idx]
         extra = self.slots[sl].sched.remote_decode_ns(req) if sl >= 0 else 0
         for nxt in self.successors.get(req.idx, ()):
@@ -414,6 +437,10 @@ class Fleet:
                 self._route(at, idx)
                 continue
             if best is None:
+                # every rank stopped: a flush whose requests before it never finished
+                # (inconsistent records) is performed now rather than never
+                if any(sched.force_flush() for sched in scheds):
+                    continue
                 break
             if type(best.timer) is PacedTimer:
                 # every paced pass has its own duration: no decode stretch is skipped
@@ -521,8 +548,7 @@ def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> No
     summary["per_rank"] = [p for p in summary["per_rank"] if p["worker"] == w.name]
     end_ns = result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots)
     out_path = Path(out)
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     with BundleWriter(out_path, header) as wr:
         # interleave the ranks' batches by publish time (stable: rank order on ties)
         frames = sorted(
@@ -556,8 +582,7 @@ def write_fleet_bundles(out: str | Path, result: FleetResult) -> list[Path]:
     if len(result.workers) == 1:
         write_worker_bundle(out_path, result, 0)
         return [out_path]
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     out_path.mkdir(parents=True, exist_ok=True)
     paths = []
     seen: set[str] = set()

@@ -1,4 +1,4 @@
-"""Waiting-queue ordering: SGLang's ``SchedulePolicy.calc_priority`` (reference §12).
+"""Waiting-queue ordering: SGLang's ``SchedulePolicy.calc_priority`` (docs/sglang-sources.md).
 
 * ``fcfs``: arrival order.
 * ``lpm``: longest device prefix first (stable), with in-batch de-prioritisation: a request

@@ -1,7 +1,7 @@
 """The simulated radix cache: page-granular radix tree with SGLang's chained block hashes.
 
-What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics, reference
-``sglang-scheduler-model.md`` §2, §5, §6):
+What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics,
+docs/sglang-sources.md):
 
 * Nodes hold a page-aligned run of token ids (a list: a request's prompt, kept as the list
   its record holds, is sliced and compared without a copy into another type), one SHA-256

@@ -146,7 +146,10 @@ def build_schedule(
         if a is None:
             raise InputError(f"request {r.rid!r}: no arrival or send time recorded")
         if not r.input_ids:
-            raise InputError(f"request {r.rid!r}: no input_ids recorded (cannot replay)")
+            raise InputError(
+                f"request {r.rid!r}: no input_ids recorded (cannot replay); a text prompt? "
+                "SGLang logs token ids only for requests sent with input_ids"
+            )
         arrivals.append(a)
     anchor = min(arrivals) if anchor_ns is None else anchor_ns
     order = sorted(range(len(recs)), key=lambda i: (arrivals[i], recs[i].rid))

@@ -1,6 +1,12 @@
 """The simulated SGLang scheduler loop (overlap and normal), in virtual time.
 
-What this file owns (reference ``sglang-scheduler-model.md`` §4–§8, §10, §17):
+Why one ~1,000-line module: the loop is one algorithm whose steps share the worker's state
+(queue, running batch, pool, tree, publish counters) and whose order *is* the model (what is
+evicted before which store is queued); its side concerns live elsewhere -- request and batch
+records in ``replay.request``, decode-stretch skipping in ``replay.stretch``, visibility marks
+in ``replay.marks`` (mixins of ``Scheduler``).
+
+What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
 
 * the loop: each iteration receives arrived requests, stashes the in-flight chunked
   request (its chunk is inserted → one store), merges the last prefill batch into the
@@ -46,14 +52,14 @@ slots (``alloc`` = page-ceiled). ``available = pool − tree.total_size − Σ a
 
 from __future__ import annotations
 
-import gc
+import bisect
 import heapq
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvcadence.errors import ReplayError
+from kvcadence.gcpause import gc_paused
 from kvcadence.replay.admission import (
     AddReqResult,
     NewTokenRatioTracker,
@@ -62,127 +68,16 @@ from kvcadence.replay.admission import (
 )
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
+from kvcadence.replay.flushes import FlushPlan
+from kvcadence.replay.marks import VisibilityMarks
 from kvcadence.replay.policy import order_waiting
 from kvcadence.replay.radix import Hasher, Node, RadixTree
+from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
+from kvcadence.replay.stretch import DecodeStretches
 from kvcadence.replay.timing import PassTimer
 
-WAITING, RUNNING, FINISHED, ABORTED = 0, 1, 2, 3
 _INF = float("inf")
-_PREFILL_PHASE = array("b", (0,))
-_DECODE_PHASE = array("b", (1,))
-
-
-class SimReq:
-    """Runtime state of one simulated request."""
-
-    __slots__ = (
-        "spec",
-        "rid",
-        "idx",
-        "input_len",
-        "fill",
-        "fill_len",
-        "n_out",
-        "max_new_tokens",
-        "output_len",
-        "ignore_eos",
-        "prefix_len",
-        "host_hit_length",
-        "last_node",
-        "extend_len",
-        "is_chunked",
-        "load_back",
-        "adm_max_new",
-        "lock_handle",
-        "kv_len",
-        "tree_len",
-        "alloc",
-        "decode_left",
-        "cached_tokens",
-        "prefilled_once",
-        "retractions",
-        "gen",
-        "state",
-        "arrival_ns",
-        "entry_ns",
-        "first_token_ns",
-        "finish_ns",
-        "error",
-        "marks",
-        "dec0",
-    )
-
-    def __init__(self, spec: RequestSpec) -> None:
-        self.spec = spec
-        self.rid = spec.rid
-        self.idx = spec.idx
-        self.input_len = len(spec.input_ids)
-        self.n_out = len(spec.output_ids)
-        self.max_new_tokens = spec.max_new_tokens
-        self.ignore_eos = spec.ignore_eos
-        self.output_len = 0
-        self.fill = spec.input_ids
-        self.fill_len = self.input_len
-        self.prefix_len = 0
-        self.host_hit_length = 0
-        self.last_node: Node | None = None
-        self.extend_len = 0
-        self.is_chunked = False
-        self.load_back = 0
-        self.adm_max_new = 0
-        self.lock_handle: Node | None = None
-        self.kv_len = 0
-        self.tree_len = 0
-        self.alloc = 0
-        self.decode_left = 0
-        self.cached_tokens = 0
-        self.prefilled_once = False
-        self.retractions = 0
-        self.gen = 0
-        self.state = WAITING
-        self.arrival_ns = 0
-        self.entry_ns: int | None = None
-        self.first_token_ns: int | None = None
-        self.finish_ns: int | None = None
-        self.error: str | None = None
-        #: KV computation marks of prefill passes, in kv order: ``(kv_end, batch)`` —
-        #: positions below kv_end (and at or above the previous mark's) were computed by
-        #: prefill ``batch``
-        self.marks: list[tuple[int, Batch]] = []
-        #: ``(kv0, g0)`` once the request decodes: position ``kv0 + j`` was computed by the
-        #: decode pass at ``Scheduler``'s decode log entry ``g0 + j`` (a decoding request is
-        #: in every decode pass until it stops, so its passes are consecutive log entries)
-        self.dec0: tuple[int, int] | None = None
-
-    @property
-    def seq(self) -> list[int]:
-        """The full sequence (prompt + outputs), built on demand: not kept per request."""
-        return self.spec.input_ids + self.spec.output_ids
-
-    def seq_slice(self, start: int, end: int) -> list[int]:
-        """``seq[start:end]`` without building ``seq`` (only the slice is copied)."""
-        ids = self.spec.input_ids
-        k = len(ids)
-        if end <= k:
-            return ids[start:end]
-        if start >= k:
-            return self.spec.output_ids[start - k : end - k]
-        return ids[start:] + self.spec.output_ids[: end - k]
-
-
-@dataclass(slots=True)
-class Batch:
-    """One launched forward pass."""
-
-    kind: str  # "prefill" | "decode"
-    reqs: list[SimReq]
-    gens: list[int]
-    index: int
-    end_ns: int = 0
-    tokens: int = 0
-    upto: list[int] = field(default_factory=list)  # prefill: sequence end computed
-    finals: list[bool] = field(default_factory=list)  # prefill: last chunk of the request
 
 
 class _TreeCacheAdapter:
@@ -216,21 +111,7 @@ class _AllocatorAdapter:
         return self.sched.available()
 
 
-@dataclass(slots=True)
-class SimStats:
-    passes: int = 0
-    prefill_passes: int = 0
-    decode_passes: int = 0
-    skipped_passes: int = 0
-    retractions: int = 0
-    evictions: int = 0
-    flushes: int = 0
-    aborted: int = 0
-    virtual_ns: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class Scheduler:
+class Scheduler(VisibilityMarks, DecodeStretches):
     """One simulated SGLang worker (one DP rank) driven by a ``Schedule``."""
 
     def __init__(
@@ -243,13 +124,15 @@ class Scheduler:
         on_publish: Callable[[int], None] | None = None,
         requests: list[SimReq] | None = None,
         on_finish: Callable[[SimReq, int], None] | None = None,
+        flush_plan: FlushPlan | None = None,
     ) -> None:
         """``requests``: serve these instead of the schedule's (a driver's shared list,
         indexed by spec ``idx``; the driver prepares them and hands each its arrival with
         ``add_arrival``). ``on_finish(req, t)``: called when a request finished or was
         aborted at ``t`` (after the lane's next gap was scaled); when given, the driver
         releases the lane's next request (``replay.fleet`` routes it to any rank), not this
-        scheduler."""
+        scheduler. ``flush_plan``: the recorded flushes in request order
+        (``replay.flushes``; instead of the schedule's ``flush_times_ns``)."""
         self.cfg = cfg
         self.schedule = schedule
         self.ps = cfg.page_size
@@ -291,12 +174,14 @@ class Scheduler:
             if r.spec.pred is not None:
                 self.successors.setdefault(r.spec.pred, []).append(r.idx)
         self.arrivals: list[tuple[int, int]] = []
+        self.flush_plan = flush_plan
         if not shared:
             for s in schedule.requests:
                 if s.pred is None:
                     at = (s.arrival_ns or 0) + self._kv_ready_ns(s)
-                    heapq.heappush(self.arrivals, (at, s.idx))
-        self.flush_times = list(schedule.flush_times_ns)
+                    self._push_arrival(at, s.idx)
+        #: virtual times of the flushes to perform (each once fully idle), sorted
+        self.flush_times = list(schedule.flush_times_ns) if flush_plan is None else []
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []
         self.pending_merge: list[SimReq] = []
@@ -333,6 +218,8 @@ class Scheduler:
         #: the decode log: pass index and end ns of every decode pass, in order
         self._dec_pass = array("q")
         self._dec_end = array("q")
+        if flush_plan is not None:
+            flush_plan.attach(self._flush_due)
 
     # ------------------------------------------------------------------ accounting
     def available(self) -> int:
@@ -379,80 +266,6 @@ class Scheduler:
                 self.vis_frames.append((seq, pass_index, t, reason, passes, times, phases))
             if self.on_publish is not None:
                 self.on_publish(len(events))
-
-    # ------------------------------------------------------------------ visibility
-    def computed_at(self, req: SimReq, pos: int) -> tuple[int, int, int]:
-        """(pass, virtual end ns, phase 0 prefill / 1 decode) of the pass that computed the
-        KV at sequence position ``pos`` of ``req`` (a position this request computed)."""
-        dec0 = req.dec0
-        if dec0 is not None and pos >= dec0[0]:
-            g = dec0[1] + pos - dec0[0]
-            return self._dec_pass[g], self._dec_end[g], 1
-        _kv_end, batch = req.marks[self._mark_index(req.marks, pos)]
-        return batch.index, batch.end_ns, 0
-
-    @staticmethod
-    def _mark_index(marks: list[tuple[int, Batch]], pos: int) -> int:
-        lo, hi = 0, len(marks) - 1
-        while lo < hi:  # first mark with kv_end > pos
-            mid = (lo + hi) // 2
-            if marks[mid][0] > pos:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    def _record_store(self, req: SimReq, start: int, end: int) -> None:
-        """A new node of ``req.seq[start:end]`` was inserted: note when each page was
-        computed (the pass that wrote the KV of its last token): whole runs per prefill
-        mark, one strided slice of the decode log for the decoded pages."""
-        marks = req.marks
-        dec0 = req.dec0
-        ps = self.ps
-        pos = start + ps - 1  # last position of the first page
-        # arrays all the way (repeats and decode-log slices are C copies; no int objects)
-        passes = array("q")
-        times = array("q")
-        phases = array("b")
-        stop_pf = end if dec0 is None or dec0[0] > end else dec0[0]
-        if pos < stop_pf and marks:
-            i = self._mark_index(marks, pos)
-            n_marks = len(marks)
-            while pos < stop_pf and i < n_marks:
-                kv_end, batch = marks[i]
-                stop = kv_end if kv_end < stop_pf else stop_pf
-                if pos < stop:
-                    cnt = (stop - 1 - pos) // ps + 1  # pages whose last position is here
-                    passes += array("q", (batch.index,)) * cnt
-                    times += array("q", (batch.end_ns,)) * cnt
-                    phases += _PREFILL_PHASE * cnt
-                    pos += cnt * ps
-                i += 1
-        if dec0 is not None and pos < end:
-            cnt = (end - 1 - pos) // ps + 1
-            ga = dec0[1] + pos - dec0[0]
-            gb = ga + (cnt - 1) * ps + 1
-            passes += self._dec_pass[ga:gb:ps]
-            times += self._dec_end[ga:gb:ps]
-            phases += _DECODE_PHASE * cnt
-        if passes:
-            self.vis_pending.append((passes, times, phases))
-
-    def _mark_batch(self, batch: Batch) -> None:
-        """Called once the batch's end time is known: a prefill marks its requests (and
-        opens the decode run of those that go on decoding); a decode pass is one entry of
-        the decode log, shared by every request in it."""
-        if not self.track:
-            return
-        if batch.kind == "prefill":
-            g = len(self._dec_pass)
-            for r, final in zip(batch.reqs, batch.finals, strict=True):
-                r.marks.append((r.kv_len, batch))
-                if final and r.decode_left > 0:
-                    r.dec0 = (r.kv_len, g)
-            return
-        self._dec_pass.append(batch.index)
-        self._dec_end.append(batch.end_ns)
 
     # ------------------------------------------------------------------ public control
     def request_abort(self, rid: str, at_ns: int) -> None:
@@ -536,10 +349,21 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(req, t)
             return
+        if self.flush_plan is not None:
+            self.flush_plan.ledger.finished(req.idx, t)
         for nxt in self.successors.get(req.idx, ()):
             spec = self.reqs[nxt].spec
             gap = spec.gap_ns
-            heapq.heappush(self.arrivals, (t + gap + extra + self._kv_ready_ns(spec), nxt))
+            self._push_arrival(t + gap + extra + self._kv_ready_ns(spec), nxt)
+
+    def _push_arrival(self, at: int, idx: int) -> None:
+        """Request ``idx`` arrives at ``at`` -- unless it comes after a recorded flush not
+        performed yet: then it waits for it (``replay.flushes``)."""
+        plan = self.flush_plan
+        if plan is not None and plan.holds(idx):
+            plan.hold(at, idx)
+            return
+        heapq.heappush(self.arrivals, (at, idx))
 
     def _scale_next_gap(self, req: SimReq, t: int) -> None:
         """The recorded gap before the lane's next turn is wall time on the real worker;
@@ -898,6 +722,26 @@ class Scheduler:
             self._publish(t, self.pass_index, "flush")
             self.decode_ct = 0
             self.stats.flushes += 1
+            if self.flush_plan is not None:
+                # the requests that came after it (may make the next flush due)
+                for at, idx in self.flush_plan.performed(t):
+                    heapq.heappush(self.arrivals, (at, idx))
+
+    def _flush_due(self, at: int) -> None:
+        """``FlushPlan`` callback: the next recorded flush may be performed from ``at`` on
+        (its requests before it all finished, on this rank or another): wake up for it."""
+        bisect.insort(self.flush_times, at)
+        self._wake()
+
+    def force_flush(self) -> bool:
+        """A driver found every rank stopped: perform this rank's next recorded flush even
+        though requests before it never finished (inconsistent records). False when none
+        is pending."""
+        plan = self.flush_plan
+        if plan is None or not plan.pending or self.flush_times:
+            return False
+        plan.force(self._idle_since if self._idle_since is not None else self.t)
+        return True
 
     def _apply_aborts(self, t: int) -> None:
         if not self._aborts:
@@ -942,162 +786,6 @@ class Scheduler:
                 continue
             self.waiting.append(req)
 
-    # ------------------------------------------------------------------ decode stretches
-    def _skip_decode_stretch(
-        self, t: int, last: Batch | None, horizon: float = _INF
-    ) -> tuple[int, Batch | None] | None:
-        """Advance M > 1 pure-decode iterations at once when nothing can happen in them.
-
-        ``horizon``: no arrival will be added before it (``step``'s); the stretch stops
-        there as at a known arrival."""
-        if self.waiting or self.chunked_req is not None or self.pending_merge:
-            return None
-        running = self.running
-        if not running:
-            return None
-        if self._aborts or self._pauses or self.held:
-            return None
-        interval = self.cfg.decode_log_interval
-        # the cheap bounds first (next publish point, next arrival); the per-request one
-        # (next finish) only when they allow a stretch
-        m = interval - 1 - (self.decode_ct % interval)
-        if m < 2:
-            return None  # every bound below only lowers m
-        overlap = self.overlap
-        if overlap and (last is None or last.kind != "decode" or last.reqs != running):
-            return None
-        next_arr = self.arrivals[0][0] if self.arrivals else None
-        if horizon < _INF and (next_arr is None or horizon < next_arr):
-            next_arr = int(horizon)
-        if next_arr is not None and next_arr <= t:
-            return None  # an arrival to receive now
-        ps = self.ps
-        d = self.timer.decode_ns(len(running))
-        if overlap:
-            assert last is not None
-            e = last.end_ns
-            if next_arr is not None:
-                jmax = (next_arr - e - 1) // d + 1 if next_arr > e else 0
-                # GPU overlap: iteration j receives at e + (j-2)d (j >= 2); synchronous
-                # forward (CPU): at e + (j-1)d, after the previous forward ended
-                m = min(m, jmax if self.sync else jmax + 1)
-            if m < 2:
-                return None
-            m = min(m, min([r.decode_left for r in running]))
-        else:
-            if last is not None:
-                return None
-            if next_arr is not None:
-                m = min(m, (next_arr - t - 1) // d + 1)
-            if m < 2:
-                return None
-            m = min(m, min([r.decode_left for r in running]) - 1)
-        if m < 2:
-            return None
-        # memory: the stretch's allocations fit, or fit after each pass evicts its own
-        # shortfall first (as ``_update_running_batch`` does)
-        if ps == 1:
-            need = m * len(running)
-        else:
-            need = 0
-            for r in running:
-                k = r.kv_len
-                need += ps * ((k + m - 1) // ps - (k - 1) // ps)
-        stepped = 0  # leading passes booked as stepped one at a time
-        # page > 1: every pass's allocation evicts unless a page per request is free
-        if self.available() < need + (len(running) * ps if ps > 1 else 0):
-            m, stepped = self._evict_through_stretch(m)
-            if m < 2:
-                return None
-            need = sum(self._stretch_needs(m))
-        # apply m iterations
-        start = max(t, self.gpu_free) if not self.overlap else self.gpu_free
-        first_pass = self.pass_index + 1
-        first_end = (start if self.overlap else t) + d
-        if self.track:
-            self._dec_pass.extend(range(first_pass, first_pass + m))
-            self._dec_end.extend(range(first_end, first_end + m * d, d))
-        if ps == 1:
-            for r in running:
-                r.kv_len += m
-                r.decode_left -= m
-                r.output_len += m
-                r.alloc += m
-            self.private_total += need
-        else:
-            for r in running:
-                k = r.kv_len
-                self._alloc(r, ps * ((k + m - 1) // ps - (k - 1) // ps))
-                r.kv_len = k + m
-                r.decode_left -= m
-                r.output_len += m
-        tracker = self.tracker
-        for _ in range(stepped):
-            tracker.on_decode_steps(1)
-        if m > stepped:
-            tracker.on_decode_steps(m - stepped)
-        self.decode_ct += m
-        self.stats.decode_passes += m
-        self.stats.skipped_passes += m - stepped
-        self.pass_index += m
-        if self.overlap:
-            # results processed: last + the first m-1 new batches; the m-th is in flight
-            new_last = Batch("decode", list(running), [], self.pass_index)
-            new_last.end_ns = start + m * d
-            self.gpu_free = new_last.end_ns
-            return (new_last.end_ns if self.sync else start + (m - 1) * d), new_last
-        self.gpu_free = t + m * d
-        return t + m * d, None
-
-    def _stretch_needs(self, m: int) -> list[int]:
-        """KV slots each of the next ``m`` decode passes allocates (page size > 1: a page
-        per request whose KV length is page aligned at that pass)."""
-        running = self.running
-        ps = self.ps
-        if ps == 1:
-            return [len(running)] * m
-        needs = [0] * m
-        for r in running:
-            for j in range((-r.kv_len) % ps, m, ps):
-                needs[j] += ps
-        return needs
-
-    def _evict_through_stretch(self, m: int) -> tuple[int, int]:
-        """A decode stretch of up to ``m`` passes whose allocations do not fit in the free
-        slots: evict, pass by pass, what each pass's ``check_decode_mem`` would (its
-        shortfall, whole LRU leaves; the same calls in the same order as stepping).
-
-        Returns ``(kept, stepped)``: the passes that fit (at the first that does not, which
-        would retract, the stretch ends; stepping it again evicts nothing more, since
-        nothing is left to evict), and how many of them stepping one pass at a time would
-        have run before the rest fitted without eviction and were skipped at once (all
-        ``kept`` when never). The caller books the ratio decay and the skipped-pass count
-        as that stepping would, so the run's output is the same."""
-        tree = self.tree
-        cap = self.cfg.max_total_tokens
-        private = self.private_total
-        needs = self._stretch_needs(m)
-        left = sum(needs)  # allocations of this pass and the ones after it
-        ps = self.ps
-        page_each = len(self.running) * ps if ps > 1 else 0  # the allocation's own target
-        stepped = -1
-        for j, need in enumerate(needs):
-            avail = cap - tree.total_size - private
-            if stepped < 0 and j > 0 and m - j >= 2 and avail >= left + page_each:
-                stepped = j  # from here the step's own stretch check would have passed
-            if avail < need:
-                if tree.evict(need - avail):
-                    self.stats.evictions += 1
-                if cap - tree.total_size - private < need:
-                    return j, j
-            if page_each:
-                avail = cap - tree.total_size - private
-                if avail < page_each and tree.evict(page_each - avail):
-                    self.stats.evictions += 1
-            private += need
-            left -= need
-        return m, (m if stepped < 0 else stepped)
-
     # ------------------------------------------------------------------ main loop
     def run(self, progress: Callable[[int], None] | None = None) -> SimStats:
         """Run the whole schedule (``start``, ``step`` until parked, ``finish_run``);
@@ -1107,9 +795,7 @@ class Scheduler:
         allocates millions of small objects that live until it ends (requests' token
         lists, nodes, event structs), so collections would only re-walk them (≈ 17 % of a
         run); the objects that do form cycles (tree nodes) are freed when the tree goes."""
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             self.start()
             reported = 0
             guard = 0
@@ -1126,9 +812,6 @@ class Scheduler:
                 stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
                 raise ReplayError(f"simulation ended with unfinished requests: {stuck}")
             return self.finish_run()
-        finally:
-            if enabled:
-                gc.enable()
 
     # ------------------------------------------------------------------ stepping API
     def start(self) -> None:
@@ -1229,7 +912,12 @@ class Scheduler:
         if self.role == "prefill":
             r = self.reqs[idx]
             r.n_out = r.max_new_tokens = 1
-        heapq.heappush(self.arrivals, (at_ns, idx))
+        self._push_arrival(at_ns, idx)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Something new is scheduled (an arrival, a due flush): unpark / recompute the
+        wake-up of a sleeping scheduler."""
         if self.parked:
             self.parked = False
             if self._idle_since is not None:
@@ -1267,6 +955,11 @@ class Scheduler:
                 and not self._pauses
                 and not self.held
             ):
+                plan = self.flush_plan
+                if plan is not None and plan.pending and self.on_finish is None:
+                    # requests before the flush that can never finish here: flush now
+                    plan.force(t)
+                    return True
                 return False
             return True
         # waiting requests that cannot be admitted while nothing runs (and no transfer will

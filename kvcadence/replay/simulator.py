@@ -14,13 +14,14 @@ What this file owns:
   ``Trailer`` with the run statistics. Deterministic: the same input gives the same bytes.
 
 Flushes recorded in the source (an ``AllBlocksCleared`` after seq 0 of an epoch, or an
-``Annotation`` of kind ``flush``) are replayed at their recorded times.
+``Annotation`` of kind ``flush``; ``replay.flushes.recorded_flushes``) are replayed in request
+order: after every request that finished before them, before every other one, each when the
+rank is idle (``replay.flushes``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,11 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.gcpause import gc_paused
+from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
+from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
+from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
+from kvcadence.replay.request import ABORTED, SimReq, SimStats
 from kvcadence.replay.schedule import Schedule, build_schedule
-from kvcadence.replay.scheduler import ABORTED, Scheduler, SimReq, SimStats
+from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.timing import calibrate
 
 
@@ -64,6 +70,8 @@ class SimResult:
             "flushes": self.stats.flushes,
             "virtual_s": round(self.stats.virtual_ns / 1e9, 6),
             "wall_s": round(self.wall_s, 3),
+            # production captures: how outputs and sessions were inferred (replay/production)
+            **({"inferred": self.extra["inferred"]} if "inferred" in self.extra else {}),
         }
 
 
@@ -111,9 +119,7 @@ def simulate(
     The cyclic garbage collector is paused for the call (restored after): a replay creates
     millions of long-lived objects (token lists, radix nodes, events, records) that
     collections would only re-walk (≈ 20 % of a large replay)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _simulate(
             records,
             cfg,
@@ -122,9 +128,6 @@ def simulate(
             progress=progress,
             on_publish=on_publish,
         )
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _simulate(
@@ -138,14 +141,20 @@ def _simulate(
 ) -> SimResult:
     cfg.validate()
     t0 = time.perf_counter()
-    schedule = build_schedule(
-        records,
-        default_gap_ns=int(cfg.timing.default_gap_s * 1e9),
-        flush_abs_ns=flush_abs_ns,
-    )
+    schedule = build_schedule(records, default_gap_ns=int(cfg.timing.default_gap_s * 1e9))
+    flushes = sorted(int(f) for f in flush_abs_ns)
+    plan = None
+    if flushes:
+        plan = FlushPlan(flushes, FlushLedger(schedule.requests), schedule.anchor_ns)
+        schedule.flush_times_ns = [max(0, f - schedule.anchor_ns) for f in flushes]
     publisher = Publisher(cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns)
     sched = Scheduler(
-        cfg, schedule, hasher or wire_hasher(), publisher=publisher, on_publish=on_publish
+        cfg,
+        schedule,
+        hasher or wire_hasher(),
+        publisher=publisher,
+        on_publish=on_publish,
+        flush_plan=plan,
     )
     stats = sched.run(progress)
     anchor = schedule.anchor_ns
@@ -209,29 +218,17 @@ def sim_request_record(
     )
 
 
-def flush_times_from_bundle(reader: Any) -> list[int]:
-    """Receive times of flushes recorded in a bundle (clears after an epoch's first seq)."""
-    from kvcadence.format import wire
-    from kvcadence.format.bundle import event_payload
-    from kvcadence.format.schema import AllBlocksCleared, Annotation, EventFrame
-
-    first_seq: dict[tuple[int, int], int] = {}
-    out: list[int] = []
-    for rec in reader.records():
-        if isinstance(rec, Annotation) and rec.kind == "flush":
-            out.append(rec.recv_ns)
-        elif isinstance(rec, EventFrame):
-            key = (rec.endpoint, rec.epoch)
-            first = first_seq.setdefault(key, rec.seq)
-            if rec.seq == first:
-                continue
-            try:
-                batch = wire.decode_batch(event_payload(rec))
-            except Exception:  # a malformed payload is not a flush
-                continue
-            if any(isinstance(e, AllBlocksCleared) for e in batch.events):
-                out.append(rec.recv_ns)
-    return sorted(set(out))
+def flush_times_from_bundle(
+    reader: Any, rank: int | None = None, recorded: list[Any] | None = None
+) -> list[int]:
+    """Receive times of the flushes recorded in a bundle (``recorded_flushes``; ``recorded``:
+    those already read): those of DP ``rank`` (the lowest rank that has any when it has
+    none) and those of every rank; ``rank`` None: all of them."""
+    flushes = recorded_flushes(reader) if recorded is None else recorded
+    ranks = sorted({f.rank for f in flushes if f.rank is not None})
+    if rank is not None and ranks and rank not in ranks:
+        rank = ranks[0]
+    return sorted({f.recv_ns for f in flushes if rank is None or f.rank is None or f.rank == rank})
 
 
 def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
@@ -288,33 +285,55 @@ def replay_bundle(
     sglang_version: str | None = None,
     progress: Callable[[int], None] | None = None,
     hasher: Hasher | None = None,
+    phases: Any = None,
+    loaded: tuple[Any, Sequence[Any]] | None = None,
+    inferred: dict[str, Any] | None = None,
+    flushes: list[Any] | None = None,
 ) -> SimResult:
-    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None)."""
+    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None).
+
+    ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
+    phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
+    records as ``production.records_for_replay`` returned them with its report
+    ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
+    here when not given; flushes scanned when None)."""
     from kvcadence.format.bundle import BundleReader
+    from kvcadence.outguard import refuse_nonempty_dir
+
+    phases = phases or NoPhases()
 
     src_path = Path(src)
     if not src_path.exists():
         raise UsageError(f"{src_path}: no such bundle")
     out_path = Path(out) if out is not None else None
-    if out_path is not None and out_path.exists():
-        if not out_path.is_dir() or any(out_path.iterdir()):
-            raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
-    reader = BundleReader(src_path)
-    header = reader.header
-    records = reader.requests()
-    if not records:
-        raise InputError(f"{src_path}: the bundle has no request records to replay")
-    if config is None:
-        config = effective_config(
-            header.server_info,
-            records,
-            overrides,
-            sglang_version=sglang_version or header.sglang_version,
-        )
-    flushes = flush_times_from_bundle(BundleReader(src_path))
-    result = simulate(records, config, hasher=hasher, flush_abs_ns=flushes, progress=progress)
     if out_path is not None:
-        write_sim_bundle(out_path, result, header)
+        refuse_nonempty_dir(out_path)
+    what = f"loading {src_path}" if loaded is None else f"scanning {src_path} for cache flushes"
+    with phases.phase("load", what):
+        if loaded is None:
+            reader = BundleReader(src_path)
+            header = reader.header
+            records, inferred, flushes = records_for_replay(reader)
+        else:
+            header, records = loaded
+        if not records:
+            raise InputError(f"{src_path}: the bundle has no request records to replay")
+        if config is None:
+            config = effective_config(
+                header.server_info,
+                records,
+                overrides,
+                sglang_version=sglang_version or header.sglang_version,
+            )
+        # one rank's clears (a DP bundle replayed as one rank would flush once per rank)
+        flush_ns = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank, flushes)
+    with phases.phase("simulate", f"simulating {len(records)} requests"):
+        result = simulate(records, config, hasher=hasher, flush_abs_ns=flush_ns, progress=progress)
+    if inferred:
+        result.extra["inferred"] = inferred
+    if out_path is not None:
+        with phases.phase("write", f"writing {out_path}"):
+            write_sim_bundle(out_path, result, header)
     return result
 
 

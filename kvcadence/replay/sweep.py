@@ -7,9 +7,10 @@ What this file owns:
   values are converted to each setting's type, unknown keys are a ``UsageError``;
 * ``run_sweep(bundles, points, out)`` -- one job per point (all bundles replayed together
   as one fleet) or, with ``each=True``, one job per (bundle, point); jobs run in separate
-  processes (``concurrent.futures.ProcessPoolExecutor``, spawn) and only plain dicts and
-  paths cross the process boundary. The executor pickles them (job spec out, job summary
-  back) between our own processes of one run; nothing read from a file or socket is ever
+  processes (``concurrent.futures.ProcessPoolExecutor``, spawn), or with
+  ``executor="ray"`` as Ray tasks (``replay.executors``; same dataset), and only plain
+  dicts and paths cross the process boundary. The executor pickles them (job spec out, job
+  summary back) between our own processes of one run; nothing read from a file or socket is ever
   unpickled. ``validate_jobs`` builds every job's configs first, so a bad point is a
   ``UsageError`` before ``out`` is created;
 * the dataset: every job writes its rows with pyarrow under ``out`` as a hive-partitioned
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import UsageError
+from kvcadence.outguard import refuse_nonempty_dir
+from kvcadence.replay import executors
 
 PARTITION_BASE = ("worker", "rank", "route")
 
@@ -119,8 +122,8 @@ def point_label(point: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- one job
 def fleet_rows(result: Any) -> list[dict[str, Any]]:
     """The dataset rows (both kinds) of one fleet replay, partition columns included."""
+    from kvcadence.format.schema import served_rank
     from kvcadence.replay.events import CLEAR, REMOVE, STORE
-    from kvcadence.replay.fleet import rank_of
 
     rows: list[dict[str, Any]] = []
     for sl in result.slots:
@@ -167,7 +170,7 @@ def fleet_rows(result: Any) -> list[dict[str, Any]]:
                 "prompt_tokens": rec.prompt_tokens,
                 "cached_tokens": rec.cached_tokens,
                 "completion_tokens": rec.completion_tokens,
-                "recorded_rank": rank_of(src) if src is not None else None,
+                "recorded_rank": served_rank(src) if src is not None else None,
                 "recorded_cached_tokens": getattr(src, "cached_tokens", None),
                 "send_ns": rec.send_ns,
                 "finish_ns": rec.finish_ns,
@@ -201,12 +204,12 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def write_rows(out: Path, rows: list[dict[str, Any]], point: dict[str, Any], job: int) -> int:
-    """Append ``rows`` to the dataset at ``out`` (hive partitions); returns files written."""
+def job_table(rows: list[dict[str, Any]], point: dict[str, Any], job: int) -> Any:
+    """The rows of one job as a ``pyarrow.Table`` (data columns, then the partition columns
+    ``worker``, ``rank``, ``route`` and one per swept key)."""
     import pyarrow as pa
-    import pyarrow.dataset as pads
 
-    part_keys = list(PARTITION_BASE) + sorted(k for k in point if k != "route")
+    part_keys = _part_keys(point)
     label = point_label(point)
     cols: dict[str, list[Any]] = {name: [] for name, _ in _COLUMNS}
     for k in part_keys:
@@ -236,9 +239,21 @@ def write_rows(out: Path, rows: list[dict[str, Any]], point: dict[str, Any], job
             else pa.string()
         )
         fields.append(pa.field(k, typ))
-    schema = pa.schema(fields)
-    table = pa.Table.from_pydict(cols, schema=schema)
-    part_schema = pa.schema([schema.field(k) for k in part_keys])
+    return pa.Table.from_pydict(cols, schema=pa.schema(fields))
+
+
+def _part_keys(point: dict[str, Any]) -> list[str]:
+    return list(PARTITION_BASE) + sorted(k for k in point if k != "route")
+
+
+def write_table(out: Path, table: Any, point: dict[str, Any], job: int) -> int:
+    """Append one job's ``job_table`` to the dataset at ``out`` (hive partitions); returns
+    files written. The process pool calls it in the worker, the Ray executor in the driver:
+    the same files either way."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    part_schema = pa.schema([table.schema.field(k) for k in _part_keys(point)])
     written: list[str] = []
     pads.write_dataset(
         table,
@@ -252,27 +267,32 @@ def write_rows(out: Path, rows: list[dict[str, Any]], point: dict[str, Any], job
     return len(written)
 
 
-def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """One replay (in a worker process): plain dict in, plain dict out."""
-    import time
+def write_rows(out: Path, rows: list[dict[str, Any]], point: dict[str, Any], job: int) -> int:
+    """Append ``rows`` to the dataset at ``out`` (hive partitions); returns files written."""
+    return write_table(out, job_table(rows, point, job), point, job)
 
+
+def simulate_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Replay one job: its dataset rows and its summary (without ``files``/``job_wall_s``).
+    ``job["names"]`` (optional) names the workers (default: each bundle's directory name)."""
     from kvcadence.replay.fleet import load_worker, simulate_fleet
 
-    t0 = time.perf_counter()
     point = dict(job["point"])
     route = point.get("route") or job.get("route") or "recorded"
     point["route"] = route
     overrides = _job_overrides(job)
     if overrides.get("track_visibility") is None:
         overrides["track_visibility"] = False  # the rows carry no visibility: skip the log
+    names = job.get("names") or [None] * len(job["bundles"])
     workers = [
         load_worker(
             p,
             overrides,
             sglang_version=job.get("sglang_version"),
             calibrate_timing=job.get("calibrate", True),
+            name=name,
         )
-        for p in job["bundles"]
+        for p, name in zip(job["bundles"], names, strict=True)
     ]
     result = simulate_fleet(
         workers,
@@ -281,20 +301,40 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         pace=job.get("pace", "auto"),
     )
     rows = fleet_rows(result)
-    files = write_rows(Path(job["out"]), rows, point, job["job"])
     summary = result.summary()
     summary.update(
         {
             "job": job["job"],
             "point": point,
             "bundles": list(job["bundles"]),
-            "files": files,
             "rows": len(rows),
             "totals": totals(rows),
-            "job_wall_s": round(time.perf_counter() - t0, 3),
         }
     )
+    return rows, summary
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One replay (in a worker process): plain dict in, plain dict out."""
+    import time
+
+    t0 = time.perf_counter()
+    rows, summary = simulate_job(job)
+    summary["files"] = write_rows(Path(job["out"]), rows, summary["point"], job["job"])
+    summary["job_wall_s"] = round(time.perf_counter() - t0, 3)
     return summary
+
+
+def table_job(job: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """One replay for an executor that writes in the driver (Ray): the summary (without
+    ``files``) and the rows as one Arrow table (``job_table``)."""
+    import time
+
+    t0 = time.perf_counter()
+    rows, summary = simulate_job(job)
+    table = job_table(rows, summary["point"], job["job"])
+    summary["job_wall_s"] = round(time.perf_counter() - t0, 3)
+    return summary, table
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -381,14 +421,16 @@ def run_sweep(
     align_workers: bool = False,
     on_done: Callable[[dict[str, Any]], None] | None = None,
     pace: str = "auto",
+    executor: str = "process",
 ) -> list[dict[str, Any]]:
-    """Run every job (see module docstring); returns the job summaries in job order."""
+    """Run every job (see module docstring); returns the job summaries in job order.
+    ``executor="ray"`` runs the jobs as Ray tasks (``replay.executors``): same dataset."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    executors.require(executor)  # a missing Ray is one line, before anything is read
     out_path = Path(out)
-    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
-        raise UsageError(f"{out_path}: already exists and is not empty; refusing to overwrite")
+    refuse_nonempty_dir(out_path)
     paths = [str(Path(b)) for b in bundles]
     for p in paths:
         if not Path(p).exists():
@@ -415,7 +457,19 @@ def run_sweep(
     out_path.mkdir(parents=True, exist_ok=True)
     n = max(1, min(jobs or os.cpu_count() or 1, len(specs)))
     results: list[dict[str, Any] | None] = [None] * len(specs)
-    if n == 1:
+    if executor == "ray":
+        results = list(
+            executors.run_ray(
+                specs,
+                table_job,
+                lambda summary, table: write_table(
+                    out_path, table, summary["point"], summary["job"]
+                ),
+                jobs=jobs,
+                on_done=on_done,
+            )
+        )
+    elif n == 1:
         for s in specs:
             results[s["job"]] = run_job(s)
             if on_done is not None:

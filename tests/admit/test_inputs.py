@@ -16,7 +16,7 @@ from kvcadence.admit.inputs import (
     requests_from_bundle,
     synthetic_grid,
 )
-from kvcadence.admit.ticks import RequestSpec
+from kvcadence.admit.ticks import QueuedRequest
 from kvcadence.cli import main
 from kvcadence.errors import InputError, UsageError
 
@@ -43,8 +43,8 @@ GRID_ARGS = [
 def test_grid_is_the_cartesian_product_repeated():
     specs = synthetic_grid([0, 4096], [0, 64], [128, 2048, 7], repeat=2, max_new_tokens=3)
     assert len(specs) == 2 * 2 * 3 * 2
-    assert specs[0] == RequestSpec("g0", 0, 0, 128, 3)
-    assert specs[5] == RequestSpec("g5", 0, 64, 7, 3)
+    assert specs[0] == QueuedRequest("g0", 0, 0, 128, 3)
+    assert specs[5] == QueuedRequest("g5", 0, 64, 7, 3)
     assert specs[12].rid == "g12" and (specs[12].l1, specs[12].l2, specs[12].extend) == (0, 0, 128)
     assert len({s.rid for s in specs}) == len(specs)
 
@@ -65,8 +65,8 @@ def test_requests_jsonl_parses_optional_fields():
         '"priority":2}',
     ]
     a, b = parse_request_lines(lines, "q.jsonl", max_new_tokens=99)
-    assert a == RequestSpec("r0", 40320, 0, 128, 99)
-    assert b == RequestSpec("r1", 0, 64, 1, 7, 2)
+    assert a == QueuedRequest("r0", 40320, 0, 128, 99)
+    assert b == QueuedRequest("r1", 0, 64, 1, 7, 2)
 
 
 @pytest.mark.parametrize(
@@ -230,11 +230,12 @@ def test_cli_module_imports_only_stdlib():
 # --- bundle input ---------------------------------------------------------------------------
 
 
-def _write_bundle(path: Path, records) -> None:
+def _write_bundle(path: Path, records, server_info: dict | None = None) -> None:
     from kvcadence.format.bundle import BundleWriter
     from kvcadence.format.schema import Header
 
     header = Header(format_major=0, format_minor=0, source="real", kvcadence_version="test")
+    header.server_info = server_info or {}
     with BundleWriter(path, header) as w:
         for rec in records:
             w.write(rec)
@@ -277,8 +278,8 @@ def test_bundle_requests_give_cached_tokens_at_admission(tmp_path, capsys):
     _write_bundle(b, recs)
     specs = requests_from_bundle(b)
     assert [s.rid for s in specs] == ["early", "late", "hicache", "full"]  # arrival order
-    assert specs[0] == RequestSpec("early", 0, 0, 200, 8)
-    assert specs[1] == RequestSpec("late", 256, 0, 44, 4)
+    assert specs[0] == QueuedRequest("early", 0, 0, 200, 8)
+    assert specs[1] == QueuedRequest("late", 256, 0, 44, 4)
     assert (specs[2].l1, specs[2].l2, specs[2].extend) == (128, 320, 52)
     assert (specs[3].l1, specs[3].extend) == (63, 1)  # at least one token is computed
     assert (
@@ -314,3 +315,66 @@ def test_bundle_request_without_cached_tokens_is_an_input_error(tmp_path):
 def test_missing_bundle_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="no such bundle"):
         requests_from_bundle(tmp_path / "nope")
+
+
+def _admit_json(capsys, argv: list[str]) -> dict:
+    assert main(["admit", *argv, "--output", "json"]) == 0
+    return json.loads(capsys.readouterr().out)["config"]
+
+
+def test_bundle_budgets_come_from_its_server_info_and_flags_override(tmp_path, capsys):
+    from kvcadence.format.schema import RequestRecord
+
+    recs = [
+        RequestRecord(rid=f"r{i}", input_ids=[1] * 300, send_ns=i, prompt_tokens=300,
+                      cached_tokens=0, max_new_tokens=4)
+        for i in range(3)
+    ]  # fmt: skip
+    info = {
+        "page_size": 1,
+        "chunked_prefill_size": 4096,
+        "max_prefill_tokens": 8000,
+        "max_running_requests": None,
+        "internal_states": [{"max_total_num_tokens": 2000}],
+    }
+    b = tmp_path / "b"
+    _write_bundle(b, recs, info)
+    cfg = _admit_json(capsys, ["--bundle", str(b)])
+    assert (cfg["page_size"], cfg["chunked_prefill_size"]) == (1, 4096)
+    assert (cfg["available_tokens"], cfg["max_prefill_tokens"]) == (2000, 8000)
+    assert cfg["max_running_requests"] is None  # not recorded: admit's own default
+    argv = ["--bundle", str(b), "--page-size", "16", "--available-tokens", "500"]
+    cfg = _admit_json(capsys, argv + ["--chunked-prefill-size", "256"])
+    assert (cfg["page_size"], cfg["available_tokens"], cfg["chunked_prefill_size"]) == (
+        16,
+        500,
+        256,
+    )
+    assert cfg["max_prefill_tokens"] == 8000  # the flags override only what they name
+    # the text output says where each setting came from
+    assert main(["admit", "--bundle", str(b), "--page-size", "16"]) == 0
+    err = capsys.readouterr().err
+    assert "page 16 (flag), chunk 4096 (bundle), pool 2000 (bundle)" in err
+    # a worker that ran without chunked prefill: chunking off, not admit's 8192
+    nochunk = tmp_path / "nochunk"
+    _write_bundle(nochunk, recs, {**info, "chunked_prefill_size": None})
+    assert _admit_json(capsys, ["--bundle", str(nochunk)])["chunked_prefill_size"] is None
+
+
+def test_bundle_without_a_pool_needs_available_tokens(tmp_path, capsys):
+    from kvcadence.format.schema import RequestRecord
+
+    b = tmp_path / "b"
+    _write_bundle(b, [RequestRecord(rid="x", input_ids=[1] * 8, prompt_tokens=8, cached_tokens=0)])
+    assert main(["admit", "--bundle", str(b)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvcadence: error: admit needs --available-tokens N ({b} records no KV pool "
+                   "(max_total_num_tokens))"]  # fmt: skip
+    cfg = _admit_json(capsys, ["--bundle", str(b), "--available-tokens", "100"])
+    assert (cfg["available_tokens"], cfg["page_size"], cfg["chunked_prefill_size"]) == (
+        100,
+        64,
+        8192,
+    )
+    assert main(["admit", "--synthetic-grid"]) == 2
+    assert "admit needs --available-tokens N (no --bundle)" in capsys.readouterr().err

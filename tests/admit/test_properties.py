@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 from kvcadence.admit.ticks import (
     STOP_RESULTS,
     AdmitConfig,
-    RequestSpec,
-    ceil_paged,
+    QueuedRequest,
     run_admission,
 )
+from kvcadence.replay.admission import ceil_paged
 
 
 @st.composite
@@ -19,7 +19,7 @@ def queues(draw):
     n = draw(st.integers(1, 12))
     tokens = st.one_of(st.just(0), st.integers(0, 9000), st.sampled_from([5, 64, 1024, 4096]))
     return [
-        RequestSpec(
+        QueuedRequest(
             f"r{i}",
             draw(tokens),
             draw(tokens),

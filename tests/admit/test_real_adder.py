@@ -1,6 +1,6 @@
 """Differential test: ``kvcadence admit`` vs the REAL SGLang 0.5.23 ``PrefillAdder``.
 
-Both drive the adder with the same fakes (``upstream-benchmarks.md`` §3); the real one runs in
+Both drive the adder with the same fakes (docs/admit.md); the real one runs in
 the capture harness's SGLang venv through ``sglang_adder_driver.py`` -- all queues in ONE
 subprocess (the sglang import takes ~10 s). Without CP limits (kvcadence-only), every tick's
 accepted set (rid, prefix, extend, loaded), stop (rid, result), logged tokens, remaining budgets,
@@ -16,24 +16,24 @@ import random
 import pytest
 
 from kvcadence.admit.real import compare, run_real_many, sglang_available
-from kvcadence.admit.ticks import AdmitConfig, RequestSpec, run_admission
+from kvcadence.admit.ticks import AdmitConfig, QueuedRequest, run_admission
 
 pytestmark = pytest.mark.sglang_adder
 
 
-def _queue(rng: random.Random, n: int) -> list[RequestSpec]:
+def _queue(rng: random.Random, n: int) -> list[QueuedRequest]:
     def tokens() -> int:
         return rng.choice([0, 0, 5, 64, 100, 1024, 4096, rng.randrange(0, 9000)])
 
     return [
-        RequestSpec(
+        QueuedRequest(
             f"q{i}", tokens(), tokens(), rng.randrange(1, 9000), rng.choice([0, 1, 128, 5000])
         )
         for i in range(n)
     ]
 
 
-def _cases(seed: int = 5) -> list[tuple[AdmitConfig, list[list[RequestSpec]]]]:
+def _cases(seed: int = 5) -> list[tuple[AdmitConfig, list[list[QueuedRequest]]]]:
     rng = random.Random(seed)
     cases = []
     configs = [
@@ -62,9 +62,9 @@ def _cases(seed: int = 5) -> list[tuple[AdmitConfig, list[list[RequestSpec]]]]:
 
 
 REFERENCE_QUEUE = [
-    RequestSpec("a", 1024, 512, 300, 0),
-    RequestSpec("b", 0, 0, 5000, 0),
-    RequestSpec("c", 0, 0, 6000, 0),
+    QueuedRequest("a", 1024, 512, 300, 0),
+    QueuedRequest("b", 0, 0, 5000, 0),
+    QueuedRequest("c", 0, 0, 6000, 0),
 ]
 REFERENCE_CFG = AdmitConfig(available_tokens=100_000)
 
@@ -96,7 +96,7 @@ def test_identical_to_real_prefill_adder_0523(real_runs):
 def test_reference_scenario_and_compare_is_not_vacuous(real_runs):
     _, reals = real_runs
     theirs = reals[-1]["results"][0]
-    raw0 = theirs["ticks"][0]  # sglang-scheduler-model.md §9.9, first row
+    raw0 = theirs["ticks"][0]  # docs/admit.md, reference scenarios, first row
     assert raw0["log_hit_tokens"] == 1536 and raw0["log_input_tokens"] == 8116
     assert raw0["allocator_available_after_tick"] == 99488
     assert compare(run_admission(REFERENCE_QUEUE, REFERENCE_CFG), theirs, REFERENCE_CFG) == []

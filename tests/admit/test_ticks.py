@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvcadence.admit.fakes import FakeAllocator, FakeTreeCache
 from kvcadence.admit.ticks import (
     NO_TOKEN,
     OTHER_CHUNK,
@@ -13,15 +14,13 @@ from kvcadence.admit.ticks import (
     OTHER_MAX_PREFILL,
     OTHER_MAX_RUNNING,
     AdmitConfig,
-    FakeAllocator,
-    FakeTreeCache,
-    RequestSpec,
+    QueuedRequest,
     run_admission,
 )
 
 
-def R(rid: str, l1: int = 0, l2: int = 0, ext: int = 100, mnt: int = 0, prio=None) -> RequestSpec:
-    return RequestSpec(rid, l1, l2, ext, mnt, prio)
+def R(rid: str, l1: int = 0, l2: int = 0, ext: int = 100, mnt: int = 0, prio=None) -> QueuedRequest:
+    return QueuedRequest(rid, l1, l2, ext, mnt, prio)
 
 
 def run(specs, **kw):
@@ -33,7 +32,7 @@ def rids(tick) -> list[str]:
     return [a["rid"] for a in tick["accepted"]]
 
 
-# --- the reference scenarios (sglang-scheduler-model.md §9.9, real 0.5.23 PrefillAdder) ------
+# --- the reference scenarios (docs/admit.md, observed on the real 0.5.23 PrefillAdder) -------
 
 
 def test_reference_chunk_scenario_0523():

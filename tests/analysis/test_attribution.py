@@ -5,8 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.analysis.attribution import Request, StoredEvent, any_prompt_split, attribute
+from kvcadence.analysis.attribution import Request
 from kvcadence.format import wire
+from tests.analysis.attribution_oracle import StoredEvent, any_prompt_split, attribute
 
 
 def chain(tokens: list[int], ps: int) -> list[int]:

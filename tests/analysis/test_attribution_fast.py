@@ -11,14 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcadence.analysis import pages as kpages
-from kvcadence.analysis.attribution import (
-    Request,
-    StoredEvent,
-    attribute,
-    attribute_arrays,
-    columns_from_objects,
-)
+from kvcadence.analysis.attribution import Request, attribute_arrays
 from kvcadence.format import wire
+from tests.analysis.attribution_oracle import StoredEvent, attribute, columns_from_objects
 
 FIELDS = (
     "stored_blocks",

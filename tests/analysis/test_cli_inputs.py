@@ -252,8 +252,16 @@ def test_unknown_gate_metric_lists_valid_names(
     rc = main(
         ["report", str(pair[0]), "--out", str(tmp_path / "g"), "--gate", "stored_event_per_req=3%"]
     )
-    err = _usage(capsys, rc, "unknown metric", "stored_events_per_request")
-    assert "requests.cached_tokens_equal_share" in err
+    err = _usage(capsys, rc, "unknown metric", "(did you mean stored_events_per_request")
+    # one short line: the headline metrics and the families, not all ~90 names
+    assert len(err) < 700 and "requests.cached_tokens_equal_share" in err
+    assert "families: attribution.*," in err and "docs/metrics.md" in err
+    assert "quality.torn_bytes" not in err
+    # a name inside a family lists that family's metrics
+    rc = main(["report", str(pair[0]), "--out", str(tmp_path / "g"), "--gate",
+               "blocks_per_stored_event.mediam=3%"])  # fmt: skip
+    err = _usage(capsys, rc, "did you mean blocks_per_stored_event.median")
+    assert "valid blocks_per_stored_event.* metrics: " in err
     assert "blocks_per_stored_event.{n,mean,median,p10,p90,p99,min,max}" in err
 
 
@@ -311,3 +319,27 @@ def test_compare_and_visibility_emit_only_catalogued_names(pair: tuple[Path, Pat
     names = set(vis) - {"bundle", "source", "page_size", "units"}
     assert names <= set(metrics.VISIBILITY_DEFS)
     assert set(vis["units"]) == names
+
+
+def test_report_says_its_slow_phases_on_stderr_unless_quiet(
+    pair: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcadence import progress
+
+    monkeypatch.setattr(progress, "SAY_AFTER_S", 0.0)  # every phase counts as slow
+    args = ["report", str(pair[0]), str(pair[1]), "--no-plots", "--no-default-gates"]
+    assert main([*args, "--out", str(tmp_path / "r1")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:4] == [
+        f"report: reading real {pair[0]} (Parquet tables, cached) ...",
+        "report: computing real's metrics ...",
+        f"report: reading sim {pair[1]} (Parquet tables, cached) ...",
+        "report: computing sim's metrics ...",
+    ]
+    done = [ln for ln in err if ln.startswith("report: done in ")]
+    assert len(done) == 1 and "(ingest " in done[0] and "metrics " in done[0]
+    assert main([*args, "--out", str(tmp_path / "r2"), "--quiet"]) == 0
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("report:")]

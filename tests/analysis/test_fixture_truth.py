@@ -77,7 +77,7 @@ def test_attribution(fx: metrics.BundleMetrics, truth: dict[str, Any]) -> None:
     _dist(m, "attribution.prefill_store_events_per_request", t["prefill_store_events_per_request"])
     _dist(m, "attribution.finish_store_events_per_request", t["finish_store_events_per_request"])
     assert m["attribution.requests_without_prefill_store"] == t["requests_without_prefill_store"]
-    # cadence-metrics.md: output pages = sum pages(prompt + output - 1) - pages(prompt), exactly
+    # docs/metrics.md: output pages = sum pages(prompt + output - 1) - pages(prompt), exactly
     assert m["attribution.output_blocks"] == m["attribution.expected_output_blocks"] == 4513
     assert m["attribution.prompt_blocks"] + m["attribution.output_blocks"] == 14747
 

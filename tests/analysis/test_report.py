@@ -228,3 +228,15 @@ def test_cli_module_imports_nothing_heavy() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_duplicate_rids_are_counted_in_data_quality(tmp_path: Path) -> None:
+    """Regression: an (older) bundle holding a request twice is read as it is, and the
+    data-quality section says so instead of merging silently."""
+    reqs = _reqs(1)
+    b = write_bundle(tmp_path / "b", [(0, [cleared()]), (1000, [stored([1, 2])])], reqs + reqs[:1])
+    report.make_report([str(b)], tmp_path / "r", plots=False)
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    q = doc["bundles"][0]["quality"]
+    assert q["quality.duplicate_rids"]["value"] == 1
+    assert doc["bundles"][0]["metrics"]["requests"]["value"] == 3  # kept apart, not merged

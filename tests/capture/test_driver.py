@@ -245,8 +245,15 @@ def test_rid_prefix_names_every_request():
 def test_bad_specs_and_inputs_name_the_problem(tmp_path):
     with pytest.raises(UsageError, match="unknown workload"):
         build_workload("nope")
-    with pytest.raises(UsageError, match="unknown parameter"):
+    with pytest.raises(UsageError, match="unknown key 'lanez' \\(did you mean lanes\\?\\)"):
         build_workload("agent:lanez=2")
+    with pytest.raises(UsageError) as exc:
+        build_workload("agent:foo=1")
+    msg = str(exc.value)  # no close match: the valid keys, one short line
+    assert "did you mean" not in msg and len(msg) < 400
+    assert "valid keys: lanes, requests, seed" in msg and "think_ms" in msg
+    with pytest.raises(UsageError, match=r"'agnet' \(did you mean agent\?\); valid: agent"):
+        build_workload("agnet:lanes=2")
     bad = tmp_path / "m.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": "x", "output_length": 1}\n')
     with pytest.raises(InputError, match=r"m.jsonl:1: field 'input_length'"):

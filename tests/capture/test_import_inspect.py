@@ -430,3 +430,43 @@ def test_command_module_imports_only_stdlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_import_refuses_duplicate_rids(tmp_path, capsys):
+    """Regression: importing every request twice made Stored events/request half of
+    what it is; a repeated rid is refused (file:line, nothing written), in one file and
+    against the bundle with --append."""
+    import json as _json
+
+    frames = tmp_path / "f.jsonl"
+    frames.write_text(
+        _json.dumps(
+            {"recv_ns": 1, "topic": "kv", "seq": 0, "payload_b64": base64.b64encode(BATCH).decode()}
+        )
+        + "\n"
+    )
+    reqs = tmp_path / "r.jsonl"
+    line = {"rid": "a", "input_ids": [1, 2]}
+    reqs.write_text(
+        _json.dumps(line)
+        + "\n"
+        + _json.dumps({**line, "rid": "b"})
+        + "\n"
+        + _json.dumps(line)
+        + "\n"
+    )
+    out = tmp_path / "b"
+    rc = main(["import", "--frames", str(frames), "--requests", str(reqs), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{reqs}:3: field `rid`: 'a'" in err, err
+    assert f"{reqs}:1" in err and not out.exists()
+    reqs.write_text(_json.dumps(line) + "\n")
+    assert (
+        main(["import", "--frames", str(frames), "--requests", str(reqs), "--out", str(out)]) == 0
+    )
+    capsys.readouterr()
+    assert main(["import", "--append", "--requests", str(reqs), "--out", str(out)]) == 2
+    assert "already holds a request with rid 'a'" in capsys.readouterr().err
+    from kvcadence.format.bundle import BundleReader as _R
+
+    assert [r.rid for r in _R(out).requests()] == ["a"]

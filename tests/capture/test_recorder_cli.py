@@ -99,9 +99,23 @@ def test_duration_stops_and_summary_is_printed(tmp_path, capsys):
     with TestPublisher() as pub:
         out = tmp_path / "b"
         args = ["capture", "--endpoint", pub.endpoint, "--replay-endpoint", "none"]
-        assert main([*args, "--out", str(out), "--duration", "0.5"]) == 0
+        pub.publish(POOL[0])  # before the SUB connects and no replay: never received
+        assert main([*args, "--out", str(out), "--duration", "0.5"]) == 4
     err = capsys.readouterr().err
     assert "capture: 0 event frames" in err and "duration 0.5 s reached" in err
+    # zero messages is an error with its own exit code, said on stderr even with --quiet
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"kvcadence: error: capture recorded 0 KV-event messages from {pub.endpoint}")
+    )
+    assert BundleReader(out).header is not None  # the (empty) bundle is still written
+    with TestPublisher() as pub:
+        out = tmp_path / "q"
+        args = ["capture", "--endpoint", pub.endpoint, "--replay-endpoint", "none", "--quiet"]
+        assert main([*args, "--out", str(out), "--until-idle", "0.3"]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "recorded 0 KV-event messages" in err[0], err
 
 
 def test_dp_ranks_get_one_endpoint_each():

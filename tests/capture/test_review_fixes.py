@@ -366,7 +366,8 @@ def test_until_idle_fires_when_nothing_ever_arrives(tmp_path, capsys):
     out = tmp_path / "b"
     argv = ["capture", "--endpoint", f"tcp://127.0.0.1:{free_port()}"]
     argv += ["--replay-endpoint", "none", "--out", str(out), "--until-idle", "0.5", "--quiet"]
-    assert within(lambda: main(argv), 15) == 0
+    assert within(lambda: main(argv), 15) == 4  # NothingCaptured: the bundle is still written
+    assert "capture recorded 0 KV-event messages" in capsys.readouterr().err
     last = list(BundleReader(out).records())[-1]
     assert (
         isinstance(last, Trailer) and last.clean and last.stats["stop_reason"] == "idle for 0.5 s"
@@ -391,9 +392,10 @@ def test_cli_warns_about_no_traffic_unless_quiet(tmp_path, capsys, monkeypatch, 
     monkeypatch.setattr(recorder_mod, "NO_TRAFFIC_WARN_S", 0.2)
     argv = ["capture", "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--replay-endpoint"]
     argv += ["none", "--out", str(tmp_path / "b"), "--until-idle", "0.7"]
-    assert within(lambda: main(argv + (["--quiet"] if quiet else [])), 15) == 0
+    assert within(lambda: main(argv + (["--quiet"] if quiet else [])), 15) == 4  # nothing came
     err = capsys.readouterr().err
-    assert ("no KV-event message" in err) is not quiet
+    assert ("no KV-event message" in err) is not quiet  # the early warning, not with --quiet
+    assert err.strip().splitlines()[-1].startswith("kvcadence: error: capture recorded 0 KV-event")
 
 
 def test_warning_is_not_printed_when_traffic_flows(tmp_path, run_capture, endpoint_info):
@@ -475,7 +477,7 @@ def test_copy_bundle_copies_bytes_and_a_repair_never_reaches_the_source(tmp_path
     assert w.append_report is not None and w.append_report.dropped_bytes == 8
     w.close()
     assert {p.name: p.read_bytes() for p in list_segments(src)} == before
-    with pytest.raises(Exception, match="not an empty directory"):
+    with pytest.raises(Exception, match="not empty; refusing to overwrite"):
         copy_bundle(src, dst)
 
 
@@ -710,6 +712,7 @@ def test_capture_import_append_with_an_unencodable_record_changes_nothing(tmp_pa
     ]  # fmt: skip
     log.write_text("".join(json.dumps(d) + "\n" for d in lines))
     rc = main(["capture", "import", str(b), "--sglang-request-log", str(log), "--quiet"])
-    assert rc == 1
-    assert "rid='r1'" in one_error_line(capsys.readouterr().err)
+    # refused as bad input by the import-style validation (exit 2), before the encoder sees it
+    assert rc == 2
+    assert "rid 'r1'" in one_error_line(capsys.readouterr().err)
     assert {p.name: p.read_bytes() for p in list_segments(b)} == before

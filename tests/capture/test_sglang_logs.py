@@ -101,7 +101,60 @@ def test_capture_import_creates_then_appends(tmp_path, fixture_dir):
     metrics = str(fixture_dir / "sglang-metrics")
     assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
     assert len(BundleReader(b).requests()) == 120
-    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
+    # the same requests again: refused, never counted twice
+    before = sorted(p.name for p in b.iterdir())
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 2
+    assert sorted(p.name for p in b.iterdir()) == before
     r = BundleReader(b)
-    assert len(r.requests()) == 240 and r.report.torn_bytes == 0
+    assert len(r.requests()) == 120 and r.report.torn_bytes == 0
     assert main(["capture", "import", str(b)]) == 2
+
+
+@pytest.mark.parametrize(
+    "ids, why",
+    [
+        ("[true, false, 5]", "True at index 0"),
+        ("[1, -3, 5]", "-3 at index 1 is not a token id"),
+        ("[1, 9223372036854775808]", "is not a token id"),
+    ],
+)
+def test_capture_import_validates_records_like_import(tmp_path, capsys, ids, why):
+    """Regression: `capture import` wrote records it could not read back (bool ids,
+    negative ids); now each is refused with one line, before the bundle is created."""
+    f = tmp_path / "m.jsonl"
+    params = '{\\"rid\\": \\"x\\", \\"input_ids\\": ' + ids + "}"
+    f.write_text('{"request_parameters": "' + params + '"}\n')
+    b = tmp_path / "b"
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(f), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{f}:1" in err and why in err, err
+    assert not b.exists()
+
+
+def test_capture_import_checks_the_built_record_too(tmp_path, capsys):
+    from kvcadence.capture.importer import check_request_record
+    from kvcadence.format.schema import RequestRecord
+
+    check_request_record(RequestRecord(rid="a", input_ids=[1, 2], prompt_tokens=2), "w")
+    with pytest.raises(InputError, match=r"w: field `cached_tokens`: 9223372036854775808"):
+        check_request_record(RequestRecord(rid="a", input_ids=[1], cached_tokens=2**63), "w")
+    with pytest.raises(InputError, match=r"w: field `output_ids`: expected an array of ints"):
+        check_request_record(RequestRecord(rid="a", input_ids=[1], output_ids=[True]), "w")
+    with pytest.raises(InputError, match=r"meta_info.x"):
+        check_request_record(RequestRecord(rid="a", input_ids=[1], meta_info={"x": 2**64}), "w")
+
+
+def test_capture_import_refuses_a_rid_twice(tmp_path, capsys, fixture_dir):
+    """Regression: a request recorded twice double-counts every per-request metric."""
+    metrics = str(fixture_dir / "sglang-metrics")
+    b = tmp_path / "b"
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 0
+    capsys.readouterr()
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a request with rid" in err
+    # the same rid twice in one batch (metrics given twice)
+    b2 = tmp_path / "b2"
+    argv = ["capture", "import", "--quiet", "--sglang-metrics", metrics]
+    assert main([*argv, "--sglang-metrics", metrics, str(b2)]) == 2
+    assert "appears twice" in capsys.readouterr().err and not b2.exists()

@@ -93,13 +93,16 @@ def test_initial_replay_recovers_history_before_any_live_message(n_before, n_aft
     assert gap and gap[0].first_seq == 0 and gap[0].recovered == gap[0].last_seq + 1
 
 
+SEC = 1_000_000_000
+
+
 def test_seq_going_back_starts_an_epoch_not_a_gap():
     t = SeqTracker(3, has_replay=False)
     outs = []
     for s in range(5):
         outs += t.on_live(s, "kv", b"a", 1)
-    outs += t.on_live(0, "kv", b"b", 2)  # restarted publisher
-    outs += t.on_live(1, "kv", b"b", 3)
+    outs += t.on_live(0, "kv", b"b", 2 * SEC)  # restarted publisher (after a pause)
+    outs += t.on_live(1, "kv", b"b", 2 * SEC + 1)
     eps = [o for o in outs if isinstance(o, Epoch)]
     assert len(eps) == 1 and eps[0].epoch == 1 and eps[0].first_seq == 0 and eps[0].endpoint == 3
     assert not [o for o in outs if isinstance(o, Gap)]
@@ -111,7 +114,7 @@ def test_restart_with_missed_head_asks_replay_from_zero():
     t = SeqTracker(0, has_replay=True)
     for s in range(3):
         t.on_live(s, "kv", b"x", 0)
-    assert t.on_live(2, "kv", b"new2", 0)  # new epoch; seqs 0, 1 of it missed
+    assert t.on_live(2, "kv", b"new2", SEC)  # new epoch; seqs 0, 1 of it missed
     assert t.replay_wanted == 0
     t.replay_wanted = None
     t.on_replay(0, "kv", b"new0", 0)
@@ -156,3 +159,39 @@ def test_live_messages_during_replay_are_buffered_then_written_in_order():
         (3, VIA_LIVE),
         (4, VIA_LIVE),
     ]
+
+
+def test_duplicate_or_swapped_seq_is_dropped_and_counted_not_a_restart():
+    """Regression: one duplicated seq used to start a false epoch and ask the whole
+    replay ring again (99 duplicate frames); a swapped pair did the same."""
+    t = SeqTracker(0, has_replay=True)
+    outs = []
+    for s in range(100):
+        outs += t.on_live(s, "kv", b"%d" % s, 1000 + s)
+    outs += t.on_live(99, "kv", b"99", 1100)  # duplicated, right away
+    outs += t.on_live(50, "kv", b"50", 1101)  # a stale / swapped seq
+    outs += t.on_live(100, "kv", b"100", 1102)
+    assert t.replay_wanted is None and t.session is None
+    assert not [o for o in outs if isinstance(o, (Epoch, Gap))]
+    assert [o.seq for o in outs if isinstance(o, Out)] == list(range(101))
+    assert t.stats.duplicates == 2 and t.stats.epochs == 0 and t.epoch == 0
+
+
+def test_restart_needs_a_small_seq_and_a_pause():
+    t = SeqTracker(0, has_replay=False, ring_size=1000)
+    for s in range(5000):
+        t.on_live(s, "kv", b"x", s)
+    t.on_live(0, "kv", b"x", 6000)  # back to 0, but no pause after seq 4999: a duplicate
+    assert t.stats.duplicates == 1 and t.epoch == 0
+    t.on_live(2000, "kv", b"x", 10 * SEC)  # back, after a pause, but not small: stale
+    assert t.stats.duplicates == 2 and t.epoch == 0
+    outs = t.on_live(0, "kv", b"x", 20 * SEC)  # small, after a pause: the restart
+    assert t.epoch == 1 and [o for o in outs if isinstance(o, Epoch)]
+
+
+def test_fast_path_records_the_time_of_the_last_message():
+    t = SeqTracker(0, has_replay=False)
+    t.on_live(0, "kv", b"x", 0)
+    t.take_in_order(9, 9, 5 * SEC)  # seqs 1..9 written by the caller, the last at 5 s
+    t.on_live(0, "kv", b"x", 5 * SEC + 1000)  # back to 0 with no pause: a duplicate
+    assert t.epoch == 0 and t.stats.duplicates == 1

@@ -29,6 +29,7 @@ from kvcadence.format.bundle import (
 )
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
+    FORMAT_MINOR,
     VIA_LIVE,
     VIA_REPLAY,
     Annotation,
@@ -49,7 +50,7 @@ BATCH = msgspec.msgpack.encode(
 def make_header(**kw: object) -> Header:
     base: dict[str, object] = dict(
         format_major=FORMAT_MAJOR,
-        format_minor=0,
+        format_minor=FORMAT_MINOR,
         source="real",
         kvcadence_version="0.1.0",
         sglang_version="0.5.23",
@@ -161,7 +162,7 @@ def test_round_trip_every_record_type(tmp_path: Path) -> None:
 def test_segment_layout_on_disk(tmp_path: Path) -> None:
     write_bundle(tmp_path / "b", [event(0)])
     data = (tmp_path / "b" / "seg-000000.kvcb").read_bytes()
-    assert data[:8] == b"KVCB" + struct.pack("<HH", FORMAT_MAJOR, 0)
+    assert data[:8] == b"KVCB" + struct.pack("<HH", FORMAT_MAJOR, FORMAT_MINOR)
     length, crc = struct.unpack_from("<II", data, 8)
     body = data[16 : 16 + length]
     assert zlib.crc32(body) == crc
@@ -305,7 +306,9 @@ def test_unknown_major_is_refused(tmp_path: Path) -> None:
     data = bytearray(seg.read_bytes())
     struct.pack_into("<H", data, 4, FORMAT_MAJOR + 1)
     seg.write_bytes(bytes(data))
-    with pytest.raises(FormatVersionError, match=rf"format {FORMAT_MAJOR + 1}\.0 is not readable"):
+    with pytest.raises(
+        FormatVersionError, match=rf"format {FORMAT_MAJOR + 1}\.{FORMAT_MINOR} is not readable"
+    ):
         BundleReader(tmp_path / "b")
 
 
@@ -407,6 +410,7 @@ def test_append_truncates_a_torn_tail_and_continues(tmp_path: Path) -> None:
     last.write_bytes(good + data[16 + length : 16 + length + 9] + bytes(30))
     w._file.close()  # the crashed process wrote nothing more (its buffer was flushed)
     w._file = None
+    w._release_lock()  # and its bundle lock went with it (the kernel drops it at exit)
     before = [x for x in BundleReader(path).records()]
     a = BundleWriter.append(path)
     assert a.append_report is not None
@@ -550,7 +554,9 @@ def test_disk_full_with_a_real_file_size_limit(tmp_path: Path) -> None:
     assert [q.rid for q in reqs] == [f"r{i}" for i in range(100)]
     segs = list_segments(tmp_path / "b")
     assert segs[-1].stat().st_size <= 6000 and r.report.corrupt == []
-    assert r.report.torn_bytes == segs[-1].stat().st_size - 8
+    # the last segment holds its segment header and SegmentStart frame, then the torn tail
+    (start_len,) = struct.unpack_from("<I", segs[-1].read_bytes(), 8)
+    assert r.report.torn_bytes == segs[-1].stat().st_size - 16 - start_len
 
 
 # ---------------------------------------------------------------------- batched writes

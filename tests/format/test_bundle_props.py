@@ -14,6 +14,7 @@ from kvcadence.errors import FormatVersionError, KvcadenceError, UsageError
 from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload, list_segments
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
+    FORMAT_MINOR,
     Annotation,
     Epoch,
     EventFrame,
@@ -80,7 +81,7 @@ OTHER = st.one_of(
     st.builds(Annotation, TEXT, NAT, st.dictionaries(TEXT, JSONISH, max_size=3)),
 )
 RECORDS = st.lists(st.one_of(event_frames(), OTHER), max_size=25)
-HEADER = Header(FORMAT_MAJOR, 0, "real", "0.1.0", sglang_version="0.5.23")
+HEADER = Header(FORMAT_MAJOR, FORMAT_MINOR, "real", "0.1.0", sglang_version="0.5.23")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -18,6 +18,7 @@ from kvcadence.format import bundle as kb
 from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload, event_payload_view
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
+    FORMAT_MINOR,
     Annotation,
     EndpointInfo,
     EventFrame,
@@ -36,7 +37,7 @@ IDS = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=50)
 def _header() -> Header:
     return Header(
         format_major=FORMAT_MAJOR,
-        format_minor=0,
+        format_minor=FORMAT_MINOR,
         source="real",
         kvcadence_version="test",
         sglang_version="0.5.23",

@@ -78,7 +78,12 @@ def test_prefixes_run_adds_weighted_summaries(tmp_path: Path) -> None:
     for path in PATHS:
         want = 0.3 * t[256, path] + 0.3 * t[1280, path] + 0.2 * t[4096, path]
         assert s["expected_ms"][path] == pytest.approx(want)
-    assert s["winner"] == min(s["expected_ms"], key=s["expected_ms"].get)
+    # the leader has the lowest weighted median; it is the winner only outside the spread
+    p50 = {(r["prefix_tokens"], r["path"]): r["cpu_ms_p50"] for r in results}
+    med = {p: 0.3 * p50[256, p] + 0.3 * p50[1280, p] + 0.2 * p50[4096, p] for p in PATHS}
+    assert s["expected_ms_p50"] == pytest.approx(med)
+    assert s["leader"] == min(sorted(med), key=med.get)
+    assert s["winner"] in (s["leader"], None) and (s["winner"] is None) == bool(s["within_spread"])
     covered = sorted(x for r in s["ranges"] for x in (r["from_tokens"], r["to_tokens"]))
     assert covered[0] == 64 and covered[-1] == 8192
     assert "== expected cost per prefix, payload index" in text
@@ -125,3 +130,16 @@ def test_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as info:
         bench.main(["--tokens", "0"])
     assert info.value.code == 2
+
+
+def test_cpu_default_repeats_and_spread_fields(tmp_path: Path) -> None:
+    from kvcadence.kernels.options import DEFAULT_REPEAT_CPU
+
+    out = tmp_path / "r.jsonl"
+    argv = ["--tokens", "64", "--page-size", "16", "--payload", "index", "--paths",
+            "dense_all_reduce", "--kv-dim", "4", "--index-page-bytes", "32", "--warmup", "0"]  # fmt: skip
+    _run([*argv, "--out", str(out)])
+    (row,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert row["repeat"] == DEFAULT_REPEAT_CPU == 50  # no --repeat on CPU: more repeats
+    assert row["cpu_ms_min"] <= row["cpu_ms_p25"] <= row["cpu_ms_p50"] <= row["cpu_ms_p75"]
+    assert row["cpu_ms_p75"] <= row["cpu_ms_max"] and row["gpu_ms_p25"] is None

@@ -33,7 +33,15 @@ def test_algbw_busbw_goodput_numbers() -> None:
 
 def test_summarize_across_ranks() -> None:
     s = bw.summarize([[1.0, 3.0, 2.0], [4.0, 4.0, 4.0]])
-    assert s == {"avg": pytest.approx(3.0), "p50": 3.5, "min": 1.0, "max_rank_avg": 4.0}
+    assert s == {
+        "avg": pytest.approx(3.0),
+        "p50": 3.5,
+        "min": 1.0,
+        "max_rank_avg": 4.0,
+        "p25": 2.25,  # numpy's linear interpolation over [1, 2, 3, 4, 4, 4]
+        "p75": 4.0,
+        "max": 4.0,
+    }
     with pytest.raises(ValueError):
         bw.summarize([[1.0], []])
 
@@ -47,6 +55,6 @@ def test_summarize_across_ranks() -> None:
 )
 def test_summary_order(per_rank: list[list[float]]) -> None:
     s = bw.summarize(per_rank)
-    assert s["min"] <= s["p50"] <= max(max(r) for r in per_rank)
+    assert s["min"] <= s["p25"] <= s["p50"] <= s["p75"] <= s["max"] == max(map(max, per_rank))
     assert s["min"] <= s["avg"] * (1 + 1e-12)
     assert s["avg"] <= s["max_rank_avg"] * (1 + 1e-12)

@@ -55,3 +55,23 @@ def test_bad_input_fails_before_launch(
     assert main(["collectives", *argv], stages=["kernels"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("kvcadence: error: ")
+
+
+def test_workers_get_omp_threads_so_torchrun_prints_no_banner() -> None:
+    from kvcadence.kernels.cli import launch_env
+
+    env = launch_env({"PATH": "/bin"})
+    # torchrun prints its OMP_NUM_THREADS banner only when the variable is unset
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
+    root = str(Path(__file__).resolve().parents[2])
+    assert env["PYTHONPATH"].split(":")[0] == root
+    assert launch_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the user's wins
+
+
+def test_repeat_is_left_to_the_worker_when_not_given() -> None:
+    args = build_parser(["kernels"]).parse_args(["collectives", "--tokens", "64"])
+    assert "--repeat" not in launch_command(args)
+    from kvcadence.kernels.options import build_parser as worker_parser
+    from kvcadence.kernels.options import config_from_args
+
+    assert config_from_args(worker_parser("w").parse_args(["--tokens", "64"])).repeat is None

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvcadence.kernels import summary
+from kvcadence.kernels import report, summary
 from kvcadence.kernels.options import DENSE, RANK_MAJOR, SCATTER
 
 
@@ -87,3 +87,44 @@ def test_prefix_summary_record() -> None:
     assert s["zero_prefix_weight"] == pytest.approx(0.2)
     assert s["prefix_dist"] == "cached_tokens"
     assert len(s["crossovers"]) == 1
+
+
+def _spread_row(tokens: int, path: str, p25: float, p50: float, p75: float) -> dict[str, Any]:
+    row = _row(tokens, path, p50)
+    row.update(cpu_ms_p25=p25, cpu_ms_p50=p50, cpu_ms_p75=p75, repeat=50)
+    return row
+
+
+def test_a_winner_is_named_only_outside_the_spread() -> None:
+    rows = [
+        _spread_row(256, DENSE, 0.8, 1.0, 1.4),
+        _spread_row(256, SCATTER, 0.7, 0.95, 1.3),
+        _spread_row(256, RANK_MAJOR, 0.2, 0.3, 0.5),
+    ]
+    s = summary.prefix_summary(rows, {256: 1.0}, PATHS)
+    # rank-major's band (0.2-0.5) lies below both others' (from 0.7): a clear winner
+    assert (s["winner"], s["leader"], s["within_spread"]) == (RANK_MAJOR, RANK_MAJOR, [])
+    assert s["ranges"][0]["clear"] is True
+    assert "winner under the distribution: packed_all_gather_rank_major (its p25-p75 band " in (
+        report.summary_text(s)
+    )
+    # the same medians, but rank-major's band now reaches scatter's: no clear winner
+    rows[2] = _spread_row(256, RANK_MAJOR, 0.2, 0.3, 0.75)
+    s = summary.prefix_summary(rows, {256: 1.0}, PATHS)
+    assert (s["winner"], s["leader"], s["within_spread"]) == (None, RANK_MAJOR, [SCATTER])
+    assert s["expected_ms_spread"][RANK_MAJOR] == [0.2, 0.75]
+    assert s["expected_ms_p50"][RANK_MAJOR] == 0.3
+    assert s["ranges"][0]["clear"] is False
+    text = report.summary_text(s)
+    assert (
+        "no clear winner under the distribution: packed_all_gather_rank_major has the lowest "
+        "median, but packed_all_gather_scatter within its p25-p75 spread over 50 repeats"
+    ) in text
+    assert "(within the spread)" in text
+
+
+def test_weighted_band_sums_each_quantile() -> None:
+    spreads = {1: {DENSE: (1.0, 2.0, 3.0)}, 2: {DENSE: (10.0, 20.0, 30.0)}}
+    band = summary.expected_spread(spreads, {0: 0.5, 1: 0.25, 2: 0.25}, [DENSE])
+    assert band[DENSE] == pytest.approx((2.75, 5.5, 8.25))
+    assert summary.row_spread_ms(_row(1, DENSE, 2.5)) == (2.5, 2.5, 2.5)  # no spread: a point

@@ -57,6 +57,7 @@ def test_collectives_world2_prefixes(
 ) -> None:
     for k, v in _env().items():
         monkeypatch.setenv(k, v)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # torchrun's banner case
     out = tmp_path / "results.jsonl"
     rc = main(
         ["collectives", "--nproc-per-node", "2", "--prefixes", str(EXAMPLE), "--payload", "both",
@@ -66,6 +67,7 @@ def test_collectives_world2_prefixes(
     captured = capfd.readouterr()
     assert rc == 0, captured.err
     assert "FutureWarning" not in captured.err
+    assert "OMP_NUM_THREADS" not in captured.err and "*****" not in captured.err  # no banner
     records = _records(out)
     results = [r for r in records if r["record"] == "result"]
     summaries = [r for r in records if r["record"] == "summary"]
@@ -91,7 +93,9 @@ def test_collectives_world2_prefixes(
     assert odd["packed_mib_per_rank"] == pytest.approx(63 * 96 / 2**20)
     assert [s["payload"] for s in summaries] == ["mla", "index"]
     for s in summaries:
-        assert set(s["expected_ms"]) == set(PATHS) and s["winner"] in PATHS
+        assert set(s["expected_ms"]) == set(PATHS) and s["leader"] in PATHS
+        # a winner only outside the spread; else the paths within it are named
+        assert s["winner"] in (s["leader"], None) and bool(s["winner"]) != bool(s["within_spread"])
         assert s["prefix_dist"] == "cached_tokens" and s["world_size"] == 2
     assert "== expected cost per prefix, payload mla" in captured.out
     assert "fastest path by size:" in captured.out

@@ -1,5 +1,5 @@
 """PrefillAdder semantics against the numbers observed driving the real 0.5.23 adder
-(reference §9.9) and the classic differences; the new_token_ratio tracker formulas."""
+(docs/admit.md, reference scenarios) and the classic differences; the new_token_ratio tracker formulas."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def test_new_token_ratio_tracker():
     assert NewTokenRatioTracker(conservativeness=2.0).init == 1.0
 
 
-# -- continuing chunk: min(remaining, available), no page rounding (reference §9.6) ----------
+# -- continuing chunk: min(remaining, available), no page rounding (add_chunked_req) -------
 # Expected numbers observed driving the real 0.5.23 PrefillAdder.add_chunked_req with the
 # fakes of sglang_adder_driver.py (PrefillBudget, no mamba grid).
 
@@ -224,7 +224,7 @@ def test_chunked_continuation_last_chunk_reserves_decode():
     assert a.rem_total_tokens == 10_000 - (80 + 16 + 128)
 
 
-# -- 0.5.23: the candidate's prefix stays pinned through load-back and commit (§9.5) -----------
+# -- 0.5.23: the candidate's prefix stays pinned through load-back and commit (0.5.23 add_one_req) --
 
 
 class PinTree(FakeTree):

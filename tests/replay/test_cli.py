@@ -180,3 +180,43 @@ def test_unknown_version_and_bad_sweep_point_write_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "page_size=0" in err[0] and "page size must be >= 1" in err[0]
     assert not out.exists()  # validated before --out is created
+
+
+def test_wall_is_the_whole_command_and_slow_phases_are_said_on_stderr(
+    tmp_path, capsys, monkeypatch
+):
+    import json
+    import time
+
+    from kvcadence import progress
+    from kvcadence.replay import simulator
+
+    src = tmp_path / "src"
+    make_bundle(src)
+    real_write = simulator.write_sim_bundle
+
+    def slow_write(*a, **k):  # a write phase the simulation time cannot contain
+        time.sleep(0.8)
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(simulator, "write_sim_bundle", slow_write)
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim"), "--json"]) == 0
+    cap = capsys.readouterr()
+    s = json.loads(cap.out)
+    assert s["phases_s"]["write"] >= 0.8 and s["simulate_s"] < s["phases_s"]["write"]
+    assert s["wall_s"] >= sum(s["phases_s"].values()) >= 0.8
+    # only the phase that ran longer than SAY_AFTER_S (0.5 s) was said
+    assert cap.err == f"replay: writing {tmp_path / 'sim'} ...\n"
+    monkeypatch.setattr(progress, "SAY_AFTER_S", 0.0)
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim2")]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.splitlines() == [
+        f"replay: loading {src} ...",
+        f"replay: scanning {src} for cache flushes ...",
+        "replay: simulating 2 requests ...",
+        f"replay: writing {tmp_path / 'sim2'} ...",
+    ]
+    line = cap.out.strip()
+    assert ", wall " in line and "(load " in line and "write 0.8" in line
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim3"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""

@@ -55,14 +55,11 @@ CAPTURES = (
 
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
 MISSES: dict[tuple[str, str], str] = {
-    # the recorded flushes are placed by receive time on the simulated clock, not between
-    # the requests they fell between (issue 16 item 1): too many removals after them
-    ("flush2", "removed_per_req"): "removed_events_per_request 0.63 -> 0.725 (+15.1%)",
     # 2 pages only the sim has: the output pages of l2-s12-t1, the run's last request to
     # finish (rank 1); its finish store is not in the capture (probably published after
     # drive's 2 s settle ended: the box's load average was 28 then), the sim publishes it
     # when the rank goes idle
-    ("dp2-p16-chunk256", "hash_set"): "stored_hash_jaccard 0.999 (sim has 2 more pages)",
+    ("dp2-p16-chunk256", "hash_set"): "stored_hash_jaccard 0.9991 (sim has 2 more pages)",
 }
 
 
@@ -176,12 +173,8 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
 
 #: capture -> the production path's misses today (issue 15), measured
 PRODUCTION_MISSES: dict[str, str] = {
-    "p1-lanes8": "stored_events_per_request 1.925 -> 2 (+3.9%); stored_blocks_median 48 -> 57 (+18.8%); removed_events_per_request 0.815 -> 0.725 (-11.0%); removed_blocks_mean 118.1 -> 169.5 (+43.5%); cached_tokens_equal 0.245; stored_hash_jaccard 0.713",
-    "p16-chunk256-evict": "stored_events_per_request 1.88 -> 2.025 (+7.7%); stored_blocks_median 3 -> 4 (+33.3%); removed_events_per_request 0.98 -> 0.86 (-12.2%); removed_blocks_mean 6.791 -> 9.57 (+40.9%); cached_tokens_equal 0.255; stored_hash_jaccard 0.719",
-    "lpm-long": "stored_events_per_request 1.8 -> 2 (+11.1%); stored_blocks_median 144.5 -> 177.5 (+22.8%); removed_blocks_mean 181 -> 257 (+42.0%); cached_tokens_equal 0.410; stored_hash_jaccard 0.445",
-    "flush2": "stored_events_per_request 1.83 -> 1.995 (+9.0%); stored_blocks_median 54 -> 56 (+3.7%); removed_blocks_mean 122.8 -> 173.3 (+41.1%); cached_tokens_equal 0.275; stored_hash_jaccard 0.734",
-    "tight-long": "stored_hash_jaccard 0.314",
-    "dp2-p16-chunk256": "stored_events_per_request 1.985 -> 2.11 (+6.3%); cached_tokens_equal 0.485; stored_hash_jaccard 0.773",
+    "tight-long": "cached_tokens_equal 0.940",
+    "dp2-p16-chunk256": "stored_hash_jaccard 0.9991 (as with driver records)",
 }
 
 

@@ -1,4 +1,4 @@
-"""PD disaggregation roles (issue 9): ``--role prefill`` holds transferred prompts,
+"""PD disaggregation roles: ``--role prefill`` holds transferred prompts,
 ``--role decode`` inserts only with its decode radix cache."""
 
 from __future__ import annotations

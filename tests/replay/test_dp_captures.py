@@ -6,7 +6,7 @@ Recorded this way (``data/README.md``), the same server flags as
 * ``data/sglang-0.5.23-dp2-agent-s404``: ``agent:lanes=4,requests=240,seed=404`` -- the
   larger capture, chosen before it was recorded as the primary per-rank check: with
   ``--route recorded`` (recorded pace, the fleet default for a multi-rank worker) every
-  issue-4 bar holds on both ranks;
+  fidelity bar holds on both ranks;
 * ``data/sglang-0.5.23-dp2-agent-s303``: ``agent:lanes=4,requests=100,seed=303`` -- nine of
   the ten rank x bar pairs hold; rank 1's median blocks per Stored event misses (59 ->
   55.5, -5.9 %; a strict xfail flags the day it holds). With ~90 Stored events per rank the
@@ -30,7 +30,7 @@ DATA = Path(__file__).parent / "data"
 S404 = DATA / "sglang-0.5.23-dp2-agent-s404"
 S303 = DATA / "sglang-0.5.23-dp2-agent-s303"
 
-#: figure -> allowed |relative delta| per rank (issue 4's bars)
+#: figure -> allowed |relative delta| per rank (the README's fidelity bars)
 BARS = {
     "stored_events_per_request": 0.03,
     "stored_blocks_median": 0.03,
@@ -89,7 +89,7 @@ def test_recorded_route_exact_parts(runs, src):
         assert rows[(rank, "cached_tokens_equal")]["sim"] >= 0.95
 
 
-def test_s404_every_issue4_bar_holds_per_rank(runs):
+def test_s404_every_fidelity_bar_holds_per_rank(runs):
     rows = runs[(S404.name, "auto")]
     assert _misses(rows) == set(), {k: rows[k] for k in _misses(rows)}
 
@@ -99,7 +99,7 @@ def test_s303_every_bar_but_one_holds(runs):
 
 
 @pytest.mark.xfail(strict=True, reason="rank 1 median blocks/Stored 59 -> 55.5 (-5.9 %)")
-def test_s303_every_issue4_bar_holds_per_rank(runs):
+def test_s303_every_fidelity_bar_holds_per_rank(runs):
     assert _misses(runs[(S303.name, "auto")]) == set()
 
 

@@ -1,14 +1,14 @@
 """Fidelity across DP ranks on real SGLang 0.5.23 captures.
 
 * the single-rank fixture (``dp_rank`` null = rank 0) through the fleet path gives exactly
-  the single-rank replay (so its issue-4 fidelity numbers hold unchanged);
+  the single-rank replay (so its fidelity numbers hold unchanged);
 * ``data/sglang-0.5.23-dp2-agent-ps1``: a real ``--dp-size 2`` capture (CPU worker, page 1,
   pool 3000 tokens per rank, 100 agent requests on 4 lanes, ``--enable-metrics``; see
   ``data/README.md``). With ``--route recorded`` (pace ``auto`` = ``recorded`` here), per
   rank: the same requests, identical stored-hash sets, stored and removed block totals
   within 2 %, ``cached_tokens`` equal for >= 95 % of requests, hit rate within 0.01, the
   run's span within 5 %, and event counts within 30 % (a regression guard);
-* the cause of the issue-4 misses under the pass-time model alone (``pace="model"``): the
+* the cause of the fidelity-bar misses under the pass-time model alone (``pace="model"``): the
   recorded ranks were decided by a strict round robin over the *recorded* arrival order;
   per-request pass-time errors add up along each lane (±10–30 s), the simulated arrival
   order drifts, and the recorded ranks then no longer alternate (37 of 99 consecutive
@@ -16,10 +16,10 @@
   and 5 vs 2 idle spells), each idle publish splits a finish store from the next turn's
   prefill store, and the pools fill at other moments (more, smaller removals). The
   recorded pace keeps the order (``test_dp2_recorded_pace_keeps_the_round_robin_order``);
-* with the recorded pace every issue-4 bar (``BARS``) holds on rank 1 and all but the
+* with the recorded pace every fidelity bar (``BARS``) holds on rank 1 and all but the
   median blocks per Stored event on rank 0 (-12.5 %: 89 vs 88 events, and the real
   sizes jump from 66 to 78 at the median, so one event more or less moves it by ~15 %);
-  ``test_dp2_issue4_event_bars_per_rank`` stays a strict xfail that flags the day it holds.
+  ``test_dp2_event_bars_per_rank`` stays a strict xfail that flags the day it holds.
   The miss is timing, not memory accounting
   (``test_dp2_rank0_miss_is_one_late_arrival_not_accounting``): at the prefills where the
   two streams part, the rank's pool (tree size, running requests' KV, free slots) is the
@@ -45,7 +45,7 @@ from kvcadence.replay.simulator import replay_bundle
 
 DP2 = Path(__file__).parent / "data" / "sglang-0.5.23-dp2-agent-ps1"
 
-#: figure -> allowed |relative delta| per rank (issue 4's bars)
+#: figure -> allowed |relative delta| per rank (the README's fidelity bars)
 BARS = {
     "stored_events_per_request": 0.03,
     "stored_blocks_median": 0.03,
@@ -154,7 +154,7 @@ def test_dp2_recorded_pace_keeps_the_round_robin_order(dp2):
 
 
 def test_dp2_recorded_pace_event_bars(dp2):
-    """Regression guard: the issue-4 bars that hold with the recorded pace (all but rank
+    """Regression guard: the fidelity bars that hold with the recorded pace (all but rank
     0's median blocks per Stored event), and per rank the message count within 3 %."""
     by = _rows(dp2)
     model = _rows(dp2, "model")
@@ -184,7 +184,7 @@ def test_dp2_recorded_pace_is_deterministic(dp2, tmp_path):
     "(finish order / publish windows), not memory accounting: see "
     "test_dp2_rank0_miss_is_one_late_arrival_not_accounting",
 )
-def test_dp2_issue4_event_bars_per_rank(dp2):
+def test_dp2_event_bars_per_rank(dp2):
     by = _rows(dp2)
     for rank in ("0", "1"):
         for fig, bar in BARS.items():

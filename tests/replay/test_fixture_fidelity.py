@@ -1,4 +1,4 @@
-"""Replay the real SGLang 0.5.23 fixture and hold the simulation to the issue's fidelity
+"""Replay the real SGLang 0.5.23 fixture and hold the simulation to the project's fidelity
 bars: Stored events/request and median blocks/Stored within 3 %, Removed events/request and
 blocks/Removed (median and mean) within 10 %, identical stored-hash sets, cached_tokens equal
 for >= 95 % of requests. Also: the sim bundle is well formed and byte-deterministic."""
@@ -55,8 +55,8 @@ def replayed(fixture_dir: Path, tmp_path_factory):
     return src, out, tmp
 
 
-def assert_issue4_bars(real: dict, sim: dict, real_reqs: list, sim_reqs: list) -> None:
-    """The replay issue's fidelity bars: Stored events/request and median blocks/Stored
+def assert_fidelity_bars(real: dict, sim: dict, real_reqs: list, sim_reqs: list) -> None:
+    """The fidelity bars (README, "What the project measured"): Stored events/request and median blocks/Stored
     within 3 %; Removed events/request and blocks/Removed within 10 %; identical stored
     hash sets; cached_tokens equal for >= 95 % of requests."""
     for key, tol in (
@@ -87,7 +87,7 @@ def test_fidelity_numbers(replayed, fixture_dir):
     assert len(sim_reqs) == len(real_reqs) == truth["n_requests"]
     sim = cadence([event_payload(f) for f in sim_reader.events()], len(sim_reqs))
 
-    assert_issue4_bars(real, sim, real_reqs, sim_reqs)
+    assert_fidelity_bars(real, sim, real_reqs, sim_reqs)
     assert sim["stored_blocks"] == truth["total_stored_blocks"]
 
 

@@ -1,4 +1,4 @@
-"""Lifecycle rules of the simulated worker (issue 9), one named regression test per rule.
+"""Lifecycle rules of the simulated worker (docs/simulator.md), one named regression test per rule.
 
 Each test fails when its rule is removed from ``replay.scheduler`` (checked by mutation).
 """
@@ -211,7 +211,7 @@ def test_the_server_info_snapshot_chooses_the_loop():
 
 def test_seq_slice_is_a_slice_of_prompt_plus_outputs():
     """Checkpoints read ``seq[start:end]`` through ``seq_slice`` (no full-sequence copy)."""
-    from kvcadence.replay.scheduler import SimReq
+    from kvcadence.replay.request import SimReq
 
     spec = build_schedule([req("a", list(range(3, 13)), 6)]).requests[0]
     r = SimReq(spec)

@@ -15,7 +15,7 @@ import pytest
 from kvcadence.format.bundle import BundleReader, event_payload
 from kvcadence.replay.simulator import replay_bundle
 
-from .test_fixture_fidelity import assert_issue4_bars, cadence
+from .test_fixture_fidelity import assert_fidelity_bars, cadence
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
 
@@ -44,7 +44,7 @@ def test_sample_fidelity_numbers(replayed):
     assert len(sim_reqs) == len(real_reqs)
     sim = cadence([event_payload(f) for f in sim_reader.events()], len(sim_reqs))
 
-    assert_issue4_bars(real, sim, real_reqs, sim_reqs)
+    assert_fidelity_bars(real, sim, real_reqs, sim_reqs)
 
 
 def test_sample_timing_is_calibrated_from_receive_and_finish_times(replayed):

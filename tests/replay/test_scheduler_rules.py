@@ -1,4 +1,4 @@
-"""Per-rule scheduler tests on small hand-built schedules (reference §4-§8, §17)."""
+"""Per-rule scheduler tests on small hand-built schedules (docs/sglang-sources.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Event visibility (issue 9): per-block computed vs published pass/time in the simulator,
+"""Event visibility: per-block computed vs published pass/time in the simulator,
 the sim bundle's visibility notes, and ``kvcadence.analysis.visibility`` on real and sim
 bundles."""
 

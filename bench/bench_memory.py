@@ -1,0 +1,357 @@
+"""Memory benchmark: peak RSS against input size, for the replay and for ingest.
+
+Every point runs in a fresh child process (this script with ``--child``); its peak RSS is the
+child's ``ru_maxrss`` from ``os.wait4``, so no point inherits another's heap. Baselines are
+measured in the same run:
+
+* replay: ``bench/bench_replay.py``'s workload (closed-loop agent lanes, page size 1, pool
+  60,000 tokens, ``--lanes 64``) simulated by ``simulate()`` at 6,000 and 60,000 requests
+  (600,000 with ``--full``: ~14 GB of RSS, extrapolated from 6k -> 60k on the replay of
+  2026-12-01; the goal there is <= 4 GB). Figures: peak RSS of each size against the
+  interpreter with kvcadence imported (the floor) and, for the larger sizes, against the
+  first point (``ratio`` = growth); the marginal KB/request between the two smallest
+  sizes, against the workload's own (the records built, not simulated: a child of its own).
+* long-prompt replay: agent sessions whose contexts grow to 32k tokens (2k-token system
+  prompt, 500-2,000 new tokens a turn, 8 lanes, pool 400,000 tokens) at 500 and 2,000
+  requests; the same figures.
+* ingest: ``kvcadence.analysis.ingest`` (bundle -> Parquet cache) on ``bench_analysis.py``'s
+  synthetic bundle at 250 MB and 2 GB of segments (10 GB with ``--full``); figures: peak RSS
+  of each against the 250 MB point (the goal: RSS(2 GB) <= 1.2 x RSS(250 MB)), and
+  RSS per bundle MB. The bundles are written by a child (not measured) into ``--dir`` or a
+  temporary directory removed at the end.
+
+    .venv/bin/python bench/bench_memory.py [--only replay|long|ingest] [--quick] [--full]
+        [--replay-requests N ...] [--long-requests N ...] [--ingest-mb MB ...] [--dir DIR]
+        [--json PATH]
+
+``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, ingest 25 / 250 MB (a smoke
+run). Memory needed by the default points on 2026-12-01: 1.4 GB (60k requests), 6.4 GB
+(ingest of the 2 GB bundle).
+Measures only; nothing here changes the code measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import add_output_args, figure, goal, write_results
+
+HERE = Path(__file__).resolve().parent
+MB = 1 << 20
+
+
+# ------------------------------------------------------------------------ children
+def child_imports() -> dict[str, Any]:
+    import kvcadence.analysis.ingest  # noqa: F401
+    import kvcadence.replay.simulator  # noqa: F401
+
+    return {}
+
+
+def long_workload(n: int, lanes: int, seed: int = 11) -> list[Any]:
+    """Long-context agent sessions: a 2k-token system prompt (one of 4), then each turn adds
+    its output (64-256 tokens) and a user/tool chunk (500-2,000 tokens) until the context
+    would pass 32k tokens; then the lane starts a new session."""
+    import random
+
+    from kvcadence.format.schema import RequestRecord
+
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 32000) for _ in range(2048)] for _ in range(4)]
+    out: list[Any] = []
+    lane_state = [(list(rng.choice(systems)), 0, 0, 1_000_000.0 + i * 0.01) for i in range(lanes)]
+    while len(out) < n:
+        for lane in range(lanes):
+            if len(out) >= n:
+                break
+            prompt, session, turn, t = lane_state[lane]
+            prompt = prompt + [rng.randrange(3, 32000) for _ in range(rng.randint(500, 2000))]
+            if len(prompt) > 32_768:
+                session, turn = session + 1, 0
+                prompt = list(rng.choice(systems)) + [rng.randrange(3, 32000) for _ in range(500)]
+            n_out = rng.randint(64, 256)
+            outs = [rng.randrange(3, 32000) for _ in range(n_out)]
+            out.append(
+                RequestRecord(
+                    rid=f"l{lane}-s{session}-t{turn}",
+                    input_ids=prompt,
+                    output_ids=outs,
+                    lane=lane,
+                    session=session,
+                    turn=turn,
+                    max_new_tokens=n_out,
+                    completion_tokens=n_out,
+                    finish_reason="length",
+                    meta_info={"request_received_ts": t, "request_finished_ts": t + 2.0},
+                )
+            )
+            t += 2.0 + rng.expovariate(1 / 0.5)
+            lane_state[lane] = (prompt + outs, session, turn + 1, t)
+    return out
+
+
+def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    from bench_replay import workload
+
+    from kvcadence.replay.config import SimConfig, TimingParams
+    from kvcadence.replay.simulator import simulate
+
+    records = long_workload(n, lanes) if long else workload(n, lanes)
+    out: dict[str, Any] = {"requests": len(records)}
+    out["prompt_tokens"] = sum(len(r.input_ids) for r in records)
+    if simulate_too:
+        cfg = SimConfig(
+            page_size=1,
+            max_total_tokens=400_000 if long else 60_000,
+            chunked_prefill_size=8192,
+            timing=TimingParams(
+                prefill_base_s=0.012,
+                prefill_per_token_s=2e-5,
+                decode_base_s=0.004,
+                decode_per_req_s=8e-5,
+            ),
+        ).validate()  # bench_replay.py's configuration (a pool for 8+ 32k contexts if long)
+        c = time.process_time()
+        res = simulate(records, cfg)
+        cpu = time.process_time() - c
+        out.update(simulate_cpu_s=round(cpu, 3), requests_per_s=round(len(records) / cpu))
+        out["events"] = res.summary()["events"]
+    return out
+
+
+def child_build(path: str, target_mb: float) -> dict[str, Any]:
+    """bench_analysis.py's synthetic bundle, grown to ``target_mb`` of segment bytes."""
+    sys.path.insert(0, str(HERE))
+    from bench_analysis import build
+
+    probe = Path(path + ".probe")
+    n_probe = 20_000 if target_mb >= 100 else 2_000
+    build(probe, n_probe)
+    per_event = _segment_bytes(probe) / n_probe
+    shutil.rmtree(probe)
+    n_ev, n_req = build(Path(path), max(1000, int(target_mb * MB / per_event)))
+    return {"events": n_ev, "requests": n_req, "bytes": _segment_bytes(Path(path))}
+
+
+def child_ingest(bundle: str, cache: str) -> dict[str, Any]:
+    from kvcadence.analysis import ingest
+
+    t = time.perf_counter()
+    ing = ingest.ingest(Path(bundle), Path(cache), force=True)
+    return {"wall_s": round(time.perf_counter() - t, 2), "tables": ing.manifest.get("tables")}
+
+
+def _segment_bytes(bundle: Path) -> int:
+    return sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+
+
+def run_child(argv: list[str]) -> None:
+    kind, *rest = argv
+    if kind == "imports":
+        out = child_imports()
+    elif kind in ("workload", "replay", "long-workload", "long-replay"):
+        out = child_workload(
+            int(rest[0]), int(rest[1]), kind.endswith("replay"), kind.startswith("long")
+        )
+    elif kind == "build":
+        out = child_build(rest[0], float(rest[1]))
+    elif kind == "ingest":
+        out = child_ingest(rest[0], rest[1])
+    else:
+        raise SystemExit(f"bench_memory: unknown child {kind!r}")
+    print(json.dumps(out))
+
+
+# ------------------------------------------------------------------------ parent
+def measure(*args: str) -> tuple[float, dict[str, Any]]:
+    """Run one child; (its peak RSS in MB, what it printed)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
+    proc.stdout.close()  # type: ignore[union-attr]
+    proc.stderr.close()  # type: ignore[union-attr]
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_memory: child {' '.join(args)} failed ({proc.returncode}):\n{err}")
+    rss = usage.ru_maxrss / 1024  # KiB on Linux
+    info = json.loads(out.strip().splitlines()[-1])
+    info["child_wall_s"] = round(time.perf_counter() - t, 1)
+    print(f"  {' '.join(args)}: peak RSS {rss:,.0f} MB  {info}", flush=True)
+    return rss, info
+
+
+def bench_replay(
+    sizes: list[int], lanes: int, figures: list, notes: list, long: bool = False
+) -> None:
+    floor, _ = measure("imports")
+    pre, what = ("long-", "long-prompt replay") if long else ("", "replay")
+    points = []
+    for n in sizes:
+        wl, _ = measure(f"{pre}workload", str(n), str(lanes))
+        rss, info = measure(f"{pre}replay", str(n), str(lanes))
+        points.append((n, rss, wl, info))
+    n0, rss0 = points[0][0], points[0][1]
+    for i, (n, rss, wl, info) in enumerate(points):
+        label = f"{n // 1000}k" if n % 1000 == 0 else str(n)
+        if i == 0:
+            base, base_name = floor, "interpreter + kvcadence imported (no workload)"
+        else:
+            base, base_name = rss0, f"{what} peak RSS at {n0:,} requests"
+        figures.append(
+            figure(
+                f"{what} peak RSS, {label} requests",
+                rss,
+                "MB",
+                baseline=base,
+                baseline_name=base_name,
+                higher_is_better=False,
+                goal=goal("value", "<=", 4096, "<= 4 GB at 600k requests")
+                if n >= 600_000 and not long
+                else None,
+                note=(
+                    f"the workload alone (records built, not simulated): {wl:,.0f} MB; "
+                    f"{info['prompt_tokens'] / n:,.0f} prompt tokens/request; "
+                    f"{info['requests_per_s']:,} requests/s per core"
+                ),
+            )
+        )
+    if len(points) > 1:
+        (n_a, r_a, w_a, _), (n_b, r_b, w_b, _) = points[0], points[1]
+        per_req = (r_b - r_a) * 1024 / (n_b - n_a)
+        per_req_wl = (w_b - w_a) * 1024 / (n_b - n_a)
+        figures.append(
+            figure(
+                f"{what} RSS growth per request ({n_a:,} -> {n_b:,})",
+                per_req,
+                "KB/request",
+                baseline=per_req_wl,
+                baseline_name="the workload's own growth (records built, not simulated)",
+                higher_is_better=False,
+                note="" if long else "the bar on a real agent log: <= 20 KB/request",
+            )
+        )
+    if long:
+        notes.append(
+            f"long-prompt replay: contexts growing to 32k tokens (2k system prompt, 500-2,000 "
+            f"new tokens a turn), {lanes} lanes, page 1, pool 400,000 tokens"
+        )
+    else:
+        notes.append(
+            f"replay: bench_replay.py workload, --lanes {lanes}, page 1, pool 60,000 tokens; "
+            "peak RSS = the child's ru_maxrss (records + simulation + result)"
+        )
+
+
+def bench_ingest(sizes_mb: list[float], work: Path, figures: list, notes: list) -> None:
+    points = []
+    for mb in sizes_mb:
+        b = work / f"b{int(mb)}"
+        _, built = measure("build", str(b), str(mb))
+        rss, info = measure("ingest", str(b), str(work / f"pq{int(mb)}"))
+        points.append((mb, built["bytes"] / MB, rss, info))
+        shutil.rmtree(work / f"pq{int(mb)}", ignore_errors=True)
+        shutil.rmtree(b, ignore_errors=True)
+    rss0 = points[0][2]
+    for i, (mb, size, rss, info) in enumerate(points):
+        label = f"{mb / 1024:g} GB" if mb >= 1024 else f"{mb:g} MB"  # the target: stable names
+        figures.append(
+            figure(
+                f"ingest peak RSS, {label} bundle",
+                rss,
+                "MB",
+                baseline=rss0 if i else size,
+                baseline_name=f"ingest peak RSS at {points[0][0]:g} MB"
+                if i
+                else "the bundle's size",
+                higher_is_better=False,
+                goal=goal("ratio", "<=", 1.2, "<= 1.2x the 250 MB point")
+                if i and size >= 1900
+                else None,
+                note=f"{size:.0f} MB of segments; {rss / size:.2f} MB of RSS per bundle MB; "
+                f"{size / info['wall_s']:.0f} MB/s",
+            )
+        )
+    notes.append(
+        "ingest: bench_analysis.py's synthetic bundle (page 16, 4 events per message), "
+        "kvcadence.analysis.ingest(force=True) into a fresh Parquet cache"
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        run_child(sys.argv[2:])
+        return
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--only", choices=("replay", "long", "ingest"), help="one of the curves")
+    ap.add_argument("--full", action="store_true", help="add 600k requests and a 10 GB bundle")
+    ap.add_argument("--lanes", type=int, default=64)
+    ap.add_argument("--dir", type=Path, help="where to write the bundles (default: a tmp dir)")
+    ap.add_argument("--replay-requests", type=int, nargs="+", metavar="N",
+                    help="replay sizes instead of the defaults (the first is the baseline)")  # fmt: skip
+    ap.add_argument("--long-requests", type=int, nargs="+", metavar="N",
+                    help="long-prompt replay sizes instead of the defaults")  # fmt: skip
+    ap.add_argument("--long-lanes", type=int, default=8)
+    ap.add_argument("--ingest-mb", type=float, nargs="+", metavar="MB",
+                    help="bundle sizes instead of the defaults (the first is the baseline)")  # fmt: skip
+    add_output_args(ap, "replay 600 / 6,000 requests, long 50 / 200, ingest 25 / 250 MB")
+    args = ap.parse_args()
+    replay_sizes = [600, 6000] if args.quick else [6000, 60_000]
+    ingest_mb = [25.0, 250.0] if args.quick else [250.0, 2048.0]
+    if args.full:
+        replay_sizes.append(600_000)
+        ingest_mb.append(10_240.0)
+    replay_sizes = args.replay_requests or replay_sizes
+    long_sizes = args.long_requests or ([50, 200] if args.quick else [500, 2000])
+    ingest_mb = args.ingest_mb or ingest_mb
+    figures: list[dict[str, Any]] = []
+    notes: list[str] = ["peak RSS of a fresh child process per point (os.wait4 ru_maxrss)"]
+    if args.only in (None, "replay"):
+        print("replay:", flush=True)
+        bench_replay(replay_sizes, args.lanes, figures, notes)
+    if args.only in (None, "long"):
+        print("long-prompt replay:", flush=True)
+        bench_replay(long_sizes, args.long_lanes, figures, notes, long=True)
+    if args.only in (None, "ingest"):
+        print("ingest:", flush=True)
+        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
+        try:
+            bench_ingest(ingest_mb, work, figures, notes)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    for f in figures:
+        print(
+            f"{f['name']}: {f['value']:,.1f} {f['unit']} = {f['ratio']:.2f}x {f['baseline_name']}"
+            f" ({f['baseline']:,.1f})"
+        )
+    write_results(
+        args.json,
+        "memory",
+        "Peak RSS against input size (replay, ingest)",
+        figures,
+        {
+            "replay_requests": replay_sizes,
+            "lanes": args.lanes,
+            "long_requests": long_sizes,
+            "long_lanes": args.long_lanes,
+            "ingest_mb": ingest_mb,
+        },
+        notes,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Recorded cache flushes, replayed in request order.
+
+What this file owns:
+
+* ``RecordedFlush`` / ``recorded_flushes(reader)`` (``FlushScan``: the same, fed frame by
+  frame) -- the mid-run flushes of a bundle: every ``AllBlocksCleared`` after the first
+  seq of an epoch of an endpoint (seq 0 is the publisher's startup clear), with its
+  receive time, seq and the endpoint's DP rank; an ``Annotation`` of kind ``flush``
+  (every rank); without any such clear in the event stream
+  (a requests-only capture), the driver's successful ``flush_cache`` annotations. A clear
+  recovered through the replay socket (``VIA_REPLAY``) was received late (when the gap was
+  noticed, after later messages): its time is its batch's publish ``ts`` moved onto the
+  receive clock by the endpoint's median ``recv_ns − ts`` over the messages received live;
+* ``FlushLedger`` (one per worker) and ``FlushPlan`` (one per simulated rank) -- where each
+  flush sits in the simulated schedule.
+
+The rule (SGLang's ``flush_cache`` refuses unless nothing is running or waiting): a recorded
+flush at receive time ``t`` sits **after every request that finished before ``t``**
+(recorded finish ≤ ``t``; a request without a recorded finish: arrival < ``t``) and
+**before every other request** (they arrived after it: a request in the scheduler at ``t``
+would have made the flush fail). Replayed:
+
+* the flush becomes *due* once all its "before" requests have finished in the simulation
+  (whichever rank served them), ``delay`` after the last of them, ``delay`` = recorded
+  clear − latest recorded finish of those requests (the client's wait before it asked); it
+  is performed when the rank is fully idle (``Scheduler._maybe_flush``: the queue goes out
+  first, then the ``AllBlocksCleared`` alone, decode counter reset);
+* every "after" request reaching the rank before the flush was performed is held there,
+  then released at ``T + offset`` (``T`` = simulated flush, ``offset`` = recorded arrival −
+  recorded clear): a lane's turn that crosses the flush (its predecessor is before it)
+  takes exactly that time (the client was waiting for the flush, not thinking); an
+  open-loop request (or a lane's first) the later of that and its own arrival (the
+  recorded timeline shifted by the flush's lateness);
+* several flushes go in recorded order (flush ``k + 1`` only after ``k``); a DP capture has
+  one clear per rank: each rank's plan holds its own clears, the "before" sets span the
+  worker's requests on every rank;
+* a flush whose "before" requests can never finish (inconsistent records) is performed when
+  its rank would otherwise stop (``Scheduler``, ``replay.fleet``), not never.
+
+Times: recorded ones are absolute ns; simulated ones virtual ns of the scheduler clock
+(``origin_ns`` = the absolute time of virtual 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvcadence.format import wire
+from kvcadence.format.bundle import event_payload
+from kvcadence.format.schema import VIA_REPLAY, AllBlocksCleared, Annotation, EventFrame
+from kvcadence.replay.schedule import RequestSpec, _arrival, _finish
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedFlush:
+    """One recorded cache flush: the clear's receive time (absolute ns), the DP rank whose
+    stream carried it (None: every rank) and its seq there (None: from an annotation)."""
+
+    recv_ns: int
+    rank: int | None = None
+    seq: int | None = None
+
+
+def recorded_flushes(reader: Any) -> list[RecordedFlush]:
+    """The mid-run flushes recorded in a bundle (see module docstring), by time then rank."""
+    scan = FlushScan(reader.header)
+    for rec in reader.records():
+        if isinstance(rec, EventFrame):
+            try:
+                batch = wire.decode_batch(event_payload(rec))
+            except Exception:  # a malformed payload is not a flush
+                continue
+            scan.frame(rec, batch.ts, batch.events)
+        elif isinstance(rec, Annotation):
+            scan.note(rec)
+    return scan.result()
+
+
+class FlushScan:
+    """``recorded_flushes`` fed one record at a time: ``frame`` (an ``EventFrame`` with its
+    decoded batch ``ts`` and events) and ``note`` (an ``Annotation``), in bundle order, then
+    ``result``. Lets a caller that decodes the frames anyway find the flushes in the same
+    pass (``replay.production``)."""
+
+    def __init__(self, header: Any) -> None:
+        self.rank_of_ep = {e.id: int(e.dp_rank) for e in (getattr(header, "endpoints", None) or [])}
+        self.first_seq: dict[tuple[int, int], int] = {}
+        #: (endpoint, epoch, seq) -> (recv_ns, publish ts in ns or None, recovered late)
+        self.clears: dict[tuple[int, int, int], tuple[int, int | None, bool]] = {}
+        self.lag: dict[int, list[int]] = {}  # endpoint -> recv_ns - ts of live messages
+        self.notes: list[RecordedFlush] = []
+        self.driver_notes: list[RecordedFlush] = []
+
+    def frame(self, rec: Any, ts: Any, events: Sequence[Any]) -> None:
+        key = (rec.endpoint, rec.epoch)
+        first = self.first_seq.setdefault(key, rec.seq) == rec.seq
+        ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
+        late = rec.via == VIA_REPLAY
+        if ts_ns is not None and not late:
+            self.lag.setdefault(rec.endpoint, []).append(rec.recv_ns - ts_ns)
+        if not first and any(isinstance(e, AllBlocksCleared) for e in events):
+            # a frame recorded twice (live and through the replay socket) counts once,
+            # live first
+            ck = (rec.endpoint, rec.epoch, rec.seq)
+            if ck not in self.clears or self.clears[ck][2]:
+                self.clears[ck] = (rec.recv_ns, ts_ns, late)
+
+    def note(self, rec: Any) -> None:
+        if rec.kind == "flush":
+            self.notes.append(RecordedFlush(rec.recv_ns))
+        elif rec.kind == "flush_cache" and (rec.data or {}).get("ok") is True:
+            at = (rec.data or {}).get("finish_ns", rec.recv_ns)
+            self.driver_notes.append(RecordedFlush(int(at)))
+
+    def result(self) -> list[RecordedFlush]:
+        out = list(self.notes)
+        lag = self.lag
+        for (ep, _epoch, seq), (recv_ns, ts_ns, late) in self.clears.items():
+            at = recv_ns
+            if late and ts_ns is not None:
+                lags = sorted(lag.get(ep) or [x for v in lag.values() for x in v])
+                if lags:
+                    at = min(recv_ns, ts_ns + lags[len(lags) // 2])
+            out.append(RecordedFlush(at, self.rank_of_ep.get(ep, ep), seq))
+        if not self.clears:
+            out += self.driver_notes
+        out.sort(key=lambda f: (f.recv_ns, -1 if f.rank is None else f.rank, f.seq or 0))
+        return out
+
+
+class FlushLedger:
+    """One worker's requests as the flushes see them: recorded arrival / finish of each
+    spec, which have finished in the simulation, and the rank plans to tell."""
+
+    def __init__(self, specs: Sequence[RequestSpec]) -> None:
+        self.specs: dict[int, RequestSpec] = {s.idx: s for s in specs}
+        self.arrival: dict[int, int] = {}
+        self.finish: dict[int, int | None] = {}
+        for s in specs:
+            rec = s.source
+            arr = _arrival(rec) if rec is not None else None
+            self.arrival[s.idx] = int(arr) if arr is not None else 0
+            fin = _finish(rec) if rec is not None else None
+            self.finish[s.idx] = int(fin) if fin is not None else None
+        self.plans: list[FlushPlan] = []
+        self.done: set[int] = set()
+
+    def before(self, idx: int, t: int) -> bool:
+        """Whether request ``idx`` was over before a flush recorded at ``t``."""
+        fin = self.finish[idx]
+        if fin is not None:
+            return fin <= t
+        return self.arrival[idx] < t
+
+    def finished(self, idx: int, t: int) -> None:
+        """Request ``idx`` finished (or was aborted) at virtual ``t`` on some rank."""
+        if idx not in self.specs or idx in self.done:
+            return
+        self.done.add(idx)
+        for plan in self.plans:
+            plan._finished(idx, t)
+
+
+class FlushPlan:
+    """The recorded flushes of one simulated rank (see module docstring).
+
+    The scheduler calls ``attach(on_due)`` (``on_due(t)``: the next flush may be performed
+    from virtual ``t`` on; may be called at once), ``holds(idx)`` / ``hold(at, idx)`` for an
+    arriving request, ``performed(t)`` after each flush (returns ``(at, idx)`` arrivals to
+    release) and ``force(t)`` when the rank would stop with a flush still pending."""
+
+    def __init__(self, times_abs: Iterable[int], ledger: FlushLedger, origin_ns: int) -> None:
+        self.ledger = ledger
+        self.origin_ns = origin_ns
+        self.times = sorted(int(t) for t in times_abs)
+        n = len(self.times)
+        #: per request: how many of this rank's flushes it comes after
+        self.need: dict[int, int] = {}
+        remaining = [0] * n
+        rec_last: list[int | None] = [None] * n
+        for idx in ledger.specs:
+            # "before" is monotone in the flush time: idx is before flushes need.. only
+            need = sum(1 for t in self.times if not ledger.before(idx, t))
+            if need:
+                self.need[idx] = need
+            fin = ledger.finish[idx]
+            for j in range(need, n):
+                if idx not in ledger.done:
+                    remaining[j] += 1
+                if fin is not None and (rec_last[j] is None or fin > rec_last[j]):
+                    rec_last[j] = fin
+        self.remaining = remaining
+        self.rec_last = rec_last
+        self.sim_last = [0] * n
+        self.performed_n = 0
+        self.performed_at: list[int] = []
+        self._due_sent = -1
+        self._held: list[tuple[int, int]] = []
+        self._on_due: Callable[[int], None] | None = None
+        ledger.plans.append(self)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def pending(self) -> bool:
+        """A flush is still to be performed."""
+        return self.performed_n < len(self.times)
+
+    def attach(self, on_due: Callable[[int], None]) -> None:
+        self._on_due = on_due
+        self._check_due()
+
+    def due_ns(self, k: int) -> int:
+        """Virtual time from which flush ``k`` may be performed (its "before" requests
+        all finished)."""
+        t_rec = self.times[k]
+        last = self.rec_last[k]
+        if last is not None:
+            return self.sim_last[k] + max(0, t_rec - last)
+        return max(t_rec - self.origin_ns, self.sim_last[k])
+
+    def _check_due(self) -> None:
+        k = self.performed_n
+        if k < len(self.times) and self._due_sent < k and self.remaining[k] <= 0:
+            self._due_sent = k
+            if self._on_due is not None:
+                self._on_due(self.due_ns(k))
+
+    def _finished(self, idx: int, t: int) -> None:
+        need = self.need.get(idx, 0)
+        for j in range(need, len(self.times)):
+            self.remaining[j] -= 1
+            if t > self.sim_last[j]:
+                self.sim_last[j] = t
+        self._check_due()
+
+    # ------------------------------------------------------------------ requests
+    def holds(self, idx: int) -> bool:
+        """Request ``idx`` must wait for a flush this rank has not performed yet."""
+        return self.need.get(idx, 0) > self.performed_n
+
+    def hold(self, at: int, idx: int) -> None:
+        self._held.append((at, idx))
+
+    def _release_time(self, at: int, idx: int) -> int:
+        need = self.need.get(idx, 0)
+        if need == 0:
+            return at
+        k = need - 1
+        t_flush = self.performed_at[k]
+        earliest = t_flush + max(0, self.ledger.arrival[idx] - self.times[k])
+        pred = self.ledger.specs[idx].pred
+        if pred is None:
+            return max(at, earliest)
+        if self.need.get(pred, 0) < need:
+            return earliest  # the lane's turn waited for the flush
+        return max(at, t_flush)
+
+    def performed(self, t: int) -> list[tuple[int, int]]:
+        """The next flush was performed at virtual ``t``: the held requests it releases,
+        as ``(arrival, idx)``."""
+        self.performed_at.append(t)
+        self.performed_n += 1
+        out: list[tuple[int, int]] = []
+        keep: list[tuple[int, int]] = []
+        for at, idx in self._held:
+            if self.holds(idx):
+                keep.append((at, idx))
+            else:
+                out.append((self._release_time(at, idx), idx))
+        self._held = keep
+        self._check_due()
+        out.sort()
+        return out
+
+    def force(self, t: int) -> None:
+        """Make the next flush due at ``t`` whatever is left of its "before" requests."""
+        k = self.performed_n
+        if k < len(self.times):
+            self._due_sent = k
+            if self._on_due is not None:
+                self._on_due(t)

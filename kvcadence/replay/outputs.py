@@ -1,0 +1,280 @@
+"""Output token ids recovered from a capture's KV events (production captures).
+
+What this file owns: ``StoreIndex``, the content of every ``BlockStored`` event of a bundle
+(all endpoints / DP ranks together: a block hash is a function of the tokens only), sorted
+by publish time, and the lookups a production replay needs when requests were recorded
+without output ids (SGLang's ``--export-metrics-to-file``):
+
+* ``prefill_run(prompt, cached, ...)``: the request's own prefill store -- the run of
+  ``prompt[cached:]``'s full pages (``cached`` = its recorded ``cached_tokens``) published
+  between its receive and its finish, followed across chunks -- giving the hash of the
+  prompt's last full page ``h_L`` and the block it attached to. A search of a few events
+  near the request, not a walk of the whole prompt;
+* (a prompt with no prefill store of its own -- fully cached -- is hashed instead:
+  ``capture.hashes.block_hashes``, SGLang's chained SHA-256);
+* ``finish_pages(h_L, tail, k, finish_ns)``: the request's finish store -- the event run
+  whose first block's parent is ``h_L`` (also inside an event where tail merging appended
+  it to the request's own prefill store, or put the next request's store after it),
+  published at or after the request's recorded finish. Its ``token_ids`` are the prompt's
+  partial tail page plus the output tokens SGLang inserted (all but the last output token at
+  page size 1; all full pages at page size > 1). The rest of the output is never inserted,
+  so it never changes a block hash or a cache hit.
+
+Memory: the decoded events' hash and token lists (the stored content once; the replay's
+own prompts are not copied).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvcadence.format import wire
+from kvcadence.format.bundle import event_payload
+from kvcadence.format.hashes import I64_MAX, norm_hash
+from kvcadence.format.schema import (
+    AllBlocksCleared,
+    Annotation,
+    BlockStored,
+    BlockStoredRawView,
+    BlockStoredV17RawView,
+)
+
+#: a finish store is searched from this long before the recorded finish (clock granularity)
+FINISH_SLACK_NS = 50_000_000
+#: ... up to this long after it (publish points: next prefill result, 40th decode, idle)
+FINISH_WINDOW_NS = 120_000_000_000
+#: ... scanning at most this many events
+FINISH_MAX_EVENTS = 4096
+
+
+@dataclass(slots=True)
+class StoredEvent:
+    """One ``BlockStored`` event: publish time, parent, block hashes and tokens."""
+
+    ts_ns: int
+    parent: int | None
+    hashes: list[int]
+    tokens: list[int]
+
+
+class StoreIndex:
+    """Every stored block of a capture, by content (see module docstring)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.events: list[StoredEvent] = []
+        self._ts: list[int] = []
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_batches(cls, batches: Iterable[tuple[int, Any]], page_size: int) -> StoreIndex:
+        """``batches``: ``(publish_ns, events)`` pairs (any order, all ranks)."""
+        idx = cls(page_size)
+        raw: list[tuple[int, int, Any]] = []
+        for n, (ts, evs) in enumerate(batches):
+            for e in evs:
+                if isinstance(e, BlockStored) and e.block_hashes:
+                    if e.block_size != page_size or len(e.token_ids) != page_size * len(
+                        e.block_hashes
+                    ):
+                        continue  # bigram keys or another page size: not indexable
+                    if e.token_ids and not isinstance(e.token_ids[0], int):
+                        continue
+                    raw.append((ts, n, e))
+        raw.sort(key=lambda t: (t[0], t[1]))
+        for ts, _, e in raw:
+            idx._add(ts, e.parent_block_hash, e.block_hashes, e.token_ids)
+        return idx
+
+    @classmethod
+    def from_reader(cls, reader: Any, page_size: int, scan: Any = None) -> StoreIndex:
+        """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
+        one). Only ``BlockStored`` hashes and tokens are decoded (``wire.decode_batch_raw``:
+        removals stay undecoded bytes); an event whose fields are not int arrays (bigram
+        keys, damage) is skipped. ``scan`` (a ``flushes.FlushScan``) is fed every frame and
+        annotation of the same pass (a frame with a clear is decoded fully first: a payload
+        ``wire.decode_batch`` refuses is no flush)."""
+        ints = msgspec.msgpack.Decoder(list[int])
+        stored = (BlockStoredRawView, BlockStoredV17RawView)
+        idx = cls(page_size)
+        raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
+        records = reader.events() if scan is None else reader.iter_kinds("event", "note")
+        for n, f in enumerate(records):
+            if type(f) is Annotation:
+                scan.note(f)
+                continue
+            try:
+                b = wire.decode_batch_raw(event_payload(f))
+            except Exception:  # noqa: BLE001 - a torn payload holds no usable store
+                continue
+            if scan is not None:
+                if any(type(e) is AllBlocksCleared for e in b.events):
+                    try:
+                        full = wire.decode_batch(event_payload(f))
+                    except Exception:  # noqa: BLE001 - as recorded_flushes: not a flush
+                        full = None
+                    if full is not None:
+                        scan.frame(f, full.ts, full.events)
+                else:
+                    scan.frame(f, b.ts, ())
+            ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
+            for e in b.events:
+                if type(e) not in stored or e.block_size != page_size:
+                    continue
+                try:
+                    hashes, tokens = ints.decode(e.block_hashes), ints.decode(e.token_ids)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if not hashes or len(tokens) != page_size * len(hashes):
+                    continue
+                if max(hashes) > I64_MAX:  # a uint64 wire hash: the int64 of the same bits
+                    hashes = [norm_hash(h) for h in hashes]
+                raw.append((ts, n, e.parent_block_hash, hashes, tokens))
+        raw.sort(key=lambda t: (t[0], t[1]))
+        for ts, _, parent, hashes, tokens in raw:
+            idx._add(ts, parent, hashes, tokens)
+        return idx
+
+    def _add(self, ts: int, parent: int | None, hashes: list[int], tokens: list[int]) -> None:
+        self.events.append(StoredEvent(ts, parent, hashes, tokens))
+        self._ts.append(ts)
+
+    # ------------------------------------------------------------------ lookups
+    def prefill_run(
+        self, prompt: list[int], cached: int, t0: int, t1: int
+    ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
+        """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
+        (receive .. finish): ``(hash of the last full page, segments ``(first page, event
+        index, position, pages)``, the hash the first page attached to)``; ``None`` when not
+        found (nothing new stored, another page size, or outside the window)."""
+        ps = self.page_size
+        pages = len(prompt) // ps
+        start = cached // ps
+        if start >= pages or cached < 0:
+            return None
+        ts = self._ts
+        i = bisect_left(ts, t0 - FINISH_SLACK_NS)
+        end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        found = self._first_chunk(prompt, start, pages, i, end)
+        if found is None:
+            return None
+        e0, j, n = found
+        ev = self.events[e0]
+        base = ev.parent if j == 0 else ev.hashes[j - 1]
+        segs = [(start, e0, j, n)]
+        cur = ev.hashes[j + n - 1]
+        p = start + n
+        for ei in range(e0 + 1, end):  # later chunks: chained below the last page found
+            if p >= pages:
+                break
+            ev = self.events[ei]
+            if ev.parent == cur:
+                j = 0
+            else:
+                try:
+                    j = ev.hashes.index(cur) + 1  # type: ignore[arg-type]
+                except ValueError:
+                    continue
+                if j >= len(ev.hashes):
+                    continue
+            n = min(len(ev.hashes) - j, pages - p)
+            if ev.tokens[j * ps : (j + n) * ps] != prompt[p * ps : (p + n) * ps]:
+                continue
+            segs.append((p, ei, j, n))
+            cur = ev.hashes[j + n - 1]
+            p += n
+        return (cur, segs, base) if p >= pages else None
+
+    def _first_chunk(
+        self, prompt: list[int], start: int, pages: int, i: int, end: int
+    ) -> tuple[int, int, int] | None:
+        """``(event, position, pages)`` of the first run of ``prompt``'s pages from
+        ``start`` among events ``[i, end)``: at an event's start first, then (tail merging:
+        after another request's finish store) anywhere in it."""
+        ps, evs = self.page_size, self.events
+        want = prompt[start * ps]
+        for ei in range(i, end):
+            ev = evs[ei]
+            if ev.tokens[0] == want:
+                n = min(len(ev.hashes), pages - start)
+                if ev.tokens[: n * ps] == prompt[start * ps : (start + n) * ps]:
+                    return ei, 0, n
+        for ei in range(i, end):
+            toks = evs[ei].tokens
+            k = 1
+            while True:
+                try:
+                    k = toks.index(want, k)
+                except ValueError:
+                    break
+                if k % ps == 0:
+                    j = k // ps
+                    n = min(len(evs[ei].hashes) - j, pages - start)
+                    if toks[k : k + n * ps] == prompt[start * ps : (start + n) * ps]:
+                        return ei, j, n
+                k += 1
+        return None
+
+    def finish_pages(
+        self,
+        h: int | None,
+        tail: list[int],
+        k: int,
+        arrival_ns: int,
+        finish_ns: int,
+        at: tuple[int, int] | None = None,
+    ) -> tuple[list[int], int, bool] | None:
+        """The finish store below block ``h`` (``None`` = the root): the tokens of up to
+        ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
+        last page and whether its event also held other stores (tail merging); ``None``
+        when the search window holds none.
+
+        Searched, in this order: right after ``h`` in the request's own prefill event
+        (``at`` = (event, position of ``h``): prefill and finish stores merged); then the
+        first later event whose parent is ``h``; then (rare: merged after another store
+        ending at ``h``) any event holding ``h`` from ``finish_ns`` on."""
+        ps = self.page_size
+        evs, ts = self.events, self._ts
+        horizon = finish_ns + FINISH_WINDOW_NS
+
+        def run(ei: int, j: int) -> tuple[list[int], int, bool] | None:
+            ev = evs[ei]
+            if j >= len(ev.hashes) or (tail and ev.tokens[j * ps : j * ps + len(tail)] != tail):
+                return None
+            m = min(k, len(ev.hashes) - j)
+            merged = j > 0 or j + m < len(ev.hashes)
+            return ev.tokens[j * ps : (j + m) * ps], ev.hashes[j + m - 1], merged
+
+        if at is not None:
+            got = run(at[0], at[1] + 1)
+            if got is not None:
+                return got
+            i = at[0] + 1
+        else:
+            i = bisect_left(ts, arrival_ns - FINISH_SLACK_NS)
+        for ei in range(i, min(len(ts), i + FINISH_MAX_EVENTS)):
+            ev = evs[ei]
+            if ev.ts_ns > horizon:
+                break
+            if ev.parent == h:
+                got = run(ei, 0)
+                if got is not None:
+                    return got
+        i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
+        for ei in range(i, min(len(ts), i + FINISH_MAX_EVENTS)):
+            ev = evs[ei]
+            if ev.ts_ns > horizon:
+                break
+            try:
+                j = ev.hashes.index(h) + 1  # type: ignore[arg-type]
+            except ValueError:
+                continue
+            got = run(ei, j)
+            if got is not None:
+                return got
+        return None

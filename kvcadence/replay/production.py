@@ -1,0 +1,256 @@
+"""Production captures: complete request records that carry no output ids and no lanes.
+
+What this file owns: ``complete_records`` (and ``records_for_replay``, its bundle entry
+point). Records from SGLang's own request logs (``--export-metrics-to-file``) have the
+prompt, the output *length* and the timings, but no output ids, no lane/session/turn and
+opaque rids. Before the replay builds its schedule:
+
+1. **Outputs from the KV events** (``outputs.StoreIndex``): the finish store chained below
+   the prompt's last full page gives every output token SGLang ever inserted.
+2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
+   requests becomes one inferred session, written as ``lane = session`` with ``turn`` its
+   position, so the schedule replays it closed loop (think time = recorded receive − the
+   predecessor's recorded finish). Requests without a predecessor (and a second successor
+   of one request) arrive open loop at their recorded times.
+3. **Outputs from the next prompt**: a successor's prompt extends its predecessor's prompt +
+   output, so the tokens the finish never stored (the last token at page size 1, a partial
+   last page) -- or the whole output when the events had none -- are read from it.
+4. The rest stays synthetic (``schedule._synth_tokens``); the report says why. Tokens that
+   are never stored and never reused change no hash and no cache hit.
+
+Records that already have output ids keep them (``--log-requests`` records: only the
+sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
+all have output ids and come from elsewhere (an open-loop trace), is returned unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from kvcadence.errors import WireError
+from kvcadence.format.hashes import block_hashes
+from kvcadence.gcpause import gc_paused
+from kvcadence.replay.flushes import FlushScan, RecordedFlush
+from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
+from kvcadence.replay.sessions import Node, infer_clients, infer_predecessors
+
+#: why an output stays synthetic (report keys)
+WHY_NO_IDS = "no prompt token ids (text prompt)"
+WHY_NO_PROMPT = "prompt not in the event stream"
+WHY_NO_FINISH = "finish store not found"
+WHY_NO_PAGE = "output fills no page and no later prompt extends it"
+WHY_TAIL = "unstored tail, no later prompt extends it"
+#: a session start joins the client whose session ended last before it, at most this many
+#: median think times (predecessor finish -> successor receive) earlier
+CLIENT_GAP_FACTOR = 10
+
+
+def _times(r: Any) -> tuple[int | None, int | None]:
+    return _arrival(r), _finish(r)
+
+
+#: record sources that are SGLang's own request logs (no lanes, opaque rids)
+PRODUCTION_SOURCES = ("sglang-metrics", "request-log")
+
+
+def needs_completion(records: list[Any]) -> bool:
+    """True when no record has a lane and some record lacks output ids or comes from
+    SGLang's own request logs (``--log-requests`` records have outputs, not sessions)."""
+    if any(r.lane is not None for r in records):
+        return False
+    return any(
+        (not r.output_ids and (r.completion_tokens or 0) > 0) or r.source in PRODUCTION_SOURCES
+        for r in records
+    )
+
+
+def _n_out(r: Any) -> int:
+    n = r.completion_tokens
+    if n is None:
+        n = len(r.output_ids) if r.output_ids else (r.max_new_tokens or 0)
+    return max(int(n), 0)
+
+
+def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], dict[str, Any]]:
+    """Records with recovered outputs and inferred sessions, and the report (see module)."""
+    ps = index.page_size
+    nodes: list[Node] = []
+    known: list[list[int] | None] = []  # None: the record's own output ids
+    missing: dict[int, str] = {}  # index -> why the stored part of its output is unknown
+    via_events = in_merged = 0
+    for i, r in enumerate(records):
+        arr, fin = _times(r)
+        node = Node(arrival_ns=arr if arr is not None else 0, finish_ns=fin)
+        nodes.append(node)
+        prompt = r.input_ids
+        n = _n_out(r)
+        L = len(prompt)
+        P = L // ps
+        if not prompt:
+            known.append(None if r.output_ids else [])
+            if not r.output_ids:
+                missing[i] = WHY_NO_IDS
+            continue
+        fast = None
+        if r.cached_tokens is not None and arr is not None and fin is not None:
+            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin)
+        if fast is not None:
+            h, node.segs, node.base = fast
+        else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
+            try:
+                node.path = block_hashes(prompt[: P * ps], ps)
+            except WireError:
+                node.path = []
+            h = node.path[-1] if node.path else None
+        node.prompt_anchor = h
+        K = (L + n - 1) // ps - P if n > 0 else 0
+        if K <= 0:
+            known.append(None if r.output_ids else [])
+            node.end_anchor = h
+            continue
+        at = None
+        if fast is not None:
+            _, ei, j, m = node.segs[-1]
+            at = (ei, j + m - 1)
+        got = (
+            None
+            if fin is None or arr is None
+            else index.finish_pages(h, prompt[P * ps :], K, arr, fin, at)
+        )
+        if r.output_ids:
+            known.append(None)
+            if got is not None and len(got[0]) == K * ps:
+                node.end_anchor = got[1]
+            continue
+        if got is None:
+            known.append([])
+            stored_prompt = fast is not None or (r.cached_tokens or 0) >= P * ps
+            missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
+            continue
+        toks, last, was_merged = got
+        known.append(toks[L - P * ps :])
+        via_events += 1
+        in_merged += was_merged
+        if len(toks) == K * ps:
+            node.end_anchor = last
+        else:
+            missing[i] = WHY_NO_FINISH
+    infer_predecessors(nodes, [e.hashes for e in index.events])
+
+    # outputs from the next prompt: the first successor (by arrival) of each request
+    first_succ: dict[int, int] = {}
+    for q in sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i)):
+        pr = nodes[q].pred
+        if pr is not None and pr not in first_succ:
+            first_succ[pr] = q
+    via_prompt = 0
+    tail_synth: Counter[str] = Counter()
+    outs: list[list[int] | None] = []
+    for i, r in enumerate(records):
+        kn = known[i]
+        if kn is None:
+            outs.append(None)
+            continue
+        n = _n_out(r)
+        L = len(r.input_ids)
+        q = first_succ.get(i)
+        if len(kn) < n and q is not None:
+            nxt = records[q].input_ids
+            if nxt[L - L % ps : L + len(kn)] == r.input_ids[L - L % ps :] + kn:
+                more = nxt[L + len(kn) : L + n]
+                if more:
+                    kn = kn + list(more)
+                    via_prompt += 1
+                    missing.pop(i, None)
+        if len(kn) < n:
+            if i in missing:
+                pass
+            elif (L + n - 1) // ps == L // ps and not kn:
+                tail_synth[WHY_NO_PAGE] += 1
+            else:
+                tail_synth[WHY_TAIL] += 1
+        outs.append(kn)
+
+    # sessions: a chain of first successors is one session (lane = session)
+    gaps = sorted(
+        nodes[q].arrival_ns - nodes[p].finish_ns  # type: ignore[operator]
+        for p, q in first_succ.items()
+        if nodes[p].finish_ns is not None
+    )
+    max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
+    clients = infer_clients(nodes, max_gap)
+    session_of: dict[int, tuple[int, int]] = {}
+    lane_of: dict[int, int] = {}
+    n_sessions = n_lanes = 0
+    for i in sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i)):
+        pr = nodes[i].pred
+        if pr is not None and first_succ.get(pr) == i and pr in session_of:
+            s, t = session_of[pr]
+            session_of[i] = (s, t + 1)
+            lane_of[i] = lane_of[pr]
+            continue
+        session_of[i] = (n_sessions, 0)
+        n_sessions += 1
+        c = clients[i]
+        if c is not None and c in lane_of:
+            lane_of[i] = lane_of[c]
+        else:
+            lane_of[i] = n_lanes
+            n_lanes += 1
+    out_records = []
+    for i, r in enumerate(records):
+        s, t = session_of[i]
+        upd: dict[str, Any] = {"lane": lane_of[i], "session": s, "turn": t}
+        kn = outs[i]
+        if kn is not None:
+            n = _n_out(r)
+            upd["output_ids"] = kn[:n] + _synth_tokens(r.rid, n - len(kn)) if len(kn) < n else kn
+        out_records.append(msgspec.structs.replace(r, **upd))
+    report = {
+        "requests": len(records),
+        "outputs_recorded": sum(1 for k in known if k is None),
+        "outputs_from_events": via_events,
+        "finish_stores_in_merged_events": in_merged,
+        "outputs_from_next_prompt": via_prompt,
+        "outputs_synthetic": dict(sorted(Counter(missing.values()).items())),
+        "unstored_tail_synthetic": dict(sorted(tail_synth.items())),
+        "sessions": n_sessions,
+        "clients": n_lanes,
+        "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
+    }
+    return out_records, report
+
+
+def records_for_replay(
+    reader: Any, records: list[Any] | None = None
+) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:
+    """``reader``'s request records, completed when they need it: ``(records, report,
+    recorded flushes)``; report ``{}`` and flushes None (not read) when not. The flushes
+    come from the same pass over the events (``flushes.FlushScan``), so a production replay
+    reads and decodes its events once."""
+    recs = reader.requests() if records is None else records
+    if not needs_completion(recs):
+        return recs, {}, None
+    ps = (reader.header.server_info or {}).get("page_size") or 1
+    scan = FlushScan(reader.header)
+    # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
+    with gc_paused():
+        out, report = complete_records(recs, StoreIndex.from_reader(reader, int(ps), scan))
+    return out, report, scan.result()
+
+
+def report_text(rep: dict[str, Any]) -> str:
+    """One paragraph for the replay's output: where the outputs and sessions came from."""
+    syn = rep["outputs_synthetic"]
+    tail = rep["unstored_tail_synthetic"]
+    why = "; ".join(f"{n} {k}" for k, n in {**syn, **tail}.items()) or "none"
+    return (
+        f"inferred (no output ids / lanes recorded): outputs of {rep['requests']} requests: "
+        f"{rep['outputs_recorded']} recorded, {rep['outputs_from_events']} from KV events, "
+        f"{rep['outputs_from_next_prompt']} completed from the next prompt; synthetic: {why}; "
+        f"{rep['sessions']} sessions, {rep['with_predecessor']} requests with a predecessor"
+    )

@@ -1,0 +1,144 @@
+"""The simulated scheduler's runtime records: one request (``SimReq``), one launched forward
+pass (``Batch``) and a run's counters (``SimStats``), with the request states.
+
+``SimReq`` keeps the schedule's ``RequestSpec`` (prompt and output token lists are the
+record's own, never copied) plus the KV accounting the scheduler updates: ``kv_len`` positions
+covered, the first ``tree_len`` of them in the radix tree (locked through ``last_node``), the
+rest private slots (``alloc``, page-ceiled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcadence.replay.radix import Node
+from kvcadence.replay.schedule import RequestSpec
+
+WAITING, RUNNING, FINISHED, ABORTED = 0, 1, 2, 3
+
+
+class SimReq:
+    """Runtime state of one simulated request."""
+
+    __slots__ = (
+        "spec",
+        "rid",
+        "idx",
+        "input_len",
+        "fill",
+        "fill_len",
+        "n_out",
+        "max_new_tokens",
+        "output_len",
+        "ignore_eos",
+        "prefix_len",
+        "host_hit_length",
+        "last_node",
+        "extend_len",
+        "is_chunked",
+        "load_back",
+        "adm_max_new",
+        "lock_handle",
+        "kv_len",
+        "tree_len",
+        "alloc",
+        "decode_left",
+        "cached_tokens",
+        "prefilled_once",
+        "retractions",
+        "gen",
+        "state",
+        "arrival_ns",
+        "entry_ns",
+        "first_token_ns",
+        "finish_ns",
+        "error",
+        "marks",
+        "dec0",
+    )
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self.spec = spec
+        self.rid = spec.rid
+        self.idx = spec.idx
+        self.input_len = len(spec.input_ids)
+        self.n_out = len(spec.output_ids)
+        self.max_new_tokens = spec.max_new_tokens
+        self.ignore_eos = spec.ignore_eos
+        self.output_len = 0
+        self.fill = spec.input_ids
+        self.fill_len = self.input_len
+        self.prefix_len = 0
+        self.host_hit_length = 0
+        self.last_node: Node | None = None
+        self.extend_len = 0
+        self.is_chunked = False
+        self.load_back = 0
+        self.adm_max_new = 0
+        self.lock_handle: Node | None = None
+        self.kv_len = 0
+        self.tree_len = 0
+        self.alloc = 0
+        self.decode_left = 0
+        self.cached_tokens = 0
+        self.prefilled_once = False
+        self.retractions = 0
+        self.gen = 0
+        self.state = WAITING
+        self.arrival_ns = 0
+        self.entry_ns: int | None = None
+        self.first_token_ns: int | None = None
+        self.finish_ns: int | None = None
+        self.error: str | None = None
+        #: KV computation marks of prefill passes, in kv order: ``(kv_end, batch)`` —
+        #: positions below kv_end (and at or above the previous mark's) were computed by
+        #: prefill ``batch``
+        self.marks: list[tuple[int, Batch]] = []
+        #: ``(kv0, g0)`` once the request decodes: position ``kv0 + j`` was computed by the
+        #: decode pass at ``Scheduler``'s decode log entry ``g0 + j`` (a decoding request is
+        #: in every decode pass until it stops, so its passes are consecutive log entries)
+        self.dec0: tuple[int, int] | None = None
+
+    @property
+    def seq(self) -> list[int]:
+        """The full sequence (prompt + outputs), built on demand: not kept per request."""
+        return self.spec.input_ids + self.spec.output_ids
+
+    def seq_slice(self, start: int, end: int) -> list[int]:
+        """``seq[start:end]`` without building ``seq`` (only the slice is copied)."""
+        ids = self.spec.input_ids
+        k = len(ids)
+        if end <= k:
+            return ids[start:end]
+        if start >= k:
+            return self.spec.output_ids[start - k : end - k]
+        return ids[start:] + self.spec.output_ids[: end - k]
+
+
+@dataclass(slots=True)
+class Batch:
+    """One launched forward pass."""
+
+    kind: str  # "prefill" | "decode"
+    reqs: list[SimReq]
+    gens: list[int]
+    index: int
+    end_ns: int = 0
+    tokens: int = 0
+    upto: list[int] = field(default_factory=list)  # prefill: sequence end computed
+    finals: list[bool] = field(default_factory=list)  # prefill: last chunk of the request
+
+
+@dataclass(slots=True)
+class SimStats:
+    passes: int = 0
+    prefill_passes: int = 0
+    decode_passes: int = 0
+    skipped_passes: int = 0
+    retractions: int = 0
+    evictions: int = 0
+    flushes: int = 0
+    aborted: int = 0
+    virtual_ns: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)

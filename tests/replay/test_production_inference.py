@@ -1,0 +1,237 @@
+"""Output and session inference for records without output ids (``replay/outputs.py``,
+``sessions.py``, ``production.py``) on hand-built event streams: a finish store merged
+with the next request's prefill store (tail merging), published by another DP rank, at
+page size 4 with a partial prompt page, a prompt the stream never saw, outputs that fill
+no page, opaque rids, and a round trip through the simulator."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvcadence.format.hashes import block_hashes
+from kvcadence.format.schema import BlockStored, RequestRecord
+from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.production import (
+    WHY_NO_FINISH,
+    WHY_NO_IDS,
+    WHY_NO_PAGE,
+    WHY_NO_PROMPT,
+    complete_records,
+    needs_completion,
+)
+from tests.replay.helpers import config, lane_chain, run
+
+S = 1_000_000_000
+
+
+def rec(
+    rid: str, prompt: list[int], n: int, recv_s: float, fin_s: float, cached: int | None = None
+) -> RequestRecord:
+    return RequestRecord(
+        rid=rid,
+        input_ids=prompt,
+        cached_tokens=cached,
+        completion_tokens=n,
+        max_new_tokens=n,
+        source="sglang-metrics",
+        meta_info={"request_received_ts": recv_s, "request_finished_ts": fin_s},
+    )
+
+
+def store(seq: list[int], start: int, end: int, ps: int) -> BlockStored:
+    """The store of pages ``[start, end)`` of ``seq`` (page indices), chained from the root."""
+    hs = block_hashes(seq[: end * ps], ps)
+    return BlockStored(
+        block_hashes=hs[start:end],
+        parent_block_hash=hs[start - 1] if start else None,
+        token_ids=seq[start * ps : end * ps],
+        block_size=ps,
+        lora_id=None,
+    )
+
+
+def merged(a: BlockStored, b: BlockStored) -> BlockStored:
+    assert b.parent_block_hash == a.block_hashes[-1]
+    return msgspec.structs.replace(
+        a, block_hashes=a.block_hashes + b.block_hashes, token_ids=a.token_ids + b.token_ids
+    )
+
+
+def test_finish_store_merged_with_next_prefill_on_another_rank():
+    ps = 1
+    a = list(range(10, 16))  # 6 prompt tokens
+    out_a = [50, 51, 52]
+    b = a + out_a + [60, 61]
+    out_b = [70, 71]
+    seq_b = b + out_b
+    batches = [
+        (int(1.0 * S), [store(a, 0, 6, ps)]),
+        # rank 1: A's finish store (2 pages: the last output token is never stored) and B's
+        # prefill store (its prompt from A's last output on) in one event
+        (int(2.0 * S), [merged(store(a + out_a, 6, 8, ps), store(b, 8, 11, ps))]),
+        (int(3.1 * S), [store(seq_b, 11, 12, ps)]),
+    ]
+    idx = StoreIndex.from_batches(batches, ps)
+    recs = [
+        rec("9f2c", a, 3, 0.5, 1.9, cached=0),
+        rec("01ab", b, 2, 1.95, 3.0, cached=8),
+        rec("77ee", [900, 901, 902], 2, 1.0, 1.5),  # never stored: capture started late
+    ]
+    assert needs_completion(recs)
+    out, rep = complete_records(recs, idx)
+    assert out[0].output_ids == out_a  # 2 from the merged event, 1 from B's prompt
+    assert out[1].output_ids[:1] == out_b[:1] and len(out[1].output_ids) == 2
+    assert len(out[2].output_ids) == 2
+    assert (out[1].session, out[1].turn) == (out[0].session, 1) and out[0].turn == 0
+    assert out[1].lane == out[0].lane
+    assert out[2].session not in (out[0].session,)
+    assert rep["outputs_from_events"] == 2 and rep["outputs_from_next_prompt"] == 1
+    assert rep["finish_stores_in_merged_events"] == 1
+    assert rep["outputs_synthetic"] == {WHY_NO_PROMPT: 1}
+    assert rep["with_predecessor"] == 1 and rep["sessions"] == 2
+    # rids are opaque: other rids, the same inference
+    renamed = [msgspec.structs.replace(r, rid=f"x{i}") for i, r in enumerate(recs)]
+    out2, rep2 = complete_records(renamed, idx)
+    assert rep2 == rep
+    assert [(r.session, r.turn) for r in out2] == [(r.session, r.turn) for r in out]
+    assert out2[0].output_ids == out[0].output_ids
+    # clients that reuse one rid for everything: still the same inference
+    same = [msgspec.structs.replace(r, rid="req") for r in recs]
+    out3, rep3 = complete_records(same, idx)
+    assert rep3 == rep and out3[0].output_ids == out_a and out3[1].output_ids[0] == out_b[0]
+    assert [(r.session, r.turn) for r in out3] == [(r.session, r.turn) for r in out]
+
+
+def test_text_prompt_without_ids_is_reported_and_refused_in_one_line(tmp_path):
+    from kvcadence.errors import InputError
+    from kvcadence.replay.simulator import simulate
+
+    recs = [rec("t", [], 4, 0.5, 0.9), rec("u", [5, 6, 7], 2, 0.5, 0.9, cached=0)]
+    _, rep = complete_records(recs, StoreIndex.from_batches([], 1))
+    assert rep["outputs_synthetic"][WHY_NO_IDS] == 1
+    with pytest.raises(InputError, match="'t': no input_ids recorded .*text prompt"):
+        simulate(recs, config())
+
+
+def test_page_four_partial_prompt_page_and_prefill_finish_merge():
+    ps = 4
+    a = list(range(100, 110))  # 10 tokens: 2 full pages + a 2-token tail
+    out_a = list(range(200, 209))  # 9 outputs: (10 + 9 - 1) // 4 = 4 pages -> 2 new pages
+    b = a + out_a + [300, 301, 302, 303, 304]
+    # A's prefill store and its finish store in one event (nothing queued in between)
+    ev = merged(store(a, 0, 2, ps), store(a + out_a, 2, 4, ps))
+    idx = StoreIndex.from_batches([(int(1.0 * S), [ev]), (int(1.3 * S), [store(b, 4, 6, ps)])], ps)
+    short = rec("c", list(range(400, 406)), 2, 0.1, 0.2)  # 6 + 2 - 1 = 7 tokens: no new page
+    idx2 = StoreIndex.from_batches(
+        [(int(1.0 * S), [ev]), (int(0.15 * S), [store(short.input_ids, 0, 1, ps)])], ps
+    )
+    recs = [rec("a", a, 9, 0.5, 0.99, cached=0), rec("b", b, 6, 1.2, 1.5, cached=16)]
+    out, rep = complete_records(recs, idx)
+    # pages 2..3 hold a's 2-token tail and its first 6 outputs; the rest from b's prompt
+    assert out[0].output_ids == out_a
+    assert out[1].turn == 1 and out[1].session == out[0].session
+    assert rep["outputs_from_events"] == 1  # b's finish store (1 page) is not in the stream
+    assert rep["outputs_synthetic"] == {WHY_NO_FINISH: 1}
+    out, rep = complete_records([*recs, short], idx2)
+    assert rep["unstored_tail_synthetic"] == {WHY_NO_PAGE: 1}
+
+
+def test_finish_store_is_the_one_published_after_the_finish():
+    """Two requests with the same prompt and different outputs (sampling): each gets the
+    finish store published at or after its own finish."""
+    ps = 1
+    p = [5, 6, 7, 8]
+    o1, o2 = [20, 21, 22], [30, 31, 32]
+    batches = [
+        (int(1.0 * S), [store(p, 0, 4, ps)]),
+        (int(2.0 * S), [store(p + o1, 4, 6, ps)]),
+        (int(4.0 * S), [store(p + o2, 4, 6, ps)]),
+    ]
+    idx = StoreIndex.from_batches(batches, ps)
+    out, _ = complete_records([rec("r1", p, 3, 0.5, 1.99), rec("r2", p, 3, 3.0, 3.98)], idx)
+    assert out[0].output_ids[:2] == o1[:2] and out[1].output_ids[:2] == o2[:2]
+
+
+def _roundtrip(ps: int) -> None:
+    base = list(range(3, 40))
+    lanes = []
+    for lane in range(3):
+        p = base + [100 * (lane + 1) + i for i in range(5 + lane)]
+        turns = []
+        for t in range(4):
+            turns.append((p, 6 + 3 * t + lane))
+            p = p + [1000 + 7 * t + i for i in range(turns[-1][1])] + [2000 + lane, 2001 + t]
+        lanes += lane_chain(lane, turns, gap_ms=0.0)
+    # the next turn's prompt holds the real output
+    by_lane: dict[int, list] = {}
+    for r in lanes:
+        by_lane.setdefault(r.lane, []).append(r)
+    for rs in by_lane.values():
+        for a, b in zip(rs, rs[1:], strict=False):
+            a.output_ids = b.input_ids[len(a.input_ids) : len(a.input_ids) + len(a.output_ids)]
+    res = run(lanes, config(page_size=ps, max_total_tokens=400))
+    from kvcadence.format import wire
+
+    decoded = [wire.decode_batch(b.payload) for b in res.batches]
+    batches = [(int(d.ts * 1e9), d.events) for d in decoded]
+    idx = StoreIndex.from_batches(batches, ps)
+    stripped = [
+        msgspec.structs.replace(
+            s, rid=f"{i:x}", output_ids=[], lane=None, session=None, turn=None, think_ns=None
+        )
+        for i, s in enumerate(res.requests)
+    ]
+    out, rep = complete_records(stripped, idx)
+    assert rep["outputs_synthetic"] == {}, rep
+    assert rep["outputs_from_events"] == 12 and rep["finish_stores_in_merged_events"] > 0
+    for o, s in zip(out, res.requests, strict=True):
+        n_stored = (len(s.input_ids) + len(s.output_ids) - 1) // ps * ps - len(s.input_ids)
+        assert o.output_ids[: max(n_stored, 0)] == s.output_ids[: max(n_stored, 0)]
+    truth = {(s.lane, s.turn): o for o, s in zip(out, res.requests, strict=True)}
+    for (lane, turn), o in truth.items():
+        if turn:
+            prev = truth[(lane, turn - 1)]
+            assert (o.session, o.turn) == (prev.session, prev.turn + 1)
+            assert o.output_ids == res.requests[out.index(o)].output_ids or turn == 3
+
+
+def test_roundtrip_through_the_simulator_page_1():
+    _roundtrip(1)
+
+
+def test_roundtrip_through_the_simulator_page_4():
+    _roundtrip(4)
+
+
+def test_session_starts_join_a_client_only_within_the_gap_bound():
+    """Two sessions one after the other: the second's first turn joins the first's client
+    when it follows its last turn by about a think time, and arrives open loop when it
+    comes much later (more than 10 median think times)."""
+    ps = 1
+    p1 = list(range(10, 20))
+    o1 = [50, 51, 52]
+    p2 = p1 + o1 + [60, 61]
+    q1 = list(range(200, 210))
+
+    def stream(q_at: float) -> StoreIndex:
+        return StoreIndex.from_batches(
+            [
+                (int(0.1 * S), [store(p1, 0, 10, ps)]),
+                (int(0.21 * S), [store(p1 + o1, 10, 12, ps)]),
+                (int(0.3 * S), [store(p2, 12, 15, ps)]),
+                (int((q_at + 0.05) * S), [store(q1, 0, 10, ps)]),
+            ],
+            ps,
+        )
+
+    for q_at, joined in ((0.45, True), (3.0, False)):
+        recs = [
+            rec("a", p1, 3, 0.05, 0.2, cached=0),
+            rec("b", p2, 2, 0.25, 0.4, cached=12),  # think time 50 ms
+            rec("c", q1, 2, q_at, q_at + 0.2, cached=0),
+        ]
+        out, rep = complete_records(recs, stream(q_at))
+        assert out[1].session == out[0].session and out[2].session != out[0].session
+        assert (out[2].lane == out[0].lane) is joined
+        assert rep["clients"] == (1 if joined else 2)

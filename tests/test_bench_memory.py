@@ -1,0 +1,58 @@
+"""bench/bench_memory.py at toy sizes: each point is a child whose peak RSS is measured, and
+the figures follow the bench/common.py protocol (ratios against the first point)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_memory.py"
+
+
+def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
+    out = tmp_path / "mem.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--replay-requests",
+            "600",
+            "2000",
+            "--long-requests",
+            "16",
+            "64",
+            "--ingest-mb",
+            "1",
+            "4",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "kvcadence.bench/1" and doc["bench"] == "memory"
+    by = {f["name"]: f for f in doc["figures"]}
+    assert list(by) == [
+        "replay peak RSS, 600 requests",
+        "replay peak RSS, 2k requests",
+        "replay RSS growth per request (600 -> 2,000)",
+        "long-prompt replay peak RSS, 16 requests",
+        "long-prompt replay peak RSS, 64 requests",
+        "long-prompt replay RSS growth per request (16 -> 64)",
+        "ingest peak RSS, 1 MB bundle",
+        "ingest peak RSS, 4 MB bundle",
+    ]
+    small, big = by["replay peak RSS, 600 requests"], by["replay peak RSS, 2k requests"]
+    assert 10 < small["baseline"] < small["value"] < big["value"] < 2000  # MB, a real RSS
+    assert big["baseline"] == small["value"] and big["ratio"] > 1
+    ing = by["ingest peak RSS, 4 MB bundle"]
+    assert ing["baseline"] == by["ingest peak RSS, 1 MB bundle"]["value"]
+    assert all(not f["higher_is_better"] for f in doc["figures"])
+    assert list(tmp_path.iterdir()) == [out]  # the bundles and caches are removed

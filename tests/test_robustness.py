@@ -1,0 +1,147 @@
+"""Tests of bench/robustness.py: the bars, the variants, the generated docs table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "robustness.py"
+
+
+@pytest.fixture(scope="module")
+def rob():
+    spec = importlib.util.spec_from_file_location("bench_robustness", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses resolve their module
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def _fig(**kw):
+    base = {
+        "requests": 100,
+        "stored_per_req": 2.0,
+        "stored_median": 50.0,
+        "removed_per_req": 1.0,
+        "removed_median": 100.0,
+        "removed_mean": 120.0,
+        "stored": [50],
+        "hashes": {1, 2},
+        "cached": {f"r{i}": i for i in range(100)},
+    }
+    base.update(kw)
+    return base
+
+
+def test_bars_at_their_tolerances(rob):
+    real = _fig()
+    assert all(rob.bars(real, _fig()).values())
+    # 3 % holds, 3.1 % does not; 10 % holds, 10.5 % does not
+    assert rob.bars(real, _fig(stored_per_req=2.06))["stored_per_req"]
+    assert not rob.bars(real, _fig(stored_per_req=2.062))["stored_per_req"]
+    assert rob.bars(real, _fig(removed_mean=132.0))["removed_mean"]
+    assert not rob.bars(real, _fig(removed_mean=133.0))["removed_mean"]
+    # 95 of 100 cached_tokens equal holds, 94 does not
+    five = dict(real["cached"], **{f"r{i}": -1 for i in range(5)})
+    six = dict(real["cached"], **{f"r{i}": -1 for i in range(6)})
+    assert rob.bars(real, _fig(cached=five))["cached_equal"]
+    assert not rob.bars(real, _fig(cached=six))["cached_equal"]
+    assert not rob.bars(real, _fig(hashes={1}))["hashes"]
+    # no removal on either side: the removal bars hold; on one side only: they do not
+    none = _fig(removed_median=None, removed_mean=None)
+    assert rob.bars(none, none)["removed_median"]
+    assert not rob.bars(real, none)["removed_median"]
+
+
+def test_variants_skip_parameters_calibrated_to_zero(rob):
+    cap = rob.Capture("c", REPO, False, lambda p, f: {}, dict.fromkeys(rob.PARAMS, 0.0))
+    assert rob.variants(cap) == [(None, 1.0)]
+    cap.calibrated["decode_base_s"] = 0.08
+    assert rob.variants(cap) == [(None, 1.0)] + [("decode_base_s", f) for f in rob.FACTORS]
+    assert rob.label("decode_base_s", 0.95) == "decode_base_s -5 %"
+
+
+def test_sample_replayed_under_one_parameter(rob, tmp_path: Path):
+    out = tmp_path / "r.json"
+    assert rob.main(["--only", "sample", "--params", "decode_base_s", "--json", str(out)]) == 0
+    (res,) = json.loads(out.read_text())
+    rows = res["rows"]
+    assert [r["variant"] for r in rows] == [
+        "as calibrated",
+        "decode_base_s -10 %",
+        "decode_base_s -5 %",
+        "decode_base_s +5 %",
+        "decode_base_s +10 %",
+    ]
+    # as calibrated the sample meets every bar (tests/replay/test_sample_fidelity.py)
+    assert rows[0]["all"] is True and rows[0]["all_ks"] is True and res["requests"] == 120
+    # the KS alternative replaces only the median bar: a miss of another bar stays a miss
+    for r in rows:
+        others = all(v for k, v in r["bars"].items() if k != "stored_median")
+        assert r["all_ks"] == (others and r["ks_stored"] <= rob.KS_STORED_BAR)
+    assert 0.0 < rows[0]["ks_stored"] < 0.1 and 0.0 < rows[0]["ks_removed"] < 0.2
+    # a perturbed pass time changes what is published
+    sims = {json.dumps(r["per_rank"]["0"]["sim"], sort_keys=True) for r in rows}
+    assert len(sims) > 1
+
+
+def test_docs_table_replaces_only_the_marked_block(rob, tmp_path: Path):
+    res = {
+        "capture": "c",
+        "requests": 10,
+        "ranks": 1,
+        "rows": [
+            {"variant": "as calibrated", "bars": dict.fromkeys(rob.SHORT, True), "all": True,
+             "all_ks": True, "ks_stored": 0.02, "ks_removed": 0.05},
+            {"variant": "decode_base_s +5 %",
+             "bars": {**dict.fromkeys(rob.SHORT, True), "cached_equal": False}, "all": False,
+             "all_ks": False, "ks_stored": 0.04, "ks_removed": 0.03},
+        ],
+    }  # fmt: skip
+    text = rob.table([res], [])
+    assert "| c (10 req, 1 rank(s)) | 2 | 2/2 | 2/2 | 2/2 | 2/2 | 2/2 | 1/2 | 2/2 |" in text
+    assert "**1/2** (50 %) | 1/2 (50 %) | 0.020 (max 0.040) | 0.050 (max 0.050) |" in text
+    assert "1 of 2 variants (50 %) hold every bar; 1 (50 %) with the KS distance" in text
+    assert "* c: decode_base_s +5 % (cached)" in text
+    doc = tmp_path / "d.md"
+    doc.write_text(f"head\n{rob.BEGIN}\nSTALE TABLE\n{rob.END}\ntail\n")
+    rob.write_docs(text, doc)
+    page = doc.read_text()
+    assert page.startswith("head\n" + rob.BEGIN) and page.endswith(rob.END + "\ntail\n")
+    assert "STALE TABLE" not in page and "| c (10 req" in page
+    doc.write_text("no markers\n")
+    with pytest.raises(rob.BadInput, match="markers are missing"):
+        rob.write_docs(text, doc)
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--params", "bogus"], "--params: unknown bogus"),
+        (["--fixture", "/nonexistent"], "no events.jsonl there"),
+        (["--only", "nothing-matches"], "no capture matches"),
+        (["--write-docs", "--only", "sample"], "not with --only"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args, why):
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0] and lines[0].startswith("bench/robustness.py")
