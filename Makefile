@@ -20,7 +20,7 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check kvcadence tests bench bench/run
 	$(PY) -m ruff format --check kvcadence tests bench bench/run
-	$(PY) -m mypy kvcadence/format
+	$(PY) -m mypy kvcadence
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -29,7 +29,8 @@ import msgspec
 from common import add_output_args, figure, goal, write_results
 
 from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvcadence.format.wire import _decode_slow, block_hashes, decode_batch, encode_batch
+from kvcadence.format.wire import block_hashes, decode_batch, encode_batch
+from kvcadence.format.wire.decode import _decode_slow
 
 
 def _ints(n: int) -> list[int]:

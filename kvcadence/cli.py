@@ -26,7 +26,8 @@ from kvcadence.errors import KvcadenceError, exit_code_table
 # (stage, module) in the order they appear in --help.
 COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("capture", "kvcadence.capture.cli_bundle"),  # inspect, import
-    ("capture", "kvcadence.capture.cli_live"),  # capture, drive, harness
+    ("capture", "kvcadence.capture.cli_live"),  # capture, drive
+    ("harness", "kvcadence.harness.cli"),  # harness
     ("replay", "kvcadence.replay.cli"),  # replay
     ("admit", "kvcadence.admit.cli"),  # admit
     ("analysis", "kvcadence.analysis.cli"),  # ingest, sql, report, prefixes

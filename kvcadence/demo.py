@@ -690,14 +690,14 @@ def run_demo(args: argparse.Namespace) -> int:
         argv = step.argv() if callable(step.argv) else step.argv
         shown = " ".join(_rel(Path(a)) if os.sep in a else a for a in argv)
         _say(f"\n[{i}/{total}] {step.name}: kvcadence {shown}")
-        why = missing.get(step.name) or next(
+        blocked = missing.get(step.name) or next(
             (f"needs the {n} step, which did not succeed" for n in step.needs if not done.get(n)),
             None,
         )
-        if why:
-            step.status, step.note = "skipped", why
+        if blocked:
+            step.status, step.note = "skipped", blocked
             done[step.name] = False
-            _say(f"      SKIPPED: {why}")
+            _say(f"      SKIPPED: {blocked}")
             continue
         log = lay.logs / f"{i:02d}-{step.name}.log"
         t0 = time.monotonic()

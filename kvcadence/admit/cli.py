@@ -285,7 +285,7 @@ def _origin_line(args: argparse.Namespace, budgets: dict[str, Any]) -> str:
         "max_prefill_tokens": "max_prefill",
         "max_running_requests": "max_running",
     }
-    used = getattr(args, "_from_bundle", set())
+    used: set[str] = getattr(args, "_from_bundle", set())
     parts = []
     for dest, name in names.items():
         origin = (

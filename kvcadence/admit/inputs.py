@@ -24,6 +24,7 @@ from typing import Any
 
 from kvcadence.admit.ticks import DEFAULT_MAX_NEW_TOKENS, QueuedRequest
 from kvcadence.errors import InputError, UsageError
+from kvcadence.format.bundle import BundleReader
 
 REQUEST_FIELDS = (
     "rid",
@@ -222,10 +223,6 @@ def requests_from_bundle(
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such bundle")
-    try:
-        from kvcadence.format.bundle import BundleReader
-    except ModuleNotFoundError as exc:  # capture stage not built yet
-        raise UsageError(f"--bundle needs kvcadence.format.bundle ({exc})") from None
     reader = BundleReader(path)
     return specs_from_request_records(reader.requests(), str(path), max_new_tokens=max_new_tokens)
 
@@ -244,8 +241,6 @@ def bundle_settings(path: str | Path) -> dict[str, int]:
     """The worker settings of a capture bundle's ``/server_info`` snapshot as ``admit``
     options (``BUNDLE_SETTINGS``): only those recorded as integers. A recorded chunked prefill
     size of none or <= 0 (chunking off) becomes -1; the KV pool becomes ``available_tokens``."""
-    from kvcadence.format.bundle import BundleReader
-
     info = BundleReader(Path(path)).header.server_info
     if not isinstance(info, dict) or not info:
         return {}

@@ -24,36 +24,21 @@ from kvcadence.admit.ticks import (
     specs_to_jobs,
 )
 from kvcadence.errors import HarnessError
+from kvcadence.harness.worker import venv_python, venv_ready
 
 DRIVER = Path(__file__).resolve().parent.parent / "harness" / "sglang_adder_driver.py"
 
 
 def sglang_python() -> Path:
     """The SGLang venv's python (it may not exist; see ``sglang_available``)."""
-    try:
-        from kvcadence.harness.worker import venv_python
-
-        return Path(venv_python())
-    except ImportError:
-        env = os.environ.get("KVCADENCE_SGLANG_VENV")
-        base = (
-            Path(env).expanduser()
-            if env
-            else Path.home() / ".cache" / "kvcadence" / "sglang-0.5.23-venv"
-        )
-        return base / "bin" / "python"
+    return Path(venv_python())
 
 
 def sglang_available() -> tuple[bool, str]:
     """(available, reason) -- whether the real sglang PrefillAdder can be imported."""
     py = sglang_python()
-    try:
-        from kvcadence.harness.worker import venv_ready
-
-        if py.exists() and not venv_ready(py.parent.parent):
-            return False, f"the SGLang venv at {py.parent.parent} is incomplete (being built?)"
-    except ImportError:
-        pass
+    if py.exists() and not venv_ready(py.parent.parent):
+        return False, f"the SGLang venv at {py.parent.parent} is incomplete (being built?)"
     if not py.exists():
         return False, (
             f"no SGLang 0.5.23 venv at {py.parent.parent} (build it with the capture harness, "

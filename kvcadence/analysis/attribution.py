@@ -24,8 +24,11 @@ checked against on random inputs lives with the tests (``tests/analysis/attribut
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvcadence.analysis import sql
 
 _U64 = (1 << 64) - 1
 
@@ -77,8 +80,11 @@ def _distance(req: Request, t: int) -> int:
     lo, hi = req.send_ns, req.finish_ns
     if lo is None and hi is None:
         return 0
-    lo = hi if lo is None else lo
-    hi = lo if hi is None else hi
+    if lo is None:
+        lo = hi
+    if hi is None:
+        hi = lo
+    assert lo is not None and hi is not None
     if t < lo:
         return lo - t
     if t > hi:
@@ -244,7 +250,7 @@ def attribute_arrays(
     multi = ev_nreq > 1
     if multi.any():
         s_pair = sid[pair_r]
-        starts = np.flatnonzero(np.r_[True, pair_e[1:] != pair_e[:-1]]) if len(pair_e) else []
+        starts: Any = np.flatnonzero(np.r_[True, pair_e[1:] != pair_e[:-1]]) if len(pair_e) else []
         lo = np.minimum.reduceat(s_pair, starts) if len(pair_e) else np.zeros(0, np.int64)
         hi = np.maximum.reduceat(s_pair, starts) if len(pair_e) else np.zeros(0, np.int64)
         ev_with = pair_e[starts] if len(pair_e) else np.zeros(0, np.int64)
@@ -380,7 +386,7 @@ def _slow_events(
             if len(cl) == 1:
                 r, p = cl[0]
             else:
-                r, p = min(cl, key=lambda c, mr=my_rank, t=t_ev: key(c, mr, t))
+                r, p = min(cl, key=functools.partial(key, my_rank=my_rank, t_ev=t_ev))
             ch = chains.get(r)
             if ch is None:
                 ch = chains[r] = pages.chain(r)
@@ -438,8 +444,6 @@ def load_columns(
     (a predicate on ``events``). Hashes are read from ``blocks.parquet`` in file order
     (= event_id, pos) and viewed as int64."""
     import numpy as np
-
-    from kvcadence.analysis import sql
 
     t = sql.arrow(
         con,

@@ -3,7 +3,7 @@
 ``compare(real, sim)`` lines up two ``BundleMetrics``: for every metric of the real bundle its
 sim value, absolute delta (sim - real) and relative delta ((sim - real) / |real|, null when
 real is 0 or either side is null). Per-request rows are joined on ``rid``; the comparison adds
-its own metrics (``metrics.COMPARE_DEFS``), e.g. the share of matched requests whose
+its own metrics (``catalogue.COMPARE_DEFS``), e.g. the share of matched requests whose
 ``cached_tokens`` are equal, and the distance between the two distributions of blocks per
 Stored / Removed event (``*.ks``: two-sample Kolmogorov–Smirnov statistic,
 ``analysis.distance``), which a median on small integers hides (one event can move it a whole
@@ -12,7 +12,7 @@ step).
 Gates are ``METRIC=TOL``: ``TOL`` is ``N%`` (relative: |sim - real| <= N% of |real|), ``N``
 (absolute: |sim - real| <= N), or ``>=N`` / ``<=N`` (a bound on the sim's value, or on a
 comparison metric). ``DEFAULT_GATES`` hold the headline metrics. ``parse_gates`` checks every
-gate before any work: a known metric (``metrics.DEFS`` or ``metrics.COMPARE_DEFS``), a finite
+gate before any work: a known metric (``metrics.DEFS`` or ``catalogue.COMPARE_DEFS``), a finite
 tolerance, only bounds on comparison metrics (they have no real-side value), bounds within
 [0, 1] on fractions, and no relative/absolute or comparison gate on a single bundle.
 """
@@ -24,8 +24,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvcadence.analysis.catalogue import COMPARE_DEFS, DEFS, DISTANCES, STATS
 from kvcadence.analysis.distance import ks_statistic
-from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, DISTANCES, STATS, BundleMetrics
+from kvcadence.analysis.metrics import BundleMetrics
 from kvcadence.errors import UsageError
 from kvcadence.suggest import did_you_mean, short_list
 
@@ -230,7 +231,7 @@ def compare(
         sv = sim.metrics.get(name)
         r, s = _num(rv), _num(sv)
         abs_d = None if r is None or s is None else s - r
-        rel_d = None if abs_d is None or r == 0 else abs_d / abs(r)
+        rel_d = None if abs_d is None or not r else abs_d / abs(r)
         rows.append(
             {
                 "name": name,

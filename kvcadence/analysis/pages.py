@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis.ingest import Ingested
+from kvcadence.analysis import sql
+from kvcadence.analysis.cache import Ingested
+from kvcadence.format import wire
 
 _I64_BITS = "int64"
 
@@ -44,7 +46,8 @@ class RequestPages:
         return len(self.offsets) - 1
 
     def chain(self, r: int) -> list[int]:
-        return self.hashes[self.offsets[r] : self.offsets[r + 1]].tolist()
+        chain: list[int] = self.hashes[self.offsets[r] : self.offsets[r + 1]].tolist()
+        return chain
 
 
 def cache_path(ing: Ingested, page_size: int) -> Path:
@@ -103,8 +106,6 @@ def compute(con: Any, page_size: int) -> RequestPages:
     """Hash every request's chain (see module docstring) from a ``sql.connect`` connection."""
     import numpy as np
 
-    from kvcadence.analysis import sql
-
     ps = max(1, int(page_size))
     # no ORDER BY: the scan keeps file order (= request_id; DuckDB preserve_insertion_order),
     # and sorting 45M tokens' lists doubled the read; the order is checked instead
@@ -144,8 +145,6 @@ def hash_requests(
     from itertools import chain
 
     import numpy as np
-
-    from kvcadence.format import wire
 
     n = len(io) - 1
     n_in = np.diff(io)

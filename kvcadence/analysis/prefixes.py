@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis.ingest import Ingested
+from kvcadence.analysis import sql
+from kvcadence.analysis.cache import Ingested
 
 SCHEMA = "kvcadence.prefixes/1"
 QUANTILES: dict[str, float] = {
@@ -79,7 +80,6 @@ def distribution(values: list[int], unit: str = "tokens") -> dict[str, Any]:
 
 def compute(ing: Ingested, con: Any = None) -> dict[str, Any]:
     """The whole ``prefixes.json`` document of an ingested bundle."""
-    from kvcadence.analysis import sql
 
     con = con if con is not None else sql.connect(ing)
     cached = [

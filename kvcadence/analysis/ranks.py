@@ -1,14 +1,14 @@
 """Per-rank figures, real-vs-sim per rank, and the routing what-if table.
 
-What this file owns (pure functions; bundles are read through ``format.bundle`` and
-payloads decoded through ``format.wire``):
+What this file owns (DuckDB over a bundle's Parquet tables, ``analysis.cache``):
 
-* ``rank_figures(bundle)`` -- per DP rank (endpoint ``dp_rank``; requests by ``dp_rank``,
-  null = rank 0) and in total: requests, messages, Stored/Removed events per request,
-  blocks per Stored/Removed event (median, mean), stored/removed blocks, cache hit rate
-  (Σ cached_tokens / Σ prompt_tokens), the set of stored block hashes and each request's
-  ``cached_tokens``. Messages are de-duplicated by (endpoint, epoch, seq); the startup
-  ``AllBlocksCleared`` counts as an event, as everywhere in the project;
+* ``rank_figures(bundle)`` -- per DP rank (``batches.dp_rank``; requests by ``dp_rank``,
+  else ``meta_info.dp_rank``, else rank 0) and in total: requests, messages, Stored/Removed
+  events per request, blocks per Stored/Removed event (median, mean), stored/removed
+  blocks, cache hit rate (``request_totals``: the one formula of ``format.hitrate``), the
+  set of stored block hashes and each request's ``cached_tokens``. Messages are
+  de-duplicated by (endpoint, epoch, seq) at ingest; the startup ``AllBlocksCleared``
+  counts as an event, as everywhere in the project;
 * ``compare_ranks(real, sim)`` -- one row per rank (and ``all``) with real, sim and the
   relative delta of each figure, the stored-hash overlap, the share of requests whose
   ``cached_tokens`` agree and the Kolmogorov–Smirnov distance between the real and sim
@@ -26,12 +26,17 @@ medians interpolate linearly).
 from __future__ import annotations
 
 import statistics
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcadence.analysis import sql as ksql
+from kvcadence.analysis.cache import Ingested, ingest
 from kvcadence.analysis.distance import ks_statistic
-from kvcadence.format.schema import served_rank
+from kvcadence.errors import InputError, UsageError
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.hitrate import CACHED_SQL, PROMPT_SQL, hit_rate
 
 FIGURES = (
     "requests",
@@ -59,78 +64,127 @@ def _mean(xs: list[int]) -> float | None:
     return float(statistics.fmean(xs)) if xs else None
 
 
-def rank_figures(bundle: str | Path) -> dict[str, dict[str, Any]]:
-    """``{"0": {...}, "1": {...}, "all": {...}}`` for one bundle (see module docstring)."""
-    from kvcadence.format import wire
-    from kvcadence.format.bundle import BundleReader, event_payload
-    from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored
+def rank_figures(source: str | Path | Ingested, con: Any = None) -> dict[str, dict[str, Any]]:
+    """``{"0": {...}, "1": {...}, "all": {...}}`` for one bundle (see module docstring).
 
-    reader = BundleReader(Path(bundle))
-    ep_rank = {e.id: int(e.dp_rank) for e in reader.header.endpoints}
-    acc: dict[int, dict[str, Any]] = {}
+    ``source`` is an ingested bundle or a bundle directory (ingested first: its Parquet cache
+    next to it, or a temporary one where the bundle's directory is read-only); ``con`` an
+    open DuckDB connection over its tables (``sql.connect``), to reuse one.
+    """
+    if isinstance(source, Ingested):
+        return _rank_figures(source, con)
+    try:
+        return _rank_figures(ingest(source), con)
+    except UsageError:
+        if not Path(source).is_dir():
+            raise
+        with tempfile.TemporaryDirectory(prefix="kvcadence-ranks-") as tmp:
+            return _rank_figures(ingest(source, Path(tmp) / "pq"), con)
 
-    def slot(rank: int) -> dict[str, Any]:
-        if rank not in acc:
-            acc[rank] = {
-                "messages": 0,
-                "stored": [],
-                "removed": [],
-                "cleared": 0,
-                "hashes": set(),
-                "requests": [],
-            }
-        return acc[rank]
 
-    seen: set[tuple[int, int, int]] = set()
-    for f in reader.events():
-        key = (f.endpoint, f.epoch, f.seq)
-        if key in seen:
-            continue
-        seen.add(key)
-        a = slot(ep_rank.get(f.endpoint, f.endpoint))
-        a["messages"] += 1
-        try:
-            batch = wire.decode_batch(event_payload(f))
-        except Exception:  # noqa: BLE001 - undecodable payloads are counted by inspect
-            continue
-        for e in batch.events:
-            if isinstance(e, BlockStored):
-                a["stored"].append(len(e.block_hashes))
-                a["hashes"].update(e.block_hashes)
-            elif isinstance(e, BlockRemoved):
-                a["removed"].append(len(e.block_hashes))
-            elif isinstance(e, AllBlocksCleared):
-                a["cleared"] += 1
-    for rec in reader.requests():
-        slot(served_rank(rec))["requests"].append(rec)
+def request_totals(con: Any, where: str = "TRUE") -> tuple[int, int, int, float | None]:
+    """(requests, prompt tokens, cached tokens, hit rate) of the ``requests`` rows matching
+    ``where`` (SQL): the one place analysis computes a hit rate (``format.hitrate``)."""
+    n, prompt, cached = ksql.one(
+        con,
+        f"SELECT count(*), coalesce(sum({PROMPT_SQL}), 0), coalesce(sum({CACHED_SQL}), 0) "
+        f"FROM requests WHERE {where}",
+    )
+    return int(n), int(prompt), int(cached), hit_rate(int(cached), int(prompt))
+
+
+#: the DP rank that served a request (``format.schema.served_rank`` over the table)
+REQUEST_RANK_SQL = "coalesce(dp_rank, TRY_CAST(json_extract(meta_info, '$.dp_rank') AS BIGINT), 0)"
+
+
+#: requests whose recorded ``meta_info.dp_rank`` is not a non-negative integer
+_BAD_RANK_SQL = (
+    "SELECT rid, json_extract(meta_info, '$.dp_rank')::VARCHAR FROM requests "
+    "WHERE dp_rank IS NULL AND json_extract(meta_info, '$.dp_rank') IS NOT NULL "
+    "AND json_type(json_extract(meta_info, '$.dp_rank')) <> 'NULL' "
+    "AND (json_type(json_extract(meta_info, '$.dp_rank')) NOT IN ('BIGINT', 'UBIGINT') "
+    "OR TRY_CAST(json_extract(meta_info, '$.dp_rank') AS BIGINT) < 0) LIMIT 1"
+)
+
+
+def check_request_ranks(con: Any) -> None:
+    """``InputError`` naming the first request whose ``meta_info.dp_rank`` is not a
+    non-negative integer (``served_rank``'s rule: a bad rank is never read as rank 0)."""
+    bad = ksql.rows(con, _BAD_RANK_SQL)
+    if bad:
+        rid, value = bad[0]
+        raise InputError(f"request {rid!r}: dp_rank {value} is not a non-negative integer")
+
+
+def _rank_figures(ing: Ingested, con: Any) -> dict[str, dict[str, Any]]:
+    con = con if con is not None else ksql.connect(ing)
+    check_request_ranks(con)
+    ranks = sorted(
+        {int(r) for (r,) in ksql.rows(con, "SELECT DISTINCT dp_rank FROM batches")}
+        | {int(r) for (r,) in ksql.rows(con, f"SELECT DISTINCT {REQUEST_RANK_SQL} FROM requests")}
+    )
     out: dict[str, dict[str, Any]] = {}
-    total = {
+    total: dict[str, Any] = {
         "messages": 0,
         "stored": [],
         "removed": [],
         "cleared": 0,
         "hashes": set(),
-        "requests": [],
+        "requests": [0, 0, 0],
+        "cached": {},
     }
-    for rank in sorted(acc):
-        a = acc[rank]
+    for rank in ranks:
+        (msgs,) = ksql.one(con, f"SELECT count(*) FROM batches WHERE dp_rank = {rank}")
+        sizes: dict[str, list[int]] = {"stored": [], "removed": []}
+        cleared = 0
+        for kind, n_blocks in ksql.rows(
+            con,
+            f"SELECT kind::VARCHAR, n_blocks FROM events WHERE dp_rank = {rank} ORDER BY event_id",
+        ):
+            if kind in sizes:
+                sizes[kind].append(int(n_blocks))
+            elif kind == "cleared":
+                cleared += 1
+        hashes = set(
+            ksql.arrow(
+                con,
+                "SELECT DISTINCT b.hash FROM blocks b JOIN events e USING (event_id) "
+                f"WHERE b.kind = 'stored' AND e.dp_rank = {rank}",
+            )
+            .column(0)
+            .to_pylist()
+        )
+        where = f"{REQUEST_RANK_SQL} = {rank}"
+        n, prompt, cached, _ = request_totals(con, where)
+        per_req = dict(
+            ksql.rows(
+                con, f"SELECT rid, cached_tokens FROM requests WHERE {where} ORDER BY request_id"
+            )
+        )
+        a: dict[str, Any] = {
+            "messages": int(msgs),
+            "stored": sizes["stored"],
+            "removed": sizes["removed"],
+            "cleared": cleared,
+            "hashes": hashes,
+            "requests": [n, prompt, cached],
+            "cached": per_req,
+        }
         out[str(rank)] = _figures(a)
         total["messages"] += a["messages"]
         total["stored"] += a["stored"]
         total["removed"] += a["removed"]
         total["cleared"] += a["cleared"]
-        total["hashes"] |= {(rank, h) for h in a["hashes"]}
-        total["requests"] += a["requests"]
+        total["hashes"] |= {(rank, h) for h in hashes}
+        total["requests"] = [x + y for x, y in zip(total["requests"], a["requests"], strict=True)]
+        total["cached"].update(per_req)
     out["all"] = _figures(total)
     return out
 
 
 def _figures(a: dict[str, Any]) -> dict[str, Any]:
-    reqs = a["requests"]
-    n = len(reqs)
+    n, prompt, cached = a["requests"]
     d = max(n, 1)
-    prompt = sum(r.prompt_tokens or len(r.input_ids) for r in reqs)
-    cached = sum(r.cached_tokens or 0 for r in reqs)
     stored, removed = a["stored"], a["removed"]
     return {
         "requests": n,
@@ -146,9 +200,9 @@ def _figures(a: dict[str, Any]) -> dict[str, Any]:
         "removed_blocks": sum(removed),
         "stored_blocks_per_request": sum(stored) / d,
         "removed_blocks_per_request": sum(removed) / d,
-        "hit_rate": cached / prompt if prompt else None,
+        "hit_rate": hit_rate(cached, prompt),
         "_hashes": a["hashes"],
-        "_cached": {r.rid: r.cached_tokens for r in reqs},
+        "_cached": a["cached"],
         "_stored": list(stored),
         "_removed": list(removed),
     }
@@ -159,7 +213,7 @@ def _delta(real: Any, sim: Any) -> float | None:
         return None
     if real == 0:
         return 0.0 if sim == 0 else None
-    return (sim - real) / real
+    return float((sim - real) / real)
 
 
 def compare_ranks(
@@ -206,13 +260,13 @@ def compare_ranks(
     return rows
 
 
-def what_if_table(runs: Sequence[tuple[str, str | Path]], real: str | Path | None = None) -> list:
+def what_if_table(
+    runs: Sequence[tuple[str, str | Path]], real: str | Path | None = None
+) -> list[dict[str, Any]]:
     """One row per (label, sim bundle); ``real`` adds the recorded hit rate column."""
     rec_hit = rank_figures(real)["all"]["hit_rate"] if real is not None else None
     rows = []
     for label, path in runs:
-        from kvcadence.format.bundle import BundleReader
-
         f = rank_figures(path)
         a = f["all"]
         trailer_stats: dict[str, Any] = {}

@@ -25,9 +25,14 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
-from kvcadence.analysis.formatting import fmt
-from kvcadence.analysis.metrics import COMPARE_DEFS, DEFS, DISTANCES, BundleMetrics
+from kvcadence.analysis import ingest, metrics, report_extras, sql
+from kvcadence.analysis import plots as kplots
+from kvcadence.analysis.catalogue import COMPARE_DEFS, DEFS, DISTANCES
+from kvcadence.analysis.formatting import fmt, round_numbers
+from kvcadence.analysis.metrics import BundleMetrics
+from kvcadence.analysis.outpaths import check_out_dir
 from kvcadence.errors import UsageError
+from kvcadence.format.bundle import BundleReader
 from kvcadence.progress import NoPhases
 
 REPORT_VERSION = 1
@@ -152,10 +157,13 @@ def _html_table(columns: dict[str, list[str]]) -> str:
     keys = list(columns)
     n = len(columns[keys[0]]) if keys else 0
     head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(columns[k][i])}</td>" for k in keys) + "</tr>"
-        for i in range(n)
-    )
+    rows = []
+    for i in range(n):
+        cells = [columns[k][i] for k in keys]
+        # a gate row: coloured by its result
+        cls = ' class="fail"' if "FAIL" in cells else (' class="pass"' if "PASS" in cells else "")
+        rows.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    body = "".join(rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -258,11 +266,12 @@ def _metric_columns(
     for name in names:
         cols["metric"].append(name)
         cols["unit"].append(DEFS[name][0])
+        unit = DEFS[name][0]
         for label, m in labelled:
-            cols[label].append(fmt(m.metrics.get(name)))
+            cols[label].append(fmt(m.metrics.get(name), unit))
         for comp, rows in zip(comps, by_comp, strict=False):
             r = rows.get(name, {})
-            cols[f"Δ {comp.sim}"].append(fmt(r.get("abs_delta")))
+            cols[f"Δ {comp.sim}"].append(fmt(r.get("abs_delta"), unit))
             cols[f"Δ% {comp.sim}"].append(pct(r.get("rel_delta")))
     return cols
 
@@ -289,13 +298,77 @@ def _distribution_columns(
     return cols
 
 
+def verdict(gates: list[cmp.GateResult]) -> str:
+    """The report's first line: PASS / FAILED with the count of failing gates."""
+    if not gates:
+        return "No gates (nothing to compare: one bundle, or --no-default-gates without --gate)."
+    bad = sum(1 for g in gates if not g.ok)
+    if bad:
+        return f"FAILED: {bad} of {len(gates)} gates failed (failing gates first)."
+    return f"PASS: all {len(gates)} gates passed."
+
+
+def _gates_table(gates: list[cmp.GateResult]) -> dict[str, list[str]]:
+    """Gates, the failing ones first; numbers rounded as in the tables."""
+    g: dict[str, list[str]] = {"result": [], "gate": [], "sim": [], "detail": []}
+    for r in sorted(gates, key=lambda r: r.ok):  # stable: failing first, else in gate order
+        g["result"].append("PASS" if r.ok else "FAIL")
+        g["gate"].append(r.gate.text)
+        g["sim"].append(r.sim)
+        g["detail"].append(round_numbers(r.detail))
+    return g
+
+
+def _dp_ranks(ranks: list[Any]) -> str:
+    """How many DP ranks an input has ("1"; "2 (0, 1)")."""
+    if len(ranks) <= 1:
+        return "1"
+    return f"{len(ranks)} ({', '.join(str(r) for r in ranks)})"
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif not isinstance(v, list):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _setting(v: Any, key: str) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return fmt(v, "s" if key.endswith("_s") else None)
+
+
+def _sim_settings(
+    labelled: list[tuple[str, BundleMetrics]], sim_configs: list[dict[str, Any] | None]
+) -> dict[str, list[str]] | None:
+    """The simulator's effective settings and calibration (the sim header's ``sim_config``,
+    nested keys dotted, e.g. ``timing.decode_base_s``), one column per sim bundle."""
+    cols = {
+        label: _flat(cfg) for (label, _), cfg in zip(labelled, sim_configs, strict=False) if cfg
+    }
+    if not cols:
+        return None
+    keys = list(dict.fromkeys(k for c in cols.values() for k in c))
+    table: dict[str, list[str]] = {"setting": keys}
+    for label, c in cols.items():
+        table[label] = [_setting(c[k], k) if k in c else "-" for k in keys]
+    return table
+
+
 def _sections(
     labelled: list[tuple[str, BundleMetrics]],
     comps: list[cmp.Comparison],
     gates: list[cmp.GateResult],
+    sim_configs: list[dict[str, Any] | None] | None = None,
 ) -> list[tuple[str, str, dict[str, list[str]] | None]]:
-    """(title, text, table) sections shared by report.md and report.html."""
+    """(title, text, table) sections shared by report.md and report.html: the verdict and
+    the gates (failing first) before anything else."""
     out: list[tuple[str, str, dict[str, list[str]] | None]] = []
+    out.append(("Verdict", verdict(gates), _gates_table(gates) if gates else None))
     inputs: dict[str, list[str]] = {
         "bundle": [],
         "path": [],
@@ -314,9 +387,18 @@ def _sections(
         inputs["sglang"].append(str(i.get("sglang_version")))
         inputs["page_size"].append(fmt(i.get("page_size")))
         inputs["pool_tokens"].append(fmt(i.get("max_total_num_tokens")))
-        inputs["dp_ranks"].append(",".join(str(r) for r in i.get("dp_ranks", [])))
+        inputs["dp_ranks"].append(_dp_ranks(list(i.get("dp_ranks", []))))
         inputs["variant"].append(m.variant)
     out.append(("Inputs", "", inputs))
+    settings = _sim_settings(labelled, sim_configs or [])
+    if settings is not None:
+        out.append(
+            (
+                "Simulator settings",
+                "The sim's effective configuration and calibration (its header's sim_config).",
+                settings,
+            )
+        )
     q: dict[str, list[str]] = {"check": list(QUALITY), "unit": [DEFS[k][0] for k in QUALITY]}
     for label, m in labelled:
         q[label] = [fmt(m.metrics.get(k)) for k in QUALITY]
@@ -327,14 +409,6 @@ def _sections(
             q,
         )
     )
-    if gates:
-        g: dict[str, list[str]] = {"gate": [], "sim": [], "result": [], "detail": []}
-        for r in gates:
-            g["gate"].append(r.gate.text)
-            g["sim"].append(r.sim)
-            g["result"].append("PASS" if r.ok else "FAIL")
-            g["detail"].append(r.detail)
-        out.append(("Gates", "PASS" if all(r.ok for r in gates) else "FAILED", g))
     out.append(
         (
             "Headline metrics",
@@ -396,12 +470,12 @@ def _sections(
         pr: dict[str, list[str]] = {"dp_rank": [], "metric": []}
         for label, _ in labelled:
             pr[label] = []
-        for r in ranks:
+        for rk in ranks:
             for name in names:
-                pr["dp_rank"].append(r)
+                pr["dp_rank"].append(rk)
                 pr["metric"].append(name)
                 for label, m in labelled:
-                    pr[label].append(fmt(m.per_rank.get(r, {}).get(name)))
+                    pr[label].append(fmt(m.per_rank.get(rk, {}).get(name)))
         out.append(("Per DP rank", "", pr))
     for comp in comps:
         cm = {k: v for k, v in comp.compare_metrics.items() if k not in DISTANCES}
@@ -434,7 +508,7 @@ def _sections(
     out.append(
         (
             "All metrics",
-            "Definitions: docs/metrics.md.",
+            f"{len(all_names)} metrics; definitions: docs/metrics.md.",
             _metric_columns(labelled, comps, all_names),
         )
     )
@@ -446,8 +520,12 @@ def write_markdown(path: Path, sections: list[Any], plots: list[str], title: str
     for head, text, table in sections:
         parts.append(f"## {head}\n")
         if text:
-            parts.append(text + "\n")
-        if table is not None:
+            parts.append((f"**{text}**" if head == "Verdict" else text) + "\n")
+        if table is not None and head in COLLAPSED:
+            parts.append(
+                f"<details><summary>{head}</summary>\n\n{_md_table(table)}\n\n</details>\n"
+            )
+        elif table is not None:
             parts.append(_md_table(table) + "\n")
     if plots:
         parts.append("## Plots\n")
@@ -462,7 +540,11 @@ _CSS = (
     "th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}"
     "img{max-width:100%;border:1px solid #eee;margin:.5em 0}"
     ".fail{color:#b00;font-weight:bold}.pass{color:#070;font-weight:bold}"
+    "tr.fail td{background:#fde8e8}tr.pass td{background:#eaf6ea}"
+    "summary{cursor:pointer;font-weight:bold;margin:.5em 0}"
 )
+#: sections whose table is collapsed (<details>) in report.md and report.html
+COLLAPSED = ("All metrics",)
 
 
 def write_html(path: Path, out: Path, sections: list[Any], plots: list[str], title: str) -> None:
@@ -476,10 +558,18 @@ def write_html(path: Path, out: Path, sections: list[Any], plots: list[str], tit
         parts.append(f"<h2>{html.escape(head)}</h2>")
         if text:
             cls = (
-                ' class="fail"' if text == "FAILED" else (' class="pass"' if text == "PASS" else "")
+                ' class="fail"'
+                if text.startswith("FAILED")
+                else (' class="pass"' if text.startswith("PASS") else "")
             )
             parts.append(f"<p{cls}>{html.escape(text)}</p>")
-        if table is not None:
+        if table is not None and head in COLLAPSED:
+            n = len(next(iter(table.values()), []))
+            parts.append(
+                f"<details><summary>{html.escape(head)} ({n} rows)</summary>"
+                f"{_html_table(table)}</details>"
+            )
+        elif table is not None:
             parts.append(_html_table(table))
     if plots:
         parts.append("<h2>Plots</h2>")
@@ -519,9 +609,6 @@ def make_report(
     """
 
     phases = phases or NoPhases()
-    from kvcadence.analysis import ingest, metrics, report_extras, sql
-    from kvcadence.analysis import plots as kplots
-    from kvcadence.analysis.outpaths import check_out_dir
 
     t0 = time.perf_counter()
     if not bundles:
@@ -565,7 +652,8 @@ def make_report(
     title = "kvcadence report: " + " vs ".join(
         f"{label} ({Path(m.inputs['bundle']).name})" for label, m in labelled
     )
-    sections = _sections(labelled, comps, results)
+    sim_configs = [BundleReader(ing.bundle).header.sim_config for ing in ings]
+    sections = _sections(labelled, comps, results, sim_configs)
     for e in extras:  # before "All metrics", or after the section the provider names
         titles = [s[0] for s in sections]
         at = titles.index(e.after) + 1 if e.after in titles else len(sections) - 1

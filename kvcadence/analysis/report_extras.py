@@ -1,9 +1,8 @@
 """Optional report sections contributed by other analysis modules: the hook ``report`` calls.
 
 ``PROVIDERS`` lists them in report order. Each provider is a function
-``(labelled, ings, out_dir) -> Extra | None``: it imports its module lazily (a missing module
-means no section, never an error) and returns None when its data are absent from every
-input, so a report only pays for sections that say something:
+``(labelled, ings, out_dir) -> Extra | None``: it returns None when its data are absent from
+every input, so a report only pays for sections that say something:
 
 * ``visibility`` (``kvcadence.analysis.visibility``): when some input has sim
   per-block visibility notes (``notes.kind = 'visibility'``) or requests with SGLang timing
@@ -18,8 +17,9 @@ input, so a report only pays for sections that say something:
   rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
   sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
 
-The modules read the bundle themselves (not the Parquet tables); their cost is theirs and
-is only paid when the section applies.
+``visibility`` and ``families`` read the bundles themselves, ``ranks`` the Parquet tables
+(``ranks.rank_figures``, the one place hit rate and per-rank figures are computed); each cost
+is only paid when its section applies.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvcadence.analysis import families, plots, ranks, sql, visibility
+from kvcadence.analysis.formatting import fmt
 
 
 @dataclass
@@ -41,14 +44,10 @@ class Extra:
 
 
 def _fmt(v: Any) -> str:
-    from kvcadence.analysis.formatting import fmt
-
     return fmt(v)
 
 
 def _count(ing: Any, sql_text: str) -> int:
-    from kvcadence.analysis import sql
-
     con = sql.connect(ing)
     try:
         return int(sql.one(con, sql_text)[0] or 0)
@@ -57,10 +56,6 @@ def _count(ing: Any, sql_text: str) -> int:
 
 
 def visibility_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
-    try:
-        from kvcadence.analysis import visibility
-    except ImportError:  # pragma: no cover - module not shipped
-        return None
     probe = (
         "SELECT (SELECT count(*) FROM notes WHERE kind = 'visibility') + "
         "(SELECT count(*) FROM requests WHERE meta_info LIKE '%prefill_finished_time%' "
@@ -90,16 +85,9 @@ _RANK_SHOW = (
 
 
 def ranks_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
-    try:
-        from kvcadence.analysis import ranks
-    except ImportError:  # pragma: no cover - module not shipped
-        return None
     if not any(len(m.inputs.get("dp_ranks", [])) > 1 for _, m in labelled):
         return None
-    figs = {
-        label: ranks.rank_figures(ing.bundle)
-        for (label, _), ing in zip(labelled, ings, strict=True)
-    }
+    figs = {label: ranks.rank_figures(ing) for (label, _), ing in zip(labelled, ings, strict=True)}
     public = {
         label: {
             rank: {k: v for k, v in f.items() if not k.startswith("_")} for rank, f in fr.items()
@@ -160,8 +148,6 @@ def ranks_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> 
 
 def _ranks_plot(public: dict[str, dict[str, dict[str, Any]]], out: Path) -> str:
     """``ranks.png``: Stored events per request and hit rate per rank, every bundle."""
-    from kvcadence.analysis import plots
-
     plt = plots._plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels = list(public)
@@ -182,10 +168,6 @@ def _ranks_plot(public: dict[str, dict[str, dict[str, Any]]], out: Path) -> str:
 
 
 def families_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
-    try:
-        from kvcadence.analysis import families
-    except ImportError:  # pragma: no cover - module not shipped
-        return None
     if len(labelled) < 2:
         return None
     data = families.compare_families(labelled, ings)

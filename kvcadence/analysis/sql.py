@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvcadence.analysis.ingest import TABLES, Ingested
+from kvcadence.analysis.cache import Ingested
+from kvcadence.analysis.tables import TABLES
 from kvcadence.errors import UsageError
 
 THREADS_ENV = "KVCADENCE_THREADS"

@@ -19,7 +19,7 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
 
 * ``visibility_metrics(data)`` → a JSON-able dict of distributions (n, mean, p50, p90, p99,
   max; numpy's linear percentiles) and counts, every value with its unit in ``units``
-  (names, units and definitions: ``kvcadence.analysis.metrics.VISIBILITY_DEFS``);
+  (names, units and definitions: ``kvcadence.analysis.catalogue.VISIBILITY_DEFS``);
 * ``visibility_section(labelled)`` → ``(title, text, table)`` in report.py's section form;
 * ``visibility_plot(labelled_data, out_dir)`` → ``visibility.png`` (ECDFs of the request
   delays of every bundle; per-block pass-delay histograms of sim bundles by phase).
@@ -28,17 +28,21 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis.metrics import VISIBILITY_DEFS
+from kvcadence.analysis.catalogue import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
+from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader, event_payload
+from kvcadence.format.schema import Annotation, BlockStored, EventFrame, RequestRecord
 
 PLOT_NAME = "visibility.png"
 
 #: unit of every visibility metric; names, units and definitions live in
-#: ``kvcadence.analysis.metrics.VISIBILITY_DEFS`` (the one catalogue module)
+#: ``kvcadence.analysis.catalogue.VISIBILITY_DEFS`` (the one catalogue module)
 UNITS: dict[str, str] = {name: unit for name, (unit, _) in VISIBILITY_DEFS.items()}
 
 
@@ -77,9 +81,6 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
 
 def visibility_data(bundle: str | Path) -> VisibilityData:
     """Collect the visibility samples of ``bundle`` (see the module docstring)."""
-    from kvcadence.format import wire
-    from kvcadence.format.bundle import BundleReader, event_payload
-    from kvcadence.format.schema import Annotation, BlockStored, EventFrame, RequestRecord
 
     path = Path(bundle)
     if not path.exists():
@@ -118,12 +119,12 @@ def visibility_data(bundle: str | Path) -> VisibilityData:
             requests.append(rec)
     for note in notes:
         d = note.data
-        key = (int(d.get("endpoint", 0)), int(d["seq"]))
+        fkey = (int(d.get("endpoint", 0)), int(d["seq"]))
         passes, comp, phase = d["computed_pass"], d["computed_ns"], d["phase"]
-        if frame_stored.get(key) != len(passes) or not (len(passes) == len(comp) == len(phase)):
+        if frame_stored.get(fkey) != len(passes) or not (len(passes) == len(comp) == len(phase)):
             data.note_mismatches += 1
             continue
-        pub_pass = int(d.get("publish_pass", frame_pass.get(key, -1)))
+        pub_pass = int(d.get("publish_pass", frame_pass.get(fkey, -1)))
         reason = str(d.get("reason", ""))
         for p, c, ph in zip(passes, comp, phase, strict=True):
             data.block_passes.append(pub_pass - p)
@@ -173,7 +174,7 @@ def _request_delays(
             data.finish_delay_ns.append(recv - fin)
 
 
-def _dist(values: list[float]) -> dict[str, Any]:
+def _dist(values: Sequence[float]) -> dict[str, Any]:
     import numpy as np
 
     if not values:

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from kvcadence import __version__
 from kvcadence.errors import CaptureError, UsageError
 from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, EndpointInfo, Header
+from kvcadence.harness import worker as harness
 
 SNAPSHOT_FIELDS = (
     "version",
@@ -158,8 +159,6 @@ def harness_workdirs(server_url: str | None, info: dict[str, Any] | None) -> lis
                 out.append(str(p.parent))
     if server_url:
         try:
-            from kvcadence.harness import worker as harness
-
             st = json.loads(harness.state_path().read_text())
             port = urlsplit(server_url).port
             if isinstance(st, dict) and port is not None and int(st.get("port", -1)) == port:

@@ -320,7 +320,7 @@ class Driver:
             raise CaptureError(f"driver failed: {errors[0]}") from errors[0]
         return self.stats
 
-    def _guard(self, fn: Callable[..., None], arg: Any, errors: list[BaseException]) -> None:
+    def _guard(self, fn: Callable[..., object], arg: Any, errors: list[BaseException]) -> None:
         try:
             fn(arg)
         except BaseException as exc:  # noqa: BLE001 - surfaced by run()

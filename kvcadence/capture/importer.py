@@ -33,7 +33,6 @@ import binascii
 import json
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,15 @@ from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
 from kvcadence.capture.think import think_times
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bundle import BundleWriter, check_encodable, encode_payload, staged_bundle
+from kvcadence.format.jsonl import (  # the line parsers, shared with ``replay --trace``
+    I64_MAX,
+    check_range,
+    check_request_record,
+    get_field,
+    jsonl_lines,
+    parse_request_line,
+    read_server_info,
+)
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -62,9 +70,6 @@ from kvcadence.format.schema import (
 from kvcadence.outguard import refuse_nonempty_dir
 
 VIA_NAMES = {"live": VIA_LIVE, "replay": VIA_REPLAY}
-U64_MAX = 2**64 - 1
-I64_MIN = -(2**63)
-I64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -101,165 +106,14 @@ class ImportSummary:
 # --------------------------------------------------------------------------------------
 
 
-def _kind(v: Any) -> str:
-    if v is None:
-        return "null"
-    return {
-        bool: "bool",
-        int: "int",
-        float: "float",
-        str: "str",
-        list: "array",
-        dict: "object",
-    }.get(type(v), type(v).__name__)
-
-
-def _is_int(v: Any) -> bool:
-    return type(v) is int
-
-
-def _get(
-    obj: dict[str, Any], key: str, where: str, kind: str, *, required: bool, default: Any = None
-) -> Any:
-    """Field ``key`` of ``obj`` checked against ``kind`` (int, str, int?, str?, ints, dict)."""
-    if key not in obj:
-        if required:
-            raise InputError(f"{where}: field `{key}` is missing")
-        return default
-    v = obj[key]
-    ok = {
-        "int": _is_int(v),
-        "int?": v is None or _is_int(v),
-        "str": type(v) is str,
-        "str?": v is None or type(v) is str,
-        "dict": type(v) is dict,
-        "ints": type(v) is list and all(_is_int(x) for x in v),
-    }[kind]
-    if not ok:
-        want = {
-            "int": "an int",
-            "int?": "an int or null",
-            "str": "a string",
-            "str?": "a string or null",
-            "dict": "an object",
-            "ints": "an array of ints",
-        }[kind]
-        got = _kind(v)
-        if kind == "ints" and type(v) is list:
-            bad = next(i for i, x in enumerate(v) if not _is_int(x))
-            got = f"{_kind(v[bad])} at index {bad}"
-        raise InputError(f"{where}: field `{key}`: expected {want}, got {got}")
-    return v
-
-
-def _check_ints(value: Any, where: str, field_name: str) -> None:
-    """Every int anywhere inside ``value`` (dicts, lists) fits msgpack (-2**63..2**64-1);
-    ``InputError`` naming the path of the first one that does not. Iterative: a deeply
-    nested object cannot exhaust the stack."""
-    stack: list[tuple[str, Any]] = [(field_name, value)]
-    while stack:
-        path, v = stack.pop()
-        t = type(v)
-        if t is int:
-            if not I64_MIN <= v <= U64_MAX:
-                raise InputError(
-                    f"{where}: field `{path}`: {v} is outside the 64-bit integer range "
-                    f"[-2**63, 2**64-1]"
-                )
-        elif t is dict:
-            stack.extend((f"{path}.{k}", x) for k, x in reversed(v.items()))
-        elif t is list:
-            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
-
-
-def _check_range(v: int | None, lo: int, hi: int, where: str, name: str, what: str) -> None:
-    if v is not None and not lo <= v <= hi:
-        raise InputError(f"{where}: field `{name}`: {v} is not {what}")
-
-
-def _check_ids(ids: list[int], where: str, name: str) -> None:
-    """Token ids are 0..2**63-1."""
-    for i, x in enumerate(ids):
-        if not 0 <= x <= I64_MAX:
-            raise InputError(
-                f"{where}: field `{name}`: {x} at index {i} is not a token id (0 .. 2**63-1)"
-            )
-
-
-_OPTIONAL_INTS = (
-    "send_ns",
-    "first_token_ns",
-    "finish_ns",
-    "arrival_ns",
-    "think_ns",
-    "lane",
-    "session",
-    "turn",
-    "max_new_tokens",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "dp_rank",
-)
-
-
-def check_request_record(rec: RequestRecord, where: str) -> None:
-    """The checks ``parse_request_line`` makes, on a ``RequestRecord`` built elsewhere
-    (``capture import`` from SGLang logs): a string rid, token ids that are ints (not bools)
-    in 0 .. 2**63-1, optional ints in the signed 64-bit range, every int of ``meta_info`` in
-    -2**63 .. 2**64-1. ``InputError`` naming the record and field; a record that passes reads
-    back as it was written."""
-    if type(rec.rid) is not str:
-        raise InputError(f"{where}: field `rid`: expected a string, got {_kind(rec.rid)}")
-    for name in ("input_ids", "output_ids"):
-        ids = getattr(rec, name)
-        if type(ids) is not list:
-            raise InputError(f"{where}: field `{name}`: expected an array of ints")
-        bad = next((i for i, x in enumerate(ids) if not _is_int(x)), None)
-        if bad is not None:
-            raise InputError(
-                f"{where}: field `{name}`: expected an array of ints, got "
-                f"{_kind(ids[bad])} at index {bad}"
-            )
-        _check_ids(ids, where, name)
-    for name in _OPTIONAL_INTS:
-        v = getattr(rec, name)
-        if v is not None and not _is_int(v):
-            raise InputError(f"{where}: field `{name}`: expected an int or null, got {_kind(v)}")
-        _check_range(v, I64_MIN, I64_MAX, where, name, "a signed 64-bit int")
-    _check_ints(rec.meta_info, where, "meta_info")
-
-
-def _lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, object)`` for each non-blank line of a JSONL file."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise UsageError(f"{what} file not found: {path}") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} file {path}: {exc.strerror}") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = msgspec.json.decode(line)
-            except msgspec.DecodeError as exc:
-                raise InputError(f"{where}: not valid JSON ({exc})") from None
-            if type(obj) is not dict:
-                raise InputError(f"{where}: expected a JSON object, got {_kind(obj)}")
-            yield where, obj
-
-
 def parse_frame_line(obj: dict[str, Any], where: str) -> FrameLine:
     """Validate one frames-JSONL object."""
-    recv_ns = _get(obj, "recv_ns", where, "int", required=True)
-    topic = _get(obj, "topic", where, "str", required=True)
-    seq = _get(obj, "seq", where, "int", required=True)
-    b64 = _get(obj, "payload_b64", where, "str", required=True)
-    endpoint = _get(obj, "endpoint", where, "int", required=False, default=0)
-    via_name = _get(obj, "via", where, "str?", required=False)
+    recv_ns = get_field(obj, "recv_ns", where, "int", required=True)
+    topic = get_field(obj, "topic", where, "str", required=True)
+    seq = get_field(obj, "seq", where, "int", required=True)
+    b64 = get_field(obj, "payload_b64", where, "str", required=True)
+    endpoint = get_field(obj, "endpoint", where, "int", required=False, default=0)
+    via_name = get_field(obj, "via", where, "str?", required=False)
     if not 0 <= seq <= I64_MAX:
         raise InputError(
             f"{where}: field `seq`: {seq} is not a publisher seq (0 .. 2**63-1; "
@@ -267,10 +121,10 @@ def parse_frame_line(obj: dict[str, Any], where: str) -> FrameLine:
         )
     if recv_ns < 0:
         raise InputError(f"{where}: field `recv_ns`: negative ({recv_ns})")
-    _check_range(recv_ns, 0, I64_MAX, where, "recv_ns", "a time in ns (0 .. 2**63-1)")
+    check_range(recv_ns, 0, I64_MAX, where, "recv_ns", "a time in ns (0 .. 2**63-1)")
     if endpoint < 0:
         raise InputError(f"{where}: field `endpoint`: negative ({endpoint})")
-    _check_range(endpoint, 0, I64_MAX, where, "endpoint", "an endpoint id (0 .. 2**63-1)")
+    check_range(endpoint, 0, I64_MAX, where, "endpoint", "an endpoint id (0 .. 2**63-1)")
     if via_name is None:
         via = VIA_IMPORT
     elif via_name in VIA_NAMES:
@@ -284,84 +138,10 @@ def parse_frame_line(obj: dict[str, Any], where: str) -> FrameLine:
     return FrameLine(recv_ns, topic, seq, payload, endpoint, via)
 
 
-def _finish_reason(v: Any, where: str) -> str | None:
-    if v is None or type(v) is str:
-        return v
-    if type(v) is dict:
-        t = v.get("type")
-        if t is None or type(t) is str:
-            return t
-    raise InputError(
-        f"{where}: field `meta_info.finish_reason`: expected an object with a string `type`, "
-        f"a string or null, got {_kind(v)}"
-    )
-
-
-def parse_request_line(obj: dict[str, Any], where: str) -> RequestRecord:
-    """Validate one requests-JSONL object into a ``RequestRecord`` (``think_ns`` as given)."""
-    rid = _get(obj, "rid", where, "str", required=True)
-    input_ids = _get(obj, "input_ids", where, "ints", required=True)
-    output_ids = _get(obj, "output_ids", where, "ints", required=False, default=[])
-    meta = _get(obj, "meta_info", where, "dict", required=False, default={})
-    opt = {
-        k: _get(obj, k, where, "int?", required=False)
-        for k in (
-            "send_ns",
-            "finish_ns",
-            "first_token_ns",
-            "arrival_ns",
-            "think_ns",
-            "lane",
-            "session",
-            "turn",
-            "max_new_tokens",
-        )
-    }
-    error = _get(obj, "error", where, "str?", required=False)
-    _check_ids(input_ids, where, "input_ids")
-    _check_ids(output_ids, where, "output_ids")
-    for k, v in opt.items():
-        _check_range(v, I64_MIN, I64_MAX, where, k, "a signed 64-bit int")
-    _check_ints(meta, where, "meta_info")
-
-    def meta_int(key: str) -> int | None:
-        v = meta.get(key)
-        if v is None or _is_int(v):
-            return v
-        raise InputError(f"{where}: field `meta_info.{key}`: expected an int, got {_kind(v)}")
-
-    completion = meta_int("completion_tokens")
-    max_new = opt["max_new_tokens"]
-    if max_new is None:
-        max_new = completion if completion is not None else len(output_ids)
-    return RequestRecord(
-        rid=rid,
-        input_ids=input_ids,
-        output_ids=output_ids,
-        send_ns=opt["send_ns"],
-        first_token_ns=opt["first_token_ns"],
-        finish_ns=opt["finish_ns"],
-        lane=opt["lane"],
-        session=opt["session"],
-        turn=opt["turn"],
-        max_new_tokens=max_new,
-        prompt_tokens=meta_int("prompt_tokens"),
-        cached_tokens=meta_int("cached_tokens"),
-        completion_tokens=completion,
-        finish_reason=_finish_reason(meta.get("finish_reason"), where),
-        error=error,
-        dp_rank=meta_int("dp_rank"),
-        source="import",
-        think_ns=opt["think_ns"],
-        arrival_ns=opt["arrival_ns"],
-        meta_info=meta,
-    )
-
-
 def read_requests(path: Path) -> list[RequestRecord]:
     """Every request of a requests JSONL file, ``think_ns`` derived for closed-loop lanes
     (unless the line gave it)."""
-    lines = list(_lines(path, "requests"))
+    lines = list(jsonl_lines(path, "requests"))
     recs = [parse_request_line(obj, where) for where, obj in lines]
     refuse_duplicate_rids(recs, str(path), [where for where, _ in lines])
     derived = think_times([(r.lane, r.send_ns, r.finish_ns) for r in recs])
@@ -369,35 +149,6 @@ def read_requests(path: Path) -> list[RequestRecord]:
         r if r.think_ns is not None or t is None else msgspec.structs.replace(r, think_ns=t)
         for r, t in zip(recs, derived, strict=True)
     ]
-
-
-def read_server_info(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise UsageError(f"server info file not found: {path}") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read server info file {path}: {exc.strerror}") from None
-    try:
-        info = msgspec.json.decode(text)
-    except msgspec.DecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
-    if type(info) is not dict:
-        raise InputError(f"{path}: expected a JSON object, got {_kind(info)}")
-    where = str(path)
-    _get(info, "version", where, "str?", required=False)
-    _check_ints(info, where, "server_info")
-    if "kv_events_config" in info and type(info["kv_events_config"]) not in (str, dict):
-        raise InputError(f"{where}: field `kv_events_config`: expected a string or an object")
-    if info.get("kv_events") is not None:
-        kv = _get(info, "kv_events", where, "dict", required=False)
-        for key in ("endpoint_port_base", "dp_size", "replay_endpoint_port_base"):
-            v = kv.get(key)
-            if v is not None and not _is_int(v):
-                raise InputError(
-                    f"{where}: field `kv_events.{key}`: expected an int, got {_kind(v)}"
-                )
-    return info
 
 
 def endpoints_from_server_info(info: dict[str, Any]) -> list[EndpointInfo]:
@@ -475,8 +226,9 @@ class SeqBook:
 
 def _scan_frames(path: Path) -> tuple[int, dict[int, str], int | None]:
     """Validate every line; return (count, endpoint -> first topic, first recv_ns)."""
-    n, endpoints, first = 0, {}, None
-    for where, obj in _lines(path, "frames"):
+    n, first = 0, None
+    endpoints: dict[int, str] = {}
+    for where, obj in jsonl_lines(path, "frames"):
         fr = parse_frame_line(obj, where)
         n += 1
         endpoints.setdefault(fr.endpoint, fr.topic)
@@ -555,7 +307,7 @@ def import_bundle(
         staged_bundle(out_path) as tmp,
         BundleWriter(tmp, header, segment_bytes=segment_bytes) as w,
     ):
-        for where, obj in _lines(frames_path, "frames"):
+        for where, obj in jsonl_lines(frames_path, "frames"):
             fr = parse_frame_line(obj, where)
             summary.frames += 1
             pre, epoch = book.feed(fr)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import BundleError, WireError
+from kvcadence.format import hitrate, wire
 from kvcadence.format.bundle import RECORD_TAGS, BundleReader, event_payload
 from kvcadence.format.schema import (
     AllBlocksCleared,
@@ -36,8 +37,6 @@ EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")
 
 def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarise the bundle at ``path`` (see ``docs/format.md`` for every key)."""
-    from kvcadence.format import wire
-
     reader = BundleReader(path)
     try:
         header: Header | None = reader.header
@@ -65,6 +64,9 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         return acc
 
     decode = wire.decode_batch
+    rec: Any
+    ev: Any
+    payload: bytes | memoryview
     for rec in reader.records():
         t = type(rec)
         records[RECORD_TAGS[t]] += 1
@@ -117,8 +119,8 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
                 r = (rec.meta_info or {}).get("dp_rank")
             racc = rank_acc(int(r) if isinstance(r, int) else 0)
             racc["requests"] += 1
-            racc["prompt_tokens"] += rec.prompt_tokens or len(rec.input_ids)
-            racc["cached_tokens"] += rec.cached_tokens or 0
+            racc["prompt_tokens"] += hitrate.prompt_tokens(rec)
+            racc["cached_tokens"] += hitrate.cached_tokens(rec)
             no_outputs += not rec.output_ids
             no_lanes += rec.lane is None
         elif t is Gap:
@@ -214,7 +216,7 @@ _RANK_KEYS = (
 def _rank_row(rank: int, acc: dict[str, int]) -> dict[str, Any]:
     row: dict[str, Any] = {"rank": rank, **acc}
     p = acc["prompt_tokens"]
-    row["hit_rate"] = acc["cached_tokens"] / p if p else None
+    row["hit_rate"] = hitrate.hit_rate(acc["cached_tokens"], p)
     return row
 
 

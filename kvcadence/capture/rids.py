@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from kvcadence.errors import InputError
+from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import RequestRecord, RequestRecordView
 
 _HINT = "rids must be unique in a bundle (a request recorded twice is counted twice)"
@@ -40,8 +41,6 @@ def refuse_duplicate_rids(
 
 def bundle_rids(bundle: str | os.PathLike[str]) -> set[str]:
     """The rids of every request record of ``bundle``."""
-    from kvcadence.format.bundle import BundleReader
-
     reader = BundleReader(bundle)
     return {r.rid for r in reader.records(request_view=True) if type(r) is RequestRecordView}
 

@@ -221,8 +221,10 @@ def read_request_log(path: str | Path) -> list[RequestRecord]:
             sent_ns, obj0 = received.pop(rid, (None, {}))
             obj = obj or obj0
             outd = _obj(d.get("out"), where, "out")
-            meta = outd.get("meta_info") if isinstance(outd.get("meta_info"), dict) else {}
-            sp = obj.get("sampling_params") if isinstance(obj.get("sampling_params"), dict) else {}
+            meta: Any = outd.get("meta_info") if isinstance(outd.get("meta_info"), dict) else {}
+            sp: Any = (
+                obj.get("sampling_params") if isinstance(obj.get("sampling_params"), dict) else {}
+            )
             recv = meta.get("request_received_ts")
             ftl = meta.get("first_token_latency")
             first = _ns(recv + ftl) if isinstance(recv, float) and isinstance(ftl, float) else None

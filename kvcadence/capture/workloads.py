@@ -10,7 +10,8 @@ model's vocabulary (``[3, vocab - 1]``: 0/1/2 are pad/BOS/EOS on the harness mod
   ``session_gap_ms``). Mirrors the shared fixture's ``workload.json`` parameters.
 * ``mooncake`` -- Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
   ``hash_ids``): hash id ``h`` always maps to the same ``block_tokens`` token ids, so prefix
-  sharing is preserved; open loop by timestamp (``speedup``) or closed loop with ``lanes``.
+  sharing is preserved (the mapping is ``format.mooncake``'s, shared with ``replay --trace``);
+  open loop by timestamp (``speedup``) or closed loop with ``lanes``.
 * ``admission`` -- the admission benchmark's JSONL (``rid``, ``l1_cached_tokens``,
   ``l2_cached_tokens``, ``extend_tokens``): each line becomes a priming request that caches the
   ``l1`` prefix, then the measured request = that prefix + ``l2`` + ``extend_tokens`` new
@@ -34,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, UsageError
+from kvcadence.format.mooncake import FIRST_TOKEN, HashIdTokens, parse_mooncake_line
+from kvcadence.format.mooncake import need_int as _need_int
+from kvcadence.format.mooncake import synthetic_tokens as _tokens
 from kvcadence.suggest import did_you_mean
-
-FIRST_TOKEN = 3
 
 
 @dataclass
@@ -108,7 +110,7 @@ def build_workload(spec: str, **overrides: Any) -> Workload:
     kind, params = parse_spec(spec)
     params.update({k: v for k, v in overrides.items() if v is not None})
     classes = workload_classes()
-    cls = classes.get(kind)
+    cls: Any = classes.get(kind)  # a dataclass subclass of Workload
     if cls is None:
         raise UsageError(
             f"unknown workload {kind!r}{did_you_mean(kind, classes)}; valid: {', '.join(classes)}"
@@ -145,10 +147,6 @@ class Workload:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
         d["kind"] = self.kind  # type: ignore[attr-defined]
         return d
-
-
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randint(FIRST_TOKEN, vocab - 1) for _ in range(n)]
 
 
 # ------------------------------------------------------------------------ agent
@@ -276,13 +274,6 @@ def _read_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
     return out
 
 
-def _need_int(d: dict[str, Any], key: str, where: str, minimum: int = 0) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise InputError(f"{where}: field {key!r} must be an integer >= {minimum}, got {v!r}")
-    return v
-
-
 @dataclass
 class MooncakeWorkload(Workload):
     kind = "mooncake"
@@ -305,17 +296,17 @@ class MooncakeWorkload(Workload):
         if self.limit:
             rows = rows[: self.limit]
         self._reqs: list[Req] = []
+        self._map = HashIdTokens(self.block_tokens, self.seed, self.vocab)  # shared with replay
         t0: float | None = None
         for i, d in enumerate(rows):
             where = f"{self.path}:{i + 1}"
-            ts = d.get("timestamp", 0)
-            if not isinstance(ts, (int, float)):
-                raise InputError(f"{where}: field 'timestamp' must be a number")
-            n_in = _need_int(d, "input_length", where, 1)
-            n_out = _need_int(d, "output_length", where, 1)
-            hids = d.get("hash_ids", [])
-            if not isinstance(hids, list) or not all(isinstance(h, int) for h in hids):
-                raise InputError(f"{where}: field 'hash_ids' must be a list of integers")
+            line = parse_mooncake_line(d, where)
+            ts, n_in, n_out, hids = (
+                line.timestamp_ms,
+                line.input_length,
+                line.output_length,
+                line.hash_ids,
+            )
             if self.max_output:
                 n_out = min(n_out, self.max_output)
             t0 = ts if t0 is None else t0
@@ -333,19 +324,10 @@ class MooncakeWorkload(Workload):
         self._lock = threading.Lock()
 
     def block(self, h: int) -> list[int]:
-        return _tokens(random.Random(f"{self.seed}-hash-{h}"), self.block_tokens, self.vocab)
+        return list(self._map.block(h))
 
     def prompt_for(self, hash_ids: list[int], n_in: int, idx: int) -> list[int]:
-        ids: list[int] = []
-        for h in hash_ids:
-            if len(ids) >= n_in:
-                break
-            ids.extend(self.block(h))
-        if len(ids) < n_in:  # trace has fewer hash ids than input tokens: unique filler
-            ids.extend(
-                _tokens(random.Random(f"{self.seed}-req-{idx}"), n_in - len(ids), self.vocab)
-            )
-        return ids[:n_in]
+        return self._map.prompt(hash_ids, n_in, idx)
 
     def open_loop(self) -> bool:
         return self.lanes == 0

@@ -39,7 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -387,10 +387,10 @@ def worker_env_extra(cfg: ServerConfig, base: dict[str, str] | None = None) -> d
     """What ``cfg`` adds to the worker's environment: ``cfg.env``, plus
     ``SGLANG_CPU_OMP_THREADS_BIND`` (``omp_threads_bind``) when ``dp_size > 1`` and neither
     ``cfg.env`` nor ``base`` (default: this process's environment) sets it."""
-    base = os.environ if base is None else base
+    env: Mapping[str, str] = os.environ if base is None else base
     extra = dict(cfg.env)
     key = "SGLANG_CPU_OMP_THREADS_BIND"
-    if cfg.dp_size > 1 and not extra.get(key) and not base.get(key):
+    if cfg.dp_size > 1 and not extra.get(key) and not env.get(key):
         extra[key] = omp_threads_bind(cfg.dp_size)
     return extra
 

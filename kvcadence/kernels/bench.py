@@ -24,9 +24,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
+import torch
+import torch.distributed as dist
+
 from kvcadence.errors import KernelsError, KvcadenceError, UsageError
 from kvcadence.kernels import layout, report
 from kvcadence.kernels.bw import MIB, algbw_gbps, busbw_gbps, gbps, summarize
+from kvcadence.kernels.compat import resolve_all_gather
 from kvcadence.kernels.options import (
     DEFAULT_REPEAT_CPU,
     DEFAULT_REPEAT_CUDA,
@@ -34,6 +38,15 @@ from kvcadence.kernels.options import (
     build_parser,
     config_from_args,
 )
+from kvcadence.kernels.paths import (
+    RankCase,
+    collective_of,
+    describe_mismatch,
+    payload_spec,
+    run_path,
+    verify,
+)
+from kvcadence.kernels.summary import prefix_summary
 
 PROG = "python -m kvcadence.kernels"
 
@@ -53,8 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(cfg: Config, *, stdout: IO[str] | None = None) -> int:
     """Initialise the process group if needed, run every case, tear down what it set up."""
-    import torch.distributed as dist
-
     backend, device = pick_backend(cfg.backend)
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -69,8 +80,6 @@ def run(cfg: Config, *, stdout: IO[str] | None = None) -> int:
 
 def pick_backend(requested: str) -> tuple[str, Any]:
     """``(backend, device)``: NCCL on this rank's GPU, gloo on CPU."""
-    import torch
-
     cuda = torch.cuda.is_available()
     backend = ("nccl" if cuda else "gloo") if requested == "auto" else requested
     if backend == "nccl":
@@ -91,8 +100,6 @@ def pick_backend(requested: str) -> tuple[str, Any]:
 
 def init_group(backend: str, device: Any) -> None:
     """torchrun's env:// rendezvous, or an in-process world of one."""
-    import torch.distributed as dist
-
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
@@ -106,10 +113,6 @@ class DistCollectives:
     """The real collectives (all-gather resolved through the torch-version shim)."""
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
-        from kvcadence.kernels.compat import resolve_all_gather
-
         self._dist = dist
         self._all_gather = resolve_all_gather(dist)
         self.all_gather_api = self._all_gather.__name__
@@ -125,9 +128,6 @@ class Runner:
     """Runs the cases of one :class:`Config` on an initialised process group."""
 
     def __init__(self, cfg: Config, backend: str, device: Any, stdout: IO[str]) -> None:
-        import torch
-        import torch.distributed as dist
-
         self.torch, self.dist = torch, dist
         self.cuda = device.type == "cuda"
         if cfg.repeat is None:  # more repeats where times are noisier (options.DEFAULT_REPEAT_*)
@@ -185,8 +185,6 @@ class Runner:
 
     def check(self, path: str, case: Any) -> None:
         """Verify on every rank; if any rank is wrong, every rank raises."""
-        from kvcadence.kernels.paths import describe_mismatch, verify
-
         torch = self.torch
         bad = verify(path, case)
         flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
@@ -203,8 +201,6 @@ class Runner:
 
     # --- the loop ----------------------------------------------------------------------
     def run_all(self) -> None:
-        from kvcadence.kernels.paths import payload_spec
-
         cfg = self.cfg
         out = self._open_out()
         try:
@@ -236,8 +232,6 @@ class Runner:
                 out.close()
 
     def summarise(self, rows: list[dict[str, Any]], out: IO[str] | None) -> None:
-        from kvcadence.kernels.summary import prefix_summary
-
         assert self.cfg.weights is not None
         summary = prefix_summary(
             rows,
@@ -251,9 +245,9 @@ class Runner:
 
     def run_case(self, spec: Any, tokens: int) -> Iterator[dict[str, Any]]:
         """Yield one record per path as soon as it is measured and verified."""
-        from kvcadence.kernels.paths import RankCase, collective_of, run_path
-
         cfg = self.cfg
+        repeat = cfg.repeat
+        assert repeat is not None  # set from the device in __init__
         pages = layout.prefix_pages(tokens, cfg.page_size)
         case = RankCase(spec, pages, self.world, self.rank, self.device)
         try:
@@ -264,7 +258,7 @@ class Runner:
 
                 for _ in range(cfg.warmup):
                     step()
-                samples = [self.time_once(step) for _ in range(cfg.repeat)]
+                samples = [self.time_once(step) for _ in range(repeat)]
                 if cfg.verify:
                     self.check(path, case)
                 per_rank = self.gather_samples(samples)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcadence.errors import UsageError
+from kvcadence.kernels.prefixes import load_prefixes
 
 DENSE = "dense_all_reduce"
 SCATTER = "packed_all_gather_scatter"
@@ -175,8 +176,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.prefixes is not None:
         if args.tokens:
             raise UsageError("give either --tokens or --prefixes, not both")
-        from kvcadence.kernels.prefixes import load_prefixes
-
         dist = load_prefixes(args.prefixes, args.prefix_dist)
         tokens = tuple(dist.case_tokens())
         if not tokens:

@@ -30,6 +30,8 @@ def register(sub: Any) -> None:
             "Replay BUNDLE's request schedule through a simulated SGLang worker and write a "
             "sim bundle (source=sim). Settings come from the bundle's /server_info snapshot; "
             "every one can be overridden. The pass-time model is calibrated from the capture. "
+            "With --trace FILE instead of BUNDLE: an offline trace (Mooncake format or a "
+            "requests JSONL), no capture needed. "
             "docs/simulator.md describes the model; docs/fleet.md DP ranks and sweeps."
         ),
         epilog="examples:\n"
@@ -37,10 +39,13 @@ def register(sub: Any) -> None:
         "  kvcadence replay run.kvcb --out sim-p64.kvcb --page-size 64 --chunked-prefill-size 2048\n"
         "  kvcadence replay run.kvcb --publish tcp://127.0.0.1:5557 "
         "--replay-endpoint tcp://127.0.0.1:5558 --speed 1\n"
-        "  kvcadence replay dp2.kvcb --sweep route=recorded,cache_aware --out sweep/\n",
+        "  kvcadence replay dp2.kvcb --sweep route=recorded,cache_aware --out sweep/\n"
+        "  kvcadence replay --trace examples/mooncake-sample.jsonl --page-size 16 "
+        "--max-total-tokens 20000 --out mc-sim.kvcb   # an offline trace, no capture\n",
     )
-    p.add_argument("bundle", nargs="+",
-                   help="source bundle(s): a capture or an import; several = several workers")  # fmt: skip
+    p.add_argument("bundle", nargs="*",
+                   help="source bundle(s): a capture or an import; several = several workers "
+                   "(none with --trace)")  # fmt: skip
     p.add_argument("--out", help="sim bundle to write (a new or empty directory)")
     p.add_argument("--page-size", type=int, dest="page_size",
                    help="tokens per KV page (SGLang --page-size; default: the bundle's)")  # fmt: skip
@@ -157,8 +162,10 @@ def register(sub: Any) -> None:
         help="no phase lines (loading, simulating, writing) or progress bar on stderr",
     )
     from kvcadence.replay.cli_fleet import add_fleet_args  # DP ranks / workers / sweeps
+    from kvcadence.replay.cli_trace import add_trace_args  # offline traces
 
     add_fleet_args(p)
+    add_trace_args(p)
     p.set_defaults(_run=run)
 
 
@@ -166,11 +173,14 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.errors import UsageError
     from kvcadence.replay.cli_fleet import maybe_run_fleet
     from kvcadence.replay.config import CLI_OVERRIDES
-    from kvcadence.replay.simulator import check_some_ran, effective_config, replay_bundle
+    from kvcadence.replay.simulator import effective_config, replay_bundle
 
-    rc = maybe_run_fleet(args)  # several ranks / workers / --route / --sweep
-    if rc is not None:
-        return rc
+    if getattr(args, "trace", None) is None:
+        if not args.bundle:
+            raise UsageError("replay: give BUNDLE (a capture or an import) or --trace FILE")
+        rc = maybe_run_fleet(args)  # several ranks / workers / --route / --sweep
+        if rc is not None:
+            return rc
     if args.out is None and args.publish is None:
         raise UsageError("replay: give --out SIM_BUNDLE and/or --publish ENDPOINT")
     if args.speed < 0:
@@ -184,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.progress import Phases
 
     phases = Phases("replay", quiet=args.quiet, started=getattr(args, "_started", None))
+    if getattr(args, "trace", None) is not None:
+        from kvcadence.replay.cli_trace import run_trace
+
+        result, cfg = run_trace(args, overrides, phases)
+        return _finish(args, result, cfg, phases, None)
     src = Path(args.bundle)
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
@@ -220,6 +235,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    return _finish(args, result, cfg, phases, inferred)
+
+
+def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferred: Any) -> int:
+    """Publish (``--publish``), print the summary, exit status of a single-worker replay."""
+    from kvcadence.replay.simulator import check_some_ran
+
     summary = result.summary()
     summary["simulate_s"] = summary.pop("wall_s")
     if args.publish:

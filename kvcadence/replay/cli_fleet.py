@@ -259,6 +259,8 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
 
 def what_if_row(res: dict[str, Any]) -> dict[str, Any]:
     """One line of the what-if table from a job summary (``replay.sweep.run_job``)."""
+    from kvcadence.format import hitrate
+
     t = res["totals"]
     n = max(t["requests"], 1)
     return {
@@ -266,10 +268,9 @@ def what_if_row(res: dict[str, Any]) -> dict[str, Any]:
         "point": res["point"],
         "bundles": res["bundles"],
         "requests": t["requests"],
-        "hit_rate": t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
-        "recorded_hit_rate": (
-            t["recorded_cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0
-        ),
+        "hit_rate": hitrate.hit_rate(t["cached_tokens"], t["prompt_tokens"]) or 0.0,
+        "recorded_hit_rate": hitrate.hit_rate(t["recorded_cached_tokens"], t["prompt_tokens"])
+        or 0.0,
         "events_per_request": t["events"] / n,
         "stored_events_per_request": t["stored_events"] / n,
         "removed_events_per_request": t["removed_events"] / n,

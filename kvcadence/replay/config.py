@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcadence.errors import UsageError
+from kvcadence.replay.events import VERSION_MODES, event_mode
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
 ROLES = ("both", "prefill", "decode")
@@ -104,7 +105,6 @@ class SimConfig:
 
     # ------------------------------------------------------------------ build
     def validate(self) -> SimConfig:
-        from kvcadence.replay.events import event_mode
 
         if self.page_size < 1:
             raise UsageError(f"page size must be >= 1 (got {self.page_size})")
@@ -214,7 +214,6 @@ def from_server_info(server_info: dict[str, Any], sglang_version: str | None = N
     ver = sglang_version or _get(info, "version")
     if ver is not None:
         ver = str(ver)
-        from kvcadence.replay.events import VERSION_MODES
 
         if ver not in VERSION_MODES:
             # nearest supported version at or below

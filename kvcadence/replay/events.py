@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcadence.errors import UsageError
+from kvcadence.format import wire
+from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 _PER_NODE_REMOVE_FROM = (0, 5, 17)  # array family: one BlockRemoved per node from 0.5.17
 
@@ -45,7 +47,6 @@ def _version_modes() -> dict[str, str]:
     """The event mode of every release ``format.wire`` knows (``wire.VERSION_FAMILY``, the
     one version table), newest first. Not simulated: 0.5.5 (process-seeded Python
     ``hash()``, so its block hashes cannot be reproduced)."""
-    from kvcadence.format import wire
 
     modes: dict[str, str] = {}
     for version in sorted(wire.SUPPORTED_VERSIONS, key=_vt, reverse=True):
@@ -195,8 +196,6 @@ def _schema_events() -> tuple[type, type, type]:
     """The schema's event classes, imported once (``to_schema_events`` runs per publish)."""
     global _SCHEMA_EVENTS
     if _SCHEMA_EVENTS is None:
-        from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored
-
         _SCHEMA_EVENTS = (AllBlocksCleared, BlockRemoved, BlockStored)
     return _SCHEMA_EVENTS
 
@@ -221,8 +220,6 @@ class Publisher:
     def __init__(
         self, version: str, medium: str | None, attn_dp_rank: int = 0, anchor_ns: int = 0
     ) -> None:
-        from kvcadence.format import wire
-        from kvcadence.format.schema import KVEventBatch
 
         event_mode(version)
         self._encode = wire.encode_batch

@@ -145,7 +145,7 @@ def _connect(n_local: int) -> tuple[Any, bool]:
 
     import ray
 
-    common = {"log_to_driver": False, "logging_level": logging.WARNING}
+    common: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
     try:
         if address:
             ray.init(address=address, **common)

@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
-from kvcadence.format.schema import served_rank
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import EndpointInfo, served_rank
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
@@ -62,9 +63,13 @@ from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
 from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
+from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
+from kvcadence.replay.simbundle import sim_header, write_sim
+from kvcadence.replay.simulator import effective_config, sim_request_record
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
+from kvcadence.replay.visibility import scheduler_notes
 
 _INF = float("inf")
 #: pass-time pacing of a fleet replay (``Fleet.pace_of``)
@@ -127,7 +132,6 @@ def rank_configs(
     dp_size: int | None = None,
 ) -> list[SimConfig]:
     """One ``SimConfig`` per rank of a worker (see module docstring)."""
-    from kvcadence.replay.simulator import effective_config
 
     n = dp_size or dp_size_of(header, records)
     info = dict(getattr(header, "server_info", None) or {})
@@ -164,7 +168,6 @@ def load_worker(
     calibrate_timing: bool = True,
 ) -> WorkerInput:
     """Read one bundle as a worker to replay."""
-    from kvcadence.format.bundle import BundleReader
 
     p = Path(path)
     if not p.exists():
@@ -348,11 +351,15 @@ class Fleet:
                 cfg.attn_dp_rank = rank
                 cfg.validate()
                 pub = TapPublisher(cfg.sglang_version, cfg.medium, rank, self.anchor_ns)
-                mine = w.flushes_of(rank)
-                plan = FlushPlan(mine, ledger, origin) if ledger is not None and mine else None
+                rank_flushes = w.flushes_of(rank)
+                plan = (
+                    FlushPlan(rank_flushes, ledger, origin)
+                    if ledger is not None and rank_flushes
+                    else None
+                )
                 sched = Scheduler(
                     cfg,
-                    Schedule([], self.anchor_ns, [max(0, f - origin) for f in mine]),
+                    Schedule([], self.anchor_ns, [max(0, f - origin) for f in rank_flushes]),
                     self.hasher,
                     publisher=pub,
                     requests=self.reqs,
@@ -475,7 +482,6 @@ class Fleet:
         )
 
     def _record(self, i: int) -> Any:
-        from kvcadence.replay.simulator import sim_request_record
 
         slot = self.slots[self.serving[i]] if self.serving[i] >= 0 else None
         worker = None
@@ -496,7 +502,6 @@ def simulate_fleet(
 ) -> FleetResult:
     """Replay ``workers`` with routing policy ``route`` (a name or a router object) and
     pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``)."""
-    from kvcadence.replay.routing import make_router
 
     router = make_router(route) if isinstance(route, str) else route
     fleet = Fleet(workers, router, hasher=hasher, align_workers=align_workers, pace=pace)
@@ -515,65 +520,41 @@ def worker_requests(result: FleetResult, worker: int) -> list[Any]:
 
 def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> None:
     """Write worker ``worker``'s ranks as one sim bundle (one endpoint per rank)."""
-    from kvcadence import __version__
-    from kvcadence.format.bundle import BundleWriter
-    from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
-
     w = result.workers[worker]
     slots = [sl for sl in result.slots if sl.worker == worker]
     cfg0 = slots[0].sched.cfg
-    endpoints = [
-        EndpointInfo(id=sl.rank, url=f"sim://rank{sl.rank}", dp_rank=sl.rank, topic=cfg0.topic)
-        for sl in slots
-    ]
     sim_config = cfg0.to_dict()
     sim_config["route"] = result.router
     sim_config["dp_size"] = len(slots)
     sim_config["ranks"] = [sl.sched.cfg.to_dict() for sl in slots]
-    header = Header(
-        format_major=FORMAT_MAJOR,
-        format_minor=FORMAT_MINOR,
-        source="sim",
-        kvcadence_version=__version__,
+    header = sim_header(
+        w.header,
         sglang_version=cfg0.sglang_version,
-        server_info=dict(getattr(w.header, "server_info", {}) or {}),
-        kv_events_config=getattr(w.header, "kv_events_config", None),
         command=["kvcadence", "replay", "--route", result.router],
         start_ns=result.anchor_ns,
-        endpoints=endpoints,
+        endpoints=[
+            EndpointInfo(id=sl.rank, url=f"sim://rank{sl.rank}", dp_rank=sl.rank, topic=cfg0.topic)
+            for sl in slots
+        ],
         sim_config=sim_config,
     )
     summary = result.summary()
-    summary.pop("wall_s", None)
     summary["per_rank"] = [p for p in summary["per_rank"] if p["worker"] == w.name]
-    end_ns = result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots)
-    out_path = Path(out)
-    refuse_nonempty_dir(out_path)
-    with BundleWriter(out_path, header) as wr:
-        # interleave the ranks' batches by publish time (stable: rank order on ties)
-        frames = sorted(
-            ((b.time_ns, sl.rank, b) for sl in slots for b in sl.publisher.batches),
-            key=lambda x: (x[0], x[1], x[2].seq),
-        )
-        for _t, rank, b in frames:
-            wr.write_event(
-                endpoint=rank,
-                seq=b.seq,
-                recv_ns=b.time_ns,
-                topic=cfg0.topic,
-                payload=b.payload,
-                via=VIA_SIM,
-                epoch=0,
-                pass_index=b.pass_index,
-            )
-        from kvcadence.replay.visibility import scheduler_notes
-
-        for sl in slots:  # each rank's visibility notes (none with --no-visibility)
-            for note in scheduler_notes(sl.sched, result.anchor_ns, endpoint=sl.rank):
-                wr.write(note)
-        for rec in worker_requests(result, worker):
-            wr.write(rec)
-        wr.close(stats={"replay": summary}, end_ns=end_ns)
+    # interleave the ranks' batches by publish time (stable: rank order on ties)
+    frames = sorted(
+        ((b.time_ns, sl.rank, b) for sl in slots for b in sl.publisher.batches),
+        key=lambda x: (x[0], x[1], x[2].seq),
+    )
+    write_sim(
+        out,
+        header,
+        ((rank, b) for _t, rank, b in frames),
+        # each rank's visibility notes (none with --no-visibility)
+        (n for sl in slots for n in scheduler_notes(sl.sched, result.anchor_ns, endpoint=sl.rank)),
+        worker_requests(result, worker),
+        summary,
+        result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots),
+    )
 
 
 def write_fleet_bundles(out: str | Path, result: FleetResult) -> list[Path]:

@@ -189,7 +189,8 @@ class FlushPlan:
             for j in range(need, n):
                 if idx not in ledger.done:
                     remaining[j] += 1
-                if fin is not None and (rec_last[j] is None or fin > rec_last[j]):
+                last = rec_last[j]
+                if fin is not None and (last is None or fin > last):
                     rec_last[j] = fin
         self.remaining = remaining
         self.rec_last = rec_last

@@ -1,6 +1,6 @@
 """Visibility bookkeeping of the simulated scheduler: which pass computed each stored page.
 
-A mixin of ``Scheduler`` (it reads the scheduler's state: ``prefill_marks`` per request, the
+Methods of ``Scheduler`` (bound in its class body) (it reads the scheduler's state: ``prefill_marks`` per request, the
 shared decode log, the visibility frames): prefill marks per request and one shared decode
 log (a decoding request is in every decode pass, so its decoded positions map to consecutive
 log entries) -- no per-request, per-pass bookkeeping. ``kvcadence.replay.visibility`` turns
@@ -10,85 +10,88 @@ the frames into bundle records.
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 from kvcadence.replay.request import Batch, SimReq
+
+if TYPE_CHECKING:  # type-only: the mixin's methods run on a Scheduler
+    from kvcadence.replay.scheduler import Scheduler
 
 _PREFILL_PHASE = array("b", (0,))
 _DECODE_PHASE = array("b", (1,))
 
 
-class VisibilityMarks:
-    """``Scheduler`` methods that record and look up the pass that computed a position."""
+def computed_at(self: Scheduler, req: SimReq, pos: int) -> tuple[int, int, int]:
+    """(pass, virtual end ns, phase 0 prefill / 1 decode) of the pass that computed the
+    KV at sequence position ``pos`` of ``req`` (a position this request computed)."""
+    dec0 = req.dec0
+    if dec0 is not None and pos >= dec0[0]:
+        g = dec0[1] + pos - dec0[0]
+        return self._dec_pass[g], self._dec_end[g], 1
+    _kv_end, batch = req.marks[self._mark_index(req.marks, pos)]
+    return batch.index, batch.end_ns, 0
 
-    def computed_at(self, req: SimReq, pos: int) -> tuple[int, int, int]:
-        """(pass, virtual end ns, phase 0 prefill / 1 decode) of the pass that computed the
-        KV at sequence position ``pos`` of ``req`` (a position this request computed)."""
-        dec0 = req.dec0
-        if dec0 is not None and pos >= dec0[0]:
-            g = dec0[1] + pos - dec0[0]
-            return self._dec_pass[g], self._dec_end[g], 1
-        _kv_end, batch = req.marks[self._mark_index(req.marks, pos)]
-        return batch.index, batch.end_ns, 0
 
-    @staticmethod
-    def _mark_index(marks: list[tuple[int, Batch]], pos: int) -> int:
-        lo, hi = 0, len(marks) - 1
-        while lo < hi:  # first mark with kv_end > pos
-            mid = (lo + hi) // 2
-            if marks[mid][0] > pos:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+def _mark_index(marks: list[tuple[int, Batch]], pos: int) -> int:
+    lo, hi = 0, len(marks) - 1
+    while lo < hi:  # first mark with kv_end > pos
+        mid = (lo + hi) // 2
+        if marks[mid][0] > pos:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
-    def _record_store(self, req: SimReq, start: int, end: int) -> None:
-        """A new node of ``req.seq[start:end]`` was inserted: note when each page was
-        computed (the pass that wrote the KV of its last token): whole runs per prefill
-        mark, one strided slice of the decode log for the decoded pages."""
-        marks = req.marks
-        dec0 = req.dec0
-        ps = self.ps
-        pos = start + ps - 1  # last position of the first page
-        # arrays all the way (repeats and decode-log slices are C copies; no int objects)
-        passes = array("q")
-        times = array("q")
-        phases = array("b")
-        stop_pf = end if dec0 is None or dec0[0] > end else dec0[0]
-        if pos < stop_pf and marks:
-            i = self._mark_index(marks, pos)
-            n_marks = len(marks)
-            while pos < stop_pf and i < n_marks:
-                kv_end, batch = marks[i]
-                stop = kv_end if kv_end < stop_pf else stop_pf
-                if pos < stop:
-                    cnt = (stop - 1 - pos) // ps + 1  # pages whose last position is here
-                    passes += array("q", (batch.index,)) * cnt
-                    times += array("q", (batch.end_ns,)) * cnt
-                    phases += _PREFILL_PHASE * cnt
-                    pos += cnt * ps
-                i += 1
-        if dec0 is not None and pos < end:
-            cnt = (end - 1 - pos) // ps + 1
-            ga = dec0[1] + pos - dec0[0]
-            gb = ga + (cnt - 1) * ps + 1
-            passes += self._dec_pass[ga:gb:ps]
-            times += self._dec_end[ga:gb:ps]
-            phases += _DECODE_PHASE * cnt
-        if passes:
-            self.vis_pending.append((passes, times, phases))
 
-    def _mark_batch(self, batch: Batch) -> None:
-        """Called once the batch's end time is known: a prefill marks its requests (and
-        opens the decode run of those that go on decoding); a decode pass is one entry of
-        the decode log, shared by every request in it."""
-        if not self.track:
-            return
-        if batch.kind == "prefill":
-            g = len(self._dec_pass)
-            for r, final in zip(batch.reqs, batch.finals, strict=True):
-                r.marks.append((r.kv_len, batch))
-                if final and r.decode_left > 0:
-                    r.dec0 = (r.kv_len, g)
-            return
-        self._dec_pass.append(batch.index)
-        self._dec_end.append(batch.end_ns)
+def _record_store(self: Scheduler, req: SimReq, start: int, end: int) -> None:
+    """A new node of ``req.seq[start:end]`` was inserted: note when each page was
+    computed (the pass that wrote the KV of its last token): whole runs per prefill
+    mark, one strided slice of the decode log for the decoded pages."""
+    marks = req.marks
+    dec0 = req.dec0
+    ps = self.ps
+    pos = start + ps - 1  # last position of the first page
+    # arrays all the way (repeats and decode-log slices are C copies; no int objects)
+    passes = array("q")
+    times = array("q")
+    phases = array("b")
+    stop_pf = end if dec0 is None or dec0[0] > end else dec0[0]
+    if pos < stop_pf and marks:
+        i = self._mark_index(marks, pos)
+        n_marks = len(marks)
+        while pos < stop_pf and i < n_marks:
+            kv_end, batch = marks[i]
+            stop = kv_end if kv_end < stop_pf else stop_pf
+            if pos < stop:
+                cnt = (stop - 1 - pos) // ps + 1  # pages whose last position is here
+                passes += array("q", (batch.index,)) * cnt
+                times += array("q", (batch.end_ns,)) * cnt
+                phases += _PREFILL_PHASE * cnt
+                pos += cnt * ps
+            i += 1
+    if dec0 is not None and pos < end:
+        cnt = (end - 1 - pos) // ps + 1
+        ga = dec0[1] + pos - dec0[0]
+        gb = ga + (cnt - 1) * ps + 1
+        passes += self._dec_pass[ga:gb:ps]
+        times += self._dec_end[ga:gb:ps]
+        phases += _DECODE_PHASE * cnt
+    if passes:
+        self.vis_pending.append((passes, times, phases))
+
+
+def _mark_batch(self: Scheduler, batch: Batch) -> None:
+    """Called once the batch's end time is known: a prefill marks its requests (and
+    opens the decode run of those that go on decoding); a decode pass is one entry of
+    the decode log, shared by every request in it."""
+    if not self.track:
+        return
+    if batch.kind == "prefill":
+        g = len(self._dec_pass)
+        for r, final in zip(batch.reqs, batch.finals, strict=True):
+            r.marks.append((r.kv_len, batch))
+            if final and r.decode_left > 0:
+                r.dec0 = (r.kv_len, g)
+        return
+    self._dec_pass.append(batch.index)
+    self._dec_end.append(batch.end_ns)

@@ -123,6 +123,7 @@ class StoreIndex:
                 else:
                     scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
+            e: Any
             for e in b.events:
                 if type(e) not in stored or e.block_size != page_size:
                     continue
@@ -177,7 +178,7 @@ class StoreIndex:
                 j = 0
             else:
                 try:
-                    j = ev.hashes.index(cur) + 1  # type: ignore[arg-type]
+                    j = ev.hashes.index(cur) + 1
                 except ValueError:
                     continue
                 if j >= len(ev.hashes):

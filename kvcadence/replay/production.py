@@ -95,6 +95,7 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
             if not r.output_ids:
                 missing[i] = WHY_NO_IDS
             continue
+        h: int | None
         fast = None
         if r.cached_tokens is not None and arr is not None and fin is not None:
             fast = index.prefill_run(prompt, r.cached_tokens, arr, fin)
@@ -157,9 +158,9 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
             continue
         n = _n_out(r)
         L = len(r.input_ids)
-        q = first_succ.get(i)
-        if len(kn) < n and q is not None:
-            nxt = records[q].input_ids
+        nq = first_succ.get(i)
+        if len(kn) < n and nq is not None:
+            nxt = records[nq].input_ids
             if nxt[L - L % ps : L + len(kn)] == r.input_ids[L - L % ps :] + kn:
                 more = nxt[L + len(kn) : L + n]
                 if more:

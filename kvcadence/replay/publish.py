@@ -3,13 +3,14 @@
 What this file owns: ``publish_batches`` binds a PUB socket (and optionally a ROUTER replay
 socket) on loopback, sends every simulated batch as ``[topic, seq8, payload]``
 (``kvcadence.format.wire.live_frames``), optionally paced at virtual time / ``speed``, and
-answers replay requests the way SGLang's publisher thread does: the ROUTER is polled between
-sends (and while pacing, and for ``linger_s`` after the last send); a request
-(``wire.parse_replay_request``: ``[b"", seq8]`` from a DEALER) gets
-``wire.replay_reply_frames`` for every batch already sent with seq ≥ the requested one, then
-the end marker (``wire.END_SEQ``); a malformed request is counted and gets no reply (SGLang
-logs it and sends nothing). So KV-aware routers can be tested against the simulation.
-zmq is imported here only.
+answers replay requests the way SGLang's publisher thread does, with the one replay server
+``kvcadence.format.wire.publisher.ReplayRouter`` (also behind the tests' ``TestPublisher``):
+the ROUTER is polled between sends (and while pacing, and for ``linger_s`` after the last
+send); a request (``[b"", seq8]`` from a DEALER) gets a reply for every batch already sent
+with seq ≥ the requested one, then the end marker (``wire.END_SEQ``, with the topic frame); a
+malformed request is counted and gets no reply (SGLang logs it and sends nothing). So
+KV-aware routers can be tested against the simulation. ``kvcadence replay`` imports this
+module only when it publishes (zmq).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import zmq
+
 from kvcadence.errors import UsageError
+from kvcadence.format import wire
+from kvcadence.format.wire.publisher import ReplayRouter
 
 #: a short settle time after binding so a subscriber that connects right away is joined
 SLOW_JOINER_S = 0.2
@@ -33,47 +38,6 @@ def _check_endpoint(ep: str) -> None:
         and not (ep.startswith("ipc://") or ep.startswith("inproc://"))
     ):
         raise UsageError(f"{ep}: publishing binds loopback only (tcp://127.0.0.1:PORT)")
-
-
-class ReplayServer:
-    """The ROUTER side of SGLang's replay protocol over the batches sent so far."""
-
-    def __init__(self, router: Any, batches: Sequence[Any], topic: str) -> None:
-        self.router = router
-        self.batches = batches
-        self.topic = topic
-        self.answered = 0
-        self.malformed = 0
-
-    def serve(self, upto: int) -> int:
-        """Answer every pending request from ``batches[:upto]`` (the ones sent); returns
-        how many requests were answered."""
-        import zmq
-
-        from kvcadence.errors import WireError
-        from kvcadence.format import wire
-
-        answered = 0
-        router = self.router
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return answered
-            ident, rest = frames[0], frames[1:]
-            try:
-                start = wire.parse_replay_request(rest)
-            except WireError:
-                self.malformed += 1  # SGLang: logged as invalid, no reply
-                continue
-            for b in self.batches[:upto]:
-                if b.seq >= start:
-                    router.send_multipart(
-                        [ident, *wire.replay_reply_frames(self.topic, b.seq, b.payload)]
-                    )
-            router.send_multipart([ident, *wire.replay_reply_frames(self.topic, wire.END_SEQ, b"")])
-            answered += 1
-            self.answered += 1
 
 
 def publish_batches(
@@ -92,19 +56,17 @@ def publish_batches(
 
     ``stats`` (optional) receives ``replay_requests`` (answered) and
     ``malformed_replay_requests`` (ignored). ``on_sent(n)`` is called after the n-th send."""
-    import zmq
-
-    from kvcadence.format import wire
-
     _check_endpoint(endpoint)
     if replay_endpoint is not None:
         _check_endpoint(replay_endpoint)
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)
     pub.setsockopt(zmq.LINGER, 1000)
     router = None
-    server: ReplayServer | None = None
+    server: ReplayRouter | None = None
+    ring: list[tuple[int, bytes]] = []  # (seq, payload) of every message sent so far
+    record = ring.append
     sent = 0
     try:
         try:
@@ -113,15 +75,15 @@ def publish_batches(
                 router = ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
                 router.bind(replay_endpoint)
-                server = ReplayServer(router, batches, topic)
+                server = ReplayRouter(router, ring, topic=topic, end_topic=topic)
         except zmq.ZMQError as exc:
             raise UsageError(f"cannot bind {exc}") from exc
         time.sleep(settle_s)
         t0 = time.monotonic()
         first_ns = batches[0].time_ns if batches else 0
-        for i, b in enumerate(batches):
+        for b in batches:
             if server is not None:
-                server.serve(i)  # between sends, like SGLang's publisher thread
+                server.serve()  # between sends, like SGLang's publisher thread
             if speed > 0:
                 due = t0 + (b.time_ns - first_ns) / 1e9 / speed
                 while True:
@@ -130,15 +92,16 @@ def publish_batches(
                         break
                     time.sleep(min(0.01, due - now))
                     if server is not None:
-                        server.serve(i)
+                        server.serve()
             pub.send_multipart(wire.live_frames(topic, b.seq, b.payload))
+            record((b.seq, b.payload))
             sent += 1
             if on_sent is not None:
                 on_sent(sent)
         if server is not None:
             end = time.monotonic() + linger_s
             while True:
-                server.serve(len(batches))
+                server.serve()
                 if time.monotonic() >= end:
                     break
                 time.sleep(0.01)

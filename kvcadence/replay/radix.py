@@ -36,6 +36,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvcadence.format import wire
+
 #: 32 bytes per page: a node's page digests, concatenated (one object per node, not per page)
 DIGEST_SIZE = 32
 
@@ -70,8 +72,6 @@ def wire_hasher() -> Hasher:
     """The production hasher: ``kvcadence.format.wire`` (SGLang's chained SHA-256)."""
     import sys
     from array import array
-
-    from kvcadence.format import wire
 
     block_digests = wire.block_digests
     to_int = wire.digest_to_int64
@@ -376,7 +376,7 @@ class RadixTree:
             break
         if pos >= n:
             return depth + pos, node, None
-        rest = run[pos:n] if as_list else list(run[pos:n])
+        rest: list[int] = run[pos:n] if as_list else list(run[pos:n])  # type: ignore[assignment]
         digests = node.digests
         digests, hashes = self.hasher(digests[-DIGEST_SIZE:] if digests else None, rest, ps)
         new = Node(rest, node, digests, hashes, self._next_id)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcadence.errors import UsageError
+from kvcadence.replay.events import CLEAR, REMOVE, STORE
 
 ROUTES = ("recorded", "round_robin", "shortest_queue", "cache_aware")
 
@@ -112,7 +113,6 @@ class PublishedIndex:
 
     def advance(self, log: list[tuple[int, list[Any]]], upto_ns: int) -> int:
         """Apply published batches with publish time <= ``upto_ns``; returns how many."""
-        from kvcadence.replay.events import CLEAR, REMOVE, STORE
 
         n = 0
         blocks = self.blocks

@@ -4,7 +4,7 @@ Why one ~1,000-line module: the loop is one algorithm whose steps share the work
 (queue, running batch, pool, tree, publish counters) and whose order *is* the model (what is
 evicted before which store is queued); its side concerns live elsewhere -- request and batch
 records in ``replay.request``, decode-stretch skipping in ``replay.stretch``, visibility marks
-in ``replay.marks`` (mixins of ``Scheduler``).
+in ``replay.marks`` (functions bound as ``Scheduler`` methods).
 
 What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
 
@@ -60,6 +60,7 @@ from typing import Any
 
 from kvcadence.errors import ReplayError
 from kvcadence.gcpause import gc_paused
+from kvcadence.replay import marks, stretch
 from kvcadence.replay.admission import (
     AddReqResult,
     NewTokenRatioTracker,
@@ -69,12 +70,10 @@ from kvcadence.replay.admission import (
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
 from kvcadence.replay.flushes import FlushPlan
-from kvcadence.replay.marks import VisibilityMarks
 from kvcadence.replay.policy import order_waiting
 from kvcadence.replay.radix import Hasher, Node, RadixTree
 from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
-from kvcadence.replay.stretch import DecodeStretches
 from kvcadence.replay.timing import PassTimer
 
 _INF = float("inf")
@@ -111,8 +110,17 @@ class _AllocatorAdapter:
         return self.sched.available()
 
 
-class Scheduler(VisibilityMarks, DecodeStretches):
+class Scheduler:
     """One simulated SGLang worker (one DP rank) driven by a ``Schedule``."""
+
+    # visibility marks (replay/marks.py) and decode stretches (replay/stretch.py)
+    computed_at = marks.computed_at
+    _mark_index = staticmethod(marks._mark_index)
+    _record_store = marks._record_store
+    _mark_batch = marks._mark_batch
+    _skip_decode_stretch = stretch._skip_decode_stretch
+    _stretch_needs = stretch._stretch_needs
+    _evict_through_stretch = stretch._evict_through_stretch
 
     def __init__(
         self,
@@ -157,7 +165,9 @@ class Scheduler(VisibilityMarks, DecodeStretches):
         self.tc = _TreeCacheAdapter(self.tree)
         self.allocator = _AllocatorAdapter(self)
         shared = requests is not None
-        self.reqs = requests if shared else [SimReq(s) for s in schedule.requests]
+        self.reqs: list[SimReq] = (
+            requests if requests is not None else [SimReq(s) for s in schedule.requests]
+        )
         self.role = cfg.role
         #: radix inserts happen (a decode worker inserts only with its decode radix cache)
         self.inserts = cfg.role != "decode" or cfg.decode_radix_cache
@@ -211,7 +221,7 @@ class Scheduler(VisibilityMarks, DecodeStretches):
         self.held: list[tuple[int, int]] = []
         self.track = cfg.track_visibility
         #: stores queued since the last publish: (computed passes, computed ns, phases)
-        self.vis_pending: list[tuple[list[int], list[int], list[int]]] = []
+        self.vis_pending: list[tuple[array[int], array[int], array[int]]] = []
         #: one entry per published batch that carried stores:
         #: (seq, publish pass, publish ns, reason, computed passes, computed ns, phases)
         self.vis_frames: list[tuple[int, int, int, str, array, array, array]] = []

@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import EndpointInfo, RequestRecord
 from kvcadence.gcpause import gc_paused
+from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
@@ -39,7 +42,9 @@ from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, SimReq, SimStats
 from kvcadence.replay.schedule import Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
+from kvcadence.replay.simbundle import sim_header, write_sim
 from kvcadence.replay.timing import calibrate
+from kvcadence.replay.visibility import visibility_notes
 
 
 @dataclass
@@ -72,6 +77,8 @@ class SimResult:
             "wall_s": round(self.wall_s, 3),
             # production captures: how outputs and sessions were inferred (replay/production)
             **({"inferred": self.extra["inferred"]} if "inferred" in self.extra else {}),
+            # offline traces: which file and format (replay/trace)
+            **({"trace": self.extra["trace"]} if "trace" in self.extra else {}),
         }
 
 
@@ -175,7 +182,6 @@ def sim_request_record(
     """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
     ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
     (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
-    from kvcadence.format.schema import RequestRecord
 
     s = r.spec
     arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
@@ -233,47 +239,24 @@ def flush_times_from_bundle(
 
 def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
     """Write ``result`` as a sim bundle at ``out`` (must not exist or be empty)."""
-    from kvcadence import __version__
-    from kvcadence.format.bundle import BundleWriter
-    from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
-
     cfg = result.config
-    endpoint = EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)
-    header = Header(
-        format_major=FORMAT_MAJOR,
-        format_minor=FORMAT_MINOR,
-        source="sim",
-        kvcadence_version=__version__,
+    header = sim_header(
+        source_header,
         sglang_version=cfg.sglang_version,
-        server_info=dict(getattr(source_header, "server_info", {}) or {}),
-        kv_events_config=getattr(source_header, "kv_events_config", None),
         command=["kvcadence", "replay"],
         start_ns=result.schedule.anchor_ns,
-        endpoints=[endpoint],
+        endpoints=[EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)],
         sim_config=cfg.to_dict(),
     )
-    end_ns = result.schedule.anchor_ns + result.stats.virtual_ns
-    summary = result.summary()
-    summary.pop("wall_s", None)  # keep the bundle deterministic
-    with BundleWriter(out, header) as w:
-        for b in result.batches:
-            w.write_event(
-                endpoint=0,
-                seq=b.seq,
-                recv_ns=b.time_ns,
-                topic=cfg.topic,
-                payload=b.payload,
-                via=VIA_SIM,
-                epoch=0,
-                pass_index=b.pass_index,
-            )
-        from kvcadence.replay.visibility import visibility_notes
-
-        for note in visibility_notes(result):
-            w.write(note)
-        for rec in result.requests:
-            w.write(rec)
-        w.close(stats={"replay": summary}, end_ns=end_ns)
+    write_sim(
+        out,
+        header,
+        ((0, b) for b in result.batches),
+        visibility_notes(result),
+        result.requests,
+        result.summary(),
+        result.schedule.anchor_ns + result.stats.virtual_ns,
+    )
 
 
 def replay_bundle(
@@ -297,8 +280,6 @@ def replay_bundle(
     records as ``production.records_for_replay`` returned them with its report
     ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
     here when not given; flushes scanned when None)."""
-    from kvcadence.format.bundle import BundleReader
-    from kvcadence.outguard import refuse_nonempty_dir
 
     phases = phases or NoPhases()
 
@@ -308,6 +289,7 @@ def replay_bundle(
     out_path = Path(out) if out is not None else None
     if out_path is not None:
         refuse_nonempty_dir(out_path)
+    records: Sequence[Any]
     what = f"loading {src_path}" if loaded is None else f"scanning {src_path} for cache flushes"
     with phases.phase("load", what):
         if loaded is None:

@@ -38,17 +38,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import UsageError
+from kvcadence.errors import InputError, UsageError
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import served_rank
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay import executors
+from kvcadence.replay.config import CLI_OVERRIDES, SimConfig, TimingParams
+from kvcadence.replay.events import CLEAR, REMOVE, STORE
+from kvcadence.replay.fleet import load_worker, rank_configs, simulate_fleet
+from kvcadence.replay.routing import ROUTES
 
 PARTITION_BASE = ("worker", "rank", "route")
 
 
 def _setting_types() -> dict[str, Any]:
     import dataclasses
-
-    from kvcadence.replay.config import CLI_OVERRIDES, SimConfig, TimingParams
 
     cfg = SimConfig()
     timing = TimingParams()
@@ -83,7 +87,6 @@ def _coerce(key: str, text: str, default: Any) -> Any:
 
 def parse_sweep(specs: Sequence[str]) -> list[dict[str, Any]]:
     """Cartesian product of ``key=v1,v2,…`` specs (later keys vary fastest)."""
-    from kvcadence.replay.routing import ROUTES
 
     types = _setting_types()
     axes: list[tuple[str, list[Any]]] = []
@@ -122,8 +125,6 @@ def point_label(point: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- one job
 def fleet_rows(result: Any) -> list[dict[str, Any]]:
     """The dataset rows (both kinds) of one fleet replay, partition columns included."""
-    from kvcadence.format.schema import served_rank
-    from kvcadence.replay.events import CLEAR, REMOVE, STORE
 
     rows: list[dict[str, Any]] = []
     for sl in result.slots:
@@ -275,7 +276,6 @@ def write_rows(out: Path, rows: list[dict[str, Any]], point: dict[str, Any], job
 def simulate_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Replay one job: its dataset rows and its summary (without ``files``/``job_wall_s``).
     ``job["names"]`` (optional) names the workers (default: each bundle's directory name)."""
-    from kvcadence.replay.fleet import load_worker, simulate_fleet
 
     point = dict(job["point"])
     route = point.get("route") or job.get("route") or "recorded"
@@ -379,9 +379,6 @@ def validate_jobs(specs: Sequence[dict[str, Any]]) -> None:
     """Build every job's rank configs in this process (each bundle read once; no timing
     calibration, which cannot make a config invalid): a bad point (``page_size=0``) or an
     input without requests is a ``UsageError`` / ``InputError`` before anything is written."""
-    from kvcadence.errors import InputError
-    from kvcadence.format.bundle import BundleReader
-    from kvcadence.replay.fleet import rank_configs
 
     inputs: dict[str, tuple[Any, list[Any]]] = {}
     for job in specs:
@@ -436,7 +433,7 @@ def run_sweep(
         if not Path(p).exists():
             raise UsageError(f"{p}: no such bundle")
     groups = [[p] for p in paths] if each else [paths]
-    specs = []
+    specs: list[dict[str, Any]] = []
     for g in groups:
         for pt in points:
             specs.append(
@@ -473,7 +470,7 @@ def run_sweep(
         for s in specs:
             results[s["job"]] = run_job(s)
             if on_done is not None:
-                on_done(results[s["job"]])  # type: ignore[arg-type]
+                on_done(results[s["job"]])
     else:
         with ProcessPoolExecutor(max_workers=n, mp_context=get_context("spawn")) as pool:
             futs = {pool.submit(run_job, s): s["job"] for s in specs}

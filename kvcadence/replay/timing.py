@@ -159,7 +159,7 @@ def calibrate(
                 ends.append((e + dur if sync_forward else f, dur))
         return xs, ys, ends
 
-    def decode_fit(ends: list[tuple]) -> tuple[float, float] | None:
+    def decode_fit(ends: list[tuple[Any, ...]]) -> tuple[float, float, float] | None:
         per_pass, conc = [], []
         for _fe, pf, _rx, fin, n, _u in rows:
             if n < 2 or fin <= pf:

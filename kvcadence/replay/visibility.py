@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcadence.format.schema import Annotation
+
 VISIBILITY_KIND = "visibility"
 VISIBILITY_VERSION = 1
 
@@ -38,7 +40,6 @@ def visibility_notes(result: Any, endpoint: int = 0) -> list[Any]:
 def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> list[Any]:
     """The visibility notes of one finished ``Scheduler`` whose batches are published as
     ``endpoint`` (a fleet writes one set per rank)."""
-    from kvcadence.format.schema import Annotation
 
     if not getattr(sched, "track", False):
         return []

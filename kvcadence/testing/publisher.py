@@ -2,12 +2,11 @@
 
 Used by the fault tests and the capture benchmark in place of a real worker. Like SGLang's
 ``ZmqEventPublisher``: live frames ``[topic, seq8, payload]`` on a PUB socket, a replay ring of
-the last ``buffer_steps`` batches served by a ROUTER (``[identity, b"", start8]`` in; per-batch
-replies then the ``ff x 8`` end marker out, in the 0.5.22+ layout with a topic frame or the
-older one without). Frames are built and replay requests parsed with
-``kvcadence.format.wire`` (``wire.parse_replay_request``: a malformed request is counted in
-``bad_requests`` and, as by SGLang, not answered); payloads with ``wire.encode_batch``.
-Binds only to 127.0.0.1.
+the last ``buffer_steps`` batches served by a ROUTER from a thread, with the one replay
+server ``kvcadence.format.wire.publisher.ReplayRouter`` (also behind ``kvcadence replay
+--publish``): per-batch replies then the ``ff x 8`` end marker, in the 0.5.22+ layout with a
+topic frame or the older one without; a malformed request is counted in ``bad_requests`` and,
+as by SGLang, not answered. Payloads come from ``wire.encode_batch``. Binds only to 127.0.0.1.
 
 Fault knobs: ``restart()`` (close and rebind the same ports, seq back to 0, ring emptied),
 ``drop(n)`` (consume seqs without sending: still in the ring, i.e. an HWM drop, or not, i.e. a
@@ -23,9 +22,11 @@ import time
 from collections import deque
 from typing import Any
 
-from kvcadence.errors import WireError
+import zmq
+
 from kvcadence.format import wire
 from kvcadence.format.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvcadence.format.wire.publisher import ReplayRouter
 
 
 class TestPublisher:
@@ -45,9 +46,6 @@ class TestPublisher:
         port: int = 0,
         replay_port: int = 0,
     ) -> None:
-        import zmq
-
-        self._zmq = zmq
         self.ctx = zmq.Context()
         self.topic = topic
         self.replay_enabled = replay
@@ -58,15 +56,27 @@ class TestPublisher:
         self._ring_lock = threading.Lock()
         self.seq = 0
         self.sent = 0
-        self.replay_requests = 0
-        self.bad_requests = 0  # replay requests wire.parse_replay_request refused (no reply)
         self.port = port
         self.replay_port = replay_port
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.pub: Any = None
         self.router: Any = None
+        # one server across restarts: its request counts are this publisher's
+        self._replay = ReplayRouter(
+            None, self.ring, topic=topic, end_topic="", lock=self._ring_lock
+        )
         self._open()
+
+    @property
+    def replay_requests(self) -> int:
+        """Well-formed replay requests read (answered, or not in the ``"stall"`` mode)."""
+        return self._replay.requests
+
+    @property
+    def bad_requests(self) -> int:
+        """Replay requests ``wire.parse_replay_request`` refused (no reply)."""
+        return self._replay.malformed
 
     # ------------------------------------------------------------ endpoints
 
@@ -86,13 +96,12 @@ class TestPublisher:
             try:
                 sock.bind(f"tcp://127.0.0.1:{port}")
                 return port
-            except self._zmq.ZMQError:
+            except zmq.ZMQError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
     def _open(self) -> None:
-        zmq = self._zmq
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, self.sndhwm)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -166,35 +175,17 @@ class TestPublisher:
     # ------------------------------------------------------------ replay
 
     def _serve(self) -> None:
-        zmq = self._zmq
-        router = self.router
+        server = self._replay
+        server.router = self.router
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
+        poller.register(self.router, zmq.POLLIN)
         while not self._stop.is_set():
             if not poller.poll(50):
                 continue
-            while True:
-                try:
-                    frames = router.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    start = wire.parse_replay_request(frames[1:])
-                except WireError:
-                    self.bad_requests += 1
-                    continue  # SGLang logs and ignores anything else
-                self.replay_requests += 1
-                if self.replay_mode == "stall":
-                    continue
-                ident = frames[0]
-                with self._ring_lock:
-                    items = [(s, p) for s, p in self.ring if s >= start]
-                topic = self.topic if self.reply_topic else None
-                for s, p in items:
-                    router.send_multipart([ident, *wire.replay_reply_frames(topic, s, p)])
-                router.send_multipart(
-                    [ident, *wire.replay_reply_frames("" if self.reply_topic else None, -1, b"")]
-                )
+            server.stall = self.replay_mode == "stall"
+            server.topic = self.topic if self.reply_topic else None
+            server.end_topic = "" if self.reply_topic else None
+            server.serve()
 
 
 # ---------------------------------------------------------------- payloads

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvcadence.analysis import ingest
+from kvcadence.analysis import ingest, records
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleWriter
@@ -104,8 +104,8 @@ def test_missing_bundle_is_usage_error(tmp_path: Path) -> None:
 def _tables_both_ways(bundle: Path) -> tuple[dict, dict]:
     """build_tables through the view path and through the ordinary RequestRecord path."""
     with gc_paused():
-        fast = ingest._build_tables(bundle, views=True)[0]
-        slow = ingest._build_tables(bundle, views=False)[0]
+        fast = records._build_tables(bundle, views=True)[0]
+        slow = records._build_tables(bundle, views=False)[0]
     return fast, slow
 
 
@@ -149,7 +149,7 @@ def test_non_int_ids_fall_back_to_the_ordinary_reader(tmp_path: Path) -> None:
     r = pq.read_table(ing.path("requests")).to_pydict()
     assert r["rid"] == ["ok"] and r["input_ids"] == [[1, 2, 300]]
     with gc_paused():
-        slow, slow_info = ingest._build_tables(b, views=False)
+        slow, slow_info = records._build_tables(b, views=False)
     for name in slow:
         assert pq.read_table(ing.path(name)).equals(slow[name]), name
     assert ing.info["corrupt_frames"] == slow_info["corrupt_frames"]
@@ -165,8 +165,8 @@ def test_token_id_beyond_int64_is_input_error(tmp_path: Path) -> None:
 
 def _raw_and_list_paths(bundle: Path) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
     with gc_paused():
-        raw = ingest._build_tables(bundle, views=True, raw=True)
-        lst = ingest._build_tables(bundle, views=True, raw=False)
+        raw = records._build_tables(bundle, views=True, raw=True)
+        lst = records._build_tables(bundle, views=True, raw=False)
     return raw, lst
 
 
@@ -251,11 +251,11 @@ def test_raw_check_failure_reads_the_bundle_with_decode_batch_view(
     good = KVEventBatch(0.5, [stored([NEG, 5], page_size=4), removed([NEG])], 0)
     c = _bundle(tmp_path / "c", [good], [(100 + i, v) for i, v in enumerate(extra)])
     if _BYTES_HASH in extra:
-        with pytest.raises(ingest._RawCheckFailed), gc_paused():
-            ingest._build_tables(c, views=True, raw=True)
+        with pytest.raises(records._RawCheckFailed), gc_paused():
+            records._build_tables(c, views=True, raw=True)
     ing = ingest.ingest(c)
     with gc_paused():
-        lst, lst_info = ingest._build_tables(c, views=True, raw=False)
+        lst, lst_info = records._build_tables(c, views=True, raw=False)
     for name in lst:
         assert pq.read_table(ing.path(name)).equals(lst[name]), name
     assert ing.info["undecodable_payloads"] == (_BAD_TOKENS in extra)

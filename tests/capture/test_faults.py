@@ -322,9 +322,9 @@ def test_deferred_stats_decode_counts_every_written_frame(run_capture, endpoint_
 def test_shallow_payload_checked_without_padding_reads_back_from_a_deep_stack(tmp_path):
     from kvcadence.capture.discovery import make_header
     from kvcadence.format import bundle
-    from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.bundle import BundleWriter, frames
 
-    n = bundle._SHALLOW_BYTES
+    n = frames._SHALLOW_BYTES
     payload = b"\x91" * (n - 1) + b"\x01"  # as deep as a payload of that length can nest
     assert len(payload) == n and bundle.is_single_msgpack(payload)
     w = BundleWriter(tmp_path / "b", make_header([], server_info=None, command=[]))

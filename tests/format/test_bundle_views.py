@@ -220,7 +220,7 @@ def test_a_segment_that_cannot_be_mapped_is_read(
     def refuse(*a: Any, **k: Any) -> Any:
         raise OSError("no mmap here")
 
-    monkeypatch.setattr(kb.mmap, "mmap", refuse)
+    monkeypatch.setattr(kb.segments.mmap, "mmap", refuse)
     reader = BundleReader(path)
     assert list(reader.records()) == want
     assert not reader.report.corrupt

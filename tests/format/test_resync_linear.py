@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvcadence.format.bundle import BundleReader, BundleWriter
-from kvcadence.format.crcspan import SpanCrc
+from kvcadence.format.bundle.crcspan import SpanCrc
 from kvcadence.format.schema import FORMAT_MAJOR, Header, RequestRecord
 
 N = 256 << 10

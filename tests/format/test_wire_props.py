@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcadence.errors import WireError
-from kvcadence.format import wire
 from kvcadence.format.schema import BlockRemoved, BlockStored, KVEventBatch, UnknownEvent
 from kvcadence.format.wire import (
     batch_from_canonical,
@@ -24,6 +23,7 @@ from kvcadence.format.wire import (
     to_canonical,
     u64,
 )
+from kvcadence.format.wire import decode as wire_decode
 from tests.strategies import (
     FAMILY_VERSION,
     canonical_batches,
@@ -275,4 +275,4 @@ def test_fast_path_and_fallback_agree(vb: tuple[str, KVEventBatch]) -> None:
     """The typed fast path (maps) and the untyped per-event fallback decode alike."""
     version, batch = vb
     payload = encode_batch(batch, version)
-    assert wire._decode_slow(payload) == decode_batch(payload) == batch
+    assert wire_decode._decode_slow(payload) == decode_batch(payload) == batch

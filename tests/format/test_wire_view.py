@@ -30,6 +30,7 @@ from kvcadence.format.schema import (
     KVEventBatch,
     UnknownEvent,
 )
+from kvcadence.format.wire import decode as wire_decode
 
 #: a 0.5.20+ batch whose one BlockStored has token_ids that are not an array
 BAD_TOKENS = msgspec.msgpack.encode(
@@ -271,7 +272,7 @@ def test_raw_real_capture_agrees_on_the_typed_path(fixture_dir: Path) -> None:
     for line in (fixture_dir / "events.jsonl").read_text().splitlines():
         payload = base64.b64decode(json.loads(line)["payload_b64"])
         _same_raw(payload)
-        assert wire._RAW_VIEW.decode(payload) is not None  # no fallback on real 0.5.23 data
+        assert wire_decode._RAW_VIEW.decode(payload) is not None  # no fallback on real 0.5.23 data
         n_stored += sum(
             type(e) is BlockStoredRawView for e in wire.decode_batch_raw(payload).events
         )

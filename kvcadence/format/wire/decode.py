@@ -1,55 +1,7 @@
-"""SGLang KV-event payload bytes and ZMQ frames: the one codec (decode any shape, encode any
-version byte-identically), the vectors' canonical JSON form, and the block-hash functions
-(re-exported from ``kvcadence.format.hashes``).
-
-Decoding (``decode_batch``) accepts every shape seen on the wire:
-
-* 0.5.20+ tagged maps (key order free, optional keys may be missing, unknown keys ignored);
-* 0.5.10-0.5.17 tagged positional arrays (7-slot stores, 3-slot removes, nil slots) and
-  0.5.5 arrays (6/2 slots); extra trailing slots are ignored (vLLM/Dynamo add e.g.
-  ``lora_name``/``extra_keys`` there -- kvcadence does not interpret them);
-* vLLM batches: the third batch element is read positionally whatever its name
-  (``data_parallel_rank``); 32-byte **bytes** hashes become the int64 of their first 8 bytes,
-  big-endian, two's complement -- exactly what SGLang's ``hash_str_to_int64`` does to a
-  digest, so a vLLM sha256 digest and an SGLang event hash of the same digest compare equal.
-  Any bytes hash of at least 8 bytes is accepted that way; shorter ones are a ``WireError``.
-
-Every hash comes out as a signed int64 (``norm_hash``): signed and unsigned 64-bit wire forms
-of one value decode equal. An event with an unknown tag does not fail the batch: it becomes
-``UnknownEvent(tag, raw)`` (``count_unknown`` counts them). Bigram (EAGLE) ``token_ids``
-elements ``[t, t+1]`` are kept as 2-element lists. Everything else that is malformed raises
-``WireError`` with a msgspec-style path (``$[1][3].block_hashes[2]`` for map events,
-``$[1][3][1][2]`` for positional ones). The batch must be an array of exactly 3 elements.
-
-Fast path: one typed msgspec decode into the canonical structs (the 0.5.20+ map shape), else
-one into the ``*V17`` array structs (0.5.5-0.5.17; converted to canonical), plus a C-speed range
-check that normalises hashes >= 2**63; any validation failure falls back to an untyped decode
-and a per-event dispatch (mixed shapes, unknown tags, bytes hashes, bigram tokens, ...).
-Two decode-only variants for readers that need fewer Python objects (analysis ingest):
-``decode_batch_view`` leaves stored token ids as raw msgpack, ``decode_batch_raw`` leaves
-block hashes raw too (the caller checks them); both agree with ``decode_batch`` otherwise.
-
-Encoding (``encode_batch``) mirrors each release's own structs: 0.5.22/0.5.23 maps, 0.5.20 maps
-without ``lora_name``, 0.5.10/0.5.14/0.5.17 7/3-slot arrays (``*V17``), 0.5.5 6/2-slot arrays
-(``*V05``); ``ts`` always float64. Hash ints are written exactly as held (a value >= 2**63 is
-written as uint64), so ``batch_from_canonical`` + ``encode_batch`` reproduce the vectors byte
-for byte. An ``UnknownEvent`` is re-emitted from its ``raw`` value only when that raw has the
-target version's event shape (a map with the same ``"type"`` for map versions, an array
-starting with the tag for array versions) -- the content round-trips, but the bytes are only
-guaranteed identical for msgspec-produced input (msgspec writes ints/floats in its own forms);
-otherwise encoding it raises ``WireError``.
-
-Canonical form (``to_canonical``): ``{"ts", "events": [{"type", <fields>}], "attn_dp_rank"}``.
-For map versions (the default) optional fields that are None are left out, as on the wire.
-For array versions, pass ``version=`` to get that version's slot names with nil slots kept as
-null (0.5.10-0.5.17: ``medium`` always present; 0.5.5: no ``medium`` key) -- the form the
-vectors use. An unknown event is ``{"type": tag, "raw": raw}``.
-
-ZMQ framing: live ``[topic, seq u64 BE, payload]``; a DEALER sends ``[b"", start_seq8]`` to the
-replay ROUTER; replies as seen by the DEALER, **after the caller strips the one empty
-delimiter frame**, are ``[topic, seq8, payload]`` (0.5.22+) or ``[seq8, payload]`` (older);
-the end marker's seq frame is ``ff`` x 8. (The caller must strip the delimiter: with the default
-empty topic a stripped 0.5.23 reply and an unstripped 0.5.20 reply look the same.)
+"""Decoding SGLang KV-event payloads of any shape into the canonical structs
+(``decode_batch``) and the two decode-only variants for analysis ingest (``decode_batch_view``,
+``decode_batch_raw``). See ``kvcadence.format.wire`` for the accepted shapes and the fast and
+slow paths; every variant reaches the same verdict on a payload.
 """
 
 from __future__ import annotations
@@ -58,77 +10,32 @@ from typing import Any, Union
 
 import msgspec
 
-from kvcadence.errors import UsageError, WireError
+from kvcadence.errors import WireError
 from kvcadence.format.hashes import (
     I64_MAX,
     U64_MAX,
-    block_digests,
-    block_hashes,
-    cache_salt_seed,
     digest_to_int64,
-    namespace_seed,
-    namespaced_block_hash,
-    norm_hash,
-    page_digest,
-    u64,
 )
 from kvcadence.format.schema import (
     AllBlocksCleared,
-    AllBlocksClearedArr,
     BlockRemoved,
     BlockRemovedRawView,
-    BlockRemovedV05,
     BlockRemovedV17,
     BlockRemovedV17RawView,
     BlockStored,
     BlockStoredRawView,
-    BlockStoredV05,
     BlockStoredV17,
     BlockStoredV17RawView,
     BlockStoredV17View,
     BlockStoredView,
     KVEventBatch,
     KVEventBatchRawView,
-    KVEventBatchV05,
     KVEventBatchV17,
     KVEventBatchV17RawView,
     KVEventBatchV17View,
     KVEventBatchView,
     UnknownEvent,
 )
-
-# --------------------------------------------------------------------------------------
-# Versions
-# --------------------------------------------------------------------------------------
-
-FAMILY_MAP = "map"  # 0.5.22+: tagged maps with lora_name
-FAMILY_MAP20 = "map20"  # 0.5.20: tagged maps, no lora_name
-FAMILY_ARRAY = "array"  # 0.5.10-0.5.17: 7/3-slot tagged arrays
-FAMILY_ARRAY05 = "array05"  # 0.5.5: 6/2-slot tagged arrays
-
-VERSION_FAMILY: dict[str, str] = {
-    "0.5.5": FAMILY_ARRAY05,
-    "0.5.10": FAMILY_ARRAY,
-    "0.5.14": FAMILY_ARRAY,
-    "0.5.17": FAMILY_ARRAY,
-    "0.5.20": FAMILY_MAP20,
-    "0.5.22": FAMILY_MAP,
-    "0.5.23": FAMILY_MAP,
-}
-SUPPORTED_VERSIONS: tuple[str, ...] = tuple(VERSION_FAMILY)
-DEFAULT_VERSION = "0.5.23"
-
-
-def version_family(version: str) -> str:
-    """The wire family of an SGLang release (``UsageError`` for a release kvcadence doesn't know)."""
-    fam = VERSION_FAMILY.get(version)
-    if fam is None:
-        raise UsageError(
-            f"unknown SGLang version {version!r} for the KV-event wire format "
-            f"(known: {', '.join(SUPPORTED_VERSIONS)})"
-        )
-    return fam
-
 
 # --------------------------------------------------------------------------------------
 # Decoding
@@ -580,307 +487,4 @@ def count_unknown(batch: KVEventBatch) -> int:
     return sum(1 for ev in batch.events if type(ev) is UnknownEvent)  # type: ignore[comparison-overlap, misc]
 
 
-# --------------------------------------------------------------------------------------
-# Encoding
-# --------------------------------------------------------------------------------------
-
-
-def _unknown_raw(ev: UnknownEvent, fam: str, version: str) -> Any:
-    raw = ev.raw
-    if fam in (FAMILY_MAP, FAMILY_MAP20):
-        if type(raw) is dict and raw.get("type") == ev.tag:
-            return raw
-    elif type(raw) is list and raw and raw[0] == ev.tag:
-        return raw
-    raise WireError(
-        f"cannot encode unknown event {ev.tag!r} for SGLang {version}: its raw value is not "
-        f"a {'map' if fam.startswith('map') else 'positional array'} event"
-    )
-
-
-def _to_v17(ev: Any, fam: str, version: str) -> Any:
-    t = type(ev)
-    if t is BlockStored:
-        return BlockStoredV17(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-        )
-    if t is BlockRemoved:
-        return BlockRemovedV17(ev.block_hashes, ev.medium)
-    if t is AllBlocksCleared:
-        return AllBlocksClearedArr()
-    if t is UnknownEvent:
-        return _unknown_raw(ev, fam, version)
-    raise WireError(f"not a KV event: {t.__name__}")
-
-
-def _to_v05(ev: Any, fam: str, version: str) -> Any:
-    t = type(ev)
-    if t is BlockStored:
-        return BlockStoredV05(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id
-        )
-    if t is BlockRemoved:
-        return BlockRemovedV05(ev.block_hashes)
-    if t is AllBlocksCleared:
-        return AllBlocksClearedArr()
-    if t is UnknownEvent:
-        return _unknown_raw(ev, fam, version)
-    raise WireError(f"not a KV event: {t.__name__}")
-
-
-def _to_map(ev: Any, fam: str, version: str) -> Any:
-    t = type(ev)
-    if t is BlockStored:
-        if fam == FAMILY_MAP20 and ev.lora_name is not None:
-            return msgspec.structs.replace(ev, lora_name=None)
-        return ev
-    if t is BlockRemoved or t is AllBlocksCleared:
-        return ev
-    if t is UnknownEvent:
-        return _unknown_raw(ev, fam, version)
-    raise WireError(f"not a KV event: {t.__name__}")
-
-
-def encode_batch(batch: KVEventBatch, version: str = DEFAULT_VERSION) -> bytes:
-    """The payload bytes SGLang ``version`` publishes for ``batch`` (byte-identical)."""
-    fam = version_family(version)
-    ts = batch.ts
-    if type(ts) is not float:
-        try:
-            ts = float(ts)
-        except (TypeError, ValueError):
-            raise WireError(f"batch ts must be a number, got {ts!r}") from None
-    events = batch.events
-    try:
-        if fam == FAMILY_MAP:
-            if type(batch.ts) is float and not any(type(e) is UnknownEvent for e in events):  # type: ignore[comparison-overlap]
-                return _ENC.encode(batch)
-            out: Any = KVEventBatch(
-                ts, [_to_map(e, fam, version) for e in events], batch.attn_dp_rank
-            )
-        elif fam == FAMILY_MAP20:
-            out = KVEventBatch(ts, [_to_map(e, fam, version) for e in events], batch.attn_dp_rank)
-        elif fam == FAMILY_ARRAY:
-            out = KVEventBatchV17(
-                ts, [_to_v17(e, fam, version) for e in events], batch.attn_dp_rank
-            )
-        else:
-            out = KVEventBatchV05(
-                ts, [_to_v05(e, fam, version) for e in events], batch.attn_dp_rank
-            )
-        return _ENC.encode(out)
-    except (OverflowError, TypeError) as exc:
-        raise WireError(f"batch cannot be encoded for SGLang {version}: {exc}") from None
-
-
-# --------------------------------------------------------------------------------------
-# Canonical JSON form (the vectors' "decoded")
-# --------------------------------------------------------------------------------------
-
-
-def _canon_event(ev: Any, fam: str) -> dict[str, Any]:
-    t = type(ev)
-    if t is UnknownEvent:
-        return {"type": ev.tag, "raw": ev.raw}
-    if t is AllBlocksCleared:
-        return {"type": _TAG_CLEARED}
-    if fam == FAMILY_ARRAY or fam == FAMILY_ARRAY05:
-        if t is BlockStored:
-            d = {
-                "type": _TAG_STORED,
-                "block_hashes": ev.block_hashes,
-                "parent_block_hash": ev.parent_block_hash,
-                "token_ids": ev.token_ids,
-                "block_size": ev.block_size,
-                "lora_id": ev.lora_id,
-            }
-        else:
-            d = {"type": _TAG_REMOVED, "block_hashes": ev.block_hashes}
-        if fam == FAMILY_ARRAY:
-            d["medium"] = ev.medium
-        return d
-    d = msgspec.to_builtins(ev)
-    if fam == FAMILY_MAP20:
-        d.pop("lora_name", None)
-    return d  # type: ignore[no-any-return]
-
-
-def to_canonical(batch: KVEventBatch, version: str | None = None) -> dict[str, Any]:
-    """The vectors' ``decoded`` JSON form of a batch.
-
-    ``version=None`` (or a map version) gives the map form: None-valued optional fields left
-    out, required ``parent_block_hash``/``lora_id`` kept. An array version gives that
-    version's positional slot names with nil slots as null (0.5.5: no ``medium``).
-    """
-    fam = FAMILY_MAP if version is None else version_family(version)
-    return {
-        "ts": batch.ts,
-        "events": [_canon_event(ev, fam) for ev in batch.events],
-        "attn_dp_rank": batch.attn_dp_rank,
-    }
-
-
-def batch_from_canonical(d: dict[str, Any]) -> KVEventBatch:
-    """Inverse of ``to_canonical``: build canonical structs, keeping every int exactly as given
-    (no hash normalisation, so encoding reproduces the original bytes)."""
-    if type(d) is not dict:
-        raise WireError(f"a canonical batch must be a dict, got {_kind(d)} - at `$`")
-    ts = d.get("ts")
-    if type(ts) is int:
-        ts = float(ts)
-    elif type(ts) is not float:
-        raise WireError(f"ts must be a number, got {_kind(ts)} - at `$.ts`")
-    events = d.get("events")
-    if type(events) is not list:
-        raise WireError(f"events must be a list, got {_kind(events)} - at `$.events`")
-    rank = _opt_int(d.get("attn_dp_rank"), "attn_dp_rank", "$.attn_dp_rank")
-    out = []
-    for i, ev in enumerate(events):
-        where = f"$.events[{i}]"
-        if type(ev) is not dict:
-            raise WireError(f"a canonical event must be a dict, got {_kind(ev)} - at `{where}`")
-        tag = ev.get("type")
-        if tag not in (_TAG_STORED, _TAG_REMOVED, _TAG_CLEARED) and type(tag) is str:
-            raw = ev["raw"] if set(ev) == {"type", "raw"} else ev
-            out.append(UnknownEvent(tag=tag, raw=raw))
-        else:
-            out.append(_event(ev, where, False))
-    return KVEventBatch(ts=ts, events=out, attn_dp_rank=rank)  # type: ignore[arg-type]
-
-
-# --------------------------------------------------------------------------------------
-# ZMQ framing
-# --------------------------------------------------------------------------------------
-
-END_SEQ: int = -1
-_END_FRAME = b"\xff" * 8
-
-
-def _seq_bytes(seq: int) -> bytes:
-    if type(seq) is not int or not (-1 <= seq <= U64_MAX):
-        raise WireError(f"seq must be an int in 0..2**64-1 (or END_SEQ), got {seq!r}")
-    if seq == END_SEQ:
-        return _END_FRAME
-    return seq.to_bytes(8, "big")
-
-
-def _seq_from(frame: bytes, where: str) -> int:
-    if len(frame) != 8:
-        raise WireError(f"seq frame must be 8 bytes, got {len(frame)} - at {where}")
-    return int.from_bytes(frame, "big")
-
-
-def _topic_from(frame: bytes, where: str) -> str:
-    try:
-        return bytes(frame).decode("utf-8")
-    except UnicodeDecodeError:
-        raise WireError(f"topic frame is not UTF-8: {bytes(frame)[:32]!r} - at {where}") from None
-
-
-def parse_live_message(frames: list[bytes]) -> tuple[str, int, bytes]:
-    """A SUB-side message ``[topic, seq8 BE, payload]`` -> ``(topic, seq, payload)``."""
-    if len(frames) != 3:
-        raise WireError(f"a live KV-event message has 3 frames, got {len(frames)}")
-    topic, seq, payload = frames
-    return _topic_from(topic, "frame 0"), _seq_from(seq, "frame 1"), bytes(payload)
-
-
-def parse_replay_reply(frames: list[bytes]) -> tuple[str | None, int, bytes] | None:
-    """A replay reply as received by a DEALER with the empty delimiter already stripped:
-    ``[topic, seq8, payload]`` (0.5.22+) or ``[seq8, payload]`` (older; topic None).
-    Returns None for the end marker (seq frame ``ff`` x 8)."""
-    n = len(frames)
-    if n == 3:
-        topic_frame, seq_frame, payload = frames
-        if bytes(seq_frame) == _END_FRAME:
-            return None
-        topic: str | None = _topic_from(topic_frame, "frame 0")
-        seq = _seq_from(seq_frame, "frame 1")
-    elif n == 2:
-        seq_frame, payload = frames
-        if bytes(seq_frame) == _END_FRAME:
-            return None
-        topic = None
-        seq = _seq_from(seq_frame, "frame 0")
-    else:
-        raise WireError(
-            f"a replay reply has 3 frames [topic, seq, payload] or 2 [seq, payload] after the "
-            f"empty delimiter, got {n}"
-        )
-    return topic, seq, bytes(payload)
-
-
-def live_frames(topic: str, seq: int, payload: bytes) -> list[bytes]:
-    """The frames a PUB socket sends: ``[topic, seq8 BE, payload]``."""
-    return [topic.encode("utf-8"), _seq_bytes(seq), bytes(payload)]
-
-
-def replay_request(start_seq: int) -> list[bytes]:
-    """What a DEALER sends to the replay ROUTER: ``[b"", start_seq8 BE]``."""
-    if start_seq == END_SEQ:
-        raise WireError("replay start seq must be 0..2**64-1")
-    return [b"", _seq_bytes(start_seq)]
-
-
-def parse_replay_request(frames: list[bytes]) -> int:
-    """A replay request as received by the ROUTER, identity frame stripped: exactly
-    ``[b"", start_seq8 BE]`` (what a DEALER sends) -> the start seq (read unsigned, as
-    SGLang does). Anything else (SGLang logs it and sends no reply) raises ``WireError``."""
-    n = len(frames)
-    if n != 2:
-        raise WireError(
-            f"a replay request has 2 frames [b'', start_seq] after the identity, got {n}"
-        )
-    delim, seq_frame = frames
-    if len(delim) != 0:
-        raise WireError(
-            f"a replay request's frame 0 must be the empty delimiter, got {bytes(delim)[:32]!r}"
-        )
-    return _seq_from(seq_frame, "frame 1 (start seq)")
-
-
-def replay_reply_frames(topic: str | None, seq: int, payload: bytes) -> list[bytes]:
-    """What a 0.5.23 ROUTER sends after the identity frame: ``[b"", topic, seq8, payload]``;
-    ``topic=None`` gives the older ``[b"", seq8, payload]``. ``seq=END_SEQ`` is the end marker
-    (its payload is always empty)."""
-    seq8 = _seq_bytes(seq)
-    body = b"" if seq == END_SEQ else bytes(payload)
-    if topic is None:
-        return [b"", seq8, body]
-    return [b"", topic.encode("utf-8"), seq8, body]
-
-
-__all__ = [
-    "SUPPORTED_VERSIONS",
-    "DEFAULT_VERSION",
-    "VERSION_FAMILY",
-    "version_family",
-    "decode_batch",
-    "decode_batch_view",
-    "decode_batch_raw",
-    "encode_batch",
-    "count_unknown",
-    "to_canonical",
-    "batch_from_canonical",
-    "norm_hash",
-    "u64",
-    "block_hashes",
-    "block_digests",
-    "page_digest",
-    "digest_to_int64",
-    "cache_salt_seed",
-    "namespace_seed",
-    "namespaced_block_hash",
-    "parse_live_message",
-    "parse_replay_reply",
-    "live_frames",
-    "replay_request",
-    "parse_replay_request",
-    "replay_reply_frames",
-    "END_SEQ",
-]
+__all__ = ["count_unknown", "decode_batch", "decode_batch_raw", "decode_batch_view"]

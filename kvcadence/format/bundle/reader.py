@@ -1,0 +1,466 @@
+"""``BundleReader``: read a bundle directory, any minor version of this major.
+
+A frame whose length or CRC does not check out in the middle of a segment is reported and
+skipped: the reader scans forward for the next offset where length, CRC and decoding all
+validate (linear in the span, ``crcspan.SpanCrc``), and never yields a record that was not
+written. A torn tail (a crash's partial frame) is normal. Lost, refused and foreign segments
+and a trailer's shortfall are reported in ``ReadReport``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import msgspec
+
+from kvcadence import __version__
+from kvcadence.errors import (
+    BundleError,
+    CorruptFrameError,
+    FormatVersionError,
+    UsageError,
+)
+from kvcadence.format.bundle.crcspan import SpanCrc
+from kvcadence.format.bundle.frames import (
+    _ANY,
+    _DECODERS,
+    _RESYNC,
+    _SEGMENT_START,
+    _UNION,
+    _UNION_VIEW,
+    _VIEW_DECODERS,
+    FRAME_HEADER,
+    FRAME_HEADER_SIZE,
+    MIN_BODY,
+    _decode_fresh_stack,
+    _is_append_note,
+    _one_value,
+    _peek_tag,
+)
+from kvcadence.format.bundle.report import ReadReport, SegmentScan
+from kvcadence.format.bundle.segments import (
+    MAGIC,
+    SEGMENT_HEADER,
+    SEGMENT_HEADER_SIZE,
+    _segment_data,
+    _segment_index,
+    bundle_identity,
+    survey_segments,
+)
+from kvcadence.format.schema import (
+    FORMAT_MAJOR,
+    BundleRecord,
+    EventFrame,
+    Header,
+    ReadRecord,
+    RequestRecord,
+    Trailer,
+)
+
+_KEEP_ALL = None
+
+
+class BundleReader:
+    """Read a bundle directory written by ``BundleWriter`` (any minor version of this major).
+
+    Iteration is lazy and restartable; each full pass refreshes ``report``. ``strict=True``
+    raises ``CorruptFrameError`` at the first corrupt frame instead of skipping it (a torn
+    tail is never an error).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, strict: bool = False) -> None:
+        self.path = Path(path)
+        self.strict = strict
+        if not self.path.exists():
+            raise UsageError(f"{self.path}: no such bundle")
+        if not self.path.is_dir():
+            raise UsageError(f"{self.path}: not a bundle (expected a directory of seg-*.kvcb)")
+        # the numbering check: holes, directories / dangling links, empty middle segments
+        segments, self.missing_segments = survey_segments(self.path)
+        if not segments:
+            raise UsageError(f"{self.path}: not a bundle (no seg-*.kvcb segment files)")
+        if self.missing_segments and strict:
+            name, why = self.missing_segments[0]
+            raise BundleError(f"{self.path}: segment {name} is {why}")
+        self._minors: dict[Path, int] = {}
+        #: segments whose segment header is refused (bad magic, unknown major): not read
+        self.refused_segments: list[tuple[str, str]] = []
+        self.segments: list[Path] = []
+        for i, seg in enumerate(segments):
+            try:
+                with open(seg, "rb") as f:
+                    head = f.read(SEGMENT_HEADER_SIZE)
+            except OSError as exc:
+                raise BundleError(f"cannot read {seg}: {exc}") from exc
+            if len(head) < SEGMENT_HEADER_SIZE:
+                self.segments.append(seg)
+                continue  # torn at birth: counted as torn bytes when read
+            magic, major, minor = SEGMENT_HEADER.unpack(head)
+            refused = None
+            if magic != MAGIC:
+                if i == 0:
+                    raise UsageError(f"{self.path}: not a kvcadence bundle ({seg.name}: bad magic)")
+                refused = f"not a kvcadence segment (bad magic {magic!r})"
+            elif major != FORMAT_MAJOR:
+                msg = (
+                    f"bundle format {major}.{minor} is not readable by kvcadence "
+                    f"{__version__} (reads format {FORMAT_MAJOR}.x)"
+                )
+                if i == 0:
+                    raise FormatVersionError(f"{seg}: {msg}; upgrade kvcadence")
+                refused = msg
+            if refused is not None:
+                # one damaged segment costs that segment, not the bundle (strict: an error)
+                if strict:
+                    raise BundleError(f"{seg}: {refused}")
+                self.refused_segments.append((seg.name, refused))
+                continue
+            self.segments.append(seg)
+            self._minors[seg] = minor
+        self._header: Header | None = None
+        self._header_body: bytes | None = None
+        self._report: ReadReport | None = None
+
+    # -- the frame walk ----------------------------------------------------------------
+
+    def _valid_at(
+        self,
+        data: bytes | mmap.mmap,
+        mv: memoryview,
+        pos: int,
+        full: bool,
+        spans: SpanCrc | None = None,
+    ) -> int:
+        """Body length of a frame at ``pos`` whose length and CRC check out (and, when
+        ``full``, whose body decodes), else -1. ``spans``: CRCs of long bodies in O(log n)
+        (resynchronisation, where candidate bodies overlap)."""
+        n = len(data)
+        if pos + FRAME_HEADER_SIZE > n:
+            return -1
+        length: int
+        crc: int
+        length, crc = FRAME_HEADER.unpack_from(data, pos)
+        start = pos + FRAME_HEADER_SIZE
+        if length < MIN_BODY or start + length > n:
+            return -1
+        body = mv[start : start + length]
+        if full:
+            # Resynchronising: before the CRC (whose cost is the *claimed* length, so checking
+            # every candidate first made a crafted or garbage span quadratic), the body must
+            # be tag-shaped and exactly one msgpack value -- a skip-parse in C whose cost is
+            # the value's real extent, which for garbage ends within a few bytes.
+            tag = _peek_tag(body)
+            if tag is None or not _one_value(body):
+                return -1
+        if (zlib.crc32(body) if spans is None else spans.crc(start, start + length)) != crc:
+            return -1
+        if full and tag is not None:
+            dec = _DECODERS.get(tag)
+            try:
+                if dec is not None:
+                    _decode_fresh_stack(dec, body)
+                else:
+                    value = _ANY.decode(body)
+                    if not (isinstance(value, list) and value and isinstance(value[0], str)):
+                        return -1
+            except (msgspec.DecodeError, RecursionError):
+                return -1
+        return length
+
+    def _resync(self, data: bytes | mmap.mmap, mv: memoryview, pos: int) -> int:
+        """Next offset > ``pos`` where a fully valid frame starts, or -1."""
+        search = pos + 1 + FRAME_HEADER_SIZE
+        spans = SpanCrc(mv, pos)  # linear in the span however the candidates overlap
+        while True:
+            m = _RESYNC.search(data, search)
+            if m is None:
+                return -1
+            cand = m.start() - FRAME_HEADER_SIZE
+            if self._valid_at(data, mv, cand, True, spans) >= 0:
+                return cand
+            search = m.start() + 1
+
+    def _walk(
+        self, seg: Path, report: ReadReport, mapped: bool = False
+    ) -> Iterator[tuple[int, memoryview]]:
+        """Yield ``(offset, body)`` of each frame of ``seg`` whose length and CRC check out;
+        resynchronise past corrupt spans; count a torn tail. Fills ``report``.
+        ``mapped``: memory-map the segment instead of reading it (see ``_segment_data``)."""
+        try:
+            data = _segment_data(seg) if mapped else seg.read_bytes()
+        except OSError as exc:
+            raise BundleError(f"cannot read {seg}: {exc}") from exc
+        n = len(data)
+        report.segments += 1
+        report.bytes += n
+        if n < SEGMENT_HEADER_SIZE:
+            if n:
+                report.torn_bytes += n
+                report.torn.append((seg.name, 0))
+            return
+        report.format_minor = max(report.format_minor, self._minors.get(seg, 0))
+        mv = memoryview(data)
+        pos = SEGMENT_HEADER_SIZE
+        unpack = FRAME_HEADER.unpack_from
+        crc32 = zlib.crc32
+        while pos < n:
+            start = pos + FRAME_HEADER_SIZE
+            if start <= n:
+                length, crc = unpack(data, pos)
+                end = start + length
+                if length >= MIN_BODY and end <= n:
+                    body = mv[start:end]
+                    if crc32(body) == crc:
+                        report.frames += 1
+                        yield pos, body
+                        pos = end
+                        continue
+            nxt = self._resync(data, mv, pos)
+            if nxt < 0:
+                report.torn_bytes += n - pos
+                report.torn.append((seg.name, pos))
+                return
+            self._corrupt(report, seg, pos, nxt - pos, "corrupt frame")
+            pos = nxt
+
+    def _corrupt(self, report: ReadReport, seg: Path, pos: int, size: int, what: str) -> None:
+        if self.strict:
+            raise CorruptFrameError(
+                f"{seg.name}: {what} at offset {pos} ({size} bytes skipped to the next valid frame)"
+            )
+        report.corrupt.append((seg.name, pos, size))
+
+    def _odd(self, report: ReadReport, seg: Path, pos: int, body: memoryview) -> None:
+        """A CRC-valid frame the fast path could not decode: an unknown record type (newer
+        minor; counted) or a body that is not a valid record (reported as corrupt)."""
+        tag = _peek_tag(body)
+        if tag is not None and tag not in _DECODERS:
+            name = tag.decode("utf-8", "replace")
+            report.unknown_records += 1
+            report.unknown_tags[name] = report.unknown_tags.get(name, 0) + 1
+            return
+        report.frames -= 1
+        self._corrupt(report, seg, pos, FRAME_HEADER_SIZE + len(body), "undecodable record")
+
+    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[ReadRecord]:
+        """Decode the frames of every segment; yield the records whose tag is ``wanted``
+        (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
+        request frames decode as ``RequestRecordView`` (every other record as usual)."""
+        report = ReadReport(
+            missing_segments=list(self.missing_segments),
+            refused_segments=list(self.refused_segments),
+        )
+        clean = False  # the last frame read is a Trailer(clean=True)
+        sess0 = 0  # report.frames when the current writer session began
+        try:
+            expect_id: str | None = self.bundle_id
+        except BundleError:
+            expect_id = None  # no header: nothing to compare segments with
+        decoders = _VIEW_DECODERS if views else _DECODERS
+        # Fast path: try the one decoder most frames need; peek at the tag only on failure.
+        if wanted is None:
+            fast = (_UNION_VIEW if views else _UNION).decode
+        elif len(wanted) == 1:
+            fast = decoders[next(iter(wanted))].decode
+        else:
+            fast = None
+        last = len(self.segments) - 1
+        for i, seg in enumerate(self.segments):
+            seg_first = True
+            for pos, body in self._walk(seg, report, mapped=i < last):
+                if seg_first:
+                    seg_first = False
+                    if pos == SEGMENT_HEADER_SIZE:
+                        what, why = self._first_record_check(seg, body, expect_id)
+                        if what == "start":
+                            continue  # the segment is this bundle's: never yielded
+                        if what == "foreign":
+                            if self.strict:
+                                raise BundleError(f"{seg}: {why}")
+                            report.refused_segments.append((seg.name, why))
+                            report.frames -= 1
+                            break  # nothing of it is read
+                        if what == "append":
+                            sess0 = report.frames - 1  # a new writer session starts here
+                if fast is not None:
+                    try:
+                        rec = fast(body)
+                    except (msgspec.DecodeError, RecursionError):
+                        pass
+                    else:
+                        if type(rec) is Trailer:
+                            report.trailer_seen = True
+                            clean = rec.clean
+                            sess0 = self._session_end(report, seg, rec, sess0)
+                        else:
+                            clean = False
+                        yield rec
+                        continue
+                clean = False
+                tag = _peek_tag(body)
+                if tag is None or tag not in _DECODERS:
+                    self._odd(report, seg, pos, body)
+                    continue
+                if tag != b"trailer" and wanted is not None and tag not in wanted:
+                    continue  # a known record nobody asked for: not decoded
+                try:
+                    rec = _decode_fresh_stack(decoders[tag], body)
+                except (msgspec.DecodeError, RecursionError):
+                    self._odd(report, seg, pos, body)
+                    continue
+                if type(rec) is Trailer:
+                    report.trailer_seen = True
+                    clean = rec.clean
+                    sess0 = self._session_end(report, seg, rec, sess0)
+                if wanted is None or tag in wanted:
+                    yield rec
+        report.clean_shutdown = clean
+        if self.strict and report.shortfall:
+            name, want, got = report.shortfall[0]
+            raise BundleError(
+                f"{self.path}: the trailer in {name} counts {want} records, {got} were read"
+            )
+        self._report = report
+
+    @staticmethod
+    def _session_end(report: ReadReport, seg: Path, trailer: Trailer, sess0: int) -> int:
+        """A Trailer ends a writer session: compare its counts with the records read since
+        the session began (a shortfall is a lost segment or frames); returns the next
+        session's start."""
+        counts = trailer.counts
+        want = sum(v for v in counts.values() if isinstance(v, int)) if counts else 0
+        got = report.frames - sess0 - 1
+        if got < want:
+            report.shortfall.append((seg.name, want, got))
+        return report.frames
+
+    def records(self, *, request_view: bool = False) -> Iterator[ReadRecord]:
+        """Every record in order (unknown record types are skipped and counted).
+
+        ``request_view=True``: requests come as ``RequestRecordView`` (token ids left as
+        msgpack bytes, ``msgspec.Raw``), which decodes several times faster. The ids are not
+        checked element by element, so a request frame whose ids are not ints (which the
+        ordinary pass reports as an undecodable record) is yielded; a caller that needs the
+        ordinary pass's exact verdict checks the ids and reads again without views if not.
+        """
+        return self._iter(_KEEP_ALL, request_view)
+
+    def events(self) -> Iterator[EventFrame]:
+        """Only the ``EventFrame``s (payload left as ``Raw``: envelope-only decoding)."""
+        return self._iter(frozenset((b"event",)))  # type: ignore[return-value]
+
+    def requests(self) -> list[RequestRecord]:
+        """Every ``RequestRecord`` in order."""
+        return list(self._iter(frozenset((b"request",))))  # type: ignore[arg-type]
+
+    def iter_kinds(self, *tags: str) -> Iterator[BundleRecord]:
+        """Only the records whose tag is in ``tags`` (e.g. ``"gap", "epoch"``)."""
+        return self._iter(frozenset(t.encode() for t in tags))  # type: ignore[return-value]
+
+    @property
+    def report(self) -> ReadReport:
+        """The report of the last complete pass (runs an envelope-only pass if none ran)."""
+        if self._report is None:
+            for _ in self._iter(frozenset()):
+                pass
+        assert self._report is not None
+        return self._report
+
+    @staticmethod
+    def _first_frame(seg: Path) -> memoryview | None:
+        """The body of the frame right after the segment header when its length and CRC
+        check out -- what ``_walk`` yields first -- read without reading the whole segment
+        (segment 0 is up to ``segment_bytes`` long); None otherwise (the caller walks)."""
+        head_size = SEGMENT_HEADER_SIZE + FRAME_HEADER_SIZE
+        try:
+            with open(seg, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(head_size)
+                if len(head) < head_size:
+                    return None
+                length, crc = FRAME_HEADER.unpack_from(head, SEGMENT_HEADER_SIZE)
+                if length < MIN_BODY or head_size + length > size:
+                    return None
+                body = f.read(length)
+        except OSError:
+            return None
+        if len(body) != length or zlib.crc32(body) != crc:
+            return None
+        return memoryview(body)
+
+    @property
+    def header(self) -> Header:
+        """The ``Header`` record (first frame of segment 0)."""
+        if self._header is None:
+            first = self._first_frame(self.segments[0])
+            if first is not None:
+                bodies: Iterable[memoryview] = (first,)
+            else:  # torn or corrupt at the start: the walk resynchronises (or raises)
+                bodies = (body for _, body in self._walk(self.segments[0], ReadReport()))
+            for body in bodies:
+                if _peek_tag(body) == b"header":
+                    try:
+                        self._header = _DECODERS[b"header"].decode(body)
+                        self._header_body = bytes(body)
+                    except msgspec.DecodeError:
+                        pass
+                break
+            if self._header is None:
+                raise BundleError(
+                    f"{self.path}: no readable header record in {self.segments[0].name}"
+                )
+        return self._header
+
+    @property
+    def bundle_id(self) -> str:
+        """``bundle_identity`` of this bundle's Header record (``BundleError`` without one)."""
+        _ = self.header
+        assert self._header_body is not None
+        return bundle_identity(self._header_body)
+
+    def _first_record_check(
+        self, seg: Path, body: memoryview, expect_id: str | None
+    ) -> tuple[str, str]:
+        """What the first frame of a segment says: ``("start", "")`` a SegmentStart of this
+        bundle (not yielded), ``("foreign", why)`` the segment is not this bundle's,
+        ``("append", "")`` an append note (a new writer session), else ``("", "")``."""
+        tag = _peek_tag(body)
+        index = _segment_index(seg)
+        if tag == b"segment":
+            try:
+                ss = _SEGMENT_START.decode(body)
+            except (msgspec.DecodeError, RecursionError):
+                return "", ""  # an odd record: the ordinary path reports it
+            if expect_id is not None and ss.bundle_id != expect_id:
+                return "foreign", (
+                    f"a segment of another bundle (bundle {ss.bundle_id}, this one is {expect_id})"
+                )
+            if ss.index != index:
+                return "foreign", f"segment {ss.index} of this bundle under another name"
+            return "start", ""
+        if tag == b"header" and index > 0:
+            return "foreign", "starts with a Header record: the first segment of another bundle"
+        if tag == b"note" and _is_append_note(body):
+            return "append", ""
+        return "", ""
+
+    def scan_segment(self, seg: Path) -> SegmentScan:
+        """Validate one segment: where its last good frame ends, what is corrupt or torn."""
+        report = ReadReport()
+        good_end = SEGMENT_HEADER_SIZE
+        saved, self.strict = self.strict, False
+        try:
+            for pos, body in self._walk(seg, report):
+                good_end = pos + FRAME_HEADER_SIZE + len(body)
+        finally:
+            self.strict = saved
+        header_ok = report.bytes >= SEGMENT_HEADER_SIZE
+        corrupt = [c for c in report.corrupt if c[1] < good_end]
+        return SegmentScan(header_ok, good_end if header_ok else 0, corrupt, report.torn_bytes)
+
+
+__all__ = ["BundleReader"]
