@@ -2,10 +2,10 @@
 
 Each ``data/corpus/<name>/`` holds ``bundle/`` (recorded by ``kvcadence drive`` on the real,
 unmodified SGLang 0.5.23 CPU worker of ``kvcadence harness``) and ``sglang-metrics/`` (that
-worker's own ``--export-metrics-to-file`` output, for the production path of issue 15).
+worker's own ``--export-metrics-to-file`` output, for the production path).
 Recipes: ``data/corpus/README.md``.
 
-Bars (issue 16), replayed with the driver's request records: Stored events/request and median
+Bars, replayed with the driver's request records: Stored events/request and median
 blocks/Stored within 3 %, Removed events/request and mean blocks/Removed within 10 %,
 ``cached_tokens`` equal on >= 95 % of requests, stored block-hash set identical. One test per
 (capture, bar); a bar a capture misses today is a *strict* xfail naming the measured numbers
@@ -66,7 +66,7 @@ MISSES: dict[tuple[str, str], str] = {
 
 
 def production_bundle(name: str, out: Path) -> Path:
-    """Capture ``name`` as a production user has it (issue 15): its event frames and header,
+    """Capture ``name`` as a production user has it: its event frames and header,
     request records only from the worker's ``sglang-metrics/`` files (``capture import
     --sglang-metrics``: no output ids, lanes or sessions), rids rewritten to random hex."""
     import msgspec
@@ -173,7 +173,7 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
             assert r.completion_tokens == len(d.output_ids), r.rid
 
 
-#: capture -> the production path's misses today (issue 15), measured
+#: capture -> the production path's misses today, measured
 PRODUCTION_MISSES: dict[str, str] = {
     "p4-chunk512-nooverlap": "stored_events_per_request 1.765 -> 1.685 (-4.5%)",
     "tight-long": "cached_tokens_equal 0.940",
