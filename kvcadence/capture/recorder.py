@@ -29,6 +29,9 @@ counted and kept raw in an ``Annotation``; payloads that do not decode are count
 annotated, and still written (the bundle writer keeps non-msgpack bytes as a bin payload).
 A write failure (disk full) stops the capture with a ``CaptureError``; segments already
 written stay intact.
+
+Why ~660 lines: one poll loop with its fast path, replay handling, idle flush and stats; the
+sockets are ``capture.source``, seq logic ``capture.seqtrack``.
 """
 
 from __future__ import annotations
