@@ -10,6 +10,9 @@ from the files those commands write (``report/report.json``, ``collectives.jsonl
 ``admit.json``).
 
 Top level imports only the standard library (the CLI imports this module for ``--help``).
+
+Why ~750 lines: the demo is a script of steps, each with its command line, digest of its
+output and summary row; split per step it would read worse.
 """
 
 from __future__ import annotations

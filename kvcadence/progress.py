@@ -6,7 +6,8 @@ A command makes one ``Phases(prog, quiet=...)``, wraps each long step in
 since the command started) and ``phases.breakdown()`` at the end. A phase's line is said
 only once it has run for ``SAY_AFTER_S`` seconds, so a quick command (or one that fails on
 bad input at once) stays one line of output; ``quiet`` keeps stderr silent. The times are
-kept either way. Standard library only.
+kept either way. ``request_bar`` is the progress bar of a long replay (tqdm, imported only
+when a bar is drawn). Standard library only otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 #: a phase still running after this many seconds gets its line on stderr
@@ -89,3 +90,25 @@ class NoPhases(Phases):
 
 
 __all__ = ["SAY_AFTER_S", "NoPhases", "Phases"]
+
+
+@contextlib.contextmanager
+def request_bar(
+    total: int, *, quiet: bool, desc: str = "replay"
+) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar over ``total`` requests on a terminal's stderr (its ``update``), or None
+    when quiet, not a terminal, or fewer than 200 requests; closed when the block ends."""
+    if quiet or total < 200 or not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="req", desc=desc, file=sys.stderr)
+
+    def update(n: int) -> None:
+        bar.update(n)
+
+    try:
+        yield update
+    finally:
+        bar.close()

@@ -168,3 +168,16 @@ def test_the_rule_sees_a_circle() -> None:
     """The checker is not vacuous: the parser finds real imports in a known module."""
     found = {t for t, _ in _imports(MODULES["kvcadence.replay.simulator"])}
     assert "kvcadence.replay.scheduler" in found and "kvcadence.format.bundle" in found
+
+
+def test_a_module_over_500_lines_says_why_in_its_docstring() -> None:
+    """Small modules with one concern; a longer one is one coherent piece and says so
+    (a paragraph starting "Why" in its module docstring)."""
+    bad = []
+    for mod, path in MODULES.items():
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "\nWhy " not in "\n" + doc:
+                bad.append(f"{mod}: {len(text.splitlines())} lines, no reason given")
+    assert not bad, "\n".join(bad)

@@ -285,7 +285,7 @@ def order_queue(specs: Sequence[QueuedRequest]) -> list[QueuedRequest]:
     return list(specs)
 
 
-def run_admission(
+def run_admission(  # noqa: C901 - one tick loop of SGLang's scheduler, kept whole
     specs: Sequence[QueuedRequest],
     cfg: AdmitConfig,
     *,

@@ -14,6 +14,9 @@ between closest ranks (numpy's default; DuckDB ``quantile_cont``). ``peer_compat
 switches to the closest peer's definitions (late-start scope without seq 0, nearest-rank
 percentiles, break-style gaps, any-prompt attribution, warm-up window); the result is
 labelled ``variant = "peer-compatible"``.
+
+Why ~650 lines: the computation of every metric family over the same DuckDB connection;
+the catalogue is ``analysis.catalogue``.
 """
 
 from __future__ import annotations

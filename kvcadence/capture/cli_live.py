@@ -10,6 +10,9 @@
 
 Only the standard library is imported here; everything else is imported by the run
 functions.
+
+Why ~530 lines: the argparse surface of two commands (capture, drive) and their run
+functions; the work is in the library modules.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float, positive_float
+from kvcadence.capture import cli_tail
 from kvcadence.errors import UsageError
 
 
@@ -67,6 +71,14 @@ def _add_endpoint_opts(p: argparse.ArgumentParser) -> None:
         help="do not fetch the publisher's replay ring from seq 0 at start",
     )
     g.add_argument(
+        "--from-now",
+        action="store_true",
+        help="record from the first live message on: no initial replay, and a first seq "
+        "above 0 starts the recording instead of being a gap to recover (what the worker "
+        "published before has no requests in this capture). The default when tailing "
+        "--sglang-metrics / --sglang-request-log without --sglang-backlog",
+    )
+    g.add_argument(
         "--segment-mb", type=positive_float, default=256.0, help="segment size in MB (default 256)"
     )
 
@@ -86,6 +98,8 @@ def _register_capture(sub: Any) -> None:
         "  kvcadence capture --endpoint tcp://127.0.0.1:5557 --replay-endpoint "
         "tcp://127.0.0.1:5558 \\\n"
         "      --out live.kvcb --duration 60\n"
+        "  kvcadence capture --server http://127.0.0.1:30000 --sglang-metrics METRICS_DIR "
+        "--out prod.kvcb\n"
         "  kvcadence capture import --sglang-metrics METRICS_DIR run.kvcb\n",
     )
     p.add_argument("--server", metavar="URL", help="SGLang server for /server_info discovery")
@@ -99,6 +113,7 @@ def _register_capture(sub: Any) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no status line, no summary")
     _add_endpoint_opts(p)
+    cli_tail.add_options(p)
     p.set_defaults(_run=run_capture)
     modes = p.add_subparsers(title="modes", metavar="MODE", dest="capture_mode")
     imp = modes.add_parser(
@@ -276,9 +291,21 @@ def _make_recorder(args: argparse.Namespace, eps: list[Any], **kw: Any) -> Any:
         eps,
         replay_timeout_s=args.replay_timeout,
         initial_replay=not args.no_initial_replay,
+        from_now=from_now(args),
         status=status,
         warn_idle_s=None if args.quiet else NO_TRAFFIC_WARN_S,
         **kw,
+    )
+
+
+def from_now(args: argparse.Namespace) -> bool:
+    """``--from-now``, or a capture that tails SGLang's request files from now on: their
+    requests start at the capture, so must the events (history would have no requests)."""
+    tailing = bool(
+        getattr(args, "sglang_metrics", None) or getattr(args, "sglang_request_log", None)
+    )
+    return bool(getattr(args, "from_now", False)) or (
+        tailing and not getattr(args, "sglang_backlog", False)
     )
 
 
@@ -310,6 +337,7 @@ def run_capture(args: argparse.Namespace) -> int:
         command=command_line(),
         workdirs=discovery.harness_workdirs(args.server, info),
     )
+    logs = cli_tail.open_tail(args, info)  # bad log paths fail before anything opens
     rec = _make_recorder(args, eps, duration_s=args.duration, until_idle_s=args.until_idle)
     try:
         writer = _open_writer(args.out, header, args.segment_mb)
@@ -318,10 +346,17 @@ def run_capture(args: argparse.Namespace) -> int:
         raise
     rec.attach(writer)
     stop = threading.Event()
-    with _stop_on_signals(stop):
-        stats = rec.run(stop)
+    try:
+        if logs is not None:
+            logs.attach(rec)
+        with _stop_on_signals(stop):
+            stats = rec.run(stop)
+    finally:
+        if logs is not None:
+            logs.abort()
     if not args.quiet:
         print(summary_text(stats, args.out), file=sys.stderr)
+    cli_tail.print_summary(logs, args.out, args.quiet)
     if stats.written == 0:
         check_recorded(stats, eps, args.out)
     return 0

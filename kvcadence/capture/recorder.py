@@ -29,6 +29,9 @@ counted and kept raw in an ``Annotation``; payloads that do not decode are count
 annotated, and still written (the bundle writer keeps non-msgpack bytes as a bin payload).
 A write failure (disk full) stops the capture with a ``CaptureError``; segments already
 written stay intact.
+
+Why ~660 lines: one poll loop with its fast path, replay handling, idle flush and stats; the
+sockets are ``capture.source``, seq logic ``capture.seqtrack``.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class CaptureStats:
     decode_cpu_s: float = 0.0  # of which the deferred stats decode
     stop_reason: str = ""
     per_endpoint: dict[int, dict[str, int]] = field(default_factory=dict)
+    sglang_logs: dict[str, int] = field(default_factory=dict)  # capture.tail's counters
 
     def totals(self) -> dict[str, int]:
         keys = ("gaps", "missed", "recovered", "unrecovered", "epochs", "replays")
@@ -118,6 +122,8 @@ class CaptureStats:
         d["decode_cpu_s"] = round(self.decode_cpu_s, 4)
         d.update(self.totals())
         d["per_endpoint"] = {str(k): v for k, v in self.per_endpoint.items()}
+        if self.sglang_logs:
+            d["sglang_logs"] = dict(self.sglang_logs)
         return d
 
 
@@ -159,12 +165,22 @@ class StatusLine:
 
 def summary_text(st: CaptureStats, path: str) -> str:
     t = st.totals()
+    attached = sorted(
+        (int(k), d["attached_at_seq"]) for k, d in st.per_endpoint.items() if "attached_at_seq" in d
+    )
+    joined = (
+        "; attached mid-run at seq "
+        + ", ".join(f"{s} (endpoint {e})" for e, s in attached)
+        + ", earlier history not recorded"
+        if attached
+        else ""
+    )
     return (
         f"capture: {st.written} event frames ({st.messages} live, {t['recovered']} recovered "
         f"by replay), {st.events} events, blocks +{st.blocks_stored}/-{st.blocks_removed}, "
         f"{t['gaps']} gaps ({t['missed']} seqs missed, {t['unrecovered']} unrecovered), "
         f"{t['epochs']} new epochs, {st.malformed} malformed, {st.undecodable} undecodable, "
-        f"{st.requests} requests, {st.bytes / 1e6:.2f} MB -> {path} ({st.stop_reason})"
+        f"{st.requests} requests, {st.bytes / 1e6:.2f} MB -> {path} ({st.stop_reason}){joined}"
     )
 
 
@@ -178,6 +194,7 @@ class Recorder:
         *,
         replay_timeout_s: float = 2.0,
         initial_replay: bool = True,
+        from_now: bool = False,
         duration_s: float | None = None,
         until_idle_s: float | None = None,
         decode_stats: bool = True,
@@ -202,7 +219,11 @@ class Recorder:
             for e in endpoints:
                 self.sources.append(
                     EndpointSource(
-                        self.ctx, e, replay_timeout_s=replay_timeout_s, max_buffer=max_buffer
+                        self.ctx,
+                        e,
+                        replay_timeout_s=replay_timeout_s,
+                        max_buffer=max_buffer,
+                        from_now=from_now,
                     )
                 )
         except zmq.ZMQError as exc:
@@ -216,7 +237,7 @@ class Recorder:
         self._warned_idle = False
         self._start_ns = 0
         self._closed = False
-        self.initial_replay = initial_replay
+        self.initial_replay = initial_replay and not from_now
         self.duration_s = duration_s
         self.until_idle_s = until_idle_s
         self.decode_stats = decode_stats
@@ -232,6 +253,9 @@ class Recorder:
         self.max_backlog_bytes = max_backlog_bytes
         self.ready = threading.Event()
         self._cpu0 = time.thread_time()
+        #: called by the capture thread once the sockets are drained, before the last inbox
+        #: drain and the Trailer (the log tail's last read: its records still get written)
+        self.before_close: Callable[[], None] | None = None
 
     # -------------------------------------------------------------- public
 
@@ -490,7 +514,7 @@ class Recorder:
             self._write_failed = True
             raise
         n = len(burst)
-        tr.take_in_order(last_seq, n, burst[-1][2])
+        tr.take_in_order(last_seq, n, burst[-1][2], burst[-1][4])
         st = self.stats
         st.written += n
         st.bytes += nbytes
@@ -606,6 +630,8 @@ class Recorder:
         for src in self.sources:
             src.close_dealer(poller)
             self._apply(src, src.tracker.flush())
+        if self.before_close is not None:
+            self.before_close()
         self._drain_inbox()
         self._decode_backlog(None)
 
@@ -624,7 +650,8 @@ class Recorder:
 
 def _tracker_dict(src: EndpointSource) -> dict[str, int]:
     s = src.tracker.stats
-    return {
+    attached = {} if s.attached_at_seq is None else {"attached_at_seq": s.attached_at_seq}
+    return attached | {
         "live": s.live,
         "written": s.written,
         "gaps": s.gaps,

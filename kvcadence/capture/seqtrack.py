@@ -14,8 +14,9 @@ Rules (SGLang's publisher: seq starts at 0 per publisher instance, +1 per batch)
   buffered live ones. Each missing range becomes one ``Gap`` with its ``recovered`` count.
 * without a replay endpoint, or for seqs a finished replay did not return (ring moved on,
   replay dropped), the ``Gap`` says how many were recovered (possibly 0).
-* A publisher restart is seq going back to a small number after a pause: ``seq < last``
-  (a re-sent last seq is a duplicate however late it comes), ``seq < ring_size`` (a restarted publisher counts from 0 again, and its replay ring can
+* A publisher restart is seq going back to a small number after a pause: ``seq <= last``
+  (the last message itself sent again, same payload, is a duplicate however late it comes),
+  ``seq < ring_size`` (a restarted publisher counts from 0 again, and its replay ring can
   bring back what was missed of it) and at least ``restart_gap_ns`` (default 100 ms, ZMQ's
   reconnect interval: a restarted publisher cannot be heard sooner) since the previous live
   message -> a new ``Epoch``; never a gap. Any other ``seq <= last`` (a duplicated message, a
@@ -23,6 +24,10 @@ Rules (SGLang's publisher: seq starts at 0 per publisher instance, +1 per batch)
   epoch, so one stray seq cannot make the replay ring be written again.
 * ``begin_initial_replay()`` asks for everything from seq 0 before any live message, so a late
   subscriber recovers the publisher's history even when no new traffic arrives.
+* ``from_now``: attaching to a worker that already serves traffic (a production capture that
+  records requests from now on): the first live message starts the recording
+  (``stats.attached_at_seq``), its lower seqs are neither a gap nor recovered. Later gaps and
+  restarts are handled as always.
 * Large jumps cost nothing: a missing range is handled as bounds ``[lo, hi)`` plus the frames
   actually buffered from replay (work is O(frames received), never O(seqs missed)). A forward
   jump of any size below ``MAX_SEQ`` is an ordinary gap (one ``Gap`` with the exact bounds;
@@ -105,6 +110,7 @@ class TrackerStats:
     replay_timeouts: int = 0
     rejected: int = 0  # live messages / replay replies with a seq above MAX_SEQ (ignored)
     duplicates: int = 0  # live messages with seq <= last that are not a restart (dropped)
+    attached_at_seq: int | None = None  # from_now: the seq the recording started at
 
 
 class SeqTracker:
@@ -118,8 +124,10 @@ class SeqTracker:
         max_buffer: int = 1_000_000,
         ring_size: int = DEFAULT_RING_SIZE,
         restart_gap_ns: int = DEFAULT_RESTART_GAP_NS,
+        from_now: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self.from_now = from_now
         self.has_replay = has_replay
         self.max_buffer = max_buffer
         self.ring_size = ring_size
@@ -127,6 +135,7 @@ class SeqTracker:
         self._last_ns: int | None = None  # recv_ns of the last live message written
         self.epoch = 0
         self.last: int | None = None
+        self._last_payload: bytes | None = None  # the last written live message's payload
         self.session: ReplaySession | None = None
         self.replay_wanted: int | None = None  # from_seq the caller must request, then clear
         self._fill: dict[int, tuple[str, bytes, int]] = {}
@@ -161,14 +170,21 @@ class SeqTracker:
             return self.last + 1
         return -1
 
-    def take_in_order(self, last_seq: int, n: int = 1, last_recv_ns: int | None = None) -> None:
+    def take_in_order(
+        self,
+        last_seq: int,
+        n: int = 1,
+        last_recv_ns: int | None = None,
+        last_payload: bytes | None = None,
+    ) -> None:
         """Fast path: the caller wrote the ``n`` live messages ``expected() .. last_seq`` itself
-        (no replay outstanding, the last received at ``last_recv_ns``); the same bookkeeping
-        as ``on_live`` for them."""
+        (no replay outstanding, the last received at ``last_recv_ns`` with ``last_payload``);
+        the same bookkeeping as ``on_live`` for them."""
         s = self.stats
         s.live += n
         s.written += n
         self.last = last_seq
+        self._last_payload = last_payload
         if last_recv_ns is not None:
             self._last_ns = last_recv_ns
 
@@ -238,12 +254,15 @@ class SeqTracker:
         self.stats.written += 1
         self.last = m.seq
         self._last_ns = m.recv_ns
+        self._last_payload = m.payload
 
     def _is_restart(self, m: Live) -> bool:
         """``m.seq <= last``: a restarted publisher (seq back to a small number after a
         pause), or else a duplicate / swapped / stale seq (see the module docstring)."""
-        if m.seq >= self.ring_size or m.seq == self.last:
+        if m.seq >= self.ring_size:
             return False
+        if m.seq == self.last and m.payload == self._last_payload:
+            return False  # the last message again, however late: a duplicate
         return self._last_ns is None or m.recv_ns - self._last_ns >= self.restart_gap_ns
 
     def _process(self, m: Live, out: list[Output]) -> None:
@@ -272,6 +291,12 @@ class SeqTracker:
             self._attempted = None
         if last is None:
             if seq == 0:
+                self._emit(m, out)
+                return
+            if self.from_now and self.epoch == 0:
+                # attached to a worker already serving: the recording starts here (what it
+                # published before has no request records in this capture), not a gap
+                self.stats.attached_at_seq = seq
                 self._emit(m, out)
                 return
             self._missing(0, seq, m, "late start" if self.epoch == 0 else "restart", out)

@@ -10,7 +10,12 @@ Two formats SGLang 0.5.23 writes itself:
   ``first_token_latency``, ``request_finished_ts``, ...; float seconds). No output ids.
 * ``--log-requests --log-requests-format json``: JSON lines ``{"timestamp": ISO8601,
   "event": "request.received" | "request.finished", "rid", "obj", "out"}``; a received and a
-  finished line are paired by ``rid``. With ``--log-requests-level`` below 2 there are no ids.
+  finished line are paired by ``rid`` (``RequestLogPairer``). With ``--log-requests-level``
+  below 2 there are no ids. SGLang's log formatter puts ``[YYYY-mm-dd HH:MM:SS] `` before
+  each line, and the stdout target mixes them with the server's other log lines: the prefix
+  is stripped and lines that hold no JSON object are skipped (``request_log_json``). Its
+  timestamps are the worker's local time without a zone (``datetime.now().isoformat()``);
+  a timestamp without a zone is read as this machine's local time.
 
 Pickled dumps (``/configure_logging`` ``dump_requests_folder``, ``--crash-dump-folder``) are
 refused: unpickling runs arbitrary code. Malformed lines raise ``InputError`` naming
@@ -19,6 +24,7 @@ file:line.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,22 +55,61 @@ def refuse_pickle(path: Path) -> None:
         )
 
 
-def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _lines(path: Path, request_log: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
     refuse_pickle(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read as UTF-8 text ({exc})") from exc
     for i, line in enumerate(text.splitlines(), 1):
+        if request_log:
+            d = request_log_json(line, f"{path}:{i}")
+            if d is not None:
+                yield i, d
+            continue
         if not line.strip():
             continue
+        yield i, json_line(line, f"{path}:{i}")
+
+
+#: what a metrics line / a request-log JSON object starts with (``json.dumps`` key order):
+#: a line that does not parse is retried from the last one (a worker killed in the middle
+#: of a line, restarted, and appending to the same file)
+METRICS_LEAD = '{"request_parameters"'
+REQUEST_LOG_LEAD = '{"timestamp"'
+
+
+def json_line(line: str, where: str, lead: str | None = None) -> dict[str, Any]:
+    """One JSON-object line (``InputError`` naming ``where`` otherwise). With ``lead``, a
+    line that does not parse is retried from the last ``lead`` after its start (the rest of
+    a line torn by a restart); the result then has the key ``"_torn"`` set to True."""
+    try:
+        d = json_loads(line)
+    except json.JSONDecodeError as exc:
+        k = line.rfind(lead, 1) if lead else -1
+        if k < 0:
+            raise InputError(f"{where}: not a JSON line ({exc.msg})") from exc
         try:
-            d = json_loads(line)
-        except ValueError as exc:
-            raise InputError(f"{path}:{i}: not a JSON line ({getattr(exc, 'msg', exc)})") from None
-        if not isinstance(d, dict):
-            raise InputError(f"{path}:{i}: expected a JSON object")
-        yield i, d
+            d = json_loads(line[k:])
+        except json.JSONDecodeError:
+            raise InputError(f"{where}: not a JSON line ({exc.msg})") from exc
+        if isinstance(d, dict):
+            d["_torn"] = True
+    if not isinstance(d, dict):
+        raise InputError(f"{where}: expected a JSON object")
+    return d
+
+
+def request_log_json(line: str, where: str) -> dict[str, Any] | None:
+    """The JSON object of one request-log line (its ``[date time] `` prefix stripped), or
+    None for a line that holds none (the server's other log output)."""
+    s = line.strip()
+    if s.startswith("[") and not s.startswith("[{"):
+        end = s.find("] ")
+        s = s[end + 2 :].lstrip() if end > 0 else s
+    if not s.startswith("{"):
+        return None
+    return json_line(s, where, REQUEST_LOG_LEAD)
 
 
 #: the latest time in seconds an int64 nanosecond timestamp holds
@@ -138,9 +183,8 @@ def metrics_record(d: dict[str, Any], where: str) -> RequestRecord:
     if isinstance(raw, str):
         try:
             params = json_loads(raw)
-        except ValueError as exc:
-            msg = getattr(exc, "msg", exc)
-            raise InputError(f"{where}: request_parameters is not JSON ({msg})") from None
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: request_parameters is not JSON ({exc.msg})") from exc
     elif isinstance(raw, dict):
         params = raw
     else:
@@ -188,7 +232,7 @@ def _iso_ns(ts: Any, where: str) -> int | None:
     except ValueError as exc:
         raise InputError(f"{where}: bad timestamp {ts!r}") from exc
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.astimezone()  # SGLang writes datetime.now().isoformat(): local, no zone
     d = dt - _EPOCH  # exact integer arithmetic (a float timestamp loses microseconds)
     ns = (d.days * 86_400 + d.seconds) * 1_000_000_000 + d.microseconds * 1_000
     if not 0 <= ns < 2**63:  # before 1970 or after 2262: no int64 ns timestamp
@@ -202,71 +246,87 @@ def _obj(v: Any, where: str, name: str) -> dict[str, Any]:
     if isinstance(v, str):
         try:
             v = json_loads(v)
-        except ValueError:
-            return {"repr": v[:4096]}
+        except json.JSONDecodeError:
+            return {"repr": v}
     if not isinstance(v, dict):
         raise InputError(f"{where}: {name} must be a JSON object")
     return v
 
 
-def read_request_log(path: str | Path) -> list[RequestRecord]:
-    """Records from ``--log-requests --log-requests-format json`` output (file or dir)."""
-    p = Path(path)
-    files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
-    if not p.exists():
-        raise InputError(f"{p}: no such file or directory")
-    received: dict[str, tuple[int | None, dict[str, Any]]] = {}
-    out: list[RequestRecord] = []
-    for f in files:
-        for i, d in _lines(f):
-            where = f"{f}:{i}"
-            event = d.get("event")
-            rid = d.get("rid")
-            if event not in ("request.received", "request.finished"):
-                continue  # other log events (e.g. aborts) carry no request record
-            if not isinstance(rid, str):
-                raise InputError(f"{where}: {event} line without a string rid")
-            ts = _iso_ns(d.get("timestamp"), where)
-            obj = _obj(d.get("obj"), where, "obj")
-            if event == "request.received":
-                received[rid] = (ts, obj)
-                continue
-            sent_ns, obj0 = received.pop(rid, (None, {}))
-            obj = obj or obj0
-            outd = _obj(d.get("out"), where, "out")
-            meta: Any = outd.get("meta_info") if isinstance(outd.get("meta_info"), dict) else {}
-            sp: Any = (
-                obj.get("sampling_params") if isinstance(obj.get("sampling_params"), dict) else {}
-            )
-            recv = meta.get("request_received_ts")
-            ftl = meta.get("first_token_latency")
-            first = _ns(recv + ftl) if isinstance(recv, float) and isinstance(ftl, float) else None
-            out.append(
-                RequestRecord(
-                    rid=rid,
-                    input_ids=_ids(obj.get("input_ids"), where, "obj.input_ids"),
-                    output_ids=_ids(outd.get("output_ids"), where, "out.output_ids"),
-                    send_ns=sent_ns,
-                    first_token_ns=first,
-                    finish_ns=ts,
-                    max_new_tokens=_int(sp.get("max_new_tokens")),
-                    prompt_tokens=_int(meta.get("prompt_tokens")),
-                    cached_tokens=_int(meta.get("cached_tokens")),
-                    completion_tokens=_int(meta.get("completion_tokens")),
-                    finish_reason=_finish_reason(meta.get("finish_reason")),
-                    dp_rank=_int(meta.get("dp_rank")),
-                    source="request-log",
-                    meta_info=dict(meta),
-                )
-            )
-    for rid, (ts, obj) in received.items():  # received but never finished (still running)
-        out.append(
+class RequestLogPairer:
+    """Pairs ``request.received`` and ``request.finished`` lines by rid into records.
+
+    ``feed(d, where)`` returns the record a finished line completes (or None);
+    ``unfinished(where)`` the requests received and never finished, as records with
+    ``error`` set. Memory: one entry per request in flight."""
+
+    def __init__(self) -> None:
+        self.received: dict[str, tuple[int | None, dict[str, Any], str]] = {}
+
+    def feed(self, d: dict[str, Any], where: str) -> RequestRecord | None:
+        event = d.get("event")
+        rid = d.get("rid")
+        if event not in ("request.received", "request.finished"):
+            return None  # other log events (e.g. aborts) carry no request record
+        if not isinstance(rid, str):
+            raise InputError(f"{where}: {event} line without a string rid")
+        ts = _iso_ns(d.get("timestamp"), where)
+        obj = _obj(d.get("obj"), where, "obj")
+        if event == "request.received":
+            self.received[rid] = (ts, obj, where)
+            return None
+        sent_ns, obj0, _ = self.received.pop(rid, (None, {}, where))
+        obj = obj or obj0
+        outd = _obj(d.get("out"), where, "out")
+        meta: Any = outd.get("meta_info") if isinstance(outd.get("meta_info"), dict) else {}
+        sp: Any = obj.get("sampling_params") if isinstance(obj.get("sampling_params"), dict) else {}
+        recv = meta.get("request_received_ts")
+        ftl = meta.get("first_token_latency")
+        first = _ns(recv + ftl) if isinstance(recv, float) and isinstance(ftl, float) else None
+        return RequestRecord(
+            rid=rid,
+            input_ids=_ids(obj.get("input_ids"), where, "obj.input_ids"),
+            output_ids=_ids(outd.get("output_ids"), where, "out.output_ids"),
+            send_ns=sent_ns,
+            first_token_ns=first,
+            finish_ns=ts,
+            max_new_tokens=_int(sp.get("max_new_tokens")),
+            prompt_tokens=_int(meta.get("prompt_tokens")),
+            cached_tokens=_int(meta.get("cached_tokens")),
+            completion_tokens=_int(meta.get("completion_tokens")),
+            finish_reason=_finish_reason(meta.get("finish_reason")),
+            dp_rank=_int(meta.get("dp_rank")),
+            source="request-log",
+            meta_info=dict(meta),
+        )
+
+    def unfinished(self) -> list[RequestRecord]:
+        """Requests received but never finished (still running), as error records."""
+        out = [
             RequestRecord(
                 rid=rid,
-                input_ids=_ids(obj.get("input_ids"), str(p), "obj.input_ids"),
+                input_ids=_ids(obj.get("input_ids"), where, "obj.input_ids"),
                 send_ns=ts,
                 source="request-log",
                 error="no request.finished line",
             )
-        )
-    return out
+            for rid, (ts, obj, where) in self.received.items()
+        ]
+        self.received.clear()
+        return out
+
+
+def read_request_log(path: str | Path) -> list[RequestRecord]:
+    """Records from ``--log-requests --log-requests-format json`` output (file or dir)."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file or directory")
+    files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
+    pairer = RequestLogPairer()
+    out: list[RequestRecord] = []
+    for f in files:
+        for i, d in _lines(f, request_log=True):
+            rec = pairer.feed(d, f"{f}:{i}")
+            if rec is not None:
+                out.append(rec)
+    return out + pairer.unfinished()

@@ -42,6 +42,7 @@ class EndpointSource:
         max_buffer: int = 1_000_000,
         replay_total_s: float | None = None,
         max_bad_replies: int = 64,
+        from_now: bool = False,
     ) -> None:
         import zmq
 
@@ -55,7 +56,10 @@ class EndpointSource:
         self._replay_started_ns = 0
         self._bad_in_replay = 0
         self.tracker = SeqTracker(
-            info.id, has_replay=info.replay_url is not None, max_buffer=max_buffer
+            info.id,
+            has_replay=info.replay_url is not None,
+            max_buffer=max_buffer,
+            from_now=from_now,
         )
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 0)

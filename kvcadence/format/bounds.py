@@ -11,7 +11,7 @@ What this file owns:
   ``meta_info``, ``/server_info``, request parameters nest a handful of levels). Deeper
   values would overflow the recursion of the JSON decoders, the msgpack encoder or the
   integer range check (RecursionError tracebacks); ``too_deep`` measures the depth without
-  recursion, ``json_loads`` decodes with the stdlib and turns both into one ``ValueError``.
+  recursion, ``json_loads`` decodes with the stdlib and turns both into one ``json.JSONDecodeError``.
 
 Standard library only (part of the shared format package: capture, replay, admit and analysis
 import it).
@@ -55,14 +55,15 @@ def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
 
 
 def json_loads(text: str | bytes) -> Any:
-    """``json.loads`` that raises ``ValueError`` (never RecursionError) for a value nested
-    deeper than ``MAX_JSON_DEPTH``."""
+    """``json.loads`` that raises ``json.JSONDecodeError`` (a ``ValueError``; never a
+    RecursionError) for a value nested deeper than ``MAX_JSON_DEPTH``."""
+    deep = f"nested deeper than {MAX_JSON_DEPTH} levels"
     try:
         obj = json.loads(text)
     except RecursionError:
-        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise json.JSONDecodeError(deep, "", 0) from None
     if too_deep(obj):
-        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        raise json.JSONDecodeError(deep, "", 0)
     return obj
 
 

@@ -21,6 +21,9 @@ Evolution rules (also in ``docs/format.md``): new fields only at the end of a st
 always with a default; never reorder, rename the tag of, or retype a field; a new record
 type gets a new tag and bumps ``FORMAT_MINOR`` (old readers skip unknown tags); anything
 incompatible bumps ``FORMAT_MAJOR`` (old readers refuse the bundle).
+
+Why one ~520-line module: the brief's rule is one module owning every record layout; it is
+declarations only (no logic beyond ``served_rank``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,16 @@ def _register_harness(sub: Any) -> None:
         help="extra environment variable for the worker (repeatable)",
     )
     st.add_argument(
+        "--extra-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="more SGLang server arguments, split like a shell line (repeatable; write it "
+        "with '=' since it starts with '--'), e.g. --extra-arg=--disable-overlap-schedule "
+        "--extra-arg='--schedule-policy lpm'; arguments the harness sets itself (ports, "
+        "model, page size, pool, chunking, DP size, KV events, metrics dir) are refused",
+    )
+    st.add_argument(
         "--no-enable-metrics",
         action="store_true",
         help="do not pass --enable-metrics (no request_received_ts etc. in meta_info; how "
@@ -145,6 +156,7 @@ def run_harness(args: argparse.Namespace) -> int:
             dp_size=args.dp_size,
             enable_metrics=not args.no_enable_metrics,
             env=_env_pairs(args.env),
+            extra_args=_extra_args(args.extra_arg),
         )
         h = harness.start_server(cfg, workdir, detach=True, quiet=False)
         d = h.to_json()
@@ -165,6 +177,40 @@ def run_harness(args: argparse.Namespace) -> int:
         print(json.dumps({"pid": st["pid"], "stopped": rc is not None, "rc": rc}))
         return 0
     raise UsageError("harness needs an action: setup | start | stop | status")
+
+
+# set by the harness itself (build_command) or by a dedicated ``harness start`` flag
+_HARNESS_OWNED = (
+    "--model-path",
+    "--host",
+    "--port",
+    "--page-size",
+    "--max-total-tokens",
+    "--chunked-prefill-size",
+    "--dp-size",
+    "--kv-events-config",
+    "--export-metrics-to-file-dir",
+)
+
+
+def _extra_args(items: list[str]) -> list[str]:
+    """``--extra-arg ARGS`` options -> the SGLang argument list (each split like a shell
+    line); UsageError for an argument the harness owns or an unbalanced quote."""
+    out: list[str] = []
+    for item in items:
+        try:
+            parts = shlex.split(item)
+        except ValueError as exc:
+            raise UsageError(f"--extra-arg {item!r}: {exc}") from exc
+        for part in parts:
+            name = part.split("=", 1)[0]
+            if name in _HARNESS_OWNED:
+                raise UsageError(
+                    f"--extra-arg {item!r}: {name} is set by the harness "
+                    "(use the harness start flag)"
+                )
+        out += parts
+    return out
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:

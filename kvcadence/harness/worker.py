@@ -22,6 +22,9 @@ Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only L
   more ranks than NUMA nodes).
 
 Only the standard library is imported here (httpx is not needed for a readiness probe).
+
+Why ~570 lines: it is the recipe -- venv, model, ports, command line, start, readiness and
+stop of one real worker -- kept in one place so it can be read top to bottom.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float
@@ -194,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvcadence.format.bundle import BundleReader
-    from kvcadence.progress import Phases
+    from kvcadence.progress import Phases, request_bar
 
     phases = Phases("replay", quiet=args.quiet, started=getattr(args, "_started", None))
     if getattr(args, "trace", None) is not None:
@@ -217,14 +216,7 @@ def run(args: argparse.Namespace) -> int:
         sglang_version=args.sglang_version or reader.header.sglang_version,
         calibrate_timing=not args.no_calibrate,
     )
-    bar = None
-    progress = None
-    if not args.quiet and sys.stderr.isatty() and len(records) >= 200:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(records), unit="req", desc="replay", file=sys.stderr)
-        progress = bar.update
-    try:
+    with request_bar(len(records), quiet=args.quiet) as progress:
         result = replay_bundle(
             src,
             args.out,
@@ -235,9 +227,6 @@ def run(args: argparse.Namespace) -> int:
             inferred=inferred,
             flushes=flushes,
         )
-    finally:
-        if bar is not None:
-            bar.close()
     return _finish(args, result, cfg, phases, inferred)
 
 

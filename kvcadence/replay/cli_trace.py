@@ -86,6 +86,7 @@ def run_trace(args: argparse.Namespace, overrides: dict[str, Any], phases: Any) 
 
     from kvcadence.errors import UsageError
     from kvcadence.format.jsonl import read_server_info
+    from kvcadence.progress import request_bar
     from kvcadence.replay.trace import read_trace, replay_trace, trace_config
 
     if args.bundle:
@@ -121,14 +122,7 @@ def run_trace(args: argparse.Namespace, overrides: dict[str, Any], phases: Any) 
             "(no prefix sharing there). Mooncake's public traces use --block-tokens 512",
             file=sys.stderr,
         )
-    bar = None
-    progress = None
-    if not args.quiet and sys.stderr.isatty() and len(records) >= 200:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(records), unit="req", desc="replay", file=sys.stderr)
-        progress = bar.update
-    try:
+    with request_bar(len(records), quiet=args.quiet) as progress:
         result = replay_trace(
             records,
             info,
@@ -138,7 +132,4 @@ def run_trace(args: argparse.Namespace, overrides: dict[str, Any], phases: Any) 
             progress=progress,
             phases=phases,
         )
-    finally:
-        if bar is not None:
-            bar.close()
     return result, cfg

@@ -41,6 +41,10 @@ decode-stretch skipping is bounded by the earliest moment another rank (or a kno
 routed arrival) could hand this rank a request (``step``'s ``horizon``, ``bound_for``), so a
 stretch never jumps over a cross-rank arrival. An idle rank recomputes its wake-up when a
 request is routed to it.
+
+Why ~580 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
+finish hooks); its inputs (``load_worker``) and outputs (``write_worker_bundle``) sit beside
+it; the sim-bundle writing itself is ``replay.simbundle``.
 """
 
 from __future__ import annotations

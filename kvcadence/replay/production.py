@@ -75,7 +75,9 @@ def _n_out(r: Any) -> int:
     return max(int(n), 0)
 
 
-def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], dict[str, Any]]:
+def complete_records(  # noqa: C901 - one pass over the records: outputs by route, in order
+    records: list[Any], index: StoreIndex
+) -> tuple[list[Any], dict[str, Any]]:
     """Records with recovered outputs and inferred sessions, and the report (see module)."""
     ps = index.page_size
     nodes: list[Node] = []

@@ -28,6 +28,9 @@ O(evicted · log n) instead of SGLang's collect-all-leaves O(n). Nodes that beco
 are still candidates then, with their access stamp of then: the pop order is the total order
 (last access, node id) over the current candidates either way, and a leaf touched or locked
 again in between costs no heap entry.
+
+Why ~520 lines: one data structure (match, insert, split, lock, evict) whose walks are inlined
+hot paths.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
   frees its private KV and unlocks; publishes after every prefill result, at every
   ``decode_log_interval``-th decode result counted globally (reset by a flush), and when
   fully idle (``on_idle``, which also resets ``new_token_ratio``);
-* decode memory: ``check_decode_mem`` (evict the shortfall), retraction (fewest outputs
+* decode memory: ``check_decode_mem`` (evict the shortfall; at page > 1 the allocation
+  then evicts until a page per running request is free, ``alloc_paged_token_slots_decode``'s
+  over-estimate, every pass), retraction (fewest outputs
   first, ties longest prompt; no store; evict ``remaining × 20`` tokens; re-queue;
   ratio reset), abort of waiting / running requests, flushes (``AllBlocksCleared`` alone);
 * closed-loop clients: a lane's next request arrives ``gap`` after its predecessor finishes,
@@ -597,6 +599,9 @@ class Scheduler:
                 return None
         else:
             self.tracker.on_decode_steps(1)
+        if ps > 1:
+            # alloc_paged_token_slots_decode over-estimates: one new page per request
+            self._evict_for(len(running) * ps)
         if ps == 1:
             for r in running:
                 r.alloc += 1

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # type-only: the mixin's methods run on a Scheduler
 _INF = float("inf")
 
 
-def _skip_decode_stretch(
+def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition that ends a decode stretch, in one hot function
     self: Scheduler, t: int, last: Batch | None, horizon: float = _INF
 ) -> tuple[int, Batch | None] | None:
     """Advance M > 1 pure-decode iterations at once when nothing can happen in them.
@@ -80,7 +80,8 @@ def _skip_decode_stretch(
             k = r.kv_len
             need += ps * ((k + m - 1) // ps - (k - 1) // ps)
     stepped = 0  # leading passes booked as stepped one at a time
-    if self.available() < need:
+    # page > 1: every pass's allocation evicts unless a page per request is free
+    if self.available() < need + (len(running) * ps if ps > 1 else 0):
         m, stepped = self._evict_through_stretch(m)
         if m < 2:
             return None
@@ -155,16 +156,22 @@ def _evict_through_stretch(self: Scheduler, m: int) -> tuple[int, int]:
     private = self.private_total
     needs = self._stretch_needs(m)
     left = sum(needs)  # allocations of this pass and the ones after it
+    ps = self.ps
+    page_each = len(self.running) * ps if ps > 1 else 0  # the allocation's own target
     stepped = -1
     for j, need in enumerate(needs):
         avail = cap - tree.total_size - private
-        if stepped < 0 and j > 0 and m - j >= 2 and avail >= left:
+        if stepped < 0 and j > 0 and m - j >= 2 and avail >= left + page_each:
             stepped = j  # from here the step's own stretch check would have passed
         if avail < need:
             if tree.evict(need - avail):
                 self.stats.evictions += 1
             if cap - tree.total_size - private < need:
                 return j, j
+        if page_each:
+            avail = cap - tree.total_size - private
+            if avail < page_each and tree.evict(page_each - avail):
+                self.stats.evictions += 1
         private += need
         left -= need
     return m, (m if stepped < 0 else stepped)

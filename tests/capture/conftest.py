@@ -101,7 +101,10 @@ def sglang_worker_factory(sglang_harness, tmp_path_factory):
             h.stop()
         current.clear()
         workdir = tmp_path_factory.mktemp(f"sglang-{name}")
-        h = sglang_harness.start_server(sglang_harness.ServerConfig(**cfg), workdir)
+        # a loaded box (other workers, test runs) can take minutes to import SGLang
+        h = sglang_harness.start_server(
+            sglang_harness.ServerConfig(**cfg), workdir, ready_timeout=600.0
+        )
         current.append((dict(cfg), h))
         return h
 

@@ -634,6 +634,32 @@ def test_harness_start_flags_are_checked_before_anything_starts(tmp_path, monkey
     assert "--dp-size" in lines[0] and "KEY=VALUE" in lines[1]
 
 
+def test_harness_start_extra_args_reach_the_command(tmp_path, monkeypatch, capsys):
+    from kvcadence.harness import worker as harness
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no recorded worker
+    harness.cache_dir().mkdir(parents=True)
+    seen: list[harness.ServerConfig] = []
+
+    def fake_start(cfg, workdir, **kw):
+        seen.append(cfg)
+        return harness.ServerHandle(1, 2, 20, 30, str(workdir), "m", "l", [], "{}")
+
+    monkeypatch.setattr(harness, "start_server", fake_start)
+    argv = ["harness", "start", "--workdir", str(tmp_path / "w")]
+    extra = ["--extra-arg=--disable-overlap-schedule", "--extra-arg=--schedule-policy lpm"]
+    assert main([*argv, *extra]) == 0
+    assert seen[0].extra_args == ["--disable-overlap-schedule", "--schedule-policy", "lpm"]
+    cmd, _ = harness.build_command(seen[0], tmp_path, tmp_path, [1, 2, 3], tmp_path)
+    assert cmd[-3:] == ["--disable-overlap-schedule", "--schedule-policy", "lpm"]
+    capsys.readouterr()  # (the recorded pid 1 is no worker: the next start is allowed)
+    for bad in ("--extra-arg=--port 5", "--extra-arg=--page-size=16", "--extra-arg='x"):
+        assert main([*argv, bad]) == 2  # harness-owned flag / unbalanced quote
+    assert len(seen) == 1
+    err = capsys.readouterr().err
+    assert "--port is set by the harness" in err and "--page-size is set by" in err
+
+
 def test_venv_location_and_staleness(tmp_path, monkeypatch):
     from kvcadence.harness import worker as harness
 

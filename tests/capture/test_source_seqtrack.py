@@ -197,9 +197,10 @@ def test_fast_path_records_the_time_of_the_last_message():
     assert t.epoch == 0 and t.stats.duplicates == 1
 
 
-def test_the_last_seq_sent_again_after_a_pause_is_a_duplicate_not_a_restart():
-    """A re-sent last message is a duplicate however late it comes (a loaded host can hold
-    it past the restart pause); a restarted publisher starts below the last seq."""
+def test_the_last_message_sent_again_after_a_pause_is_a_duplicate_not_a_restart():
+    """The last message again (same seq, same payload) is a duplicate however late it comes
+    (a loaded host can hold it past the restart pause); a restarted publisher's message at
+    that seq has another payload (test_restart_with_missed_head_asks_replay_from_zero)."""
     t = SeqTracker(0, has_replay=True)
     for s in range(100):
         t.on_live(s, "kv", b"%d" % s, 1000 + s)

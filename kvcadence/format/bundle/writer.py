@@ -5,6 +5,9 @@ Crash safety: the writer flushes its file buffer at least every ``flush_interval
 fsyncs on rotation and close, so a crash loses at most that window and leaves a *torn tail*
 (a partial frame, or zeros) which the reader treats as normal. A record msgpack cannot
 encode is a ``BundleError`` naming the record, and nothing of it is written.
+
+Why ~510 lines: one class, ``BundleWriter``, whose open/append/rollover/flush/close paths
+share the segment state and the failure rules.
 """
 
 from __future__ import annotations

@@ -1,0 +1,269 @@
+"""Replay every capture of the real-capture corpus (``data/corpus/``) and hold it to the bars.
+
+Each ``data/corpus/<name>/`` holds ``bundle/`` (recorded by ``kvcadence drive`` on the real,
+unmodified SGLang 0.5.23 CPU worker of ``kvcadence harness``) and ``sglang-metrics/`` (that
+worker's own ``--export-metrics-to-file`` output, for the production path).
+Recipes: ``data/corpus/README.md``.
+
+Bars, replayed with the driver's request records: Stored events/request and median
+blocks/Stored within 3 %, Removed events/request and mean blocks/Removed within 10 %,
+``cached_tokens`` equal on >= 95 % of requests, stored block-hash set identical. One test per
+(capture, bar); a bar a capture misses today is a *strict* xfail naming the measured numbers
+(an XPASS fails, so the day it holds the marker must go).
+
+A DP capture (``dp_size`` > 1) is replayed as the fleet replays a multi-rank worker
+(``--route recorded``, recorded pace) and judged on all ranks together.
+
+``python tests/replay/test_corpus.py`` prints the real-vs-sim table of ``data/corpus/README.md``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import random
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from kvcadence.analysis.ranks import compare_ranks, rank_figures
+from kvcadence.format.bundle import BundleReader
+
+CORPUS = Path(__file__).parent / "data" / "corpus"
+
+#: bar -> (figure of ``compare_ranks``, allowed |relative delta|); the last two are absolute
+BARS: dict[str, tuple[str, float]] = {
+    "stored_per_req": ("stored_events_per_request", 0.03),
+    "stored_median": ("stored_blocks_median", 0.03),
+    "removed_per_req": ("removed_events_per_request", 0.10),
+    "removed_mean": ("removed_blocks_mean", 0.10),
+    "cached_equal": ("cached_tokens_equal", 0.95),  # share of requests, >= 0.95
+    "hash_set": ("stored_hash_jaccard", 1.0),  # identical sets
+}
+
+#: the captures, in the README's order (each must exist: no silent skips)
+CAPTURES = (
+    "p1-lanes8",
+    "p4-chunk512-nooverlap",
+    "p16-chunk256-evict",
+    "lpm-long",
+    "flush2",
+    "tight-long",
+    "dp2-p16-chunk256",
+)
+
+#: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
+MISSES: dict[tuple[str, str], str] = {
+    ("p4-chunk512-nooverlap", "stored_per_req"): "stored_events_per_request 1.765 -> 1.685 (-4.5%)",
+    # 2 pages only the sim has: the output pages of l2-s12-t1, the run's last request to
+    # finish (rank 1); its finish store is not in the capture (probably published after
+    # drive's 2 s settle ended: the box's load average was 28 then), the sim publishes it
+    # when the rank goes idle
+    ("dp2-p16-chunk256", "hash_set"): "stored_hash_jaccard 0.9991 (sim has 2 more pages)",
+}
+
+
+def production_bundle(name: str, out: Path) -> Path:
+    """Capture ``name`` as a production user has it: its event frames and header,
+    request records only from the worker's ``sglang-metrics/`` files (``capture import
+    --sglang-metrics``: no output ids, lanes or sessions), rids rewritten to random hex."""
+    import msgspec
+
+    from kvcadence.capture.sglang_logs import read_metrics
+    from kvcadence.format.bundle import BundleWriter
+
+    src = BundleReader(CORPUS / name / "bundle")
+    rng = random.Random(name)
+    with BundleWriter(out, src.header) as w:
+        for frame in src.events():
+            w.write(frame)
+        for rec in read_metrics(CORPUS / name / "sglang-metrics"):
+            rid = f"{rng.getrandbits(128):032x}"
+            meta = dict(rec.meta_info)
+            meta["request_parameters"] = {**meta.get("request_parameters", {}), "rid": rid}
+            w.write(msgspec.structs.replace(rec, rid=rid, meta_info=meta))
+    return out
+
+
+@cache
+def _workdir() -> Path:
+    """One temporary directory for every replay of this process, removed at exit."""
+    tmp = tempfile.TemporaryDirectory(prefix="kvcadence-corpus-")
+    atexit.register(tmp.cleanup)
+    return Path(tmp.name)
+
+
+@cache
+def replayed(name: str, path: str = "driver") -> dict[str, dict]:
+    """``figure -> compare_ranks row`` (rank ``all``) of capture ``name`` replayed with the
+    driver's records (``path="driver"``) or as a production capture (``"production"``)."""
+    from kvcadence.replay.fleet import (
+        dp_size_of,
+        load_worker,
+        simulate_fleet,
+        write_fleet_bundles,
+    )
+    from kvcadence.replay.simulator import replay_bundle
+
+    out = _workdir() / f"{name}-{path}"
+    src = CORPUS / name / "bundle"
+    if path == "production":
+        src = production_bundle(name, out / "real")
+    reader = BundleReader(src)
+    if dp_size_of(reader.header, reader.requests()) > 1:
+        (sim,) = write_fleet_bundles(
+            out / "sim", simulate_fleet([load_worker(src)], "recorded", pace="auto")
+        )
+    else:
+        sim = out / "sim"
+        replay_bundle(src, sim)
+    rows = compare_ranks(rank_figures(src), rank_figures(sim))
+    return {r["figure"]: r for r in rows if r["rank"] == "all"}
+
+
+def bar_holds(row: dict, bar: str) -> bool:
+    _, tol = BARS[bar]
+    if bar == "cached_equal":
+        return row["sim"] is not None and row["sim"] >= tol
+    if bar == "hash_set":
+        return row["sim"] == 1.0
+    return row["delta"] is not None and abs(row["delta"]) <= tol
+
+
+def _params():
+    for name in CAPTURES:
+        for bar in BARS:
+            marks = ()
+            if (name, bar) in MISSES:
+                marks = pytest.mark.xfail(strict=True, reason=MISSES[(name, bar)])
+            yield pytest.param(name, bar, id=f"{name}-{bar}", marks=marks)
+
+
+def test_every_capture_is_listed_and_complete():
+    on_disk = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
+    assert on_disk == sorted(CAPTURES)
+    for name in CAPTURES:
+        assert any((CORPUS / name / "sglang-metrics").glob("sglang-request-metrics-*.log"))
+        reader = BundleReader(CORPUS / name / "bundle")
+        assert len(reader.requests()) >= 200
+        assert reader.header.sglang_version == "0.5.23"
+        assert f"## `{name}`" in (CORPUS / "README.md").read_text()
+
+
+@pytest.mark.parametrize(("name", "bar"), list(_params()))
+def test_bar(name, bar):
+    row = replayed(name)[BARS[bar][0]]
+    assert bar_holds(row, bar), (name, bar, row["real"], row["sim"], row["delta"])
+
+
+def test_sglang_metrics_are_the_same_traffic(tmp_path):
+    """The kept ``sglang-metrics/`` files hold exactly the driven requests: same prompts,
+    same ``cached_tokens`` as the driver's records (what the production path starts from)."""
+    from kvcadence.capture.sglang_logs import read_metrics
+
+    for name in CAPTURES:
+        driver = {r.rid: r for r in BundleReader(CORPUS / name / "bundle").requests()}
+        metrics = read_metrics(CORPUS / name / "sglang-metrics")
+        assert sorted(r.rid for r in metrics) == sorted(driver), name
+        for r in metrics:
+            d = driver[r.rid]
+            assert (r.input_ids, r.cached_tokens) == (d.input_ids, d.cached_tokens), r.rid
+            assert r.completion_tokens == len(d.output_ids), r.rid
+
+
+#: capture -> the production path's misses today, measured
+PRODUCTION_MISSES: dict[str, str] = {
+    "p4-chunk512-nooverlap": "stored_events_per_request 1.765 -> 1.685 (-4.5%)",
+    "tight-long": "cached_tokens_equal 0.940",
+    "dp2-p16-chunk256": "stored_hash_jaccard 0.9991 (as with driver records)",
+}
+
+
+def _production_params():
+    for name in CAPTURES:
+        marks = ()
+        if name in PRODUCTION_MISSES:
+            marks = pytest.mark.xfail(strict=True, reason=PRODUCTION_MISSES[name])
+        yield pytest.param(name, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("name", list(_production_params()))
+def test_production_path_bars(name):
+    """Events + ``capture import --sglang-metrics`` (rids random hex): every bar at once."""
+    rows = replayed(name, "production")
+    missed = {
+        bar: (rows[fig]["real"], rows[fig]["sim"])
+        for bar, (fig, _) in BARS.items()
+        if not bar_holds(rows[fig], bar)
+    }
+    assert not missed, missed
+
+
+# ---------------------------------------------------------------------- the README table
+TABLE_FIGURES = (
+    ("Stored ev/req", "stored_events_per_request", "{:.3f}"),
+    ("median blk/Stored", "stored_blocks_median", "{:g}"),
+    ("Removed ev/req", "removed_events_per_request", "{:.3f}"),
+    ("mean blk/Removed", "removed_blocks_mean", "{:.1f}"),
+    ("median blk/Removed", "removed_blocks_median", "{:g}"),
+)
+
+
+def table(path: str = "driver") -> str:
+    """Markdown: one row per capture, real -> sim (delta) per figure."""
+    head = ["capture", *(t for t, _, _ in TABLE_FIGURES), "cached_tokens equal", "hash set"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in CAPTURES:
+        rows = replayed(name, path)
+        cells = [f"`{name}`"]
+        for _, fig, fmt in TABLE_FIGURES:
+            r = rows[fig]
+            if r["real"] is None or r["sim"] is None:
+                cells.append(f"{r['real']} → {r['sim']}")
+                continue
+            d = "" if r["delta"] is None else f" ({r['delta']:+.1%})"
+            cells.append(f"{fmt.format(r['real'])} → {fmt.format(r['sim'])}{d}")
+        eq = rows["cached_tokens_equal"]["sim"]
+        cells.append("–" if eq is None else f"{eq:.1%}")
+        cells.append("identical" if rows["stored_hash_jaccard"]["sim"] == 1.0 else
+                     f"Jaccard {rows['stored_hash_jaccard']['sim']:.4f}")  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(row: dict) -> str:
+    if row["figure"] in ("cached_tokens_equal", "stored_hash_jaccard"):
+        return f"{row['sim']:.3f}" if row["sim"] is not None else "None"
+    return f"{row['real']:.4g} -> {row['sim']:.4g} ({row['delta']:+.1%})"
+
+
+def misses() -> str:
+    """The ``MISSES`` / ``PRODUCTION_MISSES`` entries measured now (to paste above)."""
+    out = []
+    for name in CAPTURES:
+        rows = replayed(name)
+        for bar, (fig, _) in BARS.items():
+            if not bar_holds(rows[fig], bar):
+                out.append(f'    ("{name}", "{bar}"): "{fig} {_fmt(rows[fig])}",')
+    for name in CAPTURES:
+        rows = replayed(name, "production")
+        bad = [f"{fig} {_fmt(rows[fig])}" for bar, (fig, _) in BARS.items()
+               if not bar_holds(rows[fig], bar)]  # fmt: skip
+        if bad:
+            out.append(f'    "{name}": "{"; ".join(bad)}",')
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    names = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if names:
+        CAPTURES = tuple(names)  # noqa: F811 - print a subset
+    if "--misses" in sys.argv:
+        print(misses())
+        sys.exit()
+    print("driver records:\n")
+    print(table())
+    print("\nproduction path (events + sglang-metrics, random rids):\n")
+    print(table("production"))
