@@ -112,7 +112,7 @@ def fs_errno(exc: BaseException) -> int | None:
 
 
 def write_atomic(
-    path: str | os.PathLike[str], fill: Callable[[Path], None], flag: str = "--out"
+    path: str | os.PathLike[str], fill: Callable[[Path], object], flag: str = "--out"
 ) -> Path:
     """Write ``path`` whole or not at all: ``fill(tmp)`` writes a hidden temp file in the same
     directory, which is fsynced and renamed onto ``path``. On any failure the temp file is
