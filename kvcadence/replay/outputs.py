@@ -229,7 +229,8 @@ class StoreIndex:
         arrival_ns: int,
         finish_ns: int,
         at: tuple[int, int] | None = None,
-    ) -> tuple[list[int], int, bool] | None:
+        taken: dict[tuple[int, int], int] | None = None,
+    ) -> tuple[list[int], int, bool, tuple[int, int], bool] | None:
         """The finish store below block ``h`` (``None`` = the root): the tokens of up to
         ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
         last page and whether its event also held other stores (tail merging); ``None``
@@ -238,18 +239,34 @@ class StoreIndex:
         Searched, in this order: right after ``h`` in the request's own prefill event
         (``at`` = (event, position of ``h``): prefill and finish stores merged); then the
         first later event whose parent is ``h``; then (rare: merged after another store
-        ending at ``h``) any event holding ``h`` from ``finish_ns`` on."""
+        ending at ``h``) any event holding ``h`` from ``finish_ns`` on.
+
+        ``taken``: runs ``(event, position)`` an earlier request already claimed (parallel
+        samples of one prompt all chain below ``h``). The first unclaimed run wins; only when
+        every run found is claimed is the first claimed one returned (identical outputs:
+        the later sample inserted nothing new). The result also says where the run is
+        (``(event, position)``) and whether a claimed run was met on the way (a tie)."""
         ps = self.page_size
         evs, ts = self.events, self._ts
         horizon = finish_ns + FINISH_WINDOW_NS
+        claimed = taken or {}
+        shared: tuple[list[int], int, bool, tuple[int, int], bool] | None = None
+        tie = False
 
-        def run(ei: int, j: int) -> tuple[list[int], int, bool] | None:
+        def run(ei: int, j: int) -> tuple[list[int], int, bool, tuple[int, int], bool] | None:
+            nonlocal shared, tie
             ev = evs[ei]
             if j >= len(ev.hashes) or (tail and ev.tokens[j * ps : j * ps + len(tail)] != tail):
                 return None
             m = min(k, len(ev.hashes) - j)
             merged = j > 0 or j + m < len(ev.hashes)
-            return ev.tokens[j * ps : (j + m) * ps], ev.hashes[j + m - 1], merged
+            got = ev.tokens[j * ps : (j + m) * ps], ev.hashes[j + m - 1], merged, (ei, j), tie
+            if (ei, j) in claimed:
+                tie = True
+                if shared is None:
+                    shared = got
+                return None
+            return got[0], got[1], got[2], got[3], tie
 
         if at is not None:
             got = run(at[0], at[1] + 1)
@@ -278,4 +295,4 @@ class StoreIndex:
             got = run(ei, j)
             if got is not None:
                 return got
-        return None
+        return None if shared is None else (shared[0], shared[1], shared[2], shared[3], True)

@@ -18,6 +18,12 @@ opaque rids. Before the replay builds its schedule:
 4. The rest stays synthetic (``schedule._synth_tokens``); the report says why. Tokens that
    are never stored and never reused change no hash and no cache hit.
 
+Aborted and errored requests that never ran (no output token) stored nothing and are left
+out (``error`` set); those that ran are replayed to their recorded, partial, output length.
+Parallel samples (``n > 1``) of one prompt each claim their own finish store, in finish
+order. Retractions are not imposed: ``retractions`` compares the capture's with the
+replay's own. The counts are in the report (docs/production.md, "Production traffic").
+
 Records that already have output ids keep them (``--log-requests`` records: only the
 sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
 all have output ids and come from elsewhere (an open-loop trace), is returned unchanged.
@@ -75,25 +81,79 @@ def _n_out(r: Any) -> int:
     return max(int(n), 0)
 
 
-def complete_records(  # noqa: C901 - one pass over the records: outputs by route, in order
+#: ``error`` of a record the replay leaves out: it never ran, so it stored nothing
+NOT_RUN_ABORT = "aborted before it ran (nothing stored): not replayed"
+NOT_RUN_ERROR = "errored before it ran (nothing stored): not replayed"
+
+
+def _kind(r: Any) -> tuple[str | None, bool]:
+    """``(kind, ran)`` of a record: kind ``"aborted"``, ``"errored"`` or None (finished);
+    ``ran``: it produced at least one output token (its prefill ran)."""
+    ran = bool(r.output_ids) or (r.completion_tokens or 0) > 0
+    fr = (r.meta_info or {}).get("finish_reason")
+    status = fr.get("status_code") if isinstance(fr, dict) else None
+    if r.error is not None or (isinstance(status, int) and status >= 400):
+        return "errored", ran
+    if r.finish_reason == "abort":
+        return "aborted", ran
+    if r.finish_reason is None and r.source in PRODUCTION_SOURCES:
+        return "errored", ran
+    return None, ran
+
+
+def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], dict[str, Any]]:
+    """Records with recovered outputs and inferred sessions, and the report (see module).
+
+    Aborted and errored requests that ran (at least one output token) are replayed to
+    their recorded, partial, output length; those that never ran stored nothing and are
+    returned with ``error`` set (the schedule leaves them out) and kept out of the
+    inference (no predecessor, no client)."""
+    counts: Counter[str] = Counter()
+    keep: list[int] = []
+    out: list[Any] = list(records)
+    for i, r in enumerate(records):
+        kind, ran = _kind(r)
+        if kind is not None:
+            counts[f"{kind}_{'running' if ran else 'not_run'}"] += 1
+        if kind is not None and not ran:
+            why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
+            out[i] = msgspec.structs.replace(r, error=r.error or why)
+        else:
+            keep.append(i)
+        counts["retracted_in_capture"] += _retracted(r)
+    done, report = _complete([records[i] for i in keep], index)
+    for i, r in zip(keep, done, strict=True):
+        out[i] = r
+    for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
+        report[k] = counts[k]
+    report["retracted_in_capture"] = counts["retracted_in_capture"]
+    return out, report
+
+
+def _complete(  # noqa: C901 - one pass over the records: outputs by route, in order
     records: list[Any], index: StoreIndex
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Records with recovered outputs and inferred sessions, and the report (see module)."""
     ps = index.page_size
-    nodes: list[Node] = []
-    known: list[list[int] | None] = []  # None: the record's own output ids
+    times = [_times(r) for r in records]
+    nodes = [Node(arrival_ns=a if a is not None else 0, finish_ns=f) for a, f in times]
+    # None: the record's own output ids
+    known: list[list[int] | None] = [None] * len(records)
     missing: dict[int, str] = {}  # index -> why the stored part of its output is unknown
-    via_events = in_merged = 0
-    for i, r in enumerate(records):
-        arr, fin = _times(r)
-        node = Node(arrival_ns=arr if arr is not None else 0, finish_ns=fin)
-        nodes.append(node)
+    via_events = in_merged = ties = shared = 0
+    # finish stores are claimed in finish order: parallel samples of one prompt all chain
+    # below the same page, each gets its own run (``StoreIndex.finish_pages(taken=...)``)
+    taken: dict[tuple[int, int], int] = {}
+    by_fin = sorted(range(len(records)), key=lambda i: (times[i][1] is None, times[i][1] or 0, i))
+    for i in by_fin:
+        r = records[i]
+        arr, fin = times[i]
+        node = nodes[i]
         prompt = r.input_ids
         n = _n_out(r)
         L = len(prompt)
         P = L // ps
         if not prompt:
-            known.append(None if r.output_ids else [])
+            known[i] = None if r.output_ids else []
             if not r.output_ids:
                 missing[i] = WHY_NO_IDS
             continue
@@ -112,7 +172,7 @@ def complete_records(  # noqa: C901 - one pass over the records: outputs by rout
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
         if K <= 0:
-            known.append(None if r.output_ids else [])
+            known[i] = None if r.output_ids else []
             node.end_anchor = h
             continue
         at = None
@@ -122,20 +182,24 @@ def complete_records(  # noqa: C901 - one pass over the records: outputs by rout
         got = (
             None
             if fin is None or arr is None
-            else index.finish_pages(h, prompt[P * ps :], K, arr, fin, at)
+            else index.finish_pages(h, prompt[P * ps :], K, arr, fin, at, taken)
         )
+        if got is not None:
+            ties += got[4]
+            shared += got[3] in taken
+            taken.setdefault(got[3], i)
         if r.output_ids:
-            known.append(None)
+            known[i] = None
             if got is not None and len(got[0]) == K * ps:
                 node.end_anchor = got[1]
             continue
         if got is None:
-            known.append([])
+            known[i] = []
             stored_prompt = fast is not None or (r.cached_tokens or 0) >= P * ps
             missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
             continue
-        toks, last, was_merged = got
-        known.append(toks[L - P * ps :])
+        toks, last, was_merged = got[:3]
+        known[i] = toks[L - P * ps :]
         via_events += 1
         in_merged += was_merged
         if len(toks) == K * ps:
@@ -221,11 +285,32 @@ def complete_records(  # noqa: C901 - one pass over the records: outputs by rout
         "outputs_from_next_prompt": via_prompt,
         "outputs_synthetic": dict(sorted(Counter(missing.values()).items())),
         "unstored_tail_synthetic": dict(sorted(tail_synth.items())),
+        "finish_store_ties": ties,
+        "finish_stores_shared": shared,
         "sessions": n_sessions,
         "clients": n_lanes,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
     }
     return out_records, report
+
+
+def _retracted(r: Any) -> bool:
+    nr = (r.meta_info or {}).get("num_retractions")
+    return isinstance(nr, int) and not isinstance(nr, bool) and nr > 0
+
+
+def retractions(records: list[Any], sim_requests: list[Any]) -> dict[str, int]:
+    """The capture's retracted requests against the replay's: how many the capture
+    retracted (``meta_info.num_retractions`` > 0), how many of those the replay retracted
+    too, and how many the replay retracted in all. The replay simulates its own
+    retractions (memory pressure); the recorded count is not imposed."""
+    real = {r.rid for r in records if _retracted(r)}
+    sim = {r.rid for r in sim_requests if _retracted(r)}
+    return {
+        "retracted_in_capture": len(real),
+        "retracted_in_capture_and_replay": len(real & sim),
+        "retracted_in_replay": len(sim),
+    }
 
 
 def records_for_replay(
@@ -256,4 +341,33 @@ def report_text(rep: dict[str, Any]) -> str:
         f"{rep['outputs_recorded']} recorded, {rep['outputs_from_events']} from KV events, "
         f"{rep['outputs_from_next_prompt']} completed from the next prompt; synthetic: {why}; "
         f"{rep['sessions']} sessions, {rep['with_predecessor']} requests with a predecessor"
+        + _edge_text(rep)
     )
+
+
+def _edge_text(rep: dict[str, Any]) -> str:
+    """The production-only kinds of request, when the capture had any."""
+    parts = []
+    if rep.get("finish_store_ties"):
+        parts.append(
+            f"{rep['finish_store_ties']} finish-store ties (parallel samples of one prompt; "
+            f"{rep.get('finish_stores_shared', 0)} shared)"
+        )
+    for key, what in (
+        ("aborted_running", "aborted while running (replayed to their partial output)"),
+        ("aborted_not_run", "aborted before they ran (not replayed)"),
+        ("errored_running", "errored after they ran (replayed to their recorded output)"),
+        ("errored_not_run", "errored before they ran (not replayed)"),
+    ):
+        if rep.get(key):
+            parts.append(f"{rep[key]} {what}")
+    if rep.get("retracted_in_capture"):
+        parts.append(
+            f"{rep['retracted_in_capture']} retracted in the capture"
+            + (
+                f", {rep['retracted_in_capture_and_replay']} of them in the replay too"
+                if "retracted_in_capture_and_replay" in rep
+                else ""
+            )
+        )
+    return "; " + "; ".join(parts) if parts else ""

@@ -37,7 +37,7 @@ from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
-from kvcadence.replay.production import records_for_replay
+from kvcadence.replay.production import records_for_replay, retractions
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, SimReq, SimStats
 from kvcadence.replay.schedule import Schedule, build_schedule
@@ -312,6 +312,8 @@ def replay_bundle(
     with phases.phase("simulate", f"simulating {len(records)} requests"):
         result = simulate(records, config, hasher=hasher, flush_abs_ns=flush_ns, progress=progress)
     if inferred:
+        if inferred.get("retracted_in_capture"):
+            inferred = {**inferred, **retractions(list(records), result.requests)}
         result.extra["inferred"] = inferred
     if out_path is not None:
         with phases.phase("write", f"writing {out_path}"):

@@ -93,6 +93,10 @@ def test_fixture_production_path_meets_the_bars(fixture_dir, tmp_path, capsys):
     rep = inspect_bundle(tmp_path / "sim")["inferred"]  # kept in the sim bundle's trailer
     assert rep["outputs_from_events"] == 120 and rep["outputs_synthetic"] == {}
     assert rep["sessions"] == 33 and rep["with_predecessor"] == 87 and rep["clients"] == 4
+    # the fixture's requests all finished normally, one sample each, none retracted
+    edge = ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run")
+    assert [rep[k] for k in edge] == [0, 0, 0, 0] and rep["retracted_in_capture"] == 0
+    assert rep["finish_store_ties"] == 0
     assert main(["inspect", str(tmp_path / "sim")]) == 0
     assert "sessions=33 clients=4 with predecessor=87" in capsys.readouterr().out
 
