@@ -124,3 +124,25 @@ def test_stored_cause_wording() -> None:
     assert s is not None and s.startswith("sim stores 6% more Stored events per request")
     assert "9 finish stores published separately" in s
     assert drilldown.stored_cause("real", "sim", 0.0, 1.0, {}, {}) is None
+
+
+def test_events_truncated_and_requests_limited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import polars as pl
+
+    from kvcadence.analysis import ingest
+
+    monkeypatch.setattr(drilldown, "MAX_EVENTS", 1)
+    ing = ingest.ingest(str(_sim(tmp_path / "sim")), None)
+    side = drilldown.side_events(ing, 1, [RID_B], {RID_B: 2})[RID_B]
+    assert [e["kind"] for e in side.events] == ["removed"] and side.more == 2
+    pr = pl.DataFrame(
+        {
+            "rid": [f"r{i}" for i in range(15)],
+            "d_cached_tokens": list(range(15)),
+            "d_stored_events": [0] * 15,
+        }
+    )
+    assert drilldown.pick(pr) == [f"r{i}" for i in range(14, 4, -1)]  # 10, largest first
+    assert drilldown.pick(pr.with_columns(pl.lit(0).alias("d_cached_tokens"))) == []
