@@ -29,7 +29,7 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
-from kvcadence.analysis import ingest, metrics, report_extras, sql
+from kvcadence.analysis import drilldown, ingest, metrics, report_extras, sql
 from kvcadence.analysis import plots as kplots
 from kvcadence.analysis.catalogue import COMPARE_DEFS, DEFS, DISTANCES
 from kvcadence.analysis.formatting import fmt, round_numbers
@@ -324,14 +324,43 @@ def verdict(gates: list[cmp.GateResult]) -> str:
     return f"PASS: all {len(gates)} gates passed."
 
 
-def _gates_table(gates: list[cmp.GateResult]) -> dict[str, list[str]]:
-    """Gates, the failing ones first; numbers rounded as in the tables."""
+def gate_causes(
+    labelled: list[tuple[str, BundleMetrics]], gates: list[cmp.GateResult]
+) -> dict[tuple[str, str], str]:
+    """(metric, sim) -> one sentence of cause, for the failed gates the tool can explain
+    (today: ``stored_events_per_request``, from the attribution's finish+prefill merges)."""
+    by_label = dict(labelled)
+    if not labelled:
+        return {}
+    real_label, real = labelled[0]
+    out: dict[tuple[str, str], str] = {}
+    for r in gates:
+        if r.ok or r.gate.metric != "stored_events_per_request" or r.sim not in by_label:
+            continue
+        cause = drilldown.stored_cause(
+            real_label,
+            r.sim,
+            r.real_value,
+            r.sim_value,
+            real.attribution_kinds,
+            by_label[r.sim].attribution_kinds,
+        )
+        if cause:
+            out[(r.gate.metric, r.sim)] = cause
+    return out
+
+
+def _gates_table(
+    gates: list[cmp.GateResult], causes: dict[tuple[str, str], str] | None = None
+) -> dict[str, list[str]]:
+    """Gates, the failing ones first; numbers rounded as in the tables; a cause where known."""
     g: dict[str, list[str]] = {"result": [], "gate": [], "sim": [], "detail": []}
     for r in sorted(gates, key=lambda r: r.ok):  # stable: failing first, else in gate order
         g["result"].append("PASS" if r.ok else "FAIL")
         g["gate"].append(r.gate.text)
         g["sim"].append(r.sim)
-        g["detail"].append(round_numbers(r.detail))
+        cause = (causes or {}).get((r.gate.metric, r.sim))
+        g["detail"].append(round_numbers(r.detail) + (f" ({cause})" if cause else ""))
     return g
 
 
@@ -380,11 +409,15 @@ def _sections(
     comps: list[cmp.Comparison],
     gates: list[cmp.GateResult],
     sim_configs: list[dict[str, Any] | None] | None = None,
-) -> list[tuple[str, str, dict[str, list[str]] | None]]:
+    drills: list[drilldown.Drill] | None = None,
+) -> list[tuple[str, str, Any]]:
     """(title, text, table) sections shared by report.md and report.html: the verdict and
-    the gates (failing first) before anything else."""
-    out: list[tuple[str, str, dict[str, list[str]] | None]] = []
-    out.append(("Verdict", verdict(gates), _gates_table(gates) if gates else None))
+    the gates (failing first) before anything else. A table is a column dict or, for the
+    per-request drill-down, a ``drilldown.Drill``."""
+    out: list[tuple[str, str, Any]] = []
+    causes = gate_causes(labelled, gates)
+    text = verdict(gates) + "".join(f" {c}" for c in causes.values())
+    out.append(("Verdict", text, _gates_table(gates, causes) if gates else None))
     inputs: dict[str, list[str]] = {
         "bundle": [],
         "path": [],
@@ -520,6 +553,18 @@ def _sections(
                 "stored events sim": [fmt(v) for v in diff["stored_events_sim"].to_list()],
             }
             out.append((f"Differing requests ({comp.sim}, first 20 by rid)", "", d))
+        drill = next((x for x in drills or [] if x.sim == comp.sim and x.rows), None)
+        if drill is not None:
+            out.append(
+                (
+                    f"Per-request drill-down ({comp.real} vs {comp.sim})",
+                    f"The {len(drill.rows)} requests that differ most (cached tokens, then "
+                    "Stored events): every event touching the request, time relative to its "
+                    "send, message as endpoint/seq; stored blocks split into the request's "
+                    "prompt / output pages, removed blocks counted among its pages.",
+                    drill,
+                )
+            )
     all_names = [k for k in labelled[0][1].metrics if not k.startswith("quality.")]
     out.append(
         (
@@ -537,7 +582,9 @@ def write_markdown(path: Path, sections: list[Any], plots: list[str], title: str
         parts.append(f"## {head}\n")
         if text:
             parts.append((f"**{text}**" if head == "Verdict" else text) + "\n")
-        if table is not None and head in COLLAPSED:
+        if isinstance(table, drilldown.Drill):
+            parts.append(drilldown.to_markdown(table))
+        elif table is not None and head in COLLAPSED:
             parts.append(
                 f"<details><summary>{head}</summary>\n\n{_md_table(table)}\n\n</details>\n"
             )
@@ -558,6 +605,7 @@ _CSS = (
     ".fail{color:#b00;font-weight:bold}.pass{color:#070;font-weight:bold}"
     "tr.fail td{background:#fde8e8}tr.pass td{background:#eaf6ea}"
     "summary{cursor:pointer;font-weight:bold;margin:.5em 0}"
+    ".drill-pair{display:flex;gap:1.5em;flex-wrap:wrap}.drill-side h4{margin:.3em 0}"
 )
 #: sections whose table is collapsed (<details>) in report.md and report.html
 COLLAPSED = ("All metrics",)
@@ -579,7 +627,9 @@ def write_html(path: Path, out: Path, sections: list[Any], plots: list[str], tit
                 else (' class="pass"' if text.startswith("PASS") else "")
             )
             parts.append(f"<p{cls}>{html.escape(text)}</p>")
-        if table is not None and head in COLLAPSED:
+        if isinstance(table, drilldown.Drill):
+            parts.append(drilldown.to_html(table))
+        elif table is not None and head in COLLAPSED:
             n = len(next(iter(table.values()), []))
             parts.append(
                 f"<details><summary>{html.escape(head)} ({n} rows)</summary>"
@@ -661,7 +711,24 @@ def make_report(
     else:  # the providers always draw; drop their files when plots are off
         for p in {p for e in extras for p in e.plots}:
             (outdir / p).unlink(missing_ok=True)
+    drills = []
+    if comps:
+        with phases.phase("drilldown", "per-request drill-down of the requests that differ"):
+            for i, comp in enumerate(comps, start=1):
+                drills.append(
+                    drilldown.build(
+                        comp.real,
+                        comp.sim,
+                        comp.per_request,
+                        ings[0],
+                        ings[i],
+                        int(real.inputs.get("page_size") or 1),
+                        int(labelled[i][1].inputs.get("page_size") or 1),
+                    )
+                )
     doc = build_doc(labelled, comps, results, plot_names)
+    if comps:
+        doc["drilldown"] = {d.sim: d.as_list() for d in drills}
     for e in extras:
         doc.update(e.doc)
     (outdir / "report.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
@@ -669,7 +736,7 @@ def make_report(
         f"{label} ({Path(m.inputs['bundle']).name})" for label, m in labelled
     )
     sim_configs = [BundleReader(ing.bundle).header.sim_config for ing in ings]
-    sections = _sections(labelled, comps, results, sim_configs)
+    sections = _sections(labelled, comps, results, sim_configs, drills)
     for e in extras:  # before "All metrics", or after the section the provider names
         titles = [s[0] for s in sections]
         at = titles.index(e.after) + 1 if e.after in titles else len(sections) - 1
