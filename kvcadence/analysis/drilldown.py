@@ -26,6 +26,7 @@ from typing import Any
 
 from kvcadence.analysis import pages as pages_mod
 from kvcadence.analysis import sql
+from kvcadence.analysis.formatting import md_escape
 
 LIMIT = 10
 MAX_EVENTS = 20
@@ -285,7 +286,8 @@ def to_html(d: Drill) -> str:
 
 
 def _md_cell(text: str) -> str:
-    return html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ").replace("`", "\\`")
+    """Literal text in a Markdown table cell or an HTML summary: HTML- and Markdown-escaped."""
+    return md_escape(html.escape(text, quote=False))
 
 
 def to_markdown(d: Drill) -> str:

@@ -1,4 +1,5 @@
-"""Number formatting shared by the report and its extra sections (one short human string)."""
+"""Formatting shared by the report and its sections: numbers as one short human string, text
+copied from a bundle as literal Markdown."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ def round_numbers(text: str) -> str:
 
 
 _LONG = re.compile(r"-?\d+\.\d{5,}(?:e[-+]?\d+)?|-?\d+(?:\.\d+)?e[-+]?\d+")
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()<>#+!|~])")
+
+
+def md_escape(text: Any) -> str:
+    """``text`` as literal Markdown text: every character Markdown (or the HTML it may carry)
+    gives a meaning to is backslash-escaped, line breaks become spaces. For strings the
+    report copies from the bundle (request ids): a rid like ``[x](javascript:..)``, ``<img>``
+    or ``a|b`` must not become a link, markup or a table column."""
+    flat = " ".join(str(text).splitlines())
+    return _MD_SPECIAL.sub(r"\\\1", flat)

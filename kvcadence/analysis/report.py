@@ -20,7 +20,6 @@ import base64
 import html
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from kvcadence.analysis import compare as cmp
 from kvcadence.analysis import drilldown, ingest, metrics, report_extras, sql
 from kvcadence.analysis import plots as kplots
 from kvcadence.analysis.catalogue import COMPARE_DEFS, DEFS, DISTANCES
-from kvcadence.analysis.formatting import fmt, round_numbers
+from kvcadence.analysis.formatting import fmt, md_escape, round_numbers
 from kvcadence.analysis.metrics import BundleMetrics
 from kvcadence.analysis.outpaths import check_out_dir
 from kvcadence.errors import UsageError
@@ -137,18 +136,6 @@ def pct(v: Any) -> str:
 
 def _with_unit(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {k: {"value": v, "unit": DEFS[k][0]} for k, v in metrics.items()}
-
-
-_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()<>#+!|~])")
-
-
-def md_escape(text: Any) -> str:
-    """``text`` as literal Markdown text: every character Markdown (or the HTML it may carry)
-    gives a meaning to is backslash-escaped, line breaks become spaces. For strings the
-    report copies from the bundle (request ids): a rid like ``[x](javascript:..)``, ``<img>``
-    or ``a|b`` must not become a link, markup or a table column."""
-    flat = " ".join(str(text).splitlines())
-    return _MD_SPECIAL.sub(r"\\\1", flat)
 
 
 def _md_table(columns: dict[str, list[str]]) -> str:
