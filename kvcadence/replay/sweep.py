@@ -268,6 +268,9 @@ def write_table(out: Path, table: Any, point: dict[str, Any], job: int) -> int:
         basename_template=f"job{job:04d}-{{i}}.parquet",
         existing_data_behavior="overwrite_or_ignore",
         file_visitor=lambda f: written.append(f.path),
+        # one small table per job: threads buy nothing, and a dataset writer's pool still
+        # running at interpreter exit can abort the process (pyarrow's known finalization race)
+        use_threads=False,
     )
     return len(written)
 
