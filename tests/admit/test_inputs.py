@@ -242,7 +242,6 @@ def _write_bundle(path: Path, records, server_info: dict | None = None) -> None:
 
 
 def test_bundle_requests_give_cached_tokens_at_admission(tmp_path, capsys):
-    pytest.importorskip("kvcadence.format.bundle")
     from kvcadence.format.schema import RequestRecord
 
     recs = [
@@ -303,7 +302,6 @@ def test_bundle_requests_give_cached_tokens_at_admission(tmp_path, capsys):
 
 
 def test_bundle_request_without_cached_tokens_is_an_input_error(tmp_path):
-    pytest.importorskip("kvcadence.format.bundle")
     from kvcadence.format.schema import RequestRecord
 
     b = tmp_path / "bundle"

@@ -73,7 +73,8 @@ def _replies(dealer) -> list[tuple[str | None, int, bytes]]:
 
 
 def test_dealer_asking_mid_run_gets_the_batches_sent_so_far():
-    zmq = pytest.importorskip("zmq")
+    import zmq
+
     n = next(_ids)
     pub_ep, rep_ep = f"inproc://pub-mid-{n}", f"inproc://rep-mid-{n}"
     batches = _batches(10)
@@ -124,7 +125,8 @@ def test_dealer_asking_mid_run_gets_the_batches_sent_so_far():
 
 
 def test_linger_answers_after_the_last_send():
-    zmq = pytest.importorskip("zmq")
+    import zmq
+
     n = next(_ids)
     pub_ep, rep_ep = f"inproc://pub-end-{n}", f"inproc://rep-end-{n}"
     batches = _batches(4)
