@@ -273,16 +273,20 @@ def compare(
 
 
 def evaluate(
-    gates: list[Gate], comps: list[Comparison], single: BundleMetrics | None = None
+    gates: list[Gate],
+    comps: list[Comparison],
+    single: BundleMetrics | None = None,
+    label: str = "real",
 ) -> list[GateResult]:
-    """Check every gate against every comparison (or ``single``'s own values for bounds)."""
+    """Check every gate against every comparison (or ``single``'s own values for bounds;
+    ``label`` names that bundle in the results)."""
     out: list[GateResult] = []
     if not comps and single is not None:
         for g in gates:
             if g.kind not in (">=", "<="):
                 raise UsageError(f"--gate {g.text}: a relative/absolute gate needs a SIM bundle")
             v = _num(single.metrics.get(g.metric))
-            out.append(_bound(g, "real", None, v))
+            out.append(_bound(g, label, None, v))
         return out
     for comp in comps:
         for g in gates:

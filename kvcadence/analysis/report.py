@@ -176,11 +176,15 @@ def _html_table(columns: dict[str, list[str]]) -> str:
 
 
 def _labels(n: int) -> list[str]:
-    if n == 1:
-        return ["real"]
+    """Labels of ``n`` compared bundles: the first is the reference ("real")."""
     if n == 2:
         return ["real", "sim"]
     return ["real"] + [f"sim{i}" for i in range(1, n)]
+
+
+def single_label(source: Any) -> str:
+    """The label of a bundle reported alone: its source ("sim", "trace"), else "real"."""
+    return source if source in ("sim", "trace") else "real"
 
 
 def build_doc(
@@ -448,7 +452,7 @@ def _sections(
     out.append(
         (
             "Headline metrics",
-            "Δ = sim - real, Δ% = Δ / |real|.",
+            "Δ = sim - real, Δ% = Δ / |real|." if comps else "",
             _metric_columns(labelled, comps, HEADLINE),
         )
     )
@@ -670,20 +674,24 @@ def make_report(
     sql.env_threads()  # a bad KVCADENCE_THREADS fails here, not after ingesting
     outdir = check_out_dir(out, "--out")
     outdir.mkdir(parents=True, exist_ok=True)
-    labels = _labels(len(bundles))
+    labels = _labels(len(bundles)) if len(bundles) > 1 else [""]
     labelled: list[tuple[str, BundleMetrics]] = []
     ings = []
     for i, (label, b) in enumerate(zip(labels, bundles, strict=False)):
         cache = cache_dirs[i] if cache_dirs else None
-        with phases.phase("ingest", f"reading {label} {b} (Parquet tables, cached)"):
+        with phases.phase(
+            "ingest", f"reading {label or 'the bundle'} {b} (Parquet tables, cached)"
+        ):
             ing = ingest.ingest(b, cache)
+        if not label:  # alone: named by its source, not "real"
+            label = labels[i] = single_label(ing.info.get("source"))
         ings.append(ing)
         with phases.phase("metrics", f"computing {label}'s metrics"):
             m = metrics.compute(ing, window=window, peer_compatible=peer_compatible)
         labelled.append((label, m))
     real = labelled[0][1]
     comps = [cmp.compare(real, m, labels[0], label) for label, m in labelled[1:]]
-    results = cmp.evaluate(parsed, comps, single=real if not comps else None)
+    results = cmp.evaluate(parsed, comps, single=real if not comps else None, label=labels[0])
     plot_names: list[str] = []
     if plots:
         with phases.phase("plots", "drawing plots"):

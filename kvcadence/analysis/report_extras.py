@@ -9,6 +9,11 @@ every input, so a report only pays for sections that say something:
   fields (``prefill_finished_time`` / ``request_finished_ts`` in ``meta_info``). JSON
   ``visibility``: label -> metrics (units inside); section "Event visibility"; plot
   ``visibility.png``.
+* ``aligned`` (``kvcadence.analysis.aligned``): whenever some input has a message. JSON
+  ``aligned``: label -> cumulative Stored / Removed events and blocks vs request index and vs
+  normalised time; section "Aligned timelines" (the cumulative counts at a quarter, half,
+  three quarters and all of the requests); plots ``aligned_requests.png``,
+  ``aligned_time.png`` (real and sim overlaid on an axis both runs share).
 * ``families`` (``kvcadence.analysis.families``): with two or more inputs. JSON
   ``hash_families``; section "Hash families" right after "Data quality" (``Extra.after``),
   one sentence saying whether the inputs hash blocks the same way.
@@ -17,9 +22,9 @@ every input, so a report only pays for sections that say something:
   rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
   sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
 
-``visibility`` and ``families`` read the bundles themselves, ``ranks`` the Parquet tables
-(``ranks.rank_figures``, the one place hit rate and per-rank figures are computed); each cost
-is only paid when its section applies.
+``visibility`` and ``families`` read the bundles themselves, ``aligned`` and ``ranks`` the
+Parquet tables (``ranks.rank_figures``, the one place hit rate and per-rank figures are
+computed); each cost is only paid when its section applies.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis import families, plots, ranks, sql, visibility
+from kvcadence.analysis import aligned, families, plots, ranks, sql, visibility
 from kvcadence.analysis.formatting import fmt
 
 
@@ -68,9 +73,38 @@ def visibility_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path
         for (label, _), ing in zip(labelled, ings, strict=True)
     ]
     metrics = [(label, visibility.visibility_metrics(d)) for label, d in data]
-    title, text, table = visibility.visibility_section(metrics)
+    title, text, table = visibility.visibility_section(metrics, visibility.missing_timings(data))
     plot = visibility.visibility_plot(data, out)
     return Extra({"visibility": dict(metrics)}, [(title, text, table)], [Path(plot).name])
+
+
+def aligned_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+    tls = [(label, aligned.timeline(ing)) for (label, _), ing in zip(labelled, ings, strict=True)]
+    if not any(len(tl.t_ns) for _, tl in tls):
+        return None
+    t: dict[str, list[str]] = {"cumulative": [], "at requests arrived": []}
+    for label, _ in tls:
+        t[label] = []
+    quarters = {
+        label: tl.at_requests([len(tl.arrivals) * q // 4 for q in (1, 2, 3, 4)])
+        for label, tl in tls
+    }
+    for key in ("stored", "removed"):
+        for q, share in enumerate(("25%", "50%", "75%", "100%")):
+            t["cumulative"].append(f"{key} events")
+            t["at requests arrived"].append(share)
+            for label, _ in tls:
+                t[label].append(_fmt(quarters[label][key][q]))
+    text = (
+        "Cumulative Stored / Removed events and blocks of every input on an axis both runs "
+        "share (plots aligned_requests.png, aligned_time.png): vs request index (requests "
+        "arrived so far, each input's own arrival order; the events received before the next "
+        "request arrived) and vs normalised time (0 = first, 1 = last message of each run). "
+        "The table: Stored / Removed events received before the given share of requests had "
+        "arrived (100%: every event)."
+    )
+    doc = {"aligned": {label: aligned.as_json(tl) for label, tl in tls}}
+    return Extra(doc, [("Aligned timelines", text, t)], aligned.plot(tls, out))
 
 
 _RANK_SHOW = (
@@ -177,6 +211,7 @@ def families_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) 
 #: The optional section providers, in report order (see the module docstring).
 PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path], Extra | None]] = [
     families_extra,
+    aligned_extra,
     visibility_extra,
     ranks_extra,
 ]

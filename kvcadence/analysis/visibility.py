@@ -20,14 +20,21 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
 * ``visibility_metrics(data)`` → a JSON-able dict of distributions (n, mean, p50, p90, p99,
   max; numpy's linear percentiles) and counts, every value with its unit in ``units``
   (names, units and definitions: ``kvcadence.analysis.catalogue.VISIBILITY_DEFS``);
-* ``visibility_section(labelled)`` → ``(title, text, table)`` in report.py's section form;
+* ``missing_timings(labelled_data)`` → one sentence per bundle that draws no request line
+  (no ``meta_info`` timings, e.g. a capture without SGLang's metrics export, or timings
+  whose stores were never seen), so neither the plot nor the section passes a missing real
+  side off as absent;
+* ``visibility_section(labelled, notes)`` → ``(title, text, table)`` in report.py's section
+  form, ``notes`` (``missing_timings``) appended to the text;
 * ``visibility_plot(labelled_data, out_dir)`` → ``visibility.png`` (ECDFs of the request
-  delays of every bundle; per-block pass-delay histograms of sim bundles by phase).
+  delays of every bundle, the ``missing_timings`` sentences written on that panel;
+  per-block pass-delay histograms of sim bundles by phase).
 """
 
 from __future__ import annotations
 
 import bisect
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,6 +226,21 @@ def visibility_metrics(data: VisibilityData | str | Path) -> dict[str, Any]:
     return out
 
 
+def missing_timings(labelled: list[tuple[str, VisibilityData]]) -> list[str]:
+    """One sentence per bundle without a request-level delay: why it has no line."""
+    out = []
+    for label, d in labelled:
+        if d.prompt_delay_ns or d.finish_delay_ns:
+            continue
+        unmatched = d.prompt_unmatched + d.finish_unmatched
+        if unmatched:
+            why = f"request timings present, but no store of {unmatched} requests' pages seen"
+        else:
+            why = "no request timings (meta_info prefill_finished_time / request_finished_ts)"
+        out.append(f"{label}: {why}, so no {label} request-delay line.")
+    return out
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "–"
@@ -228,9 +250,10 @@ def _fmt(v: Any) -> str:
 
 
 def visibility_section(
-    labelled: list[tuple[str, dict[str, Any]]],
+    labelled: list[tuple[str, dict[str, Any]]], notes: Sequence[str] = ()
 ) -> tuple[str, str, dict[str, list[str]]]:
-    """Report section "Event visibility": one row per distribution statistic."""
+    """Report section "Event visibility": one row per distribution statistic; ``notes``
+    (``missing_timings``) end the text."""
     rows: list[tuple[str, str]] = []
     for key in (
         "requests.prompt_delay_s",
@@ -263,6 +286,8 @@ def visibility_section(
         "store and its next publish point (prefill result, every decode_log_interval-th "
         "decode batch, idle)."
     )
+    if notes:
+        text += " Missing: " + " ".join(notes)
     return "Event visibility", text, table
 
 
@@ -272,9 +297,23 @@ def visibility_plot(labelled: list[tuple[str, VisibilityData]], out_dir: str | P
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     out = Path(out_dir) / PLOT_NAME
+    fig = visibility_figure(labelled)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    return out
+
+
+def visibility_figure(labelled: list[tuple[str, VisibilityData]]) -> Any:
+    """The matplotlib figure of ``visibility.png`` (Agg; the caller closes it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
     for label, d in labelled:
@@ -288,7 +327,19 @@ def visibility_plot(labelled: list[tuple[str, VisibilityData]], out_dir: str | P
     ax.set_ylabel("share of requests")
     ax.set_title("request-level visibility delay (ECDF)")
     if ax.lines:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
+    notes = missing_timings(labelled)
+    if notes:  # said on the panel: a missing real line is not an absent difference
+        ax.text(
+            0.02,
+            0.98,
+            "\n".join(textwrap.fill(n, 48) for n in notes),
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            color="#b00",
+            bbox={"facecolor": "white", "edgecolor": "#b00", "alpha": 0.9},
+        )
     ax = axes[1]
     drawn = False
     for label, d in labelled:
@@ -311,7 +362,4 @@ def visibility_plot(labelled: list[tuple[str, VisibilityData]], out_dir: str | P
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no per-block visibility notes", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90, metadata={"Software": None})
-    plt.close(fig)
-    return out
+    return fig
