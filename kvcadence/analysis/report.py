@@ -660,8 +660,9 @@ def make_report(
 ) -> ReportResult:
     """Ingest (cached), compute, compare, gate and write every output file.
 
-    ``extra_sections`` runs the optional providers of ``report_extras`` (visibility, per
-    rank), each only when its data are present. ``phases`` (a ``kvcadence.progress.Phases``)
+    ``extra_sections`` runs the optional providers of ``report_extras`` (aligned timelines,
+    visibility, per rank, ...), each only when its data are present. A bundle reported alone
+    is labelled by its source ("sim", "trace"; else "real"). ``phases`` (a ``kvcadence.progress.Phases``)
     says each long step on stderr and times it.
     """
 
@@ -699,7 +700,7 @@ def make_report(
     # optional sections of other analysis modules (visibility, per rank): the hook
     extras = []
     if extra_sections:
-        with phases.phase("extras", "optional sections (visibility, per rank)"):
+        with phases.phase("extras", "optional sections (aligned timelines, visibility, ...)"):
             extras = report_extras.collect(labelled, ings, outdir)
     if plots:
         plot_names += [p for e in extras for p in e.plots]

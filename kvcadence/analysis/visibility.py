@@ -234,7 +234,9 @@ def missing_timings(labelled: list[tuple[str, VisibilityData]]) -> list[str]:
             continue
         unmatched = d.prompt_unmatched + d.finish_unmatched
         if unmatched:
-            why = f"request timings present, but no store of {unmatched} requests' pages seen"
+            why = (
+                f"request timings present, but no store of their pages seen ({unmatched} unmatched)"
+            )
         else:
             why = "no request timings (meta_info prefill_finished_time / request_finished_ts)"
         out.append(f"{label}: {why}, so no {label} request-delay line.")

@@ -240,3 +240,41 @@ def test_duplicate_rids_are_counted_in_data_quality(tmp_path: Path) -> None:
     q = doc["bundles"][0]["quality"]
     assert q["quality.duplicate_rids"]["value"] == 1
     assert doc["bundles"][0]["metrics"]["requests"]["value"] == 3  # kept apart, not merged
+
+
+def test_single_sim_bundle_is_named_sim_not_real(
+    pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvcadence report sim.kvcb --out dir``: headings, tables, gate rows and plot legends
+    name the bundle by its source."""
+    from matplotlib.figure import Figure
+
+    legends: list[str] = []
+    save = Figure.savefig
+
+    def spy(fig: Figure, *a: object, **k: object) -> None:
+        for ax in fig.axes:
+            leg = ax.get_legend()
+            legends.extend(t.get_text() for t in (leg.get_texts() if leg else []))
+        save(fig, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    out = tmp_path / "s"
+    rc = main(["report", str(pair[1]), "--out", str(out), "--gate", "quality.unrecovered=<=0"])
+    assert rc == 0
+    doc = json.loads((out / "report.json").read_text())
+    assert [b["label"] for b in doc["bundles"]] == ["sim"] and list(doc["quality"]) == ["sim"]
+    assert [i["label"] for i in doc["inputs"]] == ["sim"] and doc["gates"][0]["sim"] == "sim"
+    md = (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    assert md.startswith("# kvcadence report: sim (sim)")
+    assert "## Steady-state window (sim)" in md and "<h2>Steady-state window (sim)</h2>" in page
+    assert "| metric " in md and "| sim " in md
+    for text in (md, page):
+        assert not re.search(r"\breal\b", text, re.IGNORECASE)
+    assert legends and any(t.startswith("sim") for t in legends)
+    assert not [t for t in legends if "real" in t]
+    # the capture alone keeps its name
+    report.make_report([str(pair[0])], tmp_path / "r", plots=False)
+    doc = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [b["label"] for b in doc["bundles"]] == ["real"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcadence.analysis import report
+from kvcadence.analysis import report, visibility
 from kvcadence.format import wire
 from kvcadence.format.schema import RequestRecord
 from tests.analysis.helpers import T0, cleared, header, stored, write_bundle
@@ -14,7 +14,7 @@ from tests.analysis.helpers import T0, cleared, header, stored, write_bundle
 MS = 1_000_000
 
 
-def _timed_bundle(path: Path) -> Path:
+def _timed_bundle(path: Path, source: str = "real", timed: bool = True) -> Path:
     """One request whose prompt pages (page size 1) are stored 30 ms after its prefill."""
     tokens = [5, 6, 7]
     hs = wire.block_hashes(tokens, 1)
@@ -30,9 +30,13 @@ def _timed_bundle(path: Path) -> Path:
             "request_received_ts": t_recv,
             "prefill_finished_time": t_recv + 0.1,
             "request_finished_ts": t_recv + 0.2,
-        },
+        }
+        if timed
+        else {},
     )
-    return write_bundle(path, [(0, [cleared()]), (230, [stored(hs)])], [req])
+    return write_bundle(
+        path, [(0, [cleared()]), (230, [stored(hs)])], [req], hdr=header(source=source)
+    )
 
 
 def _two_rank_bundle(path: Path, extra: bool) -> Path:
@@ -82,3 +86,45 @@ def test_no_extra_sections_without_their_data_or_when_disabled(tmp_path: Path) -
     assert "visibility" not in res.doc and not (tmp_path / "off" / "visibility.png").exists()
     res = report.make_report([str(b)], tmp_path / "noplots", plots=False)
     assert "visibility" in res.doc and not (tmp_path / "noplots" / "visibility.png").exists()
+
+
+def test_visibility_says_when_the_real_side_has_no_request_timings(tmp_path: Path) -> None:
+    """A capture without meta_info timings next to a timed sim: the section and the plot say
+    that the real line is missing (instead of showing only sim lines as if complete)."""
+    real = _timed_bundle(tmp_path / "real", timed=False)
+    sim = _timed_bundle(tmp_path / "sim", source="sim")
+    res = report.make_report([str(real), str(sim)], tmp_path / "out", default_gates=False)
+    assert res.doc["visibility"]["real"]["requests.prompt_matched"] == 0
+    assert res.doc["visibility"]["sim"]["requests.prompt_matched"] == 1
+    note = (
+        "real: no request timings (meta_info prefill_finished_time / request_finished_ts), "
+        "so no real request-delay line."
+    )
+    md = (tmp_path / "out" / "report.md").read_text()
+    section = md[md.index("## Event visibility") :]
+    assert f"Missing: {note}" in section.split("\n\n")[1]
+    assert "sim: no request timings" not in md
+    data = [("real", visibility.visibility_data(real)), ("sim", visibility.visibility_data(sim))]
+    assert visibility.missing_timings(data) == [note]
+    fig = visibility.visibility_figure(data)
+    ax = fig.axes[0]
+    assert [t.get_text().replace("\n", " ") for t in ax.texts] == [note]
+    assert [line.get_label() for line in ax.get_lines()] == ["sim prompt (n=1)"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_missing_timings_names_timed_requests_whose_stores_were_not_seen() -> None:
+    timed = visibility.VisibilityData("b", "real", 1, prompt_delay_ns=[5])
+    lost = visibility.VisibilityData("b", "real", 1, prompt_unmatched=2, finish_unmatched=1)
+    none = visibility.VisibilityData("b", "sim", 1)
+    notes = visibility.missing_timings([("real", timed), ("real2", lost), ("sim", none)])
+    assert notes == [
+        "real2: request timings present, but no store of their pages seen (3 unmatched), so no "
+        "real2 request-delay line.",
+        "sim: no request timings (meta_info prefill_finished_time / request_finished_ts), so "
+        "no sim request-delay line.",
+    ]
+    assert visibility.visibility_section([], [])[1].count("Missing") == 0
+    assert visibility.visibility_section([], notes)[1].endswith("Missing: " + " ".join(notes))
