@@ -1,13 +1,17 @@
 # Two commands do the whole set-up on a fresh machine:
-#   make test   create .venv, install kvcadence with its test, kernels and ray extras, lint, run the tests
+#   make test   create .venv, install kvcadence with its test, kernels and ray extras, install
+#               Debian's chromium when it is missing (make browser), lint, run the tests
 #   make test-fast  the same without the real SGLang worker, the real PrefillAdder and torchrun
 #   make demo   create .venv, install, run the main job (kvcadence demo)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcadence-installed
 PYTEST_ARGS ?=
+CHROMIUM ?= /usr/bin/chromium
+BROWSER_FAILED := make browser: chromium is missing and apt-get could not install it (needs root \
+and Debian's package sources); install chromium, then rerun
 
-.PHONY: venv test test-fast lint demo bench clean
+.PHONY: venv browser test test-fast lint demo bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,10 +26,18 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check kvcadence tests bench bench/run
 	$(PY) -m mypy kvcadence
 
-test: lint
+# headless Chromium for tests/analysis/test_report_browser.py (renders report.html): Debian's
+# package, installed with apt-get only when no chromium is found
+browser:
+	@if command -v chromium >/dev/null 2>&1 || [ -x $(CHROMIUM) ]; then exit 0; fi; \
+	echo "make browser: installing Debian's chromium (apt-get)"; \
+	{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+	  >/dev/null || { echo "$(BROWSER_FAILED)" >&2; exit 1; }
+
+test: lint browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: lint
+test-fast: lint browser
 	$(PY) -m pytest -m 'not sglang_worker and not sglang_adder and not torchrun' $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -617,7 +617,8 @@ def write_html(path: Path, out: Path, sections: list[Any], plots: list[str], tit
                 if text.startswith("FAILED")
                 else (' class="pass"' if text.startswith("PASS") else "")
             )
-            parts.append(f"<p{cls}>{html.escape(text)}</p>")
+            vid = ' id="verdict"' if head == "Verdict" else ""
+            parts.append(f"<p{cls}{vid}>{html.escape(text)}</p>")
         if isinstance(table, drilldown.Drill):
             parts.append(drilldown.to_html(table))
         elif table is not None and head in COLLAPSED:

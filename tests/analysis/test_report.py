@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,37 +85,15 @@ def test_single_bundle_report_files(pair: tuple[Path, Path], tmp_path: Path) -> 
 
 
 def test_html_is_self_contained(pair: tuple[Path, Path], tmp_path: Path) -> None:
-    report.make_report([str(p) for p in pair], tmp_path / "h", default_gates=False)
+    """Structure only; tests/analysis/test_report_browser.py renders it in Chromium."""
+    res = report.make_report([str(p) for p in pair], tmp_path / "h", default_gates=False)
     page = (tmp_path / "h" / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     assert not re.search(r"https?://", page)
     srcs = re.findall(r'src="([^"]*)"', page)
-    assert len(srcs) == 4 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert len(srcs) == len(res.plots) == 6
+    assert all(s.startswith("data:image/png;base64,") for s in srcs)
     assert "<link" not in page and "<script" not in page
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        return  # structure checked above; rendering needs chromium
-    shot = tmp_path / "shot.png"
-    subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={tmp_path / 'prof'}",
-            f"--screenshot={shot}",
-            (tmp_path / "h" / "report.html").as_uri(),
-        ],
-        check=False,
-        capture_output=True,
-        timeout=120,
-    )
-    assert shot.exists() and shot.stat().st_size > 0
 
 
 def test_pair_deltas_and_per_request_diffs(pair: tuple[Path, Path], tmp_path: Path) -> None:

@@ -119,11 +119,11 @@ def test_series_are_monotone_exact_and_end_at_the_totals(
             assert all(a <= b for a, b in zip(s[k], s[k][1:], strict=False))
             assert s[k][-1] == totals[k]
         for x, y in zip(r["x"][:-1], r[k][:-1], strict=True):  # brute force
-            assert y == sum(c[i] for (tm, c) in zip(times, (c for _, c in msgs)) if tm < srt[x])
+            assert y == sum(c[i] for tm, c in msgs if T0 + tm < srt[x])
         span = tl.t1 - tl.t0
         for j, y in enumerate(t[k][:-1]):
             lim = tl.t0 + j * span // (points - 1)
-            assert y == sum(c[i] for (tm, c) in zip(times, (c for _, c in msgs)) if tm <= lim)
+            assert y == sum(c[i] for tm, c in msgs if T0 + tm <= lim)
 
 
 def test_figures_draw_the_computed_series(stretched: tuple[Path, Path], tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ def test_verdict_and_failing_gates_first(made: Path) -> None:
     assert verdict.index("FAIL ") < verdict.index("PASS ")  # failing gate row first
     page = (made / "report.html").read_text()
     assert page.index("<h2>Verdict</h2>") < page.index("<h2>Inputs</h2>")
-    assert '<p class="fail">FAILED' in page
+    assert '<p class="fail" id="verdict">FAILED' in page
     first_fail = page.index('<tr class="fail">')
     assert first_fail < page.index('<tr class="pass">')  # coloured, failing before passing
 
