@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis import sql
+from kvcadence.analysis import plots, sql
 
 PLOT_REQUESTS = "aligned_requests.png"
 PLOT_TIME = "aligned_time.png"
@@ -150,8 +150,6 @@ def _grid(
     series: list[tuple[str, dict[str, Any]]], xlabel: str, title: str, integer_x: bool
 ) -> Any:
     """One 2 x 2 grid of running totals (steps: a count holds until the next point)."""
-    from kvcadence.analysis import plots
-
     plt = plots._plt()
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     for ax, (key, name) in zip(axes.flat, _PANELS, strict=True):
@@ -194,8 +192,6 @@ def figures(labelled: list[tuple[str, Timeline]]) -> list[tuple[str, Any]]:
 
 def plot(labelled: list[tuple[str, Timeline]], out: Path) -> list[str]:
     """Write both aligned plots of ``labelled`` into ``out``; their file names."""
-    from kvcadence.analysis import plots
-
     names = []
     for name, fig in figures(labelled):
         fig.savefig(out / name, dpi=90, metadata={"Software": None})

@@ -53,7 +53,8 @@ def register(sub: Any) -> None:
         "report",
         help="cadence report of one bundle, or real vs sim side by side with a CI gate",
         description="Write report.json, report.md, report.html and PNG plots into --out; with "
-        "several bundles the first is the reference (real). Exit 3 when a gate fails. "
+        "several bundles the first is the reference (real); a bundle alone is named by its "
+        "source (real, sim, trace). Exit 3 when a gate fails. "
         "docs/metrics.md lists the metrics and the gate syntax.",
         epilog="examples:\n"
         "  kvcadence report run.kvcb --out report-one/\n"
@@ -91,8 +92,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--no-extra-sections",
         action="store_true",
-        help="skip the optional sections (event visibility, per-rank figures; each is "
-        "otherwise included when its data are present)",
+        help="skip the optional sections (aligned timelines, event visibility, per-rank "
+        "figures, ...; each is otherwise included when its data are present)",
     )
     p.set_defaults(_run=run_report)
 
