@@ -1,9 +1,10 @@
 """``kvcadence report``: report.json / report.md / report.html / PNGs / runs.jsonl, and the gate.
 
-One bundle gives a single-bundle report; several give the first ("real") side by side with
-each of the others ("sim", or "sim1", "sim2", ...) with absolute and relative deltas,
-per-request differences matched by rid, blocks per Stored / Removed event as median, mean and
-Kolmogorov–Smirnov distance side by side, and gates (``kvcadence.analysis.compare``).
+One bundle gives a single-bundle report (labelled by its source: "sim", "trace", else
+"real"); several give the first ("real") side by side with each of the others ("sim", or
+"sim1", "sim2", ...) with absolute and relative deltas, per-request differences matched by
+rid, blocks per Stored / Removed event as median, mean and Kolmogorov–Smirnov distance side by
+side, and gates (``kvcadence.analysis.compare``).
 ``report.json`` (``REPORT_VERSION``) is what CI reads: every number carries its unit, data
 quality comes first. ``report.md`` holds GitHub tables printed by Polars; ``report.html`` is one
 self-contained file (inline CSS, PNGs as base64 ``data:`` URIs, no external reference).
