@@ -5,8 +5,8 @@ What this file owns (``report_extras.aligned_extra`` adds the section, JSON and 
 
 * ``timeline(ing)`` reads one ingested bundle into a ``Timeline``: per distinct message
   receive time the running totals of Stored / Removed events and blocks (numpy int64, one row
-  per message time, not per event), the requests' arrival times (``send_ns``, sorted) and the
-  run's span (first to last message, as ``events_per_second``);
+  per message time, not per event), the requests' arrival times (``send_ns``, sorted; a request
+  without one is left out) and the run's span (first to last message, as ``events_per_second``);
 * ``Timeline.by_request(points)`` — x = requests arrived so far (the arrival order of each
   bundle's own requests, the same request set in a real/sim pair): at x = k the events
   received before request k+1 arrived; x = 0 counts what came before the first request, the

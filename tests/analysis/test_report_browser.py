@@ -5,6 +5,7 @@ chromium is missing."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -117,7 +118,7 @@ def test_page_loads_verdict_on_first_screen_images_decode(
     dom = _run(probe, d / "prof1", "--dump-dom").stdout
     got = re.search(r'<pre id="kvc-probe">(.*?)</pre>', dom)
     assert got is not None, dom[-2000:]
-    state = json.loads(got.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    state = json.loads(html.unescape(got.group(1)))
     plots = doc["plots"]
     assert isinstance(plots, list) and len(plots) >= 6
     assert [i[0] for i in state["images"]] == plots
