@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,40 +109,51 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return d, res.doc
 
 
-def test_page_loads_verdict_on_first_screen_images_decode(
-    rendered: tuple[Path, dict[str, object]],
-) -> None:
-    d, doc = rendered
+@pytest.fixture(scope="module")
+def probed(rendered: tuple[Path, dict[str, object]]) -> dict[str, Any]:
+    """The page's state once loaded in Chromium (the probe's JSON)."""
+    d, _ = rendered
     page = (d / "out" / "report.html").read_text()
     probe = d / "probe.html"
     probe.write_text(page.replace("</body>", PROBE + "</body>"))
     dom = _run(probe, d / "prof1", "--dump-dom").stdout
     got = re.search(r'<pre id="kvc-probe">(.*?)</pre>', dom)
     assert got is not None, dom[-2000:]
-    state = json.loads(html.unescape(got.group(1)))
+    state: dict[str, Any] = json.loads(html.unescape(got.group(1)))
+    return state
+
+
+def test_page_loads_verdict_on_first_screen_images_decode(
+    rendered: tuple[Path, dict[str, object]], probed: dict[str, Any]
+) -> None:
+    _, doc = rendered
     plots = doc["plots"]
     assert isinstance(plots, list) and len(plots) >= 6
-    assert [i[0] for i in state["images"]] == plots
-    for alt, complete, w, h in state["images"]:
+    assert [i[0] for i in probed["images"]] == plots
+    for alt, complete, w, h in probed["images"]:
         assert complete and w > 0 and h > 0, alt  # every PNG decoded
-    v = state["verdict"]
-    assert v["text"].startswith("FAILED") and v["cls"] == "fail" and state["first_p"]
-    assert 0 <= v["top"] < v["bottom"] <= state["viewport"][1] / 2  # top half, first screen
+    v = probed["verdict"]
+    assert v["text"].startswith("FAILED") and v["cls"] == "fail" and probed["first_p"]
+    # the layout width of the screenshot; --dump-dom's window has less height for content
+    assert probed["viewport"][0] == WIDTH and probed["viewport"][1] <= HEIGHT
+    assert 0 <= v["top"] < v["bottom"] <= probed["viewport"][1] / 2  # top half, first screen
 
 
-def test_screenshot_shows_the_red_verdict(rendered: tuple[Path, dict[str, object]]) -> None:
+def test_screenshot_shows_the_red_verdict(
+    rendered: tuple[Path, dict[str, object]], probed: dict[str, Any]
+) -> None:
     import numpy as np
-    from PIL import Image
+    from matplotlib import image
 
     d, _ = rendered
     shot = d / "shot.png"
     _run(d / "out" / "report.html", d / "prof2", f"--screenshot={shot}")
-    with Image.open(shot) as im:
-        px = np.asarray(im.convert("RGB"), dtype=np.int32)
+    px = (np.asarray(image.imread(shot))[..., :3] * 255).round().astype(np.int32)
     assert px.shape == (HEIGHT, WIDTH, 3)
     white = int((px.min(axis=2) > 245).sum())
     assert white < 0.97 * HEIGHT * WIDTH  # text, tables, plots: not a blank page
     assert len(np.unique(px.reshape(-1, 3), axis=0)) > 50
-    top = px[: HEIGHT // 2]
-    red = int(((top[..., 0] > 140) & (top[..., 1] < 90) & (top[..., 2] < 90)).sum())
-    assert red > 30  # the FAILED verdict (#b00) is drawn on the first screen
+    v = probed["verdict"]
+    band = px[int(v["top"]) : int(v["bottom"]) + 1]
+    red = int(((band[..., 0] > 140) & (band[..., 1] < 90) & (band[..., 2] < 90)).sum())
+    assert red > 500  # the FAILED verdict (#b00) is drawn where the page put it
