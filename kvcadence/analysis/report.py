@@ -699,16 +699,13 @@ def make_report(
     if plots:
         with phases.phase("plots", "drawing plots"):
             plot_names = [p.name for p in kplots.render(labelled, outdir)]
-    # optional sections of other analysis modules (visibility, per rank): the hook
+    # optional sections of other analysis modules (aligned timelines, visibility, per rank):
+    # the hook; without plots they draw nothing (out dir None)
     extras = []
     if extra_sections:
         with phases.phase("extras", "optional sections (aligned timelines, visibility, ...)"):
-            extras = report_extras.collect(labelled, ings, outdir)
-    if plots:
-        plot_names += [p for e in extras for p in e.plots]
-    else:  # the providers always draw; drop their files when plots are off
-        for p in {p for e in extras for p in e.plots}:
-            (outdir / p).unlink(missing_ok=True)
+            extras = report_extras.collect(labelled, ings, outdir if plots else None)
+    plot_names += [p for e in extras for p in e.plots]
     drills = []
     if comps:
         with phases.phase("drilldown", "per-request drill-down of the requests that differ"):

@@ -2,7 +2,8 @@
 
 ``PROVIDERS`` lists them in report order. Each provider is a function
 ``(labelled, ings, out_dir) -> Extra | None``: it returns None when its data are absent from
-every input, so a report only pays for sections that say something:
+every input, so a report only pays for sections that say something; it draws its plots into
+``out_dir``, or none when ``out_dir`` is None (``report --no-plots``):
 
 * ``visibility`` (``kvcadence.analysis.visibility``): when some input has sim
   per-block visibility notes (``notes.kind = 'visibility'``) or requests with SGLang timing
@@ -60,7 +61,9 @@ def _count(ing: Any, sql_text: str) -> int:
         con.close()
 
 
-def visibility_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+def visibility_extra(
+    labelled: list[tuple[str, Any]], ings: list[Any], out: Path | None
+) -> Extra | None:
     probe = (
         "SELECT (SELECT count(*) FROM notes WHERE kind = 'visibility') + "
         "(SELECT count(*) FROM requests WHERE meta_info LIKE '%prefill_finished_time%' "
@@ -74,11 +77,13 @@ def visibility_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path
     ]
     metrics = [(label, visibility.visibility_metrics(d)) for label, d in data]
     title, text, table = visibility.visibility_section(metrics, visibility.missing_timings(data))
-    plot = visibility.visibility_plot(data, out)
-    return Extra({"visibility": dict(metrics)}, [(title, text, table)], [Path(plot).name])
+    names = [] if out is None else [visibility.visibility_plot(data, out).name]
+    return Extra({"visibility": dict(metrics)}, [(title, text, table)], names)
 
 
-def aligned_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+def aligned_extra(
+    labelled: list[tuple[str, Any]], ings: list[Any], out: Path | None
+) -> Extra | None:
     tls = [(label, aligned.timeline(ing)) for (label, _), ing in zip(labelled, ings, strict=True)]
     if not any(len(tl.t_ns) for _, tl in tls):
         return None
@@ -104,7 +109,8 @@ def aligned_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -
         "arrived (100%: every event)."
     )
     doc = {"aligned": {label: aligned.as_json(tl) for label, tl in tls}}
-    return Extra(doc, [("Aligned timelines", text, t)], aligned.plot(tls, out))
+    names = [] if out is None else aligned.plot(tls, out)
+    return Extra(doc, [("Aligned timelines", text, t)], names)
 
 
 _RANK_SHOW = (
@@ -118,7 +124,7 @@ _RANK_SHOW = (
 )
 
 
-def ranks_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+def ranks_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path | None) -> Extra | None:
     if not any(len(m.inputs.get("dp_ranks", [])) > 1 for _, m in labelled):
         return None
     figs = {label: ranks.rank_figures(ing) for (label, _), ing in zip(labelled, ings, strict=True)}
@@ -177,7 +183,7 @@ def ranks_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> 
         )
         w = {k: [_fmt(r.get(k)) for r in rows] for k in cols}
         sections.append(("Routing what-if", "One row per sim bundle (routing policy).", w))
-    return Extra(doc, sections, [_ranks_plot(public, out)])
+    return Extra(doc, sections, [] if out is None else [_ranks_plot(public, out)])
 
 
 def _ranks_plot(public: dict[str, dict[str, dict[str, Any]]], out: Path) -> str:
@@ -201,7 +207,9 @@ def _ranks_plot(public: dict[str, dict[str, dict[str, Any]]], out: Path) -> str:
     return plots._save(fig, out / "ranks.png").name
 
 
-def families_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
+def families_extra(
+    labelled: list[tuple[str, Any]], ings: list[Any], out: Path | None
+) -> Extra | None:
     if len(labelled) < 2:
         return None
     data = families.compare_families(labelled, ings)
@@ -209,7 +217,7 @@ def families_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) 
 
 
 #: The optional section providers, in report order (see the module docstring).
-PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path], Extra | None]] = [
+PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path | None], Extra | None]] = [
     families_extra,
     aligned_extra,
     visibility_extra,
@@ -217,8 +225,8 @@ PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path], Extra | None]
 ]
 
 
-def collect(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> list[Extra]:
-    """Run every applicable provider."""
+def collect(labelled: list[tuple[str, Any]], ings: list[Any], out: Path | None) -> list[Extra]:
+    """Run every applicable provider (``out`` None: no plots)."""
     got = []
     for provider in PROVIDERS:
         extra = provider(labelled, ings, out)

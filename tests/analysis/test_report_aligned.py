@@ -172,3 +172,11 @@ def test_report_carries_the_aligned_series(stretched: tuple[Path, Path], tmp_pat
     section = md[md.index("## Aligned timelines") :]
     assert "| stored events  | 50%                 | 2    | 2   |" in section  # 3 * 2 // 4 = 1
     assert "| removed events | 100%                | 2    | 2   |" in section
+
+
+def test_no_plots_still_reports_the_series_but_draws_nothing(
+    stretched: tuple[Path, Path], tmp_path: Path
+) -> None:
+    res = report.make_report([str(stretched[0])], tmp_path / "r", plots=False)
+    assert res.doc["aligned"]["real"]["totals"]["stored"] == 4 and res.plots == []
+    assert not list((tmp_path / "r").glob("*.png"))
