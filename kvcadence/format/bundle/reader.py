@@ -22,12 +22,16 @@ from kvcadence.errors import (
     BundleError,
     CorruptFrameError,
     FormatVersionError,
+    InputError,
     UsageError,
 )
+from kvcadence.format.bundle.compact import BLOCK, BadReference, LostPrefix, PrefixResolver
 from kvcadence.format.bundle.crcspan import SpanCrc
 from kvcadence.format.bundle.frames import (
     _ANY,
     _DECODERS,
+    _REQUESTS,
+    _REQUESTS_VIEW,
     _RESYNC,
     _SEGMENT_START,
     _UNION,
@@ -36,6 +40,7 @@ from kvcadence.format.bundle.frames import (
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
     MIN_BODY,
+    REQUEST_TAGS,
     _decode_fresh_stack,
     _is_append_note,
     _one_value,
@@ -52,10 +57,11 @@ from kvcadence.format.bundle.segments import (
     survey_segments,
 )
 from kvcadence.format.schema import (
-    FORMAT_MAJOR,
+    READABLE_MAJORS,
     BundleRecord,
     EventFrame,
     Header,
+    PackedRequest,
     ReadRecord,
     RequestRecord,
     Trailer,
@@ -105,10 +111,11 @@ class BundleReader:
                 if i == 0:
                     raise UsageError(f"{self.path}: not a kvcadence bundle ({seg.name}: bad magic)")
                 refused = f"not a kvcadence segment (bad magic {magic!r})"
-            elif major != FORMAT_MAJOR:
+            elif major not in READABLE_MAJORS:
+                reads = " and ".join(f"{m}.x" for m in READABLE_MAJORS)
                 msg = (
                     f"bundle format {major}.{minor} is not readable by kvcadence "
-                    f"{__version__} (reads format {FORMAT_MAJOR}.x)"
+                    f"{__version__} (reads format {reads})"
                 )
                 if i == 0:
                     raise FormatVersionError(f"{seg}: {msg}; upgrade kvcadence")
@@ -261,16 +268,21 @@ class BundleReader:
         except BundleError:
             expect_id = None  # no header: nothing to compare segments with
         decoders = _VIEW_DECODERS if views else _DECODERS
+        if wanted is not None and b"request" in wanted:
+            wanted = wanted | REQUEST_TAGS  # format 2.0 stores requests as PackedRequest
         # Fast path: try the one decoder most frames need; peek at the tag only on failure.
         if wanted is None:
             fast = (_UNION_VIEW if views else _UNION).decode
         elif len(wanted) == 1:
             fast = decoders[next(iter(wanted))].decode
+        elif wanted == REQUEST_TAGS:
+            fast = (_REQUESTS_VIEW if views else _REQUESTS).decode
         else:
             fast = None
         last = len(self.segments) - 1
         for i, seg in enumerate(self.segments):
             seg_first = True
+            unpack = _Unpacker(self, seg, report, views)  # references stay in their segment
             for pos, body in self._walk(seg, report, mapped=i < last):
                 if seg_first:
                     seg_first = False
@@ -292,12 +304,17 @@ class BundleReader:
                     except (msgspec.DecodeError, RecursionError):
                         pass
                     else:
-                        if type(rec) is Trailer:
+                        t = type(rec)
+                        if t is Trailer:
                             report.trailer_seen = True
                             clean = rec.clean
                             sess0 = self._session_end(report, seg, rec, sess0)
                         else:
                             clean = False
+                            if t is PackedRequest:
+                                rec = unpack(rec, pos, body)
+                                if rec is None:
+                                    continue
                         yield rec
                         continue
                 clean = False
@@ -316,6 +333,10 @@ class BundleReader:
                     report.trailer_seen = True
                     clean = rec.clean
                     sess0 = self._session_end(report, seg, rec, sess0)
+                elif type(rec) is PackedRequest:
+                    rec = unpack(rec, pos, body)
+                    if rec is None:
+                        continue
                 if wanted is None or tag in wanted:
                     yield rec
         report.clean_shutdown = clean
@@ -461,6 +482,45 @@ class BundleReader:
         header_ok = report.bytes >= SEGMENT_HEADER_SIZE
         corrupt = [c for c in report.corrupt if c[1] < good_end]
         return SegmentScan(header_ok, good_end if header_ok else 0, corrupt, report.torn_bytes)
+
+
+class _Unpacker:
+    """One segment's ``PackedRequest``s back to ``RequestRecord`` / ``RequestRecordView``
+    (``compact.PrefixResolver``, created at the segment's first packed request). A request
+    whose prefix was lost with a corrupt span counts as a corrupt frame (``None``: not
+    yielded); a reference no writer wrote is one ``InputError`` line."""
+
+    __slots__ = ("reader", "report", "resolver", "seg", "views")
+
+    def __init__(self, reader: BundleReader, seg: Path, report: ReadReport, views: bool) -> None:
+        self.reader, self.seg, self.report, self.views = reader, seg, report, views
+        self.resolver: PrefixResolver | None = None
+
+    def __call__(self, rec: PackedRequest, pos: int, body: memoryview) -> ReadRecord | None:
+        res = self.resolver
+        if res is None:
+            res = self.resolver = PrefixResolver()
+        # every block read before this record has its 4 * BLOCK token bytes before ``pos``
+        res.max_blocks = pos // (4 * BLOCK)
+        before = res.stored_bytes
+        try:
+            out = res.view(rec) if self.views else res.record(rec)
+        except LostPrefix as exc:
+            self.report.frames -= 1
+            self.reader._corrupt(
+                self.report, self.seg, pos, FRAME_HEADER_SIZE + len(body), f"request {exc}"
+            )
+            return None
+        except BadReference as exc:
+            raise InputError(
+                f"{self.seg}: request record rid={rec.rid!r} at offset {pos}: bad shared-prefix "
+                f"reference: {exc}"
+            ) from None
+        rep = self.report
+        rep.packed_requests += 1
+        rep.packed_bytes += res.stored_bytes - before
+        rep.packed_ids += rec.prefix_len + (len(rec.input_tail) + len(rec.output)) // 4
+        return out
 
 
 __all__ = ["BundleReader"]
