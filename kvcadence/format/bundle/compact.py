@@ -14,18 +14,18 @@ names a whole prefix: a record stores ``ref`` (the last block of its prefix) and
 tokens after the prefix. The numbering restarts in every segment, so a reference never
 leaves its segment: a lost or refused segment costs its own records, never a later one's.
 
-Memory. The writer keeps one 16-byte chained digest (BLAKE2b of the parent's digest and the
-block's bytes) per block it wrote, the reader one parent and one offset per block plus the
-blocks' tokens as one ``array('I')``: both grow with the tokens the segment actually stores,
-never with the prompts' total length. Per request, the writer hashes the prompt's full blocks
-until the first one it has not seen (cost ~ prompt bytes), the reader walks the prefix chain.
+Memory. The writer keeps per block it wrote one dict entry ``(parent number, the block's
+token bytes) -> number``, the reader one parent and one offset per block plus the blocks'
+tokens as one ``array('I')``: both grow with the tokens the segment actually stores, never
+with the prompts' total length. Per request the writer looks the prompt's full blocks up
+until the first one it has not seen (a slice and a dict lookup per 32 tokens; ~45 us for a
+3,200-token prompt), the reader walks the prefix chain and copies contiguous runs.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from hashlib import blake2b
 
 import msgspec
 
@@ -54,7 +54,7 @@ class LostPrefix(Exception):
     (lost in a corrupt span): damage, reported like a corrupt frame."""
 
 
-def pack_u32(ids: list[int]) -> array | None:
+def pack_u32(ids: list[int]) -> array[int] | None:
     """``ids`` as an ``array('I')``, or None when one is not an int in 0..2^32-1."""
     try:
         return array("I", ids)
@@ -62,7 +62,7 @@ def pack_u32(ids: list[int]) -> array | None:
         return None
 
 
-def _le(a: array) -> bytes:
+def _le(a: array[int]) -> bytes:
     if _LITTLE:
         return a.tobytes()
     b = array("I", a)  # pragma: no cover - big-endian hosts
@@ -70,7 +70,7 @@ def _le(a: array) -> bytes:
     return b.tobytes()  # pragma: no cover
 
 
-def _unpack(data: bytes, what: str) -> array:
+def _unpack(data: bytes, what: str) -> array[int]:
     if len(data) % 4:
         raise BadReference(f"{what} is {len(data)} bytes, not a whole number of uint32 ids")
     a = array("I")
@@ -80,7 +80,7 @@ def _unpack(data: bytes, what: str) -> array:
     return a
 
 
-def msgpack_uint_array(a: array) -> bytes:
+def msgpack_uint_array(a: array[int]) -> bytes:
     """The msgpack array of ``a``'s ids (each a uint32, ``0xce`` + 4 bytes big-endian): the
     ``msgspec.Raw`` a ``RequestRecordView`` carries, built without a Python int per id."""
     n = len(a)
@@ -102,7 +102,9 @@ def msgpack_uint_array(a: array) -> bytes:
 
 
 class PrefixIndex:
-    """The writer's side: which blocks of this segment exist (chained digest -> number).
+    """The writer's side: which blocks of this segment exist, as a dict ``(parent number,
+    the block's 4 * BLOCK token bytes) -> number`` (exact: a match compares the bytes, no
+    digest can collide).
 
     ``pack`` builds the ``PackedRequest`` of a record and returns, with it, the callable that
     adds the record's new blocks; the writer calls it only once the frame is written (a
@@ -110,7 +112,7 @@ class PrefixIndex:
     """
 
     def __init__(self) -> None:
-        self._ids: dict[bytes, int] = {}
+        self._ids: dict[tuple[int, bytes], int] = {}
         self.blocks = 0
 
     def pack(self, rec: RequestRecord) -> tuple[PackedRequest, _Commit] | None:
@@ -121,20 +123,15 @@ class PrefixIndex:
         if inp is None or out is None:
             return None
         seq = _le(inp) + _le(out)
-        ids = self._ids
-        get = ids.get
-        digest = b""
+        get = self._ids.get
         ref = -1
         m = 0  # full prompt blocks found so far
         full = len(inp) // BLOCK
         while m < full:
-            h = blake2b(
-                digest + seq[m * _BLOCK_BYTES : (m + 1) * _BLOCK_BYTES], digest_size=16
-            ).digest()
-            found = get(h)
+            found = get((ref, seq[m * _BLOCK_BYTES : (m + 1) * _BLOCK_BYTES]))
             if found is None:
                 break
-            digest, ref = h, found
+            ref = found
             m += 1
         prefix = m * BLOCK
         packed = PackedRequest(
@@ -146,26 +143,24 @@ class PrefixIndex:
             seq[4 * len(inp) :],
             *msgspec.structs.astuple(rec)[_ID_FIELDS:],
         )
-        return packed, _Commit(self, seq, m, digest)
+        return packed, _Commit(self, seq, m, ref)
 
 
 class _Commit:
     """Adds a written record's new blocks to its ``PrefixIndex`` (see ``PrefixIndex.pack``)."""
 
-    __slots__ = ("digest", "index", "m", "seq")
+    __slots__ = ("index", "m", "ref", "seq")
 
-    def __init__(self, index: PrefixIndex, seq: bytes, m: int, digest: bytes) -> None:
-        self.index, self.seq, self.m, self.digest = index, seq, m, digest
+    def __init__(self, index: PrefixIndex, seq: bytes, m: int, ref: int) -> None:
+        self.index, self.seq, self.m, self.ref = index, seq, m, ref
 
     def __call__(self) -> None:
-        index, seq, digest = self.index, self.seq, self.digest
+        index, seq, parent = self.index, self.seq, self.ref
         ids = index._ids
         n = index.blocks
         for j in range(self.m, len(seq) // _BLOCK_BYTES):
-            digest = blake2b(
-                digest + seq[j * _BLOCK_BYTES : (j + 1) * _BLOCK_BYTES], digest_size=16
-            ).digest()
-            ids[digest] = n
+            ids[(parent, seq[j * _BLOCK_BYTES : (j + 1) * _BLOCK_BYTES])] = n
+            parent = n
             n += 1
         index.blocks = n
 
@@ -187,7 +182,7 @@ class PrefixResolver:
         self.packed_requests = 0  # records resolved, and the bytes their token ids took
         self.stored_bytes = 0
 
-    def resolve(self, rec: PackedRequest) -> tuple[array, array]:
+    def resolve(self, rec: PackedRequest) -> tuple[array[int], array[int]]:
         """``(input_ids, output_ids)`` of ``rec``; adds its blocks. ``BadReference`` for a
         record no writer wrote, ``LostPrefix`` when its prefix was lost with damage."""
         base, ref, plen = rec.base, rec.ref, rec.prefix_len

@@ -14,6 +14,7 @@ import os
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -270,16 +271,9 @@ class BundleReader:
         decoders = _VIEW_DECODERS if views else _DECODERS
         if wanted is not None and b"request" in wanted:
             wanted = wanted | REQUEST_TAGS  # format 2.0 stores requests as PackedRequest
-        # Fast path: try the one decoder most frames need; peek at the tag only on failure.
-        if wanted is None:
-            fast = (_UNION_VIEW if views else _UNION).decode
-        elif len(wanted) == 1:
-            fast = decoders[next(iter(wanted))].decode
-        elif wanted == REQUEST_TAGS:
-            fast = (_REQUESTS_VIEW if views else _REQUESTS).decode
-        else:
-            fast = None
+        fast = _fast_decoder(wanted, views)
         last = len(self.segments) - 1
+        rec: Any
         for i, seg in enumerate(self.segments):
             seg_first = True
             unpack = _Unpacker(self, seg, report, views)  # references stay in their segment
@@ -318,27 +312,20 @@ class BundleReader:
                         yield rec
                         continue
                 clean = False
-                tag = _peek_tag(body)
-                if tag is None or tag not in _DECODERS:
-                    self._odd(report, seg, pos, body)
-                    continue
-                if tag != b"trailer" and wanted is not None and tag not in wanted:
-                    continue  # a known record nobody asked for: not decoded
-                try:
-                    rec = _decode_fresh_stack(decoders[tag], body)
-                except (msgspec.DecodeError, RecursionError):
-                    self._odd(report, seg, pos, body)
+                rec = self._decode_slow(report, seg, pos, body, wanted, decoders)
+                if rec is None:
                     continue
                 if type(rec) is Trailer:
                     report.trailer_seen = True
                     clean = rec.clean
                     sess0 = self._session_end(report, seg, rec, sess0)
+                    if wanted is not None and b"trailer" not in wanted:
+                        continue
                 elif type(rec) is PackedRequest:
                     rec = unpack(rec, pos, body)
                     if rec is None:
                         continue
-                if wanted is None or tag in wanted:
-                    yield rec
+                yield rec
         report.clean_shutdown = clean
         if self.strict and report.shortfall:
             name, want, got = report.shortfall[0]
@@ -346,6 +333,30 @@ class BundleReader:
                 f"{self.path}: the trailer in {name} counts {want} records, {got} were read"
             )
         self._report = report
+
+    def _decode_slow(
+        self,
+        report: ReadReport,
+        seg: Path,
+        pos: int,
+        body: memoryview,
+        wanted: frozenset[bytes] | None,
+        decoders: dict[bytes, msgspec.msgpack.Decoder[Any]],
+    ) -> Any:
+        """The record of a frame the fast path did not take: decoded by its tag when it is
+        wanted or a Trailer (always looked at), else None (skipped; an unknown or
+        undecodable record is reported by ``_odd``)."""
+        tag = _peek_tag(body)
+        if tag is None or tag not in _DECODERS:
+            self._odd(report, seg, pos, body)
+            return None
+        if tag != b"trailer" and wanted is not None and tag not in wanted:
+            return None  # a known record nobody asked for: not decoded
+        try:
+            return _decode_fresh_stack(decoders[tag], body)
+        except (msgspec.DecodeError, RecursionError):
+            self._odd(report, seg, pos, body)
+            return None
 
     @staticmethod
     def _session_end(report: ReadReport, seg: Path, trailer: Trailer, sess0: int) -> int:
@@ -482,6 +493,18 @@ class BundleReader:
         header_ok = report.bytes >= SEGMENT_HEADER_SIZE
         corrupt = [c for c in report.corrupt if c[1] < good_end]
         return SegmentScan(header_ok, good_end if header_ok else 0, corrupt, report.torn_bytes)
+
+
+def _fast_decoder(wanted: frozenset[bytes] | None, views: bool) -> Any:
+    """The fast path's decode function: the one decoder most frames need (the tag is peeked
+    at only when it fails), or None when no single decoder fits ``wanted``."""
+    if wanted is None:
+        return (_UNION_VIEW if views else _UNION).decode
+    if len(wanted) == 1:
+        return (_VIEW_DECODERS if views else _DECODERS)[next(iter(wanted))].decode
+    if wanted == REQUEST_TAGS:
+        return (_REQUESTS_VIEW if views else _REQUESTS).decode
+    return None
 
 
 class _Unpacker:

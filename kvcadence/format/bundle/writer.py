@@ -288,7 +288,9 @@ class BundleWriter:
                 size = self._encode(stored, record)
                 if self._seg_frames and self._seg_size + size > self.segment_bytes:
                     self._rotate()  # a fresh index: pack again against it
-                    stored, commit = self._index.pack(record)  # type: ignore[misc,union-attr]
+                    repacked = self._index.pack(record)
+                    assert repacked is not None  # the ids fitted a moment ago
+                    stored, commit = repacked
                     size = self._encode(stored, record)
                 self._put(size, tag)
                 commit()  # its blocks exist once its frame is written
