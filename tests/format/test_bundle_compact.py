@@ -78,6 +78,7 @@ def _family() -> list[RequestRecord]:
 
 # -- the bytes on disk -----------------------------------------------------------------
 
+
 def test_golden_bytes_of_two_requests_sharing_a_prefix(tmp_path: Path) -> None:
     path = _write(tmp_path / "b", _family())
     seg = list_segments(path)[0]

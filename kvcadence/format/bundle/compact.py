@@ -3,8 +3,9 @@
 What this file owns: the conversion ``RequestRecord`` <-> ``PackedRequest`` (layout in
 ``kvcadence.format.schema``, specified in ``docs/format.md``), i.e. the writer's
 ``PrefixIndex`` (which earlier blocks a new prompt starts with), the reader's
-``PrefixResolver`` (a record back to its full token ids), the uint32 packing, and the
-msgpack int-array bytes the view path hands out.
+``PrefixResolver`` (a record back to its full token ids) and ``SegmentUnpacker`` (what the
+reader calls per packed frame: errors and damage), the uint32 packing, and the msgpack
+int-array bytes the view path hands out.
 
 Blocks. Inside one segment, every request record adds as new *blocks* the full
 ``BLOCK``-token blocks of its token sequence ``input_ids + output_ids`` that lie past its
@@ -26,9 +27,14 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
+from kvcadence.errors import InputError
+from kvcadence.format.bundle.frames import FRAME_HEADER_SIZE
+from kvcadence.format.bundle.report import ReadReport
 from kvcadence.format.schema import PackedRequest, RequestRecord, RequestRecordView
 
 #: tokens per block (fixed by the format: 2.0)
@@ -179,8 +185,6 @@ class PrefixResolver:
         self.store = array("I")
         self.parent = array("q")
         self.offset = array("q")
-        self.packed_requests = 0  # records resolved, and the bytes their token ids took
-        self.stored_bytes = 0
 
     def resolve(self, rec: PackedRequest) -> tuple[array[int], array[int]]:
         """``(input_ids, output_ids)`` of ``rec``; adds its blocks. ``BadReference`` for a
@@ -237,8 +241,6 @@ class PrefixResolver:
             offset.extend(array("q", range(at, at + new * BLOCK, BLOCK)))
             parent.append(ref)
             parent.extend(array("q", range(base, base + new - 1)))
-        self.packed_requests += 1
-        self.stored_bytes += len(rec.input_tail) + len(rec.output)
         return inp, out
 
     def record(self, rec: PackedRequest) -> RequestRecord:
@@ -259,7 +261,56 @@ class PrefixResolver:
         )
 
 
+class SegmentUnpacker:
+    """The reader's: one segment's ``PackedRequest``s back to ``RequestRecord`` /
+    ``RequestRecordView`` (a ``PrefixResolver`` made at the segment's first one), counted in
+    the ``ReadReport``. A request whose prefix was lost with a corrupt span counts as a
+    corrupt frame (``corrupt``, the reader's reporter; ``None``: not yielded); a reference no
+    writer wrote is one ``InputError`` line naming segment, offset and rid."""
+
+    __slots__ = ("corrupt", "report", "resolver", "seg", "views")
+
+    def __init__(
+        self,
+        seg: Path,
+        report: ReadReport,
+        views: bool,
+        corrupt: Callable[[ReadReport, Path, int, int, str], None],
+    ) -> None:
+        self.seg, self.report, self.views, self.corrupt = seg, report, views, corrupt
+        self.resolver: PrefixResolver | None = None
+
+    def __call__(
+        self, rec: PackedRequest, pos: int, body: memoryview
+    ) -> RequestRecord | RequestRecordView | None:
+        res = self.resolver
+        if res is None:
+            res = self.resolver = PrefixResolver()
+        # every block read before this record has its 4 * BLOCK token bytes before ``pos``
+        res.max_blocks = pos // _BLOCK_BYTES
+        try:
+            out = res.view(rec) if self.views else res.record(rec)
+        except LostPrefix as exc:
+            self.report.frames -= 1
+            self.corrupt(
+                self.report, self.seg, pos, FRAME_HEADER_SIZE + len(body), f"request {exc}"
+            )
+            return None
+        except BadReference as exc:
+            raise InputError(
+                f"{self.seg}: request record rid={rec.rid!r} at offset {pos}: bad shared-prefix "
+                f"reference: {exc}"
+            ) from None
+        rep = self.report
+        rep.packed_requests += 1
+        stored = len(rec.input_tail) + len(rec.output)
+        rep.packed_bytes += stored
+        rep.packed_ids += rec.prefix_len + stored // 4
+        return out
+
+
 __all__ = [
+    "SegmentUnpacker",
     "BLOCK",
     "BadReference",
     "LostPrefix",

@@ -197,6 +197,19 @@ _REQUESTS = msgspec.msgpack.Decoder(Union[RequestRecord, PackedRequest])
 _REQUESTS_VIEW = msgspec.msgpack.Decoder(Union[RequestRecordView, PackedRequest])
 
 
+def fast_decoder(wanted: frozenset[bytes] | None, views: bool) -> Any:
+    """The reader's fast path: the decode function of the one decoder most frames need
+    (the tag is peeked at only when it fails), or None when no single decoder fits
+    ``wanted`` (None: every record; ``views``: requests as ``RequestRecordView``)."""
+    if wanted is None:
+        return (_UNION_VIEW if views else _UNION).decode
+    if len(wanted) == 1:
+        return (_VIEW_DECODERS if views else _DECODERS)[next(iter(wanted))].decode
+    if wanted == REQUEST_TAGS:
+        return (_REQUESTS_VIEW if views else _REQUESTS).decode
+    return None
+
+
 def _peek_tag(body: memoryview) -> bytes | None:
     """The tag bytes of a record body (array header, then str), or None if not that shape."""
     n = len(body)

@@ -23,20 +23,15 @@ from kvcadence.errors import (
     BundleError,
     CorruptFrameError,
     FormatVersionError,
-    InputError,
     UsageError,
 )
-from kvcadence.format.bundle.compact import BLOCK, BadReference, LostPrefix, PrefixResolver
+from kvcadence.format.bundle.compact import SegmentUnpacker
 from kvcadence.format.bundle.crcspan import SpanCrc
 from kvcadence.format.bundle.frames import (
     _ANY,
     _DECODERS,
-    _REQUESTS,
-    _REQUESTS_VIEW,
     _RESYNC,
     _SEGMENT_START,
-    _UNION,
-    _UNION_VIEW,
     _VIEW_DECODERS,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
@@ -46,6 +41,7 @@ from kvcadence.format.bundle.frames import (
     _is_append_note,
     _one_value,
     _peek_tag,
+    fast_decoder,
 )
 from kvcadence.format.bundle.report import ReadReport, SegmentScan
 from kvcadence.format.bundle.segments import (
@@ -271,12 +267,14 @@ class BundleReader:
         decoders = _VIEW_DECODERS if views else _DECODERS
         if wanted is not None and b"request" in wanted:
             wanted = wanted | REQUEST_TAGS  # format 2.0 stores requests as PackedRequest
-        fast = _fast_decoder(wanted, views)
+        fast = fast_decoder(wanted, views)
         last = len(self.segments) - 1
         rec: Any
         for i, seg in enumerate(self.segments):
             seg_first = True
-            unpack = _Unpacker(self, seg, report, views)  # references stay in their segment
+            unpack = SegmentUnpacker(
+                seg, report, views, self._corrupt
+            )  # references stay in their segment
             for pos, body in self._walk(seg, report, mapped=i < last):
                 if seg_first:
                     seg_first = False
@@ -493,57 +491,6 @@ class BundleReader:
         header_ok = report.bytes >= SEGMENT_HEADER_SIZE
         corrupt = [c for c in report.corrupt if c[1] < good_end]
         return SegmentScan(header_ok, good_end if header_ok else 0, corrupt, report.torn_bytes)
-
-
-def _fast_decoder(wanted: frozenset[bytes] | None, views: bool) -> Any:
-    """The fast path's decode function: the one decoder most frames need (the tag is peeked
-    at only when it fails), or None when no single decoder fits ``wanted``."""
-    if wanted is None:
-        return (_UNION_VIEW if views else _UNION).decode
-    if len(wanted) == 1:
-        return (_VIEW_DECODERS if views else _DECODERS)[next(iter(wanted))].decode
-    if wanted == REQUEST_TAGS:
-        return (_REQUESTS_VIEW if views else _REQUESTS).decode
-    return None
-
-
-class _Unpacker:
-    """One segment's ``PackedRequest``s back to ``RequestRecord`` / ``RequestRecordView``
-    (``compact.PrefixResolver``, created at the segment's first packed request). A request
-    whose prefix was lost with a corrupt span counts as a corrupt frame (``None``: not
-    yielded); a reference no writer wrote is one ``InputError`` line."""
-
-    __slots__ = ("reader", "report", "resolver", "seg", "views")
-
-    def __init__(self, reader: BundleReader, seg: Path, report: ReadReport, views: bool) -> None:
-        self.reader, self.seg, self.report, self.views = reader, seg, report, views
-        self.resolver: PrefixResolver | None = None
-
-    def __call__(self, rec: PackedRequest, pos: int, body: memoryview) -> ReadRecord | None:
-        res = self.resolver
-        if res is None:
-            res = self.resolver = PrefixResolver()
-        # every block read before this record has its 4 * BLOCK token bytes before ``pos``
-        res.max_blocks = pos // (4 * BLOCK)
-        before = res.stored_bytes
-        try:
-            out = res.view(rec) if self.views else res.record(rec)
-        except LostPrefix as exc:
-            self.report.frames -= 1
-            self.reader._corrupt(
-                self.report, self.seg, pos, FRAME_HEADER_SIZE + len(body), f"request {exc}"
-            )
-            return None
-        except BadReference as exc:
-            raise InputError(
-                f"{self.seg}: request record rid={rec.rid!r} at offset {pos}: bad shared-prefix "
-                f"reference: {exc}"
-            ) from None
-        rep = self.report
-        rep.packed_requests += 1
-        rep.packed_bytes += res.stored_bytes - before
-        rep.packed_ids += rec.prefix_len + (len(rec.input_tail) + len(rec.output)) // 4
-        return out
 
 
 __all__ = ["BundleReader"]
