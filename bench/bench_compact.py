@@ -11,6 +11,9 @@ baseline, measured in the same run, is the same request records written in the f
 format 1.x stores). Figures per size (2,000 and 8,000 requests; ``--quick``: 500):
 
 * bundle bytes per request, compact vs full (goal: <= 2,500 B/request);
+* the writer's prefix index at the end (bytes per request, ``sys.getsizeof`` of its dict,
+  keys and block bytes), against the prompts' ids as uint32 (what keeping whole prompts
+  would hold);
 * writer CPU time per request (``BundleWriter.write`` of the request records), compact vs
   full (the prefix index hashes each prompt's blocks);
 * read CPU time (one pass of ``BundleReader.iter_kinds("request")``: records with full
@@ -30,6 +33,7 @@ import contextlib
 import gc
 import io
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -100,13 +104,21 @@ def bundle_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in list_segments(path))
 
 
-def timed_write(records: list[RequestRecord], path: Path, compact: bool) -> float:
+def timed_write(records: list[RequestRecord], path: Path, compact: bool) -> tuple[float, int]:
+    """(CPU seconds, bytes of the writer's prefix index at the end: its dict, keys and
+    block bytes, by ``sys.getsizeof``)."""
     header = Header(2, 0, "real", "bench")
     t = time.process_time()
     with BundleWriter(path, header, compact_requests=compact) as w:
         for r in records:
             w.write(r)
-    return time.process_time() - t
+    cpu = time.process_time() - t
+    index = w._index  # measured, not changed
+    size = 0
+    if index is not None:
+        ids = index._ids
+        size = sys.getsizeof(ids) + sum(sys.getsizeof(k) + sys.getsizeof(k[1]) for k in ids)
+    return cpu, size
 
 
 def timed_read(path: Path) -> float:
@@ -133,8 +145,8 @@ def point(n: int, lanes: int, tmp: Path) -> tuple[list[dict[str, Any]], dict[str
     reqs = BundleReader(imported).requests()  # the records import wrote (think_ns etc.)
     full = tmp / f"full-{n}"
     compact = tmp / f"compact-{n}"
-    w_full = timed_write(reqs, full, False)
-    w_compact = timed_write(reqs, compact, True)
+    w_full, _ = timed_write(reqs, full, False)
+    w_compact, index_bytes = timed_write(reqs, compact, True)
     if BundleReader(compact).requests() != reqs or BundleReader(full).requests() != reqs:
         raise SystemExit("round trip changed the records")
     reads: dict[bool, list[float]] = {False: [], True: []}
@@ -151,6 +163,10 @@ def point(n: int, lanes: int, tmp: Path) -> tuple[list[dict[str, Any]], dict[str
         f"({b_compact / b_full:.3f}x)"
     )
     print(
+        f"  writer index {index_bytes / n:,.0f} B/request at the end "
+        f"({index_bytes / (prompt * 4):.3f}x the prompts' ids as uint32)"
+    )
+    print(
         f"  write {w_compact / n * 1e6:,.0f} us/request compact vs {w_full / n * 1e6:,.0f} full "
         f"({w_compact / w_full:.2f}x); read {r_compact / n * 1e6:,.0f} vs "
         f"{r_full / n * 1e6:,.0f} us/request ({r_compact / r_full:.2f}x)"
@@ -165,6 +181,14 @@ def point(n: int, lanes: int, tmp: Path) -> tuple[list[dict[str, Any]], dict[str
             higher_is_better=False,
             goal=goal("value", "<=", 2500, "<= 2,500 B/request"),
             note=f"{prompt / n:,.0f} prompt tokens/request",
+        ),
+        figure(
+            f"writer prefix index memory per request, {n} requests",
+            index_bytes / n,
+            "B/request",
+            baseline=prompt * 4 / n,
+            baseline_name="the prompts' ids as uint32 (what an index of whole prompts holds)",
+            higher_is_better=False,
         ),
         figure(
             f"write CPU per request, {n} requests",
