@@ -3,6 +3,7 @@ trip, old bundles, bad references and damage."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 import zlib
@@ -362,3 +363,33 @@ def test_a_torn_last_segment_keeps_every_request_before_the_tear(tmp_path: Path)
     kept = BundleReader(path).requests()
     assert in_seg1 and {r.rid for r in got} - {r.rid for r in kept} == in_seg1
     assert kept == [r for r in got if r.rid not in in_seg1]
+
+
+def test_analysis_tables_are_the_same_for_both_layouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ingest reads packed requests through the view path: the requests table (ids and
+    their counts) is the one the full layout gives."""
+    prompt = list(range(70000, 70000 + 3 * BLOCK + 5))
+    reqs = []
+    for i in range(12):
+        out = [i, 65536 + i, 127]
+        reqs.append(RequestRecord(f"r{i:02d}", list(prompt), out, lane=i % 2, turn=i))
+        prompt = prompt + out + [200 + i] * 17
+    docs = []
+    for compact in (False, True):
+        path = _write(tmp_path / f"b{compact}", reqs, compact_requests=compact)
+        q = "SELECT request_id, n_input, n_output, input_ids, output_ids FROM requests ORDER BY 1"
+        assert (
+            main(
+                ["sql", str(path), q, "--format", "json", "--cache", str(tmp_path / f"c{compact}")]
+            )
+            == 0
+        )
+        docs.append(capsys.readouterr().out)
+    assert docs[0] == docs[1]
+    rows = json.loads(docs[1])
+    assert [(r["input_ids"], r["output_ids"]) for r in rows] == [
+        (r.input_ids, r.output_ids) for r in reqs
+    ]
+    assert [r["n_input"] for r in rows] == [len(r.input_ids) for r in reqs]
