@@ -393,3 +393,39 @@ def test_analysis_tables_are_the_same_for_both_layouts(
         (r.input_ids, r.output_ids) for r in reqs
     ]
     assert [r["n_input"] for r in rows] == [len(r.input_ids) for r in reqs]
+
+
+def _packed_rids(path: Path) -> list[str]:
+    return [
+        _PACKED.decode(b).rid
+        for s in list_segments(path)
+        for _, b in _frames(s)
+        if _tag(b) == "preq"
+    ]
+
+
+def test_every_request_writer_stores_packed_requests(tmp_path: Path, fixture_dir: Path) -> None:
+    """``import`` (new and ``--append``) and ``capture import --sglang-metrics`` write
+    through ``BundleWriter``: their requests are stored packed and read back whole."""
+    truth = [json.loads(x) for x in (fixture_dir / "requests.jsonl").read_text().splitlines()]
+    b = tmp_path / "imported"
+    argv = ["import", "--frames", str(fixture_dir / "events.jsonl")]
+    argv += ["--requests", str(fixture_dir / "requests.jsonl"), "--out", str(b)]
+    assert main(argv) == 0
+    got = BundleReader(b).requests()
+    assert [(r.rid, r.input_ids, r.output_ids) for r in got] == [
+        (t["rid"], t["input_ids"], t.get("output_ids", [])) for t in truth
+    ]
+    assert _packed_rids(b) == [t["rid"] for t in truth]
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"rid": "x", "input_ids": truth[-1]["input_ids"] + [5]}) + "\n")
+    assert main(["import", "--append", "--requests", str(more), "--out", str(b)]) == 0
+    assert _packed_rids(b)[-1] == "x"
+    assert BundleReader(b).requests()[-1].input_ids == truth[-1]["input_ids"] + [5]
+    m = tmp_path / "metrics"
+    metrics = str(fixture_dir / "sglang-metrics")
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", metrics, str(m)]) == 0
+    reqs = BundleReader(m).requests()
+    assert len(reqs) == 120 and sorted(_packed_rids(m)) == sorted(r.rid for r in reqs)
+    by_rid = {t["rid"]: t["input_ids"] for t in truth}
+    assert all(r.input_ids == by_rid[r.rid] for r in reqs)
