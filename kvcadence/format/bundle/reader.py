@@ -1,4 +1,7 @@
-"""``BundleReader``: read a bundle directory, any minor version of this major.
+"""``BundleReader``: read a bundle directory, any version of the majors it reads (1 and 2).
+
+Format 2.0's packed requests come out as ``RequestRecord`` / ``RequestRecordView`` with
+their full token ids (``compact.SegmentUnpacker``, one per segment).
 
 A frame whose length or CRC does not check out in the middle of a segment is reported and
 skipped: the reader scans forward for the next offset where length, CRC and decoding all
@@ -68,7 +71,7 @@ _KEEP_ALL = None
 
 
 class BundleReader:
-    """Read a bundle directory written by ``BundleWriter`` (any minor version of this major).
+    """Read a bundle directory written by ``BundleWriter`` (any version of majors 1 and 2).
 
     Iteration is lazy and restartable; each full pass refreshes ``report``. ``strict=True``
     raises ``CorruptFrameError`` at the first corrupt frame instead of skipping it (a torn
@@ -272,9 +275,8 @@ class BundleReader:
         rec: Any
         for i, seg in enumerate(self.segments):
             seg_first = True
-            unpack = SegmentUnpacker(
-                seg, report, views, self._corrupt
-            )  # references stay in their segment
+            # packed requests (2.0) refer only to blocks of their own segment
+            unpack = SegmentUnpacker(seg, report, views, self._corrupt)
             for pos, body in self._walk(seg, report, mapped=i < last):
                 if seg_first:
                     seg_first = False
