@@ -11,8 +11,8 @@ baseline, measured in the same run, is the same request records written in the f
 format 1.x stores). Figures per size (2,000 and 8,000 requests; ``--quick``: 500):
 
 * bundle bytes per request, compact vs full (goal: <= 2,500 B/request);
-* the writer's prefix index at the end (bytes per request, ``sys.getsizeof`` of its dict,
-  keys and block bytes), against the prompts' ids as uint32 (what keeping whole prompts
+* the writer's prefix index at the end (bytes per request, ``sys.getsizeof`` of its dict
+  and keys, its runs and arrays), against the prompts' ids as uint32 (what keeping whole prompts
   would hold);
 * writer CPU time per request (``BundleWriter.write`` of the request records), compact vs
   full (the prefix index hashes each prompt's blocks);
@@ -105,8 +105,8 @@ def bundle_bytes(path: Path) -> int:
 
 
 def timed_write(records: list[RequestRecord], path: Path, compact: bool) -> tuple[float, int]:
-    """(CPU seconds, bytes of the writer's prefix index at the end: its dict, keys and
-    block bytes, by ``sys.getsizeof``)."""
+    """(CPU seconds, bytes of the writer's prefix index at the end: its dict and keys,
+    its runs and arrays, by ``sys.getsizeof``)."""
     header = Header(2, 0, "real", "bench")
     t = time.process_time()
     with BundleWriter(path, header, compact_requests=compact) as w:
@@ -116,8 +116,10 @@ def timed_write(records: list[RequestRecord], path: Path, compact: bool) -> tupl
     index = w._index  # measured, not changed
     size = 0
     if index is not None:
-        ids = index._ids
-        size = sys.getsizeof(ids) + sum(sys.getsizeof(k) + sys.getsizeof(k[1]) for k in ids)
+        ids, runs = index._ids, index._runs
+        size = sys.getsizeof(ids) + sum(sys.getsizeof(k) for k in ids)
+        size += sys.getsizeof(runs) + sum(sys.getsizeof(r) for r in runs)
+        size += sys.getsizeof(index._run_of) + sys.getsizeof(index._run_first)
     return cpu, size
 
 

@@ -429,3 +429,19 @@ def test_every_request_writer_stores_packed_requests(tmp_path: Path, fixture_dir
     assert len(reqs) == 120 and sorted(_packed_rids(m)) == sorted(r.rid for r in reqs)
     by_rid = {t["rid"]: t["input_ids"] for t in truth}
     assert all(r.input_ids == by_rid[r.rid] for r in reqs)
+
+
+def test_the_longest_shared_prefix_is_found_across_runs_and_branches(tmp_path: Path) -> None:
+    """The writer follows a block's run with slice comparisons and falls back to the dict
+    where the run ends or diverges: every prompt gets its longest block-aligned prefix."""
+    a = list(range(100, 100 + 50 * BLOCK))  # one run of 50 blocks
+    b = a[: 37 * BLOCK] + [1] * (5 * BLOCK)  # diverges inside a's run: a branch
+    c = b + [2] * (3 * BLOCK)  # follows b's run (which starts at block 37)
+    d = a[: 20 * BLOCK] + [3]  # a prefix of a's run, then a partial block
+    e = a + [4] * BLOCK  # a's run to its end, then a new block
+    reqs = [RequestRecord(f"r{i}", p, []) for i, p in enumerate([a, b, c, d, e])]
+    path = _write(tmp_path / "b", reqs)
+    packed = [_PACKED.decode(x) for _, x in _frames(list_segments(path)[0]) if _tag(x) == "preq"]
+    assert [p.prefix_len // BLOCK for p in packed] == [0, 37, 42, 20, 50]
+    assert [p.ref for p in packed] == [-1, 36, 54, 19, 49]
+    assert BundleReader(path).requests() == reqs
