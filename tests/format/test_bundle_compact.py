@@ -445,3 +445,24 @@ def test_the_longest_shared_prefix_is_found_across_runs_and_branches(tmp_path: P
     assert [p.prefix_len // BLOCK for p in packed] == [0, 37, 42, 20, 50]
     assert [p.ref for p in packed] == [-1, 36, 54, 19, 49]
     assert BundleReader(path).requests() == reqs
+
+
+def test_the_writer_starts_a_segment_when_its_index_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcadence.format.bundle import compact
+
+    monkeypatch.setattr(compact, "MAX_BLOCKS", 6)
+    prompt: list[int] = []
+    reqs = []
+    for i in range(12):
+        prompt = prompt + [i] * BLOCK
+        reqs.append(RequestRecord(f"r{i}", list(prompt), [7] * 3))
+    path = _write(tmp_path / "b", reqs)
+    segs = list_segments(path)
+    assert len(segs) >= 3
+    for seg in segs:
+        packed = [_PACKED.decode(b) for _, b in _frames(seg) if _tag(b) == "preq"]
+        if packed:
+            assert packed[0].ref == -1 and packed[-1].base < 6
+    assert BundleReader(path).requests() == reqs

@@ -41,6 +41,10 @@ from kvcadence.format.schema import PackedRequest, RequestRecord, RequestRecordV
 
 #: tokens per block (fixed by the format: 2.0)
 BLOCK = 32
+#: the writer starts a new segment once its index holds this many blocks (8M stored tokens):
+#: a writer policy, not a format rule, that bounds the memory of the writer's index
+#: (~90 MB) and of a reader's resolver (~40 MB) however long a capture runs
+MAX_BLOCKS = 1 << 18
 _BLOCK_BYTES = 4 * BLOCK
 _LITTLE = sys.byteorder == "little"
 _MISSING = -1  # offset of a block whose record the reader did not read (lost to damage)

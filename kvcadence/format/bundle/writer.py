@@ -30,6 +30,7 @@ from kvcadence.errors import (
     BundleError,
     UsageError,
 )
+from kvcadence.format.bundle import compact
 from kvcadence.format.bundle.compact import PrefixIndex
 from kvcadence.format.bundle.frames import (
     _ENCODE_ERRORS,
@@ -280,8 +281,9 @@ class BundleWriter:
         tag = RECORD_TAGS.get(type(record))
         if tag is None:
             raise TypeError(f"not a bundle record: {type(record).__name__}")
-        commit = None
         if self._index is not None and type(record) is RequestRecord:
+            if self._index.blocks >= compact.MAX_BLOCKS and self._seg_frames:
+                self._rotate()  # bounds the index (writer and reader) whatever the run length
             packed = self._index.pack(record)
             if packed is not None:
                 stored, commit = packed
