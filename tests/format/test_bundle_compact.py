@@ -466,3 +466,14 @@ def test_the_writer_starts_a_segment_when_its_index_is_full(
         if packed:
             assert packed[0].ref == -1 and packed[-1].base < 6
     assert BundleReader(path).requests() == reqs
+
+
+def test_packed_request_carries_every_request_field_in_order() -> None:
+    """``compact`` copies the fields after the ids positionally: the layouts must agree."""
+    tail = PackedRequest.__struct_fields__[6:]
+    assert tail == RequestRecord.__struct_fields__[3:] == RequestRecordView.__struct_fields__[3:]
+    packed, full = PackedRequest.__struct_defaults__, RequestRecord.__struct_defaults__[1:]
+    assert len(packed) == len(full)
+    assert [repr(d) for d in packed] == [repr(d) for d in full]  # factories print alike
+    p, r = PackedRequest("x", 0, -1, 0, b"", b""), RequestRecord("x", [])
+    assert msgspec.structs.astuple(p)[6:] == msgspec.structs.astuple(r)[3:]
