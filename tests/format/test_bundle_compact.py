@@ -34,6 +34,7 @@ from kvcadence.format.schema import (
 )
 
 CORPUS = Path(__file__).resolve().parents[1] / "replay" / "data" / "corpus"
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
 _ANY = msgspec.msgpack.Decoder()
 _PACKED = msgspec.msgpack.Decoder(PackedRequest)
 
@@ -212,7 +213,9 @@ def _corpus_bundles() -> list[Path]:
     return found
 
 
-@pytest.mark.parametrize("bundle", _corpus_bundles(), ids=lambda p: p.parent.name)
+@pytest.mark.parametrize(
+    "bundle", [*_corpus_bundles(), SAMPLE], ids=lambda p: p.parent.name if p != SAMPLE else "sample"
+)
 def test_old_format_bundles_read_unchanged(bundle: Path, tmp_path: Path) -> None:
     """The vendored 1.x bundles: every request frame reads as its stored record (decoded
     directly), and written again in 2.0 they read back identical, smaller."""
