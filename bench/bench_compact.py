@@ -12,13 +12,17 @@ format 1.x stores). Figures per size (2,000 and 8,000 requests; ``--quick``: 500
 
 * bundle bytes per request, compact vs full (goal: <= 2,500 B/request);
 * the writer's prefix index at the end (bytes per request, ``sys.getsizeof`` of its dict
-  and keys, its runs and arrays), against the prompts' ids as uint32 (what keeping whole prompts
-  would hold);
+  and keys, its runs and arrays), against the prompts' ids as uint32 (what keeping whole
+  prompts would hold);
 * writer CPU time per request (``BundleWriter.write`` of the request records), compact vs
-  full (the prefix index hashes each prompt's blocks);
+  full (the prefix index looks each prompt's blocks up);
 * read CPU time (one pass of ``BundleReader.iter_kinds("request")``: records with full
   ``input_ids``, not kept; best of 3, alternated), compact vs full (the resolver rebuilds
   every prompt from its blocks).
+
+A second workload, one long-context agent session (a 70k-token prompt growing by 1,000
+tokens a turn to ~100k, ids from a 150k vocabulary, 30 turns; ``--quick``: 10), gives the
+same three figures for prompts of that size.
 
     .venv/bin/python bench/bench_compact.py [--requests N ...] [--lanes 32] [--quick]
         [--json PATH]
@@ -86,8 +90,8 @@ def agent_log(n: int, lanes: int, seed: int = 7) -> list[RequestRecord]:
     return out
 
 
-def _chunk(rng: random.Random, lo: int, hi: int) -> list[int]:
-    return [rng.randrange(3, 32000) for _ in range(rng.randint(lo, hi))]
+def _chunk(rng: random.Random, lo: int, hi: int, vocab: int = 32000) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
 
 
 def write_log(records: list[RequestRecord], path: Path) -> None:
@@ -212,6 +216,59 @@ def point(n: int, lanes: int, tmp: Path) -> tuple[list[dict[str, Any]], dict[str
     return figs, {"prompt_tokens_per_request": prompt / n}
 
 
+def long_point(n: int, tmp: Path) -> list[dict[str, Any]]:
+    """One long-context agent session: a 70k-token prompt that grows by its output (300
+    tokens) and a 700-token user chunk a turn, ids from a 150k vocabulary; written directly
+    (no import), compact vs full."""
+    rng = random.Random(3)
+    prompt = _chunk(rng, 70_000, 70_000, 150_000)
+    reqs = []
+    for i in range(n):
+        out = _chunk(rng, 300, 300, 150_000)
+        reqs.append(RequestRecord(f"r{i}", list(prompt), out, lane=0, turn=i))
+        prompt = prompt + out + _chunk(rng, 700, 700, 150_000)
+    w_full, _ = timed_write(reqs, tmp / "long-full", False)
+    w_compact, _ = timed_write(reqs, tmp / "long-compact", True)
+    if BundleReader(tmp / "long-compact").requests() != reqs:
+        raise SystemExit("round trip changed the records")
+    r_full = min(timed_read(tmp / "long-full") for _ in range(2))
+    r_compact = min(timed_read(tmp / "long-compact") for _ in range(2))
+    b_full, b_compact = bundle_bytes(tmp / "long-full"), bundle_bytes(tmp / "long-compact")
+    print(
+        f"long context ({n} turns, 70k-{len(prompt) // 1000}k tokens, ids < 150,000): "
+        f"{b_full / n:,.0f} -> {b_compact / n:,.0f} B/request ({b_compact / b_full:.3f}x); "
+        f"write {w_compact / n * 1e3:.2f} vs {w_full / n * 1e3:.2f} ms/request, read "
+        f"{r_compact / n * 1e3:.2f} vs {r_full / n * 1e3:.2f} ms/request"
+    )
+    base = "the same records in the full layout"
+    return [
+        figure(
+            f"long context: bundle bytes per request ({n} turns)",
+            b_compact / n,
+            "B/request",
+            baseline=b_full / n,
+            baseline_name=base,
+            higher_is_better=False,
+        ),
+        figure(
+            f"long context: write CPU per request ({n} turns)",
+            w_compact / n * 1e3,
+            "ms/request",
+            baseline=w_full / n * 1e3,
+            baseline_name=base,
+            higher_is_better=False,
+        ),
+        figure(
+            f"long context: read CPU per request ({n} turns)",
+            r_compact / n * 1e3,
+            "ms/request",
+            baseline=r_full / n * 1e3,
+            baseline_name=base,
+            higher_is_better=False,
+        ),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -227,6 +284,7 @@ def main() -> None:
         for n in args.requests:
             f, _ = point(n, args.lanes, Path(d))
             figs.extend(f)
+        figs.extend(long_point(10 if args.quick else 30, Path(d)))
     write_results(
         args.json,
         "compact",
