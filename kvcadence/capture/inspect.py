@@ -177,6 +177,12 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "recovered_seqs": recovered,
         "epochs": epochs,
         "requests": records["request"],
+        "packed_requests": {
+            "requests": rep.packed_requests,
+            "ids": rep.packed_ids,
+            "full_bytes": 4 * rep.packed_ids,
+            "stored_bytes": rep.packed_bytes,
+        },
         "requests_without_output_ids": no_outputs,
         "requests_without_lanes": no_lanes,
         "inferred": inferred,
@@ -230,6 +236,19 @@ def damage_lines(s: dict[str, Any]) -> list[str]:
         for m in s.get("shortfall", [])
     ]
     return out
+
+
+def _packed_text(s: dict[str, Any]) -> str:
+    """The compact request storage line: the ids' bytes stored against 4 bytes per id."""
+    p = s["packed_requests"]
+    if not p["requests"]:
+        return "no packed requests (every request stores its ids in full)"
+    share = p["stored_bytes"] / p["full_bytes"] if p["full_bytes"] else 1.0
+    return (
+        f"{p['requests']:,} packed requests: {p['ids']:,} ids stored in "
+        f"{p['stored_bytes']:,} bytes of {p['full_bytes']:,} as uint32 ({share:.1%}; shared "
+        "prefixes stored once)"
+    )
 
 
 def format_text(s: dict[str, Any]) -> str:
@@ -288,6 +307,7 @@ def format_text(s: dict[str, Any]) -> str:
             f"{s['requests']:,}  (without output ids {s['requests_without_output_ids']:,}, "
             f"without lanes {s['requests_without_lanes']:,})",
         ),
+        ("token ids", _packed_text(s)),
         (
             "time",
             "-"

@@ -14,7 +14,8 @@ Two families live here and nowhere else:
 
 2. **Bundle records** -- what a bundle stores (framing on disk is ``kvcadence.format.bundle``):
    ``Header``, ``EventFrame``, ``RequestRecord``, ``Gap``, ``Epoch``, ``Annotation``,
-   ``Trailer``; one tagged union ``BundleRecord``. All are ``array_like`` + ``gc=False``:
+   ``Trailer``; one tagged union ``BundleRecord``. ``PackedRequest`` is how format 2.0
+   stores a ``RequestRecord`` (the bundle layer converts both ways). All are ``array_like`` + ``gc=False``:
    the tag is the first array element.
 
 Evolution rules (also in ``docs/format.md``): new fields only at the end of a struct and
@@ -286,8 +287,12 @@ class KVEventBatchV17RawView(msgspec.Struct, array_like=True, gc=False):
 # 2. Bundle records
 # --------------------------------------------------------------------------------------
 
-FORMAT_MAJOR = 1
-FORMAT_MINOR = 1  # 1.1: SegmentStart (the first record of every segment after the first)
+FORMAT_MAJOR = 2  # 2.0: requests stored as PackedRequest (shared prefixes, packed token ids)
+FORMAT_MINOR = 0
+#: majors this version reads: 1.x (1.1 added SegmentStart) and 2.x
+READABLE_MAJORS = (1, 2)
+#: what a writer continuing a 1.x bundle writes (``BundleWriter.append``): its own version
+LEGACY_VERSION = (1, 1)
 
 # EventFrame.via values
 VIA_LIVE = 0  # received on the SUB socket
@@ -385,6 +390,44 @@ class RequestRecordView(BundleRecordBase, tag="request"):
     rid: str
     input_ids: msgspec.Raw
     output_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty msgpack array, as RequestRecord
+    send_ns: int | None = None
+    first_token_ns: int | None = None
+    finish_ns: int | None = None
+    lane: int | None = None
+    session: int | None = None
+    turn: int | None = None
+    max_new_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    dp_rank: int | None = None
+    source: str = "driver"
+    think_ns: int | None = None
+    arrival_ns: int | None = None
+    meta_info: dict[str, Any] = {}
+
+
+class PackedRequest(BundleRecordBase, tag="preq"):
+    """A ``RequestRecord`` as format 2.0 stores it (written only by ``BundleWriter``, read
+    back as ``RequestRecord`` / ``RequestRecordView``: no reader yields it).
+
+    The prompt is a shared prefix plus its own tail. The prefix is a chain of 32-token
+    *blocks* of earlier requests of the same segment (``kvcadence.format.bundle.compact``):
+    every record adds, as new blocks, the full blocks of its token sequence ``input_ids +
+    output_ids`` past its prefix, numbered in write order from 0 in each segment; ``ref``
+    is the last block of the prefix (-1: none) and ``prefix_len`` its token count
+    (32 x the chain's length). Token ids are packed little-endian uint32 (msgpack bin).
+    Every field after ``output`` is ``RequestRecord``'s, in the same order.
+    """
+
+    rid: str
+    base: int  # blocks this segment held before this record (= the id of its first new block)
+    ref: int  # the last block of the shared prefix, -1 when there is none
+    prefix_len: int  # tokens of input_ids taken from the chain that ends at ``ref``
+    input_tail: bytes  # input_ids[prefix_len:], uint32 LE
+    output: bytes  # output_ids, uint32 LE
     send_ns: int | None = None
     first_token_ns: int | None = None
     finish_ns: int | None = None
@@ -507,6 +550,8 @@ __all__ = [
     "KVEventBatchV17RawView",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
+    "READABLE_MAJORS",
+    "LEGACY_VERSION",
     "VIA_LIVE",
     "VIA_REPLAY",
     "VIA_IMPORT",
@@ -517,6 +562,7 @@ __all__ = [
     "EventFrame",
     "RequestRecord",
     "RequestRecordView",
+    "PackedRequest",
     "Gap",
     "Epoch",
     "Annotation",

@@ -58,8 +58,13 @@ def _request(i: int, inp: list[int], out: list[int]) -> RequestRecord:
     )
 
 
-def _write(path: Path, requests: list[RequestRecord], segment_bytes: int = 256 << 20) -> Path:
-    with BundleWriter(path, _header(), segment_bytes=segment_bytes) as w:
+def _write(
+    path: Path,
+    requests: list[RequestRecord],
+    segment_bytes: int = 256 << 20,
+    compact: bool = True,
+) -> Path:
+    with BundleWriter(path, _header(), segment_bytes=segment_bytes, compact_requests=compact) as w:
         for i, r in enumerate(requests):
             w.write_event(endpoint=0, seq=i, recv_ns=i, topic="kv", payload=BATCH, via=0, epoch=0)
             w.write(r)
@@ -200,15 +205,23 @@ def test_header_found_after_a_leading_corrupt_frame(tmp_path: Path) -> None:
     assert BundleReader(path).header == _header()
 
 
-def test_records_decoded_from_a_mapped_segment_outlive_the_reader(tmp_path: Path) -> None:
-    path = _write(tmp_path / "b", [_request(i, [i] * 40, [i]) for i in range(30)], 600)
+@pytest.mark.parametrize("compact", [True, False])
+def test_records_decoded_from_a_mapped_segment_outlive_the_reader(
+    tmp_path: Path, compact: bool
+) -> None:
+    reqs = [_request(i, [i] * 40, [i]) for i in range(30)]
+    path = _write(tmp_path / "b", reqs, 600, compact)
     reader = BundleReader(path)
     frames = [r for r in reader.records(request_view=True) if type(r) is EventFrame]
     views = [r for r in BundleReader(path).records(request_view=True) if type(r) is not EventFrame]
     del reader
     assert all(bytes(event_payload_view(f)) in (BATCH, b"\xc1raw") for f in frames)
     ids = [bytes(v.input_ids) for v in views if type(v) is RequestRecordView]
-    assert ids == [msgspec.msgpack.encode([i] * 40) for i in range(30)]
+    if compact:  # built by the resolver: each id a msgpack uint32
+        assert [msgspec.msgpack.decode(b) for b in ids] == [[i] * 40 for i in range(30)]
+        assert all(b[3] == 0xCE for b in ids)
+    else:  # the stored msgpack arrays, views into the mapped segment
+        assert ids == [msgspec.msgpack.encode([i] * 40) for i in range(30)]
 
 
 def test_a_segment_that_cannot_be_mapped_is_read(

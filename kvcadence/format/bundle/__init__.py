@@ -28,6 +28,7 @@ that check ahead of time.
 The package's public face: import from ``kvcadence.format.bundle``. Inside, one module per
 concern: ``segments`` (names, segment header, the numbering survey, ``is_bundle``),
 ``frames`` (frame header, record tags, payload storage, decoders, resync pattern),
+``compact`` (format 2.0's request layout: shared prompt prefixes, packed token ids),
 ``writer`` (``BundleWriter``), ``reader`` (``BundleReader``), ``report`` (``ReadReport``,
 ``SegmentScan``), ``staging`` (``copy_bundle``, ``staged_bundle``), ``lock`` (one writer per
 bundle) and ``crcspan`` (CRCs of overlapping spans for resynchronisation).

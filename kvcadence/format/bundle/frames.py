@@ -27,6 +27,7 @@ from kvcadence.format.schema import (
     EventFrame,
     Gap,
     Header,
+    PackedRequest,
     RequestRecord,
     RequestRecordView,
     SegmentStart,
@@ -173,19 +174,40 @@ def event_payload_view(frame: EventFrame) -> bytes | memoryview:
 # Decoding (the reader's)
 # --------------------------------------------------------------------------------------
 
-_UNION = msgspec.msgpack.Decoder(BundleRecord)
+#: the tag of ``PackedRequest`` (format 2.0's request layout; never yielded as it is)
+PACKED_TAG = str(PackedRequest.__struct_config__.tag).encode()
+#: the tags a reader asking for requests reads
+REQUEST_TAGS = frozenset((b"request", PACKED_TAG))
+_UNION = msgspec.msgpack.Decoder(Union[BundleRecord, PackedRequest])
 _DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
-    tag: msgspec.msgpack.Decoder(cls) for tag, cls in _TAG_CLASSES.items()
+    **{tag: msgspec.msgpack.Decoder(cls) for tag, cls in _TAG_CLASSES.items()},
+    PACKED_TAG: msgspec.msgpack.Decoder(PackedRequest),
 }
 _ANY = msgspec.msgpack.Decoder()
 # Decode-only views (``records(request_view=True)``): RequestRecord as RequestRecordView.
 _UNION_VIEW = msgspec.msgpack.Decoder(
-    Union[Header, EventFrame, RequestRecordView, Gap, Epoch, Annotation, Trailer]
+    Union[Header, EventFrame, RequestRecordView, PackedRequest, Gap, Epoch, Annotation, Trailer]
 )
 _VIEW_DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     **_DECODERS,
     b"request": msgspec.msgpack.Decoder(RequestRecordView),
 }
+# requests only (``requests()``, ``iter_kinds("request")``): either layout
+_REQUESTS = msgspec.msgpack.Decoder(Union[RequestRecord, PackedRequest])
+_REQUESTS_VIEW = msgspec.msgpack.Decoder(Union[RequestRecordView, PackedRequest])
+
+
+def fast_decoder(wanted: frozenset[bytes] | None, views: bool) -> Any:
+    """The reader's fast path: the decode function of the one decoder most frames need
+    (the tag is peeked at only when it fails), or None when no single decoder fits
+    ``wanted`` (None: every record; ``views``: requests as ``RequestRecordView``)."""
+    if wanted is None:
+        return (_UNION_VIEW if views else _UNION).decode
+    if len(wanted) == 1:
+        return (_VIEW_DECODERS if views else _DECODERS)[next(iter(wanted))].decode
+    if wanted == REQUEST_TAGS:
+        return (_REQUESTS_VIEW if views else _REQUESTS).decode
+    return None
 
 
 def _peek_tag(body: memoryview) -> bytes | None:

@@ -1,4 +1,7 @@
-"""``BundleReader``: read a bundle directory, any minor version of this major.
+"""``BundleReader``: read a bundle directory, any version of the majors it reads (1 and 2).
+
+Format 2.0's packed requests come out as ``RequestRecord`` / ``RequestRecordView`` with
+their full token ids (``compact.SegmentUnpacker``, one per segment).
 
 A frame whose length or CRC does not check out in the middle of a segment is reported and
 skipped: the reader scans forward for the next offset where length, CRC and decoding all
@@ -14,6 +17,7 @@ import os
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -24,22 +28,23 @@ from kvcadence.errors import (
     FormatVersionError,
     UsageError,
 )
+from kvcadence.format.bundle.compact import SegmentUnpacker
 from kvcadence.format.bundle.crcspan import SpanCrc
 from kvcadence.format.bundle.frames import (
     _ANY,
     _DECODERS,
     _RESYNC,
     _SEGMENT_START,
-    _UNION,
-    _UNION_VIEW,
     _VIEW_DECODERS,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
     MIN_BODY,
+    REQUEST_TAGS,
     _decode_fresh_stack,
     _is_append_note,
     _one_value,
     _peek_tag,
+    fast_decoder,
 )
 from kvcadence.format.bundle.report import ReadReport, SegmentScan
 from kvcadence.format.bundle.segments import (
@@ -52,10 +57,11 @@ from kvcadence.format.bundle.segments import (
     survey_segments,
 )
 from kvcadence.format.schema import (
-    FORMAT_MAJOR,
+    READABLE_MAJORS,
     BundleRecord,
     EventFrame,
     Header,
+    PackedRequest,
     ReadRecord,
     RequestRecord,
     Trailer,
@@ -65,7 +71,7 @@ _KEEP_ALL = None
 
 
 class BundleReader:
-    """Read a bundle directory written by ``BundleWriter`` (any minor version of this major).
+    """Read a bundle directory written by ``BundleWriter`` (any version of majors 1 and 2).
 
     Iteration is lazy and restartable; each full pass refreshes ``report``. ``strict=True``
     raises ``CorruptFrameError`` at the first corrupt frame instead of skipping it (a torn
@@ -105,10 +111,11 @@ class BundleReader:
                 if i == 0:
                     raise UsageError(f"{self.path}: not a kvcadence bundle ({seg.name}: bad magic)")
                 refused = f"not a kvcadence segment (bad magic {magic!r})"
-            elif major != FORMAT_MAJOR:
+            elif major not in READABLE_MAJORS:
+                reads = " and ".join(f"{m}.x" for m in READABLE_MAJORS)
                 msg = (
                     f"bundle format {major}.{minor} is not readable by kvcadence "
-                    f"{__version__} (reads format {FORMAT_MAJOR}.x)"
+                    f"{__version__} (reads format {reads})"
                 )
                 if i == 0:
                     raise FormatVersionError(f"{seg}: {msg}; upgrade kvcadence")
@@ -261,16 +268,15 @@ class BundleReader:
         except BundleError:
             expect_id = None  # no header: nothing to compare segments with
         decoders = _VIEW_DECODERS if views else _DECODERS
-        # Fast path: try the one decoder most frames need; peek at the tag only on failure.
-        if wanted is None:
-            fast = (_UNION_VIEW if views else _UNION).decode
-        elif len(wanted) == 1:
-            fast = decoders[next(iter(wanted))].decode
-        else:
-            fast = None
+        if wanted is not None and b"request" in wanted:
+            wanted = wanted | REQUEST_TAGS  # format 2.0 stores requests as PackedRequest
+        fast = fast_decoder(wanted, views)
         last = len(self.segments) - 1
+        rec: Any
         for i, seg in enumerate(self.segments):
             seg_first = True
+            # packed requests (2.0) refer only to blocks of their own segment
+            unpack = SegmentUnpacker(seg, report, views, self._corrupt)
             for pos, body in self._walk(seg, report, mapped=i < last):
                 if seg_first:
                     seg_first = False
@@ -292,32 +298,34 @@ class BundleReader:
                     except (msgspec.DecodeError, RecursionError):
                         pass
                     else:
-                        if type(rec) is Trailer:
+                        t = type(rec)
+                        if t is Trailer:
                             report.trailer_seen = True
                             clean = rec.clean
                             sess0 = self._session_end(report, seg, rec, sess0)
                         else:
                             clean = False
+                            if t is PackedRequest:
+                                rec = unpack(rec, pos, body)
+                                if rec is None:
+                                    continue
                         yield rec
                         continue
                 clean = False
-                tag = _peek_tag(body)
-                if tag is None or tag not in _DECODERS:
-                    self._odd(report, seg, pos, body)
-                    continue
-                if tag != b"trailer" and wanted is not None and tag not in wanted:
-                    continue  # a known record nobody asked for: not decoded
-                try:
-                    rec = _decode_fresh_stack(decoders[tag], body)
-                except (msgspec.DecodeError, RecursionError):
-                    self._odd(report, seg, pos, body)
+                rec = self._decode_slow(report, seg, pos, body, wanted, decoders)
+                if rec is None:
                     continue
                 if type(rec) is Trailer:
                     report.trailer_seen = True
                     clean = rec.clean
                     sess0 = self._session_end(report, seg, rec, sess0)
-                if wanted is None or tag in wanted:
-                    yield rec
+                    if wanted is not None and b"trailer" not in wanted:
+                        continue
+                elif type(rec) is PackedRequest:
+                    rec = unpack(rec, pos, body)
+                    if rec is None:
+                        continue
+                yield rec
         report.clean_shutdown = clean
         if self.strict and report.shortfall:
             name, want, got = report.shortfall[0]
@@ -325,6 +333,30 @@ class BundleReader:
                 f"{self.path}: the trailer in {name} counts {want} records, {got} were read"
             )
         self._report = report
+
+    def _decode_slow(
+        self,
+        report: ReadReport,
+        seg: Path,
+        pos: int,
+        body: memoryview,
+        wanted: frozenset[bytes] | None,
+        decoders: dict[bytes, msgspec.msgpack.Decoder[Any]],
+    ) -> Any:
+        """The record of a frame the fast path did not take: decoded by its tag when it is
+        wanted or a Trailer (always looked at), else None (skipped; an unknown or
+        undecodable record is reported by ``_odd``)."""
+        tag = _peek_tag(body)
+        if tag is None or tag not in _DECODERS:
+            self._odd(report, seg, pos, body)
+            return None
+        if tag != b"trailer" and wanted is not None and tag not in wanted:
+            return None  # a known record nobody asked for: not decoded
+        try:
+            return _decode_fresh_stack(decoders[tag], body)
+        except (msgspec.DecodeError, RecursionError):
+            self._odd(report, seg, pos, body)
+            return None
 
     @staticmethod
     def _session_end(report: ReadReport, seg: Path, trailer: Trailer, sess0: int) -> int:

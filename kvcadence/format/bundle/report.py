@@ -29,6 +29,12 @@ class ReadReport:
     # writer sessions whose Trailer counts more records than were read:
     # (segment of the trailer, records the trailer counts, records read)
     shortfall: list[tuple[str, int, int]] = field(default_factory=list)
+    # requests stored compact (format 2.0 ``PackedRequest``), their token ids (input +
+    # output) and the bytes those ids take in the bundle (4 per id stored, shared prefixes
+    # not stored again)
+    packed_requests: int = 0
+    packed_ids: int = 0
+    packed_bytes: int = 0
 
     @property
     def corrupt_bytes(self) -> int:
@@ -69,6 +75,9 @@ class ReadReport:
             "refused_segments": [list(m) for m in self.refused_segments],
             "shortfall": [list(m) for m in self.shortfall],
             "missing_records": self.missing_records,
+            "packed_requests": self.packed_requests,
+            "packed_ids": self.packed_ids,
+            "packed_bytes": self.packed_bytes,
         }
 
 

@@ -4,10 +4,12 @@ bundle (validating and truncating its last segment first).
 Crash safety: the writer flushes its file buffer at least every ``flush_interval_s`` and
 fsyncs on rotation and close, so a crash loses at most that window and leaves a *torn tail*
 (a partial frame, or zeros) which the reader treats as normal. A record msgpack cannot
-encode is a ``BundleError`` naming the record, and nothing of it is written.
+encode is a ``BundleError`` naming the record, and nothing of it is written. Request records
+are stored compact (format 2.0, ``compact.PrefixIndex``: one index per segment).
 
-Why ~510 lines: one class, ``BundleWriter``, whose open/append/rollover/flush/close paths
-share the segment state and the failure rules.
+Why ~560 lines: one class, ``BundleWriter``, whose open/append/rollover/flush/close paths
+share the segment state and the failure rules (the compact request path among them: its
+references must not cross a rotation).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvcadence.errors import (
     BundleError,
     UsageError,
 )
+from kvcadence.format.bundle import compact
+from kvcadence.format.bundle.compact import PrefixIndex
 from kvcadence.format.bundle.frames import (
     _ENCODE_ERRORS,
     FRAME_HEADER,
@@ -50,10 +54,12 @@ from kvcadence.format.bundle.segments import (
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
+    LEGACY_VERSION,
     Annotation,
     BundleRecord,
     EventFrame,
     Header,
+    RequestRecord,
     SegmentStart,
     Trailer,
 )
@@ -96,9 +102,11 @@ class BundleWriter:
         segment_bytes: int = 256 << 20,
         flush_interval_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        compact_requests: bool = True,
     ) -> None:
         self.path = refuse_nonempty_dir(path, hint=_NEW_BUNDLE_HINT)
         self._setup(segment_bytes, flush_interval_s, clock)
+        self._compact = compact_requests
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -139,6 +147,11 @@ class BundleWriter:
         self.append_report: AppendReport | None = None
         self._lock = None
         self.bundle_id = None  # set once the header is known (SegmentStart)
+        self._version = (FORMAT_MAJOR, FORMAT_MINOR)  # of the segments this writer opens
+        # requests as PackedRequest (format 2.x; ``compact_requests=False``: as
+        # RequestRecord, which 2.x reads too -- the benchmark's baseline)
+        self._compact = True
+        self._index: PrefixIndex | None = None  # the current segment's blocks (compact)
 
     # -- opening -----------------------------------------------------------------------
 
@@ -189,6 +202,10 @@ class BundleWriter:
         self._lock = lock
         self.header = header
         self.bundle_id = reader.bundle_id
+        if header.format_major < FORMAT_MAJOR:
+            # a 1.x bundle stays 1.x (its readers read all of it): full RequestRecords
+            self._version = LEGACY_VERSION
+            self._compact = False
         size = last.stat().st_size
         try:
             if scan.header_ok:
@@ -231,7 +248,7 @@ class BundleWriter:
         try:
             f = open(seg, "xb", buffering=1 << 20)  # never clobber an existing segment
             try:
-                f.write(SEGMENT_HEADER.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR) + start)
+                f.write(SEGMENT_HEADER.pack(MAGIC, *self._version) + start)
             except BaseException:
                 f.close()
                 raise
@@ -243,6 +260,8 @@ class BundleWriter:
         self._seg_index = index
         self._seg_size = SEGMENT_HEADER_SIZE + len(start)
         self._seg_frames = 0  # the SegmentStart frame never makes a big frame rotate again
+        # references never leave a segment: each one starts a fresh block index
+        self._index = PrefixIndex() if self._compact else None
         self.bytes_written += SEGMENT_HEADER_SIZE + len(start)
         if start:
             self.counts["segment"] = self.counts.get("segment", 0) + 1
@@ -255,23 +274,51 @@ class BundleWriter:
     # -- writing -----------------------------------------------------------------------
 
     def write(self, record: BundleRecord) -> None:
-        """Append one record (any ``BundleRecord``)."""
+        """Append one record (any ``BundleRecord``). A ``RequestRecord`` is stored as a
+        ``PackedRequest`` (format 2.0: prefix shared with earlier requests of the segment,
+        packed ids) unless its ids do not fit a uint32 or the bundle is a 1.x bundle."""
         self._check_writable()
         tag = RECORD_TAGS.get(type(record))
         if tag is None:
             raise TypeError(f"not a bundle record: {type(record).__name__}")
+        if self._index is not None and type(record) is RequestRecord:
+            if self._index.blocks >= compact.MAX_BLOCKS and self._seg_frames:
+                self._rotate()  # bounds the index (writer and reader) whatever the run length
+            packed = self._index.pack(record)
+            if packed is not None:
+                stored, commit = packed
+                size = self._encode(stored, record)
+                if self._seg_frames and self._seg_size + size > self.segment_bytes:
+                    self._rotate()  # a fresh index: pack again against it
+                    repacked = self._index.pack(record)
+                    assert repacked is not None  # the ids fitted a moment ago
+                    stored, commit = repacked
+                    size = self._encode(stored, record)
+                self._put(size, tag)
+                commit()  # its blocks exist once its frame is written
+                return
+        size = self._encode(record, record)
+        if self._seg_frames and self._seg_size + size > self.segment_bytes:
+            self._rotate()
+        self._put(size, tag)
+
+    def _encode(self, stored: Any, record: Any) -> int:
+        """Frame ``stored`` in ``self._buf`` (length, CRC, body); the frame's size. An encode
+        error names ``record`` (what the caller wrote)."""
         buf = self._buf
         try:
-            self._enc.encode_into(record, buf, FRAME_HEADER_SIZE)
+            self._enc.encode_into(stored, buf, FRAME_HEADER_SIZE)
         except _ENCODE_ERRORS as exc:
             raise _encode_error(record, exc) from exc
         n = len(buf) - FRAME_HEADER_SIZE
         with memoryview(buf) as mv:
             crc = zlib.crc32(mv[FRAME_HEADER_SIZE:])
         FRAME_HEADER.pack_into(buf, 0, n, crc)
-        size = n + FRAME_HEADER_SIZE
-        if self._seg_frames and self._seg_size + size > self.segment_bytes:
-            self._rotate()
+        return n + FRAME_HEADER_SIZE
+
+    def _put(self, size: int, tag: str) -> None:
+        """Write the frame ``_encode`` left in ``self._buf`` and count it under ``tag``."""
+        buf = self._buf
         try:
             self._file.write(buf)
         except OSError as exc:
