@@ -206,7 +206,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             node.end_anchor = last
         else:
             missing[i] = WHY_NO_FINISH
-    infer_predecessors(nodes, [e.hashes for e in index.events])
+    pred_ties = infer_predecessors(nodes, [e.hashes for e in index.events])
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
@@ -290,6 +290,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "sessions": n_sessions,
         "clients": n_lanes,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
+        "predecessor_ties": pred_ties,
     }
     return out_records, report
 

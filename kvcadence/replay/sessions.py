@@ -43,10 +43,13 @@ class Node:
     has_successor: bool = False
 
 
-def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]]) -> None:
+def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]]) -> int:
     """Set ``pred`` (index into ``nodes``) on every node that has one (see module doc).
 
-    ``event_hashes[i]``: the block hashes of stored event ``i`` (what ``segs`` point into)."""
+    ``event_hashes[i]``: the block hashes of stored event ``i`` (what ``segs`` point into).
+    Returns how many predecessors were ambiguous: picked by the tie rule among several
+    finished requests of the same kind (end / prompt anchor) at the deepest anchor."""
+    ties = 0
     order = sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i))
     by_finish = sorted(
         (i for i in range(len(nodes)) if nodes[i].finish_ns is not None),
@@ -94,6 +97,8 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
         )
         node.pred = best[1]
         nodes[best[1]].has_successor = True
+        ties += sum(1 for c in hit if c[0] == best[0]) > 1
+    return ties
 
 
 def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> list[int | None]:
