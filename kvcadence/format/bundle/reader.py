@@ -9,11 +9,13 @@ and a trailer's shortfall are reported in ``ReadReport``.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, Union
 
 import msgspec
 
@@ -30,6 +32,7 @@ from kvcadence.format.bundle.frames import (
     _DECODERS,
     _RESYNC,
     _SEGMENT_START,
+    _TAG_CLASSES,
     _UNION,
     _UNION_VIEW,
     _VIEW_DECODERS,
@@ -62,6 +65,13 @@ from kvcadence.format.schema import (
 )
 
 _KEEP_ALL = None
+
+
+@functools.cache
+def _union_of(tags: frozenset[bytes]) -> msgspec.msgpack.Decoder[Any]:
+    """One decoder for the records of ``tags`` (``iter_kinds`` with several kinds)."""
+    classes = tuple(_TAG_CLASSES[t] for t in sorted(tags))
+    return msgspec.msgpack.Decoder(Union[classes])
 
 
 class BundleReader:
@@ -266,6 +276,8 @@ class BundleReader:
             fast = (_UNION_VIEW if views else _UNION).decode
         elif len(wanted) == 1:
             fast = decoders[next(iter(wanted))].decode
+        elif not views and len(wanted) > 1 and wanted <= _TAG_CLASSES.keys():
+            fast = _union_of(wanted).decode  # a frame of another kind fails on its tag
         else:
             fast = None
         last = len(self.segments) - 1
