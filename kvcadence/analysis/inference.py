@@ -87,10 +87,13 @@ def _text(label: str, f: dict[str, Any]) -> str:
 
 
 def inferred_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path) -> Extra | None:
-    """The report hook: ``section`` of the inputs whose trailer has inferred counts (a real
-    capture never has them: it is no replay); None when no input has."""
+    """The report hook: ``section`` of the sim bundles whose trailer has inferred counts
+    (one pass over each sim bundle for its trailer; a capture is not read); None when no
+    input has them."""
     got: dict[str, dict[str, Any]] = {}
-    for (label, _), ing in zip(labelled, ings, strict=True):
+    for (label, m), ing in zip(labelled, ings, strict=True):
+        if m.inputs.get("source") != "sim":
+            continue  # only a replay has them: no pass over a capture
         inf = trailer_inferred(ing.bundle)
         if inf:
             got[label] = figures(inf)

@@ -29,19 +29,21 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import msgspec
 
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload
-from kvcadence.format.hashes import I64_MAX, norm_hash
+from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import (
     AllBlocksCleared,
     Annotation,
     BlockStored,
     BlockStoredRawView,
     BlockStoredV17RawView,
+    Int64,
 )
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
@@ -114,13 +116,13 @@ class StoreIndex:
             payload = event_payload(f)
             try:
                 try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
-                    b, got = _stored(payload, page_size, False)
+                    b, got, clear = _stored(payload, page_size, False)
                 except _Recheck:
-                    b, got = _stored(payload, page_size, True)
+                    b, got, clear = _stored(payload, page_size, True)
             except Exception:  # noqa: BLE001 - a torn payload holds no usable store
                 continue
             if scan is not None:
-                if any(type(e) is AllBlocksCleared for e in b.events):
+                if clear:
                     try:
                         full = wire.decode_batch(payload)
                     except Exception:  # noqa: BLE001 - as recorded_flushes: not a flush
@@ -132,7 +134,7 @@ class StoreIndex:
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
             for parent, hashes, tokens in got:
                 raw.append((ts, n, parent, hashes, tokens))
-        raw.sort(key=lambda t: (t[0], t[1]))
+        raw.sort(key=itemgetter(0, 1))
         for ts, _, parent, hashes, tokens in raw:
             idx._add(ts, parent, hashes, tokens)
         return idx
@@ -301,6 +303,7 @@ class StoreIndex:
 
 
 _INTS = msgspec.msgpack.Decoder(list[int])
+_I64S = msgspec.msgpack.Decoder(list[Int64])
 _STORED_VIEWS = (BlockStoredRawView, BlockStoredV17RawView)
 
 
@@ -310,33 +313,37 @@ class _Recheck(Exception):
 
 def _stored(
     payload: bytes, page_size: int, check: bool
-) -> tuple[Any, list[tuple[int | None, list[int], list[int]]]]:
-    """``(batch, [(parent, hashes, tokens)])``: the payload's raw view and its indexable
-    ``BlockStored`` events (this page size, int ids, one page of tokens per hash; hashes
-    as int64). ``check=False``: token ids unchecked by the decoder (decoded here once);
+) -> tuple[Any, list[tuple[int | None, list[int], list[int]]], bool]:
+    """``(batch, [(parent, hashes, tokens)], has a clear)``: the payload's raw view, its
+    indexable ``BlockStored`` events (this page size, int ids, one page of tokens per hash;
+    hashes as int64) and whether it holds an ``AllBlocksCleared``. ``check=False``: token ids unchecked by the decoder (decoded here once);
     ids that are not int arrays raise ``_Recheck``, and the caller decodes again with
     ``check=True`` -- ``decode_batch_raw``'s own check, raising where it refuses the payload,
     skipping the event (bigram keys) where not. So is a payload with another page size's
     stores (not indexed; rare). The result is that of checking, then decoding."""
     b = wire.decode_batch_raw(payload, check_tokens=check)
     out: list[tuple[int | None, list[int], list[int]]] = []
+    clear = False
     e: Any
     for e in b.events:
         if type(e) not in _STORED_VIEWS:
+            clear = clear or type(e) is AllBlocksCleared
             continue
         if e.block_size != page_size:  # not indexed; its ids are still part of the verdict
             if not check:
                 raise _Recheck()
             continue
         try:
-            hashes, tokens = _INTS.decode(e.block_hashes), _INTS.decode(e.token_ids)
+            try:  # SGLang's hashes are int64: checked in C, no pass over them here
+                hashes = _I64S.decode(e.block_hashes)
+            except msgspec.ValidationError:  # a uint64 wire hash: the int64 of the same bits
+                hashes = [norm_hash(h) for h in _INTS.decode(e.block_hashes)]
+            tokens = _INTS.decode(e.token_ids)
         except (msgspec.DecodeError, msgspec.ValidationError):
             if not check:
                 raise _Recheck() from None
             continue
         if not hashes or len(tokens) != page_size * len(hashes):
             continue
-        if max(hashes) > I64_MAX:  # a uint64 wire hash: the int64 of the same bits
-            hashes = [norm_hash(h) for h in hashes]
         out.append((e.parent_block_hash, hashes, tokens))
-    return b, out
+    return b, out, clear

@@ -269,7 +269,8 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
     """Stored token ids are decoded once (``decode_batch_raw(check_tokens=False)``); where
     they are not int arrays the frame gets the checked decode's verdict, as before: bigram
     keys and another page size's store are skipped (the frame's other stores kept, the
-    frame scanned for flushes), ids that are no array refuse the whole frame."""
+    frame scanned for flushes), ids that are no array refuse the whole frame; a uint64
+    hash is read as the int64 of the same bits."""
     from kvcadence.format.bundle import BundleReader, BundleWriter
     from kvcadence.replay.flushes import FlushScan
     from tests.analysis.helpers import T0, header
@@ -289,6 +290,7 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
         [ev(2, [[1, 2]]), ev(3, [7])],  # bigram keys
         [ev(4, [1, 2, 3, 4], size=4), ev(5, [8])],  # another page size
         [ev(6, "not an array"), ev(7, [9])],  # refused by decode_batch: nothing of it
+        [ev(2**64 - 5, [6])],  # a uint64 wire hash: the int64 of the same bits
     ]
     with BundleWriter(tmp_path / "b", header()) as w:
         for seq, evs in enumerate(frames):
@@ -305,5 +307,6 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
     rd = BundleReader(tmp_path / "b")
     scan = FlushScan(rd.header)
     index = StoreIndex.from_reader(rd, 1, scan)
-    assert [(e.hashes, e.tokens) for e in index.events] == [([1], [5]), ([3], [7]), ([5], [8])]
-    assert len(scan.lag[0]) == 3  # the refused frame is not scanned either
+    got = [(e.hashes, e.tokens) for e in index.events]
+    assert got == [([1], [5]), ([3], [7]), ([5], [8]), ([-5], [6])]
+    assert len(scan.lag[0]) == 4  # the refused frame is not scanned either
