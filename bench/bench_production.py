@@ -8,7 +8,7 @@ request that a real capture does not have); a copy keeps only what SGLang's
 ``--export-metrics-to-file`` holds (no output ids, no lanes/sessions/turns, rids
 replaced). Measured, CPU time on one core, the least of ``--repeat`` interleaved runs:
 
-* the inference, the figure (the issue's: inference time / replay time):
+* the inference, the figure (the goal's: inference time / replay time):
   ``replay.production.records_for_replay`` given the request records (reading them is what
   every replay does): read the events, decode the stored ones, index them, recover the
   outputs, infer sessions and clients -- all of it, nothing subtracted;
