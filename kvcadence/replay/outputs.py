@@ -20,8 +20,9 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   page size 1; all full pages at page size > 1). The rest of the output is never inserted,
   so it never changes a block hash or a cache hit.
 
-Memory: the decoded events' hash and token lists (the stored content once; the replay's
-own prompts are not copied).
+Memory: the decoded events' hash and token lists (the stored content once, decoded once;
+the replay's own prompts are not copied), and two indexes of event numbers (by parent hash,
+by first token: one int per event each) so that a lookup visits only its candidates.
 """
 
 from __future__ import annotations
