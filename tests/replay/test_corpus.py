@@ -205,6 +205,42 @@ def test_production_path_bars(name):
     assert not missed, missed
 
 
+@pytest.mark.parametrize("name", CAPTURES)
+def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
+    """On every capture, the production path's inference (events + SGLang's metrics files,
+    rids random hex) against the driver's records: every output it does not report as
+    synthetic is the real one; every output agrees on what its finish stored (the full
+    pages), but for those reported as not found; every predecessor is the real previous
+    turn, so the sessions are the real ones."""
+    from kvcadence.replay.production import records_for_replay
+
+    src = BundleReader(CORPUS / name / "bundle")
+    ps = int(src.header.server_info["page_size"])
+    drv = src.requests()
+    truth = {tuple(r.input_ids): r for r in drv}
+    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    real = {r.rid: truth[tuple(r.input_ids)] for r in recs}
+    tails = sum(rep["unstored_tail_synthetic"].values())
+    not_found = sum(rep["outputs_synthetic"].values())
+    exact = sum(r.output_ids == real[r.rid].output_ids for r in recs)
+    assert exact == len(recs) - tails - not_found, (exact, rep)
+    wrong_pages = 0
+    for r in recs:
+        L, n = len(r.input_ids), len(r.output_ids)
+        stored = max(0, (L + n - 1) // ps * ps - L)  # output tokens inside full pages
+        wrong_pages += r.output_ids[:stored] != real[r.rid].output_ids[:stored]
+    assert wrong_pages <= not_found
+    by_turn = {(r.session, r.turn): r for r in recs}
+    for r in recs:
+        t = real[r.rid]
+        if r.turn:  # the inferred predecessor is the real previous turn
+            p = real[by_turn[(r.session, r.turn - 1)].rid]
+            assert (p.lane, p.session, p.turn + 1) == (t.lane, t.session, t.turn), t.rid
+        else:
+            assert t.turn == 0, t.rid
+    assert rep["sessions"] == len({(t.lane, t.session) for t in drv})
+
+
 def test_tight_long_production_miss_is_one_session_start_past_the_client_bound(tmp_path):
     """Why ``tight-long`` misses the ``cached_tokens`` bar on the production path: outputs
     and predecessors are all right (as far as the capture can tell: outputs up to each
