@@ -3,16 +3,21 @@ lanes costs next to the replay itself (goal: at most 10 % of the replay's time).
 
 The replay benchmark's workload (``bench_replay.workload``: closed-loop agent sessions,
 page size 1, an evicting pool) is simulated once and written as a bundle (its events stand
-for a real capture's); a copy keeps only what SGLang's ``--export-metrics-to-file`` holds
-(no output ids, no lanes/sessions/turns, rids replaced). Measured, CPU time, on one core:
+for a real capture's; its sim visibility notes are kept, so the pass reads ~1 note per
+request that a real capture does not have); a copy keeps only what SGLang's
+``--export-metrics-to-file`` holds (no output ids, no lanes/sessions/turns, rids
+replaced). Measured, CPU time on one core, the least of ``--repeat`` interleaved runs:
 
-* the inference (``replay.production.records_for_replay`` minus reading the request
-  records, which every replay does): decode the stored events, index them, recover the
-  outputs, infer sessions and clients -- less the flush scan
-  (``replay.flushes.recorded_flushes``) that the same pass replaces in a production replay;
-* baseline: replaying the original bundle (driver records) with ``replay_bundle``.
+* the inference, the figure (the goal's: inference time / replay time):
+  ``replay.production.records_for_replay`` given the request records (reading them is what
+  every replay does): read the events, decode the stored ones, index them, recover the
+  outputs, infer sessions and clients -- all of it, nothing subtracted;
+* baseline: replaying the original bundle (driver records) with ``replay_bundle``;
+* printed besides: the same less the flush scan (``replay.flushes.recorded_flushes``) that
+  its pass over the events replaces in a production replay (the production replay's extra
+  time over a driver replay).
 
-    .venv/bin/python bench/bench_production.py [--requests 6000] [--quick] [--json PATH]
+    .venv/bin/python bench/bench_production.py [--requests 6000] [--repeat 3] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from bench_replay import workload
@@ -66,10 +72,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6000)
     ap.add_argument("--lanes", type=int, default=16)
     ap.add_argument("--pool", type=int, default=60_000)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (the least)")
     add_output_args(ap, "600 requests (a smoke run)")
     args = ap.parse_args()
     if args.quick:
-        args.requests = 600
+        args.requests, args.repeat = 600, 1
     cfg = SimConfig(
         page_size=1,
         max_total_tokens=args.pool,
@@ -82,32 +89,35 @@ def main() -> None:
         ),  # fmt: skip
     ).validate()
     tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-prod-"))
+    best: dict[str, float] = {}
+
+    def cpu(key: str, fn: Any) -> Any:
+        c = time.process_time()
+        out = fn()
+        best[key] = min(best.get(key, float("inf")), time.process_time() - c)
+        return out
+
     try:
         real, prod = tmp / "real", tmp / "prod"
         write_sim_bundle(real, simulate(workload(args.requests, args.lanes), cfg), None)
         production_copy(real, prod)
-        c = time.process_time()
-        replay_bundle(real, None, cfg)
-        replay_cpu = time.process_time() - c
-        c = time.process_time()
-        recs = BundleReader(prod).requests()
-        read_cpu = time.process_time() - c
-        c = time.process_time()
-        _, rep, _ = records_for_replay(BundleReader(prod), recs)
-        gross_cpu = time.process_time() - c
-        c = time.process_time()
-        recorded_flushes(BundleReader(prod))
-        scan_cpu = time.process_time() - c
+        rep: dict[str, Any] = {}
+        for _ in range(args.repeat):  # interleaved: a busy spell hits every figure alike
+            cpu("replay", lambda: replay_bundle(real, None, cfg))
+            recs = cpu("read", lambda: BundleReader(prod).requests())
+            _, rep, _ = cpu("gross", lambda: records_for_replay(BundleReader(prod), recs))  # noqa: B023
+            cpu("scan", lambda: recorded_flushes(BundleReader(prod)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    infer_cpu = gross_cpu - scan_cpu
-    share = infer_cpu / replay_cpu
+    replay_cpu, gross_cpu, scan_cpu = best["replay"], best["gross"], best["scan"]
+    share = gross_cpu / replay_cpu
+    net = (gross_cpu - scan_cpu) / replay_cpu
     print(
-        f"{args.requests} requests: inference {gross_cpu:.3f} s CPU, less the flush scan its "
-        f"pass replaces ({scan_cpu:.3f} s) = {infer_cpu:.3f} s (reading the records "
-        f"{read_cpu:.3f} s, not counted); replay of the driver bundle {replay_cpu:.3f} s: "
-        f"{share * 100:.1f} %; outputs from events {rep['outputs_from_events']}, synthetic "
-        f"{sum(rep['outputs_synthetic'].values())}, sessions {rep['sessions']}"
+        f"{args.requests} requests: inference {gross_cpu:.3f} s CPU against {replay_cpu:.3f} s "
+        f"for replaying the driver bundle: {share * 100:.1f} % (goal <= 10 %); less the flush "
+        f"scan its pass replaces ({scan_cpu:.3f} s): {net * 100:.1f} % (reading the records "
+        f"{best['read']:.3f} s, not counted); outputs from events {rep['outputs_from_events']}, "
+        f"synthetic {sum(rep['outputs_synthetic'].values())}, sessions {rep['sessions']}"
     )
     write_results(
         args.json,
@@ -115,16 +125,22 @@ def main() -> None:
         "Production-capture inference (outputs, sessions) vs the replay",
         [
             figure(
-                "inference CPU per request (outputs + sessions from the events, net)",
-                infer_cpu / args.requests * 1e6,
+                "inference CPU per request (outputs + sessions from the events)",
+                gross_cpu / args.requests * 1e6,
                 "us",
                 baseline=replay_cpu / args.requests * 1e6,
                 baseline_name="replay CPU per request (driver records)",
                 higher_is_better=False,
                 goal=goal("ratio", "<=", 0.10, "<= 10 % of the replay's time"),
+                note=f"less the flush scan its pass replaces: {net * 100:.1f} % of the replay",
             )
         ],
-        params={"requests": args.requests, "lanes": args.lanes, "pool": args.pool},
+        params={
+            "requests": args.requests,
+            "lanes": args.lanes,
+            "pool": args.pool,
+            "repeat": args.repeat,
+        },
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.analysis import compare as cmp
-from kvcadence.analysis import drilldown, ingest, metrics, report_extras, sql
+from kvcadence.analysis import drilldown, inference, ingest, metrics, report_extras, sql
 from kvcadence.analysis import plots as kplots
 from kvcadence.analysis.catalogue import COMPARE_DEFS, DEFS, DISTANCES
 from kvcadence.analysis.formatting import fmt, md_escape, round_numbers
@@ -705,6 +705,8 @@ def make_report(
     if extra_sections:
         with phases.phase("extras", "optional sections (aligned timelines, visibility, ...)"):
             extras = report_extras.collect(labelled, ings, outdir if plots else None)
+    # what a production replay inferred (always: nothing guessed goes unsaid)
+    extras += [e for e in [inference.inferred_extra(labelled, ings, outdir)] if e is not None]
     plot_names += [p for e in extras for p in e.plots]
     drills = []
     if comps:

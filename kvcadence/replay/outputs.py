@@ -20,8 +20,9 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   page size 1; all full pages at page size > 1). The rest of the output is never inserted,
   so it never changes a block hash or a cache hit.
 
-Memory: the decoded events' hash and token lists (the stored content once; the replay's
-own prompts are not copied).
+Memory: the decoded events' hash and token lists (the stored content once, decoded once;
+the replay's own prompts are not copied), and two indexes of event numbers (by parent hash,
+by first token: one int per event each) so that a lookup visits only its candidates.
 """
 
 from __future__ import annotations
@@ -29,19 +30,21 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import msgspec
 
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload
-from kvcadence.format.hashes import I64_MAX, norm_hash
+from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import (
     AllBlocksCleared,
     Annotation,
     BlockStored,
     BlockStoredRawView,
     BlockStoredV17RawView,
+    Int64,
 )
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
@@ -69,6 +72,10 @@ class StoreIndex:
         self.page_size = page_size
         self.events: list[StoredEvent] = []
         self._ts: list[int] = []
+        #: event indices (ascending) by parent hash and by first token: the candidates the
+        #: lookups would otherwise find by walking every event of their window
+        self._by_parent: dict[int | None, list[int]] = {}
+        self._by_first: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -94,13 +101,12 @@ class StoreIndex:
     @classmethod
     def from_reader(cls, reader: Any, page_size: int, scan: Any = None) -> StoreIndex:
         """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
-        one). Only ``BlockStored`` hashes and tokens are decoded (``wire.decode_batch_raw``:
-        removals stay undecoded bytes); an event whose fields are not int arrays (bigram
-        keys, damage) is skipped. ``scan`` (a ``flushes.FlushScan``) is fed every frame and
+        one). Only ``BlockStored`` hashes and tokens are decoded, once
+        (``wire.decode_batch_raw``: removals stay undecoded bytes); an event whose fields are
+        not int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw``
+        refuses holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and
         annotation of the same pass (a frame with a clear is decoded fully first: a payload
         ``wire.decode_batch`` refuses is no flush)."""
-        ints = msgspec.msgpack.Decoder(list[int])
-        stored = (BlockStoredRawView, BlockStoredV17RawView)
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
         records = reader.events() if scan is None else reader.iter_kinds("event", "note")
@@ -108,14 +114,18 @@ class StoreIndex:
             if type(f) is Annotation:
                 scan.note(f)
                 continue
+            payload = event_payload(f)
             try:
-                b = wire.decode_batch_raw(event_payload(f))
+                try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
+                    b, got, clear = _stored(payload, page_size, False)
+                except _Recheck:
+                    b, got, clear = _stored(payload, page_size, True)
             except Exception:  # noqa: BLE001 - a torn payload holds no usable store
                 continue
             if scan is not None:
-                if any(type(e) is AllBlocksCleared for e in b.events):
+                if clear:
                     try:
-                        full = wire.decode_batch(event_payload(f))
+                        full = wire.decode_batch(payload)
                     except Exception:  # noqa: BLE001 - as recorded_flushes: not a flush
                         full = None
                     if full is not None:
@@ -123,27 +133,19 @@ class StoreIndex:
                 else:
                     scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
-            e: Any
-            for e in b.events:
-                if type(e) not in stored or e.block_size != page_size:
-                    continue
-                try:
-                    hashes, tokens = ints.decode(e.block_hashes), ints.decode(e.token_ids)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                if not hashes or len(tokens) != page_size * len(hashes):
-                    continue
-                if max(hashes) > I64_MAX:  # a uint64 wire hash: the int64 of the same bits
-                    hashes = [norm_hash(h) for h in hashes]
-                raw.append((ts, n, e.parent_block_hash, hashes, tokens))
-        raw.sort(key=lambda t: (t[0], t[1]))
+            for parent, hashes, tokens in got:
+                raw.append((ts, n, parent, hashes, tokens))
+        raw.sort(key=itemgetter(0, 1))
         for ts, _, parent, hashes, tokens in raw:
             idx._add(ts, parent, hashes, tokens)
         return idx
 
     def _add(self, ts: int, parent: int | None, hashes: list[int], tokens: list[int]) -> None:
+        ei = len(self.events)
         self.events.append(StoredEvent(ts, parent, hashes, tokens))
         self._ts.append(ts)
+        self._by_parent.setdefault(parent, []).append(ei)
+        self._by_first.setdefault(tokens[0], []).append(ei)
 
     # ------------------------------------------------------------------ lookups
     def prefill_run(
@@ -199,12 +201,14 @@ class StoreIndex:
         after another request's finish store) anywhere in it."""
         ps, evs = self.page_size, self.events
         want = prompt[start * ps]
-        for ei in range(i, end):
-            ev = evs[ei]
-            if ev.tokens[0] == want:
-                n = min(len(ev.hashes), pages - start)
-                if ev.tokens[: n * ps] == prompt[start * ps : (start + n) * ps]:
-                    return ei, 0, n
+        cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
+        c = bisect_left(cands, i)
+        while c < len(cands) and cands[c] < end:
+            ev = evs[cands[c]]
+            n = min(len(ev.hashes), pages - start)
+            if ev.tokens[: n * ps] == prompt[start * ps : (start + n) * ps]:
+                return cands[c], 0, n
+            c += 1
         for ei in range(i, end):
             toks = evs[ei].tokens
             k = 1
@@ -275,14 +279,15 @@ class StoreIndex:
             i = at[0] + 1
         else:
             i = bisect_left(ts, arrival_ns - FINISH_SLACK_NS)
-        for ei in range(i, min(len(ts), i + FINISH_MAX_EVENTS)):
-            ev = evs[ei]
-            if ev.ts_ns > horizon:
-                break
-            if ev.parent == h:
-                got = run(ei, 0)
-                if got is not None:
-                    return got
+        # the events below ``h`` among [i, i + FINISH_MAX_EVENTS) published by the horizon
+        stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        cands = self._by_parent.get(h, ())
+        c = bisect_left(cands, i)
+        while c < len(cands) and cands[c] < stop:
+            got = run(cands[c], 0)
+            if got is not None:
+                return got
+            c += 1
         i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
         for ei in range(i, min(len(ts), i + FINISH_MAX_EVENTS)):
             ev = evs[ei]
@@ -296,3 +301,50 @@ class StoreIndex:
             if got is not None:
                 return got
         return None if shared is None else (shared[0], shared[1], shared[2], shared[3], True)
+
+
+_INTS = msgspec.msgpack.Decoder(list[int])
+_I64S = msgspec.msgpack.Decoder(list[Int64])
+_STORED_VIEWS = (BlockStoredRawView, BlockStoredV17RawView)
+
+
+class _Recheck(Exception):
+    """A stored event's ids are not int arrays: ask ``decode_batch_raw`` for its verdict."""
+
+
+def _stored(
+    payload: bytes, page_size: int, check: bool
+) -> tuple[Any, list[tuple[int | None, list[int], list[int]]], bool]:
+    """``(batch, [(parent, hashes, tokens)], has a clear)``: the payload's raw view, its
+    indexable ``BlockStored`` events (this page size, int ids, one page of tokens per hash;
+    hashes as int64) and whether it holds an ``AllBlocksCleared``. ``check=False``: token ids unchecked by the decoder (decoded here once);
+    ids that are not int arrays raise ``_Recheck``, and the caller decodes again with
+    ``check=True`` -- ``decode_batch_raw``'s own check, raising where it refuses the payload,
+    skipping the event (bigram keys) where not. So is a payload with another page size's
+    stores (not indexed; rare). The result is that of checking, then decoding."""
+    b = wire.decode_batch_raw(payload, check_tokens=check)
+    out: list[tuple[int | None, list[int], list[int]]] = []
+    clear = False
+    e: Any
+    for e in b.events:
+        if type(e) not in _STORED_VIEWS:
+            clear = clear or type(e) is AllBlocksCleared
+            continue
+        if e.block_size != page_size:  # not indexed; its ids are still part of the verdict
+            if not check:
+                raise _Recheck()
+            continue
+        try:
+            try:  # SGLang's hashes are int64: checked in C, no pass over them here
+                hashes = _I64S.decode(e.block_hashes)
+            except msgspec.ValidationError:  # a uint64 wire hash: the int64 of the same bits
+                hashes = [norm_hash(h) for h in _INTS.decode(e.block_hashes)]
+            tokens = _INTS.decode(e.token_ids)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            if not check:
+                raise _Recheck() from None
+            continue
+        if not hashes or len(tokens) != page_size * len(hashes):
+            continue
+        out.append((e.parent_block_hash, hashes, tokens))
+    return b, out, clear

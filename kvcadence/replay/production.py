@@ -135,6 +135,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
 ) -> tuple[list[Any], dict[str, Any]]:
     ps = index.page_size
     times = [_times(r) for r in records]
+    n_outs = [_n_out(r) for r in records]
     nodes = [Node(arrival_ns=a if a is not None else 0, finish_ns=f) for a, f in times]
     # None: the record's own output ids
     known: list[list[int] | None] = [None] * len(records)
@@ -149,7 +150,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         arr, fin = times[i]
         node = nodes[i]
         prompt = r.input_ids
-        n = _n_out(r)
+        n = n_outs[i]
         L = len(prompt)
         P = L // ps
         if not prompt:
@@ -206,7 +207,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             node.end_anchor = last
         else:
             missing[i] = WHY_NO_FINISH
-    infer_predecessors(nodes, [e.hashes for e in index.events])
+    pred_ties = infer_predecessors(nodes, [e.hashes for e in index.events])
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
@@ -222,7 +223,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if kn is None:
             outs.append(None)
             continue
-        n = _n_out(r)
+        n = n_outs[i]
         L = len(r.input_ids)
         nq = first_succ.get(i)
         if len(kn) < n and nq is not None:
@@ -274,7 +275,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         upd: dict[str, Any] = {"lane": lane_of[i], "session": s, "turn": t}
         kn = outs[i]
         if kn is not None:
-            n = _n_out(r)
+            n = n_outs[i]
             upd["output_ids"] = kn[:n] + _synth_tokens(r.rid, n - len(kn)) if len(kn) < n else kn
         out_records.append(msgspec.structs.replace(r, **upd))
     report = {
@@ -290,6 +291,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "sessions": n_sessions,
         "clients": n_lanes,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
+        "predecessor_ties": pred_ties,
     }
     return out_records, report
 
@@ -348,6 +350,8 @@ def report_text(rep: dict[str, Any]) -> str:
 def _edge_text(rep: dict[str, Any]) -> str:
     """The production-only kinds of request, when the capture had any."""
     parts = []
+    if rep.get("predecessor_ties"):
+        parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
     if rep.get("finish_store_ties"):
         parts.append(
             f"{rep['finish_store_ties']} finish-store ties (parallel samples of one prompt; "

@@ -23,7 +23,7 @@ bound: a closed-loop client's next session (timing only).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 
@@ -43,10 +43,13 @@ class Node:
     has_successor: bool = False
 
 
-def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]]) -> None:
+def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]]) -> int:
     """Set ``pred`` (index into ``nodes``) on every node that has one (see module doc).
 
-    ``event_hashes[i]``: the block hashes of stored event ``i`` (what ``segs`` point into)."""
+    ``event_hashes[i]``: the block hashes of stored event ``i`` (what ``segs`` point into).
+    Returns how many predecessors were ambiguous: picked by the tie rule among several
+    finished requests of the same kind (end / prompt anchor) at the deepest anchor."""
+    ties = 0
     order = sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i))
     by_finish = sorted(
         (i for i in range(len(nodes)) if nodes[i].finish_ns is not None),
@@ -67,13 +70,8 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
         if not anchors:
             continue
         keys = anchors.keys()
-        runs = [event_hashes[ei][j : j + m] for _, ei, j, m in reversed(node.segs)]
-        if node.path:
-            runs.append(node.path)
-        if node.base is not None:
-            runs.append([node.base])
         hit: list[tuple[int, int]] | None = None
-        for hs in runs:  # deepest first
+        for hs in _runs(node, event_hashes):  # deepest first
             if keys.isdisjoint(hs):
                 continue
             for h in reversed(hs):
@@ -83,17 +81,34 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
             break
         if not hit:
             continue
-        best = min(
-            hit,
-            key=lambda c: (
-                c[0],
-                nodes[c[1]].has_successor,
-                -(nodes[c[1]].finish_ns or 0),
-                -c[1],
-            ),
-        )
+        best = hit[0]
+        if len(hit) > 1:
+            best = min(
+                hit,
+                key=lambda c: (
+                    c[0],
+                    nodes[c[1]].has_successor,
+                    -(nodes[c[1]].finish_ns or 0),
+                    -c[1],
+                ),
+            )
+            ties += sum(1 for c in hit if c[0] == best[0]) > 1
         node.pred = best[1]
         nodes[best[1]].has_successor = True
+    return ties
+
+
+def _runs(node: Node, event_hashes: Sequence[list[int]]) -> Iterator[Sequence[int]]:
+    """The page hashes of ``node``'s prompt path in runs, deepest run first: its prefill
+    segments (last first), every page hash of a prompt that stored nothing, the block its
+    prefill attached to."""
+    for _, ei, j, m in reversed(node.segs):
+        hs = event_hashes[ei]
+        yield hs if j == 0 and m == len(hs) else hs[j : j + m]
+    if node.path:
+        yield node.path
+    if node.base is not None:
+        yield (node.base,)
 
 
 def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> list[int | None]:

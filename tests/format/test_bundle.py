@@ -21,6 +21,7 @@ from kvcadence.errors import (
     UsageError,
 )
 from kvcadence.format.bundle import (
+    RECORD_TAGS,
     BundleReader,
     BundleWriter,
     event_payload,
@@ -157,6 +158,11 @@ def test_round_trip_every_record_type(tmp_path: Path) -> None:
     assert [e.seq for e in r.events()] == [0, 1]
     assert [q.rid for q in r.requests()] == ["l0-s0-t0"]
     assert [type(x).__name__ for x in r.iter_kinds("gap", "epoch")] == ["Gap", "Epoch"]
+    # several kinds (one union decoder, others skipped on their tag): the records, in order
+    for kinds in (("event", "note"), ("request", "event", "note", "trailer"), ("header", "gap")):
+        want = [x for x in r.records() if RECORD_TAGS[type(x)] in kinds]
+        assert list(r.iter_kinds(*kinds)) == want, kinds
+    assert r.report.clean_shutdown and r.report.frames == len(recs) + 2
 
 
 def test_segment_layout_on_disk(tmp_path: Path) -> None:

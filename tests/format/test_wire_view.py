@@ -334,6 +334,9 @@ def test_raw_typed_path_leaves_invalid_raw_fields_to_the_caller() -> None:
         wire.decode_batch_raw(BAD_TOKENS)
     with pytest.raises(WireError):
         wire.decode_batch_view(BAD_TOKENS)
+    # ... unless the caller decodes them itself (``check_tokens=False``: replay/outputs)
+    unchecked = wire.decode_batch_raw(BAD_TOKENS, check_tokens=False)
+    assert type(unchecked.events[0]) is BlockStoredRawView
 
 
 @pytest.mark.parametrize(
@@ -350,4 +353,7 @@ def test_raw_malformed_payloads_raise_like_decode_batch(payload: bytes) -> None:
 @settings(max_examples=150, deadline=None)
 @given(_batch, st.sampled_from(["0.5.23", "0.5.20", "0.5.14", "0.5.5"]))
 def test_property_raw_equals_full_decode(batch: KVEventBatch, version: str) -> None:
-    _same_raw(wire.encode_batch(batch, version))
+    payload = wire.encode_batch(batch, version)
+    _same_raw(payload)
+    # valid token ids: the unchecked fast path returns what the checked one does
+    assert wire.decode_batch_raw(payload, check_tokens=False) == wire.decode_batch_raw(payload)

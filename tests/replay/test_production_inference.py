@@ -235,3 +235,78 @@ def test_session_starts_join_a_client_only_within_the_gap_bound():
         assert out[1].session == out[0].session and out[2].session != out[0].session
         assert (out[2].lane == out[0].lane) is joined
         assert rep["clients"] == (1 if joined else 2)
+
+
+def test_ambiguous_predecessor_is_counted():
+    """Two finished requests with the same stored sequence (same prompt, one output token:
+    nothing of it stored) both lie at the deepest anchor of a later prompt: the tie rule
+    picks one (the later finish) and the report counts the pick as ambiguous; a later
+    prompt with a single candidate is no tie."""
+    ps = 1
+    p1 = list(range(10, 20))
+    p2 = p1 + [70, 71]
+    p3 = p2 + [80]
+    index = StoreIndex.from_batches(
+        [
+            (int(0.1 * S), [store(p1, 0, 10, ps)]),
+            (int(0.45 * S), [store(p2, 10, 12, ps)]),
+        ],
+        ps,
+    )
+    recs = [
+        rec("a", p1, 1, 0.05, 0.2, cached=0),
+        rec("a2", p1, 1, 0.15, 0.3, cached=10),  # fully cached: stored nothing
+        rec("b", p2, 1, 0.4, 0.5, cached=10),
+        rec("c", p3, 1, 0.6, 0.7, cached=12),  # only b ends at its deepest anchor
+    ]
+    out, rep = complete_records(recs, index)
+    assert rep["with_predecessor"] == 2 and rep["predecessor_ties"] == 1
+    assert (out[2].session, out[2].turn) == (out[1].session, 1)  # a2: the later finish
+    assert (out[3].session, out[3].turn) == (out[1].session, 2)
+
+
+def test_index_skips_what_the_checked_decode_refuses(tmp_path):
+    """Stored token ids are decoded once (``decode_batch_raw(check_tokens=False)``); where
+    they are not int arrays the frame gets the checked decode's verdict, as before: bigram
+    keys and another page size's store are skipped (the frame's other stores kept, the
+    frame scanned for flushes), ids that are no array refuse the whole frame; a uint64
+    hash is read as the int64 of the same bits."""
+    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from kvcadence.replay.flushes import FlushScan
+    from tests.analysis.helpers import T0, header
+
+    def ev(h: int, toks: object, size: int = 1) -> dict:
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h],
+            "parent_block_hash": None,
+            "token_ids": toks,
+            "block_size": size,
+            "lora_id": None,
+        }
+
+    frames = [
+        [ev(1, [5])],
+        [ev(2, [[1, 2]]), ev(3, [7])],  # bigram keys
+        [ev(4, [1, 2, 3, 4], size=4), ev(5, [8])],  # another page size
+        [ev(6, "not an array"), ev(7, [9])],  # refused by decode_batch: nothing of it
+        [ev(2**64 - 5, [6])],  # a uint64 wire hash: the int64 of the same bits
+    ]
+    with BundleWriter(tmp_path / "b", header()) as w:
+        for seq, evs in enumerate(frames):
+            payload = msgspec.msgpack.encode([1.0 + seq, evs, None])
+            w.write_event(
+                endpoint=0,
+                seq=seq,
+                recv_ns=T0 + seq,
+                topic="kv-events",
+                payload=payload,
+                via=0,
+                epoch=0,
+            )
+    rd = BundleReader(tmp_path / "b")
+    scan = FlushScan(rd.header)
+    index = StoreIndex.from_reader(rd, 1, scan)
+    got = [(e.hashes, e.tokens) for e in index.events]
+    assert got == [([1], [5]), ([3], [7]), ([5], [8]), ([-5], [6])]
+    assert len(scan.lag[0]) == 4  # the refused frame is not scanned either

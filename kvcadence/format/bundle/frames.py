@@ -9,6 +9,7 @@ as ``Raw`` when it is one complete msgpack value (``is_single_msgpack``), else b
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import threading
@@ -207,7 +208,20 @@ def fast_decoder(wanted: frozenset[bytes] | None, views: bool) -> Any:
         return (_VIEW_DECODERS if views else _DECODERS)[next(iter(wanted))].decode
     if wanted == REQUEST_TAGS:
         return (_REQUESTS_VIEW if views else _REQUESTS).decode
+    if not views and len(wanted) > 1 and wanted <= _CLASSES_BY_TAG.keys():
+        return _union_of(wanted).decode  # a frame of another kind fails on its tag
     return None
+
+
+#: every record class a bundle can hold, by tag (format 2.0's packed requests included)
+_CLASSES_BY_TAG: dict[bytes, type] = {**_TAG_CLASSES, PACKED_TAG: PackedRequest}
+
+
+@functools.cache
+def _union_of(tags: frozenset[bytes]) -> msgspec.msgpack.Decoder[Any]:
+    """One decoder for the records of ``tags`` (``iter_kinds`` with several kinds)."""
+    classes = tuple(_CLASSES_BY_TAG[t] for t in sorted(tags))
+    return msgspec.msgpack.Decoder(Union[classes])
 
 
 def _peek_tag(body: memoryview) -> bytes | None:

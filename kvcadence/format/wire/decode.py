@@ -202,7 +202,10 @@ _RAW_ARRAY_TYPES = (
 
 
 def decode_batch_raw(
-    payload: bytes | bytearray | memoryview | msgspec.Raw, *, checked: bool = False
+    payload: bytes | bytearray | memoryview | msgspec.Raw,
+    *,
+    checked: bool = False,
+    check_tokens: bool = True,
 ) -> KVEventBatchRawView:
     """``decode_batch_view`` that leaves the block hashes undecoded too (analysis ingest's fast
     path): a ``BlockStored`` comes back as ``BlockStoredRawView``, a ``BlockRemoved`` as
@@ -222,6 +225,10 @@ def decode_batch_raw(
     ``checked=True``: no unchecked fast path: ``decode_batch_view``'s events (and verdict)
     converted, hashes re-encoded as int64 arrays -- every ``Raw`` field valid by
     construction (the reader's second pass where the caller's check refused a field).
+
+    ``check_tokens=False``: the typed fast path skips its check of the ``token_ids`` arrays
+    (which decodes them), for a caller that decodes them itself anyway; where its own decode
+    fails it calls again with the default to get this function's verdict.
     """
     payload = _buffer(payload)
     if checked:
@@ -233,7 +240,7 @@ def decode_batch_raw(
         except _RAW_FAILS:
             pass
         else:
-            if _raw_tokens_ok(batch.events):
+            if not check_tokens or _raw_tokens_ok(batch.events):
                 return batch
             return decode_batch_raw(payload, checked=True)  # decode_batch names the error
         try:
@@ -242,7 +249,7 @@ def decode_batch_raw(
             pass
         else:
             evs = [_from_array(e, *_RAW_ARRAY_TYPES) for e in arr.events]
-            if _raw_tokens_ok(evs):
+            if not check_tokens or _raw_tokens_ok(evs):
                 return KVEventBatchRawView(arr.ts, evs, arr.attn_dp_rank)
     return decode_batch_raw(payload, checked=True)
 
