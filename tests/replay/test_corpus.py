@@ -57,11 +57,6 @@ CAPTURES = (
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
 MISSES: dict[tuple[str, str], str] = {
     ("p4-chunk512-nooverlap", "stored_per_req"): "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
-    # 2 pages only the sim has: the output pages of l2-s12-t1, the run's last request to
-    # finish (rank 1); its finish store is not in the capture (probably published after
-    # drive's 2 s settle ended: the box's load average was 28 then), the sim publishes it
-    # when the rank goes idle
-    ("dp2-p16-chunk256", "hash_set"): "stored_hash_jaccard 0.9991 (sim has 2 more pages)",
 }
 
 
@@ -177,7 +172,6 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
 PRODUCTION_MISSES: dict[str, str] = {
     "p4-chunk512-nooverlap": "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
     "tight-long": "cached_tokens_equal 0.940",
-    "dp2-p16-chunk256": "stored_hash_jaccard 0.9991 (as with driver records)",
 }
 
 
