@@ -145,3 +145,14 @@ def test_bad_input_one_line_exit_2(args, why):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and why in lines[0] and lines[0].startswith("bench/robustness.py")
+
+
+def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
+    """Every capture of the real-capture corpus is replayed (``--only corpus``), a multi-rank
+    one as a fleet, like ``tests/replay/test_corpus.py`` replays it."""
+    caps, _notes = rob.captures(None, tmp_path, ["corpus"])
+    corpus = sorted(p.name for p in rob.CORPUS.iterdir() if (p / "bundle").is_dir())
+    assert [c.name for c in caps] == [f"corpus `{n}`" for n in corpus]
+    assert len(caps) >= 7
+    assert {c.name for c in caps if c.dp} == {"corpus `dp2-p16-chunk256`"}
+    assert all(c.bundle.name == "bundle" and c.calibrated["decode_base_s"] > 0 for c in caps)

@@ -96,10 +96,16 @@ def effective_config(
     """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored)."""
     cfg = from_server_info(server_info or {}, sglang_version)
     if calibrate_timing:
-        # a CPU worker runs each forward inside its launch: its recorded prefill times then
-        # span the next forward too, which the calibration takes out
+        # a CPU worker runs each forward inside its launch: under the overlap loop (the one
+        # recorded in server_info, whatever the overrides simulate) a prefill's result is
+        # processed after the next forward, so its recorded prefill time spans that forward
+        # too, which the calibration takes out; the normal loop processes it right after its
+        # own forward
         cpu = str((server_info or {}).get("device", "")) == "cpu"
-        cfg.timing = calibrate(list(records), cfg.timing, sync_forward=cfg.sync_forward or cpu)
+        spans_next = cpu and not cfg.disable_overlap_schedule
+        cfg.timing = calibrate(
+            list(records), cfg.timing, sync_forward=cfg.sync_forward or spans_next
+        )
     for key, value in (overrides or {}).items():
         if value is None:
             continue

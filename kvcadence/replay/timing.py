@@ -8,8 +8,9 @@ which derives the parameters from the capture's own ``meta_info`` timings (bundl
 * prefill batches are the requests sharing one ``forward_entry_time``; their duration is
   ``prefill_finished_time − forward_entry_time``, fitted by least squares against the batch's
   uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients. With
-  ``sync_forward`` (a CPU worker runs each forward inside its launch, so a prefill result is
-  processed only after the *next* forward) the duration is the next batch's
+  ``sync_forward`` (a CPU worker runs each forward inside its launch, so under the overlap
+  loop a prefill result is processed only after the *next* forward; the normal loop
+  processes it right after its own) the duration is the next batch's
   ``forward_entry_time`` − this one's when that batch is a prefill, else
   ``prefill_finished_time − forward_entry_time`` − one decode pass;
 * a decode pass is, per request, ``(request_finished_ts − prefill_finished_time −

@@ -138,6 +138,33 @@ def test_sync_forward_calibration_takes_the_next_forward_out_of_prefill_times():
     assert gpu.prefill_base_s > cpu.prefill_base_s + 0.003  # includes the next forward
 
 
+def test_cpu_worker_normal_loop_prefill_times_are_its_own_forward():
+    """Only the overlap loop processes a prefill result after the next forward: a CPU
+    worker recorded with ``--disable-overlap-schedule`` (the normal loop: run the batch,
+    process its result) has ``prefill_finished_time`` at the end of its own forward, so the
+    calibration takes nothing out (``effective_config`` reads the recorded loop from
+    ``/server_info``, whatever loop the overrides simulate)."""
+    from kvcadence.replay.simulator import effective_config
+
+    decode = 0.02
+    recs = []
+    t = 100.0
+    for i in range(8):
+        d = 0.030 + 1e-4 * 100 * (i + 1)  # the prefill forward, result processed at once
+        recs.append(phase_rec(f"p{i}", t, t + d, t + d + 10 * decode, 100 * (i + 1)))
+        t += d + 12 * decode
+    normal = {"device": "cpu", "disable_overlap_schedule": True}
+    overlap = {"device": "cpu", "disable_overlap_schedule": False}
+    cal = effective_config(normal, recs).timing
+    assert cal.prefill_per_token_s == pytest.approx(1e-4, rel=0.05)
+    assert cal.prefill_base_s == pytest.approx(0.030, rel=0.1)
+    # the same records read as an overlap-loop CPU capture lose one decode pass each
+    assert effective_config(overlap, recs).timing.prefill_base_s < 0.030 - decode / 2
+    # simulating the other loop does not change how the records are read
+    other = effective_config(normal, recs, {"disable_overlap_schedule": False}).timing
+    assert other.prefill_base_s == cal.prefill_base_s
+
+
 def phased(rid, fe, pf, fin, n) -> RequestRecord:
     """A record with per-phase timings (seconds after ``T0``)."""
     mi = {
