@@ -25,8 +25,9 @@ from bench_replay import workload
 from common import add_output_args, figure, write_results
 
 from kvcadence.replay.config import SimConfig, TimingParams
-from kvcadence.replay.fleet import WorkerInput, simulate_fleet
+from kvcadence.replay.fleet import simulate_fleet
 from kvcadence.replay.simulator import simulate
+from kvcadence.replay.worker import WorkerInput
 
 
 def cfg(pool: int, rank: int = 0) -> SimConfig:

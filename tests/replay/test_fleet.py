@@ -22,13 +22,8 @@ from kvcadence.errors import InputError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload
 from kvcadence.format.schema import AllBlocksCleared, BlockStored, EndpointInfo, Header
-from kvcadence.replay.fleet import (
-    WorkerInput,
-    dp_size_of,
-    load_worker,
-    simulate_fleet,
-    write_fleet_bundles,
-)
+from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+from kvcadence.replay.worker import WorkerInput, dp_size_of, load_worker
 from tests.replay.helpers import config, lane_chain, req, run
 
 

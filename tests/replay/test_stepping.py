@@ -21,12 +21,13 @@ from kvcadence.errors import ReplayError
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import Annotation
 from kvcadence.replay.events import Publisher
-from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
+from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.request import SimReq
 from kvcadence.replay.schedule import Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simulator import replay_bundle
+from kvcadence.replay.worker import load_worker
 from tests.replay.helpers import config, req, run
 from tests.replay.test_fleet import _write_source, two_rank_records
 
