@@ -179,6 +179,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 align_workers=args.align_workers,
                 progress=progress,
                 pace=_pace(args),
+                event_log=False,  # only the bundles are written (cache_aware keeps its own)
             )
     finally:
         if bar is not None:

@@ -177,6 +177,9 @@ class Fleet:
             raise UsageError(f"pace {pace!r} not known (choose from {', '.join(PACES)})")
         if not workers:
             raise UsageError("replay: no worker to simulate")
+        for w in workers:
+            if w.one_rank and w.dp_size != 1:
+                raise UsageError(f"{w.name}: a one-rank worker has {w.dp_size} rank configs")
         self.workers = list(workers)
         self.router = router
         self.hasher = hasher or wire_hasher()
