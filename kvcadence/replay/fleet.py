@@ -74,6 +74,8 @@ from kvcadence.replay.visibility import scheduler_notes
 from kvcadence.replay.worker import WorkerInput
 
 _INF = float("inf")
+#: loop iterations after which a replay is taken to be stuck
+_GUARD = 100_000_000
 #: pass-time pacing of a fleet replay (``Fleet.pace_of``)
 PACES = ("auto", "recorded", "model")
 
@@ -337,11 +339,13 @@ class Fleet:
         guard = 0
         done_reported = 0
         pending = self.pending
-        # one rank (a single-rank replay): no other rank to pick or bound it (the loop
-        # costs ~2 % of a single-rank replay otherwise)
+        # one rank (a single-rank replay): no other rank to pick or bound it
         one = scheds[0] if len(scheds) == 1 else None
+        alone = one is not None and type(one.timer) is not PacedTimer
         while True:
             if one is not None:
+                if alone and not pending:
+                    guard, done_reported = self._step_alone(one, progress, guard, done_reported)
                 bt = one.next_time
                 best = one if bt < _INF else None
             else:
@@ -370,8 +374,8 @@ class Fleet:
             else:
                 best.step(self.bound_for(best))
             guard += 1
-            if guard > 100_000_000:
-                raise ReplayError("fleet simulation did not terminate (loop guard)")
+            if guard > _GUARD:
+                raise ReplayError("simulation did not terminate (loop guard)")
             if progress is not None:
                 done = sum(sched.finished_count for sched in scheds)
                 if done != done_reported:
@@ -395,6 +399,29 @@ class Fleet:
             time.perf_counter() - t0,
             self.specs,
         )
+
+    def _step_alone(
+        self,
+        one: Scheduler,
+        progress: Callable[[int], None] | None,
+        guard: int,
+        done_reported: int,
+    ) -> tuple[int, int]:
+        """The one rank of a fleet with nothing to route: step it as ``Scheduler.run``
+        does (no horizon: no other rank or pending arrival can hand it a request) until it
+        parks or a request waits to be routed (``pending``, a dynamic router's); returns
+        the loop guard and the finished count reported."""
+        pending = self.pending
+        while True:
+            more = one.step()
+            guard += 1
+            if guard > _GUARD:
+                raise ReplayError("simulation did not terminate (loop guard)")
+            if progress is not None and one.finished_count != done_reported:
+                progress(one.finished_count - done_reported)
+                done_reported = one.finished_count
+            if not more or pending:
+                return guard, done_reported
 
     def _record(self, i: int) -> Any:
         """The sim ``RequestRecord`` of request ``i``: its serving rank (the rank its
