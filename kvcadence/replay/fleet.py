@@ -42,7 +42,7 @@ stretch never jumps over a cross-rank arrival. An idle rank recomputes its wake-
 request is routed to it. The cyclic garbage collector is paused for a run (millions of
 long-lived objects it would only re-walk).
 
-Why ~500 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
+Why ~530 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
 finish hooks) and the only replay driver; its outputs (``write_worker_bundle``) sit beside
 it; its inputs are ``replay.worker``, the sim-bundle writing itself ``replay.simbundle``.
 """
