@@ -199,6 +199,7 @@ class Fleet:
         self.anchor_ns = min(anchors)
         specs: list[RequestSpec] = []
         self.home: list[tuple[int, int]] = []  # (worker, recorded rank) per spec
+        homes: dict[tuple[int, int], tuple[int, int]] = {}  # one tuple per (worker, rank)
         #: per worker: the flush ledger (None: no recorded flush)
         self.ledgers: list[FlushLedger | None] = []
         for wi, (w, sch) in enumerate(zip(self.workers, per_worker, strict=True)):
@@ -217,14 +218,10 @@ class Fleet:
                         f"{w.name}: request {s.rid!r} was served by dp rank {rank}, "
                         f"but the worker has {w.dp_size} rank(s)"
                     )
-                self.home.append((wi, rank))
+                self.home.append(homes.setdefault((wi, rank), (wi, rank)))
             self.ledgers.append(FlushLedger(sch.requests) if w.flush_abs_ns else None)
         self.specs = specs
         self.reqs = [SimReq(s) for s in specs]
-        self.successors: dict[int, list[int]] = {}
-        for s in specs:
-            if s.pred is not None:
-                self.successors.setdefault(s.pred, []).append(s.idx)
         # slots: every rank's scheduler serves the shared request list; this fleet routes
         # each request to one of them and releases lanes across ranks (``_on_finish``)
         self.slots: list[Slot] = []
@@ -271,6 +268,9 @@ class Fleet:
                     sched.timer = PacedTimer(cfg.timing, sched, times[rank], origin)
                 self.slots.append(Slot(len(self.slots), wi, rank, sched, pub))
         self.slot_of = {(sl.worker, sl.rank): sl.index for sl in self.slots}
+        #: pred idx -> the lane's next requests: every rank's scheduler maps the shared
+        #: request list so (``Scheduler.successors``); the fleet reads the first one's
+        self.successors: dict[int, list[int]] = self.slots[0].sched.successors if self.slots else {}
         self.serving = [-1] * len(specs)
         self.pending: list[tuple[int, int]] = []  # (arrival ns, idx): known, not routed
         self.static = bool(getattr(router, "static", False))
