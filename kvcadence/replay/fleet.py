@@ -39,8 +39,9 @@ A paced rank steps one pass at a time (no decode stretch is skipped). Otherwise
 decode-stretch skipping is bounded by the earliest moment another rank (or a known, not yet
 routed arrival) could hand this rank a request (``step``'s ``horizon``, ``bound_for``), so a
 stretch never jumps over a cross-rank arrival. An idle rank recomputes its wake-up when a
-request is routed to it. The cyclic garbage collector is paused for a run (millions of
-long-lived objects it would only re-walk).
+request is routed to it. The cyclic garbage collector is paused for a run, and by
+``simulate_fleet`` (and ``simulator.simulate``) for the fleet's construction too: millions of
+long-lived objects that collections would only re-walk.
 
 Why ~530 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
 finish hooks) and the only replay driver; its outputs (``write_worker_bundle``) sit beside
@@ -205,6 +206,7 @@ class Fleet:
         for wi, (w, sch) in enumerate(zip(self.workers, per_worker, strict=True)):
             shift = 0 if align_workers else sch.anchor_ns - self.anchor_ns
             base = len(specs)
+            n_ranks = w.dp_size
             for s in sch.requests:
                 s.idx += base
                 if s.pred is not None:
@@ -213,10 +215,10 @@ class Fleet:
                     s.arrival_ns += shift
                 specs.append(s)
                 rank = served_rank(s.source) if s.source is not None and not w.one_rank else 0
-                if rank >= w.dp_size:
+                if rank >= n_ranks:
                     raise InputError(
                         f"{w.name}: request {s.rid!r} was served by dp rank {rank}, "
-                        f"but the worker has {w.dp_size} rank(s)"
+                        f"but the worker has {n_ranks} rank(s)"
                     )
                 self.home.append(homes.setdefault((wi, rank), (wi, rank)))
             self.ledgers.append(FlushLedger(sch.requests) if w.flush_abs_ns else None)
@@ -454,10 +456,16 @@ def simulate_fleet(
     pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``); ``event_log``: see ``Fleet``."""
 
     router = make_router(route) if isinstance(route, str) else route
-    fleet = Fleet(
-        workers, router, hasher=hasher, align_workers=align_workers, pace=pace, event_log=event_log
-    )
-    return fleet.run(progress)
+    with gc_paused():  # the schedules' construction too (they copy every token stream)
+        fleet = Fleet(
+            workers,
+            router,
+            hasher=hasher,
+            align_workers=align_workers,
+            pace=pace,
+            event_log=event_log,
+        )
+        return fleet.run(progress)
 
 
 # ---------------------------------------------------------------------- output

@@ -37,6 +37,7 @@ from typing import Any
 from kvcadence.errors import InputError, ReplayError, UsageError
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import EndpointInfo
+from kvcadence.gcpause import gc_paused
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig
@@ -100,12 +101,16 @@ def simulate(
     A fleet of one (``replay.fleet``, the one replay driver): every request on this rank,
     ``recorded`` routing, the pass-time model's pace, no event log kept; flushing at
     ``flush_abs_ns`` (absolute receive times) in request order. The cyclic garbage
-    collector is paused for the run."""
+    collector is paused for the call (a replay builds millions of long-lived objects that
+    collections would only re-walk)."""
     t0 = time.perf_counter()
     cfg.validate()
     worker = one_rank_worker(records, cfg, flush_abs_ns)
-    fleet = Fleet([worker], make_router("recorded"), hasher=hasher, pace="model", event_log=False)
-    run = fleet.run(progress)
+    with gc_paused():  # the schedule's construction too (it copies every token stream)
+        fleet = Fleet(
+            [worker], make_router("recorded"), hasher=hasher, pace="model", event_log=False
+        )
+        run = fleet.run(progress)
     (slot,) = run.slots
     sched = slot.sched
     schedule = fleet.schedules[0]
