@@ -162,9 +162,10 @@ class FleetResult:
 class Fleet:
     """N simulated ranks (over one or more workers) stepping in one virtual clock.
 
-    ``event_log``: keep every published batch's events (``TapPublisher.log``; the
-    ``cache_aware`` router keeps them anyway); a single-rank replay does not (memory grows
-    with what is live, not with history)."""
+    ``event_log``: keep every published batch's events (``TapPublisher.log``: the sweep
+    counts them per message); kept anyway for a router that reads them (``reads_events``:
+    ``cache_aware``). The single-rank replay and the fleet CLI keep none (memory grows with
+    what is live, not with history)."""
 
     def __init__(
         self,
