@@ -290,3 +290,21 @@ def test_dp_size_from_header_endpoints_and_records():
     assert dp_size_of(H(), [ranked(req("a", [1], 1), 3)]) == 4
     H.server_info = {}
     assert dp_size_of(H(), [ranked(req("a", [1], 1), None)]) == 1
+
+
+@pytest.mark.parametrize(
+    ("n_ranks", "route"), [(1, "recorded"), (1, "round_robin"), (2, "recorded")]
+)
+def test_progress_counts_every_request_once(n_ranks, route):
+    # one rank under a static router steps alone; a dynamic router or two ranks take the
+    # general loop: either way every finished request is reported once
+    recs = two_rank_records()
+    for r in recs:
+        r.dp_rank = r.dp_rank if n_ranks > 1 else None
+    got: list[int] = []
+    res = simulate_fleet([worker(recs, n_ranks)], route, progress=got.append)
+    assert all(n > 0 for n in got) and sum(got) == len(res.requests) == len(recs)
+    if n_ranks == 1 and route == "recorded":
+        got.clear()
+        single = run(copy.deepcopy(recs), config(), progress=got.append)
+        assert sum(got) == len(single.requests) and len(got) > 1
