@@ -43,7 +43,7 @@ request is routed to it. The cyclic garbage collector is paused for a run, and b
 ``simulate_fleet`` (and ``simulator.simulate``) for the fleet's construction too: millions of
 long-lived objects that collections would only re-walk.
 
-Why ~530 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
+Why ~540 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
 finish hooks) and the only replay driver; its outputs (``write_worker_bundle``) sit beside
 it; its inputs are ``replay.worker``, the sim-bundle writing itself ``replay.simbundle``.
 """
