@@ -4,8 +4,9 @@ Workload: ``bench_replay.workload`` (closed-loop multi-turn agent lanes, page si
 lanes spread over 2 DP ranks (recorded rank = lane % 2), pool per rank = half the
 single-rank pool. Reported, each against a baseline measured in the same run:
 
-* fleet (2 ranks, ``recorded``) requests/s (CPU) vs the single-rank simulator on the same
-  requests (one rank, the whole pool): the cost of the lock-step clock;
+* fleet (2 ranks, ``recorded``) requests/s (CPU) vs the single-rank replay of the same
+  requests (``simulate``: the same driver with one rank, the whole pool): the cost of the
+  lock-step clock over several ranks;
 * ``cache_aware`` vs ``recorded`` (the router index and prompt hashing);
 * a sweep of 4 points with ``--jobs`` processes vs the same 4 points one after another
   in this process (wall time; on the 2-core box at most ~2x).
@@ -25,8 +26,9 @@ from bench_replay import workload
 from common import add_output_args, figure, write_results
 
 from kvcadence.replay.config import SimConfig, TimingParams
-from kvcadence.replay.fleet import WorkerInput, simulate_fleet
+from kvcadence.replay.fleet import simulate_fleet
 from kvcadence.replay.simulator import simulate
+from kvcadence.replay.worker import WorkerInput
 
 
 def cfg(pool: int, rank: int = 0) -> SimConfig:

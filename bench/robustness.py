@@ -170,7 +170,8 @@ class Capture:
 
 def single_capture(name: str, bundle: Path) -> Capture:
     from kvcadence.format.bundle import BundleReader
-    from kvcadence.replay.simulator import effective_config, flush_times_from_bundle, simulate
+    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.worker import effective_config, flush_times_from_bundle
 
     reader = BundleReader(bundle)
     base = effective_config(
@@ -189,7 +190,8 @@ def single_capture(name: str, bundle: Path) -> Capture:
 
 
 def dp_capture(name: str, bundle: Path) -> Capture:
-    from kvcadence.replay.fleet import load_worker, simulate_fleet
+    from kvcadence.replay.fleet import simulate_fleet
+    from kvcadence.replay.worker import load_worker
 
     worker = load_worker(bundle)
 

@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.errors import UsageError
     from kvcadence.replay.cli_fleet import maybe_run_fleet
     from kvcadence.replay.config import CLI_OVERRIDES
-    from kvcadence.replay.simulator import effective_config, replay_bundle
+    from kvcadence.replay.simulator import replay_bundle
+    from kvcadence.replay.worker import effective_config
 
     if getattr(args, "trace", None) is None:
         if not args.bundle:

@@ -98,7 +98,7 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
     from pathlib import Path
 
     from kvcadence.format.bundle import BundleReader
-    from kvcadence.replay.fleet import dp_size_of
+    from kvcadence.replay.worker import dp_size_of
 
     p = Path(bundles[0])
     if not p.exists():
@@ -147,7 +147,8 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
 
 def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     from kvcadence.progress import Phases
-    from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
+    from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+    from kvcadence.replay.worker import load_worker
 
     quiet = getattr(args, "quiet", False)
     phases = Phases("replay", quiet=quiet, started=getattr(args, "_started", None))
@@ -178,6 +179,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 align_workers=args.align_workers,
                 progress=progress,
                 pace=_pace(args),
+                event_log=False,  # only the bundles are written (cache_aware keeps its own)
             )
     finally:
         if bar is not None:

@@ -1,22 +1,21 @@
-"""Replay across data-parallel ranks and workers: N single-rank simulators in one clock.
+"""Replaying workers: the one replay driver, N single-rank schedulers in one clock.
+
+Every replay goes through ``Fleet``: a multi-rank worker, several workers, and the
+single-rank replay (``replay.simulator.simulate`` is a fleet of one: one worker made by
+``replay.worker.one_rank_worker``, ``recorded`` routing, ``model`` pace).
 
 What this file owns:
 
-* ``WorkerInput`` / ``load_worker(path)`` -- one worker (one bundle): its request records,
-  ``dp_size`` (from ``/server_info`` or the bundle's endpoints / recorded ``dp_rank``s), one
-  ``SimConfig`` per rank (``max_total_num_tokens`` is per rank; ``attn_dp_rank`` = rank; the
-  pass-time model calibrated from that rank's own requests) and its recorded flushes (with
-  the DP rank whose stream carried each);
-* ``simulate_fleet(workers, router)`` -- every (worker, rank) is a ``replay.scheduler.Scheduler``
-  with its own radix cache, event queue, publisher (own seq from 0) and pass timer. They step
-  in one virtual clock: always the rank with the smallest local time, ties by slot order.
-  Requests are routed by a ``replay.routing`` policy: static policies (``recorded``) at the
-  moment the arrival becomes known, dynamic ones at the arrival time itself, seeing the
-  ranks' states and (``cache_aware``) only the events the ranks had *published* by then.
-  Closed-loop lanes cross ranks: a lane's next request is released ``gap`` after its
-  predecessor finishes on whichever rank served it. Recorded flushes are replayed in
-  request order (``replay.flushes``): one ledger per worker, one plan per rank with that
-  rank's clears;
+* ``simulate_fleet(workers, router)`` / ``Fleet`` -- every (worker, rank) of the
+  ``replay.worker.WorkerInput``s is a ``replay.scheduler.Scheduler`` with its own radix
+  cache, event queue, publisher (own seq from 0) and pass timer. They step in one virtual
+  clock: always the rank with the smallest local time, ties by slot order. Requests are
+  routed by a ``replay.routing`` policy: static policies (``recorded``) at the moment the
+  arrival becomes known, dynamic ones at the arrival time itself, seeing the ranks' states
+  and (``cache_aware``) only the events the ranks had *published* by then. Closed-loop
+  lanes cross ranks: a lane's next request is released ``gap`` after its predecessor
+  finishes on whichever rank served it. Recorded flushes are replayed in request order
+  (``replay.flushes``): one ledger per worker, one plan per rank with that rank's clears;
 * pass-time pacing (``PACES``, ``Fleet.pace_of``): ``recorded`` gives each rank a
   ``timing.PacedTimer`` that keeps it on the pace its requests' outputs were recorded at
   (per rank: ``timing.recorded_token_times``); ``auto`` does so for a multi-rank worker
@@ -26,25 +25,27 @@ What this file owns:
   rank's batches under its endpoint id with its own seq, each rank's visibility notes
   (``replay.visibility.scheduler_notes``, ``endpoint`` = rank; none with
   ``track_visibility`` off), and every ``RequestRecord`` keeping its serving rank
-  (``dp_rank``, also ``meta_info["dp_rank"]``; built by ``simulator.sim_request_record``).
+  (``dp_rank``, also ``meta_info["dp_rank"]``; built by ``simbundle.sim_request_record``).
+  The single-rank replay writes its own header (``simulator.write_sim_bundle``) through
+  the same ``simbundle.write_sim``.
 
-The single-rank scheduler is driven through its public stepping API, the same one
-``Scheduler.run`` uses: ``start``, ``step(horizon)`` (one loop iteration), ``next_time``,
-``add_arrival`` (the router hands a rank a request; wakes it) and ``finish_run``; every rank
-serves the fleet's shared request list (``requests=``) and reports finished requests
-through ``on_finish``, so the fleet releases each lane's next request on any rank. With one
-worker of one rank and ``recorded`` routing the result is byte-identical to
-``replay.simulator.simulate``.
+The single-rank scheduler is driven through its public stepping API: ``start``,
+``step(horizon)`` (one loop iteration), ``next_time``, ``add_arrival`` (the router hands a
+rank a request; wakes it) and ``finish_run``; every rank serves the fleet's shared request
+list (``requests=``) and reports finished requests through ``on_finish``, so the fleet
+releases each lane's next request on any rank.
 
 A paced rank steps one pass at a time (no decode stretch is skipped). Otherwise
 decode-stretch skipping is bounded by the earliest moment another rank (or a known, not yet
 routed arrival) could hand this rank a request (``step``'s ``horizon``, ``bound_for``), so a
 stretch never jumps over a cross-rank arrival. An idle rank recomputes its wake-up when a
-request is routed to it.
+request is routed to it. The cyclic garbage collector is paused for a run, and by
+``simulate_fleet`` (and ``simulator.simulate``) for the fleet's construction too: millions of
+long-lived objects that collections would only re-walk.
 
-Why ~580 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
-finish hooks); its inputs (``load_worker``) and outputs (``write_worker_bundle``) sit beside
-it; the sim-bundle writing itself is ``replay.simbundle``.
+Why ~540 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
+finish hooks) and the only replay driver; its outputs (``write_worker_bundle``) sit beside
+it; its inputs are ``replay.worker``, the sim-bundle writing itself ``replay.simbundle``.
 """
 
 from __future__ import annotations
@@ -58,165 +59,42 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
-from kvcadence.format.bounds import MAX_DP_SIZE
-from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import EndpointInfo, served_rank
+from kvcadence.gcpause import gc_paused
 from kvcadence.outguard import refuse_nonempty_dir
-from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
-from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
-from kvcadence.replay.production import records_for_replay
+from kvcadence.replay.flushes import FlushLedger, FlushPlan
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
-from kvcadence.replay.simbundle import sim_header, write_sim
-from kvcadence.replay.simulator import effective_config, sim_request_record
+from kvcadence.replay.simbundle import sim_header, sim_request_record, write_sim
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 from kvcadence.replay.visibility import scheduler_notes
+from kvcadence.replay.worker import WorkerInput
 
 _INF = float("inf")
+#: loop iterations after which a replay is taken to be stuck
+_GUARD = 100_000_000
 #: pass-time pacing of a fleet replay (``Fleet.pace_of``)
 PACES = ("auto", "recorded", "model")
 
 
-# ---------------------------------------------------------------------- inputs
-@dataclass
-class WorkerInput:
-    """One worker to replay (normally one bundle)."""
-
-    name: str
-    records: list[Any]  # RequestRecord
-    rank_configs: list[SimConfig]
-    flush_abs_ns: list[int] = field(default_factory=list)
-    header: Any = None
-    path: str | None = None
-    #: the DP rank whose stream carried each of ``flush_abs_ns`` (None: every rank); None:
-    #: every flush is every rank's
-    flush_ranks: list[int | None] | None = None
-
-    def flushes_of(self, rank: int) -> list[int]:
-        """Recorded flush times (absolute ns) of DP ``rank``."""
-        if self.flush_ranks is None:
-            return list(self.flush_abs_ns)
-        return [
-            t
-            for t, r in zip(self.flush_abs_ns, self.flush_ranks, strict=True)
-            if r is None or r == rank
-        ]
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.rank_configs)
-
-
-def dp_size_of(header: Any, records: Sequence[Any]) -> int:
-    """DP ranks of a worker: ``/server_info`` (``dp_size`` or ``kv_events.dp_size``), the
-    bundle's endpoints, or the highest recorded rank + 1 -- whichever is largest."""
-    info = dict(getattr(header, "server_info", None) or {})
-    cands = [1]
-    for v in (info.get("dp_size"), (info.get("kv_events") or {}).get("dp_size")):
-        if isinstance(v, int) and v > 0:
-            cands.append(v)
-    eps = getattr(header, "endpoints", None) or []
-    if eps:
-        cands.append(max(int(e.dp_rank) for e in eps) + 1)
-    if records:
-        cands.append(max(served_rank(r) for r in records) + 1)
-    if max(cands) > MAX_DP_SIZE:  # a damaged or hostile bundle, not a worker: refuse, never
-        raise UsageError(  # allocate a rank per claimed dp_size / dp_rank
-            f"the bundle claims {max(cands)} DP ranks (server_info dp_size, endpoints or a "
-            f"request's dp_rank); at most {MAX_DP_SIZE} are supported"
-        )
-    return max(cands)
-
-
-def rank_configs(
-    header: Any,
-    records: Sequence[Any],
-    overrides: dict[str, Any] | None = None,
-    *,
-    sglang_version: str | None = None,
-    calibrate_timing: bool = True,
-    dp_size: int | None = None,
-) -> list[SimConfig]:
-    """One ``SimConfig`` per rank of a worker (see module docstring)."""
-
-    n = dp_size or dp_size_of(header, records)
-    info = dict(getattr(header, "server_info", None) or {})
-    internal = info.get("internal_states")
-    version = sglang_version or getattr(header, "sglang_version", None)
-    out = []
-    for rank in range(n):
-        rank_info = dict(info)
-        if isinstance(internal, list) and len(internal) > rank and isinstance(internal[rank], dict):
-            # the per-rank scheduler state first (its max_total_num_tokens is per rank)
-            rank_info = {k: v for k, v in info.items() if k != "internal_states"}
-            for k, v in internal[rank].items():
-                if v is not None:
-                    rank_info[k] = v
-        mine = [r for r in records if served_rank(r) == rank]
-        cfg = effective_config(
-            rank_info,
-            mine if len(mine) >= 8 else list(records),
-            overrides,
-            sglang_version=version,
-            calibrate_timing=calibrate_timing,
-        )
-        cfg.attn_dp_rank = rank
-        out.append(cfg)
-    return out
-
-
-def load_worker(
-    path: str | Path,
-    overrides: dict[str, Any] | None = None,
-    *,
-    name: str | None = None,
-    sglang_version: str | None = None,
-    calibrate_timing: bool = True,
-) -> WorkerInput:
-    """Read one bundle as a worker to replay."""
-
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"{p}: no such bundle")
-    reader = BundleReader(p)
-    records, _, recorded = records_for_replay(reader)  # production: outputs, sessions
-    if not records:
-        raise InputError(f"{p}: the bundle has no request records to replay")
-    cfgs = rank_configs(
-        reader.header,
-        records,
-        overrides,
-        sglang_version=sglang_version,
-        calibrate_timing=calibrate_timing,
-    )
-    flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
-    return WorkerInput(
-        name or p.name,
-        records,
-        cfgs,
-        [f.recv_ns for f in flushes],
-        reader.header,
-        str(p),
-        [f.rank for f in flushes],
-    )
-
-
 # ---------------------------------------------------------------------- rank plumbing
 class TapPublisher(Publisher):
-    """``Publisher`` that also keeps each published batch's events (for the router)."""
+    """``Publisher`` that also keeps each published batch's events (for the cache-aware
+    router and the sweep's per-message counts) unless ``keep`` is False."""
 
-    def __init__(self, *a: Any, **kw: Any) -> None:
+    def __init__(self, *a: Any, keep: bool = True, **kw: Any) -> None:
         super().__init__(*a, **kw)
-        #: (absolute publish ns, events) per published batch, in order
+        self.keep = keep
+        #: (absolute publish ns, events) per published batch, in order (empty: not kept)
         self.log: list[tuple[int, list[QueuedEvent]]] = []
 
     def publish(self, events: list[QueuedEvent], time_ns: int, pass_index: int) -> None:
         super().publish(events, time_ns, pass_index)
-        if events:
+        if events and self.keep:
             self.log.append((self.anchor_ns + time_ns, events))
 
 
@@ -282,7 +160,12 @@ class FleetResult:
 
 
 class Fleet:
-    """N simulated ranks (over one or more workers) stepping in one virtual clock."""
+    """N simulated ranks (over one or more workers) stepping in one virtual clock.
+
+    ``event_log``: keep every published batch's events (``TapPublisher.log``: the sweep
+    counts them per message); kept anyway for a router that reads them (``reads_events``:
+    ``cache_aware``). The single-rank replay and the fleet CLI keep none (memory grows with
+    what is live, not with history)."""
 
     def __init__(
         self,
@@ -292,16 +175,22 @@ class Fleet:
         hasher: Hasher | None = None,
         align_workers: bool = False,
         pace: str = "auto",
+        event_log: bool = True,
     ) -> None:
         if pace not in PACES:
             raise UsageError(f"pace {pace!r} not known (choose from {', '.join(PACES)})")
         if not workers:
             raise UsageError("replay: no worker to simulate")
+        for w in workers:
+            if w.one_rank and w.dp_size != 1:
+                raise UsageError(f"{w.name}: a one-rank worker has {w.dp_size} rank configs")
         self.workers = list(workers)
         self.router = router
         self.hasher = hasher or wire_hasher()
         # one global schedule: every worker's requests, renumbered, one anchor
         per_worker: list[Schedule] = []
+        #: each worker's own schedule (its requests renumbered into the fleet's list)
+        self.schedules = per_worker
         anchors = []
         for w in self.workers:
             sch = build_schedule(
@@ -312,11 +201,13 @@ class Fleet:
         self.anchor_ns = min(anchors)
         specs: list[RequestSpec] = []
         self.home: list[tuple[int, int]] = []  # (worker, recorded rank) per spec
+        homes: dict[tuple[int, int], tuple[int, int]] = {}  # one tuple per (worker, rank)
         #: per worker: the flush ledger (None: no recorded flush)
         self.ledgers: list[FlushLedger | None] = []
         for wi, (w, sch) in enumerate(zip(self.workers, per_worker, strict=True)):
             shift = 0 if align_workers else sch.anchor_ns - self.anchor_ns
             base = len(specs)
+            n_ranks = w.dp_size
             for s in sch.requests:
                 s.idx += base
                 if s.pred is not None:
@@ -324,20 +215,16 @@ class Fleet:
                 if s.arrival_ns is not None:
                     s.arrival_ns += shift
                 specs.append(s)
-                rank = served_rank(s.source) if s.source is not None else 0
-                if rank >= w.dp_size:
+                rank = served_rank(s.source) if s.source is not None and not w.one_rank else 0
+                if rank >= n_ranks:
                     raise InputError(
                         f"{w.name}: request {s.rid!r} was served by dp rank {rank}, "
-                        f"but the worker has {w.dp_size} rank(s)"
+                        f"but the worker has {n_ranks} rank(s)"
                     )
-                self.home.append((wi, rank))
+                self.home.append(homes.setdefault((wi, rank), (wi, rank)))
             self.ledgers.append(FlushLedger(sch.requests) if w.flush_abs_ns else None)
         self.specs = specs
         self.reqs = [SimReq(s) for s in specs]
-        self.successors: dict[int, list[int]] = {}
-        for s in specs:
-            if s.pred is not None:
-                self.successors.setdefault(s.pred, []).append(s.idx)
         # slots: every rank's scheduler serves the shared request list; this fleet routes
         # each request to one of them and releases lanes across ranks (``_on_finish``)
         self.slots: list[Slot] = []
@@ -356,11 +243,15 @@ class Fleet:
                     got = recorded_token_times([sp.source for sp in mine], cfg.timing)
                     times[rank] = {mine[i].idx: ts for i, ts in got.items()}
             ledger = self.ledgers[wi]
+            keep = event_log or bool(getattr(router, "reads_events", False))
             for rank, cfg in enumerate(w.rank_configs):
                 cfg = copy.deepcopy(cfg)
-                cfg.attn_dp_rank = rank
+                if not w.one_rank:  # a single-rank replay publishes as its config's rank
+                    cfg.attn_dp_rank = rank
                 cfg.validate()
-                pub = TapPublisher(cfg.sglang_version, cfg.medium, rank, self.anchor_ns)
+                pub = TapPublisher(
+                    cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, self.anchor_ns, keep=keep
+                )
                 rank_flushes = w.flushes_of(rank)
                 plan = (
                     FlushPlan(rank_flushes, ledger, origin)
@@ -380,6 +271,9 @@ class Fleet:
                     sched.timer = PacedTimer(cfg.timing, sched, times[rank], origin)
                 self.slots.append(Slot(len(self.slots), wi, rank, sched, pub))
         self.slot_of = {(sl.worker, sl.rank): sl.index for sl in self.slots}
+        #: pred idx -> the lane's next requests: every rank's scheduler maps the shared
+        #: request list so (``Scheduler.successors``); the fleet reads the first one's
+        self.successors: dict[int, list[int]] = self.slots[0].sched.successors if self.slots else {}
         self.serving = [-1] * len(specs)
         self.pending: list[tuple[int, int]] = []  # (arrival ns, idx): known, not routed
         self.static = bool(getattr(router, "static", False))
@@ -432,6 +326,12 @@ class Fleet:
 
     # ------------------------------------------------------------------ run
     def run(self, progress: Callable[[int], None] | None = None) -> FleetResult:
+        """Run every rank to the end (the cyclic GC paused meanwhile); ``progress(n)``:
+        ``n`` more requests finished."""
+        with gc_paused():
+            return self._run(progress)
+
+    def _run(self, progress: Callable[[int], None] | None) -> FleetResult:
         t0 = time.perf_counter()
         scheds = [sl.sched for sl in self.slots]
         for sched in scheds:
@@ -441,16 +341,26 @@ class Fleet:
                 self._known(s.arrival_ns or 0, s.idx)
         guard = 0
         done_reported = 0
+        pending = self.pending
+        # one rank (a single-rank replay): no other rank to pick or bound it
+        one = scheds[0] if len(scheds) == 1 else None
+        alone = one is not None and type(one.timer) is not PacedTimer
         while True:
-            best = None
-            bt = _INF
-            for sched in scheds:
-                nt = sched.next_time
-                if nt < bt:
-                    bt = nt
-                    best = sched
-            if self.pending and self.pending[0][0] <= bt:
-                at, idx = heapq.heappop(self.pending)
+            if one is not None:
+                if alone and not pending:
+                    guard, done_reported = self._step_alone(one, progress, guard, done_reported)
+                bt = one.next_time
+                best = one if bt < _INF else None
+            else:
+                best = None
+                bt = _INF
+                for sched in scheds:
+                    nt = sched.next_time
+                    if nt < bt:
+                        bt = nt
+                        best = sched
+            if pending and pending[0][0] <= bt:
+                at, idx = heapq.heappop(pending)
                 self._route(at, idx)
                 continue
             if best is None:
@@ -462,11 +372,13 @@ class Fleet:
             if type(best.timer) is PacedTimer:
                 # every paced pass has its own duration: no decode stretch is skipped
                 best.step(best.t + 1)
+            elif one is not None:
+                best.step(pending[0][0] if pending else _INF)
             else:
                 best.step(self.bound_for(best))
             guard += 1
-            if guard > 100_000_000:
-                raise ReplayError("fleet simulation did not terminate (loop guard)")
+            if guard > _GUARD:
+                raise ReplayError("simulation did not terminate (loop guard)")
             if progress is not None:
                 done = sum(sched.finished_count for sched in scheds)
                 if done != done_reported:
@@ -474,7 +386,7 @@ class Fleet:
                     done_reported = done
         stuck = [r.rid for r in self.reqs if r.state not in (FINISHED, ABORTED)][:5]
         if stuck:
-            raise ReplayError(f"fleet simulation ended with unfinished requests: {stuck}")
+            raise ReplayError(f"simulation ended with unfinished requests: {stuck}")
         vend = 0
         for sched in scheds:
             vend = max(vend, sched.finish_run().virtual_ns)
@@ -491,14 +403,44 @@ class Fleet:
             self.specs,
         )
 
-    def _record(self, i: int) -> Any:
+    def _step_alone(
+        self,
+        one: Scheduler,
+        progress: Callable[[int], None] | None,
+        guard: int,
+        done_reported: int,
+    ) -> tuple[int, int]:
+        """The one rank of a fleet with nothing to route: step it as ``Scheduler.run``
+        does (no horizon: no other rank or pending arrival can hand it a request) until it
+        parks or a request waits to be routed (``pending``, a dynamic router's); returns
+        the loop guard and the finished count reported."""
+        pending = self.pending
+        while True:
+            more = one.step()
+            guard += 1
+            if guard > _GUARD:
+                raise ReplayError("simulation did not terminate (loop guard)")
+            if progress is not None and one.finished_count != done_reported:
+                progress(one.finished_count - done_reported)
+                done_reported = one.finished_count
+            if not more or pending:
+                return guard, done_reported
 
+    def _record(self, i: int) -> Any:
+        """The sim ``RequestRecord`` of request ``i``: its serving rank (the rank its
+        publisher stamps), also in ``meta_info`` unless a single-rank replay, and the
+        worker's name when there are several."""
         slot = self.slots[self.serving[i]] if self.serving[i] >= 0 else None
-        worker = None
-        if slot is not None and len(self.workers) > 1:
-            worker = self.workers[slot.worker].name
-        rank = slot.rank if slot is not None else None
-        return sim_request_record(self.reqs[i], self.anchor_ns, rank, worker, rank_in_meta=True)
+        if slot is None:
+            return sim_request_record(self.reqs[i], self.anchor_ns, None, rank_in_meta=True)
+        w = self.workers[slot.worker]
+        return sim_request_record(
+            self.reqs[i],
+            self.anchor_ns,
+            slot.publisher.attn_dp_rank,
+            w.name if len(self.workers) > 1 else None,
+            rank_in_meta=not w.one_rank,
+        )
 
 
 def simulate_fleet(
@@ -509,13 +451,22 @@ def simulate_fleet(
     align_workers: bool = False,
     progress: Callable[[int], None] | None = None,
     pace: str = "auto",
+    event_log: bool = True,
 ) -> FleetResult:
     """Replay ``workers`` with routing policy ``route`` (a name or a router object) and
-    pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``)."""
+    pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``); ``event_log``: see ``Fleet``."""
 
     router = make_router(route) if isinstance(route, str) else route
-    fleet = Fleet(workers, router, hasher=hasher, align_workers=align_workers, pace=pace)
-    return fleet.run(progress)
+    with gc_paused():  # the schedules' construction too (they copy every token stream)
+        fleet = Fleet(
+            workers,
+            router,
+            hasher=hasher,
+            align_workers=align_workers,
+            pace=pace,
+            event_log=event_log,
+        )
+        return fleet.run(progress)
 
 
 # ---------------------------------------------------------------------- output

@@ -33,10 +33,12 @@ ROUTES = ("recorded", "round_robin", "shortest_queue", "cache_aware")
 
 
 class Router:
-    """Base: ``name``, ``static`` and ``route``."""
+    """Base: ``name``, ``static`` (routed when the arrival becomes known), ``reads_events``
+    (reads the ranks' published events: the fleet keeps them) and ``route``."""
 
     name = "?"
     static = False
+    reads_events = False
 
     def __init__(self) -> None:
         self.stats: dict[str, int] = {"routed": 0}
@@ -141,6 +143,7 @@ class PublishedIndex:
 
 class CacheAwareRouter(Router):
     name = "cache_aware"
+    reads_events = True
 
     def __init__(self) -> None:
         super().__init__()

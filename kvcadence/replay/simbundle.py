@@ -2,8 +2,9 @@
 
 A sim bundle has the format of a capture (``Header.source == "sim"``): one ``EventFrame`` per
 published batch (the exact payload bytes, ``via`` sim, ``pass_index`` set), the visibility
-notes, one ``RequestRecord`` per simulated request, and a trailer whose stats hold the
-replay's summary (wall time dropped: the bundle is deterministic).
+notes, one ``RequestRecord`` per simulated request (``sim_request_record``: the one builder
+of a sim record, for every replay), and a trailer whose stats hold the replay's summary
+(wall time dropped: the bundle is deterministic).
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ from typing import Any
 
 from kvcadence import __version__
 from kvcadence.format.bundle import BundleWriter
-from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, VIA_SIM, EndpointInfo, Header
+from kvcadence.format.schema import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    VIA_SIM,
+    EndpointInfo,
+    Header,
+    RequestRecord,
+)
 from kvcadence.outguard import refuse_nonempty_dir
+from kvcadence.replay.request import ABORTED, SimReq
 
 
 def sim_header(
@@ -76,3 +85,56 @@ def write_sim(
         for rec in records:
             w.write(rec)
         w.close(stats={"replay": summary}, end_ns=end_ns)
+
+
+def sim_request_record(
+    r: SimReq,
+    anchor_ns: int,
+    rank: int | None = None,
+    worker: str | None = None,
+    *,
+    rank_in_meta: bool = False,
+) -> Any:
+    """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
+    ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
+    (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
+
+    s = r.spec
+    arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
+    meta: dict[str, Any] = {
+        "prompt_tokens": r.input_len,
+        "completion_tokens": r.output_len,
+        "cached_tokens": r.cached_tokens,
+        "num_retractions": r.retractions,
+        "request_received_ts": None if arr is None else (anchor_ns + arr) / 1e9,
+        "forward_entry_time": None if entry is None else (anchor_ns + entry) / 1e9,
+        "prefill_finished_time": None if first is None else (anchor_ns + first) / 1e9,
+        "request_finished_ts": None if fin is None else (anchor_ns + fin) / 1e9,
+    }
+    if rank_in_meta:
+        meta["dp_rank"] = rank
+    if worker is not None:
+        meta["worker"] = worker
+    src_ids = s.source.input_ids if s.source is not None else s.input_ids
+    return RequestRecord(
+        rid=s.rid,
+        input_ids=src_ids if isinstance(src_ids, list) else list(src_ids),
+        output_ids=list(s.output_ids[: r.output_len]),
+        send_ns=anchor_ns + r.arrival_ns,
+        first_token_ns=None if r.first_token_ns is None else anchor_ns + r.first_token_ns,
+        finish_ns=None if r.finish_ns is None else anchor_ns + r.finish_ns,
+        lane=s.lane,
+        session=s.session,
+        turn=s.turn,
+        max_new_tokens=s.max_new_tokens,
+        prompt_tokens=r.input_len,
+        cached_tokens=r.cached_tokens if r.prefilled_once else None,
+        completion_tokens=r.output_len,
+        finish_reason="abort" if r.state == ABORTED else "length",
+        error=r.error,
+        dp_rank=rank,
+        source="sim",
+        think_ns=s.gap_ns if s.pred is not None else None,
+        arrival_ns=None if s.pred is not None else anchor_ns + (s.arrival_ns or 0),
+        meta_info=meta,
+    )

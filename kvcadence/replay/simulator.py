@@ -1,17 +1,24 @@
-"""Replay entry points: a captured schedule in, a simulated bundle (or in-memory result) out.
+"""Single-rank replay: a fleet of one, seen as one rank (its own result view and header).
 
-What this file owns:
+A single-rank replay is the one replay driver (``replay.fleet.Fleet``) run on one worker of
+one rank (``replay.worker.one_rank_worker``); this file owns only what is single-rank about
+it:
 
-* ``effective_config(header, records, overrides)`` — ``SimConfig`` from the bundle's
-  ``/server_info`` snapshot, the pass-time model calibrated from the capture's own timings,
-  then the caller's overrides (CLI flags) on top;
-* ``simulate(records, cfg, ...)`` — schedule reconstruction + one ``Scheduler`` run, returning
-  the published batches and one sim ``RequestRecord`` per request (no I/O);
-* ``replay_bundle(src, out, config)`` — read a bundle, simulate, write the sim bundle:
-  ``Header(source="sim", sim_config=…, server_info copied)``, one ``EventFrame`` per published
-  batch (real wire bytes, own seq from 0, ``via=VIA_SIM``, ``recv_ns`` = virtual publish time
-  anchored at the capture's first arrival, ``pass_index``), the ``RequestRecord``s, a
-  ``Trailer`` with the run statistics. Deterministic: the same input gives the same bytes.
+* ``SimResult`` -- the one rank's view of that run: its config, schedule, statistics,
+  published batches, sim ``RequestRecord``s (no ``meta_info["dp_rank"]``) and finished
+  ``Scheduler``, and the summary a single-rank replay prints and writes in its trailer;
+* ``simulate(records, cfg, ...)`` -- that run in memory (no I/O);
+* ``replay_bundle(src, out, config)`` -- read a bundle (``replay.production`` completes a
+  production capture's records; settings by ``replay.worker.effective_config``; one rank's
+  recorded flushes), simulate, write the sim bundle;
+* ``write_sim_bundle`` -- the single-rank sim bundle through ``replay.simbundle.write_sim``:
+  ``Header(source="sim", sim_config=…, server_info copied)`` with one endpoint ``sim://``
+  (the fleet's bundles have ``sim://rank<N>`` and ``route`` / ``dp_size`` / ``ranks`` in
+  ``sim_config``), one ``EventFrame`` per published batch (real wire bytes, own seq from 0,
+  ``via=VIA_SIM``, ``recv_ns`` = virtual publish time anchored at the capture's first
+  arrival, ``pass_index``), the visibility notes, the ``RequestRecord``s, a ``Trailer``
+  with the run statistics. Deterministic: the same input gives the same bytes;
+* ``check_some_ran`` -- the replay commands' exit status when every request was aborted.
 
 Flushes recorded in the source (an ``AllBlocksCleared`` after seq 0 of an epoch, or an
 ``Annotation`` of kind ``flush``; ``replay.flushes.recorded_flushes``) are replayed in request
@@ -21,7 +28,6 @@ rank is idle (``replay.flushes``).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,26 +36,26 @@ from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
 from kvcadence.format.bundle import BundleReader
-from kvcadence.format.schema import EndpointInfo, RequestRecord
+from kvcadence.format.schema import EndpointInfo
 from kvcadence.gcpause import gc_paused
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
-from kvcadence.replay.config import SimConfig, from_server_info
-from kvcadence.replay.events import PublishedBatch, Publisher
-from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
+from kvcadence.replay.config import SimConfig
+from kvcadence.replay.events import PublishedBatch
+from kvcadence.replay.fleet import Fleet
 from kvcadence.replay.production import records_for_replay, retractions
-from kvcadence.replay.radix import Hasher, wire_hasher
-from kvcadence.replay.request import ABORTED, SimReq, SimStats
-from kvcadence.replay.schedule import Schedule, build_schedule
-from kvcadence.replay.scheduler import Scheduler
+from kvcadence.replay.radix import Hasher
+from kvcadence.replay.request import SimStats
+from kvcadence.replay.routing import make_router
+from kvcadence.replay.schedule import Schedule
 from kvcadence.replay.simbundle import sim_header, write_sim
-from kvcadence.replay.timing import calibrate
 from kvcadence.replay.visibility import visibility_notes
+from kvcadence.replay.worker import effective_config, flush_times_from_bundle, one_rank_worker
 
 
 @dataclass
 class SimResult:
-    """Everything one replay produced."""
+    """Everything a single-rank replay produced (the one rank of a fleet of one)."""
 
     config: SimConfig
     schedule: Schedule
@@ -82,42 +88,6 @@ class SimResult:
         }
 
 
-_TIMING_KEYS = {f.name for f in dataclasses.fields(SimConfig().timing)}
-
-
-def effective_config(
-    server_info: dict[str, Any] | None,
-    records: Sequence[Any],
-    overrides: dict[str, Any] | None = None,
-    *,
-    sglang_version: str | None = None,
-    calibrate_timing: bool = True,
-) -> SimConfig:
-    """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored)."""
-    cfg = from_server_info(server_info or {}, sglang_version)
-    if calibrate_timing:
-        # a CPU worker runs each forward inside its launch: under the overlap loop (the one
-        # recorded in server_info, whatever the overrides simulate) a prefill's result is
-        # processed after the next forward, so its recorded prefill time spans that forward
-        # too, which the calibration takes out; the normal loop processes it right after its
-        # own forward
-        cpu = str((server_info or {}).get("device", "")) == "cpu"
-        spans_next = cpu and not cfg.disable_overlap_schedule
-        cfg.timing = calibrate(
-            list(records), cfg.timing, sync_forward=cfg.sync_forward or spans_next
-        )
-    for key, value in (overrides or {}).items():
-        if value is None:
-            continue
-        if key in _TIMING_KEYS:
-            setattr(cfg.timing, key, value)
-        elif hasattr(cfg, key) and key != "timing":
-            setattr(cfg, key, value)
-        else:
-            raise UsageError(f"unknown simulator setting {key!r}")
-    return cfg.validate()
-
-
 def simulate(
     records: Sequence[Any],
     cfg: SimConfig,
@@ -125,122 +95,35 @@ def simulate(
     hasher: Hasher | None = None,
     flush_abs_ns: Iterable[int] = (),
     progress: Callable[[int], None] | None = None,
-    on_publish: Callable[[int], None] | None = None,
 ) -> SimResult:
-    """Simulate ``records`` (``RequestRecord``-like) under ``cfg``; no I/O.
+    """Simulate ``records`` (``RequestRecord``-like) on one rank under ``cfg``; no I/O.
 
-    The cyclic garbage collector is paused for the call (restored after): a replay creates
-    millions of long-lived objects (token lists, radix nodes, events, records) that
-    collections would only re-walk (≈ 20 % of a large replay)."""
-    with gc_paused():
-        return _simulate(
-            records,
-            cfg,
-            hasher=hasher,
-            flush_abs_ns=flush_abs_ns,
-            progress=progress,
-            on_publish=on_publish,
-        )
-
-
-def _simulate(
-    records: Sequence[Any],
-    cfg: SimConfig,
-    *,
-    hasher: Hasher | None,
-    flush_abs_ns: Iterable[int],
-    progress: Callable[[int], None] | None,
-    on_publish: Callable[[int], None] | None,
-) -> SimResult:
-    cfg.validate()
+    A fleet of one (``replay.fleet``, the one replay driver): every request on this rank,
+    ``recorded`` routing, the pass-time model's pace, no event log kept; flushing at
+    ``flush_abs_ns`` (absolute receive times) in request order. The cyclic garbage
+    collector is paused for the call (a replay builds millions of long-lived objects that
+    collections would only re-walk)."""
     t0 = time.perf_counter()
-    schedule = build_schedule(records, default_gap_ns=int(cfg.timing.default_gap_s * 1e9))
-    flushes = sorted(int(f) for f in flush_abs_ns)
-    plan = None
-    if flushes:
-        plan = FlushPlan(flushes, FlushLedger(schedule.requests), schedule.anchor_ns)
-        schedule.flush_times_ns = [max(0, f - schedule.anchor_ns) for f in flushes]
-    publisher = Publisher(cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns)
-    sched = Scheduler(
-        cfg,
-        schedule,
-        hasher or wire_hasher(),
-        publisher=publisher,
-        on_publish=on_publish,
-        flush_plan=plan,
-    )
-    stats = sched.run(progress)
-    anchor = schedule.anchor_ns
-    out = [sim_request_record(r, anchor, cfg.attn_dp_rank) for r in sched.reqs]
+    cfg.validate()
+    worker = one_rank_worker(records, cfg, flush_abs_ns)
+    with gc_paused():  # the schedule's construction too (it copies every token stream)
+        fleet = Fleet(
+            [worker], make_router("recorded"), hasher=hasher, pace="model", event_log=False
+        )
+        run = fleet.run(progress)
+    (slot,) = run.slots
+    sched = slot.sched
+    schedule = fleet.schedules[0]
+    schedule.flush_times_ns = list(sched.schedule.flush_times_ns)  # its rank's, as run
     return SimResult(
-        cfg, schedule, stats, publisher.batches, out, time.perf_counter() - t0, scheduler=sched
+        sched.cfg,
+        schedule,
+        sched.stats,
+        slot.publisher.batches,
+        run.requests,
+        time.perf_counter() - t0,
+        scheduler=sched,
     )
-
-
-def sim_request_record(
-    r: SimReq,
-    anchor_ns: int,
-    rank: int | None = None,
-    worker: str | None = None,
-    *,
-    rank_in_meta: bool = False,
-) -> Any:
-    """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
-    ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
-    (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
-
-    s = r.spec
-    arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
-    meta: dict[str, Any] = {
-        "prompt_tokens": r.input_len,
-        "completion_tokens": r.output_len,
-        "cached_tokens": r.cached_tokens,
-        "num_retractions": r.retractions,
-        "request_received_ts": None if arr is None else (anchor_ns + arr) / 1e9,
-        "forward_entry_time": None if entry is None else (anchor_ns + entry) / 1e9,
-        "prefill_finished_time": None if first is None else (anchor_ns + first) / 1e9,
-        "request_finished_ts": None if fin is None else (anchor_ns + fin) / 1e9,
-    }
-    if rank_in_meta:
-        meta["dp_rank"] = rank
-    if worker is not None:
-        meta["worker"] = worker
-    src_ids = s.source.input_ids if s.source is not None else s.input_ids
-    return RequestRecord(
-        rid=s.rid,
-        input_ids=src_ids if isinstance(src_ids, list) else list(src_ids),
-        output_ids=list(s.output_ids[: r.output_len]),
-        send_ns=anchor_ns + r.arrival_ns,
-        first_token_ns=None if r.first_token_ns is None else anchor_ns + r.first_token_ns,
-        finish_ns=None if r.finish_ns is None else anchor_ns + r.finish_ns,
-        lane=s.lane,
-        session=s.session,
-        turn=s.turn,
-        max_new_tokens=s.max_new_tokens,
-        prompt_tokens=r.input_len,
-        cached_tokens=r.cached_tokens if r.prefilled_once else None,
-        completion_tokens=r.output_len,
-        finish_reason="abort" if r.state == ABORTED else "length",
-        error=r.error,
-        dp_rank=rank,
-        source="sim",
-        think_ns=s.gap_ns if s.pred is not None else None,
-        arrival_ns=None if s.pred is not None else anchor_ns + (s.arrival_ns or 0),
-        meta_info=meta,
-    )
-
-
-def flush_times_from_bundle(
-    reader: Any, rank: int | None = None, recorded: list[Any] | None = None
-) -> list[int]:
-    """Receive times of the flushes recorded in a bundle (``recorded_flushes``; ``recorded``:
-    those already read): those of DP ``rank`` (the lowest rank that has any when it has
-    none) and those of every rank; ``rank`` None: all of them."""
-    flushes = recorded_flushes(reader) if recorded is None else recorded
-    ranks = sorted({f.rank for f in flushes if f.rank is not None})
-    if rank is not None and ranks and rank not in ranks:
-        rank = ranks[0]
-    return sorted({f.recv_ns for f in flushes if rank is None or f.rank is None or f.rank == rank})
 
 
 def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:

@@ -46,8 +46,9 @@ from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay import executors
 from kvcadence.replay.config import CLI_OVERRIDES, SimConfig, TimingParams
 from kvcadence.replay.events import CLEAR, REMOVE, STORE
-from kvcadence.replay.fleet import load_worker, rank_configs, simulate_fleet
+from kvcadence.replay.fleet import simulate_fleet
 from kvcadence.replay.routing import ROUTES
+from kvcadence.replay.worker import load_worker, rank_configs
 
 PARTITION_BASE = ("worker", "rank", "route")
 

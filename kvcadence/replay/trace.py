@@ -43,7 +43,8 @@ from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, Header, RequestR
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig
-from kvcadence.replay.simulator import SimResult, effective_config, simulate, write_sim_bundle
+from kvcadence.replay.simulator import SimResult, simulate, write_sim_bundle
+from kvcadence.replay.worker import effective_config
 
 TRACE_FORMATS = ("mooncake", "requests")
 _MOONCAKE_KEYS = ("hash_ids", "input_length", "output_length", "timestamp")

@@ -94,13 +94,9 @@ def _workdir() -> Path:
 def replayed(name: str, path: str = "driver") -> dict[str, dict]:
     """``figure -> compare_ranks row`` (rank ``all``) of capture ``name`` replayed with the
     driver's records (``path="driver"``) or as a production capture (``"production"``)."""
-    from kvcadence.replay.fleet import (
-        dp_size_of,
-        load_worker,
-        simulate_fleet,
-        write_fleet_bundles,
-    )
+    from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
     from kvcadence.replay.simulator import replay_bundle
+    from kvcadence.replay.worker import dp_size_of, load_worker
 
     out = _workdir() / f"{name}-{path}"
     src = CORPUS / name / "bundle"

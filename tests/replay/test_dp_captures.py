@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from kvcadence.analysis.ranks import compare_ranks, rank_figures
-from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
+from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+from kvcadence.replay.worker import load_worker
 
 DATA = Path(__file__).parent / "data"
 S404 = DATA / "sglang-0.5.23-dp2-agent-s404"

@@ -39,9 +39,10 @@ import pytest
 
 from kvcadence.analysis.ranks import compare_ranks, rank_figures
 from kvcadence.capture.importer import import_bundle
-from kvcadence.replay.fleet import Fleet, load_worker, simulate_fleet, write_fleet_bundles
+from kvcadence.replay.fleet import Fleet, simulate_fleet, write_fleet_bundles
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.simulator import replay_bundle
+from kvcadence.replay.worker import load_worker
 
 DP2 = Path(__file__).parent / "data" / "sglang-0.5.23-dp2-agent-ps1"
 

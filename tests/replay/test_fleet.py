@@ -18,17 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcadence.errors import InputError
+from kvcadence.errors import InputError, UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload
 from kvcadence.format.schema import AllBlocksCleared, BlockStored, EndpointInfo, Header
-from kvcadence.replay.fleet import (
-    WorkerInput,
-    dp_size_of,
-    load_worker,
-    simulate_fleet,
-    write_fleet_bundles,
-)
+from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+from kvcadence.replay.worker import WorkerInput, dp_size_of, load_worker
 from tests.replay.helpers import config, lane_chain, req, run
 
 
@@ -71,6 +66,24 @@ def test_one_rank_recorded_is_byte_identical_to_single_simulator():
     assert payloads(fleet.slots[0].publisher.batches) == payloads(single.batches)
     assert [r.cached_tokens for r in fleet.requests] == [r.cached_tokens for r in single.requests]
     assert all(r.dp_rank == 0 for r in fleet.requests)
+
+
+def test_the_single_rank_replay_serves_every_recorded_rank_as_its_configs_rank():
+    # a DP capture replayed as one rank (the API's replay_bundle): whatever rank recorded a
+    # request, the one rank serves it under its config's attn_dp_rank, no meta rank
+    recs = two_rank_records()
+    assert {r.dp_rank for r in recs} == {0, 1}
+    res = run(copy.deepcopy(recs), config(max_total_tokens=400, attn_dp_rank=1))
+    assert len(res.requests) == len(recs) and {r.dp_rank for r in res.requests} == {1}
+    assert not any("dp_rank" in r.meta_info for r in res.requests)
+    assert res.batches
+    assert {wire.decode_batch(b.payload).attn_dp_rank for b in res.batches} == {1}
+    # the fleet replays that worker per recorded rank instead: it refuses a one-rank
+    # worker of several ranks
+    w = worker(recs, 2)
+    w.one_rank = True
+    with pytest.raises(UsageError, match="one-rank worker has 2 rank configs"):
+        simulate_fleet([w], "recorded")
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -277,3 +290,21 @@ def test_dp_size_from_header_endpoints_and_records():
     assert dp_size_of(H(), [ranked(req("a", [1], 1), 3)]) == 4
     H.server_info = {}
     assert dp_size_of(H(), [ranked(req("a", [1], 1), None)]) == 1
+
+
+@pytest.mark.parametrize(
+    ("n_ranks", "route"), [(1, "recorded"), (1, "round_robin"), (2, "recorded")]
+)
+def test_progress_counts_every_request_once(n_ranks, route):
+    # one rank under a static router steps alone; a dynamic router or two ranks take the
+    # general loop: either way every finished request is reported once
+    recs = two_rank_records()
+    for r in recs:
+        r.dp_rank = r.dp_rank if n_ranks > 1 else None
+    got: list[int] = []
+    res = simulate_fleet([worker(recs, n_ranks)], route, progress=got.append)
+    assert all(n > 0 for n in got) and sum(got) == len(res.requests) == len(recs)
+    if n_ranks == 1 and route == "recorded":
+        got.clear()
+        single = run(copy.deepcopy(recs), config(), progress=got.append)
+        assert sum(got) == len(single.requests) and len(got) > 1

@@ -37,11 +37,12 @@ from kvcadence.format.schema import (
     EndpointInfo,
     Header,
 )
-from kvcadence.replay.fleet import WorkerInput, load_worker, simulate_fleet, write_fleet_bundles
+from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
 from kvcadence.replay.flushes import RecordedFlush, recorded_flushes
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.schedule import build_schedule
 from kvcadence.replay.scheduler import Scheduler
+from kvcadence.replay.worker import WorkerInput, load_worker
 
 from .helpers import MS, check_stream, config, decoded, req, run
 

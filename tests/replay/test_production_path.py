@@ -147,7 +147,8 @@ def test_fixture_inference_matches_the_driver_truth(fixture_dir, tmp_path):
 
 def test_dp2_production_path_replays_like_the_driver_records(tmp_path):
     from kvcadence.analysis.ranks import rank_figures
-    from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
+    from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+    from kvcadence.replay.worker import load_worker
 
     src = DATA / "sglang-0.5.23-dp2-agent-ps1"
     prod = tmp_path / "prod"

@@ -112,3 +112,22 @@ def test_router_index_ends_equal_to_each_rank_tree(lanes, pool):
         ix.advance(sl.publisher.log, 2**62)
         assert ix.blocks == sl.sched.tree.resident_hashes()
     assert router.stats["routed"] == len(recs)
+
+
+@pytest.mark.parametrize("route", ["recorded", "cache_aware"])
+def test_event_log_is_kept_only_when_asked_or_read_by_the_router(route):
+    prompt = list(range(10, 110))
+    recs = [
+        ranked(req("a", prompt, 3, arrival_ms=0), 0),
+        ranked(req("x", list(range(300, 340)), 3, arrival_ms=0), 1),
+        ranked(req("c", prompt + [2], 3, arrival_ms=200), 1),
+    ]
+    kept = simulate_fleet([worker(copy.deepcopy(recs), 2)], route)
+    lean = simulate_fleet([worker(copy.deepcopy(recs), 2)], route, event_log=False)
+    assert all(sl.publisher.log for sl in kept.slots)  # the default keeps it (the sweep's)
+    logged = [bool(sl.publisher.log) for sl in lean.slots]
+    assert logged == ([True, True] if route == "cache_aware" else [False, False])
+    # the log only watches: routing and bytes are the same either way
+    assert lean.serving == kept.serving
+    for a, b in zip(lean.slots, kept.slots, strict=True):
+        assert [x.payload for x in a.publisher.batches] == [x.payload for x in b.publisher.batches]

@@ -1,12 +1,15 @@
-"""The scheduler's public stepping API: one loop body for ``Scheduler.run`` and the fleet.
+"""The scheduler's public stepping API and the one replay driver over it.
 
 * a driver that routes every request itself (shared ``requests=``, ``add_arrival``,
-  releasing lanes from ``on_finish``) reproduces ``run`` byte for byte; ``on_finish`` is
-  called once per request, at its finish time;
+  releasing lanes from ``on_finish``) reproduces ``Scheduler.run`` byte for byte;
+  ``on_finish`` is called once per request, at its finish time;
 * ``step``'s ``horizon`` bounds a skipped decode stretch like a known arrival: an arrival
   handed over at the horizon gives exactly the bytes of knowing it from the start;
-* fleet bundles carry each rank's visibility notes (one rank: the single simulator's
-  notes) and records built by the same ``sim_request_record`` as the single simulator.
+* fleet bundles carry each rank's visibility notes;
+* the design: a single-rank replay is a fleet of one -- ``replay_bundle`` / ``simulate``
+  run ``Fleet`` once on one rank, and its sim bundle is the one-rank fleet's bundle byte
+  for byte but for what names the single rank (header endpoint ``sim://``, ``sim_config``
+  without ``route`` / ``dp_size`` / ``ranks``, the command, no ``meta_info["dp_rank"]``).
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from kvcadence.errors import ReplayError
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import Annotation
 from kvcadence.replay.events import Publisher
-from kvcadence.replay.fleet import load_worker, simulate_fleet, write_fleet_bundles
+from kvcadence.replay.fleet import Fleet, simulate_fleet, write_fleet_bundles
 from kvcadence.replay.radix import wire_hasher
 from kvcadence.replay.request import SimReq
 from kvcadence.replay.schedule import Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simulator import replay_bundle
+from kvcadence.replay.worker import load_worker
 from tests.replay.helpers import config, req, run
 from tests.replay.test_fleet import _write_source, two_rank_records
 
@@ -79,14 +83,25 @@ def _lanes() -> list:
     return recs
 
 
+def _run_alone(records, cfg):
+    """``Scheduler.run`` on its own schedule (no driver): batches and statistics."""
+    sch = build_schedule(records, default_gap_ns=int(cfg.timing.default_gap_s * 1e9))
+    sched = Scheduler(cfg, sch, wire_hasher())
+    stats = sched.run()
+    return sched.publisher.batches, stats
+
+
 def test_outside_driver_reproduces_run_and_sees_every_finish():
     recs = _lanes()
-    cfg = config(max_total_tokens=300)
-    single = run(copy.deepcopy(recs), cfg)
+    alone, alone_stats = _run_alone(copy.deepcopy(recs), config(max_total_tokens=300))
     batches, reqs, finished, stats = _driven(copy.deepcopy(recs), config(max_total_tokens=300))
-    assert _payloads(batches) == _payloads(single.batches)
-    assert [b.time_ns for b in batches] == [b.time_ns for b in single.batches]
-    assert stats.passes == single.stats.passes and stats.virtual_ns == single.stats.virtual_ns
+    assert alone and _payloads(batches) == _payloads(alone)
+    assert [b.time_ns for b in batches] == [b.time_ns for b in alone]
+    assert stats.passes == alone_stats.passes and stats.virtual_ns == alone_stats.virtual_ns
+    # the single-rank replay (a fleet of one) too
+    single = run(copy.deepcopy(recs), config(max_total_tokens=300))
+    assert _payloads(single.batches) == _payloads(alone)
+    assert single.stats.passes == alone_stats.passes
     assert sorted(i for i, _ in finished) == list(range(len(reqs)))  # once each
     assert all(reqs[i].finish_ns == t for i, t in finished)
 
@@ -154,16 +169,39 @@ def test_fleet_bundles_carry_each_ranks_visibility_notes(tmp_path):
     assert _notes(path_off) == []
 
 
-def test_one_rank_fleet_bundle_equals_the_single_replay_but_for_meta_rank(tmp_path):
+def test_single_rank_replay_is_a_fleet_of_one(tmp_path, monkeypatch):
     recs = _lanes()
     _write_source(tmp_path / "src", recs, 1)
+    ranks_run: list[int] = []
+    fleet_run = Fleet.run
+
+    def counted(self, progress=None):
+        ranks_run.append(len(self.slots))
+        return fleet_run(self, progress)
+
+    monkeypatch.setattr(Fleet, "run", counted)
     replay_bundle(tmp_path / "src", tmp_path / "single")
+    assert ranks_run == [1]  # the one driver, on one rank
     res = simulate_fleet([load_worker(tmp_path / "src")], "recorded")
     (path,) = write_fleet_bundles(tmp_path / "fleet", res)
+    single, fleet = BundleReader(tmp_path / "single"), BundleReader(path)
     enc = msgspec.msgpack.encode
-    assert [enc(n) for n in _notes(path)] == [enc(n) for n in _notes(tmp_path / "single")]
-    assert _notes(path)
-    single = BundleReader(tmp_path / "single").requests()
-    fleet = BundleReader(path).requests()
-    assert all(r.meta_info.pop("dp_rank") == 0 for r in fleet)
-    assert [enc(r) for r in fleet] == [enc(r) for r in single]
+    frames = [enc(f) for f in single.events()]
+    assert frames and [enc(f) for f in fleet.events()] == frames
+    assert _notes(path) and [enc(n) for n in _notes(path)] == [
+        enc(n) for n in _notes(tmp_path / "single")
+    ]
+    fleet_recs = fleet.requests()
+    assert all(r.meta_info.pop("dp_rank") == 0 for r in fleet_recs)
+    assert [enc(r) for r in fleet_recs] == [enc(r) for r in single.requests()]
+    # the headers differ exactly in what names the single rank / the fleet
+    sh, fh = single.header, fleet.header
+    assert [(e.id, e.url, e.dp_rank) for e in sh.endpoints] == [(0, "sim://", 0)]
+    assert [(e.id, e.url, e.dp_rank) for e in fh.endpoints] == [(0, "sim://rank0", 0)]
+    assert sh.command == ["kvcadence", "replay"]
+    assert fh.command == ["kvcadence", "replay", "--route", "recorded"]
+    extra = {k: fh.sim_config.pop(k) for k in ("route", "dp_size", "ranks")}
+    assert extra["route"] == "recorded" and extra["dp_size"] == 1
+    assert extra["ranks"] == [sh.sim_config] and fh.sim_config == sh.sim_config
+    same = ("endpoints", "command", "sim_config")
+    assert msgspec.structs.replace(fh, **{k: getattr(sh, k) for k in same}) == sh

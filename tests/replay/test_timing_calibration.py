@@ -144,7 +144,7 @@ def test_cpu_worker_normal_loop_prefill_times_are_its_own_forward():
     process its result) has ``prefill_finished_time`` at the end of its own forward, so the
     calibration takes nothing out (``effective_config`` reads the recorded loop from
     ``/server_info``, whatever loop the overrides simulate)."""
-    from kvcadence.replay.simulator import effective_config
+    from kvcadence.replay.worker import effective_config
 
     decode = 0.02
     recs = []

@@ -1,0 +1,225 @@
+"""What to replay of one worker: its request records, settings per DP rank and flushes.
+
+What this file owns (the inputs of ``replay.fleet``, the one replay driver):
+
+* ``effective_config(server_info, records, overrides)`` -- ``SimConfig`` from a
+  ``/server_info`` snapshot, the pass-time model calibrated from the capture's own timings,
+  then the caller's overrides (CLI flags) on top;
+* ``dp_size_of`` / ``rank_configs`` -- a worker's DP ranks and one ``SimConfig`` per rank
+  (``max_total_num_tokens`` is per rank, ``internal_states[rank]`` first; ``attn_dp_rank``
+  = rank; the pass-time model calibrated from that rank's own requests when it has >= 8);
+* ``WorkerInput`` -- one worker to replay: records, rank configs, recorded flushes (with
+  the DP rank whose stream carried each), source header. ``one_rank_worker`` makes the
+  single-rank replay's input: every request on one rank of the caller's ``SimConfig``
+  (its ``attn_dp_rank`` kept, whatever rank recorded it), the flushes given;
+* ``load_worker(path)`` -- read one bundle as a worker (a production capture's outputs and
+  sessions recovered by ``replay.production``);
+* ``flush_times_from_bundle`` -- one rank's recorded flush times (a single-rank replay of a
+  DP bundle flushes once, not once per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcadence.errors import InputError, UsageError
+from kvcadence.format.bounds import MAX_DP_SIZE
+from kvcadence.format.bundle import BundleReader
+from kvcadence.format.schema import served_rank
+from kvcadence.replay.config import SimConfig, from_server_info
+from kvcadence.replay.flushes import recorded_flushes
+from kvcadence.replay.production import records_for_replay
+from kvcadence.replay.timing import calibrate
+
+_TIMING_KEYS = {f.name for f in dataclasses.fields(SimConfig().timing)}
+
+
+def effective_config(
+    server_info: dict[str, Any] | None,
+    records: Sequence[Any],
+    overrides: dict[str, Any] | None = None,
+    *,
+    sglang_version: str | None = None,
+    calibrate_timing: bool = True,
+) -> SimConfig:
+    """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored)."""
+    cfg = from_server_info(server_info or {}, sglang_version)
+    if calibrate_timing:
+        # a CPU worker runs each forward inside its launch: under the overlap loop (the one
+        # recorded in server_info, whatever the overrides simulate) a prefill's result is
+        # processed after the next forward, so its recorded prefill time spans that forward
+        # too, which the calibration takes out; the normal loop processes it right after its
+        # own forward
+        cpu = str((server_info or {}).get("device", "")) == "cpu"
+        spans_next = cpu and not cfg.disable_overlap_schedule
+        cfg.timing = calibrate(
+            list(records), cfg.timing, sync_forward=cfg.sync_forward or spans_next
+        )
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key in _TIMING_KEYS:
+            setattr(cfg.timing, key, value)
+        elif hasattr(cfg, key) and key != "timing":
+            setattr(cfg, key, value)
+        else:
+            raise UsageError(f"unknown simulator setting {key!r}")
+    return cfg.validate()
+
+
+@dataclass
+class WorkerInput:
+    """One worker to replay (normally one bundle)."""
+
+    name: str
+    records: list[Any]  # RequestRecord
+    rank_configs: list[SimConfig]
+    flush_abs_ns: list[int] = field(default_factory=list)
+    header: Any = None
+    path: str | None = None
+    #: the DP rank whose stream carried each of ``flush_abs_ns`` (None: every rank); None:
+    #: every flush is every rank's
+    flush_ranks: list[int | None] | None = None
+    #: the single-rank replay: one rank (``rank_configs[0]``, its ``attn_dp_rank`` kept)
+    #: serves every request whatever rank recorded it, and the sim records carry no
+    #: ``meta_info["dp_rank"]`` (``one_rank_worker``)
+    one_rank: bool = False
+
+    def flushes_of(self, rank: int) -> list[int]:
+        """Recorded flush times (absolute ns) of DP ``rank``."""
+        if self.flush_ranks is None:
+            return list(self.flush_abs_ns)
+        return [
+            t
+            for t, r in zip(self.flush_abs_ns, self.flush_ranks, strict=True)
+            if r is None or r == rank
+        ]
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.rank_configs)
+
+
+def one_rank_worker(
+    records: Sequence[Any],
+    cfg: SimConfig,
+    flush_abs_ns: Iterable[int] = (),
+    *,
+    name: str = "sim",
+    header: Any = None,
+) -> WorkerInput:
+    """The single-rank replay's worker: every request of ``records`` on one rank with
+    ``cfg``, flushing at ``flush_abs_ns`` (absolute receive times)."""
+    flushes = sorted(int(f) for f in flush_abs_ns)
+    return WorkerInput(name, list(records), [cfg], flushes, header, one_rank=True)
+
+
+def dp_size_of(header: Any, records: Sequence[Any]) -> int:
+    """DP ranks of a worker: ``/server_info`` (``dp_size`` or ``kv_events.dp_size``), the
+    bundle's endpoints, or the highest recorded rank + 1 -- whichever is largest."""
+    info = dict(getattr(header, "server_info", None) or {})
+    cands = [1]
+    for v in (info.get("dp_size"), (info.get("kv_events") or {}).get("dp_size")):
+        if isinstance(v, int) and v > 0:
+            cands.append(v)
+    eps = getattr(header, "endpoints", None) or []
+    if eps:
+        cands.append(max(int(e.dp_rank) for e in eps) + 1)
+    if records:
+        cands.append(max(served_rank(r) for r in records) + 1)
+    if max(cands) > MAX_DP_SIZE:  # a damaged or hostile bundle, not a worker: refuse, never
+        raise UsageError(  # allocate a rank per claimed dp_size / dp_rank
+            f"the bundle claims {max(cands)} DP ranks (server_info dp_size, endpoints or a "
+            f"request's dp_rank); at most {MAX_DP_SIZE} are supported"
+        )
+    return max(cands)
+
+
+def rank_configs(
+    header: Any,
+    records: Sequence[Any],
+    overrides: dict[str, Any] | None = None,
+    *,
+    sglang_version: str | None = None,
+    calibrate_timing: bool = True,
+    dp_size: int | None = None,
+) -> list[SimConfig]:
+    """One ``SimConfig`` per rank of a worker (see module docstring)."""
+
+    n = dp_size or dp_size_of(header, records)
+    info = dict(getattr(header, "server_info", None) or {})
+    internal = info.get("internal_states")
+    version = sglang_version or getattr(header, "sglang_version", None)
+    out = []
+    for rank in range(n):
+        rank_info = dict(info)
+        if isinstance(internal, list) and len(internal) > rank and isinstance(internal[rank], dict):
+            # the per-rank scheduler state first (its max_total_num_tokens is per rank)
+            rank_info = {k: v for k, v in info.items() if k != "internal_states"}
+            for k, v in internal[rank].items():
+                if v is not None:
+                    rank_info[k] = v
+        mine = [r for r in records if served_rank(r) == rank]
+        cfg = effective_config(
+            rank_info,
+            mine if len(mine) >= 8 else list(records),
+            overrides,
+            sglang_version=version,
+            calibrate_timing=calibrate_timing,
+        )
+        cfg.attn_dp_rank = rank
+        out.append(cfg)
+    return out
+
+
+def load_worker(
+    path: str | Path,
+    overrides: dict[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    sglang_version: str | None = None,
+    calibrate_timing: bool = True,
+) -> WorkerInput:
+    """Read one bundle as a worker to replay."""
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{p}: no such bundle")
+    reader = BundleReader(p)
+    records, _, recorded = records_for_replay(reader)  # production: outputs, sessions
+    if not records:
+        raise InputError(f"{p}: the bundle has no request records to replay")
+    cfgs = rank_configs(
+        reader.header,
+        records,
+        overrides,
+        sglang_version=sglang_version,
+        calibrate_timing=calibrate_timing,
+    )
+    flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
+    return WorkerInput(
+        name or p.name,
+        records,
+        cfgs,
+        [f.recv_ns for f in flushes],
+        reader.header,
+        str(p),
+        [f.rank for f in flushes],
+    )
+
+
+def flush_times_from_bundle(
+    reader: Any, rank: int | None = None, recorded: list[Any] | None = None
+) -> list[int]:
+    """Receive times of the flushes recorded in a bundle (``recorded_flushes``; ``recorded``:
+    those already read): those of DP ``rank`` (the lowest rank that has any when it has
+    none) and those of every rank; ``rank`` None: all of them."""
+    flushes = recorded_flushes(reader) if recorded is None else recorded
+    ranks = sorted({f.rank for f in flushes if f.rank is not None})
+    if rank is not None and ranks and rank not in ranks:
+        rank = ranks[0]
+    return sorted({f.recv_ns for f in flushes if rank is None or f.rank is None or f.rank == rank})
