@@ -54,9 +54,7 @@ def _mixed_bundle(path: Path, seed: int = 5) -> Path:
     return path
 
 
-def test_chunked_tables_equal_whole_tables(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_chunked_tables_equal_whole_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 50 events / 2,000 request ids (dozens of row groups, ids offset per chunk)
     give exactly the tables of one chunk, in memory and in the Parquet cache."""
     b = _mixed_bundle(tmp_path / "b")
