@@ -1,4 +1,6 @@
-"""The record loop: one pass over a bundle's records into columns (``build_tables``).
+"""The record loop: one pass over a bundle's records into chunks of columns, handed to a sink
+as they fill (``write_tables``: Parquet row groups written while the bundle is read, memory
+bounded by a chunk; ``build_tables``: the same tables in memory).
 
 Reads a bundle through ``kvcadence.format.bundle.BundleReader`` (requests as
 ``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
@@ -10,7 +12,9 @@ flattens everything straight into ``array``/list columns (never keeping the deco
 cyclic GC paused: keeping hundreds of thousands of decoded structs with lists makes CPython's
 cyclic GC cut throughput 3-4x, docs/format.md). The loop stays one function on purpose: per
 event it only appends, and a helper call per event or message would cost more than the
-appends. ``kvcadence.analysis.columns`` turns the columns into pyarrow tables (numpy).
+appends. ``kvcadence.analysis.columns`` turns each chunk's columns into pyarrow tables
+(numpy), ``kvcadence.analysis.sinks`` takes them; messages are de-duplicated by
+``kvcadence.analysis.seqset`` (runs of seqs, not a set of every message).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kvcadence.analysis.columns import (
     notes_table,
     requests_table,
 )
+from kvcadence.analysis.ingestinfo import header_info, read_info
 from kvcadence.analysis.seqset import SeenSeqs
 from kvcadence.analysis.sinks import MemorySink, ParquetSink
 from kvcadence.analysis.tables import K_CLEARED, K_REMOVED, K_STORED, K_UNKNOWN
@@ -45,39 +50,6 @@ from kvcadence.format import bundle as kbundle
 from kvcadence.format import schema as S
 from kvcadence.format import wire
 from kvcadence.gcpause import gc_paused
-
-
-def _int_or_none(v: Any) -> int | None:
-    """A /server_info count as an int; None for anything that is not one (a damaged or
-    hostile snapshot must not stop the tables from being built)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        return None
-    try:
-        return int(v)
-    except (ValueError, OverflowError):
-        return None
-
-
-def _header_info(header: Any) -> dict[str, Any]:
-    si = dict(header.server_info or {})
-    sim = header.sim_config or {}
-    page_size = si.get("page_size", sim.get("page_size"))
-    max_tokens = si.get("max_total_num_tokens", sim.get("max_total_num_tokens"))
-    return {
-        "source": header.source,
-        "sglang_version": header.sglang_version or si.get("version"),
-        "kvcadence_version": header.kvcadence_version,
-        "format": [header.format_major, header.format_minor],
-        "page_size": _int_or_none(page_size),
-        "max_total_num_tokens": _int_or_none(max_tokens),
-        "kv_events_config": header.kv_events_config,
-        "start_ns": header.start_ns,
-        "endpoints": [
-            {"id": e.id, "url": e.url, "dp_rank": e.dp_rank, "topic": e.topic}
-            for e in header.endpoints
-        ],
-        "server_info": si,
-    }
 
 
 @contextmanager
@@ -299,7 +271,7 @@ def _build_tables(
         sink = MemorySink()
     reader = _open_reader(bundle)
     header = reader.header
-    info = _header_info(header)
+    info = header_info(header)
     ep_rank = {e.id: e.dp_rank for e in header.endpoints}
 
     chunk = _EventChunk(sink)
@@ -422,7 +394,7 @@ def _build_tables(
     reqs.flush()
     if reqs.pending_rows or not req_base:
         _write_requests(reqs, sink, req_base)
-    info.update(_read_info(reader.report, chunk, duplicates, undecodable, trailer))
+    info.update(read_info(reader.report, chunk, duplicates, undecodable, trailer))
     if info["page_size"] is None and chunk.block_sizes:
         sizes = chunk.block_sizes
         info["page_size"] = max(set(sizes), key=sizes.__getitem__)
@@ -448,51 +420,3 @@ def _write_requests(reqs: RequestColumns, sink: Any, base: int) -> int:
     sink.write("requests", requests_table(reqs, base))
     reqs.reset()
     return base + n
-
-
-def _read_info(
-    rep: Any, chunk: _EventChunk, duplicates: int, undecodable: int, trailer: Any
-) -> dict[str, Any]:
-    """The ingest counters and the reader's report, for ``Ingested.info``."""
-    corrupt = list(getattr(rep, "corrupt", []) or [])
-    return {
-        "frames": chunk.batches + duplicates,
-        "messages": chunk.batches,
-        "duplicates": duplicates,
-        "undecodable_payloads": undecodable,
-        "unknown_events": chunk.unknown_events,
-        "payload_bytes": chunk.payload_bytes,
-        "torn_bytes": int(getattr(rep, "torn_bytes", 0) or 0),
-        "corrupt_frames": len(corrupt),
-        "corrupt": [list(c) if isinstance(c, (tuple, list)) else str(c) for c in corrupt],
-        "unknown_records": _count(getattr(rep, "unknown_records", 0)),
-        # lost segments (numbering holes, refused segment headers) and records a trailer
-        # counts that were not read (docs/format.md section 4)
-        "missing_segments": [
-            list(m)
-            for m in [
-                *getattr(rep, "missing_segments", []),
-                *getattr(rep, "refused_segments", []),
-            ]
-        ],
-        "missing_records": _count(getattr(rep, "missing_records", 0)),
-        "trailer": None
-        if trailer is None
-        else {
-            "clean": bool(trailer.clean),
-            "end_ns": trailer.end_ns,
-            "counts": dict(trailer.counts),
-        },
-        "clean_shutdown": bool(getattr(rep, "clean_shutdown", False))
-        if hasattr(rep, "clean_shutdown")
-        else (bool(trailer.clean) if trailer is not None else False),
-    }
-
-
-def _count(x: Any) -> int:
-    if isinstance(x, int):
-        return x
-    try:
-        return len(x)
-    except TypeError:
-        return 0
