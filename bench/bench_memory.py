@@ -32,8 +32,10 @@ measured in the same run:
 
 ``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, ingest 25 / 250 MB, report
 20k / 100k events (a smoke run). Memory needed by the default points on 2026-12-01: 1.4 GB
-(60k requests), 6.4 GB (ingest of the 2 GB bundle, before ingest streamed its row groups;
-~0.5 GB since).
+(60k requests); ingest of the 2 GB bundle 6.4 GB before ingest streamed its row groups and
+the reader its segments, 286 MB since (252 MB at 250 MB: 1.13x); report 669 MB / 2.0 GB at
+250k / 1M events before the page hashes were batched and DuckDB bounded, 429 MB / 997 MB
+since (2 cores shared, load ~15).
 Measures only; nothing here changes the code measured.
 """
 
