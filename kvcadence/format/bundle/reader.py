@@ -4,7 +4,9 @@ A frame whose length or CRC does not check out in the middle of a segment is rep
 skipped: the reader scans forward for the next offset where length, CRC and decoding all
 validate (linear in the span, ``crcspan.SpanCrc``), and never yields a record that was not
 written. A torn tail (a crash's partial frame) is normal. Lost, refused and foreign segments
-and a trailer's shortfall are reported in ``ReadReport``.
+and a trailer's shortfall are reported in ``ReadReport``. Each segment is walked through a
+``window.SegmentWindow`` (a bounded window of it, never the whole segment unless damage
+must be resynchronised past).
 """
 
 from __future__ import annotations
