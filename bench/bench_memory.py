@@ -19,14 +19,23 @@ measured in the same run:
   of each against the 250 MB point (the goal: RSS(2 GB) <= 1.2 x RSS(250 MB)), and
   RSS per bundle MB. The bundles are written by a child (not measured) into ``--dir`` or a
   temporary directory removed at the end.
+* report: ``kvcadence.analysis.report.make_report`` (plots on, the first report after ingest:
+  request page hashes computed) on the same synthetic bundle at 250k and 1M events (10M with
+  ``--full``: a 4.2 GB bundle, ~15 min to write here); the ingest runs in a child of its own
+  before (not measured). Figures: wall time and peak RSS of each, against the first point;
+  the goal (<= 60 s and <= 3 GB at 10M events) is attached to the 10M point, and without it
+  the 10M figures are extrapolated linearly from the two points measured (said so).
 
-    .venv/bin/python bench/bench_memory.py [--only replay|long|ingest] [--quick] [--full]
-        [--replay-requests N ...] [--long-requests N ...] [--ingest-mb MB ...] [--dir DIR]
-        [--json PATH]
+    .venv/bin/python bench/bench_memory.py [--only replay|long|ingest|report] [--quick]
+        [--full] [--replay-requests N ...] [--long-requests N ...] [--ingest-mb MB ...]
+        [--report-events N ...] [--dir DIR] [--json PATH]
 
-``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, ingest 25 / 250 MB (a smoke
-run). Memory needed by the default points on 2026-12-01: 1.4 GB (60k requests), 6.4 GB
-(ingest of the 2 GB bundle).
+``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, ingest 25 / 250 MB, report
+20k / 100k events (a smoke run). Memory needed by the default points on 2026-12-01: 1.4 GB
+(60k requests); ingest of the 2 GB bundle 6.4 GB before ingest streamed its row groups and
+the reader its segments, 286 MB since (252 MB at 250 MB: 1.13x); report 669 MB / 2.0 GB at
+250k / 1M events before the page hashes were batched and DuckDB bounded, 429 MB / 997 MB
+since (2 cores shared, load ~15).
 Measures only; nothing here changes the code measured.
 """
 
@@ -143,6 +152,23 @@ def child_build(path: str, target_mb: float) -> dict[str, Any]:
     return {"events": n_ev, "requests": n_req, "bytes": _segment_bytes(Path(path))}
 
 
+def child_build_events(path: str, n_events: int) -> dict[str, Any]:
+    """bench_analysis.py's synthetic bundle with ``n_events`` events."""
+    sys.path.insert(0, str(HERE))
+    from bench_analysis import build
+
+    n_ev, n_req = build(Path(path), n_events)
+    return {"events": n_ev, "requests": n_req, "bytes": _segment_bytes(Path(path))}
+
+
+def child_report(bundle: str, cache: str, out: str) -> dict[str, Any]:
+    from kvcadence.analysis import report
+
+    t = time.perf_counter()
+    report.make_report([bundle], out, cache_dirs=[cache])
+    return {"wall_s": round(time.perf_counter() - t, 2)}
+
+
 def child_ingest(bundle: str, cache: str) -> dict[str, Any]:
     from kvcadence.analysis import ingest
 
@@ -167,6 +193,10 @@ def run_child(argv: list[str]) -> None:
         out = child_build(rest[0], float(rest[1]))
     elif kind == "ingest":
         out = child_ingest(rest[0], rest[1])
+    elif kind == "build-events":
+        out = child_build_events(rest[0], int(rest[1]))
+    elif kind == "report":
+        out = child_report(rest[0], rest[1], rest[2])
     else:
         raise SystemExit(f"bench_memory: unknown child {kind!r}")
     print(json.dumps(out))
@@ -289,6 +319,62 @@ def bench_ingest(sizes_mb: list[float], work: Path, figures: list, notes: list) 
     )
 
 
+def bench_report(sizes: list[int], work: Path, figures: list, notes: list) -> None:
+    points = []
+    for n in sizes:
+        b, pq, out = work / f"r{n}", work / f"rpq{n}", work / f"rout{n}"
+        _, built = measure("build-events", str(b), str(n))
+        measure("ingest", str(b), str(pq))
+        rss, info = measure("report", str(b), str(pq), str(out))
+        points.append((n, built, rss, info["wall_s"]))
+        for p in (b, pq, out):
+            shutil.rmtree(p, ignore_errors=True)
+    n0, _, rss0, wall0 = points[0]
+    big = 10_000_000
+    for i, (n, built, rss, wall) in enumerate(points):
+        label = f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n // 1000}k"
+        at_goal = n >= big
+        note = f"{built['bytes'] / MB:.0f} MB bundle, {built['requests']:,} requests"
+        for name, value, unit, base, lim, text in (
+            ("wall", wall, "s", wall0, 60, "<= 60 s at 10M events"),
+            ("peak RSS", rss, "MB", rss0, 3072, "<= 3 GB at 10M events"),
+        ):
+            figures.append(
+                figure(
+                    f"report {name}, {label} events",
+                    value,
+                    unit,
+                    baseline=base if i else value,
+                    baseline_name=f"report {name} at {n0:,} events" if i else "itself",
+                    higher_is_better=False,
+                    goal=goal("value", "<=", lim, text) if at_goal else None,
+                    note=note,
+                )
+            )
+    if len(points) > 1 and points[-1][0] < big:
+        (n_a, _, r_a, w_a), (n_b, _, r_b, w_b) = points[-2], points[-1]
+        for name, a, b, unit, lim in (
+            ("wall", w_a, w_b, "s", 60),
+            ("peak RSS", r_a, r_b, "MB", 3072),
+        ):
+            est = b + (b - a) * (big - n_b) / (n_b - n_a)
+            figures.append(
+                figure(
+                    f"report {name}, 10M events (extrapolated)",
+                    est,
+                    unit,
+                    baseline=lim,
+                    baseline_name="the goal at 10M events",
+                    higher_is_better=False,
+                    note=f"linear from {n_a:,} -> {n_b:,} events; not measured (--full measures it)",
+                )
+            )
+    notes.append(
+        "report: bench_analysis.py's synthetic bundle; kvcadence.analysis.report.make_report "
+        "(plots on; first report after ingest) in a fresh child, ingest in a child before it"
+    )
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         run_child(sys.argv[2:])
@@ -296,8 +382,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--only", choices=("replay", "long", "ingest"), help="one of the curves")
-    ap.add_argument("--full", action="store_true", help="add 600k requests and a 10 GB bundle")
+    ap.add_argument("--only", choices=("replay", "long", "ingest", "report"),
+                    help="one of the curves")  # fmt: skip
+    ap.add_argument("--full", action="store_true",
+                    help="add 600k requests, a 10 GB bundle and a 10M-event report")  # fmt: skip
     ap.add_argument("--lanes", type=int, default=64)
     ap.add_argument("--dir", type=Path, help="where to write the bundles (default: a tmp dir)")
     ap.add_argument("--replay-requests", type=int, nargs="+", metavar="N",
@@ -307,13 +395,20 @@ def main() -> None:
     ap.add_argument("--long-lanes", type=int, default=8)
     ap.add_argument("--ingest-mb", type=float, nargs="+", metavar="MB",
                     help="bundle sizes instead of the defaults (the first is the baseline)")  # fmt: skip
-    add_output_args(ap, "replay 600 / 6,000 requests, long 50 / 200, ingest 25 / 250 MB")
+    ap.add_argument("--report-events", type=int, nargs="+", metavar="N",
+                    help="report sizes (events) instead of the defaults")  # fmt: skip
+    add_output_args(
+        ap, "replay 600 / 6,000 requests, long 50 / 200, ingest 25 / 250 MB, report 20k / 100k"
+    )
     args = ap.parse_args()
     replay_sizes = [600, 6000] if args.quick else [6000, 60_000]
     ingest_mb = [25.0, 250.0] if args.quick else [250.0, 2048.0]
+    report_events = [20_000, 100_000] if args.quick else [250_000, 1_000_000]
     if args.full:
         replay_sizes.append(600_000)
         ingest_mb.append(10_240.0)
+        report_events.append(10_000_000)
+    report_events = args.report_events or report_events
     replay_sizes = args.replay_requests or replay_sizes
     long_sizes = args.long_requests or ([50, 200] if args.quick else [500, 2000])
     ingest_mb = args.ingest_mb or ingest_mb
@@ -332,6 +427,13 @@ def main() -> None:
             bench_ingest(ingest_mb, work, figures, notes)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    if args.only in (None, "report"):
+        print("report:", flush=True)
+        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
+        try:
+            bench_report(report_events, work, figures, notes)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     for f in figures:
         print(
             f"{f['name']}: {f['value']:,.1f} {f['unit']} = {f['ratio']:.2f}x {f['baseline_name']}"
@@ -348,6 +450,7 @@ def main() -> None:
             "long_requests": long_sizes,
             "long_lanes": args.long_lanes,
             "ingest_mb": ingest_mb,
+            "report_events": report_events,
         },
         notes,
     )

@@ -26,6 +26,9 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
             "--ingest-mb",
             "1",
             "4",
+            "--report-events",
+            "2000",
+            "8000",
             "--dir",
             str(tmp_path),
             "--json",
@@ -48,11 +51,22 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
         "long-prompt replay RSS growth per request (16 -> 64)",
         "ingest peak RSS, 1 MB bundle",
         "ingest peak RSS, 4 MB bundle",
+        "report wall, 2k events",
+        "report peak RSS, 2k events",
+        "report wall, 8k events",
+        "report peak RSS, 8k events",
+        "report wall, 10M events (extrapolated)",
+        "report peak RSS, 10M events (extrapolated)",
     ]
     small, big = by["replay peak RSS, 600 requests"], by["replay peak RSS, 2k requests"]
     assert 10 < small["baseline"] < small["value"] < big["value"] < 2000  # MB, a real RSS
     assert big["baseline"] == small["value"] and big["ratio"] > 1
     ing = by["ingest peak RSS, 4 MB bundle"]
     assert ing["baseline"] == by["ingest peak RSS, 1 MB bundle"]["value"]
+    rep = by["report peak RSS, 8k events"]
+    assert rep["baseline"] == by["report peak RSS, 2k events"]["value"] > 50  # MB: polars etc.
+    assert by["report wall, 8k events"]["value"] > 0
+    est = by["report peak RSS, 10M events (extrapolated)"]
+    assert est["baseline"] == 3072 and est["value"] >= rep["value"] - 50
     assert all(not f["higher_is_better"] for f in doc["figures"])
     assert list(tmp_path.iterdir()) == [out]  # the bundles and caches are removed

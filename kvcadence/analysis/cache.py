@@ -3,8 +3,9 @@
 The tables are cached next to the bundle in ``<bundle>/.parquet/`` (or a directory the caller
 names, ``check_cache_dir``) with a ``manifest.json`` holding a fingerprint of the bundle's files
 (names, sizes, mtimes) and ``INGEST_VERSION``; ``ingest`` rebuilds them when either changes.
-A rebuild (``kvcadence.analysis.records.build_tables``) is written into a temporary sibling
-directory and renamed over the old cache, so a reader never sees half a cache. The manifest
+A rebuild (``kvcadence.analysis.records.write_tables``: row groups written as the bundle is
+read) goes into a temporary sibling directory renamed over the old cache, so a reader never
+sees half a cache. The manifest
 also carries what is not a table (``Ingested.info``): header facts, the reader's report, the
 trailer and ingest counters.
 """
@@ -21,8 +22,8 @@ from typing import Any
 
 from kvcadence.analysis.cachedir import cache_write_error, default_cache
 from kvcadence.analysis.outpaths import check_out_dir
-from kvcadence.analysis.records import build_tables
-from kvcadence.analysis.tables import TABLES, write_options
+from kvcadence.analysis.records import write_tables
+from kvcadence.analysis.tables import TABLES
 from kvcadence.errors import UsageError
 
 INGEST_VERSION = 3
@@ -129,25 +130,22 @@ def ingest(
 
 
 def _build(bundle: Path, cache: Path, fp: list[list[Any]]) -> dict[str, Any]:
-    import pyarrow.parquet as pq
-
     t0 = time.perf_counter()
-    tables, info = build_tables(bundle)
     cache = Path(os.path.abspath(cache))  # "." / ".." have no usable name for the temp dir
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        for name, table in tables.items():
-            pq.write_table(table, tmp / f"{name}.parquet", **write_options(name))
+        # the tables are written as row groups while the bundle is read (bounded memory)
+        rows, info = write_tables(bundle, tmp)
         manifest = {
             "ingest_version": INGEST_VERSION,
             "bundle": str(bundle.resolve()),
             "fingerprint": fp,
             "built_s": round(time.perf_counter() - t0, 6),
             "info": info,
-            "tables": {name: table.num_rows for name, table in tables.items()},
+            "tables": rows,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
         if cache.exists():

@@ -112,13 +112,15 @@ def batches_table(
     pidx: Column,
     nbytes: Column,
     ok: list[bool],
+    base: int = 0,
 ) -> Any:
+    """``base``: the batch id of the first row (a chunk of a streamed ingest)."""
     import numpy as np
     import pyarrow as pa
 
     n = len(b["seq"])
     cols = [
-        pa.array(np.arange(n, dtype=np.int64)),
+        pa.array(np.arange(base, base + n, dtype=np.int64)),
         pa.array(as_numpy(b["endpoint"], "int32")),
         pa.array(as_numpy(b["rank"], "int32")),
         pa.array(as_numpy(b["epoch"], "int32")),
@@ -138,7 +140,8 @@ def batches_table(
     return pa.Table.from_arrays(cols, schema=arrow_schema("batches"))
 
 
-def events_table(ev: EventColumns, b: dict[str, Column]) -> Any:
+def events_table(ev: EventColumns, b: dict[str, Column], ev_base: int = 0, b_base: int = 0) -> Any:
+    """``ev_base``/``b_base``: the event and batch ids of the chunk's first rows."""
     import numpy as np
     import pyarrow as pa
 
@@ -153,8 +156,8 @@ def events_table(ev: EventColumns, b: dict[str, Column]) -> Any:
     for i, tag in ev.unknown:
         tags[i] = tag
     arrays = [
-        pa.array(np.arange(n, dtype=np.int64)),
-        pa.array(bo),
+        pa.array(np.arange(ev_base, ev_base + n, dtype=np.int64)),
+        pa.array(bo + b_base if b_base else bo),
         pa.array(as_numpy(b["endpoint"], "int32")[bo]),
         pa.array(as_numpy(b["rank"], "int32")[bo]),
         pa.array(as_numpy(b["epoch"], "int32")[bo]),
@@ -175,8 +178,9 @@ def events_table(ev: EventColumns, b: dict[str, Column]) -> Any:
     return pa.Table.from_arrays(arrays, schema=arrow_schema("events"))
 
 
-def blocks_table(ev: EventColumns) -> Any:
-    """Long-form blocks: event id, kind, position, hash, tokens in the block (vectorised)."""
+def blocks_table(ev: EventColumns, ev_base: int = 0) -> Any:
+    """Long-form blocks: event id, kind, position, hash, tokens in the block (vectorised).
+    ``ev_base``: the event id of the chunk's first event."""
     import numpy as np
     import pyarrow as pa
 
@@ -199,7 +203,7 @@ def blocks_table(ev: EventColumns) -> Any:
     np.minimum(bs_b, tokens, out=tokens)
     del bs_b
     cols = [
-        pa.array(event_of),
+        pa.array(event_of + ev_base if ev_base else event_of),
         _kind_array(kinds),
         pa.array(pos32),
         pa.array(ev.hashes).view(pa.uint64()),
@@ -247,14 +251,18 @@ class RequestColumns:
         self.raw_ids = RawIdColumns() if views else None
         self.batch = self.raw_ids.batch if self.raw_ids is not None else 4096
         self.lists: tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]] = ([], [])
+        #: rows and token ids converted since the last ``reset`` (a chunk of the table)
+        self.pending_rows = 0
+        self.pending_ids = 0
 
     def flush(self) -> None:
         if not self.rows:
             return
         cols = list(zip(*self.rows, strict=True))
+        self.pending_rows += len(self.rows)
         self.rows.clear()
         if self.raw_ids is not None:
-            self.raw_ids.add_chunk(cols[1], cols[2])
+            self.pending_ids += self.raw_ids.add_chunk(cols[1], cols[2])
             self.batch = self.raw_ids.batch
         else:
             for side, ids in ((0, cols[1]), (1, cols[2])):
@@ -268,8 +276,19 @@ class RequestColumns:
                         ) from None
                     lens.append(len(x))
                 self.lists[side].append((as_numpy(flat), as_numpy(lens)))
+                self.pending_ids += len(flat)
         for dst, col in zip(self.cols, cols[:1] + cols[3:], strict=True):
             dst.extend(col)
+
+    def reset(self) -> None:
+        """Forget the converted rows (after ``requests_table`` wrote them)."""
+        for c in self.cols:
+            c.clear()
+        for side in self.lists:
+            side.clear()
+        if self.raw_ids is not None:
+            self.raw_ids.clear()
+        self.pending_rows = self.pending_ids = 0
 
     def token_ids(self) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
         """(input chunks, output chunks), each chunk (flat int64 ids, int64 row lengths)."""
@@ -279,8 +298,9 @@ class RequestColumns:
 _ID_FIELDS = ("input_ids", "output_ids")
 
 
-def requests_table(reqs: RequestColumns) -> Any:
-    """The requests table from the request columns and their token ids."""
+def requests_table(reqs: RequestColumns, base: int = 0) -> Any:
+    """The requests table from the request columns and their token ids (the rows converted
+    since the last ``reset``; ``base``: the request id of the first)."""
     import msgspec
     import numpy as np
     import pyarrow as pa
@@ -302,7 +322,7 @@ def requests_table(reqs: RequestColumns) -> Any:
     # an empty meta_info (most request sources) is "{}" without an encode call per row
     meta = pa.array([enc(m).decode() if m else "{}" for m in cols["meta_info"]], type=pa.string())
     arrays = [
-        pa.array(np.arange(n, dtype=np.int64)),
+        pa.array(np.arange(base, base + n, dtype=np.int64)),
         col("rid", pa.string()),
         inp,
         out,

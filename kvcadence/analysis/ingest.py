@@ -5,8 +5,11 @@ The work is split by concern:
 
 ``kvcadence.analysis.tables``   the ONE dict of table schemas (``TABLES``), writer settings
 ``kvcadence.analysis.cache``    the cache: paths, fingerprint/staleness, atomic rebuild
-``kvcadence.analysis.records``  the record loop: one pass over the bundle into columns
+``kvcadence.analysis.records``  the record loop: one pass over the bundle into chunks of columns
 ``kvcadence.analysis.columns``  columns -> pyarrow tables (numpy)
+``kvcadence.analysis.sinks``    the chunks -> Parquet row groups, written while the bundle is read
+``kvcadence.analysis.seqset``   which messages were seen (de-duplication by runs of seqs)
+``kvcadence.analysis.ingestinfo`` what the manifest says besides the tables (header, counters)
 
 The tables (``docs/metrics.md`` lists the columns):
 
@@ -34,7 +37,7 @@ from kvcadence.analysis.cache import (
     fingerprint,
     ingest,
 )
-from kvcadence.analysis.records import build_tables
+from kvcadence.analysis.records import build_tables, write_tables
 from kvcadence.analysis.tables import KINDS, TABLES, arrow_schema, describe_tables, write_options
 
 __all__ = [
@@ -51,4 +54,5 @@ __all__ = [
     "fingerprint",
     "ingest",
     "write_options",
+    "write_tables",
 ]

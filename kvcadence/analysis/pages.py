@@ -10,6 +10,10 @@ session)`` usually extend the previous turn: when the previous request's chain i
 prefix of this one, its digests are reused and only the new pages are hashed (chained from
 the last shared digest), so a multi-turn agent capture costs one hash per distinct page.
 
+The requests are read ``BATCH_ROWS`` rows at a time (never the whole token columns: only
+the page hashes, 8 bytes a page, are kept), each batch's pages appended to the cache as it
+is hashed; the session reuse carries over batches (``hash_requests``'s ``last``).
+
 The result is cached as ``<cache>/request_pages-ps<N>.parquet`` (``request_id``, ``page``,
 ``hash`` uint64); the ingest cache rebuild (a new fingerprint) replaces the whole directory,
 so a stale cache cannot survive a changed bundle.
@@ -22,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis import sql
 from kvcadence.analysis.cache import Ingested
 from kvcadence.format import wire
 
 _I64_BITS = "int64"
+#: requests hashed per batch (their token ids are what a batch holds)
+BATCH_ROWS = 8192
 
 
 @dataclass
@@ -74,52 +79,100 @@ def load(ing: Ingested, con: Any, page_size: int) -> RequestPages:
                 np.cumsum(np.bincount(rid, minlength=n)[:n], out=offsets[1:])
                 hashes = t.column("hash").cast("uint64").to_numpy().view(np.int64)
                 return RequestPages(ps, offsets, hashes)
-    pages = compute(con, ps)
-    _write(pages, path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        pages = compute(con, ps, tmp)
+    except OSError:  # a read-only cache: just don't cache
+        tmp.unlink(missing_ok=True)
+        return compute(con, ps)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
     return pages
 
 
-def _write(pages: RequestPages, path: Path) -> None:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+class _PageWriter:
+    """The cache file, a batch of requests' pages at a time (``request_id``, ``page``,
+    ``hash``)."""
 
-    counts = np.diff(pages.offsets)
-    rid = np.repeat(np.arange(pages.n, dtype=np.int64), counts)
-    page = np.arange(len(rid), dtype=np.int64) - pages.offsets[:-1][rid]
-    table = pa.table(
-        {
-            "request_id": pa.array(rid),
-            "page": pa.array(page.astype(np.int32)),
-            "hash": pa.array(pages.hashes).view(pa.uint64()),
-        }
-    )
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        pq.write_table(table, tmp, compression="lz4")
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache: just don't cache
-        tmp.unlink(missing_ok=True)
+    def __init__(self, path: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema(
+            [("request_id", pa.int64()), ("page", pa.int32()), ("hash", pa.uint64())]
+        )
+        self.schema = schema
+        self.w = pq.ParquetWriter(path, schema, compression="lz4")
+
+    def write(self, first_row: int, offsets: Any, hashes: Any) -> None:
+        import numpy as np
+        import pyarrow as pa
+
+        counts = np.diff(offsets)
+        rid = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        page = np.arange(len(rid), dtype=np.int64) - offsets[:-1][rid]
+        rid += first_row
+        cols = [pa.array(rid), pa.array(page.astype(np.int32)), pa.array(hashes).view(pa.uint64())]
+        self.w.write_table(pa.Table.from_arrays(cols, schema=self.schema))
+
+    def close(self) -> None:
+        self.w.close()
 
 
-def compute(con: Any, page_size: int) -> RequestPages:
-    """Hash every request's chain (see module docstring) from a ``sql.connect`` connection."""
-    import numpy as np
+_QUERY = "SELECT request_id, input_ids, output_ids, lane, session FROM requests"
+
+
+def compute(con: Any, page_size: int, cache: Path | None = None) -> RequestPages:
+    """Hash every request's chain (see module docstring) from a ``sql.connect`` connection,
+    ``BATCH_ROWS`` requests at a time; ``cache``: also write the pages there (Parquet)."""
 
     ps = max(1, int(page_size))
     # no ORDER BY: the scan keeps file order (= request_id; DuckDB preserve_insertion_order),
-    # and sorting 45M tokens' lists doubled the read; the order is checked instead
-    t = sql.arrow(con, "SELECT request_id, input_ids, output_ids, lane, session FROM requests")
-    rid = t.column("request_id").to_numpy()
-    if len(rid) and not (rid[1:] > rid[:-1]).all():
-        t = t.take(np.argsort(rid, kind="stable"))
-    if t.num_rows == 0:
-        return RequestPages(ps, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    iv, io = _flat(t.column("input_ids"))
-    ov, oo = _flat(t.column("output_ids"))
-    lane = t.column("lane").to_pylist()
-    session = t.column("session").to_pylist()
-    return RequestPages(ps, *hash_requests(iv, io, ov, oo, ps, lane, session))
+    # and sorting 45M tokens' lists doubled the read; the order is checked instead (DuckDB
+    # sorts, out of core, if it ever is not)
+    for query in (_QUERY, _QUERY + " ORDER BY request_id"):
+        writer = _PageWriter(cache) if cache is not None else None
+        try:
+            got = _hash_batches(con.sql(query).to_arrow_reader(BATCH_ROWS), ps, writer)
+        finally:
+            if writer is not None:
+                writer.close()
+        if got is not None:
+            return RequestPages(ps, *got)
+    raise AssertionError("requests ordered by request_id are out of order")  # pragma: no cover
+
+
+def _hash_batches(batches: Any, ps: int, writer: _PageWriter | None) -> tuple[Any, Any] | None:
+    """(page offsets, hashes) of the requests in ``batches``; None if their request ids are
+    not increasing (the caller reads them sorted)."""
+    import numpy as np
+
+    counts: list[Any] = [np.zeros(1, dtype=np.int64)]
+    hashes: list[Any] = []
+    last: dict[tuple[Any, Any], tuple[int, Any, list[bytes]]] = {}
+    prev_rid = -1
+    rows = 0
+    for b in batches:
+        if b.num_rows == 0:
+            continue
+        rid = b.column("request_id").to_numpy()
+        if rid[0] <= prev_rid or not (rid[1:] > rid[:-1]).all():
+            return None
+        prev_rid = int(rid[-1])
+        iv, io = _flat(b.column("input_ids"))
+        ov, oo = _flat(b.column("output_ids"))
+        lane = b.column("lane").to_pylist()
+        session = b.column("session").to_pylist()
+        off, h = hash_requests(iv, io, ov, oo, ps, lane, session, last)
+        if writer is not None:
+            writer.write(rows, off, h)
+        counts.append(np.diff(off))
+        hashes.append(h)
+        rows += b.num_rows
+    offsets = np.cumsum(np.concatenate(counts))
+    return offsets, (np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.int64))
 
 
 def _flat(col: Any) -> tuple[Any, Any]:
@@ -137,10 +190,19 @@ def _flat(col: Any) -> tuple[Any, Any]:
 
 
 def hash_requests(
-    iv: Any, io: Any, ov: Any, oo: Any, ps: int, lane: list[Any], session: list[Any]
+    iv: Any,
+    io: Any,
+    ov: Any,
+    oo: Any,
+    ps: int,
+    lane: list[Any],
+    session: list[Any],
+    last: dict[tuple[Any, Any], tuple[int, Any, list[bytes]]] | None = None,
 ) -> tuple[Any, Any]:
     """(page offsets, int64 hashes) of every row's chain ``input + output[:-1]``, given the
-    flat input/output token arrays and their offsets (see the module docstring)."""
+    flat input/output token arrays and their offsets (see the module docstring).
+    ``last``: ``(lane, session)`` -> (pages, tokens, digests) of the session's latest row
+    with pages, carried from batch to batch (updated here)."""
     from array import array
     from itertools import chain
 
@@ -169,7 +231,8 @@ def hash_requests(
     digests: list[list[bytes]] = [[] for _ in range(n)]
     iol, ool, nil, npl = io.tolist(), oo.tolist(), n_in.tolist(), n_pages.tolist()
     keyed = [la is not None or se is not None for la, se in zip(lane, session, strict=True)]
-    last: dict[tuple[Any, Any], tuple[int, Any]] = {}  # (lane, session) -> (row, tokens)
+    if last is None:
+        last = {}
     block_digests = wire.block_digests
     for r in np.flatnonzero(n_pages).tolist():
         k = npl[r]
@@ -185,24 +248,25 @@ def hash_requests(
                 b = ool[r]
                 toks.frombytes(out_mv[4 * b : 4 * (b + nt - ni)])
         start = 0  # leading pages shared with the session's previous row
+        key = None
         if keyed[r]:
             key = (lane[r], session[r])
             prev = last.get(key)
-            last[key] = (r, toks)
             if prev is not None:
-                q, qt = prev
-                m = min(npl[q], k)
+                qk, qt, qd = prev
+                m = min(qk, k)
                 if m and qt[: m * ps] == toks[: m * ps]:  # a whole-prefix match (next turn)
                     start = m
-                    digests[r] = digests[q][:m]
-        if start == k:
-            continue
-        parent = digests[r][start - 1] if start else None
-        got = block_digests(toks[start * ps :] if start else toks, ps, parent_digest=parent)
-        if start:
-            digests[r].extend(got)
-        else:
-            digests[r] = got
+                    digests[r] = qd[:m]
+        if start < k:
+            parent = digests[r][start - 1] if start else None
+            got = block_digests(toks[start * ps :] if start else toks, ps, parent_digest=parent)
+            if start:
+                digests[r].extend(got)
+            else:
+                digests[r] = got
+        if key is not None:
+            last[key] = (k, toks, digests[r])
     joined = b"".join(chain.from_iterable(digests))
     hashes = np.frombuffer(joined, dtype=">i8")[::4].astype(np.int64)
     return page_off, hashes

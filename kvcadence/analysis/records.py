@@ -1,4 +1,6 @@
-"""The record loop: one pass over a bundle's records into columns (``build_tables``).
+"""The record loop: one pass over a bundle's records into chunks of columns, handed to a sink
+as they fill (``write_tables``: Parquet row groups written while the bundle is read, memory
+bounded by a chunk; ``build_tables``: the same tables in memory).
 
 Reads a bundle through ``kvcadence.format.bundle.BundleReader`` (requests as
 ``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
@@ -10,12 +12,15 @@ flattens everything straight into ``array``/list columns (never keeping the deco
 cyclic GC paused: keeping hundreds of thousands of decoded structs with lists makes CPython's
 cyclic GC cut throughput 3-4x, docs/format.md). The loop stays one function on purpose: per
 event it only appends, and a helper call per event or message would cost more than the
-appends. ``kvcadence.analysis.columns`` turns the columns into pyarrow tables (numpy).
+appends. ``kvcadence.analysis.columns`` turns each chunk's columns into pyarrow tables
+(numpy), ``kvcadence.analysis.sinks`` takes them; messages are de-duplicated by
+``kvcadence.analysis.seqset`` (runs of seqs, not a set of every message).
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +40,9 @@ from kvcadence.analysis.columns import (
     notes_table,
     requests_table,
 )
+from kvcadence.analysis.ingestinfo import header_info, read_info
+from kvcadence.analysis.seqset import SeenSeqs
+from kvcadence.analysis.sinks import MemorySink, ParquetSink
 from kvcadence.analysis.tables import K_CLEARED, K_REMOVED, K_STORED, K_UNKNOWN
 from kvcadence.analysis.tokcols import NotInt64Arrays, array_lengths, int_arrays
 from kvcadence.errors import BundleError, UsageError, WireError
@@ -42,39 +50,6 @@ from kvcadence.format import bundle as kbundle
 from kvcadence.format import schema as S
 from kvcadence.format import wire
 from kvcadence.gcpause import gc_paused
-
-
-def _int_or_none(v: Any) -> int | None:
-    """A /server_info count as an int; None for anything that is not one (a damaged or
-    hostile snapshot must not stop the tables from being built)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        return None
-    try:
-        return int(v)
-    except (ValueError, OverflowError):
-        return None
-
-
-def _header_info(header: Any) -> dict[str, Any]:
-    si = dict(header.server_info or {})
-    sim = header.sim_config or {}
-    page_size = si.get("page_size", sim.get("page_size"))
-    max_tokens = si.get("max_total_num_tokens", sim.get("max_total_num_tokens"))
-    return {
-        "source": header.source,
-        "sglang_version": header.sglang_version or si.get("version"),
-        "kvcadence_version": header.kvcadence_version,
-        "format": [header.format_major, header.format_minor],
-        "page_size": _int_or_none(page_size),
-        "max_total_num_tokens": _int_or_none(max_tokens),
-        "kv_events_config": header.kv_events_config,
-        "start_ns": header.start_ns,
-        "endpoints": [
-            {"id": e.id, "url": e.url, "dp_rank": e.dp_rank, "topic": e.topic}
-            for e in header.endpoints
-        ],
-        "server_info": si,
-    }
 
 
 @contextmanager
@@ -101,8 +76,35 @@ def _small_pages() -> Iterator[None]:
         _set_madvise_hugepage(was)
 
 
+#: events gathered before a chunk of the batches/events/blocks tables is written (a row
+#: group each): what ingest holds is a chunk, never the bundle (a few tens of MB at this size)
+CHUNK_EVENTS = 1 << 17
+#: request token ids gathered before a chunk of the requests table is written
+CHUNK_REQUEST_IDS = 1 << 22
+
+
 def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict).
+    """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict), in memory.
+
+    ``write_tables`` is the streaming form (what ingest uses).
+    """
+    return _run(bundle, MemorySink())
+
+
+def write_tables(bundle: Path, directory: Path) -> tuple[dict[str, int], dict[str, Any]]:
+    """Read ``bundle`` once, writing its tables as ``<directory>/<table>.parquet`` row groups
+    while the records are decoded; return ({table: rows}, info dict)."""
+    sink = ParquetSink(directory)
+    try:
+        return _run(bundle, sink)
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def _run(bundle: Path, sink: Any) -> tuple[Any, dict[str, Any]]:
+    """The record loop into ``sink`` (retried from the start, ``sink`` emptied, when a raw
+    fast path does not check out); returns ``(sink.close(), info)``.
 
     The cyclic GC is paused throughout (the GC trap, docs/format.md), and so is
     numpy's huge-page advice (``_small_pages``).
@@ -111,7 +113,7 @@ def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     with gc_paused(), _small_pages():
         while True:
             try:
-                return _build_tables(bundle, views=views, raw=raw)
+                info = _build_tables(bundle, views=views, raw=raw, sink=sink)[1]
             except _RawCheckFailed:
                 # some event's hashes are not ints, or its token ids not an array: read the
                 # payloads checked (decode_batch_view's verdicts: converted, or undecodable)
@@ -120,6 +122,9 @@ def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                 # some request's ids are not int64s: read the ordinary way (same verdicts as
                 # every other reader: such a record is an undecodable frame, or an InputError)
                 views = False
+            else:
+                return sink.close(), info
+            sink.abort()
 
 
 class _RawCheckFailed(Exception):
@@ -150,24 +155,110 @@ class _RawEvents:
             dst.append(part)
 
     def columns(self) -> tuple[Any, Any, Any]:
-        """(flat int64 hashes, hashes per stored/removed event, tokens per stored event)."""
+        """(flat int64 hashes, hashes per stored/removed event, tokens per stored event) of
+        the events since the last call."""
         import numpy as np
 
         self.flush()
-        return tuple(np.concatenate(p) for p in self.parts)  # type: ignore[return-value]
+        out = tuple(np.concatenate(p) for p in self.parts)
+        for p in self.parts:
+            p.clear()
+        return out  # type: ignore[return-value]
+
+
+class _EventChunk:
+    """The messages and events of one chunk as the record loop gathers them (lists it
+    appends to, cleared in place by ``write``), and the totals over the chunks written."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+        # (endpoint, rank, epoch, seq, recv_ns, n_events, via, pass_index, payload bytes, ts,
+        # decode_ok): one tuple per message, transposed per chunk (cheaper than eleven appends)
+        self.b_rows: list[tuple[Any, ...]] = []
+        # events: kind code and medium per event (list appends, cheaper than array appends)
+        self.kind: list[int] = []
+        self.medium: list[str | None] = []
+        # stored-only fields as they come (parent hash, lora id may be None); the stored
+        # events' rows, block and token counts and every hash are derived in numpy
+        self.st_bs: list[int] = []
+        self.st_parent: list[int | None] = []
+        self.st_lora: list[int | None] = []
+        self.unknown: list[tuple[int, str]] = []  # (event index in the chunk, tag)
+        self.raws = _RawEvents()
+        self.batches = 0  # rows written so far (the next chunk's first batch / event id)
+        self.events = 0
+        self.unknown_events = 0
+        self.payload_bytes = 0
+        self.block_sizes: Counter[int] = Counter()
+
+    def write(self) -> None:
+        """Turn the chunk into rows of batches, events and blocks, hand them to the sink."""
+        import numpy as np
+
+        if not self.b_rows:
+            return
+        kinds = array("b", self.kind)
+        self.kind.clear()
+        hashes, per_event, st_ntok = self.raws.columns()
+        kind_np = np.frombuffer(kinds, np.int8)
+        n_blocks = np.zeros(len(kinds), np.int64)
+        n_blocks[kind_np <= K_REMOVED] = per_event  # one raw hash array per such event
+        st_idx = np.flatnonzero(kind_np == K_STORED)
+        st_bs = array("q", self.st_bs)
+        self.block_sizes.update(self.st_bs)
+        b_cols = list(zip(*self.b_rows, strict=True))
+        b_ts, b_ok = list(b_cols[9]), list(b_cols[10])
+        b_endpoint, b_rank, b_epoch, b_seq, b_recv, b_nev, b_via, b_pass, b_bytes = (
+            array("q", c) for c in b_cols[:9]
+        )
+        del b_cols
+        self.payload_bytes += int(as_numpy(b_bytes).sum())
+        batch_cols = {
+            "endpoint": b_endpoint,
+            "rank": b_rank,
+            "epoch": b_epoch,
+            "seq": b_seq,
+            "recv": b_recv,
+            "nev": b_nev,
+        }
+        ev = EventColumns(
+            kinds,
+            n_blocks,
+            list(self.medium),
+            (st_idx, list(self.st_parent), st_bs, st_ntok, list(self.st_lora)),
+            list(self.unknown),
+            hashes,
+            b_nev,
+        )
+        b0, e0 = self.batches, self.events
+        self.sink.write(
+            "batches", batches_table(batch_cols, ev, b_ts, b_via, b_pass, b_bytes, b_ok, b0)
+        )
+        self.sink.write("events", events_table(ev, batch_cols, e0, b0))
+        self.sink.write("blocks", blocks_table(ev, e0))
+        self.batches += len(self.b_rows)
+        self.events += ev.n
+        self.unknown_events += len(self.unknown)
+        for lst in (self.b_rows, self.medium, self.st_bs, self.st_parent, self.st_lora):
+            lst.clear()
+        self.unknown.clear()
 
 
 def _build_tables(
-    bundle: Path, *, views: bool, raw: bool = False
+    bundle: Path, *, views: bool, raw: bool = False, sink: Any = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``build_tables`` proper.
+    """``_run``'s one attempt: the record loop into ``sink`` (a ``MemorySink`` when None,
+    whose tables are returned; with a sink of the caller's the first item is ``{}`` and the
+    caller closes it).
 
     One pass over the records. Payloads are decoded with ``wire.decode_batch_raw`` (block
     hashes and token ids left as msgpack bytes) and flattened at once: per event its kind
     code and medium, per stored event its block size, parent hash and lora id, the raw
-    arrays gathered by ``_RawEvents`` and converted to numpy a chunk at a time. Everything
-    derivable (event/batch ids, positions, block and token counts, per-message kind counts,
-    first/last hashes, block token counts) is computed afterwards with numpy.
+    arrays gathered by ``_RawEvents`` and converted to numpy a chunk at a time. Every
+    ``CHUNK_EVENTS`` events the chunk's rows are computed with numpy (event/batch ids,
+    positions, block and token counts, per-message kind counts, first/last hashes, block
+    token counts) and handed to the sink (``_EventChunk.write``); requests likewise every
+    ``CHUNK_REQUEST_IDS`` token ids. Messages are de-duplicated by ``seqset.SeenSeqs``.
     ``raw=False``: ``decode_batch_raw(checked=True)`` (``decode_batch_view``'s events and
     verdicts, every raw field valid by construction); with ``raw=True`` a raw field that
     does not check out raises ``_RawCheckFailed``.
@@ -175,38 +266,25 @@ def _build_tables(
     numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
     otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
     """
-    try:
-        reader = kbundle.BundleReader(bundle)
-    except BundleError:
-        raise
-    except FileNotFoundError as exc:
-        raise UsageError(f"not a bundle: {bundle}: {exc}") from None
-
+    own = sink is None
+    if own:
+        sink = MemorySink()
+    reader = _open_reader(bundle)
     header = reader.header
-    info = _header_info(header)
+    info = header_info(header)
     ep_rank = {e.id: e.dp_rank for e in header.endpoints}
 
-    # batches (one entry per de-duplicated message)
-    # (endpoint, rank, epoch, seq, recv_ns, n_events, via, pass_index, payload bytes, ts,
-    # decode_ok): one tuple per message, transposed at the end (cheaper than eleven appends)
-    b_rows: list[tuple[Any, ...]] = []
-    # events: kind code and medium per event (list appends, cheaper than array appends)
-    e_kind: list[int] = []
-    e_medium: list[str | None] = []
-    # stored-only fields as they come (parent hash, lora id may be None); the stored events'
-    # rows, block and token counts and every hash are derived in numpy (``_RawEvents``)
-    st_bs_raw: list[int] = []
-    st_parent: list[int | None] = []
-    st_lora: list[int | None] = []
-    un_rows: list[tuple[int, str]] = []
+    chunk = _EventChunk(sink)
     reqs = RequestColumns(bundle, views)
     req_rows, req_app = reqs.rows, reqs.rows.append
+    req_base = 0
     gaps: list[Any] = []
     epochs: list[Any] = []
     notes: list[Any] = []
     trailer: Any = None
 
-    seen: set[tuple[int, int, int]] = set()
+    seen = SeenSeqs()
+    seen_runs, seen_add = seen.runs, seen.add
     duplicates = 0
     undecodable = 0
 
@@ -215,14 +293,16 @@ def _build_tables(
     Stored, Removed, Cleared = S.BlockStoredRawView, S.BlockRemovedRawView, S.AllBlocksCleared
     decode = wire.decode_batch_raw
     checked = not raw
-    raws = _RawEvents()
+    raws = chunk.raws
     raw_hashes = raws.hashes
     hr_app, tr_app = raw_hashes.append, raws.tokens.append
     payload_of = kbundle.event_payload_view
     astuple = msgspec.structs.astuple
-    kind_app, med_app = e_kind.append, e_medium.append
-    sb_app, sp_app, sl_app = st_bs_raw.append, st_parent.append, st_lora.append
-    b_app = b_rows.append
+    e_kind = chunk.kind
+    kind_app, med_app = e_kind.append, chunk.medium.append
+    sb_app, sp_app, sl_app = chunk.st_bs.append, chunk.st_parent.append, chunk.st_lora.append
+    un_app = chunk.unknown.append
+    b_app = chunk.b_rows.append
     # annotated, not cast: the loop dispatches on type(rec) / type(ev) itself
     rec: Any
     batch: Any
@@ -230,11 +310,13 @@ def _build_tables(
     for rec in reader.records(request_view=views):
         t = type(rec)
         if t is EventFrame:
-            key = (rec.endpoint, rec.epoch, rec.seq)
-            if key in seen:
+            seq = rec.seq
+            runs = seen_runs.get((rec.endpoint, rec.epoch))
+            if runs is not None and seq == runs[1][-1] + 1:
+                runs[1][-1] = seq  # the next message of its run (SeenSeqs.add's usual case)
+            elif not seen_add(rec.endpoint, rec.epoch, seq):
                 duplicates += 1
                 continue
-            seen.add(key)
             # the payload as stored (Raw, no copy; decoded at once, then dropped) unless it
             # was stored bin-wrapped
             payload = payload_of(rec) if rec.payload_is_bin else rec.payload
@@ -267,7 +349,7 @@ def _build_tables(
                     kind_app(K_CLEARED)
                     med_app(None)
                 else:
-                    un_rows.append((len(e_kind), str(getattr(ev, "tag", te.__name__))))
+                    un_app((len(e_kind), str(getattr(ev, "tag", te.__name__))))
                     kind_app(K_UNKNOWN)
                     med_app(None)
             if len(raw_hashes) >= 16384:
@@ -281,7 +363,7 @@ def _build_tables(
                     rec.endpoint,
                     rank,
                     rec.epoch,
-                    rec.seq,
+                    seq,
                     rec.recv_ns,
                     len(evs),
                     rec.via,
@@ -291,10 +373,14 @@ def _build_tables(
                     ok,
                 )
             )
+            if len(e_kind) >= CHUNK_EVENTS:
+                chunk.write()
         elif t is Request:
             req_app(astuple(rec))
             if len(req_rows) >= reqs.batch:
                 reqs.flush()
+                if reqs.pending_ids >= CHUNK_REQUEST_IDS:
+                    req_base = _write_requests(reqs, sink, req_base)
         elif t is S.Gap:
             gaps.append(rec)
         elif t is S.Epoch:
@@ -304,100 +390,33 @@ def _build_tables(
         elif t is S.Trailer:
             trailer = rec
 
-    import numpy as np
-
-    kinds = array("b", e_kind)
-    del e_kind
-    hashes, per_event, st_ntok = raws.columns()
-    kind_np = np.frombuffer(kinds, np.int8)
-    n_blocks = np.zeros(len(kinds), np.int64)
-    n_blocks[kind_np <= K_REMOVED] = per_event  # one raw hash array per such event
-    st_idx = np.flatnonzero(kind_np == K_STORED)
-    st_bs = array("q", st_bs_raw)
-    del st_bs_raw
-    unknown_events = len(un_rows)
-    rep = reader.report
-    corrupt = list(getattr(rep, "corrupt", []) or [])
-    info.update(
-        {
-            "frames": len(b_rows) + duplicates,
-            "messages": len(b_rows),
-            "duplicates": duplicates,
-            "undecodable_payloads": undecodable,
-            "unknown_events": unknown_events,
-            "payload_bytes": 0,  # below, from the batches' payload_bytes column
-            "torn_bytes": int(getattr(rep, "torn_bytes", 0) or 0),
-            "corrupt_frames": len(corrupt),
-            "corrupt": [list(c) if isinstance(c, (tuple, list)) else str(c) for c in corrupt],
-            "unknown_records": _count(getattr(rep, "unknown_records", 0)),
-            # lost segments (numbering holes, refused segment headers) and records a trailer
-            # counts that were not read (docs/format.md section 4)
-            "missing_segments": [
-                list(m)
-                for m in [
-                    *getattr(rep, "missing_segments", []),
-                    *getattr(rep, "refused_segments", []),
-                ]
-            ],
-            "missing_records": _count(getattr(rep, "missing_records", 0)),
-            "trailer": None
-            if trailer is None
-            else {
-                "clean": bool(trailer.clean),
-                "end_ns": trailer.end_ns,
-                "counts": dict(trailer.counts),
-            },
-            "clean_shutdown": bool(getattr(rep, "clean_shutdown", False))
-            if hasattr(rep, "clean_shutdown")
-            else (bool(trailer.clean) if trailer is not None else False),
-        }
-    )
-    if info["page_size"] is None and st_bs:
-        sizes = list(st_bs)
-        info["page_size"] = max(set(sizes), key=sizes.count)
-
+    chunk.write()
     reqs.flush()
-    b_cols = list(zip(*b_rows, strict=True)) or [()] * 11
-    del b_rows
-    b_ts, b_ok = list(b_cols[9]), list(b_cols[10])
-    b_endpoint, b_rank, b_epoch, b_seq, b_recv, b_nev, b_via, b_pass, b_bytes = (
-        array("q", c) for c in b_cols[:9]
-    )
-    del b_cols
-    info["payload_bytes"] = int(as_numpy(b_bytes).sum())
-    batch_cols = {
-        "endpoint": b_endpoint,
-        "rank": b_rank,
-        "epoch": b_epoch,
-        "seq": b_seq,
-        "recv": b_recv,
-        "nev": b_nev,
-    }
-    ev = EventColumns(
-        kinds,
-        n_blocks,
-        e_medium,
-        (st_idx, st_parent, st_bs, st_ntok, st_lora),
-        un_rows,
-        hashes,
-        b_nev,
-    )
-    tables = {
-        "batches": batches_table(batch_cols, ev, b_ts, b_via, b_pass, b_bytes, b_ok),
-        "events": events_table(ev, batch_cols),
-        "blocks": blocks_table(ev),
-        "requests": requests_table(reqs),
-        "gaps": gaps_table(gaps),
-        "epochs": epochs_table(epochs),
-        "notes": notes_table(notes),
-    }
-    return tables, info
+    if reqs.pending_rows or not req_base:
+        _write_requests(reqs, sink, req_base)
+    info.update(read_info(reader.report, chunk, duplicates, undecodable, trailer))
+    if info["page_size"] is None and chunk.block_sizes:
+        sizes = chunk.block_sizes
+        info["page_size"] = max(set(sizes), key=sizes.__getitem__)
+    sink.write("gaps", gaps_table(gaps))
+    sink.write("epochs", epochs_table(epochs))
+    sink.write("notes", notes_table(notes))
+    return (sink.close() if own else {}), info
 
 
-def _count(x: Any) -> int:
-    if isinstance(x, int):
-        return x
+def _open_reader(bundle: Path) -> kbundle.BundleReader:
     try:
-        return len(x)
-    except TypeError:
-        return 0
+        return kbundle.BundleReader(bundle)
+    except BundleError:
+        raise
+    except FileNotFoundError as exc:
+        raise UsageError(f"not a bundle: {bundle}: {exc}") from None
+
+
+def _write_requests(reqs: RequestColumns, sink: Any, base: int) -> int:
+    """Hand the converted request rows to ``sink`` (request ids from ``base``); returns the
+    next chunk's first request id."""
+    n = reqs.pending_rows
+    sink.write("requests", requests_table(reqs, base))
+    reqs.reset()
+    return base + n

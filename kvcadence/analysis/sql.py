@@ -5,11 +5,17 @@
 written by ``kvcadence.analysis.ingest``; ``query(...)`` runs one statement and returns a
 Polars DataFrame (via Arrow; DOUBLE casts are the caller's job). The thread count follows
 ``KVCADENCE_THREADS`` when set (benchmarks pin it to 1; ``env_threads`` validates it).
+
+Out of core: every connection runs under ``MEMORY_LIMIT`` and spills what does not fit
+(sorts, hash tables, the materialised tables) to a temporary directory of its own under the
+system's temp directory (removed when the connection closes), so a report over a bundle of
+any size stays within a bound instead of DuckDB's default of 80% of the machine's memory.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 from kvcadence.analysis.cache import Ingested
@@ -17,6 +23,8 @@ from kvcadence.analysis.tables import TABLES
 from kvcadence.errors import UsageError
 
 THREADS_ENV = "KVCADENCE_THREADS"
+#: DuckDB's memory bound per connection (beyond it, DuckDB spills to its temp directory)
+MEMORY_LIMIT = "1GB"
 
 
 def env_threads() -> int | None:
@@ -43,6 +51,9 @@ def connect(ing: Ingested, materialize: tuple[str, ...] = ()) -> Any:
 
     con = duckdb.connect(":memory:")
     con.sql("SET enable_progress_bar = false")  # never draw on the user's terminal
+    con.sql(f"SET memory_limit = '{MEMORY_LIMIT}'")
+    spill = os.path.join(tempfile.gettempdir(), f"kvcadence-duckdb-{os.getpid()}-{id(con):x}")
+    con.sql("SET temp_directory = '{}'".format(spill.replace("'", "''")))
     threads = env_threads()
     if threads is not None:
         con.sql(f"SET threads = {threads}")

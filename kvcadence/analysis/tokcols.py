@@ -280,11 +280,12 @@ class RawIdColumns:
         """Convert one row (a chunk of one; ``add_chunk`` is the fast way)."""
         self.add_chunk([inp], [out])
 
-    def add_chunk(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
-        """Convert one chunk: the raw input and output ids of the same rows."""
+    def add_chunk(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> int:
+        """Convert one chunk: the raw input and output ids of the same rows; returns how
+        many ids it held."""
         rows = len(inputs)
         if not rows:
-            return
+            return 0
         nvals = 0
         for raw, parts, lens in zip((inputs, outputs), self._parts, self._lens, strict=True):
             vals, n = int_arrays(raw)
@@ -294,6 +295,12 @@ class RawIdColumns:
         # next chunk: about chunk_bytes of msgpack (~3 bytes per token id) worth of rows
         per_row = max(1, nvals // rows) * 3
         self.batch = max(16, min(1 << 16, self.chunk_bytes // per_row))
+        return nvals
+
+    def clear(self) -> None:
+        """Drop the converted chunks (their table was written)."""
+        for lst in (*self._parts, *self._lens):
+            lst.clear()
 
     def columns(self) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
         """(input chunks, output chunks); a chunk is (int64 values, int64 lengths). Kept in

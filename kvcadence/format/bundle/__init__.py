@@ -31,7 +31,8 @@ concern: ``segments`` (names, segment header, the numbering survey, ``is_bundle`
 ``compact`` (format 2.0's request layout: shared prompt prefixes, packed token ids),
 ``writer`` (``BundleWriter``), ``reader`` (``BundleReader``), ``report`` (``ReadReport``,
 ``SegmentScan``), ``staging`` (``copy_bundle``, ``staged_bundle``), ``lock`` (one writer per
-bundle) and ``crcspan`` (CRCs of overlapping spans for resynchronisation).
+bundle), ``crcspan`` (CRCs of overlapping spans for resynchronisation) and ``window`` (the
+bounded view of a segment the reader walks: a bundle is never read a whole segment at once).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ A frame whose length or CRC does not check out in the middle of a segment is rep
 skipped: the reader scans forward for the next offset where length, CRC and decoding all
 validate (linear in the span, ``crcspan.SpanCrc``), and never yields a record that was not
 written. A torn tail (a crash's partial frame) is normal. Lost, refused and foreign segments
-and a trailer's shortfall are reported in ``ReadReport``.
+and a trailer's shortfall are reported in ``ReadReport``. Each segment is walked through a
+``window.SegmentWindow`` (a bounded window of it, never the whole segment unless damage
+must be resynchronised past).
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ from kvcadence.format.bundle.segments import (
     MAGIC,
     SEGMENT_HEADER,
     SEGMENT_HEADER_SIZE,
-    _segment_data,
     _segment_index,
     bundle_identity,
     survey_segments,
 )
+from kvcadence.format.bundle.window import SegmentWindow
 from kvcadence.format.schema import (
     READABLE_MAJORS,
     BundleRecord,
@@ -196,43 +198,70 @@ class BundleReader:
     ) -> Iterator[tuple[int, memoryview]]:
         """Yield ``(offset, body)`` of each frame of ``seg`` whose length and CRC check out;
         resynchronise past corrupt spans; count a torn tail. Fills ``report``.
-        ``mapped``: memory-map the segment instead of reading it (see ``_segment_data``)."""
+        The segment is seen through a ``SegmentWindow`` (a bounded window: never the whole
+        segment but to resynchronise past damage); ``mapped``: memory-map it (a complete
+        segment, see ``_segment_map``) instead of reading it in chunks."""
         try:
-            data = _segment_data(seg) if mapped else seg.read_bytes()
+            win = SegmentWindow(seg, mapped)
         except OSError as exc:
             raise BundleError(f"cannot read {seg}: {exc}") from exc
-        n = len(data)
+        with win:
+            yield from self._walk_window(seg, report, win)
+
+    def _walk_window(
+        self, seg: Path, report: ReadReport, win: SegmentWindow
+    ) -> Iterator[tuple[int, memoryview]]:
+        size = win.size
         report.segments += 1
-        report.bytes += n
-        if n < SEGMENT_HEADER_SIZE:
-            if n:
-                report.torn_bytes += n
+        report.bytes += size
+        if size < SEGMENT_HEADER_SIZE:
+            if size:
+                report.torn_bytes += size
                 report.torn.append((seg.name, 0))
             return
         report.format_minor = max(report.format_minor, self._minors.get(seg, 0))
+        data, n, base = win.data, win.n, win.base  # data[:n] is the file from offset base
         mv = memoryview(data)
         pos = SEGMENT_HEADER_SIZE
         unpack = FRAME_HEADER.unpack_from
         crc32 = zlib.crc32
-        while pos < n:
-            start = pos + FRAME_HEADER_SIZE
-            if start <= n:
-                length, crc = unpack(data, pos)
-                end = start + length
-                if length >= MIN_BODY and end <= n:
-                    body = mv[start:end]
-                    if crc32(body) == crc:
-                        report.frames += 1
-                        yield pos, body
-                        pos = end
-                        continue
-            nxt = self._resync(data, mv, pos)
-            if nxt < 0:
-                report.torn_bytes += n - pos
-                report.torn.append((seg.name, pos))
+        while True:
+            while pos < n:
+                start = pos + FRAME_HEADER_SIZE
+                if start <= n:
+                    length, crc = unpack(data, pos)
+                    end = start + length
+                    if length >= MIN_BODY and end <= n:
+                        body = mv[start:end]
+                        if crc32(body) == crc:
+                            report.frames += 1
+                            yield base + pos, body
+                            pos = end
+                            continue
+                        need = 0  # damaged inside the window
+                    else:  # past the window (more to read), or damaged
+                        need = FRAME_HEADER_SIZE + length if length >= MIN_BODY else 0
+                else:
+                    need = FRAME_HEADER_SIZE
+                if need and not win.at_end and base + pos + need <= win.size:
+                    pos = win.advance(pos, need)  # the frame goes on past the window
+                else:
+                    # damage (or a torn tail): resynchronise over the rest of the segment
+                    pos = win.rest(pos)
+                    nxt = self._resync(win.data, memoryview(win.data)[: win.n], pos)
+                    if nxt < 0:
+                        report.torn_bytes += win.size - (win.base + pos)
+                        report.torn.append((seg.name, win.base + pos))
+                        return
+                    self._corrupt(report, seg, win.base + pos, nxt - pos, "corrupt frame")
+                    pos = nxt
+                data, n, base = win.data, win.n, win.base
+                mv = memoryview(data)
+            if win.at_end:
                 return
-            self._corrupt(report, seg, pos, nxt - pos, "corrupt frame")
-            pos = nxt
+            pos = win.advance(pos, FRAME_HEADER_SIZE)
+            data, n, base = win.data, win.n, win.base
+            mv = memoryview(data)
 
     def _corrupt(self, report: ReadReport, seg: Path, pos: int, size: int, what: str) -> None:
         if self.strict:

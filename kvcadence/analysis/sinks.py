@@ -1,0 +1,83 @@
+"""Where ingest's tables go, a chunk of rows at a time: ``ParquetSink`` and ``MemorySink``.
+
+The record loop (``kvcadence.analysis.records``) hands each table's rows over in chunks as
+it decodes them (``write(name, table)``), so what it holds is one chunk, never the bundle.
+``ParquetSink`` appends every chunk to its table's Parquet file as row groups (one pyarrow
+``ParquetWriter`` per table, ``tables.write_options``): ingest's memory is bounded by the
+chunk size, not by the bundle. ``MemorySink`` keeps the chunks and concatenates them
+(``build_tables``, tests). Both give every table of ``TABLES`` on ``close``, empty ones
+included, with the schema of ``tables.arrow_schema``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvcadence.analysis.tables import TABLES, arrow_schema, write_options
+
+
+class ParquetSink:
+    """``<dir>/<table>.parquet`` per table, written as row groups as chunks arrive."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.rows: dict[str, int] = dict.fromkeys(TABLES, 0)
+        self._writers: dict[str, Any] = {}
+
+    def write(self, name: str, table: Any) -> None:
+        w = self._writers.get(name)
+        if w is None:
+            import pyarrow.parquet as pq
+
+            w = pq.ParquetWriter(
+                self.dir / f"{name}.parquet", arrow_schema(name), **write_options(name)
+            )
+            self._writers[name] = w
+        w.write_table(table)
+        self.rows[name] += table.num_rows
+
+    def close(self) -> dict[str, int]:
+        """Write the tables no chunk came for (empty) and close every file; rows per table."""
+        for name in TABLES:
+            if name not in self._writers:
+                self.write(name, arrow_schema(name).empty_table())
+        for w in self._writers.values():
+            w.close()
+        self._writers.clear()
+        return dict(self.rows)
+
+    def abort(self) -> None:
+        """Close and remove what was written (the loop starts over, or failed)."""
+        for name, w in self._writers.items():
+            try:
+                w.close()
+            finally:
+                (self.dir / f"{name}.parquet").unlink(missing_ok=True)
+        self._writers.clear()
+        self.rows = dict.fromkeys(TABLES, 0)
+
+
+class MemorySink:
+    """The chunks kept in memory; ``close`` gives ``{name: pyarrow.Table}``."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list[Any]] = {name: [] for name in TABLES}
+
+    def write(self, name: str, table: Any) -> None:
+        self.chunks[name].append(table)
+
+    def close(self) -> dict[str, Any]:
+        import pyarrow as pa
+
+        out = {}
+        for name, parts in self.chunks.items():
+            schema = arrow_schema(name)
+            out[name] = pa.concat_tables(parts) if parts else schema.empty_table()
+        return out
+
+    def abort(self) -> None:
+        self.chunks = {name: [] for name in TABLES}
+
+
+__all__ = ["MemorySink", "ParquetSink"]

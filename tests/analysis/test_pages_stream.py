@@ -1,0 +1,82 @@
+"""Request page hashes hashed a batch of requests at a time: the same hashes and the same
+cache file as one batch, session reuse carried across batches, and every page equal to
+``wire.block_hashes`` of the request's chain."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from kvcadence.analysis import ingest, sql
+from kvcadence.analysis import pages as kpages
+from kvcadence.format import wire
+from kvcadence.format.schema import RequestRecord
+from tests.analysis.helpers import cleared, header, write_bundle
+
+
+def _sessions_bundle(path: Path) -> tuple[Path, list[list[int]]]:
+    """Agent-like lanes: each turn's prompt extends the previous turn's chain; 3 lanes
+    interleaved, some sessions restarting, some requests with no lane."""
+    rng = random.Random(4)
+    reqs, chains = [], []
+    ctx: dict[int, list[int]] = {}
+    for i in range(300):
+        lane = rng.choice([0, 1, 2, None])
+        if lane is None or rng.random() < 0.1:
+            prompt = [rng.randrange(50_000) for _ in range(rng.randrange(0, 40))]
+            session = None if lane is None else i
+        else:
+            prompt = ctx.get(lane, []) + [rng.randrange(50_000) for _ in range(rng.randrange(9))]
+            session = 7
+        out = [rng.randrange(50_000) for _ in range(rng.randrange(0, 6))]
+        if lane is not None:
+            ctx[lane] = prompt + out[:-1]
+        reqs.append(
+            RequestRecord(rid=f"r{i}", input_ids=prompt, output_ids=out, lane=lane, session=session)
+        )
+        chains.append(prompt + out[:-1])
+    return write_bundle(path, [(0, [cleared()])], reqs, hdr=header(page_size=4)), chains
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_batches_equal_one_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    b, chains = _sessions_bundle(tmp_path / "b")
+    ing = ingest.ingest(b)
+    whole = kpages.compute(sql.connect(ing), 4)
+    monkeypatch.setattr(kpages, "BATCH_ROWS", rows)
+    got = kpages.load(ing, sql.connect(ing), 4)
+    assert np.array_equal(got.offsets, whole.offsets)
+    assert np.array_equal(got.hashes, whole.hashes)
+    for r, chain in enumerate(chains):
+        assert got.chain(r) == wire.block_hashes(chain, 4)
+    cached = pq.read_table(kpages.cache_path(ing, 4)).to_pydict()
+    assert cached["hash"] == [wire.u64(h) for h in whole.hashes.tolist()]
+    assert cached["request_id"] == np.repeat(np.arange(300), np.diff(whole.offsets)).tolist()
+    again = kpages.load(ing, sql.connect(ing), 4)  # from the cache
+    assert np.array_equal(again.hashes, whole.hashes)
+
+
+def test_out_of_order_batches_are_refused() -> None:
+    import pyarrow as pa
+
+    def batch(ids: list[int]) -> pa.RecordBatch:
+        n = len(ids)
+        return pa.RecordBatch.from_pydict(
+            {
+                "request_id": pa.array(ids, pa.int64()),
+                "input_ids": pa.array([[1, 2]] * n, pa.list_(pa.int64())),
+                "output_ids": pa.array([[3]] * n, pa.list_(pa.int64())),
+                "lane": pa.array([None] * n, pa.int64()),
+                "session": pa.array([None] * n, pa.int64()),
+            }
+        )
+
+    assert kpages._hash_batches([batch([0, 1]), batch([2])], 1, None) is not None
+    assert kpages._hash_batches([batch([0, 2]), batch([1])], 1, None) is None
+    assert kpages._hash_batches([batch([1, 0])], 1, None) is None
