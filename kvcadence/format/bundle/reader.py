@@ -10,6 +10,11 @@ written. A torn tail (a crash's partial frame) is normal. Lost, refused and fore
 and a trailer's shortfall are reported in ``ReadReport``. Each segment is walked through a
 ``window.SegmentWindow`` (a bounded window of it, never the whole segment unless damage
 must be resynchronised past).
+
+Why one file over 500 lines: the walk (window, resynchronisation, segment checks), the
+decode dispatch (fast decoder, tag peek, packed requests) and the report's accounting act
+on the same frame at the same offset in one loop; the pieces that stand alone already live
+beside it (``frames``, ``window``, ``compact``, ``crcspan``, ``segments``, ``report``).
 """
 
 from __future__ import annotations
