@@ -169,7 +169,6 @@ def test_signal_to_harness_start_stops_the_whole_tree(tmp_path, sig):
     )
     try:
         pids = _wait_pids(tmp_path / "pids")
-        time.sleep(0.6)  # at least one readiness poll: the harness is waiting now
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
