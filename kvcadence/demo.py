@@ -97,6 +97,14 @@ def register(sub: Any) -> None:
         help="--live: requests of the agent workload to drive (default 40)",
     )
     p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="--live: how long 'kvcadence harness start' waits for the worker to come up "
+        "(default: that command's --ready-timeout default; raise it on a loaded box)",
+    )
+    p.add_argument(
         "--keep-going",
         action="store_true",
         help="run every step that can run even when one fails or a piece is missing",
@@ -596,6 +604,8 @@ def _live_check(args: argparse.Namespace, commands: set[str]) -> None:
         )
     if args.requests < 1:
         raise _usage("--requests must be >= 1")
+    if args.ready_timeout is not None and not 0 < args.ready_timeout < float("inf"):
+        raise _usage("--ready-timeout must be a positive number of seconds")
 
 
 def _live_capture(args: argparse.Namespace, lay: Layout) -> None:
@@ -613,6 +623,7 @@ def _live_capture(args: argparse.Namespace, lay: Layout) -> None:
             str(LIVE_POOL_TOKENS),
             "--workdir",
             str(lay.worker),
+            *([] if args.ready_timeout is None else ["--ready-timeout", str(args.ready_timeout)]),
         ],  # fmt: skip
         log,
     )

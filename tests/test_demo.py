@@ -216,6 +216,35 @@ def test_live_without_harness_says_how_to_set_it_up(
     assert not out.exists()
 
 
+def test_live_passes_ready_timeout_to_harness_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvcadence.errors import HarnessError
+    from kvcadence.harness import worker as harness
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    ready = {"venv_ready": True, "model_ready": True}
+    monkeypatch.setattr(harness, "status", lambda: ready)
+    seen: list[float] = []
+
+    def fake_start(cfg, workdir, *, ready_timeout, **kw):
+        seen.append(ready_timeout)
+        raise HarnessError("SGLang worker not ready after 5 s; ... --ready-timeout SECONDS")
+
+    monkeypatch.setattr(harness, "start_server", fake_start)
+    out = tmp_path / "demo"
+    rc = main(["demo", "--live", "--ready-timeout", "5", "--out", str(out)])
+    line = _one_error_line(capsys.readouterr().err)  # ([live] progress goes to stdout)
+    assert rc == 2 and seen == [5.0]
+    assert "harness start failed (exit 1)" in line and "--ready-timeout" in line
+    assert main(["demo", "--live", "--out", str(tmp_path / "d2")]) == 2  # default: the flag's
+    assert seen[1] == harness.DEFAULT_READY_TIMEOUT_S
+    capsys.readouterr()
+    assert main(["demo", "--live", "--ready-timeout", "0", "--out", str(tmp_path / "d3")]) == 2
+    assert "--ready-timeout" in _one_error_line(capsys.readouterr().err)
+    assert len(seen) == 2
+
+
 def test_demo_module_imports_stdlib_only() -> None:
     code = (
         "import sys\n"

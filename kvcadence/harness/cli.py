@@ -1,9 +1,9 @@
 """Command ``harness``: ``kvcadence harness setup|start|stop|status`` manages the real-SGLang
 CPU worker (``start --dp-size N`` for data-parallel ranks, ``--env KEY=VALUE`` for its
-environment).
+environment, ``--ready-timeout SECONDS`` for how long to wait for it to come up).
 
-Only the standard library is imported here; ``kvcadence.harness.worker`` is imported by the
-run function.
+Only the standard library (and the stdlib-only ``kvcadence.argtypes`` / ``errors``) is
+imported here; ``kvcadence.harness.worker`` is imported by the run function.
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvcadence.argtypes import positive_float
 from kvcadence.errors import UsageError
+
+#: ``kvcadence.harness.worker.DEFAULT_READY_TIMEOUT_S`` (repeated so ``--help`` imports nothing
+#: of the worker module; a test keeps them equal)
+DEFAULT_READY_TIMEOUT_S = 600.0
 
 
 def register(sub: Any) -> None:
@@ -54,7 +59,8 @@ def _register_harness(sub: Any) -> None:
         "URL, PID and event/replay endpoints as JSON (also kept for 'harness stop').",
         epilog="examples:\n"
         "  kvcadence harness start --page-size 1 --max-total-tokens 2000\n"
-        "  kvcadence harness start --dp-size 2 --chunked-prefill-size 512\n",
+        "  kvcadence harness start --dp-size 2 --chunked-prefill-size 512\n"
+        "  kvcadence harness start --dp-size 2 --ready-timeout 1200   # a loaded box\n",
     )
     st.add_argument(
         "--page-size",
@@ -106,6 +112,16 @@ def _register_harness(sub: Any) -> None:
         "model, page size, pool, chunking, DP size, KV events, metrics dir) are refused",
     )
     st.add_argument(
+        "--ready-timeout",
+        type=positive_float,
+        default=DEFAULT_READY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long to wait for the worker's /health before giving up (default "
+        f"{DEFAULT_READY_TIMEOUT_S:g}; importing SGLang on a loaded CPU box can take minutes); "
+        "on a timeout, an early exit or Ctrl-C/SIGTERM the worker's whole process tree is "
+        "stopped",
+    )
+    st.add_argument(
         "--no-enable-metrics",
         action="store_true",
         help="do not pass --enable-metrics (no request_received_ts etc. in meta_info; how "
@@ -115,7 +131,8 @@ def _register_harness(sub: Any) -> None:
     sp = acts.add_parser(
         "stop",
         help="stop the worker started by 'harness start' (by PID)",
-        description="Stop the worker 'harness start' recorded (by its PID); prints what was done.",
+        description="Stop the worker 'harness start' recorded, by its PID, with its whole "
+        "process tree (SIGTERM, then SIGKILL after a grace period); prints what was done.",
         epilog="examples:\n  kvcadence harness stop\n",
     )
     sp.set_defaults(_run=run_harness)
@@ -158,7 +175,9 @@ def run_harness(args: argparse.Namespace) -> int:
             env=_env_pairs(args.env),
             extra_args=_extra_args(args.extra_arg),
         )
-        h = harness.start_server(cfg, workdir, detach=True, quiet=False)
+        h = harness.start_server(
+            cfg, workdir, ready_timeout=args.ready_timeout, detach=True, quiet=False
+        )
         d = h.to_json()
         d["url"] = h.url
         d["events_endpoints"] = h.events_endpoints

@@ -11,8 +11,15 @@ Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only L
 * ``ensure_model()`` -- the tiny random-weight Llama (``sglang_cpu/mkmodel.py``) in the cache.
 * ``start_server()`` / ``ServerHandle.stop()`` -- launch on loopback with free ports, KV events
   bound with a replay ROUTER, ``--export-metrics-to-file`` and ``--enable-metrics`` (the
-  ``meta_info`` timings replay calibrates from); readiness by polling ``/health``; stop by PID
-  (SIGTERM, then SIGKILL after a timeout), never by name.
+  ``meta_info`` timings replay calibrates from); readiness by polling ``/health`` for up to
+  ``ready_timeout`` s (``DEFAULT_READY_TIMEOUT_S``; ``harness start --ready-timeout``).
+* Stopping: every worker is started as the leader of its own session and process group, and
+  ``ProcessTree`` stops the whole tree it started (that group, plus any descendant seen in
+  ``/proc`` that left it): SIGTERM, ``STOP_GRACE_S`` of grace, then SIGKILL; by PID (checked
+  with its start time), never by name. ``start_server`` does this itself on every failure
+  path -- ready timeout, the worker exiting early, Ctrl-C, SIGTERM/SIGHUP of the caller --
+  so a failed start leaves no process behind (e.g. the DP scheduler processes of a
+  ``--dp-size 2`` worker).
 * Data parallelism: ``ServerConfig.dp_size`` adds ``--dp-size N``; rank ``r`` publishes on
   ``events_port + r`` and replays on ``replay_port + r`` (SGLang offsets both endpoints by the
   rank), so ``reserve_ports`` holds the whole ranges ``[ev, ev+dp)`` and ``[rp, rp+dp)`` free
@@ -23,8 +30,8 @@ Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only L
 
 Only the standard library is imported here (httpx is not needed for a readiness probe).
 
-Why ~570 lines: it is the recipe -- venv, model, ports, command line, start, readiness and
-stop of one real worker -- kept in one place so it can be read top to bottom.
+Why ~760 lines: it is the recipe -- venv, model, ports, command line, start, readiness and
+stop of one real worker's process tree -- kept in one place so it can be read top to bottom.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,6 +63,11 @@ REQUIREMENTS = ASSET_DIR / "sglang-cpu-requirements.txt"
 MKMODEL = ASSET_DIR / "mkmodel.py"
 STAMP_NAME = ".kvcadence-stamp"
 DEFAULT_TOPIC = "kv-events"
+#: how long ``start_server`` waits for ``/health`` by default (a real CPU worker on a loaded
+#: 2-core box needed 362 s; ``harness start --ready-timeout`` changes it)
+DEFAULT_READY_TIMEOUT_S = 600.0
+#: SIGTERM -> SIGKILL grace when a worker's process tree is stopped
+STOP_GRACE_S = 30.0
 
 
 def cache_dir() -> Path:
@@ -311,6 +324,7 @@ class ServerHandle:
     dp_size: int = 1
     env: dict[str, str] = field(default_factory=dict)  # what was added to the environment
     _proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    _tree: ProcessTree | None = field(default=None, repr=False, compare=False)
 
     @property
     def url(self) -> str:
@@ -344,12 +358,130 @@ class ServerHandle:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM the launcher PID, wait, SIGKILL after ``timeout``. Returns the exit code."""
-        return stop_pid(self.pid, timeout=timeout, proc=self._proc)
+    def stop(self, timeout: float | None = None) -> int | None:
+        """Stop the worker's whole process tree (SIGTERM, SIGKILL after ``timeout`` s, default
+        ``STOP_GRACE_S``). Returns the launcher's exit code."""
+        return stop_pid(self.pid, timeout=timeout, proc=self._proc, tree=self._tree)
 
     def to_json(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_proc"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+@dataclass(frozen=True)
+class _Stat:
+    """The fields of ``/proc/PID/stat`` the process-tree walk needs."""
+
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    start: int  # clock ticks after boot: with the pid, identifies one process
+
+
+def _proc_stat(pid: int) -> _Stat | None:
+    """``/proc/PID/stat`` of a process, or None when there is none (Linux)."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+        rest = data[data.rindex(b")") + 2 :].split()  # comm may hold spaces and parentheses
+        return _Stat(rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _all_stats() -> dict[int, _Stat]:
+    out: dict[int, _Stat] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if name.isdigit() and (st := _proc_stat(int(name))) is not None:
+            out[int(name)] = st
+    return out
+
+
+class ProcessTree:
+    """The processes one worker launch started, stopped together.
+
+    The harness starts every worker as the leader of a new session (``start_new_session``),
+    so its process group is the worker and everything it forks (SGLang's tokenizer/detokenizer
+    and one scheduler per DP rank). ``scan()`` records the members of that group and session,
+    and every descendant of a recorded process (one that left the group is still caught while
+    its parent chain is alive). A pid is recorded with its start time, so a pid reused by
+    another process after ours died is never signalled.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        st = _proc_stat(root)
+        # a session/group leader (how the harness starts workers): the group can be signalled
+        self.group: int | None = root if st is not None and st.pgrp == root else None
+        self.known: dict[int, int] = {} if st is None else {root: st.start}
+
+    def scan(self) -> None:
+        """Record the processes of the tree that exist now."""
+        table = _all_stats()
+        grew = True
+        while grew:
+            grew = False
+            for pid, st in table.items():
+                if pid in self.known:
+                    continue
+                in_group = self.group is not None and st.pgrp == st.session == self.group
+                parent = table.get(st.ppid)
+                child = parent is not None and self.known.get(st.ppid) == parent.start
+                if in_group or child:
+                    self.known[pid] = st.start
+                    grew = True
+
+    def alive(self) -> list[int]:
+        """Recorded pids still running (zombies count as gone)."""
+        out = []
+        for pid, start in self.known.items():
+            st = _proc_stat(pid)
+            if st is not None and st.start == start and st.state not in ("Z", "X", "x"):
+                out.append(pid)
+        return sorted(out)
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to the process group and to every recorded pid still running."""
+        if self.group is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.group, sig)
+        for pid in self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def stop(self, grace: float, proc: subprocess.Popen | None = None) -> int | None:
+        """SIGTERM the tree, wait up to ``grace`` s, then SIGKILL what is left (and wait for
+        it to go). Returns the root's exit code when ``proc`` (the root's ``Popen``) is
+        given, else 0 (it went on SIGTERM) or -9 (it needed SIGKILL). Never raises."""
+        killed = False
+        self.scan()
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while True:
+                if proc is not None:
+                    proc.poll()  # reap the root (it is our child)
+                self.scan()  # processes forked while shutting down
+                if not self.alive():
+                    break
+                if time.monotonic() >= deadline:
+                    killed = True
+                    self.signal(signal.SIGKILL)
+                    end = time.monotonic() + 10.0
+                    while self.alive() and time.monotonic() < end:
+                        if proc is not None:
+                            proc.poll()
+                        time.sleep(0.05)
+                    break
+                time.sleep(0.1)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            return proc.returncode
+        return -9 if killed else 0
 
 
 def _pid_is_our_server(pid: int) -> bool:
@@ -361,29 +493,20 @@ def _pid_is_our_server(pid: int) -> bool:
 
 
 def stop_pid(
-    pid: int, *, timeout: float = 30.0, proc: subprocess.Popen | None = None
+    pid: int,
+    *,
+    timeout: float | None = None,
+    proc: subprocess.Popen | None = None,
+    tree: ProcessTree | None = None,
 ) -> int | None:
-    """Stop one launcher PID (SIGTERM, then SIGKILL after ``timeout`` s)."""
-    if proc is not None:
-        if proc.poll() is not None:
-            return proc.returncode
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait(10)
-    if not _pid_is_our_server(pid):
+    """Stop the worker whose launcher is ``pid`` and its whole process tree (SIGTERM, then
+    SIGKILL after ``timeout`` s, default ``STOP_GRACE_S``). Without ``proc`` (a worker
+    recorded by ``harness start``) ``pid`` must be an ``sglang.launch_server``: anything else
+    is left alone (None)."""
+    grace = STOP_GRACE_S if timeout is None else timeout
+    if proc is None and not _pid_is_our_server(pid):
         return None
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _pid_is_our_server(pid):
-            return 0
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return -9
+    return (tree or ProcessTree(pid)).stop(grace, proc)
 
 
 def worker_env_extra(cfg: ServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -487,11 +610,18 @@ def start_server(
     cfg: ServerConfig,
     workdir: Path,
     *,
-    ready_timeout: float = 180.0,
+    ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
     detach: bool = False,
     quiet: bool = True,
 ) -> ServerHandle:
-    """Launch a worker (venv + model built first if needed) and wait for ``/health``."""
+    """Launch a worker (venv + model built first if needed) and wait up to ``ready_timeout``
+    s for ``/health``. The worker leads its own session and process group; when the start
+    fails (not ready in time, the worker exits first, Ctrl-C or SIGTERM/SIGHUP of this
+    process) its whole process tree is stopped before the error propagates. A returned
+    worker runs until ``ServerHandle.stop()`` (``detach`` only says it outlives this
+    process, as ``harness start`` needs)."""
+    if not (0 < ready_timeout < float("inf")):
+        raise UsageError(f"ready_timeout must be a positive number of seconds, got {ready_timeout}")
     venv = ensure_venv(quiet=quiet)
     model = ensure_model(quiet=quiet)
     workdir = Path(workdir)
@@ -502,48 +632,99 @@ def start_server(
     cmd, kv_json = build_command(cfg, model, venv, ports, metrics_dir)
     extra_env = worker_env_extra(cfg)
     log_path = workdir / "server.log"
-    log = open(log_path, "wb")
-    try:
-        proc = subprocess.Popen(
-            cmd,
-            env=server_env(venv, extra_env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=workdir,
-            start_new_session=detach,
+    with _signals_interrupt():  # from here on a SIGTERM unwinds through the cleanup below
+        log = open(log_path, "wb")
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                env=server_env(venv, extra_env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=workdir,
+                start_new_session=True,  # its own process group: stopped as one tree
+            )
+        finally:
+            log.close()
+        handle = ServerHandle(
+            pid=proc.pid,
+            port=ports[0],
+            events_port=ports[1],
+            replay_port=ports[2] if cfg.replay else None,
+            workdir=str(workdir),
+            metrics_dir=str(metrics_dir),
+            log_path=str(log_path),
+            command=cmd,
+            kv_events_config=kv_json,
+            dp_size=cfg.dp_size,
+            env=extra_env,
+            _proc=proc,
+            _tree=(tree := ProcessTree(proc.pid)),
         )
-    finally:
-        log.close()
-    handle = ServerHandle(
-        pid=proc.pid,
-        port=ports[0],
-        events_port=ports[1],
-        replay_port=ports[2] if cfg.replay else None,
-        workdir=str(workdir),
-        metrics_dir=str(metrics_dir),
-        log_path=str(log_path),
-        command=cmd,
-        kv_events_config=kv_json,
-        dp_size=cfg.dp_size,
-        env=extra_env,
-        _proc=proc,
-    )
+        try:
+            _wait_ready(handle, proc, ready_timeout, quiet=quiet)
+        except BaseException:
+            try:
+                handle.stop()
+            except KeyboardInterrupt:  # interrupted again while stopping: no more grace
+                tree.signal(signal.SIGKILL)
+            raise
+    return handle
+
+
+def _wait_ready(
+    handle: ServerHandle, proc: subprocess.Popen, ready_timeout: float, *, quiet: bool
+) -> None:
+    """Poll ``/health`` until it answers; HarnessError (one line, naming the log) when the
+    worker exits first or ``ready_timeout`` passes (the caller stops the tree)."""
+    if not quiet:
+        print(
+            f"harness: worker pid {proc.pid} started; waiting up to {ready_timeout:g} s for "
+            f"{handle.url}/health (--ready-timeout); log: {handle.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
     deadline = time.monotonic() + ready_timeout
     while True:
+        if handle._tree is not None:
+            handle._tree.scan()  # record the tree while its parent links still exist
         if _health(handle.url):
-            return handle
+            return
         if proc.poll() is not None:
+            last = handle.log_tail(1).strip()
             raise HarnessError(
-                f"SGLang worker exited with {proc.returncode} before it was ready:\n"
-                + handle.log_tail()
+                f"SGLang worker exited with {proc.returncode} before it was ready"
+                + (f" ({last})" if last else "")
+                + f"; its process tree was stopped; log: {handle.log_path}"
             )
         if time.monotonic() > deadline:
-            handle.stop()
             raise HarnessError(
-                f"SGLang worker not ready after {ready_timeout:.0f} s:\n" + handle.log_tail()
+                f"SGLang worker not ready after {ready_timeout:g} s; its process tree was "
+                "stopped; give it longer with --ready-timeout SECONDS (default "
+                f"{DEFAULT_READY_TIMEOUT_S:g}); log: {handle.log_path}"
             )
         time.sleep(0.5)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """While a worker is being started: SIGTERM and SIGHUP raise ``KeyboardInterrupt`` (like
+    Ctrl-C) so the start's cleanup runs instead of this process dying with the worker left
+    behind. Main thread only (elsewhere signal handlers cannot be set; nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    old = {sig: signal.signal(sig, _raise_interrupt) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def state_path() -> Path:
