@@ -1,0 +1,67 @@
+"""The deferred stats decode's backlog stays bounded by its cap under a stream that never
+pauses, however slow the decode, and every frame is still counted once, in order."""
+
+from __future__ import annotations
+
+from kvcadence.capture.backlog import ITEM_BYTES, StatsBacklog
+
+
+class FakeClock:
+    """A clock each decode advances by 1 ms: a decode slower than any time budget."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _item(seq: int, size: int = 1000) -> tuple[int, int, int, str, bytes, int, int]:
+    return (0, seq, 1_000 + seq, "kv-events", b"x" * size, 0, 0)
+
+
+def test_never_pausing_stream_keeps_the_backlog_under_its_cap() -> None:
+    clock = FakeClock()
+    counted: list[int] = []
+
+    def count(endpoint, seq, recv_ns, topic, payload, via, epoch) -> None:  # noqa: ANN001
+        counted.append(seq)
+        clock.t += 0.001  # 1 ms a decode
+
+    cap = 100_000
+    bl = StatsBacklog(count, cap, clock=clock, thread_time=clock)
+    burst, per = 50, 1000 + ITEM_BYTES
+    seq = 0
+    for _ in range(2000):  # 100k frames, 100 MB of payloads: 1000x the cap
+        for _ in range(burst):  # the recorder's hot path: append, then account the burst
+            bl.items.append(_item(seq))
+            seq += 1
+        bl.add_bytes(burst * 1000, burst)
+        if bl.over_cap:
+            bl.relieve()
+        assert bl.held_bytes == len(bl) * per
+        assert bl.held_bytes <= cap
+    # bounded by the cap plus one burst, not by the stream's length
+    assert bl.peak_bytes <= cap + burst * per
+    assert len(bl) <= cap // per
+    bl.decode(None)  # shutdown: the rest
+    assert counted == list(range(seq)) and bl.held_bytes == 0 and not bl
+
+
+def test_time_budget_and_down_to() -> None:
+    clock = FakeClock()
+
+    def count(*item: object) -> None:
+        clock.t += 0.001
+
+    bl = StatsBacklog(count, 10**9, clock=clock, thread_time=clock)
+    for i in range(200):
+        bl.append(_item(i, 100))
+    assert bl.held_bytes == 200 * (100 + ITEM_BYTES) and not bl.over_cap
+    bl.decode(0.005)  # the budget is checked every 32 decodes
+    assert len(bl) == 200 - 32
+    bl.decode(None, down_to=100 * (100 + ITEM_BYTES))
+    assert len(bl) == 100
+    assert abs(bl.cpu_s - 0.1) < 1e-9  # the thread CPU of the 100 decodes
+    bl.decode(None)
+    assert not bl and bl.held_bytes == 0
