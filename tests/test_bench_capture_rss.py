@@ -15,15 +15,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_capture_rss.p
 def test_bench_capture_rss_toy_sizes(tmp_path: Path) -> None:
     out = tmp_path / "caprss.json"
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--messages", "3000", "12000",
-            "--floor-messages", "200",
-            "--segment-mb", "1",
-            "--dir", str(tmp_path),
-            "--json", str(out),
-        ],  # fmt: skip
+        [sys.executable, str(SCRIPT), "--messages", "3000", "12000", "--floor-messages", "200"]
+        + ["--segment-mb", "1", "--dir", str(tmp_path), "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -65,3 +65,37 @@ def test_time_budget_and_down_to() -> None:
     assert abs(bl.cpu_s - 0.1) < 1e-9  # the thread CPU of the 100 decodes
     bl.decode(None)
     assert not bl and bl.held_bytes == 0
+
+
+def test_recorder_relieves_its_backlog_while_the_stream_never_pauses(
+    run_capture, endpoint_info, monkeypatch
+) -> None:
+    # a stats decode far slower than the receive (0.2 ms a payload): a time budget per poll
+    # turn would let the backlog hold nearly all 5,000 messages (~4 MB); the cap holds it
+    import time as _time
+
+    from kvcadence.capture import recorder
+    from kvcadence.format import wire
+    from kvcadence.testing.publisher import TestPublisher, payload_pool
+
+    real = wire.decode_batch
+
+    def slow(payload):  # noqa: ANN001, ANN202
+        _time.sleep(0.0002)
+        return real(payload)
+
+    monkeypatch.setattr(wire, "decode_batch", slow)
+    pool = payload_pool(64, seed=5)
+    cap, n = 100_000, 5000
+    with TestPublisher(buffer_steps=n) as pub:
+        run = run_capture([endpoint_info(pub)], max_backlog_bytes=cap)
+        for i in range(n):
+            pub.publish(pool[i & 63])
+        run.wait_for(n, timeout=60)
+        run.stop()
+    bl = run.rec._backlog
+    burst = recorder._BURST_BYTES + max(map(len, pool))
+    per_burst_items = burst // min(map(len, pool)) + 1
+    assert bl.peak_bytes <= cap + burst + per_burst_items * ITEM_BYTES
+    assert run.rec.stats.events == sum(len(real(pool[i & 63]).events) for i in range(n))
+    assert not bl and bl.held_bytes == 0
