@@ -24,7 +24,8 @@ Points (the first is the baseline of the others; the goal: RSS(long) <= 1.2 x RS
 Figures: peak RSS of each point (against the floor, then against the first point), recorded
 messages/s of the longest (against the first: no slowdown over the hours) and messages lost
 per point (sent - recorded in seq order; goal 0). The RSS sampled from ``/proc`` at each
-quarter of a stream goes in the note. Bundles are written under ``--dir`` (default: a
+tenth of a stream goes in the note (and, for a stream of 1M messages or more, on stdout as
+it is sampled). Bundles are written under ``--dir`` (default: a
 temporary directory) and removed.
 
     .venv/bin/python bench/bench_capture_rss.py [--quick] [--full] [--messages N ...]
@@ -228,8 +229,8 @@ def run_point(n: int, args: argparse.Namespace, pool: list[bytes], work: Path) -
                 return checker.on_disk_bytes() / per_frame
 
             publish = pub.publish
-            quarter = max(1, n // 4)
-            next_sample = quarter
+            tenth = max(1, n // 10)
+            next_sample = tenth
             sent = 0
             t0 = time.perf_counter()
             while sent < n:
@@ -244,7 +245,9 @@ def run_point(n: int, args: argparse.Namespace, pool: list[bytes], work: Path) -
                     rss = rss_now(proc.pid)
                     if rss is not None:
                         samples.append((sent, rss))
-                    next_sample += quarter
+                        if n >= 1_000_000:
+                            print(f"    {sent:>11,} sent: RSS {rss:.0f} MB", flush=True)
+                    next_sample += tenth
             send_s = time.perf_counter() - t0
             # the recorder writes the rest: wait until the bundle holds them all or stops
             # growing for a second (the size -> messages estimate is only close)
@@ -298,7 +301,7 @@ def run_point(n: int, args: argparse.Namespace, pool: list[bytes], work: Path) -
         f"  {n:>11,} messages: peak RSS {res['rss_mb']:7.1f} MB  {res['msgs_per_s']:8,.0f} msg/s  "
         f"lost {res['lost']}  gaps {res['gap_records']}/{res['trailer_gaps']}  "
         f"{res['segments']} segments ({res['bundle_mb']:,.0f} MB)  "
-        f"RSS at each quarter {[round(r) for _, r in samples]} MB  {res['wall_s']:.0f} s",
+        f"RSS at each tenth {[round(r) for _, r in samples]} MB  {res['wall_s']:.0f} s",
         flush=True,
     )
     return res
@@ -320,7 +323,7 @@ def figures_of(floor: dict[str, Any], points: list[dict[str, Any]]) -> list[dict
     first = points[0]
     for i, p in enumerate(points):
         n = p["messages"]
-        quarters = " / ".join(f"{r:.0f}" for _, r in p["samples"])
+        tenths = " / ".join(f"{r:.0f}" for _, r in p["samples"])
         figs.append(
             figure(
                 f"capture peak RSS, {label(n)} stream ({n:,} messages)",
@@ -334,7 +337,7 @@ def figures_of(floor: dict[str, Any], points: list[dict[str, Any]]) -> list[dict
                 goal=goal("ratio", "<=", 1.2, f"<= 1.2x the {label(first['messages'])} stream")
                 if i
                 else None,
-                note=f"RSS at each quarter of the stream: {quarters} MB; "
+                note=f"RSS at each tenth of the stream: {tenths} MB; "
                 f"{p['bundle_mb']:,.0f} MB of bundle in {p['segments']} segments",
             )
         )
