@@ -10,8 +10,10 @@ take the burst just written. The recorder decodes
 * down to half the cap, however long that takes, as soon as a written burst takes the
   backlog past the cap (``over_cap`` then ``relieve()``): under a stream that never pauses
   (a busy worker, or a benchmark's compressed hour) the decode can cost more than the
-  receive and the write together, and a time budget would let the backlog grow with the
-  stream's length -- the messages not yet read wait in the SUB queue meanwhile;
+  receive and the write together, or get little CPU on a loaded host, and a time budget per
+  poll turn (a few ms of wall clock against up to 5,000 messages drained) would let the
+  backlog grow with the stream's length -- the messages not yet read wait in the SUB queue
+  meanwhile;
 * everything at shutdown (``decode(None)``).
 
 Items are the recorder's ``write_event_batch`` tuples ``(endpoint, seq, recv_ns, topic,
