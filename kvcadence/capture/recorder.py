@@ -530,10 +530,15 @@ class Recorder:
         bl = self._backlog
         bl.add_bytes(nbytes, n)
         if bl.over_cap:
-            self.writer.flush_pending(0.0)
             cpu0 = bl.cpu_s
-            bl.relieve()
-            self.stats.decode_cpu_s += bl.cpu_s - cpu0
+            try:
+                self.writer.flush_pending(0.0)
+                bl.relieve()  # may write Annotations (undecodable payloads)
+            except BaseException:
+                self._write_failed = True  # the burst is written: never again on the way out
+                raise
+            finally:
+                self.stats.decode_cpu_s += bl.cpu_s - cpu0
 
     def _malformed(self, src: EndpointSource, frames: list[bytes], recv_ns: int, err: str) -> None:
         self.stats.malformed += 1
