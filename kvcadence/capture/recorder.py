@@ -9,8 +9,10 @@ is written with one ``BundleWriter.write_event_batch`` (one file write; same byt
 ``write_event`` per message) when the burst ends or before anything else is written; counters
 are added once per burst; anything else (gaps, replays, epochs) goes through the endpoint's
 ``SeqTracker``, whose runs of frames are batched the same way. The stats decode of written
-payloads (events, blocks, undecodable ones) is deferred: it runs when the stream pauses for a
-millisecond, when its backlog passes ``max_backlog_bytes``, and at shutdown.
+payloads (events, blocks, undecodable ones) is deferred (``capture.backlog``): it runs for a
+few ms when the stream pauses for a millisecond, down to half its cap whenever its backlog
+passes ``max_backlog_bytes`` (so a stream that never pauses cannot make it grow), and at
+shutdown.
 Other threads (the request driver) hand records in with ``submit()``; only this thread
 touches the writer. Stops when ``stop`` is set (SIGINT/SIGTERM handlers set it), after
 ``duration_s``, or after ``until_idle_s`` seconds without messages (counted from the last
@@ -41,11 +43,11 @@ import queue
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from kvcadence.capture.backlog import StatsBacklog
 from kvcadence.capture.seqtrack import MAX_SEQ, Out, Output
 from kvcadence.capture.source import EndpointSource
 from kvcadence.errors import BundleError, CaptureError, WireError
@@ -245,11 +247,9 @@ class Recorder:
         self.on_ready = on_ready
         self.stats = CaptureStats(started_ns=time.time_ns())
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # written frames awaiting the stats decode: write_event_batch tuples
-        # (endpoint, seq, recv_ns, topic, payload, via, epoch)
-        self._backlog: deque[tuple[int, int, int, str, bytes, int, int]] = deque()
+        # written frames awaiting the stats decode (write_event_batch tuples), bounded
+        self._backlog = StatsBacklog(self._count, max_backlog_bytes)
         self._write_failed = False
-        self._backlog_bytes = 0  # payload bytes waiting for the stats decode
         self.max_backlog_bytes = max_backlog_bytes
         self.ready = threading.Event()
         self._cpu0 = time.thread_time()
@@ -315,7 +315,7 @@ class Recorder:
                 # what was written reaches the OS (survives a SIGKILL, a reader sees it) when
                 # the stream pauses, and while busy once it is _FLUSH_AGE_S old
                 self.writer.flush_pending(_FLUSH_AGE_S if ready else 0.0)
-                if self._backlog and (not ready or self._backlog_bytes > self.max_backlog_bytes):
+                if self._backlog and not ready:
                     self._decode_backlog(0.005)
                 if self.status is not None and self.status.live:
                     self._refresh()
@@ -429,7 +429,7 @@ class Recorder:
         time_ns = time.time_ns
         eid = src.info.id
         tr = src.tracker
-        queue_decode = self._backlog.append if self.decode_stats else None
+        queue_decode = self._backlog.items.append if self.decode_stats else None
         expect = tr.expected()
         epoch = tr.epoch
         burst: list[tuple[int, int, int, str, bytes, int, int]] = []
@@ -519,8 +519,26 @@ class Recorder:
         st.written += n
         st.bytes += nbytes
         st.last_write_ns = burst[-1][2]
-        self._backlog_bytes += nbytes
+        if self.decode_stats:
+            self._account_backlog(nbytes, n)
         return [], 0
+
+    def _account_backlog(self, nbytes: int, n: int) -> None:
+        """``n`` written frames (``nbytes`` of payloads) joined the stats backlog; past its cap
+        it is decoded down to half at once (what was written is handed to the OS first, so
+        the pause never holds received data back)."""
+        bl = self._backlog
+        bl.add_bytes(nbytes, n)
+        if bl.over_cap:
+            cpu0 = bl.cpu_s
+            try:
+                self.writer.flush_pending(0.0)
+                bl.relieve()  # may write Annotations (undecodable payloads)
+            except BaseException:
+                self._write_failed = True  # the burst is written: never again on the way out
+                raise
+            finally:
+                self.stats.decode_cpu_s += bl.cpu_s - cpu0
 
     def _malformed(self, src: EndpointSource, frames: list[bytes], recv_ns: int, err: str) -> None:
         self.stats.malformed += 1
@@ -539,6 +557,7 @@ class Recorder:
         st = self.stats
         eid = src.info.id
         run: list[tuple[int, int, int, str, bytes, int, int]] = []
+        queued = n = 0
         for o in outs:
             if isinstance(o, Out):
                 item = (eid, o.seq, o.recv_ns, o.topic, o.payload, o.via, o.epoch)
@@ -547,8 +566,9 @@ class Recorder:
                 st.bytes += len(o.payload)
                 st.last_write_ns = o.recv_ns
                 if self.decode_stats:
-                    self._backlog.append(item)
-                    self._backlog_bytes += len(o.payload)
+                    self._backlog.items.append(item)
+                    queued += len(o.payload)
+                    n += 1
             else:
                 assert isinstance(o, (Gap, Epoch))
                 if run:
@@ -557,26 +577,18 @@ class Recorder:
                 w.write(o)
         if run:
             w.write_event_batch(run)
+        if n:  # after the writes: what the decode may annotate comes after its frames
+            self._account_backlog(queued, n)
 
     def _decode_backlog(self, budget_s: float | None) -> None:
         """Decode written payloads for the event/block counts (and to find undecodable
         ones) when the loop has time: never on the receive path, all of it at shutdown."""
         bl = self._backlog
-        deadline = None if budget_s is None else time.perf_counter() + budget_s
-        n = 0
-        cpu0 = time.thread_time()
+        cpu0 = bl.cpu_s
         try:
-            while bl:
-                item = bl.popleft()
-                self._backlog_bytes -= len(item[4])
-                self._count(*item)
-                n += 1
-                if deadline is not None and not n & 31 and time.perf_counter() > deadline:
-                    return
+            bl.decode(budget_s)
         finally:
-            if not bl:
-                self._backlog_bytes = 0
-            self.stats.decode_cpu_s += time.thread_time() - cpu0
+            self.stats.decode_cpu_s += bl.cpu_s - cpu0
 
     def _count(
         self,

@@ -218,7 +218,8 @@ def sample_payload(seq: int) -> bytes:
     return wire.encode_batch(sample_batch(seq))
 
 
-def payload_pool(n: int = 256, seed: int = 0) -> list[bytes]:
-    """``n`` distinct SGLang 0.5.23-encoded payloads (for fast publishing loops)."""
+def payload_pool(n: int = 256, seed: int = 0, *, page_size: int = 1) -> list[bytes]:
+    """``n`` distinct SGLang 0.5.23-encoded payloads (for fast publishing loops); each
+    BlockStored carries ``page_size`` token ids per page."""
     rng = random.Random(seed)
-    return [wire.encode_batch(sample_batch(i, rng)) for i in range(n)]
+    return [wire.encode_batch(sample_batch(i, rng, page_size=page_size)) for i in range(n)]

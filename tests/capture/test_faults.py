@@ -315,7 +315,7 @@ def test_deferred_stats_decode_counts_every_written_frame(run_capture, endpoint_
         r = cap_run.stop()
     st = cap_run.rec.stats
     assert (st.events, st.blocks_stored, st.blocks_removed) == _expected_counts(pool)
-    assert st.undecodable == 0 and cap_run.rec._backlog_bytes == 0
+    assert st.undecodable == 0 and cap_run.rec._backlog.held_bytes == 0
     trailer = [t for t in r.records() if isinstance(t, Trailer)][-1]
     assert trailer.stats["events"] == st.events
     assert 0 < trailer.stats["decode_cpu_s"] <= trailer.stats["cpu_s"]
