@@ -9,8 +9,8 @@ requests arrive open loop (the first of each inferred client, at its recorded ti
 the replay guessed goes unsaid in the report; the definitions are ``replay.production``'s
 (docs/simulator.md, "Production captures").
 
-A sim bundle without that trailer entry (a replay of driver records, a trace, a fleet replay)
-adds nothing; with none among the inputs there is no section.
+A sim bundle without that trailer entry (a replay of driver records, a trace) adds nothing
+(single-rank and fleet replays of a production capture both write it); with none among the inputs there is no section.
 """
 
 from __future__ import annotations

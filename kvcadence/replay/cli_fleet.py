@@ -211,6 +211,11 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 f"{p['messages']} messages, {p['events']} events, {p['evictions']} evictions, "
                 f"{p['aborted']} aborted"
             )
+        for w in workers:  # production captures: what was inferred, as the single replay says
+            if w.inferred:
+                from kvcadence.replay.production import report_text
+
+                print(f"  {w.name}: {report_text(w.inferred)}")
     check_some_ran(result.requests)
     return 0
 

@@ -64,6 +64,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.flushes import FlushLedger, FlushPlan
+from kvcadence.replay.production import retractions
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
 from kvcadence.replay.routing import make_router
@@ -501,6 +502,12 @@ def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> No
     )
     summary = result.summary()
     summary["per_rank"] = [p for p in summary["per_rank"] if p["worker"] == w.name]
+    sim_requests = worker_requests(result, worker)
+    if w.inferred:  # a production capture: what was inferred, as the single-rank replay says
+        inferred = dict(w.inferred)
+        if inferred.get("retracted_in_capture"):
+            inferred.update(retractions(list(w.records), sim_requests))
+        summary["inferred"] = inferred
     # interleave the ranks' batches by publish time (stable: rank order on ties)
     frames = sorted(
         ((b.time_ns, sl.rank, b) for sl in slots for b in sl.publisher.batches),
@@ -512,7 +519,7 @@ def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> No
         ((rank, b) for _t, rank, b in frames),
         # each rank's visibility notes (none with --no-visibility)
         (n for sl in slots for n in scheduler_notes(sl.sched, result.anchor_ns, endpoint=sl.rank)),
-        worker_requests(result, worker),
+        sim_requests,
         summary,
         result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots),
     )

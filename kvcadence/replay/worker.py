@@ -88,6 +88,9 @@ class WorkerInput:
     #: serves every request whatever rank recorded it, and the sim records carry no
     #: ``meta_info["dp_rank"]`` (``one_rank_worker``)
     one_rank: bool = False
+    #: a production capture's inference report (``production.records_for_replay``: outputs
+    #: and sessions inferred); None for driver records
+    inferred: dict[str, Any] | None = None
 
     def flushes_of(self, rank: int) -> list[int]:
         """Recorded flush times (absolute ns) of DP ``rank``."""
@@ -190,7 +193,7 @@ def load_worker(
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
     reader = BundleReader(p)
-    records, _, recorded = records_for_replay(reader)  # production: outputs, sessions
+    records, inferred, recorded = records_for_replay(reader)  # production: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(
@@ -209,6 +212,7 @@ def load_worker(
         reader.header,
         str(p),
         [f.rank for f in flushes],
+        inferred=inferred or None,
     )
 
 

@@ -174,6 +174,27 @@ def test_dp2_production_path_replays_like_the_driver_records(tmp_path):
             assert figs[0][rank][fig] == figs[1][rank][fig], (rank, fig)
 
 
+def test_a_fleet_replay_of_a_production_capture_says_what_it_inferred(tmp_path, capsys):
+    """The DP (fleet) replay writes the inference counts into its sim bundle's trailer, as
+    the single-rank replay does, so the report's "Inferred inputs" section covers it; a
+    driver bundle's fleet replay writes none."""
+    from kvcadence.analysis.inference import trailer_inferred
+
+    src = DATA / "sglang-0.5.23-dp2-agent-ps1"
+    prod = tmp_path / "prod"
+    production_copy(src, prod)
+    _, rep, _ = records_for_replay(BundleReader(prod))
+    for name, bundle in (("drv", src), ("prod", prod)):
+        out = tmp_path / f"sim-{name}"
+        assert main(["replay", str(bundle), "--route", "recorded", "--out", str(out)]) == 0
+        said = capsys.readouterr().out
+        if name == "drv":
+            assert trailer_inferred(out) is None and "inferred" not in said
+        else:
+            assert trailer_inferred(out) == rep
+            assert f"outputs of {rep['requests']} requests" in said
+
+
 def test_driver_bundles_are_not_touched():
     rd = BundleReader(DATA / "sglang-0.5.23-dp2-agent-ps1")
     recs = rd.requests()
