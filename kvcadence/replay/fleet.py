@@ -65,13 +65,14 @@ from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
-from kvcadence.replay.production import records_for_replay
+from kvcadence.replay.loading import load_for_replay
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simbundle import sim_header, write_sim
+from kvcadence.replay.simrecords import SimRecords
 from kvcadence.replay.simulator import effective_config, sim_request_record
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 from kvcadence.replay.visibility import scheduler_notes
@@ -183,7 +184,7 @@ def load_worker(
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
     reader = BundleReader(p)
-    records, _, recorded = records_for_replay(reader)  # production: outputs, sessions
+    records, _, recorded = load_for_replay(reader)  # compact; production: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(
@@ -239,7 +240,7 @@ class FleetResult:
     workers: list[WorkerInput]
     slots: list[Slot]
     router: str
-    requests: list[Any]  # sim RequestRecords, spec order
+    requests: Sequence[Any]  # sim RequestRecords, spec order (``SimRecords``: built when read)
     serving: list[int]  # slot index per spec
     anchor_ns: int
     virtual_ns: int
@@ -478,7 +479,7 @@ class Fleet:
         vend = 0
         for sched in scheds:
             vend = max(vend, sched.finish_run().virtual_ns)
-        records = [self._record(i) for i in range(len(self.reqs))]
+        records = SimRecords(len(self.reqs), self._record)  # built when read
         return FleetResult(
             self.workers,
             self.slots,

@@ -336,6 +336,7 @@ class Scheduler:
 
     def _finish(self, req: SimReq, t: int, insert: bool = True, error: str | None = None) -> None:
         self._release(req, insert)
+        req.drop_tokens()  # only live requests hold their prompt's array
         if error is not None:
             req.error = error
         req.state = ABORTED if req.error is not None else FINISHED

@@ -37,13 +37,16 @@ from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import PublishedBatch, Publisher
 from kvcadence.replay.flushes import FlushLedger, FlushPlan, recorded_flushes
-from kvcadence.replay.production import records_for_replay, retractions
+from kvcadence.replay.loading import load_for_replay
+from kvcadence.replay.production import retractions
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, SimReq, SimStats
 from kvcadence.replay.schedule import Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simbundle import sim_header, write_sim
+from kvcadence.replay.simrecords import SimRecords
 from kvcadence.replay.timing import calibrate
+from kvcadence.replay.tokens import as_list
 from kvcadence.replay.visibility import visibility_notes
 
 
@@ -55,7 +58,7 @@ class SimResult:
     schedule: Schedule
     stats: SimStats
     batches: list[PublishedBatch]
-    requests: list[Any]  # RequestRecord
+    requests: Sequence[Any]  # RequestRecords (``SimRecords``: built when read)
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None  # the finished Scheduler (tree, publish log) for inspection
@@ -165,7 +168,9 @@ def _simulate(
     )
     stats = sched.run(progress)
     anchor = schedule.anchor_ns
-    out = [sim_request_record(r, anchor, cfg.attn_dp_rank) for r in sched.reqs]
+    reqs, rank = sched.reqs, cfg.attn_dp_rank
+    # built when read (the bundle writer streams them): not every prompt as a list at once
+    out = SimRecords(len(reqs), lambda i: sim_request_record(reqs[i], anchor, rank))
     return SimResult(
         cfg, schedule, stats, publisher.batches, out, time.perf_counter() - t0, scheduler=sched
     )
@@ -199,10 +204,9 @@ def sim_request_record(
         meta["dp_rank"] = rank
     if worker is not None:
         meta["worker"] = worker
-    src_ids = s.source.input_ids if s.source is not None else s.input_ids
     return RequestRecord(
         rid=s.rid,
-        input_ids=src_ids if isinstance(src_ids, list) else list(src_ids),
+        input_ids=as_list(s.input_ids),
         output_ids=list(s.output_ids[: r.output_len]),
         send_ns=anchor_ns + r.arrival_ns,
         first_token_ns=None if r.first_token_ns is None else anchor_ns + r.first_token_ns,
@@ -277,7 +281,7 @@ def replay_bundle(
 
     ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
-    records as ``production.records_for_replay`` returned them with its report
+    records as ``loading.load_for_replay`` returned them with its report
     ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
     here when not given; flushes scanned when None)."""
 
@@ -295,7 +299,7 @@ def replay_bundle(
         if loaded is None:
             reader = BundleReader(src_path)
             header = reader.header
-            records, inferred, flushes = records_for_replay(reader)
+            records, inferred, flushes = load_for_replay(reader)
         else:
             header, records = loaded
         if not records:
@@ -313,7 +317,7 @@ def replay_bundle(
         result = simulate(records, config, hasher=hasher, flush_abs_ns=flush_ns, progress=progress)
     if inferred:
         if inferred.get("retracted_in_capture"):
-            inferred = {**inferred, **retractions(list(records), result.requests)}
+            inferred = {**inferred, **retractions(list(records), list(result.requests))}
         result.extra["inferred"] = inferred
     if out_path is not None:
         with phases.phase("write", f"writing {out_path}"):
@@ -321,7 +325,7 @@ def replay_bundle(
     return result
 
 
-def check_some_ran(records: list[Any]) -> None:
+def check_some_ran(records: Sequence[Any]) -> None:
     """``ReplayError`` (exit 1, one line) when no simulated request produced a token: every
     one was aborted (the sim bundle, already written, keeps why in each record)."""
     if not records or any((r.completion_tokens or 0) > 0 for r in records):
