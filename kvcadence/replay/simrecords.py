@@ -45,5 +45,14 @@ class SimRecords(Sequence[Any]):
         make = self._make
         return (make(i) for i in range(self._n))
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to another ``SimRecords`` or list with equal records, in order (as the
+        list of records it stands for)."""
+        if isinstance(other, (SimRecords, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-list semantics: unhashable
+
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"SimRecords({self._n})"

@@ -116,7 +116,7 @@ def effective_config(
 
 
 def simulate(
-    records: Sequence[Any],
+    records: Iterable[Any],
     cfg: SimConfig,
     *,
     hasher: Hasher | None = None,
@@ -124,7 +124,8 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     on_publish: Callable[[int], None] | None = None,
 ) -> SimResult:
-    """Simulate ``records`` (``RequestRecord``-like) under ``cfg``; no I/O.
+    """Simulate ``records`` (``RequestRecord``-like; read once, as a stream) under ``cfg``;
+    no I/O.
 
     The cyclic garbage collector is paused for the call (restored after): a replay creates
     millions of long-lived objects (token lists, radix nodes, events, records) that
@@ -141,7 +142,7 @@ def simulate(
 
 
 def _simulate(
-    records: Sequence[Any],
+    records: Iterable[Any],
     cfg: SimConfig,
     *,
     hasher: Hasher | None,

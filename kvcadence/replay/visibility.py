@@ -20,6 +20,7 @@ plus the batch's ``seq``, ``endpoint``, ``publish_pass`` (``EventFrame.pass_inde
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from kvcadence.format.schema import Annotation
@@ -28,25 +29,25 @@ VISIBILITY_KIND = "visibility"
 VISIBILITY_VERSION = 1
 
 
-def visibility_notes(result: Any, endpoint: int = 0) -> list[Any]:
+def visibility_notes(result: Any, endpoint: int = 0) -> Iterator[Any]:
     """One ``Annotation(kind="visibility")`` per published batch with stores of a
-    ``SimResult`` (one scheduler)."""
+    ``SimResult`` (one scheduler), built as they are read (a note holds a list of ints per
+    stored block: the writer streams them, one alive at a time)."""
     sched = getattr(result, "scheduler", None)
     if sched is None:
-        return []
+        return iter(())
     return scheduler_notes(sched, result.schedule.anchor_ns, endpoint)
 
 
-def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> list[Any]:
+def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> Iterator[Any]:
     """The visibility notes of one finished ``Scheduler`` whose batches are published as
-    ``endpoint`` (a fleet writes one set per rank)."""
+    ``endpoint`` (a fleet writes one set per rank), built as they are read."""
 
     if not getattr(sched, "track", False):
-        return []
+        return
     times = {b.seq: b.time_ns for b in sched.publisher.batches}
-    out = []
     for seq, publish_pass, t, reason, passes, comp_ns, phases in sched.vis_frames:
-        out.append(
+        yield (
             Annotation(
                 kind=VISIBILITY_KIND,
                 recv_ns=times.get(seq, anchor_ns + t),
@@ -62,7 +63,6 @@ def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> list[Any]:
                 },
             )
         )
-    return out
 
 
 def block_delays(result: Any) -> list[tuple[int, int, int, str]]:
