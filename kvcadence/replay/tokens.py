@@ -11,8 +11,9 @@ What this file owns: how the replay keeps token ids in memory.
   tokens, not the sum of their lengths. ``materialize()`` builds the full array (O(length),
   on demand: the simulated request keeps it only while it is live).
 * ``PromptIndex`` — builds ``Prompt``s as records stream in: each new prompt is compared
-  with the last prompt of its lane and with the last prompt that started with the same
-  first tokens, and shares the longest common prefix. Chains are cut (a full copy) after
+  with the last prompt of its lane and, when that shares less than half of it, with the
+  last prompt that started with the same first tokens; it shares the longest common
+  prefix found. Chains are cut (a full copy) after
   ``MAX_DEPTH`` levels, so materializing stays linear in the prompt's length.
 
 Hashes are unchanged: an ``array('I')`` hashes to the same SGLang block hashes as the list
@@ -174,7 +175,9 @@ class PromptIndex:
             best_len = common_prefix(arr, best_arr)
         key = arr[:START_KEY].tobytes()
         cand = self._start.get(key)
-        if cand is not None and cand is not best and best_len < len(arr):
+        # the lane's last prompt usually holds most of this one (the next turn): the
+        # same-start candidate is compared only when it does not
+        if cand is not None and cand is not best and 2 * best_len < len(arr):
             cand_len = common_prefix(arr, cand.materialize())
             if cand_len > best_len:
                 best, best_len = cand, cand_len
