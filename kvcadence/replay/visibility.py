@@ -1,6 +1,6 @@
 """Event visibility of a simulation: when each stored block was computed vs published.
 
-What this file owns: turning the scheduler's visibility log (``Scheduler.vis_frames``) into
+What this file owns: turning the scheduler's visibility log (``Scheduler.visibility_frames``) into
 bundle records. For every published batch that carries ``BlockStored`` events the sim
 bundle gets one ``Annotation(kind="visibility")`` (no schema change) with, per stored
 block, in the order the blocks appear in that batch's ``BlockStored`` events:
@@ -46,7 +46,7 @@ def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> Iterator[A
     if not getattr(sched, "track", False):
         return
     times = {b.seq: b.time_ns for b in sched.publisher.batches}
-    for seq, publish_pass, t, reason, passes, comp_ns, phases in sched.vis_frames:
+    for seq, publish_pass, t, reason, passes, comp_ns, phases in sched.visibility_frames():
         yield (
             Annotation(
                 kind=VISIBILITY_KIND,
@@ -69,7 +69,7 @@ def block_delays(result: Any) -> list[tuple[int, int, int, str]]:
     """(delay passes, delay ns, phase, reason) of every stored block of an in-memory run."""
     sched = result.scheduler
     out = []
-    for _seq, publish_pass, t, reason, passes, comp_ns, phases in sched.vis_frames:
+    for _seq, publish_pass, t, reason, passes, comp_ns, phases in sched.visibility_frames():
         for p, c, ph in zip(passes, comp_ns, phases, strict=True):
             out.append((publish_pass - p, t - c, ph, reason))
     return out
