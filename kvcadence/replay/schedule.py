@@ -1,7 +1,11 @@
 """Request schedule reconstruction: what the simulated clients send, and when.
 
 What this file owns: turning a bundle's ``RequestRecord``s into ``RequestSpec``s — the same
-prompt token ids and output lengths, plus how each request is released:
+prompt token ids and output lengths, plus how each request is released. The records are read
+once, as a stream, and each one's token ids are made compact as it is read
+(``replay.tokens``: the prompt a prefix-shared ``Prompt``, the outputs an array; the spec's
+``source`` is the record with these in place of its lists), so a schedule holds the unique
+tokens of its prompts, never a list of ints per token:
 
 * **closed loop** (``lane`` known): requests of one lane are sent one after the other; the
   first at its recorded arrival, each next one ``gap_ns`` after its predecessor *finishes in
@@ -156,8 +160,8 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
     (``replay.tokens``: a prefix-shared ``Prompt``, an output array) as it is read, so no
     more than one record's lists are alive here at a time."""
     index = PromptIndex()
-    # (arrival, rid, spec, server-side finish) of every kept record, in read order
-    rows: list[tuple[int, str, RequestSpec, int | None]] = []
+    # (arrival, rid, spec, server-side finish, output length) of every kept record
+    rows: list[tuple[int, str, RequestSpec, int | None, int]] = []
     for r in records:
         if not (r.error is None or r.output_ids or r.completion_tokens):
             continue
@@ -197,7 +201,6 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             real_cached_tokens=r.cached_tokens,
             source=_stripped(r, prompt, rec_out),
         )
-        spec.meta["n_out"] = n_out
         mi = r.meta_info or {}
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:
@@ -209,7 +212,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
         fin_ns = _finish(r, fin)
         if fin_ns is not None and fin_ns > a:
             spec.e2e_ns = fin_ns - a
-        rows.append((a, r.rid, spec, fin_ns))
+        rows.append((a, r.rid, spec, fin_ns, n_out))
     if not rows:
         raise InputError("the bundle has no requests to replay")
     del index  # its lane arrays: only the prompts are kept
@@ -218,12 +221,14 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
     specs: list[RequestSpec] = []
     finishes: list[int | None] = []  # server-side finish of each spec
     arr: list[int] = []
+    n_outs: list[int] = []
     by_lane: dict[int, list[int]] = {}
-    for new_idx, (a, _rid, spec, fin_ns) in enumerate(rows):
+    for new_idx, (a, _rid, spec, fin_ns, n_out) in enumerate(rows):
         spec.idx = new_idx
         specs.append(spec)
         finishes.append(fin_ns)
         arr.append(a)
+        n_outs.append(n_out)
         if spec.lane is not None:
             by_lane.setdefault(int(spec.lane), []).append(new_idx)
         else:
@@ -242,12 +247,12 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             elif specs[cur].source.think_ns is not None:
                 gap = int(specs[cur].source.think_ns)
             specs[cur].gap_ns = max(0, gap) if gap is not None else default_gap_ns
-    _fill_outputs(specs)
+    _fill_outputs(specs, n_outs)
     flushes = sorted(max(0, int(f) - anchor) for f in flush_abs_ns)
     return Schedule(specs, anchor, flushes, closed_loop=bool(by_lane))
 
 
-def _fill_outputs(specs: list[RequestSpec]) -> None:
+def _fill_outputs(specs: list[RequestSpec], n_outs: list[int]) -> None:
     """Output ids of the specs without recorded ones: recovered from the lane's next prompt
     when it extends this one, else synthesised."""
     first_succ: dict[int, RequestSpec] = {}
@@ -255,7 +260,7 @@ def _fill_outputs(specs: list[RequestSpec]) -> None:
         if t.pred is not None and t.pred not in first_succ:
             first_succ[t.pred] = t
     for s in specs:
-        n_out = s.meta.pop("n_out")
+        n_out = n_outs[s.idx]
         if len(s.output_ids) == n_out:
             continue
         recovered: array | None = None
