@@ -127,9 +127,13 @@ class Prompt:
             if out is None:
                 out = p.own[:need]
                 continue
-            extra = need - p.base_len
+            extra = need - p.base_len  # ``out`` holds exactly p.base_len tokens here
             if extra > 0:
-                out = cat(out, p.own[:extra])
+                own = p.own
+                if own.typecode == out.typecode:
+                    out += own[:extra]  # in place: amortised, not a copy per level
+                else:
+                    out = cat(out, own[:extra])
         assert out is not None
         return out
 
