@@ -132,10 +132,13 @@ def test_common_prefix():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=70), st.sampled_from([1, 4, 16]))
+@given(
+    st.lists(st.integers(0, 2**32 - 1) | st.integers(2**32, 2**63 - 1), min_size=1, max_size=70),
+    st.sampled_from([1, 4, 16]),
+)
 def test_arrays_hash_like_lists(ids, ps):
-    """SGLang's block hashes of a compact key equal those of the list (golden vectors:
-    tests/format/test_wire.py)."""
+    """SGLang's block hashes of a compact key (uint32, or int64 with wide ids) equal those
+    of the list (golden vectors: tests/format/test_wire.py)."""
     assert wire.block_hashes(compact(ids), ps) == wire.block_hashes(ids, ps)
     got, want = RadixTree(ps, wire_hasher()), RadixTree(ps, wire_hasher())
     got.insert(compact(ids))
@@ -195,3 +198,14 @@ def test_schedule_keeps_no_list_per_token():
         assert as_list(s.input_ids) == r.input_ids
         assert isinstance(s.source, RequestRecord) and s.source.input_ids is s.input_ids
     assert sch.requests[1].input_ids.base is sch.requests[0].input_ids
+
+
+def test_a_tree_mixes_uint32_and_wide_keys_like_lists():
+    """A prompt with a wide id (``array('q')``) shares and splits the nodes of uint32 ones."""
+    keys = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 2**33, 5, 6], [1, 2, 3, 4, 9, 9]]
+    got, want = RadixTree(1, wire_hasher()), RadixTree(1, wire_hasher())
+    for k in keys:
+        assert got.insert(compact(k))[0] == want.insert(k)[0]
+    assert got.resident_hashes() == want.resident_hashes()
+    assert got.match_prefix(compact([1, 2, 3, 2**33, 7]))[0] == 4
+    got.check_invariants()
