@@ -7,8 +7,9 @@ measured in the same run:
 * replay: ``bench/bench_replay.py``'s workload (closed-loop agent lanes, page size 1, pool
   60,000 tokens, ``--lanes 64``) streamed into ``simulate()`` (the records are made one at
   a time and made compact as they are read: the replay's own memory is measured) at 6,000
-  and 60,000 requests (600,000 with ``--full``; the goal there is <= 4 GB: ~6.4 GB
-  extrapolated from 6k -> 60k with compact tokens on 2026-12-01, ~14 GB before). Figures:
+  and 60,000 requests (600,000 with ``--full``; the goal there is <= 4 GB: 5.3 GB measured
+  with compact tokens on 2026-12-01 -- half of it the published batches, held until the
+  sim bundle is written -- ~14 GB before, extrapolated). Figures:
   peak RSS of each size against the interpreter with kvcadence imported (the floor) and,
   for the larger sizes, against the first point (``ratio`` = growth); the marginal
   KB/request between the two smallest sizes, against the workload's own (the records built
@@ -17,7 +18,7 @@ measured in the same run:
   tokens) written as a requests JSONL, imported with ``kvcadence import --frames <empty>
   --requests`` (not measured) and replayed by ``kvcadence replay --out`` in a fresh child,
   at 2,000 and 8,000 requests; figures: peak RSS of each and the growth per request
-  between them (goal <= 20 KB/request; 67 KB before compact tokens, 11 KB after, on
+  between them (goal <= 20 KB/request; 67 KB before compact tokens, 9.6 KB after, on
   2026-12-01).
 * long-prompt replay: agent sessions whose contexts grow to 32k tokens (2k-token system
   prompt, 500-2,000 new tokens a turn, 8 lanes, pool 400,000 tokens) at 500 and 2,000
@@ -34,7 +35,7 @@ measured in the same run:
 
 ``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, agent log 500 / 2,000,
 ingest 25 / 250 MB (a smoke run). Memory needed by the default points on 2026-12-01:
-0.7 GB (60k requests; 1.4 GB before compact tokens), 6.4 GB (ingest of the 2 GB bundle).
+0.6 GB (60k requests; 1.4 GB before compact tokens), 6.4 GB (ingest of the 2 GB bundle).
 Measures only; nothing here changes the code measured.
 """
 
