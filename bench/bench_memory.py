@@ -5,12 +5,21 @@ child's ``ru_maxrss`` from ``os.wait4``, so no point inherits another's heap. Ba
 measured in the same run:
 
 * replay: ``bench/bench_replay.py``'s workload (closed-loop agent lanes, page size 1, pool
-  60,000 tokens, ``--lanes 64``) simulated by ``simulate()`` at 6,000 and 60,000 requests
-  (600,000 with ``--full``: ~14 GB of RSS, extrapolated from 6k -> 60k on the replay of
-  2026-12-01; the goal there is <= 4 GB). Figures: peak RSS of each size against the
-  interpreter with kvcadence imported (the floor) and, for the larger sizes, against the
-  first point (``ratio`` = growth); the marginal KB/request between the two smallest
-  sizes, against the workload's own (the records built, not simulated: a child of its own).
+  60,000 tokens, ``--lanes 64``) streamed into ``simulate()`` (the records are made one at
+  a time and made compact as they are read: the replay's own memory is measured) at 6,000
+  and 60,000 requests (600,000 with ``--full``; the goal there is <= 4 GB: 5.3 GB measured
+  with compact tokens on 2026-12-01 -- half of it the published batches, held until the
+  sim bundle is written -- ~14 GB before, extrapolated). Figures:
+  peak RSS of each size against the interpreter with kvcadence imported (the floor) and,
+  for the larger sizes, against the first point (``ratio`` = growth); the marginal
+  KB/request between the two smallest sizes, against the workload's own (the records built
+  in a list, not simulated: a child of its own).
+* agent log (the production-size measure): the same workload on 32 lanes (prompts up to 6k
+  tokens) written as a requests JSONL, imported with ``kvcadence import --frames <empty>
+  --requests`` (not measured) and replayed by ``kvcadence replay --out`` in a fresh child,
+  at 2,000 and 8,000 requests; figures: peak RSS of each and the growth per request
+  between them (goal <= 20 KB/request; 67 KB before compact tokens, 9.6 KB after, on
+  2026-12-01).
 * long-prompt replay: agent sessions whose contexts grow to 32k tokens (2k-token system
   prompt, 500-2,000 new tokens a turn, 8 lanes, pool 400,000 tokens) at 500 and 2,000
   requests; the same figures.
@@ -26,16 +35,17 @@ measured in the same run:
   the goal (<= 60 s and <= 3 GB at 10M events) is attached to the 10M point, and without it
   the 10M figures are extrapolated linearly from the two points measured (said so).
 
-    .venv/bin/python bench/bench_memory.py [--only replay|long|ingest|report] [--quick]
-        [--full] [--replay-requests N ...] [--long-requests N ...] [--ingest-mb MB ...]
-        [--report-events N ...] [--dir DIR] [--json PATH]
+    .venv/bin/python bench/bench_memory.py [--only replay|long|agentlog|ingest|report] [--quick]
+        [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]
+        [--agentlog-lanes N] [--ingest-mb MB ...] [--report-events N ...] [--dir DIR]
+        [--json PATH]
 
-``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, ingest 25 / 250 MB, report
-20k / 100k events (a smoke run). Memory needed by the default points on 2026-12-01: 1.4 GB
-(60k requests); ingest of the 2 GB bundle 6.4 GB before ingest streamed its row groups and
-the reader its segments, 286 MB since (252 MB at 250 MB: 1.13x); report 669 MB / 2.0 GB at
-250k / 1M events before the page hashes were batched and DuckDB bounded, 429 MB / 997 MB
-since (2 cores shared, load ~15).
+``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, agent log 500 / 2,000,
+ingest 25 / 250 MB, report 20k / 100k events (a smoke run). Memory needed by the default
+points on 2026-12-01: 0.6 GB (60k requests; 1.4 GB before compact tokens); ingest of the 2 GB
+bundle 6.4 GB before ingest streamed its row groups and the reader its segments, 286 MB since
+(252 MB at 250 MB: 1.13x); report 669 MB / 2.0 GB at 250k / 1M events before the page hashes
+were batched and DuckDB bounded, 429 MB / 997 MB since (2 cores shared, load ~15).
 Measures only; nothing here changes the code measured.
 """
 
@@ -49,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,20 +78,25 @@ def child_imports() -> dict[str, Any]:
 
 
 def long_workload(n: int, lanes: int, seed: int = 11) -> list[Any]:
+    """``iter_long_workload``'s records, in a list."""
+    return list(iter_long_workload(n, lanes, seed))
+
+
+def iter_long_workload(n: int, lanes: int, seed: int = 11) -> Iterator[Any]:
     """Long-context agent sessions: a 2k-token system prompt (one of 4), then each turn adds
     its output (64-256 tokens) and a user/tool chunk (500-2,000 tokens) until the context
-    would pass 32k tokens; then the lane starts a new session."""
+    would pass 32k tokens; then the lane starts a new session. One record at a time."""
     import random
 
     from kvcadence.format.schema import RequestRecord
 
     rng = random.Random(seed)
     systems = [[rng.randrange(3, 32000) for _ in range(2048)] for _ in range(4)]
-    out: list[Any] = []
+    made = 0
     lane_state = [(list(rng.choice(systems)), 0, 0, 1_000_000.0 + i * 0.01) for i in range(lanes)]
-    while len(out) < n:
+    while made < n:
         for lane in range(lanes):
-            if len(out) >= n:
+            if made >= n:
                 break
             prompt, session, turn, t = lane_state[lane]
             prompt = prompt + [rng.randrange(3, 32000) for _ in range(rng.randint(500, 2000))]
@@ -89,7 +105,8 @@ def long_workload(n: int, lanes: int, seed: int = 11) -> list[Any]:
                 prompt = list(rng.choice(systems)) + [rng.randrange(3, 32000) for _ in range(500)]
             n_out = rng.randint(64, 256)
             outs = [rng.randrange(3, 32000) for _ in range(n_out)]
-            out.append(
+            made += 1
+            yield (
                 RequestRecord(
                     rid=f"l{lane}-s{session}-t{turn}",
                     input_ids=prompt,
@@ -105,20 +122,31 @@ def long_workload(n: int, lanes: int, seed: int = 11) -> list[Any]:
             )
             t += 2.0 + rng.expovariate(1 / 0.5)
             lane_state[lane] = (prompt + outs, session, turn + 1, t)
-    return out
 
 
 def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -> dict[str, Any]:
+    """The workload's records built (a list: ``simulate_too`` False), or streamed into
+    ``simulate()`` (never all alive at once: what the replay itself holds is measured)."""
     sys.path.insert(0, str(HERE))
-    from bench_replay import workload
+    from bench_replay import iter_workload
 
     from kvcadence.replay.config import SimConfig, TimingParams
     from kvcadence.replay.simulator import simulate
 
-    records = long_workload(n, lanes) if long else workload(n, lanes)
-    out: dict[str, Any] = {"requests": len(records)}
-    out["prompt_tokens"] = sum(len(r.input_ids) for r in records)
-    if simulate_too:
+    stream = iter_long_workload(n, lanes) if long else iter_workload(n, lanes)
+    counts = [0, 0]  # requests, prompt tokens
+
+    def counted() -> Iterator[Any]:
+        for r in stream:
+            counts[0] += 1
+            counts[1] += len(r.input_ids)
+            yield r
+
+    out: dict[str, Any] = {}
+    if not simulate_too:
+        built = list(counted())  # alive until the child exits (its peak RSS)
+        out["built"] = len(built)
+    else:
         cfg = SimConfig(
             page_size=1,
             max_total_tokens=400_000 if long else 60_000,
@@ -131,11 +159,58 @@ def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -
             ),
         ).validate()  # bench_replay.py's configuration (a pool for 8+ 32k contexts if long)
         c = time.process_time()
-        res = simulate(records, cfg)
+        res = simulate(counted(), cfg)
         cpu = time.process_time() - c
-        out.update(simulate_cpu_s=round(cpu, 3), requests_per_s=round(len(records) / cpu))
+        out.update(simulate_cpu_s=round(cpu, 3), requests_per_s=round(counts[0] / cpu))
         out["events"] = res.summary()["events"]
+    out.update(requests=counts[0], prompt_tokens=counts[1])
     return out
+
+
+def child_agentlog_build(path: str, n: int, lanes: int) -> dict[str, Any]:
+    """The production-size agent log: ``bench_replay.py``'s workload (prompts up to 6k tokens)
+    on ``lanes`` lanes, written as a requests JSONL and imported into the bundle ``path``
+    with ``kvcadence import --frames <empty> --requests``."""
+    sys.path.insert(0, str(HERE))
+    from bench_replay import iter_workload
+
+    from kvcadence.cli import main as cli
+
+    work = Path(path + ".in")
+    work.mkdir()
+    frames, reqs = work / "frames.jsonl", work / "requests.jsonl"
+    frames.write_text("")
+    tokens = 0
+    with reqs.open("w") as f:
+        for r in iter_workload(n, lanes):
+            tokens += len(r.input_ids)
+            line = {
+                "rid": r.rid,
+                "input_ids": r.input_ids,
+                "output_ids": r.output_ids,
+                "lane": r.lane,
+                "session": r.session,
+                "turn": r.turn,
+                "max_new_tokens": r.max_new_tokens,
+                "meta_info": {**r.meta_info, "completion_tokens": r.completion_tokens},
+            }
+            f.write(json.dumps(line) + "\n")
+    rc = cli(["import", "--frames", str(frames), "--requests", str(reqs), "--out", path])
+    shutil.rmtree(work)
+    if rc != 0:
+        raise SystemExit(f"bench_memory: kvcadence import failed ({rc})")
+    return {"requests": n, "prompt_tokens": tokens}
+
+
+def child_agentlog_replay(bundle: str, out: str) -> dict[str, Any]:
+    """``kvcadence replay BUNDLE --out OUT`` in this process (its peak RSS is measured)."""
+    from kvcadence.cli import main as cli
+
+    c = time.process_time()
+    rc = cli(["replay", bundle, "--out", out, "--quiet", "--json"])
+    if rc != 0:
+        raise SystemExit(f"bench_memory: kvcadence replay failed ({rc})")
+    return {"cpu_s": round(time.process_time() - c, 2)}
 
 
 def child_build(path: str, target_mb: float) -> dict[str, Any]:
@@ -189,6 +264,10 @@ def run_child(argv: list[str]) -> None:
         out = child_workload(
             int(rest[0]), int(rest[1]), kind.endswith("replay"), kind.startswith("long")
         )
+    elif kind == "agentlog-build":
+        out = child_agentlog_build(rest[0], int(rest[1]), int(rest[2]))
+    elif kind == "agentlog-replay":
+        out = child_agentlog_replay(rest[0], rest[1])
     elif kind == "build":
         out = child_build(rest[0], float(rest[1]))
     elif kind == "ingest":
@@ -282,6 +361,58 @@ def bench_replay(
             f"replay: bench_replay.py workload, --lanes {lanes}, page 1, pool 60,000 tokens; "
             "peak RSS = the child's ru_maxrss (records + simulation + result)"
         )
+
+
+def bench_agentlog(sizes: list[int], lanes: int, work: Path, figures: list, notes: list) -> None:
+    """The production-size measure: ``kvcadence replay`` of an imported agent log, peak RSS
+    at each size and the growth per request between the first two (goal <= 20 KB)."""
+    floor, _ = measure("imports")
+    points = []
+    for n in sizes:
+        b = work / f"log{n}"
+        _, built = measure("agentlog-build", str(b), str(n), str(lanes))
+        rss, info = measure("agentlog-replay", str(b), str(work / f"sim{n}"))
+        points.append((n, rss, built, info))
+        shutil.rmtree(b, ignore_errors=True)
+        shutil.rmtree(work / f"sim{n}", ignore_errors=True)
+    for i, (n, rss, built, info) in enumerate(points):
+        base = floor if i == 0 else points[0][1]
+        figures.append(
+            figure(
+                f"agent-log replay (kvcadence replay) peak RSS, {n // 1000}k requests"
+                if n % 1000 == 0
+                else f"agent-log replay (kvcadence replay) peak RSS, {n} requests",
+                rss,
+                "MB",
+                baseline=base,
+                baseline_name="interpreter + kvcadence imported (no workload)"
+                if i == 0
+                else f"agent-log replay peak RSS at {points[0][0]:,} requests",
+                higher_is_better=False,
+                note=f"{built['prompt_tokens'] / n:,.0f} prompt tokens/request; "
+                f"{n / info['cpu_s']:,.0f} requests/s (CPU, load + simulate + write)",
+            )
+        )
+    if len(points) > 1:
+        (n_a, r_a, _, _), (n_b, r_b, _, _) = points[0], points[1]
+        per_req = (r_b - r_a) * 1024 / (n_b - n_a)
+        figures.append(
+            figure(
+                f"agent-log replay RSS growth per request ({n_a:,} -> {n_b:,})",
+                per_req,
+                "KB/request",
+                baseline=20.0,
+                baseline_name="the goal (20 KB/request)",
+                higher_is_better=False,
+                goal=goal("value", "<=", 20, "<= 20 KB/request"),
+                note="replay memory ~ live radix tree + unique tokens, not the prompts' sum",
+            )
+        )
+    notes.append(
+        f"agent log: bench_replay.py's workload on {lanes} lanes (prompts up to 6k tokens) "
+        "as a requests JSONL, imported with `kvcadence import --frames <empty> --requests`, "
+        "replayed with `kvcadence replay --out` (default settings) in a fresh child"
+    )
 
 
 def bench_ingest(sizes_mb: list[float], work: Path, figures: list, notes: list) -> None:
@@ -382,7 +513,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--only", choices=("replay", "long", "ingest", "report"),
+    ap.add_argument("--only", choices=("replay", "long", "agentlog", "ingest", "report"),
                     help="one of the curves")  # fmt: skip
     ap.add_argument("--full", action="store_true",
                     help="add 600k requests, a 10 GB bundle and a 10M-event report")  # fmt: skip
@@ -393,6 +524,9 @@ def main() -> None:
     ap.add_argument("--long-requests", type=int, nargs="+", metavar="N",
                     help="long-prompt replay sizes instead of the defaults")  # fmt: skip
     ap.add_argument("--long-lanes", type=int, default=8)
+    ap.add_argument("--agentlog-requests", type=int, nargs="+", metavar="N",
+                    help="agent-log sizes instead of the defaults (2,000 and 8,000)")  # fmt: skip
+    ap.add_argument("--agentlog-lanes", type=int, default=32)
     ap.add_argument("--ingest-mb", type=float, nargs="+", metavar="MB",
                     help="bundle sizes instead of the defaults (the first is the baseline)")  # fmt: skip
     ap.add_argument("--report-events", type=int, nargs="+", metavar="N",
@@ -411,6 +545,7 @@ def main() -> None:
     report_events = args.report_events or report_events
     replay_sizes = args.replay_requests or replay_sizes
     long_sizes = args.long_requests or ([50, 200] if args.quick else [500, 2000])
+    agentlog_sizes = args.agentlog_requests or ([500, 2000] if args.quick else [2000, 8000])
     ingest_mb = args.ingest_mb or ingest_mb
     figures: list[dict[str, Any]] = []
     notes: list[str] = ["peak RSS of a fresh child process per point (os.wait4 ru_maxrss)"]
@@ -420,6 +555,13 @@ def main() -> None:
     if args.only in (None, "long"):
         print("long-prompt replay:", flush=True)
         bench_replay(long_sizes, args.long_lanes, figures, notes, long=True)
+    if args.only in (None, "agentlog"):
+        print("agent-log replay:", flush=True)
+        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
+        try:
+            bench_agentlog(agentlog_sizes, args.agentlog_lanes, work, figures, notes)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     if args.only in (None, "ingest"):
         print("ingest:", flush=True)
         work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
@@ -449,6 +591,8 @@ def main() -> None:
             "lanes": args.lanes,
             "long_requests": long_sizes,
             "long_lanes": args.long_lanes,
+            "agentlog_requests": agentlog_sizes,
+            "agentlog_lanes": args.agentlog_lanes,
             "ingest_mb": ingest_mb,
             "report_events": report_events,
         },

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Iterator
 
 from common import add_output_args, figure, goal, write_results
 
@@ -34,10 +35,15 @@ from kvcadence.replay.simulator import simulate
 
 
 def workload(n: int, lanes: int, seed: int = 7) -> list[RequestRecord]:
+    """The workload's records, in a list."""
+    return list(iter_workload(n, lanes, seed))
+
+
+def iter_workload(n: int, lanes: int, seed: int = 7) -> Iterator[RequestRecord]:
+    """The workload's records one at a time (lane after lane), for a streamed replay."""
     rng = random.Random(seed)
     systems = [[rng.randrange(3, 32000) for _ in range(rng.randint(200, 800))] for _ in range(4)]
     per_lane = [n // lanes + (1 if i < n % lanes else 0) for i in range(lanes)]
-    out: list[RequestRecord] = []
     t0 = 1_000_000.0
     for lane, count in enumerate(per_lane):
         made = 0
@@ -53,7 +59,7 @@ def workload(n: int, lanes: int, seed: int = 7) -> list[RequestRecord]:
                 n_out = rng.randint(8, 128)
                 outs = [rng.randrange(3, 32000) for _ in range(n_out)]
                 fin = t + 0.2
-                out.append(
+                yield (
                     RequestRecord(
                         rid=f"l{lane}-s{session}-t{turn}",
                         input_ids=list(prompt),
@@ -73,7 +79,6 @@ def workload(n: int, lanes: int, seed: int = 7) -> list[RequestRecord]:
                     prompt + outs + [rng.randrange(3, 32000) for _ in range(rng.randint(16, 120))]
                 )
             session += 1
-    return out
 
 
 def baseline(records: list[RequestRecord]) -> float:

@@ -205,11 +205,11 @@ def run(args: argparse.Namespace) -> int:
     src = Path(args.bundle)
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
-    from kvcadence.replay.production import records_for_replay
+    from kvcadence.replay.loading import load_for_replay
 
     with phases.phase("load", f"loading {src}"):
         reader = BundleReader(src)
-        records, inferred, flushes = records_for_replay(reader)
+        records, inferred, flushes = load_for_replay(reader)
     cfg = effective_config(
         reader.header.server_info,
         records,

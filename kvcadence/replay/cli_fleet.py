@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sized
 from typing import Any
 
 from kvcadence.argtypes import positive_int
@@ -98,13 +99,16 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
     from pathlib import Path
 
     from kvcadence.format.bundle import BundleReader
+    from kvcadence.format.schema import served_rank
     from kvcadence.replay.worker import dp_size_of
 
     p = Path(bundles[0])
     if not p.exists():
         return False  # the single-rank path reports it
     reader = BundleReader(p)
-    return dp_size_of(reader.header, reader.requests()) > 1
+    # streamed: the record of the highest rank only, not every prompt as a list at once
+    top = max(reader.iter_kinds("request"), key=served_rank, default=None)
+    return dp_size_of(reader.header, [] if top is None else [top]) > 1
 
 
 def maybe_run_fleet(args: argparse.Namespace) -> int | None:
@@ -163,7 +167,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
             )
             for b in bundles
         ]
-    total = sum(len(w.records) for w in workers)
+    total = sum(len(w.records) for w in workers if isinstance(w.records, Sized))  # lists here
     bar = None
     progress = None
     if not quiet and sys.stderr.isatty() and total >= 200:

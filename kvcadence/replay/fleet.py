@@ -71,6 +71,7 @@ from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simbundle import sim_header, sim_request_record, write_sim
+from kvcadence.replay.simrecords import SimRecords
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
 from kvcadence.replay.visibility import scheduler_notes
 from kvcadence.replay.worker import WorkerInput
@@ -118,7 +119,7 @@ class FleetResult:
     workers: list[WorkerInput]
     slots: list[Slot]
     router: str
-    requests: list[Any]  # sim RequestRecords, spec order
+    requests: Sequence[Any]  # sim RequestRecords, spec order (``SimRecords``: built when read)
     serving: list[int]  # slot index per spec
     anchor_ns: int
     virtual_ns: int
@@ -391,7 +392,7 @@ class Fleet:
         vend = 0
         for sched in scheds:
             vend = max(vend, sched.finish_run().virtual_ns)
-        records = [self._record(i) for i in range(len(self.reqs))]
+        records = SimRecords(len(self.reqs), self._record)  # built when read
         return FleetResult(
             self.workers,
             self.slots,

@@ -10,15 +10,13 @@ the frames into bundle records.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvcadence.replay.request import Batch, SimReq
 
 if TYPE_CHECKING:  # type-only: the mixin's methods run on a Scheduler
     from kvcadence.replay.scheduler import Scheduler
-
-_PREFILL_PHASE = array("b", (0,))
-_DECODE_PHASE = array("b", (1,))
 
 
 def computed_at(self: Scheduler, req: SimReq, pos: int) -> tuple[int, int, int]:
@@ -43,18 +41,36 @@ def _mark_index(marks: list[tuple[int, Batch]], pos: int) -> int:
     return lo
 
 
+def visibility_frames(
+    self: Scheduler,
+) -> Iterator[tuple[int, int, int, str, array, array, array]]:
+    """The visibility log with each page's computing pass joined to that pass's end ns and
+    phase: ``(seq, publish pass, publish ns, reason, computed passes, computed ns,
+    phases)`` per published batch that carried stores (built as read)."""
+    ends, phases = self.pass_end, self.pass_phase
+    for seq, publish_pass, t, reason, passes in self.vis_frames:
+        yield (
+            seq,
+            publish_pass,
+            t,
+            reason,
+            passes,
+            array("q", [ends[p] for p in passes]),
+            array("b", [phases[p] for p in passes]),
+        )
+
+
 def _record_store(self: Scheduler, req: SimReq, start: int, end: int) -> None:
     """A new node of ``req.seq[start:end]`` was inserted: note when each page was
-    computed (the pass that wrote the KV of its last token): whole runs per prefill
-    mark, one strided slice of the decode log for the decoded pages."""
+    computed (the pass that wrote the KV of its last token; its end ns and phase are the
+    pass's): whole runs per prefill mark, one strided slice of the decode log for the
+    decoded pages."""
     marks = req.marks
     dec0 = req.dec0
     ps = self.ps
     pos = start + ps - 1  # last position of the first page
     # arrays all the way (repeats and decode-log slices are C copies; no int objects)
     passes = array("q")
-    times = array("q")
-    phases = array("b")
     stop_pf = end if dec0 is None or dec0[0] > end else dec0[0]
     if pos < stop_pf and marks:
         i = self._mark_index(marks, pos)
@@ -65,8 +81,6 @@ def _record_store(self: Scheduler, req: SimReq, start: int, end: int) -> None:
             if pos < stop:
                 cnt = (stop - 1 - pos) // ps + 1  # pages whose last position is here
                 passes += array("q", (batch.index,)) * cnt
-                times += array("q", (batch.end_ns,)) * cnt
-                phases += _PREFILL_PHASE * cnt
                 pos += cnt * ps
             i += 1
     if dec0 is not None and pos < end:
@@ -74,10 +88,8 @@ def _record_store(self: Scheduler, req: SimReq, start: int, end: int) -> None:
         ga = dec0[1] + pos - dec0[0]
         gb = ga + (cnt - 1) * ps + 1
         passes += self._dec_pass[ga:gb:ps]
-        times += self._dec_end[ga:gb:ps]
-        phases += _DECODE_PHASE * cnt
     if passes:
-        self.vis_pending.append((passes, times, phases))
+        self.vis_pending.append(passes)
 
 
 def _mark_batch(self: Scheduler, batch: Batch) -> None:
@@ -86,12 +98,17 @@ def _mark_batch(self: Scheduler, batch: Batch) -> None:
     the decode log, shared by every request in it."""
     if not self.track:
         return
+    if len(self.pass_end) != batch.index:
+        raise AssertionError(f"pass {batch.index} marked out of order")
+    self.pass_end.append(batch.end_ns)
     if batch.kind == "prefill":
+        self.pass_phase.append(0)
         g = len(self._dec_pass)
         for r, final in zip(batch.reqs, batch.finals, strict=True):
             r.marks.append((r.kv_len, batch))
             if final and r.decode_left > 0:
                 r.dec0 = (r.kv_len, g)
         return
+    self.pass_phase.append(1)
     self._dec_pass.append(batch.index)
     self._dec_end.append(batch.end_ns)

@@ -3,9 +3,9 @@
 What this file owns (SGLang 0.5.23 ``UnifiedRadixCache`` semantics,
 docs/sglang-sources.md):
 
-* Nodes hold a page-aligned run of token ids (a list: a request's prompt, kept as the list
-  its record holds, is sliced and compared without a copy into another type), one SHA-256
-  digest (all of them
+* Nodes hold a page-aligned run of token ids (an ``array('I')``, ``replay.tokens``: 4 bytes a
+  token; keys given as lists are converted once at the call, and arrays compare slice to
+  slice in C), one SHA-256 digest (all of them
   concatenated in one ``bytes``, 32 per page) and one int64 block hash per page, chained
   from the parent node's last page (hashes come from
   ``kvcadence.format.wire`` through an injected ``Hasher``, so a simulated hash equals the
@@ -36,10 +36,12 @@ hot paths.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvcadence.format import wire
+from kvcadence.replay.tokens import CODE, compact
 
 #: 32 bytes per page: a node's page digests, concatenated (one object per node, not per page)
 DIGEST_SIZE = 32
@@ -114,7 +116,7 @@ class Node:
 
     def __init__(
         self,
-        key: list[int],
+        key: array,
         parent: Node | None,
         digests: bytes,
         hashes: list[int],
@@ -145,7 +147,7 @@ class RadixTree:
         self.sink: EventSink = sink if sink is not None else NullSink()
         self._next_id = 1
         self._tick = 0
-        self.root = Node([], None, b"", [], 0)
+        self.root = Node(array(CODE), None, b"", [], 0)
         self.root.lock_ref = 1  # the root is never evicted
         self.total_size = 0
         self.evictable_size = 0
@@ -208,12 +210,12 @@ class RadixTree:
             if len(noted) > 64 + 4 * self.num_nodes:
                 self._rebuild_heap()
 
-    def _common_len(self, ckey: list[int], key: Sequence[int], pos: int, limit: int) -> int:
+    def _common_len(self, ckey: array, key: array, pos: int, limit: int) -> int:
         """Largest l <= limit with key[pos:pos+l] == ckey[:l] (binary search on slices)."""
         lo, hi = 0, limit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if list(key[pos : pos + mid]) == ckey[:mid]:
+            if key[pos : pos + mid] == ckey[:mid]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -247,13 +249,13 @@ class RadixTree:
 
         Returns ``(matched_tokens, last_node)``. Callers cap ``limit`` at ``len(prompt) - 1``.
         """
+        if type(key) is not array:
+            key = compact(key)
         ps = self.page_size
         n = len(key) if limit is None else min(limit, len(key))
         n -= n % ps
         node = self.root
         pos = 0
-        # list keys (a request's prompt) compare by slice, without a list() copy
-        as_list = type(key) is list
         while pos < n:
             child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
             if child is None:
@@ -268,10 +270,7 @@ class RadixTree:
                     self._rebuild_heap()
             ckey = child.key
             m = len(ckey)
-            if (
-                pos + m <= n
-                and (key[pos : pos + m] if as_list else list(key[pos : pos + m])) == ckey
-            ):
+            if pos + m <= n and key[pos : pos + m] == ckey:
                 pos += m
                 node = child
                 continue
@@ -285,6 +284,8 @@ class RadixTree:
 
     def peek_prefix_len(self, key: Sequence[int], limit: int | None = None) -> int:
         """Matched length without touching or splitting (for policies and probes)."""
+        if type(key) is not array:
+            key = compact(key)
         ps = self.page_size
         n = len(key) if limit is None else min(limit, len(key))
         n -= n % ps
@@ -296,7 +297,7 @@ class RadixTree:
                 break
             ckey = child.key
             m = len(ckey)
-            if pos + m <= n and list(key[pos : pos + m]) == ckey:
+            if pos + m <= n and key[pos : pos + m] == ckey:
                 pos += m
                 node = child
                 continue
@@ -353,11 +354,11 @@ class RadixTree:
                     self._tick = tick
                     self._push(anc)
             self._tick = tick
+        if type(run) is not array:
+            run = compact(run)
         n = len(run)
         n -= n % ps
         pos = 0
-        # list runs compare by slice, without a list() copy
-        as_list = type(run) is list
         while pos < n:
             child = node.children.get(run[pos] if ps == 1 else tuple(run[pos : pos + ps]))
             if child is None:
@@ -365,10 +366,7 @@ class RadixTree:
             self._touch(child)
             ckey = child.key
             m = len(ckey)
-            if (
-                pos + m <= n
-                and (run[pos : pos + m] if as_list else list(run[pos : pos + m])) == ckey
-            ):
+            if pos + m <= n and run[pos : pos + m] == ckey:
                 pos += m
                 node = child
                 continue
@@ -379,7 +377,7 @@ class RadixTree:
             break
         if pos >= n:
             return depth + pos, node, None
-        rest: list[int] = run[pos:n] if as_list else list(run[pos:n])  # type: ignore[assignment]
+        rest = run[pos:n]
         digests = node.digests
         digests, hashes = self.hasher(digests[-DIGEST_SIZE:] if digests else None, rest, ps)
         new = Node(rest, node, digests, hashes, self._next_id)
@@ -478,7 +476,7 @@ class RadixTree:
 
     def reset(self) -> None:
         """Drop every node (``/flush_cache``); the caller records ``AllBlocksCleared``."""
-        self.root = Node([], None, b"", [], 0)
+        self.root = Node(array(CODE), None, b"", [], 0)
         self.root.lock_ref = 1
         self.total_size = self.evictable_size = self.protected_size = 0
         self.num_nodes = 0

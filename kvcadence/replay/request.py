@@ -1,19 +1,23 @@
 """The simulated scheduler's runtime records: one request (``SimReq``), one launched forward
 pass (``Batch``) and a run's counters (``SimStats``), with the request states.
 
-``SimReq`` keeps the schedule's ``RequestSpec`` (prompt and output token lists are the
-record's own, never copied) plus the KV accounting the scheduler updates: ``kv_len`` positions
-covered, the first ``tree_len`` of them in the radix tree (locked through ``last_node``), the
-rest private slots (``alloc``, page-ceiled).
+``SimReq`` keeps the schedule's ``RequestSpec`` (its prompt a prefix-shared
+``replay.tokens.Prompt``, its outputs an array) plus the KV accounting the scheduler updates:
+``kv_len`` positions covered, the first ``tree_len`` of them in the radix tree (locked through
+``last_node``), the rest private slots (``alloc``, page-ceiled). The prompt's full token array
+(``ids``, and ``fill``: what the next prefill matches) is built when first needed and dropped
+when the request is over (``drop_tokens``), so only live requests hold one.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcadence.replay.radix import Node
 from kvcadence.replay.schedule import RequestSpec
+from kvcadence.replay.tokens import cat
 
 WAITING, RUNNING, FINISHED, ABORTED = 0, 1, 2, 3
 
@@ -26,7 +30,8 @@ class SimReq:
         "rid",
         "idx",
         "input_len",
-        "fill",
+        "_ids",
+        "_fill",
         "fill_len",
         "n_out",
         "max_new_tokens",
@@ -67,7 +72,8 @@ class SimReq:
         self.max_new_tokens = spec.max_new_tokens
         self.ignore_eos = spec.ignore_eos
         self.output_len = 0
-        self.fill = spec.input_ids
+        self._ids: array | None = None
+        self._fill: array | None = None  # None: the prompt (``ids``)
         self.fill_len = self.input_len
         self.prefix_len = 0
         self.host_hit_length = 0
@@ -101,19 +107,42 @@ class SimReq:
         self.dec0: tuple[int, int] | None = None
 
     @property
-    def seq(self) -> list[int]:
-        """The full sequence (prompt + outputs), built on demand: not kept per request."""
-        return self.spec.input_ids + self.spec.output_ids
+    def ids(self) -> array:
+        """The prompt's token array (built from the spec's ``Prompt`` when first needed)."""
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = self.spec.input_ids.materialize()
+        return ids
 
-    def seq_slice(self, start: int, end: int) -> list[int]:
+    @property
+    def fill(self) -> array:
+        """What the next prefill matches and computes: the prompt, or after a retraction
+        the prompt + the outputs decoded so far."""
+        fill = self._fill
+        return fill if fill is not None else self.ids
+
+    @fill.setter
+    def fill(self, value: array) -> None:
+        self._fill = value
+
+    def drop_tokens(self) -> None:
+        """The request is over: drop its token arrays (rebuilt if read again)."""
+        self._ids = self._fill = None
+
+    @property
+    def seq(self) -> array:
+        """The full sequence (prompt + outputs), built on demand: not kept per request."""
+        return cat(self.ids, self.spec.output_ids)
+
+    def seq_slice(self, start: int, end: int) -> array:
         """``seq[start:end]`` without building ``seq`` (only the slice is copied)."""
-        ids = self.spec.input_ids
+        ids = self.ids
         k = len(ids)
         if end <= k:
             return ids[start:end]
         if start >= k:
             return self.spec.output_ids[start - k : end - k]
-        return ids[start:] + self.spec.output_ids[: end - k]
+        return cat(ids[start:], self.spec.output_ids[: end - k])
 
 
 @dataclass(slots=True)

@@ -1,7 +1,11 @@
 """Request schedule reconstruction: what the simulated clients send, and when.
 
 What this file owns: turning a bundle's ``RequestRecord``s into ``RequestSpec``s — the same
-prompt token ids and output lengths, plus how each request is released:
+prompt token ids and output lengths, plus how each request is released. The records are read
+once, as a stream, and each one's token ids are made compact as it is read
+(``replay.tokens``: the prompt a prefix-shared ``Prompt``, the outputs an array; the spec's
+``source`` is the record with these in place of its lists), so a schedule holds the unique
+tokens of its prompts, never a list of ints per token:
 
 * **closed loop** (``lane`` known): requests of one lane are sent one after the other; the
   first at its recorded arrival, each next one ``gap_ns`` after its predecessor *finishes in
@@ -32,11 +36,15 @@ the real ones). Flushes recorded in the capture become ``flush_times``.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvcadence.errors import InputError
+from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 
 
 @dataclass(slots=True)
@@ -45,8 +53,10 @@ class RequestSpec:
 
     idx: int
     rid: str
-    input_ids: list[int]  # the record's own list (not copied)
-    output_ids: list[int]
+    #: the prompt, prefix-shared with earlier prompts (``replay.tokens``)
+    input_ids: Prompt
+    #: the output ids (recorded, recovered or synthesised), or empty until filled
+    output_ids: array
     max_new_tokens: int
     lane: int | None = None
     session: int | None = None
@@ -129,19 +139,32 @@ def _synth_tokens(rid: str, n: int) -> list[int]:
     return out[:n]
 
 
-def build_schedule(
+def _stripped(r: Any, prompt: Prompt, outputs: array) -> Any:
+    """``r`` with its token lists replaced by the compact forms (what ``RequestSpec.source``
+    keeps: the record's times and counts without a list of ints per token)."""
+    if isinstance(r, msgspec.Struct):
+        return msgspec.structs.replace(r, input_ids=prompt, output_ids=outputs)
+    return r  # a test's stand-in record: kept as it is
+
+
+def build_schedule(  # noqa: C901 - one pass over the records, then the lanes and outputs
     records: Iterable[Any],
     *,
     default_gap_ns: int = 30_000_000,
     flush_abs_ns: Iterable[int] = (),
     anchor_ns: int | None = None,
 ) -> Schedule:
-    """Build the schedule from ``RequestRecord``-like objects (see module docstring)."""
-    recs = [r for r in records if r.error is None or r.output_ids or r.completion_tokens]
-    if not recs:
-        raise InputError("the bundle has no requests to replay")
-    arrivals: list[int] = []
-    for r in recs:
+    """Build the schedule from ``RequestRecord``-like objects (see module docstring).
+
+    ``records`` is read once, as a stream: each record's token ids become compact
+    (``replay.tokens``: a prefix-shared ``Prompt``, an output array) as it is read, so no
+    more than one record's lists are alive here at a time."""
+    index = PromptIndex()
+    # (arrival, rid, spec, server-side finish, output length) of every kept record
+    rows: list[tuple[int, str, RequestSpec, int | None, int]] = []
+    for r in records:
+        if not (r.error is None or r.output_ids or r.completion_tokens):
+            continue
         a = _arrival(r)
         if a is None:
             raise InputError(f"request {r.rid!r}: no arrival or send time recorded")
@@ -150,14 +173,6 @@ def build_schedule(
                 f"request {r.rid!r}: no input_ids recorded (cannot replay); a text prompt? "
                 "SGLang logs token ids only for requests sent with input_ids"
             )
-        arrivals.append(a)
-    anchor = min(arrivals) if anchor_ns is None else anchor_ns
-    order = sorted(range(len(recs)), key=lambda i: (arrivals[i], recs[i].rid))
-    specs: list[RequestSpec] = []
-    finishes: list[int | None] = []  # server-side finish of each spec
-    by_lane: dict[int, list[int]] = {}
-    for new_idx, i in enumerate(order):
-        r = recs[i]
         n_out = r.completion_tokens
         if n_out is None:
             n_out = len(r.output_ids) if r.output_ids else r.max_new_tokens
@@ -167,21 +182,25 @@ def build_schedule(
         max_new = r.max_new_tokens if r.max_new_tokens is not None else n_out
         reason = r.finish_reason
         ignore_eos = reason in (None, "length") or n_out >= max_new
+        prompt = index.add(r.input_ids, r.lane)
+        rec_out = compact(r.output_ids)
+        if len(rec_out) > n_out:
+            outputs = rec_out[:n_out]
+        else:
+            outputs = rec_out if len(rec_out) == n_out else rec_out[:0]
         spec = RequestSpec(
-            idx=new_idx,
+            idx=0,
             rid=r.rid,
-            # the record's prompt list itself: a copy of every prompt costs ~5 % of a replay
-            input_ids=r.input_ids if type(r.input_ids) is list else list(r.input_ids),
-            output_ids=list(r.output_ids[:n_out]) if len(r.output_ids) >= n_out else [],
+            input_ids=prompt,
+            output_ids=outputs,
             max_new_tokens=max(int(max_new), n_out),
             lane=r.lane,
             session=r.session,
             turn=r.turn,
             ignore_eos=ignore_eos,
             real_cached_tokens=r.cached_tokens,
-            source=r,
+            source=_stripped(r, prompt, rec_out),
         )
-        spec.meta["n_out"] = n_out
         mi = r.meta_info or {}
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:
@@ -191,16 +210,31 @@ def build_schedule(
             else:
                 spec.decode_ns = fin - pf
         fin_ns = _finish(r, fin)
-        finishes.append(fin_ns)
-        if fin_ns is not None and fin_ns > arrivals[i]:
-            spec.e2e_ns = fin_ns - arrivals[i]
+        if fin_ns is not None and fin_ns > a:
+            spec.e2e_ns = fin_ns - a
+        rows.append((a, r.rid, spec, fin_ns, n_out))
+    if not rows:
+        raise InputError("the bundle has no requests to replay")
+    del index  # its lane arrays: only the prompts are kept
+    anchor = min(row[0] for row in rows) if anchor_ns is None else anchor_ns
+    rows.sort(key=lambda row: (row[0], row[1]))
+    specs: list[RequestSpec] = []
+    finishes: list[int | None] = []  # server-side finish of each spec
+    arr: list[int] = []
+    n_outs: list[int] = []
+    by_lane: dict[int, list[int]] = {}
+    for new_idx, (a, _rid, spec, fin_ns, n_out) in enumerate(rows):
+        spec.idx = new_idx
         specs.append(spec)
-        if r.lane is not None:
-            by_lane.setdefault(int(r.lane), []).append(new_idx)
+        finishes.append(fin_ns)
+        arr.append(a)
+        n_outs.append(n_out)
+        if spec.lane is not None:
+            by_lane.setdefault(int(spec.lane), []).append(new_idx)
         else:
-            spec.arrival_ns = arrivals[i] - anchor
+            spec.arrival_ns = a - anchor
+    del rows
     # closed-loop dependencies
-    arr = [arrivals[i] for i in order]
     for idxs in by_lane.values():
         first = idxs[0]
         specs[first].arrival_ns = arr[first] - anchor
@@ -213,17 +247,28 @@ def build_schedule(
             elif specs[cur].source.think_ns is not None:
                 gap = int(specs[cur].source.think_ns)
             specs[cur].gap_ns = max(0, gap) if gap is not None else default_gap_ns
-    # output tokens
-    for pos, s in enumerate(specs):
-        n_out = s.meta.pop("n_out")
-        if len(s.output_ids) == n_out:
-            continue
-        recovered: list[int] = []
-        nxt = next((t for t in specs[pos + 1 :] if t.pred == s.idx), None)
-        if nxt is not None and nxt.input_ids[: len(s.input_ids)] == s.input_ids:
-            cand = nxt.input_ids[len(s.input_ids) : len(s.input_ids) + n_out]
-            if len(cand) == n_out:
-                recovered = cand
-        s.output_ids = recovered or _synth_tokens(s.rid, n_out)
+    _fill_outputs(specs, n_outs)
     flushes = sorted(max(0, int(f) - anchor) for f in flush_abs_ns)
     return Schedule(specs, anchor, flushes, closed_loop=bool(by_lane))
+
+
+def _fill_outputs(specs: list[RequestSpec], n_outs: list[int]) -> None:
+    """Output ids of the specs without recorded ones: recovered from the lane's next prompt
+    when it extends this one, else synthesised."""
+    first_succ: dict[int, RequestSpec] = {}
+    for t in specs:
+        if t.pred is not None and t.pred not in first_succ:
+            first_succ[t.pred] = t
+    for s in specs:
+        n_out = n_outs[s.idx]
+        if len(s.output_ids) == n_out:
+            continue
+        recovered: array | None = None
+        nxt = first_succ.get(s.idx)
+        k = len(s.input_ids)
+        if nxt is not None and len(nxt.input_ids) >= k + n_out:
+            mine = s.input_ids.materialize()
+            theirs = nxt.input_ids.materialize()
+            if theirs[:k] == mine:
+                recovered = theirs[k : k + n_out]
+        s.output_ids = recovered if recovered is not None else compact(_synth_tokens(s.rid, n_out))

@@ -115,6 +115,7 @@ class Scheduler:
 
     # visibility marks (replay/marks.py) and decode stretches (replay/stretch.py)
     computed_at = marks.computed_at
+    visibility_frames = marks.visibility_frames
     _mark_index = staticmethod(marks._mark_index)
     _record_store = marks._record_store
     _mark_batch = marks._mark_batch
@@ -220,11 +221,15 @@ class Scheduler:
         #: PD prefill: requests whose KV is being transferred, (done_ns, idx)
         self.held: list[tuple[int, int]] = []
         self.track = cfg.track_visibility
-        #: stores queued since the last publish: (computed passes, computed ns, phases)
-        self.vis_pending: list[tuple[array[int], array[int], array[int]]] = []
-        #: one entry per published batch that carried stores:
-        #: (seq, publish pass, publish ns, reason, computed passes, computed ns, phases)
-        self.vis_frames: list[tuple[int, int, int, str, array, array, array]] = []
+        #: stores queued since the last publish: the computing pass of each stored page
+        self.vis_pending: list[array[int]] = []
+        #: one entry per published batch that carried stores: (seq, publish pass, publish
+        #: ns, reason, computing pass of each stored page); a pass's end ns and phase are
+        #: ``pass_end`` / ``pass_phase`` (``visibility_frames`` joins them)
+        self.vis_frames: list[tuple[int, int, int, str, array]] = []
+        #: every pass (tracking on), by pass index: its end ns and phase (0 prefill, 1 decode)
+        self.pass_end = array("q")
+        self.pass_phase = array("b")
         #: the decode log: pass index and end ns of every decode pass, in order
         self._dec_pass = array("q")
         self._dec_end = array("q")
@@ -266,14 +271,12 @@ class Scheduler:
             pending = self.vis_pending
             if pending:
                 # arrays, not lists: the log is not walked by the cyclic GC
-                passes, times, phases = pending[0]
-                for p_, t_, ph in pending[1:]:
+                passes = pending[0]
+                for p_ in pending[1:]:
                     passes += p_
-                    times += t_
-                    phases += ph
                 self.vis_pending = []
                 seq = self.publisher.seq - 1
-                self.vis_frames.append((seq, pass_index, t, reason, passes, times, phases))
+                self.vis_frames.append((seq, pass_index, t, reason, passes))
             if self.on_publish is not None:
                 self.on_publish(len(events))
 
@@ -336,6 +339,7 @@ class Scheduler:
 
     def _finish(self, req: SimReq, t: int, insert: bool = True, error: str | None = None) -> None:
         self._release(req, insert)
+        req.drop_tokens()  # only live requests hold their prompt's array
         if error is not None:
             req.error = error
         req.state = ABORTED if req.error is not None else FINISHED

@@ -25,6 +25,7 @@ from kvcadence.format.schema import (
 )
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.request import ABORTED, SimReq
+from kvcadence.replay.tokens import as_list
 
 
 def sim_header(
@@ -115,10 +116,9 @@ def sim_request_record(
         meta["dp_rank"] = rank
     if worker is not None:
         meta["worker"] = worker
-    src_ids = s.source.input_ids if s.source is not None else s.input_ids
     return RequestRecord(
         rid=s.rid,
-        input_ids=src_ids if isinstance(src_ids, list) else list(src_ids),
+        input_ids=as_list(s.input_ids),
         output_ids=list(s.output_ids[: r.output_len]),
         send_ns=anchor_ns + r.arrival_ns,
         first_token_ns=None if r.first_token_ns is None else anchor_ns + r.first_token_ns,

@@ -43,7 +43,8 @@ from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import PublishedBatch
 from kvcadence.replay.fleet import Fleet
-from kvcadence.replay.production import records_for_replay, retractions
+from kvcadence.replay.loading import load_for_replay
+from kvcadence.replay.production import retractions
 from kvcadence.replay.radix import Hasher
 from kvcadence.replay.request import SimStats
 from kvcadence.replay.routing import make_router
@@ -61,7 +62,7 @@ class SimResult:
     schedule: Schedule
     stats: SimStats
     batches: list[PublishedBatch]
-    requests: list[Any]  # RequestRecord
+    requests: Sequence[Any]  # RequestRecords (``SimRecords``: built when read)
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None  # the finished Scheduler (tree, publish log) for inspection
@@ -89,7 +90,7 @@ class SimResult:
 
 
 def simulate(
-    records: Sequence[Any],
+    records: Iterable[Any],
     cfg: SimConfig,
     *,
     hasher: Hasher | None = None,
@@ -166,7 +167,7 @@ def replay_bundle(
 
     ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
-    records as ``production.records_for_replay`` returned them with its report
+    records as ``loading.load_for_replay`` returned them with its report
     ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
     here when not given; flushes scanned when None)."""
 
@@ -184,7 +185,7 @@ def replay_bundle(
         if loaded is None:
             reader = BundleReader(src_path)
             header = reader.header
-            records, inferred, flushes = records_for_replay(reader)
+            records, inferred, flushes = load_for_replay(reader)
         else:
             header, records = loaded
         if not records:
@@ -202,7 +203,7 @@ def replay_bundle(
         result = simulate(records, config, hasher=hasher, flush_abs_ns=flush_ns, progress=progress)
     if inferred:
         if inferred.get("retracted_in_capture"):
-            inferred = {**inferred, **retractions(list(records), result.requests)}
+            inferred = {**inferred, **retractions(list(records), list(result.requests))}
         result.extra["inferred"] = inferred
     if out_path is not None:
         with phases.phase("write", f"writing {out_path}"):
@@ -210,7 +211,7 @@ def replay_bundle(
     return result
 
 
-def check_some_ran(records: list[Any]) -> None:
+def check_some_ran(records: Sequence[Any]) -> None:
     """``ReplayError`` (exit 1, one line) when no simulated request produced a token: every
     one was aborted (the sim bundle, already written, keeps why in each record)."""
     if not records or any((r.completion_tokens or 0) > 0 for r in records):

@@ -9,6 +9,7 @@ the stretch before it. Output is identical to stepping every pass (property-test
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 from kvcadence.replay.request import Batch
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # type-only: the mixin's methods run on a Scheduler
     from kvcadence.replay.scheduler import Scheduler
 
 _INF = float("inf")
+_DECODE_PHASES = array("b", (1,))
 
 
 def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition that ends a decode stretch, in one hot function
@@ -93,6 +95,8 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
     if self.track:
         self._dec_pass.extend(range(first_pass, first_pass + m))
         self._dec_end.extend(range(first_end, first_end + m * d, d))
+        self.pass_end.extend(range(first_end, first_end + m * d, d))
+        self.pass_phase.extend(_DECODE_PHASES * m)
     if ps == 1:
         for r in running:
             r.kv_len += m

@@ -1,6 +1,6 @@
 """Event visibility of a simulation: when each stored block was computed vs published.
 
-What this file owns: turning the scheduler's visibility log (``Scheduler.vis_frames``) into
+What this file owns: turning the scheduler's visibility log (``Scheduler.visibility_frames``) into
 bundle records. For every published batch that carries ``BlockStored`` events the sim
 bundle gets one ``Annotation(kind="visibility")`` (no schema change) with, per stored
 block, in the order the blocks appear in that batch's ``BlockStored`` events:
@@ -20,6 +20,7 @@ plus the batch's ``seq``, ``endpoint``, ``publish_pass`` (``EventFrame.pass_inde
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from kvcadence.format.schema import Annotation
@@ -28,25 +29,25 @@ VISIBILITY_KIND = "visibility"
 VISIBILITY_VERSION = 1
 
 
-def visibility_notes(result: Any, endpoint: int = 0) -> list[Any]:
+def visibility_notes(result: Any, endpoint: int = 0) -> Iterator[Any]:
     """One ``Annotation(kind="visibility")`` per published batch with stores of a
-    ``SimResult`` (one scheduler)."""
+    ``SimResult`` (one scheduler), built as they are read (a note holds a list of ints per
+    stored block: the writer streams them, one alive at a time)."""
     sched = getattr(result, "scheduler", None)
     if sched is None:
-        return []
+        return iter(())
     return scheduler_notes(sched, result.schedule.anchor_ns, endpoint)
 
 
-def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> list[Any]:
+def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> Iterator[Any]:
     """The visibility notes of one finished ``Scheduler`` whose batches are published as
-    ``endpoint`` (a fleet writes one set per rank)."""
+    ``endpoint`` (a fleet writes one set per rank), built as they are read."""
 
     if not getattr(sched, "track", False):
-        return []
+        return
     times = {b.seq: b.time_ns for b in sched.publisher.batches}
-    out = []
-    for seq, publish_pass, t, reason, passes, comp_ns, phases in sched.vis_frames:
-        out.append(
+    for seq, publish_pass, t, reason, passes, comp_ns, phases in sched.visibility_frames():
+        yield (
             Annotation(
                 kind=VISIBILITY_KIND,
                 recv_ns=times.get(seq, anchor_ns + t),
@@ -62,14 +63,13 @@ def scheduler_notes(sched: Any, anchor_ns: int, endpoint: int = 0) -> list[Any]:
                 },
             )
         )
-    return out
 
 
 def block_delays(result: Any) -> list[tuple[int, int, int, str]]:
     """(delay passes, delay ns, phase, reason) of every stored block of an in-memory run."""
     sched = result.scheduler
     out = []
-    for _seq, publish_pass, t, reason, passes, comp_ns, phases in sched.vis_frames:
+    for _seq, publish_pass, t, reason, passes, comp_ns, phases in sched.visibility_frames():
         for p, c, ph in zip(passes, comp_ns, phases, strict=True):
             out.append((publish_pass - p, t - c, ph, reason))
     return out

@@ -32,7 +32,7 @@ from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import served_rank
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.flushes import recorded_flushes
-from kvcadence.replay.production import records_for_replay
+from kvcadence.replay.loading import load_for_replay
 from kvcadence.replay.timing import calibrate
 
 _TIMING_KEYS = {f.name for f in dataclasses.fields(SimConfig().timing)}
@@ -76,7 +76,7 @@ class WorkerInput:
     """One worker to replay (normally one bundle)."""
 
     name: str
-    records: list[Any]  # RequestRecord
+    records: Iterable[Any]  # RequestRecords (a one-rank worker's may be a stream, read once)
     rank_configs: list[SimConfig]
     flush_abs_ns: list[int] = field(default_factory=list)
     header: Any = None
@@ -108,7 +108,7 @@ class WorkerInput:
 
 
 def one_rank_worker(
-    records: Sequence[Any],
+    records: Iterable[Any],
     cfg: SimConfig,
     flush_abs_ns: Iterable[int] = (),
     *,
@@ -116,9 +116,10 @@ def one_rank_worker(
     header: Any = None,
 ) -> WorkerInput:
     """The single-rank replay's worker: every request of ``records`` on one rank with
-    ``cfg``, flushing at ``flush_abs_ns`` (absolute receive times)."""
+    ``cfg``, flushing at ``flush_abs_ns`` (absolute receive times). ``records`` may be a
+    stream: the fleet reads it once, into its schedule (compact token arrays)."""
     flushes = sorted(int(f) for f in flush_abs_ns)
-    return WorkerInput(name, list(records), [cfg], flushes, header, one_rank=True)
+    return WorkerInput(name, records, [cfg], flushes, header, one_rank=True)
 
 
 def dp_size_of(header: Any, records: Sequence[Any]) -> int:
@@ -193,7 +194,7 @@ def load_worker(
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
     reader = BundleReader(p)
-    records, inferred, recorded = records_for_replay(reader)  # production: outputs, sessions
+    records, inferred, recorded = load_for_replay(reader)  # compact; production: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     cfgs = rank_configs(

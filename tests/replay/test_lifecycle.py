@@ -216,7 +216,7 @@ def test_seq_slice_is_a_slice_of_prompt_plus_outputs():
     spec = build_schedule([req("a", list(range(3, 13)), 6)]).requests[0]
     r = SimReq(spec)
     seq = r.seq
-    assert seq == list(range(3, 13)) + list(spec.output_ids) and len(seq) == 16
+    assert list(seq) == list(range(3, 13)) + list(spec.output_ids) and len(seq) == 16
     for start in range(17):
         for end in range(start, 17):
             assert r.seq_slice(start, end) == seq[start:end]

@@ -1,0 +1,45 @@
+"""A bundle's request records for a replay, streamed and made compact as they are read.
+
+What this file owns: ``load_for_replay(reader)``, what every replay entry point (single rank,
+fleet, CLI) calls to get ``(records, inference report, recorded flushes)`` --
+``production.records_for_replay``'s contract -- without holding every prompt as a list of
+ints. Each ``RequestRecord`` is read alone (``BundleReader.iter_kinds``) and replaced at once
+by ``compact_record``: its prompt a prefix-shared ``replay.tokens.Prompt`` (a turn's prompt
+repeats its predecessor's prompt + output: only the new tokens are kept), its outputs an
+array. Memory then grows with the unique tokens of the capture, not with the sum of its
+prompt lengths.
+
+A production capture (no lanes, no output ids: ``production.needs_completion``) is read
+again whole and completed by ``production.records_for_replay`` (outputs from the KV events,
+inferred sessions), which works on plain records; ``replay.schedule`` makes those compact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvcadence.replay.flushes import RecordedFlush
+from kvcadence.replay.production import needs_completion, records_for_replay
+from kvcadence.replay.tokens import PromptIndex, compact
+
+
+def compact_record(rec: Any, index: PromptIndex) -> Any:
+    """``rec`` with its prompt as a ``Prompt`` of ``index`` and its outputs as an array
+    (the other fields as they were)."""
+    return msgspec.structs.replace(
+        rec, input_ids=index.add(rec.input_ids, rec.lane), output_ids=compact(rec.output_ids)
+    )
+
+
+def load_for_replay(reader: Any) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:
+    """``reader``'s request records for a replay, compact (see the module docstring):
+    ``(records, report, recorded flushes)`` as ``production.records_for_replay`` returns
+    them (report ``{}`` and flushes None when the records needed no completion)."""
+    index = PromptIndex()
+    records = [compact_record(r, index) for r in reader.iter_kinds("request")]
+    if needs_completion(records):
+        del records, index
+        return records_for_replay(reader)
+    return records, {}, None
