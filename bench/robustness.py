@@ -253,7 +253,7 @@ def corpus_capture(d: Path) -> Capture:
     """A capture of the real-capture corpus (``tests/replay/data/corpus/<name>/bundle``),
     replayed as ``tests/replay/test_corpus.py`` replays it: a multi-rank worker as a fleet."""
     from kvcadence.format.bundle import BundleReader
-    from kvcadence.replay.fleet import dp_size_of
+    from kvcadence.replay.worker import dp_size_of
 
     bundle = d / "bundle"
     reader = BundleReader(bundle)

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcadence.argtypes import positive_float
+
 EXAMPLE_NAME = "sglang-0.5.23-agent-ps1.kvcb"
 MARKER = ".kvcadence-demo"
 DEFAULT_OUT = "out/demo"
@@ -98,7 +100,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--ready-timeout",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="--live: how long 'kvcadence harness start' waits for the worker to come up "
@@ -604,8 +606,6 @@ def _live_check(args: argparse.Namespace, commands: set[str]) -> None:
         )
     if args.requests < 1:
         raise _usage("--requests must be >= 1")
-    if args.ready_timeout is not None and not 0 < args.ready_timeout < float("inf"):
-        raise _usage("--ready-timeout must be a positive number of seconds")
 
 
 def _live_capture(args: argparse.Namespace, lay: Layout) -> None:

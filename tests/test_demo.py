@@ -240,8 +240,10 @@ def test_live_passes_ready_timeout_to_harness_start(
     assert main(["demo", "--live", "--out", str(tmp_path / "d2")]) == 2  # default: the flag's
     assert seen[1] == harness.DEFAULT_READY_TIMEOUT_S
     capsys.readouterr()
-    assert main(["demo", "--live", "--ready-timeout", "0", "--out", str(tmp_path / "d3")]) == 2
-    assert "--ready-timeout" in _one_error_line(capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exc:  # argparse: usage + one error line, exit 2
+        main(["demo", "--live", "--ready-timeout", "0", "--out", str(tmp_path / "d3")])
+    assert exc.value.code == 2
+    assert "--ready-timeout" in capsys.readouterr().err.strip().splitlines()[-1]
     assert len(seen) == 2
 
 

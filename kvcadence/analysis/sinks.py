@@ -11,6 +11,7 @@ included, with the schema of ``tables.arrow_schema``.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +43,36 @@ class ParquetSink:
         for name in TABLES:
             if name not in self._writers:
                 self.write(name, arrow_schema(name).empty_table())
-        for w in self._writers.values():
-            w.close()
-        self._writers.clear()
+        try:
+            for name in list(self._writers):
+                self._writers[name].close()
+                del self._writers[name]  # only once closed: a failed one is aborted below
+        except BaseException:
+            self.abort()  # a full disk mid-close: the rest closed quietly, every file removed
+            raise
         return dict(self.rows)
 
     def abort(self) -> None:
         """Close and remove what was written (the loop starts over, or failed)."""
-        for name, w in self._writers.items():
-            try:
-                w.close()
-            finally:
-                (self.dir / f"{name}.parquet").unlink(missing_ok=True)
+        for w in self._writers.values():
+            _close_quietly(w)
+        for name in TABLES:
+            (self.dir / f"{name}.parquet").unlink(missing_ok=True)
         self._writers.clear()
         self.rows = dict.fromkeys(TABLES, 0)
+
+
+def _close_quietly(w: Any) -> None:
+    """Close ``w`` discarding its error (what failed is being thrown away). A close that
+    fails (a full disk) leaves pyarrow's writer marked open, and its finalizer would retry
+    the close and print the error at exit: mark it closed and close the file itself."""
+    try:
+        w.close()
+    except Exception:  # noqa: BLE001 - the file is removed next; the first error is raised
+        w.is_open = False
+        with contextlib.suppress(Exception):
+            if w.file_handle is not None:
+                w.file_handle.close()
 
 
 class MemorySink:

@@ -105,6 +105,11 @@ def test_driver_replay_adds_no_section(tmp_path):
     sample = Path(__file__).resolve().parents[2] / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
     replay_bundle(sample, tmp_path / "sim")
     assert inference.trailer_inferred(tmp_path / "sim") is None
-    res = report.make_report([str(sample), str(tmp_path / "sim")], tmp_path / "r", plots=False)
+    res = report.make_report(
+        [str(sample), str(tmp_path / "sim")],
+        tmp_path / "r",
+        plots=False,
+        cache_dirs=[str(tmp_path / "cache"), None],  # the committed sample is not written to
+    )
     assert "inferred" not in res.doc
     assert "Inferred inputs" not in (tmp_path / "r" / "report.md").read_text()
