@@ -23,6 +23,7 @@ from kvcadence.errors import (
 )
 from kvcadence.format.schema import (
     Annotation,
+    AnnotationRawView,
     BundleRecord,
     Epoch,
     EventFrame,
@@ -193,6 +194,9 @@ _VIEW_DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     **_DECODERS,
     b"request": msgspec.msgpack.Decoder(RequestRecordView),
 }
+# events and notes with the notes' data undecoded (``BundleReader.events_and_notes``)
+EVENTS_NOTES_RAW = msgspec.msgpack.Decoder(Union[EventFrame, AnnotationRawView])
+NOTE_RAW = msgspec.msgpack.Decoder(AnnotationRawView)
 # requests only (``requests()``, ``iter_kinds("request")``): either layout
 _REQUESTS = msgspec.msgpack.Decoder(Union[RequestRecord, PackedRequest])
 _REQUESTS_VIEW = msgspec.msgpack.Decoder(Union[RequestRecordView, PackedRequest])

@@ -36,9 +36,11 @@ from kvcadence.format.bundle.frames import (
     _RESYNC,
     _SEGMENT_START,
     _VIEW_DECODERS,
+    EVENTS_NOTES_RAW,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
     MIN_BODY,
+    NOTE_RAW,
     REQUEST_TAGS,
     _decode_fresh_stack,
     _is_append_note,
@@ -58,6 +60,7 @@ from kvcadence.format.bundle.segments import (
 )
 from kvcadence.format.schema import (
     READABLE_MAJORS,
+    AnnotationRawView,
     BundleRecord,
     EventFrame,
     Header,
@@ -253,10 +256,13 @@ class BundleReader:
         report.frames -= 1
         self._corrupt(report, seg, pos, FRAME_HEADER_SIZE + len(body), "undecodable record")
 
-    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[ReadRecord]:
+    def _iter(
+        self, wanted: frozenset[bytes] | None, views: bool = False, notes_raw: bool = False
+    ) -> Iterator[ReadRecord]:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
-        request frames decode as ``RequestRecordView`` (every other record as usual)."""
+        request frames decode as ``RequestRecordView`` (every other record as usual); ``notes_raw``:
+        notes as ``AnnotationRawView`` (``events_and_notes``)."""
         report = ReadReport(
             missing_segments=list(self.missing_segments),
             refused_segments=list(self.refused_segments),
@@ -271,6 +277,9 @@ class BundleReader:
         if wanted is not None and b"request" in wanted:
             wanted = wanted | REQUEST_TAGS  # format 2.0 stores requests as PackedRequest
         fast = fast_decoder(wanted, views)
+        if notes_raw:  # events_and_notes
+            decoders = {**decoders, b"note": NOTE_RAW}
+            fast = EVENTS_NOTES_RAW.decode
         last = len(self.segments) - 1
         rec: Any
         for i, seg in enumerate(self.segments):
@@ -388,6 +397,13 @@ class BundleReader:
     def requests(self) -> list[RequestRecord]:
         """Every ``RequestRecord`` in order."""
         return list(self._iter(frozenset((b"request",))))  # type: ignore[arg-type]
+
+    def events_and_notes(self) -> Iterator[EventFrame | AnnotationRawView]:
+        """The ``EventFrame``s and the ``Annotation``s in order, the notes as
+        ``AnnotationRawView`` (``data`` left as msgpack bytes: decode it where the kind asks
+        for it). A note whose ``data`` is not a map, which ``iter_kinds("note")`` reports as
+        undecodable, is yielded: a caller decoding its data checks that itself."""
+        return self._iter(frozenset((b"event", b"note")), notes_raw=True)  # type: ignore[return-value]
 
     def iter_kinds(self, *tags: str) -> Iterator[BundleRecord]:
         """Only the records whose tag is in ``tags`` (e.g. ``"gap", "epoch"``)."""
