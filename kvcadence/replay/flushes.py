@@ -80,6 +80,8 @@ def recorded_flushes(reader: Any) -> list[RecordedFlush]:
     return scan.result()
 
 
+#: the note kinds ``FlushScan.note`` reads (a pass may skip every other note)
+NOTE_KINDS = ("flush", "flush_cache")
 #: an ``Annotation``'s data, as the reader decodes it (a map)
 _NOTE_DATA = msgspec.msgpack.Decoder(dict[str, Any])
 

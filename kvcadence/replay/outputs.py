@@ -46,6 +46,7 @@ from kvcadence.format.schema import (
     BlockStoredV17RawView,
     Int64,
 )
+from kvcadence.replay.flushes import NOTE_KINDS
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -108,8 +109,8 @@ class StoreIndex:
         ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
-        # notes: only the flush scan reads them, and only two kinds' data (decoded there)
-        records = reader.events() if scan is None else reader.events_and_notes()
+        # notes: only the flush scan reads them, only two kinds (the others are not decoded)
+        records = reader.events() if scan is None else reader.events_and_notes(NOTE_KINDS)
         for n, f in enumerate(records):
             if type(f) is AnnotationRawView:
                 scan.note(f)

@@ -334,6 +334,7 @@ def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
         Annotation(kind="visibility", recv_ns=T0 + 1, data={"computed_pass": [0] * 50}),
         Annotation(kind="flush_cache", recv_ns=T0 + 2, data={"ok": False, "finish_ns": T0 + 3}),
         Annotation(kind="flush_cache", recv_ns=T0 + 4, data={"ok": True, "finish_ns": T0 + 5}),
+        Annotation(kind="k" * 40, recv_ns=T0 + 6, data={"x": 1}),  # a str8 kind
     ]
     with BundleWriter(tmp_path / "b", header()) as w:
         w.write_event(
@@ -348,10 +349,19 @@ def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
         for n in notes:
             w.write(n)
     got = list(BundleReader(tmp_path / "b").events_and_notes())
-    assert [type(r) for r in got] == [EventFrame] + [AnnotationRawView] * 3
+    assert [type(r) for r in got] == [EventFrame] + [AnnotationRawView] * 4
     assert [(r.kind, r.recv_ns, msgspec.msgpack.decode(r.data)) for r in got[1:]] == [
         (n.kind, n.recv_ns, n.data) for n in notes
     ]
+    # only some kinds: the others are skipped by their first bytes, in order otherwise
+    for kinds, want_notes in (
+        (("flush_cache",), notes[1:3]),
+        (("k" * 40, "visibility"), [notes[0], notes[3]]),
+        ((), []),
+    ):
+        some = list(BundleReader(tmp_path / "b").events_and_notes(kinds))
+        assert type(some[0]) is EventFrame
+        assert [(r.kind, r.recv_ns) for r in some[1:]] == [(n.kind, n.recv_ns) for n in want_notes]
     rd = BundleReader(tmp_path / "b")
     scan = FlushScan(rd.header)
     index = StoreIndex.from_reader(rd, 1, scan)
