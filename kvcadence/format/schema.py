@@ -479,6 +479,15 @@ class Annotation(BundleRecordBase, tag="note"):
     data: dict[str, Any] = {}
 
 
+class AnnotationRawView(BundleRecordBase, tag="note"):
+    """``Annotation`` with ``data`` left as its msgpack bytes (decode-only: a reader pass
+    that needs only some kinds' data, e.g. the flush scan's, skips decoding the rest)."""
+
+    kind: str
+    recv_ns: int
+    data: msgspec.Raw = msgspec.Raw(b"\x80")  # {} as msgpack
+
+
 class Trailer(BundleRecordBase, tag="trailer"):
     """Last record of a cleanly closed writer session: counts and the shutdown flag."""
 

@@ -47,6 +47,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload
 from kvcadence.format.schema import VIA_REPLAY, AllBlocksCleared, Annotation, EventFrame
@@ -76,6 +78,12 @@ def recorded_flushes(reader: Any) -> list[RecordedFlush]:
         elif isinstance(rec, Annotation):
             scan.note(rec)
     return scan.result()
+
+
+#: the note kinds ``FlushScan.note`` reads (a pass may skip every other note)
+NOTE_KINDS = ("flush", "flush_cache")
+#: an ``Annotation``'s data, as the reader decodes it (a map)
+_NOTE_DATA = msgspec.msgpack.Decoder(dict[str, Any])
 
 
 class FlushScan:
@@ -108,10 +116,22 @@ class FlushScan:
                 self.clears[ck] = (rec.recv_ns, ts_ns, late)
 
     def note(self, rec: Any) -> None:
-        if rec.kind == "flush":
+        """An ``Annotation`` (or an ``AnnotationRawView``: its data decoded here, only for
+        the two kinds read; a note whose data is not a map is skipped, as a reader skips it
+        as undecodable)."""
+        kind = rec.kind
+        if kind != "flush" and kind != "flush_cache":
+            return
+        data = rec.data
+        if type(data) is msgspec.Raw:
+            try:
+                data = _NOTE_DATA.decode(data)
+            except msgspec.DecodeError:
+                return
+        if kind == "flush":
             self.notes.append(RecordedFlush(rec.recv_ns))
-        elif rec.kind == "flush_cache" and (rec.data or {}).get("ok") is True:
-            at = (rec.data or {}).get("finish_ns", rec.recv_ns)
+        elif (data or {}).get("ok") is True:
+            at = (data or {}).get("finish_ns", rec.recv_ns)
             self.driver_notes.append(RecordedFlush(int(at)))
 
     def result(self) -> list[RecordedFlush]:

@@ -40,12 +40,13 @@ from kvcadence.format.bundle import event_payload
 from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import (
     AllBlocksCleared,
-    Annotation,
+    AnnotationRawView,
     BlockStored,
     BlockStoredRawView,
     BlockStoredV17RawView,
     Int64,
 )
+from kvcadence.replay.flushes import NOTE_KINDS
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -94,8 +95,7 @@ class StoreIndex:
                         continue
                     raw.append((ts, n, e))
         raw.sort(key=lambda t: (t[0], t[1]))
-        for ts, _, e in raw:
-            idx._add(ts, e.parent_block_hash, e.block_hashes, e.token_ids)
+        idx._extend([(ts, e.parent_block_hash, e.block_hashes, e.token_ids) for ts, _, e in raw])
         return idx
 
     @classmethod
@@ -109,9 +109,10 @@ class StoreIndex:
         ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
-        records = reader.events() if scan is None else reader.iter_kinds("event", "note")
+        # notes: only the flush scan reads them, only two kinds (the others are not decoded)
+        records = reader.events() if scan is None else reader.events_and_notes(NOTE_KINDS)
         for n, f in enumerate(records):
-            if type(f) is Annotation:
+            if type(f) is AnnotationRawView:
                 scan.note(f)
                 continue
             payload = event_payload(f)
@@ -136,16 +137,27 @@ class StoreIndex:
             for parent, hashes, tokens in got:
                 raw.append((ts, n, parent, hashes, tokens))
         raw.sort(key=itemgetter(0, 1))
-        for ts, _, parent, hashes, tokens in raw:
-            idx._add(ts, parent, hashes, tokens)
+        idx._extend([(ts, parent, hashes, tokens) for ts, _, parent, hashes, tokens in raw])
         return idx
 
-    def _add(self, ts: int, parent: int | None, hashes: list[int], tokens: list[int]) -> None:
-        ei = len(self.events)
-        self.events.append(StoredEvent(ts, parent, hashes, tokens))
-        self._ts.append(ts)
-        self._by_parent.setdefault(parent, []).append(ei)
-        self._by_first.setdefault(tokens[0], []).append(ei)
+    def _extend(self, rows: list[tuple[int, int | None, list[int], list[int]]]) -> None:
+        """Append events ``(ts, parent, hashes, tokens)``, in publish order, and index them."""
+        base = len(self.events)
+        self.events.extend([StoredEvent(*r) for r in rows])
+        self._ts.extend([r[0] for r in rows])
+        by_parent, by_first = self._by_parent, self._by_first
+        for ei, (_, parent, _, tokens) in enumerate(rows, base):
+            lst = by_parent.get(parent)
+            if lst is None:
+                by_parent[parent] = [ei]
+            else:
+                lst.append(ei)
+            first = tokens[0]
+            lst = by_first.get(first)
+            if lst is None:
+                by_first[first] = [ei]
+            else:
+                lst.append(ei)
 
     # ------------------------------------------------------------------ lookups
     def prefill_run(

@@ -310,3 +310,61 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
     got = [(e.hashes, e.tokens) for e in index.events]
     assert got == [([1], [5]), ([3], [7]), ([5], [8]), ([-5], [6])]
     assert len(scan.lag[0]) == 4  # the refused frame is not scanned either
+
+
+def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
+    """The production pass reads notes with their data undecoded
+    (``BundleReader.events_and_notes``); the flush scan decodes only the flush kinds' data
+    and finds what ``recorded_flushes`` finds: a failed ``flush_cache`` is no flush, a
+    successful one is at its ``finish_ns``, other notes are ignored."""
+    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from kvcadence.format.schema import Annotation, AnnotationRawView, EventFrame
+    from kvcadence.replay.flushes import FlushScan, RecordedFlush, recorded_flushes
+    from tests.analysis.helpers import T0, header
+
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11],
+        "parent_block_hash": None,
+        "token_ids": [5],
+        "block_size": 1,
+        "lora_id": None,
+    }
+    notes = [
+        Annotation(kind="visibility", recv_ns=T0 + 1, data={"computed_pass": [0] * 50}),
+        Annotation(kind="flush_cache", recv_ns=T0 + 2, data={"ok": False, "finish_ns": T0 + 3}),
+        Annotation(kind="flush_cache", recv_ns=T0 + 4, data={"ok": True, "finish_ns": T0 + 5}),
+        Annotation(kind="k" * 40, recv_ns=T0 + 6, data={"x": 1}),  # a str8 kind
+    ]
+    with BundleWriter(tmp_path / "b", header()) as w:
+        w.write_event(
+            endpoint=0,
+            seq=0,
+            recv_ns=T0,
+            topic="kv-events",
+            payload=msgspec.msgpack.encode([1.0, [stored], None]),
+            via=0,
+            epoch=0,
+        )
+        for n in notes:
+            w.write(n)
+    got = list(BundleReader(tmp_path / "b").events_and_notes())
+    assert [type(r) for r in got] == [EventFrame] + [AnnotationRawView] * 4
+    assert [(r.kind, r.recv_ns, msgspec.msgpack.decode(r.data)) for r in got[1:]] == [
+        (n.kind, n.recv_ns, n.data) for n in notes
+    ]
+    # only some kinds: the others are skipped by their first bytes, in order otherwise
+    for kinds, want_notes in (
+        (("flush_cache",), notes[1:3]),
+        (("k" * 40, "visibility"), [notes[0], notes[3]]),
+        ((), []),
+    ):
+        some = list(BundleReader(tmp_path / "b").events_and_notes(kinds))
+        assert type(some[0]) is EventFrame
+        assert [(r.kind, r.recv_ns) for r in some[1:]] == [(n.kind, n.recv_ns) for n in want_notes]
+    rd = BundleReader(tmp_path / "b")
+    scan = FlushScan(rd.header)
+    index = StoreIndex.from_reader(rd, 1, scan)
+    assert [(e.hashes, e.tokens) for e in index.events] == [([11], [5])]
+    want = [RecordedFlush(T0 + 5)]
+    assert scan.result() == want == recorded_flushes(BundleReader(tmp_path / "b"))

@@ -23,6 +23,7 @@ from kvcadence.errors import (
 )
 from kvcadence.format.schema import (
     Annotation,
+    AnnotationRawView,
     BundleRecord,
     Epoch,
     EventFrame,
@@ -193,6 +194,46 @@ _VIEW_DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     **_DECODERS,
     b"request": msgspec.msgpack.Decoder(RequestRecordView),
 }
+# events and notes with the notes' data undecoded (``BundleReader.events_and_notes``)
+EVENTS_NOTES_RAW = msgspec.msgpack.Decoder(Union[EventFrame, AnnotationRawView])
+NOTE_RAW = msgspec.msgpack.Decoder(AnnotationRawView)
+#: what ``events_and_notes_decoder``'s function returns for a note of a kind not asked for
+SKIPPED = object()
+
+
+def _note_kind(body: memoryview) -> bytes | None:
+    """The ``kind`` bytes of a note frame (``["note", kind, ...]``, kind a fixstr or str8),
+    or None when ``body`` is not shaped so (not a note, or one to decode to find out)."""
+    if len(body) < 7 or not 0x93 <= body[0] <= 0x9F or bytes(body[1:6]) != b"\xa4note":
+        return None
+    b = body[6]
+    if 0xA0 <= b <= 0xBF:
+        start, n = 7, b - 0xA0
+    elif b == 0xD9 and len(body) > 7:
+        start, n = 8, body[7]
+    else:
+        return None
+    return bytes(body[start : start + n]) if start + n <= len(body) else None
+
+
+def events_and_notes_decoder(kinds: frozenset[str] | None) -> Any:
+    """The reader's fast path for ``events_and_notes``: an ``EventFrame`` or an
+    ``AnnotationRawView``; a note whose kind (read from its first bytes) is not in ``kinds``
+    comes back as ``SKIPPED``, undecoded and unchecked (None: every note decoded)."""
+    decode = EVENTS_NOTES_RAW.decode
+    if kinds is None:
+        return decode
+    wanted = frozenset(k.encode() for k in kinds)
+
+    def fast(body: memoryview) -> Any:
+        k = _note_kind(body)
+        if k is not None and k not in wanted:
+            return SKIPPED
+        return decode(body)
+
+    return fast
+
+
 # requests only (``requests()``, ``iter_kinds("request")``): either layout
 _REQUESTS = msgspec.msgpack.Decoder(Union[RequestRecord, PackedRequest])
 _REQUESTS_VIEW = msgspec.msgpack.Decoder(Union[RequestRecordView, PackedRequest])

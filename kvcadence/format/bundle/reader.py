@@ -46,11 +46,14 @@ from kvcadence.format.bundle.frames import (
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
     MIN_BODY,
+    NOTE_RAW,
     REQUEST_TAGS,
+    SKIPPED,
     _decode_fresh_stack,
     _is_append_note,
     _one_value,
     _peek_tag,
+    events_and_notes_decoder,
     fast_decoder,
 )
 from kvcadence.format.bundle.report import ReadReport, SegmentScan
@@ -65,6 +68,7 @@ from kvcadence.format.bundle.segments import (
 from kvcadence.format.bundle.window import SegmentWindow
 from kvcadence.format.schema import (
     READABLE_MAJORS,
+    AnnotationRawView,
     BundleRecord,
     EventFrame,
     Header,
@@ -287,10 +291,18 @@ class BundleReader:
         report.frames -= 1
         self._corrupt(report, seg, pos, FRAME_HEADER_SIZE + len(body), "undecodable record")
 
-    def _iter(self, wanted: frozenset[bytes] | None, views: bool = False) -> Iterator[ReadRecord]:
+    def _iter(
+        self,
+        wanted: frozenset[bytes] | None,
+        views: bool = False,
+        notes_raw: bool = False,
+        note_kinds: frozenset[str] | None = None,
+    ) -> Iterator[ReadRecord]:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
-        request frames decode as ``RequestRecordView`` (every other record as usual)."""
+        request frames decode as ``RequestRecordView`` (every other record as usual); ``notes_raw``:
+        notes as ``AnnotationRawView`` (``events_and_notes``), those of other kinds than
+        ``note_kinds`` (when given) skipped."""
         report = ReadReport(
             missing_segments=list(self.missing_segments),
             refused_segments=list(self.refused_segments),
@@ -305,6 +317,9 @@ class BundleReader:
         if wanted is not None and b"request" in wanted:
             wanted = wanted | REQUEST_TAGS  # format 2.0 stores requests as PackedRequest
         fast = fast_decoder(wanted, views)
+        if notes_raw:  # events_and_notes
+            decoders = {**decoders, b"note": NOTE_RAW}
+            fast = events_and_notes_decoder(note_kinds)
         last = len(self.segments) - 1
         rec: Any
         for i, seg in enumerate(self.segments):
@@ -339,6 +354,8 @@ class BundleReader:
                             sess0 = self._session_end(report, seg, rec, sess0)
                         else:
                             clean = False
+                            if rec is SKIPPED:
+                                continue
                             if t is PackedRequest:
                                 rec = unpack(rec, pos, body)
                                 if rec is None:
@@ -422,6 +439,21 @@ class BundleReader:
     def requests(self) -> list[RequestRecord]:
         """Every ``RequestRecord`` in order."""
         return list(self._iter(frozenset((b"request",))))  # type: ignore[arg-type]
+
+    def events_and_notes(
+        self, kinds: Iterable[str] | None = None
+    ) -> Iterator[EventFrame | AnnotationRawView]:
+        """The ``EventFrame``s and the ``Annotation``s in order, the notes as
+        ``AnnotationRawView`` (``data`` left as msgpack bytes: decode it where the kind asks
+        for it). A note whose ``data`` is not a map, which ``iter_kinds("note")`` reports as
+        undecodable, is yielded: a caller decoding its data checks that itself.
+        ``kinds``: only the notes of these kinds; the others are skipped by their first
+        bytes, not decoded (so not checked either: a damaged one is not reported)."""
+        return self._iter(  # type: ignore[return-value]
+            frozenset((b"event", b"note")),
+            notes_raw=True,
+            note_kinds=None if kinds is None else frozenset(kinds),
+        )
 
     def iter_kinds(self, *tags: str) -> Iterator[BundleRecord]:
         """Only the records whose tag is in ``tags`` (e.g. ``"gap", "epoch"``)."""
