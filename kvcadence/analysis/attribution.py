@@ -17,9 +17,20 @@ interval is closest in time to the message, then the earliest request.
 The peer-compatible variant (``any_prompt=True``) labels a stored block "prompt" when its hash
 is a page of *any* request's prompt (Dynamo's definition), else "output".
 
-One implementation: ``attribute_arrays`` (numpy columns from ``load_columns`` + cached request
-page hashes from ``kvcadence.analysis.pages``). The readable per-event reference loop it is
-checked against on random inputs lives with the tests (``tests/analysis/attribution_oracle.py``).
+Two implementations of the one rule, both checked against the readable per-event reference
+loop on random inputs (``tests/analysis/attribution_oracle.py``, with the tests):
+``attribute_sql`` (the report's path: DuckDB joins of the stored blocks against the request
+page cache of ``kvcadence.analysis.pages``, read as Parquet) and ``attribute_arrays`` (numpy
+columns from ``load_columns`` + the page hashes in memory; the path when the page cache cannot
+be written, and the tests' second witness).
+
+Why one module of both (and over 500 lines): they share the rule's pieces (``Attribution``,
+the event labels, the request distance, the slow per-event loop's run splitting), and the
+equality tests compare them field by field. Why out of core: the column path holds every
+stored block's hash and every request's page hashes plus their sort temporaries (about
+0.7 GB at 1M events, growing linearly with the capture); ``attribute_sql`` leaves those to
+DuckDB, which spills past its memory limit, and reads into Python only the per-request
+counts and the few events whose hashes have several candidate pages.
 """
 
 from __future__ import annotations
@@ -62,18 +73,22 @@ class Attribution:
     event_kinds: dict[str, int] = field(default_factory=dict)
     events_spanning_same_session: int = 0
     events_spanning_other: int = 0
-    # per request (index-aligned with the requests given)
-    req_prompt_blocks: list[int] = field(default_factory=list)
-    req_output_blocks: list[int] = field(default_factory=list)
-    req_stored_events: list[int] = field(default_factory=list)
-    req_prefill_events: list[int] = field(default_factory=list)
-    req_finish_events: list[int] = field(default_factory=list)
+    # per request (index-aligned with the requests given): lists, or numpy int64 arrays from
+    # ``attribute_sql`` (Python ints cost ~4x the memory at millions of requests)
+    req_prompt_blocks: Any = field(default_factory=list)
+    req_output_blocks: Any = field(default_factory=list)
+    req_stored_events: Any = field(default_factory=list)
+    req_prefill_events: Any = field(default_factory=list)
+    req_finish_events: Any = field(default_factory=list)
     # per event: event_id -> (prompt blocks, output blocks, unmatched blocks)
     per_event: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def requests_without_prefill_store(self) -> int:
-        return sum(1 for n in self.req_prefill_events if n == 0)
+        ev = self.req_prefill_events
+        if hasattr(ev, "dtype"):
+            return int((ev == 0).sum())
+        return sum(1 for n in ev if n == 0)
 
 
 def _distance(req: Request, t: int) -> int:
@@ -493,3 +508,272 @@ def any_prompt_split_arrays(pages: Any, req: RequestColumns, ev: EventColumns) -
     prompt = pages.hashes[p_of_g < (req.n_input // pages.page_size)[r_of_g]]
     n_prompt = int(np.isin(ev.hashes, prompt).sum())
     return {"prompt_blocks": n_prompt, "output_blocks": int(len(ev.hashes)) - n_prompt}
+
+
+# --------------------------------------------------------------------------------------
+# Out-of-core attribution (the report's path): the same rule as DuckDB joins
+# --------------------------------------------------------------------------------------
+#
+# ``attribute_sql`` gives what ``attribute_arrays`` gives (tests check both against the
+# reference loop) without holding every stored block's hash or every request's page hashes
+# in Python: the fast events (no hash with several candidate pages) are counted by DuckDB
+# (a join of the stored blocks against the candidate pages of the request page cache, then
+# GROUP BYs), which spills past its memory limit. Only the slow events, their candidate
+# pages and the chains of the requests those candidates belong to are read into Python,
+# where the per-event loop runs as before. A candidate page of an ambiguous hash is never
+# attributed by a fast event (a fast block's hash has exactly one candidate), so the slow
+# loop's "already attributed" is exactly "consumed by an earlier slow event".
+
+
+@dataclass
+class PerRequest:
+    """Per-request columns of ``attribute_sql`` (request_id order), numpy int64 unless said."""
+
+    rid: Any  # pyarrow string array
+    cached_tokens: Any  # pyarrow int64 array (nullable)
+    n_input: Any
+    n_output: Any
+
+
+def attribute_sql(
+    con: Any, pages_sql: str, page_size: int, scope: str = "TRUE", any_prompt: bool = False
+) -> tuple[Attribution, PerRequest, dict[str, int] | None]:
+    """The attribution rule over ``con``'s ``requests`` / ``events`` / ``blocks`` and the
+    request page hashes in ``pages_sql`` (a relation: ``request_id`` = request position in
+    ``request_id`` order, ``page``, ``hash`` of the same type as ``blocks.hash``); events
+    limited to ``scope`` (a predicate on ``events``). ``per_event`` is left empty. With
+    ``any_prompt`` also the peer split (``any_prompt_split_arrays``)."""
+    ps = max(1, int(page_size))
+    res = Attribution(page_size=ps)
+    tmp = ("_a_req", "_a_hc", "_a_ev", "_a_bl", "_a_slow", "_a_pair", "_a_cand_slow", "_a_chain")
+    try:
+        con.sql(
+            "CREATE OR REPLACE TEMP TABLE _a_req AS SELECT "
+            "(row_number() OVER (ORDER BY request_id)) - 1 AS r, rid, n_input, n_output, "
+            f"cached_tokens, floor(coalesce(cached_tokens, 0) / {ps})::BIGINT AS first, "
+            f"floor(n_input / {ps})::BIGINT AS pp, send_ns, finish_ns, lane, session "
+            "FROM requests"
+        )
+        con.sql(
+            "CREATE OR REPLACE TEMP TABLE _a_hc AS SELECT pg.hash AS h, count(*) AS n, "
+            "any_value(pg.request_id) AS r, any_value(pg.page < q.pp) AS prompt "
+            f"FROM ({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id "
+            "WHERE pg.page >= q.first GROUP BY pg.hash"
+        )
+        con.sql(
+            "CREATE OR REPLACE TEMP TABLE _a_ev AS SELECT event_id, recv_ns, n_blocks "
+            f"FROM events WHERE kind = 'stored' AND ({scope})"
+        )
+        con.sql(
+            "CREATE OR REPLACE TEMP TABLE _a_bl AS SELECT b.event_id AS e, b.pos, b.hash AS h, "
+            "coalesce(c.n, 0) AS n, c.r, c.prompt FROM blocks b "
+            "SEMI JOIN _a_ev ON _a_ev.event_id = b.event_id "
+            "LEFT JOIN _a_hc c ON c.h = b.hash WHERE b.kind = 'stored'"
+        )
+        # slow events: any block with several candidate pages
+        con.sql("CREATE OR REPLACE TEMP TABLE _a_slow AS SELECT DISTINCT e FROM _a_bl WHERE n > 1")
+        con.sql(
+            "CREATE OR REPLACE TEMP TABLE _a_pair AS SELECT e, r, bool_or(prompt) AS pr, "
+            "bool_or(NOT prompt) AS ou FROM _a_bl ANTI JOIN _a_slow USING (e) "
+            "WHERE n = 1 GROUP BY e, r"
+        )
+        _fast_sql(con, res)
+        per = _per_request_sql(con, res)
+        acc = _SlowAcc(*per[1:])
+        _slow_sql(con, pages_sql, res, acc)
+        res.req_prompt_blocks, res.req_output_blocks = acc.prompt, acc.output
+        res.req_stored_events, res.req_prefill_events = acc.events, acc.prefill
+        res.req_finish_events = acc.finish
+        (exp,) = sql.one(
+            con,
+            "SELECT coalesce(sum(k - q.pp), 0) FROM _a_req q JOIN (SELECT request_id, "
+            f"count(*) AS k FROM ({pages_sql}) GROUP BY request_id) c ON c.request_id = q.r "
+            "WHERE q.n_output > 0",
+        )
+        res.expected_output_blocks = int(exp)
+        split = None
+        if any_prompt:
+            n_prompt, n_all = sql.one(
+                con,
+                "SELECT count(*) FILTER (WHERE h IN (SELECT pg.hash FROM "
+                f"({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id WHERE pg.page < q.pp)),"
+                " count(*) FROM _a_bl",
+            )
+            split = {"prompt_blocks": int(n_prompt), "output_blocks": int(n_all - n_prompt)}
+        return res, per[0], split
+    finally:
+        for t in tmp:
+            con.sql(f"DROP TABLE IF EXISTS {t}")
+
+
+def _fast_sql(con: Any, res: Attribution) -> None:
+    """Totals and event kinds of the fast events (all of them counted in SQL)."""
+    (stored,) = sql.one(con, "SELECT coalesce(sum(n_blocks), 0) FROM _a_ev")
+    res.stored_blocks = int(stored)
+    prompt, output, unm = sql.one(
+        con,
+        "SELECT count(*) FILTER (WHERE n = 1 AND prompt), count(*) FILTER (WHERE n = 1 AND "
+        "NOT prompt), count(*) FILTER (WHERE n = 0) FROM _a_bl ANTI JOIN _a_slow USING (e)",
+    )
+    res.prompt_blocks, res.output_blocks = int(prompt), int(output)
+    res.unmatched_blocks = int(unm)
+    res.matched_blocks = res.prompt_blocks + res.output_blocks
+    got = sql.rows(
+        con,
+        "WITH blk AS (SELECT e, bool_or(n = 1 AND prompt) AS pre, bool_or(n = 1 AND NOT prompt)"
+        " AS fin, bool_or(n = 0) AS unm FROM _a_bl GROUP BY e), "
+        "pe AS (SELECT p.e, count(*) AS nreq, count(DISTINCT (q.lane, q.session)) AS nses, "
+        "bool_and(q.lane IS NOT NULL AND q.session IS NOT NULL) AS keyed "
+        "FROM _a_pair p JOIN _a_req q ON q.r = p.r GROUP BY p.e) "
+        "SELECT coalesce(blk.fin, false), coalesce(blk.pre, false), coalesce(blk.unm, false), "
+        "CASE WHEN coalesce(pe.nreq, 0) <= 1 THEN 0 WHEN pe.nses = 1 AND pe.keyed THEN 1 "
+        "ELSE 2 END AS span, count(*) FROM _a_ev ev ANTI JOIN _a_slow s ON s.e = ev.event_id "
+        "LEFT JOIN blk ON blk.e = ev.event_id LEFT JOIN pe ON pe.e = ev.event_id "
+        "GROUP BY ALL",
+    )
+    kinds: dict[str, int] = {}
+    for fin, pre, unm_ev, span, k in got:
+        label = _label(bool(fin), bool(pre), bool(unm_ev), int(span))
+        kinds[label] = kinds.get(label, 0) + int(k)
+        if unm_ev:
+            res.unmatched_events += int(k)
+        if span == 1:
+            res.events_spanning_same_session += int(k)
+        elif span == 2:
+            res.events_spanning_other += int(k)
+    res.event_kinds = kinds
+
+
+def _per_request_sql(con: Any, res: Attribution) -> tuple[PerRequest, Any, Any, Any, Any, Any]:
+    """Per-request inputs and the fast events' per-request counts (request_id order)."""
+    import numpy as np
+
+    t = sql.arrow(
+        con,
+        "WITH blk AS (SELECT r, count(*) FILTER (WHERE prompt) AS pb, count(*) FILTER (WHERE "
+        "NOT prompt) AS ob FROM _a_bl ANTI JOIN _a_slow USING (e) WHERE n = 1 GROUP BY r), "
+        "pr AS (SELECT r, count(*) AS ne, count(*) FILTER (WHERE pr) AS np, "
+        "count(*) FILTER (WHERE ou) AS nf FROM _a_pair GROUP BY r) "
+        "SELECT q.rid, q.cached_tokens, q.n_input, q.n_output, coalesce(blk.pb, 0) AS pb, "
+        "coalesce(blk.ob, 0) AS ob, coalesce(pr.ne, 0) AS ne, coalesce(pr.np, 0) AS np, "
+        "coalesce(pr.nf, 0) AS nf FROM _a_req q LEFT JOIN blk ON blk.r = q.r "
+        "LEFT JOIN pr ON pr.r = q.r ORDER BY q.r",
+    )
+
+    def col(name: str) -> Any:
+        return t.column(name).to_numpy().astype(np.int64)
+
+    per = PerRequest(
+        rid=t.column("rid").combine_chunks(),
+        cached_tokens=t.column("cached_tokens").combine_chunks(),
+        n_input=col("n_input"),
+        n_output=col("n_output"),
+    )
+    return per, col("pb"), col("ob"), col("ne"), col("np"), col("nf")
+
+
+def _slow_sql(con: Any, pages_sql: str, res: Attribution, acc: _SlowAcc) -> None:
+    """The per-event loop of ``_slow_events`` over the slow events only, read from SQL:
+    their hashes, the candidate pages of those hashes and the chains of their requests."""
+    ev = sql.rows(
+        con,
+        "SELECT ev.event_id, ev.recv_ns FROM _a_ev ev SEMI JOIN _a_slow s ON s.e = ev.event_id "
+        "ORDER BY ev.recv_ns, ev.event_id",
+    )
+    if not ev:
+        return
+    con.sql(
+        "CREATE OR REPLACE TEMP TABLE _a_cand_slow AS SELECT pg.hash, pg.request_id, pg.page "
+        f"FROM ({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id WHERE pg.page >= q.first "
+        "AND pg.hash IN (SELECT h FROM _a_bl SEMI JOIN _a_slow USING (e))"
+    )
+    con.sql(
+        "CREATE OR REPLACE TEMP TABLE _a_chain AS SELECT request_id, page, hash "
+        f"FROM ({pages_sql}) WHERE request_id IN (SELECT DISTINCT request_id FROM _a_cand_slow)"
+    )
+    hashes: dict[int, list[int]] = {}
+    for e, h in sql.rows(con, "SELECT e, h FROM _a_bl SEMI JOIN _a_slow USING (e) ORDER BY e, pos"):
+        hashes.setdefault(e, []).append(h)
+    index: dict[int, list[tuple[int, int]]] = {}
+    for h, r, p in sql.rows(
+        con,
+        "SELECT c.hash, c.request_id, c.page FROM _a_cand_slow c ORDER BY c.hash, c.request_id, "
+        "c.page",
+    ):
+        index.setdefault(h, []).append((r, p))
+    reqs: dict[int, Request] = {}
+    pp: dict[int, int] = {}
+    for r, s, f, la, se, ppr in sql.rows(
+        con,
+        "SELECT q.r, q.send_ns, q.finish_ns, q.lane, q.session, q.pp FROM _a_req q "
+        "SEMI JOIN (SELECT DISTINCT request_id FROM _a_cand_slow) c ON c.request_id = q.r",
+    ):
+        reqs[r] = Request("", [], [], None, s, f, la, se)
+        pp[r] = int(ppr)
+    chains: dict[int, list[int]] = {}
+    for r, h in sql.rows(con, "SELECT request_id, hash FROM _a_chain ORDER BY request_id, page"):
+        chains.setdefault(r, []).append(h)
+    consumed: set[tuple[int, int]] = set()
+
+    def key(c: tuple[int, int], t_ev: int) -> tuple[bool, int, int]:
+        return (c in consumed, _distance(reqs[c[0]], t_ev), c[0])
+
+    for e, t_ev in ev:
+        hs = hashes.get(e, [])
+        n = len(hs)
+        i = 0
+        unmatched = 0
+        ev_prompt = ev_output = 0
+        runs: list[tuple[int, str]] = []
+        while i < n:
+            cl = index.get(hs[i])
+            if not cl:
+                unmatched += 1
+                i += 1
+                continue
+            r, p = cl[0] if len(cl) == 1 else min(cl, key=functools.partial(key, t_ev=t_ev))
+            ch = chains[r]
+            m = 1
+            limit = min(n - i, len(ch) - p)
+            if hs[i : i + limit] == ch[p : p + limit]:
+                m = limit
+            else:
+                while m < limit and hs[i + m] == ch[p + m]:
+                    m += 1
+            consumed.update((r, q) for q in range(p, p + m))
+            n_prompt = max(0, min(p + m, pp[r]) - p)
+            n_output = m - n_prompt
+            if n_prompt:
+                runs.append((r, "prefill"))
+                acc.prompt[r] += n_prompt
+                ev_prompt += n_prompt
+            if n_output:
+                runs.append((r, "finish"))
+                acc.output[r] += n_output
+                ev_output += n_output
+            i += m
+        res.matched_blocks += n - unmatched
+        res.unmatched_blocks += unmatched
+        res.prompt_blocks += ev_prompt
+        res.output_blocks += ev_output
+        if unmatched:
+            res.unmatched_events += 1
+        rset = sorted({r for r, _ in runs})
+        for r in rset:
+            acc.events[r] += 1
+        for r in {r for r, k in runs if k == "prefill"}:
+            acc.prefill[r] += 1
+        for r in {r for r, k in runs if k == "finish"}:
+            acc.finish[r] += 1
+        span = 0
+        if len(rset) > 1:
+            sessions = {(reqs[r].lane, reqs[r].session) for r in rset}
+            same = len(sessions) == 1 and None not in next(iter(sessions))
+            span = 1 if same else 2
+            if same:
+                res.events_spanning_same_session += 1
+            else:
+                res.events_spanning_other += 1
+        kset = {k for _, k in runs}
+        label = _label("finish" in kset, "prefill" in kset, bool(unmatched), span)
+        res.event_kinds[label] = res.event_kinds.get(label, 0) + 1

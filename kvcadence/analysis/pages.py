@@ -92,6 +92,37 @@ def load(ing: Ingested, con: Any, page_size: int) -> RequestPages:
     return pages
 
 
+def ensure_file(ing: Ingested, con: Any, page_size: int) -> Path | None:
+    """The cache file of ``ing``'s request page hashes, written (streamed: no page hash is
+    kept in memory) when missing or unreadable; None when it cannot be written (a read-only
+    cache: the caller falls back to ``load``)."""
+    import pyarrow.parquet as pq
+
+    ps = max(1, int(page_size))
+    path = cache_path(ing, ps)
+    if path.exists():
+        try:
+            pq.ParquetFile(path).close()
+            return path
+        except (OSError, ValueError):
+            pass
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        compute(con, ps, tmp, keep=False)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def relation(path: Path) -> str:
+    """A DuckDB relation (``SELECT``) over the cache file ``path``."""
+    return "SELECT request_id, page, hash FROM read_parquet('{}')".format(
+        str(path).replace("'", "''")
+    )
+
+
 class _PageWriter:
     """The cache file, a batch of requests' pages at a time (``request_id``, ``page``,
     ``hash``)."""
@@ -124,9 +155,10 @@ class _PageWriter:
 _QUERY = "SELECT request_id, input_ids, output_ids, lane, session FROM requests"
 
 
-def compute(con: Any, page_size: int, cache: Path | None = None) -> RequestPages:
+def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = True) -> RequestPages:
     """Hash every request's chain (see module docstring) from a ``sql.connect`` connection,
-    ``BATCH_ROWS`` requests at a time; ``cache``: also write the pages there (Parquet)."""
+    ``BATCH_ROWS`` requests at a time; ``cache``: also write the pages there (Parquet).
+    ``keep=False``: only write them (the result then holds the offsets and no hashes)."""
 
     ps = max(1, int(page_size))
     # no ORDER BY: the scan keeps file order (= request_id; DuckDB preserve_insertion_order),
@@ -135,7 +167,7 @@ def compute(con: Any, page_size: int, cache: Path | None = None) -> RequestPages
     for query in (_QUERY, _QUERY + " ORDER BY request_id"):
         writer = _PageWriter(cache) if cache is not None else None
         try:
-            got = _hash_batches(con.sql(query).to_arrow_reader(BATCH_ROWS), ps, writer)
+            got = _hash_batches(con.sql(query).to_arrow_reader(BATCH_ROWS), ps, writer, keep)
         finally:
             if writer is not None:
                 writer.close()
@@ -144,7 +176,9 @@ def compute(con: Any, page_size: int, cache: Path | None = None) -> RequestPages
     raise AssertionError("requests ordered by request_id are out of order")  # pragma: no cover
 
 
-def _hash_batches(batches: Any, ps: int, writer: _PageWriter | None) -> tuple[Any, Any] | None:
+def _hash_batches(
+    batches: Any, ps: int, writer: _PageWriter | None, keep: bool = True
+) -> tuple[Any, Any] | None:
     """(page offsets, hashes) of the requests in ``batches``; None if their request ids are
     not increasing (the caller reads them sorted)."""
     import numpy as np
@@ -169,7 +203,8 @@ def _hash_batches(batches: Any, ps: int, writer: _PageWriter | None) -> tuple[An
         if writer is not None:
             writer.write(rows, off, h)
         counts.append(np.diff(off))
-        hashes.append(h)
+        if keep:
+            hashes.append(h)
         rows += b.num_rows
     offsets = np.cumsum(np.concatenate(counts))
     return offsets, (np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.int64))
