@@ -126,12 +126,15 @@ def iter_long_workload(n: int, lanes: int, seed: int = 11) -> Iterator[Any]:
 
 def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -> dict[str, Any]:
     """The workload's records built (a list: ``simulate_too`` False), or streamed into
-    ``simulate()`` (never all alive at once: what the replay itself holds is measured)."""
+    ``simulate()`` (never all alive at once: what the replay itself holds is measured), its
+    sim bundle written as ``kvcadence replay --out`` writes it (frames streamed) into a
+    temporary directory."""
     sys.path.insert(0, str(HERE))
     from bench_replay import iter_workload
 
     from kvcadence.replay.config import SimConfig, TimingParams
-    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.simbundle import SimBundleOut
+    from kvcadence.replay.simulator import simulate, write_sim_bundle
 
     stream = iter_long_workload(n, lanes) if long else iter_workload(n, lanes)
     counts = [0, 0]  # requests, prompt tokens
@@ -158,9 +161,14 @@ def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -
                 decode_per_req_s=8e-5,
             ),
         ).validate()  # bench_replay.py's configuration (a pool for 8+ 32k contexts if long)
-        c = time.process_time()
-        res = simulate(counted(), cfg)
-        cpu = time.process_time() - c
+        with tempfile.TemporaryDirectory(prefix="kvc-bench-sim-") as tmp:
+            # as ``kvcadence replay --out`` does: every published batch streamed into the
+            # sim bundle as it is published (none held), the records written after the run
+            sim = SimBundleOut(Path(tmp) / "sim")
+            c = time.process_time()
+            res = simulate(counted(), cfg, out=sim)
+            write_sim_bundle(sim, res, None)
+            cpu = time.process_time() - c
         out.update(simulate_cpu_s=round(cpu, 3), requests_per_s=round(counts[0] / cpu))
         out["events"] = res.summary()["events"]
     out.update(requests=counts[0], prompt_tokens=counts[1])
