@@ -6,10 +6,12 @@ measured in the same run:
 
 * replay: ``bench/bench_replay.py``'s workload (closed-loop agent lanes, page size 1, pool
   60,000 tokens, ``--lanes 64``) streamed into ``simulate()`` (the records are made one at
-  a time and made compact as they are read: the replay's own memory is measured) at 6,000
-  and 60,000 requests (600,000 with ``--full``; the goal there is <= 4 GB: 5.3 GB measured
-  with compact tokens on 2026-12-01 -- half of it the published batches, held until the
-  sim bundle is written -- ~14 GB before, extrapolated). Figures:
+  a time and made compact as they are read: the replay's own memory is measured), its sim
+  bundle written as ``kvcadence replay --out`` writes it (each published batch as it is
+  published), at 6,000 and 60,000 requests (600,000 with ``--full``; the goal there is
+  <= 4 GB: 2.86 GB measured on 2026-12-01 with the batches streamed into the bundle, 5.3 GB
+  before -- compact tokens, the published batches held until the bundle was written --
+  ~14 GB before that, extrapolated). Figures:
   peak RSS of each size against the interpreter with kvcadence imported (the floor) and,
   for the larger sizes, against the first point (``ratio`` = growth); the marginal
   KB/request between the two smallest sizes, against the workload's own (the records built
@@ -42,7 +44,8 @@ measured in the same run:
 
 ``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, agent log 500 / 2,000,
 ingest 25 / 250 MB, report 20k / 100k events (a smoke run). Memory needed by the default
-points on 2026-12-01: 0.6 GB (60k requests; 1.4 GB before compact tokens); ingest of the 2 GB
+points on 2026-12-01: 0.4 GB (60k requests; 0.57 GB with the published batches held, 1.4 GB
+before compact tokens); ingest of the 2 GB
 bundle 6.4 GB before ingest streamed its row groups and the reader its segments, 286 MB since
 (252 MB at 250 MB: 1.13x); report 669 MB / 2.0 GB at 250k / 1M events before the page hashes
 were batched and DuckDB bounded, 429 MB / 997 MB since (2 cores shared, load ~15).
@@ -126,12 +129,15 @@ def iter_long_workload(n: int, lanes: int, seed: int = 11) -> Iterator[Any]:
 
 def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -> dict[str, Any]:
     """The workload's records built (a list: ``simulate_too`` False), or streamed into
-    ``simulate()`` (never all alive at once: what the replay itself holds is measured)."""
+    ``simulate()`` (never all alive at once: what the replay itself holds is measured), its
+    sim bundle written as ``kvcadence replay --out`` writes it (frames streamed) into a
+    temporary directory."""
     sys.path.insert(0, str(HERE))
     from bench_replay import iter_workload
 
     from kvcadence.replay.config import SimConfig, TimingParams
-    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.simbundle import SimBundleOut
+    from kvcadence.replay.simulator import simulate, write_sim_bundle
 
     stream = iter_long_workload(n, lanes) if long else iter_workload(n, lanes)
     counts = [0, 0]  # requests, prompt tokens
@@ -158,9 +164,14 @@ def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -
                 decode_per_req_s=8e-5,
             ),
         ).validate()  # bench_replay.py's configuration (a pool for 8+ 32k contexts if long)
-        c = time.process_time()
-        res = simulate(counted(), cfg)
-        cpu = time.process_time() - c
+        with tempfile.TemporaryDirectory(prefix="kvc-bench-sim-") as tmp:
+            # as ``kvcadence replay --out`` does: every published batch streamed into the
+            # sim bundle as it is published (none held), the records written after the run
+            sim = SimBundleOut(Path(tmp) / "sim")
+            c = time.process_time()
+            res = simulate(counted(), cfg, out=sim)
+            write_sim_bundle(sim, res, None)
+            cpu = time.process_time() - c
         out.update(simulate_cpu_s=round(cpu, 3), requests_per_s=round(counts[0] / cpu))
         out["events"] = res.summary()["events"]
     out.update(requests=counts[0], prompt_tokens=counts[1])

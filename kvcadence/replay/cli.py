@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             loaded=(reader.header, records),
             inferred=inferred,
             flushes=flushes,
+            keep_batches=bool(args.publish),  # published live after the run
         )
     return _finish(args, result, cfg, phases, inferred)
 

@@ -131,5 +131,6 @@ def run_trace(args: argparse.Namespace, overrides: dict[str, Any], phases: Any) 
             server_info=info_json,
             progress=progress,
             phases=phases,
+            keep_batches=bool(args.publish),  # published live after the run
         )
     return result, cfg

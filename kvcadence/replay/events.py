@@ -21,7 +21,10 @@ docs/sglang-sources.md, docs/format.md):
   lora_id, block_size, cache_salt, session_id, lora_name) matches; anything else (and any
   ``AllBlocksCleared``) appends. ``take()`` empties the queue (one publish).
 * ``Publisher`` numbers published batches (seq from 0) and encodes them with
-  ``kvcadence.format.wire.encode_batch`` for the chosen version.
+  ``kvcadence.format.wire.encode_batch`` for the chosen version; it keeps them
+  (``batches``) or, given a ``sink``, hands each to it as it is published and keeps only
+  the counts (``seq`` messages, ``n_events`` events): a replay writing a sim bundle streams
+  its frames (memory grows with what is live, not with the published history).
 
 The canonical events are built lazily from plain lists so the merge is cheap; the version
 encoding happens only at publish.
@@ -29,7 +32,7 @@ encoding happens only at publish.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcadence.errors import UsageError
@@ -215,10 +218,18 @@ class PublishedBatch:
 
 
 class Publisher:
-    """Assigns seqs and encodes drained event lists with the wire codec of ``version``."""
+    """Assigns seqs and encodes drained event lists with the wire codec of ``version``.
+
+    Each ``PublishedBatch`` goes to ``sink`` when one is set (then none is kept), else into
+    ``batches``; ``seq`` (messages) and ``n_events`` count them either way."""
 
     def __init__(
-        self, version: str, medium: str | None, attn_dp_rank: int = 0, anchor_ns: int = 0
+        self,
+        version: str,
+        medium: str | None,
+        attn_dp_rank: int = 0,
+        anchor_ns: int = 0,
+        sink: Callable[[PublishedBatch], None] | None = None,
     ) -> None:
 
         event_mode(version)
@@ -229,7 +240,10 @@ class Publisher:
         self.attn_dp_rank = attn_dp_rank
         self.anchor_ns = anchor_ns
         self.seq = 0
-        self.batches: list[PublishedBatch] = []
+        self.n_events = 0  # events published (all batches)
+        self.batches: list[PublishedBatch] = []  # empty while a sink takes them
+        #: called with every published batch instead of keeping it (None: keep)
+        self.sink = sink
 
     def publish(self, events: list[QueuedEvent], time_ns: int, pass_index: int) -> None:
         """Encode one non-empty batch stamped at virtual ``time_ns`` (relative to anchor)."""
@@ -242,5 +256,10 @@ class Publisher:
             attn_dp_rank=self.attn_dp_rank,
         )
         payload = self._encode(batch, self.version)
-        self.batches.append(PublishedBatch(self.seq, abs_ns, pass_index, payload, len(events)))
+        b = PublishedBatch(self.seq, abs_ns, pass_index, payload, len(events))
         self.seq += 1
+        self.n_events += b.n_events
+        if self.sink is not None:
+            self.sink(b)
+        else:
+            self.batches.append(b)

@@ -26,8 +26,9 @@ What this file owns:
   (``replay.visibility.scheduler_notes``, ``endpoint`` = rank; none with
   ``track_visibility`` off), and every ``RequestRecord`` keeping its serving rank
   (``dp_rank``, also ``meta_info["dp_rank"]``; built by ``simbundle.sim_request_record``).
-  The single-rank replay writes its own header (``simulator.write_sim_bundle``) through
-  the same ``simbundle.write_sim``.
+  The ranks' batches are kept until then (interleaved by publish time when written); the
+  single-rank replay writes its own header through the same ``simbundle.SimBundleOut``
+  and streams its frames into it as they are published (``TapPublisher.sink``).
 
 The single-rank scheduler is driven through its public stepping API: ``start``,
 ``step(horizon)`` (one loop iteration), ``next_time``, ``add_arrival`` (the router hands a
@@ -131,7 +132,7 @@ class FleetResult:
         per_slot = []
         for sl in self.slots:
             st = sl.sched.stats
-            bs = sl.publisher.batches
+            pub = sl.publisher
             per_slot.append(
                 {
                     "worker": self.workers[sl.worker].name,
@@ -140,8 +141,8 @@ class FleetResult:
                     "passes": st.passes,
                     "prefill_passes": st.prefill_passes,
                     "decode_passes": st.decode_passes,
-                    "messages": len(bs),
-                    "events": sum(b.n_events for b in bs),
+                    "messages": pub.seq,
+                    "events": pub.n_events,
                     "evictions": st.evictions,
                     "retractions": st.retractions,
                     "aborted": st.aborted,

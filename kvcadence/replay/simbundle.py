@@ -9,11 +9,13 @@ of a sim record, for every replay), and a trailer whose stats hold the replay's 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from kvcadence import __version__
+from kvcadence.errors import BundleError
 from kvcadence.format.bundle import BundleWriter
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
@@ -23,7 +25,7 @@ from kvcadence.format.schema import (
     Header,
     RequestRecord,
 )
-from kvcadence.outguard import refuse_nonempty_dir
+from kvcadence.outguard import _write_failure, refuse_nonempty_dir
 from kvcadence.replay.request import ABORTED, SimReq
 from kvcadence.replay.tokens import as_list
 
@@ -53,6 +55,84 @@ def sim_header(
     )
 
 
+class SimBundleOut:
+    """A sim bundle written as the replay runs: opened with its header (``open``), one
+    frame per published batch as it is published (``frame``: a ``Publisher`` sink), then
+    the visibility notes, the records and the trailer (``finish``) -- the bytes
+    ``write_sim`` writes from the same content. ``abandon`` (a failed run) closes it and
+    removes what it wrote, so a failed replay leaves no partial bundle."""
+
+    def __init__(self, out: str | Path) -> None:
+        self.path = Path(out)
+        refuse_nonempty_dir(self.path)
+        self._existed = self.path.is_dir()
+        self._writer: BundleWriter | None = None
+        self._topics: dict[int, str] = {}
+
+    @property
+    def opened(self) -> bool:
+        return self._writer is not None
+
+    def open(self, header: Header) -> None:
+        self._topics = {e.id: e.topic for e in header.endpoints}
+        self._writer = BundleWriter(self.path, header)
+
+    def frame(self, endpoint: int, b: Any) -> None:
+        """Write ``PublishedBatch`` ``b`` as an ``EventFrame`` of ``endpoint``."""
+        assert self._writer is not None, "SimBundleOut.open first"
+        self._writer.write_event(
+            endpoint=endpoint,
+            seq=b.seq,
+            recv_ns=b.time_ns,
+            topic=self._topics[endpoint],
+            payload=b.payload,
+            via=VIA_SIM,
+            epoch=0,
+            pass_index=b.pass_index,
+        )
+
+    def sink(self, endpoint: int) -> Callable[[Any], None]:
+        """A ``Publisher`` sink writing its batches as ``endpoint``'s frames."""
+        return lambda b: self.frame(endpoint, b)
+
+    def finish(
+        self, notes: Iterable[Any], records: Iterable[Any], summary: dict[str, Any], end_ns: int
+    ) -> None:
+        """The notes, the records and the trailer (``summary`` without ``wall_s``: the
+        bundle is deterministic); closes the bundle (abandoned if that fails)."""
+        w = self._writer
+        assert w is not None, "SimBundleOut.open first"
+        try:
+            summary = dict(summary)
+            summary.pop("wall_s", None)
+            for note in notes:
+                w.write(note)
+            for rec in records:
+                w.write(rec)
+            w.close(stats={"replay": summary}, end_ns=end_ns)
+        except BaseException as exc:
+            self.abandon(exc)
+            raise
+
+    def abandon(self, exc: BaseException) -> None:
+        """Close an unfinished bundle after ``exc`` (its error in the trailer stats, as a
+        ``BundleWriter`` context does). A failure to write is left to the command's
+        ``outguard.removed_on_failure`` (it removes the output and says so); any other
+        (the simulation failed) removes what was written here (an empty directory given
+        stays)."""
+        w, self._writer = self._writer, None
+        if w is None or w.closed:
+            return
+        try:
+            w.close(clean=False, stats={"error": f"{type(exc).__name__}: {exc}"})
+        except BundleError:
+            pass  # keep the original exception
+        if not _write_failure(exc):
+            shutil.rmtree(self.path, ignore_errors=True)
+            if self._existed:
+                self.path.mkdir(parents=True, exist_ok=True)
+
+
 def write_sim(
     out: str | Path,
     header: Header,
@@ -64,28 +144,15 @@ def write_sim(
 ) -> None:
     """Write a sim bundle at ``out`` (must not exist or be empty): ``frames`` are
     ``(endpoint, PublishedBatch)`` in publish order, then the notes and the records."""
-    out_path = Path(out)
-    refuse_nonempty_dir(out_path)
-    summary = dict(summary)
-    summary.pop("wall_s", None)  # keep the bundle deterministic
-    topics = {e.id: e.topic for e in header.endpoints}
-    with BundleWriter(out_path, header) as w:
+    sim = SimBundleOut(out)
+    sim.open(header)
+    try:
         for endpoint, b in frames:
-            w.write_event(
-                endpoint=endpoint,
-                seq=b.seq,
-                recv_ns=b.time_ns,
-                topic=topics[endpoint],
-                payload=b.payload,
-                via=VIA_SIM,
-                epoch=0,
-                pass_index=b.pass_index,
-            )
-        for note in notes:
-            w.write(note)
-        for rec in records:
-            w.write(rec)
-        w.close(stats={"replay": summary}, end_ns=end_ns)
+            sim.frame(endpoint, b)
+    except BaseException as exc:
+        sim.abandon(exc)
+        raise
+    sim.finish(notes, records, summary, end_ns)
 
 
 def sim_request_record(

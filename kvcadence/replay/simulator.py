@@ -5,12 +5,16 @@ one rank (``replay.worker.one_rank_worker``); this file owns only what is single
 it:
 
 * ``SimResult`` -- the one rank's view of that run: its config, schedule, statistics,
-  published batches, sim ``RequestRecord``s (no ``meta_info["dp_rank"]``) and finished
+  published batches (none kept when they were streamed into a sim bundle; their counts
+  always), sim ``RequestRecord``s (no ``meta_info["dp_rank"]``) and finished
   ``Scheduler``, and the summary a single-rank replay prints and writes in its trailer;
-* ``simulate(records, cfg, ...)`` -- that run in memory (no I/O);
+* ``simulate(records, cfg, ...)`` -- that run in memory (no I/O), or, given ``out`` (a
+  ``simbundle.SimBundleOut``), writing each published batch into the sim bundle as it is
+  published (the header first; ``write_sim_bundle`` finishes it): the run holds no list of
+  batches (~4.4 KB a request on the bench's workload);
 * ``replay_bundle(src, out, config)`` -- read a bundle (``replay.production`` completes a
   production capture's records; settings by ``replay.worker.effective_config``; one rank's
-  recorded flushes), simulate, write the sim bundle;
+  recorded flushes), simulate, write the sim bundle (streamed, unless ``keep_batches``);
 * ``write_sim_bundle`` -- the single-rank sim bundle through ``replay.simbundle.write_sim``:
   ``Header(source="sim", sim_config=…, server_info copied)`` with one endpoint ``sim://``
   (the fleet's bundles have ``sim://rank<N>`` and ``route`` / ``dp_size`` / ``ranks`` in
@@ -49,7 +53,7 @@ from kvcadence.replay.radix import Hasher
 from kvcadence.replay.request import SimStats
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import Schedule
-from kvcadence.replay.simbundle import sim_header, write_sim
+from kvcadence.replay.simbundle import SimBundleOut, sim_header, write_sim
 from kvcadence.replay.visibility import visibility_notes
 from kvcadence.replay.worker import effective_config, flush_times_from_bundle, one_rank_worker
 
@@ -66,6 +70,9 @@ class SimResult:
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     scheduler: Any = None  # the finished Scheduler (tree, publish log) for inspection
+    #: messages / events published (None: count ``batches``, all kept)
+    messages: int | None = None
+    events: int | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -74,8 +81,10 @@ class SimResult:
             "prefill_passes": self.stats.prefill_passes,
             "decode_passes": self.stats.decode_passes,
             "skipped_decode_passes": self.stats.skipped_passes,
-            "messages": len(self.batches),
-            "events": sum(b.n_events for b in self.batches),
+            "messages": len(self.batches) if self.messages is None else self.messages,
+            "events": (
+                sum(b.n_events for b in self.batches) if self.events is None else self.events
+            ),
             "evictions": self.stats.evictions,
             "retractions": self.stats.retractions,
             "aborted": self.stats.aborted,
@@ -96,8 +105,13 @@ def simulate(
     hasher: Hasher | None = None,
     flush_abs_ns: Iterable[int] = (),
     progress: Callable[[int], None] | None = None,
+    out: SimBundleOut | None = None,
+    source_header: Any = None,
 ) -> SimResult:
-    """Simulate ``records`` (``RequestRecord``-like) on one rank under ``cfg``; no I/O.
+    """Simulate ``records`` (``RequestRecord``-like) on one rank under ``cfg``; no I/O
+    unless ``out``: then the sim bundle of a replay of ``source_header``'s bundle is opened
+    before the run and every published batch written into it as it is published (none kept
+    in ``SimResult.batches``); ``write_sim_bundle`` finishes it, a failed run removes it.
 
     A fleet of one (``replay.fleet``, the one replay driver): every request on this rank,
     ``recorded`` routing, the pass-time model's pace, no event log kept; flushing at
@@ -111,8 +125,17 @@ def simulate(
         fleet = Fleet(
             [worker], make_router("recorded"), hasher=hasher, pace="model", event_log=False
         )
-        run = fleet.run(progress)
-    (slot,) = run.slots
+        (slot,) = fleet.slots
+        if out is not None:
+            cfg0 = slot.sched.cfg
+            out.open(_header(source_header, cfg0, fleet.schedules[0].anchor_ns))
+            slot.publisher.sink = out.sink(0)
+        try:
+            run = fleet.run(progress)
+        except BaseException as exc:
+            if out is not None:
+                out.abandon(exc)
+            raise
     sched = slot.sched
     schedule = fleet.schedules[0]
     schedule.flush_times_ns = list(sched.schedule.flush_times_ns)  # its rank's, as run
@@ -124,28 +147,41 @@ def simulate(
         run.requests,
         time.perf_counter() - t0,
         scheduler=sched,
+        messages=slot.publisher.seq,
+        events=slot.publisher.n_events,
     )
 
 
-def write_sim_bundle(out: str | Path, result: SimResult, source_header: Any) -> None:
-    """Write ``result`` as a sim bundle at ``out`` (must not exist or be empty)."""
-    cfg = result.config
-    header = sim_header(
+def _header(source_header: Any, cfg: SimConfig, anchor_ns: int) -> Any:
+    """The single-rank sim bundle's header (one endpoint ``sim://``)."""
+    return sim_header(
         source_header,
         sglang_version=cfg.sglang_version,
         command=["kvcadence", "replay"],
-        start_ns=result.schedule.anchor_ns,
+        start_ns=anchor_ns,
         endpoints=[EndpointInfo(id=0, url="sim://", dp_rank=cfg.attn_dp_rank, topic=cfg.topic)],
         sim_config=cfg.to_dict(),
     )
+
+
+def write_sim_bundle(out: str | Path | SimBundleOut, result: SimResult, source_header: Any) -> None:
+    """Write ``result`` as a sim bundle at ``out`` (must not exist or be empty), or finish
+    the one its run streamed its frames into (``out`` the ``SimBundleOut`` given to
+    ``simulate``): the visibility notes, the records and the trailer."""
+    notes = visibility_notes(result)
+    end_ns = result.schedule.anchor_ns + result.stats.virtual_ns
+    if isinstance(out, SimBundleOut) and out.opened:
+        out.finish(notes, result.requests, result.summary(), end_ns)
+        return
+    path = out.path if isinstance(out, SimBundleOut) else out
     write_sim(
-        out,
-        header,
+        path,
+        _header(source_header, result.config, result.schedule.anchor_ns),
         ((0, b) for b in result.batches),
-        visibility_notes(result),
+        notes,
         result.requests,
         result.summary(),
-        result.schedule.anchor_ns + result.stats.virtual_ns,
+        end_ns,
     )
 
 
@@ -162,8 +198,12 @@ def replay_bundle(
     loaded: tuple[Any, Sequence[Any]] | None = None,
     inferred: dict[str, Any] | None = None,
     flushes: list[Any] | None = None,
+    keep_batches: bool = False,
 ) -> SimResult:
-    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None).
+    """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None): its
+    frames as they are published (``SimResult.batches`` left empty), or, with
+    ``keep_batches`` (a live ``--publish`` sends them after the run), after the run from
+    ``SimResult.batches`` -- the same bytes.
 
     ``phases`` (a ``kvcadence.progress.Phases``) says and times the load, simulate and write
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
@@ -199,15 +239,29 @@ def replay_bundle(
             )
         # one rank's clears (a DP bundle replayed as one rank would flush once per rank)
         flush_ns = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank, flushes)
+    sink = SimBundleOut(out_path) if out_path is not None and not keep_batches else None
     with phases.phase("simulate", f"simulating {len(records)} requests"):
-        result = simulate(records, config, hasher=hasher, flush_abs_ns=flush_ns, progress=progress)
-    if inferred:
-        if inferred.get("retracted_in_capture"):
-            inferred = {**inferred, **retractions(list(records), list(result.requests))}
-        result.extra["inferred"] = inferred
-    if out_path is not None:
-        with phases.phase("write", f"writing {out_path}"):
-            write_sim_bundle(out_path, result, header)
+        result = simulate(
+            records,
+            config,
+            hasher=hasher,
+            flush_abs_ns=flush_ns,
+            progress=progress,
+            out=sink,
+            source_header=header,
+        )
+    try:
+        if inferred:
+            if inferred.get("retracted_in_capture"):
+                inferred = {**inferred, **retractions(list(records), list(result.requests))}
+            result.extra["inferred"] = inferred
+        if out_path is not None:
+            with phases.phase("write", f"writing {out_path}"):
+                write_sim_bundle(sink or out_path, result, header)
+    except BaseException as exc:
+        if sink is not None:
+            sink.abandon(exc)
+        raise
     return result
 
 

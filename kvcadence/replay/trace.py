@@ -43,6 +43,7 @@ from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, Header, RequestR
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig
+from kvcadence.replay.simbundle import SimBundleOut
 from kvcadence.replay.simulator import SimResult, simulate, write_sim_bundle
 from kvcadence.replay.worker import effective_config
 
@@ -285,20 +286,23 @@ def replay_trace(
     server_info: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     phases: Any = None,
+    keep_batches: bool = False,
 ) -> SimResult:
     """Simulate the trace's ``records`` under ``cfg``; write the sim bundle to ``out``
-    (skipped when None)."""
+    (skipped when None): its frames as they are published, or after the run from
+    ``SimResult.batches`` with ``keep_batches`` (the same bytes)."""
     phases = phases or NoPhases()
     out_path = Path(out) if out is not None else None
+    sink = SimBundleOut(out_path) if out_path is not None and not keep_batches else None
     if out_path is not None:
         refuse_nonempty_dir(out_path)
+    header = trace_header(trace_server_info(server_info or {}, cfg), info.path)
     with phases.phase("simulate", f"simulating {len(records)} requests"):
-        result = simulate(records, cfg, progress=progress)
+        result = simulate(records, cfg, progress=progress, out=sink, source_header=header)
     result.extra["trace"] = info.to_dict()
     if out_path is not None:
         with phases.phase("write", f"writing {out_path}"):
-            info_json = trace_server_info(server_info or {}, cfg)
-            write_sim_bundle(out_path, result, trace_header(info_json, info.path))
+            write_sim_bundle(sink or out_path, result, header)  # finishes a streamed one
     return result
 
 

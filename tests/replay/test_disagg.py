@@ -168,7 +168,7 @@ def _prefill_capture(path, n=6):
 def test_a_prefill_worker_capture_replays_as_prefill(tmp_path, capsys):
     src = tmp_path / "cap"
     _prefill_capture(src)
-    res = replay_bundle(src, tmp_path / "sim")
+    res = replay_bundle(src, tmp_path / "sim", keep_batches=True)
     assert res.config.role == "prefill"
     assert [r.cached_tokens for r in res.requests] == [0] + [30] * 5
     stored = [len(e.block_hashes) for ev in decoded(res) for e in ev if isinstance(e, BlockStored)]
