@@ -4,6 +4,7 @@ header; bad input is one error line with exit 2; live publishing over real loopb
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -217,6 +218,8 @@ def test_wall_is_the_whole_command_and_slow_phases_are_said_on_stderr(
         f"replay: writing {tmp_path / 'sim2'} ...",
     ]
     line = cap.out.strip()
-    assert ", wall " in line and "(load " in line and "write 0.8" in line
+    assert ", wall " in line and "(load " in line
+    said = re.search(r"write (\d+\.\d+)", line)  # the slowed phase, however loaded the box
+    assert said is not None and float(said.group(1)) >= 0.8, line
     assert main(["replay", str(src), "--out", str(tmp_path / "sim3"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
