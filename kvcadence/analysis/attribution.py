@@ -36,6 +36,7 @@ counts and the few events whose hashes have several candidate pages.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -387,69 +388,112 @@ def _slow_events(
         my_rank = int(rank[e])
         t_ev = int(ev.recv_ns[e])
         hs = ev.hashes[off[e] : off[e + 1]].tolist()
-        n = len(hs)
-        i = 0
-        unmatched = 0
-        ev_prompt = ev_output = 0
-        runs: list[tuple[int, str]] = []
-        while i < n:
-            cl = index.get(hs[i])
+
+        def pick(h: int, my_rank: int = my_rank, t_ev: int = t_ev) -> tuple[int, int] | None:
+            cl = index.get(h)
             if not cl:
-                unmatched += 1
-                i += 1
-                continue
+                return None
             if len(cl) == 1:
-                r, p = cl[0]
-            else:
-                r, p = min(cl, key=functools.partial(key, my_rank=my_rank, t_ev=t_ev))
+                return cl[0]
+            return min(cl, key=functools.partial(key, my_rank=my_rank, t_ev=t_ev))
+
+        def chain_of(r: int) -> list[int]:
             ch = chains.get(r)
             if ch is None:
                 ch = chains[r] = pages.chain(r)
-            m = 1
-            limit = min(n - i, len(ch) - p)
-            if hs[i : i + limit] == ch[p : p + limit]:
-                m = limit
-            else:
-                while m < limit and hs[i + m] == ch[p + m]:
-                    m += 1
+            return ch
+
+        def consume(r: int, p: int, m: int) -> None:
             base = pstart[r]
             consumed.update(range(base + p, base + p + m))
-            n_prompt = max(0, min(p + m, pp[r]) - p)
-            n_output = m - n_prompt
-            if n_prompt:
-                runs.append((r, "prefill"))
-                acc.prompt[r] += n_prompt
-                ev_prompt += n_prompt
-            if n_output:
-                runs.append((r, "finish"))
-                acc.output[r] += n_output
-                ev_output += n_output
-            i += m
-        res.matched_blocks += n - unmatched
-        res.unmatched_blocks += unmatched
-        res.prompt_blocks += ev_prompt
-        res.output_blocks += ev_output
-        if unmatched:
-            res.unmatched_events += 1
-        reqs = sorted({r for r, _ in runs})
-        for r in reqs:
-            acc.events[r] += 1
-        for r in {r for r, k in runs if k == "prefill"}:
-            acc.prefill[r] += 1
-        for r in {r for r, k in runs if k == "finish"}:
-            acc.finish[r] += 1
-        span = 0
-        if len(reqs) > 1:
-            sessions = {(rq[r].lane, rq[r].session) for r in reqs}
-            same = len(sessions) == 1 and None not in next(iter(sessions))
-            span = 1 if same else 2
-            if same:
-                res.events_spanning_same_session += 1
-            else:
-                res.events_spanning_other += 1
-        kset = {k for _, k in runs}
-        label = _label("finish" in kset, "prefill" in kset, bool(unmatched), span)
-        kinds[label] = kinds.get(label, 0) + 1
+
+        walked = _walk_event(hs, pick, chain_of, consume, pp, acc)
+        _tally_event(res, acc, kinds, len(hs), walked, rq)
+
+
+def _walk_event(
+    hs: list[int],
+    pick: Callable[[int], tuple[int, int] | None],
+    chain_of: Callable[[int], list[int]],
+    consume: Callable[[int, int, int], None],
+    pp: Any,
+    acc: Any,
+) -> tuple[list[tuple[int, str]], int, int, int]:
+    """Attribute one stored event's block hashes ``hs`` (the slow path of both
+    implementations): at each block, ``pick`` the (request, page) it continues (None:
+    unmatched), extend the run while the request's page chain (``chain_of``) agrees,
+    ``consume`` the pages, and split the run into prompt pages (below ``pp[request]``) and
+    output pages, added to ``acc``. Returns (runs as (request, "prefill" | "finish"),
+    unmatched blocks, prompt blocks, output blocks)."""
+    n = len(hs)
+    i = unmatched = ev_prompt = ev_output = 0
+    runs: list[tuple[int, str]] = []
+    while i < n:
+        cand = pick(hs[i])
+        if cand is None:
+            unmatched += 1
+            i += 1
+            continue
+        r, p = cand
+        ch = chain_of(r)
+        m = 1
+        limit = min(n - i, len(ch) - p)
+        if hs[i : i + limit] == ch[p : p + limit]:
+            m = limit
+        else:
+            while m < limit and hs[i + m] == ch[p + m]:
+                m += 1
+        consume(r, p, m)
+        n_prompt = max(0, min(p + m, pp[r]) - p)
+        n_output = m - n_prompt
+        if n_prompt:
+            runs.append((r, "prefill"))
+            acc.prompt[r] += n_prompt
+            ev_prompt += n_prompt
+        if n_output:
+            runs.append((r, "finish"))
+            acc.output[r] += n_output
+            ev_output += n_output
+        i += m
+    return runs, unmatched, ev_prompt, ev_output
+
+
+def _tally_event(
+    res: Attribution,
+    acc: Any,
+    kinds: dict[str, int],
+    n: int,
+    walked: tuple[list[tuple[int, str]], int, int, int],
+    reqs: Any,
+) -> None:
+    """Add one walked event (``_walk_event``) of ``n`` blocks to the totals, the per-request
+    event/prefill/finish counts and its kind (``reqs[r]``: lane and session of request r)."""
+    runs, unmatched, ev_prompt, ev_output = walked
+    res.matched_blocks += n - unmatched
+    res.unmatched_blocks += unmatched
+    res.prompt_blocks += ev_prompt
+    res.output_blocks += ev_output
+    if unmatched:
+        res.unmatched_events += 1
+    rset = sorted({r for r, _ in runs})
+    for r in rset:
+        acc.events[r] += 1
+    for r in {r for r, k in runs if k == "prefill"}:
+        acc.prefill[r] += 1
+    for r in {r for r, k in runs if k == "finish"}:
+        acc.finish[r] += 1
+    span = 0
+    if len(rset) > 1:
+        sessions = {(reqs[r].lane, reqs[r].session) for r in rset}
+        same = len(sessions) == 1 and None not in next(iter(sessions))
+        span = 1 if same else 2
+        if same:
+            res.events_spanning_same_session += 1
+        else:
+            res.events_spanning_other += 1
+    kset = {k for _, k in runs}
+    label = _label("finish" in kset, "prefill" in kset, bool(unmatched), span)
+    kinds[label] = kinds.get(label, 0) + 1
 
 
 def load_columns(
@@ -720,60 +764,15 @@ def _slow_sql(con: Any, pages_sql: str, res: Attribution, acc: _SlowAcc) -> None
 
     for e, t_ev in ev:
         hs = hashes.get(e, [])
-        n = len(hs)
-        i = 0
-        unmatched = 0
-        ev_prompt = ev_output = 0
-        runs: list[tuple[int, str]] = []
-        while i < n:
-            cl = index.get(hs[i])
+
+        def pick(h: int, t_ev: int = t_ev) -> tuple[int, int] | None:
+            cl = index.get(h)
             if not cl:
-                unmatched += 1
-                i += 1
-                continue
-            r, p = cl[0] if len(cl) == 1 else min(cl, key=functools.partial(key, t_ev=t_ev))
-            ch = chains[r]
-            m = 1
-            limit = min(n - i, len(ch) - p)
-            if hs[i : i + limit] == ch[p : p + limit]:
-                m = limit
-            else:
-                while m < limit and hs[i + m] == ch[p + m]:
-                    m += 1
+                return None
+            return cl[0] if len(cl) == 1 else min(cl, key=functools.partial(key, t_ev=t_ev))
+
+        def consume(r: int, p: int, m: int) -> None:
             consumed.update((r, q) for q in range(p, p + m))
-            n_prompt = max(0, min(p + m, pp[r]) - p)
-            n_output = m - n_prompt
-            if n_prompt:
-                runs.append((r, "prefill"))
-                acc.prompt[r] += n_prompt
-                ev_prompt += n_prompt
-            if n_output:
-                runs.append((r, "finish"))
-                acc.output[r] += n_output
-                ev_output += n_output
-            i += m
-        res.matched_blocks += n - unmatched
-        res.unmatched_blocks += unmatched
-        res.prompt_blocks += ev_prompt
-        res.output_blocks += ev_output
-        if unmatched:
-            res.unmatched_events += 1
-        rset = sorted({r for r, _ in runs})
-        for r in rset:
-            acc.events[r] += 1
-        for r in {r for r, k in runs if k == "prefill"}:
-            acc.prefill[r] += 1
-        for r in {r for r, k in runs if k == "finish"}:
-            acc.finish[r] += 1
-        span = 0
-        if len(rset) > 1:
-            sessions = {(reqs[r].lane, reqs[r].session) for r in rset}
-            same = len(sessions) == 1 and None not in next(iter(sessions))
-            span = 1 if same else 2
-            if same:
-                res.events_spanning_same_session += 1
-            else:
-                res.events_spanning_other += 1
-        kset = {k for _, k in runs}
-        label = _label("finish" in kset, "prefill" in kset, bool(unmatched), span)
-        res.event_kinds[label] = res.event_kinds.get(label, 0) + 1
+
+        walked = _walk_event(hs, pick, chains.__getitem__, consume, pp, acc)
+        _tally_event(res, acc, res.event_kinds, len(hs), walked, reqs)
