@@ -181,7 +181,7 @@ def test_capture_discovers_every_dp_rank(tmp_path, fake_server):
         for i in range(4):
             p1.publish(POOL[8 + i])
         out = tmp_path / "b"
-        rc = main(["capture", "--server", url, "--out", str(out), "--until-idle", "1", "--quiet"])
+        rc = main(["capture", "--server", url, "--out", str(out), "--until-idle", "3", "--quiet"])
     assert rc == 0
     r = BundleReader(out)
     assert [(e.id, e.url, e.replay_url, e.dp_rank) for e in r.header.endpoints] == [

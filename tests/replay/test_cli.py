@@ -114,7 +114,7 @@ def test_live_publish_and_replay_socket():
     th = threading.Thread(
         target=lambda: sent.append(
             publish_batches(
-                batches, pub_ep, topic="kv", replay_endpoint=rep_ep, linger_s=1.5, settle_s=0.5
+                batches, pub_ep, topic="kv", replay_endpoint=rep_ep, linger_s=1.5, settle_s=2.0
             )  # fmt: skip
         )
     )
