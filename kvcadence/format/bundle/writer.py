@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -127,6 +128,7 @@ class BundleWriter:
     def _setup(
         self, segment_bytes: int, flush_interval_s: float, clock: Callable[[], float]
     ) -> None:
+        self._write_lock = threading.RLock()
         if segment_bytes < 64:
             raise UsageError(f"segment_bytes must be at least 64, got {segment_bytes}")
         self.segment_bytes = segment_bytes
@@ -277,6 +279,10 @@ class BundleWriter:
         """Append one record (any ``BundleRecord``). A ``RequestRecord`` is stored as a
         ``PackedRequest`` (format 2.0: prefix shared with earlier requests of the segment,
         packed ids) unless its ids do not fit a uint32 or the bundle is a 1.x bundle."""
+        with self._write_lock:  # a packed request's block numbers follow the order on disk
+            self._write(record)
+
+    def _write(self, record: BundleRecord) -> None:
         self._check_writable()
         tag = RECORD_TAGS.get(type(record))
         if tag is None:
