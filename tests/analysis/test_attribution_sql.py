@@ -126,8 +126,7 @@ def test_ingested_bundle_sql_equals_arrays(
     which: int, fixture_bundle: Path, tmp_path: Path
 ) -> None:
     bundle = _bundles(fixture_bundle)[which]
-    if not bundle.exists():
-        pytest.skip(f"{bundle} not vendored")
+    assert bundle.exists(), f"{bundle} is vendored in the repository; it must be there"
     ing = ingest.ingest(bundle, tmp_path / "pq")
     con = ksql.connect(ing)
     for ps in (1, 16):
