@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvcadence.argtypes import nonneg_float
+from kvcadence.argtypes import nonneg_float, nonneg_int, positive_int
 from kvcadence.errors import UsageError
 
 DESCRIPTION = """\
@@ -49,23 +49,6 @@ DEFAULTS = {
 }
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def _pos_int(text: str) -> int:
-    value = _nonneg_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return value
-
-
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "admit",
@@ -97,10 +80,10 @@ def register(sub: Any) -> None:
     src.add_argument("--l1-cached-tokens", default="0", metavar="LIST", help="comma list (grid)")
     src.add_argument("--l2-cached-tokens", default="0", metavar="LIST", help="comma list (grid)")
     src.add_argument("--extend-tokens", default="128", metavar="LIST", help="comma list (grid)")
-    src.add_argument("--repeat", type=_pos_int, default=1, help="repeat the grid N times")
+    src.add_argument("--repeat", type=positive_int, default=1, help="repeat the grid N times")
     src.add_argument(
         "--max-new-tokens",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=None,
         help="max_new_tokens of requests that do not set it (default 128)",
     )
@@ -108,7 +91,7 @@ def register(sub: Any) -> None:
     b = p.add_argument_group("budgets (SGLang's scheduler arguments)")
     b.add_argument(
         "--available-tokens",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=None,
         metavar="N",
         help="free KV slots of the fake allocator (the waiting requests' L1 prefixes are "
@@ -117,7 +100,7 @@ def register(sub: Any) -> None:
     )
     b.add_argument(
         "--max-prefill-tokens",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=None,
         metavar="N",
         help="prefill token budget per tick (default: the bundle's, else 16384)",
@@ -131,14 +114,14 @@ def register(sub: Any) -> None:
     )
     b.add_argument(
         "--page-size",
-        type=_pos_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="tokens per KV page (default: the bundle's, else 64)",
     )
     b.add_argument(
         "--max-running-requests",
-        type=_pos_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="scheduler cap: stop when the batch reaches max_running - running (default: the "
@@ -160,7 +143,7 @@ def register(sub: Any) -> None:
     )
     b.add_argument(
         "--load-back-threshold",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=10,
         help="an L2 hit below this many tokens is not loaded back (SGLang: 10)",
     )
@@ -172,11 +155,11 @@ def register(sub: Any) -> None:
         "accepted requests' tokens accumulate page-aligned; a request that would exceed a "
         "limit stops the batch when it is not empty; a single request over a limit runs alone.",
     )
-    cp.add_argument("--cp-max-total-extend-tokens", type=_pos_int, default=None, metavar="N",
+    cp.add_argument("--cp-max-total-extend-tokens", type=positive_int, default=None, metavar="N",
                     help="limit on the batch's page-aligned extend tokens (default: none)")  # fmt: skip
-    cp.add_argument("--cp-max-total-cached-tokens", type=_pos_int, default=None, metavar="N",
+    cp.add_argument("--cp-max-total-cached-tokens", type=positive_int, default=None, metavar="N",
                     help="limit on the batch's page-aligned cached tokens (default: none)")  # fmt: skip
-    cp.add_argument("--cp-max-batch-requests", type=_pos_int, default=None, metavar="N",
+    cp.add_argument("--cp-max-batch-requests", type=positive_int, default=None, metavar="N",
                     help="limit on the requests in one batch (default: none)")  # fmt: skip
 
     o = p.add_argument_group("run and output")
@@ -185,7 +168,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="running requests finish between ticks and free their KV (default: they keep it)",
     )
-    o.add_argument("--max-ticks", type=_pos_int, default=100_000, metavar="N",
+    o.add_argument("--max-ticks", type=positive_int, default=100_000, metavar="N",
                    help="stop after N ticks (default 100000)")  # fmt: skip
     o.add_argument("--output", choices=("text", "json", "jsonl"), default="text",
                    help="text (a table per tick), json (one document) or jsonl (a line per "
