@@ -8,8 +8,12 @@ variant) multiplied by 0.90, 0.95, 1.05 and 1.10, the others as calibrated. Each
 held to the replay's fidelity bars:
 
 * Stored events / request and median blocks / Stored within 3 %;
-* Removed events / request, median and mean blocks / Removed within 10 %;
+* Removed events / request and mean blocks / Removed within 10 %;
 * ``cached_tokens`` equal on >= 95 % of the requests; stored block-hash set identical.
+
+These are the corpus test's bars (``tests/replay/test_corpus.py``, driver records): "every
+bar" counts them. Median blocks / Removed within 10 % (a bar of the production path's test
+only) has its own column and a second count, "… and median blk/Removed".
 
 A DP capture is replayed as a fleet with ``recorded`` routing (the default pace) and a bar
 holds only when it holds on every rank (each rank's events, requests by their recorded
@@ -65,7 +69,8 @@ PARAMS = (
 FACTORS = (0.90, 0.95, 1.05, 1.10)
 #: the alternative bar on blocks per Stored event: the KS distance instead of the median
 KS_STORED_BAR = 0.05
-#: (key, column title, relative tolerance or None for the two special bars)
+#: (key, column title, relative tolerance or None for the two special bars); "every bar"
+#: counts all but those in ``EXTRA_BARS``
 BARS: tuple[tuple[str, str, float | None], ...] = (
     ("stored_per_req", "Stored/req ±3 %", 0.03),
     ("stored_median", "median blk/Stored ±3 %", 0.03),
@@ -75,6 +80,8 @@ BARS: tuple[tuple[str, str, float | None], ...] = (
     ("cached_equal", "cached equal ≥ 95 %", None),
     ("hashes", "hash set identical", None),
 )
+#: shown and counted in the stricter "… and median blk/Removed" column, not in "every bar"
+EXTRA_BARS = frozenset({"removed_median"})
 SHORT = {
     "stored_per_req": "Stored/req",
     "stored_median": "med Stored",
@@ -293,9 +300,10 @@ def run_capture(cap: Capture, params: Sequence[str] = PARAMS) -> dict[str, Any]:
                 "param": param,
                 "factor": factor,
                 "bars": held,
-                "all": all(held.values()),
+                "all": all(v for k, v in held.items() if k not in EXTRA_BARS),
+                "all_strict": all(held.values()),
                 "all_ks": ks["stored"] <= KS_STORED_BAR
-                and all(v for k, v in held.items() if k != "stored_median"),
+                and all(v for k, v in held.items() if k != "stored_median" and k not in EXTRA_BARS),
                 "ks_stored": ks["stored"],
                 "ks_removed": ks["removed"],
                 "per_rank": {
@@ -323,7 +331,8 @@ def run_capture(cap: Capture, params: Sequence[str] = PARAMS) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- table
 def table(results: list[dict[str, Any]], notes: list[str]) -> str:
     head = ["capture", "variants"] + [t for _k, t, _tol in BARS]
-    head += ["every bar", f"… with KS blk/Stored ≤ {KS_STORED_BAR:g} for its median"]
+    head += ["every bar", "… and median blk/Removed ±10 %"]
+    head += [f"every bar, KS blk/Stored ≤ {KS_STORED_BAR:g} for its median"]
     head += ["KS blk/Stored", "KS blk/Removed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res in results:
@@ -336,6 +345,8 @@ def table(results: list[dict[str, Any]], notes: list[str]) -> str:
             cells.append(f"{k}/{n}" + ("" if base["bars"][key] else " (✗ as calibrated)"))
         k_all = sum(1 for r in rows if r["all"])
         cells.append(f"**{k_all}/{n}** ({100 * k_all / n:.0f} %)")
+        k_strict = sum(1 for r in rows if r["all_strict"])
+        cells.append(f"{k_strict}/{n} ({100 * k_strict / n:.0f} %)")
         k_ks = sum(1 for r in rows if r["all_ks"])
         cells.append(f"{k_ks}/{n} ({100 * k_ks / n:.0f} %)")
         for kind in ("ks_stored", "ks_removed"):
@@ -345,6 +356,9 @@ def table(results: list[dict[str, Any]], notes: list[str]) -> str:
     total = sum(len(r["rows"]) for r in results)
     held = sum(1 for r in results for row in r["rows"] if row["all"])
     held_ks = sum(1 for r in results for row in r["rows"] if row["all_ks"])
+    held_strict = sum(1 for r in results for row in r["rows"] if row["all_strict"])
+    worst = min(results, key=lambda r: sum(row["all"] for row in r["rows"]) / len(r["rows"]))
+    worst_k = sum(row["all"] for row in worst["rows"])
     out = [
         BEGIN,
         "",
@@ -354,20 +368,24 @@ def table(results: list[dict[str, Any]], notes: list[str]) -> str:
         '(a DP capture: on every rank); "✗ as calibrated": the unperturbed replay misses it. '
         "KS blk/Stored, KS blk/Removed: Kolmogorov–Smirnov distance of blocks per Stored / "
         "Removed event as calibrated (the largest over ranks) and the largest over the "
-        "variants (not bars).",
+        "variants (not bars). Every bar: the corpus test's bars (Stored/req, median "
+        "blk/Stored, Removed/req, mean blk/Removed, cached equal, hash set); median "
+        "blk/Removed is counted only in the column after it.",
         "",
         *lines,
         "",
         f"All captures: {held} of {total} variants ({100 * held / max(total, 1):.0f} %) hold "
-        f"every bar; {held_ks} ({100 * held_ks / max(total, 1):.0f} %) with the KS distance of "
+        f"every bar (the least robust capture, {worst['capture']}: {worst_k} of "
+        f"{len(worst['rows'])}); {held_strict} ({100 * held_strict / max(total, 1):.0f} %) "
+        f"also median blk/Removed; {held_ks} ({100 * held_ks / max(total, 1):.0f} %) with the KS distance of "
         f"blocks per Stored event ≤ {KS_STORED_BAR:g} in place of its median (a measurement, "
-        "not a bar of the replay). Failing variants:",
+        "not a bar of the replay). Variants that miss a bar (median blk/Removed included):",
         "",
     ]
     for res in results:
         fails = []
         for row in res["rows"]:
-            if not row["all"]:
+            if not row["all_strict"]:
                 missed = [SHORT[k] for k, _t, _tol in BARS if not row["bars"][k]]
                 fails.append(f"{row['variant']} ({', '.join(missed)})")
         out.append(f"* {res['capture']}: " + ("; ".join(fails) if fails else "none"))
