@@ -136,3 +136,70 @@ def check_stream(result: SimResult) -> set[int]:
         assert resident == sched.tree.resident_hashes()
         sched.tree.check_invariants()
     return resident
+
+
+#: how far (s) a store's publish may precede the recorded time of what stored it
+_LABEL_SLACK_S = 0.3
+
+
+def finish_prefill_merges(
+    frames: Sequence[tuple[int, float, Sequence[Any]]], records: Sequence[Any], page_size: int
+) -> dict[int, set[tuple[str, str]]]:
+    """Per rank, the ``(A, A')`` pairs whose finish store (A's output pages) and prefill store
+    (A''s prompt pages) went out as one BlockStored event.
+
+    ``frames``: ``(rank, publish ts in s, events)`` in publish order per rank (real or
+    simulated); ``records``: the requests (``dp_rank``, ``input_ids``, ``output_ids``,
+    ``meta_info`` with ``prefill_finished_time`` and ``request_finished_ts``). Every stored
+    block is labelled with the request that stored it: among the requests of that rank whose
+    hash chain (prompt + outputs but the last) holds the block, the first whose prefill
+    result (a prompt page) or finish (an output page) came after the block was last removed
+    and not after the publish."""
+    from kvcadence.replay.radix import wire_hasher
+
+    hasher = wire_hasher()
+    cand: dict[tuple[int, int], list[tuple[float, str, str]]] = {}
+    for r in records:
+        seq = [*r.input_ids, *r.output_ids[:-1]]
+        _digest, hashes = hasher(None, seq, page_size)
+        n_prompt = len(r.input_ids) // page_size
+        mi = r.meta_info
+        for i, h in enumerate(hashes):
+            t, part = (
+                (mi["prefill_finished_time"], "P")
+                if i < n_prompt
+                else (mi["request_finished_ts"], "F")
+            )
+            cand.setdefault((r.dp_rank or 0, h), []).append((t, r.rid, part))
+    for v in cand.values():
+        v.sort()
+    merges: dict[int, set[tuple[str, str]]] = {}
+    removed_at: dict[tuple[int, int], float] = {}
+    for rank, ts, events in frames:
+        out = merges.setdefault(rank, set())
+        for e in events:
+            if isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    removed_at[(rank, h)] = ts
+            elif isinstance(e, BlockStored):
+                labels = []
+                for h in e.block_hashes:
+                    lo = removed_at.get((rank, h), float("-inf")) - _LABEL_SLACK_S
+                    hit = next(
+                        (
+                            (rid, part)
+                            for t, rid, part in cand.get((rank, h), ())
+                            if lo <= t <= ts + _LABEL_SLACK_S
+                        ),
+                        ("?", "?"),
+                    )
+                    if not labels or labels[-1] != hit:
+                        labels.append(hit)
+                for (a, pa), (b, pb) in zip(labels, labels[1:], strict=False):
+                    if pa == "F" and pb == "P":
+                        out.add((a, b))
+            elif isinstance(e, AllBlocksCleared):
+                for key in cand:
+                    if key[0] == rank:
+                        removed_at[key] = ts
+    return merges
