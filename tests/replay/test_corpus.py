@@ -54,6 +54,7 @@ CAPTURES = (
     "dp2-p16-chunk256",
     "p1-nooverlap",
     "p4-chunk512-nooverlap-rerun",
+    "p4-chunk512-overlap",
 )
 
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
