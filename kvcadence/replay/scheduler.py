@@ -469,13 +469,17 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         new_chunked = adder.new_chunked_req
         self.chunked_req = new_chunked if new_chunked is not None else still_chunked
-        # allocate the extend KV (prepare_for_extend): evict the shortfall first
+        # allocate the extend KV (prepare_for_extend): evict the shortfall first; at page > 1
+        # alloc_paged_token_slots_extend asks for the extend *tokens* plus a page per request
+        # (not the page-rounded extend)
         ps = self.ps
         need = 0
+        extend_tokens = 0
         for r in can_run:
             seq_end = r.prefix_len + r.extend_len
             need += ceil_paged(seq_end, ps) - ceil_paged(r.prefix_len, ps)
-        target = need + (len(can_run) * ps if ps > 1 else 0)
+            extend_tokens += r.extend_len
+        target = extend_tokens + len(can_run) * ps if ps > 1 else need
         self._evict_for(target)
         if self.available() < need:
             raise ReplayError(

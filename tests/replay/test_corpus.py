@@ -52,6 +52,9 @@ CAPTURES = (
     "flush2",
     "tight-long",
     "dp2-p16-chunk256",
+    "p1-nooverlap",
+    "p4-chunk512-nooverlap-rerun",
+    "p4-chunk512-overlap",
 )
 
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
@@ -229,6 +232,27 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
         else:
             assert t.turn == 0, t.rid
     assert rep["sessions"] == len({(t.lane, t.session) for t in drv})
+
+
+def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar():
+    """``p4-chunk512-nooverlap`` and ``p4-chunk512-nooverlap-rerun`` are one recipe and seed
+    recorded twice (the second under a heavier load): the same traffic (greedy outputs; two
+    differ by CPU rounding, so one prompt), yet the *real* Stored events/request differs by
+    more than the 3 % bar between the two recordings (1.765 vs 1.675: the worker merged 47
+    vs 65 finish stores with the next turn's prefill store), while the two replays agree
+    within 0.5 % (1.700 vs 1.695). So the first recording's miss (-3.7 %) is the real
+    worker's timing, not a rule the replay lacks: the rerun replays at +1.2 %."""
+    a = {r.rid: r for r in BundleReader(CORPUS / "p4-chunk512-nooverlap" / "bundle").requests()}
+    b = BundleReader(CORPUS / "p4-chunk512-nooverlap-rerun" / "bundle").requests()
+    assert sorted(a) == sorted(r.rid for r in b)
+    assert sum(r.input_ids == a[r.rid].input_ids for r in b) >= 199
+    assert sum(r.output_ids == a[r.rid].output_ids for r in b) >= 198
+    assert all(len(r.output_ids) == len(a[r.rid].output_ids) for r in b)
+    first = replayed("p4-chunk512-nooverlap")["stored_events_per_request"]
+    rerun = replayed("p4-chunk512-nooverlap-rerun")["stored_events_per_request"]
+    assert abs(first["real"] / rerun["real"] - 1) > BARS["stored_per_req"][1]  # 5.4 %
+    assert abs(first["sim"] / rerun["sim"] - 1) < 0.005
+    assert bar_holds(rerun, "stored_per_req") and not bar_holds(first, "stored_per_req")
 
 
 def test_tight_long_production_miss_is_one_session_start_past_the_client_bound(tmp_path):

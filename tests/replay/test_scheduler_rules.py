@@ -282,3 +282,17 @@ def test_page_decode_allocation_evicts_for_a_page_per_request():
     assert [b.payload for b in skipped.batches] == [b.payload for b in stepped.batches]
     assert [b.time_ns for b in skipped.batches] == [b.time_ns for b in stepped.batches]
     assert any(isinstance(e, BlockRemoved) for ev in decoded(stepped) for e in ev)
+
+
+def test_page_prefill_allocation_evicts_for_the_extend_tokens_plus_a_page_per_request():
+    """Page > 1: a prefill's allocation (0.5.23 ``alloc_paged_token_slots_extend``) evicts
+    until ``extend_num_tokens + len(reqs) * page_size`` tokens are free: the batch's extend
+    *tokens*, not its page-rounded extend. Two 41-token prompts at page 4 with 92 tokens
+    free: 82 + 8 = 90 fits, so nothing is evicted (page-rounded, 88 + 8 = 96 would evict
+    the cached 40-token prompt); the pages they take (2 x 44) fit in the 92."""
+    a = req("a", list(range(3, 43)), 1)  # leaves a 40-token evictable leaf
+    b = req("b", list(range(100, 141)), 1, arrival_ms=100)
+    c = req("c", list(range(200, 241)), 1, arrival_ms=100)
+    r = run([a, b, c], config(page_size=4, max_total_tokens=132))
+    assert shape(r) == [["C"], ["S10"], ["S10", "S10"]]
+    check_stream(r)
