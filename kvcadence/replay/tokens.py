@@ -110,14 +110,15 @@ class Prompt:
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Prompt(n={self.n}, own={len(self.own)}, depth={self.depth})"
 
-    def materialize(self) -> array:
-        """The full token array (a new array; O(length + depth))."""
+    def materialize(self, limit: int | None = None) -> array:
+        """The full token array, or its first ``limit`` tokens (a new array; O(length +
+        depth))."""
+        cut = self.n if limit is None or limit > self.n else limit
         if self.base is None:
-            return self.own[:]
+            return self.own[:cut]
         # from this prompt down: how much of each level is needed
         chain: list[tuple[Prompt, int]] = []
         cur: Prompt | None = self
-        cut = self.n
         while cur is not None:
             chain.append((cur, cut))
             cut = min(cur.base_len, cut)
@@ -127,7 +128,7 @@ class Prompt:
             if out is None:
                 out = p.own[:need]
                 continue
-            extra = need - p.base_len  # ``out`` holds exactly p.base_len tokens here
+            extra = need - p.base_len  # ``out`` holds min(need, p.base_len) tokens here
             if extra > 0:
                 own = p.own
                 if own.typecode == out.typecode:
@@ -182,7 +183,7 @@ class PromptIndex:
         # the lane's last prompt usually holds most of this one (the next turn): the
         # same-start candidate is compared only when it does not
         if cand is not None and cand is not best and 2 * best_len < len(arr):
-            cand_len = common_prefix(arr, cand.materialize())
+            cand_len = common_prefix(arr, cand.materialize(len(arr)))
             if cand_len > best_len:
                 best, best_len = cand, cand_len
         if best is None or best_len == 0 or best.depth >= MAX_DEPTH:

@@ -65,6 +65,8 @@ def test_prompts_rebuild_exactly_whatever_they_share(prompts):
         assert len(p) == len(ids)
         assert p.materialize().tolist() == ids and as_list(p) == ids
         assert list(p) == ids and p[1:3].tolist() == ids[1:3]
+        for limit in (0, 1, len(ids) // 2, len(ids), len(ids) + 5):
+            assert p.materialize(limit).tolist() == ids[:limit]
         assert p.depth <= MAX_DEPTH + 1
     # never more tokens kept than the prompts hold
     assert sum(len(p.own) for p, _ in built) <= sum(len(ids) for ids in ids_of(prompts))
