@@ -151,12 +151,14 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
 
 def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     from kvcadence.progress import Phases
-    from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+    from kvcadence.replay.fleet import simulate_fleet
+    from kvcadence.replay.fleetout import FleetOut
     from kvcadence.replay.worker import load_worker
 
     quiet = getattr(args, "quiet", False)
     phases = Phases("replay", quiet=quiet, started=getattr(args, "_started", None))
     ov = _overrides(args)
+    out = FleetOut(args.out)  # refused before any work when it exists and is not empty
     with phases.phase("load", f"loading {', '.join(bundles)}"):
         workers = [
             load_worker(
@@ -184,6 +186,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 progress=progress,
                 pace=_pace(args),
                 event_log=False,  # only the bundles are written (cache_aware keeps its own)
+                out=out,  # every rank's batches written as they are published
             )
     finally:
         if bar is not None:
@@ -191,7 +194,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     from kvcadence.replay.simulator import check_some_ran
 
     with phases.phase("write", f"writing {args.out}"):
-        paths = write_fleet_bundles(args.out, result)
+        paths = out.finish(result)
     summary = result.summary()
     summary["simulate_s"] = summary.pop("wall_s")
     summary["wall_s"] = round(phases.wall(), 3)  # the whole command

@@ -32,6 +32,7 @@ all have output ids and come from elsewhere (an open-loop trace), is returned un
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -301,7 +302,7 @@ def _retracted(r: Any) -> bool:
     return isinstance(nr, int) and not isinstance(nr, bool) and nr > 0
 
 
-def retractions(records: list[Any], sim_requests: list[Any]) -> dict[str, int]:
+def retractions(records: Iterable[Any], sim_requests: Iterable[Any]) -> dict[str, int]:
     """The capture's retracted requests against the replay's: how many the capture
     retracted (``meta_info.num_retractions`` > 0), how many of those the replay retracted
     too, and how many the replay retracted in all. The replay simulates its own
