@@ -99,16 +99,12 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
     from pathlib import Path
 
     from kvcadence.format.bundle import BundleReader
-    from kvcadence.format.schema import served_rank
-    from kvcadence.replay.worker import dp_size_of
+    from kvcadence.replay.worker import bundle_dp_size
 
     p = Path(bundles[0])
     if not p.exists():
         return False  # the single-rank path reports it
-    reader = BundleReader(p)
-    # streamed: the record of the highest rank only, not every prompt as a list at once
-    top = max(reader.iter_kinds("request"), key=served_rank, default=None)
-    return dp_size_of(reader.header, [] if top is None else [top]) > 1
+    return bundle_dp_size(BundleReader(p))[0] > 1  # streamed
 
 
 def maybe_run_fleet(args: argparse.Namespace) -> int | None:
