@@ -279,7 +279,7 @@ class PrefixResolver:
             gap = base - known
             offset.extend(array("q", [_MISSING]) * gap)
             parent.extend(array("q", [-1]) * gap)
-        chain = []
+        chain: list[int] = []
         b = ref
         limit = plen // BLOCK
         while b >= 0:  # parents always have smaller numbers: the walk ends
