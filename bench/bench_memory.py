@@ -16,6 +16,13 @@ measured in the same run:
   for the larger sizes, against the first point (``ratio`` = growth); the marginal
   KB/request between the two smallest sizes, against the workload's own (the records built
   in a list, not simulated: a child of its own).
+* fleet replay (2 DP ranks): the replay workload with each lane's requests recorded on rank
+  ``lane % 2``, streamed into ``simulate_fleet`` (``round_robin``: every request's rank
+  decided by the router, the pass-time model's pace) and written as ``kvcadence replay --out``
+  of a DP capture writes it (``replay.fleetout.FleetOut``: each rank's batches merged into
+  the sim bundle as they are published), at 6,000 and 60,000 requests; baseline in the same
+  run: the same replay keeping every rank's batches and writing the bundle after the run
+  (``write_fleet_bundles``, what the fleet did before 2026-12-02).
 * agent log (the production-size measure): the same workload on 32 lanes (prompts up to 6k
   tokens) written as a requests JSONL, imported with ``kvcadence import --frames <empty>
   --requests`` (not measured) and replayed by ``kvcadence replay --out`` in a fresh child,
@@ -37,7 +44,7 @@ measured in the same run:
   the goal (<= 60 s and <= 3 GB at 10M events) is attached to the 10M point, and without it
   the 10M figures are extrapolated linearly from the two points measured (said so).
 
-    .venv/bin/python bench/bench_memory.py [--only replay|long|agentlog|ingest|report] [--quick]
+    .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|ingest|report] [--quick]
         [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]
         [--agentlog-lanes N] [--ingest-mb MB ...] [--report-events N ...] [--dir DIR]
         [--json PATH]
@@ -267,6 +274,57 @@ def _segment_bytes(bundle: Path) -> int:
     return sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
 
 
+def child_fleet(n: int, lanes: int, mode: str) -> dict[str, Any]:
+    """The replay workload on 2 DP ranks (``lane % 2``) replayed by ``simulate_fleet`` and
+    written to a temporary sim bundle: ``streamed`` (``FleetOut``: as ``kvcadence replay``
+    writes it) or ``kept`` (every batch held, ``write_fleet_bundles`` after the run)."""
+    sys.path.insert(0, str(HERE))
+    from bench_replay import iter_workload
+
+    from kvcadence.replay.config import SimConfig, TimingParams
+    from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+    from kvcadence.replay.fleetout import FleetOut
+    from kvcadence.replay.worker import WorkerInput
+
+    def ranked() -> Iterator[Any]:
+        for r in iter_workload(n, lanes):
+            r.dp_rank = (r.lane or 0) % 2
+            yield r
+
+    cfgs = [
+        SimConfig(
+            page_size=1,
+            max_total_tokens=60_000,
+            chunked_prefill_size=8192,
+            attn_dp_rank=rank,
+            timing=TimingParams(
+                prefill_base_s=0.012,
+                prefill_per_token_s=2e-5,
+                decode_base_s=0.004,
+                decode_per_req_s=8e-5,
+            ),
+        ).validate()
+        for rank in range(2)
+    ]
+    worker = WorkerInput("w", ranked(), cfgs)
+    with tempfile.TemporaryDirectory(prefix="kvc-bench-fleet-") as tmp:
+        c = time.process_time()
+        if mode == "streamed":
+            out = FleetOut(Path(tmp) / "sim")
+            res = simulate_fleet([worker], "round_robin", pace="model", event_log=False, out=out)
+            out.finish(res)
+        else:
+            res = simulate_fleet([worker], "round_robin", pace="model", event_log=False)
+            write_fleet_bundles(Path(tmp) / "sim", res)
+        cpu = time.process_time() - c
+        summary = res.summary()
+    return {
+        "requests": summary["requests"],
+        "messages": summary["messages"],
+        "requests_per_s": round(n / cpu),
+    }
+
+
 def run_child(argv: list[str]) -> None:
     kind, *rest = argv
     if kind == "imports":
@@ -275,6 +333,8 @@ def run_child(argv: list[str]) -> None:
         out = child_workload(
             int(rest[0]), int(rest[1]), kind.endswith("replay"), kind.startswith("long")
         )
+    elif kind == "fleet":
+        out = child_fleet(int(rest[0]), int(rest[1]), rest[2])
     elif kind == "agentlog-build":
         out = child_agentlog_build(rest[0], int(rest[1]), int(rest[2]))
     elif kind == "agentlog-replay":
@@ -372,6 +432,44 @@ def bench_replay(
             f"replay: bench_replay.py workload, --lanes {lanes}, page 1, pool 60,000 tokens; "
             "peak RSS = the child's ru_maxrss (records + simulation + result)"
         )
+
+
+def bench_fleet(sizes: list[int], lanes: int, figures: list, notes: list) -> None:
+    """Fleet replay (2 ranks) peak RSS, the batches streamed against kept, per size."""
+    points = []
+    for n in sizes:
+        kept, _ = measure("fleet", str(n), str(lanes), "kept")
+        rss, info = measure("fleet", str(n), str(lanes), "streamed")
+        points.append((n, rss, kept, info))
+    for n, rss, kept, info in points:
+        label = f"{n // 1000}k" if n % 1000 == 0 else str(n)
+        figures.append(
+            figure(
+                f"fleet replay (2 ranks) peak RSS, {label} requests",
+                rss,
+                "MB",
+                baseline=kept,
+                baseline_name="the same replay keeping every rank's batches until the end",
+                higher_is_better=False,
+                note=f"{info['messages']:,} messages; {info['requests_per_s']:,} requests/s",
+            )
+        )
+    if len(points) > 1:
+        (n_a, r_a, k_a, _), (n_b, r_b, k_b, _) = points[0], points[1]
+        figures.append(
+            figure(
+                f"fleet replay RSS growth per request ({n_a:,} -> {n_b:,})",
+                (r_b - r_a) * 1024 / (n_b - n_a),
+                "KB/request",
+                baseline=(k_b - k_a) * 1024 / (n_b - n_a),
+                baseline_name="the same with every rank's batches kept",
+                higher_is_better=False,
+            )
+        )
+    notes.append(
+        f"fleet: bench_replay.py workload, --lanes {lanes}, lane % 2 recorded as its rank, "
+        "round_robin routing, model pace, page 1, pool 60,000 tokens per rank"
+    )
 
 
 def bench_agentlog(sizes: list[int], lanes: int, work: Path, figures: list, notes: list) -> None:
@@ -524,7 +622,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--only", choices=("replay", "long", "agentlog", "ingest", "report"),
+    ap.add_argument("--only", choices=("replay", "long", "fleet", "agentlog", "ingest", "report"),
                     help="one of the curves")  # fmt: skip
     ap.add_argument("--full", action="store_true",
                     help="add 600k requests, a 10 GB bundle and a 10M-event report")  # fmt: skip
@@ -563,6 +661,9 @@ def main() -> None:
     if args.only in (None, "replay"):
         print("replay:", flush=True)
         bench_replay(replay_sizes, args.lanes, figures, notes)
+    if args.only in (None, "fleet"):
+        print("fleet replay:", flush=True)
+        bench_fleet(replay_sizes[:2], args.lanes, figures, notes)
     if args.only in (None, "long"):
         print("long-prompt replay:", flush=True)
         bench_replay(long_sizes, args.long_lanes, figures, notes, long=True)

@@ -51,6 +51,9 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
         "replay peak RSS, 600 requests",
         "replay peak RSS, 2k requests",
         "replay RSS growth per request (600 -> 2,000)",
+        "fleet replay (2 ranks) peak RSS, 600 requests",
+        "fleet replay (2 ranks) peak RSS, 2k requests",
+        "fleet replay RSS growth per request (600 -> 2,000)",
         "long-prompt replay peak RSS, 16 requests",
         "long-prompt replay peak RSS, 64 requests",
         "long-prompt replay RSS growth per request (16 -> 64)",
@@ -69,6 +72,8 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
     small, big = by["replay peak RSS, 600 requests"], by["replay peak RSS, 2k requests"]
     assert 10 < small["baseline"] < small["value"] < big["value"] < 2000  # MB, a real RSS
     assert big["baseline"] == small["value"] and big["ratio"] > 1
+    fleet = by["fleet replay (2 ranks) peak RSS, 2k requests"]
+    assert 10 < fleet["value"] < 2000 and 10 < fleet["baseline"] < 2000  # streamed vs kept
     ing = by["ingest peak RSS, 4 MB bundle"]
     assert ing["baseline"] == by["ingest peak RSS, 1 MB bundle"]["value"]
     rep = by["report peak RSS, 8k events"]

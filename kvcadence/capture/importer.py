@@ -12,8 +12,11 @@ Input formats (the real fixture ``sglang-0.5.23-agent-ps1`` is in exactly this f
 * server info JSON: the ``GET /server_info`` object (``version``, ``kv_events``,
   ``kv_events_config``, ...).
 
-Every input is validated before the bundle is created: a bad line is one ``InputError``
-naming ``file:line`` and the field, and no output is written. Integers are range-checked so
+Every input is validated before the bundle appears: a bad line is one ``InputError``
+naming ``file:line`` and the field, and no output is written. The requests JSONL is read as a
+stream (``RequestLog``: a light pass for rids, lanes and times, then each record parsed,
+validated and written in turn; no list of every prompt), so a bad request line may be found
+while the staged bundle is written, which is then removed. Integers are range-checked so
 that every record encodes and every table ingests: ``recv_ns`` 0..2**63-1, ``seq``
 0..2**63-1 (the recorder's ``seqtrack.MAX_SEQ``; analysis stores seqs as int64), ``endpoint``
 0..2**63-1, token ids 0..2**63-1, the optional request ints -2**63..2**63-1, and every int
@@ -33,6 +36,7 @@ import binascii
 import json
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +45,7 @@ import msgspec
 
 from kvcadence import __version__
 from kvcadence.capture.discovery import redact_paths
-from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
+from kvcadence.capture.rids import UniqueRids, refuse_known_rids
 from kvcadence.capture.think import think_times
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bundle import BundleWriter, check_encodable, encode_payload, staged_bundle
@@ -51,6 +55,7 @@ from kvcadence.format.jsonl import (  # the line parsers, shared with ``replay -
     check_request_record,
     get_field,
     jsonl_lines,
+    jsonl_raw_lines,
     parse_request_line,
     read_server_info,
 )
@@ -138,17 +143,83 @@ def parse_frame_line(obj: dict[str, Any], where: str) -> FrameLine:
     return FrameLine(recv_ns, topic, seq, payload, endpoint, via)
 
 
-def read_requests(path: Path) -> list[RequestRecord]:
-    """Every request of a requests JSONL file, ``think_ns`` derived for closed-loop lanes
-    (unless the line gave it)."""
-    lines = list(jsonl_lines(path, "requests"))
-    recs = [parse_request_line(obj, where) for where, obj in lines]
-    refuse_duplicate_rids(recs, str(path), [where for where, _ in lines])
-    derived = think_times([(r.lane, r.send_ns, r.finish_ns) for r in recs])
-    return [
-        r if r.think_ns is not None or t is None else msgspec.structs.replace(r, think_ns=t)
-        for r, t in zip(recs, derived, strict=True)
-    ]
+class _Times(msgspec.Struct):
+    """What the first pass over a requests JSONL reads of a line (the rest, token ids
+    included, is skipped by the decoder, not built): loose types, checked by the second."""
+
+    rid: Any = None
+    lane: Any = None
+    send_ns: Any = None
+    finish_ns: Any = None
+
+
+_TIMES = msgspec.json.Decoder(_Times)
+
+
+def _int(v: Any) -> int | None:
+    return v if type(v) is int else None
+
+
+class RequestLog:
+    """A requests JSONL file's records, read as a stream in two passes. Made: one light pass
+    (each line's ``rid``, ``lane``, ``send_ns``, ``finish_ns`` only): rids unique, ``think_ns``
+    derived for closed-loop lanes, the earliest ``send_ns``. Iterated: every line parsed and
+    validated (``parse_request_line``), one record at a time, its derived ``think_ns`` set
+    unless the line gave one. What is held is a few numbers and the rid per request, never
+    every prompt as a list of ints. A bad line is found by the iteration (a new bundle is
+    staged, so nothing is left; ``--append`` iterates once before it opens the bundle); a
+    file that changes between the passes is an ``InputError``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        seen = UniqueRids(str(path))
+        rows: list[tuple[int | None, int | None, int | None]] = []
+        self._rids: list[Any] = []
+        self.first_send_ns: int | None = None
+        for where, line in jsonl_raw_lines(path, "requests"):
+            try:
+                t = _TIMES.decode(line)
+            except (msgspec.DecodeError, RecursionError):
+                t = _Times()  # the iteration reports the line
+            if type(t.rid) is str:
+                seen.add(t.rid, where)
+            self._rids.append(t.rid)
+            send = _int(t.send_ns)
+            rows.append((_int(t.lane), send, _int(t.finish_ns)))
+            if send is not None and (self.first_send_ns is None or send < self.first_send_ns):
+                self.first_send_ns = send
+        #: per request: the derived think time (a line's own ``think_ns`` wins when read)
+        self._think = think_times(rows)
+
+    def __len__(self) -> int:
+        return len(self._rids)
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        n = 0
+        for where, obj in jsonl_lines(self.path, "requests"):
+            r = parse_request_line(obj, where)
+            if n >= len(self._rids) or r.rid != self._rids[n]:
+                raise InputError(f"{self.path}: changed while it was being imported")
+            t = self._think[n]
+            n += 1
+            yield (
+                r if r.think_ns is not None or t is None else msgspec.structs.replace(r, think_ns=t)
+            )
+        if n != len(self._rids):
+            raise InputError(f"{self.path}: changed while it was being imported")
+
+
+def read_requests(path: Path) -> RequestLog:
+    """Every request of a requests JSONL file (``RequestLog``: scanned now, parsed and
+    validated one at a time when iterated), ``think_ns`` derived for closed-loop lanes."""
+    return RequestLog(path)
+
+
+def _encodable(records: Iterable[RequestRecord]) -> Iterator[RequestRecord]:
+    """``records``, each checked to encode (``check_encodable``) as it passes."""
+    for r in records:
+        check_encodable([r])
+        yield r
 
 
 def endpoints_from_server_info(info: dict[str, Any]) -> list[EndpointInfo]:
@@ -260,8 +331,9 @@ def import_bundle(
         if requests is None:
             raise UsageError("--append needs --requests")
         reqs = read_requests(Path(requests))
-        check_encodable(reqs)  # a record that cannot be written fails before the bundle opens
-        refuse_known_rids(out_path, reqs)
+        # a record that cannot be written, or whose rid the bundle holds, fails before the
+        # bundle opens (one more pass over the file, a record at a time)
+        refuse_known_rids(out_path, _encodable(reqs))
         with BundleWriter.append(out_path, segment_bytes=segment_bytes) as w:
             for r in reqs:
                 w.write(r)
@@ -274,7 +346,7 @@ def import_bundle(
     refuse_nonempty_dir(out_path)
     frames_path = Path(frames)
     n_frames, ep_topics, first_recv = _scan_frames(frames_path)
-    reqs = read_requests(Path(requests)) if requests is not None else []
+    log = read_requests(Path(requests)) if requests is not None else None
     info = read_server_info(Path(server_info)) if server_info is not None else {}
 
     endpoints = endpoints_from_server_info(info)
@@ -287,7 +359,8 @@ def import_bundle(
     kv_cfg = info.get("kv_events_config")
     if isinstance(kv_cfg, dict):
         kv_cfg = json.dumps(kv_cfg, separators=(",", ":"))
-    starts = [t for t in [first_recv, *(r.send_ns for r in reqs)] if t is not None]
+    first_send = None if log is None else log.first_send_ns
+    starts = [t for t in (first_recv, first_send) if t is not None]
     header = Header(
         format_major=FORMAT_MAJOR,
         format_minor=FORMAT_MINOR,
@@ -329,15 +402,16 @@ def import_bundle(
             summary.events_written += 1
         if summary.frames != n_frames:
             raise InputError(f"{frames_path}: changed while it was being imported")
-        for r in reqs:
+        for r in log or ():
             w.write(r)
-        summary.requests = len(reqs)
+        summary.requests = 0 if log is None else len(log)
         w.close(stats={"import": asdict(summary)})
     return summary
 
 
 __all__ = [
     "FrameLine",
+    "RequestLog",
     "ImportSummary",
     "SeqBook",
     "check_request_record",

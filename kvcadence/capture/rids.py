@@ -1,7 +1,8 @@
 """Request ids are unique within a bundle: the duplicate-rid checks of the request importers.
 
 What this file owns: ``refuse_duplicate_rids(records, what)`` (a batch of records about to be
-written names a rid twice) and ``refuse_known_rids(bundle, records)`` (a rid the bundle
+written names a rid twice; ``UniqueRids``: the same check fed one rid at a time, for a file
+read as a stream) and ``refuse_known_rids(bundle, records)`` (a rid the bundle
 already holds), both ``InputError`` -- one line, exit 2 -- raised before anything is written.
 A request recorded twice is counted twice by every per-request metric (importing every
 request twice made Stored events/request 0.975 instead of 1.95), and nothing downstream can
@@ -22,21 +23,36 @@ from kvcadence.format.schema import RequestRecord, RequestRecordView
 _HINT = "rids must be unique in a bundle (a request recorded twice is counted twice)"
 
 
+class UniqueRids:
+    """The rids seen so far, each with where it was: ``add`` raises ``InputError`` at the
+    first rid seen twice (memory: one entry per rid, no record kept)."""
+
+    __slots__ = ("_first", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._first: dict[str, str | None] = {}
+
+    def add(self, rid: str, where: str | None = None) -> None:
+        """Record ``rid``, read at ``where`` (e.g. ``file:line``; None: unnamed)."""
+        if rid in self._first:
+            first = self._first[rid]
+            if where is not None and first is not None:
+                raise InputError(
+                    f"{where}: field `rid`: {rid!r} is already the rid of {first}; " + _HINT
+                )
+            raise InputError(f"{self.what}: rid {rid!r} appears twice; {_HINT}")
+        self._first[rid] = where
+
+
 def refuse_duplicate_rids(
     records: Sequence[RequestRecord], what: str, wheres: Sequence[str] | None = None
 ) -> None:
     """``InputError`` at the first rid that repeats in ``records`` (``wheres[i]``: where
     record ``i`` came from, e.g. ``file:line``)."""
-    first: dict[str, int] = {}
+    seen = UniqueRids(what)
     for i, r in enumerate(records):
-        j = first.setdefault(r.rid, i)
-        if j != i:
-            if wheres is not None:
-                raise InputError(
-                    f"{wheres[i]}: field `rid`: {r.rid!r} is already the rid of {wheres[j]}; "
-                    + _HINT
-                )
-            raise InputError(f"{what}: rid {r.rid!r} appears twice; {_HINT}")
+        seen.add(r.rid, None if wheres is None else wheres[i])
 
 
 def bundle_rids(bundle: str | os.PathLike[str]) -> set[str]:
@@ -53,4 +69,4 @@ def refuse_known_rids(bundle: str | os.PathLike[str], records: Iterable[RequestR
             raise InputError(f"{bundle}: already holds a request with rid {r.rid!r}; {_HINT}")
 
 
-__all__ = ["bundle_rids", "refuse_duplicate_rids", "refuse_known_rids"]
+__all__ = ["UniqueRids", "bundle_rids", "refuse_duplicate_rids", "refuse_known_rids"]

@@ -12,6 +12,13 @@ What this file owns:
   values would overflow the recursion of the JSON decoders, the msgpack encoder or the
   integer range check (RecursionError tracebacks); ``too_deep`` measures the depth without
   recursion, ``json_loads`` decodes with the stdlib and turns both into one ``json.JSONDecodeError``.
+* ``MAX_REQUEST_TOKENS``: the most token ids (``input_ids`` + ``output_ids``) a format 2.0
+  ``PackedRequest`` may expand to. A packed request names an earlier block chain of its
+  segment as its prompt's prefix, so a few bytes can stand for every token the segment
+  stored before them: without a limit, a crafted segment of many tiny records each naming
+  a long chain expands into gigabytes of ids per record. 2^22 (4,194,304) ids is four times
+  the longest context windows served today (~1M tokens); a writer stores a longer request
+  whole (``RequestRecord``: its ids are its bytes), so every bundle kvcadence writes reads.
 
 Standard library only (part of the shared format package: capture, replay, admit and analysis
 import it).
@@ -26,6 +33,8 @@ from typing import Any
 MAX_DP_SIZE = 1024
 #: the deepest JSON nesting accepted in an input (objects and arrays count one level each)
 MAX_JSON_DEPTH = 64
+#: the most token ids (input + output) a packed (format 2.0) request may expand to
+MAX_REQUEST_TOKENS = 1 << 22
 
 
 def dp_size_problem(value: object) -> str | None:
@@ -67,4 +76,11 @@ def json_loads(text: str | bytes) -> Any:
     return obj
 
 
-__all__ = ["MAX_DP_SIZE", "MAX_JSON_DEPTH", "dp_size_problem", "json_loads", "too_deep"]
+__all__ = [
+    "MAX_DP_SIZE",
+    "MAX_JSON_DEPTH",
+    "MAX_REQUEST_TOKENS",
+    "dp_size_problem",
+    "json_loads",
+    "too_deep",
+]

@@ -159,8 +159,9 @@ def check_request_record(rec: RequestRecord, where: str) -> None:
 _TOO_DEEP = object()  # a JSON value the decoder's recursion limit refused
 
 
-def jsonl_lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, object)`` for each non-blank line of a JSONL file."""
+def jsonl_raw_lines(path: Path, what: str) -> Iterator[tuple[str, bytes]]:
+    """``(where, line bytes)`` for each non-blank line of a JSONL file, read one at a time
+    (``where`` = ``path:lineno``); a file that cannot be opened is a ``UsageError``."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -169,20 +170,24 @@ def jsonl_lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
         raise UsageError(f"cannot read {what} file {path}: {exc.strerror}") from None
     with f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = msgspec.json.decode(line)
-            except msgspec.DecodeError as exc:
-                raise InputError(f"{where}: not valid JSON ({exc})") from None
-            except RecursionError:
-                obj = _TOO_DEEP  # too deep for the decoder: refused just below
-            if obj is _TOO_DEEP or too_deep(obj):
-                raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
-            if type(obj) is not dict:
-                raise InputError(f"{where}: expected a JSON object, got {_kind(obj)}")
-            yield where, obj
+            if line.strip():
+                yield f"{path}:{lineno}", line
+
+
+def jsonl_lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, object)`` for each non-blank line of a JSONL file."""
+    for where, line in jsonl_raw_lines(path, what):
+        try:
+            obj = msgspec.json.decode(line)
+        except msgspec.DecodeError as exc:
+            raise InputError(f"{where}: not valid JSON ({exc})") from None
+        except RecursionError:
+            obj = _TOO_DEEP  # too deep for the decoder: refused just below
+        if obj is _TOO_DEEP or too_deep(obj):
+            raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        if type(obj) is not dict:
+            raise InputError(f"{where}: expected a JSON object, got {_kind(obj)}")
+        yield where, obj
 
 
 def _finish_reason(v: Any, where: str) -> str | None:

@@ -99,16 +99,12 @@ def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
     from pathlib import Path
 
     from kvcadence.format.bundle import BundleReader
-    from kvcadence.format.schema import served_rank
-    from kvcadence.replay.worker import dp_size_of
+    from kvcadence.replay.worker import bundle_dp_size
 
     p = Path(bundles[0])
     if not p.exists():
         return False  # the single-rank path reports it
-    reader = BundleReader(p)
-    # streamed: the record of the highest rank only, not every prompt as a list at once
-    top = max(reader.iter_kinds("request"), key=served_rank, default=None)
-    return dp_size_of(reader.header, [] if top is None else [top]) > 1
+    return bundle_dp_size(BundleReader(p))[0] > 1  # streamed
 
 
 def maybe_run_fleet(args: argparse.Namespace) -> int | None:
@@ -151,12 +147,14 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
 
 def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     from kvcadence.progress import Phases
-    from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
+    from kvcadence.replay.fleet import simulate_fleet
+    from kvcadence.replay.fleetout import FleetOut
     from kvcadence.replay.worker import load_worker
 
     quiet = getattr(args, "quiet", False)
     phases = Phases("replay", quiet=quiet, started=getattr(args, "_started", None))
     ov = _overrides(args)
+    out = FleetOut(args.out)  # refused before any work when it exists and is not empty
     with phases.phase("load", f"loading {', '.join(bundles)}"):
         workers = [
             load_worker(
@@ -184,6 +182,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 progress=progress,
                 pace=_pace(args),
                 event_log=False,  # only the bundles are written (cache_aware keeps its own)
+                out=out,  # every rank's batches written as they are published
             )
     finally:
         if bar is not None:
@@ -191,7 +190,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     from kvcadence.replay.simulator import check_some_ran
 
     with phases.phase("write", f"writing {args.out}"):
-        paths = write_fleet_bundles(args.out, result)
+        paths = out.finish(result)
     summary = result.summary()
     summary["simulate_s"] = summary.pop("wall_s")
     summary["wall_s"] = round(phases.wall(), 3)  # the whole command

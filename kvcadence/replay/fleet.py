@@ -21,14 +21,13 @@ What this file owns:
   (per rank: ``timing.recorded_token_times``); ``auto`` does so for a multi-rank worker
   under ``recorded`` routing -- the DP controller's round robin was decided on the recorded
   arrival order, which the pass-time model's drift would scramble -- else ``model``;
-* ``write_fleet_bundles`` -- one sim bundle per worker with one endpoint per rank, each
-  rank's batches under its endpoint id with its own seq, each rank's visibility notes
-  (``replay.visibility.scheduler_notes``, ``endpoint`` = rank; none with
-  ``track_visibility`` off), and every ``RequestRecord`` keeping its serving rank
-  (``dp_rank``, also ``meta_info["dp_rank"]``; built by ``simbundle.sim_request_record``).
-  The ranks' batches are kept until then (interleaved by publish time when written); the
-  single-rank replay writes its own header through the same ``simbundle.SimBundleOut``
-  and streams its frames into it as they are published (``TapPublisher.sink``).
+* ``simulate_fleet(..., out=)`` -- the sim bundles (``replay.fleetout.FleetOut``: one per
+  worker, one endpoint per rank, the ranks' frames in (publish time, rank, seq) order)
+  written as the ranks publish: the fleet tells the output how far every rank has got
+  (``publish_floor``, each loop iteration) so a batch is written once no rank can publish
+  before it; no rank keeps its batches. ``write_fleet_bundles`` (``replay.fleetout``) writes
+  the same bytes from a run that kept them. The single-rank replay writes its own header
+  through the same ``simbundle.SimBundleOut`` and streams its frames into it directly.
 
 The single-rank scheduler is driven through its public stepping API: ``start``,
 ``step(horizon)`` (one loop iteration), ``next_time``, ``add_arrival`` (the router hands a
@@ -44,9 +43,9 @@ request is routed to it. The cyclic garbage collector is paused for a run, and b
 ``simulate_fleet`` (and ``simulator.simulate``) for the fleet's construction too: millions of
 long-lived objects that collections would only re-walk.
 
-Why ~540 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
-finish hooks) and the only replay driver; its outputs (``write_worker_bundle``) sit beside
-it; its inputs are ``replay.worker``, the sim-bundle writing itself ``replay.simbundle``.
+Why ~500 lines: ``Fleet`` is one clock over many schedulers (routing, pacing, flush ledgers,
+finish hooks, the publish floor its outputs need) and the only replay driver; its inputs are
+``replay.worker``, its outputs ``replay.fleetout`` and ``replay.simbundle``.
 """
 
 from __future__ import annotations
@@ -56,25 +55,22 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import InputError, ReplayError, UsageError
-from kvcadence.format.schema import EndpointInfo, served_rank
+from kvcadence.format.schema import served_rank
 from kvcadence.gcpause import gc_paused
-from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay.events import Publisher, QueuedEvent
+from kvcadence.replay.fleetout import write_fleet_bundles as write_fleet_bundles
 from kvcadence.replay.flushes import FlushLedger, FlushPlan
-from kvcadence.replay.production import retractions
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
-from kvcadence.replay.simbundle import sim_header, sim_request_record, write_sim
+from kvcadence.replay.simbundle import sim_request_record
 from kvcadence.replay.simrecords import SimRecords
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
-from kvcadence.replay.visibility import scheduler_notes
 from kvcadence.replay.worker import WorkerInput
 
 _INF = float("inf")
@@ -280,6 +276,9 @@ class Fleet:
         self.serving = [-1] * len(specs)
         self.pending: list[tuple[int, int]] = []  # (arrival ns, idx): known, not routed
         self.static = bool(getattr(router, "static", False))
+        #: sinks of the ranks' batches told how far the ranks have got (``advance(ns)``:
+        #: no rank publishes before absolute ``ns``): ``replay.fleetout.FleetOut.attach``
+        self.outputs: list[Any] = []
 
     def pace_of(self, w: WorkerInput, pace: str) -> bool:
         """Whether worker ``w``'s ranks run on the recorded pace: ``recorded`` yes,
@@ -288,6 +287,19 @@ class Fleet:
         if pace != "auto":
             return pace == "recorded"
         return w.dp_size > 1 and getattr(self.router, "name", None) == "recorded"
+
+    def publish_floor(self) -> float:
+        """The earliest virtual time any rank may still publish at: the earliest rank's
+        own floor (``Scheduler.publish_floor``) or a known, not yet routed arrival. A rank
+        woken by a request or a due flush publishes no earlier than that: a static
+        router's arrivals and the flushes come due at or after the finish that released
+        them, on a rank stepped at the fleet's earliest time."""
+        b = self.pending[0][0] if self.pending else _INF
+        for sl in self.slots:
+            f = sl.sched.publish_floor()
+            if f < b:
+                b = f
+        return b
 
     # ------------------------------------------------------------------ routing
     def bound_for(self, sched: Scheduler) -> float:
@@ -348,7 +360,13 @@ class Fleet:
         # one rank (a single-rank replay): no other rank to pick or bound it
         one = scheds[0] if len(scheds) == 1 else None
         alone = one is not None and type(one.timer) is not PacedTimer
+        outputs = self.outputs
+        anchor = self.anchor_ns
         while True:
+            if outputs:
+                floor = anchor + self.publish_floor()
+                for o in outputs:
+                    o.advance(floor)
             if one is not None:
                 if alone and not pending:
                     guard, done_reported = self._step_alone(one, progress, guard, done_reported)
@@ -455,9 +473,14 @@ def simulate_fleet(
     progress: Callable[[int], None] | None = None,
     pace: str = "auto",
     event_log: bool = True,
+    out: Any = None,
 ) -> FleetResult:
     """Replay ``workers`` with routing policy ``route`` (a name or a router object) and
-    pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``); ``event_log``: see ``Fleet``."""
+    pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``); ``event_log``: see ``Fleet``.
+    ``out`` (a ``replay.fleetout.FleetOut``): its sim bundles are opened before the run and
+    every rank's batches written into them as they are published (none kept in
+    ``Publisher.batches``); ``out.finish(result)`` completes them, a failed run removes
+    them."""
 
     router = make_router(route) if isinstance(route, str) else route
     with gc_paused():  # the schedules' construction too (they copy every token stream)
@@ -469,80 +492,11 @@ def simulate_fleet(
             pace=pace,
             event_log=event_log,
         )
-        return fleet.run(progress)
-
-
-# ---------------------------------------------------------------------- output
-def worker_requests(result: FleetResult, worker: int) -> list[Any]:
-    """The sim ``RequestRecord``s served by ``worker``'s ranks."""
-    return [
-        rec
-        for rec, sl in zip(result.requests, result.serving, strict=True)
-        if sl >= 0 and result.slots[sl].worker == worker
-    ]
-
-
-def write_worker_bundle(out: str | Path, result: FleetResult, worker: int) -> None:
-    """Write worker ``worker``'s ranks as one sim bundle (one endpoint per rank)."""
-    w = result.workers[worker]
-    slots = [sl for sl in result.slots if sl.worker == worker]
-    cfg0 = slots[0].sched.cfg
-    sim_config = cfg0.to_dict()
-    sim_config["route"] = result.router
-    sim_config["dp_size"] = len(slots)
-    sim_config["ranks"] = [sl.sched.cfg.to_dict() for sl in slots]
-    header = sim_header(
-        w.header,
-        sglang_version=cfg0.sglang_version,
-        command=["kvcadence", "replay", "--route", result.router],
-        start_ns=result.anchor_ns,
-        endpoints=[
-            EndpointInfo(id=sl.rank, url=f"sim://rank{sl.rank}", dp_rank=sl.rank, topic=cfg0.topic)
-            for sl in slots
-        ],
-        sim_config=sim_config,
-    )
-    summary = result.summary()
-    summary["per_rank"] = [p for p in summary["per_rank"] if p["worker"] == w.name]
-    sim_requests = worker_requests(result, worker)
-    if w.inferred:  # a production capture: what was inferred, as the single-rank replay says
-        inferred = dict(w.inferred)
-        if inferred.get("retracted_in_capture"):
-            inferred.update(retractions(list(w.records), sim_requests))
-        summary["inferred"] = inferred
-    # interleave the ranks' batches by publish time (stable: rank order on ties)
-    frames = sorted(
-        ((b.time_ns, sl.rank, b) for sl in slots for b in sl.publisher.batches),
-        key=lambda x: (x[0], x[1], x[2].seq),
-    )
-    write_sim(
-        out,
-        header,
-        ((rank, b) for _t, rank, b in frames),
-        # each rank's visibility notes (none with --no-visibility)
-        (n for sl in slots for n in scheduler_notes(sl.sched, result.anchor_ns, endpoint=sl.rank)),
-        sim_requests,
-        summary,
-        result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots),
-    )
-
-
-def write_fleet_bundles(out: str | Path, result: FleetResult) -> list[Path]:
-    """One worker: ``out`` is its sim bundle. Several: ``out/<worker name>`` each."""
-    out_path = Path(out)
-    if len(result.workers) == 1:
-        write_worker_bundle(out_path, result, 0)
-        return [out_path]
-    refuse_nonempty_dir(out_path)
-    out_path.mkdir(parents=True, exist_ok=True)
-    paths = []
-    seen: set[str] = set()
-    for wi, w in enumerate(result.workers):
-        name = w.name
-        if name in seen:
-            name = f"{wi}-{name}"
-        seen.add(name)
-        p = out_path / name
-        write_worker_bundle(p, result, wi)
-        paths.append(p)
-    return paths
+        if out is None:
+            return fleet.run(progress)
+        out.attach(fleet)
+        try:
+            return fleet.run(progress)
+        except BaseException as exc:
+            out.abandon(exc)
+            raise

@@ -9,9 +9,10 @@ repeats its predecessor's prompt + output: only the new tokens are kept), its ou
 array. Memory then grows with the unique tokens of the capture, not with the sum of its
 prompt lengths.
 
-A production capture (no lanes, no output ids: ``production.needs_completion``) is read
-again whole and completed by ``production.records_for_replay`` (outputs from the KV events,
-inferred sessions), which works on plain records; ``replay.schedule`` makes those compact.
+A production capture (no lanes, no output ids: ``production.needs_completion``) is completed
+by ``production.records_for_replay`` (outputs from the KV events, inferred sessions) from
+these compact records: the inference holds one prompt as a list at a time, not all of them
+(the completed records keep their compact prompts).
 """
 
 from __future__ import annotations
@@ -40,6 +41,5 @@ def load_for_replay(reader: Any) -> tuple[list[Any], dict[str, Any], list[Record
     index = PromptIndex()
     records = [compact_record(r, index) for r in reader.iter_kinds("request")]
     if needs_completion(records):
-        del records, index
-        return records_for_replay(reader)
+        return records_for_replay(reader, records)
     return records, {}, None

@@ -32,6 +32,7 @@ all have output ids and come from elsewhere (an open-loop trace), is returned un
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -43,6 +44,7 @@ from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import Node, infer_clients, infer_predecessors
+from kvcadence.replay.tokens import as_list
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -149,7 +151,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         r = records[i]
         arr, fin = times[i]
         node = nodes[i]
-        prompt = r.input_ids
+        prompt = as_list(r.input_ids)  # a compact record's ``Prompt``: its tokens, once
         n = n_outs[i]
         L = len(prompt)
         P = L // ps
@@ -228,7 +230,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         nq = first_succ.get(i)
         if len(kn) < n and nq is not None:
             nxt = records[nq].input_ids
-            if nxt[L - L % ps : L + len(kn)] == r.input_ids[L - L % ps :] + kn:
+            if as_list(nxt[L - L % ps : L + len(kn)]) == as_list(r.input_ids[L - L % ps :]) + kn:
                 more = nxt[L + len(kn) : L + n]
                 if more:
                     kn = kn + list(more)
@@ -301,7 +303,7 @@ def _retracted(r: Any) -> bool:
     return isinstance(nr, int) and not isinstance(nr, bool) and nr > 0
 
 
-def retractions(records: list[Any], sim_requests: list[Any]) -> dict[str, int]:
+def retractions(records: Iterable[Any], sim_requests: Iterable[Any]) -> dict[str, int]:
     """The capture's retracted requests against the replay's: how many the capture
     retracted (``meta_info.num_retractions`` > 0), how many of those the replay retracted
     too, and how many the replay retracted in all. The replay simulates its own

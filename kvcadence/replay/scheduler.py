@@ -848,6 +848,18 @@ class Scheduler:
         """Virtual time of the next ``step`` (infinite while parked)."""
         return _INF if self.parked else self.t
 
+    def publish_floor(self) -> float:
+        """The earliest virtual time this rank may still publish at by itself: its next
+        step's; parked, never (a driver's new arrival or due flush wakes it no earlier than
+        that arrival or flush) -- unless a recorded flush is still pending, which a driver
+        may force at the time it parked (``force_flush``)."""
+        if not self.parked:
+            return self.t
+        plan = self.flush_plan
+        if plan is not None and plan.pending:
+            return self._idle_since if self._idle_since is not None else self.t
+        return _INF
+
     def step(self, horizon: float = _INF) -> bool:
         """One iteration of SGLang's event loop at ``self.t`` (a whole decode stretch when
         one can be skipped). ``horizon``: the earliest time a driver may still

@@ -48,7 +48,7 @@ from kvcadence.replay.config import CLI_OVERRIDES, SimConfig, TimingParams
 from kvcadence.replay.events import CLEAR, REMOVE, STORE
 from kvcadence.replay.fleet import simulate_fleet
 from kvcadence.replay.routing import ROUTES
-from kvcadence.replay.worker import load_worker, rank_configs
+from kvcadence.replay.worker import bundle_dp_size, load_worker, rank_configs
 
 PARTITION_BASE = ("worker", "rank", "route")
 
@@ -388,23 +388,24 @@ def validate_jobs(specs: Sequence[dict[str, Any]]) -> None:
     calibration, which cannot make a config invalid): a bad point (``page_size=0``) or an
     input without requests is a ``UsageError`` / ``InputError`` before anything is written."""
 
-    inputs: dict[str, tuple[Any, list[Any]]] = {}
+    inputs: dict[str, tuple[Any, int]] = {}
     for job in specs:
         for path in job["bundles"]:
             if path not in inputs:
                 reader = BundleReader(path)
-                records = reader.requests()
-                if not records:
+                dp_size, n = bundle_dp_size(reader)  # streamed: no records held
+                if not n:
                     raise InputError(f"{path}: the bundle has no request records to replay")
-                inputs[path] = (reader.header, records)
-            header, records = inputs[path]
+                inputs[path] = (reader.header, dp_size)
+            header, dp_size = inputs[path]
             try:
-                rank_configs(
+                rank_configs(  # uncalibrated: the records are not read, only the rank count
                     header,
-                    records,
+                    [],
                     _job_overrides(job),
                     sglang_version=job.get("sglang_version"),
                     calibrate_timing=False,
+                    dp_size=dp_size,
                 )
             except UsageError as exc:
                 if isinstance(exc, InputError):

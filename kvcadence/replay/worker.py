@@ -143,6 +143,20 @@ def dp_size_of(header: Any, records: Sequence[Any]) -> int:
     return max(cands)
 
 
+def bundle_dp_size(reader: Any) -> tuple[int, int]:
+    """``(dp_size_of, request count)`` of a bundle, its records read one at a time (only the
+    highest served rank's is kept: no prompt list of every request at once)."""
+    top = None
+    top_rank = -1
+    n = 0
+    for rec in reader.iter_kinds("request"):
+        n += 1
+        rank = served_rank(rec)
+        if rank > top_rank:
+            top, top_rank = rec, rank
+    return dp_size_of(reader.header, [] if top is None else [top]), n
+
+
 def rank_configs(
     header: Any,
     records: Sequence[Any],

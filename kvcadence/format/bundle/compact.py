@@ -22,6 +22,15 @@ grow with the tokens the segment actually stores, never with the prompts' total 
 Per request the writer looks the prompt's full blocks up until the first one it has not
 seen (a dict lookup, then one slice comparison along the run the block belongs to), the
 reader walks the prefix chain and copies contiguous runs.
+
+Expansion. A packed request is a few bytes that name a chain of earlier blocks, so it may
+expand to far more ids than it occupies. The reader refuses (``BadReference``, one
+``InputError`` line) a packed request whose ``prefix_len`` + own ids exceed
+``format.bounds.MAX_REQUEST_TOKENS`` before walking or copying anything, and walks a chain no
+further than ``prefix_len`` says; references point only backwards within the segment (no
+cycle can be named), and ``prefix_len`` must be exactly the named chain's length. Since a
+block chain is at most one earlier request's ids, no request expands past the limit; the
+writer stores a longer request whole (``RequestRecord``), so all it writes reads back.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from pathlib import Path
 import msgspec
 
 from kvcadence.errors import InputError
+from kvcadence.format.bounds import MAX_REQUEST_TOKENS
 from kvcadence.format.bundle.frames import FRAME_HEADER_SIZE
 from kvcadence.format.bundle.report import ReadReport
 from kvcadence.format.schema import PackedRequest, RequestRecord, RequestRecordView
@@ -140,8 +150,11 @@ class PrefixIndex:
         self.blocks = 0
 
     def pack(self, rec: RequestRecord) -> tuple[PackedRequest, _Commit] | None:
-        """``(packed record, commit)``; None when an id does not fit a uint32 (the record is
-        then written as a ``RequestRecord``, which this format also reads)."""
+        """``(packed record, commit)``; None when an id does not fit a uint32 or the record
+        holds more than ``bounds.MAX_REQUEST_TOKENS`` ids (it is then written as a
+        ``RequestRecord``, which this format also reads)."""
+        if len(rec.input_ids) + len(rec.output_ids) > MAX_REQUEST_TOKENS:
+            return None  # stored whole: a reader refuses a packed one this long
         inp = pack_u32(rec.input_ids)
         out = pack_u32(rec.output_ids)
         if inp is None or out is None:
@@ -256,13 +269,24 @@ class PrefixResolver:
             raise BadReference(f"reference to block {ref}, which is not before block {base}")
         if plen < 0 or plen % BLOCK:
             raise BadReference(f"prefix length {plen} is not a multiple of {BLOCK}")
+        n_ids = plen + len(rec.input_tail) // 4 + len(rec.output) // 4
+        if n_ids > MAX_REQUEST_TOKENS:  # checked before anything is walked or copied
+            raise BadReference(
+                f"it expands to {n_ids} token ids, more than the {MAX_REQUEST_TOKENS} a "
+                "request may hold (kvcadence.format.bounds.MAX_REQUEST_TOKENS)"
+            )
         if base > known:  # records between were not read: their blocks are unknown
             gap = base - known
             offset.extend(array("q", [_MISSING]) * gap)
             parent.extend(array("q", [-1]) * gap)
-        chain = []
+        chain: list[int] = []
         b = ref
+        limit = plen // BLOCK
         while b >= 0:  # parents always have smaller numbers: the walk ends
+            if len(chain) == limit:  # longer than it says: walked no further than plen
+                raise BadReference(
+                    f"prefix length {plen} but block {ref} ends a longer chain than that"
+                )
             o = offset[b]
             if o == _MISSING:
                 raise LostPrefix(f"its shared prefix (block {b}) was in a record not read")
