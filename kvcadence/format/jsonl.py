@@ -174,20 +174,26 @@ def jsonl_raw_lines(path: Path, what: str) -> Iterator[tuple[str, bytes]]:
                 yield f"{path}:{lineno}", line
 
 
+def decode_object(text: str | bytes, where: str) -> dict[str, Any]:
+    """One JSON object from ``text``; anything else (bad JSON, nested deeper than
+    ``MAX_JSON_DEPTH``, not an object) is an ``InputError`` naming ``where``."""
+    try:
+        obj = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise InputError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        obj = _TOO_DEEP  # too deep for the decoder: refused just below
+    if obj is _TOO_DEEP or too_deep(obj):
+        raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    if type(obj) is not dict:
+        raise InputError(f"{where}: expected a JSON object, got {_kind(obj)}")
+    return obj
+
+
 def jsonl_lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, object)`` for each non-blank line of a JSONL file."""
     for where, line in jsonl_raw_lines(path, what):
-        try:
-            obj = msgspec.json.decode(line)
-        except msgspec.DecodeError as exc:
-            raise InputError(f"{where}: not valid JSON ({exc})") from None
-        except RecursionError:
-            obj = _TOO_DEEP  # too deep for the decoder: refused just below
-        if obj is _TOO_DEEP or too_deep(obj):
-            raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
-        if type(obj) is not dict:
-            raise InputError(f"{where}: expected a JSON object, got {_kind(obj)}")
-        yield where, obj
+        yield where, decode_object(line, where)
 
 
 def _finish_reason(v: Any, where: str) -> str | None:
@@ -273,17 +279,8 @@ def read_server_info(path: Path) -> dict[str, Any]:
         raise UsageError(f"server info file not found: {path}") from None
     except OSError as exc:
         raise UsageError(f"cannot read server info file {path}: {exc.strerror}") from None
-    try:
-        info = msgspec.json.decode(text)
-    except msgspec.DecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
-    except RecursionError:
-        info = _TOO_DEEP  # too deep for the decoder: refused just below
-    if info is _TOO_DEEP or too_deep(info):
-        raise InputError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
-    if type(info) is not dict:
-        raise InputError(f"{path}: expected a JSON object, got {_kind(info)}")
     where = str(path)
+    info = decode_object(text, where)
     get_field(info, "version", where, "str?", required=False)
     _check_ints(info, where, "server_info")
     if "kv_events_config" in info and type(info["kv_events_config"]) not in (str, dict):

@@ -207,10 +207,28 @@ def test_compact_bundle_is_smaller_and_sharing_pays(tmp_path: Path) -> None:
 # -- older bundles ---------------------------------------------------------------------
 
 
-def _corpus_bundles() -> list[Path]:
+def _major(bundle: Path) -> set[bytes]:
+    return {s.read_bytes()[4:6] for s in list_segments(bundle)}
+
+
+def _corpus_bundles(major: int | None = 1) -> list[Path]:
+    """The corpus bundles written in format ``major`` (None: all); the captures recorded
+    before format 2.0 are 1.x, the later ones 2.0."""
     found = sorted(CORPUS.glob("*/bundle"))
     assert found, "the vendored corpus is missing"
-    return found
+    if major is None:
+        return found
+    return [b for b in found if _major(b) == {bytes([major, 0])}]
+
+
+def test_corpus_has_both_formats() -> None:
+    """Seven corpus captures predate format 2.0, later ones are 2.0: both readers stay tested."""
+    ones, twos = _corpus_bundles(1), _corpus_bundles(2)
+    assert len(ones) >= 7 and len(twos) >= 1
+    assert len(ones) + len(twos) == len(_corpus_bundles(None))
+    for b in twos:
+        r = BundleReader(b)
+        assert len(r.requests()) >= 200 and r.report.packed_requests > 0
 
 
 @pytest.mark.parametrize(
@@ -220,7 +238,7 @@ def test_old_format_bundles_read_unchanged(bundle: Path, tmp_path: Path) -> None
     """The vendored 1.x bundles: every request frame reads as its stored record (decoded
     directly), and written again in 2.0 they read back identical, smaller."""
     segs = list_segments(bundle)
-    assert all(s.read_bytes()[4:6] == b"\x01\x00" for s in segs)  # major 1
+    assert _major(bundle) == {b"\x01\x00"}  # major 1
     dec = msgspec.msgpack.Decoder(RequestRecord)
     direct = [dec.decode(b) for s in segs for _, b in _frames(s) if _tag(b) == "request"]
     reader = BundleReader(bundle)
