@@ -105,7 +105,13 @@ class StoreIndex:
         raw.sort(key=lambda t: (t[0], t[1]))
         idx._extend(
             [
-                (ts, e.parent_block_hash, _packed(e.block_hashes), len(e.block_hashes), e.token_ids)
+                (
+                    ts,
+                    None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
+                    _packed(e.block_hashes),  # int64, as the parent: SGLang's form
+                    len(e.block_hashes),
+                    e.token_ids,
+                )
                 for ts, _, e in raw
             ]
         )
@@ -179,6 +185,11 @@ class StoreIndex:
                 by_first[first] = [ei]
             else:
                 lst.append(ei)
+
+    def hashes_of(self, ei: int) -> list[int]:
+        """The block hashes of event ``ei``."""
+        ev = self.events[ei]
+        return self.hashes[ev.off : ev.off + ev.pages].tolist()
 
     def hash_at(self, ei: int, j: int) -> int:
         """Block hash ``j`` of event ``ei``."""
@@ -304,7 +315,13 @@ class StoreIndex:
                 return None
             m = min(k, ev.pages - j)
             merged = j > 0 or j + m < ev.pages
-            got = ev.tokens[j * ps : (j + m) * ps], self.hash_at(ei, j + m - 1), merged, (ei, j), tie
+            got = (
+                ev.tokens[j * ps : (j + m) * ps],
+                self.hash_at(ei, j + m - 1),
+                merged,
+                (ei, j),
+                tie,
+            )
             if (ei, j) in claimed:
                 tie = True
                 if shared is None:
@@ -373,15 +390,15 @@ def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
     int (``0xcf``/``0xd3`` and 8 bytes: SGLang's hashes but ~1 in 2**32): the elements'
     bytes, decoded later with every other event's (``_unpacked``); None when not so shaped
     (decode it as a list instead)."""
-    bb = bytes(raw)  # type: ignore[call-overload]
+    bb = bytes(raw)
     if not bb:
         return None
     b0 = bb[0]
     if 0x90 <= b0 <= 0x9F:
         h, n = 1, b0 & 0x0F
-    elif b0 == 0xDC:
-        h, n = 3, int.from_bytes(bb[1:3], "big")
-    elif b0 == 0xDD:
+    elif b0 == 0xDC and len(bb) >= 3:
+        h, n = 3, bb[1] << 8 | bb[2]
+    elif b0 == 0xDD and len(bb) >= 5:
         h, n = 5, int.from_bytes(bb[1:5], "big")
     else:
         return None
