@@ -33,7 +33,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -44,10 +44,12 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import (
     AllBlocksCleared,
     AnnotationRawView,
+    BlockRemovedRawView,
     BlockStored,
     BlockStoredRawView,
     BlockStoredV17RawView,
     Int64,
+    KVCacheEvent,
 )
 from kvcadence.replay.flushes import NOTE_KINDS
 
@@ -136,13 +138,17 @@ class StoreIndex:
                 scan.note(f)
                 continue
             payload = event_payload(f)
-            try:
-                try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
-                    b, got, clear = _stored(payload, page_size, False)
-                except _Recheck:
-                    b, got, clear = _stored(payload, page_size, True)
-            except Exception:  # noqa: BLE001 - a torn payload holds no usable store
-                continue
+            fast = _stored_ids(payload, page_size)
+            if fast is not None:
+                b, got, clear = fast
+            else:
+                try:
+                    try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
+                        b, got, clear = _stored(payload, page_size, False)
+                    except _Recheck:
+                        b, got, clear = _stored(payload, page_size, True)
+                except Exception:  # noqa: BLE001 - a torn payload holds no usable store
+                    continue
             if scan is not None:
                 if clear:
                     try:
@@ -405,6 +411,64 @@ def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
     if len(bb) - h != 9 * n or bb[h::9].strip(b"\xcf\xd3"):
         return None
     return bb[h:], n
+
+
+class _StoredIds(KVCacheEvent, tag="BlockStored"):
+    """``BlockStoredRawView`` with its token ids decoded in the same pass (not skipped as
+    ``Raw``, then decoded): ``_stored_ids``'s fast path. Typed as the view otherwise."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Int64 | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _BatchIds(msgspec.Struct, array_like=True, gc=False):
+    """``KVEventBatchRawView`` with ``_StoredIds`` for its stores."""
+
+    ts: float
+    events: list[Union[_StoredIds, BlockRemovedRawView, AllBlocksCleared]]
+    attn_dp_rank: int | None = None
+
+
+_BATCH_IDS = msgspec.msgpack.Decoder(_BatchIds)
+
+
+def _stored_ids(
+    payload: bytes, page_size: int
+) -> tuple[Any, list[tuple[int | None, bytes, int, list[int]]], bool] | None:
+    """``_stored(payload, page_size, False)`` in one decode of the payload, for the common
+    payload: map-shaped events, every store of this page size with int token ids and 64-bit
+    hashes. None for any other (``_stored`` decides, as before): where this decode succeeds,
+    ``decode_batch_raw``'s typed view does too, with the same events, and ``_stored``
+    raises no ``_Recheck``."""
+    if payload[:1] != b"\x93":
+        return None
+    try:
+        b = _BATCH_IDS.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    out: list[tuple[int | None, bytes, int, list[int]]] = []
+    clear = False
+    e: Any
+    for e in b.events:
+        if type(e) is not _StoredIds:
+            clear = clear or type(e) is AllBlocksCleared
+            continue
+        if e.block_size != page_size:
+            return None
+        hashes = _wire_hashes(e.block_hashes)
+        if hashes is None:
+            return None
+        hb, pages = hashes
+        if pages and len(e.token_ids) == page_size * pages:
+            out.append((e.parent_block_hash, hb, pages, e.token_ids))
+    return b, out, clear
 
 
 class _Recheck(Exception):
