@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 
 from kvcadence.format import wire
-from kvcadence.format.bundle import event_payload
+from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import (
     AllBlocksCleared,
@@ -137,7 +137,7 @@ class StoreIndex:
             if type(f) is AnnotationRawView:
                 scan.note(f)
                 continue
-            payload = event_payload(f)
+            payload = event_payload_view(f)  # decoded here and now: no copy
             fast = _stored_ids(payload, page_size)
             if fast is not None:
                 b, got, clear = fast
@@ -440,7 +440,7 @@ _BATCH_IDS = msgspec.msgpack.Decoder(_BatchIds)
 
 
 def _stored_ids(
-    payload: bytes, page_size: int
+    payload: bytes | memoryview, page_size: int
 ) -> tuple[Any, list[tuple[int | None, bytes, int, list[int]]], bool] | None:
     """``_stored(payload, page_size, False)`` in one decode of the payload, for the common
     payload: map-shaped events, every store of this page size with int token ids and 64-bit
@@ -476,7 +476,7 @@ class _Recheck(Exception):
 
 
 def _stored(
-    payload: bytes, page_size: int, check: bool
+    payload: bytes | memoryview, page_size: int, check: bool
 ) -> tuple[Any, list[tuple[int | None, bytes, int, list[int]]], bool]:
     """``(batch, [(parent, hashes, pages, tokens)], has a clear)``: the payload's raw view,
     its indexable ``BlockStored`` events (this page size, int ids, one page of tokens per
