@@ -48,6 +48,7 @@ from kvcadence.format.schema import (
     BlockStored,
     BlockStoredRawView,
     BlockStoredV17RawView,
+    BundleRecordBase,
     Int64,
     KVCacheEvent,
 )
@@ -132,16 +133,20 @@ class StoreIndex:
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, bytes, int, list[int]]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
-        records = reader.events() if scan is None else reader.events_and_notes(NOTE_KINDS)
+        # event frames: the common payload decoded with the frame (``_FrameIds``)
+        records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=_FrameIds)
         for n, f in enumerate(records):
-            if type(f) is AnnotationRawView:
-                scan.note(f)
+            t = type(f)
+            if t is AnnotationRawView:
+                if scan is not None:
+                    scan.note(f)
                 continue
-            payload = event_payload_view(f)  # decoded here and now: no copy
-            fast = _stored_ids(payload, page_size)
-            if fast is not None:
-                b, got, clear = fast
+            if t is _FrameIds:
+                b = f.payload
+                got = _stored_ids(b, page_size)
+                clear = False
             else:
+                payload = event_payload_view(f)  # decoded here and now: no copy
                 try:
                     try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
                         b, got, clear = _stored(payload, page_size, False)
@@ -414,8 +419,8 @@ def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
 
 
 class _StoredIds(KVCacheEvent, tag="BlockStored"):
-    """``BlockStoredRawView`` with its token ids decoded in the same pass (not skipped as
-    ``Raw``, then decoded): ``_stored_ids``'s fast path. Typed as the view otherwise."""
+    """``BlockStoredRawView`` with its token ids decoded in the frame's one decode (not
+    skipped as ``Raw``, then decoded). Typed as the view otherwise."""
 
     block_hashes: msgspec.Raw
     parent_block_hash: Int64 | None
@@ -429,46 +434,63 @@ class _StoredIds(KVCacheEvent, tag="BlockStored"):
 
 
 class _BatchIds(msgspec.Struct, array_like=True, gc=False):
-    """``KVEventBatchRawView`` with ``_StoredIds`` for its stores."""
+    """``KVEventBatchRawView`` with ``_StoredIds`` for its stores; no clear (a frame with
+    one is decoded fully for the flush scan anyway) and ``attn_dp_rank`` present (a
+    2-element batch is not ``decode_batch_raw``'s typed view: its checked path decides)."""
 
     ts: float
-    events: list[Union[_StoredIds, BlockRemovedRawView, AllBlocksCleared]]
-    attn_dp_rank: int | None = None
+    events: list[Union[_StoredIds, BlockRemovedRawView]]
+    attn_dp_rank: int | None
 
 
-_BATCH_IDS = msgspec.msgpack.Decoder(_BatchIds)
+class _FrameIds(BundleRecordBase, tag="event"):
+    """``EventFrame`` with the common payload decoded in the frame's decode (one pass over
+    its ids, not a ``Raw`` skip and a second decode): map-shaped stores and removals.
+    Where this decodes, ``wire.decode_batch_raw``'s typed view of the payload does too,
+    with the same events and token ids that its check accepts (msgpack encoders write a
+    3-element array as ``0x93``, what that view asks for). A frame it refuses
+    (``payload_is_bin``, a clear, 0.5.17 arrays, ids that are not ints, ...) comes as
+    ``EventFrame`` and takes ``_stored``."""
+
+    endpoint: int
+    seq: int
+    recv_ns: int
+    topic: str
+    via: int
+    epoch: int
+    payload_is_bin: bool
+    payload: _BatchIds
+    pass_index: int = -1
 
 
-def _stored_ids(
-    payload: bytes | memoryview, page_size: int
-) -> tuple[Any, list[tuple[int | None, bytes, int, list[int]]], bool] | None:
-    """``_stored(payload, page_size, False)`` in one decode of the payload, for the common
-    payload: map-shaped events, every store of this page size with int token ids and 64-bit
-    hashes. None for any other (``_stored`` decides, as before): where this decode succeeds,
-    ``decode_batch_raw``'s typed view does too, with the same events, and ``_stored``
-    raises no ``_Recheck``."""
-    if payload[:1] != b"\x93":
-        return None
-    try:
-        b = _BATCH_IDS.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return None
+def _stored_ids(b: _BatchIds, page_size: int) -> list[tuple[int | None, bytes, int, list[int]]]:
+    """``_stored``'s indexable stores of a ``_FrameIds`` payload, the same: its token ids
+    are int arrays (``decode_batch_raw``'s check passes), so a store of another page size,
+    or whose hashes are not ints, is skipped and the others kept."""
     out: list[tuple[int | None, bytes, int, list[int]]] = []
-    clear = False
-    e: Any
     for e in b.events:
-        if type(e) is not _StoredIds:
-            clear = clear or type(e) is AllBlocksCleared
+        if type(e) is not _StoredIds or e.block_size != page_size:
             continue
-        if e.block_size != page_size:
-            return None
         hashes = _wire_hashes(e.block_hashes)
         if hashes is None:
-            return None
+            try:
+                hashes = _as_packed(e.block_hashes)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
         hb, pages = hashes
         if pages and len(e.token_ids) == page_size * pages:
             out.append((e.parent_block_hash, hb, pages, e.token_ids))
-    return b, out, clear
+    return out
+
+
+def _as_packed(raw: msgspec.Raw) -> tuple[bytes, int]:
+    """A msgpack array of hashes not shaped as ``_wire_hashes`` reads, decoded as ints
+    (int64; a uint64 as the int64 of the same bits): ``(_packed bytes, count)``."""
+    try:  # SGLang's hashes are int64: checked in C, no pass over them here
+        hashes = _I64S.decode(raw)
+    except msgspec.ValidationError:  # a uint64 wire hash: the int64 of the same bits
+        hashes = [norm_hash(h) for h in _INTS.decode(raw)]
+    return _packed(hashes), len(hashes)
 
 
 class _Recheck(Exception):
@@ -499,13 +521,7 @@ def _stored(
                 raise _Recheck()
             continue
         try:
-            fast = _wire_hashes(e.block_hashes)
-            if fast is None:
-                try:  # SGLang's hashes are int64: checked in C, no pass over them here
-                    hashes = _I64S.decode(e.block_hashes)
-                except msgspec.ValidationError:  # a uint64 wire hash: the int64 of the same bits
-                    hashes = [norm_hash(h) for h in _INTS.decode(e.block_hashes)]
-                fast = _packed(hashes), len(hashes)
+            fast = _wire_hashes(e.block_hashes) or _as_packed(e.block_hashes)
             tokens = _INTS.decode(e.token_ids)
         except (msgspec.DecodeError, msgspec.ValidationError):
             if not check:

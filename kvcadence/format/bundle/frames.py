@@ -222,12 +222,24 @@ def _note_kind(body: memoryview) -> bytes | None:
     return bytes(body[start : start + n]) if start + n <= len(body) else None
 
 
-def events_and_notes_decoder(kinds: frozenset[str] | None) -> Any:
+def events_and_notes_decoder(kinds: frozenset[str] | None, events_as: Any = None) -> Any:
     """The reader's fast path for ``events_and_notes``: an ``EventFrame`` or an
     ``AnnotationRawView``; a note whose kind (read from its first bytes) is not in ``kinds``
     comes back as ``SKIPPED``, undecoded and unchecked (None: every note decoded), and so
-    does a packed request (by its first bytes; the slow path would skip it undecoded)."""
-    decode = EVENTS_NOTES_RAW.decode
+    does a packed request (by its first bytes; the slow path would skip it undecoded).
+    ``events_as``: a struct type tried first (a caller's stricter ``EventFrame``, e.g. with
+    its payload typed, decoded in the same pass); a frame it refuses decodes as usual."""
+    decode: Any = EVENTS_NOTES_RAW.decode
+    if events_as is not None:
+        typed, plain = _events_as_decoder(events_as).decode, decode
+
+        def either(body: memoryview) -> Any:
+            try:
+                return typed(body)
+            except msgspec.DecodeError:  # ValidationError included
+                return plain(body)
+
+        decode = either
     if kinds is None:
         return decode
     wanted = frozenset(k.encode() for k in kinds)
@@ -244,6 +256,12 @@ def events_and_notes_decoder(kinds: frozenset[str] | None) -> Any:
         return decode(body)
 
     return fast
+
+
+@functools.cache
+def _events_as_decoder(events_as: Any) -> msgspec.msgpack.Decoder[Any]:
+    """``events_and_notes``'s decoder with ``events_as`` for the events."""
+    return msgspec.msgpack.Decoder(Union[events_as, AnnotationRawView])
 
 
 # requests only (``requests()``, ``iter_kinds("request")``): either layout
