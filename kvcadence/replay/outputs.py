@@ -33,26 +33,16 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, Union
+from typing import Any
 
-import msgspec
 import numpy as np
 
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
-from kvcadence.format.schema import (
-    AllBlocksCleared,
-    AnnotationRawView,
-    BlockRemovedRawView,
-    BlockStored,
-    BlockStoredRawView,
-    BlockStoredV17RawView,
-    BundleRecordBase,
-    Int64,
-    KVCacheEvent,
-)
+from kvcadence.format.schema import AnnotationRawView, BlockStored
 from kvcadence.replay.flushes import NOTE_KINDS
+from kvcadence.replay.stored import FrameIds, frame_stores, packed, payload_stores, unpacked
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -111,7 +101,7 @@ class StoreIndex:
                 (
                     ts,
                     None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
-                    _packed(e.block_hashes),  # int64, as the parent: SGLang's form
+                    packed(e.block_hashes),  # int64, as the parent: SGLang's form
                     len(e.block_hashes),
                     e.token_ids,
                 )
@@ -123,35 +113,33 @@ class StoreIndex:
     @classmethod
     def from_reader(cls, reader: Any, page_size: int, scan: Any = None) -> StoreIndex:
         """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
-        one). Only ``BlockStored`` hashes and tokens are decoded, once
-        (``wire.decode_batch_raw``: removals stay undecoded bytes; the hashes of all events
-        together, into one array); an event whose fields are not int arrays (bigram keys,
-        damage) is skipped, a payload ``decode_batch_raw`` refuses holds nothing. ``scan``
-        (a ``flushes.FlushScan``) is fed every frame and annotation of the same pass (a
-        frame with a clear is decoded fully first: a payload ``wire.decode_batch`` refuses
-        is no flush)."""
+        one). Only ``BlockStored`` hashes and tokens are decoded, once: the common frame
+        with its payload in one decode (``stored.FrameIds``: token ids into lists, hashes and
+        removals left as bytes), any other through ``wire.decode_batch_raw`` (``stored.payload_stores``);
+        the hashes of all events together, into one array. An event whose fields are not
+        int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw`` refuses
+        holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and annotation
+        of the same pass (a frame with a clear is decoded fully first: a payload
+        ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, bytes, int, list[int]]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
-        # event frames: the common payload decoded with the frame (``_FrameIds``)
-        records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=_FrameIds)
+        # event frames: the common payload decoded with the frame (``stored.FrameIds``)
+        records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=FrameIds)
         for n, f in enumerate(records):
             t = type(f)
             if t is AnnotationRawView:
                 if scan is not None:
                     scan.note(f)
                 continue
-            if t is _FrameIds:
+            if t is FrameIds:
                 b = f.payload
-                got = _stored_ids(b, page_size)
+                got = frame_stores(b, page_size)
                 clear = False
             else:
                 payload = event_payload_view(f)  # decoded here and now: no copy
                 try:
-                    try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
-                        b, got, clear = _stored(payload, page_size, False)
-                    except _Recheck:
-                        b, got, clear = _stored(payload, page_size, True)
+                    b, got, clear = payload_stores(payload, page_size)
                 except Exception:  # noqa: BLE001 - a torn payload holds no usable store
                     continue
             if scan is not None:
@@ -172,7 +160,7 @@ class StoreIndex:
         return idx
 
     def _extend(self, rows: list[tuple[int, int | None, bytes, int, list[int]]]) -> None:
-        """Append events ``(ts, parent, hashes as _packed bytes, pages, tokens)``, in publish
+        """Append events ``(ts, parent, hashes as ``stored.packed`` bytes, pages, tokens)``, in publish
         order, and index them."""
         base = len(self.events)
         off = len(self.hashes)
@@ -180,7 +168,7 @@ class StoreIndex:
         for ts, parent, _, pages, tokens in rows:
             events.append(StoredEvent(ts, parent, off, pages, tokens))
             off += pages
-        self.hashes = np.concatenate([self.hashes, _unpacked(b"".join([r[2] for r in rows]))])
+        self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[2] for r in rows]))])
         self._ts.extend([r[0] for r in rows])
         self._offs.extend([ev.off for ev in events[base:]])
         by_parent, by_first = self._by_parent, self._by_first
@@ -373,162 +361,3 @@ class StoreIndex:
                 if got is not None:
                     return got
         return None if shared is None else (shared[0], shared[1], shared[2], shared[3], True)
-
-
-_INTS = msgspec.msgpack.Decoder(list[int])
-_I64S = msgspec.msgpack.Decoder(list[Int64])
-_STORED_VIEWS = (BlockStoredRawView, BlockStoredV17RawView)
-#: a 64-bit msgpack int: its type byte (0xcf uint64, 0xd3 int64), then 8 bytes big-endian
-_WIRE_I64 = np.dtype([("t", "u1"), ("v", ">i8")])
-
-
-def _packed(hashes: list[int]) -> bytes:
-    """``hashes`` (ints of 64 bits, either sign) as ``_unpacked`` reads them."""
-    out = np.empty(len(hashes), _WIRE_I64)
-    out["t"] = 0xD3
-    out["v"] = [norm_hash(h) for h in hashes]
-    return out.tobytes()
-
-
-def _unpacked(buf: bytes) -> np.ndarray:
-    """The int64 array of ``buf``'s 64-bit msgpack ints (``_wire_hashes``, ``_packed``: a
-    uint64 one as the int64 of the same bits, SGLang's form, as ``norm_hash``)."""
-    return np.frombuffer(buf, _WIRE_I64)["v"].astype(np.int64)
-
-
-def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
-    """``(elements, count)`` of a msgpack array of hashes when every element is a 64-bit
-    int (``0xcf``/``0xd3`` and 8 bytes: SGLang's hashes but ~1 in 2**32): the elements'
-    bytes, decoded later with every other event's (``_unpacked``); None when not so shaped
-    (decode it as a list instead)."""
-    bb = bytes(raw)
-    if not bb:
-        return None
-    b0 = bb[0]
-    if 0x90 <= b0 <= 0x9F:
-        h, n = 1, b0 & 0x0F
-    elif b0 == 0xDC and len(bb) >= 3:
-        h, n = 3, bb[1] << 8 | bb[2]
-    elif b0 == 0xDD and len(bb) >= 5:
-        h, n = 5, int.from_bytes(bb[1:5], "big")
-    else:
-        return None
-    if len(bb) - h != 9 * n or bb[h::9].strip(b"\xcf\xd3"):
-        return None
-    return bb[h:], n
-
-
-class _StoredIds(KVCacheEvent, tag="BlockStored"):
-    """``BlockStoredRawView`` with its token ids decoded in the frame's one decode (not
-    skipped as ``Raw``, then decoded). Typed as the view otherwise."""
-
-    block_hashes: msgspec.Raw
-    parent_block_hash: Int64 | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
-
-
-class _BatchIds(msgspec.Struct, array_like=True, gc=False):
-    """``KVEventBatchRawView`` with ``_StoredIds`` for its stores; no clear (a frame with
-    one is decoded fully for the flush scan anyway) and ``attn_dp_rank`` present (a
-    2-element batch is not ``decode_batch_raw``'s typed view: its checked path decides)."""
-
-    ts: float
-    events: list[Union[_StoredIds, BlockRemovedRawView]]
-    attn_dp_rank: int | None
-
-
-class _FrameIds(BundleRecordBase, tag="event"):
-    """``EventFrame`` with the common payload decoded in the frame's decode (one pass over
-    its ids, not a ``Raw`` skip and a second decode): map-shaped stores and removals.
-    Where this decodes, ``wire.decode_batch_raw``'s typed view of the payload does too,
-    with the same events and token ids that its check accepts (msgpack encoders write a
-    3-element array as ``0x93``, what that view asks for). A frame it refuses
-    (``payload_is_bin``, a clear, 0.5.17 arrays, ids that are not ints, ...) comes as
-    ``EventFrame`` and takes ``_stored``."""
-
-    endpoint: int
-    seq: int
-    recv_ns: int
-    topic: str
-    via: int
-    epoch: int
-    payload_is_bin: bool
-    payload: _BatchIds
-    pass_index: int = -1
-
-
-def _stored_ids(b: _BatchIds, page_size: int) -> list[tuple[int | None, bytes, int, list[int]]]:
-    """``_stored``'s indexable stores of a ``_FrameIds`` payload, the same: its token ids
-    are int arrays (``decode_batch_raw``'s check passes), so a store of another page size,
-    or whose hashes are not ints, is skipped and the others kept."""
-    out: list[tuple[int | None, bytes, int, list[int]]] = []
-    for e in b.events:
-        if type(e) is not _StoredIds or e.block_size != page_size:
-            continue
-        hashes = _wire_hashes(e.block_hashes)
-        if hashes is None:
-            try:
-                hashes = _as_packed(e.block_hashes)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-        hb, pages = hashes
-        if pages and len(e.token_ids) == page_size * pages:
-            out.append((e.parent_block_hash, hb, pages, e.token_ids))
-    return out
-
-
-def _as_packed(raw: msgspec.Raw) -> tuple[bytes, int]:
-    """A msgpack array of hashes not shaped as ``_wire_hashes`` reads, decoded as ints
-    (int64; a uint64 as the int64 of the same bits): ``(_packed bytes, count)``."""
-    try:  # SGLang's hashes are int64: checked in C, no pass over them here
-        hashes = _I64S.decode(raw)
-    except msgspec.ValidationError:  # a uint64 wire hash: the int64 of the same bits
-        hashes = [norm_hash(h) for h in _INTS.decode(raw)]
-    return _packed(hashes), len(hashes)
-
-
-class _Recheck(Exception):
-    """A stored event's ids are not int arrays: ask ``decode_batch_raw`` for its verdict."""
-
-
-def _stored(
-    payload: bytes | memoryview, page_size: int, check: bool
-) -> tuple[Any, list[tuple[int | None, bytes, int, list[int]]], bool]:
-    """``(batch, [(parent, hashes, pages, tokens)], has a clear)``: the payload's raw view,
-    its indexable ``BlockStored`` events (this page size, int ids, one page of tokens per
-    hash; hashes as ``_packed`` bytes, ``pages`` of them) and whether it holds an
-    ``AllBlocksCleared``. ``check=False``: token ids unchecked by the decoder (decoded here
-    once); ids that are not int arrays raise ``_Recheck``, and the caller decodes again with
-    ``check=True`` -- ``decode_batch_raw``'s own check, raising where it refuses the payload,
-    skipping the event (bigram keys) where not. So is a payload with another page size's
-    stores (not indexed; rare). The result is that of checking, then decoding."""
-    b = wire.decode_batch_raw(payload, check_tokens=check)
-    out: list[tuple[int | None, bytes, int, list[int]]] = []
-    clear = False
-    e: Any
-    for e in b.events:
-        if type(e) not in _STORED_VIEWS:
-            clear = clear or type(e) is AllBlocksCleared
-            continue
-        if e.block_size != page_size:  # not indexed; its ids are still part of the verdict
-            if not check:
-                raise _Recheck()
-            continue
-        try:
-            fast = _wire_hashes(e.block_hashes) or _as_packed(e.block_hashes)
-            tokens = _INTS.decode(e.token_ids)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            if not check:
-                raise _Recheck() from None
-            continue
-        hb, pages = fast
-        if not pages or len(tokens) != page_size * pages:
-            continue
-        out.append((e.parent_block_hash, hb, pages, tokens))
-    return b, out, clear
