@@ -20,9 +20,11 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   page size 1; all full pages at page size > 1). The rest of the output is never inserted,
   so it never changes a block hash or a cache hit.
 
-Memory: the decoded events' hash and token lists (the stored content once, decoded once;
-the replay's own prompts are not copied), and two indexes of event numbers (by parent hash,
-by first token: one int per event each) so that a lookup visits only its candidates.
+Memory: the decoded events' tokens (lists: they are compared with the records' prompts and
+become output ids) and every block hash in one int64 array (``hashes``, decoded from the
+msgpack bytes of all events at once: a hash is only ever looked at, never kept as a Python
+int), and two indexes of event numbers (by parent hash, by first token: one int per event
+each) so that a lookup visits only its candidates.
 """
 
 from __future__ import annotations
@@ -33,20 +35,14 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-import msgspec
+import numpy as np
 
 from kvcadence.format import wire
-from kvcadence.format.bundle import event_payload
+from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
-from kvcadence.format.schema import (
-    AllBlocksCleared,
-    AnnotationRawView,
-    BlockStored,
-    BlockStoredRawView,
-    BlockStoredV17RawView,
-    Int64,
-)
+from kvcadence.format.schema import AnnotationRawView, BlockStored
 from kvcadence.replay.flushes import NOTE_KINDS
+from kvcadence.replay.stored import FrameIds, frame_stores, packed, payload_stores, unpacked
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -58,11 +54,13 @@ FINISH_MAX_EVENTS = 4096
 
 @dataclass(slots=True)
 class StoredEvent:
-    """One ``BlockStored`` event: publish time, parent, block hashes and tokens."""
+    """One ``BlockStored`` event: publish time, parent, where its block hashes are in
+    ``StoreIndex.hashes`` (``off``, ``pages``) and its tokens."""
 
     ts_ns: int
     parent: int | None
-    hashes: list[int]
+    off: int
+    pages: int
     tokens: list[int]
 
 
@@ -72,7 +70,10 @@ class StoreIndex:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.events: list[StoredEvent] = []
+        #: every event's block hashes, in event order (``StoredEvent.off``, ``pages``)
+        self.hashes: np.ndarray = np.zeros(0, np.int64)
         self._ts: list[int] = []
+        self._offs: list[int] = []  # each event's ``off`` (a position's event: bisect)
         #: event indices (ascending) by parent hash and by first token: the candidates the
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
@@ -95,34 +96,52 @@ class StoreIndex:
                         continue
                     raw.append((ts, n, e))
         raw.sort(key=lambda t: (t[0], t[1]))
-        idx._extend([(ts, e.parent_block_hash, e.block_hashes, e.token_ids) for ts, _, e in raw])
+        idx._extend(
+            [
+                (
+                    ts,
+                    None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
+                    packed(e.block_hashes),  # int64, as the parent: SGLang's form
+                    len(e.block_hashes),
+                    e.token_ids,
+                )
+                for ts, _, e in raw
+            ]
+        )
         return idx
 
     @classmethod
     def from_reader(cls, reader: Any, page_size: int, scan: Any = None) -> StoreIndex:
         """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
-        one). Only ``BlockStored`` hashes and tokens are decoded, once
-        (``wire.decode_batch_raw``: removals stay undecoded bytes); an event whose fields are
-        not int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw``
-        refuses holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and
-        annotation of the same pass (a frame with a clear is decoded fully first: a payload
+        one). Only ``BlockStored`` hashes and tokens are decoded, once: the common frame
+        with its payload in one decode (``stored.FrameIds``: token ids into lists, hashes and
+        removals left as bytes), any other through ``wire.decode_batch_raw`` (``stored.payload_stores``);
+        the hashes of all events together, into one array. An event whose fields are not
+        int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw`` refuses
+        holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and annotation
+        of the same pass (a frame with a clear is decoded fully first: a payload
         ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
-        raw: list[tuple[int, int, int | None, list[int], list[int]]] = []
+        raw: list[tuple[int, int, int | None, bytes, int, list[int]]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
-        records = reader.events() if scan is None else reader.events_and_notes(NOTE_KINDS)
+        # event frames: the common payload decoded with the frame (``stored.FrameIds``)
+        records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=FrameIds)
         for n, f in enumerate(records):
-            if type(f) is AnnotationRawView:
-                scan.note(f)
+            t = type(f)
+            if t is AnnotationRawView:
+                if scan is not None:
+                    scan.note(f)
                 continue
-            payload = event_payload(f)
-            try:
-                try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
-                    b, got, clear = _stored(payload, page_size, False)
-                except _Recheck:
-                    b, got, clear = _stored(payload, page_size, True)
-            except Exception:  # noqa: BLE001 - a torn payload holds no usable store
-                continue
+            if t is FrameIds:
+                b = f.payload
+                got = frame_stores(b, page_size)
+                clear = False
+            else:
+                payload = event_payload_view(f)  # decoded here and now: no copy
+                try:
+                    b, got, clear = payload_stores(payload, page_size)
+                except Exception:  # noqa: BLE001 - a torn payload holds no usable store
+                    continue
             if scan is not None:
                 if clear:
                     try:
@@ -134,19 +153,26 @@ class StoreIndex:
                 else:
                     scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
-            for parent, hashes, tokens in got:
-                raw.append((ts, n, parent, hashes, tokens))
+            for parent, hashes, pages, tokens in got:
+                raw.append((ts, n, parent, hashes, pages, tokens))
         raw.sort(key=itemgetter(0, 1))
-        idx._extend([(ts, parent, hashes, tokens) for ts, _, parent, hashes, tokens in raw])
+        idx._extend([(r[0], r[2], r[3], r[4], r[5]) for r in raw])
         return idx
 
-    def _extend(self, rows: list[tuple[int, int | None, list[int], list[int]]]) -> None:
-        """Append events ``(ts, parent, hashes, tokens)``, in publish order, and index them."""
+    def _extend(self, rows: list[tuple[int, int | None, bytes, int, list[int]]]) -> None:
+        """Append events ``(ts, parent, hashes as ``stored.packed`` bytes, pages, tokens)``, in publish
+        order, and index them."""
         base = len(self.events)
-        self.events.extend([StoredEvent(*r) for r in rows])
+        off = len(self.hashes)
+        events = self.events
+        for ts, parent, _, pages, tokens in rows:
+            events.append(StoredEvent(ts, parent, off, pages, tokens))
+            off += pages
+        self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[2] for r in rows]))])
         self._ts.extend([r[0] for r in rows])
+        self._offs.extend([ev.off for ev in events[base:]])
         by_parent, by_first = self._by_parent, self._by_first
-        for ei, (_, parent, _, tokens) in enumerate(rows, base):
+        for ei, (_, parent, _, _, tokens) in enumerate(rows, base):
             lst = by_parent.get(parent)
             if lst is None:
                 by_parent[parent] = [ei]
@@ -158,6 +184,21 @@ class StoreIndex:
                 by_first[first] = [ei]
             else:
                 lst.append(ei)
+
+    def hashes_of(self, ei: int) -> list[int]:
+        """The block hashes of event ``ei``."""
+        ev = self.events[ei]
+        return self.hashes[ev.off : ev.off + ev.pages].tolist()
+
+    def hash_at(self, ei: int, j: int) -> int:
+        """Block hash ``j`` of event ``ei``."""
+        return int(self.hashes[self.events[ei].off + j])
+
+    def _find(self, ei: int, h: int) -> int:
+        """The position of hash ``h`` in event ``ei`` (its first), -1 if absent."""
+        ev = self.events[ei]
+        at = np.flatnonzero(self.hashes[ev.off : ev.off + ev.pages] == h)
+        return int(at[0]) if len(at) else -1
 
     # ------------------------------------------------------------------ lookups
     def prefill_run(
@@ -180,9 +221,9 @@ class StoreIndex:
             return None
         e0, j, n = found
         ev = self.events[e0]
-        base = ev.parent if j == 0 else ev.hashes[j - 1]
+        base = ev.parent if j == 0 else self.hash_at(e0, j - 1)
         segs = [(start, e0, j, n)]
-        cur = ev.hashes[j + n - 1]
+        cur = self.hash_at(e0, j + n - 1)
         p = start + n
         for ei in range(e0 + 1, end):  # later chunks: chained below the last page found
             if p >= pages:
@@ -191,17 +232,14 @@ class StoreIndex:
             if ev.parent == cur:
                 j = 0
             else:
-                try:
-                    j = ev.hashes.index(cur) + 1
-                except ValueError:
+                j = self._find(ei, cur) + 1
+                if j == 0 or j >= ev.pages:
                     continue
-                if j >= len(ev.hashes):
-                    continue
-            n = min(len(ev.hashes) - j, pages - p)
+            n = min(ev.pages - j, pages - p)
             if ev.tokens[j * ps : (j + n) * ps] != prompt[p * ps : (p + n) * ps]:
                 continue
             segs.append((p, ei, j, n))
-            cur = ev.hashes[j + n - 1]
+            cur = self.hash_at(ei, j + n - 1)
             p += n
         return (cur, segs, base) if p >= pages else None
 
@@ -217,7 +255,7 @@ class StoreIndex:
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < end:
             ev = evs[cands[c]]
-            n = min(len(ev.hashes), pages - start)
+            n = min(ev.pages, pages - start)
             if ev.tokens[: n * ps] == prompt[start * ps : (start + n) * ps]:
                 return cands[c], 0, n
             c += 1
@@ -231,7 +269,7 @@ class StoreIndex:
                     break
                 if k % ps == 0:
                     j = k // ps
-                    n = min(len(evs[ei].hashes) - j, pages - start)
+                    n = min(evs[ei].pages - j, pages - start)
                     if toks[k : k + n * ps] == prompt[start * ps : (start + n) * ps]:
                         return ei, j, n
                 k += 1
@@ -272,11 +310,17 @@ class StoreIndex:
         def run(ei: int, j: int) -> tuple[list[int], int, bool, tuple[int, int], bool] | None:
             nonlocal shared, tie
             ev = evs[ei]
-            if j >= len(ev.hashes) or (tail and ev.tokens[j * ps : j * ps + len(tail)] != tail):
+            if j >= ev.pages or (tail and ev.tokens[j * ps : j * ps + len(tail)] != tail):
                 return None
-            m = min(k, len(ev.hashes) - j)
-            merged = j > 0 or j + m < len(ev.hashes)
-            got = ev.tokens[j * ps : (j + m) * ps], ev.hashes[j + m - 1], merged, (ei, j), tie
+            m = min(k, ev.pages - j)
+            merged = j > 0 or j + m < ev.pages
+            got = (
+                ev.tokens[j * ps : (j + m) * ps],
+                self.hash_at(ei, j + m - 1),
+                merged,
+                (ei, j),
+                tie,
+            )
             if (ei, j) in claimed:
                 tie = True
                 if shared is None:
@@ -300,63 +344,20 @@ class StoreIndex:
             if got is not None:
                 return got
             c += 1
+        # the events holding ``h`` among the FINISH_MAX_EVENTS from the finish, by the
+        # horizon: one comparison over their hashes, then the first ``h`` of each event
         i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
-        for ei in range(i, min(len(ts), i + FINISH_MAX_EVENTS)):
-            ev = evs[ei]
-            if ev.ts_ns > horizon:
-                break
-            try:
-                j = ev.hashes.index(h) + 1  # type: ignore[arg-type]
-            except ValueError:
-                continue
-            got = run(ei, j)
-            if got is not None:
-                return got
+        stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        if h is not None and i < stop:
+            lo = evs[i].off
+            hi = evs[stop - 1].off + evs[stop - 1].pages
+            seen = -1
+            for pos in (np.flatnonzero(self.hashes[lo:hi] == h) + lo).tolist():
+                ei = bisect_right(self._offs, pos, i, stop) - 1
+                if ei == seen:
+                    continue  # not the event's first ``h``
+                seen = ei
+                got = run(ei, pos - evs[ei].off + 1)
+                if got is not None:
+                    return got
         return None if shared is None else (shared[0], shared[1], shared[2], shared[3], True)
-
-
-_INTS = msgspec.msgpack.Decoder(list[int])
-_I64S = msgspec.msgpack.Decoder(list[Int64])
-_STORED_VIEWS = (BlockStoredRawView, BlockStoredV17RawView)
-
-
-class _Recheck(Exception):
-    """A stored event's ids are not int arrays: ask ``decode_batch_raw`` for its verdict."""
-
-
-def _stored(
-    payload: bytes, page_size: int, check: bool
-) -> tuple[Any, list[tuple[int | None, list[int], list[int]]], bool]:
-    """``(batch, [(parent, hashes, tokens)], has a clear)``: the payload's raw view, its
-    indexable ``BlockStored`` events (this page size, int ids, one page of tokens per hash;
-    hashes as int64) and whether it holds an ``AllBlocksCleared``. ``check=False``: token ids unchecked by the decoder (decoded here once);
-    ids that are not int arrays raise ``_Recheck``, and the caller decodes again with
-    ``check=True`` -- ``decode_batch_raw``'s own check, raising where it refuses the payload,
-    skipping the event (bigram keys) where not. So is a payload with another page size's
-    stores (not indexed; rare). The result is that of checking, then decoding."""
-    b = wire.decode_batch_raw(payload, check_tokens=check)
-    out: list[tuple[int | None, list[int], list[int]]] = []
-    clear = False
-    e: Any
-    for e in b.events:
-        if type(e) not in _STORED_VIEWS:
-            clear = clear or type(e) is AllBlocksCleared
-            continue
-        if e.block_size != page_size:  # not indexed; its ids are still part of the verdict
-            if not check:
-                raise _Recheck()
-            continue
-        try:
-            try:  # SGLang's hashes are int64: checked in C, no pass over them here
-                hashes = _I64S.decode(e.block_hashes)
-            except msgspec.ValidationError:  # a uint64 wire hash: the int64 of the same bits
-                hashes = [norm_hash(h) for h in _INTS.decode(e.block_hashes)]
-            tokens = _INTS.decode(e.token_ids)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            if not check:
-                raise _Recheck() from None
-            continue
-        if not hashes or len(tokens) != page_size * len(hashes):
-            continue
-        out.append((e.parent_block_hash, hashes, tokens))
-    return b, out, clear

@@ -23,8 +23,11 @@ bound: a closed-loop client's next session (timing only).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -43,10 +46,11 @@ class Node:
     has_successor: bool = False
 
 
-def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]]) -> int:
+def infer_predecessors(nodes: Sequence[Node], hashes: np.ndarray, offsets: Sequence[int]) -> int:
     """Set ``pred`` (index into ``nodes``) on every node that has one (see module doc).
 
-    ``event_hashes[i]``: the block hashes of stored event ``i`` (what ``segs`` point into).
+    ``hashes``: every stored event's block hashes, one array (``outputs.StoreIndex``);
+    ``offsets[i]``: where stored event ``i``'s start in it (what ``segs`` point into).
     Returns how many predecessors were ambiguous: picked by the tie rule among several
     finished requests of the same kind (end / prompt anchor) at the deepest anchor."""
     ties = 0
@@ -55,6 +59,7 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
         (i for i in range(len(nodes)) if nodes[i].finish_ns is not None),
         key=lambda i: (nodes[i].finish_ns, i),
     )
+    hits, hit_hash = _anchor_positions(nodes, hashes)
     anchors: dict[int, list[tuple[int, int]]] = {}  # hash -> [(kind, index)], 0 = end
     fi = 0
     for q in order:
@@ -69,16 +74,7 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
                 anchors.setdefault(rn.prompt_anchor, []).append((1, r))
         if not anchors:
             continue
-        keys = anchors.keys()
-        hit: list[tuple[int, int]] | None = None
-        for hs in _runs(node, event_hashes):  # deepest first
-            if keys.isdisjoint(hs):
-                continue
-            for h in reversed(hs):
-                hit = anchors.get(h)
-                if hit:
-                    break
-            break
+        hit = _deepest(node, anchors, hits, hit_hash, offsets)
         if not hit:
             continue
         best = hit[0]
@@ -98,17 +94,57 @@ def infer_predecessors(nodes: Sequence[Node], event_hashes: Sequence[list[int]])
     return ties
 
 
-def _runs(node: Node, event_hashes: Sequence[list[int]]) -> Iterator[Sequence[int]]:
-    """The page hashes of ``node``'s prompt path in runs, deepest run first: its prefill
-    segments (last first), every page hash of a prompt that stored nothing, the block its
-    prefill attached to."""
+#: the low bits of a hash that ``_anchor_positions``'s table is indexed by
+_TABLE_MASK = (1 << 20) - 1
+
+
+def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[int], list[int]]:
+    """The positions in ``hashes`` holding some node's anchor (ascending), and the hash at
+    each: the only places of a prefill segment a lookup has to look at. Found by one
+    vectorised pass over every stored hash (a table of the anchors' low bits: a gather per
+    hash), the few candidates checked exactly, instead of a set lookup per segment page."""
+    want = {a for n in nodes for a in (n.end_anchor, n.prompt_anchor) if a is not None}
+    if not want or not len(hashes):
+        return [], []
+    table = np.zeros(_TABLE_MASK + 1, bool)
+    table[np.fromiter(want, np.int64, len(want)) & _TABLE_MASK] = True
+    cand = np.flatnonzero(table[hashes & _TABLE_MASK])
+    pos, hs = [], []
+    for p, h in zip(cand.tolist(), hashes[cand].tolist(), strict=True):
+        if h in want:
+            pos.append(p)
+            hs.append(h)
+    return pos, hs
+
+
+def _deepest(
+    node: Node,
+    anchors: dict[int, list[tuple[int, int]]],
+    hits: list[int],
+    hit_hash: list[int],
+    offsets: Sequence[int],
+) -> list[tuple[int, int]] | None:
+    """The anchored requests at the deepest anchor on ``node``'s prompt path: its prefill
+    segments (last first; only their ``hits`` looked at), every page hash of a prompt that
+    stored nothing, the block its prefill attached to. The first run holding an anchor
+    decides: its deepest anchor."""
     for _, ei, j, m in reversed(node.segs):
-        hs = event_hashes[ei]
-        yield hs if j == 0 and m == len(hs) else hs[j : j + m]
+        lo = offsets[ei] + j
+        c = bisect_right(hits, lo + m - 1)
+        while c > 0 and hits[c - 1] >= lo:
+            c -= 1
+            hit = anchors.get(hit_hash[c])
+            if hit:
+                return hit
     if node.path:
-        yield node.path
+        if not anchors.keys().isdisjoint(node.path):
+            for h in reversed(node.path):
+                hit = anchors.get(h)
+                if hit:
+                    return hit
     if node.base is not None:
-        yield (node.base,)
+        return anchors.get(node.base)
+    return None
 
 
 def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> list[int | None]:

@@ -307,9 +307,78 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
     rd = BundleReader(tmp_path / "b")
     scan = FlushScan(rd.header)
     index = StoreIndex.from_reader(rd, 1, scan)
-    got = [(e.hashes, e.tokens) for e in index.events]
+    got = [(index.hashes_of(i), e.tokens) for i, e in enumerate(index.events)]
     assert got == [([1], [5]), ([3], [7]), ([5], [8]), ([-5], [6])]
     assert len(scan.lag[0]) == 4  # the refused frame is not scanned either
+
+
+def test_index_frames_decoded_with_their_payload_index_as_the_checked_path(tmp_path):
+    """``from_reader`` decodes the common event frame with its payload in one pass
+    (``events_and_notes(events_as=...)``); a frame that struct refuses (a clear, a 2-element
+    batch, ids that are no ints) comes as ``EventFrame``. Either way the index and the
+    flushes are what every frame through ``stored.payload_stores`` gives."""
+    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from kvcadence.format.schema import EventFrame
+    from kvcadence.replay.flushes import FlushScan
+    from kvcadence.replay.stored import FrameIds
+    from tests.analysis.helpers import T0, header
+
+    def ev(h: int, toks: object, parent: int | None = None, size: int = 1) -> dict:
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h],
+            "parent_block_hash": parent,
+            "token_ids": toks,
+            "block_size": size,
+            "lora_id": None,
+        }
+
+    removed = {"type": "BlockRemoved", "block_hashes": [2**40 + 1]}
+    payloads = [
+        [1.0, [ev(2**40 + 1, [5]), removed], None],  # typed: a 64-bit hash
+        [2.0, [ev(3, [6], 2**40 + 1), ev(-(2**50), [7], 3)], 0],  # a small hash, then 64-bit
+        [3.0, [ev(4, [1, 2, 3, 4], size=4), ev(5, [8])], None],  # another page size: skipped
+        [4.0, [{"type": "AllBlocksCleared"}, ev(6, [9])], None],  # a clear: EventFrame
+        [5.0, [ev(7, [10])]],  # no attn_dp_rank: EventFrame, refused by the wire layer
+        [6.0, [ev(8, [[1, 2]]), ev(9, [11])], None],  # bigram keys: EventFrame
+    ]
+    with BundleWriter(tmp_path / "b", header()) as w:
+        for seq, pl in enumerate(payloads):
+            w.write_event(
+                endpoint=0,
+                seq=seq,
+                recv_ns=T0 + seq,
+                topic="kv-events",
+                payload=msgspec.msgpack.encode(pl),
+                via=0,
+                epoch=0,
+            )
+    got = list(BundleReader(tmp_path / "b").events_and_notes((), events_as=FrameIds))
+    assert [type(f) for f in got] == [FrameIds] * 3 + [EventFrame] * 3
+
+    class Plain:  # the same reader, every frame as EventFrame
+        def __init__(self, rd):
+            self.rd, self.header = rd, rd.header
+
+        def events_and_notes(self, kinds, events_as=None):
+            return self.rd.events_and_notes(kinds)
+
+    def content(rd):
+        scan = FlushScan(rd.header)
+        idx = StoreIndex.from_reader(rd, 1, scan)
+        evs = [(e.ts_ns, e.parent, idx.hashes_of(i), e.tokens) for i, e in enumerate(idx.events)]
+        return evs, scan.result(), scan.lag
+
+    typed = content(BundleReader(tmp_path / "b"))
+    assert typed == content(Plain(BundleReader(tmp_path / "b")))
+    assert [(e[2], e[3]) for e in typed[0]] == [
+        ([2**40 + 1], [5]),
+        ([3], [6]),
+        ([-(2**50)], [7]),
+        ([5], [8]),
+        ([6], [9]),
+        ([9], [11]),
+    ]
 
 
 def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
@@ -365,6 +434,6 @@ def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
     rd = BundleReader(tmp_path / "b")
     scan = FlushScan(rd.header)
     index = StoreIndex.from_reader(rd, 1, scan)
-    assert [(e.hashes, e.tokens) for e in index.events] == [([11], [5])]
+    assert [(index.hashes_of(i), e.tokens) for i, e in enumerate(index.events)] == [([11], [5])]
     want = [RecordedFlush(T0 + 5)]
     assert scan.result() == want == recorded_flushes(BundleReader(tmp_path / "b"))

@@ -197,14 +197,20 @@ _VIEW_DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
 # events and notes with the notes' data undecoded (``BundleReader.events_and_notes``)
 EVENTS_NOTES_RAW = msgspec.msgpack.Decoder(Union[EventFrame, AnnotationRawView])
 NOTE_RAW = msgspec.msgpack.Decoder(AnnotationRawView)
-#: what ``events_and_notes_decoder``'s function returns for a note of a kind not asked for
+#: what ``events_and_notes_decoder``'s function returns for a frame it skips unread
 SKIPPED = object()
+#: a note's first bytes after its array header (fixstr ``"note"``)
+_NOTE_HEAD = b"\xa4note"
+#: a format 2.0 packed request's (fixstr tag): skipped unread by ``events_and_notes``, as
+#: the reader's slow path skips a known record nobody asked for (no exception on the way)
+_PACKED_HEAD = bytes([0xA0 | len(PACKED_TAG)]) + PACKED_TAG
 
 
 def _note_kind(body: memoryview) -> bytes | None:
     """The ``kind`` bytes of a note frame (``["note", kind, ...]``, kind a fixstr or str8),
-    or None when ``body`` is not shaped so (not a note, or one to decode to find out)."""
-    if len(body) < 7 or not 0x93 <= body[0] <= 0x9F or bytes(body[1:6]) != b"\xa4note":
+    or None when ``body`` is not shaped so (not a note, or one to decode to find out).
+    ``body[1:6]`` is known to be ``_NOTE_HEAD``."""
+    if len(body) < 7 or body[0] < 0x93:
         return None
     b = body[6]
     if 0xA0 <= b <= 0xBF:
@@ -216,22 +222,46 @@ def _note_kind(body: memoryview) -> bytes | None:
     return bytes(body[start : start + n]) if start + n <= len(body) else None
 
 
-def events_and_notes_decoder(kinds: frozenset[str] | None) -> Any:
+def events_and_notes_decoder(kinds: frozenset[str] | None, events_as: Any = None) -> Any:
     """The reader's fast path for ``events_and_notes``: an ``EventFrame`` or an
     ``AnnotationRawView``; a note whose kind (read from its first bytes) is not in ``kinds``
-    comes back as ``SKIPPED``, undecoded and unchecked (None: every note decoded)."""
-    decode = EVENTS_NOTES_RAW.decode
+    comes back as ``SKIPPED``, undecoded and unchecked (None: every note decoded), and so
+    does a packed request (by its first bytes; the slow path would skip it undecoded).
+    ``events_as``: a struct type tried first (a caller's stricter ``EventFrame``, e.g. with
+    its payload typed, decoded in the same pass); a frame it refuses decodes as usual."""
+    decode: Any = EVENTS_NOTES_RAW.decode
+    if events_as is not None:
+        typed, plain = _events_as_decoder(events_as).decode, decode
+
+        def either(body: memoryview) -> Any:
+            try:
+                return typed(body)
+            except msgspec.DecodeError:  # ValidationError included
+                return plain(body)
+
+        decode = either
     if kinds is None:
         return decode
     wanted = frozenset(k.encode() for k in kinds)
 
     def fast(body: memoryview) -> Any:
-        k = _note_kind(body)
-        if k is not None and k not in wanted:
-            return SKIPPED
+        if 0x91 <= body[0] <= 0x9F:
+            head = bytes(body[1:6])
+            if head == _NOTE_HEAD:
+                k = _note_kind(body)
+                if k is not None and k not in wanted:
+                    return SKIPPED
+            elif head == _PACKED_HEAD:
+                return SKIPPED
         return decode(body)
 
     return fast
+
+
+@functools.cache
+def _events_as_decoder(events_as: Any) -> msgspec.msgpack.Decoder[Any]:
+    """``events_and_notes``'s decoder with ``events_as`` for the events."""
+    return msgspec.msgpack.Decoder(Union[events_as, AnnotationRawView])
 
 
 # requests only (``requests()``, ``iter_kinds("request")``): either layout

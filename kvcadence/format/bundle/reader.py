@@ -68,7 +68,6 @@ from kvcadence.format.bundle.segments import (
 from kvcadence.format.bundle.window import SegmentWindow
 from kvcadence.format.schema import (
     READABLE_MAJORS,
-    AnnotationRawView,
     BundleRecord,
     EventFrame,
     Header,
@@ -297,12 +296,14 @@ class BundleReader:
         views: bool = False,
         notes_raw: bool = False,
         note_kinds: frozenset[str] | None = None,
+        events_as: Any = None,
     ) -> Iterator[ReadRecord]:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
         request frames decode as ``RequestRecordView`` (every other record as usual); ``notes_raw``:
         notes as ``AnnotationRawView`` (``events_and_notes``), those of other kinds than
-        ``note_kinds`` (when given) skipped."""
+        ``note_kinds`` (when given) skipped, event frames as ``events_as`` where it
+        decodes them."""
         report = ReadReport(
             missing_segments=list(self.missing_segments),
             refused_segments=list(self.refused_segments),
@@ -319,7 +320,7 @@ class BundleReader:
         fast = fast_decoder(wanted, views)
         if notes_raw:  # events_and_notes
             decoders = {**decoders, b"note": NOTE_RAW}
-            fast = events_and_notes_decoder(note_kinds)
+            fast = events_and_notes_decoder(note_kinds, events_as)
         last = len(self.segments) - 1
         rec: Any
         for i, seg in enumerate(self.segments):
@@ -441,18 +442,22 @@ class BundleReader:
         return list(self._iter(frozenset((b"request",))))  # type: ignore[arg-type]
 
     def events_and_notes(
-        self, kinds: Iterable[str] | None = None
-    ) -> Iterator[EventFrame | AnnotationRawView]:
+        self, kinds: Iterable[str] | None = None, events_as: Any = None
+    ) -> Iterator[Any]:
         """The ``EventFrame``s and the ``Annotation``s in order, the notes as
         ``AnnotationRawView`` (``data`` left as msgpack bytes: decode it where the kind asks
         for it). A note whose ``data`` is not a map, which ``iter_kinds("note")`` reports as
         undecodable, is yielded: a caller decoding its data checks that itself.
         ``kinds``: only the notes of these kinds; the others are skipped by their first
-        bytes, not decoded (so not checked either: a damaged one is not reported)."""
-        return self._iter(  # type: ignore[return-value]
+        bytes, not decoded (so not checked either: a damaged one is not reported).
+        ``events_as``: a stricter struct for event frames, tried first (tag ``"event"``,
+        ``EventFrame``'s fields, e.g. a typed payload decoded in the same pass instead of
+        skipped as ``Raw``); a frame it refuses comes as ``EventFrame``."""
+        return self._iter(
             frozenset((b"event", b"note")),
             notes_raw=True,
             note_kinds=None if kinds is None else frozenset(kinds),
+            events_as=events_as,
         )
 
     def iter_kinds(self, *tags: str) -> Iterator[BundleRecord]:

@@ -1,0 +1,204 @@
+"""The stored events of a capture's event frames, decoded for ``outputs.StoreIndex``.
+
+What this file owns: reading a frame's indexable ``BlockStored`` events -- this page size,
+int token ids, one page of tokens per hash -- as ``(parent, hashes, pages, tokens)``, the
+hashes as the bytes of 64-bit msgpack ints (``packed``) that ``unpacked`` turns into one
+int64 array for every event at once. Two routes, one result:
+
+* ``FrameIds`` (``frame_stores``): the common frame decoded with its payload in the reader's
+  one decode (``BundleReader.events_and_notes(events_as=FrameIds)``): token ids into lists,
+  hashes and removals left as bytes;
+* any other frame (``payload_stores``): ``wire.decode_batch_raw`` of its payload, token ids
+  decoded once; where they are not int arrays, ``decode_batch_raw``'s checked verdict
+  (an event skipped, or the whole payload refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from kvcadence.format import wire
+from kvcadence.format.hashes import norm_hash
+from kvcadence.format.schema import (
+    AllBlocksCleared,
+    BlockRemovedRawView,
+    BlockStoredRawView,
+    BlockStoredV17RawView,
+    BundleRecordBase,
+    Int64,
+    KVCacheEvent,
+)
+
+#: an indexable store: (parent hash, hashes as ``packed`` bytes, pages, token ids)
+Store = tuple[int | None, bytes, int, list[int]]
+
+_INTS = msgspec.msgpack.Decoder(list[int])
+_I64S = msgspec.msgpack.Decoder(list[Int64])
+_STORED_VIEWS = (BlockStoredRawView, BlockStoredV17RawView)
+#: a 64-bit msgpack int: its type byte (0xcf uint64, 0xd3 int64), then 8 bytes big-endian
+_WIRE_I64 = np.dtype([("t", "u1"), ("v", ">i8")])
+
+
+def packed(hashes: list[int]) -> bytes:
+    """``hashes`` (ints of 64 bits, either sign) as ``unpacked`` reads them."""
+    out = np.empty(len(hashes), _WIRE_I64)
+    out["t"] = 0xD3
+    out["v"] = [norm_hash(h) for h in hashes]
+    return out.tobytes()
+
+
+def unpacked(buf: bytes) -> np.ndarray:
+    """The int64 array of ``buf``'s 64-bit msgpack ints (``_wire_hashes``, ``packed``: a
+    uint64 one as the int64 of the same bits, SGLang's form, as ``norm_hash``)."""
+    return np.frombuffer(buf, _WIRE_I64)["v"].astype(np.int64)
+
+
+def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
+    """``(elements, count)`` of a msgpack array of hashes when every element is a 64-bit
+    int (``0xcf``/``0xd3`` and 8 bytes: SGLang's hashes but ~1 in 2**32): the elements'
+    bytes, decoded later with every other event's (``unpacked``); None when not so shaped
+    (decode it as a list instead)."""
+    bb = bytes(raw)
+    if not bb:
+        return None
+    b0 = bb[0]
+    if 0x90 <= b0 <= 0x9F:
+        h, n = 1, b0 & 0x0F
+    elif b0 == 0xDC and len(bb) >= 3:
+        h, n = 3, bb[1] << 8 | bb[2]
+    elif b0 == 0xDD and len(bb) >= 5:
+        h, n = 5, int.from_bytes(bb[1:5], "big")
+    else:
+        return None
+    if len(bb) - h != 9 * n or bb[h::9].strip(b"\xcf\xd3"):
+        return None
+    return bb[h:], n
+
+
+class _StoredIds(KVCacheEvent, tag="BlockStored"):
+    """``BlockStoredRawView`` with its token ids decoded in the frame's one decode (not
+    skipped as ``Raw``, then decoded). Typed as the view otherwise."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Int64 | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _BatchIds(msgspec.Struct, array_like=True, gc=False):
+    """``KVEventBatchRawView`` with ``_StoredIds`` for its stores; no clear (a frame with
+    one is decoded fully for the flush scan anyway) and ``attn_dp_rank`` present (a
+    2-element batch is not ``decode_batch_raw``'s typed view: its checked path decides)."""
+
+    ts: float
+    events: list[Union[_StoredIds, BlockRemovedRawView]]
+    attn_dp_rank: int | None
+
+
+class FrameIds(BundleRecordBase, tag="event"):
+    """``EventFrame`` with the common payload decoded in the frame's decode (one pass over
+    its ids, not a ``Raw`` skip and a second decode): map-shaped stores and removals.
+    Where this decodes, ``wire.decode_batch_raw``'s typed view of the payload does too,
+    with the same events and token ids that its check accepts (msgpack encoders write a
+    3-element array as ``0x93``, what that view asks for). A frame it refuses
+    (``payload_is_bin``, a clear, 0.5.17 arrays, ids that are not ints, ...) comes as
+    ``EventFrame`` and takes ``payload_stores``."""
+
+    endpoint: int
+    seq: int
+    recv_ns: int
+    topic: str
+    via: int
+    epoch: int
+    payload_is_bin: bool
+    payload: _BatchIds
+    pass_index: int = -1
+
+
+def frame_stores(b: _BatchIds, page_size: int) -> list[Store]:
+    """``_stored``'s indexable stores of a ``FrameIds`` payload, the same: its token ids
+    are int arrays (``decode_batch_raw``'s check passes), so a store of another page size,
+    or whose hashes are not ints, is skipped and the others kept."""
+    out: list[Store] = []
+    for e in b.events:
+        if type(e) is not _StoredIds or e.block_size != page_size:
+            continue
+        hashes = _wire_hashes(e.block_hashes)
+        if hashes is None:
+            try:
+                hashes = _aspacked(e.block_hashes)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        hb, pages = hashes
+        if pages and len(e.token_ids) == page_size * pages:
+            out.append((e.parent_block_hash, hb, pages, e.token_ids))
+    return out
+
+
+def _aspacked(raw: msgspec.Raw) -> tuple[bytes, int]:
+    """A msgpack array of hashes not shaped as ``_wire_hashes`` reads, decoded as ints
+    (int64; a uint64 as the int64 of the same bits): ``(_packed bytes, count)``."""
+    try:  # SGLang's hashes are int64: checked in C, no pass over them here
+        hashes = _I64S.decode(raw)
+    except msgspec.ValidationError:  # a uint64 wire hash: the int64 of the same bits
+        hashes = [norm_hash(h) for h in _INTS.decode(raw)]
+    return packed(hashes), len(hashes)
+
+
+def payload_stores(payload: bytes | memoryview, page_size: int) -> tuple[Any, list[Store], bool]:
+    """``(batch, stores, has a clear)`` of an event payload (``_stored``; its checked
+    verdict where the ids are not int arrays); raises where ``decode_batch_raw`` refuses
+    the payload."""
+    try:  # token ids decoded once, here; a refusal is decode_batch_raw's verdict
+        return _stored(payload, page_size, False)
+    except _Recheck:
+        return _stored(payload, page_size, True)
+
+
+class _Recheck(Exception):
+    """A stored event's ids are not int arrays: ask ``decode_batch_raw`` for its verdict."""
+
+
+def _stored(
+    payload: bytes | memoryview, page_size: int, check: bool
+) -> tuple[Any, list[Store], bool]:
+    """``(batch, [(parent, hashes, pages, tokens)], has a clear)``: the payload's raw view,
+    its indexable ``BlockStored`` events (this page size, int ids, one page of tokens per
+    hash; hashes as ``packed`` bytes, ``pages`` of them) and whether it holds an
+    ``AllBlocksCleared``. ``check=False``: token ids unchecked by the decoder (decoded here
+    once); ids that are not int arrays raise ``_Recheck``, and the caller decodes again with
+    ``check=True`` -- ``decode_batch_raw``'s own check, raising where it refuses the payload,
+    skipping the event (bigram keys) where not. So is a payload with another page size's
+    stores (not indexed; rare). The result is that of checking, then decoding."""
+    b = wire.decode_batch_raw(payload, check_tokens=check)
+    out: list[Store] = []
+    clear = False
+    e: Any
+    for e in b.events:
+        if type(e) not in _STORED_VIEWS:
+            clear = clear or type(e) is AllBlocksCleared
+            continue
+        if e.block_size != page_size:  # not indexed; its ids are still part of the verdict
+            if not check:
+                raise _Recheck()
+            continue
+        try:
+            fast = _wire_hashes(e.block_hashes) or _aspacked(e.block_hashes)
+            tokens = _INTS.decode(e.token_ids)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            if not check:
+                raise _Recheck() from None
+            continue
+        hb, pages = fast
+        if not pages or len(tokens) != page_size * pages:
+            continue
+        out.append((e.parent_block_hash, hb, pages, tokens))
+    return b, out, clear
