@@ -202,7 +202,12 @@ def _register_drive(sub: Any) -> None:
         help="after N requests were sent, let them finish, POST /flush_cache (recorded as an "
         "Annotation) and go on (repeatable)",
     )
-    p.add_argument("--rid-prefix", default="", metavar="P", help="prefix every request id with P")
+    p.add_argument(
+        "--rid-prefix",
+        default="",
+        metavar="P",
+        help="prefix every request id with P (default: none)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary lines")
     _add_endpoint_opts(p)
     p.set_defaults(_run=run_drive)
