@@ -87,10 +87,19 @@ def walk_parsers(
 
 def build_parser(stages: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """Build the parser with every registered command (or only those of ``stages``)."""
+    prog, epilog = "kvcadence", EPILOG
+    if stages is not None:  # ``python -m kvcadence.<stage>``: its own name, its own commands
+        prog = "python -m kvcadence." + "/".join(stages)
+        first = f"{prog} COMMAND --help"
+        epilog = (
+            "examples:\n"
+            f"  {first}   # every flag of one command, with examples\n"
+            f"  {'kvcadence --help':<{len(first)}}   # every command of every stage\n\n"
+        )
     parser = argparse.ArgumentParser(
-        prog="kvcadence",
+        prog=prog,
         description=DESCRIPTION,
-        epilog=EPILOG + exit_code_table(),
+        epilog=epilog + exit_code_table(),
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvcadence {__version__}")
@@ -133,8 +142,9 @@ def main(argv: Sequence[str] | None = None, stages: Sequence[str] | None = None)
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"kvcadence: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2 if exc.filename else 1
-    except KeyboardInterrupt:
-        print("kvcadence: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        why = f"; {exc}" if exc.args else ""  # e.g. "the unfinished output X was removed"
+        print(f"kvcadence: interrupted{why}", file=sys.stderr)
         return 130
     except RecursionError:
         # the last line of defence against hostile nesting (inputs are depth-checked on entry)

@@ -92,7 +92,10 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (2, "usage or input error: bad flag, missing or malformed input file"),
     (3, "a data-quality or fidelity gate failed (report)"),
     (4, "capture recorded zero KV-event messages (wrong endpoint? KV events off?)"),
-    (130, "interrupted (Ctrl-C; SIGTERM or SIGHUP while harness start waits)"),
+    (
+        130,
+        "interrupted (Ctrl-C; SIGTERM during replay; SIGTERM or SIGHUP while harness start waits)",
+    ),
 )
 
 

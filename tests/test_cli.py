@@ -176,3 +176,17 @@ def test_drive_with_an_unknown_workload_key_lists_the_valid_ones(
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "unknown key 'lane' (did you mean lanes?); valid keys: lanes, requests, seed" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("stage", ["capture", "replay", "admit", "analysis", "harness"])
+def test_a_stage_entry_point_names_itself_and_only_its_commands(stage: str) -> None:
+    """``python -m kvcadence.<stage> --help``: the usage line is that command line, and the
+    examples name no command the stage does not have (they used to offer demo/report)."""
+    from kvcadence.cli import build_parser
+
+    text = build_parser(stages=(stage,)).format_help()
+    assert text.startswith(f"usage: python -m kvcadence.{stage} ")
+    examples = text.split("examples:", 1)[1].split("exit codes:", 1)[0]
+    assert f"python -m kvcadence.{stage} COMMAND --help" in examples
+    assert "kvcadence demo" not in examples and "kvcadence report" not in examples
+    assert build_parser().format_help().startswith("usage: kvcadence ")

@@ -30,7 +30,7 @@ examples:
   kvcadence admit --synthetic-grid --l1-cached-tokens 0,4096 --l2-cached-tokens 0,4096 \\
     --extend-tokens 128,2048 --available-tokens 20000 --max-prefill-tokens 16384 \\
     --cp-max-total-extend-tokens 65536 --cp-max-batch-requests 8 --output text
-  kvcadence admit --requests-jsonl requests.jsonl --available-tokens 200000 \\
+  kvcadence admit --requests-jsonl admission.jsonl --available-tokens 200000 \\
     --cp-max-total-extend-tokens 65536 --cp-max-total-cached-tokens 131072 --output json
   kvcadence admit --bundle run.kvcb --output text
   kvcadence admit --bundle run.kvcb --available-tokens 500 --chunked-prefill-size 256

@@ -401,7 +401,8 @@ def run_capture_import(args: argparse.Namespace) -> int:
     check_encodable(records)  # a record that cannot be written fails before the bundle opens
     refuse_duplicate_rids(records, "capture import")  # e.g. metrics and request log together
     out = Path(args.bundle)
-    if out.exists() and any(out.iterdir()):
+    created = not (out.exists() and any(out.iterdir()))
+    if not created:
         refuse_known_rids(out, records)  # never a request twice
         writer = BundleWriter.append(out)
     else:
@@ -410,7 +411,9 @@ def run_capture_import(args: argparse.Namespace) -> int:
         for rec in records:
             writer.write(rec)
     if not args.quiet:
-        print(f"capture import: {len(records)} request records -> {out}", file=sys.stderr)
+        # a new bundle holds requests only: said, so a mistyped capture name is seen at once
+        new = " (a new bundle: no KV events, no server info)" if created else ""
+        print(f"capture import: {len(records)} request records -> {out}{new}", file=sys.stderr)
     return 0
 
 
