@@ -445,3 +445,26 @@ def test_a_bundle_directory_the_file_system_refuses_is_exit_2(tmp_path, monkeypa
     assert main(["replay", str(SAMPLE), "--out", str(tmp_path / "x.kvcb"), "--quiet"]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert "x.kvcb: cannot create the bundle directory (Operation not permitted)" in line
+
+
+SEG = SAMPLE / "seg-000000.kvcb"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["import", "--frames", str(SAMPLE), "--out"],
+        ["import", "--frames", str(SEG), "--out"],
+        ["import", "--frames", str(FIX / "events.jsonl"), "--requests", str(SAMPLE), "--out"],
+        ["replay", "--trace", str(SEG), "--page-size", "1", "--max-total-tokens", "99", "--out"],
+        ["admit", "--requests-jsonl", str(SAMPLE), "--available-tokens", "99", "--out"],
+        ["admit", "--requests-jsonl", str(SEG), "--available-tokens", "99", "--out"],
+    ],
+)
+def test_a_bundle_where_jsonl_is_expected_is_named_a_bundle(tmp_path, capsys, argv):
+    """A bundle (or one of its segment files) given for a JSONL input: one line that says it
+    is a bundle, not 'Is a directory' or a JSON/UTF-8 decoding error at byte 0."""
+    assert main([*argv, str(tmp_path / "o")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "a kvcadence bundle" in line and "not a" in line, line
+    assert not (tmp_path / "o").exists()

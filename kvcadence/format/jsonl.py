@@ -20,6 +20,7 @@ import msgspec
 
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bounds import MAX_DP_SIZE, MAX_JSON_DEPTH, too_deep
+from kvcadence.format.bundle.segments import MAGIC as BUNDLE_SEGMENT_MAGIC
 from kvcadence.format.schema import RequestRecord
 
 U64_MAX = 2**64 - 1
@@ -166,6 +167,11 @@ def jsonl_lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
     except FileNotFoundError:
         raise UsageError(f"{what} file not found: {path}") from None
     except OSError as exc:
+        if Path(path).is_dir() and any(Path(path).glob("seg-*.kvcb")):
+            raise UsageError(
+                f"{path}: a kvcadence bundle, not a {what} JSONL file (a bundle goes where "
+                "a command takes BUNDLE)"
+            ) from None
         raise UsageError(f"cannot read {what} file {path}: {exc.strerror}") from None
     with f:
         for lineno, line in enumerate(f, 1):
@@ -175,6 +181,11 @@ def jsonl_lines(path: Path, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
             try:
                 obj = msgspec.json.decode(line)
             except msgspec.DecodeError as exc:
+                if lineno == 1 and line.startswith(BUNDLE_SEGMENT_MAGIC):
+                    raise InputError(
+                        f"{path}: a kvcadence bundle segment, not a {what} JSONL file (give "
+                        "its bundle directory where a command takes BUNDLE)"
+                    ) from None
                 raise InputError(f"{where}: not valid JSON ({exc})") from None
             except RecursionError:
                 obj = _TOO_DEEP  # too deep for the decoder: refused just below
