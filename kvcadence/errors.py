@@ -78,6 +78,11 @@ class HarnessError(KvcadenceError):
     """The real-SGLang CPU harness could not be built or started."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a signal taken as it) with a note for the user: the CLI prints
+    ``kvcadence: interrupted; <note>`` and exits 130 (e.g. the unfinished output removed)."""
+
+
 class GateFailed(KvcadenceError):
     """A data-quality or fidelity gate failed (exit 3)."""
 
@@ -108,6 +113,7 @@ __all__ = [
     "EXIT_CODES",
     "exit_code_table",
     "KvcadenceError",
+    "Interrupted",
     "UsageError",
     "InputError",
     "WireError",

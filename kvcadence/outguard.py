@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import KvcadenceError, UsageError
+from kvcadence.errors import Interrupted, KvcadenceError, UsageError
 
 _SEGMENT_NAME = re.compile(r"^seg-\d{6,}\.kvcb$")
 
@@ -164,7 +164,7 @@ def removed_on_failure(run: Callable[[Any], int], attr: str = "out") -> Callable
                 shutil.rmtree(p, ignore_errors=True)
                 if was_dir:
                     p.mkdir(exist_ok=True)
-                raise KeyboardInterrupt(f"the unfinished output {p} was removed") from None
+                raise Interrupted(f"the unfinished output {p} was removed") from None
             raise
         except BaseException as exc:
             if fresh and p is not None and p.exists() and _write_failure(exc):
