@@ -468,3 +468,28 @@ def test_a_bundle_where_jsonl_is_expected_is_named_a_bundle(tmp_path, capsys, ar
     line = one_error_line(capsys.readouterr().err)
     assert "a kvcadence bundle" in line and "not a" in line, line
     assert not (tmp_path / "o").exists()
+
+
+def test_import_names_the_out_it_was_given_when_the_file_system_refuses(
+    tmp_path, monkeypatch, capsys
+):
+    """`import` writes into a hidden staging directory; when even that cannot be made (root
+    on /sys), the one line names the --out the user gave, not the hidden name, exit 2."""
+    import errno
+
+    real_mkdir = Path.mkdir
+
+    def refuse(self: Path, *a: object, **k: object) -> None:
+        if self.name.startswith(".y.kvcb.partial"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+        real_mkdir(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    out = tmp_path / "y.kvcb"
+    assert main(["import", "--frames", str(FIX / "events.jsonl"), "--out", str(out)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert (
+        line
+        == f"kvcadence: error: {out}: cannot create the bundle directory (Operation not permitted)"
+    )
+    assert not out.exists() and not list(tmp_path.iterdir())
