@@ -19,9 +19,10 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 from kvcadence import __version__
-from kvcadence.errors import KvcadenceError, exit_code_table
+from kvcadence.errors import Interrupted, KvcadenceError, exit_code_table
 
 # (stage, module) in the order they appear in --help.
 COMMAND_MODULES: tuple[tuple[str, str], ...] = (
@@ -74,6 +75,16 @@ class HelpFormatter(argparse.HelpFormatter):
         return "\n\n".join(out)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's error shape: a bad flag or a missing argument is one
+    ``kvcadence: error: ...`` line naming the command's ``--help`` (argparse printed the
+    usage block first, and the top-level usage for a subcommand's unknown flag), exit 2.
+    Every parser of the tree is one (subparsers take their parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvcadence: error: {message} (see {self.prog} --help)\n")
+
+
 def walk_parsers(
     parser: argparse.ArgumentParser, path: tuple[str, ...] = ("kvcadence",)
 ) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
@@ -87,10 +98,19 @@ def walk_parsers(
 
 def build_parser(stages: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """Build the parser with every registered command (or only those of ``stages``)."""
-    parser = argparse.ArgumentParser(
-        prog="kvcadence",
+    prog, epilog = "kvcadence", EPILOG
+    if stages is not None:  # ``python -m kvcadence.<stage>``: its own name, its own commands
+        prog = "python -m kvcadence." + "/".join(stages)
+        first = f"{prog} COMMAND --help"
+        epilog = (
+            "examples:\n"
+            f"  {first}   # every flag of one command, with examples\n"
+            f"  {'kvcadence --help':<{len(first)}}   # every command of every stage\n\n"
+        )
+    parser = Parser(
+        prog=prog,
         description=DESCRIPTION,
-        epilog=EPILOG + exit_code_table(),
+        epilog=epilog + exit_code_table(),
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvcadence {__version__}")
@@ -107,6 +127,7 @@ def build_parser(stages: Sequence[str] | None = None) -> argparse.ArgumentParser
         module.register(sub)
     for _, p in walk_parsers(parser):
         p.formatter_class = HelpFormatter
+        p.set_defaults(_prog=p.prog)  # the deepest parser's wins: whose --help to name
     return parser
 
 
@@ -114,7 +135,10 @@ def main(argv: Sequence[str] | None = None, stages: Sequence[str] | None = None)
     """Run one command; return its exit code (``kvcadence.errors.EXIT_CODES``)."""
     started = time.perf_counter()  # "wall" in a summary is the whole command from here
     parser = build_parser(stages)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named against the command they were given to, not the top-level parser
+        msg = f"unrecognized arguments: {' '.join(extra)}"
+        parser.exit(2, f"kvcadence: error: {msg} (see {args._prog} --help)\n")
     args._started = started
     run = getattr(args, "_run", None)
     if run is None:
@@ -133,8 +157,10 @@ def main(argv: Sequence[str] | None = None, stages: Sequence[str] | None = None)
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"kvcadence: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2 if exc.filename else 1
-    except KeyboardInterrupt:
-        print("kvcadence: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        # a note only from kvcadence's own Interrupted ("the unfinished output X was removed")
+        why = f"; {exc}" if isinstance(exc, Interrupted) and exc.args else ""
+        print(f"kvcadence: interrupted{why}", file=sys.stderr)
         return 130
     except RecursionError:
         # the last line of defence against hostile nesting (inputs are depth-checked on entry)

@@ -80,7 +80,10 @@ def register(sub: Any) -> None:
         "  kvcadence demo --live --requests 16   # needs 'kvcadence harness setup' first\n",
     )
     p.add_argument(
-        "--out", default=DEFAULT_OUT, metavar="DIR", help=f"output directory ({DEFAULT_OUT})"
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help=f"output directory (default {DEFAULT_OUT})",
     )
     p.add_argument(
         "--bundle", metavar="B", help="a capture bundle to use instead of the embedded sample"

@@ -78,6 +78,11 @@ class HarnessError(KvcadenceError):
     """The real-SGLang CPU harness could not be built or started."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a signal taken as it) with a note for the user: the CLI prints
+    ``kvcadence: interrupted; <note>`` and exits 130 (e.g. the unfinished output removed)."""
+
+
 class GateFailed(KvcadenceError):
     """A data-quality or fidelity gate failed (exit 3)."""
 
@@ -92,7 +97,10 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (2, "usage or input error: bad flag, missing or malformed input file"),
     (3, "a data-quality or fidelity gate failed (report)"),
     (4, "capture recorded zero KV-event messages (wrong endpoint? KV events off?)"),
-    (130, "interrupted (Ctrl-C; SIGTERM or SIGHUP while harness start waits)"),
+    (
+        130,
+        "interrupted (Ctrl-C; SIGTERM during replay; SIGTERM or SIGHUP while harness start waits)",
+    ),
 )
 
 
@@ -105,6 +113,7 @@ __all__ = [
     "EXIT_CODES",
     "exit_code_table",
     "KvcadenceError",
+    "Interrupted",
     "UsageError",
     "InputError",
     "WireError",

@@ -18,7 +18,8 @@ What this file owns, for every command that writes an ``--out``:
 * ``removed_on_failure(run, flag_attr)`` -- wraps a command whose ``--out`` directory it
   creates (``replay``): when the command fails on the file system (a full disk, an I/O error,
   a failure from a writer library) the output it began is removed again, so a full disk
-  leaves no partial sim bundle or sweep directory behind. An output that existed before
+  leaves no partial sim bundle or sweep directory behind; so does an interruption (Ctrl-C,
+  and SIGTERM, which replay raises as Ctrl-C), exit 130 as before. An output that existed before
   (refused anyway) is never touched; a deliberate run-time verdict without an ``OSError``
   behind it (``replay``'s "no request ran", which keeps the written bundle) is not a failure
   of the write.
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import KvcadenceError, UsageError
+from kvcadence.errors import Interrupted, KvcadenceError, UsageError
 
 _SEGMENT_NAME = re.compile(r"^seg-\d{6,}\.kvcb$")
 
@@ -153,6 +154,18 @@ def removed_on_failure(run: Callable[[Any], int], attr: str = "out") -> Callable
         was_dir = fresh and p is not None and p.is_dir()
         try:
             return run(args)
+        except KeyboardInterrupt:
+            # Ctrl-C (SIGTERM too, for replay): a half-written output -- a sweep dataset
+            # without its _sweep.json reads as a complete one -- is removed; exit 130 as ever.
+            # One the command marked complete (args._out_complete: written whole, e.g. before
+            # replay --publish sends it) is kept.
+            done = getattr(args, "_out_complete", False)
+            if fresh and p is not None and p.exists() and not done:
+                shutil.rmtree(p, ignore_errors=True)
+                if was_dir:
+                    p.mkdir(exist_ok=True)
+                raise Interrupted(f"the unfinished output {p} was removed") from None
+            raise
         except BaseException as exc:
             if fresh and p is not None and p.exists() and _write_failure(exc):
                 shutil.rmtree(p, ignore_errors=True)

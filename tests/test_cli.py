@@ -74,6 +74,9 @@ class _Fixed:
         self.args._run = self.run  # type: ignore[attr-defined]
         return self.args
 
+    def parse_known_args(self, argv: object) -> tuple[object, list[str]]:
+        return self.parse_args(argv), []
+
 
 # --- help on every flag, an example in every command's help ----------------------------------
 
@@ -176,3 +179,40 @@ def test_drive_with_an_unknown_workload_key_lists_the_valid_ones(
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "unknown key 'lane' (did you mean lanes?); valid keys: lanes, requests, seed" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("stage", ["capture", "replay", "admit", "analysis", "harness"])
+def test_a_stage_entry_point_names_itself_and_only_its_commands(stage: str) -> None:
+    """``python -m kvcadence.<stage> --help``: the usage line is that command line, and the
+    examples name no command the stage does not have (they used to offer demo/report)."""
+    from kvcadence.cli import build_parser
+
+    text = build_parser(stages=(stage,)).format_help()
+    assert text.startswith(f"usage: python -m kvcadence.{stage} ")
+    examples = text.split("examples:", 1)[1].split("exit codes:", 1)[0]
+    assert f"python -m kvcadence.{stage} COMMAND --help" in examples
+    assert "kvcadence demo" not in examples and "kvcadence report" not in examples
+    assert build_parser().format_help().startswith("usage: kvcadence ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle", "helps"),
+    [
+        (["frobnicate"], "invalid choice: 'frobnicate'", "kvcadence --help"),
+        (["replay", "x.kvcb", "--nope"], "unrecognized arguments: --nope", "kvcadence replay"),
+        (["sql", "x.kvcb"], "required: query", "kvcadence sql --help"),
+        (["capture", "import"], "required: BUNDLE", "kvcadence capture import --help"),
+        (["report", "x.kvcb", "--out", "r", "--window"], "--window", "kvcadence report"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_commands_help(
+    argv: list[str], needle: str, helps: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's own errors follow the project's shape: one ``kvcadence: error:`` line (no
+    usage block; an unknown flag of a subcommand names that subcommand's --help), exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvcadence: error: "), err
+    assert needle in err and helps in err, err

@@ -321,3 +321,175 @@ def test_a_sweep_refuses_non_finite_pass_times(tmp_path, capsys, value):
     assert main([*argv, "--out", str(tmp_path / "sw"), "--quiet"]) == 2
     assert f"{value!r} is not a valid value" in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "sw").exists()
+
+
+# ------------------------------------------------------------------ found following the README
+
+
+def _cut_in_half(tmp_path: Path) -> Path:
+    """The sample with its segment file cut in half (a copy interrupted half-way)."""
+    import shutil
+
+    b = tmp_path / "cut.kvcb"
+    shutil.copytree(SAMPLE, b)
+    seg = b / "seg-000000.kvcb"
+    data = seg.read_bytes()
+    seg.write_bytes(data[: len(data) // 2])
+    return b
+
+
+def test_report_checks_every_bundle_before_any_work(tmp_path, capsys):
+    """A mistyped second bundle fails at once (not after the first one's ingest) and no
+    report directory is left."""
+    out = tmp_path / "r"
+    rc = main(["report", str(SAMPLE), str(tmp_path / "nope.kvcb"), "--out", str(out)])
+    assert rc == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "nope.kvcb" in line and "not found" in line
+    assert not out.exists()
+    (tmp_path / "file").write_text("x")
+    assert main(["report", str(SAMPLE), str(tmp_path / "file"), "--out", str(out)]) == 2
+    assert "not a bundle directory" in one_error_line(capsys.readouterr().err)
+
+
+def test_replay_of_a_cut_bundle_says_what_it_replays(tmp_path, capsys):
+    """Half a capture replays (read around the damage) but never passes for the whole one:
+    one warning line names the damage and the requests it could read; a whole bundle has none."""
+    cut = _cut_in_half(tmp_path)
+    assert main(["replay", str(cut), "--out", str(tmp_path / "s.kvcb"), "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("replay: warning: "), err
+    assert "torn tail" in err[0] and "no clean end" in err[0]
+    n = int(re.search(r"replaying the (\d+) requests", err[0]).group(1))  # type: ignore[union-attr]
+    assert 0 < n < 120
+    assert main(["replay", str(SAMPLE), "--out", str(tmp_path / "w.kvcb"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_capture_import_into_a_new_bundle_says_it_is_new(tmp_path, capsys):
+    """`capture import` creates a missing bundle (documented); a mistyped capture name shows
+    in its summary line instead of passing silently."""
+    metrics = str(FIX / "sglang-metrics")
+    assert main(["capture", "import", "--sglang-metrics", metrics, str(tmp_path / "n.kvcb")]) == 0
+    assert "a new bundle: no KV events" in capsys.readouterr().err
+    b = tmp_path / "b.kvcb"
+    argv = ["import", "--frames", str(FIX / "events.jsonl"), "--out", str(b)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["capture", "import", "--sglang-metrics", metrics, str(b)]) == 0
+    err = capsys.readouterr().err
+    assert "120 request records" in err and "new bundle" not in err
+
+
+def test_an_interrupted_replay_output_is_removed_unless_complete(tmp_path, monkeypatch, capsys):
+    """Ctrl-C half-way through a replay or sweep removes the output it began (a sweep
+    dataset without its _sweep.json would read as a whole one): one line, exit 130. An
+    output the command marked complete (a sim bundle written before --publish) is kept."""
+    from kvcadence.replay import cli as replay_cli
+
+    def half_then_interrupt(args: argparse.Namespace) -> int:
+        part = Path(args.out) / "worker=x" / "job0000-0.parquet"
+        part.parent.mkdir(parents=True)
+        part.write_bytes(b"PAR1")
+        args._out_complete = "complete" in args.out
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_cli, "run", half_then_interrupt)
+    out = tmp_path / "sweep"
+    assert main(["replay", str(SAMPLE), "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvcadence: interrupted; the unfinished output {out} was removed"]
+    assert not out.exists()
+    kept = tmp_path / "complete"
+    assert main(["replay", str(SAMPLE), "--out", str(kept)]) == 130
+    assert capsys.readouterr().err.strip() == "kvcadence: interrupted"
+    assert (kept / "worker=x" / "job0000-0.parquet").exists()
+
+
+def test_replay_takes_sigterm_as_ctrl_c():
+    """SIGTERM (kill, a job scheduler) during a replay raises KeyboardInterrupt, so the
+    output is cleaned up as on Ctrl-C instead of the process dying mid-write; the previous
+    handler is back afterwards."""
+    import os
+    import signal
+
+    from kvcadence.replay.cli import _term_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def killed(args: argparse.Namespace) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        return 0
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _term_as_interrupt(killed)(argparse.Namespace())
+    assert time.monotonic() - t0 < 4
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_bundle_directory_the_file_system_refuses_is_exit_2(tmp_path, monkeypatch, capsys):
+    """mkdir refused even though the up-front check passed (root on /sys: os.access says
+    yes): one line naming the path, exit 2 (it was exit 1 as a 'bundle error')."""
+    import errno
+
+    real_mkdir = Path.mkdir
+
+    def refuse(self: Path, *a: object, **k: object) -> None:
+        if self.name == "x.kvcb":
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+        real_mkdir(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    assert main(["replay", str(SAMPLE), "--out", str(tmp_path / "x.kvcb"), "--quiet"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "x.kvcb: cannot create the bundle directory (Operation not permitted)" in line
+
+
+SEG = SAMPLE / "seg-000000.kvcb"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["import", "--frames", str(SAMPLE), "--out"],
+        ["import", "--frames", str(SEG), "--out"],
+        ["import", "--frames", str(FIX / "events.jsonl"), "--requests", str(SAMPLE), "--out"],
+        ["replay", "--trace", str(SEG), "--page-size", "1", "--max-total-tokens", "99", "--out"],
+        ["admit", "--requests-jsonl", str(SAMPLE), "--available-tokens", "99", "--out"],
+        ["admit", "--requests-jsonl", str(SEG), "--available-tokens", "99", "--out"],
+    ],
+)
+def test_a_bundle_where_jsonl_is_expected_is_named_a_bundle(tmp_path, capsys, argv):
+    """A bundle (or one of its segment files) given for a JSONL input: one line that says it
+    is a bundle, not 'Is a directory' or a JSON/UTF-8 decoding error at byte 0."""
+    assert main([*argv, str(tmp_path / "o")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "a kvcadence bundle" in line and "not a" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_import_names_the_out_it_was_given_when_the_file_system_refuses(
+    tmp_path, monkeypatch, capsys
+):
+    """`import` writes into a hidden staging directory; when even that cannot be made (root
+    on /sys), the one line names the --out the user gave, not the hidden name, exit 2."""
+    import errno
+
+    real_mkdir = Path.mkdir
+
+    def refuse(self: Path, *a: object, **k: object) -> None:
+        if self.name.startswith(".y.kvcb.partial"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+        real_mkdir(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    out = tmp_path / "y.kvcb"
+    assert main(["import", "--frames", str(FIX / "events.jsonl"), "--out", str(out)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert (
+        line
+        == f"kvcadence: error: {out}: cannot create the bundle directory (Operation not permitted)"
+    )
+    assert not out.exists() and not list(tmp_path.iterdir())

@@ -30,7 +30,7 @@ examples:
   kvcadence admit --synthetic-grid --l1-cached-tokens 0,4096 --l2-cached-tokens 0,4096 \\
     --extend-tokens 128,2048 --available-tokens 20000 --max-prefill-tokens 16384 \\
     --cp-max-total-extend-tokens 65536 --cp-max-batch-requests 8 --output text
-  kvcadence admit --requests-jsonl requests.jsonl --available-tokens 200000 \\
+  kvcadence admit --requests-jsonl admission.jsonl --available-tokens 200000 \\
     --cp-max-total-extend-tokens 65536 --cp-max-total-cached-tokens 131072 --output json
   kvcadence admit --bundle run.kvcb --output text
   kvcadence admit --bundle run.kvcb --available-tokens 500 --chunked-prefill-size 256
@@ -77,10 +77,31 @@ def register(sub: Any) -> None:
         "L2 = the host part when SGLang reported one), extend = prompt - cached; the budgets "
         "default to its /server_info",
     )
-    src.add_argument("--l1-cached-tokens", default="0", metavar="LIST", help="comma list (grid)")
-    src.add_argument("--l2-cached-tokens", default="0", metavar="LIST", help="comma list (grid)")
-    src.add_argument("--extend-tokens", default="128", metavar="LIST", help="comma list (grid)")
-    src.add_argument("--repeat", type=positive_int, default=1, help="repeat the grid N times")
+    src.add_argument(
+        "--l1-cached-tokens",
+        default="0",
+        metavar="LIST",
+        help="grid: L1 (device) cached tokens, comma list (default 0)",
+    )
+    src.add_argument(
+        "--l2-cached-tokens",
+        default="0",
+        metavar="LIST",
+        help="grid: L2 (host) cached tokens, comma list (default 0)",
+    )
+    src.add_argument(
+        "--extend-tokens",
+        default="128",
+        metavar="LIST",
+        help="grid: tokens to prefill beyond the cached ones, comma list (default 128)",
+    )
+    src.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="repeat the grid N times (default 1)",
+    )
     src.add_argument(
         "--max-new-tokens",
         type=nonneg_int,
@@ -137,7 +158,7 @@ def register(sub: Any) -> None:
         "--semantics",
         choices=("classic", "0.5.23"),
         default="0.5.23",
-        help="PrefillAdder generation: 0.5.23 (extra page per request, input cap only without "
+        help="PrefillAdder generation (default 0.5.23): 0.5.23 (extra page per request, input cap only without "
         "chunking, raw log_input_tokens, chunk decided before the L2 load) or classic "
         "(0.5.6-0.5.9: input cap also with chunking, page-ceiled log_input_tokens, load first)",
     )
@@ -145,7 +166,7 @@ def register(sub: Any) -> None:
         "--load-back-threshold",
         type=nonneg_int,
         default=10,
-        help="an L2 hit below this many tokens is not loaded back (SGLang: 10)",
+        help="an L2 hit below this many tokens is not loaded back (default 10, as SGLang)",
     )
 
     cp = p.add_argument_group(

@@ -166,6 +166,12 @@ def read_requests_jsonl(
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
+        bundle = path if path.is_dir() else path.parent
+        if any(bundle.glob("seg-*.kvcb")):  # a bundle, or one of its segments
+            raise UsageError(
+                f"{path}: a kvcadence bundle, not an admission JSONL file (--bundle {bundle} "
+                "queues a capture's requests)"
+            ) from None
         raise UsageError(f"{path}: cannot read ({exc})") from None
     return parse_request_lines(text.splitlines(), str(path), max_new_tokens=max_new_tokens)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -53,17 +54,26 @@ def register(sub: Any) -> None:
         "report",
         help="cadence report of one bundle, or real vs sim side by side with a CI gate",
         description="Write report.json, report.md, report.html and PNG plots into --out; with "
-        "several bundles the first is the reference (real); a bundle alone is named by its "
-        "source (real, sim, trace). Exit 3 when a gate fails. "
-        "docs/metrics.md lists the metrics and the gate syntax.",
+        "several bundles the first is the reference every other one is compared with. Each "
+        "bundle is labelled by its header's source (real for a capture or import, sim for a "
+        "replay; a label two bundles share is numbered: sim1, sim2). Exit 3 when a gate "
+        "fails. docs/metrics.md lists the metrics, the labels and the gate syntax.",
         epilog="examples:\n"
         "  kvcadence report run.kvcb --out report-one/\n"
         "  kvcadence report run.kvcb sim.kvcb --out report/\n"
         "  kvcadence report run.kvcb sim.kvcb --out ci/ --no-default-gates \\\n"
         "      --gate stored_events_per_request=3% --gate requests.cached_tokens_equal_share=>=0.95\n",
     )
-    p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="REAL [SIM ...]")
-    p.add_argument("--out", required=True, metavar="DIR", help="report directory")
+    p.add_argument(
+        "bundles", nargs="+", metavar="BUNDLE", help="REFERENCE [COMPARED ...] bundle directories"
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="report directory (created if missing; an earlier report's files in it are "
+        "replaced, runs.jsonl gets one line per run)",
+    )
     p.add_argument(
         "--gate",
         action="append",
@@ -177,12 +187,18 @@ def run_sql(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from kvcadence.analysis import compare, metrics, report, sql
     from kvcadence.analysis.outpaths import check_out_dir
+    from kvcadence.errors import UsageError
 
     # every input checked before any work (make_report checks gates and --out again)
     window = metrics.parse_window(args.window)
     compare.parse_gates(args.gate, len(args.bundles), default_gates=not args.no_default_gates)
     sql.env_threads()
     check_out_dir(args.out, "--out")
+    for b in args.bundles:  # a typo in the last bundle fails now, not after the first's ingest
+        if not Path(b).exists():
+            raise UsageError(f"bundle not found: {b}")
+        if not Path(b).is_dir():
+            raise UsageError(f"not a bundle directory: {b}")
     from kvcadence.progress import Phases
 
     phases = Phases("report", quiet=args.quiet, started=getattr(args, "_started", None))

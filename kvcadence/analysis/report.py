@@ -1,8 +1,9 @@
 """``kvcadence report``: report.json / report.md / report.html / PNGs / runs.jsonl, and the gate.
 
-One bundle gives a single-bundle report (labelled by its source: "sim", "trace", else
-"real"); several give the first ("real") side by side with each of the others ("sim", or
-"sim1", "sim2", ...) with absolute and relative deltas, per-request differences matched by
+One bundle gives a single-bundle report; several give the first (the reference) side by side
+with each of the others with absolute and relative deltas. Every bundle is labelled by what it
+is, its header's source ("sim", "trace", else "real"; a label two bundles share is numbered:
+"sim1", "sim2"; ``labels_for``), per-request differences matched by
 rid, blocks per Stored / Removed event as median, mean and Kolmogorov–Smirnov distance side by
 side, and gates (``kvcadence.analysis.compare``).
 ``report.json`` (``REPORT_VERSION``) is what CI reads: every number carries its unit, data
@@ -176,16 +177,25 @@ def _html_table(columns: dict[str, list[str]]) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def _labels(n: int) -> list[str]:
-    """Labels of ``n`` compared bundles: the first is the reference ("real")."""
-    if n == 2:
-        return ["real", "sim"]
-    return ["real"] + [f"sim{i}" for i in range(1, n)]
-
-
 def single_label(source: Any) -> str:
-    """The label of a bundle reported alone: its source ("sim", "trace"), else "real"."""
+    """What a bundle is, from its header's source: "sim", "trace", else "real"."""
     return source if source in ("sim", "trace") else "real"
+
+
+def labels_for(sources: list[Any]) -> list[str]:
+    """The labels of the reported bundles, in order: each says what its bundle is
+    (``single_label`` of its source); a label two bundles share is numbered in order
+    ("sim1", "sim2"). A capture and its replay stay "real" and "sim"; the first bundle is
+    the reference of every comparison whatever its label."""
+    base = [single_label(s) for s in sources]
+    out, seen = [], dict.fromkeys(base, 0)
+    for b in base:
+        if base.count(b) > 1:
+            seen[b] += 1
+            out.append(f"{b}{seen[b]}")
+        else:
+            out.append(b)
+    return out
 
 
 def build_doc(
@@ -304,6 +314,20 @@ def _distribution_columns(
         for comp in comps:
             cols[f"KS {comp.sim}"].append(fmt(comp.compare_metrics.get(name)))
     return cols
+
+
+def _vs(comps: list[cmp.Comparison]) -> str:
+    """ "real vs sim", or "sim1 vs sim2, sim1 vs sim3": the comparisons by label."""
+    return ", ".join(f"{c.real} vs {c.sim}" for c in comps)
+
+
+def _delta_text(comps: list[cmp.Comparison]) -> str:
+    """How the headline Δ columns are computed, in the report's own labels."""
+    if not comps:
+        return ""
+    ref = comps[0].real
+    other = comps[0].sim if len(comps) == 1 else "each other bundle"
+    return f"Δ = {other} - {ref}, Δ% = Δ / |{ref}| ({ref} is the reference)."
 
 
 def verdict(gates: list[cmp.GateResult]) -> str:
@@ -453,7 +477,7 @@ def _sections(
     out.append(
         (
             "Headline metrics",
-            "Δ = sim - real, Δ% = Δ / |real|." if comps else "",
+            _delta_text(comps),
             _metric_columns(labelled, comps, HEADLINE),
         )
     )
@@ -462,7 +486,7 @@ def _sections(
             (
                 "Blocks per event: median, mean and distribution distance",
                 "KS = two-sample Kolmogorov-Smirnov statistic of the blocks-per-event "
-                "distributions, real vs sim (0 = equal; a median of a few blocks moves a "
+                f"distributions, {_vs(comps)} (0 = equal; a median of a few blocks moves a "
                 "whole step for one event, KS by about 1/n).",
                 _distribution_columns(labelled, comps),
             )
@@ -539,10 +563,10 @@ def _sections(
         if diff.height:
             d = {
                 "rid": [md_escape(r) for r in diff["rid"].to_list()],
-                "cached real": [fmt(v) for v in diff["cached_tokens"].to_list()],
-                "cached sim": [fmt(v) for v in diff["cached_tokens_sim"].to_list()],
-                "stored events real": [fmt(v) for v in diff["stored_events"].to_list()],
-                "stored events sim": [fmt(v) for v in diff["stored_events_sim"].to_list()],
+                f"cached {comp.real}": [fmt(v) for v in diff["cached_tokens"].to_list()],
+                f"cached {comp.sim}": [fmt(v) for v in diff["cached_tokens_sim"].to_list()],
+                f"stored events {comp.real}": [fmt(v) for v in diff["stored_events"].to_list()],
+                f"stored events {comp.sim}": [fmt(v) for v in diff["stored_events_sim"].to_list()],
             }
             out.append((f"Differing requests ({comp.sim}, first 20 by rid)", "", d))
         drill = next((x for x in drills or [] if x.sim == comp.sim and x.rows), None)
@@ -663,8 +687,8 @@ def make_report(
     """Ingest (cached), compute, compare, gate and write every output file.
 
     ``extra_sections`` runs the optional providers of ``report_extras`` (aligned timelines,
-    visibility, per rank, ...), each only when its data are present. A bundle reported alone
-    is labelled by its source ("sim", "trace"; else "real"). ``phases`` (a ``kvcadence.progress.Phases``)
+    visibility, per rank, ...), each only when its data are present. Every bundle is
+    labelled by its source (``labels_for``); the first is the reference. ``phases`` (a ``kvcadence.progress.Phases``)
     says each long step on stderr and times it.
     """
 
@@ -677,18 +701,15 @@ def make_report(
     sql.env_threads()  # a bad KVCADENCE_THREADS fails here, not after ingesting
     outdir = check_out_dir(out, "--out")
     outdir.mkdir(parents=True, exist_ok=True)
-    labels = _labels(len(bundles)) if len(bundles) > 1 else [""]
-    labelled: list[tuple[str, BundleMetrics]] = []
     ings = []
-    for i, (label, b) in enumerate(zip(labels, bundles, strict=False)):
+    for i, b in enumerate(bundles):
         cache = cache_dirs[i] if cache_dirs else None
-        with phases.phase(
-            "ingest", f"reading {label or 'the bundle'} {b} (Parquet tables, cached)"
-        ):
-            ing = ingest.ingest(b, cache)
-        if not label:  # alone: named by its source, not "real"
-            label = labels[i] = single_label(ing.info.get("source"))
-        ings.append(ing)
+        what = f"bundle {i + 1} of {len(bundles)}" if len(bundles) > 1 else "the bundle"
+        with phases.phase("ingest", f"reading {what} {b} (Parquet tables, cached)"):
+            ings.append(ingest.ingest(b, cache))
+    labels = labels_for([ing.info.get("source") for ing in ings])
+    labelled: list[tuple[str, BundleMetrics]] = []
+    for label, ing in zip(labels, ings, strict=True):
         with phases.phase("metrics", f"computing {label}'s metrics"):
             m = metrics.compute(ing, window=window, peer_compatible=peer_compatible)
         labelled.append((label, m))

@@ -157,15 +157,21 @@ def ranks_extra(labelled: list[tuple[str, Any]], ings: list[Any], out: Path | No
     for label, _ in labelled[1:]:
         rows = ranks.compare_ranks(figs[real_label], figs[label])
         comps[label] = rows
-        c: dict[str, list[str]] = {"rank": [], "figure": [], "real": [], label: [], "Δ%": []}
+        c: dict[str, list[str]] = {"rank": [], "figure": [], real_label: [], label: [], "Δ%": []}
         for r in rows:
             c["rank"].append(str(r["rank"]))
             c["figure"].append(r["figure"])
-            c["real"].append(_fmt(r["real"]))
+            c[real_label].append(_fmt(r["real"]))
             c[label].append(_fmt(r["sim"]))
             d = r["delta"]
             c["Δ%"].append("-" if d is None else f"{d * 100:+.2f}%")
-        sections.append((f"Per-rank {real_label} vs {label}", "Δ% = (sim - real) / real.", c))
+        sections.append(
+            (
+                f"Per-rank {real_label} vs {label}",
+                f"Δ% = ({label} - {real_label}) / {real_label}.",
+                c,
+            )
+        )
     if comps:
         doc["rank_comparisons"] = comps
     sims = [(label, ing.bundle) for (label, _), ing in zip(labelled[1:], ings[1:], strict=True)]

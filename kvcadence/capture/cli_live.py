@@ -202,7 +202,12 @@ def _register_drive(sub: Any) -> None:
         help="after N requests were sent, let them finish, POST /flush_cache (recorded as an "
         "Annotation) and go on (repeatable)",
     )
-    p.add_argument("--rid-prefix", default="", metavar="P", help="prefix every request id with P")
+    p.add_argument(
+        "--rid-prefix",
+        default="",
+        metavar="P",
+        help="prefix every request id with P (default: none)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary lines")
     _add_endpoint_opts(p)
     p.set_defaults(_run=run_drive)
@@ -396,7 +401,8 @@ def run_capture_import(args: argparse.Namespace) -> int:
     check_encodable(records)  # a record that cannot be written fails before the bundle opens
     refuse_duplicate_rids(records, "capture import")  # e.g. metrics and request log together
     out = Path(args.bundle)
-    if out.exists() and any(out.iterdir()):
+    created = not (out.exists() and any(out.iterdir()))
+    if not created:
         refuse_known_rids(out, records)  # never a request twice
         writer = BundleWriter.append(out)
     else:
@@ -405,7 +411,9 @@ def run_capture_import(args: argparse.Namespace) -> int:
         for rec in records:
             writer.write(rec)
     if not args.quiet:
-        print(f"capture import: {len(records)} request records -> {out}", file=sys.stderr)
+        # a new bundle holds requests only: said, so a mistyped capture name is seen at once
+        new = " (a new bundle: no KV events, no server info)" if created else ""
+        print(f"capture import: {len(records)} request records -> {out}{new}", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,7 @@ import msgspec
 
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bounds import MAX_DP_SIZE, MAX_JSON_DEPTH, too_deep
+from kvcadence.format.bundle.segments import MAGIC as BUNDLE_SEGMENT_MAGIC
 from kvcadence.format.schema import RequestRecord
 
 U64_MAX = 2**64 - 1
@@ -167,9 +168,19 @@ def jsonl_raw_lines(path: Path, what: str) -> Iterator[tuple[str, bytes]]:
     except FileNotFoundError:
         raise UsageError(f"{what} file not found: {path}") from None
     except OSError as exc:
+        if Path(path).is_dir() and any(Path(path).glob("seg-*.kvcb")):
+            raise UsageError(
+                f"{path}: a kvcadence bundle, not a {what} JSONL file (a bundle goes where "
+                "a command takes BUNDLE)"
+            ) from None
         raise UsageError(f"cannot read {what} file {path}: {exc.strerror}") from None
     with f:
         for lineno, line in enumerate(f, 1):
+            if lineno == 1 and line.startswith(BUNDLE_SEGMENT_MAGIC):
+                raise InputError(
+                    f"{path}: a kvcadence bundle segment, not a {what} JSONL file (give "
+                    "its bundle directory where a command takes BUNDLE)"
+                )
             if line.strip():
                 yield f"{path}:{lineno}", line
 

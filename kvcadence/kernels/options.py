@@ -132,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKENDS,
         default="auto",
-        help="auto (nccl when CUDA is available, else gloo), nccl or gloo",
+        help="auto (nccl when CUDA is available, else gloo), nccl or gloo (default auto)",
     )
     p.add_argument(
         "--out",

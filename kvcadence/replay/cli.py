@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float
@@ -54,13 +55,13 @@ def register(sub: Any) -> None:
     p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens",
                    help="KV pool size in tokens (default: the bundle's max_total_num_tokens)")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, dest="chunked_prefill_size",
-                   help="<= 0 disables chunked prefill")  # fmt: skip
+                   help="prefill chunk in tokens, <= 0 disables chunked prefill (SGLang --chunked-prefill-size; default: the bundle's)")  # fmt: skip
     p.add_argument("--max-prefill-tokens", type=int, dest="max_prefill_tokens",
-                   help="prefill token budget per batch (SGLang --max-prefill-tokens)")  # fmt: skip
+                   help="prefill token budget per batch (SGLang --max-prefill-tokens; default: the bundle's)")  # fmt: skip
     p.add_argument("--max-running-requests", type=int, dest="max_running_requests",
-                   help="cap on running requests (SGLang --max-running-requests)")  # fmt: skip
+                   help="cap on running requests (SGLang --max-running-requests; default: the bundle's)")  # fmt: skip
     p.add_argument("--decode-log-interval", type=int, dest="decode_log_interval",
-                   help="publish KV events every N-th decode result (SGLang --decode-log-interval)")  # fmt: skip
+                   help="publish KV events every N-th decode result (SGLang --decode-log-interval; default: the bundle's)")  # fmt: skip
     p.add_argument(
         "--schedule-policy",
         choices=("fcfs", "lpm", "dfs-weight", "lof"),
@@ -75,7 +76,7 @@ def register(sub: Any) -> None:
         dest="disable_overlap_schedule",
         action="store_const",
         const=True,
-        help="simulate the normal (non-overlap) event loop",
+        help="simulate the normal (non-overlap) event loop (default: as the bundle's worker ran)",
     )
     g.add_argument(
         "--overlap-schedule",
@@ -168,7 +169,33 @@ def register(sub: Any) -> None:
 
     add_fleet_args(p)
     add_trace_args(p)
-    p.set_defaults(_run=removed_on_failure(run))  # no partial sim bundle on a full disk
+    # no partial sim bundle on a full disk, on Ctrl-C or on SIGTERM
+    p.set_defaults(_run=removed_on_failure(_term_as_interrupt(run)))
+
+
+def _term_as_interrupt(func: Any) -> Any:
+    """``func(args)`` with SIGTERM (``kill``, a job scheduler's stop) raised as
+    ``KeyboardInterrupt``, as Ctrl-C is: the sim bundle or sweep directory the replay began is
+    removed and the command exits 130, instead of the process dying with a half-written
+    bundle that later reads as a valid (only unclean) one. The old handler is put back after."""
+    import functools
+    import signal
+    import threading
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    @functools.wraps(func)
+    def wrapped(args: argparse.Namespace) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            return int(func(args))
+        old = signal.signal(signal.SIGTERM, interrupt)
+        try:
+            return int(func(args))
+        finally:
+            signal.signal(signal.SIGTERM, old)
+
+    return wrapped
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         from kvcadence.replay.cli_trace import run_trace
 
         result, cfg = run_trace(args, overrides, phases)
+        args._out_complete = True  # written whole: an interrupted --publish keeps it
         return _finish(args, result, cfg, phases, None)
     src = Path(args.bundle)
     if not src.exists():
@@ -210,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     with phases.phase("load", f"loading {src}"):
         reader = BundleReader(src)
         records, inferred, flushes = load_for_replay(reader)
+    _warn_if_damaged(src, reader, len(records))
     cfg = effective_config(
         reader.header.server_info,
         records,
@@ -229,7 +258,33 @@ def run(args: argparse.Namespace) -> int:
             flushes=flushes,
             keep_batches=bool(args.publish),  # published live after the run
         )
+    args._out_complete = True  # written whole: an interrupted --publish keeps it
     return _finish(args, result, cfg, phases, inferred)
+
+
+def _warn_if_damaged(src: Any, reader: Any, n_requests: int) -> None:
+    """One stderr line when the input bundle lost data or has no clean end (a capture cut off,
+    a truncated copy): the replay runs on what was readable, and says so instead of passing
+    a partial schedule off as the whole capture (``inspect`` details the damage)."""
+    rep = reader.report
+    if not rep.damaged and rep.clean_shutdown:
+        return
+    what = []
+    if rep.torn_bytes:
+        what.append(f"torn tail of {rep.torn_bytes} bytes")
+    if rep.corrupt:
+        what.append(f"{rep.corrupt_bytes} corrupt bytes")
+    if rep.missing_segments or rep.refused_segments:
+        what.append(f"{len(rep.missing_segments) + len(rep.refused_segments)} segments lost")
+    if rep.shortfall:
+        what.append(f"{rep.missing_records} records missing")
+    if not rep.clean_shutdown:
+        what.append("no clean end (Trailer)")
+    print(
+        f"replay: warning: {src} is damaged or incomplete ({', '.join(what)}): replaying "
+        f"the {n_requests} requests that could be read (kvcadence inspect {src})",
+        file=sys.stderr,
+    )
 
 
 def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferred: Any) -> int:

@@ -297,18 +297,22 @@ def what_if_row(res: dict[str, Any]) -> dict[str, Any]:
 def format_what_if(rows: list[dict[str, Any]]) -> str:
     from kvcadence.replay.sweep import point_label
 
-    head = (
-        f"{'point':<40} {'req':>5} {'hit':>6} {'real hit':>8} {'ev/req':>7} {'St/req':>7} "
-        f"{'Rm/req':>7} {'blk St/req':>10} {'blk Rm/req':>10} {'evict':>6} {'moved':>6}"
-    )
-    lines = [head, "-" * len(head)]
     several = len({tuple(r["bundles"]) for r in rows}) > 1  # --each: one job per bundle
+    labels = []
     for r in rows:
         label = point_label(r["point"])
         if several:
             label = f"{r['bundles'][0].rstrip('/').rsplit('/', 1)[-1]}:{label}"
+        labels.append(label)
+    w = max([40, *(len(label) for label in labels)])  # a point is never cut short
+    head = (
+        f"{'point':<{w}} {'req':>5} {'hit':>6} {'real hit':>8} {'ev/req':>7} {'St/req':>7} "
+        f"{'Rm/req':>7} {'blk St/req':>10} {'blk Rm/req':>10} {'evict':>6} {'moved':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r, label in zip(rows, labels, strict=True):
         lines.append(
-            f"{label[:40]:<40} {r['requests']:>5} {r['hit_rate']:>6.3f} "
+            f"{label:<{w}} {r['requests']:>5} {r['hit_rate']:>6.3f} "
             f"{r['recorded_hit_rate']:>8.3f} {r['events_per_request']:>7.3f} "
             f"{r['stored_events_per_request']:>7.3f} {r['removed_events_per_request']:>7.3f} "
             f"{r['stored_blocks_per_request']:>10.1f} {r['removed_blocks_per_request']:>10.1f} "

@@ -334,9 +334,9 @@ def test_report_says_its_slow_phases_on_stderr_unless_quiet(
     assert main([*args, "--out", str(tmp_path / "r1")]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[:4] == [
-        f"report: reading real {pair[0]} (Parquet tables, cached) ...",
+        f"report: reading bundle 1 of 2 {pair[0]} (Parquet tables, cached) ...",
+        f"report: reading bundle 2 of 2 {pair[1]} (Parquet tables, cached) ...",
         "report: computing real's metrics ...",
-        f"report: reading sim {pair[1]} (Parquet tables, cached) ...",
         "report: computing sim's metrics ...",
     ]
     done = [ln for ln in err if ln.startswith("report: done in ")]

@@ -63,11 +63,13 @@ def test_report_names_the_mismatch_after_data_quality(mocker_bundles, tmp_path):
     rc = main(["report", str(real), str(mocker), "--out", str(out), "--no-plots", "--quiet"])
     assert rc == 3  # the mocker fails the default cadence gates
     doc = json.loads((out / "report.json").read_text())
-    assert doc["hash_families"]["mismatches"] == ["sim"]
+    # both bundles are imported captures (source "real"): labelled by what they are, numbered
+    assert [b["label"] for b in doc["bundles"]] == ["real1", "real2"]
+    assert doc["hash_families"]["mismatches"] == ["real2"]
     md = (out / "report.md").read_text()
     titles = [line[3:] for line in md.splitlines() if line.startswith("## ")]
     assert titles[titles.index("Data quality") + 1] == "Hash families"
-    assert "Hash-family mismatch: real publishes" in md
+    assert "Hash-family mismatch: real1 publishes" in md
     # hash-agnostic figures compare as usual
     sim = doc["bundles"][1]["metrics"]
     assert sim["stored_events_per_request"]["value"] == pytest.approx(39.61, abs=0.01)

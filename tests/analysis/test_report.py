@@ -255,3 +255,38 @@ def test_single_sim_bundle_is_named_sim_not_real(
     report.make_report([str(pair[0])], tmp_path / "r", plots=False)
     doc = json.loads((tmp_path / "r" / "report.json").read_text())
     assert [b["label"] for b in doc["bundles"]] == ["real"]
+
+
+def test_labels_say_what_each_bundle_is() -> None:
+    """A capture and its replay stay "real" and "sim"; a label two bundles share is numbered
+    in order; an unknown source reads as a capture."""
+    assert report.labels_for(["real", "sim"]) == ["real", "sim"]
+    assert report.labels_for(["real", "sim", "sim"]) == ["real", "sim1", "sim2"]
+    assert report.labels_for(["sim", "sim"]) == ["sim1", "sim2"]
+    assert report.labels_for(["sim", "real"]) == ["sim", "real"]
+    assert report.labels_for(["real", "sim", "real"]) == ["real1", "sim", "real2"]
+    assert report.labels_for(["trace", None, "other"]) == ["trace", "real1", "real2"]
+    assert report.labels_for(["sim"]) == ["sim"]
+
+
+def test_two_sims_are_not_called_real(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """``kvcadence report simA simB`` (two points of a sweep): no side is labelled "real" —
+    headings, columns, gate rows, report.json and runs.jsonl say sim1 and sim2, the first
+    being the reference; the comparison's metric rows keep their positional keys."""
+    sim = pair[1]
+    out = tmp_path / "ss"
+    rc = main(["report", str(sim), str(sim), "--out", str(out), "--no-plots"])
+    assert rc == 0
+    doc = json.loads((out / "report.json").read_text())
+    assert [b["label"] for b in doc["bundles"]] == ["sim1", "sim2"]
+    assert list(doc["quality"]) == ["sim1", "sim2"]
+    comp = doc["comparisons"][0]
+    assert (comp["real"], comp["sim"]) == ("sim1", "sim2")
+    assert set(comp["metrics"]["stored_events"]) >= {"real", "sim", "abs_delta"}  # stable keys
+    assert {g["sim"] for g in doc["gates"]} == {"sim2"} and doc["gate_passed"]
+    run = json.loads((out / "runs.jsonl").read_text().splitlines()[-1])
+    assert list(run["headline"]) == ["sim1", "sim2"]
+    md = (out / "report.md").read_text()
+    assert md.startswith("# kvcadence report: sim1 (sim) vs sim2 (sim)")
+    assert "Δ = sim2 - sim1" in md
+    assert not re.search(r"\breal\b", md), [ln for ln in md.splitlines() if "real" in ln][:5]

@@ -12,7 +12,7 @@ import pytest
 from kvcadence.analysis import drilldown, report
 from kvcadence.format import wire
 from kvcadence.format.schema import RequestRecord
-from tests.analysis.helpers import T0, removed, stored, write_bundle
+from tests.analysis.helpers import T0, header, removed, stored, write_bundle
 
 MS = 1_000_000
 RID_B = "b<i>&'x"  # escaped in HTML
@@ -58,6 +58,7 @@ def _sim(path: Path) -> Path:
             (290, [stored(CB[8:9])]),
         ],
         _reqs(0),
+        hdr=header(source="sim"),
     )
 
 
@@ -113,7 +114,7 @@ def test_nothing_when_identical(tmp_path: Path) -> None:
     res = report.make_report(
         [str(real), str(_real(tmp_path / "twin"))], tmp_path / "r", plots=False
     )
-    assert res.doc["drilldown"] == {"sim": []}
+    assert res.doc["drilldown"] == {"real2": []}  # two captures: real1 is the reference
     assert "drill-down" not in (tmp_path / "r" / "report.html").read_text()
     assert "drill-down" not in (tmp_path / "r" / "report.md").read_text()
 

@@ -46,7 +46,7 @@ def _two_rank_bundle(path: Path, extra: bool) -> Path:
         RequestRecord(rid=f"r{i}", input_ids=[1, 2], output_ids=[3], cached_tokens=0, dp_rank=i)
         for i in (0, 1)
     ]
-    return write_bundle(path, msgs, reqs, hdr=header(ranks=2))
+    return write_bundle(path, msgs, reqs, hdr=header(ranks=2, source="sim" if extra else "real"))
 
 
 def test_visibility_section_when_requests_carry_timings(tmp_path: Path) -> None:

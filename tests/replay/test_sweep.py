@@ -132,3 +132,22 @@ def test_replay_cli_sweep_and_route(swept, tmp_path):
     r = subprocess.run(cmd + ["--sweep", "bogus=1", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "not a simulator setting" in r.stderr
+
+
+def test_what_if_table_never_cuts_a_point_short():
+    """Two swept keys make points longer than the old 40-column cut ("route=shortest_que"):
+    every label is printed whole and the columns stay aligned."""
+    from kvcadence.replay.cli_fleet import format_what_if
+
+    row = dict(requests=100, hit_rate=0.5, recorded_hit_rate=0.5, events_per_request=2.0,
+               stored_events_per_request=1.5, removed_events_per_request=0.5,
+               stored_blocks_per_request=10.0, removed_blocks_per_request=5.0,
+               evictions=3, off_recorded_rank=0, bundles=["dp2.kvcb"])  # fmt: skip
+    points = [
+        {"route": "shortest_queue", "max_total_tokens": 3000},
+        {"route": "recorded", "max_total_tokens": 2000},
+    ]
+    text = format_what_if([{**row, "point": p} for p in points])
+    lines = text.splitlines()
+    assert lines[2].split()[:2] == ["max_total_tokens=3000;route=shortest_queue", "100"]
+    assert len({len(ln) for ln in lines}) == 1  # header, rule and rows equally wide

@@ -6,6 +6,7 @@ place only when everything succeeded)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import time
@@ -52,6 +53,15 @@ def staged_bundle(path: str | os.PathLike[str]) -> Iterator[Path]:
     except OSError as exc:
         raise BundleError(f"cannot create {final.parent}: {exc}") from exc
     tmp = final.parent / f".{final.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
+            # named by the path the user gave, not the hidden staging directory
+            raise UsageError(
+                f"{final}: cannot create the bundle directory ({exc.strerror})"
+            ) from exc
+        raise BundleError(f"cannot create {tmp}: {exc}") from exc
     try:
         yield tmp
         try:

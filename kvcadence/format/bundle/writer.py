@@ -111,6 +111,12 @@ class BundleWriter:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+                # the path the user named cannot be a directory here (a file system that
+                # refuses even root, e.g. /sys): an input error, exit 2, like the up-front check
+                raise UsageError(
+                    f"{self.path}: cannot create the bundle directory ({exc.strerror})"
+                ) from exc
             raise BundleError(f"cannot create bundle directory {self.path}: {exc}") from exc
         self._lock = BundleLock(self.path)  # one writer per bundle (UsageError otherwise)
         try:
