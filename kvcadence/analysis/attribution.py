@@ -628,11 +628,12 @@ def attribute_sql(
         res.req_prompt_blocks, res.req_output_blocks = acc.prompt, acc.output
         res.req_stored_events, res.req_prefill_events = acc.events, acc.prefill
         res.req_finish_events = acc.finish
+        # a request's pages are its chain's whole pages: counted from its lengths (the page
+        # cache holds exactly these), not by reading the cache again
         (exp,) = sql.one(
             con,
-            "SELECT coalesce(sum(k - q.pp), 0) FROM _a_req q JOIN (SELECT request_id, "
-            f"count(*) AS k FROM ({pages_sql}) GROUP BY request_id) c ON c.request_id = q.r "
-            "WHERE q.n_output > 0",
+            f"SELECT coalesce(sum((n_input + n_output - 1) // {ps} - pp), 0) FROM _a_req "
+            "WHERE n_output > 0",
         )
         res.expected_output_blocks = int(exp)
         split = None

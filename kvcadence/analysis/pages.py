@@ -14,7 +14,8 @@ the last shared digest), so a multi-turn agent capture costs one hash per distin
 
 The requests are read ``BATCH_ROWS`` rows at a time (never the whole token columns: only
 the page hashes, 8 bytes a page, are kept), each batch's pages appended to the cache as it
-is hashed; the session reuse carries over batches (``hash_requests``'s ``last``).
+is hashed; the session reuse carries over batches (``hash_requests``'s ``last``). A batch's
+root chains are shared among processes, one per CPU (``kvcadence.analysis.hashpool``).
 
 The result is cached as ``<cache>/request_pages-ps<N>.parquet`` (``request_id``, ``page``,
 ``hash`` uint64); the ingest cache rebuild (a new fingerprint) replaces the whole directory,
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.analysis.cache import Ingested
+from kvcadence.analysis.hashpool import ChainHasher
 from kvcadence.format import wire
 
 _I64_BITS = "int64"
@@ -176,7 +178,9 @@ def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = Tr
     for query in (_query(ps), _query(ps) + " ORDER BY request_id"):
         writer = _PageWriter(cache) if cache is not None else None
         try:
-            got = _hash_batches(con.sql(query).to_arrow_reader(BATCH_ROWS), ps, writer, keep)
+            with ChainHasher() as hasher:
+                batches = con.sql(query).to_arrow_reader(BATCH_ROWS)
+                got = _hash_batches(batches, ps, writer, keep, hasher)
         finally:
             if writer is not None:
                 writer.close()
@@ -186,7 +190,11 @@ def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = Tr
 
 
 def _hash_batches(
-    batches: Any, ps: int, writer: _PageWriter | None, keep: bool = True
+    batches: Any,
+    ps: int,
+    writer: _PageWriter | None,
+    keep: bool = True,
+    hasher: ChainHasher | None = None,
 ) -> tuple[Any, Any] | None:
     """(page offsets, hashes) of the requests in ``batches``; None if their request ids are
     not increasing (the caller reads them sorted)."""
@@ -207,7 +215,7 @@ def _hash_batches(
         cv, co = _flat(b.column("chain"))
         lane = b.column("lane").to_pylist()
         session = b.column("session").to_pylist()
-        off, h = hash_requests(cv, co, ps, lane, session, last)
+        off, h = hash_requests(cv, co, ps, lane, session, last, hasher)
         if writer is not None:
             writer.write(rows, off, h)
         counts.append(np.diff(off))
@@ -239,6 +247,7 @@ def hash_requests(
     lane: list[Any],
     session: list[Any],
     last: dict[tuple[Any, Any], tuple[int, bytes, Any]] | None = None,
+    hasher: ChainHasher | None = None,
 ) -> tuple[Any, Any]:
     """(page offsets, int64 hashes) of every row's chain, given the flat chain tokens ``cv``
     (int64, whole pages only: ``_query``) and their row offsets ``co``.
@@ -249,7 +258,8 @@ def hash_requests(
     its digests and hash only the new pages; rows with tokens that are not plain uint32 are
     hashed from their Python lists (the wide / error path of ``wire``). ``last``: ``(lane,
     session)`` -> (pages, chain words, digests) of the session's latest row with pages,
-    carried from batch to batch (updated here)."""
+    carried from batch to batch (updated here). ``hasher``: shares the root-chain pass among
+    processes (``kvcadence.analysis.hashpool``; default: this process alone)."""
     import sys
     from array import array
 
@@ -302,13 +312,14 @@ def hash_requests(
     fast = (n_pages > 0) & (start == 0) & ~bad
     sel = np.repeat(fast, n_pages)
     page_in_row = np.arange(total, dtype=np.int64) - np.repeat(page_off[:-1], n_pages)
+    hasher = hasher if hasher is not None else ChainHasher(1)
     if sel.all():
-        got = wire.root_chains(buf, ps, (page_in_row == 0).tolist())
+        got = hasher.digests(buf, ps, page_in_row == 0)
     else:
         words_sel = np.frombuffer(buf, dtype=np.uint8).reshape(total, step)[sel].tobytes()
-        got = wire.root_chains(words_sel, ps, (page_in_row[sel] == 0).tolist())
+        got = hasher.digests(words_sel, ps, page_in_row[sel] == 0)
     if got:
-        digests[sel] = np.frombuffer(b"".join(got), dtype=np.uint8).reshape(-1, 32)
+        digests[sel] = np.frombuffer(got, dtype=np.uint8).reshape(-1, 32)
     del got
 
     # the rest, row by row, in row order (a reused row is complete before its reuser)
