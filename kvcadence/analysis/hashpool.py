@@ -13,7 +13,7 @@ CPUs this process may run on, at most ``MAX_WORKERS``; the pool starts at the fi
 workers are plain subprocesses (``python -m kvcadence.analysis.hashpool``, bytes over their
 stdin / stdout): never forked from a process running DuckDB threads, and unlike
 multiprocessing's spawn they never re-run the caller's ``__main__`` (a script without a
-main guard); they import only this module and ``kvcadence.format.wire``.
+main guard); they import this module, ``kvcadence.format.wire`` and ``sql`` (no DuckDB).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvcadence.analysis import sql
 from kvcadence.format import wire
 
 #: at most this many processes (the caller included) hash one batch
@@ -35,8 +36,6 @@ MIN_PAGES = 16384
 
 
 def _cpus() -> int:
-    from kvcadence.analysis import sql
-
     env = sql.env_threads()
     if env is not None:
         return env
