@@ -39,10 +39,12 @@ measured in the same run:
   temporary directory removed at the end.
 * report: ``kvcadence.analysis.report.make_report`` (plots on, the first report after ingest:
   request page hashes computed) on the same synthetic bundle at 250k and 1M events (10M with
-  ``--full``: a 4.2 GB bundle, ~15 min to write here); the ingest runs in a child of its own
-  before (not measured). Figures: wall time and peak RSS of each, against the first point;
-  the goal (<= 60 s and <= 3 GB at 10M events) is attached to the 10M point, and without it
-  the 10M figures are extrapolated linearly from the two points measured (said so).
+  ``--full``: a 4.2 GB bundle, 15-35 min to write here and a 12 min ingest); the ingest runs
+  in a child of its own before (not measured). Figures: wall time and peak RSS of each,
+  against the first point; the goal (<= 60 s and <= 3 GB at 10M events) is attached to the
+  10M point, and without it the 10M figures are extrapolated linearly from the two points
+  measured (said so). The 10M report measured alone on 2026-12-02: 1.56-1.72 GB peak RSS,
+  137 s wall (load ~3) to 385 s (load ~8) -- see docs/metrics.md.
 
     .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|ingest|report] [--quick]
         [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]

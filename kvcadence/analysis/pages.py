@@ -2,17 +2,20 @@
 chain, computed once per bundle and page size and cached next to the ingest tables.
 
 A request's chain is ``input_ids + output_ids[:-1]`` (what SGLang caches at finish; see
-``docs/metrics.md``); its page hashes come from ``kvcadence.format.wire``'s
-``block_digests`` (the one implementation of SGLang's hash), fed with uint32 token buffers
-built in bulk with numpy. A request whose tokens are not all plain uint32 is hashed from its
-Python list (the wide / error path of ``wire``). Consecutive requests of one ``(lane,
+``docs/metrics.md``), cut to whole pages by DuckDB as it is read; its page hashes come from
+``kvcadence.format.wire`` (``root_chains`` / ``block_digests``: the one implementation of
+SGLang's hash), fed with one uint32 buffer of a batch's pages built with numpy: the requests
+hashed from the root are hashed in one pass over it, with no per-request Python call. A
+request whose tokens are not all plain uint32 is hashed from its Python list (the wide /
+error path of ``wire``). Consecutive requests of one ``(lane,
 session)`` usually extend the previous turn: when the previous request's chain is a whole-page
 prefix of this one, its digests are reused and only the new pages are hashed (chained from
 the last shared digest), so a multi-turn agent capture costs one hash per distinct page.
 
 The requests are read ``BATCH_ROWS`` rows at a time (never the whole token columns: only
 the page hashes, 8 bytes a page, are kept), each batch's pages appended to the cache as it
-is hashed; the session reuse carries over batches (``hash_requests``'s ``last``).
+is hashed; the session reuse carries over batches (``hash_requests``'s ``last``). A batch's
+root chains are shared among processes, one per CPU (``kvcadence.analysis.hashpool``).
 
 The result is cached as ``<cache>/request_pages-ps<N>.parquet`` (``request_id``, ``page``,
 ``hash`` uint64); the ingest cache rebuild (a new fingerprint) replaces the whole directory,
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.analysis.cache import Ingested
+from kvcadence.analysis.hashpool import ChainHasher
 from kvcadence.format import wire
 
 _I64_BITS = "int64"
@@ -152,7 +156,14 @@ class _PageWriter:
         self.w.close()
 
 
-_QUERY = "SELECT request_id, input_ids, output_ids, lane, session FROM requests"
+def _query(ps: int) -> str:
+    """Every request's chain ``input_ids + output_ids[:-1]`` cut to whole pages (DuckDB's list
+    slicing, in C++), with what the session reuse needs."""
+    return (
+        "SELECT request_id, (input_ids || output_ids[1:len(output_ids) - 1])"
+        f"[1:((len(input_ids) + greatest(len(output_ids) - 1, 0)) // {ps}) * {ps}] AS chain, "
+        "lane, session FROM requests"
+    )
 
 
 def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = True) -> RequestPages:
@@ -164,10 +175,12 @@ def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = Tr
     # no ORDER BY: the scan keeps file order (= request_id; DuckDB preserve_insertion_order),
     # and sorting 45M tokens' lists doubled the read; the order is checked instead (DuckDB
     # sorts, out of core, if it ever is not)
-    for query in (_QUERY, _QUERY + " ORDER BY request_id"):
+    for query in (_query(ps), _query(ps) + " ORDER BY request_id"):
         writer = _PageWriter(cache) if cache is not None else None
         try:
-            got = _hash_batches(con.sql(query).to_arrow_reader(BATCH_ROWS), ps, writer, keep)
+            with ChainHasher() as hasher:
+                batches = con.sql(query).to_arrow_reader(BATCH_ROWS)
+                got = _hash_batches(batches, ps, writer, keep, hasher)
         finally:
             if writer is not None:
                 writer.close()
@@ -177,7 +190,11 @@ def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = Tr
 
 
 def _hash_batches(
-    batches: Any, ps: int, writer: _PageWriter | None, keep: bool = True
+    batches: Any,
+    ps: int,
+    writer: _PageWriter | None,
+    keep: bool = True,
+    hasher: ChainHasher | None = None,
 ) -> tuple[Any, Any] | None:
     """(page offsets, hashes) of the requests in ``batches``; None if their request ids are
     not increasing (the caller reads them sorted)."""
@@ -185,7 +202,7 @@ def _hash_batches(
 
     counts: list[Any] = [np.zeros(1, dtype=np.int64)]
     hashes: list[Any] = []
-    last: dict[tuple[Any, Any], tuple[int, Any, list[bytes]]] = {}
+    last: dict[tuple[Any, Any], tuple[int, bytes, Any]] = {}
     prev_rid = -1
     rows = 0
     for b in batches:
@@ -195,11 +212,10 @@ def _hash_batches(
         if rid[0] <= prev_rid or not (rid[1:] > rid[:-1]).all():
             return None
         prev_rid = int(rid[-1])
-        iv, io = _flat(b.column("input_ids"))
-        ov, oo = _flat(b.column("output_ids"))
+        cv, co = _flat(b.column("chain"))
         lane = b.column("lane").to_pylist()
         session = b.column("session").to_pylist()
-        off, h = hash_requests(iv, io, ov, oo, ps, lane, session, last)
+        off, h = hash_requests(cv, co, ps, lane, session, last, hasher)
         if writer is not None:
             writer.write(rows, off, h)
         counts.append(np.diff(off))
@@ -225,83 +241,110 @@ def _flat(col: Any) -> tuple[Any, Any]:
 
 
 def hash_requests(
-    iv: Any,
-    io: Any,
-    ov: Any,
-    oo: Any,
+    cv: Any,
+    co: Any,
     ps: int,
     lane: list[Any],
     session: list[Any],
-    last: dict[tuple[Any, Any], tuple[int, Any, list[bytes]]] | None = None,
+    last: dict[tuple[Any, Any], tuple[int, bytes, Any]] | None = None,
+    hasher: ChainHasher | None = None,
 ) -> tuple[Any, Any]:
-    """(page offsets, int64 hashes) of every row's chain ``input + output[:-1]``, given the
-    flat input/output token arrays and their offsets (see the module docstring).
-    ``last``: ``(lane, session)`` -> (pages, tokens, digests) of the session's latest row
-    with pages, carried from batch to batch (updated here)."""
+    """(page offsets, int64 hashes) of every row's chain, given the flat chain tokens ``cv``
+    (int64, whole pages only: ``_query``) and their row offsets ``co``.
+
+    The rows' pages are one uint32 buffer; the rows hashed
+    from the root (most) are hashed in one ``wire.root_chains`` pass over it (no per-row
+    call). Rows that reuse their session's previous row (a whole-page prefix of theirs) copy
+    its digests and hash only the new pages; rows with tokens that are not plain uint32 are
+    hashed from their Python lists (the wide / error path of ``wire``). ``last``: ``(lane,
+    session)`` -> (pages, chain words, digests) of the session's latest row with pages,
+    carried from batch to batch (updated here). ``hasher``: shares the root-chain pass among
+    processes (``kvcadence.analysis.hashpool``; default: this process alone)."""
+    import sys
     from array import array
-    from itertools import chain
 
     import numpy as np
 
-    n = len(io) - 1
-    n_in = np.diff(io)
-    n_out = np.maximum(np.diff(oo) - 1, 0)
-    n_pages = (n_in + n_out) // ps
+    n = len(co) - 1
+    n_pages = np.diff(co) // ps
     page_off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(n_pages, out=page_off[1:])
-
-    def u32(vals: Any, offs: Any) -> tuple[memoryview, list[bool]]:
-        bad = np.zeros(n, dtype=bool)
-        if len(vals) and (vals.min() < 0 or vals.max() >= 1 << 32):
-            plain = (vals >= 0) & (vals < (1 << 32))
-            # wide or invalid tokens: those rows go through Python lists
-            bad[np.searchsorted(offs, np.flatnonzero(~plain), "right") - 1] = True
-            vals = np.where(plain, vals, 0)
-        # uint32 in native order (what array("I") holds), as raw bytes: 4 per token
-        return memoryview(vals.astype(np.uint32)).cast("B"), bad.tolist()
-
-    in_mv, in_bad = u32(iv, io)
-    out_mv, out_bad = u32(ov, oo)
-    wide = array("I").itemsize != 4  # pragma: no branch - no such platform in use
-    digests: list[list[bytes]] = [[] for _ in range(n)]
-    iol, ool, nil, npl = io.tolist(), oo.tolist(), n_in.tolist(), n_pages.tolist()
-    keyed = [la is not None or se is not None for la, se in zip(lane, session, strict=True)]
+    total = int(page_off[-1])
     if last is None:
         last = {}
-    block_digests = wire.block_digests
-    for r in np.flatnonzero(n_pages).tolist():
+    if total == 0:
+        return page_off, np.zeros(0, dtype=np.int64)
+    toks = cv
+    plain = (toks >= 0) & (toks < (1 << 32))
+    bad = np.zeros(n, dtype=bool)
+    if array("I").itemsize != 4:  # pragma: no cover - no such platform in use
+        bad[:] = True
+    elif not plain.all():  # wide or invalid tokens: those rows go through Python lists
+        bad[np.searchsorted(page_off * ps, np.flatnonzero(~plain), "right") - 1] = True
+        toks = np.where(plain, toks, 0)
+    step = 4 * ps
+    buf = toks.astype("<u4").tobytes()  # uint32 little-endian: what SGLang hashes
+    del toks, plain
+    digests = np.empty((total, 32), dtype=np.uint8)
+
+    # session reuse: a keyed row whose session's previous row is a whole-page prefix of it
+    # (or it of that row) starts from that row's digests
+    start = np.zeros(n, dtype=np.int64)
+    source: dict[int, Any] = {}  # row -> the row it reuses (int) or carried digests
+    ended: dict[tuple[Any, Any], int] = {}  # key -> its latest row in this batch
+    npl, pol = n_pages.tolist(), page_off.tolist()
+    for r in np.flatnonzero(n_pages > 0).tolist():
+        if (lane[r] is None and session[r] is None) or bad[r]:
+            continue
+        key = (lane[r], session[r])
         k = npl[r]
-        nt = k * ps
-        ni = nil[r]
-        if wide or in_bad[r] or out_bad[r]:
-            toks: Any = (iv[iol[r] : iol[r] + ni].tolist() + ov[ool[r] : ool[r + 1]].tolist())[:nt]
+        words = buf[step * pol[r] : step * pol[r + 1]]
+        prev = last.get(key)
+        if prev is not None:
+            qk, qw, qsrc = prev
+            if words.startswith(qw) if qk <= k else qw.startswith(words):
+                start[r] = min(qk, k)
+                source[r] = qsrc
+        last[key] = (k, words, r)
+        ended[key] = r
+
+    # every row hashed from the root, in one pass
+    fast = (n_pages > 0) & (start == 0) & ~bad
+    sel = np.repeat(fast, n_pages)
+    page_in_row = np.arange(total, dtype=np.int64) - np.repeat(page_off[:-1], n_pages)
+    hasher = hasher if hasher is not None else ChainHasher(1)
+    if sel.all():
+        got = hasher.digests(buf, ps, page_in_row == 0)
+    else:
+        words_sel = np.frombuffer(buf, dtype=np.uint8).reshape(total, step)[sel].tobytes()
+        got = hasher.digests(words_sel, ps, page_in_row[sel] == 0)
+    if got:
+        digests[sel] = np.frombuffer(got, dtype=np.uint8).reshape(-1, 32)
+    del got
+
+    # the rest, row by row, in row order (a reused row is complete before its reuser)
+    for r in np.flatnonzero((n_pages > 0) & ~fast).tolist():
+        a, k = pol[r], npl[r]
+        if bad[r]:
+            out = wire.block_digests(cv[co[r] : co[r + 1]].tolist(), ps)
         else:
-            toks = array("I")
-            a = iol[r]
-            toks.frombytes(in_mv[4 * a : 4 * (a + min(ni, nt))])
-            if nt > ni:
-                b = ool[r]
-                toks.frombytes(out_mv[4 * b : 4 * (b + nt - ni)])
-        start = 0  # leading pages shared with the session's previous row
-        key = None
-        if keyed[r]:
-            key = (lane[r], session[r])
-            prev = last.get(key)
-            if prev is not None:
-                qk, qt, qd = prev
-                m = min(qk, k)
-                if m and qt[: m * ps] == toks[: m * ps]:  # a whole-prefix match (next turn)
-                    start = m
-                    digests[r] = qd[:m]
-        if start < k:
-            parent = digests[r][start - 1] if start else None
-            got = block_digests(toks[start * ps :] if start else toks, ps, parent_digest=parent)
-            if start:
-                digests[r].extend(got)
-            else:
-                digests[r] = got
-        if key is not None:
-            last[key] = (k, toks, digests[r])
-    joined = b"".join(chain.from_iterable(digests))
-    hashes = np.frombuffer(joined, dtype=">i8")[::4].astype(np.int64)
+            m = int(start[r])
+            src = source[r]
+            digests[a : a + m] = (
+                digests[pol[src] : pol[src] + m] if isinstance(src, int) else src[:m]
+            )
+            if m == k:
+                continue
+            tail = array("I")
+            tail.frombytes(buf[step * (a + m) : step * (a + k)])
+            if sys.byteorder == "big":  # pragma: no cover - buf is little-endian
+                tail.byteswap()
+            out = wire.block_digests(tail, ps, parent_digest=digests[a + m - 1].tobytes())
+        digests[a + k - len(out) : a + k] = np.frombuffer(b"".join(out), dtype=np.uint8).reshape(
+            -1, 32
+        )
+    for key, r in ended.items():  # what the next batch reuses: this batch's digests, copied
+        k, words, _ = last[key]
+        last[key] = (k, words, digests[pol[r] : pol[r] + k].copy())
+    hashes = np.ascontiguousarray(digests[:, :8]).view(">i8").ravel().astype(np.int64)
     return page_off, hashes

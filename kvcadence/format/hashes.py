@@ -254,6 +254,23 @@ def block_digests(
     return _chain(_prior(cache_salt, parent_digest), token_ids, page_size)
 
 
+def root_chains(words: bytes, page_size: int, first: Sequence[bool]) -> list[bytes]:
+    """The digests of many root chains of plain tokens packed back to back, in one pass:
+    ``words`` holds whole pages of uint32 little-endian words (``4 * page_size`` bytes a page),
+    ``first[i]`` is true where page ``i`` starts a chain (hashed from the root). Chain by
+    chain the same digests as ``block_digests`` (no per-chain call: many short chains cost one
+    hash call a page)."""
+    _check_page_size(page_size)
+    step = 4 * page_size
+    sha = _sha256_small if 32 + step <= _ONE_BLOCK else sha256
+    pages = _pages_struct(step).iter_unpack(words)
+    prev = b""
+    return [
+        prev := sha(page if f else prev + page).digest()  # noqa: F841
+        for (page,), f in zip(pages, first, strict=True)
+    ]
+
+
 def block_hashes(
     token_ids: Sequence[Any],
     page_size: int,
@@ -305,6 +322,7 @@ __all__ = [
     "cache_salt_seed",
     "page_digest",
     "block_digests",
+    "root_chains",
     "block_hashes",
     "namespace_seed",
     "namespaced_block_hash",

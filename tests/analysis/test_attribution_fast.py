@@ -148,9 +148,9 @@ def test_page_hashes_equal_wire(rows: list[tuple[list[int], list[int], Any]], ps
     out = [r[1] for r in rows]
     lane = [0 if r[2] is not None else None for r in rows]
     session = [r[2] for r in rows]
-    iv, io = kpages._flat(pa.array(inp, type=pa.list_(pa.int64())))
-    ov, oo = kpages._flat(pa.chunked_array([pa.array(out, type=pa.list_(pa.int64()))]))
-    page_off, hashes = kpages.hash_requests(iv, io, ov, oo, ps, lane, session)
+    chains = [(p + o[:-1])[: len(p + o[:-1]) // ps * ps] for p, o in zip(inp, out, strict=True)]
+    cv, co = kpages._flat(pa.chunked_array([pa.array(chains, type=pa.list_(pa.int64()))]))
+    page_off, hashes = kpages.hash_requests(cv, co, ps, lane, session)
     for r in range(len(rows)):
         want = wire.block_hashes(inp[r] + out[r][:-1], ps)
         assert hashes[page_off[r] : page_off[r + 1]].tolist() == want

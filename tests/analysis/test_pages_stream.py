@@ -70,8 +70,7 @@ def test_out_of_order_batches_are_refused() -> None:
         return pa.RecordBatch.from_pydict(
             {
                 "request_id": pa.array(ids, pa.int64()),
-                "input_ids": pa.array([[1, 2]] * n, pa.list_(pa.int64())),
-                "output_ids": pa.array([[3]] * n, pa.list_(pa.int64())),
+                "chain": pa.array([[1, 2]] * n, pa.list_(pa.int64())),
                 "lane": pa.array([None] * n, pa.int64()),
                 "session": pa.array([None] * n, pa.int64()),
             }

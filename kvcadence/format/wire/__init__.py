@@ -68,6 +68,7 @@ from kvcadence.format.hashes import (
     namespaced_block_hash,
     norm_hash,
     page_digest,
+    root_chains,
     u64,
 )
 from kvcadence.format.wire.decode import (
@@ -120,6 +121,7 @@ __all__ = [
     "u64",
     "block_hashes",
     "block_digests",
+    "root_chains",
     "page_digest",
     "digest_to_int64",
     "cache_salt_seed",
