@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float
-from kvcadence.outguard import removed_on_failure
+from kvcadence.outguard import refuse_nonempty_dir, removed_on_failure
 
 
 def _bool_flag(
@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.progress import Phases, request_bar
 
     phases = Phases("replay", quiet=args.quiet, started=getattr(args, "_started", None))
+    if args.out:  # refused before loading: no phase line first, nothing read for nothing
+        refuse_nonempty_dir(args.out)
     if getattr(args, "trace", None) is not None:
         from kvcadence.replay.cli_trace import run_trace
 
