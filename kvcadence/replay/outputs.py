@@ -256,7 +256,8 @@ class StoreIndex:
         while c < len(cands) and cands[c] < end:
             ev = evs[cands[c]]
             n = min(ev.pages, pages - start)
-            if ev.tokens[: n * ps] == prompt[start * ps : (start + n) * ps]:
+            toks = ev.tokens if n == ev.pages else ev.tokens[: n * ps]  # usually all of it
+            if toks == prompt[start * ps : (start + n) * ps]:
                 return cands[c], 0, n
             c += 1
         for ei in range(i, end):
