@@ -73,7 +73,8 @@ class StoreIndex:
         #: every event's block hashes, in event order (``StoredEvent.off``, ``pages``)
         self.hashes: np.ndarray = np.zeros(0, np.int64)
         self._ts: list[int] = []
-        self._offs: list[int] = []  # each event's ``off`` (a position's event: bisect)
+        #: each event's ``off`` (a position's event: bisect)
+        self.offs: list[int] = []
         #: event indices (ascending) by parent hash and by first token: the candidates the
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
@@ -164,7 +165,7 @@ class StoreIndex:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
         tokens)``, in publish order, and index them."""
         off = len(self.hashes)
-        events, offs = self.events, self._offs
+        events, offs = self.events, self.offs
         by_parent, by_first = self._by_parent, self._by_first
         self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[3] for r in rows]))])
         self._ts.extend([r[0] for r in rows])
@@ -353,7 +354,7 @@ class StoreIndex:
             hi = evs[stop - 1].off + evs[stop - 1].pages
             seen = -1
             for pos in (np.flatnonzero(self.hashes[lo:hi] == h) + lo).tolist():
-                ei = bisect_right(self._offs, pos, i, stop) - 1
+                ei = bisect_right(self.offs, pos, i, stop) - 1
                 if ei == seen:
                     continue  # not the event's first ``h``
                 seen = ei

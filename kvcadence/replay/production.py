@@ -212,7 +212,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             node.end_anchor = last
         else:
             missing[i] = WHY_NO_FINISH
-    pred_ties = infer_predecessors(nodes, index.hashes, [e.off for e in index.events])
+    pred_ties = infer_predecessors(nodes, index.hashes, index.offs)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
