@@ -26,6 +26,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -55,7 +56,8 @@ def finish_order(nodes: Sequence[Node], among: Iterable[int]) -> list[int]:
     """Those of the ascending indices ``among`` whose node has a finish time, by finish
     time, ties by index."""
     fin = [n.finish_ns for n in nodes]
-    return sorted([i for i in among if fin[i] is not None], key=fin.__getitem__)
+    known = cast("list[int]", fin)  # read only at the indices that have one
+    return sorted([i for i in among if fin[i] is not None], key=known.__getitem__)
 
 
 def infer_predecessors(nodes: Sequence[Node], hashes: np.ndarray, offsets: Sequence[int]) -> int:
