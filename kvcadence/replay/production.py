@@ -115,22 +115,25 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     counts: Counter[str] = Counter()
     keep: list[int] = []
     out: list[Any] = list(records)
+    retracted = 0
     for i, r in enumerate(records):
         kind, ran = _kind(r)
-        if kind is not None:
-            counts[f"{kind}_{'running' if ran else 'not_run'}"] += 1
-        if kind is not None and not ran:
-            why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
-            out[i] = msgspec.structs.replace(r, error=r.error or why)
-        else:
+        if kind is None:
             keep.append(i)
-        counts["retracted_in_capture"] += _retracted(r)
+        else:
+            counts[f"{kind}_{'running' if ran else 'not_run'}"] += 1
+            if ran:
+                keep.append(i)
+            else:
+                why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
+                out[i] = msgspec.structs.replace(r, error=r.error or why)
+        retracted += _retracted(r)
     done, report = _complete([records[i] for i in keep], index)
     for i, r in zip(keep, done, strict=True):
         out[i] = r
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
         report[k] = counts[k]
-    report["retracted_in_capture"] = counts["retracted_in_capture"]
+    report["retracted_in_capture"] = retracted
     return out, report
 
 
@@ -223,11 +226,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             first_succ[pr] = q
     via_prompt = 0
     tail_synth: Counter[str] = Counter()
-    outs: list[list[int] | None] = []
+    outs: list[list[int] | None] = known  # completed in place: read at ``i`` only
     for i, r in enumerate(records):
         kn = known[i]
         if kn is None:
-            outs.append(None)
             continue
         n = n_outs[i]
         L = len(r.input_ids)
@@ -247,7 +249,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
                 tail_synth[WHY_NO_PAGE] += 1
             else:
                 tail_synth[WHY_TAIL] += 1
-        outs.append(kn)
+        outs[i] = kn
 
     # sessions: a chain of first successors is one session (lane = session)
     gaps = sorted(
