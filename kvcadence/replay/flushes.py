@@ -108,7 +108,7 @@ class FlushScan:
         late = rec.via == VIA_REPLAY
         if ts_ns is not None and not late:
             self.lag.setdefault(rec.endpoint, []).append(rec.recv_ns - ts_ns)
-        if not first and any(isinstance(e, AllBlocksCleared) for e in events):
+        if events and not first and any(isinstance(e, AllBlocksCleared) for e in events):
             # a frame recorded twice (live and through the replay socket) counts once,
             # live first
             ck = (rec.endpoint, rec.epoch, rec.seq)

@@ -73,7 +73,8 @@ class StoreIndex:
         #: every event's block hashes, in event order (``StoredEvent.off``, ``pages``)
         self.hashes: np.ndarray = np.zeros(0, np.int64)
         self._ts: list[int] = []
-        self._offs: list[int] = []  # each event's ``off`` (a position's event: bisect)
+        #: each event's ``off`` (a position's event: bisect)
+        self.offs: list[int] = []
         #: event indices (ascending) by parent hash and by first token: the candidates the
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
@@ -100,12 +101,13 @@ class StoreIndex:
             [
                 (
                     ts,
+                    n,
                     None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
                     packed(e.block_hashes),  # int64, as the parent: SGLang's form
                     len(e.block_hashes),
                     e.token_ids,
                 )
-                for ts, _, e in raw
+                for ts, n, e in raw
             ]
         )
         return idx
@@ -156,23 +158,21 @@ class StoreIndex:
             for parent, hashes, pages, tokens in got:
                 raw.append((ts, n, parent, hashes, pages, tokens))
         raw.sort(key=itemgetter(0, 1))
-        idx._extend([(r[0], r[2], r[3], r[4], r[5]) for r in raw])
+        idx._extend(raw)
         return idx
 
-    def _extend(self, rows: list[tuple[int, int | None, bytes, int, list[int]]]) -> None:
-        """Append events ``(ts, parent, hashes as ``stored.packed`` bytes, pages, tokens)``, in publish
-        order, and index them."""
-        base = len(self.events)
+    def _extend(self, rows: list[tuple[int, int, int | None, bytes, int, list[int]]]) -> None:
+        """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
+        tokens)``, in publish order, and index them."""
         off = len(self.hashes)
-        events = self.events
-        for ts, parent, _, pages, tokens in rows:
-            events.append(StoredEvent(ts, parent, off, pages, tokens))
-            off += pages
-        self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[2] for r in rows]))])
-        self._ts.extend([r[0] for r in rows])
-        self._offs.extend([ev.off for ev in events[base:]])
+        events, offs = self.events, self.offs
         by_parent, by_first = self._by_parent, self._by_first
-        for ei, (_, parent, _, _, tokens) in enumerate(rows, base):
+        self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[3] for r in rows]))])
+        self._ts.extend([r[0] for r in rows])
+        for ei, (ts, _, parent, _, pages, tokens) in enumerate(rows, len(events)):
+            events.append(StoredEvent(ts, parent, off, pages, tokens))
+            offs.append(off)
+            off += pages
             lst = by_parent.get(parent)
             if lst is None:
                 by_parent[parent] = [ei]
@@ -256,7 +256,8 @@ class StoreIndex:
         while c < len(cands) and cands[c] < end:
             ev = evs[cands[c]]
             n = min(ev.pages, pages - start)
-            if ev.tokens[: n * ps] == prompt[start * ps : (start + n) * ps]:
+            toks = ev.tokens if n == ev.pages else ev.tokens[: n * ps]  # usually all of it
+            if toks == prompt[start * ps : (start + n) * ps]:
                 return cands[c], 0, n
             c += 1
         for ei in range(i, end):
@@ -353,7 +354,7 @@ class StoreIndex:
             hi = evs[stop - 1].off + evs[stop - 1].pages
             seen = -1
             for pos in (np.flatnonzero(self.hashes[lo:hi] == h) + lo).tolist():
-                ei = bisect_right(self._offs, pos, i, stop) - 1
+                ei = bisect_right(self.offs, pos, i, stop) - 1
                 if ei == seen:
                     continue  # not the event's first ``h``
                 seen = ei

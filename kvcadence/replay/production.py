@@ -43,7 +43,13 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
-from kvcadence.replay.sessions import Node, infer_clients, infer_predecessors
+from kvcadence.replay.sessions import (
+    Node,
+    arrival_order,
+    finish_order,
+    infer_clients,
+    infer_predecessors,
+)
 from kvcadence.replay.tokens import as_list
 
 #: why an output stays synthetic (report keys)
@@ -55,10 +61,6 @@ WHY_TAIL = "unstored tail, no later prompt extends it"
 #: a session start joins the client whose session ended last before it, at most this many
 #: median think times (predecessor finish -> successor receive) earlier
 CLIENT_GAP_FACTOR = 10
-
-
-def _times(r: Any) -> tuple[int | None, int | None]:
-    return _arrival(r), _finish(r)
 
 
 #: record sources that are SGLang's own request logs (no lanes, opaque rids)
@@ -113,22 +115,25 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     counts: Counter[str] = Counter()
     keep: list[int] = []
     out: list[Any] = list(records)
+    retracted = 0
     for i, r in enumerate(records):
         kind, ran = _kind(r)
-        if kind is not None:
-            counts[f"{kind}_{'running' if ran else 'not_run'}"] += 1
-        if kind is not None and not ran:
-            why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
-            out[i] = msgspec.structs.replace(r, error=r.error or why)
-        else:
+        if kind is None:
             keep.append(i)
-        counts["retracted_in_capture"] += _retracted(r)
+        else:
+            counts[f"{kind}_{'running' if ran else 'not_run'}"] += 1
+            if ran:
+                keep.append(i)
+            else:
+                why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
+                out[i] = msgspec.structs.replace(r, error=r.error or why)
+        retracted += _retracted(r)
     done, report = _complete([records[i] for i in keep], index)
     for i, r in zip(keep, done, strict=True):
         out[i] = r
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
         report[k] = counts[k]
-    report["retracted_in_capture"] = counts["retracted_in_capture"]
+    report["retracted_in_capture"] = retracted
     return out, report
 
 
@@ -136,9 +141,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     records: list[Any], index: StoreIndex
 ) -> tuple[list[Any], dict[str, Any]]:
     ps = index.page_size
-    times = [_times(r) for r in records]
+    times = [(_arrival(r), _finish(r)) for r in records]
     n_outs = [_n_out(r) for r in records]
-    nodes = [Node(arrival_ns=a if a is not None else 0, finish_ns=f) for a, f in times]
+    nodes = [Node(a if a is not None else 0, f) for a, f in times]
     # None: the record's own output ids
     known: list[list[int] | None] = [None] * len(records)
     missing: dict[int, str] = {}  # index -> why the stored part of its output is unknown
@@ -146,7 +151,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # finish stores are claimed in finish order: parallel samples of one prompt all chain
     # below the same page, each gets its own run (``StoreIndex.finish_pages(taken=...)``)
     taken: dict[tuple[int, int], int] = {}
-    by_fin = sorted(range(len(records)), key=lambda i: (times[i][1] is None, times[i][1] or 0, i))
+    by_fin = finish_order(nodes, range(len(nodes)))
+    by_fin += [i for i, nd in enumerate(nodes) if nd.finish_ns is None]
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
@@ -209,21 +215,21 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             node.end_anchor = last
         else:
             missing[i] = WHY_NO_FINISH
-    pred_ties = infer_predecessors(nodes, index.hashes, [e.off for e in index.events])
+    pred_ties = infer_predecessors(nodes, index.hashes, index.offs)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
-    for q in sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i)):
+    order = arrival_order(nodes)
+    for q in order:
         pr = nodes[q].pred
         if pr is not None and pr not in first_succ:
             first_succ[pr] = q
     via_prompt = 0
     tail_synth: Counter[str] = Counter()
-    outs: list[list[int] | None] = []
+    outs: list[list[int] | None] = known  # completed in place: read at ``i`` only
     for i, r in enumerate(records):
         kn = known[i]
         if kn is None:
-            outs.append(None)
             continue
         n = n_outs[i]
         L = len(r.input_ids)
@@ -243,7 +249,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
                 tail_synth[WHY_NO_PAGE] += 1
             else:
                 tail_synth[WHY_TAIL] += 1
-        outs.append(kn)
+        outs[i] = kn
 
     # sessions: a chain of first successors is one session (lane = session)
     gaps = sorted(
@@ -256,7 +262,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     session_of: dict[int, tuple[int, int]] = {}
     lane_of: dict[int, int] = {}
     n_sessions = n_lanes = 0
-    for i in sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i)):
+    for i in order:
         pr = nodes[i].pred
         if pr is not None and first_succ.get(pr) == i and pr in session_of:
             s, t = session_of[pr]
@@ -272,14 +278,17 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             lane_of[i] = n_lanes
             n_lanes += 1
     out_records = []
+    replace = msgspec.structs.replace
     for i, r in enumerate(records):
         s, t = session_of[i]
-        upd: dict[str, Any] = {"lane": lane_of[i], "session": s, "turn": t}
         kn = outs[i]
-        if kn is not None:
-            n = n_outs[i]
-            upd["output_ids"] = kn[:n] + _synth_tokens(r.rid, n - len(kn)) if len(kn) < n else kn
-        out_records.append(msgspec.structs.replace(r, **upd))
+        if kn is None:
+            out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
+            continue
+        n = n_outs[i]
+        if len(kn) < n:
+            kn = kn[:n] + _synth_tokens(r.rid, n - len(kn))
+        out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=kn))
     report = {
         "requests": len(records),
         "outputs_recorded": sum(1 for k in known if k is None),

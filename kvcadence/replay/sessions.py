@@ -24,8 +24,9 @@ bound: a closed-loop client's next session (timing only).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -46,6 +47,19 @@ class Node:
     has_successor: bool = False
 
 
+def arrival_order(nodes: Sequence[Node]) -> list[int]:
+    """Indices of ``nodes`` by arrival, ties by index (a stable sort of ascending indices)."""
+    return sorted(range(len(nodes)), key=[n.arrival_ns for n in nodes].__getitem__)
+
+
+def finish_order(nodes: Sequence[Node], among: Iterable[int]) -> list[int]:
+    """Those of the ascending indices ``among`` whose node has a finish time, by finish
+    time, ties by index."""
+    fin = [n.finish_ns for n in nodes]
+    known = cast("list[int]", fin)  # read only at the indices that have one
+    return sorted([i for i in among if fin[i] is not None], key=known.__getitem__)
+
+
 def infer_predecessors(nodes: Sequence[Node], hashes: np.ndarray, offsets: Sequence[int]) -> int:
     """Set ``pred`` (index into ``nodes``) on every node that has one (see module doc).
 
@@ -54,11 +68,8 @@ def infer_predecessors(nodes: Sequence[Node], hashes: np.ndarray, offsets: Seque
     Returns how many predecessors were ambiguous: picked by the tie rule among several
     finished requests of the same kind (end / prompt anchor) at the deepest anchor."""
     ties = 0
-    order = sorted(range(len(nodes)), key=lambda i: (nodes[i].arrival_ns, i))
-    by_finish = sorted(
-        (i for i in range(len(nodes)) if nodes[i].finish_ns is not None),
-        key=lambda i: (nodes[i].finish_ns, i),
-    )
+    order = arrival_order(nodes)
+    by_finish = finish_order(nodes, range(len(nodes)))
     hits, hit_hash = _anchor_positions(nodes, hashes)
     anchors: dict[int, list[tuple[int, int]]] = {}  # hash -> [(kind, index)], 0 = end
     fi = 0
@@ -152,13 +163,8 @@ def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> list[int | None]:
     from: the request that ended a session (no successor) last before it arrived, at most
     ``max_gap_ns`` earlier and not claimed by another session start. ``None`` = open loop."""
     out: list[int | None] = [None] * len(nodes)
-    ends = sorted(
-        (i for i, n in enumerate(nodes) if not n.has_successor and n.finish_ns is not None),
-        key=lambda i: (nodes[i].finish_ns, i),
-    )
-    starts = sorted(
-        (i for i, n in enumerate(nodes) if n.pred is None), key=lambda i: (nodes[i].arrival_ns, i)
-    )
+    ends = finish_order(nodes, [i for i, n in enumerate(nodes) if not n.has_successor])
+    starts = [i for i in arrival_order(nodes) if nodes[i].pred is None]
     free: list[int] = []  # session ends finished so far, unclaimed, by finish time
     ei = 0
     for q in starts:

@@ -498,3 +498,22 @@ def test_packed_request_carries_every_request_field_in_order() -> None:
     assert [repr(d) for d in packed] == [repr(d) for d in full]  # factories print alike
     p, r = PackedRequest("x", 0, -1, 0, b"", b""), RequestRecord("x", [])
     assert msgspec.structs.astuple(p)[6:] == msgspec.structs.astuple(r)[3:]
+
+
+def test_events_and_notes_skip_packed_requests_by_their_first_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A packed request (24 fields: an array16 header) is skipped unread by
+    ``events_and_notes``, as its fast path means: no decode tried, no slow path."""
+    from kvcadence.format.bundle import reader as reader_mod
+
+    b = _write(tmp_path / "b", _family())
+    seg = list_segments(b)[0]
+    body = next(x for _, x in _frames(seg) if _tag(x) == "preq")
+    assert body[0] == 0xDC  # what the skip reads
+    slow: list[str] = []  # the tags of the frames the slow path was asked to decode
+    monkeypatch.setattr(
+        reader_mod.BundleReader, "_decode_slow", lambda *a: slow.append(_tag(bytes(a[4])))
+    )
+    assert list(BundleReader(b).events_and_notes(())) == []
+    assert "preq" not in slow  # (the header and trailer are always looked at)

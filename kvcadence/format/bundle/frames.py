@@ -245,7 +245,8 @@ def events_and_notes_decoder(kinds: frozenset[str] | None, events_as: Any = None
     wanted = frozenset(k.encode() for k in kinds)
 
     def fast(body: memoryview) -> Any:
-        if 0x91 <= body[0] <= 0x9F:
+        b0 = body[0]
+        if 0x91 <= b0 <= 0x9F:
             head = bytes(body[1:6])
             if head == _NOTE_HEAD:
                 k = _note_kind(body)
@@ -253,6 +254,8 @@ def events_and_notes_decoder(kinds: frozenset[str] | None, events_as: Any = None
                     return SKIPPED
             elif head == _PACKED_HEAD:
                 return SKIPPED
+        elif b0 == 0xDC and bytes(body[3:8]) == _PACKED_HEAD:
+            return SKIPPED  # a packed request has 24 fields: an array16 header
         return decode(body)
 
     return fast
