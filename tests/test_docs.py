@@ -31,6 +31,9 @@ OTHER_FLAGS = {
     "--model-path",
     "--standalone",
     "--quick",
+    # bench/run and bench/bench_memory.py (named by the generated docs/performance.md)
+    "--runs",
+    "--full",
     # the SGLang launch command of examples/README.md
     "--attention-backend",
     "--enable-metrics",
