@@ -301,6 +301,31 @@ VIA_IMPORT = 2  # converted from another recorder's dump
 VIA_SIM = 3  # published by the kvcadence simulator
 
 
+class BlockStoredIdsView(KVCacheEvent, tag="BlockStored"):
+    """``BlockStoredRawView`` with its token ids decoded in the frame's one decode (not
+    skipped as ``Raw``, then decoded). Typed as the view otherwise."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Int64 | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class KVEventBatchIdsView(msgspec.Struct, array_like=True, gc=False):
+    """``KVEventBatchRawView`` with ``BlockStoredIdsView`` for its stores; no clear (a frame with
+    one is decoded fully for the flush scan anyway) and ``attn_dp_rank`` present (a
+    2-element batch is not ``decode_batch_raw``'s typed view: its checked path decides)."""
+
+    ts: float
+    events: list[Union[BlockStoredIdsView, BlockRemovedRawView]]
+    attn_dp_rank: int | None
+
+
 class EndpointInfo(msgspec.Struct, array_like=True, gc=False):
     """One publisher endpoint (one per DP rank). ``id`` is what EventFrame.endpoint names."""
 
@@ -349,6 +374,26 @@ class EventFrame(BundleRecordBase, tag="event"):
     epoch: int
     payload_is_bin: bool
     payload: msgspec.Raw
+    pass_index: int = -1
+
+
+class EventFrameIdsView(BundleRecordBase, tag="event"):
+    """``EventFrame`` with the common payload decoded in the frame's decode (one pass over
+    its ids, not a ``Raw`` skip and a second decode): map-shaped stores and removals.
+    Where this decodes, ``wire.decode_batch_raw``'s typed view of the payload does too,
+    with the same events and token ids that its check accepts (msgpack encoders write a
+    3-element array as ``0x93``, what that view asks for). A frame it refuses
+    (``payload_is_bin``, a clear, 0.5.17 arrays, ids that are not ints, ...) comes as
+    ``EventFrame`` and takes ``payload_stores``."""
+
+    endpoint: int
+    seq: int
+    recv_ns: int
+    topic: str
+    via: int
+    epoch: int
+    payload_is_bin: bool
+    payload: KVEventBatchIdsView
     pass_index: int = -1
 
 
@@ -530,6 +575,9 @@ def served_rank(rec: Any) -> int:
 
 
 __all__ = [
+    "BlockStoredIdsView",
+    "EventFrameIdsView",
+    "KVEventBatchIdsView",
     "served_rank",
     "KVCacheEvent",
     "BlockStored",

@@ -40,9 +40,9 @@ import numpy as np
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
-from kvcadence.format.schema import AnnotationRawView, BlockStored
+from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
-from kvcadence.replay.stored import FrameIds, frame_stores, packed, payload_stores, unpacked
+from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -116,7 +116,7 @@ class StoreIndex:
     def from_reader(cls, reader: Any, page_size: int, scan: Any = None) -> StoreIndex:
         """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
         one). Only ``BlockStored`` hashes and tokens are decoded, once: the common frame
-        with its payload in one decode (``stored.FrameIds``: token ids into lists, hashes and
+        with its payload in one decode (``schema.EventFrameIdsView``: token ids into lists, hashes and
         removals left as bytes), any other through ``wire.decode_batch_raw`` (``stored.payload_stores``);
         the hashes of all events together, into one array. An event whose fields are not
         int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw`` refuses
@@ -126,15 +126,15 @@ class StoreIndex:
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, bytes, int, list[int]]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
-        # event frames: the common payload decoded with the frame (``stored.FrameIds``)
-        records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=FrameIds)
+        # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
+        records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
         for n, f in enumerate(records):
             t = type(f)
             if t is AnnotationRawView:
                 if scan is not None:
                     scan.note(f)
                 continue
-            if t is FrameIds:
+            if t is EventFrameIdsView:
                 b = f.payload
                 got = frame_stores(b, page_size)
                 clear = False

@@ -5,8 +5,8 @@ int token ids, one page of tokens per hash -- as ``(parent, hashes, pages, token
 hashes as the bytes of 64-bit msgpack ints (``packed``) that ``unpacked`` turns into one
 int64 array for every event at once. Two routes, one result:
 
-* ``FrameIds`` (``frame_stores``): the common frame decoded with its payload in the reader's
-  one decode (``BundleReader.events_and_notes(events_as=FrameIds)``): token ids into lists,
+* ``schema.EventFrameIdsView`` (``frame_stores``): the common frame decoded with its payload in the reader's
+  one decode (``BundleReader.events_and_notes(events_as=EventFrameIdsView)``): token ids into lists,
   hashes and removals left as bytes;
 * any other frame (``payload_stores``): ``wire.decode_batch_raw`` of its payload, token ids
   decoded once; where they are not int arrays, ``decode_batch_raw``'s checked verdict
@@ -15,7 +15,7 @@ int64 array for every event at once. Two routes, one result:
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -24,12 +24,11 @@ from kvcadence.format import wire
 from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import (
     AllBlocksCleared,
-    BlockRemovedRawView,
+    BlockStoredIdsView,
     BlockStoredRawView,
     BlockStoredV17RawView,
-    BundleRecordBase,
     Int64,
-    KVCacheEvent,
+    KVEventBatchIdsView,
 )
 
 #: an indexable store: (parent hash, hashes as ``packed`` bytes, pages, token ids)
@@ -78,58 +77,13 @@ def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
     return bb[h:], n
 
 
-class _StoredIds(KVCacheEvent, tag="BlockStored"):
-    """``BlockStoredRawView`` with its token ids decoded in the frame's one decode (not
-    skipped as ``Raw``, then decoded). Typed as the view otherwise."""
-
-    block_hashes: msgspec.Raw
-    parent_block_hash: Int64 | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
-
-
-class _BatchIds(msgspec.Struct, array_like=True, gc=False):
-    """``KVEventBatchRawView`` with ``_StoredIds`` for its stores; no clear (a frame with
-    one is decoded fully for the flush scan anyway) and ``attn_dp_rank`` present (a
-    2-element batch is not ``decode_batch_raw``'s typed view: its checked path decides)."""
-
-    ts: float
-    events: list[Union[_StoredIds, BlockRemovedRawView]]
-    attn_dp_rank: int | None
-
-
-class FrameIds(BundleRecordBase, tag="event"):
-    """``EventFrame`` with the common payload decoded in the frame's decode (one pass over
-    its ids, not a ``Raw`` skip and a second decode): map-shaped stores and removals.
-    Where this decodes, ``wire.decode_batch_raw``'s typed view of the payload does too,
-    with the same events and token ids that its check accepts (msgpack encoders write a
-    3-element array as ``0x93``, what that view asks for). A frame it refuses
-    (``payload_is_bin``, a clear, 0.5.17 arrays, ids that are not ints, ...) comes as
-    ``EventFrame`` and takes ``payload_stores``."""
-
-    endpoint: int
-    seq: int
-    recv_ns: int
-    topic: str
-    via: int
-    epoch: int
-    payload_is_bin: bool
-    payload: _BatchIds
-    pass_index: int = -1
-
-
-def frame_stores(b: _BatchIds, page_size: int) -> list[Store]:
-    """``_stored``'s indexable stores of a ``FrameIds`` payload, the same: its token ids
+def frame_stores(b: KVEventBatchIdsView, page_size: int) -> list[Store]:
+    """``_stored``'s indexable stores of a ``schema.EventFrameIdsView`` payload, the same: its token ids
     are int arrays (``decode_batch_raw``'s check passes), so a store of another page size,
     or whose hashes are not ints, is skipped and the others kept."""
     out: list[Store] = []
     for e in b.events:
-        if type(e) is not _StoredIds or e.block_size != page_size:
+        if type(e) is not BlockStoredIdsView or e.block_size != page_size:
             continue
         hashes = _wire_hashes(e.block_hashes)
         if hashes is None:

@@ -318,9 +318,8 @@ def test_index_frames_decoded_with_their_payload_index_as_the_checked_path(tmp_p
     batch, ids that are no ints) comes as ``EventFrame``. Either way the index and the
     flushes are what every frame through ``stored.payload_stores`` gives."""
     from kvcadence.format.bundle import BundleReader, BundleWriter
-    from kvcadence.format.schema import EventFrame
+    from kvcadence.format.schema import EventFrame, EventFrameIdsView
     from kvcadence.replay.flushes import FlushScan
-    from kvcadence.replay.stored import FrameIds
     from tests.analysis.helpers import T0, header
 
     def ev(h: int, toks: object, parent: int | None = None, size: int = 1) -> dict:
@@ -353,8 +352,8 @@ def test_index_frames_decoded_with_their_payload_index_as_the_checked_path(tmp_p
                 via=0,
                 epoch=0,
             )
-    got = list(BundleReader(tmp_path / "b").events_and_notes((), events_as=FrameIds))
-    assert [type(f) for f in got] == [FrameIds] * 3 + [EventFrame] * 3
+    got = list(BundleReader(tmp_path / "b").events_and_notes((), events_as=EventFrameIdsView))
+    assert [type(f) for f in got] == [EventFrameIdsView] * 3 + [EventFrame] * 3
 
     class Plain:  # the same reader, every frame as EventFrame
         def __init__(self, rd):
