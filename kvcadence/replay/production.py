@@ -59,7 +59,8 @@ WHY_NO_FINISH = "finish store not found"
 WHY_NO_PAGE = "output fills no page and no later prompt extends it"
 WHY_TAIL = "unstored tail, no later prompt extends it"
 #: a session start joins the client whose session ended last before it, at most this many
-#: median think times (predecessor finish -> successor receive) earlier
+#: median think times (predecessor finish -> successor receive) earlier, or later when that
+#: client is the only idle one (``sessions.infer_clients``, rule 2)
 CLIENT_GAP_FACTOR = 10
 
 
@@ -258,7 +259,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if nodes[p].finish_ns is not None
     )
     max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
-    clients = infer_clients(nodes, max_gap)
+    clients, idle_joins = infer_clients(nodes, max_gap)
     session_of: dict[int, tuple[int, int]] = {}
     lane_of: dict[int, int] = {}
     n_sessions = n_lanes = 0
@@ -301,6 +302,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "finish_stores_shared": shared,
         "sessions": n_sessions,
         "clients": n_lanes,
+        "idle_client_joins": idle_joins,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
         "predecessor_ties": pred_ties,
     }
@@ -363,6 +365,11 @@ def _edge_text(rep: dict[str, Any]) -> str:
     parts = []
     if rep.get("predecessor_ties"):
         parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
+    if rep.get("idle_client_joins"):
+        parts.append(
+            f"{rep['idle_client_joins']} session starts past the think-time bound joined "
+            "the only idle client"
+        )
     if rep.get("finish_store_ties"):
         parts.append(
             f"{rep['finish_store_ties']} finish-store ties (parallel samples of one prompt; "
