@@ -6,6 +6,8 @@ no page, opaque rids, and a round trip through the simulator."""
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -283,6 +285,39 @@ def test_an_unjoined_session_end_keeps_a_long_pause_open_loop():
     links, idle = infer_clients(nodes, 300 * 1_000_000)
     assert links[4] is None and idle == 0
     assert links[2] == 0 and links[5] == 3  # the think-time joins stay
+
+
+def _open_loop(rate: float, seed: int, n: int = 200) -> list[Node]:
+    """``n`` open-loop sessions (Poisson arrivals at ``rate`` per second) of 1-3 turns,
+    each turn 0.5-3 s, ~30 ms think time between turns: nobody waits on another session."""
+    rng = random.Random(seed)
+    nodes: list[Node] = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        a, prev = t, None
+        for _ in range(rng.randint(1, 3)):
+            f = a + rng.uniform(0.5, 3.0)
+            nodes.append(Node(int(a * S), int(f * S), pred=prev))
+            if prev is not None:
+                nodes[prev].has_successor = True
+            prev = len(nodes) - 1
+            a = f + rng.expovariate(1 / 0.03)
+    return nodes
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 1.0, 3.0])
+def test_open_loop_arrivals_never_join_as_the_only_idle_client(rate):
+    """Open-loop traffic leaves session ends nobody joins, so no client is ever the only
+    idle one: the only joins are the think-time bound's (arrivals landing within 10 think
+    times of a session end, as before)."""
+    for seed in range(5):
+        nodes = _open_loop(rate, seed)
+        links, idle = infer_clients(nodes, 300 * 1_000_000)
+        assert idle == 0
+        for q, c in enumerate(links):
+            if c is not None:
+                assert nodes[q].arrival_ns - nodes[c].finish_ns <= 300 * 1_000_000
 
 
 def test_ambiguous_predecessor_is_counted():
