@@ -8,10 +8,12 @@ opaque rids. Before the replay builds its schedule:
 1. **Outputs from the KV events** (``outputs.StoreIndex``): the finish store chained below
    the prompt's last full page gives every output token SGLang ever inserted.
 2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
-   requests becomes one inferred session, written as ``lane = session`` with ``turn`` its
-   position, so the schedule replays it closed loop (think time = recorded receive − the
-   predecessor's recorded finish). Requests without a predecessor (and a second successor
-   of one request) arrive open loop at their recorded times.
+   requests becomes one inferred session, written as ``session`` with ``turn`` its
+   position (``lane``: its client, below), so the schedule replays it closed loop (think time = recorded receive − the
+   predecessor's recorded finish). A session start (no predecessor) joins the closed-loop
+   client whose session ended last before it (``sessions.infer_clients``: within the
+   think-time bound, or as the only idle client) or arrives open loop at its recorded
+   time, as does a second successor of one request.
 3. **Outputs from the next prompt**: a successor's prompt extends its predecessor's prompt +
    output, so the tokens the finish never stored (the last token at page size 1, a partial
    last page) -- or the whole output when the events had none -- are read from it.
