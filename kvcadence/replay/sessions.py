@@ -182,12 +182,11 @@ def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> tuple[list[int | No
     out: list[int | None] = [None] * len(nodes)
     ends = finish_order(nodes, [i for i, n in enumerate(nodes) if not n.has_successor])
     starts = [i for i in arrival_order(nodes) if nodes[i].pred is None]
-    t_starts = [nodes[q].arrival_ns for q in starts]
-    spacing = sorted(b - a for a, b in pairwise(t_starts))
-    idle_gap = spacing[len(spacing) // 2] if spacing else 0
+    idle_gap: int | None = None  # rule 2's bound, computed when first needed
     free: list[int] = []  # every session end finished so far and unclaimed, by finish time
     ei = idle = 0
-    for q, t in zip(starts, t_starts, strict=True):
+    for q in starts:
+        t = nodes[q].arrival_ns
         while ei < len(ends) and nodes[ends[ei]].finish_ns <= t:  # type: ignore[operator]
             free.append(ends[ei])
             ei += 1
@@ -196,9 +195,15 @@ def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> tuple[list[int | No
         gap = t - nodes[free[-1]].finish_ns  # type: ignore[operator]
         if gap <= max_gap_ns:
             out[q] = free.pop()
-        elif len(free) == 1 and gap <= idle_gap and out[_session_start(nodes, free[0])] is not None:
-            out[q] = free.pop()
-            idle += 1
+        elif len(free) == 1:
+            if idle_gap is None:
+                spacing = sorted(
+                    nodes[b].arrival_ns - nodes[a].arrival_ns for a, b in pairwise(starts)
+                )
+                idle_gap = spacing[len(spacing) // 2] if spacing else 0
+            if gap <= idle_gap and out[_session_start(nodes, free[0])] is not None:
+                out[q] = free.pop()
+                idle += 1
     return out, idle
 
 
