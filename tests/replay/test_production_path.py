@@ -99,7 +99,9 @@ def test_fixture_production_path_meets_the_bars(fixture_dir, tmp_path, capsys):
     assert [rep[k] for k in edge] == [0, 0, 0, 0] and rep["retracted_in_capture"] == 0
     assert rep["finish_store_ties"] == 0
     assert main(["inspect", str(tmp_path / "sim")]) == 0
-    assert "sessions=33 clients=4 with predecessor=87" in capsys.readouterr().out
+    assert (
+        "sessions=33 clients=4 with predecessor=87 idle-client joins=0" in capsys.readouterr().out
+    )
 
     rr = BundleReader(real)
     real_c = cadence([event_payload(f) for f in rr.events()], len(real_reqs))
