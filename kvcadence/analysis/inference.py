@@ -39,6 +39,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("clients", "clients inferred"),
     ("open_loop", "open-loop arrivals (first of each client, recorded time)"),
     ("session_starts_joined", "session starts joined to a client (timing only)"),
+    ("idle_client_joins", "... past the think-time bound, as the only idle client"),
     ("aborted_running", "aborted while running (partial output replayed)"),
     ("aborted_not_run", "aborted before they ran (not replayed)"),
     ("errored_running", "errored after they ran (recorded output replayed)"),

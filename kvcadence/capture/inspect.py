@@ -332,7 +332,12 @@ def format_text(s: dict[str, Any]) -> str:
                 f"outputs from events={inf['outputs_from_events']:,} "
                 f"from next prompt={inf['outputs_from_next_prompt']:,} synthetic={syn:,}  "
                 f"sessions={inf['sessions']:,} clients={inf['clients']:,} "
-                f"with predecessor={inf['with_predecessor']:,}",
+                f"with predecessor={inf['with_predecessor']:,}"
+                + (
+                    f" idle-client joins={inf['idle_client_joins']:,}"
+                    if "idle_client_joins" in inf
+                    else ""
+                ),
             )
         )
     if not s["header_ok"]:

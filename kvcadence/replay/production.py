@@ -8,10 +8,12 @@ opaque rids. Before the replay builds its schedule:
 1. **Outputs from the KV events** (``outputs.StoreIndex``): the finish store chained below
    the prompt's last full page gives every output token SGLang ever inserted.
 2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
-   requests becomes one inferred session, written as ``lane = session`` with ``turn`` its
-   position, so the schedule replays it closed loop (think time = recorded receive − the
-   predecessor's recorded finish). Requests without a predecessor (and a second successor
-   of one request) arrive open loop at their recorded times.
+   requests becomes one inferred session, written as ``session`` with ``turn`` its
+   position (``lane``: its client, below), so the schedule replays it closed loop (think time = recorded receive − the
+   predecessor's recorded finish). A session start (no predecessor) joins the closed-loop
+   client whose session ended last before it (``sessions.infer_clients``: within the
+   think-time bound, or as the only idle client) or arrives open loop at its recorded
+   time, as does a second successor of one request.
 3. **Outputs from the next prompt**: a successor's prompt extends its predecessor's prompt +
    output, so the tokens the finish never stored (the last token at page size 1, a partial
    last page) -- or the whole output when the events had none -- are read from it.
@@ -59,7 +61,8 @@ WHY_NO_FINISH = "finish store not found"
 WHY_NO_PAGE = "output fills no page and no later prompt extends it"
 WHY_TAIL = "unstored tail, no later prompt extends it"
 #: a session start joins the client whose session ended last before it, at most this many
-#: median think times (predecessor finish -> successor receive) earlier
+#: median think times (predecessor finish -> successor receive) earlier, or later when that
+#: client is the only idle one (``sessions.infer_clients``, rule 2)
 CLIENT_GAP_FACTOR = 10
 
 
@@ -258,7 +261,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if nodes[p].finish_ns is not None
     )
     max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
-    clients = infer_clients(nodes, max_gap)
+    clients, idle_joins = infer_clients(nodes, max_gap)
     session_of: dict[int, tuple[int, int]] = {}
     lane_of: dict[int, int] = {}
     n_sessions = n_lanes = 0
@@ -301,6 +304,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "finish_stores_shared": shared,
         "sessions": n_sessions,
         "clients": n_lanes,
+        "idle_client_joins": idle_joins,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
         "predecessor_ties": pred_ties,
     }
@@ -363,6 +367,11 @@ def _edge_text(rep: dict[str, Any]) -> str:
     parts = []
     if rep.get("predecessor_ties"):
         parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
+    if rep.get("idle_client_joins"):
+        parts.append(
+            f"{rep['idle_client_joins']} session starts past the think-time bound joined "
+            "the only idle client"
+        )
     if rep.get("finish_store_ties"):
         parts.append(
             f"{rep['finish_store_ties']} finish-store ties (parallel samples of one prompt; "

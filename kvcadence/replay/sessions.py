@@ -17,8 +17,15 @@ anchor on its path (a new session); a request whose cache hit ran past its prede
 end anchor is not linked.
 
 ``infer_clients`` links each request without a predecessor (a session start) to the
-session end (a request without a successor) that finished last before it, within a gap
-bound: a closed-loop client's next session (timing only).
+session end (a request without a successor) that finished last before it: a closed-loop
+client's next session (timing only). Two ways in: (1) that end is within the think-time
+bound (``max_gap_ns``); (2) it is the *only idle client* -- the one session end no later
+start has joined yet, every other client being in a session -- whose session itself joined
+a client (it came back before), and it came at most the capture's median interval between
+consecutive session starts earlier (an independent, open-loop arrival would follow a given
+moment that closely less often than not). (2) keeps a closed-loop client that paused long
+(a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
+nobody joins, and from the first of them on no client is the only idle one.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import cast
 
 import numpy as np
@@ -158,22 +166,49 @@ def _deepest(
     return None
 
 
-def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> list[int | None]:
-    """For each request without a predecessor, the closed-loop client it most likely came
-    from: the request that ended a session (no successor) last before it arrived, at most
-    ``max_gap_ns`` earlier and not claimed by another session start. ``None`` = open loop."""
+def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> tuple[list[int | None], int]:
+    """For each request without a predecessor (a session start, in arrival order), the
+    closed-loop client it most likely came from: the request that ended a session (no
+    successor) last before it arrived and not claimed by another session start, when
+
+    1. that end is at most ``max_gap_ns`` earlier (a think time), or
+    2. that end is the only unclaimed session end so far (the one idle client: every other
+       client is in a session, every earlier session end was joined), the session it ends
+       itself joined a client (the client came back before), and it is at most the median
+       interval between consecutive session starts earlier (data-derived: an open-loop
+       arrival lands that close after a given moment less often than not).
+
+    ``None`` = open loop. Returns the links and how many of them rule 2 made."""
     out: list[int | None] = [None] * len(nodes)
     ends = finish_order(nodes, [i for i, n in enumerate(nodes) if not n.has_successor])
     starts = [i for i in arrival_order(nodes) if nodes[i].pred is None]
-    free: list[int] = []  # session ends finished so far, unclaimed, by finish time
-    ei = 0
+    idle_gap: int | None = None  # rule 2's bound, computed when first needed
+    free: list[int] = []  # every session end finished so far and unclaimed, by finish time
+    ei = idle = 0
     for q in starts:
         t = nodes[q].arrival_ns
         while ei < len(ends) and nodes[ends[ei]].finish_ns <= t:  # type: ignore[operator]
             free.append(ends[ei])
             ei += 1
-        if free and t - nodes[free[-1]].finish_ns > max_gap_ns:  # type: ignore[operator]
-            free.clear()  # the latest is too old: so are all the others, for every later one
-        if free:
+        if not free:
+            continue
+        gap = t - nodes[free[-1]].finish_ns  # type: ignore[operator]
+        if gap <= max_gap_ns:
             out[q] = free.pop()
-    return out
+        elif len(free) == 1:
+            if idle_gap is None:
+                spacing = sorted(
+                    nodes[b].arrival_ns - nodes[a].arrival_ns for a, b in pairwise(starts)
+                )
+                idle_gap = spacing[len(spacing) // 2] if spacing else 0
+            if gap <= idle_gap and out[_session_start(nodes, free[0])] is not None:
+                out[q] = free.pop()
+                idle += 1
+    return out, idle
+
+
+def _session_start(nodes: Sequence[Node], i: int) -> int:
+    """The first request of the predecessor chain ``i`` ends."""
+    while (p := nodes[i].pred) is not None:
+        i = p
+    return i

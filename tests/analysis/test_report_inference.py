@@ -61,6 +61,7 @@ def test_production_replay_report_says_what_was_inferred(production_pair, tmp_pa
     assert rows["sessions inferred"] == "33"
     assert rows["clients inferred"] == "4"
     assert rows["open-loop arrivals (first of each client, recorded time)"] == "4"
+    assert rows["... past the think-time bound, as the only idle client"] == "0"
     assert rows["output tails synthetic (never stored, never reused)"] == "33"  # session ends
     assert "synthetic outputs: 33 unstored tail, no later prompt extends it;" in section
     # the section sits right after the inputs, in the HTML too

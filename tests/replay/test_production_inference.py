@@ -6,6 +6,8 @@ no page, opaque rids, and a round trip through the simulator."""
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -20,6 +22,7 @@ from kvcadence.replay.production import (
     complete_records,
     needs_completion,
 )
+from kvcadence.replay.sessions import Node, infer_clients
 from tests.replay.helpers import config, lane_chain, run
 
 S = 1_000_000_000
@@ -207,7 +210,8 @@ def test_roundtrip_through_the_simulator_page_4():
 def test_session_starts_join_a_client_only_within_the_gap_bound():
     """Two sessions one after the other: the second's first turn joins the first's client
     when it follows its last turn by about a think time, and arrives open loop when it
-    comes much later (more than 10 median think times)."""
+    comes much later (more than 10 median think times; the only-idle-client rule does not
+    apply: that client never came back before)."""
     ps = 1
     p1 = list(range(10, 20))
     o1 = [50, 51, 52]
@@ -235,6 +239,85 @@ def test_session_starts_join_a_client_only_within_the_gap_bound():
         assert out[1].session == out[0].session and out[2].session != out[0].session
         assert (out[2].lane == out[0].lane) is joined
         assert rep["clients"] == (1 if joined else 2)
+
+
+def _sessions(spans_ms: list[tuple[float, float]]) -> list[Node]:
+    """One single-request session per ``(arrival, finish)`` in ms."""
+    return [Node(int(a * 1e6), int(f * 1e6)) for a, f in spans_ms]
+
+
+#: two closed-loop clients A and B (think 30 ms, bound 300 ms); A pauses ``pause`` ms
+#: before its third session while B is in a session
+def _two_clients(pause: float, first_joined: bool = True) -> list[Node]:
+    a0 = (0, 1000) if first_joined else (0, 2000)
+    spans = [a0, (10, 1500)]
+    if first_joined:
+        spans.append((1030, 2000))  # A's second session: joins A's first (30 ms)
+    spans += [(1530, 3000), (2000 + pause, 3600), (3030, 4000)]
+    return _sessions(spans)
+
+
+@pytest.mark.parametrize(
+    ("pause", "first_joined", "joined"),
+    [
+        (400, True, True),  # the only idle client, 400 ms < median start interval (630)
+        (700, True, False),  # past the median interval between session starts (500 ms)
+        (400, False, False),  # A never came back before: no evidence of a closed loop
+    ],
+)
+def test_a_long_pause_joins_only_the_only_idle_client(pause, first_joined, joined):
+    """A session start past the think-time bound joins the client whose session ended
+    last only when that client is the only idle one (every other session end joined), has
+    come back before, and the gap is under the capture's median interval between session
+    starts; else it arrives open loop (the old rule: always open loop past the bound)."""
+    nodes = _two_clients(pause, first_joined)
+    late = 4 if first_joined else 3
+    links, idle = infer_clients(nodes, 300 * 1_000_000)
+    assert links[late] == ((late - 2) if joined else None)
+    assert idle == int(joined)
+    assert links[-1] == late - 1  # B's next session: within the bound, as before
+
+
+def test_an_unjoined_session_end_keeps_a_long_pause_open_loop():
+    """An open-loop session (nobody follows it) leaves its end unjoined: from then on no
+    client is the *only* idle one, so a long pause is a new client, as before."""
+    nodes = _two_clients(400) + _sessions([(100, 700)])
+    links, idle = infer_clients(nodes, 300 * 1_000_000)
+    assert links[4] is None and idle == 0
+    assert links[2] == 0 and links[5] == 3  # the think-time joins stay
+
+
+def _open_loop(rate: float, seed: int, n: int = 200) -> list[Node]:
+    """``n`` open-loop sessions (Poisson arrivals at ``rate`` per second) of 1-3 turns,
+    each turn 0.5-3 s, ~30 ms think time between turns: nobody waits on another session."""
+    rng = random.Random(seed)
+    nodes: list[Node] = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        a, prev = t, None
+        for _ in range(rng.randint(1, 3)):
+            f = a + rng.uniform(0.5, 3.0)
+            nodes.append(Node(int(a * S), int(f * S), pred=prev))
+            if prev is not None:
+                nodes[prev].has_successor = True
+            prev = len(nodes) - 1
+            a = f + rng.expovariate(1 / 0.03)
+    return nodes
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 1.0, 3.0])
+def test_open_loop_arrivals_never_join_as_the_only_idle_client(rate):
+    """Open-loop traffic leaves session ends nobody joins, so no client is ever the only
+    idle one: the only joins are the think-time bound's (arrivals landing within 10 think
+    times of a session end, as before)."""
+    for seed in range(5):
+        nodes = _open_loop(rate, seed)
+        links, idle = infer_clients(nodes, 300 * 1_000_000)
+        assert idle == 0
+        for q, c in enumerate(links):
+            if c is not None:
+                assert nodes[q].arrival_ns - nodes[c].finish_ns <= 300 * 1_000_000
 
 
 def test_ambiguous_predecessor_is_counted():

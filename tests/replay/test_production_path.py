@@ -19,6 +19,7 @@ import random
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from kvcadence.capture.importer import import_bundle
 from kvcadence.capture.inspect import inspect_bundle
@@ -98,7 +99,9 @@ def test_fixture_production_path_meets_the_bars(fixture_dir, tmp_path, capsys):
     assert [rep[k] for k in edge] == [0, 0, 0, 0] and rep["retracted_in_capture"] == 0
     assert rep["finish_store_ties"] == 0
     assert main(["inspect", str(tmp_path / "sim")]) == 0
-    assert "sessions=33 clients=4 with predecessor=87" in capsys.readouterr().out
+    assert (
+        "sessions=33 clients=4 with predecessor=87 idle-client joins=0" in capsys.readouterr().out
+    )
 
     rr = BundleReader(real)
     real_c = cadence([event_payload(f) for f in rr.events()], len(real_reqs))
@@ -145,16 +148,21 @@ def test_fixture_inference_matches_the_driver_truth(fixture_dir, tmp_path):
     assert len(sessions) == len({(t["lane"], t["session"]) for t in truth})
 
 
-def test_dp2_production_path_replays_like_the_driver_records(tmp_path):
+@pytest.mark.parametrize(("name", "n", "idle_joins"), [("ps1", 100, 0), ("s404", 240, 1)])
+def test_dp2_production_path_replays_like_the_driver_records(tmp_path, name, n, idle_joins):
+    """``s404``: one session start comes 338 ms after its client's previous session, past
+    the think-time bound (264 ms); it joins that client as the only idle one, so the clients
+    are the driver's 4 lanes and every rank replays as with the driver records."""
     from kvcadence.analysis.ranks import rank_figures
     from kvcadence.replay.fleet import simulate_fleet, write_fleet_bundles
     from kvcadence.replay.worker import load_worker
 
-    src = DATA / "sglang-0.5.23-dp2-agent-ps1"
+    src = DATA / f"sglang-0.5.23-dp2-agent-{name}"
     prod = tmp_path / "prod"
     production_copy(src, prod)
     recs, rep, _ = records_for_replay(BundleReader(prod))
-    assert rep["outputs_from_events"] == 100 and rep["outputs_synthetic"] == {}
+    assert rep["outputs_from_events"] == n and rep["outputs_synthetic"] == {}
+    assert rep["clients"] == 4 and rep["idle_client_joins"] == idle_joins
     drv = {tuple(r.input_ids): r for r in BundleReader(src).requests()}
     assert all(drv[tuple(r.input_ids)].output_ids[:-1] == r.output_ids[:-1] for r in recs)
     figs = []
