@@ -142,7 +142,12 @@ class PrefillAdder:
         clip = self.clip
         offset = self.rem_total_token_offset
         for r in running:
-            left = min(max(r.max_new_tokens - r.output_len, 0), clip)
+            # min(max(max_new - out, 0), clip) without two calls per running request
+            left = r.max_new_tokens - r.output_len
+            if left < 0:
+                left = 0
+            if left > clip:
+                left = clip
             if ignore_eos_at_1 and getattr(r, "ignore_eos", False):
                 offset += left * 1.0
             else:
@@ -172,7 +177,9 @@ class PrefillAdder:
         )
 
     def budget_state(self) -> AddReqResult:
-        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+        # ``rem_total_tokens`` / ``cur_rem_tokens`` with the live sizes read once
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
+        if free - self.rem_total_token_offset <= 0 or free - self.cur_rem_token_offset <= 0:
             return AddReqResult.NO_TOKEN
         if self.rem_input_tokens <= 0 or (
             self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0
