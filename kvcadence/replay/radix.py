@@ -395,11 +395,12 @@ class RadixTree:
         """``inc_lock_ref``: protect ``node`` and its ancestors from eviction."""
         root = self.root
         while node is not root:
-            if node.lock_ref == 0:
+            ref = node.lock_ref  # one attribute read per node (the hot walk)
+            if ref == 0:
                 k = len(node.key)
                 self.evictable_size -= k
                 self.protected_size += k
-            node.lock_ref += 1
+            node.lock_ref = ref + 1
             node = node.parent  # type: ignore[assignment]
 
     def relock(self, old: Node, node: Node) -> None:
@@ -418,21 +419,23 @@ class RadixTree:
             return
         cur = node
         while cur is not old:
-            if cur.lock_ref == 0:
+            ref = cur.lock_ref
+            if ref == 0:
                 k = len(cur.key)
                 self.evictable_size -= k
                 self.protected_size += k
-            cur.lock_ref += 1
+            cur.lock_ref = ref + 1
             cur = cur.parent  # type: ignore[assignment]
 
     def unlock(self, node: Node) -> None:
         """``dec_lock_ref``: release one reference on ``node`` and its ancestors."""
         root = self.root
         while node is not root:
-            if node.lock_ref <= 0:
+            ref = node.lock_ref - 1  # one attribute read per node (the hot walk)
+            if ref < 0:
                 raise RuntimeError("unlock of an unlocked radix node")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
+            node.lock_ref = ref
+            if ref == 0:
                 k = len(node.key)
                 self.evictable_size += k
                 self.protected_size -= k
