@@ -637,7 +637,11 @@ class Scheduler:
                 if r.state == RUNNING:
                     self.running.append(r)
             self.pending_merge = []
-        batch = self._get_new_batch_prefill(t)
+        # ``_get_new_batch_prefill``'s first refusal inlined (a call per decode pass else)
+        if (self.waiting and not self.batch_is_full) or self.chunked_req is not None:
+            batch = self._get_new_batch_prefill(t)
+        else:
+            batch = None
         if batch is not None:
             for r, final in zip(batch.reqs, batch.finals, strict=False):
                 if final:
@@ -878,7 +882,13 @@ class Scheduler:
         t = self.t
         last = self.last
         # the skip's cheapest refusals inlined (a call per pass otherwise)
-        if self.running and not self.waiting and self.cfg.skip_decode_stretches:
+        if (
+            self.running
+            and not self.waiting
+            and self.chunked_req is None
+            and not self.pending_merge
+            and self.cfg.skip_decode_stretches
+        ):
             jumped = self._skip_decode_stretch(t, last, horizon)
             if jumped is not None:
                 self.t, self.last = jumped
