@@ -142,7 +142,12 @@ class PrefillAdder:
         clip = self.clip
         offset = self.rem_total_token_offset
         for r in running:
-            left = min(max(r.max_new_tokens - r.output_len, 0), clip)
+            # min(max(max_new - out, 0), clip) without two calls per running request
+            left = r.max_new_tokens - r.output_len
+            if left < 0:
+                left = 0
+            if left > clip:
+                left = clip
             if ignore_eos_at_1 and getattr(r, "ignore_eos", False):
                 offset += left * 1.0
             else:
@@ -172,7 +177,9 @@ class PrefillAdder:
         )
 
     def budget_state(self) -> AddReqResult:
-        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+        # ``rem_total_tokens`` / ``cur_rem_tokens`` with the live sizes read once
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
+        if free - self.rem_total_token_offset <= 0 or free - self.cur_rem_token_offset <= 0:
             return AddReqResult.NO_TOKEN
         if self.rem_input_tokens <= 0 or (
             self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0
@@ -191,6 +198,20 @@ class PrefillAdder:
             self.rem_chunk_tokens -= e
         self.log_hit_tokens += prefix_len
         self.log_input_tokens += extend if self.generation == "0.5.23" else e
+
+    def _lock_admitted(self, req: Any, pinned: Any, pin: Any) -> bool:
+        """Give the admitted ``req`` its own lock on ``req.last_node`` (``lock_handle``).
+
+        When that is the node the temporary pin holds (``pinned``, handle ``pin``), the
+        pin's reference becomes the request's and True is returned: the caller then does
+        not release the pin. Locking again and releasing the pin would leave every count as
+        it is, and nothing reads the tree cache in between -- two tree walks fewer per
+        admission."""
+        if req.last_node is pinned:
+            req.lock_handle = pin
+            return True
+        req.lock_handle = self.tree_cache.lock(req.last_node)
+        return False
 
     # ------------------------------------------------------------------ chunked continuation
     def add_chunked_req(self, req: Any) -> Any:
@@ -267,7 +288,9 @@ class PrefillAdder:
         # self._lock_node(req.last_node)``) across selection, the L2 load-back, the
         # re-selection after a failed load, and the commit: the prefix is never evictable
         # (nor counted in ``rem_total_tokens``) while the load makes room.
-        handle = self.tree_cache.lock(req.last_node)
+        pinned = req.last_node
+        handle = self.tree_cache.lock(pinned)
+        kept = False  # the pin became the request's lock (``_lock_admitted``)
         try:
             verdict, prefix, extend, chunked = self._select(req, total_tokens, host_hit, align)
             if verdict is not AddReqResult.CONTINUE:
@@ -302,13 +325,14 @@ class PrefillAdder:
             # admission is ``min(max_new_tokens, clip)`` (``_PrefillAdmission``): a
             # re-admitted retracted request reserves its full budget again
             req.adm_max_new = 0 if chunked else min(req.max_new_tokens, self.clip)
-            req.lock_handle = self.tree_cache.lock(req.last_node)
+            kept = self._lock_admitted(req, pinned, handle)
             self.can_run_list.append(req)
             if chunked:
                 self.new_chunked_req = req
             self._charge(prefix, extend, req.adm_max_new)
         finally:
-            self.tree_cache.unlock(handle)
+            if not kept:
+                self.tree_cache.unlock(handle)
         # the verdict for the next candidate, read after the temporary pin is released
         return self.budget_state()
 
@@ -328,7 +352,9 @@ class PrefillAdder:
             return AddReqResult.NO_TOKEN
         if real_input >= self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
-        handle = self.tree_cache.lock(req.last_node)
+        pinned = req.last_node
+        handle = self.tree_cache.lock(pinned)
+        kept = False  # the pin became the request's lock (``_lock_admitted``)
         try:
             if total_tokens >= self.rem_total_tokens:
                 return AddReqResult.NO_TOKEN
@@ -349,7 +375,7 @@ class PrefillAdder:
                 # classic ``_update_prefill_budget(..., min(max_new_tokens, clip))``
                 req.adm_max_new = min(req.max_new_tokens, self.clip)
                 self.can_run_list.append(req)
-                req.lock_handle = self.tree_cache.lock(req.last_node)
+                kept = self._lock_admitted(req, pinned, handle)
                 self._charge(req.prefix_len, extend, req.adm_max_new)
             else:
                 trunc = (self.rem_chunk_tokens // ps) * ps
@@ -364,8 +390,9 @@ class PrefillAdder:
                 req.adm_max_new = 0
                 self.can_run_list.append(req)
                 self.new_chunked_req = req
-                req.lock_handle = self.tree_cache.lock(req.last_node)
+                kept = self._lock_admitted(req, pinned, handle)
                 self._charge(req.prefix_len, trunc, 0)
         finally:
-            self.tree_cache.unlock(handle)
+            if not kept:
+                self.tree_cache.unlock(handle)
         return self.budget_state()

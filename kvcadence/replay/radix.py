@@ -340,20 +340,24 @@ class RadixTree:
         ps = self.page_size
         root = self.root
         if node is not root:
-            path = []
+            # ``_touch`` of the path top-down (root side first), inlined: count the nodes,
+            # then stamp them bottom-up with the ticks a top-down walk would give
+            depth_nodes = 0
             cur: Node | None = node
             while cur is not root and cur is not None:
-                path.append(cur)
+                depth_nodes += 1
                 cur = cur.parent
-            # ``_touch`` inlined (ancestors top-down; only a leaf can enter the heap)
-            tick = self._tick
-            for anc in reversed(path):
-                tick += 1
-                anc.last_access = tick
-                if not anc.children and anc.lock_ref == 0:
-                    self._tick = tick
-                    self._push(anc)
+            tick = self._tick + depth_nodes
             self._tick = tick
+            cur = node
+            for _ in range(depth_nodes):
+                cur.last_access = tick  # type: ignore[union-attr]
+                tick -= 1
+                cur = cur.parent  # type: ignore[union-attr]
+            # only ``node`` can be a leaf (each ancestor has the path's next node as a
+            # child): the one candidate note
+            if not node.children and node.lock_ref == 0:
+                self._push(node)
         if type(run) is not array:
             run = compact(run)
         n = len(run)
@@ -395,11 +399,12 @@ class RadixTree:
         """``inc_lock_ref``: protect ``node`` and its ancestors from eviction."""
         root = self.root
         while node is not root:
-            if node.lock_ref == 0:
+            ref = node.lock_ref  # one attribute read per node (the hot walk)
+            if ref == 0:
                 k = len(node.key)
                 self.evictable_size -= k
                 self.protected_size += k
-            node.lock_ref += 1
+            node.lock_ref = ref + 1
             node = node.parent  # type: ignore[assignment]
 
     def relock(self, old: Node, node: Node) -> None:
@@ -418,21 +423,23 @@ class RadixTree:
             return
         cur = node
         while cur is not old:
-            if cur.lock_ref == 0:
+            ref = cur.lock_ref
+            if ref == 0:
                 k = len(cur.key)
                 self.evictable_size -= k
                 self.protected_size += k
-            cur.lock_ref += 1
+            cur.lock_ref = ref + 1
             cur = cur.parent  # type: ignore[assignment]
 
     def unlock(self, node: Node) -> None:
         """``dec_lock_ref``: release one reference on ``node`` and its ancestors."""
         root = self.root
         while node is not root:
-            if node.lock_ref <= 0:
+            ref = node.lock_ref - 1  # one attribute read per node (the hot walk)
+            if ref < 0:
                 raise RuntimeError("unlock of an unlocked radix node")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
+            node.lock_ref = ref
+            if ref == 0:
                 k = len(node.key)
                 self.evictable_size += k
                 self.protected_size -= k

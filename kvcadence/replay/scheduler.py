@@ -84,6 +84,8 @@ class _TreeCacheAdapter:
 
     def __init__(self, tree: RadixTree) -> None:
         self.tree = tree
+        #: ``dec_lock_ref`` itself (no wrapper call per unlock)
+        self.unlock: Callable[[Node], None] = tree.unlock
 
     def evictable_size(self) -> int:
         return self.tree.evictable_size
@@ -91,9 +93,6 @@ class _TreeCacheAdapter:
     def lock(self, node: Node) -> Node:
         self.tree.lock(node)
         return node
-
-    def unlock(self, handle: Node) -> None:
-        self.tree.unlock(handle)
 
     def init_load_back(self, req: Any, host_hit_length: int) -> int:
         return 0
@@ -105,9 +104,8 @@ class _AllocatorAdapter:
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.page_size = sched.cfg.page_size
-
-    def available_size(self) -> int:
-        return self.sched.available()
+        #: ``Scheduler.available`` itself (no wrapper call per budget check)
+        self.available_size: Callable[[], int] = sched.available
 
 
 class Scheduler:
@@ -448,15 +446,18 @@ class Scheduler:
         if chunked is not None:
             still_chunked = adder.add_chunked_req(chunked)
         gen0523 = cfg.admission_generation == "0.5.23"
+        allocatable = self._num_allocatable()  # the running batch does not change here
+        has_chunked = chunked is not None
+        can_run_list = adder.can_run_list
         for req in ordered:
             if gen0523 and adder.budget_state() is AddReqResult.OTHER:
                 break
-            n_admitted = len(adder.can_run_list) - (1 if chunked is not None else 0)
-            if n_admitted >= self._num_allocatable():
+            n_admitted = len(can_run_list) - (1 if has_chunked else 0)
+            if n_admitted >= allocatable:
                 self.batch_is_full = True
                 break
             self._match(req)
-            res = adder.add_one_req(req, has_chunked_req=chunked is not None)
+            res = adder.add_one_req(req, has_chunked_req=has_chunked)
             if res is not AddReqResult.CONTINUE:
                 if res is AddReqResult.NO_TOKEN:
                     if len(adder.can_run_list) > (1 if chunked is not None else 0) or self.running:
@@ -636,7 +637,11 @@ class Scheduler:
                 if r.state == RUNNING:
                     self.running.append(r)
             self.pending_merge = []
-        batch = self._get_new_batch_prefill(t)
+        # ``_get_new_batch_prefill``'s first refusal inlined (a call per decode pass else)
+        if (self.waiting and not self.batch_is_full) or self.chunked_req is not None:
+            batch = self._get_new_batch_prefill(t)
+        else:
+            batch = None
         if batch is not None:
             for r, final in zip(batch.reqs, batch.finals, strict=False):
                 if final:
@@ -688,8 +693,16 @@ class Scheduler:
                     finished = []
                 finished.append(r)
         if finished is not None:
-            gone = set(map(id, finished))
-            self.running = [r for r in self.running if id(r) not in gone]
+            running = self.running
+            if len(finished) <= 2:
+                for r in finished:  # in the running batch at most once (identity match)
+                    try:
+                        running.remove(r)
+                    except ValueError:
+                        pass
+            else:
+                gone = set(map(id, finished))
+                self.running = [r for r in running if id(r) not in gone]
             for r in finished:
                 self._finish(r, t)
         self.decode_ct = (self.decode_ct + 1) % (1 << 30)
@@ -869,7 +882,13 @@ class Scheduler:
         t = self.t
         last = self.last
         # the skip's cheapest refusals inlined (a call per pass otherwise)
-        if self.running and not self.waiting and self.cfg.skip_decode_stretches:
+        if (
+            self.running
+            and not self.waiting
+            and self.chunked_req is None
+            and not self.pending_merge
+            and self.cfg.skip_decode_stretches
+        ):
             jumped = self._skip_decode_stretch(t, last, horizon)
             if jumped is not None:
                 self.t, self.last = jumped
