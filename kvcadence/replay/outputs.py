@@ -20,8 +20,9 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   page size 1; all full pages at page size > 1). The rest of the output is never inserted,
   so it never changes a block hash or a cache hit.
 
-Memory: the decoded events' tokens (lists: they are compared with the records' prompts and
-become output ids) and every block hash in one int64 array (``hashes``, decoded from the
+Memory: the decoded events' tokens (an ``array('I')`` per event, ``tokens.compact``, made
+while the decoded ints are fresh: 4 bytes a token, compared with the records' prompts as
+arrays, sliced into output ids) and every block hash in one int64 array (``hashes``, decoded from the
 msgpack bytes of all events at once: a hash is only ever looked at, never kept as a Python
 int), and two indexes of event numbers (by parent hash, by first token: one int per event
 each) so that a lookup visits only its candidates.
@@ -29,8 +30,9 @@ each) so that a lookup visits only its candidates.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -43,6 +45,7 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked
+from kvcadence.replay.tokens import as_list, compact, same_ids
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -79,7 +82,9 @@ class StoreIndex:
         #: each event's first position in ``hashes`` (a position's event: bisect)
         self.offs: list[int] = []
         self.pages: list[int] = []
-        self.tokens: list[list[int]] = []
+        #: each event's token ids, as ``tokens.compact`` keeps them (``array('I')``: no int
+        #: object per token; compared with prompts as arrays)
+        self.tokens: list[array] = []
         #: event indices (ascending) by parent hash and by first token: the candidates the
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
@@ -89,8 +94,10 @@ class StoreIndex:
     def events(self) -> list[StoredEvent]:
         """Every event, in publish order (built on each call: a view for inspection)."""
         return [
-            StoredEvent(*row)
-            for row in zip(self._ts, self.parents, self.offs, self.pages, self.tokens, strict=True)
+            StoredEvent(ts, parent, off, pages, as_list(toks))
+            for ts, parent, off, pages, toks in zip(
+                self._ts, self.parents, self.offs, self.pages, self.tokens, strict=True
+            )
         ]
 
     # ------------------------------------------------------------------ building
@@ -118,7 +125,7 @@ class StoreIndex:
                     None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
                     packed(e.block_hashes),  # int64, as the parent: SGLang's form
                     len(e.block_hashes),
-                    e.token_ids,
+                    compact(e.token_ids),
                 )
                 for ts, n, e in raw
             ]
@@ -137,7 +144,7 @@ class StoreIndex:
         of the same pass (a frame with a clear is decoded fully first: a payload
         ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
-        raw: list[tuple[int, int, int | None, bytes, int, list[int]]] = []
+        raw: list[tuple[int, int, int | None, bytes, int, array]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
@@ -169,12 +176,13 @@ class StoreIndex:
                     scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
             for parent, hashes, pages, tokens in got:
-                raw.append((ts, n, parent, hashes, pages, tokens))
+                # as an array while its ints are fresh: no int object per token is kept
+                raw.append((ts, n, parent, hashes, pages, compact(tokens)))
         raw.sort(key=itemgetter(0, 1))
         idx._extend(raw)
         return idx
 
-    def _extend(self, rows: list[tuple[int, int, int | None, bytes, int, list[int]]]) -> None:
+    def _extend(self, rows: list[tuple[int, int, int | None, bytes, int, array]]) -> None:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
         tokens)``, in publish order, and index them."""
         if not rows:
@@ -223,7 +231,7 @@ class StoreIndex:
 
     # ------------------------------------------------------------------ lookups
     def prefill_run(
-        self, prompt: list[int], cached: int, t0: int, t1: int
+        self, prompt: Sequence[int], cached: int, t0: int, t1: int
     ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
         """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
         (receive .. finish): ``(hash of the last full page, segments ``(first page, event
@@ -237,7 +245,9 @@ class StoreIndex:
         ts = self._ts
         i = bisect_left(ts, t0 - FINISH_SLACK_NS)
         end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
-        found = self._first_chunk(prompt, start, pages, i, end)
+        # the pages looked for, as an array once (compared with the events' arrays)
+        want = compact(prompt[start * ps : pages * ps])
+        found = self._first_chunk(want, start, pages, i, end)
         if found is None:
             return None
         e0, j, n = found
@@ -256,7 +266,8 @@ class StoreIndex:
                 if j == 0 or j >= n_pages[ei]:
                     continue
             n = min(n_pages[ei] - j, pages - p)
-            if tokens[ei][j * ps : (j + n) * ps] != prompt[p * ps : (p + n) * ps]:
+            a = (p - start) * ps
+            if not same_ids(tokens[ei][j * ps : (j + n) * ps], want[a : a + n * ps]):
                 continue
             segs.append((p, ei, j, n))
             cur = self.hash_at(ei, j + n - 1)
@@ -264,13 +275,13 @@ class StoreIndex:
         return (cur, segs, base) if p >= pages else None
 
     def _first_chunk(
-        self, prompt: list[int], start: int, pages: int, i: int, end: int
+        self, prompt: Sequence[int], start: int, pages: int, i: int, end: int
     ) -> tuple[int, int, int] | None:
-        """``(event, position, pages)`` of the first run of ``prompt``'s pages from
-        ``start`` among events ``[i, end)``: at an event's start first, then (tail merging:
-        after another request's finish store) anywhere in it."""
+        """``(event, position, pages)`` of the first run of the pages ``start`` .. ``pages``
+        (``prompt``: their tokens) among events ``[i, end)``: at an event's start first, then
+        (tail merging: after another request's finish store) anywhere in it."""
         ps, n_pages, tokens = self.page_size, self.pages, self.tokens
-        want = prompt[start * ps]
+        want = prompt[0]
         cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < end:
@@ -279,7 +290,7 @@ class StoreIndex:
             toks = tokens[ei]
             if n != n_pages[ei]:
                 toks = toks[: n * ps]  # usually all of it
-            if toks == prompt[start * ps : (start + n) * ps]:
+            if same_ids(toks, prompt[: n * ps]):
                 return ei, 0, n
             c += 1
         for ei in range(i, end):
@@ -293,7 +304,7 @@ class StoreIndex:
                 if k % ps == 0:
                     j = k // ps
                     n = min(n_pages[ei] - j, pages - start)
-                    if toks[k : k + n * ps] == prompt[start * ps : (start + n) * ps]:
+                    if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
                         return ei, j, n
                 k += 1
         return None
@@ -301,13 +312,13 @@ class StoreIndex:
     def finish_pages(
         self,
         h: int | None,
-        tail: list[int],
+        tail: Sequence[int],
         k: int,
         arrival_ns: int,
         finish_ns: int,
         at: tuple[int, int] | None = None,
         taken: dict[tuple[int, int], int] | None = None,
-    ) -> tuple[list[int], int, bool, tuple[int, int], bool] | None:
+    ) -> tuple[array, int, bool, tuple[int, int], bool] | None:
         """The finish store below block ``h`` (``None`` = the root): the tokens of up to
         ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
         last page and whether its event also held other stores (tail merging); ``None``
@@ -326,8 +337,9 @@ class StoreIndex:
         ts = self._ts
         horizon = finish_ns + FINISH_WINDOW_NS
         claimed = taken or {}
+        tail = compact(tail) if tail else tail  # compared with the events' arrays
         #: the first claimed run found: (tokens, last hash, merged, (event, position))
-        shared: tuple[list[int], int, bool, tuple[int, int]] | None = None
+        shared: tuple[array, int, bool, tuple[int, int]] | None = None
         tie = False
         if at is not None:
             where = (at[0], at[1] + 1)
@@ -378,7 +390,7 @@ class StoreIndex:
                         shared = (got[0], got[1], got[2], where)
         return None if shared is None else (shared[0], shared[1], shared[2], shared[3], True)
 
-    def _run(self, ei: int, j: int, tail: list[int], k: int) -> tuple[list[int], int, bool] | None:
+    def _run(self, ei: int, j: int, tail: Sequence[int], k: int) -> tuple[array, int, bool] | None:
         """Event ``ei``'s run from page ``j`` when it starts with ``tail``: the tokens of up to
         ``k`` pages, the hash of its last page, whether the event holds more (merged)."""
         pages = self.pages[ei]
@@ -386,7 +398,7 @@ class StoreIndex:
             return None
         ps = self.page_size
         toks = self.tokens[ei]
-        if tail and toks[j * ps : j * ps + len(tail)] != tail:
+        if tail and not same_ids(toks[j * ps : j * ps + len(tail)], tail):
             return None
         m = min(k, pages - j)
         last = int(self.hashes[self.offs[ei] + j + m - 1])

@@ -76,6 +76,14 @@ def as_list(ids: Any) -> list[int]:
     return list(ids)
 
 
+def same_ids(a: Any, b: Any) -> bool:
+    """Token ids ``a == b`` by value: arrays (either typecode: compared in C, no int objects)
+    or lists, as ``compact`` leaves them (a list only for ids that are not int64)."""
+    if type(a) is type(b):
+        return bool(a == b)
+    return list(a) == list(b)
+
+
 class Prompt:
     """A prompt stored as ``base[:base_len] + own`` (see the module docstring)."""
 
