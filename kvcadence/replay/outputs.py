@@ -221,7 +221,7 @@ class StoreIndex:
 
     def hash_at(self, ei: int, j: int) -> int:
         """Block hash ``j`` of event ``ei``."""
-        return int(self.hashes[self.offs[ei] + j])
+        return self.hashes.item(self.offs[ei] + j)
 
     def _find(self, ei: int, h: int) -> int:
         """The position of hash ``h`` in event ``ei`` (its first), -1 if absent."""
@@ -401,5 +401,5 @@ class StoreIndex:
         if tail and not same_ids(toks[j * ps : j * ps + len(tail)], tail):
             return None
         m = min(k, pages - j)
-        last = int(self.hashes[self.offs[ei] + j + m - 1])
+        last = self.hashes.item(self.offs[ei] + j + m - 1)
         return toks[j * ps : (j + m) * ps], last, j > 0 or j + m < pages
