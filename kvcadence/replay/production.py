@@ -246,12 +246,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             # the successor's prompt repeats this prompt's partial last page, then ``kn``
             a, b = L - L % ps, L + len(kn)
             nxt = _upto(records[nq].input_ids, L + n)
-            if same_ids(compact(nxt[a:L]), compact(_upto(r.input_ids)[a:])) and same_ids(
-                compact(nxt[L:b]), kn
-            ):
-                more = nxt[b : L + n]
-                if more:
-                    kn = as_list(kn) + as_list(more)
+            head = a == L or same_ids(compact(nxt[a:L]), compact(_upto(r.input_ids)[a:]))
+            if head and same_ids(compact(nxt[L:b]), kn):
+                if len(nxt) > b:  # more than ``kn``: the outputs are ``nxt[L : L + n]``
+                    kn = as_list(nxt[L : L + n])  # (a list prompt's own ints, no new ones)
                     via_prompt += 1
                     missing.pop(i, None)
         if len(kn) < n:
