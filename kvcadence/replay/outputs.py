@@ -138,7 +138,8 @@ class StoreIndex:
         one). Only ``BlockStored`` hashes and tokens are decoded, once: the common frame
         with its payload in one decode (``schema.EventFrameIdsView``: token ids into lists, hashes and
         removals left as bytes), any other through ``wire.decode_batch_raw`` (``stored.payload_stores``);
-        the hashes of all events together, into one array. An event whose fields are not
+        each event's token list made an array at once (``tokens.compact``); the hashes of
+        all events together, into one array. An event whose fields are not
         int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw`` refuses
         holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and annotation
         of the same pass (a frame with a clear is decoded fully first: a payload

@@ -4,7 +4,8 @@ What this file owns: how the replay keeps token ids in memory.
 
 * ``compact(ids)`` — token ids as an ``array('I')`` (4 bytes a token, no int objects);
   ids that do not fit in uint32 (invalid or wide ones, which the hashes refuse or hash
-  per page as before) fall back to ``array('q')``, and ``cat`` joins either kind.
+  per page as before) fall back to ``array('q')``, and ``cat`` joins either kind;
+  ``same_ids`` compares two runs of ids by value (arrays in C, without int objects).
 * ``Prompt`` — one request's prompt as *(shared prefix of another prompt + own suffix)*:
   ``base`` (a ``Prompt`` or None), ``base_len`` tokens of it, then ``own``. An agent turn's
   prompt repeats its predecessor's prompt + output, so a replay's prompts cost their unique
