@@ -20,8 +20,9 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   page size 1; all full pages at page size > 1). The rest of the output is never inserted,
   so it never changes a block hash or a cache hit.
 
-Memory: the decoded events' tokens (lists: they are compared with the records' prompts and
-become output ids) and every block hash in one int64 array (``hashes``, decoded from the
+Memory: the decoded events' tokens (an ``array('I')`` per event, ``tokens.compact``, made
+while the decoded ints are fresh: 4 bytes a token, compared with the records' prompts as
+arrays, sliced into output ids) and every block hash in one int64 array (``hashes``, decoded from the
 msgpack bytes of all events at once: a hash is only ever looked at, never kept as a Python
 int), and two indexes of event numbers (by parent hash, by first token: one int per event
 each) so that a lookup visits only its candidates.
@@ -29,8 +30,9 @@ each) so that a lookup visits only its candidates.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -43,6 +45,7 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked
+from kvcadence.replay.tokens import as_list, compact, same_ids
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -55,7 +58,8 @@ FINISH_MAX_EVENTS = 4096
 @dataclass(slots=True)
 class StoredEvent:
     """One ``BlockStored`` event: publish time, parent, where its block hashes are in
-    ``StoreIndex.hashes`` (``off``, ``pages``) and its tokens."""
+    ``StoreIndex.hashes`` (``off``, ``pages``) and its tokens (``StoreIndex.events``: a view
+    of its columns)."""
 
     ts_ns: int
     parent: int | None
@@ -65,20 +69,36 @@ class StoredEvent:
 
 
 class StoreIndex:
-    """Every stored block of a capture, by content (see module docstring)."""
+    """Every stored block of a capture, by content (see module docstring). One column per
+    event field (event ``i``: ``_ts[i]``, ``parents[i]``, ``offs[i]``, ``pages[i]``,
+    ``tokens[i]``), no object per event."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.events: list[StoredEvent] = []
-        #: every event's block hashes, in event order (``StoredEvent.off``, ``pages``)
+        #: every event's block hashes, in event order (``offs``, ``pages``)
         self.hashes: np.ndarray = np.zeros(0, np.int64)
         self._ts: list[int] = []
-        #: each event's ``off`` (a position's event: bisect)
+        self.parents: list[int | None] = []
+        #: each event's first position in ``hashes`` (a position's event: bisect)
         self.offs: list[int] = []
+        self.pages: list[int] = []
+        #: each event's token ids, as ``tokens.compact`` keeps them (``array('I')``: no int
+        #: object per token; compared with prompts as arrays)
+        self.tokens: list[array] = []
         #: event indices (ascending) by parent hash and by first token: the candidates the
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
         self._by_first: dict[int, list[int]] = {}
+
+    @property
+    def events(self) -> list[StoredEvent]:
+        """Every event, in publish order (built on each call: a view for inspection)."""
+        return [
+            StoredEvent(ts, parent, off, pages, as_list(toks))
+            for ts, parent, off, pages, toks in zip(
+                self._ts, self.parents, self.offs, self.pages, self.tokens, strict=True
+            )
+        ]
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -105,7 +125,7 @@ class StoreIndex:
                     None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
                     packed(e.block_hashes),  # int64, as the parent: SGLang's form
                     len(e.block_hashes),
-                    e.token_ids,
+                    compact(e.token_ids),
                 )
                 for ts, n, e in raw
             ]
@@ -118,13 +138,14 @@ class StoreIndex:
         one). Only ``BlockStored`` hashes and tokens are decoded, once: the common frame
         with its payload in one decode (``schema.EventFrameIdsView``: token ids into lists, hashes and
         removals left as bytes), any other through ``wire.decode_batch_raw`` (``stored.payload_stores``);
-        the hashes of all events together, into one array. An event whose fields are not
+        each event's token list made an array at once (``tokens.compact``); the hashes of
+        all events together, into one array. An event whose fields are not
         int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw`` refuses
         holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and annotation
         of the same pass (a frame with a clear is decoded fully first: a payload
         ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
-        raw: list[tuple[int, int, int | None, bytes, int, list[int]]] = []
+        raw: list[tuple[int, int, int | None, bytes, int, array]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
@@ -156,29 +177,38 @@ class StoreIndex:
                     scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
             for parent, hashes, pages, tokens in got:
-                raw.append((ts, n, parent, hashes, pages, tokens))
+                # as an array while its ints are fresh: no int object per token is kept
+                raw.append((ts, n, parent, hashes, pages, compact(tokens)))
         raw.sort(key=itemgetter(0, 1))
         idx._extend(raw)
         return idx
 
-    def _extend(self, rows: list[tuple[int, int, int | None, bytes, int, list[int]]]) -> None:
+    def _extend(self, rows: list[tuple[int, int, int | None, bytes, int, array]]) -> None:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
         tokens)``, in publish order, and index them."""
-        off = len(self.hashes)
-        events, offs = self.events, self.offs
-        by_parent, by_first = self._by_parent, self._by_first
+        if not rows:
+            return
+        first_ei = len(self.offs)
+        off0 = len(self.hashes)
         self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[3] for r in rows]))])
         self._ts.extend([r[0] for r in rows])
-        for ei, (ts, _, parent, _, pages, tokens) in enumerate(rows, len(events)):
-            events.append(StoredEvent(ts, parent, off, pages, tokens))
-            offs.append(off)
-            off += pages
+        parents = [r[2] for r in rows]
+        pages = [r[4] for r in rows]
+        tokens = [r[5] for r in rows]
+        offs = np.cumsum([off0, *pages[:-1]]).tolist()
+        self.parents.extend(parents)
+        self.pages.extend(pages)
+        self.tokens.extend(tokens)
+        self.offs.extend(offs)
+        by_parent, by_first = self._by_parent, self._by_first
+        for ei, parent in enumerate(parents, first_ei):
             lst = by_parent.get(parent)
             if lst is None:
                 by_parent[parent] = [ei]
             else:
                 lst.append(ei)
-            first = tokens[0]
+        for ei, toks in enumerate(tokens, first_ei):
+            first = toks[0]
             lst = by_first.get(first)
             if lst is None:
                 by_first[first] = [ei]
@@ -187,22 +217,22 @@ class StoreIndex:
 
     def hashes_of(self, ei: int) -> list[int]:
         """The block hashes of event ``ei``."""
-        ev = self.events[ei]
-        return self.hashes[ev.off : ev.off + ev.pages].tolist()
+        off = self.offs[ei]
+        return self.hashes[off : off + self.pages[ei]].tolist()
 
     def hash_at(self, ei: int, j: int) -> int:
         """Block hash ``j`` of event ``ei``."""
-        return int(self.hashes[self.events[ei].off + j])
+        return self.hashes.item(self.offs[ei] + j)
 
     def _find(self, ei: int, h: int) -> int:
         """The position of hash ``h`` in event ``ei`` (its first), -1 if absent."""
-        ev = self.events[ei]
-        at = np.flatnonzero(self.hashes[ev.off : ev.off + ev.pages] == h)
+        off = self.offs[ei]
+        at = np.flatnonzero(self.hashes[off : off + self.pages[ei]] == h)
         return int(at[0]) if len(at) else -1
 
     # ------------------------------------------------------------------ lookups
     def prefill_run(
-        self, prompt: list[int], cached: int, t0: int, t1: int
+        self, prompt: Sequence[int], cached: int, t0: int, t1: int
     ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
         """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
         (receive .. finish): ``(hash of the last full page, segments ``(first page, event
@@ -216,27 +246,29 @@ class StoreIndex:
         ts = self._ts
         i = bisect_left(ts, t0 - FINISH_SLACK_NS)
         end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
-        found = self._first_chunk(prompt, start, pages, i, end)
+        # the pages looked for, as an array once (compared with the events' arrays)
+        want = compact(prompt[start * ps : pages * ps])
+        found = self._first_chunk(want, start, pages, i, end)
         if found is None:
             return None
         e0, j, n = found
-        ev = self.events[e0]
-        base = ev.parent if j == 0 else self.hash_at(e0, j - 1)
+        base = self.parents[e0] if j == 0 else self.hash_at(e0, j - 1)
         segs = [(start, e0, j, n)]
         cur = self.hash_at(e0, j + n - 1)
         p = start + n
+        parents, n_pages, tokens = self.parents, self.pages, self.tokens
         for ei in range(e0 + 1, end):  # later chunks: chained below the last page found
             if p >= pages:
                 break
-            ev = self.events[ei]
-            if ev.parent == cur:
+            if parents[ei] == cur:
                 j = 0
             else:
                 j = self._find(ei, cur) + 1
-                if j == 0 or j >= ev.pages:
+                if j == 0 or j >= n_pages[ei]:
                     continue
-            n = min(ev.pages - j, pages - p)
-            if ev.tokens[j * ps : (j + n) * ps] != prompt[p * ps : (p + n) * ps]:
+            n = min(n_pages[ei] - j, pages - p)
+            a = (p - start) * ps
+            if not same_ids(tokens[ei][j * ps : (j + n) * ps], want[a : a + n * ps]):
                 continue
             segs.append((p, ei, j, n))
             cur = self.hash_at(ei, j + n - 1)
@@ -244,24 +276,26 @@ class StoreIndex:
         return (cur, segs, base) if p >= pages else None
 
     def _first_chunk(
-        self, prompt: list[int], start: int, pages: int, i: int, end: int
+        self, prompt: Sequence[int], start: int, pages: int, i: int, end: int
     ) -> tuple[int, int, int] | None:
-        """``(event, position, pages)`` of the first run of ``prompt``'s pages from
-        ``start`` among events ``[i, end)``: at an event's start first, then (tail merging:
-        after another request's finish store) anywhere in it."""
-        ps, evs = self.page_size, self.events
-        want = prompt[start * ps]
+        """``(event, position, pages)`` of the first run of the pages ``start`` .. ``pages``
+        (``prompt``: their tokens) among events ``[i, end)``: at an event's start first, then
+        (tail merging: after another request's finish store) anywhere in it."""
+        ps, n_pages, tokens = self.page_size, self.pages, self.tokens
+        want = prompt[0]
         cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < end:
-            ev = evs[cands[c]]
-            n = min(ev.pages, pages - start)
-            toks = ev.tokens if n == ev.pages else ev.tokens[: n * ps]  # usually all of it
-            if toks == prompt[start * ps : (start + n) * ps]:
-                return cands[c], 0, n
+            ei = cands[c]
+            n = min(n_pages[ei], pages - start)
+            toks = tokens[ei]
+            if n != n_pages[ei]:
+                toks = toks[: n * ps]  # usually all of it
+            if same_ids(toks, prompt[: n * ps]):
+                return ei, 0, n
             c += 1
         for ei in range(i, end):
-            toks = evs[ei].tokens
+            toks = tokens[ei]
             k = 1
             while True:
                 try:
@@ -270,8 +304,8 @@ class StoreIndex:
                     break
                 if k % ps == 0:
                     j = k // ps
-                    n = min(evs[ei].pages - j, pages - start)
-                    if toks[k : k + n * ps] == prompt[start * ps : (start + n) * ps]:
+                    n = min(n_pages[ei] - j, pages - start)
+                    if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
                         return ei, j, n
                 k += 1
         return None
@@ -279,13 +313,13 @@ class StoreIndex:
     def finish_pages(
         self,
         h: int | None,
-        tail: list[int],
+        tail: Sequence[int],
         k: int,
         arrival_ns: int,
         finish_ns: int,
         at: tuple[int, int] | None = None,
         taken: dict[tuple[int, int], int] | None = None,
-    ) -> tuple[list[int], int, bool, tuple[int, int], bool] | None:
+    ) -> tuple[array, int, bool, tuple[int, int], bool] | None:
         """The finish store below block ``h`` (``None`` = the root): the tokens of up to
         ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
         last page and whether its event also held other stores (tail merging); ``None``
@@ -301,38 +335,21 @@ class StoreIndex:
         every run found is claimed is the first claimed one returned (identical outputs:
         the later sample inserted nothing new). The result also says where the run is
         (``(event, position)``) and whether a claimed run was met on the way (a tie)."""
-        ps = self.page_size
-        evs, ts = self.events, self._ts
+        ts = self._ts
         horizon = finish_ns + FINISH_WINDOW_NS
         claimed = taken or {}
-        shared: tuple[list[int], int, bool, tuple[int, int], bool] | None = None
+        tail = compact(tail) if tail else tail  # compared with the events' arrays
+        #: the first claimed run found: (tokens, last hash, merged, (event, position))
+        shared: tuple[array, int, bool, tuple[int, int]] | None = None
         tie = False
-
-        def run(ei: int, j: int) -> tuple[list[int], int, bool, tuple[int, int], bool] | None:
-            nonlocal shared, tie
-            ev = evs[ei]
-            if j >= ev.pages or (tail and ev.tokens[j * ps : j * ps + len(tail)] != tail):
-                return None
-            m = min(k, ev.pages - j)
-            merged = j > 0 or j + m < ev.pages
-            got = (
-                ev.tokens[j * ps : (j + m) * ps],
-                self.hash_at(ei, j + m - 1),
-                merged,
-                (ei, j),
-                tie,
-            )
-            if (ei, j) in claimed:
-                tie = True
-                if shared is None:
-                    shared = got
-                return None
-            return got[0], got[1], got[2], got[3], tie
-
         if at is not None:
-            got = run(at[0], at[1] + 1)
+            where = (at[0], at[1] + 1)
+            got = self._run(where[0], where[1], tail, k)
             if got is not None:
-                return got
+                if where not in claimed:
+                    return got[0], got[1], got[2], where, False
+                tie = True
+                shared = (got[0], got[1], got[2], where)
             i = at[0] + 1
         else:
             i = bisect_left(ts, arrival_ns - FINISH_SLACK_NS)
@@ -341,24 +358,49 @@ class StoreIndex:
         cands = self._by_parent.get(h, ())
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < stop:
-            got = run(cands[c], 0)
+            where = (cands[c], 0)
+            got = self._run(where[0], 0, tail, k)
             if got is not None:
-                return got
+                if where not in claimed:
+                    return got[0], got[1], got[2], where, tie
+                tie = True
+                if shared is None:
+                    shared = (got[0], got[1], got[2], where)
             c += 1
         # the events holding ``h`` among the FINISH_MAX_EVENTS from the finish, by the
         # horizon: one comparison over their hashes, then the first ``h`` of each event
         i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
         stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
         if h is not None and i < stop:
-            lo = evs[i].off
-            hi = evs[stop - 1].off + evs[stop - 1].pages
+            offs = self.offs
+            lo = offs[i]
+            hi = offs[stop - 1] + self.pages[stop - 1]
             seen = -1
             for pos in (np.flatnonzero(self.hashes[lo:hi] == h) + lo).tolist():
-                ei = bisect_right(self.offs, pos, i, stop) - 1
+                ei = bisect_right(offs, pos, i, stop) - 1
                 if ei == seen:
                     continue  # not the event's first ``h``
                 seen = ei
-                got = run(ei, pos - evs[ei].off + 1)
+                where = (ei, pos - offs[ei] + 1)
+                got = self._run(where[0], where[1], tail, k)
                 if got is not None:
-                    return got
+                    if where not in claimed:
+                        return got[0], got[1], got[2], where, tie
+                    tie = True
+                    if shared is None:
+                        shared = (got[0], got[1], got[2], where)
         return None if shared is None else (shared[0], shared[1], shared[2], shared[3], True)
+
+    def _run(self, ei: int, j: int, tail: Sequence[int], k: int) -> tuple[array, int, bool] | None:
+        """Event ``ei``'s run from page ``j`` when it starts with ``tail``: the tokens of up to
+        ``k`` pages, the hash of its last page, whether the event holds more (merged)."""
+        pages = self.pages[ei]
+        if j >= pages:
+            return None
+        ps = self.page_size
+        toks = self.tokens[ei]
+        if tail and not same_ids(toks[j * ps : j * ps + len(tail)], tail):
+            return None
+        m = min(k, pages - j)
+        last = self.hashes.item(self.offs[ei] + j + m - 1)
+        return toks[j * ps : (j + m) * ps], last, j > 0 or j + m < pages

@@ -34,7 +34,7 @@ all have output ids and come from elsewhere (an open-loop trace), is returned un
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -52,7 +52,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
-from kvcadence.replay.tokens import as_list
+from kvcadence.replay.tokens import Prompt, as_list, compact, same_ids
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -140,6 +140,14 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     return out, report
 
 
+def _upto(ids: Any, n: int | None = None) -> Any:
+    """A record's prompt as a sequence to slice: a ``Prompt``'s array (its first ``n``
+    tokens), a list or an array as it is (no list of ints made from an array)."""
+    if isinstance(ids, Prompt):
+        return ids.materialize(n)
+    return ids
+
+
 def _complete(  # noqa: C901 - one pass over the records: outputs by route, in order
     records: list[Any], index: StoreIndex
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -148,7 +156,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     n_outs = [_n_out(r) for r in records]
     nodes = [Node(a if a is not None else 0, f) for a, f in times]
     # None: the record's own output ids
-    known: list[list[int] | None] = [None] * len(records)
+    known: list[Sequence[int] | None] = [None] * len(records)
     missing: dict[int, str] = {}  # index -> why the stored part of its output is unknown
     via_events = in_merged = ties = shared = 0
     # finish stores are claimed in finish order: parallel samples of one prompt all chain
@@ -160,7 +168,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         r = records[i]
         arr, fin = times[i]
         node = nodes[i]
-        prompt = as_list(r.input_ids)  # a compact record's ``Prompt``: its tokens, once
+        prompt = _upto(r.input_ids)  # a compact record's ``Prompt``: its tokens, once
         n = n_outs[i]
         L = len(prompt)
         P = L // ps
@@ -229,7 +237,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             first_succ[pr] = q
     via_prompt = 0
     tail_synth: Counter[str] = Counter()
-    outs: list[list[int] | None] = known  # completed in place: read at ``i`` only
+    outs: list[Sequence[int] | None] = known  # completed in place: read at ``i`` only
     for i, r in enumerate(records):
         kn = known[i]
         if kn is None:
@@ -238,11 +246,13 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         L = len(r.input_ids)
         nq = first_succ.get(i)
         if len(kn) < n and nq is not None:
-            nxt = records[nq].input_ids
-            if as_list(nxt[L - L % ps : L + len(kn)]) == as_list(r.input_ids[L - L % ps :]) + kn:
-                more = nxt[L + len(kn) : L + n]
-                if more:
-                    kn = kn + list(more)
+            # the successor's prompt repeats this prompt's partial last page, then ``kn``
+            a, b = L - L % ps, L + len(kn)
+            nxt = _upto(records[nq].input_ids, L + n)
+            head = a == L or same_ids(compact(nxt[a:L]), compact(_upto(r.input_ids)[a:]))
+            if head and same_ids(compact(nxt[L:b]), kn):
+                if len(nxt) > b:  # more than ``kn``: the outputs are ``nxt[L : L + n]``
+                    kn = as_list(nxt[L : L + n])  # (a list prompt's own ints, no new ones)
                     via_prompt += 1
                     missing.pop(i, None)
         if len(kn) < n:
@@ -289,9 +299,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
             continue
         n = n_outs[i]
-        if len(kn) < n:
-            kn = kn[:n] + _synth_tokens(r.rid, n - len(kn))
-        out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=kn))
+        ids = as_list(kn)
+        if len(ids) < n:
+            ids = ids + _synth_tokens(r.rid, n - len(ids))
+        out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
     report = {
         "requests": len(records),
         "outputs_recorded": sum(1 for k in known if k is None),

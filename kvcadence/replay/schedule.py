@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvcadence.errors import InputError
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
@@ -110,11 +111,13 @@ def _received_ns(meta: dict[str, Any]) -> int | None:
 
 
 def _arrival(rec: Any) -> int | None:
-    mi = rec.meta_info or {}
-    for v in (rec.arrival_ns, _received_ns(mi), rec.send_ns):
-        if v is not None:
-            return int(v)
-    return None
+    """Arrival: the record's ``arrival_ns``, else the server-side receive, else ``send_ns``."""
+    if rec.arrival_ns is not None:
+        return int(rec.arrival_ns)
+    v = _received_ns(rec.meta_info or {})
+    if v is not None:
+        return v
+    return None if rec.send_ns is None else int(rec.send_ns)
 
 
 def _finish(rec: Any, finished_ts_ns: int | None = None) -> int | None:
@@ -130,13 +133,14 @@ def _finish(rec: Any, finished_ts_ns: int | None = None) -> int | None:
 
 
 def _synth_tokens(rid: str, n: int) -> list[int]:
-    out: list[int] = []
-    counter = 0
-    while len(out) < n:
-        h = hashlib.sha256(f"{rid}/{counter}".encode()).digest()
-        out.extend(3 + int.from_bytes(h[i : i + 2], "little") % 1021 for i in range(0, 32, 2))
-        counter += 1
-    return out[:n]
+    """``n`` made-up output ids for ``rid``: SHA-256 of ``rid/0``, ``rid/1``, ... read as
+    little-endian uint16 values, each ``3 + v % 1021`` (deterministic, 16 ids a digest)."""
+    if n <= 0:
+        return []
+    sha = hashlib.sha256
+    digests = b"".join([sha(f"{rid}/{c}".encode()).digest() for c in range((n + 15) // 16)])
+    ids = np.frombuffer(digests, "<u2")[:n] % 1021 + 3
+    return ids.tolist()
 
 
 def _stripped(r: Any, prompt: Prompt, outputs: array) -> Any:

@@ -80,17 +80,19 @@ def infer_predecessors(nodes: Sequence[Node], hashes: np.ndarray, offsets: Seque
     by_finish = finish_order(nodes, range(len(nodes)))
     hits, hit_hash = _anchor_positions(nodes, hashes)
     anchors: dict[int, list[tuple[int, int]]] = {}  # hash -> [(kind, index)], 0 = end
+    fins = cast("list[int]", [nodes[r].finish_ns for r in by_finish])  # ascending
     fi = 0
     for q in order:
         node = nodes[q]
-        while fi < len(by_finish) and nodes[by_finish[fi]].finish_ns <= node.arrival_ns:  # type: ignore[operator]
-            r = by_finish[fi]
-            fi += 1
-            rn = nodes[r]
-            if rn.end_anchor is not None:
-                anchors.setdefault(rn.end_anchor, []).append((0, r))
-            if rn.prompt_anchor is not None and rn.prompt_anchor != rn.end_anchor:
-                anchors.setdefault(rn.prompt_anchor, []).append((1, r))
+        if fi < len(fins) and fins[fi] <= node.arrival_ns:
+            stop = bisect_right(fins, node.arrival_ns, fi)
+            for r in by_finish[fi:stop]:  # finished by now: their anchors become candidates
+                rn = nodes[r]
+                if rn.end_anchor is not None:
+                    anchors.setdefault(rn.end_anchor, []).append((0, r))
+                if rn.prompt_anchor is not None and rn.prompt_anchor != rn.end_anchor:
+                    anchors.setdefault(rn.prompt_anchor, []).append((1, r))
+            fi = stop
         if not anchors:
             continue
         hit = _deepest(node, anchors, hits, hit_hash, offsets)
@@ -125,15 +127,13 @@ def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[i
     want = {a for n in nodes for a in (n.end_anchor, n.prompt_anchor) if a is not None}
     if not want or not len(hashes):
         return [], []
+    wanted = np.fromiter(want, np.int64, len(want))
     table = np.zeros(_TABLE_MASK + 1, bool)
-    table[np.fromiter(want, np.int64, len(want)) & _TABLE_MASK] = True
+    table[wanted & _TABLE_MASK] = True
     cand = np.flatnonzero(table[hashes & _TABLE_MASK])
-    pos, hs = [], []
-    for p, h in zip(cand.tolist(), hashes[cand].tolist(), strict=True):
-        if h in want:
-            pos.append(p)
-            hs.append(h)
-    return pos, hs
+    hs = hashes[cand]
+    exact = np.isin(hs, wanted)  # the candidates whose whole hash is an anchor
+    return cand[exact].tolist(), hs[exact].tolist()
 
 
 def _deepest(

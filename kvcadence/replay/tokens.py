@@ -4,7 +4,8 @@ What this file owns: how the replay keeps token ids in memory.
 
 * ``compact(ids)`` — token ids as an ``array('I')`` (4 bytes a token, no int objects);
   ids that do not fit in uint32 (invalid or wide ones, which the hashes refuse or hash
-  per page as before) fall back to ``array('q')``, and ``cat`` joins either kind.
+  per page as before) fall back to ``array('q')``, and ``cat`` joins either kind;
+  ``same_ids`` compares two runs of ids by value (arrays in C, without int objects).
 * ``Prompt`` — one request's prompt as *(shared prefix of another prompt + own suffix)*:
   ``base`` (a ``Prompt`` or None), ``base_len`` tokens of it, then ``own``. An agent turn's
   prompt repeats its predecessor's prompt + output, so a replay's prompts cost their unique
@@ -74,6 +75,14 @@ def as_list(ids: Any) -> list[int]:
     if type(ids) is array:
         return ids.tolist()
     return list(ids)
+
+
+def same_ids(a: Any, b: Any) -> bool:
+    """Token ids ``a == b`` by value: arrays (either typecode: compared in C, no int objects)
+    or lists, as ``compact`` leaves them (a list only for ids that are not int64)."""
+    if type(a) is type(b):
+        return bool(a == b)
+    return list(a) == list(b)
 
 
 class Prompt:
