@@ -3,7 +3,8 @@ as they fill (``write_tables``: Parquet row groups written while the bundle is r
 bounded by a chunk; ``build_tables``: the same tables in memory).
 
 Reads a bundle through ``kvcadence.format.bundle.BundleReader`` (requests as
-``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
+``RequestRecordView``: token ids left as msgpack bytes, or, packed in format 2.0, as
+``RequestRecordU32View``: the reader's ``array('I')``; converted to int64 columns in numpy
 chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once with
 ``kvcadence.format.wire.decode_batch_raw`` (block hashes and token ids left as msgpack bytes,
 hashes converted in numpy chunks too; if any of those bytes does not check out, the bundle is
@@ -262,8 +263,9 @@ def _build_tables(
     ``raw=False``: ``decode_batch_raw(checked=True)`` (``decode_batch_view``'s events and
     verdicts, every raw field valid by construction); with ``raw=True`` a raw field that
     does not check out raises ``_RawCheckFailed``.
-    ``views``: requests are read as ``RequestRecordView`` and their token ids converted in
-    numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
+    ``views``: requests are read as ``RequestRecordView`` (packed ones as
+    ``RequestRecordU32View``) and their token ids converted in numpy chunks by ``tokcols``
+    (raises ``NotInt64Arrays`` if they are not all int64s);
     otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
     """
     own = sink is None
@@ -290,6 +292,8 @@ def _build_tables(
 
     EventFrame = S.EventFrame
     Request = S.RequestRecordView if views else S.RequestRecord
+    # packed (format 2.0) requests: ids as the reader's array('I') (never seen without views)
+    Packed = S.RequestRecordU32View
     Stored, Removed, Cleared = S.BlockStoredRawView, S.BlockRemovedRawView, S.AllBlocksCleared
     decode = wire.decode_batch_raw
     checked = not raw
@@ -307,7 +311,7 @@ def _build_tables(
     rec: Any
     batch: Any
     ev: Any
-    for rec in reader.records(request_view=views):
+    for rec in reader.records(request_view="u32" if views else False):
         t = type(rec)
         if t is EventFrame:
             seq = rec.seq
@@ -375,7 +379,7 @@ def _build_tables(
             )
             if len(e_kind) >= CHUNK_EVENTS:
                 chunk.write()
-        elif t is Request:
+        elif t is Packed or t is Request:
             req_app(astuple(rec))
             if len(req_rows) >= reqs.batch:
                 reqs.flush()

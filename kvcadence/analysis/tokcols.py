@@ -21,6 +21,10 @@ records the ordinary way (msgspec ``list[int]``), so its behaviour on such bundl
 that of the ordinary path. The answer always equals ``msgspec`` decoding each array as
 ``list[int]`` (property-tested in ``tests/analysis/test_tokcols.py``).
 
+Format 2.0 bundles store requests packed (uint32 ids): ingest reads those with
+``records(request_view="u32")`` and gets the reader's ``array('I')`` per request, which
+``id_arrays`` turns into the same columns with one join and one cast.
+
 Ingest uses the same conversion for the KV events' block hashes (``wire.decode_batch_raw``
 leaves them as msgpack bytes) with ``wrap_u64=True`` (a uint64 >= 2**63 is the int64 of the
 same bits, as ``wire`` normalises hashes); arrays whose elements are all 9-byte ints (random
@@ -30,8 +34,11 @@ counts).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
+
+from kvcadence.format.bundle.compact import msgpack_uint_array
 
 # Below this many arrays still running at element index k, the per-k numpy calls cost more
 # than msgspec decoding the remaining (longest) arrays whole.
@@ -261,6 +268,28 @@ def int_arrays(raws: Sequence[Any], *, wrap_u64: bool = False) -> tuple[Any, Any
     return vals, n
 
 
+def id_arrays(values: Sequence[Any]) -> tuple[Any, Any]:
+    """``int_arrays`` of a request id column whose values are raw msgpack arrays or, for
+    format 2.0's packed requests (``BundleReader.records(request_view="u32")``), the
+    ``array('I')`` the reader rebuilt: a column of arrays only is one join and one numpy
+    cast (no msgpack in between); a mixed one (a packed bundle's few requests stored
+    whole) has its arrays encoded as msgpack (``compact.msgpack_uint_array``) and goes
+    through ``int_arrays``."""
+    import numpy as np
+
+    m = len(values)
+    is_u32 = [type(v) is array for v in values]
+    k = sum(is_u32)
+    if k == 0:
+        return int_arrays(values)
+    if k < m:
+        mixed = [msgpack_uint_array(v) if u else v for v, u in zip(values, is_u32, strict=True)]
+        return int_arrays(mixed)
+    lens = np.fromiter(map(len, values), np.int64, m)
+    vals = np.frombuffer(b"".join(values), np.uint32).astype(np.int64)
+    return vals, lens
+
+
 class RawIdColumns:
     """Two token-id columns (a request's input and output ids) converted from raw msgpack
     arrays a chunk of rows at a time (``add_chunk``): chunks of about ``chunk_bytes`` stay in
@@ -288,7 +317,7 @@ class RawIdColumns:
             return 0
         nvals = 0
         for raw, parts, lens in zip((inputs, outputs), self._parts, self._lens, strict=True):
-            vals, n = int_arrays(raw)
+            vals, n = id_arrays(raw)
             parts.append(vals)
             lens.append(n)
             nvals += len(vals)
@@ -309,4 +338,4 @@ class RawIdColumns:
         return list(zip(pi, li, strict=True)), list(zip(po, lo, strict=True))
 
 
-__all__ = ["NotInt64Arrays", "RawIdColumns", "array_lengths", "int_arrays"]
+__all__ = ["NotInt64Arrays", "RawIdColumns", "array_lengths", "id_arrays", "int_arrays"]

@@ -15,7 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.analysis.tokcols import NotInt64Arrays, RawIdColumns, array_lengths, int_arrays
+from kvcadence.analysis.tokcols import (
+    NotInt64Arrays,
+    RawIdColumns,
+    array_lengths,
+    id_arrays,
+    int_arrays,
+)
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 TOKENS = st.one_of(st.integers(0, 300), st.integers(0, 200_000), I64)
@@ -235,3 +241,27 @@ def test_array_lengths_every_header_and_refusals() -> None:
     for bad in (b"\xc0", b"\x05", b"\xa1a", b"\x81\x01\x02"):
         with pytest.raises(NotInt64Arrays):
             array_lengths([raws[0], bad])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.booleans()), max_size=30
+    )
+)
+def test_id_arrays_of_uint32_arrays_and_mixed_columns(rows: list[tuple[list, bool]]) -> None:
+    """Packed requests' ``array('I')`` ids (alone or mixed with raw msgpack arrays) give the
+    columns ``int_arrays`` gives for the same ids as msgpack."""
+    from array import array
+
+    values = [
+        array("I", ids) if u32 else msgspec.Raw(msgspec.msgpack.encode(ids)) for ids, u32 in rows
+    ]
+    vals, lens = id_arrays(values)
+    assert vals.dtype == np.int64 and lens.dtype == np.int64
+    assert vals.tolist() == [v for ids, _ in rows for v in ids]
+    assert lens.tolist() == [len(ids) for ids, _ in rows]
+    only = [array("I", ids) for ids, _ in rows]
+    want = int_arrays([msgspec.msgpack.encode(ids) for ids, _ in rows])
+    got = id_arrays(only)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])

@@ -47,7 +47,12 @@ from kvcadence.errors import InputError
 from kvcadence.format.bounds import MAX_REQUEST_TOKENS
 from kvcadence.format.bundle.frames import FRAME_HEADER_SIZE
 from kvcadence.format.bundle.report import ReadReport
-from kvcadence.format.schema import PackedRequest, RequestRecord, RequestRecordView
+from kvcadence.format.schema import (
+    PackedRequest,
+    RequestRecord,
+    RequestRecordU32View,
+    RequestRecordView,
+)
 
 #: tokens per block (fixed by the format: 2.0)
 BLOCK = 32
@@ -338,11 +343,17 @@ class PrefixResolver:
             *rest,
         )
 
+    def u32(self, rec: PackedRequest) -> RequestRecordU32View:
+        """The ``RequestRecordU32View`` of the record (ids as the ``array('I')`` resolved)."""
+        inp, out = self.resolve(rec)
+        return RequestRecordU32View(rec.rid, inp, out, *msgspec.structs.astuple(rec)[_PACKED_HEAD:])
+
 
 class SegmentUnpacker:
     """The reader's: one segment's ``PackedRequest``s back to ``RequestRecord`` /
     ``RequestRecordView`` (a ``PrefixResolver`` made at the segment's first one), counted in
-    the ``ReadReport``. A request whose prefix was lost with a corrupt span counts as a
+    the ``ReadReport``; ``views``: False (``RequestRecord``), True (``RequestRecordView``) or
+    ``"u32"`` (``RequestRecordU32View``). A request whose prefix was lost with a corrupt span counts as a
     corrupt frame (``corrupt``, the reader's reporter; ``None``: not yielded); a reference no
     writer wrote is one ``InputError`` line naming segment, offset and rid."""
 
@@ -352,7 +363,7 @@ class SegmentUnpacker:
         self,
         seg: Path,
         report: ReadReport,
-        views: bool,
+        views: bool | str,
         corrupt: Callable[[ReadReport, Path, int, int, str], None],
     ) -> None:
         self.seg, self.report, self.views, self.corrupt = seg, report, views, corrupt
@@ -360,14 +371,18 @@ class SegmentUnpacker:
 
     def __call__(
         self, rec: PackedRequest, pos: int, body: memoryview
-    ) -> RequestRecord | RequestRecordView | None:
+    ) -> RequestRecord | RequestRecordView | RequestRecordU32View | None:
         res = self.resolver
         if res is None:
             res = self.resolver = PrefixResolver()
         # every block read before this record has its 4 * BLOCK token bytes before ``pos``
         res.max_blocks = pos // _BLOCK_BYTES
         try:
-            out = res.view(rec) if self.views else res.record(rec)
+            views = self.views
+            if views == "u32":
+                out: RequestRecord | RequestRecordView | RequestRecordU32View = res.u32(rec)
+            else:
+                out = res.view(rec) if views else res.record(rec)
         except LostPrefix as exc:
             self.report.frames -= 1
             self.corrupt(
