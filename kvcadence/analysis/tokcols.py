@@ -209,17 +209,19 @@ def _walk(buf: Any, ns: Any, pos: Any, starts: Any = None, dst: Any = None) -> t
     active = len(ns) - np.cumsum(np.bincount(ns))  # active[k]: arrays with more than k elements
     k = 0
     kmax = int(ns[0]) if len(ns) else 0
-    take, put = np.take, np.put
+    # the arrays' own methods: np.take / np.put add a Python-level wrapper call each
+    wtake, btake = width.take, buf.take
+    put = starts.put if starts is not None else None
     while k < kmax:
         a = int(active[k])
         if a < _MIN_ACTIVE:
             break
         p = pos[:a]
-        if starts is not None:
+        if put is not None:
             d = dst[:a]
-            put(starts, d, p)
+            put(d, p)
             d += 1
-        p += take(width, take(buf, p))
+        p += wtake(btake(p))
         k += 1
     return k, int(active[k]) if len(ns) else 0
 
