@@ -20,7 +20,7 @@ from kvcadence.analysis.tables import (
 )
 from kvcadence.analysis.tokcols import RawIdColumns
 from kvcadence.errors import InputError
-from kvcadence.format.schema import RequestRecord, RequestRecordView
+from kvcadence.format.schema import RequestRecord, RequestRecordU32View, RequestRecordView
 
 #: a column as the record loop hands it over: an ``array('q')``/``array('b')`` or a numpy array
 Column = Any
@@ -231,18 +231,19 @@ def _id_lists(chunks: list[tuple[Any, Any]]) -> Any:
 
 
 class RequestColumns:
-    """Request rows (``msgspec.structs.astuple`` of RequestRecord or RequestRecordView) ->
-    columns, a chunk of rows at a time: the hot loop appends to ``rows`` and calls ``flush``
-    once ``len(rows) >= batch``; the chunk is transposed while its rows are still in cache.
+    """Request rows (``msgspec.structs.astuple`` of RequestRecord, RequestRecordView or
+    RequestRecordU32View) -> columns, a chunk of rows at a time: the hot loop appends to
+    ``rows`` and calls ``flush`` once ``len(rows) >= batch``; the chunk is transposed while
+    its rows are still in cache.
 
-    Token ids: views -> ``tokcols.RawIdColumns`` (numpy from the raw msgpack; raises
-    ``NotInt64Arrays`` if any id is not an int64); RequestRecord lists -> ``array('q')``
+    Token ids: views -> ``tokcols.RawIdColumns`` (numpy from the raw msgpack or the packed
+    requests' uint32 arrays; raises ``NotInt64Arrays`` if any id is not an int64); RequestRecord lists -> ``array('q')``
     (an id beyond int64 is an ``InputError`` naming the request).
     """
 
     def __init__(self, bundle: Path, views: bool) -> None:
-        for cls in (RequestRecord, RequestRecordView):
-            if cls.__struct_fields__[:3] != ("rid", "input_ids", "output_ids"):
+        for cls in (RequestRecord, RequestRecordView, RequestRecordU32View):
+            if cls.__struct_fields__ != RequestRecord.__struct_fields__:
                 raise AssertionError("RequestRecord field order changed")  # pragma: no cover
         self.bundle = bundle
         self.names = [f for f in RequestRecord.__struct_fields__ if f not in _ID_FIELDS]

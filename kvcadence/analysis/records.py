@@ -3,11 +3,12 @@ as they fill (``write_tables``: Parquet row groups written while the bundle is r
 bounded by a chunk; ``build_tables``: the same tables in memory).
 
 Reads a bundle through ``kvcadence.format.bundle.BundleReader`` (requests as
-``RequestRecordView``: token ids left as msgpack bytes, converted to int64 columns in numpy
+``RequestRecordView``: token ids left as msgpack bytes, or, packed in format 2.0, as
+``RequestRecordU32View``: the reader's ``array('I')``; converted to int64 columns in numpy
 chunks by ``kvcadence.analysis.tokcols``), decodes each KV-event payload once with
 ``kvcadence.format.wire.decode_batch_raw`` (block hashes and token ids left as msgpack bytes,
-hashes converted in numpy chunks too; if any of those bytes does not check out, the bundle is
-read again with ``decode_batch_raw(checked=True)``: ``decode_batch_view``'s verdicts), and
+unchecked: hashes converted and token ids checked and counted in numpy chunks too; if any of
+those bytes does not check out, the bundle is read again with ``decode_batch_raw(checked=True)``: ``decode_batch_view``'s verdicts), and
 flattens everything straight into ``array``/list columns (never keeping the decoded structs,
 cyclic GC paused: keeping hundreds of thousands of decoded structs with lists makes CPython's
 cyclic GC cut throughput 3-4x, docs/format.md). The loop stays one function on purpose: per
@@ -44,7 +45,7 @@ from kvcadence.analysis.ingestinfo import header_info, read_info
 from kvcadence.analysis.seqset import SeenSeqs
 from kvcadence.analysis.sinks import MemorySink, ParquetSink
 from kvcadence.analysis.tables import K_CLEARED, K_REMOVED, K_STORED, K_UNKNOWN
-from kvcadence.analysis.tokcols import NotInt64Arrays, array_lengths, int_arrays
+from kvcadence.analysis.tokcols import NotInt64Arrays, int_arrays, token_counts
 from kvcadence.errors import BundleError, UsageError, WireError
 from kvcadence.format import bundle as kbundle
 from kvcadence.format import schema as S
@@ -115,7 +116,7 @@ def _run(bundle: Path, sink: Any) -> tuple[Any, dict[str, Any]]:
             try:
                 info = _build_tables(bundle, views=views, raw=raw, sink=sink)[1]
             except _RawCheckFailed:
-                # some event's hashes are not ints, or its token ids not an array: read the
+                # some event's hashes are not ints, or its token ids not valid: read the
                 # payloads checked (decode_batch_view's verdicts: converted, or undecodable)
                 raw = False
             except NotInt64Arrays:
@@ -135,8 +136,9 @@ class _RawEvents:
     """The raw hash and token-id arrays of ``decode_batch_raw`` events, converted to numpy a
     chunk at a time (``flush``) while their bytes are still in cache: hashes with
     ``tokcols.int_arrays(wrap_u64=True)`` (flat int64 + per-event counts), token ids with
-    ``tokcols.array_lengths`` (per stored event). Raises ``_RawCheckFailed`` where a hash is
-    not an int or token ids are not an array (the caller then reads the bundle again)."""
+    ``tokcols.token_counts`` (per stored event; checked as ``decode_batch`` checks them).
+    Raises ``_RawCheckFailed`` where a hash is not an int or token ids are not valid (the
+    caller then reads the bundle again)."""
 
     def __init__(self) -> None:
         self.hashes: list[Any] = []  # raw block_hashes of stored/removed events, event order
@@ -146,7 +148,7 @@ class _RawEvents:
     def flush(self) -> None:
         try:
             vals, counts = int_arrays(self.hashes, wrap_u64=True)
-            ntok = array_lengths(self.tokens)
+            ntok = token_counts(self.tokens)
         except NotInt64Arrays:
             raise _RawCheckFailed from None
         self.hashes.clear()
@@ -262,8 +264,9 @@ def _build_tables(
     ``raw=False``: ``decode_batch_raw(checked=True)`` (``decode_batch_view``'s events and
     verdicts, every raw field valid by construction); with ``raw=True`` a raw field that
     does not check out raises ``_RawCheckFailed``.
-    ``views``: requests are read as ``RequestRecordView`` and their token ids converted in
-    numpy chunks by ``tokcols`` (raises ``NotInt64Arrays`` if they are not all int64s);
+    ``views``: requests are read as ``RequestRecordView`` (packed ones as
+    ``RequestRecordU32View``) and their token ids converted in numpy chunks by ``tokcols``
+    (raises ``NotInt64Arrays`` if they are not all int64s);
     otherwise as ``RequestRecord`` with the ids extended into ``array('q')``.
     """
     own = sink is None
@@ -290,6 +293,8 @@ def _build_tables(
 
     EventFrame = S.EventFrame
     Request = S.RequestRecordView if views else S.RequestRecord
+    # packed (format 2.0) requests: ids as the reader's array('I') (never seen without views)
+    Packed = S.RequestRecordU32View
     Stored, Removed, Cleared = S.BlockStoredRawView, S.BlockRemovedRawView, S.AllBlocksCleared
     decode = wire.decode_batch_raw
     checked = not raw
@@ -307,7 +312,7 @@ def _build_tables(
     rec: Any
     batch: Any
     ev: Any
-    for rec in reader.records(request_view=views):
+    for rec in reader.records(request_view="u32" if views else False):
         t = type(rec)
         if t is EventFrame:
             seq = rec.seq
@@ -321,7 +326,8 @@ def _build_tables(
             # was stored bin-wrapped
             payload = payload_of(rec) if rec.payload_is_bin else rec.payload
             try:
-                batch = decode(payload, checked=checked)
+                # token ids are checked a chunk at a time (``_RawEvents.flush``)
+                batch = decode(payload, checked=checked, check_tokens=False)
             except WireError:
                 evs: list[Any] = []
                 ts: float | None = None
@@ -375,7 +381,7 @@ def _build_tables(
             )
             if len(e_kind) >= CHUNK_EVENTS:
                 chunk.write()
-        elif t is Request:
+        elif t is Packed or t is Request:
             req_app(astuple(rec))
             if len(req_rows) >= reqs.batch:
                 reqs.flush()

@@ -21,6 +21,10 @@ records the ordinary way (msgspec ``list[int]``), so its behaviour on such bundl
 that of the ordinary path. The answer always equals ``msgspec`` decoding each array as
 ``list[int]`` (property-tested in ``tests/analysis/test_tokcols.py``).
 
+Format 2.0 bundles store requests packed (uint32 ids): ingest reads those with
+``records(request_view="u32")`` and gets the reader's ``array('I')`` per request, which
+``id_arrays`` turns into the same columns with one join and one cast.
+
 Ingest uses the same conversion for the KV events' block hashes (``wire.decode_batch_raw``
 leaves them as msgpack bytes) with ``wrap_u64=True`` (a uint64 >= 2**63 is the int64 of the
 same bits, as ``wire`` normalises hashes); arrays whose elements are all 9-byte ints (random
@@ -30,8 +34,12 @@ counts).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
+
+from kvcadence.format.bundle.compact import msgpack_uint_array
+from kvcadence.format.wire import tokens_ok
 
 # Below this many arrays still running at element index k, the per-k numpy calls cost more
 # than msgspec decoding the remaining (longest) arrays whole.
@@ -188,6 +196,60 @@ def _values(buf: Any, starts: Any, wrap_u64: bool) -> Any:
     return vals
 
 
+def _walk(buf: Any, ns: Any, pos: Any, starts: Any = None, dst: Any = None) -> tuple[int, int]:
+    """Step 2 of ``int_arrays``: advance ``pos`` (the element starts of arrays sorted longest
+    first, ``ns`` their element counts) one element index ``k`` at a time over the arrays
+    still running, while at least ``_MIN_ACTIVE`` are; with ``starts``/``dst``, record every
+    element's start at ``starts[dst]`` (``dst`` advanced in place). An element that is not an
+    int has width 0: its array's position stops there. Returns ``(k, tail)``: the walk
+    stopped at element index ``k``, the first ``tail`` arrays not walked to their end."""
+    import numpy as np
+
+    width = _tables()[0]
+    active = len(ns) - np.cumsum(np.bincount(ns))  # active[k]: arrays with more than k elements
+    k = 0
+    kmax = int(ns[0]) if len(ns) else 0
+    # the arrays' own methods: np.take / np.put add a Python-level wrapper call each
+    wtake, btake = width.take, buf.take
+    put = starts.put if starts is not None else None
+    while k < kmax:
+        a = int(active[k])
+        if a < _MIN_ACTIVE:
+            break
+        p = pos[:a]
+        if put is not None:
+            d = dst[:a]
+            put(d, p)
+            d += 1
+        p += wtake(btake(p))
+        k += 1
+    return k, int(active[k]) if len(ns) else 0
+
+
+def token_counts(raws: Sequence[Any]) -> Any:
+    """Element counts (int64 numpy) of stored events' raw ``token_ids`` arrays, checked as
+    ``decode_batch`` checks them (ints, or ``[int, int]`` pairs, which count as one):
+    ``int_arrays``' element walk without reading any value, for every array whose elements
+    are all ints; the few longest arrays and any the walk stopped in (a pair, or not a token)
+    get ``wire.tokens_ok``. Raises ``NotInt64Arrays`` where a raw value is not an array or
+    not valid token ids (the caller then has the payload decoded the checked way)."""
+    import numpy as np
+
+    if not len(raws):
+        return np.zeros(0, np.int64)
+    _, buf, st, lens = _joined(raws)
+    n, h = _headers(buf, st)
+    order = np.argsort(-n, kind="stable")
+    pos = (st + h)[order]
+    ends = (st + lens)[order]
+    _, n_tail = _walk(buf, n[order], pos)
+    stopped = np.flatnonzero(pos[n_tail:] != ends[n_tail:]) + n_tail
+    for i in (*order[:n_tail].tolist(), *order[stopped].tolist()):
+        if not tokens_ok(raws[i]):
+            raise NotInt64Arrays("token ids that are not ints or [int, int] pairs")
+    return n
+
+
 def int_arrays(raws: Sequence[Any], *, wrap_u64: bool = False) -> tuple[Any, Any]:
     """``raws`` (bytes-like msgpack arrays of ints) -> (flat int64 values, int64 lengths).
 
@@ -199,7 +261,6 @@ def int_arrays(raws: Sequence[Any], *, wrap_u64: bool = False) -> tuple[Any, Any
     import msgspec
     import numpy as np
 
-    width, skip, shift, sign, klass = _tables()
     m = len(raws)
     if m == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -218,26 +279,11 @@ def int_arrays(raws: Sequence[Any], *, wrap_u64: bool = False) -> tuple[Any, Any
         return _values(buf, starts, wrap_u64), n
     # 2. element starts, element index k at a time over the arrays still running
     order = np.argsort(-n, kind="stable")
-    ns = n[order]
     pos = (st + h)[order]
-    dst = off[:-1][order]
     ends = (st + lens)[order]
     starts = np.empty(total, np.int64)
-    active = m - np.cumsum(np.bincount(ns))  # active[k] = arrays with more than k elements
-    k = 0
-    kmax = int(ns[0])
-    take, put = np.take, np.put
-    while k < kmax:
-        a = int(active[k])
-        if a < _MIN_ACTIVE:
-            break
-        p = pos[:a]
-        d = dst[:a]
-        put(starts, d, p)
-        d += 1
-        p += take(width, take(buf, p))
-        k += 1
-    tail = order[: int(active[k])]  # the longest arrays, not walked to their end
+    k, n_tail = _walk(buf, n[order], pos, starts, off[:-1][order])
+    tail = order[:n_tail]  # the longest arrays, not walked to their end
     if not np.array_equal(pos[len(tail) :], ends[len(tail) :]):
         raise NotInt64Arrays("element is not an int")  # the walk stopped on a non-int
     pad = size  # a zero byte (fixint 0), overwritten below
@@ -259,6 +305,28 @@ def int_arrays(raws: Sequence[Any], *, wrap_u64: bool = False) -> tuple[Any, Any
                 raise NotInt64Arrays("array length")  # pragma: no cover (Raw is one value)
             vals[off[i] : off[i + 1]] = got
     return vals, n
+
+
+def id_arrays(values: Sequence[Any]) -> tuple[Any, Any]:
+    """``int_arrays`` of a request id column whose values are raw msgpack arrays or, for
+    format 2.0's packed requests (``BundleReader.records(request_view="u32")``), the
+    ``array('I')`` the reader rebuilt: a column of arrays only is one join and one numpy
+    cast (no msgpack in between); a mixed one (a packed bundle's few requests stored
+    whole) has its arrays encoded as msgpack (``compact.msgpack_uint_array``) and goes
+    through ``int_arrays``."""
+    import numpy as np
+
+    m = len(values)
+    is_u32 = [type(v) is array for v in values]
+    k = sum(is_u32)
+    if k == 0:
+        return int_arrays(values)
+    if k < m:
+        mixed = [msgpack_uint_array(v) if u else v for v, u in zip(values, is_u32, strict=True)]
+        return int_arrays(mixed)
+    lens = np.fromiter(map(len, values), np.int64, m)
+    vals = np.frombuffer(b"".join(values), np.uint32).astype(np.int64)
+    return vals, lens
 
 
 class RawIdColumns:
@@ -288,7 +356,7 @@ class RawIdColumns:
             return 0
         nvals = 0
         for raw, parts, lens in zip((inputs, outputs), self._parts, self._lens, strict=True):
-            vals, n = int_arrays(raw)
+            vals, n = id_arrays(raw)
             parts.append(vals)
             lens.append(n)
             nvals += len(vals)
@@ -309,4 +377,11 @@ class RawIdColumns:
         return list(zip(pi, li, strict=True)), list(zip(po, lo, strict=True))
 
 
-__all__ = ["NotInt64Arrays", "RawIdColumns", "array_lengths", "int_arrays"]
+__all__ = [
+    "NotInt64Arrays",
+    "RawIdColumns",
+    "array_lengths",
+    "id_arrays",
+    "int_arrays",
+    "token_counts",
+]

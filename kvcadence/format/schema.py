@@ -454,6 +454,36 @@ class RequestRecordView(BundleRecordBase, tag="request"):
     meta_info: dict[str, Any] = {}
 
 
+class RequestRecordU32View(msgspec.Struct, gc=False):
+    """A format 2.0 packed request as analysis ingest reads it (never encoded or decoded):
+    ``RequestRecordView``'s fields in the same order, but ``input_ids``/``output_ids`` are
+    the ``array('I')`` of token ids the reader rebuilt from the shared prefix (what the
+    format stores: uint32 ids), not re-encoded as msgpack for the caller to decode again.
+    Produced only by ``kvcadence.format.bundle.BundleReader.records(request_view="u32")``;
+    requests stored whole still come as ``RequestRecordView``."""
+
+    rid: str
+    input_ids: Any  # array('I')
+    output_ids: Any  # array('I')
+    send_ns: int | None = None
+    first_token_ns: int | None = None
+    finish_ns: int | None = None
+    lane: int | None = None
+    session: int | None = None
+    turn: int | None = None
+    max_new_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    dp_rank: int | None = None
+    source: str = "driver"
+    think_ns: int | None = None
+    arrival_ns: int | None = None
+    meta_info: dict[str, Any] = {}
+
+
 class PackedRequest(BundleRecordBase, tag="preq"):
     """A ``RequestRecord`` as format 2.0 stores it (written only by ``BundleWriter``, read
     back as ``RequestRecord`` / ``RequestRecordView``: no reader yields it).
@@ -553,8 +583,9 @@ class SegmentStart(BundleRecordBase, tag="segment"):
 
 
 BundleRecord = Union[Header, EventFrame, RequestRecord, Gap, Epoch, Annotation, Trailer]
-#: what a reader yields: a bundle record, or a request read as a view (``records(request_view=True)``)
-ReadRecord = Union[BundleRecord, RequestRecordView]
+#: what a reader yields: a bundle record, or a request read as a view
+#: (``records(request_view=True)``; ``"u32"``: packed requests as ``RequestRecordU32View``)
+ReadRecord = Union[BundleRecord, RequestRecordView, RequestRecordU32View]
 
 
 def served_rank(rec: Any) -> int:
@@ -618,6 +649,7 @@ __all__ = [
     "Header",
     "EventFrame",
     "RequestRecord",
+    "RequestRecordU32View",
     "RequestRecordView",
     "PackedRequest",
     "Gap",

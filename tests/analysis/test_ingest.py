@@ -238,26 +238,50 @@ _BAD_TOKENS = [
 ]
 
 
+def _tokens_event(token_ids: object) -> list:
+    ev = {**_BAD_TOKENS[1][0], "token_ids": token_ids}  # type: ignore[index]
+    return [1.0, [ev], 0]
+
+
+_BAD_TOKEN_ELEM = _tokens_event([1, "a", 3])
+_PAIR_TOKENS = _tokens_event([[5, 6], 7])
+
+
 @pytest.mark.parametrize(
-    "extra", [[_BYTES_HASH], [_BAD_TOKENS], [_BYTES_HASH, _BAD_TOKENS]], ids=["bh", "tk", "both"]
+    "extra",
+    [
+        [_BYTES_HASH],
+        [_BAD_TOKENS],
+        [_BYTES_HASH, _BAD_TOKENS],
+        [_BAD_TOKEN_ELEM],
+        [_PAIR_TOKENS],
+    ],
+    ids=["bh", "tk", "both", "tk-elem", "pairs"],
 )
 def test_raw_check_failure_reads_the_bundle_with_decode_batch_view(
     tmp_path: Path, extra: list
 ) -> None:
     """A bytes hash (the typed raw view takes it, numpy refuses it): ingest reads the bundle
     again through decode_batch_view, so the bytes hash becomes its int64. Token ids that are
-    not an array are refused by the raw decoder itself (one verdict): that payload is
-    undecodable on either path -- the list path's tables."""
+    not valid (not an array, an element not an int) fail the raw path's chunked check too,
+    and that payload is undecodable on the checked path as on every reader; [t, t+1] pairs
+    are valid token ids (one token each) and read on the raw path."""
     good = KVEventBatch(0.5, [stored([NEG, 5], page_size=4), removed([NEG])], 0)
     c = _bundle(tmp_path / "c", [good], [(100 + i, v) for i, v in enumerate(extra)])
-    if _BYTES_HASH in extra:
+    bad_tokens = _BAD_TOKENS in extra or _BAD_TOKEN_ELEM in extra
+    if _BYTES_HASH in extra or bad_tokens:
         with pytest.raises(records._RawCheckFailed), gc_paused():
             records._build_tables(c, views=True, raw=True)
+    else:
+        with gc_paused():
+            records._build_tables(c, views=True, raw=True)  # no second pass needed
     ing = ingest.ingest(c)
     with gc_paused():
         lst, lst_info = records._build_tables(c, views=True, raw=False)
     for name in lst:
         assert pq.read_table(ing.path(name)).equals(lst[name]), name
-    assert ing.info["undecodable_payloads"] == (_BAD_TOKENS in extra)
+    assert ing.info["undecodable_payloads"] == bad_tokens
+    if _PAIR_TOKENS in extra:
+        assert pq.read_table(ing.path("events")).column("n_tokens").to_pylist()[-1] == 2
     if _BYTES_HASH in extra:
         assert 9 in pq.read_table(ing.path("blocks")).column("hash").to_pylist()

@@ -15,7 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcadence.analysis.tokcols import NotInt64Arrays, RawIdColumns, array_lengths, int_arrays
+from kvcadence.analysis.tokcols import (
+    NotInt64Arrays,
+    RawIdColumns,
+    array_lengths,
+    id_arrays,
+    int_arrays,
+    token_counts,
+)
+from kvcadence.format.wire import tokens_ok
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 TOKENS = st.one_of(st.integers(0, 300), st.integers(0, 200_000), I64)
@@ -235,3 +243,74 @@ def test_array_lengths_every_header_and_refusals() -> None:
     for bad in (b"\xc0", b"\x05", b"\xa1a", b"\x81\x01\x02"):
         with pytest.raises(NotInt64Arrays):
             array_lengths([raws[0], bad])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 2**32 - 1), max_size=40), st.booleans()), max_size=30
+    )
+)
+def test_id_arrays_of_uint32_arrays_and_mixed_columns(rows: list[tuple[list, bool]]) -> None:
+    """Packed requests' ``array('I')`` ids (alone or mixed with raw msgpack arrays) give the
+    columns ``int_arrays`` gives for the same ids as msgpack."""
+    from array import array
+
+    values = [
+        array("I", ids) if u32 else msgspec.Raw(msgspec.msgpack.encode(ids)) for ids, u32 in rows
+    ]
+    vals, lens = id_arrays(values)
+    assert vals.dtype == np.int64 and lens.dtype == np.int64
+    assert vals.tolist() == [v for ids, _ in rows for v in ids]
+    assert lens.tolist() == [len(ids) for ids, _ in rows]
+    only = [array("I", ids) for ids, _ in rows]
+    want = int_arrays([msgspec.msgpack.encode(ids) for ids, _ in rows])
+    got = id_arrays(only)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+# token_ids elements: ints in any encoding (mostly), [t, t+1] pairs, and what is not a token
+_INT_ELEM = st.integers(0, 200_000).flatmap(lambda v: st.sampled_from(_encodings(v)))
+_PAIR_ELEM = st.integers(0, 200_000).map(lambda v: msgspec.msgpack.encode([v, v + 1]))
+_NOT_TOKEN = st.sampled_from(
+    [b"\xc0", b"\xa1x", b"\xcb" + bytes(8), b"\x93\x01\x02\x03", b"\x90", b"\x92\x01\xa1x"]
+)
+_TOKEN_ELEMS = st.integers(0, 399).flatmap(
+    lambda i: _INT_ELEM if i < 396 else _PAIR_ELEM if i < 398 else _NOT_TOKEN
+)
+
+
+@st.composite
+def token_arrays(draw: st.DrawFn) -> bytes:
+    n = draw(st.sampled_from([0, 1, 5, 30, 90, 200]))
+    elems = draw(st.lists(_TOKEN_ELEMS, min_size=n, max_size=n))
+    return _header(n, draw(st.integers(0, 2))) + b"".join(elems)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(token_arrays(), min_size=1, max_size=200), st.integers(0, 3))
+def test_token_counts_gives_the_verdict_of_tokens_ok(raws: list[bytes], pad: int) -> None:
+    """Counts from the headers when every array is what ``wire.tokens_ok`` accepts (a pair
+    counts as one), ``NotInt64Arrays`` when one is not: the walk (many arrays), the tail
+    (the longest ones) and the arrays it stops in (pairs, non-tokens) give one verdict."""
+    if pad:  # 100 longer int-only arrays: the drawn ones are walked to their end (no tail)
+        raws = [msgspec.msgpack.encode(list(range(k % 7, 300 * pad))) for k in range(100)] + raws
+    if all(tokens_ok(r) for r in raws):
+        assert token_counts(raws).tolist() == [len(msgspec.msgpack.decode(r)) for r in raws]
+    else:
+        with pytest.raises(NotInt64Arrays):
+            token_counts(raws)
+
+
+def test_token_counts_walks_int_arrays_and_checks_the_rest() -> None:
+    ints = [msgspec.msgpack.encode(list(range(k, k + 40))) for k in range(0, 300_000, 3000)]
+    assert token_counts(ints).tolist() == [40] * len(ints)
+    assert token_counts([]).tolist() == []
+    pairs = [*ints, msgspec.msgpack.encode([[7, 8], 9])]
+    assert token_counts(pairs).tolist()[-1] == 2
+    for bad in ([1, "a"], [1.5], [[1, 2, 3]], "x", [None]):
+        with pytest.raises(NotInt64Arrays):
+            token_counts([*ints, msgspec.msgpack.encode(bad)])
+    long_bad = msgspec.msgpack.encode([*range(500), "z"])  # longer than the walk goes
+    with pytest.raises(NotInt64Arrays):
+        token_counts([*ints, long_bad])

@@ -7,6 +7,7 @@ import json
 import shutil
 import struct
 import zlib
+from array import array
 from pathlib import Path
 
 import msgspec
@@ -30,6 +31,7 @@ from kvcadence.format.schema import (
     Header,
     PackedRequest,
     RequestRecord,
+    RequestRecordU32View,
     RequestRecordView,
 )
 
@@ -173,6 +175,19 @@ def test_round_trip_of_prompt_families(
         (v.rid, msgspec.msgpack.decode(v.input_ids), msgspec.msgpack.decode(v.output_ids))
         for v in views
     ] == [(r.rid, r.input_ids, r.output_ids) for r in reqs]
+    # "u32": packed requests as the reader's uint32 arrays, the rest as views, in order
+    kinds = (RequestRecordView, RequestRecordU32View)
+    u32 = [r for r in reader.records(request_view="u32") if type(r) in kinds]
+    assert [
+        (v.rid, list(v.input_ids), list(v.output_ids))
+        if type(v) is RequestRecordU32View
+        else (v.rid, msgspec.msgpack.decode(v.input_ids), msgspec.msgpack.decode(v.output_ids))
+        for v in u32
+    ] == [(r.rid, r.input_ids, r.output_ids) for r in reqs]
+    assert all(type(v.input_ids) is array for v in u32 if type(v) is RequestRecordU32View)
+    assert [msgspec.structs.astuple(v)[3:] for v in u32] == [
+        msgspec.structs.astuple(r)[3:] for r in reqs
+    ]
     # references never leave their segment; every segment's first request stands alone
     for seg in list_segments(path):
         packed = [_PACKED.decode(b) for _, b in _frames(seg) if _tag(b) == "preq"]

@@ -17,11 +17,12 @@ leaves its segment: a lost or refused segment costs its own records, never a lat
 
 Memory. The writer keeps per block it wrote one dict entry ``parent number + the block's
 token bytes -> number`` and the block's bytes once more in its record's run, the reader
-one parent and one offset per block plus the blocks' tokens as one ``array('I')``: both
-grow with the tokens the segment actually stores, never with the prompts' total length.
-Per request the writer looks the prompt's full blocks up until the first one it has not
-seen (a dict lookup, then one slice comparison along the run the block belongs to), the
-reader walks the prefix chain and copies contiguous runs.
+three ints per record (its run of new blocks) plus the blocks' tokens as one
+``array('I')``: both grow with the tokens the segment actually stores, never with the
+prompts' total length. Per request the writer looks the prompt's full blocks up until the
+first one it has not seen (a dict lookup, then one slice comparison along the run the block
+belongs to), the reader walks the prefix chain a run at a time and copies each run's part
+as one slice.
 
 Expansion. A packed request is a few bytes that name a chain of earlier blocks, so it may
 expand to far more ids than it occupies. The reader refuses (``BadReference``, one
@@ -38,6 +39,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from bisect import bisect_right
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,7 +49,12 @@ from kvcadence.errors import InputError
 from kvcadence.format.bounds import MAX_REQUEST_TOKENS
 from kvcadence.format.bundle.frames import FRAME_HEADER_SIZE
 from kvcadence.format.bundle.report import ReadReport
-from kvcadence.format.schema import PackedRequest, RequestRecord, RequestRecordView
+from kvcadence.format.schema import (
+    PackedRequest,
+    RequestRecord,
+    RequestRecordU32View,
+    RequestRecordView,
+)
 
 #: tokens per block (fixed by the format: 2.0)
 BLOCK = 32
@@ -241,8 +248,12 @@ class _Commit:
 class PrefixResolver:
     """The reader's side, one per segment: ``PackedRequest`` -> its full token ids.
 
-    Keeps per block its parent and the offset of its tokens in ``store`` (the tokens of every
-    block, in numbering order); a block whose record was not read has offset ``_MISSING``.
+    Keeps the tokens of every block in ``store`` (numbering order) and, per *run* (the new
+    blocks one record added: consecutive numbers, contiguous in ``store``, each block's
+    parent the one before it), its first block's number, the offset of its tokens and the
+    first block's parent (the record's ``ref``). Blocks of records that were not read form a
+    run at offset ``_MISSING``. A block's run is found by bisection, and a prefix chain is
+    walked a run at a time (one slice copied per run, not a step per block).
     """
 
     def __init__(self) -> None:
@@ -250,15 +261,19 @@ class PrefixResolver:
         # sets it: a crafted ``base`` must not make it allocate a placeholder per claimed block)
         self.max_blocks = 0
         self.store = array("I")
-        self.parent = array("q")
-        self.offset = array("q")
+        #: per run: number of its first block, offset of its tokens in ``store``, the first
+        #: block's parent
+        self.run_first = array("q")
+        self.run_offset = array("q")
+        self.run_parent = array("q")
+        #: blocks numbered so far (read or missing): the next record's ``base``
+        self.blocks = 0
 
     def resolve(self, rec: PackedRequest) -> tuple[array[int], array[int]]:
         """``(input_ids, output_ids)`` of ``rec``; adds its blocks. ``BadReference`` for a
         record no writer wrote, ``LostPrefix`` when its prefix was lost with damage."""
         base, ref, plen = rec.base, rec.ref, rec.prefix_len
-        offset, parent = self.offset, self.parent
-        known = len(offset)
+        known = self.blocks
         if base < known:
             raise BadReference(f"its first block is numbered {base}, {known} were read before it")
         if base > self.max_blocks:
@@ -275,50 +290,58 @@ class PrefixResolver:
                 f"it expands to {n_ids} token ids, more than the {MAX_REQUEST_TOKENS} a "
                 "request may hold (kvcadence.format.bounds.MAX_REQUEST_TOKENS)"
             )
+        run_first, run_offset, run_parent = self.run_first, self.run_offset, self.run_parent
         if base > known:  # records between were not read: their blocks are unknown
-            gap = base - known
-            offset.extend(array("q", [_MISSING]) * gap)
-            parent.extend(array("q", [-1]) * gap)
-        chain: list[int] = []
-        b = ref
+            run_first.append(known)
+            run_offset.append(_MISSING)
+            run_parent.append(-1)
+            self.blocks = base
+        spans: list[tuple[int, int]] = []  # the chain's runs, last first: store slices
+        n = 0  # blocks of the chain so far
         limit = plen // BLOCK
+        b = ref
         while b >= 0:  # parents always have smaller numbers: the walk ends
-            if len(chain) == limit:  # longer than it says: walked no further than plen
+            if n == limit:  # longer than it says: walked no further than plen
                 raise BadReference(
                     f"prefix length {plen} but block {ref} ends a longer chain than that"
                 )
-            o = offset[b]
+            r = bisect_right(run_first, b) - 1
+            o = run_offset[r]
             if o == _MISSING:
                 raise LostPrefix(f"its shared prefix (block {b}) was in a record not read")
-            chain.append(o)
-            b = parent[b]
-        if len(chain) * BLOCK != plen:
+            k = b - run_first[r] + 1  # the run's blocks up to b: contiguous tokens
+            if n + k > limit:
+                raise BadReference(
+                    f"prefix length {plen} but block {ref} ends a longer chain than that"
+                )
+            spans.append((o, o + k * BLOCK))
+            n += k
+            b = run_parent[r]
+        if n * BLOCK != plen:
             raise BadReference(
-                f"prefix length {plen} but block {ref} ends a chain of {len(chain) * BLOCK} tokens"
+                f"prefix length {plen} but block {ref} ends a chain of {n * BLOCK} tokens"
             )
         tail = _unpack(rec.input_tail, "input_tail")
         out = _unpack(rec.output, "output")
-        inp = array("I")
         store = self.store
-        run_start = run_end = -1
-        for o in reversed(chain):  # contiguous blocks are copied as one slice
-            if o != run_end:
-                if run_end > run_start:
-                    inp.extend(store[run_start:run_end])
-                run_start = o
-            run_end = o + BLOCK
-        if run_end > run_start:
-            inp.extend(store[run_start:run_end])
-        inp.extend(tail)
+        if spans:
+            inp = array("I")
+            for lo, hi in reversed(spans):
+                inp.extend(store[lo:hi])
+            inp.extend(tail)
+        else:
+            inp = tail  # no prefix: the tail is the whole prompt (a fresh array)
         # the record's new blocks: full blocks of input + output past the prefix
         new = (plen + len(tail) + len(out)) // BLOCK - plen // BLOCK
         if new > 0:
             at = len(store)
-            lit = tail + out
-            store.extend(lit[: new * BLOCK])
-            offset.extend(array("q", range(at, at + new * BLOCK, BLOCK)))
-            parent.append(ref)
-            parent.extend(array("q", range(base, base + new - 1)))
+            store.extend(tail)
+            store.extend(out)
+            del store[at + new * BLOCK :]
+            run_first.append(base)
+            run_offset.append(at)
+            run_parent.append(ref)
+            self.blocks = base + new
         return inp, out
 
     def record(self, rec: PackedRequest) -> RequestRecord:
@@ -338,11 +361,17 @@ class PrefixResolver:
             *rest,
         )
 
+    def u32(self, rec: PackedRequest) -> RequestRecordU32View:
+        """The ``RequestRecordU32View`` of the record (ids as the ``array('I')`` resolved)."""
+        inp, out = self.resolve(rec)
+        return RequestRecordU32View(rec.rid, inp, out, *msgspec.structs.astuple(rec)[_PACKED_HEAD:])
+
 
 class SegmentUnpacker:
     """The reader's: one segment's ``PackedRequest``s back to ``RequestRecord`` /
     ``RequestRecordView`` (a ``PrefixResolver`` made at the segment's first one), counted in
-    the ``ReadReport``. A request whose prefix was lost with a corrupt span counts as a
+    the ``ReadReport``; ``views``: False (``RequestRecord``), True (``RequestRecordView``) or
+    ``"u32"`` (``RequestRecordU32View``). A request whose prefix was lost with a corrupt span counts as a
     corrupt frame (``corrupt``, the reader's reporter; ``None``: not yielded); a reference no
     writer wrote is one ``InputError`` line naming segment, offset and rid."""
 
@@ -352,7 +381,7 @@ class SegmentUnpacker:
         self,
         seg: Path,
         report: ReadReport,
-        views: bool,
+        views: bool | str,
         corrupt: Callable[[ReadReport, Path, int, int, str], None],
     ) -> None:
         self.seg, self.report, self.views, self.corrupt = seg, report, views, corrupt
@@ -360,14 +389,18 @@ class SegmentUnpacker:
 
     def __call__(
         self, rec: PackedRequest, pos: int, body: memoryview
-    ) -> RequestRecord | RequestRecordView | None:
+    ) -> RequestRecord | RequestRecordView | RequestRecordU32View | None:
         res = self.resolver
         if res is None:
             res = self.resolver = PrefixResolver()
         # every block read before this record has its 4 * BLOCK token bytes before ``pos``
         res.max_blocks = pos // _BLOCK_BYTES
         try:
-            out = res.view(rec) if self.views else res.record(rec)
+            views = self.views
+            if views == "u32":
+                out: RequestRecord | RequestRecordView | RequestRecordU32View = res.u32(rec)
+            else:
+                out = res.view(rec) if views else res.record(rec)
         except LostPrefix as exc:
             self.report.frames -= 1
             self.corrupt(

@@ -272,7 +272,7 @@ _REQUESTS = msgspec.msgpack.Decoder(Union[RequestRecord, PackedRequest])
 _REQUESTS_VIEW = msgspec.msgpack.Decoder(Union[RequestRecordView, PackedRequest])
 
 
-def fast_decoder(wanted: frozenset[bytes] | None, views: bool) -> Any:
+def fast_decoder(wanted: frozenset[bytes] | None, views: bool | str) -> Any:
     """The reader's fast path: the decode function of the one decoder most frames need
     (the tag is peeked at only when it fails), or None when no single decoder fits
     ``wanted`` (None: every record; ``views``: requests as ``RequestRecordView``)."""

@@ -293,14 +293,15 @@ class BundleReader:
     def _iter(
         self,
         wanted: frozenset[bytes] | None,
-        views: bool = False,
+        views: bool | str = False,
         notes_raw: bool = False,
         note_kinds: frozenset[str] | None = None,
         events_as: Any = None,
     ) -> Iterator[ReadRecord]:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
-        request frames decode as ``RequestRecordView`` (every other record as usual); ``notes_raw``:
+        request frames decode as ``RequestRecordView`` (every other record as usual; ``"u32"``:
+        packed requests as ``RequestRecordU32View``); ``notes_raw``:
         notes as ``AnnotationRawView`` (``events_and_notes``), those of other kinds than
         ``note_kinds`` (when given) skipped, event frames as ``events_as`` where it
         decodes them."""
@@ -422,7 +423,7 @@ class BundleReader:
             report.shortfall.append((seg.name, want, got))
         return report.frames
 
-    def records(self, *, request_view: bool = False) -> Iterator[ReadRecord]:
+    def records(self, *, request_view: bool | str = False) -> Iterator[ReadRecord]:
         """Every record in order (unknown record types are skipped and counted).
 
         ``request_view=True``: requests come as ``RequestRecordView`` (token ids left as
@@ -430,6 +431,9 @@ class BundleReader:
         checked element by element, so a request frame whose ids are not ints (which the
         ordinary pass reports as an undecodable record) is yielded; a caller that needs the
         ordinary pass's exact verdict checks the ids and reads again without views if not.
+        ``request_view="u32"``: the same, except that format 2.0's packed requests come as
+        ``RequestRecordU32View`` (ids as the ``array('I')`` the reader rebuilds anyway, not
+        re-encoded as msgpack: valid uint32 ids by construction).
         """
         return self._iter(_KEEP_ALL, request_view)
 

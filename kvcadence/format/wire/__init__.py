@@ -28,6 +28,8 @@ and a per-event dispatch (mixed shapes, unknown tags, bytes hashes, bigram token
 Two decode-only variants for readers that need fewer Python objects (analysis ingest):
 ``decode_batch_view`` leaves stored token ids as raw msgpack, ``decode_batch_raw`` leaves
 block hashes raw too (the caller checks them); both agree with ``decode_batch`` otherwise.
+``tokens_ok`` is ``decode_batch``'s rule for one raw ``token_ids`` array (ints, or
+``[int, int]`` pairs), for a caller that checks them itself (``check_tokens=False``).
 
 Encoding (``encode_batch``) mirrors each release's own structs: 0.5.22/0.5.23 maps, 0.5.20 maps
 without ``lora_name``, 0.5.10/0.5.14/0.5.17 7/3-slot arrays (``*V17``), 0.5.5 6/2-slot arrays
@@ -76,6 +78,7 @@ from kvcadence.format.wire.decode import (
     decode_batch,
     decode_batch_raw,
     decode_batch_view,
+    tokens_ok,
 )
 from kvcadence.format.wire.encode import (
     DEFAULT_VERSION,
@@ -113,6 +116,7 @@ __all__ = [
     "decode_batch",
     "decode_batch_view",
     "decode_batch_raw",
+    "tokens_ok",
     "encode_batch",
     "count_unknown",
     "to_canonical",

@@ -149,7 +149,7 @@ def decode_batch_view(payload: bytes | bytearray | memoryview | msgspec.Raw) -> 
 _TOKENS_CHECK = msgspec.msgpack.Decoder(list[Union[int, tuple[int, int]]])
 
 
-def _tokens_ok(raw: msgspec.Raw) -> bool:
+def tokens_ok(raw: msgspec.Raw | bytes | memoryview) -> bool:
     """``raw`` is an array ``decode_batch`` accepts as ``token_ids``."""
     try:
         _TOKENS_CHECK.decode(raw)
@@ -169,7 +169,7 @@ def _view_checked(evs: list[Any]) -> bool:
         if hs and max(hs) > I64_MAX:
             ev.block_hashes = [h - _TWO64 if h > I64_MAX else h for h in hs]
         if t is BlockStoredView:
-            if not _tokens_ok(ev.token_ids):
+            if not tokens_ok(ev.token_ids):
                 return False
             p = ev.parent_block_hash
             if p is not None and p > I64_MAX:
@@ -213,9 +213,10 @@ def decode_batch_raw(
 
     The typed fast path checks the envelope, tags, ``parent_block_hash`` (int64 range, in C),
     ``block_size``, ``lora_id`` and ``medium``, but nothing *inside* the two ``Raw`` fields:
-    the caller must check that ``block_hashes`` is an array of ints and ``token_ids`` an array
-    (``kvcadence.analysis.tokcols``: ``int_arrays(..., wrap_u64=True)`` and ``array_lengths``
-    raise otherwise) and use ``decode_batch_view`` for the payload where either is not.
+    the caller must check that ``block_hashes`` is an array of ints (and ``token_ids`` what
+    ``tokens_ok`` accepts, with ``check_tokens=False``; ``kvcadence.analysis.tokcols``:
+    ``int_arrays(..., wrap_u64=True)`` and ``token_counts`` raise otherwise) and use
+    ``decode_batch_view`` for the payload where either is not.
     Read that way, the hashes are exactly ``decode_batch``'s: a uint64 wire hash >= 2**63 is
     the signed int64 of the same 64 bits. Payloads the typed raw view cannot take (mixed
     shapes, unknown tags, bytes hashes, a parent hash >= 2**63, ...) go through
@@ -227,8 +228,9 @@ def decode_batch_raw(
     construction (the reader's second pass where the caller's check refused a field).
 
     ``check_tokens=False``: the typed fast path skips its check of the ``token_ids`` arrays
-    (which decodes them), for a caller that decodes them itself anyway; where its own decode
-    fails it calls again with the default to get this function's verdict.
+    (which decodes them), for a caller that decodes or checks them itself (replay's stores,
+    ingest's ``tokcols.token_counts``); where its own check fails it calls again with the
+    default to get this function's verdict.
     """
     payload = _buffer(payload)
     if checked:
@@ -256,7 +258,7 @@ def decode_batch_raw(
 
 def _raw_tokens_ok(evs: list[Any]) -> bool:
     for ev in evs:
-        if type(ev) is BlockStoredRawView and not _tokens_ok(ev.token_ids):
+        if type(ev) is BlockStoredRawView and not tokens_ok(ev.token_ids):
             return False
     return True
 
@@ -494,4 +496,4 @@ def count_unknown(batch: KVEventBatch) -> int:
     return sum(1 for ev in batch.events if type(ev) is UnknownEvent)  # type: ignore[comparison-overlap, misc]
 
 
-__all__ = ["count_unknown", "decode_batch", "decode_batch_raw", "decode_batch_view"]
+__all__ = ["count_unknown", "decode_batch", "decode_batch_raw", "decode_batch_view", "tokens_ok"]
