@@ -598,8 +598,10 @@ def attribute_sql(
             f"floor(n_input / {ps})::BIGINT AS pp, send_ns, finish_ns, lane, session "
             "FROM requests"
         )
+        # n: candidate pages of the hash, capped at 2 (only 0, 1 and "several" matter)
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_hc AS SELECT pg.hash AS h, count(*) AS n, "
+            "CREATE OR REPLACE TEMP TABLE _a_hc AS SELECT pg.hash AS h, "
+            "least(count(*), 2)::UTINYINT AS n, "
             "any_value(pg.request_id) AS r, any_value(pg.page < q.pp) AS prompt "
             f"FROM ({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id "
             "WHERE pg.page >= q.first GROUP BY pg.hash"
@@ -608,10 +610,11 @@ def attribute_sql(
             "CREATE OR REPLACE TEMP TABLE _a_ev AS SELECT event_id, recv_ns, n_blocks "
             f"FROM events WHERE kind = 'stored' AND ({scope})"
         )
+        # a block's kind is its event's: without a scope every stored block is in _a_ev
+        in_scope = "" if scope == "TRUE" else "SEMI JOIN _a_ev ON _a_ev.event_id = b.event_id "
         con.sql(
             "CREATE OR REPLACE TEMP TABLE _a_bl AS SELECT b.event_id AS e, b.pos, b.hash AS h, "
-            "coalesce(c.n, 0) AS n, c.r, c.prompt FROM blocks b "
-            "SEMI JOIN _a_ev ON _a_ev.event_id = b.event_id "
+            f"coalesce(c.n, 0) AS n, c.r, c.prompt FROM blocks b {in_scope}"
             "LEFT JOIN _a_hc c ON c.h = b.hash WHERE b.kind = 'stored'"
         )
         # slow events: any block with several candidate pages
