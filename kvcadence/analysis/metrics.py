@@ -318,13 +318,25 @@ def _requests(c: _Ctx, page_size: int) -> dict[str, Any]:
 
 def _removals(c: _Ctx, pool_pages: int | None) -> dict[str, Any]:
     m: dict[str, Any] = {"removal.pool_pages": pool_pages}
+    # resident blocks before each event: the running sum of its (endpoint, epoch) since the
+    # last clear. When no clear follows a store or removal of its stream (no clears; the
+    # startup clear) that is the running sum of the whole stream: one window pass, not two
+    (late_clears,) = c.one(
+        "SELECT count(*) FROM (SELECT max(pos) FILTER (kind = 'cleared') AS clear, "
+        "min(pos) FILTER (kind IN ('stored', 'removed')) AS change FROM "
+        f"(SELECT endpoint, epoch, kind, {_POS.format(t='events')} AS pos FROM events) "
+        "GROUP BY endpoint, epoch) WHERE clear > change"
+    )
+    seg = (
+        "0 AS seg"
+        if not late_clears
+        else "sum(CASE WHEN kind = 'cleared' THEN 1 ELSE 0 END) OVER ("
+        "PARTITION BY endpoint, epoch ORDER BY seq, idx ROWS UNBOUNDED PRECEDING) AS seg"
+    )
     c.con.sql(
-        """
+        f"""
         CREATE OR REPLACE TEMP TABLE _removals AS
-        WITH o AS (
-          SELECT *, sum(CASE WHEN kind = 'cleared' THEN 1 ELSE 0 END) OVER (
-              PARTITION BY endpoint, epoch ORDER BY seq, idx ROWS UNBOUNDED PRECEDING) AS seg
-          FROM events),
+        WITH o AS (SELECT *, {seg} FROM events),
         r AS (
           SELECT *, coalesce(sum(CASE kind WHEN 'stored' THEN n_blocks
                                         WHEN 'removed' THEN -n_blocks ELSE 0 END) OVER (
