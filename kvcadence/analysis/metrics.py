@@ -598,7 +598,8 @@ def compute(
 
     metrics: dict[str, Any] = {}
     metrics.update(_quality(c, info))
-    metrics.update(_core(c, scope, "TRUE", int(n_requests)))
+    core = _core(c, scope, "TRUE", int(n_requests))
+    metrics.update(core)
     metrics.update(_requests(c, page_size))
     am, kinds, per_req = _attribution(
         c, ing, page_size, metrics["requests.total_output_tokens"], scope
@@ -625,7 +626,12 @@ def compute(
             nr, req_scope = n_requests, "TRUE"
         else:
             nr, req_scope = 0, "FALSE"
-        per_rank[str(r)] = _core(c, f"dp_rank = {r} AND {scope}", req_scope, int(nr))
+        if len(ranks) == 1 and int(nr) == int(n_requests):
+            # the one rank of every batch (events are ranked as their batch) and request:
+            # its figures are the whole capture's
+            per_rank[str(r)] = dict(core)
+        else:
+            per_rank[str(r)] = _core(c, f"dp_rank = {r} AND {scope}", req_scope, int(nr))
 
     samples = {
         "blocks_per_stored_event": _column(
