@@ -589,7 +589,7 @@ def attribute_sql(
     ``any_prompt`` also the peer split (``any_prompt_split_arrays``)."""
     ps = max(1, int(page_size))
     res = Attribution(page_size=ps)
-    tmp = ("_a_req", "_a_hc", "_a_ev", "_a_bl", "_a_slow", "_a_pair", "_a_cand_slow", "_a_chain")
+    tmp = "_a_req _a_hc _a_ev _a_er _a_slow _a_pair _a_sbl _a_cand_slow _a_chain".split()
     try:
         con.sql(
             "CREATE OR REPLACE TEMP TABLE _a_req AS SELECT "
@@ -598,8 +598,10 @@ def attribute_sql(
             f"floor(n_input / {ps})::BIGINT AS pp, send_ns, finish_ns, lane, session "
             "FROM requests"
         )
+        # n: candidate pages of the hash, capped at 2 (only 0, 1 and "several" matter)
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_hc AS SELECT pg.hash AS h, count(*) AS n, "
+            "CREATE OR REPLACE TEMP TABLE _a_hc AS SELECT pg.hash AS h, "
+            "least(count(*), 2)::UTINYINT AS n, "
             "any_value(pg.request_id) AS r, any_value(pg.page < q.pp) AS prompt "
             f"FROM ({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id "
             "WHERE pg.page >= q.first GROUP BY pg.hash"
@@ -608,23 +610,28 @@ def attribute_sql(
             "CREATE OR REPLACE TEMP TABLE _a_ev AS SELECT event_id, recv_ns, n_blocks "
             f"FROM events WHERE kind = 'stored' AND ({scope})"
         )
+        # the stored blocks, matched and counted per (event, candidate request) as they are
+        # read: one row per event and request (r NULL: its unmatched blocks), never a row per
+        # block (a table of every block was most of this function's memory and time)
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_bl AS SELECT b.event_id AS e, b.pos, b.hash AS h, "
-            "coalesce(c.n, 0) AS n, c.r, c.prompt FROM blocks b "
-            "SEMI JOIN _a_ev ON _a_ev.event_id = b.event_id "
-            "LEFT JOIN _a_hc c ON c.h = b.hash WHERE b.kind = 'stored'"
+            "CREATE OR REPLACE TEMP TABLE _a_er AS SELECT b.e, c.r, "
+            "count(*) FILTER (WHERE c.n = 1 AND c.prompt) AS pb, "
+            "count(*) FILTER (WHERE c.n = 1 AND NOT c.prompt) AS ob, "
+            "count(*) FILTER (WHERE c.n IS NULL) AS ub, bool_or(c.n > 1) AS slow "
+            f"FROM ({_stored_blocks(scope)}) b LEFT JOIN _a_hc c ON c.h = b.h GROUP BY ALL"
         )
         # slow events: any block with several candidate pages
-        con.sql("CREATE OR REPLACE TEMP TABLE _a_slow AS SELECT DISTINCT e FROM _a_bl WHERE n > 1")
+        con.sql("CREATE OR REPLACE TEMP TABLE _a_slow AS SELECT DISTINCT e FROM _a_er WHERE slow")
+        # the fast events' (event, request) counts (in a fast event a matched block has one
+        # candidate page: a row with r set counts only such blocks)
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_pair AS SELECT e, r, bool_or(prompt) AS pr, "
-            "bool_or(NOT prompt) AS ou FROM _a_bl ANTI JOIN _a_slow USING (e) "
-            "WHERE n = 1 GROUP BY e, r"
+            "CREATE OR REPLACE TEMP TABLE _a_pair AS SELECT e, r, pb, ob, ub FROM _a_er "
+            "ANTI JOIN _a_slow USING (e)"
         )
         _fast_sql(con, res)
         per = _per_request_sql(con, res)
         acc = _SlowAcc(*per[1:])
-        _slow_sql(con, pages_sql, res, acc)
+        _slow_sql(con, pages_sql, scope, res, acc)
         res.req_prompt_blocks, res.req_output_blocks = acc.prompt, acc.output
         res.req_stored_events, res.req_prefill_events = acc.events, acc.prefill
         res.req_finish_events = acc.finish
@@ -642,7 +649,7 @@ def attribute_sql(
                 con,
                 "SELECT count(*) FILTER (WHERE h IN (SELECT pg.hash FROM "
                 f"({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id WHERE pg.page < q.pp)),"
-                " count(*) FROM _a_bl",
+                f" count(*) FROM ({_stored_blocks(scope)})",
             )
             split = {"prompt_blocks": int(n_prompt), "output_blocks": int(n_all - n_prompt)}
         return res, per[0], split
@@ -651,33 +658,42 @@ def attribute_sql(
             con.sql(f"DROP TABLE IF EXISTS {t}")
 
 
+def _stored_blocks(scope: str) -> str:
+    """The stored blocks of the events in ``_a_ev`` (``e``, ``pos``, ``h``)."""
+    # a block's kind is its event's: without a scope every stored block is in _a_ev
+    in_scope = "" if scope == "TRUE" else "SEMI JOIN _a_ev ON _a_ev.event_id = b.event_id "
+    return (
+        f"SELECT b.event_id AS e, b.pos, b.hash AS h FROM blocks b {in_scope}"
+        "WHERE b.kind = 'stored'"
+    )
+
+
 def _fast_sql(con: Any, res: Attribution) -> None:
     """Totals and event kinds of the fast events (all of them counted in SQL)."""
     (stored,) = sql.one(con, "SELECT coalesce(sum(n_blocks), 0) FROM _a_ev")
     res.stored_blocks = int(stored)
     prompt, output, unm = sql.one(
         con,
-        "SELECT count(*) FILTER (WHERE n = 1 AND prompt), count(*) FILTER (WHERE n = 1 AND "
-        "NOT prompt), count(*) FILTER (WHERE n = 0) FROM _a_bl ANTI JOIN _a_slow USING (e)",
+        "SELECT coalesce(sum(pb), 0), coalesce(sum(ob), 0), coalesce(sum(ub), 0) FROM _a_pair",
     )
     res.prompt_blocks, res.output_blocks = int(prompt), int(output)
     res.unmatched_blocks = int(unm)
     res.matched_blocks = res.prompt_blocks + res.output_blocks
     got = sql.rows(
         con,
-        "WITH blk AS (SELECT e, bool_or(n = 1 AND prompt) AS pre, bool_or(n = 1 AND NOT prompt)"
-        " AS fin, bool_or(n = 0) AS unm FROM _a_bl GROUP BY e), "
-        # one (lane, session) among an event's requests, all keyed: min = max of both (a
+        # per fast event, in one pass over its (event, request) rows: its labels, and whether
+        # its requests share one (lane, session), all keyed: min = max of both (a
         # count(DISTINCT (lane, session)) per event: 24 s of CPU for this query at 10M
         # events, 16 s this way)
-        "pe AS (SELECT p.e, count(*) AS nreq, min(q.lane) = max(q.lane) AND "
+        "WITH pe AS (SELECT p.e, bool_or(p.pb > 0) AS pre, bool_or(p.ob > 0) AS fin, "
+        "bool_or(p.ub > 0) AS unm, count(q.r) AS nreq, min(q.lane) = max(q.lane) AND "
         "min(q.session) = max(q.session) AS one_ses, "
-        "bool_and(q.lane IS NOT NULL AND q.session IS NOT NULL) AS keyed "
-        "FROM _a_pair p JOIN _a_req q ON q.r = p.r GROUP BY p.e) "
-        "SELECT coalesce(blk.fin, false), coalesce(blk.pre, false), coalesce(blk.unm, false), "
+        "bool_and(q.lane IS NOT NULL AND q.session IS NOT NULL) FILTER (WHERE q.r IS NOT NULL) "
+        "AS keyed FROM _a_pair p LEFT JOIN _a_req q ON q.r = p.r GROUP BY p.e) "
+        "SELECT coalesce(pe.fin, false), coalesce(pe.pre, false), coalesce(pe.unm, false), "
         "CASE WHEN coalesce(pe.nreq, 0) <= 1 THEN 0 WHEN pe.one_ses AND pe.keyed THEN 1 "
         "ELSE 2 END AS span, count(*) FROM _a_ev ev ANTI JOIN _a_slow s ON s.e = ev.event_id "
-        "LEFT JOIN blk ON blk.e = ev.event_id LEFT JOIN pe ON pe.e = ev.event_id "
+        "LEFT JOIN pe ON pe.e = ev.event_id "
         "GROUP BY ALL",
     )
     kinds: dict[str, int] = {}
@@ -699,14 +715,12 @@ def _per_request_sql(con: Any, res: Attribution) -> tuple[PerRequest, Any, Any, 
 
     t = sql.arrow(
         con,
-        "WITH blk AS (SELECT r, count(*) FILTER (WHERE prompt) AS pb, count(*) FILTER (WHERE "
-        "NOT prompt) AS ob FROM _a_bl ANTI JOIN _a_slow USING (e) WHERE n = 1 GROUP BY r), "
-        "pr AS (SELECT r, count(*) AS ne, count(*) FILTER (WHERE pr) AS np, "
-        "count(*) FILTER (WHERE ou) AS nf FROM _a_pair GROUP BY r) "
-        "SELECT q.rid, q.cached_tokens, q.n_input, q.n_output, coalesce(blk.pb, 0) AS pb, "
-        "coalesce(blk.ob, 0) AS ob, coalesce(pr.ne, 0) AS ne, coalesce(pr.np, 0) AS np, "
-        "coalesce(pr.nf, 0) AS nf FROM _a_req q LEFT JOIN blk ON blk.r = q.r "
-        "LEFT JOIN pr ON pr.r = q.r ORDER BY q.r",
+        "WITH pr AS (SELECT r, sum(pb)::BIGINT AS pb, sum(ob)::BIGINT AS ob, count(*) AS ne, "
+        "count(*) FILTER (WHERE pb > 0) AS np, count(*) FILTER (WHERE ob > 0) AS nf "
+        "FROM _a_pair WHERE r IS NOT NULL GROUP BY r) "
+        "SELECT q.rid, q.cached_tokens, q.n_input, q.n_output, coalesce(pr.pb, 0) AS pb, "
+        "coalesce(pr.ob, 0) AS ob, coalesce(pr.ne, 0) AS ne, coalesce(pr.np, 0) AS np, "
+        "coalesce(pr.nf, 0) AS nf FROM _a_req q LEFT JOIN pr ON pr.r = q.r ORDER BY q.r",
     )
 
     def col(name: str) -> Any:
@@ -721,7 +735,7 @@ def _per_request_sql(con: Any, res: Attribution) -> tuple[PerRequest, Any, Any, 
     return per, col("pb"), col("ob"), col("ne"), col("np"), col("nf")
 
 
-def _slow_sql(con: Any, pages_sql: str, res: Attribution, acc: _SlowAcc) -> None:
+def _slow_sql(con: Any, pages_sql: str, scope: str, res: Attribution, acc: _SlowAcc) -> None:
     """The per-event loop of ``_slow_events`` over the slow events only, read from SQL:
     their hashes, the candidate pages of those hashes and the chains of their requests."""
     ev = sql.rows(
@@ -732,16 +746,20 @@ def _slow_sql(con: Any, pages_sql: str, res: Attribution, acc: _SlowAcc) -> None
     if not ev:
         return
     con.sql(
+        "CREATE OR REPLACE TEMP TABLE _a_sbl AS SELECT b.* FROM "
+        f"({_stored_blocks(scope)}) b SEMI JOIN _a_slow s ON s.e = b.e"
+    )
+    con.sql(
         "CREATE OR REPLACE TEMP TABLE _a_cand_slow AS SELECT pg.hash, pg.request_id, pg.page "
         f"FROM ({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id WHERE pg.page >= q.first "
-        "AND pg.hash IN (SELECT h FROM _a_bl SEMI JOIN _a_slow USING (e))"
+        "AND pg.hash IN (SELECT h FROM _a_sbl)"
     )
     con.sql(
         "CREATE OR REPLACE TEMP TABLE _a_chain AS SELECT request_id, page, hash "
         f"FROM ({pages_sql}) WHERE request_id IN (SELECT DISTINCT request_id FROM _a_cand_slow)"
     )
     hashes: dict[int, list[int]] = {}
-    for e, h in sql.rows(con, "SELECT e, h FROM _a_bl SEMI JOIN _a_slow USING (e) ORDER BY e, pos"):
+    for e, h in sql.rows(con, "SELECT e, h FROM _a_sbl ORDER BY e, pos"):
         hashes.setdefault(e, []).append(h)
     index: dict[int, list[tuple[int, int]]] = {}
     for h, r, p in sql.rows(

@@ -47,7 +47,7 @@ def _cpus() -> int:
 def digest_bytes(words: bytes, page_size: int, first: bytes) -> bytes:
     """``wire.root_chains`` as one bytes object (32 bytes a page); ``first``: one byte a page,
     nonzero where a chain starts. The workers' function."""
-    return b"".join(wire.root_chains(words, page_size, [f != 0 for f in first]))
+    return b"".join(wire.root_chains(words, page_size, first))  # a flag byte is a bool
 
 
 _HEAD = struct.Struct("<QQQ")  # page size, words bytes, flag bytes

@@ -318,13 +318,25 @@ def _requests(c: _Ctx, page_size: int) -> dict[str, Any]:
 
 def _removals(c: _Ctx, pool_pages: int | None) -> dict[str, Any]:
     m: dict[str, Any] = {"removal.pool_pages": pool_pages}
+    # resident blocks before each event: the running sum of its (endpoint, epoch) since the
+    # last clear. When no clear follows a store or removal of its stream (no clears; the
+    # startup clear) that is the running sum of the whole stream: one window pass, not two
+    (late_clears,) = c.one(
+        "SELECT count(*) FROM (SELECT max(pos) FILTER (kind = 'cleared') AS clear, "
+        "min(pos) FILTER (kind IN ('stored', 'removed')) AS change FROM "
+        f"(SELECT endpoint, epoch, kind, {_POS.format(t='events')} AS pos FROM events) "
+        "GROUP BY endpoint, epoch) WHERE clear > change"
+    )
+    seg = (
+        "0 AS seg"
+        if not late_clears
+        else "sum(CASE WHEN kind = 'cleared' THEN 1 ELSE 0 END) OVER ("
+        "PARTITION BY endpoint, epoch ORDER BY seq, idx ROWS UNBOUNDED PRECEDING) AS seg"
+    )
     c.con.sql(
-        """
+        f"""
         CREATE OR REPLACE TEMP TABLE _removals AS
-        WITH o AS (
-          SELECT *, sum(CASE WHEN kind = 'cleared' THEN 1 ELSE 0 END) OVER (
-              PARTITION BY endpoint, epoch ORDER BY seq, idx ROWS UNBOUNDED PRECEDING) AS seg
-          FROM events),
+        WITH o AS (SELECT *, {seg} FROM events),
         r AS (
           SELECT *, coalesce(sum(CASE kind WHEN 'stored' THEN n_blocks
                                         WHEN 'removed' THEN -n_blocks ELSE 0 END) OVER (
@@ -586,7 +598,8 @@ def compute(
 
     metrics: dict[str, Any] = {}
     metrics.update(_quality(c, info))
-    metrics.update(_core(c, scope, "TRUE", int(n_requests)))
+    core = _core(c, scope, "TRUE", int(n_requests))
+    metrics.update(core)
     metrics.update(_requests(c, page_size))
     am, kinds, per_req = _attribution(
         c, ing, page_size, metrics["requests.total_output_tokens"], scope
@@ -613,7 +626,12 @@ def compute(
             nr, req_scope = n_requests, "TRUE"
         else:
             nr, req_scope = 0, "FALSE"
-        per_rank[str(r)] = _core(c, f"dp_rank = {r} AND {scope}", req_scope, int(nr))
+        if len(ranks) == 1 and int(nr) == int(n_requests):
+            # the one rank of every batch (events are ranked as their batch) and request:
+            # its figures are the whole capture's
+            per_rank[str(r)] = dict(core)
+        else:
+            per_rank[str(r)] = _core(c, f"dp_rank = {r} AND {scope}", req_scope, int(nr))
 
     samples = {
         "blocks_per_stored_event": _column(

@@ -254,7 +254,7 @@ def block_digests(
     return _chain(_prior(cache_salt, parent_digest), token_ids, page_size)
 
 
-def root_chains(words: bytes, page_size: int, first: Sequence[bool]) -> list[bytes]:
+def root_chains(words: bytes, page_size: int, first: Sequence[int]) -> list[bytes]:
     """The digests of many root chains of plain tokens packed back to back, in one pass:
     ``words`` holds whole pages of uint32 little-endian words (``4 * page_size`` bytes a page),
     ``first[i]`` is true where page ``i`` starts a chain (hashed from the root). Chain by

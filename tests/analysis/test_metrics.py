@@ -115,6 +115,36 @@ def test_removals_pool_pressure_and_window(golden: metrics.BundleMetrics) -> Non
     assert m["window.removed_events_per_request"] == 1.0
 
 
+def test_resident_blocks_restart_at_a_clear_mid_stream(tmp_path: Path) -> None:
+    def resident(name: str, messages: list[tuple[int, list[object]]]) -> list[object]:
+        b = write_bundle(tmp_path / name, messages, hdr=header(page_size=1, max_tokens=10))
+        m = metrics.compute(ingest.ingest(b)).metrics
+        assert m["removal.flush_events"] == 0
+        return [m[f"removal.resident_blocks_at_removal.{k}"] for k in ("n", "min", "max")]
+
+    # no clear: the running sum of the stream (3 before the first removal, 3 - 1 + 1 = 3)
+    assert resident(
+        "none",
+        [
+            (0, [stored([1, 2, 3])]),
+            (1000, [removed([1])]),
+            (2000, [stored([4])]),
+            (3000, [removed([2])]),
+        ],
+    ) == [2, 3, 3]
+    # a clear after stores: the count starts again from 0 (2 before the second removal, not 4)
+    assert resident(
+        "mid",
+        [
+            (0, [stored([1, 2, 3])]),
+            (1000, [removed([1])]),
+            (2000, [cleared()]),
+            (3000, [stored([7, 8])]),
+            (4000, [removed([7])]),
+        ],
+    ) == [2, 2, 3]
+
+
 def test_requests_metrics(golden: metrics.BundleMetrics) -> None:
     m = golden.metrics
     assert m["requests.total_prompt_tokens"] == 7
