@@ -56,6 +56,7 @@ CAPTURES = (
     "p4-chunk512-nooverlap-rerun",
     "p4-chunk512-overlap",
     "p16-tight-long-nooverlap",
+    "dp2-p4-flush",
 )
 
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
@@ -236,8 +237,11 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
 
 #: capture -> inferred clients more than the driver's lanes: ``flush2``'s driver paused
 #: 7.0 s for a flush between two sessions of one lane, past the think-time bound (405 ms)
-#: and the median interval between session starts (987 ms): a new, open-loop client
-CLIENTS_OVER_LANES = {"flush2": 1}
+#: and the median interval between session starts (987 ms): a new, open-loop client;
+#: ``dp2-p4-flush``'s driver let 100 requests finish before its flush, and the two sessions
+#: that started right after it came 1.05 s and 2.17 s after their lane's previous finish:
+#: two open-loop clients
+CLIENTS_OVER_LANES = {"flush2": 1, "dp2-p4-flush": 2}
 
 
 def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar():
