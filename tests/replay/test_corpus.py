@@ -243,8 +243,9 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
 #: ``dp2-p4-flush``'s driver let 100 requests finish before its flush, and the two sessions
 #: that started right after it came 1.05 s and 2.17 s after their lane's previous finish:
 #: two open-loop clients; ``p64-chunk128``: 26 inferred clients for 4 lanes, 22 session
-#: starts linked to an earlier request as a later successor, so without a client (a miss:
-#: its production path misses two bars, ``PRODUCTION_MISSES``; the corpus README)
+#: starts linked to an earlier request through its prompt anchor, a page inside the shared
+#: system prompt at page 64, so without a client (a miss: its production path misses two
+#: bars, ``PRODUCTION_MISSES``; the corpus README)
 CLIENTS_OVER_LANES = {"flush2": 1, "dp2-p4-flush": 2, "p64-chunk128": 22}
 
 
