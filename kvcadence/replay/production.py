@@ -226,7 +226,21 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             node.end_anchor = last
         else:
             missing[i] = WHY_NO_FINISH
-    pred_ties = infer_predecessors(nodes, index.hashes, index.offs)
+
+    def extends(q: int, r: int) -> bool:
+        """``q``'s prompt repeats ``r``'s partial last prompt page (the anchor pages
+        before it are on ``q``'s path): ``r``'s whole prompt is in ``q``'s."""
+        rp = records[r].input_ids
+        L = len(rp)
+        a = L - L % ps
+        if a == L:
+            return True
+        qp = records[q].input_ids
+        if len(qp) < L:
+            return False
+        return same_ids(compact(_upto(qp, L)[a:L]), compact(_upto(rp)[a:]))
+
+    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, extends)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}

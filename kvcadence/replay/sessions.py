@@ -6,9 +6,11 @@ sequence lies deepest on Q's prompt: Q's prompt path (its prefill run and the bl
 attached to, from ``outputs.StoreIndex``, or every page hash of a prompt that stored
 nothing) runs through R's *end anchor* (the last block R's finish inserted: prompt +
 output, page aligned) or, failing that, R's *prompt anchor* (its prompt's last full page:
-the client rewrote or dropped the output). Whatever follows in Q's prompt (chat-template
-tokens, the new user turn) is ignored: the longest common prefix over anchors, not strict
-containment.
+the client rewrote or dropped the output). R's whole prompt must be in Q's (``extends``:
+the tokens past R's last full page, which no anchor covers, are compared too; a short
+prompt's last full page can lie inside a system prompt every session shares). Whatever
+follows in Q's prompt (chat-template tokens, the new user turn) is ignored: the longest
+common prefix over anchors, not strict containment.
 
 Ties at one anchor (identical sequences) go to an R that has no successor yet, then to the
 one that finished last, then to the later index: deterministic, and nothing is read from
@@ -31,7 +33,7 @@ nobody joins, and from the first of them on no client is the only idle one.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import cast
@@ -68,11 +70,19 @@ def finish_order(nodes: Sequence[Node], among: Iterable[int]) -> list[int]:
     return sorted([i for i in among if fin[i] is not None], key=known.__getitem__)
 
 
-def infer_predecessors(nodes: Sequence[Node], hashes: np.ndarray, offsets: Sequence[int]) -> int:
+def infer_predecessors(
+    nodes: Sequence[Node],
+    hashes: np.ndarray,
+    offsets: Sequence[int],
+    extends: Callable[[int, int], bool] | None = None,
+) -> int:
     """Set ``pred`` (index into ``nodes``) on every node that has one (see module doc).
 
     ``hashes``: every stored event's block hashes, one array (``outputs.StoreIndex``);
     ``offsets[i]``: where stored event ``i``'s start in it (what ``segs`` point into).
+    ``extends(q, r)``: whether request ``q``'s prompt holds request ``r``'s whole prompt
+    (the tokens past ``r``'s last full page too); a candidate it refuses is no
+    predecessor, and the next shallower anchor on the path is looked at.
     Returns how many predecessors were ambiguous: picked by the tie rule among several
     finished requests of the same kind (end / prompt anchor) at the deepest anchor."""
     ties = 0
@@ -95,7 +105,11 @@ def infer_predecessors(nodes: Sequence[Node], hashes: np.ndarray, offsets: Seque
             fi = stop
         if not anchors:
             continue
-        hit = _deepest(node, anchors, hits, hit_hash, offsets)
+        hit = None
+        for found in _anchored(node, anchors, hits, hit_hash, offsets):
+            hit = found if extends is None else [c for c in found if extends(q, c[1])]
+            if hit:
+                break
         if not hit:
             continue
         best = hit[0]
@@ -136,17 +150,16 @@ def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[i
     return cand[exact].tolist(), hs[exact].tolist()
 
 
-def _deepest(
+def _anchored(
     node: Node,
     anchors: dict[int, list[tuple[int, int]]],
     hits: list[int],
     hit_hash: list[int],
     offsets: Sequence[int],
-) -> list[tuple[int, int]] | None:
-    """The anchored requests at the deepest anchor on ``node``'s prompt path: its prefill
-    segments (last first; only their ``hits`` looked at), every page hash of a prompt that
-    stored nothing, the block its prefill attached to. The first run holding an anchor
-    decides: its deepest anchor."""
+) -> Iterator[list[tuple[int, int]]]:
+    """The anchored requests at each anchor on ``node``'s prompt path, deepest first: its
+    prefill segments (last first; only their ``hits`` looked at), every page hash of a
+    prompt that stored nothing, the block its prefill attached to."""
     for _, ei, j, m in reversed(node.segs):
         lo = offsets[ei] + j
         c = bisect_right(hits, lo + m - 1)
@@ -154,16 +167,17 @@ def _deepest(
             c -= 1
             hit = anchors.get(hit_hash[c])
             if hit:
-                return hit
+                yield hit
     if node.path:
         if not anchors.keys().isdisjoint(node.path):
             for h in reversed(node.path):
                 hit = anchors.get(h)
                 if hit:
-                    return hit
+                    yield hit
     if node.base is not None:
-        return anchors.get(node.base)
-    return None
+        hit = anchors.get(node.base)
+        if hit:
+            yield hit
 
 
 def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> tuple[list[int | None], int]:

@@ -320,6 +320,38 @@ def test_open_loop_arrivals_never_join_as_the_only_idle_client(rate):
                 assert nodes[q].arrival_ns - nodes[c].finish_ns <= 300 * 1_000_000
 
 
+def test_a_prompt_anchor_inside_a_shared_system_prompt_links_no_other_session():
+    """Page 4, a 10-token system prompt every session shares: a first turn of 11 tokens has
+    its last full page (its prompt anchor, tokens 0..7) inside the system prompt, and its
+    1-token output stores nothing (the end anchor is that page too). Another session's
+    start passes through that page but does not hold the first turn's whole prompt (token
+    10 differs): no predecessor (the anchor alone linked it). The first turn's real next
+    turn, which repeats its prompt, is linked."""
+    ps = 4
+    system = list(range(100, 110))
+    a = [*system, 500]  # 11 tokens: 2 full pages, both inside the system prompt
+    out_a = [600]
+    a2 = [*a, *out_a, 700, 701, 702, 703]  # a's next turn: 16 tokens
+    b = [*system, 800, 801, 802]  # another session's start: 13 tokens
+    index = StoreIndex.from_batches(
+        [
+            (int(0.1 * S), [store(a, 0, 2, ps)]),
+            (int(0.45 * S), [store(b, 2, 3, ps)]),
+            (int(0.65 * S), [store(a2, 2, 4, ps)]),
+        ],
+        ps,
+    )
+    recs = [
+        rec("a", a, 1, 0.05, 0.2, cached=0),
+        rec("b", b, 1, 0.4, 0.5, cached=8),
+        rec("a2", a2, 1, 0.6, 0.7, cached=8),
+    ]
+    out, rep = complete_records(recs, index)
+    assert out[1].turn == 0 and out[1].session != out[0].session
+    assert (out[2].session, out[2].turn) == (out[0].session, 1)
+    assert rep["with_predecessor"] == 1
+
+
 def test_ambiguous_predecessor_is_counted():
     """Two finished requests with the same stored sequence (same prompt, one output token:
     nothing of it stored) both lie at the deepest anchor of a later prompt: the tie rule
