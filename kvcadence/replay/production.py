@@ -52,7 +52,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
-from kvcadence.replay.tokens import Prompt, as_list, compact, same_ids
+from kvcadence.replay.tokens import as_list, same_ids, span
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -140,14 +140,6 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     return out, report
 
 
-def _upto(ids: Any, n: int | None = None) -> Any:
-    """A record's prompt as a sequence to slice: a ``Prompt``'s array (its first ``n``
-    tokens), a list or an array as it is (no list of ints made from an array)."""
-    if isinstance(ids, Prompt):
-        return ids.materialize(n)
-    return ids
-
-
 def _complete(  # noqa: C901 - one pass over the records: outputs by route, in order
     records: list[Any], index: StoreIndex
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -168,11 +160,13 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         r = records[i]
         arr, fin = times[i]
         node = nodes[i]
-        prompt = _upto(r.input_ids)  # a compact record's ``Prompt``: its tokens, once
+        # the prompt's tokens are read by ``span``: only the runs looked at (a compact
+        # record's ``Prompt`` is not built whole, a list's ints are not all visited)
+        prompt = r.input_ids
         n = n_outs[i]
         L = len(prompt)
         P = L // ps
-        if not prompt:
+        if not L:
             known[i] = None if r.output_ids else []
             if not r.output_ids:
                 missing[i] = WHY_NO_IDS
@@ -185,7 +179,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             h, node.segs, node.base = fast
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
             try:
-                node.path = block_hashes(prompt[: P * ps], ps)
+                node.path = block_hashes(span(prompt, 0, P * ps), ps)
             except WireError:
                 node.path = []
             h = node.path[-1] if node.path else None
@@ -202,7 +196,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         got = (
             None
             if fin is None or arr is None
-            else index.finish_pages(h, prompt[P * ps :], K, arr, fin, at, taken)
+            else index.finish_pages(h, span(prompt, P * ps, L), K, arr, fin, at, taken)
         )
         if got is not None:
             ties += got[4]
@@ -248,11 +242,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if len(kn) < n and nq is not None:
             # the successor's prompt repeats this prompt's partial last page, then ``kn``
             a, b = L - L % ps, L + len(kn)
-            nxt = _upto(records[nq].input_ids, L + n)
-            head = a == L or same_ids(compact(nxt[a:L]), compact(_upto(r.input_ids)[a:]))
-            if head and same_ids(compact(nxt[L:b]), kn):
+            nxt = records[nq].input_ids
+            head = a == L or same_ids(span(nxt, a, L), span(r.input_ids, a, L))
+            if head and same_ids(span(nxt, L, b), kn):
                 if len(nxt) > b:  # more than ``kn``: the outputs are ``nxt[L : L + n]``
-                    kn = as_list(nxt[L : L + n])  # (a list prompt's own ints, no new ones)
+                    kn = span(nxt, L, L + n)
                     via_prompt += 1
                     missing.pop(i, None)
         if len(kn) < n:
