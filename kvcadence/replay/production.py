@@ -29,10 +29,13 @@ replay's own. The counts are in the report (docs/production.md, "Production traf
 Records that already have output ids keep them (``--log-requests`` records: only the
 sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
 all have output ids and come from elsewhere (an open-loop trace), is returned unchanged.
+Recovered outputs take the record's form: an ``array`` for a compact record
+(``loading.compact_record``, what a replay holds), else a list.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -52,7 +55,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
-from kvcadence.replay.tokens import as_list, same_ids, span
+from kvcadence.replay.tokens import as_list, cat, compact, same_ids, span
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -154,8 +157,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # finish stores are claimed in finish order: parallel samples of one prompt all chain
     # below the same page, each gets its own run (``StoreIndex.finish_pages(taken=...)``)
     taken: dict[tuple[int, int], int] = {}
-    by_fin = finish_order(nodes, range(len(nodes)))
-    by_fin += [i for i, nd in enumerate(nodes) if nd.finish_ns is None]
+    finished = finish_order(nodes, range(len(nodes)))
+    by_fin = finished + [i for i, nd in enumerate(nodes) if nd.finish_ns is None]
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
@@ -220,11 +223,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             node.end_anchor = last
         else:
             missing[i] = WHY_NO_FINISH
-    pred_ties = infer_predecessors(nodes, index.hashes, index.offs)
+    order = arrival_order(nodes)
+    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, order, finished)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
-    order = arrival_order(nodes)
     for q in order:
         pr = nodes[q].pred
         if pr is not None and pr not in first_succ:
@@ -265,7 +268,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if nodes[p].finish_ns is not None
     )
     max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
-    clients, idle_joins = infer_clients(nodes, max_gap)
+    clients, idle_joins = infer_clients(nodes, max_gap, order)
     session_of: dict[int, tuple[int, int]] = {}
     lane_of: dict[int, int] = {}
     n_sessions = n_lanes = 0
@@ -293,9 +296,15 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
             continue
         n = n_outs[i]
-        ids = as_list(kn)
-        if len(ids) < n:
-            ids = ids + _synth_tokens(r.rid, n - len(ids))
+        ids: Any
+        if type(r.output_ids) is array:  # a compact record: its outputs stay an array
+            ids = compact(kn)
+            if len(ids) < n:
+                ids = cat(ids, compact(_synth_tokens(r.rid, n - len(ids))))
+        else:
+            ids = as_list(kn)
+            if len(ids) < n:
+                ids = ids + _synth_tokens(r.rid, n - len(ids))
         out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
     report = {
         "requests": len(records),
