@@ -55,7 +55,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
-from kvcadence.replay.tokens import as_list, cat, compact, same_ids, span
+from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -196,10 +196,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if fast is not None:
             _, ei, j, m = node.segs[-1]
             at = (ei, j + m - 1)
+        tail = span(prompt, P * ps, L) if P * ps < L else EMPTY  # the partial last page
         got = (
             None
             if fin is None or arr is None
-            else index.finish_pages(h, span(prompt, P * ps, L), K, arr, fin, at, taken)
+            else index.finish_pages(h, tail, K, arr, fin, at, taken)
         )
         if got is not None:
             ties += got[4]
