@@ -9,8 +9,9 @@ request that a real capture does not have); a copy keeps only what SGLang's
 replaced). Measured, CPU time on one core, the least of ``--repeat`` interleaved runs:
 
 * the inference, the figure (the goal's: inference time / replay time):
-  ``replay.production.records_for_replay`` given the request records (reading them is what
-  every replay does): read the events, decode the stored ones, index them, recover the
+  ``replay.production.records_for_replay`` given the request records as every replay holds
+  them (``replay.loading.compact_requests``: prompts as prefix-shared arrays; reading them
+  is what every replay does, so it is not counted): read the events, decode the stored ones, index them, recover the
   outputs, infer sessions and clients -- all of it, nothing subtracted;
 * baseline: replaying the original bundle (driver records) with ``replay_bundle``;
 * printed besides: the same less the flush scan (``replay.flushes.recorded_flushes``) that
@@ -47,6 +48,7 @@ from kvcadence.format.bundle import BundleReader, BundleWriter
 from kvcadence.format.schema import Header, RequestRecord, Trailer
 from kvcadence.replay.config import SimConfig, TimingParams
 from kvcadence.replay.flushes import recorded_flushes
+from kvcadence.replay.loading import compact_requests
 from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.simulator import replay_bundle, simulate, write_sim_bundle
 
@@ -129,7 +131,7 @@ def main() -> None:
         for _ in range(args.repeat):  # interleaved: a busy spell hits every figure alike
             drv_ph, prod_ph = CpuPhases(), CpuPhases()
             cpu("replay", lambda: replay_bundle(real, None, cfg, phases=drv_ph))  # noqa: B023
-            recs = cpu("read", lambda: BundleReader(prod).requests())
+            recs = cpu("read", lambda: compact_requests(BundleReader(prod)))
             _, rep, _ = cpu("gross", lambda: records_for_replay(BundleReader(prod), recs))  # noqa: B023
             cpu("scan", lambda: recorded_flushes(BundleReader(prod)))
             cpu("prod_replay", lambda: replay_bundle(prod, None, cfg, phases=prod_ph))  # noqa: B023

@@ -1,7 +1,8 @@
 """A bundle's request records for a replay, streamed and made compact as they are read.
 
 What this file owns: ``load_for_replay(reader)``, what every replay entry point (single rank,
-fleet, CLI) calls to get ``(records, inference report, recorded flushes)`` --
+fleet, CLI) calls to get ``(records, inference report, recorded flushes)`` (its records:
+``compact_requests(reader)``) --
 ``production.records_for_replay``'s contract -- without holding every prompt as a list of
 ints. Each ``RequestRecord`` is read alone (``BundleReader.iter_kinds``) and replaced at once
 by ``compact_record``: its prompt a prefix-shared ``replay.tokens.Prompt`` (a turn's prompt
@@ -34,12 +35,18 @@ def compact_record(rec: Any, index: PromptIndex) -> Any:
     )
 
 
+def compact_requests(reader: Any) -> list[Any]:
+    """``reader``'s request records in order, each made compact as it is read
+    (``compact_record``, one ``PromptIndex`` for all): what a replay holds and completes."""
+    index = PromptIndex()
+    return [compact_record(r, index) for r in reader.iter_kinds("request")]
+
+
 def load_for_replay(reader: Any) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:
     """``reader``'s request records for a replay, compact (see the module docstring):
     ``(records, report, recorded flushes)`` as ``production.records_for_replay`` returns
     them (report ``{}`` and flushes None when the records needed no completion)."""
-    index = PromptIndex()
-    records = [compact_record(r, index) for r in reader.iter_kinds("request")]
+    records = compact_requests(reader)
     if needs_completion(records):
         return records_for_replay(reader, records)
     return records, {}, None

@@ -45,7 +45,7 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked
-from kvcadence.replay.tokens import as_list, compact, same_ids
+from kvcadence.replay.tokens import as_list, compact, same_ids, span
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -247,7 +247,7 @@ class StoreIndex:
         i = bisect_left(ts, t0 - FINISH_SLACK_NS)
         end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
         # the pages looked for, as an array once (compared with the events' arrays)
-        want = compact(prompt[start * ps : pages * ps])
+        want = span(prompt, start * ps, pages * ps)
         found = self._first_chunk(want, start, pages, i, end)
         if found is None:
             return None

@@ -29,10 +29,13 @@ replay's own. The counts are in the report (docs/production.md, "Production traf
 Records that already have output ids keep them (``--log-requests`` records: only the
 sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
 all have output ids and come from elsewhere (an open-loop trace), is returned unchanged.
+Recovered outputs take the record's form: an ``array`` for a compact record
+(``loading.compact_record``, what a replay holds), else a list.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -52,7 +55,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
-from kvcadence.replay.tokens import Prompt, as_list, compact, same_ids
+from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -140,14 +143,6 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
     return out, report
 
 
-def _upto(ids: Any, n: int | None = None) -> Any:
-    """A record's prompt as a sequence to slice: a ``Prompt``'s array (its first ``n``
-    tokens), a list or an array as it is (no list of ints made from an array)."""
-    if isinstance(ids, Prompt):
-        return ids.materialize(n)
-    return ids
-
-
 def _complete(  # noqa: C901 - one pass over the records: outputs by route, in order
     records: list[Any], index: StoreIndex
 ) -> tuple[list[Any], dict[str, Any]]:
@@ -162,17 +157,19 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # finish stores are claimed in finish order: parallel samples of one prompt all chain
     # below the same page, each gets its own run (``StoreIndex.finish_pages(taken=...)``)
     taken: dict[tuple[int, int], int] = {}
-    by_fin = finish_order(nodes, range(len(nodes)))
-    by_fin += [i for i, nd in enumerate(nodes) if nd.finish_ns is None]
+    finished = finish_order(nodes, range(len(nodes)))
+    by_fin = finished + [i for i, nd in enumerate(nodes) if nd.finish_ns is None]
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
         node = nodes[i]
-        prompt = _upto(r.input_ids)  # a compact record's ``Prompt``: its tokens, once
+        # the prompt's tokens are read by ``span``: only the runs looked at (a compact
+        # record's ``Prompt`` is not built whole, a list's ints are not all visited)
+        prompt = r.input_ids
         n = n_outs[i]
         L = len(prompt)
         P = L // ps
-        if not prompt:
+        if not L:
             known[i] = None if r.output_ids else []
             if not r.output_ids:
                 missing[i] = WHY_NO_IDS
@@ -185,7 +182,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             h, node.segs, node.base = fast
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
             try:
-                node.path = block_hashes(prompt[: P * ps], ps)
+                node.path = block_hashes(span(prompt, 0, P * ps), ps)
             except WireError:
                 node.path = []
             h = node.path[-1] if node.path else None
@@ -199,10 +196,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if fast is not None:
             _, ei, j, m = node.segs[-1]
             at = (ei, j + m - 1)
+        tail = span(prompt, P * ps, L) if P * ps < L else EMPTY  # the partial last page
         got = (
             None
             if fin is None or arr is None
-            else index.finish_pages(h, prompt[P * ps :], K, arr, fin, at, taken)
+            else index.finish_pages(h, tail, K, arr, fin, at, taken)
         )
         if got is not None:
             ties += got[4]
@@ -236,15 +234,13 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if a == L:
             return True
         qp = records[q].input_ids
-        if len(qp) < L:
-            return False
-        return same_ids(compact(_upto(qp, L)[a:L]), compact(_upto(rp)[a:]))
+        return len(qp) >= L and same_ids(span(qp, a, L), span(rp, a, L))
 
-    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, extends)
+    order = arrival_order(nodes)
+    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, extends, order, finished)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
-    order = arrival_order(nodes)
     for q in order:
         pr = nodes[q].pred
         if pr is not None and pr not in first_succ:
@@ -262,11 +258,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if len(kn) < n and nq is not None:
             # the successor's prompt repeats this prompt's partial last page, then ``kn``
             a, b = L - L % ps, L + len(kn)
-            nxt = _upto(records[nq].input_ids, L + n)
-            head = a == L or same_ids(compact(nxt[a:L]), compact(_upto(r.input_ids)[a:]))
-            if head and same_ids(compact(nxt[L:b]), kn):
+            nxt = records[nq].input_ids
+            head = a == L or same_ids(span(nxt, a, L), span(r.input_ids, a, L))
+            if head and same_ids(span(nxt, L, b), kn):
                 if len(nxt) > b:  # more than ``kn``: the outputs are ``nxt[L : L + n]``
-                    kn = as_list(nxt[L : L + n])  # (a list prompt's own ints, no new ones)
+                    kn = span(nxt, L, L + n)
                     via_prompt += 1
                     missing.pop(i, None)
         if len(kn) < n:
@@ -285,7 +281,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if nodes[p].finish_ns is not None
     )
     max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
-    clients, idle_joins = infer_clients(nodes, max_gap)
+    clients, idle_joins = infer_clients(nodes, max_gap, order)
     session_of: dict[int, tuple[int, int]] = {}
     lane_of: dict[int, int] = {}
     n_sessions = n_lanes = 0
@@ -313,9 +309,15 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
             continue
         n = n_outs[i]
-        ids = as_list(kn)
-        if len(ids) < n:
-            ids = ids + _synth_tokens(r.rid, n - len(ids))
+        ids: Any
+        if type(r.output_ids) is array:  # a compact record: its outputs stay an array
+            ids = compact(kn)
+            if len(ids) < n:
+                ids = cat(ids, compact(_synth_tokens(r.rid, n - len(ids))))
+        else:
+            ids = as_list(kn)
+            if len(ids) < n:
+                ids = ids + _synth_tokens(r.rid, n - len(ids))
         out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
     report = {
         "requests": len(records),

@@ -75,6 +75,8 @@ def infer_predecessors(
     hashes: np.ndarray,
     offsets: Sequence[int],
     extends: Callable[[int, int], bool] | None = None,
+    order: Sequence[int] | None = None,
+    by_finish: Sequence[int] | None = None,
 ) -> int:
     """Set ``pred`` (index into ``nodes``) on every node that has one (see module doc).
 
@@ -83,11 +85,15 @@ def infer_predecessors(
     ``extends(q, r)``: whether request ``q``'s prompt holds request ``r``'s whole prompt
     (the tokens past ``r``'s last full page too); a candidate it refuses is no
     predecessor, and the next shallower anchor on the path is looked at.
+    ``order``, ``by_finish``: ``arrival_order(nodes)`` and ``finish_order(nodes,
+    range(len(nodes)))`` when the caller has them (else sorted here).
     Returns how many predecessors were ambiguous: picked by the tie rule among several
     finished requests of the same kind (end / prompt anchor) at the deepest anchor."""
     ties = 0
-    order = arrival_order(nodes)
-    by_finish = finish_order(nodes, range(len(nodes)))
+    if order is None:
+        order = arrival_order(nodes)
+    if by_finish is None:
+        by_finish = finish_order(nodes, range(len(nodes)))
     hits, hit_hash = _anchor_positions(nodes, hashes)
     anchors: dict[int, list[tuple[int, int]]] = {}  # hash -> [(kind, index)], 0 = end
     fins = cast("list[int]", [nodes[r].finish_ns for r in by_finish])  # ascending
@@ -180,7 +186,9 @@ def _anchored(
             yield hit
 
 
-def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> tuple[list[int | None], int]:
+def infer_clients(
+    nodes: Sequence[Node], max_gap_ns: int, order: Sequence[int] | None = None
+) -> tuple[list[int | None], int]:
     """For each request without a predecessor (a session start, in arrival order), the
     closed-loop client it most likely came from: the request that ended a session (no
     successor) last before it arrived and not claimed by another session start, when
@@ -192,10 +200,13 @@ def infer_clients(nodes: Sequence[Node], max_gap_ns: int) -> tuple[list[int | No
        interval between consecutive session starts earlier (data-derived: an open-loop
        arrival lands that close after a given moment less often than not).
 
-    ``None`` = open loop. Returns the links and how many of them rule 2 made."""
+    ``None`` = open loop; ``order``: ``arrival_order(nodes)`` when the caller has it.
+    Returns the links and how many of them rule 2 made."""
     out: list[int | None] = [None] * len(nodes)
     ends = finish_order(nodes, [i for i, n in enumerate(nodes) if not n.has_successor])
-    starts = [i for i in arrival_order(nodes) if nodes[i].pred is None]
+    if order is None:
+        order = arrival_order(nodes)
+    starts = [i for i in order if nodes[i].pred is None]
     idle_gap: int | None = None  # rule 2's bound, computed when first needed
     free: list[int] = []  # every session end finished so far and unclaimed, by finish time
     ei = idle = 0

@@ -10,7 +10,10 @@ What this file owns: how the replay keeps token ids in memory.
   ``base`` (a ``Prompt`` or None), ``base_len`` tokens of it, then ``own``. An agent turn's
   prompt repeats its predecessor's prompt + output, so a replay's prompts cost their unique
   tokens, not the sum of their lengths. ``materialize()`` builds the full array (O(length),
-  on demand: the simulated request keeps it only while it is live).
+  on demand: the simulated request keeps it only while it is live); ``span(a, b)`` only
+  tokens ``a..b`` (from the levels that hold them: O(b - a + depth)).
+* ``span(ids, a, b)`` — ``ids[a:b]`` as an array, whatever form the ids have (a ``Prompt``:
+  its ``span``; a list: ``compact`` of the slice; an array: its slice).
 * ``PromptIndex`` — builds ``Prompt``s as records stream in: each new prompt is compared
   with the last prompt of its lane and, when that shares less than half of it, with the
   last prompt that started with the same first tokens; it shares the longest common
@@ -77,6 +80,14 @@ def as_list(ids: Any) -> list[int]:
     return list(ids)
 
 
+def span(ids: Any, a: int, b: int) -> array:
+    """``ids[a:b]`` (``0 <= a``) as ``compact`` keeps token ids: a ``Prompt``'s ``span``,
+    an array's slice, a list's slice made compact."""
+    if isinstance(ids, Prompt):
+        return ids.span(a, b)
+    return compact(ids[a:b])
+
+
 def same_ids(a: Any, b: Any) -> bool:
     """Token ids ``a == b`` by value: arrays (either typecode: compared in C, no int objects)
     or lists, as ``compact`` leaves them (a list only for ids that are not int64)."""
@@ -118,6 +129,30 @@ class Prompt:
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Prompt(n={self.n}, own={len(self.own)}, depth={self.depth})"
+
+    def span(self, a: int, b: int) -> array:
+        """Tokens ``a`` .. ``b`` (``0 <= a``; ``b`` capped at the length) as a new array,
+        copied from the levels that hold them only: O(b - a + depth)."""
+        hi = min(b, self.n)
+        if a >= hi:
+            return self.own[:0]
+        parts: list[array] = []
+        cur: Prompt | None = self
+        while cur is not None and a < hi:
+            lo = cur.base_len  # ``cur.own`` holds tokens lo .. lo + len(own)
+            if hi > lo:
+                s = a if a > lo else lo
+                parts.append(cur.own[s - lo : hi - lo])
+                hi = s
+            cur = cur.base
+        out = parts.pop()
+        while parts:
+            nxt = parts.pop()
+            if nxt.typecode == out.typecode:
+                out += nxt
+            else:
+                out = cat(out, nxt)
+        return out
 
     def materialize(self, limit: int | None = None) -> array:
         """The full token array, or its first ``limit`` tokens (a new array; O(length +

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from pathlib import Path
 
 import msgspec
@@ -26,8 +27,10 @@ from kvcadence.capture.inspect import inspect_bundle
 from kvcadence.cli import main
 from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload
 from kvcadence.format.schema import Header, RequestRecord, Trailer
+from kvcadence.replay.loading import load_for_replay
 from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.simulator import replay_bundle
+from kvcadence.replay.tokens import as_list
 from tests.replay.test_fixture_fidelity import assert_fidelity_bars, cadence
 
 DATA = Path(__file__).parent / "data"
@@ -297,3 +300,18 @@ def test_request_log_records_keep_their_outputs_and_get_sessions(tmp_path):
             prev = next(p for p in out if (p.session, p.turn) == (r.session, r.turn - 1))
             a, b = drv[tuple(prev.input_ids)], drv[tuple(r.input_ids)]
             assert (a.lane, a.session, a.turn + 1) == (b.lane, b.session, b.turn)
+
+
+def test_compact_records_complete_as_list_records_do(tmp_path: Path) -> None:
+    """A replay completes its compact records (``Prompt`` prompts, array outputs: only the
+    compared runs of a prompt are read) to the same outputs, sessions and report as the
+    same records read as lists; the outputs stay arrays."""
+    prod = tmp_path / "prod"
+    production_copy(SAMPLE, prod)
+    lists, rep, flushes = records_for_replay(BundleReader(prod))
+    comp, rep_c, flushes_c = load_for_replay(BundleReader(prod))
+    assert rep_c == rep and flushes_c == flushes and rep["outputs_from_next_prompt"] > 0
+    for a, b in zip(lists, comp, strict=True):
+        assert type(b.output_ids) is array and b.output_ids.tolist() == a.output_ids
+        assert (b.lane, b.session, b.turn) == (a.lane, a.session, a.turn)
+        assert as_list(b.input_ids) == a.input_ids

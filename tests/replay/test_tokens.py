@@ -30,6 +30,7 @@ from kvcadence.replay.tokens import (
     cat,
     common_prefix,
     compact,
+    span,
 )
 
 from .helpers import req
@@ -67,6 +68,9 @@ def test_prompts_rebuild_exactly_whatever_they_share(prompts):
         assert list(p) == ids and p[1:3].tolist() == ids[1:3]
         for limit in (0, 1, len(ids) // 2, len(ids), len(ids) + 5):
             assert p.materialize(limit).tolist() == ids[:limit]
+        n = len(ids)
+        for a, b in ((0, n), (1, n // 2), (n // 3, n + 5), (n // 2, n // 2), (n, n + 1)):
+            assert p.span(a, b).tolist() == ids[a:b] == span(ids, a, b).tolist()
         assert p.depth <= MAX_DEPTH + 1
     # never more tokens kept than the prompts hold
     assert sum(len(p.own) for p, _ in built) <= sum(len(ids) for ids in ids_of(prompts))
