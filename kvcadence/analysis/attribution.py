@@ -592,8 +592,8 @@ def attribute_sql(
     tmp = "_a_req _a_hc _a_ev _a_er _a_slow _a_pair _a_sbl _a_cand_slow _a_chain".split()
     try:
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_req AS SELECT "
-            "(row_number() OVER (ORDER BY request_id)) - 1 AS r, rid, n_input, n_output, "
+            f"CREATE OR REPLACE TEMP TABLE _a_req AS SELECT {_position(con)} AS r, rid, "
+            "n_input, n_output, "
             f"cached_tokens, floor(coalesce(cached_tokens, 0) / {ps})::BIGINT AS first, "
             f"floor(n_input / {ps})::BIGINT AS pp, send_ns, finish_ns, lane, session "
             "FROM requests"
@@ -656,6 +656,18 @@ def attribute_sql(
     finally:
         for t in tmp:
             con.sql(f"DROP TABLE IF EXISTS {t}")
+
+
+def _position(con: Any) -> str:
+    """A request's position in ``request_id`` order, as SQL over ``requests``: the id itself
+    when the ids are ``0..n-1`` in file order (what ingest writes: no window, which cost
+    ~0.15 cpu-s at 1M events), else a ``row_number`` window."""
+    import numpy as np
+
+    ids = sql.arrow(con, "SELECT request_id FROM requests").column(0).to_numpy()
+    if np.array_equal(ids, np.arange(len(ids), dtype=ids.dtype)):
+        return "request_id"
+    return "(row_number() OVER (ORDER BY request_id)) - 1"
 
 
 def _stored_blocks(scope: str) -> str:
