@@ -12,8 +12,10 @@ session)`` usually extend the previous turn: when the previous request's chain i
 prefix of this one, its digests are reused and only the new pages are hashed (chained from
 the last shared digest), so a multi-turn agent capture costs one hash per distinct page.
 
-The requests are read ``BATCH_ROWS`` rows at a time (never the whole token columns: only
-the page hashes, 8 bytes a page, are kept), each batch's pages appended to the cache as it
+The requests are read a batch at a time (never the whole token columns: only the page
+hashes, 8 bytes a page, are kept): ``BATCH_ROWS`` rows, fewer when the longest request
+(``n_input + n_output``) would put more than ``BATCH_TOKENS`` token ids in a batch (100k-token
+prompts: 167 rows, not 8,192 -- 3.3 GB of ids), each batch's pages appended to the cache as it
 is hashed; the session reuse carries over batches (``hash_requests``'s ``last``). A batch's
 root chains are shared among processes, one per CPU (``kvcadence.analysis.hashpool``).
 
@@ -36,6 +38,15 @@ from kvcadence.format import wire
 _I64_BITS = "int64"
 #: requests hashed per batch (their token ids are what a batch holds)
 BATCH_ROWS = 8192
+#: token ids one batch holds at most (the longest request decides the rows): 64 MB as uint32
+BATCH_TOKENS = 1 << 24
+
+
+def batch_rows(con: Any) -> int:
+    """Rows per batch: ``BATCH_ROWS``, fewer where the longest request's tokens times the
+    rows would pass ``BATCH_TOKENS`` (read from the scalar length columns, not the ids)."""
+    ((longest,),) = con.sql("SELECT coalesce(max(n_input + n_output), 0) FROM requests").fetchall()
+    return max(1, min(BATCH_ROWS, BATCH_TOKENS // max(int(longest), 1)))
 
 
 @dataclass
@@ -179,10 +190,11 @@ def _query(ps: int) -> str:
 
 def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = True) -> RequestPages:
     """Hash every request's chain (see module docstring) from a ``sql.connect`` connection,
-    ``BATCH_ROWS`` requests at a time; ``cache``: also write the pages there (Parquet).
+    ``batch_rows`` requests at a time; ``cache``: also write the pages there (Parquet).
     ``keep=False``: only write them (the result then holds the offsets and no hashes)."""
 
     ps = max(1, int(page_size))
+    rows = batch_rows(con)
     # no ORDER BY: the scan keeps file order (= request_id; DuckDB preserve_insertion_order),
     # and sorting 45M tokens' lists doubled the read; the order is checked instead (DuckDB
     # sorts, out of core, if it ever is not)
@@ -190,7 +202,7 @@ def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = Tr
         writer = _PageWriter(cache) if cache is not None else None
         try:
             with ChainHasher() as hasher:
-                batches = con.sql(query).to_arrow_reader(BATCH_ROWS)
+                batches = con.sql(query).to_arrow_reader(rows)
                 got = _hash_batches(batches, ps, writer, keep, hasher)
         finally:
             if writer is not None:

@@ -62,6 +62,26 @@ def test_batches_equal_one_batch(
     assert np.array_equal(again.hashes, whole.hashes)
 
 
+def test_batch_rows_bounded_by_the_longest_request_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long prompts make fewer rows a batch (``BATCH_TOKENS`` ids at most), never 0; the
+    hashes are those of one batch."""
+    b, chains = _sessions_bundle(tmp_path / "b")
+    ing = ingest.ingest(b)
+    con = sql.connect(ing)
+    whole = kpages.compute(con, 4)
+    assert kpages.batch_rows(con) == kpages.BATCH_ROWS  # short requests: the row cap
+    longest = max(len(r) for r in chains) + 1
+    monkeypatch.setattr(kpages, "BATCH_TOKENS", 3 * longest)
+    assert kpages.batch_rows(con) in (2, 3)  # the longest request has n_input + n_output ids
+    monkeypatch.setattr(kpages, "BATCH_TOKENS", 1)
+    assert kpages.batch_rows(con) == 1
+    got = kpages.compute(sql.connect(ing), 4)
+    assert np.array_equal(got.offsets, whole.offsets)
+    assert np.array_equal(got.hashes, whole.hashes)
+
+
 def test_out_of_order_batches_are_refused() -> None:
     import pyarrow as pa
 
