@@ -82,9 +82,10 @@ def _system_pool() -> Iterator[None]:
     """pyarrow allocating from the system allocator (malloc) while ingest runs.
 
     pyarrow's default pool (mimalloc in the wheels) faulted its fresh memory in at a much
-    higher kernel cost: measured on the bench bundles (first ingest in a fresh process, as
-    ``kvcadence ingest`` runs it), system time ~0.5 cpu-s with mimalloc against ~0.2 with
-    the system pool at 200k events (user time equal), 0.7-1.2 against 0.4-0.5 at 1M.
+    higher kernel cost: measured on the bench bundles (one ingest per fresh process, as
+    ``kvcadence ingest`` runs it, alternated, one core, loaded box), system time 0.29-0.63
+    cpu-s with mimalloc against 0.15-0.21 with the system pool at 200k events (7 pairs),
+    0.75-1.26 against 0.59-0.83 at 1M (5 pairs); user time equal within the noise.
     Process-wide (pyarrow has one default pool), restored afterwards; buffers remember their
     pool, so tables made inside are freed correctly after it.
     """
