@@ -83,7 +83,7 @@ def _system_pool() -> Iterator[None]:
 
     pyarrow's default pool (mimalloc in the wheels) faulted its fresh memory in at a much
     higher kernel cost: measured on the bench bundles (one ingest per fresh process, as
-    ``kvcadence ingest`` runs it, alternated, one core, loaded box), system time 0.29-0.63
+    ``kvcadence ingest`` runs it, alternated, one core, loaded box), system time 0.20-0.66
     cpu-s with mimalloc against 0.15-0.21 with the system pool at 200k events (7 pairs),
     0.75-1.26 against 0.59-0.83 at 1M (5 pairs); user time equal within the noise.
     Process-wide (pyarrow has one default pool), restored afterwards; buffers remember their
