@@ -256,11 +256,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         L = len(r.input_ids)
         nq = first_succ.get(i)
         if len(kn) < n and nq is not None:
-            # the successor's prompt repeats this prompt's partial last page, then ``kn``
-            a, b = L - L % ps, L + len(kn)
+            # the successor's prompt holds this whole prompt (``extends`` admitted the link),
+            # then ``kn``
+            b = L + len(kn)
             nxt = records[nq].input_ids
-            head = a == L or same_ids(span(nxt, a, L), span(r.input_ids, a, L))
-            if head and same_ids(span(nxt, L, b), kn):
+            if same_ids(span(nxt, L, b), kn):
                 if len(nxt) > b:  # more than ``kn``: the outputs are ``nxt[L : L + n]``
                     kn = span(nxt, L, L + n)
                     via_prompt += 1
