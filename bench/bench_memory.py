@@ -32,6 +32,13 @@ measured in the same run:
 * long-prompt replay: agent sessions whose contexts grow to 32k tokens (2k-token system
   prompt, 500-2,000 new tokens a turn, 8 lanes, pool 400,000 tokens) at 500 and 2,000
   requests; the same figures.
+* production logs: what a production user imports -- the long-prompt workload's requests
+  (below; contexts up to 32k tokens) as SGLang's ``--export-metrics-to-file`` lines (no
+  outputs, opaque rids) in two hourly files, ``kvcadence capture import --sglang-metrics`` in
+  a fresh child, at 500 and 2,000 requests (``--quick`` 100 / 400); goal: the larger point
+  <= 1.2x the first (the logs are read a line at a time; on 2026-12-02 a 309 MB log of
+  1,500 requests took 2.46 GB when the files were read whole and every record held, 143 MB
+  after).
 * ingest: ``kvcadence.analysis.ingest`` (bundle -> Parquet cache) on ``bench_analysis.py``'s
   synthetic bundle at 250 MB and 2 GB of segments (10 GB with ``--full``); figures: peak RSS
   of each against the 250 MB point (the goal: RSS(2 GB) <= 1.2 x RSS(250 MB)), and
@@ -50,9 +57,9 @@ measured in the same run:
   report measured alone on 2026-12-02 (its own peak): 1.56-1.72 GB peak RSS, 137 s wall
   (load ~3) to 385 s (load ~8) -- see docs/metrics.md.
 
-    .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|ingest|report] [--quick]
+    .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|prodlog|ingest|report] [--quick]
         [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]
-        [--agentlog-lanes N] [--ingest-mb MB ...] [--report-events N ...] [--dir DIR]
+        [--agentlog-lanes N] [--prodlog-requests N ...] [--ingest-mb MB ...] [--report-events N ...] [--dir DIR]
         [--json PATH]
 
 ``--quick``: replay 600 / 6,000 requests, long-prompt 50 / 200, agent log 500 / 2,000,
@@ -237,6 +244,60 @@ def child_agentlog_replay(bundle: str, out: str) -> dict[str, Any]:
     return {"cpu_s": round(time.process_time() - c, 2)}
 
 
+def child_metrics_build(path: str, n: int, lanes: int) -> dict[str, Any]:
+    """A production worker's ``--export-metrics-to-file`` directory: the long-prompt
+    workload's ``n`` requests (contexts up to 32k tokens) as SGLang 0.5.23 writes them (one
+    JSON line each, ``request_parameters`` a JSON string holding ``input_ids``; no outputs),
+    two hourly files."""
+    d = Path(path)
+    d.mkdir()
+    tokens = 0
+    files = [
+        d / "sglang-request-metrics-20261202_05.log",
+        d / "sglang-request-metrics-20261202_06.log",
+    ]
+    fhs = [f.open("w") for f in files]
+    for i, r in enumerate(iter_long_workload(n, lanes)):
+        tokens += len(r.input_ids)
+        recv = r.meta_info["request_received_ts"]
+        params = {
+            "rid": f"{i:032x}",
+            "input_ids": r.input_ids,
+            "sampling_params": {"max_new_tokens": r.max_new_tokens},
+        }
+        line = {
+            "request_parameters": json.dumps(params),
+            "id": f"{i:032x}",
+            "prompt_tokens": len(r.input_ids),
+            "cached_tokens": 0,
+            "completion_tokens": r.completion_tokens,
+            "finish_reason": {"type": "length", "length": r.completion_tokens},
+            "request_received_ts": recv,
+            "first_token_latency": 0.05,
+            "request_finished_ts": r.meta_info["request_finished_ts"],
+        }
+        fhs[0 if i < n // 2 else 1].write(json.dumps(line) + "\n")
+    for fh in fhs:
+        fh.close()
+    return {
+        "requests": n,
+        "prompt_tokens": tokens,
+        "mb": round(sum(f.stat().st_size for f in files) / 1e6, 1),
+    }
+
+
+def child_metrics_import(metrics: str, out: str) -> dict[str, Any]:
+    """``kvcadence capture import --sglang-metrics METRICS OUT`` in this process (its peak
+    RSS is measured)."""
+    from kvcadence.cli import main as cli
+
+    c = time.process_time()
+    rc = cli(["capture", "import", "--quiet", "--sglang-metrics", metrics, out])
+    if rc != 0:
+        raise SystemExit(f"bench_memory: kvcadence capture import failed ({rc})")
+    return {"cpu_s": round(time.process_time() - c, 2)}
+
+
 def child_build(path: str, target_mb: float) -> dict[str, Any]:
     """bench_analysis.py's synthetic bundle, grown to ``target_mb`` of segment bytes."""
     sys.path.insert(0, str(HERE))
@@ -361,6 +422,10 @@ def run_child(argv: list[str]) -> None:
         out = child_agentlog_build(rest[0], int(rest[1]), int(rest[2]))
     elif kind == "agentlog-replay":
         out = child_agentlog_replay(rest[0], rest[1])
+    elif kind == "metrics-build":
+        out = child_metrics_build(rest[0], int(rest[1]), int(rest[2]))
+    elif kind == "metrics-import":
+        out = child_metrics_import(rest[0], rest[1])
     elif kind == "build":
         out = child_build(rest[0], float(rest[1]))
     elif kind == "ingest":
@@ -546,6 +611,42 @@ def bench_agentlog(sizes: list[int], lanes: int, work: Path, figures: list, note
     )
 
 
+def bench_prodlog(sizes: list[int], lanes: int, work: Path, figures: list, notes: list) -> None:
+    """``capture import`` of a production worker's metrics files (long prompts): peak RSS
+    at each size, the larger against the first (goal: flat, <= 1.2x)."""
+    floor, _ = measure("imports")
+    points = []
+    for n in sizes:
+        d = work / f"metrics{n}"
+        _, built = measure("metrics-build", str(d), str(n), str(lanes))
+        rss, info = measure("metrics-import", str(d), str(work / f"prod{n}"))
+        points.append((n, rss, built, info))
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(work / f"prod{n}", ignore_errors=True)
+    for i, (n, rss, built, info) in enumerate(points):
+        first = points[0]
+        figures.append(
+            figure(
+                f"capture import of SGLang metrics files, peak RSS, {n:,} requests",
+                rss,
+                "MB",
+                baseline=floor if i == 0 else first[1],
+                baseline_name="interpreter + kvcadence imported (no workload)"
+                if i == 0
+                else f"the {first[0]:,}-request point ({first[2]['mb']:,.1f} MB of logs)",
+                higher_is_better=False,
+                goal=None if i == 0 else goal("ratio", "<=", 1.2, "<= 1.2x the first point"),
+                note=f"{built['mb']:,.1f} MB of logs, {built['prompt_tokens'] / n:,.0f} prompt tokens/request; "
+                f"{built['mb'] / info['cpu_s']:,.1f} MB of logs/s (CPU, both passes)",
+            )
+        )
+    notes.append(
+        "production logs: the long-prompt workload (contexts up to 32k tokens, "
+        f"{lanes} lanes) as SGLang's --export-metrics-to-file lines in two hourly files, "
+        "imported with `kvcadence capture import --sglang-metrics` in a fresh child"
+    )
+
+
 def bench_ingest(sizes_mb: list[float], work: Path, figures: list, notes: list) -> None:
     points = []
     for mb in sizes_mb:
@@ -647,7 +748,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--only", choices=("replay", "long", "fleet", "agentlog", "ingest", "report"),
+    ap.add_argument("--only", choices=("replay", "long", "fleet", "agentlog", "prodlog", "ingest", "report"),
                     help="one of the curves")  # fmt: skip
     ap.add_argument("--full", action="store_true",
                     help="add 600k requests, a 10 GB bundle and a 10M-event report")  # fmt: skip
@@ -661,6 +762,8 @@ def main() -> None:
     ap.add_argument("--agentlog-requests", type=int, nargs="+", metavar="N",
                     help="agent-log sizes instead of the defaults (2,000 and 8,000)")  # fmt: skip
     ap.add_argument("--agentlog-lanes", type=int, default=32)
+    ap.add_argument("--prodlog-requests", type=int, nargs="+", metavar="N",
+                    help="production-log sizes instead of the defaults (500 and 2,000)")  # fmt: skip
     ap.add_argument("--ingest-mb", type=float, nargs="+", metavar="MB",
                     help="bundle sizes instead of the defaults (the first is the baseline)")  # fmt: skip
     ap.add_argument("--report-events", type=int, nargs="+", metavar="N",
@@ -681,6 +784,7 @@ def main() -> None:
     long_sizes = args.long_requests or ([50, 200] if args.quick else [500, 2000])
     agentlog_sizes = args.agentlog_requests or ([500, 2000] if args.quick else [2000, 8000])
     ingest_mb = args.ingest_mb or ingest_mb
+    prodlog_sizes = args.prodlog_requests or ([100, 400] if args.quick else [500, 2000])
     figures: list[dict[str, Any]] = []
     notes: list[str] = ["peak RSS of a fresh child process per point (os.wait4 ru_maxrss)"]
     if args.only in (None, "replay"):
@@ -697,6 +801,13 @@ def main() -> None:
         work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
         try:
             bench_agentlog(agentlog_sizes, args.agentlog_lanes, work, figures, notes)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.only in (None, "prodlog"):
+        print("production logs (capture import):", flush=True)
+        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
+        try:
+            bench_prodlog(prodlog_sizes, args.long_lanes, work, figures, notes)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     if args.only in (None, "ingest"):
@@ -730,6 +841,7 @@ def main() -> None:
             "long_lanes": args.long_lanes,
             "agentlog_requests": agentlog_sizes,
             "agentlog_lanes": args.agentlog_lanes,
+            "prodlog_requests": prodlog_sizes,
             "ingest_mb": ingest_mb,
             "report_events": report_events,
         },

@@ -28,6 +28,9 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
             "400",
             "--agentlog-lanes",
             "8",
+            "--prodlog-requests",
+            "10",
+            "40",
             "--ingest-mb",
             "1",
             "4",
@@ -60,6 +63,8 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
         "agent-log replay (kvcadence replay) peak RSS, 100 requests",
         "agent-log replay (kvcadence replay) peak RSS, 400 requests",
         "agent-log replay RSS growth per request (100 -> 400)",
+        "capture import of SGLang metrics files, peak RSS, 10 requests",
+        "capture import of SGLang metrics files, peak RSS, 40 requests",
         "ingest peak RSS, 1 MB bundle",
         "ingest peak RSS, 4 MB bundle",
         "report wall, 2k events",
@@ -74,6 +79,12 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
     assert big["baseline"] == small["value"] and big["ratio"] > 1
     fleet = by["fleet replay (2 ranks) peak RSS, 2k requests"]
     assert 10 < fleet["value"] < 2000 and 10 < fleet["baseline"] < 2000  # streamed vs kept
+    prod = by["capture import of SGLang metrics files, peak RSS, 40 requests"]
+    assert (
+        prod["baseline"]
+        == by["capture import of SGLang metrics files, peak RSS, 10 requests"]["value"]
+    )
+    assert 10 < prod["value"] < 2000 and prod["goal"]["target"] == 1.2
     ing = by["ingest peak RSS, 4 MB bundle"]
     assert ing["baseline"] == by["ingest peak RSS, 1 MB bundle"]["value"]
     rep = by["report peak RSS, 8k events"]

@@ -24,13 +24,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float, positive_float
 from kvcadence.capture import cli_tail
-from kvcadence.errors import UsageError
+from kvcadence.errors import InputError, UsageError
 
 
 def register(sub: Any) -> None:
@@ -382,38 +382,71 @@ def check_recorded(stats: Any, eps: list[Any], out: str) -> None:
     )
 
 
+_CHANGED = (
+    "capture import: an SGLang log file changed while it was being imported (rewritten or "
+    "rotated away between the validating pass and the writing pass); run it again"
+)
+
+
 def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
     from kvcadence.capture.discovery import make_header
     from kvcadence.capture.importer import check_request_record
-    from kvcadence.capture.rids import refuse_duplicate_rids, refuse_known_rids
-    from kvcadence.format.bundle import BundleWriter, check_encodable
+    from kvcadence.capture.rids import UniqueRids, refuse_known_rids
+    from kvcadence.format.bundle import BundleWriter, check_encodable, staged_bundle
+    from kvcadence.format.schema import RequestRecord
 
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
-    records = []
-    for m in args.sglang_metrics:
-        records += sglang_logs.read_metrics(m)
-    for r in args.sglang_request_log:
-        records += sglang_logs.read_request_log(r)
-    for rec in records:  # validated as `kvcadence import` validates, before anything opens
-        check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
-    check_encodable(records)  # a record that cannot be written fails before the bundle opens
-    refuse_duplicate_rids(records, "capture import")  # e.g. metrics and request log together
+    # each log as it is now (sizes taken: a live worker's later lines are not read), read
+    # a line at a time, twice: validated, then written -- never every record in memory
+    logs: list[Iterable[RequestRecord]] = [
+        *map(sglang_logs.MetricsExport, args.sglang_metrics),
+        *map(sglang_logs.JsonRequestLog, args.sglang_request_log),
+    ]
+    rids: list[str] = []  # the first pass's, in order: the second must read the same
+
+    def validated() -> Iterator[RequestRecord]:
+        seen = UniqueRids("capture import")  # e.g. metrics and request log together
+        for log in logs:
+            for rec in log:  # validated as `kvcadence import` validates, before anything opens
+                check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
+                check_encodable([rec])  # a record that cannot be written fails here
+                seen.add(rec.rid)
+                rids.append(rec.rid)
+                yield rec
+
+    def again() -> Iterator[RequestRecord]:
+        n = 0
+        for log in logs:
+            for rec in log:
+                if n >= len(rids) or rec.rid != rids[n]:
+                    raise InputError(_CHANGED)
+                n += 1
+                yield rec
+        if n != len(rids):
+            raise InputError(_CHANGED)
+
     out = Path(args.bundle)
     created = not (out.exists() and any(out.iterdir()))
-    if not created:
-        refuse_known_rids(out, records)  # never a request twice
-        writer = BundleWriter.append(out)
+    if created:
+        for _ in validated():
+            pass
+        with (
+            staged_bundle(out) as tmp,
+            BundleWriter(tmp, make_header([], server_info=None, command=command_line())) as w,
+        ):
+            for rec in again():
+                w.write(rec)
     else:
-        writer = BundleWriter(out, make_header([], server_info=None, command=command_line()))
-    with writer:
-        for rec in records:
-            writer.write(rec)
+        refuse_known_rids(out, validated())  # never a request twice
+        with BundleWriter.append(out) as w:
+            for rec in again():
+                w.write(rec)
     if not args.quiet:
         # a new bundle holds requests only: said, so a mistyped capture name is seen at once
         new = " (a new bundle: no KV events, no server info)" if created else ""
-        print(f"capture import: {len(records)} request records -> {out}{new}", file=sys.stderr)
+        print(f"capture import: {len(rids)} request records -> {out}{new}", file=sys.stderr)
     return 0
 
 

@@ -17,6 +17,11 @@ Two formats SGLang 0.5.23 writes itself:
   timestamps are the worker's local time without a zone (``datetime.now().isoformat()``);
   a timestamp without a zone is read as this machine's local time.
 
+``MetricsExport`` / ``JsonRequestLog`` read a log as it is when made (each file's size
+taken then), a line at a time, any number of times: memory is one record (plus, for the
+request log, the requests in flight), not the log. ``read_metrics`` / ``read_request_log``
+are the same in a list, for small logs.
+
 Pickled dumps (``/configure_logging`` ``dump_requests_folder``, ``--crash-dump-folder``) are
 refused: unpickling runs arbitrary code. Malformed lines raise ``InputError`` naming
 file:line.
@@ -28,7 +33,9 @@ import json
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvcadence.errors import InputError
 from kvcadence.format.bounds import json_loads
@@ -55,21 +62,37 @@ def refuse_pickle(path: Path) -> None:
         )
 
 
-def _lines(path: Path, request_log: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+def _lines(
+    path: Path, request_log: bool = False, limit: int | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, JSON object)`` of each line of ``path``, read a line at a time (never
+    the whole file); with ``limit``, only its first ``limit`` bytes (a file a live worker
+    appends to, as it was when its size was taken)."""
     refuse_pickle(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read as UTF-8 text ({exc})") from exc
-    for i, line in enumerate(text.splitlines(), 1):
-        if request_log:
-            d = request_log_json(line, f"{path}:{i}")
-            if d is not None:
-                yield i, d
-            continue
-        if not line.strip():
-            continue
-        yield i, json_line(line, f"{path}:{i}")
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc})") from exc
+    with fh:
+        left = limit
+        for i, raw in enumerate(fh, 1):
+            if left is not None:
+                if left <= 0:
+                    return
+                raw = raw[:left]
+                left -= len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}:{i}: cannot read as UTF-8 text ({exc})") from exc
+            if request_log:
+                d = request_log_json(line, f"{path}:{i}")
+                if d is not None:
+                    yield i, d
+                continue
+            if not line.strip():
+                continue
+            yield i, json_line(line, f"{path}:{i}")
 
 
 #: what a metrics line / a request-log JSON object starts with (``json.dumps`` key order):
@@ -136,6 +159,10 @@ def _ids(v: Any, where: str, name: str) -> list[int]:
         v = v[0]
     if not isinstance(v, list):
         raise InputError(f"{where}: {name} must be a list of integers")
+    try:
+        return msgspec.convert(v, _TOKEN_LIST)  # checked (and copied) in C
+    except msgspec.ValidationError:
+        pass  # the first bad id is named below
     for i, t in enumerate(v):  # as `kvcadence import` checks them: ints (not bools), 0..2**63-1
         if type(t) is not int:
             raise InputError(f"{where}: {name} must be a list of integers ({t!r} at index {i})")
@@ -145,6 +172,8 @@ def _ids(v: Any, where: str, name: str) -> list[int]:
 
 
 _TOKEN_MAX = 2**63 - 1
+#: what ``_ids`` accepts: ints (not bools) in 0 .. 2**63-1
+_TOKEN_LIST = list[Annotated[int, msgspec.Meta(ge=0, le=_TOKEN_MAX)]]
 
 
 def _finish_reason(fr: Any) -> str | None:
@@ -168,13 +197,35 @@ def metrics_files(path: Path) -> list[Path]:
     return [path]
 
 
-def read_metrics(path: str | Path) -> list[RequestRecord]:
-    """Records from ``--export-metrics-to-file`` output (file or directory)."""
+def _sizes(files: list[Path]) -> list[tuple[Path, int]]:
     out = []
-    for f in metrics_files(Path(path)):
-        for i, d in _lines(f):
-            out.append(metrics_record(d, f"{f}:{i}"))
+    for f in files:
+        try:
+            out.append((f, f.stat().st_size))
+        except OSError as exc:
+            raise InputError(f"{f}: cannot read ({exc})") from exc
     return out
+
+
+class MetricsExport:
+    """The records of ``--export-metrics-to-file`` output (a file or a directory of hourly
+    files) as it is when made: each file's size is taken then, and every iteration reads
+    those bytes (lines a live worker appends later are not read), a line at a time. It can
+    be iterated any number of times (validate, then write); memory: one record."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.files = _sizes(metrics_files(Path(path)))
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        for f, size in self.files:
+            for i, d in _lines(f, limit=size):
+                yield metrics_record(d, f"{f}:{i}")
+
+
+def read_metrics(path: str | Path) -> list[RequestRecord]:
+    """Records from ``--export-metrics-to-file`` output (file or directory), in a list (a
+    small log; ``MetricsExport`` streams)."""
+    return list(MetricsExport(path))
 
 
 def metrics_record(d: dict[str, Any], where: str) -> RequestRecord:
@@ -316,17 +367,31 @@ class RequestLogPairer:
         return out
 
 
+class JsonRequestLog:
+    """The records of ``--log-requests --log-requests-format json`` output (a file, or every
+    file of a directory) as it is when made (sizes taken then, as ``MetricsExport``): each
+    iteration pairs the lines a line at a time and yields every finished request as its
+    ``request.finished`` line is read, then the ones never finished (error records).
+    Memory: the requests in flight."""
+
+    def __init__(self, path: str | Path) -> None:
+        p = Path(path)
+        if not p.exists():
+            raise InputError(f"{p}: no such file or directory")
+        files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
+        self.files = _sizes(files)
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        pairer = RequestLogPairer()
+        for f, size in self.files:
+            for i, d in _lines(f, request_log=True, limit=size):
+                rec = pairer.feed(d, f"{f}:{i}")
+                if rec is not None:
+                    yield rec
+        yield from pairer.unfinished()
+
+
 def read_request_log(path: str | Path) -> list[RequestRecord]:
-    """Records from ``--log-requests --log-requests-format json`` output (file or dir)."""
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"{p}: no such file or directory")
-    files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
-    pairer = RequestLogPairer()
-    out: list[RequestRecord] = []
-    for f in files:
-        for i, d in _lines(f, request_log=True):
-            rec = pairer.feed(d, f"{f}:{i}")
-            if rec is not None:
-                out.append(rec)
-    return out + pairer.unfinished()
+    """Records from ``--log-requests --log-requests-format json`` output (file or dir), in
+    a list (a small log; ``JsonRequestLog`` streams)."""
+    return list(JsonRequestLog(path))

@@ -59,8 +59,13 @@ def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
             continue
         if depth > limit:
             return True
+        if _CONTAINERS.isdisjoint(map(type, children)):
+            continue  # scalars only (e.g. a prompt's token ids): nothing deeper, looked at in C
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
     return False
+
+
+_CONTAINERS = frozenset((dict, list, tuple))
 
 
 def json_loads(text: str | bytes) -> Any:

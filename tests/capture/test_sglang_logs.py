@@ -158,3 +158,69 @@ def test_capture_import_refuses_a_rid_twice(tmp_path, capsys, fixture_dir):
     argv = ["capture", "import", "--quiet", "--sglang-metrics", metrics]
     assert main([*argv, "--sglang-metrics", metrics, str(b2)]) == 2
     assert "appears twice" in capsys.readouterr().err and not b2.exists()
+
+
+def _metrics_line(rid: str, ids: list[int]) -> str:
+    params = json.dumps({"rid": rid, "input_ids": ids})
+    return json.dumps({"request_parameters": params, "request_received_ts": 1.7e9}) + "\n"
+
+
+def test_logs_are_read_as_they_were_when_opened(tmp_path):
+    """A live worker appends while a log is read: each file is read up to the size it had
+    when ``MetricsExport`` / ``JsonRequestLog`` was made, every time it is iterated (the
+    validating and the writing pass of ``capture import`` see the same records)."""
+    from kvcadence.capture.sglang_logs import MetricsExport
+
+    f = tmp_path / "sglang-request-metrics-20261202_06.log"
+    f.write_text(_metrics_line("a", [1, 2]) + _metrics_line("b", [1, 2, 3]))
+    log = MetricsExport(tmp_path)
+    with f.open("a") as fh:  # a whole line, then half of one: neither is read
+        fh.write(_metrics_line("c", [4]) + _metrics_line("d", [5])[:20])
+    for _ in range(2):
+        assert [(r.rid, r.input_ids) for r in log] == [("a", [1, 2]), ("b", [1, 2, 3])]
+    with pytest.raises(InputError, match=r"_06.log:4: not a JSON line"):
+        list(MetricsExport(f))  # made now: the half line is read (and named)
+
+
+def test_request_log_streams_finished_then_unfinished(tmp_path):
+    from kvcadence.capture.sglang_logs import JsonRequestLog
+
+    def line(event: str, rid: str, **kw: object) -> str:
+        return json.dumps({"timestamp": 1.7e9, "event": event, "rid": rid, **kw}) + "\n"
+
+    log = tmp_path / "req.log"
+    log.write_text(
+        line("request.received", "a", obj={"input_ids": [1, 2]})
+        + line("request.received", "b", obj={"input_ids": [3]})
+        + line("request.finished", "b", out={"output_ids": [9], "meta_info": {}})
+    )
+    it = iter(JsonRequestLog(log))
+    first = next(it)  # yielded as its finished line is read
+    assert (first.rid, first.output_ids, first.error) == ("b", [9], None)
+    rest = list(it)
+    assert [(r.rid, r.error) for r in rest] == [("a", "no request.finished line")]
+
+
+def test_capture_import_refuses_a_log_rewritten_between_its_passes(tmp_path, capsys, monkeypatch):
+    """``capture import`` validates every record, then reads the logs again to write them
+    (never all records in memory): a file rewritten in between is one clear line, exit 2,
+    and no bundle."""
+    from kvcadence.capture import sglang_logs
+
+    f = tmp_path / "m.log"
+    f.write_text(_metrics_line("a", [1, 2]) + _metrics_line("b", [3]))
+    passes = []
+    real_iter = sglang_logs.MetricsExport.__iter__
+
+    def iterate(self):
+        passes.append(1)
+        if len(passes) == 2:  # the writing pass: the worker rewrote the file meanwhile
+            f.write_text(_metrics_line("z", [1, 2]) + _metrics_line("b", [3]))
+        return real_iter(self)
+
+    monkeypatch.setattr(sglang_logs.MetricsExport, "__iter__", iterate)
+    b = tmp_path / "b"
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(f), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "changed while it was being imported" in err, err
+    assert len(passes) == 2 and not b.exists()
