@@ -9,6 +9,18 @@
   child first, a node's own requests after its children's (post-order). Never falls back.
 * ``lof``: longest output first (``-max_new_tokens``, stable).
 
+Waiting-prefix refresh (0.5.23 ``SchedulePolicy._touch_waiting_prefixes``, called at the end
+of ``calc_priority``; ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH`` defaults to on): when the
+active policy (``_determine_active_policy``) is cache-agnostic (``fcfs``, ``lof``, ``lpm``
+beyond 128 waiting requests) the cache-aware matches above do not run, so the scheduler
+counts its ``calc_priority`` calls made under such a policy with a non-empty queue, and on
+every 32nd (the first included) touches the tree path of each of the first 128 waiting
+requests in the order just computed, head last (``touch_waiting_prefix``: prompt + outputs
+so far, page floored, not capped at ``len − 1``; ``touch_prefix`` is the match walk, split
+and stamps included, with no request fields set), so LRU eviction spares what the queue
+head will match. Not on a decode worker (``disaggregation_mode == "decode"``); the other
+conditions (LRU eviction, a tree without ``supports_fast_match_prefix``) always hold here.
+
 Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, and the
 matching fields the scheduler fills (``prefix_len``, ``last_node``) through ``match``.
 """
@@ -23,6 +35,8 @@ from kvcadence.replay.radix import RadixTree
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
 IN_BATCH_CHECK_THRESHOLD = 32
 IN_BATCH_DEPRIORITIZE_THRESHOLD = 32
+#: ``WAITING_PREFIX_REFRESH_INTERVAL``: calc_priority calls between waiting-prefix refreshes
+WAITING_PREFIX_REFRESH_INTERVAL = 32
 
 
 def _null_hasher(parent: bytes | None, tokens: Any, page_size: int) -> tuple[bytes, list]:
@@ -52,6 +66,20 @@ def order_waiting(
     if policy == "dfs-weight":
         return _dfs_weight(waiting, tree, match)
     raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def refreshes_waiting_prefixes(policy: str, n_waiting: int) -> bool:
+    """Whether ``calc_priority`` with ``n_waiting`` (> 0) requests counts towards the
+    waiting-prefix refresh: its active policy is cache-agnostic."""
+    if policy == "lpm":
+        return n_waiting > WAITING_QUEUE_PREFIX_MATCH_MAX
+    return policy in ("fcfs", "lof")
+
+
+def touch_waiting_prefixes(ordered: list[Any], tree: RadixTree) -> None:
+    """``touch_waiting_prefix`` of the first 128 of ``ordered``, head last."""
+    for r in reversed(ordered[:WAITING_QUEUE_PREFIX_MATCH_MAX]):
+        tree.match_prefix(r.fill, r.fill_len)
 
 
 def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:

@@ -70,7 +70,12 @@ from kvcadence.replay.admission import (
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
 from kvcadence.replay.flushes import FlushPlan
-from kvcadence.replay.policy import order_waiting
+from kvcadence.replay.policy import (
+    WAITING_PREFIX_REFRESH_INTERVAL,
+    order_waiting,
+    refreshes_waiting_prefixes,
+    touch_waiting_prefixes,
+)
 from kvcadence.replay.radix import Hasher, Node, RadixTree
 from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
@@ -196,6 +201,8 @@ class Scheduler:
         self.pending_merge: list[SimReq] = []
         self.chunked_req: SimReq | None = None
         self.batch_is_full = False
+        #: ``calc_priority`` calls counted towards the waiting-prefix refresh (policy.py)
+        self._prefix_refresh_calls = 0
         self.private_total = 0
         self.decode_ct = 0
         self.pass_index = -1
@@ -428,7 +435,17 @@ class Scheduler:
         if self._num_allocatable() <= 0 and self.chunked_req is None:
             self.batch_is_full = True
             return None
+        # ``calc_priority``: after the early returns above, as in 0.5.23
+        # ``_get_new_batch_prefill_raw``; its waiting-prefix refresh (policy.py) last
         ordered = order_waiting(cfg.schedule_policy, self.waiting, self.tree, self._match)
+        if (
+            self.waiting
+            and self.role != "decode"
+            and refreshes_waiting_prefixes(cfg.schedule_policy, len(self.waiting))
+        ):
+            if self._prefix_refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0:
+                touch_waiting_prefixes(ordered, self.tree)
+            self._prefix_refresh_calls += 1
         adder = PrefillAdder(
             self.ps,
             self.tc,

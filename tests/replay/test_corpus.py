@@ -63,7 +63,7 @@ CAPTURES = (
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
 MISSES: dict[tuple[str, str], str] = {
     ("p4-chunk512-nooverlap", "stored_per_req"): "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
-    ("p16-tight-long-nooverlap", "cached_equal"): "cached_tokens_equal 0.940",
+    ("p16-tight-long-nooverlap", "cached_equal"): "cached_tokens_equal 0.935",
 }
 
 
@@ -174,7 +174,7 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
 #: capture -> the production path's misses today, measured
 PRODUCTION_MISSES: dict[str, str] = {
     "p4-chunk512-nooverlap": "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
-    "p16-tight-long-nooverlap": "cached_tokens_equal 0.940",
+    "p16-tight-long-nooverlap": "cached_tokens_equal 0.935",
 }
 
 

@@ -1,9 +1,13 @@
 """Waiting-queue policies: lpm (longest prefix, in-batch de-prioritisation, fcfs beyond 128),
-lof, dfs-weight (heaviest subtree first, post-order), fcfs."""
+lof, dfs-weight (heaviest subtree first, post-order), fcfs; the waiting-prefix refresh."""
 
 from __future__ import annotations
 
-from kvcadence.replay.policy import order_waiting
+from kvcadence.replay.policy import (
+    order_waiting,
+    refreshes_waiting_prefixes,
+    touch_waiting_prefixes,
+)
 from kvcadence.replay.radix import RadixTree, wire_hasher
 
 
@@ -76,3 +80,33 @@ def test_dfs_weight_heaviest_subtree_first_post_order():
         "seven"
     )
     assert order[-1] == "x"  # the root's own requests come after its children's
+
+
+def test_refresh_runs_only_under_a_cache_agnostic_active_policy():
+    assert refreshes_waiting_prefixes("fcfs", 1) and refreshes_waiting_prefixes("lof", 1)
+    assert not refreshes_waiting_prefixes("lpm", 128)
+    assert refreshes_waiting_prefixes("lpm", 129)  # lpm's fcfs fallback
+    assert not refreshes_waiting_prefixes("dfs-weight", 1000)  # never falls back
+
+
+def test_refresh_touches_the_queue_head_last_over_the_whole_fill():
+    tree = RadixTree(1, wire_hasher())
+    x, y, z = tuple(range(10, 20)), tuple(range(30, 40)), tuple(range(50, 60))
+    for p in (x, y, z):
+        tree.insert(p)
+    head, second = R("head", x), R("second", y + (1, 2))
+    for r in (head, second):
+        r.fill_len = len(r.fill)
+    nodes = tree.num_nodes
+    touch_waiting_prefixes([head, second], tree)
+    # the whole fill, not len - 1: the head's exact 10-token match splits nothing
+    assert tree.num_nodes == nodes
+    evicted = []
+    for _ in range(3):
+        tree.evict(1)
+        evicted += [
+            n
+            for n, p in (("x", x), ("y", y), ("z", z))
+            if n not in evicted and not tree.peek_prefix_len(p)
+        ]
+    assert evicted == ["z", "y", "x"]  # untouched first, the head last

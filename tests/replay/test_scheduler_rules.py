@@ -296,3 +296,55 @@ def test_page_prefill_allocation_evicts_for_the_extend_tokens_plus_a_page_per_re
     r = run([a, b, c], config(page_size=4, max_total_tokens=132))
     assert shape(r) == [["C"], ["S10"], ["S10", "S10"]]
     check_stream(r)
+
+
+def _refresh_run(policy: str, n_fill: int, queue: list[str]) -> tuple[str, int]:
+    """Two cached 40-token prompts, ``a`` (older) then ``b``; ``n_fill`` tiny requests after
+    them (one ``calc_priority`` call each); then ``long`` decodes 150 tokens while ``queue``
+    waits behind ``head`` (200 tokens, no room until ``long`` finishes): ``long``'s decode
+    evicts one whole 40-token leaf. ``queue`` holds ``head``, ``w`` (``a``'s prompt + 10)
+    and tiny ``q<i>``, arriving in that order within one 5 ms decode pass. Returns which prompt the
+    first Removed event holds and ``w``'s cached tokens."""
+    pa, pb = list(range(1000, 1040)), list(range(2000, 2040))
+    recs = [req("a", pa, 1), req("b", pb, 1, arrival_ms=50)]
+    recs += [
+        req(f"f{i}", [7000 + 2 * i, 7001 + 2 * i], 1, arrival_ms=100 + 50 * i)
+        for i in range(n_fill)
+    ]
+    t = 100 + 50 * n_fill
+    recs.append(req("long", list(range(3000, 3040)), 150, arrival_ms=t))
+    prompts = {"head": list(range(4000, 4200)), "w": pa + list(range(5000, 5010))}
+    for i, rid in enumerate(queue):
+        prompt = prompts.get(rid, [9000 + 2 * i, 9001 + 2 * i])
+        recs.append(req(rid, prompt, 1, arrival_ms=t + 102 + i / 1000))
+    r = run(recs, config(max_total_tokens=250 + 2 * n_fill, schedule_policy=policy))
+    check_stream(r)
+    hasher = wire_hasher()
+    names = {tuple(hasher(None, p, 1)[1]): n for n, p in (("a", pa), ("b", pb))}
+    removed = next(e for ev in decoded(r) for e in ev if isinstance(e, BlockRemoved))
+    w = next(x for x in r.requests if x.rid == "w")
+    return names.get(tuple(removed.block_hashes), "?"), w.cached_tokens
+
+
+@pytest.mark.parametrize(
+    "policy, n_fill, queue, evicted, w_cached",
+    [
+        # calls 0 (a), 1 (b), 2-30 (f0-f28), 31 (long): the queue's call is the 33rd
+        ("fcfs", 29, ["head", "w"], "b", 40),
+        # ... the 32nd: no refresh, LRU evicts a (older) and w misses
+        ("fcfs", 28, ["head", "w"], "a", 0),
+        # lpm counts no call until 129 wait (cache-agnostic beyond 128): w 2nd is touched
+        ("lpm", 0, ["head", "w"] + [f"q{i}" for i in range(127)], "b", 40),
+        # ... w 129th is not (only the first 128 are)
+        ("lpm", 0, ["head"] + [f"q{i}" for i in range(127)] + ["w"], "a", 0),
+    ],
+)
+def test_waiting_prefix_refresh_spares_what_the_queue_will_match(
+    policy, n_fill, queue, evicted, w_cached
+):
+    """0.5.23 ``SchedulePolicy._touch_waiting_prefixes``: under a cache-agnostic active
+    policy, every 32nd ``calc_priority`` call with a non-empty queue (the first included)
+    touches the paths of the first 128 waiting requests, head last. ``w`` waits behind a
+    head that does not fit; a refresh while it waits makes ``a`` (its prefix) newer than
+    ``b``, so ``long``'s decode evicts ``b`` and ``w`` later hits ``a``'s 40 tokens."""
+    assert _refresh_run(policy, n_fill, queue) == (evicted, w_cached)
