@@ -75,6 +75,7 @@ Measures only; nothing here changes the code measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -559,18 +560,27 @@ def bench_fleet(sizes: list[int], lanes: int, figures: list, notes: list) -> Non
     )
 
 
+def built_and_measured(
+    sizes: list[int], lanes: int, work: Path, build: str, run: str
+) -> list[tuple[int, float, dict[str, Any], dict[str, Any]]]:
+    """Per size: child ``build`` writes the input (not measured), child ``run`` reads it
+    into an output (measured); ``(size, peak RSS MB, what build said, what run said)``."""
+    points = []
+    for n in sizes:
+        src, dst = work / f"{build}{n}", work / f"{run}{n}"
+        _, built = measure(build, str(src), str(n), str(lanes))
+        rss, info = measure(run, str(src), str(dst))
+        points.append((n, rss, built, info))
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)
+    return points
+
+
 def bench_agentlog(sizes: list[int], lanes: int, work: Path, figures: list, notes: list) -> None:
     """The production-size measure: ``kvcadence replay`` of an imported agent log, peak RSS
     at each size and the growth per request between the first two (goal <= 20 KB)."""
     floor, _ = measure("imports")
-    points = []
-    for n in sizes:
-        b = work / f"log{n}"
-        _, built = measure("agentlog-build", str(b), str(n), str(lanes))
-        rss, info = measure("agentlog-replay", str(b), str(work / f"sim{n}"))
-        points.append((n, rss, built, info))
-        shutil.rmtree(b, ignore_errors=True)
-        shutil.rmtree(work / f"sim{n}", ignore_errors=True)
+    points = built_and_measured(sizes, lanes, work, "agentlog-build", "agentlog-replay")
     for i, (n, rss, built, info) in enumerate(points):
         base = floor if i == 0 else points[0][1]
         figures.append(
@@ -615,14 +625,7 @@ def bench_prodlog(sizes: list[int], lanes: int, work: Path, figures: list, notes
     """``capture import`` of a production worker's metrics files (long prompts): peak RSS
     at each size, the larger against the first (goal: flat, <= 1.2x)."""
     floor, _ = measure("imports")
-    points = []
-    for n in sizes:
-        d = work / f"metrics{n}"
-        _, built = measure("metrics-build", str(d), str(n), str(lanes))
-        rss, info = measure("metrics-import", str(d), str(work / f"prod{n}"))
-        points.append((n, rss, built, info))
-        shutil.rmtree(d, ignore_errors=True)
-        shutil.rmtree(work / f"prod{n}", ignore_errors=True)
+    points = built_and_measured(sizes, lanes, work, "metrics-build", "metrics-import")
     for i, (n, rss, built, info) in enumerate(points):
         first = points[0]
         figures.append(
@@ -741,6 +744,16 @@ def bench_report(sizes: list[int], work: Path, figures: list, notes: list) -> No
     )
 
 
+@contextlib.contextmanager
+def scratch(parent: Path | None) -> Iterator[Path]:
+    """A temporary work directory (under ``parent`` when given), removed afterwards."""
+    work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=parent))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         run_child(sys.argv[2:])
@@ -798,32 +811,20 @@ def main() -> None:
         bench_replay(long_sizes, args.long_lanes, figures, notes, long=True)
     if args.only in (None, "agentlog"):
         print("agent-log replay:", flush=True)
-        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
-        try:
+        with scratch(args.dir) as work:
             bench_agentlog(agentlog_sizes, args.agentlog_lanes, work, figures, notes)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     if args.only in (None, "prodlog"):
         print("production logs (capture import):", flush=True)
-        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
-        try:
+        with scratch(args.dir) as work:
             bench_prodlog(prodlog_sizes, args.long_lanes, work, figures, notes)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     if args.only in (None, "ingest"):
         print("ingest:", flush=True)
-        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
-        try:
+        with scratch(args.dir) as work:
             bench_ingest(ingest_mb, work, figures, notes)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     if args.only in (None, "report"):
         print("report:", flush=True)
-        work = Path(tempfile.mkdtemp(prefix="kvc-mem-", dir=args.dir))
-        try:
+        with scratch(args.dir) as work:
             bench_report(report_events, work, figures, notes)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     for f in figures:
         print(
             f"{f['name']}: {f['value']:,.1f} {f['unit']} = {f['ratio']:.2f}x {f['baseline_name']}"
