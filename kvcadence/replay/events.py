@@ -112,7 +112,11 @@ class EventQueue:
 
     # ------------------------------------------------------------------ recording
     def record_store(
-        self, hashes: list[int], parent_hash: int | None, token_ids: Sequence[int], page_size: int
+        self,
+        hashes: Sequence[int],
+        parent_hash: int | None,
+        token_ids: Sequence[int],
+        page_size: int,
     ) -> None:
         self.stored_blocks += len(hashes)
         q = self.queue
@@ -147,7 +151,7 @@ class EventQueue:
             )
             prev = h
 
-    def record_remove(self, hashes: list[int]) -> None:
+    def record_remove(self, hashes: Sequence[int]) -> None:
         self.removed_blocks += len(hashes)
         q = self.queue
         if self.mode == "coalesced":

@@ -6,8 +6,9 @@ docs/sglang-sources.md):
 * Nodes hold a page-aligned run of token ids (an ``array('I')``, ``replay.tokens``: 4 bytes a
   token; keys given as lists are converted once at the call, and arrays compare slice to
   slice in C), one SHA-256 digest (all of them
-  concatenated in one ``bytes``, 32 per page) and one int64 block hash per page, chained
-  from the parent node's last page (hashes come from
+  concatenated in one ``bytes``, 32 per page) and one int64 block hash per page (an
+  ``array('q')`` from the wire hasher: 8 bytes a page, nothing for the cyclic GC to walk),
+  chained from the parent node's last page (hashes come from
   ``kvcadence.format.wire`` through an injected ``Hasher``, so a simulated hash equals the
   real one for the same tokens).
 * ``match_prefix`` walks from the root, splits a node on a partial (page-aligned) match
@@ -47,60 +48,59 @@ from kvcadence.replay.tokens import CODE, compact
 DIGEST_SIZE = 32
 
 # (parent_digest or None, page-aligned token ids, page_size)
-#   -> (the pages' 32-byte digests concatenated, their int64 hashes)
-Hasher = Callable[[bytes | None, Sequence[int], int], tuple[bytes, list[int]]]
+#   -> (the pages' 32-byte digests concatenated, their int64 hashes: a list or an array)
+Hasher = Callable[[bytes | None, Sequence[int], int], tuple[bytes, Sequence[int]]]
 
 
 class EventSink(Protocol):
     """Where the tree records its events (``replay.events.EventQueue`` in the simulator)."""
 
     def record_store(
-        self, hashes: list[int], parent_hash: int | None, token_ids: Sequence[int], page_size: int
+        self,
+        hashes: Sequence[int],
+        parent_hash: int | None,
+        token_ids: Sequence[int],
+        page_size: int,
     ) -> None: ...
 
-    def record_remove(self, hashes: list[int]) -> None: ...
+    def record_remove(self, hashes: Sequence[int]) -> None: ...
 
 
 class NullSink:
     """An ``EventSink`` that drops everything (policy probes, tests of pure accounting)."""
 
     def record_store(
-        self, hashes: list[int], parent_hash: int | None, token_ids: Sequence[int], page_size: int
+        self,
+        hashes: Sequence[int],
+        parent_hash: int | None,
+        token_ids: Sequence[int],
+        page_size: int,
     ) -> None:
         return None
 
-    def record_remove(self, hashes: list[int]) -> None:
+    def record_remove(self, hashes: Sequence[int]) -> None:
         return None
 
 
 def wire_hasher() -> Hasher:
-    """The production hasher: ``kvcadence.format.wire`` (SGLang's chained SHA-256)."""
-    import sys
-    from array import array
-
+    """The production hasher: ``kvcadence.format.wire`` (SGLang's chained SHA-256); the
+    hashes come as an ``array('q')`` (a node keeps them: no int object per page)."""
     block_digests = wire.block_digests
-    to_int = wire.digest_to_int64
-    swap = sys.byteorder == "little"
+    to_int64 = wire.joined_digests_to_int64
 
     def hasher(
         parent: bytes | None, tokens: Sequence[int], page_size: int
-    ) -> tuple[bytes, list[int]]:
-        digests = block_digests(tokens, page_size, parent_digest=parent)
-        joined = b"".join(digests)
-        if len(digests) < 8:
-            return joined, [to_int(d) for d in digests]
-        # wire's digest_to_int64 (first 8 bytes, big-endian, signed) for all pages at once
-        words = array("q", joined)[::4]  # the first 8 bytes of each digest
-        if swap:
-            words.byteswap()
-        return joined, words.tolist()
+    ) -> tuple[bytes, array[int]]:
+        joined = b"".join(block_digests(tokens, page_size, parent_digest=parent))
+        return joined, to_int64(joined)
 
     return hasher
 
 
 class Node:
     """One radix node: a page-aligned token run with its page digests and hashes
-    (``digests``: ``DIGEST_SIZE`` bytes per page, concatenated)."""
+    (``digests``: ``DIGEST_SIZE`` bytes per page, concatenated; ``hashes``: what the
+    ``Hasher`` gave, an ``array('q')`` from the wire hasher)."""
 
     __slots__ = (
         "key",
@@ -119,7 +119,7 @@ class Node:
         key: array,
         parent: Node | None,
         digests: bytes,
-        hashes: list[int],
+        hashes: Sequence[int],
         nid: int,
     ) -> None:
         self.key = key

@@ -158,7 +158,7 @@ class CacheAwareRouter(Router):
         req = fleet.reqs[idx]
         toks = req.fill[: req.fill_len - req.fill_len % page_size]
         _digests, hashes = fleet.hasher(None, toks, page_size)
-        return hashes
+        return list(hashes)
 
     def route(self, fleet: Any, idx: int, at_ns: int) -> int:
         self.stats["routed"] += 1

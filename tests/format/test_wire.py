@@ -29,6 +29,7 @@ from kvcadence.format.wire import (
     decode_batch,
     digest_to_int64,
     encode_batch,
+    joined_digests_to_int64,
     live_frames,
     namespace_seed,
     namespaced_block_hash,
@@ -532,6 +533,8 @@ def test_block_hash_vectors(vectors: dict[str, list[dict]]) -> None:
         digests = block_digests(*args)
         assert [d.hex() for d in digests] == vec["expected_digest_hex"], name
         assert [digest_to_int64(d) for d in digests] == vec["expected_hash"], name
+        joined = joined_digests_to_int64(b"".join(digests))
+        assert joined.typecode == "q" and joined.tolist() == vec["expected_hash"], name
         # page_digest one page at a time gives the same chain
         prev = parent
         if prev is None and salt is not None:
@@ -795,3 +798,10 @@ def test_invalid_token_late_in_a_fast_path_raises() -> None:
         toks[-2] = "7"
         with pytest.raises(WireError, match="not an integer"):
             block_hashes(toks, page_size, parent_digest=b"\x01" * 32)
+
+
+def test_joined_digests_to_int64_refuses_a_partial_digest() -> None:
+    d = block_digests([1, 2, 3], 1)
+    assert joined_digests_to_int64(b"".join(d)).tolist() == block_hashes([1, 2, 3], 1)
+    with pytest.raises(WireError):
+        joined_digests_to_int64(b"".join(d)[:-8])
