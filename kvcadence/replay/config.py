@@ -86,12 +86,6 @@ class SimConfig:
 
     # ------------------------------------------------------------------ derived
     @property
-    def waiting_prefix_refresh(self) -> bool:
-        """0.5.23's scheduler touches the waiting requests' cached prefixes (LRU) every
-        32nd ``calc_priority`` (``SGLANG_ENABLE_WAITING_PREFIX_REFRESH``, default on)."""
-        return _version_tuple(self.sglang_version) >= (0, 5, 23)
-
-    @property
     def admission_generation(self) -> str:
         """``"0.5.23"`` (budget-object PrefillAdder) or ``"classic"`` (≤ 0.5.10)."""
         return _generation(self.sglang_version)

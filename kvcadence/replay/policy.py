@@ -21,8 +21,6 @@ from typing import Any
 from kvcadence.replay.radix import RadixTree
 
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
-#: 0.5.23 ``schedule_policy.WAITING_PREFIX_REFRESH_INTERVAL``: calls between waiting-prefix touches
-WAITING_PREFIX_REFRESH_INTERVAL = 32
 IN_BATCH_CHECK_THRESHOLD = 32
 IN_BATCH_DEPRIORITIZE_THRESHOLD = 32
 

@@ -70,11 +70,7 @@ from kvcadence.replay.admission import (
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
 from kvcadence.replay.flushes import FlushPlan
-from kvcadence.replay.policy import (
-    WAITING_PREFIX_REFRESH_INTERVAL,
-    WAITING_QUEUE_PREFIX_MATCH_MAX,
-    order_waiting,
-)
+from kvcadence.replay.policy import order_waiting
 from kvcadence.replay.radix import Hasher, Node, RadixTree
 from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
@@ -174,10 +170,6 @@ class Scheduler:
         self.role = cfg.role
         #: radix inserts happen (a decode worker inserts only with its decode radix cache)
         self.inserts = cfg.role != "decode" or cfg.decode_radix_cache
-        #: 0.5.23 ``SchedulePolicy._touch_waiting_prefixes``: calls that passed its gate
-        #: (every ``WAITING_PREFIX_REFRESH_INTERVAL``-th touches the waiting prefixes)
-        self.refresh_calls = 0
-        self.refresh_waiting = cfg.waiting_prefix_refresh and cfg.role != "decode" and self.inserts
         if self.role == "prefill" and not shared:
             # PrefillBootstrapQueue._process_req: max_new_tokens = 1 (one token, no decode);
             # a driver sharing its requests: each request when it is handed to this rank
@@ -429,25 +421,6 @@ class Scheduler:
     def _num_allocatable(self) -> int:
         return self.cfg.effective_max_running - len(self.running)
 
-    def _touch_waiting_prefixes(self, ordered: list[SimReq]) -> None:
-        """0.5.23 ``SchedulePolicy._touch_waiting_prefixes`` (end of ``calc_priority``):
-        under a cache-agnostic policy (LRU eviction), every 32nd call touches the cached
-        prefix of the first 128 waiting requests, head last (``touch_waiting_prefix``: a
-        tree match of the whole prompt + outputs, no ``len - 1`` cap), so a waiting
-        request's cached prefix is newer in LRU order than what finished before."""
-        policy = self.cfg.schedule_policy
-        if policy not in ("fcfs", "lof") and not (
-            policy == "lpm" and len(self.waiting) > WAITING_QUEUE_PREFIX_MATCH_MAX
-        ):
-            return  # a cache-aware policy touches while matching
-        calls = self.refresh_calls
-        self.refresh_calls = calls + 1
-        if calls % WAITING_PREFIX_REFRESH_INTERVAL:
-            return
-        match = self.tree.match_prefix
-        for r in reversed(ordered[:WAITING_QUEUE_PREFIX_MATCH_MAX]):
-            match(r.fill)
-
     def _get_new_batch_prefill(self, t: int) -> Batch | None:
         cfg = self.cfg
         if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
@@ -456,8 +429,6 @@ class Scheduler:
             self.batch_is_full = True
             return None
         ordered = order_waiting(cfg.schedule_policy, self.waiting, self.tree, self._match)
-        if self.refresh_waiting and self.waiting:
-            self._touch_waiting_prefixes(ordered)
         adder = PrefillAdder(
             self.ps,
             self.tc,
