@@ -301,11 +301,6 @@ class Scheduler:
         ps = self.ps
         end = upto - upto % ps
         if end <= req.tree_len:
-            # nothing new to insert, but SGLang's checkpoint still walks the path from the
-            # root (``checkpoint_into_tree`` -> ``insert``: every node touched)
-            h = req.lock_handle
-            if h is not None and h is not self.tree.root:
-                self.tree.insert_below(h, req.tree_len, ())
             return
         tree = self.tree
         start = req.lock_handle
