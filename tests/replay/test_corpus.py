@@ -59,6 +59,7 @@ CAPTURES = (
     "dp2-p4-flush",
     "p64-chunk128",
     "p32-flush-nooverlap",
+    "dp2-p8-long-nooverlap",
 )
 
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
@@ -66,6 +67,7 @@ MISSES: dict[tuple[str, str], str] = {
     ("p4-chunk512-nooverlap", "stored_per_req"): "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
     ("p16-tight-long-nooverlap", "cached_equal"): "cached_tokens_equal 0.940",
     ("p32-flush-nooverlap", "cached_equal"): "cached_tokens_equal 0.750",
+    ("dp2-p8-long-nooverlap", "stored_median"): "stored_blocks_median 13 -> 13.5 (+3.8%)",
 }
 
 
@@ -179,6 +181,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p16-tight-long-nooverlap": "cached_tokens_equal 0.940",
     "p32-flush-nooverlap": "stored_events_per_request 2.675 -> 2.385 (-10.8%); stored_blocks_median"
     " 5 -> 3 (-40.0%); removed_events_per_request 1.75 -> 1.525 (-12.9%); cached_tokens_equal 0.690",
+    "dp2-p8-long-nooverlap": "stored_blocks_median 13 -> 13.5 (+3.8%)",
 }
 
 
