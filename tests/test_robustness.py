@@ -165,5 +165,9 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
     corpus = sorted(p.name for p in rob.CORPUS.iterdir() if (p / "bundle").is_dir())
     assert [c.name for c in caps] == [f"corpus `{n}`" for n in corpus]
     assert len(caps) >= 7
-    assert {c.name for c in caps if c.dp} == {"corpus `dp2-p16-chunk256`", "corpus `dp2-p4-flush`"}
+    assert {c.name for c in caps if c.dp} == {
+        "corpus `dp2-p16-chunk256`",
+        "corpus `dp2-p4-flush`",
+        "corpus `dp2-p8-long-nooverlap`",
+    }
     assert all(c.bundle.name == "bundle" and c.calibrated["decode_base_s"] > 0 for c in caps)
