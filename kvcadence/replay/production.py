@@ -111,7 +111,9 @@ def _kind(r: Any) -> tuple[str | None, bool]:
     return None, ran
 
 
-def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], dict[str, Any]]:
+def complete_records(
+    records: list[Any], index: StoreIndex, flushes_ns: Sequence[int] = ()
+) -> tuple[list[Any], dict[str, Any]]:
     """Records with recovered outputs and inferred sessions, and the report (see module).
 
     Aborted and errored requests that ran (at least one output token) are replayed to
@@ -134,7 +136,7 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
                 why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
                 out[i] = msgspec.structs.replace(r, error=r.error or why)
         retracted += _retracted(r)
-    done, report = _complete([records[i] for i in keep], index)
+    done, report = _complete([records[i] for i in keep], index, flushes_ns)
     for i, r in zip(keep, done, strict=True):
         out[i] = r
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
@@ -144,7 +146,7 @@ def complete_records(records: list[Any], index: StoreIndex) -> tuple[list[Any], 
 
 
 def _complete(  # noqa: C901 - one pass over the records: outputs by route, in order
-    records: list[Any], index: StoreIndex
+    records: list[Any], index: StoreIndex, flushes_ns: Sequence[int] = ()
 ) -> tuple[list[Any], dict[str, Any]]:
     ps = index.page_size
     times = [(_arrival(r), _finish(r)) for r in records]
@@ -281,7 +283,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if nodes[p].finish_ns is not None
     )
     max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
-    clients, idle_joins = infer_clients(nodes, max_gap, order)
+    clients, idle_joins = infer_clients(nodes, max_gap, order, flushes_ns)
     session_of: dict[int, tuple[int, int]] = {}
     lane_of: dict[int, int] = {}
     n_sessions = n_lanes = 0
@@ -371,8 +373,10 @@ def records_for_replay(
     scan = FlushScan(reader.header)
     # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
     with gc_paused():
-        out, report = complete_records(recs, StoreIndex.from_reader(reader, int(ps), scan))
-    return out, report, scan.result()
+        index = StoreIndex.from_reader(reader, int(ps), scan)
+        flushes = scan.result()
+        out, report = complete_records(recs, index, [f.recv_ns for f in flushes])
+    return out, report, flushes
 
 
 def report_text(rep: dict[str, Any]) -> str:

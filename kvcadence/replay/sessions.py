@@ -187,7 +187,10 @@ def _anchored(
 
 
 def infer_clients(
-    nodes: Sequence[Node], max_gap_ns: int, order: Sequence[int] | None = None
+    nodes: Sequence[Node],
+    max_gap_ns: int,
+    order: Sequence[int] | None = None,
+    flushes_ns: Sequence[int] = (),
 ) -> tuple[list[int | None], int]:
     """For each request without a predecessor (a session start, in arrival order), the
     closed-loop client it most likely came from: the request that ended a session (no
@@ -200,6 +203,11 @@ def infer_clients(
        interval between consecutive session starts earlier (data-derived: an open-loop
        arrival lands that close after a given moment less often than not).
 
+    A pause that spans a recorded cache flush (``flushes_ns``: absolute receive times) is
+    counted from the last such flush: SGLang flushes only an idle worker, so every client
+    was idle then, and the replay releases a client's turn that crosses a flush at its
+    recorded offset from the flush (``flushes.FlushPlan``), not after a think time.
+
     ``None`` = open loop; ``order``: ``arrival_order(nodes)`` when the caller has it.
     Returns the links and how many of them rule 2 made."""
     out: list[int | None] = [None] * len(nodes)
@@ -209,6 +217,7 @@ def infer_clients(
     starts = [i for i in order if nodes[i].pred is None]
     idle_gap: int | None = None  # rule 2's bound, computed when first needed
     free: list[int] = []  # every session end finished so far and unclaimed, by finish time
+    flushes = sorted(flushes_ns)
     ei = idle = 0
     for q in starts:
         t = nodes[q].arrival_ns
@@ -217,7 +226,11 @@ def infer_clients(
             ei += 1
         if not free:
             continue
-        gap = t - nodes[free[-1]].finish_ns  # type: ignore[operator]
+        since = cast("int", nodes[free[-1]].finish_ns)
+        k = bisect_right(flushes, t)
+        if k and flushes[k - 1] > since:
+            since = flushes[k - 1]  # the pause spans a flush: counted from it
+        gap = t - since
         if gap <= max_gap_ns:
             out[q] = free.pop()
         elif len(free) == 1:

@@ -278,6 +278,27 @@ def test_a_long_pause_joins_only_the_only_idle_client(pause, first_joined, joine
     assert links[-1] == late - 1  # B's next session: within the bound, as before
 
 
+@pytest.mark.parametrize(
+    ("flush_ms", "joined"),
+    [
+        (None, False),  # 5 s after the last session end: past the bound, a new client
+        (4900, True),  # a flush 100 ms before it: the pause is counted from the flush
+        (4500, False),  # 500 ms after the flush: past the bound either way
+        (500, False),  # the flush came before the session end: counted from the end
+    ],
+)
+def test_a_pause_across_a_flush_is_counted_from_the_flush(flush_ms, joined):
+    """SGLang flushes only an idle worker, and the replay releases a turn that crosses a
+    flush at its recorded offset from it: a session start after a recorded flush joins the
+    client whose session ended before the flush when it came within the think-time bound
+    of the flush (``flush2``: the driver's 7.0 s flush pause, a 5th client before)."""
+    nodes = _sessions([(0, 1000), (10, 1500), (1530, 2000), (5000, 5600)])
+    flushes = () if flush_ms is None else (int(flush_ms * 1e6),)
+    links, idle = infer_clients(nodes, 300 * 1_000_000, flushes_ns=flushes)
+    assert links[2] == 1  # B's next session: within the bound, as before
+    assert links[3] == (2 if joined else None) and idle == 0
+
+
 def test_an_unjoined_session_end_keeps_a_long_pause_open_loop():
     """An open-loop session (nobody follows it) leaves its end unjoined: from then on no
     client is the *only* idle one, so a long pause is a new client, as before."""
