@@ -190,7 +190,9 @@ class StoreIndex:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
-        self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[3] for r in rows]))])
+        more = unpacked(b"".join([r[3] for r in rows]))
+        # the first batch is the array itself (no copy of every hash)
+        self.hashes = np.concatenate([self.hashes, more]) if off0 else more
         self._ts.extend([r[0] for r in rows])
         parents = [r[2] for r in rows]
         pages = [r[4] for r in rows]
