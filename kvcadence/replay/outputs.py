@@ -293,7 +293,7 @@ class StoreIndex:
             toks = tokens[ei]
             if n != n_pages[ei]:
                 toks = toks[: n * ps]  # usually all of it
-            if same_ids(toks, prompt[: n * ps]):
+            if same_ids(toks, prompt if n * ps == len(prompt) else prompt[: n * ps]):
                 return ei, 0, n
             c += 1
         for ei in range(i, end):
