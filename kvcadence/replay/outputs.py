@@ -44,7 +44,7 @@ from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
-from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked
+from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked_all
 from kvcadence.replay.tokens import as_list, compact, same_ids, span
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
@@ -190,10 +190,12 @@ class StoreIndex:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
-        self.hashes = np.concatenate([self.hashes, unpacked(b"".join([r[3] for r in rows]))])
+        pages = [r[4] for r in rows]
+        more = unpacked_all([r[3] for r in rows], sum(pages))
+        # the first batch is the array itself (no copy of every hash)
+        self.hashes = np.concatenate([self.hashes, more]) if off0 else more
         self._ts.extend([r[0] for r in rows])
         parents = [r[2] for r in rows]
-        pages = [r[4] for r in rows]
         tokens = [r[5] for r in rows]
         offs = np.cumsum([off0, *pages[:-1]]).tolist()
         self.parents.extend(parents)
@@ -291,7 +293,7 @@ class StoreIndex:
             toks = tokens[ei]
             if n != n_pages[ei]:
                 toks = toks[: n * ps]  # usually all of it
-            if same_ids(toks, prompt[: n * ps]):
+            if same_ids(toks, prompt if n * ps == len(prompt) else prompt[: n * ps]):
                 return ei, 0, n
             c += 1
         for ei in range(i, end):

@@ -259,14 +259,13 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         nq = first_succ.get(i)
         if len(kn) < n and nq is not None:
             # the successor's prompt holds this whole prompt (``extends`` admitted the link),
-            # then ``kn``
-            b = L + len(kn)
-            nxt = records[nq].input_ids
-            if same_ids(span(nxt, L, b), kn):
-                if len(nxt) > b:  # more than ``kn``: the outputs are ``nxt[L : L + n]``
-                    kn = span(nxt, L, L + n)
-                    via_prompt += 1
-                    missing.pop(i, None)
+            # then ``kn``; when it holds more than ``kn``, the outputs are ``nxt[L : L + n]``
+            m = len(kn)
+            full = span(records[nq].input_ids, L, L + n)  # read once
+            if len(full) > m and same_ids(full[:m], kn):
+                kn = full
+                via_prompt += 1
+                missing.pop(i, None)
         if len(kn) < n:
             if i in missing:
                 pass

@@ -137,6 +137,8 @@ def infer_predecessors(
 
 #: the low bits of a hash that ``_anchor_positions``'s table is indexed by
 _TABLE_MASK = (1 << 20) - 1
+#: hashes ``_anchor_positions`` looks up at a time
+_SLICE = 1 << 15
 
 
 def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[int], list[int]]:
@@ -150,7 +152,14 @@ def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[i
     wanted = np.fromiter(want, np.int64, len(want))
     table = np.zeros(_TABLE_MASK + 1, bool)
     table[wanted & _TABLE_MASK] = True
-    cand = np.flatnonzero(table[hashes & _TABLE_MASK])
+    # a slice at a time: temporaries of a few hundred KB, reused (one the size of every
+    # hash would be fresh memory, a page fault per 4 KB)
+    cand = np.concatenate(
+        [
+            np.flatnonzero(table[hashes[lo : lo + _SLICE] & _TABLE_MASK]) + lo
+            for lo in range(0, len(hashes), _SLICE)
+        ]
+    )
     hs = hashes[cand]
     exact = np.isin(hs, wanted)  # the candidates whose whole hash is an anchor
     return cand[exact].tolist(), hs[exact].tolist()

@@ -136,6 +136,9 @@ class Prompt:
         hi = min(b, self.n)
         if a >= hi:
             return self.own[:0]
+        lo = self.base_len
+        if a >= lo:  # all in this level's own tokens (a prompt's new turn, usually)
+            return self.own[a - lo : hi - lo]
         parts: list[array] = []
         cur: Prompt | None = self
         while cur is not None and a < hi:

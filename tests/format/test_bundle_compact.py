@@ -532,3 +532,37 @@ def test_events_and_notes_skip_packed_requests_by_their_first_bytes(
     )
     assert list(BundleReader(b).events_and_notes(())) == []
     assert "preq" not in slow  # (the header and trailer are always looked at)
+
+
+def test_events_and_notes_step_over_unread_frames_without_their_crc(tmp_path: Path) -> None:
+    """The frames ``events_and_notes(kinds)`` skips (notes of other kinds, packed requests)
+    are stepped over by their length, their CRC not checked: damage inside one is not
+    reported (counted in ``report.unread``); the same damage is where every frame is
+    checked (``records()``, a strict reader)."""
+    from kvcadence.format.schema import Annotation
+
+    w = BundleWriter(tmp_path / "b", _header())
+    for r in _family():
+        w.write(r)
+    w.write(Annotation(kind="visibility", recv_ns=1, data={"x": list(range(20))}))
+    w.write_event(
+        endpoint=0, seq=0, recv_ns=2, topic="kv-events", payload=b"\x93\x01\x90\xc0", via=0, epoch=0
+    )
+    w.close(end_ns=0)
+    b = tmp_path / "b"
+    want = list(BundleReader(b).events_and_notes(()))
+    assert len(want) == 1  # the event
+    (seg,) = list_segments(b)
+    note_at = next(pos for pos, x in _frames(seg) if b"visibility" in x)
+    data = bytearray(seg.read_bytes())
+    data[note_at + FRAME_HEADER_SIZE + 30] ^= 0xFF  # inside the note's data
+    seg.write_bytes(bytes(data))
+    rd = BundleReader(b)
+    assert list(rd.events_and_notes(())) == want
+    assert not rd.report.corrupt and not rd.report.damaged
+    assert rd.report.unread == 1 + sum(1 for _, x in _frames(seg) if _tag(x) == "preq")
+    rd = BundleReader(b)
+    list(rd.records())
+    assert rd.report.corrupt  # every frame's CRC checked
+    with pytest.raises(CorruptFrameError):
+        list(BundleReader(b, strict=True).events_and_notes(()))

@@ -150,8 +150,8 @@ def _same_reads_unmapped(path: Path) -> None:
     """What a reader that maps nothing sees == what the mapping reader sees."""
 
     class NoMap(BundleReader):
-        def _walk(self, seg: Path, report: Any, mapped: bool = False) -> Any:
-            return super()._walk(seg, report, False)
+        def _walk(self, seg: Path, report: Any, mapped: bool = False, unread: Any = None) -> Any:
+            return super()._walk(seg, report, False, unread)
 
     plain = NoMap(path)
     want = list(plain.records())

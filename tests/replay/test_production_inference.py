@@ -572,3 +572,29 @@ def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
     assert [(index.hashes_of(i), e.tokens) for i, e in enumerate(index.events)] == [([11], [5])]
     want = [RecordedFlush(T0 + 5)]
     assert scan.result() == want == recorded_flushes(BundleReader(tmp_path / "b"))
+
+
+def test_hashes_are_unpacked_and_looked_up_a_slice_at_a_time(monkeypatch):
+    """``stored.unpacked_all`` (the index's hashes, joined a slice at a time) and
+    ``sessions._anchor_positions`` (looked up a slice at a time) give what one pass over
+    all of them gives, whatever the slice."""
+    import numpy as np
+
+    from kvcadence.format.hashes import norm_hash
+    from kvcadence.replay import sessions, stored
+
+    rng = random.Random(5)
+    hashes = [rng.getrandbits(64) - (1 << 63) * rng.getrandbits(1) for _ in range(200)]
+    cuts = sorted(rng.sample(range(1, 200), 30))
+    parts = [stored.packed(hashes[a:b]) for a, b in zip([0, *cuts], [*cuts, 200], strict=True)]
+    want = [norm_hash(h) for h in hashes]
+    arr = np.array(want, np.int64)
+    nodes = [Node(0, 1, end_anchor=want[i], prompt_anchor=want[i + 1]) for i in (3, 50, 51, 198)]
+    whole = sessions._anchor_positions(nodes, arr)
+    assert whole[0] == [3, 4, 50, 51, 52, 198, 199]
+    for size in (9, 20, 9 * 7, 1 << 20):
+        monkeypatch.setattr(stored, "_JOIN_BYTES", size)
+        assert stored.unpacked_all(parts, len(hashes)).tolist() == want
+    for size in (1, 3, 64, 1 << 15):
+        monkeypatch.setattr(sessions, "_SLICE", size)
+        assert sessions._anchor_positions(nodes, arr) == whole

@@ -222,13 +222,33 @@ def _note_kind(body: memoryview) -> bytes | None:
     return bytes(body[start : start + n]) if start + n <= len(body) else None
 
 
+def unread_frames(kinds: frozenset[str]) -> Any:
+    """The predicate ``events_and_notes`` skips frames by: True for a note whose kind (read
+    from its first bytes) is not in ``kinds`` and for a packed request (by its first
+    bytes; the slow path would skip it undecoded). Looks at a frame's first bytes only."""
+    wanted = frozenset(k.encode() for k in kinds)
+
+    def unread(body: memoryview) -> bool:
+        b0 = body[0]
+        if 0x91 <= b0 <= 0x9F:
+            head = bytes(body[1:6])
+            if head == _NOTE_HEAD:
+                k = _note_kind(body)
+                return k is not None and k not in wanted
+            return head == _PACKED_HEAD
+        # a packed request has 24 fields: an array16 header
+        return b0 == 0xDC and bytes(body[3:8]) == _PACKED_HEAD
+
+    return unread
+
+
 def events_and_notes_decoder(kinds: frozenset[str] | None, events_as: Any = None) -> Any:
     """The reader's fast path for ``events_and_notes``: an ``EventFrame`` or an
-    ``AnnotationRawView``; a note whose kind (read from its first bytes) is not in ``kinds``
-    comes back as ``SKIPPED``, undecoded and unchecked (None: every note decoded), and so
-    does a packed request (by its first bytes; the slow path would skip it undecoded).
-    ``events_as``: a struct type tried first (a caller's stricter ``EventFrame``, e.g. with
-    its payload typed, decoded in the same pass); a frame it refuses decodes as usual."""
+    ``AnnotationRawView``; a frame ``unread_frames(kinds)`` skips (a note of another kind,
+    a packed request) comes back as ``SKIPPED``, undecoded and unchecked (``kinds`` None:
+    every note decoded). ``events_as``: a struct type tried first (a caller's stricter
+    ``EventFrame``, e.g. with its payload typed, decoded in the same pass); a frame it
+    refuses decodes as usual."""
     decode: Any = EVENTS_NOTES_RAW.decode
     if events_as is not None:
         typed, plain = _events_as_decoder(events_as).decode, decode
@@ -242,21 +262,10 @@ def events_and_notes_decoder(kinds: frozenset[str] | None, events_as: Any = None
         decode = either
     if kinds is None:
         return decode
-    wanted = frozenset(k.encode() for k in kinds)
+    unread = unread_frames(kinds)
 
     def fast(body: memoryview) -> Any:
-        b0 = body[0]
-        if 0x91 <= b0 <= 0x9F:
-            head = bytes(body[1:6])
-            if head == _NOTE_HEAD:
-                k = _note_kind(body)
-                if k is not None and k not in wanted:
-                    return SKIPPED
-            elif head == _PACKED_HEAD:
-                return SKIPPED
-        elif b0 == 0xDC and bytes(body[3:8]) == _PACKED_HEAD:
-            return SKIPPED  # a packed request has 24 fields: an array16 header
-        return decode(body)
+        return SKIPPED if unread(body) else decode(body)
 
     return fast
 

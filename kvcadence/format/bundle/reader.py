@@ -55,6 +55,7 @@ from kvcadence.format.bundle.frames import (
     _peek_tag,
     events_and_notes_decoder,
     fast_decoder,
+    unread_frames,
 )
 from kvcadence.format.bundle.report import ReadReport, SegmentScan
 from kvcadence.format.bundle.segments import (
@@ -202,22 +203,26 @@ class BundleReader:
             search = m.start() + 1
 
     def _walk(
-        self, seg: Path, report: ReadReport, mapped: bool = False
+        self, seg: Path, report: ReadReport, mapped: bool = False, unread: Any = None
     ) -> Iterator[tuple[int, memoryview]]:
         """Yield ``(offset, body)`` of each frame of ``seg`` whose length and CRC check out;
         resynchronise past corrupt spans; count a torn tail. Fills ``report``.
         The segment is seen through a ``SegmentWindow`` (a bounded window: never the whole
         segment but to resynchronise past damage); ``mapped``: memory-map it (a complete
-        segment, see ``_segment_map``) instead of reading it in chunks."""
+        segment, see ``_segment_map``) instead of reading it in chunks. ``unread``: a
+        predicate on a frame's body (``frames.unread_frames``): a frame it is true for, but
+        a segment's first, is stepped over by its length, its CRC not checked and not
+        yielded (counted in ``frames`` and ``unread``; damage inside it goes unnoticed, a
+        damaged length is noticed at the frame after it, which fails its own check)."""
         try:
             win = SegmentWindow(seg, mapped)
         except OSError as exc:
             raise BundleError(f"cannot read {seg}: {exc}") from exc
         with win:
-            yield from self._walk_window(seg, report, win)
+            yield from self._walk_window(seg, report, win, unread)
 
     def _walk_window(
-        self, seg: Path, report: ReadReport, win: SegmentWindow
+        self, seg: Path, report: ReadReport, win: SegmentWindow, unread: Any = None
     ) -> Iterator[tuple[int, memoryview]]:
         size = win.size
         report.segments += 1
@@ -241,6 +246,11 @@ class BundleReader:
                     end = start + length
                     if length >= MIN_BODY and end <= n:
                         body = mv[start:end]
+                        if unread is not None and base + pos > SEGMENT_HEADER_SIZE and unread(body):
+                            report.frames += 1
+                            report.unread += 1
+                            pos = end
+                            continue
                         if crc32(body) == crc:
                             report.frames += 1
                             yield base + pos, body
@@ -315,20 +325,18 @@ class BundleReader:
             expect_id: str | None = self.bundle_id
         except BundleError:
             expect_id = None  # no header: nothing to compare segments with
-        decoders = _VIEW_DECODERS if views else _DECODERS
         if wanted is not None and b"request" in wanted:
             wanted = wanted | REQUEST_TAGS  # format 2.0 stores requests as PackedRequest
-        fast = fast_decoder(wanted, views)
-        if notes_raw:  # events_and_notes
-            decoders = {**decoders, b"note": NOTE_RAW}
-            fast = events_and_notes_decoder(note_kinds, events_as)
+        decoders, fast, first, unread = self._decoding(
+            wanted, views, notes_raw, note_kinds, events_as
+        )
         last = len(self.segments) - 1
         rec: Any
         for i, seg in enumerate(self.segments):
             seg_first = True
             # packed requests (2.0) refer only to blocks of their own segment
             unpack = SegmentUnpacker(seg, report, views, self._corrupt)
-            for pos, body in self._walk(seg, report, mapped=i < last):
+            for pos, body in self._walk(seg, report, mapped=i < last, unread=unread):
                 if seg_first:
                     seg_first = False
                     if pos == SEGMENT_HEADER_SIZE:
@@ -345,7 +353,7 @@ class BundleReader:
                             sess0 = report.frames - 1  # a new writer session starts here
                 if fast is not None:
                     try:
-                        rec = fast(body)
+                        rec = (first if pos == SEGMENT_HEADER_SIZE else fast)(body)
                     except (msgspec.DecodeError, RecursionError):
                         pass
                     else:
@@ -386,6 +394,30 @@ class BundleReader:
                 f"{self.path}: the trailer in {name} counts {want} records, {got} were read"
             )
         self._report = report
+
+    def _decoding(
+        self,
+        wanted: frozenset[bytes] | None,
+        views: bool | str,
+        notes_raw: bool,
+        note_kinds: frozenset[str] | None,
+        events_as: Any,
+    ) -> tuple[dict[bytes, msgspec.msgpack.Decoder[Any]], Any, Any, Any]:
+        """``_iter``'s ``(decoders by tag, fast path, fast path of a segment's first frame,
+        the walk's ``unread`` predicate)``."""
+        decoders = _VIEW_DECODERS if views else _DECODERS
+        fast = fast_decoder(wanted, views)
+        if not notes_raw:
+            return decoders, fast, fast, None
+        # events_and_notes
+        decoders = {**decoders, b"note": NOTE_RAW}
+        fast = events_and_notes_decoder(note_kinds, events_as)
+        if note_kinds is None or self.strict:
+            return decoders, fast, fast, None
+        # the frames ``fast`` would skip are stepped over unchecked by the walk (but for a
+        # segment's first frame: ``fast`` itself skips it)
+        plain = events_and_notes_decoder(None, events_as)
+        return decoders, plain, fast, unread_frames(note_kinds)
 
     def _decode_slow(
         self,
@@ -452,8 +484,10 @@ class BundleReader:
         ``AnnotationRawView`` (``data`` left as msgpack bytes: decode it where the kind asks
         for it). A note whose ``data`` is not a map, which ``iter_kinds("note")`` reports as
         undecodable, is yielded: a caller decoding its data checks that itself.
-        ``kinds``: only the notes of these kinds; the others are skipped by their first
-        bytes, not decoded (so not checked either: a damaged one is not reported).
+        ``kinds``: only the notes of these kinds; the others, and packed requests, are
+        stepped over by their first bytes, neither decoded nor CRC-checked (a damaged one is
+        not reported; one whose length is damaged is, at the frame after it; counted in
+        ``report.unread``; a strict reader checks them all).
         ``events_as``: a stricter struct for event frames, tried first (tag ``"event"``,
         ``EventFrame``'s fields, e.g. a typed payload decoded in the same pass instead of
         skipped as ``Raw``); a frame it refuses comes as ``EventFrame``."""

@@ -14,6 +14,9 @@ class ReadReport:
     segments: int = 0
     bytes: int = 0  # total size of the segment files
     frames: int = 0  # valid frames (records + unknown records)
+    #: of ``frames``: stepped over unread, their CRC not checked (``events_and_notes`` with
+    #: ``kinds``: notes of other kinds, requests)
+    unread: int = 0
     format_minor: int = 0  # highest minor version among the segments
     torn_bytes: int = 0  # bytes after the last good frame of each segment (normal on crash)
     torn: list[tuple[str, int]] = field(default_factory=list)  # (segment, offset) per torn tail
