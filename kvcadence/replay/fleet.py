@@ -314,9 +314,19 @@ class Fleet:
 
     def _known(self, at: int, idx: int) -> None:
         if self.static:
-            self._route(at, idx)
+            self._route(at, idx)  # the rank's flush plan holds it if it must
+            return
+        # routed at its arrival: one that comes after a recorded flush not performed yet
+        # waits for it in its recorded rank's plan, which releases it at its time from
+        # the flush (``replay.flushes``)
+        plan = self.slots[self.slot_of[self.home[idx]]].sched.flush_plan
+        if plan is not None and plan.holds(idx):
+            plan.hold(at, idx, self._pend)
         else:
             heapq.heappush(self.pending, (at, idx))
+
+    def _pend(self, at: int, idx: int) -> None:
+        heapq.heappush(self.pending, (at, idx))
 
     def _route(self, at: int, idx: int) -> None:
         slot = self.router.route(self, idx, at)

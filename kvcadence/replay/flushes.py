@@ -25,12 +25,17 @@ would have made the flush fail). Replayed:
   clear − latest recorded finish of those requests (the client's wait before it asked); it
   is performed when the rank is fully idle (``Scheduler._maybe_flush``: the queue goes out
   first, then the ``AllBlocksCleared`` alone, decode counter reset);
-* every "after" request reaching the rank before the flush was performed is held there,
-  then released at ``T + offset`` (``T`` = simulated flush, ``offset`` = recorded arrival −
-  recorded clear): a lane's turn that crosses the flush (its predecessor is before it)
-  takes exactly that time (the client was waiting for the flush, not thinking); an
-  open-loop request (or a lane's first) the later of that and its own arrival (the
-  recorded timeline shifted by the flush's lateness);
+* the flush is a synchronisation point (the worker was idle): the recorded timeline after
+  it is replayed anchored at the simulated flush ``T``, whether the simulation reaches it
+  later or earlier than the recording did. Every "after" request whose arrival does not
+  follow another "after" request of its lane -- an open-loop request, a lane's first, a
+  lane's turn that crosses the flush (its predecessor is before it) -- arrives at exactly
+  ``T + offset`` (``offset`` = recorded arrival − recorded clear), not at its own time;
+  a lane's later turns keep their closed-loop timing (``max(own arrival, T)``). Such an
+  anchored request is held by the plan until the flush was performed (``hold``; an
+  open-loop one from the start: the scheduler and the fleet's static routing hand it over
+  when it becomes known, the fleet's dynamic routing holds it in its recorded rank's
+  plan), then released through the holder's ``sink`` (``performed``);
 * several flushes go in recorded order (flush ``k + 1`` only after ``k``); a DP capture has
   one clear per rank: each rank's plan holds its own clears, the "before" sets span the
   worker's requests on every rank;
@@ -187,9 +192,11 @@ class FlushPlan:
     """The recorded flushes of one simulated rank (see module docstring).
 
     The scheduler calls ``attach(on_due)`` (``on_due(t)``: the next flush may be performed
-    from virtual ``t`` on; may be called at once), ``holds(idx)`` / ``hold(at, idx)`` for an
-    arriving request, ``performed(t)`` after each flush (returns ``(at, idx)`` arrivals to
-    release) and ``force(t)`` when the rank would stop with a flush still pending."""
+    from virtual ``t`` on; may be called at once), ``holds(idx)`` / ``hold(at, idx, sink)``
+    for an arriving request (``sink(at, idx)``: where it goes once released; a driver may
+    hold a request it has not routed yet), ``performed(t)`` after each flush (releases the
+    requests it held, in arrival order) and ``force(t)`` when the rank would stop with a
+    flush still pending."""
 
     def __init__(self, times_abs: Iterable[int], ledger: FlushLedger, origin_ns: int) -> None:
         self.ledger = ledger
@@ -218,7 +225,7 @@ class FlushPlan:
         self.performed_n = 0
         self.performed_at: list[int] = []
         self._due_sent = -1
-        self._held: list[tuple[int, int]] = []
+        self._held: list[tuple[int, int, Callable[[int, int], None]]] = []
         self._on_due: Callable[[int], None] | None = None
         ledger.plans.append(self)
 
@@ -261,8 +268,10 @@ class FlushPlan:
         """Request ``idx`` must wait for a flush this rank has not performed yet."""
         return self.need.get(idx, 0) > self.performed_n
 
-    def hold(self, at: int, idx: int) -> None:
-        self._held.append((at, idx))
+    def hold(self, at: int, idx: int, sink: Callable[[int, int], None]) -> None:
+        """Hold request ``idx`` (its own arrival ``at``) until the flush it needs was
+        performed; then ``sink(arrival, idx)``."""
+        self._held.append((at, idx, sink))
 
     def _release_time(self, at: int, idx: int) -> int:
         need = self.need.get(idx, 0)
@@ -270,30 +279,30 @@ class FlushPlan:
             return at
         k = need - 1
         t_flush = self.performed_at[k]
-        earliest = t_flush + max(0, self.ledger.arrival[idx] - self.times[k])
         pred = self.ledger.specs[idx].pred
-        if pred is None:
-            return max(at, earliest)
-        if self.need.get(pred, 0) < need:
-            return earliest  # the lane's turn waited for the flush
+        if pred is None or self.need.get(pred, 0) < need:
+            # the first arrival after the flush (open loop, a lane's first, a turn crossing
+            # it): the recorded timeline anchored at the simulated flush
+            return t_flush + max(0, self.ledger.arrival[idx] - self.times[k])
         return max(at, t_flush)
 
-    def performed(self, t: int) -> list[tuple[int, int]]:
-        """The next flush was performed at virtual ``t``: the held requests it releases,
-        as ``(arrival, idx)``."""
+    def performed(self, t: int) -> None:
+        """The next flush was performed at virtual ``t``: release the held requests that
+        needed only it (and the flushes before), in arrival order, to their sinks."""
         self.performed_at.append(t)
         self.performed_n += 1
-        out: list[tuple[int, int]] = []
-        keep: list[tuple[int, int]] = []
-        for at, idx in self._held:
+        out: list[tuple[int, int, Callable[[int, int], None]]] = []
+        keep: list[tuple[int, int, Callable[[int, int], None]]] = []
+        for at, idx, sink in self._held:
             if self.holds(idx):
-                keep.append((at, idx))
+                keep.append((at, idx, sink))
             else:
-                out.append((self._release_time(at, idx), idx))
+                out.append((self._release_time(at, idx), idx, sink))
         self._held = keep
         self._check_due()
-        out.sort()
-        return out
+        out.sort(key=lambda x: (x[0], x[1]))
+        for at, idx, sink in out:
+            sink(at, idx)
 
     def force(self, t: int) -> None:
         """Make the next flush due at ``t`` whatever is left of its "before" requests."""

@@ -380,8 +380,12 @@ class Scheduler:
         performed yet: then it waits for it (``replay.flushes``)."""
         plan = self.flush_plan
         if plan is not None and plan.holds(idx):
-            plan.hold(at, idx)
+            plan.hold(at, idx, self._arrive)
             return
+        heapq.heappush(self.arrivals, (at, idx))
+
+    def _arrive(self, at: int, idx: int) -> None:
+        """A request the flush plan held arrives at ``at`` (``FlushPlan.performed``)."""
         heapq.heappush(self.arrivals, (at, idx))
 
     def _scale_next_gap(self, req: SimReq, t: int) -> None:
@@ -772,8 +776,7 @@ class Scheduler:
             self.stats.flushes += 1
             if self.flush_plan is not None:
                 # the requests that came after it (may make the next flush due)
-                for at, idx in self.flush_plan.performed(t):
-                    heapq.heappush(self.arrivals, (at, idx))
+                self.flush_plan.performed(t)
 
     def _flush_due(self, at: int) -> None:
         """``FlushPlan`` callback: the next recorded flush may be performed from ``at`` on

@@ -180,8 +180,7 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
 PRODUCTION_MISSES: dict[str, str] = {
     "p4-chunk512-nooverlap": "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
     "p16-tight-long-nooverlap": "cached_tokens_equal 0.935",
-    "p32-flush-nooverlap": "stored_events_per_request 2.675 -> 2.385 (-10.8%); stored_blocks_median"
-    " 5 -> 3 (-40.0%); removed_events_per_request 1.75 -> 1.525 (-12.9%); cached_tokens_equal 0.690",
+    "p32-flush-nooverlap": "cached_tokens_equal 0.755",
     "dp2-p8-long-nooverlap": "stored_blocks_median 13 -> 13.5 (+3.8%)",
 }
 

@@ -17,7 +17,10 @@ phases' streams joined by one ``AllBlocksCleared``. Checked:
 * the clears are read back from a bundle per rank, skipping each rank's startup clear; a
   requests-only capture falls back to the driver's ``flush_cache`` annotations;
 * records that contradict themselves (a request before the flush whose predecessor comes
-  after it) still flush once, when the rank would otherwise stop.
+  after it) still flush once, when the rank would otherwise stop;
+* an open-loop request after a flush the simulation reaches early arrives at its recorded
+  offset from the simulated flush, not at its recorded time (single rank; DP 2 under every
+  route).
 """
 
 from __future__ import annotations
@@ -220,6 +223,52 @@ def test_two_flushes_in_order():
     assert removed(stream) == sum(removed(p) for p in parts)
     old = old_rule(recs, cfg, flushes)
     assert clear_positions(old) != clear_positions(stream)
+
+
+def with_open_loop_after(recs: list, flush_ns: int, after_ms: float, rank: int = 0) -> list:
+    """``recs`` plus one open-loop request (no lane) recorded ``after_ms`` after the clear
+    at ``flush_ns``, taking 250 ms like the others."""
+    arr = (flush_ns / MS - T0_MS) + after_ms
+    r = req("open", list(range(500, 540)), 20, arrival_ms=arr)
+    r.meta_info["request_finished_ts"] = (T0_MS + arr + 250.0) / 1e3
+    r.dp_rank = rank
+    return [*copy.deepcopy(recs), r]
+
+
+def test_open_loop_request_after_a_flush_reached_early_comes_at_its_offset_from_it():
+    # the recorded worker was slower than the model: the simulation flushes well before
+    # the recorded clear. The worker was idle at the flush, so the recorded timeline after
+    # it starts at the simulated flush: the open-loop request arrives 650 ms after it, as
+    # it was recorded 650 ms after the clear -- not at its recorded time, much later (the
+    # old rule), when the lanes' next turns (anchored the same way) are long over
+    recs, flushes, groups = phased(4, 3, 2)
+    recs = with_open_loop_after(recs, flushes[0], 650.0)
+    res = run(recs, config(max_total_tokens=400), flush_abs_ns=flushes)
+    check_stream(res)
+    (t_clear,) = [t for (why, _c, _p, t) in res.scheduler.publish_log if why == "flush"]
+    by = {r.rid: r for r in res.requests}
+    anchor = res.schedule.anchor_ns
+    recorded_at = round(recs[-1].meta_info["request_received_ts"] * 1e9) - anchor
+    assert t_clear + 650 * MS < recorded_at - 200 * MS  # the flush was reached early
+    assert by["open"].send_ns - anchor == t_clear + 650 * MS
+    assert by["p1-l0-t0"].send_ns - anchor == t_clear + 500 * MS
+    check_order(res, [t_clear], [groups[0], [*groups[1], "open"]])
+
+
+@pytest.mark.parametrize("route", ["recorded", "round_robin", "cache_aware"])
+def test_dp_open_loop_request_after_a_flush_comes_at_its_offset_under_every_route(route):
+    # the same on a DP worker: the request is held in its recorded rank's plan (a dynamic
+    # router routes it only when it arrives), then on the rank it is routed to
+    recs, flushes, groups = phased(4, 3, 2, rank_of_lane=lambda lane: lane % 2)
+    recs = with_open_loop_after(recs, flushes[0], 650.0, rank=1)
+    w = _dp_worker(recs, flushes, [0, 1])
+    res = simulate_fleet([w], route)
+    clears = [t for sl in res.slots for (why, _c, _p, t) in sl.sched.publish_log if why == "flush"]
+    assert len(clears) == 2
+    by = {r.rid: r for r in res.requests}
+    recorded_at = round(recs[-1].meta_info["request_received_ts"] * 1e9) - res.anchor_ns
+    assert max(clears) + 650 * MS < recorded_at - 200 * MS
+    assert by["open"].send_ns - res.anchor_ns in {t + 650 * MS for t in clears}
 
 
 def _dp_worker(recs: list, flushes: list[int], ranks: list[int | None] | None = None):
