@@ -17,7 +17,8 @@ replayed, 4,912 stored hashes only in the real stream):
 
 * ``kvcadence drive`` (agent workload, closed-loop lanes; ``--no-capture``: its own records
   are kept apart and only used to check the recovered outputs);
-* plain concurrent ``httpx`` clients that are not kvcadence's driver: open-loop arrivals,
+* plain concurrent ``httpx`` clients that are not kvcadence's driver
+  (``kvcadence.testing.httpclients``): open-loop arrivals,
   three shared system prompts, multi-turn chats whose next prompt holds the previous output,
   single-shot requests, some with ``"stream": true``, no rid sent (SGLang picks one), EOS
   allowed. The worker also writes its JSON request log (``--log-requests-target``), which
