@@ -180,7 +180,8 @@ def test_bar(name, bar):
 
 def test_sglang_metrics_are_the_same_traffic(tmp_path):
     """The kept ``sglang-metrics/`` files hold exactly the driven requests: same prompts,
-    same ``cached_tokens`` as the driver's records (what the production path starts from)."""
+    same ``cached_tokens`` as the driver's records (what the production path starts from);
+    a production-only capture's bundle holds exactly the metrics files' requests."""
     from kvcadence.capture.sglang_logs import read_metrics
 
     for name in DRIVEN:
@@ -191,6 +192,11 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
             d = driver[r.rid]
             assert (r.input_ids, r.cached_tokens) == (d.input_ids, d.cached_tokens), r.rid
             assert r.completion_tokens == len(d.output_ids), r.rid
+    for name in PRODUCTION_ONLY:  # the bundle's records are what the capture tailed from them
+        tailed = BundleReader(CORPUS / name / "bundle").requests()
+        metrics = read_metrics(CORPUS / name / "sglang-metrics")
+        key = lambda r: (r.rid, r.input_ids, r.cached_tokens, r.completion_tokens)  # noqa: E731
+        assert sorted(map(key, tailed)) == sorted(map(key, metrics)), name
 
 
 #: capture -> the production path's misses today, measured
