@@ -17,7 +17,8 @@ replayed, 4,912 stored hashes only in the real stream):
 
 * ``kvcadence drive`` (agent workload, closed-loop lanes; ``--no-capture``: its own records
   are kept apart and only used to check the recovered outputs);
-* plain concurrent ``httpx`` clients that are not kvcadence's driver: open-loop arrivals,
+* plain concurrent ``httpx`` clients that are not kvcadence's driver
+  (``kvcadence.testing.httpclients``): open-loop arrivals,
   three shared system prompts, multi-turn chats whose next prompt holds the previous output,
   single-shot requests, some with ``"stream": true``, no rid sent (SGLang picks one), EOS
   allowed. The worker also writes its JSON request log (``--log-requests-target``), which
@@ -26,14 +27,8 @@ replayed, 4,912 stored hashes only in the real stream):
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -53,34 +48,10 @@ from kvcadence.format.schema import (
     RequestRecord,
     Trailer,
 )
+from kvcadence.testing.httpclients import Clients, start_capture, stop_capture
 
 worker = pytest.mark.sglang_worker
-REPO = Path(__file__).resolve().parents[2]
 RESULTS: dict[str, Any] = {}
-
-
-def start_capture(h: Any, out: Path) -> tuple[subprocess.Popen, Path]:
-    """``kvcadence capture --server --sglang-metrics`` as its own process."""
-    log = out.with_suffix(".stderr")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "kvcadence", "capture", "--server", h.url]
-    cmd += ["--sglang-metrics", h.metrics_dir, "--out", str(out)]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    deadline = time.monotonic() + 60
-    while not out.exists():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "capture did not start"
-        time.sleep(0.1)
-    time.sleep(1.5)  # SUB subscription (the initial replay covers seq 0 anyway)
-    return proc, log
-
-
-def stop_capture(proc: subprocess.Popen, log: Path, settle_s: float = 3.0) -> str:
-    time.sleep(settle_s)  # last finish stores (published on idle), last metrics lines
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0, log.read_text()
-    return log.read_text()
 
 
 def opaque_copy(src: Path, dst: Path, seed: int) -> None:
@@ -235,7 +206,7 @@ HTTPX_CFG = {
 def test_production_capture_of_driver_traffic_meets_the_bars(sglang_worker_factory, tmp_path):
     h = sglang_worker_factory("prod-drive", **DRIVE_CFG)
     out = tmp_path / "capture.kvcb"
-    proc, log = start_capture(h, out)
+    proc = start_capture(h.url, h.metrics_dir, out)
     t0 = time.monotonic()
     try:
         rc = main(
@@ -253,7 +224,7 @@ def test_production_capture_of_driver_traffic_meets_the_bars(sglang_worker_facto
             ]
         )
     finally:
-        summary = stop_capture(proc, log)
+        summary = stop_capture(proc, out, settle_s=3.0)
     wall = time.monotonic() - t0
     assert rc == 0 and h.alive(), h.log_tail()
     truth = BundleReader(tmp_path / "driver.kvcb").requests()
@@ -293,91 +264,6 @@ def test_production_capture_of_driver_traffic_meets_the_bars(sglang_worker_facto
 # ---------------------------------------------------------------------- other clients
 
 
-class Clients:
-    """Open-loop chats and single shots over shared system prompts (plain httpx)."""
-
-    def __init__(self, url: str, seed: int) -> None:
-        self.url = url
-        self.rng = random.Random(seed)
-        self.systems = [self.toks(n) for n in (96, 160, 224)]
-        self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream"}
-        self.errors: list[str] = []
-        self.lock = threading.Lock()
-
-    def toks(self, n: int) -> list[int]:
-        return [self.rng.randrange(3, 1024) for _ in range(n)]
-
-    def send(self, client: Any, ids: list[int], n_out: int, stream: bool, eos: bool) -> list:
-        body = {
-            "input_ids": ids,
-            "sampling_params": {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": eos},
-            "stream": stream,
-        }
-        out: list[int] = []
-        if stream:
-            with client.stream("POST", self.url + "/generate", json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                        d = json.loads(line[5:])
-                        ids_now = d.get("output_ids") or []
-                        # cumulative or incremental chunks: keep the longest consistent view
-                        if ids_now[: len(out)] == out:
-                            out = list(ids_now)
-                        else:
-                            out += ids_now
-        else:
-            r = client.post(self.url + "/generate", json=body)
-            r.raise_for_status()
-            out = r.json()["output_ids"]
-        with self.lock:
-            self.sent.append({"input_ids": ids, "output_ids": out, "stream": stream})
-        return out
-
-    def chat(self, start_s: float, t0: float, plan: list[tuple[int, int, bool]]) -> None:
-        import httpx
-
-        time.sleep(max(0.0, t0 + start_s - time.monotonic()))
-        sys_p = self.systems[plan[0][0] % 3]
-        ids = sys_p + self.toks(24)
-        try:
-            with httpx.Client(timeout=120) as c:
-                for k, (_, n_out, stream) in enumerate(plan):
-                    out = self.send(c, ids, n_out, stream, eos=k % 2 == 0)
-                    time.sleep(0.02)
-                    ids = ids + out + self.toks(3) + self.toks(16)  # template + user turn
-        except Exception as exc:  # noqa: BLE001 - checked by the test
-            self.errors.append(repr(exc))
-
-    def single(self, start_s: float, t0: float, sys_i: int, stream: bool) -> None:
-        import httpx
-
-        time.sleep(max(0.0, t0 + start_s - time.monotonic()))
-        try:
-            with httpx.Client(timeout=120) as c:
-                self.send(c, self.systems[sys_i] + self.toks(20), 8, stream, eos=True)
-        except Exception as exc:  # noqa: BLE001
-            self.errors.append(repr(exc))
-
-    def run(self, sessions: int = 8, singles: int = 24, span_s: float = 12.0) -> None:
-        t0 = time.monotonic()
-        threads = []
-        starts = sorted(self.rng.uniform(0, span_s) for _ in range(sessions + singles))
-        kinds = ["chat"] * sessions + ["single"] * singles
-        self.rng.shuffle(kinds)
-        for i, (s, kind) in enumerate(zip(starts, kinds, strict=True)):
-            if kind == "chat":
-                turns = self.rng.randint(3, 5)
-                plan = [(i, self.rng.randint(4, 20), k == turns - 1) for k in range(turns)]
-                th = threading.Thread(target=self.chat, args=(s, t0, plan))
-            else:
-                th = threading.Thread(target=self.single, args=(s, t0, i % 3, i % 2 == 0))
-            th.start()
-            threads.append(th)
-        for th in threads:
-            th.join(180)
-
-
 #: Measured on three runs of the same clients (seed 31, 60 requests, 20 streamed, pool 1200):
 #: run 1 met every bar (Stored events/request 1.983 both, median blocks/Stored 20 both,
 #: Removed events/request -7.9 %, mean blocks/Removed +8.6 %, cached_tokens equal 59/60);
@@ -404,13 +290,14 @@ HTTPX_MISSES = ("cached_equal", "removed_mean", "removed_per_req", "stored_media
 def test_production_capture_of_plain_http_clients(sglang_worker_factory, tmp_path):
     h = sglang_worker_factory("prod-httpx", **HTTPX_CFG)
     out = tmp_path / "capture.kvcb"
-    proc, log = start_capture(h, out)
+    proc = start_capture(h.url, h.metrics_dir, out)
     t0 = time.monotonic()
-    clients = Clients(h.url, seed=31)
+    clients = Clients(h.url, seed=31)  # 8 chats + 24 single shots: 60 requests
+    assert clients.n_requests == 60
     try:
         clients.run()
     finally:
-        summary = stop_capture(proc, log)
+        summary = stop_capture(proc, out, settle_s=3.0)
     wall = time.monotonic() - t0
     assert not clients.errors and h.alive(), (clients.errors, h.log_tail())
     n = len(clients.sent)

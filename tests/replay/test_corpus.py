@@ -11,6 +11,10 @@ blocks/Stored within 3 %, Removed events/request and mean blocks/Removed within 
 (capture, bar); a bar a capture misses today is a *strict* xfail naming the measured numbers
 (an XPASS fails, so the day it holds the marker must go).
 
+A capture of traffic that is not the driver's (``PRODUCTION_ONLY``: plain HTTP clients, its
+bundle written by ``kvcadence capture --sglang-metrics``, records tailed from the metrics
+files) has no driver records: it is held to the bars through the production path only.
+
 A DP capture (``dp_size`` > 1) is replayed as the fleet replays a multi-rank worker
 (``--route recorded``, recorded pace) and judged on all ranks together.
 
@@ -25,6 +29,7 @@ import sys
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,7 +65,18 @@ CAPTURES = (
     "p64-chunk128",
     "p32-flush-nooverlap",
     "dp2-p8-long-nooverlap",
+    "http-clients-p16",
 )
+
+#: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
+#: (``kvcadence capture --server URL --sglang-metrics DIR`` attached while the clients ran):
+#: the bundle holds the events and the records tailed from the worker's metrics files (no
+#: driver records: output ids, sessions and clients unknown). They are replayed through the
+#: production path only (``test_production_path_bars``), not by ``test_bar``.
+PRODUCTION_ONLY = ("http-clients-p16",)
+
+#: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
+DRIVEN = tuple(n for n in CAPTURES if n not in PRODUCTION_ONLY)
 
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
 MISSES: dict[tuple[str, str], str] = {
@@ -110,6 +126,8 @@ def replayed(name: str, path: str = "driver") -> dict[str, dict]:
     from kvcadence.replay.simulator import replay_bundle
     from kvcadence.replay.worker import dp_size_of, load_worker
 
+    if path == "driver" and name in PRODUCTION_ONLY:
+        raise ValueError(f"{name} has no driver records: replay it with path='production'")
     out = _workdir() / f"{name}-{path}"
     src = CORPUS / name / "bundle"
     if path == "production":
@@ -136,7 +154,7 @@ def bar_holds(row: dict, bar: str) -> bool:
 
 
 def _params():
-    for name in CAPTURES:
+    for name in DRIVEN:
         for bar in BARS:
             marks = ()
             if (name, bar) in MISSES:
@@ -153,6 +171,10 @@ def test_every_capture_is_listed_and_complete():
         assert len(reader.requests()) >= 200
         assert reader.header.sglang_version == "0.5.23"
         assert f"## `{name}`" in (CORPUS / "README.md").read_text()
+        # a driven capture's bundle holds the driver's records, a production-only one the
+        # metrics records the capture tailed, nothing else
+        sources = {r.source for r in reader.requests()}
+        assert sources == ({"sglang-metrics"} if name in PRODUCTION_ONLY else {"driver"}), name
 
 
 @pytest.mark.parametrize(("name", "bar"), list(_params()))
@@ -163,10 +185,11 @@ def test_bar(name, bar):
 
 def test_sglang_metrics_are_the_same_traffic(tmp_path):
     """The kept ``sglang-metrics/`` files hold exactly the driven requests: same prompts,
-    same ``cached_tokens`` as the driver's records (what the production path starts from)."""
+    same ``cached_tokens`` as the driver's records (what the production path starts from);
+    a production-only capture's bundle holds exactly the metrics files' requests."""
     from kvcadence.capture.sglang_logs import read_metrics
 
-    for name in CAPTURES:
+    for name in DRIVEN:
         driver = {r.rid: r for r in BundleReader(CORPUS / name / "bundle").requests()}
         metrics = read_metrics(CORPUS / name / "sglang-metrics")
         assert sorted(r.rid for r in metrics) == sorted(driver), name
@@ -174,6 +197,11 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
             d = driver[r.rid]
             assert (r.input_ids, r.cached_tokens) == (d.input_ids, d.cached_tokens), r.rid
             assert r.completion_tokens == len(d.output_ids), r.rid
+    for name in PRODUCTION_ONLY:  # the bundle's records are what the capture tailed from them
+        tailed = BundleReader(CORPUS / name / "bundle").requests()
+        metrics = read_metrics(CORPUS / name / "sglang-metrics")
+        key = lambda r: (r.rid, r.input_ids, r.cached_tokens, r.completion_tokens)  # noqa: E731
+        assert sorted(map(key, tailed)) == sorted(map(key, metrics)), name
 
 
 #: capture -> the production path's misses today, measured
@@ -182,6 +210,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p16-tight-long-nooverlap": "cached_tokens_equal 0.935",
     "p32-flush-nooverlap": "cached_tokens_equal 0.755",
     "dp2-p8-long-nooverlap": "stored_blocks_median 13 -> 13.5 (+3.8%)",
+    "http-clients-p16": "cached_tokens_equal 0.922",
 }
 
 
@@ -205,7 +234,7 @@ def test_production_path_bars(name):
     assert not missed, missed
 
 
-@pytest.mark.parametrize("name", CAPTURES)
+@pytest.mark.parametrize("name", DRIVEN)
 def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
     """On every capture, the production path's inference (events + SGLang's metrics files,
     rids random hex) against the driver's records: every output it does not report as
@@ -253,6 +282,73 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
 #: for 4 lanes before a predecessor had to hold the whole prompt of its candidate: see the
 #: corpus README.)
 CLIENTS_OVER_LANES = {"dp2-p4-flush": 2, "p32-flush-nooverlap": 1}
+
+
+#: ``http-clients-p16``'s clients: ``python -m kvcadence.testing.httpclients`` with these
+#: parameters (``--seed 612 --sessions 32 --singles 76 --span-s 60``; the corpus README)
+HTTP_CLIENTS: dict[str, Any] = {"seed": 612, "sessions": 32, "singles": 76, "span_s": 60.0}
+
+
+def http_clients_truth(name: str) -> dict[tuple[int, ...], tuple[int, int, list[int] | None]]:
+    """``prompt -> (client, turn, output)`` for a capture of the seeded plain HTTP clients.
+    The seed fixes every prompt token but the outputs inside later prompts, so each record is
+    found by its prompt, turn by turn, and a chat turn's output is read from its next
+    prompt (``None`` where nothing shows it: a chat's last turn, a single shot)."""
+    from kvcadence.testing.httpclients import Clients
+
+    clients = Clients("", **HTTP_CLIENTS)
+    recs = BundleReader(CORPUS / name / "bundle").requests()
+    by_prompt = {tuple(r.input_ids): r for r in recs}
+    by_tail: dict[tuple[int, ...], list] = {}
+    for r in recs:
+        by_tail.setdefault(tuple(r.input_ids[-19:]), []).append(r)
+    truth: dict[tuple[int, ...], tuple[int, int, list[int] | None]] = {}
+    for plan in clients.plans:
+        ids, appended = clients.prompts(plan)
+        for k in range(len(plan.outputs)):
+            r = by_prompt[tuple(ids)]  # a KeyError: a prompt the clients did not send
+            out = None
+            if k < len(appended):
+                (nxt,) = by_tail[tuple(appended[k])]
+                n = r.completion_tokens
+                assert nxt.input_ids[: len(ids)] == ids
+                assert len(nxt.input_ids) == len(ids) + n + len(appended[k])
+                out = nxt.input_ids[len(ids) : len(ids) + n]
+            truth[tuple(ids)] = (plan.index, k, out)
+            if out is not None:
+                ids = nxt.input_ids
+    assert len(truth) == len(recs) == clients.n_requests
+    return truth
+
+
+def test_http_clients_production_inference_is_the_clients_sessions(tmp_path):
+    """``http-clients-p16`` has no driver records, but its clients are seeded: every one of
+    its 206 records is a request the clients planned (108 clients: 32 chats of 3-5 turns, 76
+    single shots), and the outputs of the 98 chat turns that have a next turn are in that
+    turn's prompt. The production path's inference finds exactly those sessions (every turn
+    in its place) and those outputs. Its clients are fewer than the real ones (81 for 108
+    open-loop clients, each with one session): 27 session starts arrived within 10 median
+    think times of another session's end and are joined to it, as docs/production.md says
+    open-loop arrivals that close to a finish are; none as the only idle client."""
+    from kvcadence.replay.production import records_for_replay
+
+    name = "http-clients-p16"
+    truth = http_clients_truth(name)
+    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    assert rep["sessions"] == 108 and rep["with_predecessor"] == 98
+    assert rep["outputs_synthetic"] == {} and rep["predecessor_ties"] == 0
+    sessions: dict[int, set[tuple[int, int]]] = {}
+    known = 0
+    for r in recs:
+        client, turn, out = truth[tuple(r.input_ids)]
+        assert r.turn == turn, r.rid
+        sessions.setdefault(r.session, set()).add((client, turn))
+        if out is not None:
+            known += 1
+            assert r.output_ids == out, r.rid
+    assert known == 98
+    assert sorted(len({c for c, _ in v}) for v in sessions.values()) == [1] * 108
+    assert (rep["clients"], rep["idle_client_joins"]) == (81, 0)
 
 
 def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar():
@@ -323,7 +419,7 @@ def table(path: str = "driver") -> str:
     """Markdown: one row per capture, real -> sim (delta) per figure."""
     head = ["capture", *(t for t, _, _ in TABLE_FIGURES), "cached_tokens equal", "hash set"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in CAPTURES:
+    for name in CAPTURES if path == "production" else DRIVEN:
         rows = replayed(name, path)
         cells = [f"`{name}`"]
         for _, fig, fmt in TABLE_FIGURES:
@@ -350,7 +446,7 @@ def _fmt(row: dict) -> str:
 def misses() -> str:
     """The ``MISSES`` / ``PRODUCTION_MISSES`` entries measured now (to paste above)."""
     out = []
-    for name in CAPTURES:
+    for name in DRIVEN:
         rows = replayed(name)
         for bar, (fig, _) in BARS.items():
             if not bar_holds(rows[fig], bar):
@@ -368,6 +464,7 @@ if __name__ == "__main__":
     names = [a for a in sys.argv[1:] if not a.startswith("-")]
     if names:
         CAPTURES = tuple(names)  # noqa: F811 - print a subset
+        DRIVEN = tuple(n for n in CAPTURES if n not in PRODUCTION_ONLY)
     if "--misses" in sys.argv:
         print(misses())
         sys.exit()

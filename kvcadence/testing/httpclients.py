@@ -1,0 +1,236 @@
+"""Plain concurrent HTTP clients of an SGLang worker that are not kvcadence's driver.
+
+Open-loop arrivals (each client starts at a uniform random time in ``[0, span_s)``,
+whatever the worker is doing), three shared system prompts (96, 160 and 224 random tokens),
+multi-turn chats whose next prompt is the previous prompt + the previous output + 3
+"chat-template" tokens + a 16-token user turn, and single shots (a system prompt + 20
+tokens, 8 output tokens). Chat turns ask for 4-20 tokens; a chat's 2nd and 4th turns may stop
+at EOS (``ignore_eos`` off), every other request runs to its length (greedy decoding). Some requests stream (``"stream": true``: a
+chat's last turn, every other single shot). No rid is sent: SGLang picks one. Plain
+``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
+
+Seeded: the number of requests, their start times, system prompts, turn counts, output
+lengths and every prompt token are fixed by ``seed`` (each client draws from its own
+generator); only the outputs (greedy) and the worker's timing are not.
+
+Used by ``tests/capture/test_production_worker.py`` (60 requests) and to record the
+corpus capture ``http-clients-p16`` (``python -m kvcadence.testing.httpclients``: attaches
+``kvcadence capture --server --sglang-metrics`` while the clients run; see
+``tests/replay/data/corpus/README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SYSTEM_LENGTHS = (96, 160, 224)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One client: a chat (``turns`` > 0: output lengths per turn) or a single shot."""
+
+    index: int
+    start_s: float
+    system: int  # index into ``SYSTEM_LENGTHS``
+    outputs: tuple[int, ...]  # max_new_tokens per request
+    streams: tuple[bool, ...]  # stream flag per request
+    chat: bool
+
+
+class Clients:
+    """Open-loop chats and single shots over shared system prompts (plain httpx)."""
+
+    def __init__(
+        self,
+        url: str,
+        seed: int,
+        sessions: int = 8,
+        singles: int = 24,
+        span_s: float = 12.0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.url = url
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.rng = random.Random(seed)
+        self.systems = [self._toks(self.rng, n) for n in SYSTEM_LENGTHS]
+        self.plans = self._plan(sessions, singles, span_s)
+        self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _toks(rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(3, 1024) for _ in range(n)]
+
+    def _plan(self, sessions: int, singles: int, span_s: float) -> list[Plan]:
+        starts = sorted(self.rng.uniform(0, span_s) for _ in range(sessions + singles))
+        kinds = ["chat"] * sessions + ["single"] * singles
+        self.rng.shuffle(kinds)
+        plans = []
+        for i, (s, kind) in enumerate(zip(starts, kinds, strict=True)):
+            if kind == "chat":
+                turns = self.rng.randint(3, 5)
+                outs = tuple(self.rng.randint(4, 20) for _ in range(turns))
+                streams = tuple(k == turns - 1 for k in range(turns))
+                plans.append(Plan(i, s, i % 3, outs, streams, True))
+            else:
+                plans.append(Plan(i, s, i % 3, (8,), (i % 2 == 0,), False))
+        return plans
+
+    @property
+    def n_requests(self) -> int:
+        return sum(len(p.outputs) for p in self.plans)
+
+    def send(self, client: Any, ids: list[int], n_out: int, stream: bool, ignore_eos: bool) -> list:
+        params = {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": ignore_eos}
+        body = {
+            "input_ids": ids,
+            "sampling_params": params,
+            "stream": stream,
+        }
+        out: list[int] = []
+        if stream:
+            with client.stream("POST", self.url + "/generate", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        d = json.loads(line[5:])
+                        ids_now = d.get("output_ids") or []
+                        # cumulative or incremental chunks: keep the longest consistent view
+                        if ids_now[: len(out)] == out:
+                            out = list(ids_now)
+                        else:
+                            out += ids_now
+        else:
+            r = client.post(self.url + "/generate", json=body)
+            r.raise_for_status()
+            out = r.json()["output_ids"]
+        with self.lock:
+            self.sent.append({"input_ids": ids, "output_ids": out, "stream": stream})
+        return out
+
+    def prompts(self, plan: Plan) -> tuple[list[int], list[list[int]]]:
+        """``plan``'s first prompt and, per later turn, the tokens appended after the
+        previous output (3 template tokens + a 16-token user turn): turn k+1's prompt is
+        turn k's prompt + its output + ``appended[k]``. From the client's own generator, so
+        a capture's prompts can be told apart by seed alone."""
+        rng = random.Random(f"{self.seed}-{plan.index}")
+        first = self.systems[plan.system] + self._toks(rng, 24 if plan.chat else 20)
+        appended = [self._toks(rng, 3) + self._toks(rng, 16) for _ in plan.outputs[1:]]
+        return first, appended
+
+    def _client(self, plan: Plan, t0: float) -> None:
+        import httpx
+
+        ids, appended = self.prompts(plan)
+        time.sleep(max(0.0, t0 + plan.start_s - time.monotonic()))
+        try:
+            with httpx.Client(timeout=self.timeout_s) as c:
+                for k, (n_out, stream) in enumerate(zip(plan.outputs, plan.streams, strict=True)):
+                    # a chat's 2nd and 4th turns may stop at EOS, nothing else
+                    ignore = not plan.chat or k % 2 == 0
+                    out = self.send(c, ids, n_out, stream, ignore_eos=ignore)
+                    if k < len(appended):
+                        time.sleep(0.02)
+                        ids = ids + out + appended[k]
+        except Exception as exc:  # noqa: BLE001 - reported through ``errors``
+            with self.lock:
+                self.errors.append(repr(exc))
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=self._client, args=(p, t0)) for p in self.plans]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+
+# ---------------------------------------------------------------------- recording
+
+
+def start_capture(url: str, metrics_dir: str | Path, out: Path) -> subprocess.Popen:
+    """``kvcadence capture --server URL --sglang-metrics DIR --out OUT`` as its own
+    process, once it is listening (its log: ``OUT`` + ``.stderr``)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "kvcadence", "capture", "--server", url]
+    cmd += ["--sglang-metrics", str(metrics_dir), "--out", str(out)]
+    with open(out.with_suffix(".stderr"), "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 60
+    while not out.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"capture did not start: {capture_log(out)}")
+        time.sleep(0.1)
+    time.sleep(1.5)  # SUB subscription (the initial replay covers seq 0 anyway)
+    return proc
+
+
+def capture_log(out: Path) -> str:
+    log = out.with_suffix(".stderr")
+    return log.read_text() if log.exists() else ""
+
+
+def stop_capture(proc: subprocess.Popen, out: Path, settle_s: float = 3.0) -> str:
+    """Let the last finish stores (published on idle) and metrics lines arrive, stop the
+    capture with SIGINT; its log."""
+    time.sleep(settle_s)
+    proc.send_signal(signal.SIGINT)
+    if proc.wait(60) != 0:
+        raise RuntimeError(f"capture exited {proc.returncode}: {capture_log(out)}")
+    return capture_log(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m kvcadence.testing.httpclients",
+        description="Run the plain HTTP clients against a worker; with --out, capture the "
+        "run (KV events + the worker's --export-metrics-to-file records) meanwhile.",
+    )
+    ap.add_argument("--server", required=True, help="worker URL")
+    ap.add_argument("--seed", type=int, default=31)
+    ap.add_argument("--sessions", type=int, default=8, help="multi-turn chats (3-5 turns)")
+    ap.add_argument("--singles", type=int, default=24, help="single-shot requests")
+    ap.add_argument("--span-s", type=float, default=12.0, help="client starts spread over")
+    ap.add_argument("--out", type=Path, help="capture bundle directory to create")
+    ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
+    ap.add_argument("--sent", type=Path, help="write what the clients sent/got (JSON lines)")
+    a = ap.parse_args(argv)
+    clients = Clients(a.server, a.seed, a.sessions, a.singles, a.span_s)
+    print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
+    proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None
+    t0 = time.monotonic()
+    try:
+        clients.run()
+    finally:
+        summary = stop_capture(proc, a.out, a.settle) if proc and a.out else ""
+    print(f"clients done in {time.monotonic() - t0:.1f} s, {len(clients.errors)} errors")
+    print(summary)
+    if a.sent:
+        with open(a.sent, "w") as fh:
+            for s in clients.sent:
+                fh.write(json.dumps(s) + "\n")
+    for e in clients.errors:
+        print(e, file=sys.stderr)
+    return 1 if clients.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
