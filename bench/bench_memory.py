@@ -261,20 +261,35 @@ def child_build_events(path: str, n_events: int) -> dict[str, Any]:
 
 
 def child_report(bundle: str, cache: str, out: str) -> dict[str, Any]:
-    """The report's wall time and its peak RSS *with* its hash workers: ``wait4``'s
-    ``ru_maxrss`` is the largest of a process and its waited-for children, not their sum,
-    so the report's own peak plus, for each worker the pool may run, the largest worker's
-    peak (an upper bound of the sum; the workers run while the report is at work)."""
+    """The report's wall time and its peak RSS *with* its hash workers: the report's own peak
+    plus, for each worker a pool runs, the largest worker's own peak (``VmHWM`` read from
+    ``/proc`` as the pool closes it): an upper bound of their sum (the workers run while the
+    report is at work).
+
+    Not ``wait4``'s ``ru_maxrss`` of the workers: a child's ``ru_maxrss`` counts the memory
+    map it was started from (a spawned process's RSS before its ``exec`` is its parent's), so
+    every worker read as the report's RSS at the moment the pool started."""
     import resource
 
     from kvcadence.analysis import hashpool, report
 
+    peaks: list[float] = []
+    close = hashpool._Worker.close
+
+    def close_and_read(w: Any) -> None:  # the worker's own peak, read before it exits
+        peaks.append(_vm_hwm_mb(w.proc.pid))
+        close(w)
+
+    hashpool._Worker.close = close_and_read  # type: ignore[method-assign]
     t = time.perf_counter()
-    report.make_report([bundle], out, cache_dirs=[cache])
+    try:
+        report.make_report([bundle], out, cache_dirs=[cache])
+    finally:
+        hashpool._Worker.close = close  # type: ignore[method-assign]
     wall = round(time.perf_counter() - t, 2)
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    n = hashpool.ChainHasher().workers - 1 if worker else 0
+    worker = max(peaks, default=0.0)
+    n = hashpool.ChainHasher().workers - 1 if peaks else 0  # a pool's workers, at once
     return {
         "wall_s": wall,
         "own_rss_mb": round(own, 1),
@@ -282,6 +297,18 @@ def child_report(bundle: str, cache: str, out: str) -> dict[str, Any]:
         "worker_rss_mb": round(worker, 1),
         "rss_with_workers_mb": round(own + n * worker, 1),
     }
+
+
+def _vm_hwm_mb(pid: int) -> float:
+    """The peak RSS (``VmHWM``) of the live process ``pid`` in MB; 0 where unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return 0.0
 
 
 def child_ingest(bundle: str, cache: str) -> dict[str, Any]:
