@@ -44,9 +44,13 @@ measured in the same run:
   against the first point; the goal (<= 60 s and <= 3 GB at 10M events) is attached to the
   10M point, and without it the 10M figures are extrapolated linearly from the two points
   measured (said so). The peak RSS counts the page-hash worker processes
-  (``analysis.hashpool``) too: ``wait4`` gives the largest of the report and its workers, so
-  the report child adds, per worker, the largest worker's peak to its own (an upper bound of
-  the sum; before 2026-12-02 05:30 UTC the figure was the report's own peak only). The 10M
+  (``analysis.hashpool``) too: the report child adds, per worker a pool runs, the largest
+  worker's own peak (``VmHWM`` read as the pool closes it) to its own (an upper bound of the
+  sum). Not ``wait4``'s ``ru_maxrss`` of the workers: a spawned process's counts the memory
+  of its parent before the ``exec``, so from 05:30 to 07:10 UTC on 2026-12-02 each worker was
+  counted at the report's RSS when the pool started (1M events: 1,014 MB = ~630 MB report +
+  ~390 MB "worker"; a worker's own peak is ~33 MB); before that the figure was the report's
+  own peak only. The 10M
   report measured alone on 2026-12-02 (its own peak): 1.56-1.72 GB peak RSS, 137 s wall
   (load ~3) to 385 s (load ~8) -- see docs/metrics.md.
 
@@ -663,7 +667,7 @@ def bench_report(sizes: list[int], work: Path, figures: list, notes: list) -> No
         "report: bench_analysis.py's synthetic bundle; kvcadence.analysis.report.make_report "
         "(plots on; first report after ingest) in a fresh child, ingest in a child before it; "
         "its peak RSS counts the page-hash worker processes (the report's own peak + each "
-        "worker at the largest worker's peak: an upper bound of their sum)"
+        "worker at the largest worker's own peak, VmHWM: an upper bound of their sum)"
     )
 
 
