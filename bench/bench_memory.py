@@ -51,8 +51,9 @@ measured in the same run:
   counted at the report's RSS when the pool started (1M events: 1,014 MB = ~630 MB report +
   ~390 MB "worker"; a worker's own peak is ~33 MB); before that the figure was the report's
   own peak only. The 10M
-  report measured alone on 2026-12-02 (its own peak): 1.56-1.72 GB peak RSS, 137 s wall
-  (load ~3) to 385 s (load ~8) -- see docs/metrics.md.
+  report measured alone on 2026-12-02: 1.65 GB own peak + 34 MB for its one hash worker
+  (1.69 GB; earlier runs 1.56-1.72 GB own), 137 s wall (load ~3) to 395 s (load ~7) -- see
+  docs/metrics.md.
 
     .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|ingest|report] [--quick]
         [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]
