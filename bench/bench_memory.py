@@ -51,11 +51,16 @@ measured in the same run:
   against the first point; the goal (<= 60 s and <= 3 GB at 10M events) is attached to the
   10M point, and without it the 10M figures are extrapolated linearly from the two points
   measured (said so). The peak RSS counts the page-hash worker processes
-  (``analysis.hashpool``) too: ``wait4`` gives the largest of the report and its workers, so
-  the report child adds, per worker, the largest worker's peak to its own (an upper bound of
-  the sum; before 2026-12-02 05:30 UTC the figure was the report's own peak only). The 10M
-  report measured alone on 2026-12-02 (its own peak): 1.56-1.72 GB peak RSS, 137 s wall
-  (load ~3) to 385 s (load ~8) -- see docs/metrics.md.
+  (``analysis.hashpool``) too: the report child adds, per worker a pool runs, the largest
+  worker's own peak (``VmHWM`` read as the pool closes it) to its own (an upper bound of the
+  sum). Not ``wait4``'s ``ru_maxrss`` of the workers: a spawned process's counts the memory
+  of its parent before the ``exec``, so from 05:30 to 07:10 UTC on 2026-12-02 each worker was
+  counted at the report's RSS when the pool started (1M events: 1,014 MB = ~630 MB report +
+  ~390 MB "worker"; a worker's own peak is ~33 MB); before that the figure was the report's
+  own peak only. The 10M
+  report measured alone on 2026-12-02: 1.65 GB own peak + 34 MB for its one hash worker
+  (1.69 GB; earlier runs 1.56-1.72 GB own), 137 s wall (load ~3) to 395 s (load ~7) -- see
+  docs/metrics.md.
 
     .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|prodlog|ingest|report] [--quick]
         [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]
@@ -323,20 +328,35 @@ def child_build_events(path: str, n_events: int) -> dict[str, Any]:
 
 
 def child_report(bundle: str, cache: str, out: str) -> dict[str, Any]:
-    """The report's wall time and its peak RSS *with* its hash workers: ``wait4``'s
-    ``ru_maxrss`` is the largest of a process and its waited-for children, not their sum,
-    so the report's own peak plus, for each worker the pool may run, the largest worker's
-    peak (an upper bound of the sum; the workers run while the report is at work)."""
+    """The report's wall time and its peak RSS *with* its hash workers: the report's own peak
+    plus, for each worker a pool runs, the largest worker's own peak (``VmHWM`` read from
+    ``/proc`` as the pool closes it): an upper bound of their sum (the workers run while the
+    report is at work).
+
+    Not ``wait4``'s ``ru_maxrss`` of the workers: a child's ``ru_maxrss`` counts the memory
+    map it was started from (a spawned process's RSS before its ``exec`` is its parent's), so
+    every worker read as the report's RSS at the moment the pool started."""
     import resource
 
     from kvcadence.analysis import hashpool, report
 
+    peaks: list[float] = []
+    close = hashpool._Worker.close
+
+    def close_and_read(w: Any) -> None:  # the worker's own peak, read before it exits
+        peaks.append(_vm_hwm_mb(w.proc.pid))
+        close(w)
+
+    hashpool._Worker.close = close_and_read  # type: ignore[method-assign]
     t = time.perf_counter()
-    report.make_report([bundle], out, cache_dirs=[cache])
+    try:
+        report.make_report([bundle], out, cache_dirs=[cache])
+    finally:
+        hashpool._Worker.close = close  # type: ignore[method-assign]
     wall = round(time.perf_counter() - t, 2)
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    n = hashpool.ChainHasher().workers - 1 if worker else 0
+    worker = max(peaks, default=0.0)
+    n = hashpool.ChainHasher().workers - 1 if peaks else 0  # a pool's workers, at once
     return {
         "wall_s": wall,
         "own_rss_mb": round(own, 1),
@@ -344,6 +364,18 @@ def child_report(bundle: str, cache: str, out: str) -> dict[str, Any]:
         "worker_rss_mb": round(worker, 1),
         "rss_with_workers_mb": round(own + n * worker, 1),
     }
+
+
+def _vm_hwm_mb(pid: int) -> float:
+    """The peak RSS (``VmHWM``) of the live process ``pid`` in MB; 0 where unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return 0.0
 
 
 def child_ingest(bundle: str, cache: str) -> dict[str, Any]:
@@ -733,14 +765,20 @@ def bench_report(sizes: list[int], work: Path, figures: list, notes: list) -> No
                     baseline=lim,
                     baseline_name="the goal at 10M events",
                     higher_is_better=False,
-                    note=f"linear from {n_a:,} -> {n_b:,} events; not measured (--full measures it)",
+                    note=f"linear from {n_a:,} -> {n_b:,} events; not measured (--full measures it)"
+                    + (
+                        "; an overestimate: DuckDB's share stops growing at its 1 GB limit "
+                        "(measured 2026-12-02: 1.69 GB with the hash worker)"
+                        if unit == "MB"
+                        else ""
+                    ),
                 )
             )
     notes.append(
         "report: bench_analysis.py's synthetic bundle; kvcadence.analysis.report.make_report "
         "(plots on; first report after ingest) in a fresh child, ingest in a child before it; "
         "its peak RSS counts the page-hash worker processes (the report's own peak + each "
-        "worker at the largest worker's peak: an upper bound of their sum)"
+        "worker at the largest worker's own peak, VmHWM: an upper bound of their sum)"
     )
 
 

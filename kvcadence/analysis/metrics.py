@@ -494,13 +494,18 @@ def _attribution(
             "output_blocks": pl.Int64,
         },
     )
-    for name, col in (
+    dists = (
         ("attribution.stored_events_per_request", "stored_events"),
         ("attribution.prefill_store_events_per_request", "prefill_events"),
         ("attribution.finish_store_events_per_request", "finish_events"),
-    ):
-        c.con.register("_per_req", per_req.to_arrow())
-        _put_dist(m, name, c.dist(col, "FROM _per_req"))
+    )
+    # the three count columns only, registered once (not the rids: a copy of every rid
+    # string per registration)
+    c.con.register("_per_req", per_req.select([col for _, col in dists]).to_arrow())
+    try:
+        for name, col in dists:
+            _put_dist(m, name, c.dist(col, "FROM _per_req"))
+    finally:
         c.con.unregister("_per_req")
     return m, dict(sorted(a.event_kinds.items())), per_req
 

@@ -15,9 +15,12 @@ the last shared digest), so a multi-turn agent capture costs one hash per distin
 The requests are read a batch at a time (never the whole token columns: only the page
 hashes, 8 bytes a page, are kept): ``BATCH_ROWS`` rows, fewer when the longest request
 (``n_input + n_output``) would put more than ``BATCH_TOKENS`` token ids in a batch (100k-token
-prompts: 167 rows, not 8,192 -- 3.3 GB of ids), each batch's pages appended to the cache as it
-is hashed; the session reuse carries over batches (``hash_requests``'s ``last``). A batch's
-root chains are shared among processes, one per CPU (``kvcadence.analysis.hashpool``).
+prompts: 167 rows, not 8,192 -- 3.3 GB of ids) or more than ``BATCH_PAGES`` pages (their
+32-byte digests: at page size 1 a page a token), each batch's pages appended to the cache as
+it is hashed; the session reuse carries over batches (``Carry``: each session's latest chain
+and digests, the least recently used sessions dropped beyond ``CARRY_BYTES``, so it does not
+grow with the capture's sessions). A batch's root chains are shared among processes, one per
+CPU (``kvcadence.analysis.hashpool``).
 
 The result is cached as ``<cache>/request_pages-ps<N>.parquet`` (``request_id``, ``page``,
 ``hash`` uint64); the ingest cache rebuild (a new fingerprint) replaces the whole directory,
@@ -40,13 +43,50 @@ _I64_BITS = "int64"
 BATCH_ROWS = 8192
 #: token ids one batch holds at most (the longest request decides the rows): 64 MB as uint32
 BATCH_TOKENS = 1 << 24
+#: pages one batch hashes at most: their 32-byte digests are 64 MB (at page size 1 a page is
+#: a token, and the digests, not the ids, were most of a batch: 0.5 GB at ``BATCH_TOKENS``)
+BATCH_PAGES = 1 << 21
+#: bytes of the session reuse carried between batches (each session's latest chain and
+#: digests), least recently used sessions dropped beyond it: the carry grew with every
+#: session of the capture (a dropped session's next turn is hashed from the root: the same
+#: hashes)
+CARRY_BYTES = 1 << 27
 
 
-def batch_rows(con: Any) -> int:
+def batch_rows(con: Any, page_size: int = 1) -> int:
     """Rows per batch: ``BATCH_ROWS``, fewer where the longest request's tokens times the
-    rows would pass ``BATCH_TOKENS`` (read from the scalar length columns, not the ids)."""
+    rows would pass ``BATCH_TOKENS``, or its pages (at ``page_size``) ``BATCH_PAGES`` (read
+    from the scalar length columns, not the ids)."""
     ((longest,),) = con.sql("SELECT coalesce(max(n_input + n_output), 0) FROM requests").fetchall()
-    return max(1, min(BATCH_ROWS, BATCH_TOKENS // max(int(longest), 1)))
+    longest = max(int(longest), 1)
+    pages = max(longest // max(1, int(page_size)), 1)
+    return max(1, min(BATCH_ROWS, BATCH_TOKENS // longest, BATCH_PAGES // pages))
+
+
+class Carry:
+    """The session reuse carried from batch to batch: ``(lane, session)`` -> (pages, chain
+    words, digests) of the session's latest row, within ``CARRY_BYTES`` (the least recently
+    used sessions dropped first)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        from collections import OrderedDict
+
+        self.limit = CARRY_BYTES if limit is None else limit
+        self.items: OrderedDict[tuple[Any, Any], tuple[int, bytes, Any]] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: tuple[Any, Any]) -> tuple[int, bytes, Any] | None:
+        return self.items.get(key)
+
+    def put(self, key: tuple[Any, Any], k: int, words: bytes, digests: Any) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old[1]) + old[2].nbytes
+        self.items[key] = (k, words, digests)
+        self.bytes += len(words) + digests.nbytes
+        while self.bytes > self.limit and len(self.items) > 1:
+            _, (_, w, d) = self.items.popitem(last=False)
+            self.bytes -= len(w) + d.nbytes
 
 
 @dataclass
@@ -194,7 +234,7 @@ def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = Tr
     ``keep=False``: only write them (the result then holds the offsets and no hashes)."""
 
     ps = max(1, int(page_size))
-    rows = batch_rows(con)
+    rows = batch_rows(con, ps)
     # no ORDER BY: the scan keeps file order (= request_id; DuckDB preserve_insertion_order),
     # and sorting 45M tokens' lists doubled the read; the order is checked instead (DuckDB
     # sorts, out of core, if it ever is not)
@@ -225,7 +265,7 @@ def _hash_batches(
 
     counts: list[Any] = [np.zeros(1, dtype=np.int64)]
     hashes: list[Any] = []
-    last: dict[tuple[Any, Any], tuple[int, bytes, Any]] = {}
+    last = Carry()
     prev_rid = -1
     rows = 0
     for b in batches:
@@ -269,7 +309,7 @@ def hash_requests(
     ps: int,
     lane: list[Any],
     session: list[Any],
-    last: dict[tuple[Any, Any], tuple[int, bytes, Any]] | None = None,
+    last: Carry | None = None,
     hasher: ChainHasher | None = None,
 ) -> tuple[Any, Any]:
     """(page offsets, int64 hashes) of every row's chain, given the flat chain tokens ``cv``
@@ -279,9 +319,8 @@ def hash_requests(
     from the root (most) are hashed in one ``wire.root_chains`` pass over it (no per-row
     call). Rows that reuse their session's previous row (a whole-page prefix of theirs) copy
     its digests and hash only the new pages; rows with tokens that are not plain uint32 are
-    hashed from their Python lists (the wide / error path of ``wire``). ``last``: ``(lane,
-    session)`` -> (pages, chain words, digests) of the session's latest row with pages,
-    carried from batch to batch (updated here). ``hasher``: shares the root-chain pass among
+    hashed from their Python lists (the wide / error path of ``wire``). ``last``: the
+    ``Carry`` of the sessions' latest rows with pages from earlier batches (updated here). ``hasher``: shares the root-chain pass among
     processes (``kvcadence.analysis.hashpool``; default: this process alone)."""
     import sys
     from array import array
@@ -294,7 +333,7 @@ def hash_requests(
     np.cumsum(n_pages, out=page_off[1:])
     total = int(page_off[-1])
     if last is None:
-        last = {}
+        last = Carry()
     if total == 0:
         return page_off, np.zeros(0, dtype=np.int64)
     toks = cv
@@ -314,7 +353,8 @@ def hash_requests(
     # (or it of that row) starts from that row's digests
     start = np.zeros(n, dtype=np.int64)
     source: dict[int, Any] = {}  # row -> the row it reuses (int) or carried digests
-    ended: dict[tuple[Any, Any], int] = {}  # key -> its latest row in this batch
+    # key -> (pages, words, row) of its latest row in this batch
+    ended: dict[tuple[Any, Any], tuple[int, bytes, int]] = {}
     npl, pol = n_pages.tolist(), page_off.tolist()
     for r in np.flatnonzero(n_pages > 0).tolist():
         if (lane[r] is None and session[r] is None) or bad[r]:
@@ -322,14 +362,13 @@ def hash_requests(
         key = (lane[r], session[r])
         k = npl[r]
         words = buf[step * pol[r] : step * pol[r + 1]]
-        prev = last.get(key)
+        prev = ended.get(key) or last.get(key)
         if prev is not None:
             qk, qw, qsrc = prev
             if words.startswith(qw) if qk <= k else qw.startswith(words):
                 start[r] = min(qk, k)
                 source[r] = qsrc
-        last[key] = (k, words, r)
-        ended[key] = r
+        ended[key] = (k, words, r)
 
     # every row hashed from the root, in one pass
     fast = (n_pages > 0) & (start == 0) & ~bad
@@ -366,8 +405,9 @@ def hash_requests(
         digests[a + k - len(out) : a + k] = np.frombuffer(b"".join(out), dtype=np.uint8).reshape(
             -1, 32
         )
-    for key, r in ended.items():  # what the next batch reuses: this batch's digests, copied
-        k, words, _ = last[key]
-        last[key] = (k, words, digests[pol[r] : pol[r] + k].copy())
+    # what the next batch reuses: copied digests, the latest rows put last (least recently
+    # used first out)
+    for key, (k, words, r) in sorted(ended.items(), key=lambda kv: kv[1][2]):
+        last.put(key, k, words, digests[pol[r] : pol[r] + k].copy())
     hashes = np.ascontiguousarray(digests[:, :8]).view(">i8").ravel().astype(np.int64)
     return page_off, hashes

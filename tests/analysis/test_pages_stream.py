@@ -62,6 +62,52 @@ def test_batches_equal_one_batch(
     assert np.array_equal(again.hashes, whole.hashes)
 
 
+@pytest.mark.parametrize("limit", [0, 600])
+def test_a_bounded_session_carry_gives_the_same_hashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """Sessions dropped from the carry (``CARRY_BYTES``; 0: only the latest one kept) are
+    hashed from the root on their next turn: the same hashes; the carry stays in bounds."""
+    b, chains = _sessions_bundle(tmp_path / "b")
+    ing = ingest.ingest(b)
+    whole = kpages.compute(sql.connect(ing), 4)
+    monkeypatch.setattr(kpages, "BATCH_ROWS", 5)
+    monkeypatch.setattr(kpages, "CARRY_BYTES", limit)
+    seen: list[tuple[int, int]] = []
+    put = kpages.Carry.put
+
+    def spy(self: kpages.Carry, *a: object) -> None:
+        put(self, *a)  # type: ignore[arg-type]
+        seen.append((len(self.items), self.bytes))
+
+    monkeypatch.setattr(kpages.Carry, "put", spy)
+    got = kpages.compute(sql.connect(ing), 4)
+    assert np.array_equal(got.offsets, whole.offsets)
+    assert np.array_equal(got.hashes, whole.hashes)
+    for r, chain in enumerate(chains):
+        assert got.chain(r) == wire.block_hashes(chain, 4)
+    assert seen and all(n == 1 or used <= limit for n, used in seen)
+    if limit == 0:
+        assert max(n for n, _ in seen) == 1
+    else:
+        assert max(n for n, _ in seen) > 1  # several sessions fit in 600 bytes
+
+
+def test_batch_rows_bounded_by_the_longest_request_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a small page size the digests (32 bytes a page) bound a batch: ``BATCH_PAGES``."""
+    b, _ = _sessions_bundle(tmp_path / "b")
+    con = sql.connect(ingest.ingest(b))
+    ((longest,),) = con.sql("SELECT max(n_input + n_output) FROM requests").fetchall()
+    assert longest >= 16
+    monkeypatch.setattr(kpages, "BATCH_PAGES", 3 * longest)
+    assert kpages.batch_rows(con, 1) == 3  # at page size 1 a page is a token
+    assert kpages.batch_rows(con, 4) == 3 * longest // (longest // 4) >= 12
+    monkeypatch.setattr(kpages, "BATCH_PAGES", 1)
+    assert kpages.batch_rows(con, 1) == 1  # never 0
+
+
 def test_batch_rows_bounded_by_the_longest_request_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
