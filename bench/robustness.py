@@ -177,20 +177,24 @@ class Capture:
 
 def single_capture(name: str, bundle: Path) -> Capture:
     from kvcadence.format.bundle import BundleReader
+    from kvcadence.replay.loading import load_for_replay
     from kvcadence.replay.simulator import simulate
     from kvcadence.replay.worker import effective_config, flush_times_from_bundle
 
     reader = BundleReader(bundle)
+    # as `kvcadence replay` loads them: a production capture's records completed (outputs
+    # from the KV events, inferred sessions), read once for every variant
+    records, _, recorded = load_for_replay(reader)
     base = effective_config(
-        reader.header.server_info, reader.requests(), sglang_version=reader.header.sglang_version
+        reader.header.server_info, records, sglang_version=reader.header.sglang_version
     )
-    flushes = flush_times_from_bundle(BundleReader(bundle), base.attn_dp_rank)
+    flushes = flush_times_from_bundle(BundleReader(bundle), base.attn_dp_rank, recorded)
 
     def replay(param: str | None, factor: float) -> dict[int, dict[str, Any]]:
         cfg = copy.deepcopy(base)
         if param is not None:
             setattr(cfg.timing, param, getattr(cfg.timing, param) * factor)
-        res = simulate(BundleReader(bundle).requests(), cfg, flush_abs_ns=flushes)
+        res = simulate(records, cfg, flush_abs_ns=flushes)
         return {0: figures([b.payload for b in res.batches], res.requests)}
 
     return Capture(name, bundle, False, replay, {p: getattr(base.timing, p) for p in PARAMS})
