@@ -12,6 +12,7 @@ when the request is over (``drop_tokens``), so only live requests hold one.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,8 +156,10 @@ class Batch:
     index: int
     end_ns: int = 0
     tokens: int = 0
-    upto: list[int] = field(default_factory=list)  # prefill: sequence end computed
-    finals: list[bool] = field(default_factory=list)  # prefill: last chunk of the request
+    #: prefill: sequence end computed, and whether it is the request's last chunk (a
+    #: decode pass shares the empty defaults: no two lists per pass)
+    upto: Sequence[int] = ()
+    finals: Sequence[bool] = ()
 
 
 @dataclass(slots=True)

@@ -201,6 +201,8 @@ class Scheduler:
         self.pending_merge: list[SimReq] = []
         self.chunked_req: SimReq | None = None
         self.batch_is_full = False
+        #: ``cfg.effective_max_running``, read once (a property; checked per batch build)
+        self.max_running = cfg.effective_max_running
         #: ``calc_priority`` calls counted towards the waiting-prefix refresh (policy.py)
         self._prefix_refresh_calls = 0
         self.private_total = 0
@@ -362,12 +364,12 @@ class Scheduler:
 
     def _release_successors(self, req: SimReq, t: int) -> None:
         """Closed loop: the lane's next request arrives its gap after ``req`` finished."""
-        extra = self.remote_decode_ns(req)
         if self.cfg.scale_client_gaps and self.role == "both":
             self._scale_next_gap(req, t)
         if self.on_finish is not None:
             self.on_finish(req, t)
             return
+        extra = self.remote_decode_ns(req)
         if self.flush_plan is not None:
             self.flush_plan.ledger.finished(req.idx, t)
         for nxt in self.successors.get(req.idx, ()):
@@ -430,7 +432,7 @@ class Scheduler:
             req.last_node = req.lock_handle
 
     def _num_allocatable(self) -> int:
-        return self.cfg.effective_max_running - len(self.running)
+        return self.max_running - len(self.running)
 
     def _get_new_batch_prefill(self, t: int) -> Batch | None:
         cfg = self.cfg
@@ -927,7 +929,8 @@ class Scheduler:
                 self.t = self.paused_until
                 return True
             self.paused_until = None
-        if self.arrivals:
+        arrivals = self.arrivals
+        if arrivals and arrivals[0][0] <= t:  # ``_receive``'s first check (a call per pass)
             self._receive(t)
         if self._aborts:
             self._apply_aborts(t)

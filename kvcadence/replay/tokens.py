@@ -178,10 +178,12 @@ class Prompt:
             extra = need - p.base_len  # ``out`` holds min(need, p.base_len) tokens here
             if extra > 0:
                 own = p.own
+                if extra < len(own):
+                    own = own[:extra]  # else the whole run: no slice copy
                 if own.typecode == out.typecode:
-                    out += own[:extra]  # in place: amortised, not a copy per level
+                    out += own  # in place: amortised, not a copy per level
                 else:
-                    out = cat(out, own[:extra])
+                    out = cat(out, own)
         assert out is not None
         return out
 
