@@ -351,7 +351,8 @@ class StoreIndex:
         tie = False
         if at is not None:
             where = (at[0], at[1] + 1)
-            got = self._run(where[0], where[1], tail, k)
+            # (``_run`` of a position past the event's end: None, the usual case)
+            got = self._run(where[0], where[1], tail, k) if where[1] < self.pages[at[0]] else None
             if got is not None:
                 if where not in claimed:
                     return got[0], got[1], got[2], where, False

@@ -220,7 +220,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
             continue
         toks, last, was_merged = got[:3]
-        known[i] = toks[L - P * ps :]
+        known[i] = toks[L - P * ps :] if L > P * ps else toks  # a fresh slice already
         via_events += 1
         in_merged += was_merged
         if len(toks) == K * ps:
@@ -240,7 +240,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         )
 
     order = arrival_order(nodes)
-    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, extends, order, finished)
+    # at page size 1 every prompt ends on a full page: ``extends`` admits every candidate
+    ext = extends if ps > 1 else None
+    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, ext, order, finished)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}

@@ -127,10 +127,15 @@ def infer_predecessors(
             if hit:
                 break
         else:
-            for found in _anchored_rest(node, anchors):
-                hit = found if extends is None else [x for x in found if extends(q, x[1])]
-                if hit:
-                    break
+            if node.path:
+                for found in _anchored_rest(node, anchors):
+                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
+                    if hit:
+                        break
+            elif node.base is not None:  # ``_anchored_rest``'s only anchor here
+                found = anchors.get(node.base)
+                if found:
+                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
         if not hit:
             continue
         best = hit[0]
