@@ -112,8 +112,9 @@ def infer_predecessors(
         if not anchors:
             continue
         hit = None
-        # the deepest anchor first (``_anchored``), inline for the common path: the last
-        # prefill segment's hits, then the block the prefill attached to
+        # the deepest anchor on the prompt's path first: the prefill segments' anchor
+        # positions (last segment first), then (``_anchored_rest``) every page hash of a
+        # prompt that stored nothing, the block the prefill attached to
         for _, ei, j, m in reversed(node.segs):
             lo = offsets[ei] + j
             c = bisect_right(hits, lo + m - 1)
