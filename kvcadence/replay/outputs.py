@@ -254,10 +254,13 @@ class StoreIndex:
         if found is None:
             return None
         e0, j, n = found
-        base = self.parents[e0] if j == 0 else self.hash_at(e0, j - 1)
+        hashes, offs = self.hashes, self.offs
+        base = self.parents[e0] if j == 0 else hashes.item(offs[e0] + j - 1)
         segs = [(start, e0, j, n)]
-        cur = self.hash_at(e0, j + n - 1)
+        cur = hashes.item(offs[e0] + j + n - 1)
         p = start + n
+        if p >= pages:  # one chunk (the usual prompt)
+            return cur, segs, base
         parents, n_pages, tokens = self.parents, self.pages, self.tokens
         for ei in range(e0 + 1, end):  # later chunks: chained below the last page found
             if p >= pages:
@@ -273,7 +276,7 @@ class StoreIndex:
             if not same_ids(tokens[ei][j * ps : (j + n) * ps], want[a : a + n * ps]):
                 continue
             segs.append((p, ei, j, n))
-            cur = self.hash_at(ei, j + n - 1)
+            cur = hashes.item(offs[ei] + j + n - 1)
             p += n
         return (cur, segs, base) if p >= pages else None
 
@@ -287,13 +290,15 @@ class StoreIndex:
         want = prompt[0]
         cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
         c = bisect_left(cands, i)
+        left = pages - start
         while c < len(cands) and cands[c] < end:
             ei = cands[c]
-            n = min(n_pages[ei], pages - start)
+            n = n_pages[ei]
             toks = tokens[ei]
-            if n != n_pages[ei]:
-                toks = toks[: n * ps]  # usually all of it
-            if same_ids(toks, prompt if n * ps == len(prompt) else prompt[: n * ps]):
+            if n > left:
+                n = left
+                toks = toks[: n * ps]
+            if same_ids(toks, prompt if n == left else prompt[: n * ps]):
                 return ei, 0, n
             c += 1
         for ei in range(i, end):
@@ -346,7 +351,8 @@ class StoreIndex:
         tie = False
         if at is not None:
             where = (at[0], at[1] + 1)
-            got = self._run(where[0], where[1], tail, k)
+            # (``_run`` of a position past the event's end: None, the usual case)
+            got = self._run(where[0], where[1], tail, k) if where[1] < self.pages[at[0]] else None
             if got is not None:
                 if where not in claimed:
                     return got[0], got[1], got[2], where, False

@@ -151,6 +151,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     ps = index.page_size
     times = [(_arrival(r), _finish(r)) for r in records]
     n_outs = [_n_out(r) for r in records]
+    lens = [len(r.input_ids) for r in records]
     nodes = [Node(a if a is not None else 0, f) for a, f in times]
     # None: the record's own output ids
     known: list[Sequence[int] | None] = [None] * len(records)
@@ -169,7 +170,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         # record's ``Prompt`` is not built whole, a list's ints are not all visited)
         prompt = r.input_ids
         n = n_outs[i]
-        L = len(prompt)
+        L = lens[i]
         P = L // ps
         if not L:
             known[i] = None if r.output_ids else []
@@ -219,7 +220,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
             continue
         toks, last, was_merged = got[:3]
-        known[i] = toks[L - P * ps :]
+        known[i] = toks[L - P * ps :] if L > P * ps else toks  # a fresh slice already
         via_events += 1
         in_merged += was_merged
         if len(toks) == K * ps:
@@ -230,16 +231,18 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     def extends(q: int, r: int) -> bool:
         """``q``'s prompt repeats ``r``'s partial last prompt page (the anchor pages
         before it are on ``q``'s path): ``r``'s whole prompt is in ``q``'s."""
-        rp = records[r].input_ids
-        L = len(rp)
+        L = lens[r]
         a = L - L % ps
         if a == L:
             return True
-        qp = records[q].input_ids
-        return len(qp) >= L and same_ids(span(qp, a, L), span(rp, a, L))
+        return lens[q] >= L and same_ids(
+            span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
+        )
 
     order = arrival_order(nodes)
-    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, extends, order, finished)
+    # at page size 1 every prompt ends on a full page: ``extends`` admits every candidate
+    ext = extends if ps > 1 else None
+    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, ext, order, finished)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
@@ -250,12 +253,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     via_prompt = 0
     tail_synth: Counter[str] = Counter()
     outs: list[Sequence[int] | None] = known  # completed in place: read at ``i`` only
-    for i, r in enumerate(records):
-        kn = known[i]
+    for i, kn in enumerate(known):
         if kn is None:
             continue
         n = n_outs[i]
-        L = len(r.input_ids)
+        L = lens[i]
         nq = first_succ.get(i)
         if len(kn) < n and nq is not None:
             # the successor's prompt holds this whole prompt (``extends`` admitted the link),

@@ -94,7 +94,7 @@ class Schedule:
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
     v = meta.get(key)
     if isinstance(v, (int, float)) and v > 0:
-        return int(round(v * 1e9))
+        return round(v * 1e9)  # a float's round is an int
     return None
 
 
@@ -114,7 +114,11 @@ def _arrival(rec: Any) -> int | None:
     """Arrival: the record's ``arrival_ns``, else the server-side receive, else ``send_ns``."""
     if rec.arrival_ns is not None:
         return int(rec.arrival_ns)
-    v = _received_ns(rec.meta_info or {})
+    mi = rec.meta_info or {}
+    v = mi.get("request_received_ts")
+    if type(v) is float and v > 0:  # the usual case (``_mi_ns``), without its calls
+        return round(v * 1e9)
+    v = _received_ns(mi)
     if v is not None:
         return v
     return None if rec.send_ns is None else int(rec.send_ns)
@@ -125,6 +129,9 @@ def _finish(rec: Any, finished_ts_ns: int | None = None) -> int | None:
     already), else ``response_sent_to_client_ts``, else the client's ``finish_ns``."""
     mi = rec.meta_info or {}
     if finished_ts_ns is None:
+        v = mi.get("request_finished_ts")
+        if type(v) is float and v > 0:  # the usual case (``_mi_ns``), without its call
+            return round(v * 1e9)
         finished_ts_ns = _mi_ns(mi, "request_finished_ts")
     if finished_ts_ns is not None:
         return finished_ts_ns

@@ -112,10 +112,31 @@ def infer_predecessors(
         if not anchors:
             continue
         hit = None
-        for found in _anchored(node, anchors, hits, hit_hash, offsets):
-            hit = found if extends is None else [c for c in found if extends(q, c[1])]
+        # the deepest anchor on the prompt's path first: the prefill segments' anchor
+        # positions (last segment first), then (``_anchored_rest``) every page hash of a
+        # prompt that stored nothing, the block the prefill attached to
+        for _, ei, j, m in reversed(node.segs):
+            lo = offsets[ei] + j
+            c = bisect_right(hits, lo + m - 1)
+            while c > 0 and hits[c - 1] >= lo:
+                c -= 1
+                found = anchors.get(hit_hash[c])
+                if found:
+                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
+                    if hit:
+                        break
             if hit:
                 break
+        else:
+            if node.path:
+                for found in _anchored_rest(node, anchors):
+                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
+                    if hit:
+                        break
+            elif node.base is not None:  # ``_anchored_rest``'s only anchor here
+                found = anchors.get(node.base)
+                if found:
+                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
         if not hit:
             continue
         best = hit[0]
@@ -165,24 +186,13 @@ def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[i
     return cand[exact].tolist(), hs[exact].tolist()
 
 
-def _anchored(
-    node: Node,
-    anchors: dict[int, list[tuple[int, int]]],
-    hits: list[int],
-    hit_hash: list[int],
-    offsets: Sequence[int],
+def _anchored_rest(
+    node: Node, anchors: dict[int, list[tuple[int, int]]]
 ) -> Iterator[list[tuple[int, int]]]:
-    """The anchored requests at each anchor on ``node``'s prompt path, deepest first: its
-    prefill segments (last first; only their ``hits`` looked at), every page hash of a
-    prompt that stored nothing, the block its prefill attached to."""
-    for _, ei, j, m in reversed(node.segs):
-        lo = offsets[ei] + j
-        c = bisect_right(hits, lo + m - 1)
-        while c > 0 and hits[c - 1] >= lo:
-            c -= 1
-            hit = anchors.get(hit_hash[c])
-            if hit:
-                yield hit
+    """The anchored requests on ``node``'s prompt path past its prefill segments (which
+    ``infer_predecessors`` looks at first: only their anchor positions), deepest first:
+    every page hash of a prompt that stored nothing, then the block its prefill attached
+    to."""
     if node.path:
         if not anchors.keys().isdisjoint(node.path):
             for h in reversed(node.path):
