@@ -406,12 +406,13 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
     they are not int arrays the frame gets the checked decode's verdict, as before: bigram
     keys and another page size's store are skipped (the frame's other stores kept, the
     frame scanned for flushes), ids that are no array refuse the whole frame; a uint64
-    hash is read as the int64 of the same bits."""
+    hash is read as the int64 of the same bits; hashes of 9 bytes that are not ints
+    (float64: their type bytes are checked for all events at once) skip their store."""
     from kvcadence.format.bundle import BundleReader, BundleWriter
     from kvcadence.replay.flushes import FlushScan
     from tests.analysis.helpers import T0, header
 
-    def ev(h: int, toks: object, size: int = 1) -> dict:
+    def ev(h: float, toks: object, size: int = 1) -> dict:
         return {
             "type": "BlockStored",
             "block_hashes": [h],
@@ -427,6 +428,7 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
         [ev(4, [1, 2, 3, 4], size=4), ev(5, [8])],  # another page size
         [ev(6, "not an array"), ev(7, [9])],  # refused by decode_batch: nothing of it
         [ev(2**64 - 5, [6])],  # a uint64 wire hash: the int64 of the same bits
+        [ev(1.5, [4]), ev(8, [3])],  # a float64 hash (9 bytes, as an int64's)
     ]
     with BundleWriter(tmp_path / "b", header()) as w:
         for seq, evs in enumerate(frames):
@@ -444,8 +446,8 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
     scan = FlushScan(rd.header)
     index = StoreIndex.from_reader(rd, 1, scan)
     got = [(index.hashes_of(i), e.tokens) for i, e in enumerate(index.events)]
-    assert got == [([1], [5]), ([3], [7]), ([5], [8]), ([-5], [6])]
-    assert len(scan.lag[0]) == 4  # the refused frame is not scanned either
+    assert got == [([1], [5]), ([3], [7]), ([5], [8]), ([-5], [6]), ([8], [3])]
+    assert len(scan.lag[0]) == 5  # the refused frame is not scanned either
 
 
 def test_index_frames_decoded_with_their_payload_index_as_the_checked_path(tmp_path):
