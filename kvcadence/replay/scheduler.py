@@ -310,6 +310,15 @@ class Scheduler:
         ps = self.ps
         end = upto - upto % ps
         if end <= req.tree_len:
+            # nothing new to insert, but SGLang 0.5.23's checkpoint still inserts the request's
+            # page-aligned key from the root (``UnifiedRadixCache.checkpoint_into_tree`` ->
+            # ``insert``), which refreshes every node's LRU stamp on the path. Confirmed on
+            # the real worker (Rust tree core), page 16, pool 192: A (65 tokens, 15 out)
+            # finishes after B (65 tokens, prefilled after A); a third prompt that needs one
+            # leaf evicts B in 7 of 7 runs (A when A finishes before B's prefill, 2 of 2)
+            h = req.lock_handle
+            if h is not None and h is not self.tree.root:
+                self.tree.insert_below(h, req.tree_len, ())
             return
         tree = self.tree
         start = req.lock_handle

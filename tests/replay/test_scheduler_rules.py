@@ -348,3 +348,31 @@ def test_waiting_prefix_refresh_spares_what_the_queue_will_match(
     head that does not fit; a refresh while it waits makes ``a`` (its prefix) newer than
     ``b``, so ``long``'s decode evicts ``b`` and ``w`` later hits ``a``'s 40 tokens."""
     assert _refresh_run(policy, n_fill, queue) == (evicted, w_cached)
+
+
+@pytest.mark.parametrize("overlap_off", [True, False])
+@pytest.mark.parametrize("b_arrival_ms, evicted", [(15, "b"), (150, "a")])
+def test_finish_with_nothing_new_to_insert_still_touches_the_path(
+    overlap_off, b_arrival_ms, evicted
+):
+    """0.5.23 ``checkpoint_into_tree`` inserts from the root even when the output filled no
+    new page, refreshing the request's path. ``a`` (4 pages + 1, 15 out: nothing new at its
+    finish) decodes while ``b`` (another 4 pages + 1) is prefilled after it and finishes
+    first; ``c`` then needs one of the two 4-page leaves: ``b``'s goes, since ``a``'s
+    finish touched its path last (the real worker did the same, 7 of 7 runs). When ``b``
+    comes after ``a`` finished, ``a`` is older either way and goes."""
+    pa, pb = list(range(100, 165)), list(range(300, 365))
+    recs = [
+        req("a", pa, 15),
+        req("b", pb, 3, arrival_ms=b_arrival_ms),
+        req("c", list(range(500, 597)), 1, arrival_ms=400),
+    ]
+    cfg = config(page_size=16, max_total_tokens=192, disable_overlap_schedule=overlap_off)
+    r = run(recs, cfg)
+    check_stream(r)
+    fin = {x.rid: x.finish_ns for x in r.requests}
+    assert (fin["b"] < fin["a"]) == (b_arrival_ms == 15)
+    hasher = wire_hasher()
+    names = {frozenset(hasher(None, p[:64], 16)[1]): n for n, p in (("a", pa), ("b", pb))}
+    removed = [e for ev in decoded(r) for e in ev if isinstance(e, BlockRemoved)]
+    assert [names.get(frozenset(e.block_hashes), "?") for e in removed] == [evicted]
