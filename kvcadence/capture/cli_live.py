@@ -122,7 +122,10 @@ def _register_capture(sub: Any) -> None:
         description=(
             "Convert SGLang's --export-metrics-to-file lines and/or --log-requests "
             "--log-requests-format json lines into RequestRecords appended to BUNDLE "
-            "(created when missing). Pickled dumps are refused."
+            "(created when missing). Each file is read as it is when the command starts "
+            "(lines a live worker appends later are left for the next import), a line at a "
+            "time: every record is validated before BUNDLE is opened, then written; memory "
+            "does not grow with the logs. Pickled dumps are refused."
         ),
         epilog="examples:\n"
         "  kvcadence capture import --sglang-metrics METRICS_DIR run.kvcb\n"
