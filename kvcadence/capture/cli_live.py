@@ -124,8 +124,8 @@ def _register_capture(sub: Any) -> None:
             "--log-requests-format json lines into RequestRecords appended to BUNDLE "
             "(created when missing). Each file is read as it is when the command starts "
             "(lines a live worker appends later are left for the next import), a line at a "
-            "time: every record is validated before BUNDLE is opened, then written; memory "
-            "does not grow with the logs. Pickled dumps are refused."
+            "time: every record is validated before BUNDLE is opened, then written; the logs "
+            "are never held in memory. Pickled dumps are refused."
         ),
         epilog="examples:\n"
         "  kvcadence capture import --sglang-metrics METRICS_DIR run.kvcb\n"
