@@ -494,6 +494,11 @@ def measure(*args: str) -> tuple[float, dict[str, Any]]:
     return rss, info
 
 
+def kb_per_request(n_a: int, mb_a: float, n_b: int, mb_b: float) -> float:
+    """KB of growth per request between two points (sizes ``n``, peak RSS in MB)."""
+    return (mb_b - mb_a) * 1024 / (n_b - n_a)
+
+
 def bench_replay(
     sizes: list[int], lanes: int, figures: list, notes: list, long: bool = False
 ) -> None:
@@ -531,8 +536,8 @@ def bench_replay(
         )
     if len(points) > 1:
         (n_a, r_a, w_a, _), (n_b, r_b, w_b, _) = points[0], points[1]
-        per_req = (r_b - r_a) * 1024 / (n_b - n_a)
-        per_req_wl = (w_b - w_a) * 1024 / (n_b - n_a)
+        per_req = kb_per_request(n_a, r_a, n_b, r_b)
+        per_req_wl = kb_per_request(n_a, w_a, n_b, w_b)
         figures.append(
             figure(
                 f"{what} RSS growth per request ({n_a:,} -> {n_b:,})",
@@ -581,9 +586,9 @@ def bench_fleet(sizes: list[int], lanes: int, figures: list, notes: list) -> Non
         figures.append(
             figure(
                 f"fleet replay RSS growth per request ({n_a:,} -> {n_b:,})",
-                (r_b - r_a) * 1024 / (n_b - n_a),
+                kb_per_request(n_a, r_a, n_b, r_b),
                 "KB/request",
-                baseline=(k_b - k_a) * 1024 / (n_b - n_a),
+                baseline=kb_per_request(n_a, k_a, n_b, k_b),
                 baseline_name="the same with every rank's batches kept",
                 higher_is_better=False,
             )
@@ -635,7 +640,7 @@ def bench_agentlog(sizes: list[int], lanes: int, work: Path, figures: list, note
         )
     if len(points) > 1:
         (n_a, r_a, _, _), (n_b, r_b, _, _) = points[0], points[1]
-        per_req = (r_b - r_a) * 1024 / (n_b - n_a)
+        per_req = kb_per_request(n_a, r_a, n_b, r_b)
         figures.append(
             figure(
                 f"agent-log replay RSS growth per request ({n_a:,} -> {n_b:,})",
@@ -696,7 +701,7 @@ def bench_prodlog(sizes: list[int], lanes: int, work: Path, figures: list, notes
         figures.append(
             figure(
                 f"capture import RSS growth per request ({n_a:,} -> {n_b:,})",
-                (r_b - r_a) * 1024 / (n_b - n_a),
+                kb_per_request(n_a, r_a, n_b, r_b),
                 "KB/request",
                 baseline=(points[1][2]["mb"] - points[0][2]["mb"]) * 1000 / (n_b - n_a),
                 baseline_name="the logs' growth per request (KB)",
