@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcadence.errors import CaptureError, KvcadenceError
+
 SYSTEM_LENGTHS = (96, 160, 224)
 
 
@@ -176,7 +178,7 @@ def start_capture(url: str, metrics_dir: str | Path, out: Path) -> subprocess.Po
     while not out.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"capture did not start: {capture_log(out)}")
+            raise CaptureError(f"capture did not start: {capture_log(out).strip()}")
         time.sleep(0.1)
     time.sleep(1.5)  # SUB subscription (the initial replay covers seq 0 anyway)
     return proc
@@ -193,7 +195,7 @@ def stop_capture(proc: subprocess.Popen, out: Path, settle_s: float = 3.0) -> st
     time.sleep(settle_s)
     proc.send_signal(signal.SIGINT)
     if proc.wait(60) != 0:
-        raise RuntimeError(f"capture exited {proc.returncode}: {capture_log(out)}")
+        raise CaptureError(f"capture exited {proc.returncode}: {capture_log(out).strip()}")
     return capture_log(out)
 
 
@@ -213,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
     ap.add_argument("--sent", type=Path, help="write what the clients sent/got (JSON lines)")
     a = ap.parse_args(argv)
+    if a.out is not None and not a.sglang_metrics:
+        ap.error("--out needs --sglang-metrics (the worker's --export-metrics-to-file-dir)")
+    try:
+        return _run(a)
+    except KvcadenceError as exc:  # one line, as every kvcadence command
+        print(f"{ap.prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _run(a: argparse.Namespace) -> int:
     clients = Clients(a.server, a.seed, a.sessions, a.singles, a.span_s)
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None
