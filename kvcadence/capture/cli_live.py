@@ -156,7 +156,7 @@ def _register_drive(sub: Any) -> None:
         help="send a workload to a worker and record requests + KV events",
         description=(
             "Send a workload to SGLang's POST /generate (input_ids, temperature 0, "
-            "ignore_eos) and record one RequestRecord per request, capturing the worker's KV "
+            "ignore_eos unless --no-ignore-eos) and record one RequestRecord per request, capturing the worker's KV "
             "events into the same bundle. SPEC: agent[:k=v,...] | mooncake:path=FILE[,...] | "
             'admission:path=FILE[,...] | @spec.json (a JSON object with "kind" and the keys). '
             "docs/drive.md describes each key."
@@ -210,6 +210,13 @@ def _register_drive(sub: Any) -> None:
         default="",
         metavar="P",
         help="prefix every request id with P (default: none)",
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="send ignore_eos false: a request may stop at EOS, and SGLang's admission "
+        "reserves only new_token_ratio of its remaining output (with ignore_eos, all of "
+        "it), so long outputs in a small pool can be retracted",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary lines")
     _add_endpoint_opts(p)
@@ -552,6 +559,7 @@ def _drive_opts(args: argparse.Namespace) -> dict[str, Any]:
         "timeout_s": args.timeout,
         "flush_at": args.flush_at,
         "rid_prefix": args.rid_prefix,
+        "ignore_eos": not args.no_ignore_eos,
     }
 
 

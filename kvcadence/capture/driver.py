@@ -1,10 +1,14 @@
 """The request driver: send a workload to SGLang's ``POST /generate`` and record each request.
 
 Requests carry ``input_ids`` (no tokenizer needed), ``temperature: 0``, ``ignore_eos: true``
+(``ignore_eos=False``: off, so a request may stop at EOS and SGLang's admission reserves only
+``new_token_ratio`` of its remaining output; with ``ignore_eos`` on it reserves all of it)
 and the workload's ``max_new_tokens``; the workload's request id is sent as ``rid`` so the
 server's own logs (``--export-metrics-to-file``) name the same request. Each response becomes
 one ``RequestRecord`` (send / first-token / finish times, input and output token ids,
-``meta_info`` prompt / cached / completion tokens, finish reason, or the HTTP error).
+``meta_info`` prompt / cached / completion tokens, finish reason, or the HTTP error; the
+sampling parameters sent are kept as ``meta_info["request_parameters"]["sampling_params"]``,
+where the import of SGLang's metrics files keeps them).
 
 Closed loop: one thread per lane, each sending its next request after the previous one
 finished and the workload's pause. Open loop: requests start at their trace arrival offsets
@@ -73,8 +77,10 @@ def record_from_response(
     status: int | None,
     body: Any,
     error: str | None = None,
+    sampling_params: dict[str, Any] | None = None,
 ) -> RequestRecord:
-    """Build a ``RequestRecord`` from one ``/generate`` exchange (or its failure)."""
+    """Build a ``RequestRecord`` from one ``/generate`` exchange (or its failure);
+    ``sampling_params`` (what was sent) go to ``meta_info["request_parameters"]``."""
     out_ids: list[int] = []
     meta: dict[str, Any] = {}
     if error is None and status != 200:
@@ -107,7 +113,15 @@ def record_from_response(
         source="driver",
         think_ns=req.think_ns,
         arrival_ns=req.arrival_ns,
-        meta_info={**meta, **({"workload": req.note} if req.note else {})},
+        meta_info={
+            **meta,
+            **({"workload": req.note} if req.note else {}),
+            **(
+                {"request_parameters": {"sampling_params": sampling_params}}
+                if sampling_params
+                else {}
+            ),
+        },
     )
 
 
@@ -128,6 +142,7 @@ class Driver:
         flush_at: Sequence[int] = (),
         flush_settle_s: float = 0.5,
         rid_prefix: str = "",
+        ignore_eos: bool = True,
     ) -> None:
         if any(n < 1 for n in flush_at):
             raise UsageError("--flush-at N needs N >= 1 (flush after the first N requests)")
@@ -137,6 +152,7 @@ class Driver:
         self.flush_points = sorted(set(flush_at))
         self.flush_settle_s = flush_settle_s
         self.rid_prefix = rid_prefix
+        self.ignore_eos = ignore_eos
         self._gate = threading.Condition()
         self._started = 0  # requests past the gate
         self._in_flight = 0
@@ -228,15 +244,12 @@ class Driver:
 
         if self.rid_prefix:
             req = dataclasses.replace(req, rid=self.rid_prefix + req.rid)
-        body = {
-            "rid": req.rid,
-            "input_ids": req.input_ids,
-            "sampling_params": {
-                "max_new_tokens": req.max_new_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
+        sampling = {
+            "max_new_tokens": req.max_new_tokens,
+            "temperature": 0,
+            "ignore_eos": self.ignore_eos,
         }
+        body = {"rid": req.rid, "input_ids": req.input_ids, "sampling_params": sampling}
         send_ns = time.time_ns()
         try:
             resp = self._client.post(self.url, json=body)
@@ -248,6 +261,7 @@ class Driver:
                 status=None,
                 body=None,
                 error=f"{type(exc).__name__}: {exc}",
+                sampling_params=sampling,
             )
         else:
             finish_ns = time.time_ns()
@@ -256,7 +270,12 @@ class Driver:
             except ValueError:
                 payload = resp.text
             rec = record_from_response(
-                req, send_ns=send_ns, finish_ns=finish_ns, status=resp.status_code, body=payload
+                req,
+                send_ns=send_ns,
+                finish_ns=finish_ns,
+                status=resp.status_code,
+                body=payload,
+                sampling_params=sampling,
             )
         self._account(rec)
         return rec

@@ -27,6 +27,13 @@ For PD disaggregation each spec also carries the recorded prefill-result → fin
 end of the KV transfer), else ``decode_ns`` (decode time, which ``--role prefill`` adds to
 the client gap because the decode runs elsewhere).
 
+``ignore_eos`` (which decides SGLang's decode reservation: all of a request's remaining
+output, or ``new_token_ratio`` of it) is the one sent where the record keeps its sampling
+parameters (``meta_info["request_parameters"]["sampling_params"]``: the metrics import, the
+driver); else inferred: on unless the request stopped short of ``max_new_tokens`` for another
+reason than its length. A request sent without ``ignore_eos`` that ran to its length is not
+told apart by the inference, so only the sent value gives it the ratio reservation.
+
 Times are virtual ns relative to ``anchor_ns`` (the earliest recorded arrival). Output token
 ids are the recorded ones; when absent they are recovered from the next turn's prompt when it
 extends this one, else synthesised deterministically (hashes of such outputs cannot match
@@ -89,6 +96,14 @@ class Schedule:
     anchor_ns: int
     flush_times_ns: list[int] = field(default_factory=list)
     closed_loop: bool = True
+
+
+def _sent_ignore_eos(mi: dict[str, Any]) -> bool | None:
+    """The ``ignore_eos`` the request was sent with, where the record kept it."""
+    params = mi.get("request_parameters")
+    sp = params.get("sampling_params") if isinstance(params, dict) else None
+    v = sp.get("ignore_eos") if isinstance(sp, dict) else None
+    return v if isinstance(v, bool) else None
 
 
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
@@ -191,8 +206,10 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             raise InputError(f"request {r.rid!r}: output length unknown")
         n_out = max(int(n_out), 1)
         max_new = r.max_new_tokens if r.max_new_tokens is not None else n_out
-        reason = r.finish_reason
-        ignore_eos = reason in (None, "length") or n_out >= max_new
+        mi = r.meta_info or {}
+        ignore_eos = _sent_ignore_eos(mi)
+        if ignore_eos is None:
+            ignore_eos = r.finish_reason in (None, "length") or n_out >= max_new
         prompt = index.add(r.input_ids, r.lane)
         rec_out = compact(r.output_ids)
         if len(rec_out) > n_out:
@@ -212,7 +229,6 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             real_cached_tokens=r.cached_tokens,
             source=_stripped(r, prompt, rec_out),
         )
-        mi = r.meta_info or {}
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:
             if n_out <= 1:

@@ -30,7 +30,8 @@ What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
   then evicts until a page per running request is free, ``alloc_paged_token_slots_decode``'s
   over-estimate, every pass), retraction (fewest outputs
   first, ties longest prompt; no store; evict ``remaining × 20`` tokens; re-queue;
-  ratio reset), abort of waiting / running requests, flushes (``AllBlocksCleared`` alone);
+  ratio re-estimated over the requests that stay; in the overlap loop a short step with a
+  request finishing in flight decodes nothing instead), abort of waiting / running requests, flushes (``AllBlocksCleared`` alone);
 * closed-loop clients: a lane's next request arrives ``gap`` after its predecessor finishes,
   the recorded gap scaled by the predecessor's simulated / recorded latency
   (``scale_client_gaps``: the gap spans as many passes as it did on the real worker);
@@ -549,15 +550,11 @@ class Scheduler:
             [not r.is_chunked for r in can_run],
         )
 
-    def _retract(self, t: int) -> None:
-        """``retract_decode``: release requests until the next decode step fits."""
+    def _retract(self, t: int, batch: list[SimReq]) -> None:
+        """``retract_decode``: release requests of the decode ``batch`` until the next decode
+        step fits."""
         ps = self.ps
-        cand = sorted(
-            (r for r in self.running if r.decode_left > 0),
-            key=lambda r: (r.output_len, -r.input_len),
-            reverse=True,
-        )
-        batch_snapshot = list(self.running)
+        cand = sorted(batch, key=lambda r: (r.output_len, -r.input_len), reverse=True)
         retracted: list[SimReq] = []
         while True:
             need = sum(ps for r in cand if r.kv_len % ps == 0)
@@ -572,7 +569,8 @@ class Scheduler:
             gone = {id(r) for r in retracted}
             self.running = [r for r in self.running if id(r) not in gone]
             self.waiting.extend(retracted)
-            self.tracker.on_retract(batch_snapshot)
+            # the new ratio is estimated over the requests that stay (the filtered batch)
+            self.tracker.on_retract(cand)
             self.batch_is_full = False
         need = sum(ps for r in self.running if r.kv_len % ps == 0)
         if self.available() < need:
@@ -615,8 +613,22 @@ class Scheduler:
         self._publish(t, self.pass_index, "pause")
         self.paused_until = until
 
+    def _decode_batch(self) -> list[SimReq]:
+        """The running requests the next decode step runs: not those whose result in flight
+        finishes them by length (``_reqs_finishing_inflight``). In the overlap loop a request
+        that stops at EOS is not known to finish until its result is processed, after the
+        next batch is launched: it is decoded once more (its EOS token's KV computed, so its
+        finish inserts prompt + every output)."""
+        if self.overlap:
+            return [
+                r
+                for r in self.running
+                if r.decode_left > 0 or (r.n_out < r.max_new_tokens and r.error is None)
+            ]
+        return [r for r in self.running if r.decode_left > 0]
+
     def _update_running_batch(self, t: int) -> Batch | None:
-        running = [r for r in self.running if r.decode_left > 0]
+        running = self._decode_batch()
         if not running:
             return None
         ps = self.ps
@@ -634,8 +646,14 @@ class Scheduler:
         else:
             short = False
         if short:
-            self._retract(t)
-            running = [r for r in self.running if r.decode_left > 0]
+            if self.overlap and len(running) < len(self.running):
+                # rule (overlap loop, ``_reqs_finishing_inflight``): a request whose result
+                # in flight finishes it by length frees its KV when that result is
+                # processed, so a short step decodes nothing instead of retracting
+                self.batch_is_full = False
+                return None
+            self._retract(t, running)
+            running = self._decode_batch()
             if not running:
                 return None
         else:

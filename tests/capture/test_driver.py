@@ -268,3 +268,18 @@ def test_agent_lanes_own_fixed_request_quotas():
     recs = drive(build_workload("agent:lanes=3,requests=8,seed=5,think_ms=0"), FakeSGLang())
     per_lane = [sum(1 for r in recs if r.lane == lane) for lane in range(3)]
     assert per_lane == [3, 3, 2]
+
+
+def test_ignore_eos_is_sent_as_configured_and_recorded_where_the_metrics_keep_it():
+    for ignore in (True, False):
+        wl = build_workload("agent:lanes=1,requests=2,seed=4,think_ms=0,session_gap_ms=0")
+        fake = FakeSGLang()
+        recs = drive(wl, fake, ignore_eos=ignore)
+        assert [b["sampling_params"]["ignore_eos"] for b in fake.seen] == [ignore, ignore]
+        for r in recs:
+            sp = r.meta_info["request_parameters"]["sampling_params"]
+            assert sp == {
+                "max_new_tokens": r.max_new_tokens,
+                "temperature": 0,
+                "ignore_eos": ignore,
+            }

@@ -376,3 +376,98 @@ def test_finish_with_nothing_new_to_insert_still_touches_the_path(
     names = {frozenset(hasher(None, p[:64], 16)[1]): n for n, p in (("a", pa), ("b", pb))}
     removed = [e for ev in decoded(r) for e in ev if isinstance(e, BlockRemoved)]
     assert [names.get(frozenset(e.block_hashes), "?") for e in removed] == [evicted]
+
+
+def test_sent_ignore_eos_decides_the_reservation_not_the_finish_reason():
+    """A request sent without ``ignore_eos`` that ran to its length reserves
+    ``new_token_ratio`` of its remaining output (SGLang 0.5.23 ``PrefillAdder``); only the
+    sent value tells it from an ``ignore_eos`` request (the inference cannot)."""
+    recs = [req("a", list(range(3, 53)), 8), req("b", list(range(300, 350)), 8)]
+    assert [s.ignore_eos for s in build_schedule(recs).requests] == [True, True]
+    for r in recs:
+        r.meta_info["request_parameters"] = {"sampling_params": {"ignore_eos": False}}
+    assert [s.ignore_eos for s in build_schedule(recs).requests] == [False, False]
+    recs[1].meta_info["request_parameters"]["sampling_params"]["ignore_eos"] = True
+    recs[1].finish_reason = "stop"
+    assert [s.ignore_eos for s in build_schedule(recs).requests] == [False, True]
+
+
+def _long_outputs(ignore_eos: bool) -> list:
+    out = []
+    for i, rid in enumerate("abc"):
+        r = req(rid, list(range(3 + 300 * i, 53 + 300 * i)), 58, arrival_ms=i * 0.5)
+        r.meta_info["request_parameters"] = {"sampling_params": {"ignore_eos": ignore_eos}}
+        out.append(r)
+    return out
+
+
+def test_ignore_eos_requests_are_never_retracted_ratio_requests_are():
+    cfg = config(max_total_tokens=200, schedule_conservativeness=0.1)
+    assert run(_long_outputs(True), cfg).stats.retractions == 0
+    r = run(_long_outputs(False), cfg)
+    assert r.stats.retractions >= 1
+    assert all(x.completion_tokens == 58 and x.error is None for x in r.requests)
+    check_stream(r)
+
+
+def test_ratio_after_a_retraction_is_estimated_over_the_requests_that_stay(monkeypatch):
+    """SGLang 0.5.23 ``retract_decode``: ``estimate_new_token_ratio_after_retract`` runs on
+    the batch after ``filter_batch`` (the retracted requests gone), so the new ratio is
+    ``(Σ out + 20 × n) / (Σ max_new + 1)`` over the requests that keep decoding."""
+    from kvcadence.replay.admission import NewTokenRatioTracker
+    from kvcadence.replay.request import RUNNING
+
+    seen: list[tuple[list, float]] = []
+    orig = NewTokenRatioTracker.on_retract
+
+    def spy(self, batch):
+        batch = list(batch)
+        orig(self, batch)
+        seen.append(([(x.state, x.output_len, x.max_new_tokens) for x in batch], self.current))
+
+    monkeypatch.setattr(NewTokenRatioTracker, "on_retract", spy)
+    r = run(_long_outputs(False), config(max_total_tokens=200, schedule_conservativeness=0.1))
+    assert r.stats.retractions >= 1 and seen
+    for batch, ratio in seen:
+        assert batch and all(state == RUNNING for state, _, _ in batch)  # none retracted
+        out = sum(o for _, o, _ in batch)
+        mx = sum(m for _, _, m in batch)
+        assert ratio == pytest.approx(min(1.0, (out + 20 * len(batch)) / (mx + 1)))
+
+
+def _stops_at_eos(r, max_new: int):
+    """``r`` was sent without ``ignore_eos`` and stopped at EOS before ``max_new``."""
+    r.max_new_tokens, r.finish_reason = max_new, "stop"
+    r.meta_info["request_parameters"] = {"sampling_params": {"ignore_eos": False}}
+    return r
+
+
+def test_overlap_decodes_a_request_stopping_at_eos_once_more_and_inserts_every_output():
+    """SGLang 0.5.23's overlap loop launches the next decode batch before it processes the
+    result that holds a request's EOS (only a finish by length is known ahead,
+    ``_reqs_finishing_inflight``), so the EOS token's KV is computed and the finish inserts
+    prompt + all outputs (``owned_kv_len``); the normal loop processes the result first:
+    prompt + outputs − 1, as for a finish by length (corpus ``p1-retract-noeos``: every
+    next turn after an EOS stop cached one token more than the rule before predicted)."""
+    prompt = list(range(3, 53))
+    for overlap_off, finish in ((False, "S10"), (True, "S9")):
+        cfg = config(disable_overlap_schedule=overlap_off)
+        stop = run([_stops_at_eos(req("a", prompt, 10), 20)], cfg)
+        assert shape(stop) == [["C"], ["S50"], [finish]], overlap_off
+        assert stop.requests[0].completion_tokens == 10
+        check_stream(stop)
+        by_length = run([req("a", prompt, 10)], cfg)
+        assert shape(by_length) == [["C"], ["S50"], ["S9"]]
+
+
+def test_overlap_short_step_with_a_request_finishing_in_flight_decodes_nothing_instead():
+    """SGLang 0.5.23 ``update_running_batch`` (overlap loop): when the next decode step does
+    not fit and a request's result in flight finishes it by length, the step is skipped
+    (that result frees its KV) instead of retracting; before this rule the simulator found
+    nothing to retract (the one other request is kept) and aborted both."""
+    b = _stops_at_eos(req("b", list(range(300, 340)), 80), 82)
+    a = req("a", list(range(3, 43)), 20, arrival_ms=100)
+    r = run([b, a], config(max_total_tokens=137, schedule_conservativeness=0.1))
+    assert r.stats.aborted == 0 and r.stats.retractions == 0
+    assert [(x.error, x.completion_tokens) for x in r.requests] == [(None, 80), (None, 20)]
+    check_stream(r)
