@@ -7,6 +7,9 @@ opaque rids. Before the replay builds its schedule:
 
 1. **Outputs from the KV events** (``outputs.StoreIndex``): the finish store chained below
    the prompt's last full page gives every output token SGLang ever inserted.
+   A request that stopped at EOS before its length may have one output more in its finish
+   store (the overlap loop decodes it once more, ``replay.scheduler``): up to that many
+   pages are read.
 2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
    requests becomes one inferred session, written as ``session`` with ``turn`` its
    position (``lane``: its client, below), so the schedule replays it closed loop (think time = recorded receive − the
@@ -191,6 +194,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             h = node.path[-1] if node.path else None
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
+        # a request that stopped before its length (EOS): the overlap loop decoded it once
+        # more, so its finish may also have inserted the last output (``Kq`` pages)
+        Kq = (L + n) // ps - P if K > 0 and r.finish_reason not in (None, "length") else K
         if K <= 0:
             known[i] = None if r.output_ids else []
             node.end_anchor = h
@@ -203,7 +209,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         got = (
             None
             if fin is None or arr is None
-            else index.finish_pages(h, tail, K, arr, fin, at, taken)
+            else index.finish_pages(h, tail, Kq, arr, fin, at, taken)
         )
         if got is not None:
             ties += got[4]
@@ -211,7 +217,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             taken.setdefault(got[3], i)
         if r.output_ids:
             known[i] = None
-            if got is not None and len(got[0]) == K * ps:
+            if got is not None and len(got[0]) in (K * ps, Kq * ps):
                 node.end_anchor = got[1]
             continue
         if got is None:
@@ -223,7 +229,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         known[i] = toks[L - P * ps :] if L > P * ps else toks  # a fresh slice already
         via_events += 1
         in_merged += was_merged
-        if len(toks) == K * ps:
+        if len(toks) in (K * ps, Kq * ps):
             node.end_anchor = last
         else:
             missing[i] = WHY_NO_FINISH

@@ -66,6 +66,7 @@ CAPTURES = (
     "p32-flush-nooverlap",
     "dp2-p8-long-nooverlap",
     "http-clients-p16",
+    "p1-retract-noeos",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -85,6 +86,9 @@ MISSES: dict[tuple[str, str], str] = {
     ("p32-flush-nooverlap", "cached_equal"): "cached_tokens_equal 0.750",
     ("p32-flush-nooverlap", "stored_median"): "stored_blocks_median 5 -> 4 (-20.0%)",
     ("dp2-p8-long-nooverlap", "stored_median"): "stored_blocks_median 13 -> 13.5 (+3.8%)",
+    ("p1-retract-noeos", "stored_median"): "stored_blocks_median 135 -> 141 (+4.4%)",
+    ("p1-retract-noeos", "removed_mean"): "removed_blocks_mean 225.9 -> 250.7 (+10.9%)",
+    ("p1-retract-noeos", "cached_equal"): "cached_tokens_equal 0.655",
 }
 
 
@@ -211,6 +215,8 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p32-flush-nooverlap": "cached_tokens_equal 0.755",
     "dp2-p8-long-nooverlap": "stored_blocks_median 13 -> 13.5 (+3.8%)",
     "http-clients-p16": "cached_tokens_equal 0.927",
+    "p1-retract-noeos": "stored_blocks_median 135 -> 147 (+8.9%); removed_blocks_mean 225.9 -> "
+    "255.4 (+13.0%); cached_tokens_equal 0.615; stored_hash_jaccard 0.981",
 }
 
 
@@ -234,7 +240,24 @@ def test_production_path_bars(name):
     assert not missed, missed
 
 
-@pytest.mark.parametrize("name", DRIVEN)
+#: capture -> why the production path's inference misses today (strict xfail)
+INFERENCE_MISSES = {
+    "p1-retract-noeos": "the finish stores of its 5 retracted requests are not found (their "
+    "outputs are stored in two runs, at the re-prefill and at the finish, the first one "
+    "through a prompt page re-stored after the retraction evicted it), so their outputs stay "
+    "synthetic and a successor (l1-s3-t1 of the retracted l1-s3-t0) gets no predecessor",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=INFERENCE_MISSES[n]))
+        if n in INFERENCE_MISSES
+        else n
+        for n in DRIVEN
+    ],
+)
 def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
     """On every capture, the production path's inference (events + SGLang's metrics files,
     rids random hex) against the driver's records: every output it does not report as
@@ -253,7 +276,10 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
     tails = sum(rep["unstored_tail_synthetic"].values())
     not_found = sum(rep["outputs_synthetic"].values())
     exact = sum(r.output_ids == real[r.rid].output_ids for r in recs)
-    assert exact == len(recs) - tails - not_found, (exact, rep)
+    expected = len(recs) - tails - not_found
+    # a synthetic tail token (one of 1021 ids) may equal the real one by chance
+    # (``p1-retract-noeos``: one of its 62 one-token tails)
+    assert expected <= exact <= expected + max(1, tails // 100), (exact, rep)
     wrong_pages = 0
     for r in recs:
         L, n = len(r.input_ids), len(r.output_ids)
@@ -403,6 +429,21 @@ def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):
     )
     bound = CLIENT_GAP_FACTOR * turn_gaps[len(turn_gaps) // 2]
     assert 0.55e9 < _arrival(late) - _finish(prev) and bound < 0.31e9  # 558 ms against 308 ms
+
+
+def test_retraction_capture_retracts_in_the_replay_too():
+    """``p1-retract-noeos`` (requests sent without ``ignore_eos``): the real worker retracted
+    6 requests (each once, ``meta_info.num_retractions``); the replay of its driver records
+    retracts 5 (none the same request: admissions drift apart from the second prefill on,
+    see the corpus README). Without the sent ``ignore_eos`` the replay took every request
+    that ran to its length for an ``ignore_eos`` one and retracted none."""
+    name = "p1-retract-noeos"
+    replayed(name)
+    real = BundleReader(CORPUS / name / "bundle").requests()
+    sim = BundleReader(_workdir() / f"{name}-driver" / "sim").requests()
+    counts = [sorted(r.meta_info.get("num_retractions", 0) for r in rs) for rs in (real, sim)]
+    assert [sum(c) for c in counts] == [6, 5]
+    assert [max(c) for c in counts] == [1, 1]
 
 
 # ---------------------------------------------------------------------- the README table
