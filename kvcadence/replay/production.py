@@ -9,7 +9,8 @@ opaque rids. Before the replay builds its schedule:
    the prompt's last full page gives every output token SGLang ever inserted.
    A request that stopped at EOS before its length may have one output more in its finish
    store (the overlap loop decodes it once more, ``replay.scheduler``): up to that many
-   pages are read.
+   pages are read. A retracted request stored its outputs in two runs (its re-prefill, which
+   may re-store its prompt's evicted last pages, and its finish): ``_retracted_run``.
 2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
    requests becomes one inferred session, written as ``session`` with ``turn`` its
    position (``lane``: its client, below), so the schedule replays it closed loop (think time = recorded receive − the
@@ -211,6 +212,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if fin is None or arr is None
             else index.finish_pages(h, tail, Kq, arr, fin, at, taken)
         )
+        if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
+            if _retracted(r):
+                got = _retracted_run(index, h, tail, Kq, arr, fin, taken) or got
         if got is not None:
             ties += got[4]
             shared += got[3] in taken
@@ -345,6 +349,35 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "predecessor_ties": pred_ties,
     }
     return out_records, report
+
+
+def _retracted_run(
+    index: StoreIndex,
+    h: int | None,
+    tail: Sequence[int],
+    k: int,
+    arr: int,
+    fin: int,
+    taken: dict[tuple[int, int], int],
+) -> tuple[Any, int, bool, tuple[int, int], bool] | None:
+    """A retracted request's outputs, ``finish_pages``' result for up to ``k`` pages. It
+    stored them in two runs: at its re-prefill, with the outputs decoded before the
+    retraction (the run after ``h`` in the first event from its arrival on that holds
+    ``h``: the retraction may have evicted its prompt's last pages, re-stored there too),
+    and at its finish, chained below that run."""
+    got = index.finish_pages(h, tail, k, arr, arr, None, taken)
+    if got is None:
+        return None
+    toks, last, merged, where, tie = got
+    ps = index.page_size
+    while len(toks) < k * ps:
+        more = index.finish_pages(last, EMPTY, k - len(toks) // ps, arr, fin, None, taken)
+        if more is None or not len(more[0]):
+            break
+        toks = cat(toks, more[0])
+        last = more[1]
+        merged = merged or more[2]
+    return toks, last, merged, where, tie
 
 
 def _retracted(r: Any) -> bool:
