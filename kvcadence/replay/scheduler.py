@@ -228,6 +228,8 @@ class Scheduler:
         #: PD prefill: requests whose KV is being transferred, (done_ns, idx)
         self.held: list[tuple[int, int]] = []
         self.track = cfg.track_visibility
+        #: ``cfg.skip_decode_stretches``, read once (checked every step)
+        self.skip_stretches = cfg.skip_decode_stretches
         #: stores queued since the last publish: the computing pass of each stored page
         self.vis_pending: list[array[int]] = []
         #: one entry per published batch that carried stores: (seq, publish pass, publish
@@ -912,13 +914,16 @@ class Scheduler:
         abort, pause or transfer ahead); ``add_arrival`` wakes it."""
         t = self.t
         last = self.last
-        # the skip's cheapest refusals inlined (a call per pass otherwise)
+        arrivals = self.arrivals
+        # the skip's cheapest refusals inlined (a call per pass otherwise): an arrival due
+        # now also ends any stretch
         if (
             self.running
             and not self.waiting
             and self.chunked_req is None
             and not self.pending_merge
-            and self.cfg.skip_decode_stretches
+            and self.skip_stretches
+            and not (arrivals and arrivals[0][0] <= t)
         ):
             jumped = self._skip_decode_stretch(t, last, horizon)
             if jumped is not None:
@@ -938,7 +943,6 @@ class Scheduler:
                 self.t = self.paused_until
                 return True
             self.paused_until = None
-        arrivals = self.arrivals
         if arrivals and arrivals[0][0] <= t:  # ``_receive``'s first check (a call per pass)
             self._receive(t)
         if self._aborts:
