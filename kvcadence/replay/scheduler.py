@@ -230,6 +230,9 @@ class Scheduler:
         self.track = cfg.track_visibility
         #: ``cfg.skip_decode_stretches``, read once (checked every step)
         self.skip_stretches = cfg.skip_decode_stretches
+        #: ``cfg.admission_generation``, read once (a property that parses the version
+        #: string; read twice per prefill batch otherwise)
+        self.adm_generation = cfg.admission_generation
         #: stores queued since the last publish: the computing pass of each stored page
         self.vis_pending: list[array[int]] = []
         #: one entry per published batch that carried stores: (seq, publish pass, publish
@@ -472,14 +475,14 @@ class Scheduler:
             cfg.max_prefill_tokens,
             # a decode worker receives the whole KV at once (no chunking)
             None if self.role == "decode" else cfg.chunked_prefill_size,
-            generation=cfg.admission_generation,
+            generation=self.adm_generation,
             clip_max_new_tokens=cfg.clip_max_new_tokens,
         )
         chunked = self.chunked_req
         still_chunked: SimReq | None = None
         if chunked is not None:
             still_chunked = adder.add_chunked_req(chunked)
-        gen0523 = cfg.admission_generation == "0.5.23"
+        gen0523 = self.adm_generation == "0.5.23"
         allocatable = self._num_allocatable()  # the running batch does not change here
         has_chunked = chunked is not None
         can_run_list = adder.can_run_list
