@@ -32,6 +32,7 @@ encoding happens only at publish.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -83,6 +84,11 @@ REMOVE = 1
 CLEAR = 2
 
 
+def _as_list(ids: Sequence[int]) -> list[int]:
+    """A new list of ``ids`` (an array's ``tolist``: one C pass, no iterator per item)."""
+    return ids.tolist() if type(ids) is array else list(ids)
+
+
 @dataclass(slots=True)
 class QueuedEvent:
     """One queued event in plain form (lists grow in place when the tail merges)."""
@@ -131,10 +137,14 @@ class EventQueue:
                     and tail.session_id == sid
                     and parent_hash == tail.hashes[-1]
                 ):
-                    tail.hashes.extend(hashes)
-                    tail.tokens.extend(token_ids)  # type: ignore[union-attr]
+                    tail.hashes += _as_list(hashes)
+                    tail.tokens += _as_list(token_ids)  # type: ignore[operator]
                     return
-            q.append(QueuedEvent(STORE, list(hashes), parent_hash, list(token_ids), page_size, sid))
+            q.append(
+                QueuedEvent(
+                    STORE, _as_list(hashes), parent_hash, _as_list(token_ids), page_size, sid
+                )
+            )
             return
         # one event per page
         prev = parent_hash
@@ -156,11 +166,11 @@ class EventQueue:
         q = self.queue
         if self.mode == "coalesced":
             if q and q[-1].kind == REMOVE:
-                q[-1].hashes.extend(hashes)
+                q[-1].hashes += _as_list(hashes)
                 return
-            q.append(QueuedEvent(REMOVE, list(hashes)))
+            q.append(QueuedEvent(REMOVE, _as_list(hashes)))
         elif self.mode == "per_page_store_per_node_remove":
-            q.append(QueuedEvent(REMOVE, list(hashes)))
+            q.append(QueuedEvent(REMOVE, _as_list(hashes)))
         else:
             for h in hashes:
                 q.append(QueuedEvent(REMOVE, [h]))

@@ -229,6 +229,11 @@ class Scheduler:
         #: PD prefill: requests whose KV is being transferred, (done_ns, idx)
         self.held: list[tuple[int, int]] = []
         self.track = cfg.track_visibility
+        #: ``cfg.skip_decode_stretches``, read once (checked every step)
+        self.skip_stretches = cfg.skip_decode_stretches
+        #: ``cfg.admission_generation``, read once (a property that parses the version
+        #: string; read twice per prefill batch otherwise)
+        self.adm_generation = cfg.admission_generation
         #: stores queued since the last publish: the computing pass of each stored page
         self.vis_pending: list[array[int]] = []
         #: one entry per published batch that carried stores: (seq, publish pass, publish
@@ -471,14 +476,14 @@ class Scheduler:
             cfg.max_prefill_tokens,
             # a decode worker receives the whole KV at once (no chunking)
             None if self.role == "decode" else cfg.chunked_prefill_size,
-            generation=cfg.admission_generation,
+            generation=self.adm_generation,
             clip_max_new_tokens=cfg.clip_max_new_tokens,
         )
         chunked = self.chunked_req
         still_chunked: SimReq | None = None
         if chunked is not None:
             still_chunked = adder.add_chunked_req(chunked)
-        gen0523 = cfg.admission_generation == "0.5.23"
+        gen0523 = self.adm_generation == "0.5.23"
         allocatable = self._num_allocatable()  # the running batch does not change here
         has_chunked = chunked is not None
         can_run_list = adder.can_run_list
@@ -930,13 +935,16 @@ class Scheduler:
         abort, pause or transfer ahead); ``add_arrival`` wakes it."""
         t = self.t
         last = self.last
-        # the skip's cheapest refusals inlined (a call per pass otherwise)
+        arrivals = self.arrivals
+        # the skip's cheapest refusals inlined (a call per pass otherwise): an arrival due
+        # now also ends any stretch
         if (
             self.running
             and not self.waiting
             and self.chunked_req is None
             and not self.pending_merge
-            and self.cfg.skip_decode_stretches
+            and self.skip_stretches
+            and not (arrivals and arrivals[0][0] <= t)
         ):
             jumped = self._skip_decode_stretch(t, last, horizon)
             if jumped is not None:
@@ -956,7 +964,6 @@ class Scheduler:
                 self.t = self.paused_until
                 return True
             self.paused_until = None
-        arrivals = self.arrivals
         if arrivals and arrivals[0][0] <= t:  # ``_receive``'s first check (a call per pass)
             self._receive(t)
         if self._aborts:

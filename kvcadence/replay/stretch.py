@@ -49,6 +49,13 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
         next_arr = int(horizon)
     if next_arr is not None and next_arr <= t:
         return None  # an arrival to receive now
+    # the next finish (a running request with fewer than 2 passes left ends any stretch:
+    # the commonest refusal, so checked before the pass time is computed)
+    left = min([r.decode_left for r in running])
+    if not overlap:
+        left -= 1
+    if left < 2:
+        return None
     ps = self.ps
     d = self.timer.decode_ns(len(running))
     if overlap:
@@ -61,7 +68,7 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
             m = min(m, jmax if self.sync else jmax + 1)
         if m < 2:
             return None
-        m = min(m, min([r.decode_left for r in running]))
+        m = min(m, left)
     else:
         if last is not None:
             return None
@@ -69,7 +76,7 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
             m = min(m, (next_arr - t - 1) // d + 1)
         if m < 2:
             return None
-        m = min(m, min([r.decode_left for r in running]) - 1)
+        m = min(m, left)
     if m < 2:
         return None
     # memory: the stretch's allocations fit, or fit after each pass evicts its own
