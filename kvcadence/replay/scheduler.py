@@ -623,7 +623,8 @@ class Scheduler:
         finishes them by length (``_reqs_finishing_inflight``). In the overlap loop a request
         that stops at EOS is not known to finish until its result is processed, after the
         next batch is launched: it is decoded once more (its EOS token's KV computed, so its
-        finish inserts prompt + every output)."""
+        finish inserts prompt + every output), also when its first token is EOS (merged
+        from its prefill batch by ``_get_next_batch``)."""
         if self.overlap:
             return [
                 r
@@ -698,10 +699,15 @@ class Scheduler:
         else:
             batch = None
         if batch is not None:
+            # rule (overlap loop): a request stopping at EOS with its first token is merged
+            # into the running batch before that result is processed, like a later EOS stop
+            eos_first = self.overlap and self.role == "both"
             for r, final in zip(batch.reqs, batch.finals, strict=False):
                 if final:
                     r.decode_left = r.n_out - (r.output_len + 1)
-                    if r.decode_left > 0:
+                    if r.decode_left > 0 or (
+                        eos_first and r.n_out < r.max_new_tokens and r.error is None
+                    ):
                         self.pending_merge.append(r)
             self.stats.prefill_passes += 1
             return batch

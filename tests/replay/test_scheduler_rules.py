@@ -471,3 +471,20 @@ def test_overlap_short_step_with_a_request_finishing_in_flight_decodes_nothing_i
     assert r.stats.aborted == 0 and r.stats.retractions == 0
     assert [(x.error, x.completion_tokens) for x in r.requests] == [(None, 80), (None, 20)]
     check_stream(r)
+
+
+def test_overlap_decodes_a_request_stopping_at_eos_with_its_first_token_once_more():
+    """SGLang 0.5.23's overlap loop merges a prefill batch into the running batch before it
+    processes the prefill's result (``get_next_batch_to_run``), and only a finish by length
+    is known ahead (``_reqs_finishing_inflight``): a request whose first token is EOS is in
+    the next decode batch, its token's KV computed, and its finish inserts prompt + that
+    token (``owned_kv_len``); the normal loop, and a finish by length, insert the prompt."""
+    prompt = list(range(3, 53))
+    for overlap_off, finish in ((False, "S51"), (True, "S50")):
+        cfg = config(disable_overlap_schedule=overlap_off)
+        stop = run([_stops_at_eos(req("a", prompt, 1), 20)], cfg)
+        assert shape(stop) == [["C"], [finish]], (overlap_off, shape(stop))
+        assert stop.requests[0].completion_tokens == 1
+        check_stream(stop)
+        by_length = run([req("a", prompt, 1)], cfg)
+        assert shape(by_length) == [["C"], ["S50"]], (overlap_off, shape(by_length))
