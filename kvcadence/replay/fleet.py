@@ -2,7 +2,8 @@
 
 Every replay goes through ``Fleet``: a multi-rank worker, several workers, and the
 single-rank replay (``replay.simulator.simulate`` is a fleet of one: one worker made by
-``replay.worker.one_rank_worker``, ``recorded`` routing, ``model`` pace).
+``replay.worker.one_rank_worker``, ``recorded`` routing, ``model`` pace unless asked for
+``recorded``).
 
 What this file owns:
 

@@ -26,7 +26,8 @@ which derives the parameters from the capture's own ``meta_info`` timings (bundl
 
 When the capture has no usable timings the defaults of ``TimingParams`` stay.
 
-Also the recorded pace of one rank (fleet replay, ``--pace``): ``recorded_token_times``
+Also the recorded pace of one rank (``--pace``: a multi-rank fleet replay by default, a
+single-rank replay with ``--pace recorded``): ``recorded_token_times``
 (when each output of the rank's requests was recorded, from a pass rate fitted to all of
 them at once) and ``PacedTimer`` (passes aimed at those times, clamped around the model).
 Pure arithmetic on the records: deterministic.
