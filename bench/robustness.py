@@ -197,7 +197,7 @@ def single_capture(name: str, bundle: Path, pace: str = "model") -> Capture:
         cfg = copy.deepcopy(base)
         if param is not None:
             setattr(cfg.timing, param, getattr(cfg.timing, param) * factor)
-        res = simulate(records, cfg, flush_abs_ns=flushes, pace=pace)
+        res = simulate(records, cfg, flush_abs_ns=flushes, pace=pace, source_header=reader.header)
         return {0: figures([b.payload for b in res.batches], res.requests)}
 
     return Capture(name, bundle, False, replay, {p: getattr(base.timing, p) for p in PARAMS})

@@ -120,13 +120,15 @@ def simulate(
     A fleet of one (``replay.fleet``, the one replay driver): every request on this rank,
     ``recorded`` routing, ``pace`` (``model``: the pass-time model alone; ``recorded``: the
     rank kept on its recorded pace, ``Fleet.pace_of``, when its records have per-phase
-    timings; the summary then says ``"pace": "recorded"``), no event log kept; flushing at
+    timings -- ``source_header``'s ``server_info`` says how they were recorded,
+    ``worker.spans_next_forward``; the summary then says ``"pace": "recorded"``), no event
+    log kept; flushing at
     ``flush_abs_ns`` (absolute receive times) in request order. The cyclic garbage
     collector is paused for the call (a replay builds millions of long-lived objects that
     collections would only re-walk)."""
     t0 = time.perf_counter()
     cfg.validate()
-    worker = one_rank_worker(records, cfg, flush_abs_ns)
+    worker = one_rank_worker(records, cfg, flush_abs_ns, header=source_header)
     with gc_paused():  # the schedule's construction too (it copies every token stream)
         fleet = Fleet([worker], make_router("recorded"), hasher=hasher, pace=pace, event_log=False)
         (slot,) = fleet.slots

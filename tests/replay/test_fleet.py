@@ -322,7 +322,10 @@ def test_one_rank_recorded_pace_is_the_single_rank_replays():
     reader = BundleReader(src)
     records, _, _ = load_for_replay(reader)
     cfg = effective_config(reader.header.server_info, records)
-    single = {p: simulate(records, copy.deepcopy(cfg), pace=p) for p in ("model", "recorded")}
+    single = {
+        p: simulate(records, copy.deepcopy(cfg), pace=p, source_header=reader.header)
+        for p in ("model", "recorded")
+    }
     fleet = simulate_fleet([load_worker(src)], "recorded", pace="recorded")
     assert payloads(fleet.slots[0].publisher.batches) == payloads(single["recorded"].batches)
     assert payloads(single["model"].batches) != payloads(single["recorded"].batches)

@@ -213,6 +213,33 @@ def test_a_request_follows_its_ranks_speed_not_its_own_average():
     assert ts[-1] - T0 == pytest.approx(10.5)
 
 
+def test_sync_forward_starts_a_prefills_outputs_where_the_next_forward_entered():
+    """A CPU worker under the overlap loop records a prefill's result after the *next*
+    forward: its first output is aimed at that forward's recorded start when the records
+    show it (the next prefill batch entered before the result was recorded), else at the
+    recorded ``prefill_finished_time``; the later outputs keep their times."""
+    recs = [
+        phased("a", 0.0, 0.5, 4.5, 9),  # b's prefill entered the forward at 0.3 s
+        phased("b", 0.3, 0.9, 5.0, 9),  # next prefill (c) enters after 0.9 s
+        phased("c", 2.0, 2.4, 6.0, 9),  # the last batch
+    ]
+    gpu = recorded_token_times(recs, P)
+    cpu = recorded_token_times(recs, P, sync_forward=True)
+    assert cpu[0][0] == pytest.approx(T0 + 0.3)
+    assert cpu[1][0] == gpu[1][0] == pytest.approx(T0 + 0.9)
+    assert cpu[2][0] == gpu[2][0] == pytest.approx(T0 + 2.4)
+    assert all(cpu[i][1:] == gpu[i][1:] for i in range(3))
+
+
+def test_prefill_times_span_the_next_forward_only_on_an_overlap_loop_cpu_worker():
+    from kvcadence.replay.worker import spans_next_forward
+
+    assert spans_next_forward({"device": "cpu"})
+    assert not spans_next_forward({"device": "cpu", "disable_overlap_schedule": True})
+    assert not spans_next_forward({"device": "cuda"})
+    assert not spans_next_forward(None)
+
+
 def test_records_without_phase_timings_have_no_recorded_pace():
     r = phased("a", 0.0, 0.5, 10.5, 21)
     r.meta_info = {"e2e_latency": 3.0}
