@@ -24,9 +24,12 @@ Captures: the shared fixture (``--fixture``, imported into a temporary bundle), 
 ``examples/`` sample, the DP captures of ``tests/replay/data`` and the real-capture corpus
 of ``tests/replay/data/corpus`` (``--only corpus`` for those alone). ``--write-docs`` replaces
 the generated table in ``docs/simulator.md`` (between the ``robustness`` markers);
-``--json PATH`` writes every variant's numbers.
+``--json PATH`` writes every variant's numbers. ``--pace recorded`` replays the single-rank
+captures on their recorded pace (``kvcadence replay --pace recorded``; default ``model``, as
+``kvcadence replay`` does; a DP capture keeps the fleet's default, the recorded pace).
 
     .venv/bin/python bench/robustness.py [--write-docs] [--json PATH] [--fixture DIR]
+        [--pace model|recorded]
 
 Bad input (a given path that does not exist, markers missing from the docs page): one line
 on stderr, exit 2.
@@ -175,7 +178,7 @@ class Capture:
     calibrated: dict[str, float]
 
 
-def single_capture(name: str, bundle: Path) -> Capture:
+def single_capture(name: str, bundle: Path, pace: str = "model") -> Capture:
     from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.loading import load_for_replay
     from kvcadence.replay.simulator import simulate
@@ -194,7 +197,7 @@ def single_capture(name: str, bundle: Path) -> Capture:
         cfg = copy.deepcopy(base)
         if param is not None:
             setattr(cfg.timing, param, getattr(cfg.timing, param) * factor)
-        res = simulate(records, cfg, flush_abs_ns=flushes)
+        res = simulate(records, cfg, flush_abs_ns=flushes, pace=pace, source_header=reader.header)
         return {0: figures([b.payload for b in res.batches], res.requests)}
 
     return Capture(name, bundle, False, replay, {p: getattr(base.timing, p) for p in PARAMS})
@@ -224,9 +227,10 @@ def dp_capture(name: str, bundle: Path) -> Capture:
 
 
 def captures(
-    fixture: Path | None, tmp: Path, only: Sequence[str] = ()
+    fixture: Path | None, tmp: Path, only: Sequence[str] = (), pace: str = "model"
 ) -> tuple[list[Capture], list[str]]:
-    """The captures to replay (``only``: those whose name contains one of these)."""
+    """The captures to replay (``only``: those whose name contains one of these; ``pace``:
+    of the single-rank ones)."""
 
     def wanted(name: str) -> bool:
         return not only or any(o in name for o in only)
@@ -244,23 +248,23 @@ def captures(
             server_info=fixture / "server_info.json",
             command=["bench/robustness.py"],
         )
-        out.append(single_capture(f"fixture `{fixture.name}`", b))
+        out.append(single_capture(f"fixture `{fixture.name}`", b, pace))
     elif fixture is None:
         notes.append(f"the shared fixture was not found at {DEFAULT_FIXTURE}: not in the table")
     if not SAMPLE.exists():
         notes.append(f"{SAMPLE.relative_to(ROOT)} not found: not in the table")
     elif wanted("sample " + SAMPLE.name):
-        out.append(single_capture(f"sample `{SAMPLE.name}`", SAMPLE))
+        out.append(single_capture(f"sample `{SAMPLE.name}`", SAMPLE, pace))
     for d in sorted(DP_DATA.glob("sglang-*dp*")):
         if wanted("dp " + d.name):
             out.append(dp_capture(f"DP 2 `{d.name}`", d))
     for d in sorted(p for p in CORPUS.iterdir() if (p / "bundle").is_dir()):
         if wanted("corpus " + d.name):
-            out.append(corpus_capture(d))
+            out.append(corpus_capture(d, pace))
     return out, notes
 
 
-def corpus_capture(d: Path) -> Capture:
+def corpus_capture(d: Path, pace: str = "model") -> Capture:
     """A capture of the real-capture corpus (``tests/replay/data/corpus/<name>/bundle``),
     replayed as ``tests/replay/test_corpus.py`` replays it: a multi-rank worker as a fleet."""
     from kvcadence.format.bundle import BundleReader
@@ -270,7 +274,7 @@ def corpus_capture(d: Path) -> Capture:
     reader = BundleReader(bundle)
     if dp_size_of(reader.header, reader.requests()) > 1:
         return dp_capture(f"corpus `{d.name}`", bundle)
-    return single_capture(f"corpus `{d.name}`", bundle)
+    return single_capture(f"corpus `{d.name}`", bundle, pace)
 
 
 def variants(cap: Capture, params: Sequence[str] = PARAMS) -> list[tuple[str | None, float]]:
@@ -430,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PARAM",
         help=f"only perturb these parameters (default all: {', '.join(PARAMS)})",
     )
+    ap.add_argument(
+        "--pace",
+        choices=("model", "recorded"),
+        default="model",
+        help="pace of the single-rank replays (default model, as `kvcadence replay`)",
+    )
     ap.add_argument("--write-docs", action="store_true", help="update docs/simulator.md")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write all numbers")
     args = ap.parse_args(argv)
@@ -437,8 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         bad = [p for p in args.params if p not in PARAMS]
         if bad:
             raise BadInput(f"--params: unknown {', '.join(bad)} (known: {', '.join(PARAMS)})")
-        if args.write_docs and (args.only or list(args.params) != list(PARAMS)):
-            raise BadInput("--write-docs writes the full table: not with --only / --params")
+        if args.write_docs and (
+            args.only or list(args.params) != list(PARAMS) or args.pace != "model"
+        ):
+            raise BadInput(
+                "--write-docs writes the full table at the default pace: not with --only / "
+                "--params / --pace recorded"
+            )
         fixture = args.fixture
         if fixture is not None and not (fixture / "events.jsonl").exists():
             raise BadInput(f"--fixture {fixture}: no events.jsonl there")
@@ -446,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             fixture = DEFAULT_FIXTURE
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
-            caps, notes = captures(fixture, Path(tmp), args.only)
+            caps, notes = captures(fixture, Path(tmp), args.only, args.pace)
             if not caps:
                 raise BadInput(f"--only {' '.join(args.only)}: no capture matches")
             results = []

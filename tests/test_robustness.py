@@ -142,6 +142,7 @@ def test_docs_table_replaces_only_the_marked_block(rob, tmp_path: Path):
         (["--fixture", "/nonexistent"], "no events.jsonl there"),
         (["--only", "nothing-matches"], "no capture matches"),
         (["--write-docs", "--only", "sample"], "not with --only"),
+        (["--write-docs", "--pace", "recorded"], "--pace recorded"),
     ],
 )
 def test_bad_input_one_line_exit_2(args, why):
@@ -171,3 +172,16 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
         "corpus `dp2-p8-long-nooverlap`",
     }
     assert all(c.bundle.name == "bundle" and c.calibrated["decode_base_s"] > 0 for c in caps)
+
+
+def test_pace_recorded_paces_the_single_rank_replays(rob, tmp_path: Path):
+    """``--pace recorded`` replays a single-rank capture with per-phase timings on its
+    recorded pace (other events than the model's); the default is the model's pace, as
+    ``kvcadence replay``'s."""
+    d = rob.CORPUS / "p4-chunk512-nooverlap"
+    model = rob.corpus_capture(d).replay(None, 1.0)[0]
+    paced = rob.corpus_capture(d, "recorded").replay(None, 1.0)[0]
+    assert model["stored"] != paced["stored"]
+    # the measured difference (docs/simulator.md): Stored/req 1.700 -> 1.720, real 1.765
+    real = rob.real_figures(d / "bundle")[0]
+    assert not rob.bars(real, model)["stored_per_req"] and rob.bars(real, paced)["stored_per_req"]

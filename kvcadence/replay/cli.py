@@ -200,7 +200,7 @@ def _term_as_interrupt(func: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from kvcadence.errors import UsageError
-    from kvcadence.replay.cli_fleet import maybe_run_fleet
+    from kvcadence.replay.cli_fleet import maybe_run_fleet, single_rank_pace
     from kvcadence.replay.config import CLI_OVERRIDES
     from kvcadence.replay.simulator import replay_bundle
     from kvcadence.replay.worker import effective_config
@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
             inferred=inferred,
             flushes=flushes,
             keep_batches=bool(args.publish),  # published live after the run
+            pace=single_rank_pace(args),
         )
     args._out_complete = True  # written whole: an interrupted --publish keeps it
     return _finish(args, result, cfg, phases, inferred)

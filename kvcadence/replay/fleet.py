@@ -2,7 +2,8 @@
 
 Every replay goes through ``Fleet``: a multi-rank worker, several workers, and the
 single-rank replay (``replay.simulator.simulate`` is a fleet of one: one worker made by
-``replay.worker.one_rank_worker``, ``recorded`` routing, ``model`` pace).
+``replay.worker.one_rank_worker``, ``recorded`` routing, ``model`` pace unless asked for
+``recorded``).
 
 What this file owns:
 
@@ -71,7 +72,7 @@ from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simbundle import sim_request_record
 from kvcadence.replay.simrecords import SimRecords
 from kvcadence.replay.timing import PacedTimer, recorded_token_times
-from kvcadence.replay.worker import WorkerInput
+from kvcadence.replay.worker import WorkerInput, spans_next_forward
 
 _INF = float("inf")
 #: loop iterations after which a replay is taken to be stuck
@@ -233,13 +234,16 @@ class Fleet:
             paced = self.pace_of(w, pace)
             times: list[dict[int, list[float]]] = [{} for _ in w.rank_configs]
             if paced:
+                spans = spans_next_forward(getattr(w.header, "server_info", None))
                 for rank, cfg in enumerate(w.rank_configs):
                     mine = [
                         sp
                         for sp in sch.requests
                         if sp.source is not None and self.home[sp.idx] == (wi, rank)
                     ]
-                    got = recorded_token_times([sp.source for sp in mine], cfg.timing)
+                    got = recorded_token_times(
+                        [sp.source for sp in mine], cfg.timing, sync_forward=spans
+                    )
                     times[rank] = {mine[i].idx: ts for i, ts in got.items()}
             ledger = self.ledgers[wi]
             keep = event_log or bool(getattr(router, "reads_events", False))

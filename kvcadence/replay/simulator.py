@@ -54,6 +54,7 @@ from kvcadence.replay.request import SimStats
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import Schedule
 from kvcadence.replay.simbundle import SimBundleOut, sim_header, write_sim
+from kvcadence.replay.timing import PacedTimer
 from kvcadence.replay.visibility import visibility_notes
 from kvcadence.replay.worker import effective_config, flush_times_from_bundle, one_rank_worker
 
@@ -93,6 +94,8 @@ class SimResult:
             "wall_s": round(self.wall_s, 3),
             # production captures: how outputs and sessions were inferred (replay/production)
             **({"inferred": self.extra["inferred"]} if "inferred" in self.extra else {}),
+            # a rank kept on its recorded pace (``--pace recorded``; the model's: no key)
+            **({"pace": self.extra["pace"]} if "pace" in self.extra else {}),
             # offline traces: which file and format (replay/trace)
             **({"trace": self.extra["trace"]} if "trace" in self.extra else {}),
         }
@@ -107,6 +110,7 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     out: SimBundleOut | None = None,
     source_header: Any = None,
+    pace: str = "model",
 ) -> SimResult:
     """Simulate ``records`` (``RequestRecord``-like) on one rank under ``cfg``; no I/O
     unless ``out``: then the sim bundle of a replay of ``source_header``'s bundle is opened
@@ -114,17 +118,19 @@ def simulate(
     in ``SimResult.batches``); ``write_sim_bundle`` finishes it, a failed run removes it.
 
     A fleet of one (``replay.fleet``, the one replay driver): every request on this rank,
-    ``recorded`` routing, the pass-time model's pace, no event log kept; flushing at
+    ``recorded`` routing, ``pace`` (``model``: the pass-time model alone; ``recorded``: the
+    rank kept on its recorded pace, ``Fleet.pace_of``, when its records have per-phase
+    timings -- ``source_header``'s ``server_info`` says how they were recorded,
+    ``worker.spans_next_forward``; the summary then says ``"pace": "recorded"``), no event
+    log kept; flushing at
     ``flush_abs_ns`` (absolute receive times) in request order. The cyclic garbage
     collector is paused for the call (a replay builds millions of long-lived objects that
     collections would only re-walk)."""
     t0 = time.perf_counter()
     cfg.validate()
-    worker = one_rank_worker(records, cfg, flush_abs_ns)
+    worker = one_rank_worker(records, cfg, flush_abs_ns, header=source_header)
     with gc_paused():  # the schedule's construction too (it copies every token stream)
-        fleet = Fleet(
-            [worker], make_router("recorded"), hasher=hasher, pace="model", event_log=False
-        )
+        fleet = Fleet([worker], make_router("recorded"), hasher=hasher, pace=pace, event_log=False)
         (slot,) = fleet.slots
         if out is not None:
             cfg0 = slot.sched.cfg
@@ -138,6 +144,7 @@ def simulate(
             raise
     sched = slot.sched
     schedule = fleet.schedules[0]
+    paced = type(sched.timer) is PacedTimer
     schedule.flush_times_ns = list(sched.schedule.flush_times_ns)  # its rank's, as run
     return SimResult(
         sched.cfg,
@@ -149,6 +156,7 @@ def simulate(
         scheduler=sched,
         messages=slot.publisher.seq,
         events=slot.publisher.n_events,
+        extra={"pace": "recorded"} if paced else {},
     )
 
 
@@ -199,6 +207,7 @@ def replay_bundle(
     inferred: dict[str, Any] | None = None,
     flushes: list[Any] | None = None,
     keep_batches: bool = False,
+    pace: str = "model",
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None): its
     frames as they are published (``SimResult.batches`` left empty), or, with
@@ -209,7 +218,7 @@ def replay_bundle(
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
     records as ``loading.load_for_replay`` returned them with its report
     ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
-    here when not given; flushes scanned when None)."""
+    here when not given; flushes scanned when None). ``pace``: as ``simulate``'s."""
 
     phases = phases or NoPhases()
 
@@ -249,6 +258,7 @@ def replay_bundle(
             progress=progress,
             out=sink,
             source_header=header,
+            pace=pace,
         )
     try:
         if inferred:

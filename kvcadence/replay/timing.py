@@ -26,7 +26,8 @@ which derives the parameters from the capture's own ``meta_info`` timings (bundl
 
 When the capture has no usable timings the defaults of ``TimingParams`` stay.
 
-Also the recorded pace of one rank (fleet replay, ``--pace``): ``recorded_token_times``
+Also the recorded pace of one rank (``--pace``: a multi-rank fleet replay by default, a
+single-rank replay with ``--pace recorded``): ``recorded_token_times``
 (when each output of the rank's requests was recorded, from a pass rate fitted to all of
 them at once) and ``PacedTimer`` (passes aimed at those times, clamped around the model).
 Pure arithmetic on the records: deterministic.
@@ -137,23 +138,18 @@ def calibrate(
             _calibrate_from_latency(p, spans, sync_forward)
         p.default_gap_s = _median_gap(records, p.default_gap_s)
         return p
-    # prefill batches grouped by forward entry time: (entry, finished, uncached tokens)
-    batches: dict[int, list[tuple]] = {}
-    for row in rows:
-        batches.setdefault(round(row[0] * 1e6), []).append(row)
+    # prefill batches: (entry, finished, uncached tokens)
     groups = sorted(
         (min(g[0] for g in grp), median(g[1] for g in grp), sum(g[5] for g in grp))
-        for grp in batches.values()
+        for grp in _prefill_batches(rows)
     )
     entries = [g[0] for g in groups]
 
     def prefill_durations(decode_s: float) -> tuple[list[float], list[float], list[tuple]]:
         xs, ys, ends = [], [], []
         for i, (e, f, toks) in enumerate(groups):
-            dur = f - e
-            if sync_forward:
-                nxt = entries[i + 1] if i + 1 < len(entries) else None
-                dur = nxt - e if nxt is not None and nxt < f else dur - decode_s
+            nxt = entries[i + 1] if i + 1 < len(entries) else None
+            dur = _prefill_duration(e, f, nxt, sync_forward, decode_s)
             if dur > 0:
                 xs.append(float(toks))
                 ys.append(dur)
@@ -192,6 +188,28 @@ def calibrate(
         p.decode_base_s, p.decode_per_req_s = fit[0], fit[1]
     p.default_gap_s = _median_gap(records, p.default_gap_s)
     return p
+
+
+def _prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
+    """``rows`` (``forward_entry_time`` first) grouped into prefill batches: the requests
+    sharing one ``forward_entry_time`` (to the microsecond)."""
+    batches: dict[int, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        batches.setdefault(round(row[0] * 1e6), []).append(row)
+    return list(batches.values())
+
+
+def _prefill_duration(
+    entry: float, finished: float, nxt: float | None, sync_forward: bool, decode_s: float
+) -> float:
+    """The forward of a prefill batch entering at ``entry`` whose result was recorded at
+    ``finished``: ``finished − entry``; with ``sync_forward`` (the result processed after
+    the next forward) up to the next batch's entry ``nxt`` when that is a prefill entering
+    before ``finished``, else ``finished − entry − decode_s`` (one decode pass)."""
+    dur = finished - entry
+    if sync_forward:
+        dur = nxt - entry if nxt is not None and nxt < finished else dur - decode_s
+    return dur
 
 
 def _calibrate_from_latency(
@@ -267,10 +285,18 @@ PACE_STEP_S = 1.0
 PACE_SWEEPS = 50
 
 
-def recorded_token_times(records: Iterable[Any], p: TimingParams) -> dict[int, list[float]]:
+def recorded_token_times(
+    records: Iterable[Any], p: TimingParams, *, sync_forward: bool = False
+) -> dict[int, list[float]]:
     """Recorded wall time (seconds) of every output of one rank's requests: ``{index in
     records: [t_1, ..., t_n]}`` for those with per-phase timings (``t_1`` =
-    ``prefill_finished_time``, ``t_n`` = ``request_finished_ts``).
+    ``prefill_finished_time``, ``t_n`` = ``request_finished_ts``). ``sync_forward`` as in
+    ``calibrate`` (a CPU worker recorded under the overlap loop: ``prefill_finished_time``
+    is the end of the *next* forward): ``t_1`` is that next forward's recorded start when
+    the records show it -- the next prefill batch's ``forward_entry_time``, when it entered
+    before ``prefill_finished_time`` (where ``calibrate`` ends the batch too) --, else
+    ``prefill_finished_time`` still (``calibrate`` takes one modelled decode pass off it;
+    here that measured worse on the DP captures: docs/simulator.md, "Recorded pace").
 
     A decode pass gives every running request of the rank one token, so the rank's pass
     rate ``v(t)`` (passes per second) is fitted to all its requests at once: each request
@@ -345,6 +371,17 @@ def recorded_token_times(records: Iterable[Any], p: TimingParams) -> dict[int, l
             times.append(seg_start + (goal - acc) / v[k])
         times.append(fin)
         out[i] = times
+    if sync_forward:
+        batches = _prefill_batches((fe, pf, i) for i, fe, pf, _fin, _n in rows)
+        groups = sorted(
+            ((min(r[0] for r in g), median(r[1] for r in g), g) for g in batches),
+            key=lambda x: x[:2],
+        )
+        for k, (e, f, grp) in enumerate(groups):
+            nxt = groups[k + 1][0] if k + 1 < len(groups) else None
+            end = e + _prefill_duration(e, f, nxt, True, 0.0)  # no modelled decode pass
+            for r in grp:
+                out[r[2]][0] = end
     return out
 
 
@@ -357,9 +394,10 @@ class PacedTimer(PassTimer):
     running requests' tokens it produces were recorded: its duration is the median over
     them of ``T(j) − launch``, where ``j`` counts the outputs already processed, the one
     in flight (the previous batch's) and this one. A prefill pass aims at its requests'
-    recorded ``prefill_finished_time``. Either is clamped to [``PACE_MIN_FACTOR``,
-    ``PACE_MAX_FACTOR``] × the model's duration, so a drifted rank catches up over several
-    passes; with no recorded target the model's duration stands. Pure function of the
+    first output ``T(1)`` (``prefill_finished_time``, or on a CPU worker recorded under the
+    overlap loop the next recorded forward's start: ``recorded_token_times``). Either is
+    clamped to [``PACE_MIN_FACTOR``, ``PACE_MAX_FACTOR``] × the model's duration, so a
+    drifted rank catches up over several passes; with no recorded target the model's duration stands. Pure function of the
     scheduler's state at the call: deterministic."""
 
     def __init__(

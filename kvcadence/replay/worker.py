@@ -4,7 +4,9 @@ What this file owns (the inputs of ``replay.fleet``, the one replay driver):
 
 * ``effective_config(server_info, records, overrides)`` -- ``SimConfig`` from a
   ``/server_info`` snapshot, the pass-time model calibrated from the capture's own timings,
-  then the caller's overrides (CLI flags) on top;
+  then the caller's overrides (CLI flags) on top; ``spans_next_forward(server_info)`` --
+  whether the capture's recorded prefill times span the next forward (an overlap-loop CPU
+  worker), which the calibration and the recorded pace take into account;
 * ``dp_size_of`` / ``rank_configs`` -- a worker's DP ranks and one ``SimConfig`` per rank
   (``max_total_num_tokens`` is per rank, ``internal_states[rank]`` first; ``attn_dp_rank``
   = rank; the pass-time model calibrated from that rank's own requests when it has >= 8);
@@ -38,6 +40,18 @@ from kvcadence.replay.timing import calibrate
 _TIMING_KEYS = {f.name for f in dataclasses.fields(SimConfig().timing)}
 
 
+def spans_next_forward(server_info: dict[str, Any] | None) -> bool:
+    """Whether a capture's recorded prefill times span the *next* forward: a CPU worker
+    runs each forward inside its launch, so under the overlap loop (the one recorded in
+    ``server_info``, whatever the overrides simulate) a prefill's result is processed after
+    the next forward; the normal loop processes it right after its own. The calibration
+    takes that forward out (``timing.calibrate``), the recorded pace too
+    (``timing.recorded_token_times``)."""
+    info = server_info or {}
+    cpu = str(info.get("device", "")) == "cpu"
+    return cpu and not from_server_info(info).disable_overlap_schedule
+
+
 def effective_config(
     server_info: dict[str, Any] | None,
     records: Sequence[Any],
@@ -49,15 +63,10 @@ def effective_config(
     """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored)."""
     cfg = from_server_info(server_info or {}, sglang_version)
     if calibrate_timing:
-        # a CPU worker runs each forward inside its launch: under the overlap loop (the one
-        # recorded in server_info, whatever the overrides simulate) a prefill's result is
-        # processed after the next forward, so its recorded prefill time spans that forward
-        # too, which the calibration takes out; the normal loop processes it right after its
-        # own forward
-        cpu = str((server_info or {}).get("device", "")) == "cpu"
-        spans_next = cpu and not cfg.disable_overlap_schedule
         cfg.timing = calibrate(
-            list(records), cfg.timing, sync_forward=cfg.sync_forward or spans_next
+            list(records),
+            cfg.timing,
+            sync_forward=cfg.sync_forward or spans_next_forward(server_info),
         )
     for key, value in (overrides or {}).items():
         if value is None:

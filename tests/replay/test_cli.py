@@ -223,3 +223,25 @@ def test_wall_is_the_whole_command_and_slow_phases_are_said_on_stderr(
     assert said is not None and float(said.group(1)) >= 0.8, line
     assert main(["replay", str(src), "--out", str(tmp_path / "sim3"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_single_rank_replay_pace_flag(tmp_path, capsys):
+    """``--pace`` on a single-rank replay: ``recorded`` keeps the rank on its recorded pace
+    (the summary and trailer say ``"pace": "recorded"``; other events than the model's),
+    ``auto`` (default) and ``model`` are the pass-time model alone: the same bytes."""
+    import json
+
+    src = Path(__file__).parent / "data" / "corpus" / "p1-lanes8" / "bundle"
+    summaries, frames = {}, {}
+    for pace in ("auto", "model", "recorded"):
+        out = tmp_path / pace
+        assert main(["replay", str(src), "--out", str(out), "--pace", pace, "--json"]) == 0
+        summaries[pace] = json.loads(capsys.readouterr().out)
+        reader = BundleReader(out)
+        frames[pace] = [f.payload for f in reader.events()]
+        (trailer,) = [r for r in reader.records() if type(r).__name__ == "Trailer"]
+        assert trailer.stats["replay"].get("pace") == summaries[pace].get("pace")
+    assert "pace" not in summaries["auto"] and "pace" not in summaries["model"]
+    assert summaries["recorded"]["pace"] == "recorded"
+    assert frames["auto"] == frames["model"] != frames["recorded"]
+    assert summaries["recorded"]["skipped_decode_passes"] == 0  # a paced pass at a time

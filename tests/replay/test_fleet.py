@@ -308,3 +308,25 @@ def test_progress_counts_every_request_once(n_ranks, route):
         got.clear()
         single = run(copy.deepcopy(recs), config(), progress=got.append)
         assert sum(got) == len(single.requests) and len(got) > 1
+
+
+def test_one_rank_recorded_pace_is_the_single_rank_replays():
+    """A real single-rank capture (per-phase timings) on its recorded pace: the fleet of one
+    (``load_worker``, ``pace="recorded"``) publishes exactly what ``kvcadence replay --pace
+    recorded`` (``simulate(..., pace="recorded")``) does, and not what the model's pace does."""
+    from kvcadence.replay.loading import load_for_replay
+    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.worker import effective_config
+
+    src = Path(__file__).parent / "data" / "corpus" / "p1-lanes8" / "bundle"
+    reader = BundleReader(src)
+    records, _, _ = load_for_replay(reader)
+    cfg = effective_config(reader.header.server_info, records)
+    single = {
+        p: simulate(records, copy.deepcopy(cfg), pace=p, source_header=reader.header)
+        for p in ("model", "recorded")
+    }
+    fleet = simulate_fleet([load_worker(src)], "recorded", pace="recorded")
+    assert payloads(fleet.slots[0].publisher.batches) == payloads(single["recorded"].batches)
+    assert payloads(single["model"].batches) != payloads(single["recorded"].batches)
+    assert single["recorded"].summary()["pace"] == "recorded"

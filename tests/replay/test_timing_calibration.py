@@ -213,6 +213,33 @@ def test_a_request_follows_its_ranks_speed_not_its_own_average():
     assert ts[-1] - T0 == pytest.approx(10.5)
 
 
+def test_sync_forward_starts_a_prefills_outputs_where_the_next_forward_entered():
+    """A CPU worker under the overlap loop records a prefill's result after the *next*
+    forward: its first output is aimed at that forward's recorded start when the records
+    show it (the next prefill batch entered before the result was recorded), else at the
+    recorded ``prefill_finished_time``; the later outputs keep their times."""
+    recs = [
+        phased("a", 0.0, 0.5, 4.5, 9),  # b's prefill entered the forward at 0.3 s
+        phased("b", 0.3, 0.9, 5.0, 9),  # next prefill (c) enters after 0.9 s
+        phased("c", 2.0, 2.4, 6.0, 9),  # the last batch
+    ]
+    gpu = recorded_token_times(recs, P)
+    cpu = recorded_token_times(recs, P, sync_forward=True)
+    assert cpu[0][0] == pytest.approx(T0 + 0.3)
+    assert cpu[1][0] == gpu[1][0] == pytest.approx(T0 + 0.9)
+    assert cpu[2][0] == gpu[2][0] == pytest.approx(T0 + 2.4)
+    assert all(cpu[i][1:] == gpu[i][1:] for i in range(3))
+
+
+def test_prefill_times_span_the_next_forward_only_on_an_overlap_loop_cpu_worker():
+    from kvcadence.replay.worker import spans_next_forward
+
+    assert spans_next_forward({"device": "cpu"})
+    assert not spans_next_forward({"device": "cpu", "disable_overlap_schedule": True})
+    assert not spans_next_forward({"device": "cuda"})
+    assert not spans_next_forward(None)
+
+
 def test_records_without_phase_timings_have_no_recorded_pace():
     r = phased("a", 0.0, 0.5, 10.5, 21)
     r.meta_info = {"e2e_latency": 3.0}
@@ -263,3 +290,44 @@ def test_paced_prefill_aims_at_the_recorded_prefill_result():
     assert timer.prefill_ns(20, 1) == int(model * PACE_MIN_FACTOR)
     sched.t = sched.gpu_free = int(1.5e9) - model  # one model pass early: the model time
     assert timer.prefill_ns(20, 1) == model
+
+
+def _pace_change_capture() -> list[RequestRecord]:
+    """One rank serving one request at a time whose host slowed down mid-way: 20 requests
+    of 21 outputs, received 0.5 s after the previous one finished, decoding 0.04 s a pass
+    for the first ten and 0.10 s a pass for the last ten (prefill 0.05 s)."""
+    recs, t = [], 0.0
+    for k in range(20):
+        step = 0.04 if k < 10 else 0.10
+        r = phased(f"r{k}", t, t + 0.05, t + 0.05 + 20 * step, 21)
+        r.input_ids = [3 + k] * 20  # no prefix shared between requests
+        recs.append(r)
+        t += 0.05 + 20 * step + 0.5
+    return recs
+
+
+def test_single_rank_replay_follows_a_pace_change_the_model_cannot():
+    """``simulate(..., pace="recorded")`` (``kvcadence replay --pace recorded``): each
+    request of a capture whose decode passes went from 0.04 s to 0.10 s half-way lasts as
+    recorded; the calibrated model (one pass time for the whole capture) misses one half."""
+    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.worker import effective_config
+
+    recs = _pace_change_capture()
+    cfg = effective_config({}, recs)
+    errors = {}
+    for pace in ("model", "recorded"):
+        res = simulate(recs, effective_config({}, recs), pace=pace)
+        assert ("pace" in res.summary()) == (pace == "recorded")
+        errors[pace] = [
+            abs(
+                (s.meta_info["request_finished_ts"] - s.meta_info["request_received_ts"])
+                - (r.meta_info["request_finished_ts"] - r.meta_info["request_received_ts"])
+            )
+            / (r.meta_info["request_finished_ts"] - r.meta_info["request_received_ts"])
+            for r, s in zip(recs, sorted(res.requests, key=lambda x: int(x.rid[1:])), strict=True)
+        ]
+    decode = cfg.timing.decode_base_s + cfg.timing.decode_per_req_s
+    assert 0.04 < decode < 0.10  # one pass time for both halves
+    assert max(errors["recorded"]) < 0.05, errors["recorded"]
+    assert max(errors["model"][:10]) > 0.3 or max(errors["model"][10:]) > 0.3, errors["model"]
