@@ -127,7 +127,10 @@ def test_rule_finishing_with_the_first_token_inserts_the_prompt_once():
     later = req("later", prompt + list(range(200, 210)), 3, arrival_ms=200)
     r = run([one, stop, later])
     sh = shape(r)
-    assert sh[:3] == [["C"], ["S10"], ["S20"]]
+    # "stop" stops at EOS with its first token: under the overlap loop it rides one more
+    # decode (merged before its prefill result is processed), so its finish stores its
+    # prompt + the EOS token (S21; "one" finishes by length with its first token: S10)
+    assert sh[:3] == [["C"], ["S10"], ["S21"]]
     stores = [e for batch in decoded(r) for e in batch if isinstance(e, BlockStored)]
     first = wire.block_hashes(prompt, 1)
     assert sum(1 for e in stores if set(first) & set(e.block_hashes)) == 1
