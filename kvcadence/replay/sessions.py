@@ -23,15 +23,16 @@ session end (a request without a successor) that finished last before it: a clos
 client's next session (timing only). Two ways in: (1) that end is within the think-time
 bound (``max_gap_ns``); (2) it is the *only idle client* -- the one session end no later
 start has joined yet, every other client being in a session -- whose session itself joined
-a client (it came back before), and it came at most the capture's median interval between
-consecutive session starts earlier (an independent, open-loop arrival would follow a given
-moment that closely less often than not). (2) keeps a closed-loop client that paused long
+a client (it came back before), and it came at most the median wait from a given moment to
+the next session start earlier (``median_wait``: an independent, open-loop arrival would
+follow a given moment that closely less often than not). (2) keeps a closed-loop client that paused long
 (a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
 nobody joins, and from the first of them on no client is the only idle one.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -218,9 +219,10 @@ def infer_clients(
     1. that end is at most ``max_gap_ns`` earlier (a think time), or
     2. that end is the only unclaimed session end so far (the one idle client: every other
        client is in a session, every earlier session end was joined), the session it ends
-       itself joined a client (the client came back before), and it is at most the median
-       interval between consecutive session starts earlier (data-derived: an open-loop
-       arrival lands that close after a given moment less often than not).
+       itself joined a client (the client came back before), and it is at most
+       ``median_wait`` of the intervals between consecutive session starts earlier
+       (data-derived: an open-loop arrival lands that close after a given moment less
+       often than not).
 
     A pause that spans a recorded cache flush (``flushes_ns``: absolute receive times) is
     counted from the last such flush: SGLang flushes only an idle worker, so every client
@@ -254,14 +256,33 @@ def infer_clients(
             out[q] = free.pop()
         elif len(free) == 1:
             if idle_gap is None:
-                spacing = sorted(
-                    nodes[b].arrival_ns - nodes[a].arrival_ns for a, b in pairwise(starts)
+                idle_gap = median_wait(
+                    [nodes[b].arrival_ns - nodes[a].arrival_ns for a, b in pairwise(starts)]
                 )
-                idle_gap = spacing[len(spacing) // 2] if spacing else 0
             if gap <= idle_gap and out[_session_start(nodes, free[0])] is not None:
                 out[q] = free.pop()
                 idle += 1
     return out, idle
+
+
+def median_wait(intervals: Sequence[int]) -> int:
+    """The median wait from a moment independent of a stream of arrivals to its next
+    arrival, for arrivals ``intervals`` apart (the stream's own, observed): the smallest
+    ``w`` with ``sum(min(x, w)) >= sum(intervals) / 2``. A moment falls into an interval
+    with a chance proportional to its length and waits ``min(x, w)`` there at most
+    ``w`` (the forward recurrence time of a renewal process). Only for exponential
+    intervals (Poisson arrivals) is it the median interval itself: regular arrivals wait
+    less, bunched ones (a few long pauses between bursts) longer. 0 for no intervals."""
+    xs = sorted(intervals)
+    half = sum(xs) / 2
+    below = 0  # the sum of the intervals shorter than the candidate
+    for k, x in enumerate(xs):
+        # with w in [previous x, x]: below + w * (intervals not shorter) reaches half at
+        w = (half - below) / (len(xs) - k)
+        if w <= x:
+            return math.ceil(w)
+        below += x
+    return 0  # no intervals (a non-empty list returns in the loop)
 
 
 def _session_start(nodes: Sequence[Node], i: int) -> int:
