@@ -227,7 +227,10 @@ def infer_clients(
     A pause that spans a recorded cache flush (``flushes_ns``: absolute receive times) is
     counted from the last such flush: SGLang flushes only an idle worker, so every client
     was idle then, and the replay releases a client's turn that crosses a flush at its
-    recorded offset from the flush (``flushes.FlushPlan``), not after a think time.
+    recorded offset from the flush (``flushes.FlushPlan``), not after a think time. Its
+    bound in rule 1 is also at least the longest pause a closed-loop turn (a request with
+    a predecessor) took across that flush (``_flush_pauses``): the clients demonstrably
+    paused that long there, so a session start within it is a client resuming too.
 
     ``None`` = open loop; ``order``: ``arrival_order(nodes)`` when the caller has it.
     Returns the links and how many of them rule 2 made."""
@@ -239,6 +242,7 @@ def infer_clients(
     idle_gap: int | None = None  # rule 2's bound, computed when first needed
     free: list[int] = []  # every session end finished so far and unclaimed, by finish time
     flushes = sorted(flushes_ns)
+    crossing: list[int] | None = None  # ``_flush_pauses``, computed when first needed
     ei = idle = 0
     for q in starts:
         t = nodes[q].arrival_ns
@@ -249,10 +253,14 @@ def infer_clients(
             continue
         since = cast("int", nodes[free[-1]].finish_ns)
         k = bisect_right(flushes, t)
+        bound = max_gap_ns
         if k and flushes[k - 1] > since:
             since = flushes[k - 1]  # the pause spans a flush: counted from it
+            if crossing is None:
+                crossing = _flush_pauses(nodes, flushes)
+            bound = max(bound, crossing[k - 1])
         gap = t - since
-        if gap <= max_gap_ns:
+        if gap <= bound:
             out[q] = free.pop()
         elif len(free) == 1:
             if idle_gap is None:
@@ -263,6 +271,21 @@ def infer_clients(
                 out[q] = free.pop()
                 idle += 1
     return out, idle
+
+
+def _flush_pauses(nodes: Sequence[Node], flushes: Sequence[int]) -> list[int]:
+    """For each flush (ascending receive times), the longest pause a closed-loop turn took
+    across it: receive − flush over the requests whose predecessor finished before the
+    flush and that arrived after it, before the next flush (0 where none did)."""
+    out = [0] * len(flushes)
+    for n in nodes:
+        if n.pred is None:
+            continue
+        k = bisect_right(flushes, n.arrival_ns)
+        pf = nodes[n.pred].finish_ns
+        if k and pf is not None and pf <= flushes[k - 1]:
+            out[k - 1] = max(out[k - 1], n.arrival_ns - flushes[k - 1])
+    return out
 
 
 def median_wait(intervals: Sequence[int]) -> int:

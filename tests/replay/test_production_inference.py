@@ -331,6 +331,21 @@ def test_a_long_pause_among_bunched_session_starts_joins_the_only_idle_client(pa
     assert links[12] == (9 if joined else None) and idle == int(joined)
 
 
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_session_start_within_the_clients_pause_across_a_flush_joins_a_client(flush):
+    """A flush at 2.1 s; A's next turn came 500 ms after it (past the 300 ms think-time
+    bound: the clients paused across the flush). A session start 480 ms after the flush
+    joins the client whose session ended last before it, as A's turn resumed its session
+    (``dp2-p4-flush``: two open-loop clients more before); one 600 ms after it, past that
+    pause, arrives open loop. Without the flush both are past every bound."""
+    nodes = _sessions([(0, 1000), (2600, 3000), (10, 1500), (20, 1600), (2580, 3100), (2700, 3200)])
+    nodes[1].pred = 0
+    nodes[0].has_successor = True
+    flushes = (int(2.1 * S),) if flush else ()
+    links, idle = infer_clients(nodes, 300 * 1_000_000, flushes_ns=flushes)
+    assert links[4] == (3 if flush else None) and links[5] is None and idle == 0
+
+
 def test_an_unjoined_session_end_keeps_a_long_pause_open_loop():
     """An open-loop session (nobody follows it) leaves its end unjoined: from then on no
     client is the *only* idle one, so a long pause is a new client, as before."""
