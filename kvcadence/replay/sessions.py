@@ -25,8 +25,8 @@ bound (``max_gap_ns``); (2) it is the *only idle client* -- the one session end 
 start has joined yet, every other client being in a session -- whose session itself joined
 a client (it came back before), and it came at most the median wait from a given moment to
 the next session start earlier (``median_wait``: an independent, open-loop arrival would
-follow a given moment that closely less often than not). (2) keeps a closed-loop client that paused long
-(a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
+follow a given moment that closely less often than not). (2) keeps a closed-loop client
+that paused long (a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
 nobody joins, and from the first of them on no client is the only idle one.
 """
 
@@ -292,10 +292,11 @@ def median_wait(intervals: Sequence[int]) -> int:
     """The median wait from a moment independent of a stream of arrivals to its next
     arrival, for arrivals ``intervals`` apart (the stream's own, observed): the smallest
     ``w`` with ``sum(min(x, w)) >= sum(intervals) / 2``. A moment falls into an interval
-    with a chance proportional to its length and waits ``min(x, w)`` there at most
-    ``w`` (the forward recurrence time of a renewal process). Only for exponential
-    intervals (Poisson arrivals) is it the median interval itself: regular arrivals wait
-    less, bunched ones (a few long pauses between bursts) longer. 0 for no intervals."""
+    of length ``x`` with a chance proportional to ``x``, and waits at most ``w`` there with
+    a chance ``min(x, w) / x`` (the forward recurrence time of a renewal process). Only for
+    exponential intervals (Poisson arrivals) is it the median interval itself: regular
+    arrivals wait less, bunched ones (a few long pauses between bursts) longer. 0 for no
+    intervals."""
     xs = sorted(intervals)
     half = sum(xs) / 2
     below = 0  # the sum of the intervals shorter than the candidate
