@@ -23,15 +23,16 @@ session end (a request without a successor) that finished last before it: a clos
 client's next session (timing only). Two ways in: (1) that end is within the think-time
 bound (``max_gap_ns``); (2) it is the *only idle client* -- the one session end no later
 start has joined yet, every other client being in a session -- whose session itself joined
-a client (it came back before), and it came at most the capture's median interval between
-consecutive session starts earlier (an independent, open-loop arrival would follow a given
-moment that closely less often than not). (2) keeps a closed-loop client that paused long
-(a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
+a client (it came back before), and it came at most the median wait from a given moment to
+the next session start earlier (``median_wait``: an independent, open-loop arrival would
+follow a given moment that closely less often than not). (2) keeps a closed-loop client
+that paused long (a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
 nobody joins, and from the first of them on no client is the only idle one.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -218,14 +219,18 @@ def infer_clients(
     1. that end is at most ``max_gap_ns`` earlier (a think time), or
     2. that end is the only unclaimed session end so far (the one idle client: every other
        client is in a session, every earlier session end was joined), the session it ends
-       itself joined a client (the client came back before), and it is at most the median
-       interval between consecutive session starts earlier (data-derived: an open-loop
-       arrival lands that close after a given moment less often than not).
+       itself joined a client (the client came back before), and it is at most
+       ``median_wait`` of the intervals between consecutive session starts earlier
+       (data-derived: an open-loop arrival lands that close after a given moment less
+       often than not).
 
     A pause that spans a recorded cache flush (``flushes_ns``: absolute receive times) is
     counted from the last such flush: SGLang flushes only an idle worker, so every client
     was idle then, and the replay releases a client's turn that crosses a flush at its
-    recorded offset from the flush (``flushes.FlushPlan``), not after a think time.
+    recorded offset from the flush (``flushes.FlushPlan``), not after a think time. Its
+    bound in rule 1 is also at least the longest pause a closed-loop turn (a request with
+    a predecessor) took across that flush (``_flush_pauses``): the clients demonstrably
+    paused that long there, so a session start within it is a client resuming too.
 
     ``None`` = open loop; ``order``: ``arrival_order(nodes)`` when the caller has it.
     Returns the links and how many of them rule 2 made."""
@@ -237,6 +242,7 @@ def infer_clients(
     idle_gap: int | None = None  # rule 2's bound, computed when first needed
     free: list[int] = []  # every session end finished so far and unclaimed, by finish time
     flushes = sorted(flushes_ns)
+    crossing: list[int] | None = None  # ``_flush_pauses``, computed when first needed
     ei = idle = 0
     for q in starts:
         t = nodes[q].arrival_ns
@@ -247,21 +253,60 @@ def infer_clients(
             continue
         since = cast("int", nodes[free[-1]].finish_ns)
         k = bisect_right(flushes, t)
+        bound = max_gap_ns
         if k and flushes[k - 1] > since:
             since = flushes[k - 1]  # the pause spans a flush: counted from it
+            if crossing is None:
+                crossing = _flush_pauses(nodes, flushes)
+            bound = max(bound, crossing[k - 1])
         gap = t - since
-        if gap <= max_gap_ns:
+        if gap <= bound:
             out[q] = free.pop()
         elif len(free) == 1:
             if idle_gap is None:
-                spacing = sorted(
-                    nodes[b].arrival_ns - nodes[a].arrival_ns for a, b in pairwise(starts)
+                idle_gap = median_wait(
+                    [nodes[b].arrival_ns - nodes[a].arrival_ns for a, b in pairwise(starts)]
                 )
-                idle_gap = spacing[len(spacing) // 2] if spacing else 0
             if gap <= idle_gap and out[_session_start(nodes, free[0])] is not None:
                 out[q] = free.pop()
                 idle += 1
     return out, idle
+
+
+def _flush_pauses(nodes: Sequence[Node], flushes: Sequence[int]) -> list[int]:
+    """For each flush (ascending receive times), the longest pause a closed-loop turn took
+    across it: receive − flush over the requests whose predecessor finished before the
+    flush and that arrived after it, before the next flush (0 where none did)."""
+    out = [0] * len(flushes)
+    for n in nodes:
+        if n.pred is None:
+            continue
+        k = bisect_right(flushes, n.arrival_ns)
+        pf = nodes[n.pred].finish_ns
+        if k and pf is not None and pf <= flushes[k - 1]:
+            out[k - 1] = max(out[k - 1], n.arrival_ns - flushes[k - 1])
+    return out
+
+
+def median_wait(intervals: Sequence[int]) -> int:
+    """The median wait from a moment independent of a stream of arrivals to its next
+    arrival, for arrivals ``intervals`` apart (the stream's own, observed): the smallest
+    ``w`` with ``sum(min(x, w)) >= sum(intervals) / 2``. A moment falls into an interval
+    of length ``x`` with a chance proportional to ``x``, and waits at most ``w`` there with
+    a chance ``min(x, w) / x`` (the forward recurrence time of a renewal process). Only for
+    exponential intervals (Poisson arrivals) is it the median interval itself: regular
+    arrivals wait less, bunched ones (a few long pauses between bursts) longer. 0 for no
+    intervals."""
+    xs = sorted(intervals)
+    half = sum(xs) / 2
+    below = 0  # the sum of the intervals shorter than the candidate
+    for k, x in enumerate(xs):
+        # with w in [previous x, x]: below + w * (intervals not shorter) reaches half at
+        w = (half - below) / (len(xs) - k)
+        if w <= x:
+            return math.ceil(w)
+        below += x
+    return 0  # no intervals (a non-empty list returns in the loop)
 
 
 def _session_start(nodes: Sequence[Node], i: int) -> int:

@@ -219,7 +219,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "http-clients-p16": "cached_tokens_equal 0.927",
     "p1-retract-noeos": "stored_blocks_median 135 -> 147 (+8.9%); removed_blocks_mean 225.9 -> "
     "255.5 (+13.1%); cached_tokens_equal 0.625",
-    "p1-retract-noeos-nooverlap": "cached_tokens_equal 0.820",
+    "p1-retract-noeos-nooverlap": "cached_tokens_equal 0.885",
 }
 
 
@@ -284,18 +284,21 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
     assert rep["clients"] == len({t.lane for t in drv}) + CLIENTS_OVER_LANES.get(name, 0)
 
 
-#: capture -> inferred clients more than the driver's lanes: ``dp2-p4-flush``'s driver let
-#: 100 requests finish before its flush, and the two sessions that started right after it
-#: came 1.05 s and 2.17 s after their lane's previous finish, past the think-time bound
-#: also when counted from the flush: two open-loop clients; ``p32-flush-nooverlap``'s first
-#: session after its flush (``l3-s5-t0``) came 1.02 s after its lane's previous finish: one.
-#: (``flush2``'s driver paused 7.0 s for a flush between two sessions of one lane: a 5th
+#: capture -> inferred clients more than the driver's lanes (none now).
+#: (``dp2-p4-flush``'s driver let 100 requests finish before its flush, and the two
+#: sessions that started right after it came 1.05 s and 2.17 s after their lane's previous
+#: finish, 522 and 524 ms after the flush, past the think-time bound (453 ms), two clients
+#: idle then: two open-loop clients until a pause across a flush was also bounded by the
+#: longest pause a turn took across it (535 ms); ``flush2``'s driver paused 7.0 s for a
+#: flush between two sessions of one lane: a 5th
 #: client until a pause across a flush was counted from the flush; ``p64-chunk128`` had 26
 #: for 4 lanes before a predecessor had to hold the whole prompt of its candidate: see the
-#: corpus README.) ``p1-retract-noeos-nooverlap``: two session starts came 9.3 s and 1.23 s
-#: after their lane's previous finish (``l0-s5-t0``, ``l5-s13-t0``; the think-time bound is
-#: 433 ms): two.
-CLIENTS_OVER_LANES = {"dp2-p4-flush": 2, "p32-flush-nooverlap": 1, "p1-retract-noeos-nooverlap": 2}
+#: corpus README. ``p32-flush-nooverlap``'s ``l3-s5-t0``, 1.02 s after its lane's previous
+#: finish, and ``p1-retract-noeos-nooverlap``'s ``l0-s5-t0`` and ``l5-s13-t0``, 9.3 s and
+#: 1.23 s after theirs, were 1 and 2 open-loop clients more until the only idle client's
+#: pause was weighed against the median wait for a session start, not the median interval
+#: between session starts: ``sessions.median_wait``.)
+CLIENTS_OVER_LANES: dict[str, int] = {}
 
 
 #: ``http-clients-p16``'s clients: ``python -m kvcadence.testing.httpclients`` with these
@@ -390,8 +393,8 @@ def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):
     """``tight-long``'s one session start past the think-time bound (``l6-s8-t0``: 558 ms
     after its client's previous session ended, 10 median think times being 308 ms) joins
     its real client as the only idle one (every other lane in a session, every earlier
-    session end joined, 558 ms under the capture's median interval between session
-    starts), so the production path has the driver's 8 clients, not a 9th open-loop one
+    session end joined, 558 ms under the median wait for the next session start,
+    ``sessions.median_wait``), so the production path has the driver's 8 clients, not a 9th open-loop one
     (which shifted the tight pool's evictions: ``cached_tokens`` equal 0.940 < 0.95)."""
     from kvcadence.replay.production import CLIENT_GAP_FACTOR, records_for_replay
     from kvcadence.replay.schedule import _arrival, _finish

@@ -22,7 +22,7 @@ from kvcadence.replay.production import (
     complete_records,
     needs_completion,
 )
-from kvcadence.replay.sessions import Node, infer_clients
+from kvcadence.replay.sessions import Node, infer_clients, median_wait
 from tests.replay.helpers import config, lane_chain, run
 
 S = 1_000_000_000
@@ -260,16 +260,18 @@ def _two_clients(pause: float, first_joined: bool = True) -> list[Node]:
 @pytest.mark.parametrize(
     ("pause", "first_joined", "joined"),
     [
-        (400, True, True),  # the only idle client, 400 ms < median start interval (630)
-        (700, True, False),  # past the median interval between session starts (500 ms)
-        (400, False, False),  # A never came back before: no evidence of a closed loop
+        (350, True, True),  # the only idle client, 350 ms < the median wait (377 ms)
+        (400, True, False),  # past the median wait (377 ms; the median interval is 630)
+        (700, True, False),  # past the median wait (392 ms)
+        (350, False, False),  # A never came back before: no evidence of a closed loop
     ],
 )
 def test_a_long_pause_joins_only_the_only_idle_client(pause, first_joined, joined):
     """A session start past the think-time bound joins the client whose session ended
     last only when that client is the only idle one (every other session end joined), has
-    come back before, and the gap is under the capture's median interval between session
-    starts; else it arrives open loop (the old rule: always open loop past the bound)."""
+    come back before, and the gap is at most the median wait from a given moment to the
+    next session start (``median_wait``); else it arrives open loop (the old rule: always
+    open loop past the bound)."""
     nodes = _two_clients(pause, first_joined)
     late = 4 if first_joined else 3
     links, idle = infer_clients(nodes, 300 * 1_000_000)
@@ -297,6 +299,51 @@ def test_a_pause_across_a_flush_is_counted_from_the_flush(flush_ms, joined):
     links, idle = infer_clients(nodes, 300 * 1_000_000, flushes_ns=flushes)
     assert links[2] == 1  # B's next session: within the bound, as before
     assert links[3] == (2 if joined else None) and idle == 0
+
+
+def test_median_wait_is_the_forward_wait_not_the_median_interval():
+    """The median wait from a moment independent of the arrivals to the next one: half an
+    interval for regular arrivals, far more than the median interval for bunched ones (a
+    moment falls into a long interval more often)."""
+    assert median_wait([]) == 0
+    assert median_wait([100, 100, 100, 100]) == 50
+    assert median_wait([10, 10, 980]) == 480  # the median interval: 10
+    assert median_wait([0, 0]) == 0
+
+
+@pytest.mark.parametrize(("pause", "joined"), [(400, True), (500, True), (600, False)])
+def test_a_long_pause_among_bunched_session_starts_joins_the_only_idle_client(pause, joined):
+    """Three closed-loop clients start their sessions in bursts (10 ms apart, a burst a
+    second): the median interval between session starts is 10 ms, but a moment independent
+    of the starts waits a median 524-549 ms for the next one. Client A, the only idle one,
+    comes back ``pause`` ms after its session (past the 300 ms think-time bound) while B and
+    C are in long sessions: it joins A up to the median wait (the median interval alone kept
+    every such pause open loop: ``p1-retract-noeos-nooverlap``'s 9.3 s pause against a
+    6.0 s median interval and a 9.4 s median wait)."""
+    spans: list[tuple[float, float]] = []
+    for burst in range(4):
+        for k in range(3):
+            a = burst * 1000 + 10 * k
+            spans.append((a, 10_000 if burst == 3 and k else a + 950))
+    spans.append((3950 + pause, 4450 + pause))
+    links, idle = infer_clients(_sessions(spans), 300 * 1_000_000)
+    assert links[:12] == [None, None, None, 2, 1, 0, 5, 4, 3, 8, 7, 6]  # the think-time joins
+    assert links[12] == (9 if joined else None) and idle == int(joined)
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_session_start_within_the_clients_pause_across_a_flush_joins_a_client(flush):
+    """A flush at 2.1 s; A's next turn came 500 ms after it (past the 300 ms think-time
+    bound: the clients paused across the flush). A session start 480 ms after the flush
+    joins the client whose session ended last before it, as A's turn resumed its session
+    (``dp2-p4-flush``: two open-loop clients more before); one 600 ms after it, past that
+    pause, arrives open loop. Without the flush both are past every bound."""
+    nodes = _sessions([(0, 1000), (2600, 3000), (10, 1500), (20, 1600), (2580, 3100), (2700, 3200)])
+    nodes[1].pred = 0
+    nodes[0].has_successor = True
+    flushes = (int(2.1 * S),) if flush else ()
+    links, idle = infer_clients(nodes, 300 * 1_000_000, flushes_ns=flushes)
+    assert links[4] == (3 if flush else None) and links[5] is None and idle == 0
 
 
 def test_an_unjoined_session_end_keeps_a_long_pause_open_loop():
