@@ -316,6 +316,16 @@ class BlockStoredIdsView(KVCacheEvent, tag="BlockStored"):
     lora_name: str | None = None
 
 
+class KVEventBatchTsView(msgspec.Struct, array_like=True, gc=False):
+    """A payload's publish ``ts`` alone, its events left undecoded (``Raw``): the flush scan's
+    view of a frame whose payload cannot hold an ``AllBlocksCleared`` (its tag's bytes are
+    not in it)."""
+
+    ts: float
+    events: msgspec.Raw
+    attn_dp_rank: Any = None
+
+
 class KVEventBatchIdsView(msgspec.Struct, array_like=True, gc=False):
     """``KVEventBatchRawView`` with ``BlockStoredIdsView`` for its stores; no clear (a frame with
     one is decoded fully for the flush scan anyway) and ``attn_dp_rank`` present (a

@@ -56,7 +56,12 @@ import msgspec
 
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload
-from kvcadence.format.schema import VIA_REPLAY, AllBlocksCleared, Annotation, EventFrame
+from kvcadence.format.schema import (
+    VIA_REPLAY,
+    AllBlocksCleared,
+    EventFrame,
+    KVEventBatchTsView,
+)
 from kvcadence.replay.schedule import RequestSpec, _arrival, _finish
 
 
@@ -71,18 +76,37 @@ class RecordedFlush:
 
 
 def recorded_flushes(reader: Any) -> list[RecordedFlush]:
-    """The mid-run flushes recorded in a bundle (see module docstring), by time then rank."""
+    """The mid-run flushes recorded in a bundle (see module docstring), by time then rank.
+
+    Reads only the event frames and the flush notes (``events_and_notes``: request records
+    and other notes are stepped over). A payload without the bytes of the
+    ``AllBlocksCleared`` tag (every msgpack shape spells it as that string) cannot hold a
+    clear: only its ``ts`` is decoded (``KVEventBatchTsView``; it counts towards the
+    endpoint's receive lag); the others are decoded whole. A payload that does not decode
+    is not a flush."""
     scan = FlushScan(reader.header)
-    for rec in reader.records():
-        if isinstance(rec, EventFrame):
-            try:
-                batch = wire.decode_batch(event_payload(rec))
-            except Exception:  # a malformed payload is not a flush
-                continue
-            scan.frame(rec, batch.ts, batch.events)
-        elif isinstance(rec, Annotation):
+    for rec in reader.events_and_notes(NOTE_KINDS):
+        if not isinstance(rec, EventFrame):
             scan.note(rec)
+            continue
+        payload = event_payload(rec)
+        if _CLEARED_TAG not in payload:
+            try:
+                scan.frame(rec, _TS_ONLY.decode(payload).ts, ())
+                continue
+            except msgspec.DecodeError:  # another envelope shape: decoded whole below
+                pass
+        try:
+            batch = wire.decode_batch(payload)
+        except Exception:  # a malformed payload is not a flush
+            continue
+        scan.frame(rec, batch.ts, batch.events)
     return scan.result()
+
+
+#: the bytes of the clear's tag: every wire shape carries it as this msgpack str
+_CLEARED_TAG = b"AllBlocksCleared"
+_TS_ONLY = msgspec.msgpack.Decoder(KVEventBatchTsView)
 
 
 #: the note kinds ``FlushScan.note`` reads (a pass may skip every other note)

@@ -458,3 +458,70 @@ def test_dp_two_flushes_per_rank_under_every_route(route):
             assert max(by[rid].finish_ns for rid in groups[k]) - res.anchor_ns <= t_clear
             mine = [rid for rid in groups[k + 1] if served[rid] == sl.index]
             assert all(by[rid].send_ns - res.anchor_ns >= t_clear for rid in mine)
+
+
+def _scan_decoding_every_frame(reader: BundleReader) -> list[RecordedFlush]:
+    """The oracle: every record read, every event payload decoded whole."""
+    from kvcadence.format.schema import EventFrame
+    from kvcadence.replay.flushes import FlushScan
+
+    scan = FlushScan(reader.header)
+    for rec in reader.records():
+        if isinstance(rec, EventFrame):
+            try:
+                batch = wire.decode_batch(event_payload(rec))
+            except Exception:
+                continue
+            scan.frame(rec, batch.ts, batch.events)
+        elif isinstance(rec, Annotation):
+            scan.note(rec)
+    return scan.result()
+
+
+_DATA = Path(__file__).parent / "data"
+_REAL = sorted(
+    [*(_DATA / "corpus").glob("*/bundle"), *_DATA.glob("sglang-0.5.23-dp2-*")],
+    key=str,
+)
+
+
+@pytest.mark.parametrize(
+    "src", _REAL, ids=lambda p: p.parent.name if p.name == "bundle" else p.name
+)
+def test_recorded_flushes_of_real_captures_equal_decoding_every_frame(src, monkeypatch):
+    """The scan steps over request records and decodes whole only the payloads that carry
+    the clear's tag bytes: on every real capture it finds what decoding everything finds."""
+    want = _scan_decoding_every_frame(BundleReader(src))
+    tagged = sum(b"AllBlocksCleared" in event_payload(f) for f in BundleReader(src).events())
+    whole = []
+    decode = wire.decode_batch
+    monkeypatch.setattr(wire, "decode_batch", lambda p: whole.append(1) or decode(p))
+    assert recorded_flushes(BundleReader(src)) == want
+    assert 0 < len(whole) == tagged
+
+
+def test_recorded_flushes_reads_array_shaped_and_odd_payloads(tmp_path):
+    """A 0.5.5-0.5.17 array-shaped clear is found; a payload whose events are not valid but
+    that holds no clear's tag only times the endpoint; one whose ts is not a number is
+    decoded whole (and, malformed, is not a flush)."""
+    import msgspec
+
+    from kvcadence.format.schema import VIA_LIVE, KVEventBatch
+
+    eps = [EndpointInfo(0, "tcp://127.0.0.1:5557", None, 0, "kv-events")]
+    header = Header(1, 0, "real", "test", "0.5.23", {"page_size": 1}, None, [], 0, eps)
+    base = 1_700_000_000 * 10**9
+    arr_clear = msgspec.msgpack.encode([base / 1e9 + 0.2, [["AllBlocksCleared"]], 0])
+    odd_events = msgspec.msgpack.encode([base / 1e9 + 0.3, [["NoSuchEvent", 1]], 0])
+    bad_ts = msgspec.msgpack.encode(["x", [["AllBlocksCleared"]], 0])
+    store = wire.encode_batch(KVEventBatch(base / 1e9, [BlockStored([1], None, [5], 1, None)], 0))
+    frames = [(0, store), (1, arr_clear), (2, odd_events), (3, bad_ts)]
+    with BundleWriter(tmp_path / "b", header) as bw:
+        for seq, payload in frames:
+            bw.write_event(
+                endpoint=0, seq=seq, recv_ns=base + (seq + 1) * MS, topic="kv-events",
+                payload=payload, via=VIA_LIVE, epoch=0,
+            )  # fmt: skip
+    got = recorded_flushes(BundleReader(tmp_path / "b"))
+    assert [(f.seq, f.recv_ns) for f in got] == [(1, base + 2 * MS)]
+    assert got == _scan_decoding_every_frame(BundleReader(tmp_path / "b"))
