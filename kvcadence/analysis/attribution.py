@@ -589,47 +589,55 @@ def attribute_sql(
     ``any_prompt`` also the peer split (``any_prompt_split_arrays``)."""
     ps = max(1, int(page_size))
     res = Attribution(page_size=ps)
-    tmp = "_a_req _a_hc _a_ev _a_er _a_slow _a_pair _a_sbl _a_cand_slow _a_chain".split()
+    tmp = "_a_req _a_hc _a_er _a_slow _a_sbl _a_cand_slow _a_chain".split()
+    views = ("_a_ev", "_a_pair")
     try:
+        pos = _position(con)
+        # no rids nor cached tokens (``_per_request_sql`` reads them from ``requests``): this
+        # table and ``_a_hc`` live through the joins below, within DuckDB's memory limit
         con.sql(
-            f"CREATE OR REPLACE TEMP TABLE _a_req AS SELECT {_position(con)} AS r, rid, "
-            "n_input, n_output, "
-            f"cached_tokens, floor(coalesce(cached_tokens, 0) / {ps})::BIGINT AS first, "
+            f"CREATE OR REPLACE TEMP TABLE _a_req AS SELECT {pos} AS r, n_input, n_output, "
+            f"floor(coalesce(cached_tokens, 0) / {ps})::BIGINT AS first, "
             f"floor(n_input / {ps})::BIGINT AS pp, send_ns, finish_ns, lane, session "
             "FROM requests"
         )
-        # n: candidate pages of the hash, capped at 2 (only 0, 1 and "several" matter)
+        # n: candidate pages of the hash, capped at 2 (only 0, 1 and "several" matter); rp:
+        # the candidate's request * 2 + 1 if a prompt page (read only where n = 1: one
+        # integer min, not two any_value states -- ~25 % of this statement)
         con.sql(
             "CREATE OR REPLACE TEMP TABLE _a_hc AS SELECT pg.hash AS h, "
             "least(count(*), 2)::UTINYINT AS n, "
-            "any_value(pg.request_id) AS r, any_value(pg.page < q.pp) AS prompt "
+            "min(pg.request_id * 2 + (pg.page < q.pp)::BIGINT) AS rp "
             f"FROM ({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id "
             "WHERE pg.page >= q.first GROUP BY pg.hash"
         )
+        # views, not tables: what DuckDB holds (within its memory limit) while it joins and
+        # groups the blocks is only ``_a_req``, ``_a_hc`` (dropped once matched) and ``_a_er``
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_ev AS SELECT event_id, recv_ns, n_blocks "
+            "CREATE OR REPLACE TEMP VIEW _a_ev AS SELECT event_id, recv_ns, n_blocks "
             f"FROM events WHERE kind = 'stored' AND ({scope})"
         )
         # the stored blocks, matched and counted per (event, candidate request) as they are
         # read: one row per event and request (r NULL: its unmatched blocks), never a row per
         # block (a table of every block was most of this function's memory and time)
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_er AS SELECT b.e, c.r, "
-            "count(*) FILTER (WHERE c.n = 1 AND c.prompt) AS pb, "
-            "count(*) FILTER (WHERE c.n = 1 AND NOT c.prompt) AS ob, "
+            "CREATE OR REPLACE TEMP TABLE _a_er AS SELECT b.e, c.rp // 2 AS r, "
+            "count(*) FILTER (WHERE c.n = 1 AND c.rp % 2 = 1) AS pb, "
+            "count(*) FILTER (WHERE c.n = 1 AND c.rp % 2 = 0) AS ob, "
             "count(*) FILTER (WHERE c.n IS NULL) AS ub, bool_or(c.n > 1) AS slow "
             f"FROM ({_stored_blocks(scope)}) b LEFT JOIN _a_hc c ON c.h = b.h GROUP BY ALL"
         )
+        con.sql("DROP TABLE _a_hc")
         # slow events: any block with several candidate pages
         con.sql("CREATE OR REPLACE TEMP TABLE _a_slow AS SELECT DISTINCT e FROM _a_er WHERE slow")
         # the fast events' (event, request) counts (in a fast event a matched block has one
         # candidate page: a row with r set counts only such blocks)
         con.sql(
-            "CREATE OR REPLACE TEMP TABLE _a_pair AS SELECT e, r, pb, ob, ub FROM _a_er "
+            "CREATE OR REPLACE TEMP VIEW _a_pair AS SELECT e, r, pb, ob, ub FROM _a_er "
             "ANTI JOIN _a_slow USING (e)"
         )
         _fast_sql(con, res)
-        per = _per_request_sql(con, res)
+        per = _per_request_sql(con, res, pos)
         acc = _SlowAcc(*per[1:])
         _slow_sql(con, pages_sql, scope, res, acc)
         res.req_prompt_blocks, res.req_output_blocks = acc.prompt, acc.output
@@ -654,6 +662,8 @@ def attribute_sql(
             split = {"prompt_blocks": int(n_prompt), "output_blocks": int(n_all - n_prompt)}
         return res, per[0], split
     finally:
+        for v in views:
+            con.sql(f"DROP VIEW IF EXISTS {v}")
         for t in tmp:
             con.sql(f"DROP TABLE IF EXISTS {t}")
 
@@ -721,8 +731,11 @@ def _fast_sql(con: Any, res: Attribution) -> None:
     res.event_kinds = kinds
 
 
-def _per_request_sql(con: Any, res: Attribution) -> tuple[PerRequest, Any, Any, Any, Any, Any]:
-    """Per-request inputs and the fast events' per-request counts (request_id order)."""
+def _per_request_sql(
+    con: Any, res: Attribution, pos: str
+) -> tuple[PerRequest, Any, Any, Any, Any, Any]:
+    """Per-request inputs and the fast events' per-request counts (request_id order; ``pos``:
+    a request's position, ``_position``)."""
     import numpy as np
 
     t = sql.arrow(
@@ -732,7 +745,8 @@ def _per_request_sql(con: Any, res: Attribution) -> tuple[PerRequest, Any, Any, 
         "FROM _a_pair WHERE r IS NOT NULL GROUP BY r) "
         "SELECT q.rid, q.cached_tokens, q.n_input, q.n_output, coalesce(pr.pb, 0) AS pb, "
         "coalesce(pr.ob, 0) AS ob, coalesce(pr.ne, 0) AS ne, coalesce(pr.np, 0) AS np, "
-        "coalesce(pr.nf, 0) AS nf FROM _a_req q LEFT JOIN pr ON pr.r = q.r ORDER BY q.r",
+        f"coalesce(pr.nf, 0) AS nf FROM (SELECT {pos} AS r, rid, cached_tokens, n_input, "
+        "n_output FROM requests) q LEFT JOIN pr ON pr.r = q.r ORDER BY q.r",
     )
 
     def col(name: str) -> Any:

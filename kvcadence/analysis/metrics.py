@@ -316,33 +316,81 @@ def _requests(c: _Ctx, page_size: int) -> dict[str, Any]:
     return m
 
 
-def _removals(c: _Ctx, pool_pages: int | None) -> dict[str, Any]:
-    m: dict[str, Any] = {"removal.pool_pages": pool_pages}
-    # resident blocks before each event: the running sum of its (endpoint, epoch) since the
-    # last clear. When no clear follows a store or removal of its stream (no clears; the
-    # startup clear) that is the running sum of the whole stream: one window pass, not two
-    (late_clears,) = c.one(
-        "SELECT count(*) FROM (SELECT max(pos) FILTER (kind = 'cleared') AS clear, "
-        "min(pos) FILTER (kind IN ('stored', 'removed')) AS change FROM "
-        f"(SELECT endpoint, epoch, kind, {_POS.format(t='events')} AS pos FROM events) "
-        "GROUP BY endpoint, epoch) WHERE clear > change"
-    )
-    seg = (
-        "0 AS seg"
-        if not late_clears
-        else "sum(CASE WHEN kind = 'cleared' THEN 1 ELSE 0 END) OVER ("
-        "PARTITION BY endpoint, epoch ORDER BY seq, idx ROWS UNBOUNDED PRECEDING) AS seg"
-    )
-    c.con.sql(
-        f"""
-        CREATE OR REPLACE TEMP TABLE _removals AS
-        WITH o AS (SELECT *, {seg} FROM events),
-        r AS (
-          SELECT *, coalesce(sum(CASE kind WHEN 'stored' THEN n_blocks
-                                        WHEN 'removed' THEN -n_blocks ELSE 0 END) OVER (
-              PARTITION BY endpoint, epoch, seg ORDER BY seq, idx
-              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS resident
-          FROM o)
+#: events read per batch by ``_resident_rows``
+_RESIDENT_ROWS = 1 << 18
+
+
+def _resident_rows(c: _Ctx) -> Any:
+    """The removed events with the blocks resident before each, as a pyarrow table in
+    (endpoint, epoch, seq, idx) order (``event_id``, ``n_blocks``, ``resident``, ``recv_ns``,
+    ``batch_id``, ``idx``), or None.
+
+    Resident blocks before an event: the running sum of its (endpoint, epoch)'s stored minus
+    removed blocks since the stream's last clear, in (seq, idx) order. Ingest writes the
+    events in that order within each stream, so the sum is one streamed pass over the file
+    (numpy, a batch at a time; three numbers carried per stream) instead of DuckDB's window
+    sort of every event (one partition: a single-threaded sort that spilled at 10M events).
+    None when some stream's events are not in (seq, idx) order in the file: the caller then
+    sorts in SQL (``_removals_sorted``)."""
+    import numpy as np
+    import pyarrow as pa
+
+    carry: dict[int, tuple[int, int, int]] = {}  # stream -> (last seq, last idx, resident)
+    keep = ("event_id", "n_blocks", "recv_ns", "batch_id", "idx")
+    parts: dict[str, list[Any]] = {k: [] for k in (*keep, "resident", "stream")}
+    reader = c.con.sql(
+        "SELECT (endpoint::BIGINT << 32) | (epoch::BIGINT & 4294967295) AS stream, seq, idx, "
+        "CASE kind WHEN 'stored' THEN n_blocks WHEN 'removed' THEN -n_blocks ELSE 0 END::BIGINT "
+        "AS d, kind = 'cleared' AS clear, kind = 'removed' AS rm, event_id, n_blocks, recv_ns, "
+        "batch_id FROM events"
+    ).to_arrow_reader(_RESIDENT_ROWS)
+    for b in reader:
+        if b.num_rows == 0:
+            continue
+        stream = b.column("stream").to_numpy()
+        seq = b.column("seq").to_numpy()
+        idx = b.column("idx").to_numpy()
+        d = b.column("d").to_numpy()
+        clear = b.column("clear").to_numpy(zero_copy_only=False)
+        resident = np.empty(len(d), dtype=np.int64)
+        one = bool((stream == stream[0]).all())
+        for s in [int(stream[0])] if one else np.unique(stream).tolist():
+            at: Any = slice(None) if one else np.flatnonzero(stream == s)
+            sq, ix, dd, cl = seq[at], idx[at], d[at], clear[at]
+            last_seq, last_idx, r0 = carry.get(s, (None, None, 0))
+            if last_seq is not None:
+                sq, ix = np.r_[last_seq, sq], np.r_[last_idx, ix]
+            ds = np.diff(sq)
+            if not ((ds > 0) | ((ds == 0) & (np.diff(ix) > 0))).all():
+                return None
+            if last_seq is not None:
+                sq, ix = sq[1:], ix[1:]
+            excl = np.cumsum(dd) - dd  # the stream's blocks before each row, this batch
+            if cl.any():  # a clear restarts the sum (the clear's own row: 0)
+                lc = np.maximum.accumulate(np.where(cl, np.arange(len(dd)), -1))
+                got = np.where(lc >= 0, excl - excl[np.maximum(lc, 0)], r0 + excl)
+            else:
+                got = r0 + excl
+            resident[at] = got
+            carry[s] = (int(sq[-1]), int(ix[-1]), int(got[-1] + dd[-1]))
+        rm = b.column("rm").to_numpy(zero_copy_only=False)
+        for k in keep:
+            parts[k].append(b.column(k).to_numpy()[rm])
+        parts["resident"].append(resident[rm])
+        parts["stream"].append(stream[rm])
+    if not parts["event_id"]:
+        return None  # no events: the SQL path (nothing to sort)
+    stream = np.concatenate(parts.pop("stream"))
+    cols = {k: np.concatenate(parts.pop(k)) for k in list(parts)}
+    if len(stream) and (stream != stream[0]).any():  # streams in (endpoint, epoch) order
+        order = np.argsort(stream, kind="stable")
+        cols = {k: v[order] for k, v in cols.items()}
+    return pa.table(cols)
+
+
+#: the removal rows of ``_removals`` from ``r`` (the events with their ``resident``): each
+#: removal is a flush when its batch clears after it or a flush note is within 1 s
+_FLUSH_SQL = """
         SELECT r.event_id, r.n_blocks, r.resident, r.recv_ns,
           (coalesce(c.last_clear > r.idx, false)
            OR coalesce(n.t <= r.recv_ns + 1000000000, false)) AS flush
@@ -353,7 +401,25 @@ def _removals(c: _Ctx, pool_pages: int | None) -> dict[str, Any]:
         ASOF LEFT JOIN (SELECT recv_ns AS t FROM notes WHERE kind ILIKE '%flush%') n
           ON n.t >= r.lo
         """
-    )
+
+
+def _removals(c: _Ctx, pool_pages: int | None) -> dict[str, Any]:
+    m: dict[str, Any] = {"removal.pool_pages": pool_pages}
+    rows = _resident_rows(c)
+    if rows is not None:
+        c.con.register("_resident_rows", rows)
+        try:
+            # the removed rows in the window's output order: the same floating-point sums
+            # below (HUGEINT: the type of the window's sum)
+            c.con.sql(
+                "CREATE OR REPLACE TEMP TABLE _removals AS WITH r AS (SELECT event_id, n_blocks, "
+                "resident::HUGEINT AS resident, recv_ns, batch_id, idx, 'removed' AS kind "
+                "FROM _resident_rows) " + _FLUSH_SQL
+            )
+        finally:
+            c.con.unregister("_resident_rows")
+    else:
+        _removals_sorted(c)
     fe, fb, ce, cb = c.one(
         "SELECT count(*) FILTER (flush), coalesce(sum(n_blocks) FILTER (flush), 0), "
         "count(*) FILTER (NOT flush), coalesce(sum(n_blocks) FILTER (NOT flush), 0) FROM _removals"
@@ -384,6 +450,37 @@ def _removals(c: _Ctx, pool_pages: int | None) -> dict[str, Any]:
             c.dist("NULL::DOUBLE", "FROM _removals WHERE FALSE"),
         )
     return m
+
+
+def _removals_sorted(c: _Ctx) -> None:
+    """``_removals`` by DuckDB's window over the events sorted by (seq, idx) per stream."""
+    # resident blocks before each event: the running sum of its (endpoint, epoch) since the
+    # last clear. When no clear follows a store or removal of its stream (no clears; the
+    # startup clear) that is the running sum of the whole stream: one window pass, not two
+    (late_clears,) = c.one(
+        "SELECT count(*) FROM (SELECT max(pos) FILTER (kind = 'cleared') AS clear, "
+        "min(pos) FILTER (kind IN ('stored', 'removed')) AS change FROM "
+        f"(SELECT endpoint, epoch, kind, {_POS.format(t='events')} AS pos FROM events) "
+        "GROUP BY endpoint, epoch) WHERE clear > change"
+    )
+    seg = (
+        "0 AS seg"
+        if not late_clears
+        else "sum(CASE WHEN kind = 'cleared' THEN 1 ELSE 0 END) OVER ("
+        "PARTITION BY endpoint, epoch ORDER BY seq, idx ROWS UNBOUNDED PRECEDING) AS seg"
+    )
+    c.con.sql(
+        f"""
+        CREATE OR REPLACE TEMP TABLE _removals AS
+        WITH o AS (SELECT *, {seg} FROM events),
+        r AS (
+          SELECT *, coalesce(sum(CASE kind WHEN 'stored' THEN n_blocks
+                                        WHEN 'removed' THEN -n_blocks ELSE 0 END) OVER (
+              PARTITION BY endpoint, epoch, seg ORDER BY seq, idx
+              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS resident
+          FROM o)
+        {_FLUSH_SQL}"""
+    )
 
 
 def _quality(c: _Ctx, info: dict[str, Any]) -> dict[str, Any]:

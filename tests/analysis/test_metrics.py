@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.analysis import ingest, metrics
+from kvcadence.analysis import ingest, metrics, sql
 from kvcadence.format.schema import Annotation, Gap, RequestRecord
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
@@ -143,6 +143,46 @@ def test_resident_blocks_restart_at_a_clear_mid_stream(tmp_path: Path) -> None:
             (4000, [removed([7])]),
         ],
     ) == [2, 2, 3]
+
+
+def test_resident_streamed_sum_equals_the_sorted_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # two interleaved streams, a clear mid-stream, batches of 2 events (sums carried over)
+    b = write_bundle(
+        tmp_path / "b",
+        [
+            (0, [stored([1, 2, 3])], 0),
+            (100, [stored([11, 12])], 1),
+            (1000, [removed([1])], 0),
+            (1500, [cleared(), stored([14])], 1),
+            (2000, [stored([4]), removed([2])], 0),
+            (2500, [stored([13]), removed([13])], 1),
+            (3000, [removed([3, 4])], 0),
+            (3500, [removed([14, 12])], 1),
+        ],
+        hdr=header(page_size=1, max_tokens=10, ranks=2),
+    )
+    ing = ingest.ingest(b)
+    monkeypatch.setattr(metrics, "_RESIDENT_ROWS", 2)
+    con = sql.connect(ing)
+    c = metrics._Ctx(con, False)
+    assert metrics._resident_rows(c) is not None
+    got = metrics._removals(c, 10)
+    q = "SELECT event_id, n_blocks, resident, recv_ns, flush FROM _removals ORDER BY event_id"
+    streamed = con.sql(q).fetchall()
+    metrics._removals_sorted(c)
+    window = con.sql(q).fetchall()
+    assert streamed == window
+    # stream 0: 3; 3 - 1 + 1; 3 - 1. stream 1 from its clear: 1 + 1; 1 + 1 - 1
+    assert [r[2] for r in streamed] == [3, 3, 2, 2, 1]
+    # events out of (seq, idx) order in the file: the SQL window instead, the same figures
+    path = str(ing.path("events")).replace("'", "''")
+    con.sql(f"CREATE OR REPLACE TEMP VIEW events AS FROM read_parquet('{path}') ORDER BY seq DESC")
+    assert metrics._resident_rows(c) is None
+    # (the same rows; a mean's last bit follows the order DuckDB sums them in)
+    assert metrics._removals(c, 10) == pytest.approx(got, rel=1e-12)
+    assert con.sql(q).fetchall() == window
 
 
 def test_requests_metrics(golden: metrics.BundleMetrics) -> None:
