@@ -335,6 +335,15 @@ class Scheduler:
         existing, node, new = tree.insert_below(start, depth, req.seq_slice(depth, end))
         if new is not None and self.track:
             self._record_store(req, existing, end)
+        prompt = len(req.ids)
+        prompt -= prompt % ps
+        if depth < prompt < end:
+            # rule: the key runs past the prompt from above its end (a retracted request's
+            # re-prefill, prompt + outputs): SGLang 0.5.23's checkpoint inserts the prompt's
+            # page-aligned key again (``UnifiedRadixCache.checkpoint_into_tree``: "split the
+            # leaf at the prompt boundary so eviction can drop the output KV without the
+            # prompt"), so the outputs are a leaf of their own (no event)
+            tree.insert_below(start, depth, req.seq_slice(depth, prompt))
         old = req.lock_handle
         if old is not None:
             self.tree.relock(old, node)

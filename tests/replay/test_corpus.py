@@ -88,9 +88,9 @@ MISSES: dict[tuple[str, str], str] = {
     ("p32-flush-nooverlap", "stored_median"): "stored_blocks_median 5 -> 4 (-20.0%)",
     ("dp2-p8-long-nooverlap", "stored_median"): "stored_blocks_median 13 -> 13.5 (+3.8%)",
     ("p1-retract-noeos", "stored_median"): "stored_blocks_median 135 -> 141 (+4.4%)",
-    ("p1-retract-noeos", "removed_mean"): "removed_blocks_mean 225.9 -> 250.7 (+10.9%)",
+    ("p1-retract-noeos", "removed_mean"): "removed_blocks_mean 225.9 -> 249.6 (+10.5%)",
     ("p1-retract-noeos", "cached_equal"): "cached_tokens_equal 0.655",
-    ("p1-retract-noeos-nooverlap", "cached_equal"): "cached_tokens_equal 0.885",
+    ("p1-retract-noeos-nooverlap", "cached_equal"): "cached_tokens_equal 0.890",
 }
 
 
@@ -219,7 +219,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "http-clients-p16": "cached_tokens_equal 0.927",
     "p1-retract-noeos": "stored_blocks_median 135 -> 147 (+8.9%); removed_blocks_mean 225.9 -> "
     "255.5 (+13.1%); cached_tokens_equal 0.625",
-    "p1-retract-noeos-nooverlap": "cached_tokens_equal 0.885",
+    "p1-retract-noeos-nooverlap": "cached_tokens_equal 0.890",
 }
 
 

@@ -488,3 +488,26 @@ def test_overlap_decodes_a_request_stopping_at_eos_with_its_first_token_once_mor
         check_stream(stop)
         by_length = run([req("a", prompt, 1)], cfg)
         assert shape(by_length) == [["C"], ["S50"]], (overlap_off, shape(by_length))
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_reprefill_past_the_prompt_splits_the_leaf_at_the_prompt_end(ps):
+    """0.5.23 ``checkpoint_into_tree``: when a checkpoint's key runs past the prompt from
+    above its end (a retracted request readmitted after its prompt was evicted recomputes
+    prompt + outputs in one prefill), the prompt's page-aligned key is inserted again, so
+    the outputs are a leaf of their own and eviction drops them without the prompt (corpus
+    ``p1-retract-noeos-nooverlap``: the real worker evicted such a re-prefill's outputs,
+    then its prompt, as two leaves)."""
+    prompt, n_out = 5 * ps, 4 * ps
+    s = _scheduler([req("a", list(range(3, 3 + prompt)), n_out + 1)], config(page_size=ps))
+    r = s.reqs[0]
+    end = prompt + n_out
+    # the readmitted request's prefill computed prompt + its outputs from the root
+    r.alloc = s.private_total = end
+    r.kv_len = end
+    s._insert_upto(r, end)
+    assert r.tree_len == end and s.private_total == 0
+    s.tree.unlock(r.lock_handle)
+    assert s.tree.evict(1) == n_out  # the outputs' leaf alone
+    assert s.tree.peek_prefix_len(r.ids) == prompt  # the prompt stays cached
+    assert s.tree.evict(1) == prompt
