@@ -68,6 +68,7 @@ CAPTURES = (
     "http-clients-p16",
     "p1-retract-noeos",
     "p1-retract-noeos-nooverlap",
+    "p16-chunk1024-long",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
