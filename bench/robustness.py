@@ -2,9 +2,9 @@
 """How robust the replay's fidelity bars are to its calibrated pass times.
 
 Every real capture at hand is replayed once as calibrated and once per variant: each
-calibrated time parameter (``TimingParams``: prefill base / per token / per request, decode
-base / per request, the default client gap; a parameter the calibration left at 0 has no
-variant) multiplied by 0.90, 0.95, 1.05 and 1.10, the others as calibrated. Each replay is
+calibrated time parameter (``TimingParams``: prefill base / per token / per request / per
+attended prefix token, decode base / per request, the default client gap; a parameter the
+calibration left at 0 has no variant) multiplied by 0.90, 0.95, 1.05 and 1.10, the others as calibrated. Each replay is
 held to the replay's fidelity bars:
 
 * Stored events / request and median blocks / Stored within 3 %;
@@ -65,6 +65,7 @@ PARAMS = (
     "prefill_base_s",
     "prefill_per_token_s",
     "prefill_per_req_s",
+    "prefill_per_prefix_token_s",
     "decode_base_s",
     "decode_per_req_s",
     "default_gap_s",

@@ -98,6 +98,10 @@ def register(sub: Any) -> None:
                    help="prefill time per extended (computed) token")  # fmt: skip
     t.add_argument("--prefill-per-req", type=nonneg_float, dest="prefill_per_req_s", metavar="S",
                    help="prefill time per request in the batch")  # fmt: skip
+    t.add_argument("--prefill-per-prefix-token", type=nonneg_float,
+                   dest="prefill_per_prefix_token_s", metavar="S",
+                   help="prefill time per prefix token a request of the batch attends to "
+                   "(its cached prefix plus earlier chunks)")  # fmt: skip
     t.add_argument("--decode-base", type=nonneg_float, dest="decode_base_s", metavar="S",
                    help="fixed time of a decode pass")  # fmt: skip
     t.add_argument("--decode-per-req", type=nonneg_float, dest="decode_per_req_s", metavar="S",

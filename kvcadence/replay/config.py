@@ -31,6 +31,9 @@ class TimingParams:
     prefill_base_s: float = 0.010
     prefill_per_token_s: float = 3.0e-5
     prefill_per_req_s: float = 0.0
+    #: per prefix token a request of the batch attends to (cached + earlier chunks); 0 (no
+    #: term) unless calibrated or set
+    prefill_per_prefix_token_s: float = 0.0
     decode_base_s: float = 0.004
     decode_per_req_s: float = 0.0003
     #: extra time between a request's finish and its lane's next arrival when the capture
@@ -132,6 +135,7 @@ class SimConfig:
             "prefill_base_s",
             "prefill_per_token_s",
             "prefill_per_req_s",
+            "prefill_per_prefix_token_s",
             "decode_base_s",
             "decode_per_req_s",
             "default_gap_s",
@@ -266,6 +270,7 @@ CLI_OVERRIDES = (
     "prefill_base_s",
     "prefill_per_token_s",
     "prefill_per_req_s",
+    "prefill_per_prefix_token_s",
     "decode_base_s",
     "decode_per_req_s",
     "default_gap_s",

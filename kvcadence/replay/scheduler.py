@@ -989,8 +989,11 @@ class Scheduler:
         if batch is not None:
             if batch.kind == "prefill":
                 # a decode worker's "prefill" is the prebuilt batch of transferred KV
-                tokens = 0 if self.role == "decode" else batch.tokens
-                dur = self.timer.prefill_ns(tokens, len(batch.reqs))
+                if self.role == "decode":
+                    dur = self.timer.prefill_ns(0, len(batch.reqs))
+                else:  # the prefix the batch attends to: sequence ends − computed tokens
+                    tokens = batch.tokens
+                    dur = self.timer.prefill_ns(tokens, len(batch.reqs), sum(batch.upto) - tokens)
             else:
                 dur = self.timer.decode_ns(len(batch.reqs))
             start = max(t, self.gpu_free)

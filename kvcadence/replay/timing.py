@@ -50,15 +50,58 @@ class PassTimer:
         self._pb = p.prefill_base_s * 1e9
         self._pt = p.prefill_per_token_s * 1e9
         self._pr = p.prefill_per_req_s * 1e9
+        self._pp = p.prefill_per_prefix_token_s * 1e9
         self._db = p.decode_base_s * 1e9
         self._dr = p.decode_per_req_s * 1e9
         self.wakeup_ns = int(p.wakeup_s * 1e9)
 
-    def prefill_ns(self, extend_tokens: int, n_reqs: int) -> int:
-        return max(1, int(self._pb + self._pt * extend_tokens + self._pr * n_reqs))
+    def prefill_ns(self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0) -> int:
+        """``prefix_tokens``: the prefix tokens the batch's requests attend to (each one's
+        cached prefix plus its earlier chunks), summed over the batch."""
+        return max(
+            1,
+            int(self._pb + self._pt * extend_tokens + self._pr * n_reqs + self._pp * prefix_tokens),
+        )
 
     def decode_ns(self, batch_size: int) -> int:
         return max(1, int(self._db + self._dr * batch_size))
+
+
+def _fit_nonneg(cols: list[list[float]], ys: list[float]) -> list[float]:
+    """Non-negative least squares ``y = Σ c_j · cols[j]`` (``c_j >= 0``): the best of the
+    unconstrained fits over every subset of the columns whose coefficients are all
+    non-negative (exact for the few regressors of the pass model)."""
+    import numpy as np
+
+    k = len(cols)
+    a = np.asarray(cols, dtype=np.float64).T.reshape(len(ys), k)
+    y = np.asarray(ys, dtype=np.float64)
+    best, best_res = [0.0] * k, float(y @ y)
+    for mask in range(1, 1 << k):
+        idx = [j for j in range(k) if mask >> j & 1]
+        sub = a[:, idx]
+        coef = np.linalg.lstsq(sub, y, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        r = y - sub @ coef
+        res = float(r @ r)
+        if res < best_res * (1 - 1e-12):
+            best_res = res
+            best = [0.0] * k
+            for j, c in zip(idx, coef.tolist(), strict=True):
+                best[j] = c
+    return best
+
+
+#: the prefill fit takes the attended-prefix term only when it lowers the residual sum of
+#: squares by at least this partial F statistic ((RSS without − RSS with) / (RSS with /
+#: (batches − 3)); 10 is p < 0.002 from 30 batches on): a term that explains nothing on a
+#: capture would only move its replay (docs/simulator.md, "Pass times")
+PREFIX_MIN_F = 10.0
+
+
+def _rss(ys: list[float], xs: list[float], zs: list[float], a: float, b: float, c: float) -> float:
+    return sum((y - a - b * x - c * z) ** 2 for y, x, z in zip(ys, xs, zs, strict=True))
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -108,7 +151,11 @@ def _finished_s(mi: dict[str, Any]) -> float | None:
 
 
 def calibrate(
-    records: Iterable[Any], base: TimingParams | None = None, *, sync_forward: bool = False
+    records: Iterable[Any],
+    base: TimingParams | None = None,
+    *,
+    sync_forward: bool = False,
+    chunk_tokens: int | None = None,
 ) -> TimingParams:
     """Fit ``TimingParams`` from ``RequestRecord.meta_info`` timings (see module docstring).
 
@@ -132,33 +179,52 @@ def calibrate(
             continue
         prompt = r.prompt_tokens or len(r.input_ids)
         cached = r.cached_tokens or 0
-        rows.append((fe, pf, rx, fin, int(n), prompt - cached))
+        rows.append(
+            (
+                fe,
+                pf,
+                rx,
+                fin,
+                int(n),
+                prompt - cached,
+                _attended(cached, prompt - cached, chunk_tokens),
+            )
+        )
     if len(rows) < 4:
         if len(spans) >= _MIN_LATENCY_SPANS:
             _calibrate_from_latency(p, spans, sync_forward)
         p.default_gap_s = _median_gap(records, p.default_gap_s)
         return p
-    # prefill batches: (entry, finished, uncached tokens)
+    # prefill batches: (entry, finished, uncached tokens, attended prefix tokens)
     groups = sorted(
-        (min(g[0] for g in grp), median(g[1] for g in grp), sum(g[5] for g in grp))
+        (
+            min(g[0] for g in grp),
+            median(g[1] for g in grp),
+            sum(g[5] for g in grp),
+            sum(g[6] for g in grp),
+        )
         for grp in _prefill_batches(rows)
     )
     entries = [g[0] for g in groups]
 
+    prefix_xs: list[float] = []
+
     def prefill_durations(decode_s: float) -> tuple[list[float], list[float], list[tuple]]:
         xs, ys, ends = [], [], []
-        for i, (e, f, toks) in enumerate(groups):
+        prefix_xs.clear()
+        for i, (e, f, toks, prefix) in enumerate(groups):
             nxt = entries[i + 1] if i + 1 < len(entries) else None
             dur = _prefill_duration(e, f, nxt, sync_forward, decode_s)
             if dur > 0:
                 xs.append(float(toks))
+                prefix_xs.append(float(prefix))
                 ys.append(dur)
                 ends.append((e + dur if sync_forward else f, dur))
         return xs, ys, ends
 
     def decode_fit(ends: list[tuple[Any, ...]]) -> tuple[float, float, float] | None:
         per_pass, conc = [], []
-        for _fe, pf, _rx, fin, n, _u in rows:
+        for _fe, pf, _rx, fin, n, _u, _c in rows:
             if n < 2 or fin <= pf:
                 continue
             inside = sum(d for e, d in ends if pf < e <= fin)
@@ -183,11 +249,29 @@ def calibrate(
         fit = decode_fit(ends) or fit
     if len(xs) >= 3:
         a, b = _fit_line(xs, ys)
-        p.prefill_base_s, p.prefill_per_token_s = a, b
+        c = 0.0
+        if len(xs) > 3 and any(prefix_xs):
+            a3, b3, c3 = _fit_nonneg([[1.0] * len(xs), xs, prefix_xs], ys)
+            rss2 = _rss(ys, xs, prefix_xs, a, b, 0.0)
+            rss3 = _rss(ys, xs, prefix_xs, a3, b3, c3)
+            # the prefix term only where it explains the durations (partial F test)
+            if c3 > 0 and (rss2 - rss3) * (len(xs) - 3) >= PREFIX_MIN_F * rss3:
+                a, b, c = a3, b3, c3
+        p.prefill_base_s, p.prefill_per_token_s, p.prefill_per_prefix_token_s = a, b, c
     if fit is not None:
         p.decode_base_s, p.decode_per_req_s = fit[0], fit[1]
     p.default_gap_s = _median_gap(records, p.default_gap_s)
     return p
+
+
+def _attended(cached: int, uncached: int, chunk: int | None) -> int:
+    """Prefix tokens a request's prefill attends to, summed over its passes: the cached
+    prefix; a prompt chunked into ``chunk``-token pieces runs one pass per piece, each
+    attending to the cached prefix plus the pieces before it."""
+    if not chunk or uncached <= chunk:
+        return cached
+    n = -(-uncached // chunk)
+    return n * cached + chunk * n * (n - 1) // 2
 
 
 def _prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
@@ -418,8 +502,8 @@ class PacedTimer(PassTimer):
         lo, hi = int(model_ns * PACE_MIN_FACTOR), int(model_ns * PACE_MAX_FACTOR)
         return max(1, min(max(want, lo), hi))
 
-    def prefill_ns(self, extend_tokens: int, n_reqs: int) -> int:
-        model = super().prefill_ns(extend_tokens, n_reqs)
+    def prefill_ns(self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0) -> int:
+        model = super().prefill_ns(extend_tokens, n_reqs, prefix_tokens)
         times = self.times
         targets = [times[r.idx][0] for r in self.sched.pending_merge if r.idx in times]
         return self._paced(model, targets)

@@ -67,6 +67,7 @@ def effective_config(
             list(records),
             cfg.timing,
             sync_forward=cfg.sync_forward or spans_next_forward(server_info),
+            chunk_tokens=cfg.chunked_prefill_size,
         )
     for key, value in (overrides or {}).items():
         if value is None:

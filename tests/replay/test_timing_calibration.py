@@ -6,6 +6,7 @@ rank (``recorded_token_times``, ``PacedTimer``)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvcadence.format.schema import RequestRecord
@@ -331,3 +332,92 @@ def test_single_rank_replay_follows_a_pace_change_the_model_cannot():
     assert 0.04 < decode < 0.10  # one pass time for both halves
     assert max(errors["recorded"]) < 0.05, errors["recorded"]
     assert max(errors["model"][:10]) > 0.3 or max(errors["model"][10:]) > 0.3, errors["model"]
+
+
+def prefix_rec(rid, entry, dur, uncached, cached) -> RequestRecord:
+    """A request prefilled alone (GPU timing: ``prefill_finished_time`` ends its forward)
+    with ``cached`` prompt tokens already in the cache."""
+    r = phase_rec(rid, entry, entry + dur, entry + dur + 1.0, uncached + cached)
+    return msgspec.structs.replace(r, cached_tokens=cached)
+
+
+def _prefix_capture(per_prefix: float, chunk: int | None = None) -> list[RequestRecord]:
+    """Batches of one request each, durations base 10 ms + 20 µs per new token +
+    ``per_prefix`` per attended prefix token (``_attended``: with ``chunk``, the pieces
+    before each piece too); 2 s apart so no two batches overlap."""
+    from kvcadence.replay.timing import _attended
+
+    recs = []
+    for i in range(24):
+        new = 50 + 137 * (i % 7)
+        cached = 400 * (i % 5)
+        dur = 0.010 + 2e-5 * new + per_prefix * _attended(cached, new, chunk)
+        recs.append(prefix_rec(f"q{i}", 100.0 + 2 * i, dur, new, cached))
+    return recs
+
+
+def test_calibration_recovers_the_attended_prefix_coefficient():
+    p = calibrate(_prefix_capture(5e-6))
+    assert p.prefill_per_prefix_token_s == pytest.approx(5e-6, rel=1e-6)
+    assert p.prefill_per_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert p.prefill_base_s == pytest.approx(0.010, rel=1e-6)
+    # a chunked prompt attends to its earlier pieces as well: given the chunk size the fit
+    # counts them and recovers the same cost
+    chunked = calibrate(_prefix_capture(5e-6, chunk=256), chunk_tokens=256)
+    assert chunked.prefill_per_prefix_token_s == pytest.approx(5e-6, rel=1e-6)
+    # durations that do not follow the prefix: no term, the two-parameter fit exactly
+    flat = calibrate(_prefix_capture(0.0))
+    assert flat.prefill_per_prefix_token_s == 0.0
+    assert flat.prefill_per_token_s == pytest.approx(2e-5, rel=1e-6)
+
+
+def test_prefix_term_needs_to_explain_the_durations():
+    """A prefix coefficient that lowers the residuals by less than ``PREFIX_MIN_F`` (noise
+    that happens to correlate with the cached prefix) is not taken."""
+    recs = _prefix_capture(0.0)
+    noisy = [
+        msgspec.structs.replace(
+            r,
+            meta_info={
+                **r.meta_info,
+                "prefill_finished_time": r.meta_info["prefill_finished_time"]
+                + (0.02 if i % 2 else -0.02)
+                + 1e-8 * (r.cached_tokens or 0),
+            },
+        )
+        for i, r in enumerate(recs)
+    ]
+    assert calibrate(noisy).prefill_per_prefix_token_s == 0.0
+
+
+def test_pass_timer_charges_the_attended_prefix():
+    t = PassTimer(TimingParams(prefill_base_s=0.01, prefill_per_token_s=2e-5,
+                               prefill_per_prefix_token_s=5e-6))  # fmt: skip
+    assert t.prefill_ns(100, 1, 1000) == int(0.01e9 + 100 * 2e-5 * 1e9 + 1000 * 5e-6 * 1e9)
+    # the default (0): today's model, whatever the prefix
+    d = PassTimer(TimingParams())
+    assert d.prefill_ns(100, 1, 10_000) == d.prefill_ns(100, 1)
+
+
+def test_scheduler_charges_each_pass_its_attended_prefix():
+    """The replay's prefill passes pay for the prefix they attend to: a prompt chunked into
+    64-token pieces attends to 0, 64, 128 and 192 earlier tokens; a later request on a
+    cached prefix to that prefix."""
+    import dataclasses
+
+    from .helpers import config, req, run
+
+    first = list(range(3, 203))
+    cfg = config(chunked_prefill_size=64)
+    costly_cfg = dataclasses.replace(
+        cfg, timing=dataclasses.replace(cfg.timing, prefill_per_prefix_token_s=1e-3))  # fmt: skip
+    # one request in four pieces ending at 64 / 128 / 192 / 200
+    alone = [req("a", first, 1)]
+    extra = run(alone, costly_cfg).stats.virtual_ns - run(alone, cfg).stats.virtual_ns
+    assert extra == pytest.approx((0 + 64 + 128 + 192) * 1e6, abs=10)
+    # a later request (after a finished) on a's cached prefix: the last pass decides the end
+    recs = [*alone, req("b", first[:150] + [900, 901], 1, arrival_ms=10_000)]
+    plain, costly = run(recs, cfg), run(recs, costly_cfg)
+    cached = costly.requests[1].cached_tokens
+    assert cached == plain.requests[1].cached_tokens and 0 < cached <= 150
+    assert costly.stats.virtual_ns - plain.stats.virtual_ns == pytest.approx(cached * 1e6, abs=10)
