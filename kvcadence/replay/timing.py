@@ -1,13 +1,15 @@
 """Pass-time model: maps scheduler passes to virtual time, calibrated from the capture.
 
 What this file owns: ``PassTimer`` (prefill pass = base + per_token × extend tokens +
-per_req × requests; decode pass = base + per_req × batch size) and ``calibrate(records)``,
-which derives the parameters from the capture's own ``meta_info`` timings (bundles carry no
-``server.log``):
+per_req × requests + per_prefix_token × the prefix tokens the batch's requests attend to;
+decode pass = base + per_req × batch size) and ``calibrate(records)``, which derives the
+parameters from the capture's own ``meta_info`` timings (bundles carry no ``server.log``):
 
 * prefill batches are the requests sharing one ``forward_entry_time``; their duration is
   ``prefill_finished_time − forward_entry_time``, fitted by least squares against the batch's
-  uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients. With
+  uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients; the
+  attended prefix (``cached_tokens``, and with ``chunk_tokens`` each earlier chunk of a
+  chunked prompt) joins the fit only when it passes a partial F test (``PREFIX_MIN_F``). With
   ``sync_forward`` (a CPU worker runs each forward inside its launch, so under the overlap
   loop a prefill result is processed only after the *next* forward; the normal loop
   processes it right after its own) the duration is the next batch's
@@ -40,6 +42,7 @@ from statistics import median
 from typing import Any
 
 from kvcadence.replay.config import TimingParams
+from kvcadence.replay.fitting import fit_line, fit_nonneg, rss
 
 
 class PassTimer:
@@ -67,61 +70,11 @@ class PassTimer:
         return max(1, int(self._db + self._dr * batch_size))
 
 
-def _fit_nonneg(cols: list[list[float]], ys: list[float]) -> list[float]:
-    """Non-negative least squares ``y = Σ c_j · cols[j]`` (``c_j >= 0``): the best of the
-    unconstrained fits over every subset of the columns whose coefficients are all
-    non-negative (exact for the few regressors of the pass model)."""
-    import numpy as np
-
-    k = len(cols)
-    a = np.asarray(cols, dtype=np.float64).T.reshape(len(ys), k)
-    y = np.asarray(ys, dtype=np.float64)
-    best, best_res = [0.0] * k, float(y @ y)
-    for mask in range(1, 1 << k):
-        idx = [j for j in range(k) if mask >> j & 1]
-        sub = a[:, idx]
-        coef = np.linalg.lstsq(sub, y, rcond=None)[0]
-        if (coef < 0).any():
-            continue
-        r = y - sub @ coef
-        res = float(r @ r)
-        if res < best_res * (1 - 1e-12):
-            best_res = res
-            best = [0.0] * k
-            for j, c in zip(idx, coef.tolist(), strict=True):
-                best[j] = c
-    return best
-
-
 #: the prefill fit takes the attended-prefix term only when it lowers the residual sum of
 #: squares by at least this partial F statistic ((RSS without − RSS with) / (RSS with /
 #: (batches − 3)); 10 is p < 0.002 from 30 batches on): a term that explains nothing on a
-#: capture would only move its replay (docs/simulator.md, "Pass times")
+#: capture would only move its replay (docs/simulator.md, "Time")
 PREFIX_MIN_F = 10.0
-
-
-def _rss(ys: list[float], xs: list[float], zs: list[float], a: float, b: float, c: float) -> float:
-    return sum((y - a - b * x - c * z) ** 2 for y, x, z in zip(ys, xs, zs, strict=True))
-
-
-def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b x with a, b >= 0."""
-    n = len(xs)
-    if n == 0:
-        return 0.0, 0.0
-    mx = sum(xs) / n
-    my = sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx <= 0:
-        return max(my, 0.0), 0.0
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / sxx
-    a = my - b * mx
-    if b < 0:
-        return max(my, 0.0), 0.0
-    if a < 0:
-        b = sum(x * y for x, y in zip(xs, ys, strict=False)) / max(sum(x * x for x in xs), 1e-12)
-        return 0.0, max(b, 0.0)
-    return a, b
 
 
 #: the latency-only fit (a median over whole request lifetimes) needs more requests than the
@@ -236,7 +189,7 @@ def calibrate(
             conc.append(float(overlap))
         if len(per_pass) < 3:
             return None
-        a, b = _fit_line(conc, per_pass)
+        a, b = fit_line(conc, per_pass)
         if a + b * median(conc) <= 0:
             a, b = median(per_pass), 0.0
         return a, b, median(conc)
@@ -248,12 +201,12 @@ def calibrate(
         xs, ys, ends = prefill_durations(fit[0] + fit[1] * fit[2])
         fit = decode_fit(ends) or fit
     if len(xs) >= 3:
-        a, b = _fit_line(xs, ys)
+        a, b = fit_line(xs, ys)
         c = 0.0
         if len(xs) > 3 and any(prefix_xs):
-            a3, b3, c3 = _fit_nonneg([[1.0] * len(xs), xs, prefix_xs], ys)
-            rss2 = _rss(ys, xs, prefix_xs, a, b, 0.0)
-            rss3 = _rss(ys, xs, prefix_xs, a3, b3, c3)
+            a3, b3, c3 = fit_nonneg([[1.0] * len(xs), xs, prefix_xs], ys)
+            rss2 = rss(ys, xs, prefix_xs, a, b, 0.0)
+            rss3 = rss(ys, xs, prefix_xs, a3, b3, c3)
             # the prefix term only where it explains the durations (partial F test)
             if c3 > 0 and (rss2 - rss3) * (len(xs) - 3) >= PREFIX_MIN_F * rss3:
                 a, b, c = a3, b3, c3
@@ -326,7 +279,7 @@ def _calibrate_from_latency(
         conc.append(c)
     if len(per_pass) < 3:
         return
-    a, b = _fit_line(conc, per_pass)
+    a, b = fit_line(conc, per_pass)
     if a + b * mc <= 0:
         a, b = median(per_pass), 0.0
     scale = (a + b * mc) / default_decode

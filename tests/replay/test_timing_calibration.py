@@ -1,8 +1,9 @@
 """Schedule times and the pass-time calibration: server-side receive / finish times from
 ``meta_info`` (``response_sent_to_client_ts − e2e_latency`` when ``request_received_ts`` is
 missing), a latency-based calibration when per-phase timings are missing, the
-synchronous-forward (CPU worker) correction of prefill durations, and the recorded pace of a
-rank (``recorded_token_times``, ``PacedTimer``)."""
+synchronous-forward (CPU worker) correction of prefill durations, the attended-prefix term of
+the prefill pass (calibrated, charged by ``PassTimer`` and the scheduler), and the recorded
+pace of a rank (``recorded_token_times``, ``PacedTimer``)."""
 
 from __future__ import annotations
 
