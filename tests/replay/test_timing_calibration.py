@@ -398,6 +398,10 @@ def test_pass_timer_charges_the_attended_prefix():
     # the default (0): today's model, whatever the prefix
     d = PassTimer(TimingParams())
     assert d.prefill_ns(100, 1, 10_000) == d.prefill_ns(100, 1)
+    # the paced timer's model (what it falls back to and clamps around) includes the term
+    sched = _Sched([], pending=[_Req(7, 0)])  # no recorded times: the model's pass time
+    paced = PacedTimer(t.p, sched, {}, 0)
+    assert paced.prefill_ns(100, 1, 1000) == t.prefill_ns(100, 1, 1000)
 
 
 def test_scheduler_charges_each_pass_its_attended_prefix():
