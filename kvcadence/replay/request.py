@@ -108,6 +108,13 @@ class SimReq:
         self.dec0: tuple[int, int] | None = None
 
     @property
+    def stops_unseen(self) -> bool:
+        """It stops short of ``max_new_tokens`` without an error (EOS, a stop string): the
+        scheduler learns that only when the result is processed, not ahead as a finish by
+        length (``_reqs_finishing_inflight``)."""
+        return self.n_out < self.max_new_tokens and self.error is None
+
+    @property
     def ids(self) -> array:
         """The prompt's token array (built from the spec's ``Prompt`` when first needed)."""
         ids = self._ids

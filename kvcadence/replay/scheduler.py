@@ -635,11 +635,7 @@ class Scheduler:
         finish inserts prompt + every output), also when its first token is EOS (merged
         from its prefill batch by ``_get_next_batch``)."""
         if self.overlap:
-            return [
-                r
-                for r in self.running
-                if r.decode_left > 0 or (r.n_out < r.max_new_tokens and r.error is None)
-            ]
+            return [r for r in self.running if r.decode_left > 0 or r.stops_unseen]
         return [r for r in self.running if r.decode_left > 0]
 
     def _update_running_batch(self, t: int) -> Batch | None:
@@ -714,9 +710,7 @@ class Scheduler:
             for r, final in zip(batch.reqs, batch.finals, strict=False):
                 if final:
                     r.decode_left = r.n_out - (r.output_len + 1)
-                    if r.decode_left > 0 or (
-                        eos_first and r.n_out < r.max_new_tokens and r.error is None
-                    ):
+                    if r.decode_left > 0 or (eos_first and r.stops_unseen):
                         self.pending_merge.append(r)
             self.stats.prefill_passes += 1
             return batch

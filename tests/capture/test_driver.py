@@ -283,3 +283,14 @@ def test_ignore_eos_is_sent_as_configured_and_recorded_where_the_metrics_keep_it
                 "temperature": 0,
                 "ignore_eos": ignore,
             }
+
+
+def test_drive_cli_no_ignore_eos_reaches_the_driver():
+    """``kvcadence drive --no-ignore-eos`` asks the driver for ignore_eos off; the default on."""
+    from kvcadence.capture.cli_live import _drive_opts
+    from kvcadence.cli import build_parser
+
+    base = ["drive", "--server", "http://127.0.0.1:1", "--workload", "agent", "--out", "x"]
+    parser = build_parser()
+    assert _drive_opts(parser.parse_args(base))["ignore_eos"] is True
+    assert _drive_opts(parser.parse_args([*base, "--no-ignore-eos"]))["ignore_eos"] is False

@@ -54,6 +54,8 @@ def test_replay_command_writes_a_sim_bundle_with_overrides(tmp_path, capsys):
             "--disable-overlap-schedule",
             "--decode-base",
             "0.002",
+            "--prefill-per-prefix-token",
+            "0.00002",
             "--json",
         ]  # fmt: skip
     )
@@ -65,6 +67,7 @@ def test_replay_command_writes_a_sim_bundle_with_overrides(tmp_path, capsys):
     cfg = h.sim_config
     assert cfg["page_size"] == 4 and cfg["disable_overlap_schedule"] is True
     assert cfg["timing"]["decode_base_s"] == 0.002 and cfg["max_total_tokens"] == 300
+    assert cfg["timing"]["prefill_per_prefix_token_s"] == 0.00002
     frames = list(BundleReader(out).events())
     assert frames and all(f.pass_index >= -1 for f in frames)
 
