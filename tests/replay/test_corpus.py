@@ -70,6 +70,7 @@ CAPTURES = (
     "p1-retract-noeos-nooverlap",
     "p16-chunk1024-long",
     "p16-retract-noeos",
+    "dp2-p4-retract-noeos",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -95,6 +96,7 @@ MISSES: dict[tuple[str, str], str] = {
     ("p1-retract-noeos-nooverlap", "cached_equal"): "cached_tokens_equal 0.890",
     ("p16-retract-noeos", "stored_median"): "stored_blocks_median 11 -> 10 (-9.1%)",
     ("p16-retract-noeos", "cached_equal"): "cached_tokens_equal 0.660",
+    ("dp2-p4-retract-noeos", "cached_equal"): "cached_tokens_equal 0.865",
 }
 
 
@@ -225,6 +227,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "255.5 (+13.1%); cached_tokens_equal 0.625",
     "p1-retract-noeos-nooverlap": "cached_tokens_equal 0.890",
     "p16-retract-noeos": "stored_blocks_median 11 -> 10 (-9.1%); cached_tokens_equal 0.660",
+    "dp2-p4-retract-noeos": "cached_tokens_equal 0.865",
 }
 
 
@@ -432,6 +435,7 @@ RETRACTIONS = {
     "p1-retract-noeos": (6, 5, 0),
     "p1-retract-noeos-nooverlap": (7, 7, 5),
     "p16-retract-noeos": (5, 8, 2),
+    "dp2-p4-retract-noeos": (10, 7, 3),
 }
 
 
@@ -444,7 +448,8 @@ def test_retraction_capture_retracts_in_the_replay_too(name):
     against 7, 5 the same (6 and 2 with the ratio after a retraction estimated over the
     whole batch); ``p16-retract-noeos`` (page 16): 5 against 8, 2 the same (the first
     retraction is the real one; the streams part at message 39 by one decode step of
-    timing, see the corpus README). Without the sent ``ignore_eos`` the replay took every
+    timing, see the corpus README); ``dp2-p4-retract-noeos`` (DP 2, page 4): 10 against 7,
+    3 the same. Without the sent ``ignore_eos`` the replay took every
     request that ran to its length for an ``ignore_eos`` one and retracted none."""
     replayed(name)
     real = BundleReader(CORPUS / name / "bundle").requests()
