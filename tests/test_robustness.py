@@ -169,6 +169,7 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
     assert {c.name for c in caps if c.dp} == {
         "corpus `dp2-p16-chunk256`",
         "corpus `dp2-p4-flush`",
+        "corpus `dp2-p4-retract-noeos`",
         "corpus `dp2-p8-long-nooverlap`",
     }
     assert all(c.bundle.name == "bundle" and c.calibrated["decode_base_s"] > 0 for c in caps)
