@@ -45,7 +45,7 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked_all
-from kvcadence.replay.tokens import as_list, compact, same_ids, span
+from kvcadence.replay.tokens import CODE, as_list, compact, same_ids, span
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -145,26 +145,37 @@ class StoreIndex:
         of the same pass (a frame with a clear is decoded fully first: a payload
         ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
-        raw: list[tuple[int, int, int | None, bytes, int, array]] = []
+        raw: list[tuple[int, int, int | None, bytes | memoryview, int, array]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
+        append = raw.append
         for n, f in enumerate(records):
             t = type(f)
+            if t is EventFrameIdsView:  # the common frame: no clear in it
+                b = f.payload
+                if scan is not None:
+                    scan.frame(f, b.ts, ())
+                bts = b.ts
+                ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
+                for parent, hashes, pages, tokens in frame_stores(b, page_size):
+                    # as an array while its ints are fresh: no int object per token is kept
+                    toks = array(CODE)
+                    try:
+                        toks.fromlist(tokens)
+                    except (OverflowError, TypeError):
+                        toks = compact(tokens)
+                    append((ts, n, parent, hashes, pages, toks))
+                continue
             if t is AnnotationRawView:
                 if scan is not None:
                     scan.note(f)
                 continue
-            if t is EventFrameIdsView:
-                b = f.payload
-                got = frame_stores(b, page_size)
-                clear = False
-            else:
-                payload = event_payload_view(f)  # decoded here and now: no copy
-                try:
-                    b, got, clear = payload_stores(payload, page_size)
-                except Exception:  # noqa: BLE001 - a torn payload holds no usable store
-                    continue
+            payload = event_payload_view(f)  # decoded here and now: no copy
+            try:
+                b, got, clear = payload_stores(payload, page_size)
+            except Exception:  # noqa: BLE001 - a torn payload holds no usable store
+                continue
             if scan is not None:
                 if clear:
                     try:
@@ -183,15 +194,24 @@ class StoreIndex:
         idx._extend(raw)
         return idx
 
-    def _extend(self, rows: list[tuple[int, int, int | None, bytes, int, array]]) -> None:
+    def _extend(
+        self, rows: list[tuple[int, int, int | None, bytes | memoryview, int, array]]
+    ) -> None:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
-        tokens)``, in publish order, and index them."""
+        tokens)``, in publish order, and index them; an event whose hashes are not all
+        64-bit ints (``stored.frame_stores``' unchecked ones) is left out."""
         if not rows:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
         pages = [r[4] for r in rows]
-        more = unpacked_all([r[3] for r in rows], sum(pages))
+        bad: list[int] = []
+        more = unpacked_all([r[3] for r in rows], sum(pages), bad)
+        if bad:  # rare: drop the events holding them, index the others
+            ends = np.cumsum(pages)
+            drop = set(np.searchsorted(ends, bad, side="right").tolist())
+            self._extend([r for k, r in enumerate(rows) if k not in drop])
+            return
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more
         self._ts.extend([r[0] for r in rows])
@@ -301,14 +321,26 @@ class StoreIndex:
             if same_ids(toks, prompt if n == left else prompt[: n * ps]):
                 return ei, 0, n
             c += 1
+        # ``want``'s bytes, found in an event's array bytes at a multiple of the item size:
+        # a C search, not an int object per token compared (``array.index``)
+        pat = array(CODE, [want]).tobytes() if type(want) is int and 0 <= want < 1 << 32 else None
         for ei in range(i, end):
             toks = tokens[ei]
+            buf = toks.tobytes() if pat is not None and toks.typecode == CODE else None
             k = 1
             while True:
-                try:
-                    k = toks.index(want, k)
-                except ValueError:
-                    break
+                if buf is not None and pat is not None:
+                    at = buf.find(pat, 4 * k)
+                    while at > 0 and at % 4:
+                        at = buf.find(pat, at + 1)
+                    if at < 0:
+                        break
+                    k = at // 4
+                else:
+                    try:
+                        k = toks.index(want, k)
+                    except ValueError:
+                        break
                 if k % ps == 0:
                     j = k // ps
                     n = min(n_pages[ei] - j, pages - start)
