@@ -55,6 +55,12 @@ FINISH_WINDOW_NS = 120_000_000_000
 FINISH_MAX_EVENTS = 4096
 
 
+#: a request's search windows (``StoreIndex.windows``): the first event published from its
+#: receive (less ``FINISH_SLACK_NS``), the first after its finish plus that slack, the first
+#: from its finish less it, the first after its finish plus ``FINISH_WINDOW_NS``
+Window = tuple[int, int, int, int]
+
+
 @dataclass(slots=True)
 class StoredEvent:
     """One ``BlockStored`` event: publish time, parent, where its block hashes are in
@@ -253,21 +259,51 @@ class StoreIndex:
         return int(at[0]) if len(at) else -1
 
     # ------------------------------------------------------------------ lookups
+    def windows(self, arrivals: Sequence[int], finishes: Sequence[int]) -> list[Window]:
+        """The search windows of requests (receive, finish), for ``prefill_run`` and
+        ``finish_pages``: every publish-time bisection they make, for all requests in one
+        vectorised search (``Window``)."""
+        if not len(arrivals):
+            return []
+        ts = np.array(self._ts, np.int64)
+        arr = np.array(arrivals, np.int64)
+        fin = np.array(finishes, np.int64)
+        cols = (
+            np.searchsorted(ts, arr - FINISH_SLACK_NS, "left"),
+            np.searchsorted(ts, fin + FINISH_SLACK_NS, "right"),
+            np.searchsorted(ts, fin - FINISH_SLACK_NS, "left"),
+            np.searchsorted(ts, fin + FINISH_WINDOW_NS, "right"),
+        )
+        return list(zip(*(c.tolist() for c in cols), strict=True))
+
+    def _until(self, i: int, right: int) -> int:
+        """``bisect_right(ts, x, i, min(len(ts), i + FINISH_MAX_EVENTS))`` from ``right``, the
+        unbounded ``bisect_right(ts, x)``."""
+        hi = i + FINISH_MAX_EVENTS
+        if hi > len(self._ts):
+            hi = len(self._ts)
+        return i if right < i else hi if right > hi else right
+
     def prefill_run(
-        self, prompt: Sequence[int], cached: int, t0: int, t1: int
+        self, prompt: Sequence[int], cached: int, t0: int, t1: int, win: Window | None = None
     ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
         """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
         (receive .. finish): ``(hash of the last full page, segments ``(first page, event
         index, position, pages)``, the hash the first page attached to)``; ``None`` when not
-        found (nothing new stored, another page size, or outside the window)."""
+        found (nothing new stored, another page size, or outside the window). ``win``:
+        ``windows``' for (``t0``, ``t1``) when the caller has it."""
         ps = self.page_size
         pages = len(prompt) // ps
         start = cached // ps
         if start >= pages or cached < 0:
             return None
         ts = self._ts
-        i = bisect_left(ts, t0 - FINISH_SLACK_NS)
-        end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        if win is None:
+            i = bisect_left(ts, t0 - FINISH_SLACK_NS)
+            end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        else:
+            i = win[0]
+            end = self._until(i, win[1])
         # the pages looked for, as an array once (compared with the events' arrays)
         want = span(prompt, start * ps, pages * ps)
         found = self._first_chunk(want, start, pages, i, end)
@@ -358,6 +394,7 @@ class StoreIndex:
         finish_ns: int,
         at: tuple[int, int] | None = None,
         taken: dict[tuple[int, int], int] | None = None,
+        win: Window | None = None,
     ) -> tuple[array, int, bool, tuple[int, int], bool] | None:
         """The finish store below block ``h`` (``None`` = the root): the tokens of up to
         ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
@@ -373,7 +410,8 @@ class StoreIndex:
         samples of one prompt all chain below ``h``). The first unclaimed run wins; only when
         every run found is claimed is the first claimed one returned (identical outputs:
         the later sample inserted nothing new). The result also says where the run is
-        (``(event, position)``) and whether a claimed run was met on the way (a tie)."""
+        (``(event, position)``) and whether a claimed run was met on the way (a tie).
+        ``win``: ``windows``' for (``arrival_ns``, ``finish_ns``) when the caller has it."""
         ts = self._ts
         horizon = finish_ns + FINISH_WINDOW_NS
         claimed = taken or {}
@@ -391,10 +429,15 @@ class StoreIndex:
                 tie = True
                 shared = (got[0], got[1], got[2], where)
             i = at[0] + 1
-        else:
+        elif win is None:
             i = bisect_left(ts, arrival_ns - FINISH_SLACK_NS)
+        else:
+            i = win[0]
         # the events below ``h`` among [i, i + FINISH_MAX_EVENTS) published by the horizon
-        stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        if win is None:
+            stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        else:
+            stop = self._until(i, win[3])
         cands = self._by_parent.get(h, ())
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < stop:
@@ -409,8 +452,12 @@ class StoreIndex:
             c += 1
         # the events holding ``h`` among the FINISH_MAX_EVENTS from the finish, by the
         # horizon: one comparison over their hashes, then the first ``h`` of each event
-        i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
-        stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        if win is None:
+            i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
+            stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        else:
+            i = win[2]
+            stop = self._until(i, win[3])
         if h is not None and i < stop:
             offs = self.offs
             lo = offs[i]
