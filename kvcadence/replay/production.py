@@ -169,9 +169,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # every request's search windows in one vectorised pass (those with both times)
     timed = [(i, a, f) for i, (a, f) in enumerate(times) if a is not None and f is not None]
     wins: list[Window | None] = [None] * len(records)
-    found = index.windows([t[1] for t in timed], [t[2] for t in timed])
-    for t, w in zip(timed, found, strict=True):
-        wins[t[0]] = w
+    found = index.windows([x[1] for x in timed], [x[2] for x in timed])
+    for x, w in zip(timed, found, strict=True):
+        wins[x[0]] = w
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
