@@ -131,13 +131,19 @@ class FlushScan:
         self.driver_notes: list[RecordedFlush] = []
 
     def frame(self, rec: Any, ts: Any, events: Sequence[Any]) -> None:
-        key = (rec.endpoint, rec.epoch)
-        first = self.first_seq.setdefault(key, rec.seq) == rec.seq
+        ep, seq = rec.endpoint, rec.seq
+        key = (ep, rec.epoch)
+        seq0 = self.first_seq.get(key)
+        if seq0 is None:
+            self.first_seq[key] = seq0 = seq
         ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
         late = rec.via == VIA_REPLAY
         if ts_ns is not None and not late:
-            self.lag.setdefault(rec.endpoint, []).append(rec.recv_ns - ts_ns)
-        if events and not first and any(isinstance(e, AllBlocksCleared) for e in events):
+            lags = self.lag.get(ep)
+            if lags is None:
+                self.lag[ep] = lags = []
+            lags.append(rec.recv_ns - ts_ns)
+        if events and seq0 != seq and any(isinstance(e, AllBlocksCleared) for e in events):
             # a frame recorded twice (live and through the replay socket) counts once,
             # live first
             ck = (rec.endpoint, rec.epoch, rec.seq)

@@ -45,7 +45,7 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked_all
-from kvcadence.replay.tokens import as_list, compact, same_ids, span
+from kvcadence.replay.tokens import CODE, as_list, compact, same_ids, span
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -53,6 +53,12 @@ FINISH_SLACK_NS = 50_000_000
 FINISH_WINDOW_NS = 120_000_000_000
 #: ... scanning at most this many events
 FINISH_MAX_EVENTS = 4096
+
+
+#: a request's search windows (``StoreIndex.windows``): the first event published from its
+#: receive (less ``FINISH_SLACK_NS``), the first after its finish plus that slack, the first
+#: from its finish less it, the first after its finish plus ``FINISH_WINDOW_NS``
+Window = tuple[int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -145,26 +151,37 @@ class StoreIndex:
         of the same pass (a frame with a clear is decoded fully first: a payload
         ``wire.decode_batch`` refuses is no flush)."""
         idx = cls(page_size)
-        raw: list[tuple[int, int, int | None, bytes, int, array]] = []
+        raw: list[tuple[int, int, int | None, bytes | memoryview, int, array]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
+        append = raw.append
         for n, f in enumerate(records):
             t = type(f)
+            if t is EventFrameIdsView:  # the common frame: no clear in it
+                b = f.payload
+                if scan is not None:
+                    scan.frame(f, b.ts, ())
+                bts = b.ts
+                ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
+                for parent, hashes, pages, tokens in frame_stores(b, page_size):
+                    # as an array while its ints are fresh: no int object per token is kept
+                    toks = array(CODE)
+                    try:
+                        toks.fromlist(tokens)
+                    except (OverflowError, TypeError):
+                        toks = compact(tokens)
+                    append((ts, n, parent, hashes, pages, toks))
+                continue
             if t is AnnotationRawView:
                 if scan is not None:
                     scan.note(f)
                 continue
-            if t is EventFrameIdsView:
-                b = f.payload
-                got = frame_stores(b, page_size)
-                clear = False
-            else:
-                payload = event_payload_view(f)  # decoded here and now: no copy
-                try:
-                    b, got, clear = payload_stores(payload, page_size)
-                except Exception:  # noqa: BLE001 - a torn payload holds no usable store
-                    continue
+            payload = event_payload_view(f)  # decoded here and now: no copy
+            try:
+                b, got, clear = payload_stores(payload, page_size)
+            except Exception:  # noqa: BLE001 - a torn payload holds no usable store
+                continue
             if scan is not None:
                 if clear:
                     try:
@@ -183,15 +200,24 @@ class StoreIndex:
         idx._extend(raw)
         return idx
 
-    def _extend(self, rows: list[tuple[int, int, int | None, bytes, int, array]]) -> None:
+    def _extend(
+        self, rows: list[tuple[int, int, int | None, bytes | memoryview, int, array]]
+    ) -> None:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
-        tokens)``, in publish order, and index them."""
+        tokens)``, in publish order, and index them; an event whose hashes are not all
+        64-bit ints (``stored.frame_stores``' unchecked ones) is left out."""
         if not rows:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
         pages = [r[4] for r in rows]
-        more = unpacked_all([r[3] for r in rows], sum(pages))
+        bad: list[int] = []
+        more = unpacked_all([r[3] for r in rows], sum(pages), bad)
+        if bad:  # rare: drop the events holding them, index the others
+            ends = np.cumsum(pages)
+            drop = set(np.searchsorted(ends, bad, side="right").tolist())
+            self._extend([r for k, r in enumerate(rows) if k not in drop])
+            return
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more
         self._ts.extend([r[0] for r in rows])
@@ -233,21 +259,51 @@ class StoreIndex:
         return int(at[0]) if len(at) else -1
 
     # ------------------------------------------------------------------ lookups
+    def windows(self, arrivals: Sequence[int], finishes: Sequence[int]) -> list[Window]:
+        """The search windows of requests (receive, finish), for ``prefill_run`` and
+        ``finish_pages``: every publish-time bisection they make, for all requests in one
+        vectorised search (``Window``)."""
+        if not len(arrivals):
+            return []
+        ts = np.array(self._ts, np.int64)
+        arr = np.array(arrivals, np.int64)
+        fin = np.array(finishes, np.int64)
+        cols = (
+            np.searchsorted(ts, arr - FINISH_SLACK_NS, "left"),
+            np.searchsorted(ts, fin + FINISH_SLACK_NS, "right"),
+            np.searchsorted(ts, fin - FINISH_SLACK_NS, "left"),
+            np.searchsorted(ts, fin + FINISH_WINDOW_NS, "right"),
+        )
+        return list(zip(*(c.tolist() for c in cols), strict=True))
+
+    def _until(self, i: int, right: int) -> int:
+        """``bisect_right(ts, x, i, min(len(ts), i + FINISH_MAX_EVENTS))`` from ``right``, the
+        unbounded ``bisect_right(ts, x)``."""
+        hi = i + FINISH_MAX_EVENTS
+        if hi > len(self._ts):
+            hi = len(self._ts)
+        return i if right < i else hi if right > hi else right
+
     def prefill_run(
-        self, prompt: Sequence[int], cached: int, t0: int, t1: int
+        self, prompt: Sequence[int], cached: int, t0: int, t1: int, win: Window | None = None
     ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
         """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
         (receive .. finish): ``(hash of the last full page, segments ``(first page, event
         index, position, pages)``, the hash the first page attached to)``; ``None`` when not
-        found (nothing new stored, another page size, or outside the window)."""
+        found (nothing new stored, another page size, or outside the window). ``win``:
+        ``windows``' for (``t0``, ``t1``) when the caller has it."""
         ps = self.page_size
         pages = len(prompt) // ps
         start = cached // ps
         if start >= pages or cached < 0:
             return None
         ts = self._ts
-        i = bisect_left(ts, t0 - FINISH_SLACK_NS)
-        end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        if win is None:
+            i = bisect_left(ts, t0 - FINISH_SLACK_NS)
+            end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        else:
+            i = win[0]
+            end = self._until(i, win[1])
         # the pages looked for, as an array once (compared with the events' arrays)
         want = span(prompt, start * ps, pages * ps)
         found = self._first_chunk(want, start, pages, i, end)
@@ -301,14 +357,26 @@ class StoreIndex:
             if same_ids(toks, prompt if n == left else prompt[: n * ps]):
                 return ei, 0, n
             c += 1
+        # ``want``'s bytes, found in an event's array bytes at a multiple of the item size:
+        # a C search, not an int object per token compared (``array.index``)
+        pat = array(CODE, [want]).tobytes() if type(want) is int and 0 <= want < 1 << 32 else None
         for ei in range(i, end):
             toks = tokens[ei]
+            buf = toks.tobytes() if pat is not None and toks.typecode == CODE else None
             k = 1
             while True:
-                try:
-                    k = toks.index(want, k)
-                except ValueError:
-                    break
+                if buf is not None and pat is not None:
+                    at = buf.find(pat, 4 * k)
+                    while at > 0 and at % 4:
+                        at = buf.find(pat, at + 1)
+                    if at < 0:
+                        break
+                    k = at // 4
+                else:
+                    try:
+                        k = toks.index(want, k)
+                    except ValueError:
+                        break
                 if k % ps == 0:
                     j = k // ps
                     n = min(n_pages[ei] - j, pages - start)
@@ -326,6 +394,7 @@ class StoreIndex:
         finish_ns: int,
         at: tuple[int, int] | None = None,
         taken: dict[tuple[int, int], int] | None = None,
+        win: Window | None = None,
     ) -> tuple[array, int, bool, tuple[int, int], bool] | None:
         """The finish store below block ``h`` (``None`` = the root): the tokens of up to
         ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
@@ -341,7 +410,8 @@ class StoreIndex:
         samples of one prompt all chain below ``h``). The first unclaimed run wins; only when
         every run found is claimed is the first claimed one returned (identical outputs:
         the later sample inserted nothing new). The result also says where the run is
-        (``(event, position)``) and whether a claimed run was met on the way (a tie)."""
+        (``(event, position)``) and whether a claimed run was met on the way (a tie).
+        ``win``: ``windows``' for (``arrival_ns``, ``finish_ns``) when the caller has it."""
         ts = self._ts
         horizon = finish_ns + FINISH_WINDOW_NS
         claimed = taken or {}
@@ -359,10 +429,15 @@ class StoreIndex:
                 tie = True
                 shared = (got[0], got[1], got[2], where)
             i = at[0] + 1
-        else:
+        elif win is None:
             i = bisect_left(ts, arrival_ns - FINISH_SLACK_NS)
+        else:
+            i = win[0]
         # the events below ``h`` among [i, i + FINISH_MAX_EVENTS) published by the horizon
-        stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        if win is None:
+            stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        else:
+            stop = self._until(i, win[3])
         cands = self._by_parent.get(h, ())
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < stop:
@@ -377,8 +452,12 @@ class StoreIndex:
             c += 1
         # the events holding ``h`` among the FINISH_MAX_EVENTS from the finish, by the
         # horizon: one comparison over their hashes, then the first ``h`` of each event
-        i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
-        stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        if win is None:
+            i = bisect_left(ts, finish_ns - FINISH_SLACK_NS)
+            stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
+        else:
+            i = win[2]
+            stop = self._until(i, win[3])
         if h is not None and i < stop:
             offs = self.offs
             lo = offs[i]

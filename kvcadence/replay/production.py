@@ -50,7 +50,7 @@ from kvcadence.errors import WireError
 from kvcadence.format.hashes import block_hashes
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
-from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.outputs import StoreIndex, Window
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
     Node,
@@ -166,6 +166,12 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     taken: dict[tuple[int, int], int] = {}
     finished = finish_order(nodes, range(len(nodes)))
     by_fin = finished + [i for i, nd in enumerate(nodes) if nd.finish_ns is None]
+    # every request's search windows in one vectorised pass (those with both times)
+    timed = [(i, a, f) for i, (a, f) in enumerate(times) if a is not None and f is not None]
+    wins: list[Window | None] = [None] * len(records)
+    found = index.windows([x[1] for x in timed], [x[2] for x in timed])
+    for x, w in zip(timed, found, strict=True):
+        wins[x[0]] = w
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
@@ -184,7 +190,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         h: int | None
         fast = None
         if r.cached_tokens is not None and arr is not None and fin is not None:
-            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin)
+            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i])
         if fast is not None:
             h, node.segs, node.base = fast
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
@@ -210,7 +216,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         got = (
             None
             if fin is None or arr is None
-            else index.finish_pages(h, tail, Kq, arr, fin, at, taken)
+            else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i])
         )
         if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
             if _retracted(r):

@@ -171,7 +171,7 @@ def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[i
     want = {a for n in nodes for a in (n.end_anchor, n.prompt_anchor) if a is not None}
     if not want or not len(hashes):
         return [], []
-    wanted = np.fromiter(want, np.int64, len(want))
+    wanted = np.sort(np.fromiter(want, np.int64, len(want)))
     table = np.zeros(_TABLE_MASK + 1, bool)
     table[wanted & _TABLE_MASK] = True
     # a slice at a time: temporaries of a few hundred KB, reused (one the size of every
@@ -183,7 +183,8 @@ def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[i
         ]
     )
     hs = hashes[cand]
-    exact = np.isin(hs, wanted)  # the candidates whose whole hash is an anchor
+    # the candidates whose whole hash is an anchor (a binary search in the sorted anchors)
+    exact = wanted[np.searchsorted(wanted, hs).clip(max=len(wanted) - 1)] == hs
     return cand[exact].tolist(), hs[exact].tolist()
 
 

@@ -15,6 +15,7 @@ int64 array for every event at once. Two routes, one result:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -32,7 +33,7 @@ from kvcadence.format.schema import (
 )
 
 #: an indexable store: (parent hash, hashes as ``packed`` bytes, pages, token ids)
-Store = tuple[int | None, bytes, int, list[int]]
+Store = tuple[int | None, bytes | memoryview, int, list[int]]
 
 _INTS = msgspec.msgpack.Decoder(list[int])
 _I64S = msgspec.msgpack.Decoder(list[Int64])
@@ -59,10 +60,14 @@ def unpacked(buf: bytes) -> np.ndarray:
 _JOIN_BYTES = 9 << 15
 
 
-def unpacked_all(parts: list[bytes], count: int) -> np.ndarray:
+def unpacked_all(
+    parts: Sequence[bytes | memoryview], count: int, bad: list[int] | None = None
+) -> np.ndarray:
     """``unpacked(b"".join(parts))`` (``count`` hashes in all) without the joined copy of
     every hash: joined a few hundred KB at a time into the result (a temporary that size is
-    reused; one the size of all of them would be fresh memory, a page fault per 4 KB)."""
+    reused; one the size of all of them would be fresh memory, a page fault per 4 KB).
+    ``bad``: where given, the positions whose 9 bytes are not a 64-bit msgpack int (type
+    byte neither ``0xcf`` nor ``0xd3``: ``frame_stores``' unchecked hashes) are appended."""
     out = np.empty(count, np.int64)
     at = i = 0
     while i < len(parts):
@@ -70,20 +75,21 @@ def unpacked_all(parts: list[bytes], count: int) -> np.ndarray:
         while j < len(parts) and size < _JOIN_BYTES:
             size += len(parts[j])
             j += 1
-        chunk = unpacked(b"".join(parts[i:j]))
-        out[at : at + len(chunk)] = chunk
-        at += len(chunk)
+        joined = b"".join(parts[i:j])
+        wire = np.frombuffer(joined, _WIRE_I64)
+        if bad is not None and joined[::9].strip(b"\xcf\xd3"):  # some type byte is not
+            t = wire["t"]
+            bad.extend((np.flatnonzero((t != 0xCF) & (t != 0xD3)) + at).tolist())
+        out[at : at + len(wire)] = wire["v"]
+        at += len(wire)
         i = j
     assert at == count
     return out
 
 
-def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
-    """``(elements, count)`` of a msgpack array of hashes when every element is a 64-bit
-    int (``0xcf``/``0xd3`` and 8 bytes: SGLang's hashes but ~1 in 2**32): the elements'
-    bytes, decoded later with every other event's (``unpacked``); None when not so shaped
-    (decode it as a list instead)."""
-    bb = bytes(raw)
+def _wire_shape(bb: bytes) -> tuple[int, int] | None:
+    """``(header size, count)`` of the msgpack array ``bb`` when its elements take 9 bytes
+    each (what 64-bit ints take), None otherwise."""
     if not bb:
         return None
     b0 = bb[0]
@@ -95,26 +101,44 @@ def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
         h, n = 5, int.from_bytes(bb[1:5], "big")
     else:
         return None
-    if len(bb) - h != 9 * n or bb[h::9].strip(b"\xcf\xd3"):
+    return (h, n) if len(bb) - h == 9 * n else None
+
+
+def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
+    """``(elements, count)`` of a msgpack array of hashes when every element is a 64-bit
+    int (``0xcf``/``0xd3`` and 8 bytes: SGLang's hashes but ~1 in 2**32): the elements'
+    bytes, decoded later with every other event's (``unpacked``); None when not so shaped
+    (decode it as a list instead)."""
+    bb = bytes(raw)
+    shape = _wire_shape(bb)
+    if shape is None or bb[shape[0] :: 9].strip(b"\xcf\xd3"):
         return None
-    return bb[h:], n
+    return bb[shape[0] :], shape[1]
 
 
 def frame_stores(b: KVEventBatchIdsView, page_size: int) -> list[Store]:
     """``_stored``'s indexable stores of a ``schema.EventFrameIdsView`` payload, the same: its token ids
     are int arrays (``decode_batch_raw``'s check passes), so a store of another page size,
-    or whose hashes are not ints, is skipped and the others kept."""
+    or whose hashes are not ints, is skipped and the others kept.
+
+    Hashes of 9 bytes each are passed on as their elements' bytes *unchecked*: their type
+    bytes are checked with every other event's (``unpacked_all(bad=...)``), and a store
+    where one is not ``0xcf``/``0xd3`` is dropped then -- what decoding it would do here (a
+    list of ``n`` ints in ``9 n`` bytes is ``n`` 64-bit ints: any other element fails)."""
     out: list[Store] = []
     for e in b.events:
         if type(e) is not BlockStoredIdsView or e.block_size != page_size:
             continue
-        hashes = _wire_hashes(e.block_hashes)
-        if hashes is None:
+        bb = bytes(e.block_hashes)  # a copy: the frame's buffer is not kept alive
+        shape = _wire_shape(bb)
+        if shape is not None:
+            h, pages = shape
+            hb: bytes | memoryview = memoryview(bb)[h:] if h else bb
+        else:
             try:
-                hashes = _aspacked(e.block_hashes)
+                hb, pages = _aspacked(e.block_hashes)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-        hb, pages = hashes
         if pages and len(e.token_ids) == page_size * pages:
             out.append((e.parent_block_hash, hb, pages, e.token_ids))
     return out

@@ -647,3 +647,71 @@ def test_hashes_are_unpacked_and_looked_up_a_slice_at_a_time(monkeypatch):
     for size in (1, 3, 64, 1 << 15):
         monkeypatch.setattr(sessions, "_SLICE", size)
         assert sessions._anchor_positions(nodes, arr) == whole
+
+
+def test_request_windows_are_each_lookups_bisections(monkeypatch):
+    """``StoreIndex.windows`` (every request's publish-time bounds in one vectorised search)
+    and ``_until`` (a bound capped at ``FINISH_MAX_EVENTS`` events) give what bisecting the
+    publish times per lookup gives, ties and the ends of the stream included."""
+    from bisect import bisect_left, bisect_right
+
+    from kvcadence.replay import outputs
+
+    monkeypatch.setattr(outputs, "FINISH_MAX_EVENTS", 7)
+    slack, horizon = outputs.FINISH_SLACK_NS, outputs.FINISH_WINDOW_NS
+    rng = random.Random(8)
+    idx = StoreIndex(1)
+    idx._ts = sorted(rng.randrange(0, 40) * slack // 2 for _ in range(120))
+    ts = idx._ts
+    arrs = [rng.randrange(-2, 45) * slack // 2 for _ in range(200)]
+    fins = [a + rng.randrange(0, 6) * slack // 2 for a in arrs]
+    wins = idx.windows(arrs, fins)
+    assert idx.windows([], []) == []
+    for a, f, (lo, hi, lo_f, hi_h) in zip(arrs, fins, wins, strict=True):
+        assert lo == bisect_left(ts, a - slack)
+        assert lo_f == bisect_left(ts, f - slack)
+        for i in {lo, lo_f, min(len(ts), lo + 3), len(ts)}:
+            cap = min(len(ts), i + 7)
+            assert idx._until(i, hi) == bisect_right(ts, f + slack, i, cap)
+            assert idx._until(i, hi_h) == bisect_right(ts, f + horizon, i, cap)
+
+
+def test_index_drops_a_store_whose_nine_byte_hashes_are_not_ints(tmp_path):
+    """A stored event whose hashes take 9 bytes each but are not 64-bit ints (float64s)
+    is dropped when the index checks every hash's type byte at once (``unpacked_all``),
+    as decoding it as ints drops it on the checked path; the frame's other stores stay."""
+    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from kvcadence.replay.flushes import FlushScan
+    from tests.analysis.helpers import T0, header
+
+    def ev(hs: list, toks: list[int]) -> dict:
+        return {
+            "type": "BlockStored",
+            "block_hashes": hs,
+            "parent_block_hash": None,
+            "token_ids": toks,
+            "block_size": 1,
+            "lora_id": None,
+        }
+
+    payloads = [
+        [1.0, [ev([2**40 + 1, 2**41], [5, 6]), ev([1.5, 2.5], [7, 8])], None],
+        [2.0, [ev([2**42, 2.5], [9, 10]), ev([2**43], [11])], None],  # one float of two
+        [3.0, [ev([3, 2**44], [12, 13])], None],  # a small hash: decoded as ints, kept
+    ]
+    with BundleWriter(tmp_path / "b", header()) as w:
+        for seq, pl in enumerate(payloads):
+            w.write_event(
+                endpoint=0,
+                seq=seq,
+                recv_ns=T0 + seq,
+                topic="kv-events",
+                payload=msgspec.msgpack.encode(pl),
+                via=0,
+                epoch=0,
+            )
+    rd = BundleReader(tmp_path / "b")
+    index = StoreIndex.from_reader(rd, 1, FlushScan(rd.header))
+    got = [(index.hashes_of(i), e.tokens) for i, e in enumerate(index.events)]
+    assert got == [([2**40 + 1, 2**41], [5, 6]), ([2**43], [11]), ([3, 2**44], [12, 13])]
+    assert index.offs == [0, 2, 3]

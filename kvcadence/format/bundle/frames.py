@@ -204,6 +204,8 @@ _NOTE_HEAD = b"\xa4note"
 #: a format 2.0 packed request's (fixstr tag): skipped unread by ``events_and_notes``, as
 #: the reader's slow path skips a known record nobody asked for (no exception on the way)
 _PACKED_HEAD = bytes([0xA0 | len(PACKED_TAG)]) + PACKED_TAG
+#: the first bytes of those two (a tag of any other length is neither)
+_HEAD_BYTE = frozenset((_NOTE_HEAD[0], _PACKED_HEAD[0]))
 
 
 def _note_kind(body: memoryview) -> bytes | None:
@@ -231,6 +233,8 @@ def unread_frames(kinds: frozenset[str]) -> Any:
     def unread(body: memoryview) -> bool:
         b0 = body[0]
         if 0x91 <= b0 <= 0x9F:
+            if body[1] not in _HEAD_BYTE:  # another tag's length (an event frame): read
+                return False
             head = bytes(body[1:6])
             if head == _NOTE_HEAD:
                 k = _note_kind(body)
