@@ -61,6 +61,25 @@ def merged(a: BlockStored, b: BlockStored) -> BlockStored:
     )
 
 
+def write_payloads(path, payloads) -> None:
+    """A bundle at ``path`` whose event frames are ``payloads``, msgpack-encoded as they are
+    (one frame each, seq = position): the index's decode paths see exactly these bytes."""
+    from kvcadence.format.bundle import BundleWriter
+    from tests.analysis.helpers import T0, header
+
+    with BundleWriter(path, header()) as w:
+        for seq, pl in enumerate(payloads):
+            w.write_event(
+                endpoint=0,
+                seq=seq,
+                recv_ns=T0 + seq,
+                topic="kv-events",
+                payload=msgspec.msgpack.encode(pl),
+                via=0,
+                epoch=0,
+            )
+
+
 def test_finish_store_merged_with_next_prefill_on_another_rank():
     ps = 1
     a = list(range(10, 16))  # 6 prompt tokens
@@ -455,9 +474,8 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
     frame scanned for flushes), ids that are no array refuse the whole frame; a uint64
     hash is read as the int64 of the same bits; hashes of 9 bytes that are not ints
     (float64: their type bytes are checked for all events at once) skip their store."""
-    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.flushes import FlushScan
-    from tests.analysis.helpers import T0, header
 
     def ev(h: float, toks: object, size: int = 1) -> dict:
         return {
@@ -477,18 +495,7 @@ def test_index_skips_what_the_checked_decode_refuses(tmp_path):
         [ev(2**64 - 5, [6])],  # a uint64 wire hash: the int64 of the same bits
         [ev(1.5, [4]), ev(8, [3])],  # a float64 hash (9 bytes, as an int64's)
     ]
-    with BundleWriter(tmp_path / "b", header()) as w:
-        for seq, evs in enumerate(frames):
-            payload = msgspec.msgpack.encode([1.0 + seq, evs, None])
-            w.write_event(
-                endpoint=0,
-                seq=seq,
-                recv_ns=T0 + seq,
-                topic="kv-events",
-                payload=payload,
-                via=0,
-                epoch=0,
-            )
+    write_payloads(tmp_path / "b", [[1.0 + seq, evs, None] for seq, evs in enumerate(frames)])
     rd = BundleReader(tmp_path / "b")
     scan = FlushScan(rd.header)
     index = StoreIndex.from_reader(rd, 1, scan)
@@ -502,10 +509,9 @@ def test_index_frames_decoded_with_their_payload_index_as_the_checked_path(tmp_p
     (``events_and_notes(events_as=...)``); a frame that struct refuses (a clear, a 2-element
     batch, ids that are no ints) comes as ``EventFrame``. Either way the index and the
     flushes are what every frame through ``stored.payload_stores`` gives."""
-    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.format.schema import EventFrame, EventFrameIdsView
     from kvcadence.replay.flushes import FlushScan
-    from tests.analysis.helpers import T0, header
 
     def ev(h: int, toks: object, parent: int | None = None, size: int = 1) -> dict:
         return {
@@ -526,17 +532,7 @@ def test_index_frames_decoded_with_their_payload_index_as_the_checked_path(tmp_p
         [5.0, [ev(7, [10])]],  # no attn_dp_rank: EventFrame, refused by the wire layer
         [6.0, [ev(8, [[1, 2]]), ev(9, [11])], None],  # bigram keys: EventFrame
     ]
-    with BundleWriter(tmp_path / "b", header()) as w:
-        for seq, pl in enumerate(payloads):
-            w.write_event(
-                endpoint=0,
-                seq=seq,
-                recv_ns=T0 + seq,
-                topic="kv-events",
-                payload=msgspec.msgpack.encode(pl),
-                via=0,
-                epoch=0,
-            )
+    write_payloads(tmp_path / "b", payloads)
     got = list(BundleReader(tmp_path / "b").events_and_notes((), events_as=EventFrameIdsView))
     assert [type(f) for f in got] == [EventFrameIdsView] * 3 + [EventFrame] * 3
 
@@ -680,9 +676,8 @@ def test_index_drops_a_store_whose_nine_byte_hashes_are_not_ints(tmp_path):
     """A stored event whose hashes take 9 bytes each but are not 64-bit ints (float64s)
     is dropped when the index checks every hash's type byte at once (``unpacked_all``),
     as decoding it as ints drops it on the checked path; the frame's other stores stay."""
-    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.flushes import FlushScan
-    from tests.analysis.helpers import T0, header
 
     def ev(hs: list, toks: list[int]) -> dict:
         return {
@@ -699,17 +694,7 @@ def test_index_drops_a_store_whose_nine_byte_hashes_are_not_ints(tmp_path):
         [2.0, [ev([2**42, 2.5], [9, 10]), ev([2**43], [11])], None],  # one float of two
         [3.0, [ev([3, 2**44], [12, 13])], None],  # a small hash: decoded as ints, kept
     ]
-    with BundleWriter(tmp_path / "b", header()) as w:
-        for seq, pl in enumerate(payloads):
-            w.write_event(
-                endpoint=0,
-                seq=seq,
-                recv_ns=T0 + seq,
-                topic="kv-events",
-                payload=msgspec.msgpack.encode(pl),
-                via=0,
-                epoch=0,
-            )
+    write_payloads(tmp_path / "b", payloads)
     rd = BundleReader(tmp_path / "b")
     index = StoreIndex.from_reader(rd, 1, FlushScan(rd.header))
     got = [(index.hashes_of(i), e.tokens) for i, e in enumerate(index.events)]
