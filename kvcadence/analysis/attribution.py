@@ -738,27 +738,33 @@ def _per_request_sql(
     a request's position, ``_position``)."""
     import numpy as np
 
-    t = sql.arrow(
+    # the counts are grouped in SQL and scattered by position here; the inputs are read in
+    # request_id order (a plain scan when the positions are the ids, ``_position``): a join
+    # of the two and an ORDER BY over every request's row was twice the work (0.5 vs 0.3
+    # cpu-s at 2M events)
+    order = "" if pos == "request_id" else " ORDER BY request_id"
+    t = sql.arrow(con, f"SELECT rid, cached_tokens, n_input, n_output FROM requests{order}")
+    c = sql.arrow(
         con,
-        "WITH pr AS (SELECT r, sum(pb)::BIGINT AS pb, sum(ob)::BIGINT AS ob, count(*) AS ne, "
+        "SELECT r, sum(pb)::BIGINT AS pb, sum(ob)::BIGINT AS ob, count(*) AS ne, "
         "count(*) FILTER (WHERE pb > 0) AS np, count(*) FILTER (WHERE ob > 0) AS nf "
-        "FROM _a_pair WHERE r IS NOT NULL GROUP BY r) "
-        "SELECT q.rid, q.cached_tokens, q.n_input, q.n_output, coalesce(pr.pb, 0) AS pb, "
-        "coalesce(pr.ob, 0) AS ob, coalesce(pr.ne, 0) AS ne, coalesce(pr.np, 0) AS np, "
-        f"coalesce(pr.nf, 0) AS nf FROM (SELECT {pos} AS r, rid, cached_tokens, n_input, "
-        "n_output FROM requests) q LEFT JOIN pr ON pr.r = q.r ORDER BY q.r",
+        "FROM _a_pair WHERE r IS NOT NULL GROUP BY r",
     )
+    n = t.num_rows
+    at = c.column("r").to_numpy().astype(np.int64)
 
-    def col(name: str) -> Any:
-        return t.column(name).to_numpy().astype(np.int64)
+    def counts(name: str) -> Any:
+        out = np.zeros(n, dtype=np.int64)
+        out[at] = c.column(name).to_numpy()
+        return out
 
     per = PerRequest(
         rid=t.column("rid").combine_chunks(),
         cached_tokens=t.column("cached_tokens").combine_chunks(),
-        n_input=col("n_input"),
-        n_output=col("n_output"),
+        n_input=t.column("n_input").to_numpy().astype(np.int64),
+        n_output=t.column("n_output").to_numpy().astype(np.int64),
     )
-    return per, col("pb"), col("ob"), col("ne"), col("np"), col("nf")
+    return per, counts("pb"), counts("ob"), counts("ne"), counts("np"), counts("nf")
 
 
 def _slow_sql(con: Any, pages_sql: str, scope: str, res: Attribution, acc: _SlowAcc) -> None:
