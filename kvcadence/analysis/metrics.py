@@ -122,12 +122,21 @@ class _Ctx:
                 f"floor({v} * count({expr})))::BIGINT + 1]::DOUBLE"
                 for v in QUANT.values()
             ]
+            sql = (
+                f"SELECT count({expr}), avg({expr})::DOUBLE, {', '.join(q)}, min({expr}), "
+                f"max({expr}) {frm}"
+            )
         else:
-            q = [f"quantile_cont({expr}, {v})::DOUBLE" for v in QUANT.values()]
-        sql = (
-            f"SELECT count({expr}), avg({expr})::DOUBLE, {', '.join(q)}, min({expr}), "
-            f"max({expr}) {frm}"
-        )
+            # one quantile_cont of the list of fractions: one state (a copy of the values and
+            # one sort) instead of one per fraction, the same values (0.35 vs 0.75 cpu-s over
+            # 6.6M events' n_blocks)
+            fr = ", ".join(str(v) for v in QUANT.values())
+            q = [f"q[{i + 1}]::DOUBLE" for i in range(len(QUANT))]
+            sql = (
+                f"SELECT n, mean, {', '.join(q)}, lo, hi FROM (SELECT count({expr}) AS n, "
+                f"avg({expr})::DOUBLE AS mean, quantile_cont({expr}, [{fr}]) AS q, "
+                f"min({expr}) AS lo, max({expr}) AS hi {frm})"
+            )
         row = self.one(sql)
         n, mean, med, p10, p90, p99, lo, hi = row
         if not n:
