@@ -166,12 +166,7 @@ class StoreIndex:
                 ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
                 for parent, hashes, pages, tokens in frame_stores(b, page_size):
                     # as an array while its ints are fresh: no int object per token is kept
-                    toks = array(CODE)
-                    try:
-                        toks.fromlist(tokens)
-                    except (OverflowError, TypeError):
-                        toks = compact(tokens)
-                    append((ts, n, parent, hashes, pages, toks))
+                    append((ts, n, parent, hashes, pages, compact(tokens)))
                 continue
             if t is AnnotationRawView:
                 if scan is not None:

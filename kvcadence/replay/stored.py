@@ -133,7 +133,7 @@ def frame_stores(b: KVEventBatchIdsView, page_size: int) -> list[Store]:
         shape = _wire_shape(bb)
         if shape is not None:
             h, pages = shape
-            hb: bytes | memoryview = memoryview(bb)[h:] if h else bb
+            hb: bytes | memoryview = memoryview(bb)[h:]  # past the array header
         else:
             try:
                 hb, pages = _aspacked(e.block_hashes)
