@@ -275,8 +275,22 @@ def test_production_capture_of_driver_traffic_meets_the_bars(sglang_worker_facto
 #: that is not strict (it passes when they hold). So is median blocks/Stored: a CI run on a
 #: box at load ~20 moved it one block (19 real -> 20 sim, +5.3 %, the median of ~120 small
 #: integers) with Removed events/request and mean blocks/Removed also off; the rerun met
-#: every bar. Stored events/request and the hash set are hard.
-HTTPX_MISSES = ("cached_equal", "removed_mean", "removed_per_req", "stored_median")
+#: every bar. Stored events/request moves too: a CI run (wall 14.9 s) stored 120 events real
+#: against 116 replayed (2.000 -> 1.933 per request, -3.3 %; that run's bundle was not kept,
+#: so which stores merged differently is not known), with Removed
+#: events/request +17.0 % and mean blocks/Removed -14.5 %; the hash set was identical. So
+#: every bar may miss here; what stays hard is the hash set and Stored events/request within
+#: ``HTTPX_STORED_GROSS`` (a rule lost, not a window moved). The bars themselves are held
+#: on the recorded capture of page-16 clients (corpus ``http-clients-p16``), where every
+#: number, the one miss included, is a strict test.
+HTTPX_MISSES = (
+    "cached_equal",
+    "removed_mean",
+    "removed_per_req",
+    "stored_median",
+    "stored_per_req",
+)
+HTTPX_STORED_GROSS = 0.10
 
 
 @worker
@@ -285,7 +299,8 @@ HTTPX_MISSES = ("cached_equal", "removed_mean", "removed_per_req", "stored_media
     raises=BarMiss,
     reason="timing-dependent open loop: some runs met every bar, others missed Removed "
     "events/request (+21.2 %, -15.6 %), mean blocks/Removed (+10.2 %), cached_tokens equal "
-    "(56/60) or, under load, median blocks/Stored by one block (19 -> 20) (see HTTPX_MISSES)",
+    "(56/60) or, under load, median blocks/Stored by one block (19 -> 20) and Stored "
+    "events/request (-3.3 %) (see HTTPX_MISSES)",
 )
 def test_production_capture_of_plain_http_clients(sglang_worker_factory, tmp_path):
     h = sglang_worker_factory("prod-httpx", **HTTPX_CFG)
@@ -323,4 +338,6 @@ def test_production_capture_of_plain_http_clients(sglang_worker_factory, tmp_pat
     res["streamed"] = streamed
     print(f"[prod-httpx] wall {wall:.1f} s, {streamed} streamed")
     assert res["hashes_identical"], res
+    real_stored, sim_stored, _ = res["stored_per_req"]
+    assert abs(sim_stored - real_stored) <= HTTPX_STORED_GROSS * real_stored, res
     check_bars(res, HTTPX_MISSES)
