@@ -4,7 +4,7 @@ Open-loop arrivals (each client starts at a uniform random time in ``[0, span_s)
 whatever the worker is doing), three shared system prompts (96, 160 and 224 random tokens),
 multi-turn chats whose next prompt is the previous prompt + the previous output + 3
 "chat-template" tokens + a 16-token user turn, and single shots (a system prompt + 20
-tokens, 8 output tokens). Chat turns ask for 4-20 tokens; a chat's 2nd and 4th turns may stop
+tokens, 8 output tokens). Chat turns ask for 4-20 tokens (``chat_out``, ``--chat-out MIN-MAX``); a chat's 2nd and 4th turns may stop
 at EOS (``ignore_eos`` off), every other request runs to its length (greedy decoding). Some requests stream (``"stream": true``: a
 chat's last turn, every other single shot). No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
@@ -62,11 +62,13 @@ class Clients:
         singles: int = 24,
         span_s: float = 12.0,
         timeout_s: float = 600.0,
+        chat_out: tuple[int, int] = (4, 20),
     ) -> None:
         self.url = url
         self.seed = seed
         self.timeout_s = timeout_s
         self.rng = random.Random(seed)
+        self.chat_out = chat_out
         self.systems = [self._toks(self.rng, n) for n in SYSTEM_LENGTHS]
         self.plans = self._plan(sessions, singles, span_s)
         self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
@@ -85,7 +87,7 @@ class Clients:
         for i, (s, kind) in enumerate(zip(starts, kinds, strict=True)):
             if kind == "chat":
                 turns = self.rng.randint(3, 5)
-                outs = tuple(self.rng.randint(4, 20) for _ in range(turns))
+                outs = tuple(self.rng.randint(*self.chat_out) for _ in range(turns))
                 streams = tuple(k == turns - 1 for k in range(turns))
                 plans.append(Plan(i, s, i % 3, outs, streams, True))
             else:
@@ -210,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=8, help="multi-turn chats (3-5 turns)")
     ap.add_argument("--singles", type=int, default=24, help="single-shot requests")
     ap.add_argument("--span-s", type=float, default=12.0, help="client starts spread over")
+    ap.add_argument(
+        "--chat-out",
+        type=_out_range,
+        default=(4, 20),
+        metavar="MIN-MAX",
+        help="a chat turn's max_new_tokens, uniform in [MIN, MAX] (default 4-20)",
+    )
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -224,8 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
+def _out_range(text: str) -> tuple[int, int]:
+    """``MIN-MAX`` (``--chat-out``): two output lengths, 1 <= MIN <= MAX."""
+    lo, sep, hi = text.partition("-")
+    if not (sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
+    return int(lo), int(hi)
+
+
 def _run(a: argparse.Namespace) -> int:
-    clients = Clients(a.server, a.seed, a.sessions, a.singles, a.span_s)
+    clients = Clients(a.server, a.seed, a.sessions, a.singles, a.span_s, chat_out=a.chat_out)
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None
     t0 = time.monotonic()

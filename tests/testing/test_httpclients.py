@@ -33,3 +33,30 @@ def test_unreachable_worker_is_one_line_not_a_traceback(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("python -m kvcadence.testing.httpclients: error: capture did not")
     assert "Traceback" not in "\n".join(err) and "cannot reach" in err[-1]
+
+
+def test_chat_out_sets_the_chat_turns_output_lengths_only():
+    """``--chat-out MIN-MAX`` draws each chat turn's ``max_new_tokens`` from ``[MIN, MAX]``;
+    single shots keep their 8 tokens, and the default (4-20) keeps the plans a seed gave
+    before the option existed (``http-clients-p16``'s truth is rebuilt from its seed)."""
+    from kvcadence.testing.httpclients import Clients
+
+    long = Clients("", 613, sessions=28, singles=86, span_s=90.0, chat_out=(32, 160))
+    chats = [o for p in long.plans if p.chat for o in p.outputs]
+    assert len(chats) > 50 and min(chats) >= 32 and max(chats) <= 160
+    assert max(chats) - min(chats) > 64  # drawn over the range, not pinned to an end
+    assert {p.outputs for p in long.plans if not p.chat} == {(8,)}
+    short = [o for p in Clients("", 612, 32, 76, 60.0).plans if p.chat for o in p.outputs]
+    assert min(short) >= 4 and max(short) <= 20
+    assert (
+        Clients("", 612, 32, 76, 60.0).plans
+        == Clients("", 612, 32, 76, 60.0, chat_out=(4, 20)).plans
+    )
+
+
+@pytest.mark.parametrize("bad", ["160-32", "0-8", "32", "a-b"])
+def test_chat_out_not_a_range_is_a_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--server", "http://127.0.0.1:1", "--chat-out", bad])
+    assert exc.value.code == 2
+    assert "--chat-out" in capsys.readouterr().err
