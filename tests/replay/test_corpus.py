@@ -71,6 +71,7 @@ CAPTURES = (
     "p16-chunk1024-long",
     "p16-retract-noeos",
     "dp2-p4-retract-noeos",
+    "dp2-p32-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -78,7 +79,7 @@ CAPTURES = (
 #: the bundle holds the events and the records tailed from the worker's metrics files (no
 #: driver records: output ids, sessions and clients unknown). They are replayed through the
 #: production path only (``test_production_path_bars``), not by ``test_bar``.
-PRODUCTION_ONLY = ("http-clients-p16",)
+PRODUCTION_ONLY = ("http-clients-p16", "dp2-p32-http-clients")
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
 DRIVEN = tuple(n for n in CAPTURES if n not in PRODUCTION_ONLY)
@@ -228,6 +229,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p1-retract-noeos-nooverlap": "cached_tokens_equal 0.890",
     "p16-retract-noeos": "stored_blocks_median 11 -> 10 (-9.1%); cached_tokens_equal 0.660",
     "dp2-p4-retract-noeos": "cached_tokens_equal 0.865",
+    "dp2-p32-http-clients": "removed_blocks_mean 7.5 -> 8.394 (+11.9%)",
 }
 
 
@@ -309,9 +311,20 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
 CLIENTS_OVER_LANES: dict[str, int] = {}
 
 
-#: ``http-clients-p16``'s clients: ``python -m kvcadence.testing.httpclients`` with these
-#: parameters (``--seed 612 --sessions 32 --singles 76 --span-s 60``; the corpus README)
-HTTP_CLIENTS: dict[str, Any] = {"seed": 612, "sessions": 32, "singles": 76, "span_s": 60.0}
+#: capture -> its clients: ``python -m kvcadence.testing.httpclients`` with these
+#: parameters (the corpus README; ``http-clients-p16``: ``--seed 612 --sessions 32 --singles
+#: 76 --span-s 60``; ``dp2-p32-http-clients``: ``--seed 613 --sessions 28 --singles 86
+#: --span-s 90 --chat-out 32-160``)
+HTTP_CLIENTS: dict[str, dict[str, Any]] = {
+    "http-clients-p16": {"seed": 612, "sessions": 32, "singles": 76, "span_s": 60.0},
+    "dp2-p32-http-clients": {
+        "seed": 613,
+        "sessions": 28,
+        "singles": 86,
+        "span_s": 90.0,
+        "chat_out": (32, 160),
+    },
+}
 
 
 def http_clients_truth(name: str) -> dict[tuple[int, ...], tuple[int, int, list[int] | None]]:
@@ -321,7 +334,7 @@ def http_clients_truth(name: str) -> dict[tuple[int, ...], tuple[int, int, list[
     prompt (``None`` where nothing shows it: a chat's last turn, a single shot)."""
     from kvcadence.testing.httpclients import Clients
 
-    clients = Clients("", **HTTP_CLIENTS)
+    clients = Clients("", **HTTP_CLIENTS[name])
     recs = BundleReader(CORPUS / name / "bundle").requests()
     by_prompt = {tuple(r.input_ids): r for r in recs}
     by_tail: dict[tuple[int, ...], list] = {}
@@ -346,22 +359,34 @@ def http_clients_truth(name: str) -> dict[tuple[int, ...], tuple[int, int, list[
     return truth
 
 
-def test_http_clients_production_inference_is_the_clients_sessions(tmp_path):
-    """``http-clients-p16`` has no driver records, but its clients are seeded: every one of
-    its 206 records is a request the clients planned (108 clients: 32 chats of 3-5 turns, 76
-    single shots), and the outputs of the 98 chat turns that have a next turn are in that
-    turn's prompt. The production path's inference finds exactly those sessions (every turn
-    in its place) and those outputs. Its clients are fewer than the real ones (81 for 108
-    open-loop clients, each with one session): 27 session starts arrived within 10 median
-    think times of another session's end and are joined to it, as docs/production.md says
-    open-loop arrivals that close to a finish are; none as the only idle client."""
+#: capture -> (sessions, requests with a predecessor, predecessor ties, inferred clients),
+#: measured
+HTTP_CLIENTS_INFERRED = {
+    "http-clients-p16": (108, 98, 0, 81),
+    "dp2-p32-http-clients": (114, 87, 2, 91),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HTTP_CLIENTS))
+def test_http_clients_production_inference_is_the_clients_sessions(name, tmp_path):
+    """The captures of the plain HTTP clients have no driver records, but their clients are
+    seeded: every record is a request the clients planned (``http-clients-p16``: 206 of 108
+    clients, 32 chats of 3-5 turns and 76 single shots; ``dp2-p32-http-clients``: 201 of
+    114, 28 chats and 86 single shots, on two DP ranks), and the output of every chat turn
+    that has a next turn (98; 87) is in that turn's prompt. The production path's
+    inference finds exactly those sessions (every turn in its place, also where two
+    candidates tied: 2 in ``dp2-p32-http-clients``) and those outputs. Its clients are
+    fewer than the real ones (81 for 108; 91 for 114 open-loop clients, each with one
+    session): session starts that arrived within 10 median think times of another
+    session's end are joined to it, as docs/production.md says open-loop arrivals that
+    close to a finish are; none as the only idle client."""
     from kvcadence.replay.production import records_for_replay
 
-    name = "http-clients-p16"
+    n_sessions, with_pred, ties, n_clients = HTTP_CLIENTS_INFERRED[name]
     truth = http_clients_truth(name)
     recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
-    assert rep["sessions"] == 108 and rep["with_predecessor"] == 98
-    assert rep["outputs_synthetic"] == {} and rep["predecessor_ties"] == 0
+    assert rep["sessions"] == n_sessions and rep["with_predecessor"] == with_pred
+    assert rep["outputs_synthetic"] == {} and rep["predecessor_ties"] == ties
     sessions: dict[int, set[tuple[int, int]]] = {}
     known = 0
     for r in recs:
@@ -371,9 +396,9 @@ def test_http_clients_production_inference_is_the_clients_sessions(tmp_path):
         if out is not None:
             known += 1
             assert r.output_ids == out, r.rid
-    assert known == 98
-    assert sorted(len({c for c, _ in v}) for v in sessions.values()) == [1] * 108
-    assert (rep["clients"], rep["idle_client_joins"]) == (81, 0)
+    assert known == with_pred
+    assert sorted(len({c for c, _ in v}) for v in sessions.values()) == [1] * n_sessions
+    assert (rep["clients"], rep["idle_client_joins"]) == (n_clients, 0)
 
 
 def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar():
