@@ -1,7 +1,8 @@
 """Plain concurrent HTTP clients of an SGLang worker that are not kvcadence's driver.
 
 Open-loop arrivals (each client starts at a uniform random time in ``[0, span_s)``,
-whatever the worker is doing), three shared system prompts (96, 160 and 224 random tokens),
+whatever the worker is doing), shared system prompts (by default three, of 96, 160 and 224
+random tokens: ``systems``, ``--systems N,N,...``; client ``i`` uses the ``i % len``-th),
 multi-turn chats whose next prompt is the previous prompt + the previous output + 3
 "chat-template" tokens + a 16-token user turn, and single shots (a system prompt + 20
 tokens, 8 output tokens). Chat turns ask for 4-20 tokens (``chat_out``, ``--chat-out MIN-MAX``); a chat's 2nd and 4th turns may stop
@@ -14,7 +15,8 @@ lengths and every prompt token are fixed by ``seed`` (each client draws from its
 generator); only the outputs (greedy) and the worker's timing are not.
 
 Used by ``tests/capture/test_production_worker.py`` (60 requests) and to record the
-corpus capture ``http-clients-p16`` (``python -m kvcadence.testing.httpclients``: attaches
+corpus captures ``http-clients-p16``, ``dp2-p32-http-clients`` and ``p8-chunk128-nooverlap-http-clients``
+(``python -m kvcadence.testing.httpclients``: attaches
 ``kvcadence capture --server --sglang-metrics`` while the clients run; see
 ``tests/replay/data/corpus/README.md``).
 """
@@ -45,7 +47,7 @@ class Plan:
 
     index: int
     start_s: float
-    system: int  # index into ``SYSTEM_LENGTHS``
+    system: int  # index into ``Clients.systems``
     outputs: tuple[int, ...]  # max_new_tokens per request
     streams: tuple[bool, ...]  # stream flag per request
     chat: bool
@@ -63,13 +65,14 @@ class Clients:
         span_s: float = 12.0,
         timeout_s: float = 600.0,
         chat_out: tuple[int, int] = (4, 20),
+        systems: tuple[int, ...] = SYSTEM_LENGTHS,
     ) -> None:
         self.url = url
         self.seed = seed
         self.timeout_s = timeout_s
         self.rng = random.Random(seed)
         self.chat_out = chat_out
-        self.systems = [self._toks(self.rng, n) for n in SYSTEM_LENGTHS]
+        self.systems = [self._toks(self.rng, n) for n in systems]
         self.plans = self._plan(sessions, singles, span_s)
         self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
         self.errors: list[str] = []
@@ -89,9 +92,9 @@ class Clients:
                 turns = self.rng.randint(3, 5)
                 outs = tuple(self.rng.randint(*self.chat_out) for _ in range(turns))
                 streams = tuple(k == turns - 1 for k in range(turns))
-                plans.append(Plan(i, s, i % 3, outs, streams, True))
+                plans.append(Plan(i, s, i % len(self.systems), outs, streams, True))
             else:
-                plans.append(Plan(i, s, i % 3, (8,), (i % 2 == 0,), False))
+                plans.append(Plan(i, s, i % len(self.systems), (8,), (i % 2 == 0,), False))
         return plans
 
     @property
@@ -219,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MIN-MAX",
         help="a chat turn's max_new_tokens, uniform in [MIN, MAX] (default 4-20)",
     )
+    ap.add_argument(
+        "--systems",
+        type=_lengths,
+        default=SYSTEM_LENGTHS,
+        metavar="N,N,...",
+        help="the shared system prompts' lengths in tokens; client i uses the "
+        "(i %% count)-th (default 96,160,224)",
+    )
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -241,8 +252,18 @@ def _out_range(text: str) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    """``N,N,...`` (``--systems``): one or more system prompt lengths, each >= 1."""
+    parts = text.split(",")
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected lengths N,N,... each >= 1, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def _run(a: argparse.Namespace) -> int:
-    clients = Clients(a.server, a.seed, a.sessions, a.singles, a.span_s, chat_out=a.chat_out)
+    clients = Clients(
+        a.server, a.seed, a.sessions, a.singles, a.span_s, chat_out=a.chat_out, systems=a.systems
+    )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None
     t0 = time.monotonic()

@@ -60,3 +60,35 @@ def test_chat_out_not_a_range_is_a_usage_error(bad, capsys):
         main(["--server", "http://127.0.0.1:1", "--chat-out", bad])
     assert exc.value.code == 2
     assert "--chat-out" in capsys.readouterr().err
+
+
+def test_systems_sets_the_shared_system_prompts():
+    """``--systems N,N,...`` sets the shared system prompts' lengths (longer prompts span
+    several prefill chunks); every client's first prompt starts with its system prompt, the
+    clients cycle over them, and the default keeps the plans and prompts a seed gave before
+    the option existed."""
+    from kvcadence.testing.httpclients import Clients
+
+    c = Clients("", 618, 26, 90, 120.0, chat_out=(32, 128), systems=(160, 288, 416))
+    assert [len(s) for s in c.systems] == [160, 288, 416]
+    assert {p.system for p in c.plans} == {0, 1, 2}
+    for plan in c.plans[:12]:
+        first, _ = c.prompts(plan)
+        assert first[: len(c.systems[plan.system])] == c.systems[plan.system]
+        assert len(first) == len(c.systems[plan.system]) + (24 if plan.chat else 20)
+    two = Clients("", 618, 4, 4, 10.0, systems=(40, 8))
+    assert [len(s) for s in two.systems] == [40, 8] and {p.system for p in two.plans} == {0, 1}
+    old, new = (
+        Clients("", 612, 32, 76, 60.0),
+        Clients("", 612, 32, 76, 60.0, systems=(96, 160, 224)),
+    )
+    assert old.plans == new.plans and old.systems == new.systems
+    assert [len(s) for s in old.systems] == [96, 160, 224]
+
+
+@pytest.mark.parametrize("bad", ["", "160,,288", "0", "a,8", "-8"])
+def test_systems_not_lengths_is_a_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--server", "http://127.0.0.1:1", "--systems", bad])
+    assert exc.value.code == 2
+    assert "--systems" in capsys.readouterr().err
