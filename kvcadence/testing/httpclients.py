@@ -4,9 +4,11 @@ Open-loop arrivals (each client starts at a uniform random time in ``[0, span_s)
 whatever the worker is doing), shared system prompts (by default three, of 96, 160 and 224
 random tokens: ``systems``, ``--systems N,N,...``; client ``i`` uses the ``i % len``-th),
 multi-turn chats whose next prompt is the previous prompt + the previous output + 3
-"chat-template" tokens + a 16-token user turn, and single shots (a system prompt + 20
-tokens, 8 output tokens). Chat turns ask for 4-20 tokens (``chat_out``, ``--chat-out MIN-MAX``); a chat's 2nd and 4th turns may stop
-at EOS (``ignore_eos`` off), every other request runs to its length (greedy decoding). Some requests stream (``"stream": true``: a
+"chat-template" tokens + a 16-token user turn (``turn_in``, ``--turn-in N``; a chat's first
+prompt is its system prompt + ``turn_in`` + 8 tokens), and single shots (a system prompt +
+20 tokens, ``single_in``, ``--single-in N``; 8 output tokens). Chat turns ask for 4-20
+tokens (``chat_out``, ``--chat-out MIN-MAX``); a chat's 2nd and 4th turns may stop at EOS
+(``ignore_eos`` off), every other request runs to its length (greedy decoding). Some requests stream (``"stream": true``: a
 chat's last turn, every other single shot). No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
@@ -66,12 +68,16 @@ class Clients:
         timeout_s: float = 600.0,
         chat_out: tuple[int, int] = (4, 20),
         systems: tuple[int, ...] = SYSTEM_LENGTHS,
+        single_in: int = 20,
+        turn_in: int = 16,
     ) -> None:
         self.url = url
         self.seed = seed
         self.timeout_s = timeout_s
         self.rng = random.Random(seed)
         self.chat_out = chat_out
+        self.single_in = single_in
+        self.turn_in = turn_in
         self.systems = [self._toks(self.rng, n) for n in systems]
         self.plans = self._plan(sessions, singles, span_s)
         self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
@@ -131,12 +137,13 @@ class Clients:
 
     def prompts(self, plan: Plan) -> tuple[list[int], list[list[int]]]:
         """``plan``'s first prompt and, per later turn, the tokens appended after the
-        previous output (3 template tokens + a 16-token user turn): turn k+1's prompt is
+        previous output (3 template tokens + a ``turn_in``-token user turn): turn k+1's prompt is
         turn k's prompt + its output + ``appended[k]``. From the client's own generator, so
         a capture's prompts can be told apart by seed alone."""
         rng = random.Random(f"{self.seed}-{plan.index}")
-        first = self.systems[plan.system] + self._toks(rng, 24 if plan.chat else 20)
-        appended = [self._toks(rng, 3) + self._toks(rng, 16) for _ in plan.outputs[1:]]
+        own = self.turn_in + 8 if plan.chat else self.single_in
+        first = self.systems[plan.system] + self._toks(rng, own)
+        appended = [self._toks(rng, 3) + self._toks(rng, self.turn_in) for _ in plan.outputs[1:]]
         return first, appended
 
     def _client(self, plan: Plan, t0: float) -> None:
@@ -230,6 +237,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the shared system prompts' lengths in tokens; client i uses the "
         "(i %% count)-th (default 96,160,224)",
     )
+    ap.add_argument(
+        "--single-in",
+        type=_positive,
+        default=20,
+        metavar="N",
+        help="a single shot's own tokens after its system prompt (default 20)",
+    )
+    ap.add_argument(
+        "--turn-in",
+        type=_positive,
+        default=16,
+        metavar="N",
+        help="a chat's user turn in tokens: each later prompt appends 3 template tokens + N, "
+        "the first is the system prompt + N + 8 (default 16)",
+    )
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -260,9 +282,24 @@ def _lengths(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _positive(text: str) -> int:
+    """``N`` (``--single-in``, ``--turn-in``): a token count >= 1."""
+    if not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {text!r}")
+    return int(text)
+
+
 def _run(a: argparse.Namespace) -> int:
     clients = Clients(
-        a.server, a.seed, a.sessions, a.singles, a.span_s, chat_out=a.chat_out, systems=a.systems
+        a.server,
+        a.seed,
+        a.sessions,
+        a.singles,
+        a.span_s,
+        chat_out=a.chat_out,
+        systems=a.systems,
+        single_in=a.single_in,
+        turn_in=a.turn_in,
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None

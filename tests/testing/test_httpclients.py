@@ -92,3 +92,40 @@ def test_systems_not_lengths_is_a_usage_error(bad, capsys):
         main(["--server", "http://127.0.0.1:1", "--systems", bad])
     assert exc.value.code == 2
     assert "--systems" in capsys.readouterr().err
+
+
+def test_single_in_and_turn_in_set_the_requests_own_tokens():
+    """``--single-in N`` is a single shot's own tokens after its system prompt, ``--turn-in
+    N`` a chat's user turn (a first prompt: system + N + 8; each later prompt: previous prompt
+    + output + 3 template tokens + N), so prompts can outgrow a prefill chunk even when the
+    system prompt is cached; the defaults (20, 16) keep the prompts a seed gave before."""
+    from kvcadence.testing.httpclients import Clients
+
+    c = Clients("", 618, 26, 90, 120.0, chat_out=(32, 128), single_in=240, turn_in=200)
+    chats = singles = 0
+    for plan in c.plans:
+        first, appended = c.prompts(plan)
+        own = len(first) - len(c.systems[plan.system])
+        if plan.chat:
+            chats += 1
+            assert own == 208 and [len(a) for a in appended] == [203] * (len(plan.outputs) - 1)
+        else:
+            singles += 1
+            assert own == 240 and appended == []
+    assert (chats, singles) == (26, 90)
+    old, new = (
+        Clients("", 612, 32, 76, 60.0),
+        Clients("", 612, 32, 76, 60.0, single_in=20, turn_in=16),
+    )
+    assert all(old.prompts(p) == new.prompts(p) for p in old.plans)
+    first, appended = old.prompts(next(p for p in old.plans if p.chat))
+    assert len(appended[0]) == 19
+
+
+@pytest.mark.parametrize("flag", ["--single-in", "--turn-in"])
+@pytest.mark.parametrize("bad", ["0", "-3", "x"])
+def test_own_tokens_not_a_count_is_a_usage_error(flag, bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--server", "http://127.0.0.1:1", flag, bad])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
