@@ -190,7 +190,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         h: int | None
         fast = None
         if r.cached_tokens is not None and arr is not None and fin is not None:
-            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i])
+            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L)
         if fast is not None:
             h, node.segs, node.base = fast
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
