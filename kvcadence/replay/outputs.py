@@ -164,9 +164,7 @@ class StoreIndex:
                     scan.frame(f, b.ts, ())
                 bts = b.ts
                 ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
-                for parent, hashes, pages, tokens in frame_stores(b, page_size):
-                    # as an array while its ints are fresh: no int object per token is kept
-                    append((ts, n, parent, hashes, pages, compact(tokens)))
+                frame_stores(b, page_size, ts, n, append)
                 continue
             if t is AnnotationRawView:
                 if scan is not None:
@@ -191,7 +189,7 @@ class StoreIndex:
             for parent, hashes, pages, tokens in got:
                 # as an array while its ints are fresh: no int object per token is kept
                 raw.append((ts, n, parent, hashes, pages, compact(tokens)))
-        raw.sort(key=itemgetter(0, 1))
+        raw.sort(key=itemgetter(0))  # stable: frame order (appended so) within a time
         idx._extend(raw)
         return idx
 
@@ -205,9 +203,10 @@ class StoreIndex:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
-        pages = [r[4] for r in rows]
+        # the rows' columns, transposed in one step
+        ts, _, parents, packs, pages, tokens = zip(*rows, strict=True)
         bad: list[int] = []
-        more = unpacked_all([r[3] for r in rows], sum(pages), bad)
+        more = unpacked_all(packs, sum(pages), bad)
         if bad:  # rare: drop the events holding them, index the others
             ends = np.cumsum(pages)
             drop = set(np.searchsorted(ends, bad, side="right").tolist())
@@ -215,9 +214,7 @@ class StoreIndex:
             return
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more
-        self._ts.extend([r[0] for r in rows])
-        parents = [r[2] for r in rows]
-        tokens = [r[5] for r in rows]
+        self._ts.extend(ts)
         offs = np.cumsum([off0, *pages[:-1]]).tolist()
         self.parents.extend(parents)
         self.pages.extend(pages)
