@@ -140,9 +140,12 @@ def complete_records(
                 why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
                 out[i] = msgspec.structs.replace(r, error=r.error or why)
         retracted += _retracted(r)
-    done, report = _complete([records[i] for i in keep], index, flushes_ns)
-    for i, r in zip(keep, done, strict=True):
-        out[i] = r
+    if len(keep) == len(records):  # every record ran (the usual capture)
+        out, report = _complete(records, index, flushes_ns)
+    else:
+        done, report = _complete([records[i] for i in keep], index, flushes_ns)
+        for i, r in zip(keep, done, strict=True):
+            out[i] = r
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
         report[k] = counts[k]
     report["retracted_in_capture"] = retracted
