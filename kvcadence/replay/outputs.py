@@ -512,6 +512,8 @@ class StoreIndex:
         toks = self.tokens[ei]
         if tail and not same_ids(toks[j * ps : j * ps + len(tail)], tail):
             return None
-        m = min(k, pages - j)
+        m = pages - j
+        if k < m:
+            m = k
         last = self.hashes.item(self.offs[ei] + j + m - 1)
         return toks[j * ps : (j + m) * ps], last, j > 0 or j + m < pages

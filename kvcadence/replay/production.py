@@ -92,7 +92,8 @@ def _n_out(r: Any) -> int:
     n = r.completion_tokens
     if n is None:
         n = len(r.output_ids) if r.output_ids else (r.max_new_tokens or 0)
-    return max(int(n), 0)
+    n = int(n)
+    return n if n > 0 else 0
 
 
 #: ``error`` of a record the replay leaves out: it never ran, so it stored nothing
