@@ -34,6 +34,7 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
@@ -215,7 +216,7 @@ class StoreIndex:
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more
         self._ts.extend(ts)
-        offs = np.cumsum([off0, *pages[:-1]]).tolist()
+        offs = list(accumulate(pages[:-1], initial=off0))
         self.parents.extend(parents)
         self.pages.extend(pages)
         self.tokens.extend(tokens)
@@ -257,9 +258,10 @@ class StoreIndex:
         vectorised search (``Window``)."""
         if not len(arrivals):
             return []
-        ts = np.array(self._ts, np.int64)
-        arr = np.array(arrivals, np.int64)
-        fin = np.array(finishes, np.int64)
+        # (``fromiter``: ``np.array`` of a list of ints looks at each one's type first)
+        ts = np.fromiter(self._ts, np.int64, len(self._ts))
+        arr = np.fromiter(arrivals, np.int64, len(arrivals))
+        fin = np.fromiter(finishes, np.int64, len(finishes))
         cols = (
             np.searchsorted(ts, arr - FINISH_SLACK_NS, "left"),
             np.searchsorted(ts, fin + FINISH_SLACK_NS, "right"),
