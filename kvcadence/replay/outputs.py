@@ -46,7 +46,7 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked_all
-from kvcadence.replay.tokens import CODE, Prompt, as_list, compact, same_ids, span
+from kvcadence.replay.tokens import CODE, as_list, compact, same_ids, span
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -302,33 +302,12 @@ class StoreIndex:
         if win is None:
             i = bisect_left(ts, t0 - FINISH_SLACK_NS)
             end = bisect_right(ts, t1 + FINISH_SLACK_NS, i, min(len(ts), i + FINISH_MAX_EVENTS))
-        else:  # ``_until(win[0], win[1])``, inline
-            i, end = win[0], win[1]
-            hi = i + FINISH_MAX_EVENTS
-            if hi > len(ts):
-                hi = len(ts)
-            end = i if end < i else hi if end > hi else end
+        else:
+            i = win[0]
+            end = self._until(i, win[1])
         # the pages looked for, as an array once (compared with the events' arrays)
-        want = (
-            prompt.span(start * ps, pages * ps)
-            if type(prompt) is Prompt
-            else span(prompt, start * ps, pages * ps)
-        )
-        found = None
-        cands = self._by_first.get(want[0])
-        if cands is not None:  # the usual case, inline: the first candidate at its start
-            c = bisect_left(cands, i)
-            if c < len(cands) and cands[c] < end:
-                e0 = cands[c]
-                left = pages - start
-                toks = self.tokens[e0]
-                n = self.pages[e0]
-                if n > left:
-                    toks = toks[: left * ps]
-                if n >= left and same_ids(toks, want):
-                    found = e0, 0, left
-        if found is None:
-            found = self._first_chunk(want, start, pages, i, end)
+        want = span(prompt, start * ps, pages * ps)
+        found = self._first_chunk(want, start, pages, i, end)
         if found is None:
             return None
         e0, j, n = found
@@ -458,12 +437,8 @@ class StoreIndex:
         # the events below ``h`` among [i, i + FINISH_MAX_EVENTS) published by the horizon
         if win is None:
             stop = bisect_right(ts, horizon, i, min(len(ts), i + FINISH_MAX_EVENTS))
-        else:  # ``_until(i, win[3])``, inline
-            stop = win[3]
-            hi = i + FINISH_MAX_EVENTS
-            if hi > len(ts):
-                hi = len(ts)
-            stop = i if stop < i else hi if stop > hi else stop
+        else:
+            stop = self._until(i, win[3])
         cands = self._by_parent.get(h, ())
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < stop:
