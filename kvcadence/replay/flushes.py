@@ -132,11 +132,11 @@ class FlushScan:
 
     def frame(self, rec: Any, ts: Any, events: Sequence[Any]) -> None:
         ep, seq = rec.endpoint, rec.seq
-        key = (ep, rec.epoch)
-        seq0 = self.first_seq.get(key)
-        if seq0 is None:
-            self.first_seq[key] = seq0 = seq
-        ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
+        seq0 = self.first_seq.setdefault((ep, rec.epoch), seq)
+        if type(ts) is float:  # the usual case: no isinstance call
+            ts_ns = round(ts * 1e9) if ts > 0 else None
+        else:
+            ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
         late = rec.via == VIA_REPLAY
         if ts_ns is not None and not late:
             lags = self.lag.get(ep)

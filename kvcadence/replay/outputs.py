@@ -34,6 +34,7 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
@@ -164,9 +165,7 @@ class StoreIndex:
                     scan.frame(f, b.ts, ())
                 bts = b.ts
                 ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
-                for parent, hashes, pages, tokens in frame_stores(b, page_size):
-                    # as an array while its ints are fresh: no int object per token is kept
-                    append((ts, n, parent, hashes, pages, compact(tokens)))
+                frame_stores(b, page_size, ts, n, append)
                 continue
             if t is AnnotationRawView:
                 if scan is not None:
@@ -191,7 +190,7 @@ class StoreIndex:
             for parent, hashes, pages, tokens in got:
                 # as an array while its ints are fresh: no int object per token is kept
                 raw.append((ts, n, parent, hashes, pages, compact(tokens)))
-        raw.sort(key=itemgetter(0, 1))
+        raw.sort(key=itemgetter(0))  # stable: frame order (appended so) within a time
         idx._extend(raw)
         return idx
 
@@ -205,9 +204,10 @@ class StoreIndex:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
-        pages = [r[4] for r in rows]
+        # the rows' columns, transposed in one step
+        ts, _, parents, packs, pages, tokens = zip(*rows, strict=True)
         bad: list[int] = []
-        more = unpacked_all([r[3] for r in rows], sum(pages), bad)
+        more = unpacked_all(packs, sum(pages), bad)
         if bad:  # rare: drop the events holding them, index the others
             ends = np.cumsum(pages)
             drop = set(np.searchsorted(ends, bad, side="right").tolist())
@@ -215,10 +215,8 @@ class StoreIndex:
             return
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more
-        self._ts.extend([r[0] for r in rows])
-        parents = [r[2] for r in rows]
-        tokens = [r[5] for r in rows]
-        offs = np.cumsum([off0, *pages[:-1]]).tolist()
+        self._ts.extend(ts)
+        offs = list(accumulate(pages[:-1], initial=off0))
         self.parents.extend(parents)
         self.pages.extend(pages)
         self.tokens.extend(tokens)
@@ -260,9 +258,10 @@ class StoreIndex:
         vectorised search (``Window``)."""
         if not len(arrivals):
             return []
-        ts = np.array(self._ts, np.int64)
-        arr = np.array(arrivals, np.int64)
-        fin = np.array(finishes, np.int64)
+        # (``fromiter``: ``np.array`` of a list of ints looks at each one's type first)
+        ts = np.fromiter(self._ts, np.int64, len(self._ts))
+        arr = np.fromiter(arrivals, np.int64, len(arrivals))
+        fin = np.fromiter(finishes, np.int64, len(finishes))
         cols = (
             np.searchsorted(ts, arr - FINISH_SLACK_NS, "left"),
             np.searchsorted(ts, fin + FINISH_SLACK_NS, "right"),
@@ -280,15 +279,22 @@ class StoreIndex:
         return i if right < i else hi if right > hi else right
 
     def prefill_run(
-        self, prompt: Sequence[int], cached: int, t0: int, t1: int, win: Window | None = None
+        self,
+        prompt: Sequence[int],
+        cached: int,
+        t0: int,
+        t1: int,
+        win: Window | None = None,
+        length: int | None = None,
     ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
         """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
         (receive .. finish): ``(hash of the last full page, segments ``(first page, event
         index, position, pages)``, the hash the first page attached to)``; ``None`` when not
         found (nothing new stored, another page size, or outside the window). ``win``:
-        ``windows``' for (``t0``, ``t1``) when the caller has it."""
+        ``windows``' for (``t0``, ``t1``) when the caller has it; ``length``:
+        ``len(prompt)``, when the caller has it."""
         ps = self.page_size
-        pages = len(prompt) // ps
+        pages = (len(prompt) if length is None else length) // ps
         start = cached // ps
         if start >= pages or cached < 0:
             return None
@@ -483,6 +489,8 @@ class StoreIndex:
         toks = self.tokens[ei]
         if tail and not same_ids(toks[j * ps : j * ps + len(tail)], tail):
             return None
-        m = min(k, pages - j)
+        m = pages - j
+        if k < m:
+            m = k
         last = self.hashes.item(self.offs[ei] + j + m - 1)
         return toks[j * ps : (j + m) * ps], last, j > 0 or j + m < pages

@@ -92,7 +92,8 @@ def _n_out(r: Any) -> int:
     n = r.completion_tokens
     if n is None:
         n = len(r.output_ids) if r.output_ids else (r.max_new_tokens or 0)
-    return max(int(n), 0)
+    n = int(n)
+    return n if n > 0 else 0
 
 
 #: ``error`` of a record the replay leaves out: it never ran, so it stored nothing
@@ -140,9 +141,12 @@ def complete_records(
                 why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
                 out[i] = msgspec.structs.replace(r, error=r.error or why)
         retracted += _retracted(r)
-    done, report = _complete([records[i] for i in keep], index, flushes_ns)
-    for i, r in zip(keep, done, strict=True):
-        out[i] = r
+    if len(keep) == len(records):  # every record ran (the usual capture)
+        out, report = _complete(records, index, flushes_ns)
+    else:
+        done, report = _complete([records[i] for i in keep], index, flushes_ns)
+        for i, r in zip(keep, done, strict=True):
+            out[i] = r
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
         report[k] = counts[k]
     report["retracted_in_capture"] = retracted
@@ -190,7 +194,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         h: int | None
         fast = None
         if r.cached_tokens is not None and arr is not None and fin is not None:
-            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i])
+            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L)
         if fast is not None:
             h, node.segs, node.base = fast
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt

@@ -15,6 +15,7 @@ int64 array for every event at once. Two routes, one result:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from kvcadence.format.schema import (
     Int64,
     KVEventBatchIdsView,
 )
+from kvcadence.replay.tokens import CODE, compact
 
 #: an indexable store: (parent hash, hashes as ``packed`` bytes, pages, token ids)
 Store = tuple[int | None, bytes | memoryview, int, list[int]]
@@ -40,6 +42,8 @@ _I64S = msgspec.msgpack.Decoder(list[Int64])
 _STORED_VIEWS = (BlockStoredRawView, BlockStoredV17RawView)
 #: a 64-bit msgpack int: its type byte (0xcf uint64, 0xd3 int64), then 8 bytes big-endian
 _WIRE_I64 = np.dtype([("t", "u1"), ("v", ">i8")])
+#: those two type bytes
+_I64_TYPES = b"\xcf\xd3"
 
 
 def packed(hashes: list[int]) -> bytes:
@@ -77,7 +81,8 @@ def unpacked_all(
             j += 1
         joined = b"".join(parts[i:j])
         wire = np.frombuffer(joined, _WIRE_I64)
-        if bad is not None and joined[::9].strip(b"\xcf\xd3"):  # some type byte is not
+        # some type byte is not (``translate`` deletes by a table: no search per byte)
+        if bad is not None and joined[::9].translate(None, _I64_TYPES):
             t = wire["t"]
             bad.extend((np.flatnonzero((t != 0xCF) & (t != 0xD3)) + at).tolist())
         out[at : at + len(wire)] = wire["v"]
@@ -111,37 +116,56 @@ def _wire_hashes(raw: msgspec.Raw) -> tuple[bytes, int] | None:
     (decode it as a list instead)."""
     bb = bytes(raw)
     shape = _wire_shape(bb)
-    if shape is None or bb[shape[0] :: 9].strip(b"\xcf\xd3"):
+    if shape is None or bb[shape[0] :: 9].translate(None, _I64_TYPES):
         return None
     return bb[shape[0] :], shape[1]
 
 
-def frame_stores(b: KVEventBatchIdsView, page_size: int) -> list[Store]:
+def frame_stores(b: KVEventBatchIdsView, page_size: int, ts: int, n: int, append: Any) -> None:
     """``_stored``'s indexable stores of a ``schema.EventFrameIdsView`` payload, the same: its token ids
     are int arrays (``decode_batch_raw``'s check passes), so a store of another page size,
-    or whose hashes are not ints, is skipped and the others kept.
+    or whose hashes are not ints, is skipped and the others kept. Each is handed to
+    ``append`` as the index's row ``(ts, n, parent, hashes, pages, tokens)`` (``ts``: the
+    frame's publish time, ``n``: its number; ``tokens`` made ``tokens.compact``'s array while
+    its ints are fresh: no int object per token is kept).
 
     Hashes of 9 bytes each are passed on as their elements' bytes *unchecked*: their type
     bytes are checked with every other event's (``unpacked_all(bad=...)``), and a store
     where one is not ``0xcf``/``0xd3`` is dropped then -- what decoding it would do here (a
     list of ``n`` ints in ``9 n`` bytes is ``n`` 64-bit ints: any other element fails)."""
-    out: list[Store] = []
     for e in b.events:
         if type(e) is not BlockStoredIdsView or e.block_size != page_size:
             continue
         bb = bytes(e.block_hashes)  # a copy: the frame's buffer is not kept alive
-        shape = _wire_shape(bb)
-        if shape is not None:
-            h, pages = shape
-            hb: bytes | memoryview = memoryview(bb)[h:]  # past the array header
+        # ``_wire_shape``'s usual cases inline: a fixarray or an array16 of 9-byte elements
+        b0 = bb[0]
+        if 0x90 <= b0 <= 0x9F:
+            h, pages = 1, b0 & 0x0F
+        elif b0 == 0xDC and len(bb) >= 3:
+            h, pages = 3, bb[1] << 8 | bb[2]
         else:
+            h = pages = 0
+        hb: bytes | memoryview
+        if h and len(bb) - h == 9 * pages:
+            hb = memoryview(bb)[h:]  # past the array header
+        else:
+            shape = _wire_shape(bb)
+            if shape is not None:
+                h, pages = shape
+                hb = memoryview(bb)[h:]
+            else:
+                try:
+                    hb, pages = _aspacked(e.block_hashes)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+        tokens = e.token_ids
+        if pages and len(tokens) == page_size * pages:
+            arr = array(CODE)
             try:
-                hb, pages = _aspacked(e.block_hashes)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-        if pages and len(e.token_ids) == page_size * pages:
-            out.append((e.parent_block_hash, hb, pages, e.token_ids))
-    return out
+                arr.fromlist(tokens)  # ``tokens.compact``'s usual case, inline
+            except (OverflowError, TypeError):
+                arr = compact(tokens)
+            append((ts, n, e.parent_block_hash, hb, pages, arr))
 
 
 def _aspacked(raw: msgspec.Raw) -> tuple[bytes, int]:

@@ -133,7 +133,7 @@ class Prompt:
     def span(self, a: int, b: int) -> array:
         """Tokens ``a`` .. ``b`` (``0 <= a``; ``b`` capped at the length) as a new array,
         copied from the levels that hold them only: O(b - a + depth)."""
-        hi = min(b, self.n)
+        hi = b if b < self.n else self.n  # (not ``min``: a call per span)
         if a >= hi:
             return self.own[:0]
         lo = self.base_len
@@ -168,7 +168,8 @@ class Prompt:
         cur: Prompt | None = self
         while cur is not None:
             chain.append((cur, cut))
-            cut = min(cur.base_len, cut)
+            if cur.base_len < cut:
+                cut = cur.base_len
             cur = cur.base
         out: array | None = None
         for p, need in reversed(chain):

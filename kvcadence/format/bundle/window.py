@@ -89,20 +89,17 @@ class SegmentWindow:
             return pos
         assert self._file is not None
         start = self.base + pos
-        if pos < self.n:
-            tail = self.data[pos : self.n]
-            have = self.base + self.n  # the file's read position
-        else:  # skipping past the window (a frame header's claimed length)
-            tail = b""
-            have = start
-            self._file.seek(start)
-        want = min(self.size - have, max(need, self.window) - len(tail))
-        more = self._file.read(want) if want > 0 else b""
-        if len(more) < want:  # truncated under us: what is there is all there is
-            self.size = have + len(more)
+        # the window's unread tail (if any) is read again with what follows, in one read: the
+        # page cache copies it, not a concatenation of the tail and a fresh chunk (a copy of
+        # every window); past the window (a frame header's claimed length) there is no tail
+        want = min(self.size - start, max(need, self.window))
+        self._file.seek(start)
+        data = self._file.read(want) if want > 0 else b""
+        if len(data) < want:  # truncated under us: what is there is all there is
+            self.size = start + len(data)
         self.base = start
-        self.data = tail + more if tail else more
-        self.n = len(self.data)
+        self.data = data
+        self.n = len(data)
         return 0
 
     def rest(self, pos: int) -> int:
