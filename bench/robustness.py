@@ -227,6 +227,21 @@ def dp_capture(name: str, bundle: Path) -> Capture:
     return Capture(name, bundle, True, replay, cal)
 
 
+def fixture_bundle(fixture: Path, out: Path) -> Path:
+    """The shared fixture directory (``events.jsonl``, ``requests.jsonl``,
+    ``server_info.json``) imported into bundle ``out``."""
+    from kvcadence.capture.importer import import_bundle
+
+    import_bundle(
+        out,
+        frames=fixture / "events.jsonl",
+        requests=fixture / "requests.jsonl",
+        server_info=fixture / "server_info.json",
+        command=["bench/robustness.py"],
+    )
+    return out
+
+
 def captures(
     fixture: Path | None, tmp: Path, only: Sequence[str] = (), pace: str = "model"
 ) -> tuple[list[Capture], list[str]]:
@@ -239,16 +254,7 @@ def captures(
     out: list[Capture] = []
     notes: list[str] = []
     if fixture is not None and wanted("fixture " + fixture.name):
-        from kvcadence.capture.importer import import_bundle
-
-        b = tmp / "fixture"
-        import_bundle(
-            b,
-            frames=fixture / "events.jsonl",
-            requests=fixture / "requests.jsonl",
-            server_info=fixture / "server_info.json",
-            command=["bench/robustness.py"],
-        )
+        b = fixture_bundle(fixture, tmp / "fixture")
         out.append(single_capture(f"fixture `{fixture.name}`", b, pace))
     elif fixture is None:
         notes.append(f"the shared fixture was not found at {DEFAULT_FIXTURE}: not in the table")

@@ -168,6 +168,7 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
     assert len(caps) >= 7
     assert {c.name for c in caps if c.dp} == {
         "corpus `dp2-p16-chunk256`",
+        "corpus `dp2-p32-http-clients`",
         "corpus `dp2-p4-flush`",
         "corpus `dp2-p4-retract-noeos`",
         "corpus `dp2-p8-long-nooverlap`",

@@ -176,6 +176,7 @@ class Fleet:
         align_workers: bool = False,
         pace: str = "auto",
         event_log: bool = True,
+        pace_clamp: tuple[float, float] | None = None,
     ) -> None:
         if pace not in PACES:
             raise UsageError(f"pace {pace!r} not known (choose from {', '.join(PACES)})")
@@ -271,7 +272,9 @@ class Fleet:
                     flush_plan=plan,
                 )
                 if times[rank]:
-                    sched.timer = PacedTimer(cfg.timing, sched, times[rank], origin)
+                    sched.timer = PacedTimer(
+                        cfg.timing, sched, times[rank], origin, clamp=pace_clamp
+                    )
                 self.slots.append(Slot(len(self.slots), wi, rank, sched, pub))
         self.slot_of = {(sl.worker, sl.rank): sl.index for sl in self.slots}
         #: pred idx -> the lane's next requests: every rank's scheduler maps the shared
@@ -488,9 +491,12 @@ def simulate_fleet(
     pace: str = "auto",
     event_log: bool = True,
     out: Any = None,
+    pace_clamp: tuple[float, float] | None = None,
 ) -> FleetResult:
     """Replay ``workers`` with routing policy ``route`` (a name or a router object) and
-    pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``); ``event_log``: see ``Fleet``.
+    pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``; ``pace_clamp``: a paced pass's
+    bounds as multiples of the model's, ``timing.PacedTimer``'s ``clamp``, default
+    [``timing.PACE_MIN_FACTOR``, ``timing.PACE_MAX_FACTOR``]); ``event_log``: see ``Fleet``.
     ``out`` (a ``replay.fleetout.FleetOut``): its sim bundles are opened before the run and
     every rank's batches written into them as they are published (none kept in
     ``Publisher.batches``); ``out.finish(result)`` completes them, a failed run removes
@@ -505,6 +511,7 @@ def simulate_fleet(
             align_workers=align_workers,
             pace=pace,
             event_log=event_log,
+            pace_clamp=pace_clamp,
         )
         if out is None:
             return fleet.run(progress)

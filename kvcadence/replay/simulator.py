@@ -111,6 +111,7 @@ def simulate(
     out: SimBundleOut | None = None,
     source_header: Any = None,
     pace: str = "model",
+    pace_clamp: tuple[float, float] | None = None,
 ) -> SimResult:
     """Simulate ``records`` (``RequestRecord``-like) on one rank under ``cfg``; no I/O
     unless ``out``: then the sim bundle of a replay of ``source_header``'s bundle is opened
@@ -121,7 +122,8 @@ def simulate(
     ``recorded`` routing, ``pace`` (``model``: the pass-time model alone; ``recorded``: the
     rank kept on its recorded pace, ``Fleet.pace_of``, when its records have per-phase
     timings -- ``source_header``'s ``server_info`` says how they were recorded,
-    ``worker.spans_next_forward``; the summary then says ``"pace": "recorded"``), no event
+    ``worker.spans_next_forward``; the summary then says ``"pace": "recorded"``;
+    ``pace_clamp`` as ``fleet.simulate_fleet``'s), no event
     log kept; flushing at
     ``flush_abs_ns`` (absolute receive times) in request order. The cyclic garbage
     collector is paused for the call (a replay builds millions of long-lived objects that
@@ -130,7 +132,14 @@ def simulate(
     cfg.validate()
     worker = one_rank_worker(records, cfg, flush_abs_ns, header=source_header)
     with gc_paused():  # the schedule's construction too (it copies every token stream)
-        fleet = Fleet([worker], make_router("recorded"), hasher=hasher, pace=pace, event_log=False)
+        fleet = Fleet(
+            [worker],
+            make_router("recorded"),
+            hasher=hasher,
+            pace=pace,
+            event_log=False,
+            pace_clamp=pace_clamp,
+        )
         (slot,) = fleet.slots
         if out is not None:
             cfg0 = slot.sched.cfg
@@ -208,6 +217,7 @@ def replay_bundle(
     flushes: list[Any] | None = None,
     keep_batches: bool = False,
     pace: str = "model",
+    pace_clamp: tuple[float, float] | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None): its
     frames as they are published (``SimResult.batches`` left empty), or, with
@@ -218,7 +228,8 @@ def replay_bundle(
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
     records as ``loading.load_for_replay`` returned them with its report
     ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
-    here when not given; flushes scanned when None). ``pace``: as ``simulate``'s."""
+    here when not given; flushes scanned when None). ``pace``, ``pace_clamp``: as
+    ``simulate``'s."""
 
     phases = phases or NoPhases()
 
@@ -259,6 +270,7 @@ def replay_bundle(
             out=sink,
             source_header=header,
             pace=pace,
+            pace_clamp=pace_clamp,
         )
     try:
         if inferred:

@@ -433,15 +433,26 @@ class PacedTimer(PassTimer):
     in flight (the previous batch's) and this one. A prefill pass aims at its requests'
     first output ``T(1)`` (``prefill_finished_time``, or on a CPU worker recorded under the
     overlap loop the next recorded forward's start: ``recorded_token_times``). Either is
-    clamped to [``PACE_MIN_FACTOR``, ``PACE_MAX_FACTOR``] × the model's duration, so a
-    drifted rank catches up over several passes; with no recorded target the model's duration stands. Pure function of the
-    scheduler's state at the call: deterministic."""
+    clamped to ``clamp`` (default [``PACE_MIN_FACTOR``, ``PACE_MAX_FACTOR``]) × the model's
+    duration, so a drifted rank catches up over several passes; with no recorded target the
+    model's duration stands. Pure function of the scheduler's state at the call:
+    deterministic."""
 
     def __init__(
-        self, p: TimingParams, sched: Any, times: dict[int, list[float]], origin_ns: int
+        self,
+        p: TimingParams,
+        sched: Any,
+        times: dict[int, list[float]],
+        origin_ns: int,
+        clamp: tuple[float, float] | None = None,
     ) -> None:
         super().__init__(p)
         self.sched = sched
+        lo, hi = (PACE_MIN_FACTOR, PACE_MAX_FACTOR) if clamp is None else clamp
+        if not 0 < lo <= 1 <= hi:
+            raise ValueError(f"pace clamp ({lo}, {hi}): need 0 < low <= 1 <= high")
+        #: a paced pass takes between these multiples of the model's duration
+        self.clamp = (lo, hi)
         # request idx -> scheduler time (ns) of each output
         self.times = {i: [int(x * 1e9) - origin_ns for x in ts] for i, ts in times.items()}
 
@@ -452,7 +463,7 @@ class PacedTimer(PassTimer):
         start = max(sched.t, sched.gpu_free)
         targets.sort()
         want = targets[len(targets) // 2] - start
-        lo, hi = int(model_ns * PACE_MIN_FACTOR), int(model_ns * PACE_MAX_FACTOR)
+        lo, hi = int(model_ns * self.clamp[0]), int(model_ns * self.clamp[1])
         return max(1, min(max(want, lo), hi))
 
     def prefill_ns(self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0) -> int:

@@ -283,6 +283,22 @@ def test_paced_decode_aims_at_the_recorded_output_within_the_clamp():
     assert PacedTimer(P, _Sched([_Req(7, 0)]), times, 0).decode_ns(1) == base
 
 
+def test_paced_timer_applies_its_clamp():
+    """``PacedTimer(clamp=(lo, hi))`` (``simulate_fleet(pace_clamp=...)``) bounds a paced
+    pass to [lo, hi] × the model's; without it [``PACE_MIN_FACTOR``, ``PACE_MAX_FACTOR``]."""
+    base = PassTimer(P).decode_ns(1)
+    times = {0: [1.0 + 0.12 * j for j in range(10)]}
+    late = _Sched([_Req(0, output_len=3)], t=int(3e9), gpu_free=int(3e9))  # far behind
+    early = _Sched([_Req(0, output_len=3)])  # far ahead
+    assert PacedTimer(P, late, times, 0).clamp == (PACE_MIN_FACTOR, PACE_MAX_FACTOR)
+    assert PacedTimer(P, late, times, 0, clamp=(0.25, 4.0)).decode_ns(1) == int(base * 0.25)
+    assert PacedTimer(P, early, times, 0, clamp=(0.25, 4.0)).decode_ns(1) == int(base * 4.0)
+    assert PacedTimer(P, early, times, 0, clamp=(1.0, 1.0)).decode_ns(1) == base
+    for bad in ((0.0, 2.0), (1.5, 2.0), (0.5, 0.9)):
+        with pytest.raises(ValueError, match="pace clamp"):
+            PacedTimer(P, late, times, 0, clamp=bad)
+
+
 def test_paced_prefill_aims_at_the_recorded_prefill_result():
     times = {0: [2.0, 2.1, 2.2]}
     sched = _Sched([], t=int(1.5e9), gpu_free=int(1.5e9), pending=[_Req(0, 0)])
@@ -333,6 +349,19 @@ def test_single_rank_replay_follows_a_pace_change_the_model_cannot():
     assert 0.04 < decode < 0.10  # one pass time for both halves
     assert max(errors["recorded"]) < 0.05, errors["recorded"]
     assert max(errors["model"][:10]) > 0.3 or max(errors["model"][10:]) > 0.3, errors["model"]
+
+
+def test_replay_hands_its_pace_clamp_to_the_paced_timer():
+    """``simulate(..., pace_clamp=)`` (the fleet's ``pace_clamp``) is the clamp the rank's
+    ``PacedTimer`` applies; by default the module's."""
+    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.worker import effective_config
+
+    recs = _pace_change_capture()
+    for clamp, want in ((None, (PACE_MIN_FACTOR, PACE_MAX_FACTOR)), ((0.25, 4.0), (0.25, 4.0))):
+        res = simulate(recs, effective_config({}, recs), pace="recorded", pace_clamp=clamp)
+        assert isinstance(res.scheduler.timer, PacedTimer)
+        assert res.scheduler.timer.clamp == want
 
 
 def prefix_rec(rid, entry, dur, uncached, cached) -> RequestRecord:
