@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "pace_matrix.py"
+from tests.benchscript import bench_script
 
 
 @pytest.fixture(scope="module")
 def pm():
-    spec = importlib.util.spec_from_file_location("bench_pace_matrix", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from bench_script("pace_matrix")
 
 
 def test_one_capture_under_every_setting(pm, tmp_path: Path, capsys):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,21 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchscript import bench_script
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "robustness.py"
 
 
 @pytest.fixture(scope="module")
 def rob():
-    spec = importlib.util.spec_from_file_location("bench_robustness", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses resolve their module
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from bench_script("robustness")
 
 
 def _fig(**kw):
