@@ -110,7 +110,7 @@ class _Pending:
         from kvcadence.capture.tail import match_requests, summary_text
         from kvcadence.format.bundle import BundleReader
 
-        match = match_requests(BundleReader(out), self.tail.anchors)
+        match = match_requests(BundleReader(out), self.tail.anchors, self.page_size)
         return summary_text(self.tail.stats, match)
 
 

@@ -369,14 +369,21 @@ def prompt_anchor(prompt: list[int], page_size: int) -> int | str:
         return NO_IDS
 
 
-def match_requests(reader: Any, anchors: list[int | str]) -> dict[str, int]:
+def match_requests(
+    reader: Any, anchors: list[int | str], page_size: int | None = None
+) -> dict[str, int]:
     """How many requests the bundle's event stream holds: a request is matched when its
     prompt's last full page (``anchors``, from ``prompt_anchor``) is a block some
     ``BlockStored`` of the capture stored (any rank, any time). ``short`` prompts fill no
     page (nothing of them is ever stored); ``no_ids``: no token ids (text prompts). One pass
-    over the events, stopping when every anchor was found."""
+    over the events, stopping when every anchor was found.
+
+    ``page_size``: the one the anchors were hashed at. When no anchor is found and no
+    ``BlockStored`` has that ``block_size`` (a capture without a /server_info page size:
+    the prompts were hashed at page size 1), ``page_mismatch`` is the events' block size."""
     want: dict[int, int] = {}
     out = {"requests": len(anchors), "matched": 0, SHORT: 0, NO_IDS: 0}
+    sizes: set[int] = set()
     for a in anchors:
         if isinstance(a, str):
             out[a] += 1
@@ -390,11 +397,14 @@ def match_requests(reader: Any, anchors: list[int | str]) -> dict[str, int]:
                 continue
             for ev in batch.events:
                 if isinstance(ev, BlockStored):
+                    sizes.add(ev.block_size)
                     for h in ev.block_hashes:
                         if h in want:
                             out["matched"] += want.pop(h)
             if not want:
                 break
+    if page_size is not None and not out["matched"] and sizes and page_size not in sizes:
+        out["page_mismatch"] = min(sizes)
     return out
 
 
@@ -406,7 +416,14 @@ def summary_text(st: TailStats, match: dict[str, int] | None) -> str:
         f"{st.torn_lines} torn lines, {st.truncations} truncations, "
         f"{st.rids_reused} reused rids, {st.unfinished} unfinished at stop"
     )
-    if match is not None:
+    if match is not None and "page_mismatch" in match:
+        s += (
+            f"; requests not matched to the event stream: its pages are "
+            f"{match['page_mismatch']} tokens and the capture has no /server_info page size "
+            "(prompts hashed at page size 1; give --server; `replay` reads the page size "
+            "from the events)"
+        )
+    elif match is not None:
         s += (
             f"; {match['matched']} of {match['requests']} requests matched to the event "
             f"stream (prompt's last page stored; {match['short']} shorter than a page, "

@@ -240,13 +240,17 @@ def run(args: argparse.Namespace) -> int:
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
     from kvcadence.replay.loading import load_for_replay
+    from kvcadence.replay.settings import capture_settings
 
     with phases.phase("load", f"loading {src}"):
         reader = BundleReader(src)
         records, inferred, flushes = load_for_replay(reader)
     _warn_if_damaged(src, reader, len(records))
+    settings = capture_settings(reader)
+    if settings.note and not args.quiet:
+        print(f"replay: warning: {src}: {settings.note}", file=sys.stderr)
     cfg = effective_config(
-        reader.header.server_info,
+        settings.server_info,
         records,
         overrides,
         sglang_version=args.sglang_version or reader.header.sglang_version,

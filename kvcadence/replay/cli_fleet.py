@@ -175,6 +175,9 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
             )
             for b in bundles
         ]
+    for w in workers:
+        if w.settings_note and not quiet:
+            print(f"replay: warning: {w.path}: {w.settings_note}", file=sys.stderr)
     total = sum(len(w.records) for w in workers if isinstance(w.records, Sized))  # lists here
     bar = None
     progress = None

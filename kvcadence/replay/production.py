@@ -59,6 +59,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
+from kvcadence.replay.settings import capture_settings
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
 
 #: why an output stays synthetic (report keys)
@@ -419,7 +420,8 @@ def records_for_replay(
     recs = reader.requests() if records is None else records
     if not needs_completion(recs):
         return recs, {}, None
-    ps = (reader.header.server_info or {}).get("page_size") or 1
+    # the capture's page size: its snapshot's, else its events' block_size (``settings``)
+    ps = capture_settings(reader).page_size
     scan = FlushScan(reader.header)
     # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
     with gc_paused():

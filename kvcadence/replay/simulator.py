@@ -53,6 +53,7 @@ from kvcadence.replay.radix import Hasher
 from kvcadence.replay.request import SimStats
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import Schedule
+from kvcadence.replay.settings import capture_settings
 from kvcadence.replay.simbundle import SimBundleOut, sim_header, write_sim
 from kvcadence.replay.timing import PacedTimer
 from kvcadence.replay.visibility import visibility_notes
@@ -252,7 +253,7 @@ def replay_bundle(
             raise InputError(f"{src_path}: the bundle has no request records to replay")
         if config is None:
             config = effective_config(
-                header.server_info,
+                capture_settings(reader if loaded is None else BundleReader(src_path)).server_info,
                 records,
                 overrides,
                 sglang_version=sglang_version or header.sglang_version,

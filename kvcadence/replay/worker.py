@@ -35,6 +35,7 @@ from kvcadence.format.schema import served_rank
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.flushes import recorded_flushes
 from kvcadence.replay.loading import load_for_replay
+from kvcadence.replay.settings import capture_settings
 from kvcadence.replay.timing import calibrate
 
 _TIMING_KEYS = {f.name for f in dataclasses.fields(SimConfig().timing)}
@@ -101,6 +102,8 @@ class WorkerInput:
     #: a production capture's inference report (``production.records_for_replay``: outputs
     #: and sessions inferred); None for driver records
     inferred: dict[str, Any] | None = None
+    #: what the capture's snapshot lacked and how it was filled (``settings``), for the CLI
+    settings_note: str | None = None
 
     def flushes_of(self, rank: int) -> list[int]:
         """Recorded flush times (absolute ns) of DP ``rank``."""
@@ -175,11 +178,13 @@ def rank_configs(
     sglang_version: str | None = None,
     calibrate_timing: bool = True,
     dp_size: int | None = None,
+    server_info: dict[str, Any] | None = None,
 ) -> list[SimConfig]:
-    """One ``SimConfig`` per rank of a worker (see module docstring)."""
+    """One ``SimConfig`` per rank of a worker (see module docstring); ``server_info``: the
+    snapshot to read (``settings.capture_settings``' filled one; default: the header's)."""
 
     n = dp_size or dp_size_of(header, records)
-    info = dict(getattr(header, "server_info", None) or {})
+    info = dict(server_info or getattr(header, "server_info", None) or {})
     internal = info.get("internal_states")
     version = sglang_version or getattr(header, "sglang_version", None)
     out = []
@@ -221,12 +226,14 @@ def load_worker(
     records, inferred, recorded = load_for_replay(reader)  # compact; production: outputs, sessions
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
+    settings = capture_settings(reader)  # a missing page / pool size read from its events
     cfgs = rank_configs(
         reader.header,
         records,
         overrides,
         sglang_version=sglang_version,
         calibrate_timing=calibrate_timing,
+        server_info=settings.server_info,
     )
     flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
     return WorkerInput(
@@ -238,6 +245,7 @@ def load_worker(
         str(p),
         [f.rank for f in flushes],
         inferred=inferred or None,
+        settings_note=settings.note,
     )
 
 

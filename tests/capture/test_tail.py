@@ -281,6 +281,23 @@ def test_match_requests_counts_short_and_unmatched_prompts(fixture_dir, tmp_path
     anchors += [prompt_anchor([1, 2], 16)]
     got = match_requests(BundleReader(b), anchors)
     assert got == {"requests": 8, "matched": 5, "short": 1, "no_ids": 1}
+    assert match_requests(BundleReader(b), anchors, 1) == got
+
+
+def test_match_requests_says_when_the_events_have_another_page_size(tmp_path):
+    """A capture without a /server_info page size hashes the prompts at page size 1: on a
+    page-16 stream nothing matches, and the summary says why instead of '0 of N'."""
+    from kvcadence.capture.tail import TailStats, prompt_anchor, summary_text
+
+    corpus = Path(__file__).parents[1] / "replay" / "data" / "corpus" / "p16-chunk256-evict"
+    prompts = [r.input_ids for r in read_metrics(corpus / "sglang-metrics")][:20]
+    reader = BundleReader(corpus / "bundle")
+    got = match_requests(reader, [prompt_anchor(p, 1) for p in prompts], 1)
+    assert got["matched"] == 0 and got["page_mismatch"] == 16
+    text = summary_text(TailStats(), got)
+    assert "its pages are 16 tokens" in text and "0 of 20" not in text
+    right = match_requests(reader, [prompt_anchor(p, 16) for p in prompts], 16)
+    assert right["matched"] == 20 and "page_mismatch" not in right
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 20])

@@ -51,11 +51,15 @@ def _hex_rids(src: Path, dst: Path, seed: int) -> None:
         (dst / f.name).write_text("\n".join(lines) + "\n")
 
 
-def production_copy(src: Path, dst: Path, seed: int = 15) -> None:
-    """``src`` with its request records stripped to what SGLang's metrics files hold."""
+def production_copy(src: Path, dst: Path, seed: int = 15, server_info: dict | None = None) -> None:
+    """``src`` with its request records stripped to what SGLang's metrics files hold;
+    ``server_info``: its header's snapshot replaced by this one."""
     rd = BundleReader(src)
     rng = random.Random(seed)
-    with BundleWriter(dst, rd.header) as w:
+    header = rd.header
+    if server_info is not None:
+        header = msgspec.structs.replace(header, server_info=server_info)
+    with BundleWriter(dst, header) as w:
         for rec in rd.records():
             if isinstance(rec, (Header, Trailer)):
                 continue

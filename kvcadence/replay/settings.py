@@ -1,0 +1,201 @@
+"""The worker settings a replay of a capture starts from: its ``/server_info`` snapshot, and
+what a capture without one says in its events.
+
+What this file owns: ``capture_settings(reader)``. A capture recorded with ``--endpoint``
+only (no ``--server``: the worker's HTTP port not reachable from the capture host) or
+imported without ``--server-info`` has no snapshot, and one from an older or stripped worker
+may lack keys. Two settings decide every event the replay publishes, and the events tell
+them:
+
+* **page size**: every ``BlockStored`` carries ``block_size``, SGLang's tokens per page
+  (``page_size * dcp_size``; a capture without a snapshot is taken as ``dcp_size`` 1): the
+  most common one. Without this the replay assumed page size 1: a page-16 capture replayed
+  with 16x the events, its production inference found none of its stores (every prompt
+  hashed token by token) and the report compared nothing alike.
+* **KV pool size**: the blocks resident in the tree (stored less removed, a clear resets;
+  per DP rank) never pass the pool. When the capture evicted (``BlockRemoved`` events), the
+  pool was full at its peak: the peak resident tokens are the estimate (a lower bound: the
+  running requests' outputs not yet in the tree are not seen). When it never evicted, any
+  pool that does not fill replays alike: twice the peak, at least ``SimConfig``'s default.
+
+Everything else keeps ``SimConfig``'s defaults (SGLang's: chunked prefill 8192, the overlap
+schedule on, ``fcfs``). ``CaptureSettings.note`` says in one line what was read from the
+events and what was left at a default, for the CLI to print; the values can be overridden
+on the command line (``--page-size``, ``--max-total-tokens``, ...). The event scan runs only
+when a key is missing: a capture with a full snapshot pays nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from kvcadence.format import wire
+from kvcadence.format.bundle import event_payload
+from kvcadence.format.schema import (
+    AllBlocksCleared,
+    BlockRemovedRawView,
+    BlockStoredRawView,
+    _raw_array_len,
+)
+from kvcadence.replay.config import SimConfig
+
+#: keys of the snapshot a replay cannot do without (``config._SERVER_INFO_FIELDS``' names)
+PAGE_KEYS = ("page_size",)
+POOL_KEYS = ("max_total_num_tokens", "max_total_tokens")
+#: settings a replay takes from the snapshot and otherwise leaves at ``SimConfig``'s default:
+#: (key, how the note says the default)
+DEFAULTED = (
+    ("chunked_prefill_size", f"chunked prefill {SimConfig().chunked_prefill_size}"),
+    ("disable_overlap_schedule", "the overlap schedule on"),
+    ("schedule_policy", f"schedule policy {SimConfig().schedule_policy}"),
+)
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """``server_info``: the snapshot with the missing page size / pool size filled in from
+    the events (``filled`` names them, ``source`` says how); ``note``: one line for the user
+    when anything was filled or left at a default, else None."""
+
+    server_info: dict[str, Any]
+    filled: tuple[str, ...] = ()
+    note: str | None = None
+
+    @property
+    def page_size(self) -> int:
+        v = _stated(self.server_info, PAGE_KEYS)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 1
+
+
+_CACHE: weakref.WeakKeyDictionary[Any, CaptureSettings] = weakref.WeakKeyDictionary()
+
+
+def capture_settings(reader: Any) -> CaptureSettings:
+    """The settings of ``reader``'s capture (see module); read once per reader."""
+    got = _CACHE.get(reader)
+    if got is None:
+        got = _settings(reader)
+        _CACHE[reader] = got
+    return got
+
+
+def _merged(info: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot as ``config.from_server_info`` reads it: rank 0's scheduler state under
+    the top-level keys."""
+    internal = info.get("internal_states")
+    if isinstance(internal, list) and internal and isinstance(internal[0], dict):
+        return {**internal[0], **info}
+    return info
+
+
+def _stated(info: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    merged = _merged(info)
+    for k in keys:
+        if merged.get(k) is not None:
+            return merged[k]
+    return None
+
+
+def _settings(reader: Any) -> CaptureSettings:
+    info = dict(getattr(reader.header, "server_info", None) or {})
+    need_page = _stated(info, PAGE_KEYS) is None
+    need_pool = _stated(info, POOL_KEYS) is None
+    if not need_page and not need_pool:
+        return CaptureSettings(info)
+    scan = scan_events(reader, getattr(reader.header, "endpoints", None) or [])
+    filled: list[str] = []
+    said: list[str] = []
+    if need_page:
+        if scan.block_sizes:
+            ps = scan.block_sizes.most_common(1)[0][0]
+            info["page_size"] = ps
+            filled.append("page_size")
+            said.append(f"page size {ps} from its events' block_size")
+        else:
+            said.append("page size 1 (no stored block in its events)")
+    ps = int(_stated(info, PAGE_KEYS) or 1)
+    if need_pool:
+        peak = scan.peak_blocks * ps
+        default = SimConfig().max_total_tokens
+        if peak and scan.evicted:
+            info["max_total_num_tokens"] = peak
+            said.append(
+                f"KV pool {peak:,} tokens, its peak of resident blocks (it evicted: a lower bound)"
+            )
+        else:
+            pool = max(2 * peak, default)
+            info["max_total_num_tokens"] = pool
+            said.append(
+                f"KV pool {pool:,} tokens (it never evicted: twice its peak of "
+                f"{peak:,} resident tokens, at least {default:,})"
+            )
+        filled.append("max_total_num_tokens")
+    rest = [said for key, said in DEFAULTED if _stated(info, (key,)) is None]
+    what = (
+        "has no /server_info snapshot"
+        if not reader.header.server_info
+        else (
+            "has a /server_info snapshot without "
+            + " or ".join(
+                k
+                for k, need in (("page_size", need_page), ("max_total_num_tokens", need_pool))
+                if need
+            )
+        )
+    )
+    note = (
+        f"the capture {what}: replayed with {'; '.join(said)}"
+        + (f"; {', '.join(rest)} (SimConfig's defaults)" if rest else "")
+        + "; set them with --page-size, --max-total-tokens, --chunked-prefill-size, ..."
+    )
+    return CaptureSettings(info, tuple(filled), note)
+
+
+@dataclass
+class EventScan:
+    """What ``scan_events`` read: ``block_sizes`` (count of ``BlockStored`` events per
+    ``block_size``), ``peak_blocks`` (the most blocks resident on one DP rank at once),
+    ``evicted`` (any ``BlockRemoved``)."""
+
+    block_sizes: Counter[int]
+    peak_blocks: int = 0
+    evicted: bool = False
+
+
+def scan_events(reader: Any, endpoints: Any = ()) -> EventScan:
+    """One pass over ``reader``'s event frames, hashes and token ids left undecoded
+    (``wire.decode_batch_raw``): block sizes, peak resident blocks per DP rank (stored less
+    removed, never below 0: a capture that started late sees removals of blocks stored
+    before it; a clear empties the rank), whether anything was evicted. A payload that does
+    not decode is skipped."""
+    rank_of = {e.id: int(e.dp_rank) for e in endpoints}
+    out = EventScan(Counter())
+    resident: dict[int, int] = {}
+    for frame in reader.events():
+        try:
+            batch = wire.decode_batch_raw(event_payload(frame), check_tokens=False)
+        except Exception:  # noqa: BLE001 - a damaged payload says nothing of the settings
+            continue
+        rank = (
+            batch.attn_dp_rank if batch.attn_dp_rank is not None else rank_of.get(frame.endpoint, 0)
+        )
+        n = resident.get(rank, 0)
+        for ev in batch.events:
+            try:
+                if isinstance(ev, BlockStoredRawView):
+                    out.block_sizes[ev.block_size] += 1
+                    n += _raw_array_len(ev.block_hashes)
+                elif isinstance(ev, BlockRemovedRawView):
+                    out.evicted = True
+                    n = max(0, n - _raw_array_len(ev.block_hashes))
+                elif isinstance(ev, AllBlocksCleared):
+                    n = 0
+            except (ValueError, IndexError):  # hashes that are not an array: not counted
+                continue
+            if n > out.peak_blocks:
+                out.peak_blocks = n
+        resident[rank] = n
+    return out

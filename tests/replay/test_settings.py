@@ -1,0 +1,128 @@
+"""A capture without a /server_info snapshot (recorded with ``--endpoint`` only, or imported
+without ``--server-info``): the replay reads its page size and KV pool size from its events
+(``replay.settings``), says so in one line, and replays it as it replays the full capture.
+
+Before, such a capture replayed at page size 1 with a 100k-token pool: a page-16 real
+capture published 3-token-median stores against 62, no evictions, ``cached_tokens`` equal
+on 6 % of requests, every report gate failed, and nothing said why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvcadence.cli import main
+from kvcadence.format.bundle import BundleReader, BundleWriter
+from kvcadence.format.schema import Header, Trailer
+from kvcadence.replay.production import records_for_replay
+from kvcadence.replay.settings import capture_settings, scan_events
+from tests.replay.test_production_path import production_copy
+
+CORPUS = Path(__file__).parent / "data" / "corpus"
+
+
+def _copy(src: Path, dst: Path, server_info: dict, production: bool = False) -> Path:
+    """``src`` with its header's snapshot replaced; ``production``: its request records
+    stripped to what SGLang's metrics files hold (no outputs, lanes; random rids)."""
+    if production:
+        production_copy(src, dst, server_info=server_info)
+        return dst
+    rd = BundleReader(src)
+    with BundleWriter(dst, msgspec.structs.replace(rd.header, server_info=server_info)) as w:
+        for rec in rd.records():
+            if not isinstance(rec, (Header, Trailer)):
+                w.write(rec)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "name", ["p16-chunk256-evict", "p64-chunk128", "p1-lanes8", "dp2-p8-long-nooverlap"]
+)
+def test_page_and_pool_size_come_from_the_events(tmp_path, name):
+    src = CORPUS / name / "bundle"
+    real = BundleReader(src).header.server_info
+    states = real.get("internal_states") or [{}]
+    pool = real.get("max_total_num_tokens") or states[0]["max_total_num_tokens"]
+    got = capture_settings(BundleReader(_copy(src, tmp_path / "b", {})))
+    assert got.server_info["page_size"] == real["page_size"]
+    # every one of these evicted: the peak of resident blocks, a lower bound within 8 %
+    assert 0.92 * pool <= got.server_info["max_total_num_tokens"] <= pool
+    assert set(got.filled) == {"page_size", "max_total_num_tokens"}
+    assert got.note is not None and "no /server_info snapshot" in got.note
+    assert f"page size {real['page_size']} from its events' block_size" in got.note
+    assert "lower bound" in got.note and "chunked prefill 8192" in got.note
+
+
+def test_a_full_snapshot_is_read_as_it_is_and_its_events_are_not(tmp_path):
+    """Nothing is scanned, filled or said when the snapshot has both settings."""
+
+    class NoEvents(BundleReader):
+        def events(self):
+            raise AssertionError("the events were scanned")
+
+    reader = NoEvents(CORPUS / "p16-chunk256-evict" / "bundle")
+    got = capture_settings(reader)
+    assert got.server_info == reader.header.server_info
+    assert (got.filled, got.note) == ((), None)
+    assert capture_settings(reader) is got  # read once per reader
+
+
+def test_a_snapshot_missing_only_the_pool_size(tmp_path):
+    src = CORPUS / "p4-chunk512-nooverlap" / "bundle"
+    pool_keys = ("max_total_num_tokens", "max_total_tokens")
+    info = {k: v for k, v in BundleReader(src).header.server_info.items() if k not in pool_keys}
+    info["internal_states"] = [
+        {k: v for k, v in st.items() if k not in pool_keys} for st in info["internal_states"]
+    ]
+    got = capture_settings(BundleReader(_copy(src, tmp_path / "b", info)))
+    assert got.filled == ("max_total_num_tokens",)
+    assert got.server_info["page_size"] == 4
+    assert "without max_total_num_tokens" in got.note
+    assert "chunked prefill" not in got.note  # stated in the snapshot: not a default
+
+
+def test_no_eviction_gives_a_pool_that_does_not_fill_and_no_store_page_size_1(tmp_path):
+    src = CORPUS / "p16-chunk256-evict" / "bundle"
+    rd = BundleReader(src)
+    with BundleWriter(tmp_path / "b", msgspec.structs.replace(rd.header, server_info={})) as w:
+        for rec in rd.requests():  # no events at all
+            w.write(rec)
+    got = capture_settings(BundleReader(tmp_path / "b"))
+    assert got.page_size == 1 and "no stored block in its events" in got.note
+    assert got.server_info["max_total_num_tokens"] == 100_000  # SimConfig's default
+    assert "never evicted" in got.note
+    scan = scan_events(rd, rd.header.endpoints)
+    assert scan.evicted and scan.block_sizes == {16: 376}
+
+
+def test_replay_of_a_capture_without_snapshot_meets_the_gates(tmp_path, capsys):
+    """The CLI path a user runs: the warning line, then a report whose gates all pass
+    (they all failed at page size 1)."""
+    src = _copy(CORPUS / "p16-chunk256-evict" / "bundle", tmp_path / "real", {})
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("replay: warning:") == 1
+    assert "page size 16 from its events' block_size" in err
+    sim = BundleReader(tmp_path / "sim")
+    assert sim.header.sim_config["page_size"] == 16
+    rc = main(["report", str(src), str(tmp_path / "sim"), "--out", str(tmp_path / "rep")])
+    assert rc == 0, capsys.readouterr().err
+
+
+def test_the_production_inference_indexes_the_events_at_their_page_size(tmp_path):
+    src = _copy(CORPUS / "p16-chunk256-evict" / "bundle", tmp_path / "p", {}, production=True)
+    _, rep, _ = records_for_replay(BundleReader(src))
+    assert rep["outputs_from_events"] >= 190  # of 200 (none at page size 1)
+    assert rep["with_predecessor"] > 0
+
+
+def test_quiet_replay_says_nothing_and_a_fleet_replay_warns(tmp_path, capsys):
+    src = _copy(CORPUS / "dp2-p8-long-nooverlap" / "bundle", tmp_path / "real", {})
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim"), "--quiet"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim2")]) == 0
+    err = capsys.readouterr().err
+    assert "page size 8 from its events' block_size" in err
