@@ -33,18 +33,20 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
 
 from __future__ import annotations
 
-import bisect
 import textwrap
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvcadence.analysis.catalogue import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, event_payload
-from kvcadence.format.schema import Annotation, BlockStored, EventFrame, RequestRecord
+from kvcadence.format.schema import BlockStored, EventFrame
 
 PLOT_NAME = "visibility.png"
 
@@ -87,7 +89,12 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
 
 
 def visibility_data(bundle: str | Path) -> VisibilityData:
-    """Collect the visibility samples of ``bundle`` (see the module docstring)."""
+    """Collect the visibility samples of ``bundle`` (see the module docstring).
+
+    Two passes, neither holding the capture: the request records one at a time, each kept
+    as the two block hashes it is looked up by and their times (``_Lookups``; not its token
+    ids), then the event frames and visibility notes, each stored block checked against
+    those hashes only (not a list of receive times per block ever stored)."""
 
     path = Path(bundle)
     if not path.exists():
@@ -96,36 +103,34 @@ def visibility_data(bundle: str | Path) -> VisibilityData:
     header = reader.header
     ps = _page_size(header)
     data = VisibilityData(str(path), header.source, ps)
+    lookups = _Lookups()
+    for r in reader.iter_kinds("request"):
+        lookups.add(r, ps)
     seen: set[tuple[int, int, int]] = set()
     frame_pass: dict[tuple[int, int], int] = {}
     frame_stored: dict[tuple[int, int], int] = {}
-    stores: dict[int, list[int]] = {}  # hash -> recv_ns of messages storing it
-    notes: list[Annotation] = []
-    requests: list[RequestRecord] = []
-    for rec in reader.records():
-        if isinstance(rec, EventFrame):
-            key = (rec.endpoint, rec.epoch, rec.seq)
-            if key in seen:
-                continue
-            seen.add(key)
-            try:
-                batch = wire.decode_batch(event_payload(rec))
-            except Exception:  # undecodable payloads are counted by ingest, not here
-                continue
-            n = 0
-            for e in batch.events:
-                if isinstance(e, BlockStored):
-                    n += len(e.block_hashes)
-                    for h in e.block_hashes:
-                        stores.setdefault(h, []).append(rec.recv_ns)
-            frame_pass[(rec.endpoint, rec.seq)] = rec.pass_index
-            frame_stored[(rec.endpoint, rec.seq)] = n
-        elif isinstance(rec, Annotation) and rec.kind == "visibility":
-            notes.append(rec)
-        elif isinstance(rec, RequestRecord):
-            requests.append(rec)
+    notes: list[Any] = []
+    for rec in reader.events_and_notes(("visibility",)):
+        if not isinstance(rec, EventFrame):
+            notes.append(rec)  # data left as msgpack bytes until read below
+            continue
+        key = (rec.endpoint, rec.epoch, rec.seq)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            batch = wire.decode_batch(event_payload(rec))
+        except Exception:  # undecodable payloads are counted by ingest, not here
+            continue
+        n = 0
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                n += len(e.block_hashes)
+                lookups.stored(e.block_hashes, rec.recv_ns)
+        frame_pass[(rec.endpoint, rec.seq)] = rec.pass_index
+        frame_stored[(rec.endpoint, rec.seq)] = n
     for note in notes:
-        d = note.data
+        d = _NOTE.decode(note.data)
         fkey = (int(d.get("endpoint", 0)), int(d["seq"]))
         passes, comp, phase = d["computed_pass"], d["computed_ns"], d["phase"]
         if frame_stored.get(fkey) != len(passes) or not (len(passes) == len(comp) == len(phase)):
@@ -138,47 +143,78 @@ def visibility_data(bundle: str | Path) -> VisibilityData:
             data.block_ns.append(note.recv_ns - c)
             data.block_phase.append(ph)
             data.block_reason.append(reason)
-    for times in stores.values():
-        times.sort()
-    for r in requests:
-        _request_delays(r, ps, stores, data, wire)
+    lookups.results(data)
     return data
 
 
-def _first_at_or_after(times: list[int] | None, t: int) -> int | None:
-    if not times:
-        return None
-    i = bisect.bisect_left(times, t)
-    return times[i] if i < len(times) else None
+#: a visibility note's data (a map)
+_NOTE = msgspec.msgpack.Decoder(dict[str, Any])
+#: "not found yet" in ``_Lookups.found``
+_NONE = (1 << 63) - 1
 
 
-def _request_delays(
-    r: Any, ps: int, stores: dict[int, list[int]], data: VisibilityData, wire: Any
-) -> None:
-    mi = r.meta_info or {}
-    received = _mi_ns(mi, "request_received_ts")
-    pf = _mi_ns(mi, "prefill_finished_time")
-    fin = _mi_ns(mi, "request_finished_ts")
-    if not r.input_ids or received is None:
-        return
-    n_in = len(r.input_ids)
-    chain = list(r.input_ids) + list(r.output_ids[:-1])
-    hashes = wire.block_hashes(chain, ps)
-    cached = r.cached_tokens or 0
-    first_new = cached // ps
-    prompt_end = n_in // ps
-    if pf is not None and prompt_end > first_new:
-        recv = _first_at_or_after(stores.get(hashes[prompt_end - 1]), received)
-        if recv is None:
-            data.prompt_unmatched += 1
-        else:
-            data.prompt_delay_ns.append(recv - pf)
-    if fin is not None and len(hashes) > prompt_end:
-        recv = _first_at_or_after(stores.get(hashes[-1]), pf if pf is not None else received)
-        if recv is None:
-            data.finish_unmatched += 1
-        else:
-            data.finish_delay_ns.append(recv - fin)
+class _Lookups:
+    """The requests' two lookups each: the first message at or after the request's receive
+    that stores its deepest new prompt page (delay from ``prefill_finished_time``), and the
+    first at or after its prefill (else its receive) that stores its deepest output page
+    (delay from ``request_finished_ts``). Kept per lookup: the hash, the earliest time, the
+    reference time and the kind, and the earliest receive found (``stored``)."""
+
+    def __init__(self) -> None:
+        self.by_hash: dict[int, list[int]] = {}  # hash -> lookup indices
+        self.after = array("q")  # a message counts from this receive time on
+        self.ref = array("q")  # the delay is measured from this time
+        self.finish = bytearray()  # 1: an output lookup, 0: a prompt lookup
+        self.found = array("q")
+
+    def _want(self, h: int, after: int, ref: int, finish: bool) -> None:
+        self.by_hash.setdefault(h, []).append(len(self.after))
+        self.after.append(after)
+        self.ref.append(ref)
+        self.finish.append(finish)
+        self.found.append(_NONE)
+
+    def add(self, r: Any, ps: int) -> None:
+        """Request ``r``'s lookups (its chain ``input_ids + output_ids[:-1]`` hashed at page
+        size ``ps``; prompt pages start at ``cached_tokens``)."""
+        mi = r.meta_info or {}
+        received = _mi_ns(mi, "request_received_ts")
+        pf = _mi_ns(mi, "prefill_finished_time")
+        fin = _mi_ns(mi, "request_finished_ts")
+        if not r.input_ids or received is None:
+            return
+        n_in = len(r.input_ids)
+        hashes = wire.block_hashes(list(r.input_ids) + list(r.output_ids[:-1]), ps)
+        first_new = (r.cached_tokens or 0) // ps
+        prompt_end = n_in // ps
+        if pf is not None and prompt_end > first_new:
+            self._want(hashes[prompt_end - 1], received, pf, False)
+        if fin is not None and len(hashes) > prompt_end:
+            self._want(hashes[-1], pf if pf is not None else received, fin, True)
+
+    def stored(self, hashes: Sequence[int], recv_ns: int) -> None:
+        """A message received at ``recv_ns`` stored ``hashes``."""
+        by_hash, after, found = self.by_hash, self.after, self.found
+        for h in hashes:
+            idx = by_hash.get(h)
+            if idx is None:
+                continue
+            for i in idx:
+                if after[i] <= recv_ns < found[i]:
+                    found[i] = recv_ns
+
+    def results(self, data: VisibilityData) -> None:
+        """The delays (in request order) and the unmatched counts, into ``data``."""
+        for t, ref, fin in zip(self.found, self.ref, self.finish, strict=True):
+            if t == _NONE:
+                if fin:
+                    data.finish_unmatched += 1
+                else:
+                    data.prompt_unmatched += 1
+            elif fin:
+                data.finish_delay_ns.append(t - ref)
+            else:
+                data.prompt_delay_ns.append(t - ref)
 
 
 def _dist(values: Sequence[float]) -> dict[str, Any]:
