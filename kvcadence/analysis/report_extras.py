@@ -72,7 +72,8 @@ def visibility_extra(
     if not any(_count(ing, probe) for ing in ings):
         return None
     data = [
-        (label, visibility.visibility_data(ing.bundle))
+        # the ingest's page size: the header's, else the events' block_size
+        (label, visibility.visibility_data(ing.bundle, ing.info.get("page_size")))
         for (label, _), ing in zip(labelled, ings, strict=True)
     ]
     metrics = [(label, visibility.visibility_metrics(d)) for label, d in data]

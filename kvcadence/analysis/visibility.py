@@ -88,8 +88,10 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
     return None
 
 
-def visibility_data(bundle: str | Path) -> VisibilityData:
-    """Collect the visibility samples of ``bundle`` (see the module docstring).
+def visibility_data(bundle: str | Path, page_size: int | None = None) -> VisibilityData:
+    """Collect the visibility samples of ``bundle`` (see the module docstring);
+    ``page_size``: the bundle's when the caller knows it (a capture without a /server_info
+    page size: its events' ``block_size``), else its header's.
 
     Two passes, neither holding the capture: the request records one at a time, each kept
     as the two block hashes it is looked up by and their times (``_Lookups``; not its token
@@ -101,7 +103,7 @@ def visibility_data(bundle: str | Path) -> VisibilityData:
         raise UsageError(f"{path}: no such bundle")
     reader = BundleReader(path)
     header = reader.header
-    ps = _page_size(header)
+    ps = page_size if isinstance(page_size, int) and page_size > 0 else _page_size(header)
     data = VisibilityData(str(path), header.source, ps)
     lookups = _Lookups()
     for r in reader.iter_kinds("request"):

@@ -9,6 +9,7 @@ on 6 % of requests, every report gate failed, and nothing said why.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
@@ -110,6 +111,10 @@ def test_replay_of_a_capture_without_snapshot_meets_the_gates(tmp_path, capsys):
     assert sim.header.sim_config["page_size"] == 16
     rc = main(["report", str(src), str(tmp_path / "sim"), "--out", str(tmp_path / "rep")])
     assert rc == 0, capsys.readouterr().err
+    # the visibility section hashes the real prompts at the events' page size too (at
+    # page size 1 none of the 200 was found in the event stream)
+    vis = json.loads((tmp_path / "rep" / "report.json").read_text())["visibility"]
+    assert vis["real"]["requests.prompt_matched"] == 200
 
 
 def test_the_production_inference_indexes_the_events_at_their_page_size(tmp_path):
