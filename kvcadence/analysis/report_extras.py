@@ -71,11 +71,13 @@ def visibility_extra(
     )
     if not any(_count(ing, probe) for ing in ings):
         return None
-    data = [
-        # the ingest's page size: the header's, else the events' block_size
-        (label, visibility.visibility_data(ing.bundle, ing.info.get("page_size")))
-        for (label, _), ing in zip(labelled, ings, strict=True)
-    ]
+    data = []
+    for (label, _), ing in zip(labelled, ings, strict=True):
+        # the ingest's page size (the header's, else the events' block_size) and its request
+        # page hashes (cached by the attribution): the requests are not hashed again
+        ps = int(ing.info.get("page_size") or 0) or None
+        ends = visibility.page_ends(ing, ps) if ps else None
+        data.append((label, visibility.visibility_data(ing.bundle, ps, ends)))
     metrics = [(label, visibility.visibility_metrics(d)) for label, d in data]
     title, text, table = visibility.visibility_section(metrics, visibility.missing_timings(data))
     names = [] if out is None else [visibility.visibility_plot(data, out).name]

@@ -38,7 +38,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -46,7 +46,7 @@ from kvcadence.analysis.catalogue import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, event_payload
-from kvcadence.format.schema import BlockStored, EventFrame
+from kvcadence.format.schema import BlockStored, EventFrame, RequestRecord
 
 PLOT_NAME = "visibility.png"
 
@@ -88,10 +88,74 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
     return None
 
 
-def visibility_data(bundle: str | Path, page_size: int | None = None) -> VisibilityData:
+def page_ends(ing: Any, page_size: int) -> Any:
+    """Per request of the ingest ``ing`` (``request_id`` order = bundle order): the hash of
+    its last full prompt page, of its chain's last page (``input_ids + output_ids[:-1]``) and
+    the chain's page count, read from the request page-hash cache (``pages.ensure_file``,
+    which the report's attribution wrote already): three int64 columns and the prompt page's
+    presence, not a page hash per token. None where the cache cannot be written (the caller
+    hashes the requests itself)."""
+    from kvcadence.analysis import pages, sql
+
+    ps = max(1, int(page_size))
+    con = sql.connect(ing)
+    try:
+        path = pages.ensure_file(ing, con, ps)
+        if path is None:
+            return None
+        chain = f"((r.n_input + greatest(r.n_output - 1, 0)) // {ps})"
+        got = con.sql(
+            f"SELECT r.request_id, r.n_input, {chain} AS n_pages, "
+            f"coalesce(max(CASE WHEN p.page = r.n_input // {ps} - 1 THEN p.hash END), 0) AS hp, "
+            f"count(CASE WHEN p.page = r.n_input // {ps} - 1 THEN 1 END) AS has_p, "
+            f"coalesce(max(CASE WHEN p.page = {chain} - 1 THEN p.hash END), 0) AS hl, "
+            f"count(CASE WHEN p.page = {chain} - 1 THEN 1 END) AS has_l "
+            f"FROM requests r LEFT JOIN ({pages.relation(path)}) p "
+            f"ON p.request_id = r.request_id "
+            f"AND (p.page = r.n_input // {ps} - 1 OR p.page = {chain} - 1) "
+            "GROUP BY ALL ORDER BY r.request_id"
+        ).fetchnumpy()
+    finally:
+        con.close()
+    return _PageEnds(
+        got["n_input"],
+        got["n_pages"],
+        got["hp"].astype("uint64").view("int64"),
+        got["has_p"] > 0,
+        got["hl"].astype("uint64").view("int64"),
+        got["has_l"] > 0,
+    )
+
+
+@dataclass
+class _PageEnds:
+    """``page_ends``' columns, one row a request."""
+
+    n_input: Any
+    n_pages: Any
+    prompt_hash: Any
+    has_prompt: Any
+    last_hash: Any
+    has_last: Any
+
+    def row(self, i: int, n_input: int) -> tuple[int | None, int | None, int] | None:
+        """``(last prompt page hash, last chain page hash, pages)`` of request ``i``; None
+        when the row is not that request (another length: the tables do not line up)."""
+        if i >= len(self.n_input) or int(self.n_input[i]) != n_input:
+            return None
+        hp = int(self.prompt_hash[i]) if self.has_prompt[i] else None
+        hl = int(self.last_hash[i]) if self.has_last[i] else None
+        return hp, hl, int(self.n_pages[i])
+
+
+def visibility_data(
+    bundle: str | Path, page_size: int | None = None, ends: _PageEnds | None = None
+) -> VisibilityData:
     """Collect the visibility samples of ``bundle`` (see the module docstring);
     ``page_size``: the bundle's when the caller knows it (a capture without a /server_info
-    page size: its events' ``block_size``), else its header's.
+    page size: its events' ``block_size``), else its header's; ``ends``: its requests' page
+    hashes (``page_ends``, at that page size) when the caller has them, else each request is
+    hashed here.
 
     Two passes, neither holding the capture: the request records one at a time, each kept
     as the two block hashes it is looked up by and their times (``_Lookups``; not its token
@@ -106,8 +170,12 @@ def visibility_data(bundle: str | Path, page_size: int | None = None) -> Visibil
     ps = page_size if isinstance(page_size, int) and page_size > 0 else _page_size(header)
     data = VisibilityData(str(path), header.source, ps)
     lookups = _Lookups()
-    for r in reader.iter_kinds("request"):
-        lookups.add(r, ps)
+    for i, rec in enumerate(reader.iter_kinds("request")):
+        r = cast(RequestRecord, rec)
+        row = None if ends is None else ends.row(i, len(r.input_ids))
+        if ends is not None and row is None:
+            ends = None  # not this bundle's rows: hash from here on
+        lookups.add(r, ps, row)
     seen: set[tuple[int, int, int]] = set()
     frame_pass: dict[tuple[int, int], int] = {}
     frame_stored: dict[tuple[int, int], int] = {}
@@ -176,23 +244,28 @@ class _Lookups:
         self.finish.append(finish)
         self.found.append(_NONE)
 
-    def add(self, r: Any, ps: int) -> None:
+    def add(self, r: Any, ps: int, ends: tuple[int | None, int | None, int] | None) -> None:
         """Request ``r``'s lookups (its chain ``input_ids + output_ids[:-1]`` hashed at page
-        size ``ps``; prompt pages start at ``cached_tokens``)."""
+        size ``ps``; prompt pages start at ``cached_tokens``). ``ends``: the chain's last
+        prompt page hash, last page hash and page count when known (``page_ends``), else
+        the chain is hashed here."""
         mi = r.meta_info or {}
         received = _mi_ns(mi, "request_received_ts")
         pf = _mi_ns(mi, "prefill_finished_time")
         fin = _mi_ns(mi, "request_finished_ts")
         if not r.input_ids or received is None:
             return
-        n_in = len(r.input_ids)
-        hashes = wire.block_hashes(list(r.input_ids) + list(r.output_ids[:-1]), ps)
+        prompt_end = len(r.input_ids) // ps
+        if ends is None:
+            hashes = wire.block_hashes(list(r.input_ids) + list(r.output_ids[:-1]), ps)
+            n = len(hashes)
+            ends = (hashes[prompt_end - 1] if prompt_end else None, hashes[-1] if n else None, n)
+        h_prompt, h_last, n = ends
         first_new = (r.cached_tokens or 0) // ps
-        prompt_end = n_in // ps
-        if pf is not None and prompt_end > first_new:
-            self._want(hashes[prompt_end - 1], received, pf, False)
-        if fin is not None and len(hashes) > prompt_end:
-            self._want(hashes[-1], pf if pf is not None else received, fin, True)
+        if pf is not None and prompt_end > first_new and h_prompt is not None:
+            self._want(h_prompt, received, pf, False)
+        if fin is not None and n > prompt_end and h_last is not None:
+            self._want(h_last, pf if pf is not None else received, fin, True)
 
     def stored(self, hashes: Sequence[int], recv_ns: int) -> None:
         """A message received at ``recv_ns`` stored ``hashes``."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvcadence.analysis import report, visibility
 from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import RequestRecord
 from tests.analysis.helpers import T0, cleared, header, stored, write_bundle
 
@@ -128,3 +129,30 @@ def test_missing_timings_names_timed_requests_whose_stores_were_not_seen() -> No
     ]
     assert visibility.visibility_section([], [])[1].count("Missing") == 0
     assert visibility.visibility_section([], notes)[1].endswith("Missing: " + " ".join(notes))
+
+
+def test_visibility_from_the_page_cache_equals_hashing_every_request(tmp_path: Path) -> None:
+    """The report reads each request's last prompt and chain page hashes from the ingest's
+    page-hash cache (``visibility.page_ends``) instead of hashing every prompt again: the
+    same samples as hashing, on a real page-16 capture with evictions and on its replay."""
+    from kvcadence.analysis import ingest
+    from kvcadence.replay.simulator import replay_bundle
+
+    corpus = Path(__file__).parents[1] / "replay" / "data" / "corpus" / "p16-chunk256-evict"
+    real = corpus / "bundle"
+    replay_bundle(real, tmp_path / "sim")
+    for name, bundle in (("real", real), ("sim", tmp_path / "sim")):
+        ing = ingest.ingest(bundle, tmp_path / f"pq-{name}")
+        ends = visibility.page_ends(ing, 16)
+        assert ends is not None and len(ends.n_input) == 200
+        hashed = visibility.visibility_data(bundle)
+        cached = visibility.visibility_data(bundle, 16, ends)
+        assert cached == hashed
+        assert len(cached.prompt_delay_ns) + cached.prompt_unmatched > 100, name
+    # another capture's table (its rows are other requests): hashed instead, the same
+    other = corpus.parent / "p16-retract-noeos" / "bundle"
+    wrong = visibility.page_ends(ingest.ingest(other, tmp_path / "pq-other"), 16)
+    assert (
+        wrong is not None and wrong.row(0, len(BundleReader(real).requests()[0].input_ids)) is None
+    )
+    assert visibility.visibility_data(real, 16, wrong) == visibility.visibility_data(real)
