@@ -11,7 +11,8 @@ What this file owns:
   ``meta_info``, ``/server_info``, request parameters nest a handful of levels). Deeper
   values would overflow the recursion of the JSON decoders, the msgpack encoder or the
   integer range check (RecursionError tracebacks); ``too_deep`` measures the depth without
-  recursion, ``json_loads`` decodes with the stdlib and turns both into one ``json.JSONDecodeError``.
+  recursion, ``json_loads`` decodes (msgspec, else the stdlib) and turns both into one
+  ``json.JSONDecodeError``.
 * ``MAX_REQUEST_TOKENS``: the most token ids (``input_ids`` + ``output_ids``) a format 2.0
   ``PackedRequest`` may expand to. A packed request names an earlier block chain of its
   segment as its prompt's prefix, so a few bytes can stand for every token the segment
@@ -20,14 +21,16 @@ What this file owns:
   the longest context windows served today (~1M tokens); a writer stores a longer request
   whole (``RequestRecord``: its ids are its bytes), so every bundle kvcadence writes reads.
 
-Standard library only (part of the shared format package: capture, replay, admit and analysis
-import it).
+The standard library and msgspec only (part of the shared format package: capture, replay,
+admit and analysis import it).
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import msgspec
 
 #: the most DP ranks (publisher ports) one worker may claim
 MAX_DP_SIZE = 1024
@@ -66,16 +69,29 @@ def too_deep(obj: Any, limit: int = MAX_JSON_DEPTH) -> bool:
 
 
 _CONTAINERS = frozenset((dict, list, tuple))
+_MISSING = object()
 
 
 def json_loads(text: str | bytes) -> Any:
     """``json.loads`` that raises ``json.JSONDecodeError`` (a ``ValueError``; never a
-    RecursionError) for a value nested deeper than ``MAX_JSON_DEPTH``."""
+    RecursionError) for a value nested deeper than ``MAX_JSON_DEPTH``.
+
+    Decoded by msgspec first (the same values for every document both take; ~4x faster on a
+    metrics line holding a 100k-token prompt, and ``capture import`` reads each line twice),
+    by the stdlib where msgspec refuses (what only the stdlib takes, ``NaN``, ``1e400``, a
+    lone surrogate; or malformed input: the stdlib's error message)."""
     deep = f"nested deeper than {MAX_JSON_DEPTH} levels"
     try:
-        obj = json.loads(text)
+        obj = msgspec.json.decode(text)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        obj = _MISSING
     except RecursionError:
         raise json.JSONDecodeError(deep, "", 0) from None
+    if obj is _MISSING:
+        try:
+            obj = json.loads(text)
+        except RecursionError:
+            raise json.JSONDecodeError(deep, "", 0) from None
     if too_deep(obj):
         raise json.JSONDecodeError(deep, "", 0)
     return obj
