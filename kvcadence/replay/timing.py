@@ -37,6 +37,7 @@ Pure arithmetic on the records: deterministic.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from statistics import median
 from typing import Any
@@ -249,6 +250,19 @@ def _prefill_duration(
     return dur
 
 
+def overlaps(spans: list[tuple[float, float, int, int]]) -> tuple[list[int], list[int]]:
+    """Per span ``(rx, fin, ...)`` (``rx < fin``): how many spans overlap it (``r.rx < fin``
+    and ``r.fin > rx``, itself included) and how many were received inside it (``rx <
+    r.rx < fin``). Counted by bisection over the sorted times (the spans alive in it are
+    those received before ``fin`` less those finished by ``rx``): O(n log n), where the
+    pairwise count was O(n^2) -- 11 s of a 6,000-request replay's 28 s, hours at 10^5."""
+    rxs = sorted(s[0] for s in spans)
+    fins = sorted(s[1] for s in spans)
+    alive = [bisect_left(rxs, fin) - bisect_right(fins, rx) for rx, fin, _, _ in spans]
+    arrivals = [bisect_left(rxs, fin) - bisect_right(rxs, rx) for rx, fin, _, _ in spans]
+    return alive, arrivals
+
+
 def _calibrate_from_latency(
     p: TimingParams, spans: list[tuple[float, float, int, int]], sync_forward: bool
 ) -> None:
@@ -261,7 +275,8 @@ def _calibrate_from_latency(
     into base + per request by the number of requests alive in the same window; the
     prefill costs are the defaults scaled by the measured / default decode pass ratio."""
     k = 2 if sync_forward else 1
-    conc_all = [float(sum(1 for r in spans if r[0] < fin and r[1] > rx)) for rx, fin, _, _ in spans]
+    alive, arrivals_in = overlaps(spans)
+    conc_all = [float(c) for c in alive]
     mc = median(conc_all)
     default_decode = p.decode_base_s + p.decode_per_req_s * mc
     if default_decode <= 0:
@@ -271,10 +286,9 @@ def _calibrate_from_latency(
     )
     rho = default_prefill / default_decode
     per_pass, conc = [], []
-    for (rx, fin, n, _u), c in zip(spans, conc_all, strict=True):
+    for (rx, fin, n, _u), c, arrivals in zip(spans, conc_all, arrivals_in, strict=True):
         if n < 2:
             continue
-        arrivals = sum(1 for r in spans if rx < r[0] < fin)
         per_pass.append((fin - rx) / (n - 1 + k + rho * arrivals))
         conc.append(c)
     if len(per_pass) < 3:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcadence.format.schema import RequestRecord
 from kvcadence.replay.config import TimingParams
@@ -19,6 +21,7 @@ from kvcadence.replay.timing import (
     PacedTimer,
     PassTimer,
     calibrate,
+    overlaps,
     recorded_token_times,
 )
 
@@ -455,3 +458,24 @@ def test_scheduler_charges_each_pass_its_attended_prefix():
     cached = costly.requests[1].cached_tokens
     assert cached == plain.requests[1].cached_tokens and 0 < cached <= 150
     assert costly.stats.virtual_ns - plain.stats.virtual_ns == pytest.approx(cached * 1e6, abs=10)
+
+
+#: (receive, positive duration) pairs on a coarse grid, so that ties of every kind occur
+_SPANS = st.lists(
+    st.tuples(
+        st.integers(0, 20).map(lambda x: x / 4),
+        st.sampled_from([1e-9, 0.25, 0.5, 1.0, 3.0]),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(_SPANS)
+def test_overlaps_counts_as_the_pairwise_definition(pairs):
+    """The latency calibration's concurrency and arrival counts, by bisection, are the
+    pairwise counts it replaced (O(n^2): hours at 10^5 requests), ties included."""
+    spans = [(rx, rx + d, 3, 5) for rx, d in pairs]
+    alive, arrivals = overlaps(spans)
+    assert alive == [sum(1 for r in spans if r[0] < fin and r[1] > rx) for rx, fin, *_ in spans]
+    assert arrivals == [sum(1 for r in spans if rx < r[0] < fin) for rx, fin, *_ in spans]
