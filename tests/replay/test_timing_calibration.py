@@ -20,6 +20,8 @@ from kvcadence.replay.timing import (
     PACE_MIN_FACTOR,
     PacedTimer,
     PassTimer,
+    _Alive,
+    _Inside,
     calibrate,
     overlaps,
     recorded_token_times,
@@ -479,3 +481,24 @@ def test_overlaps_counts_as_the_pairwise_definition(pairs):
     alive, arrivals = overlaps(spans)
     assert alive == [sum(1 for r in spans if r[0] < fin and r[1] > rx) for rx, fin, *_ in spans]
     assert arrivals == [sum(1 for r in spans if rx < r[0] < fin) for rx, fin, *_ in spans]
+
+
+_TIMES = st.integers(0, 24).map(lambda x: x / 8)
+
+
+@given(st.lists(st.tuples(_TIMES, _TIMES), max_size=40), _TIMES, _TIMES)
+def test_alive_counts_as_the_pairwise_definition(rows, a, d):
+    """The per-phase calibration's concurrency (rows that may end before they start, ties)."""
+    b = a + d + 0.125  # a < b, as the calibration asks it
+    alive = _Alive([r[0] for r in rows], [r[1] for r in rows])
+    assert alive(a, b) == sum(1 for st_, f in rows if st_ < b and f > a)
+
+
+@given(st.lists(st.tuples(_TIMES, st.floats(0.001, 1.0)), max_size=40), _TIMES, _TIMES)
+def test_inside_is_the_same_float_as_the_direct_sum(ends, a, d):
+    """The decode-window time taken by prefill batches: bit for bit the generator's sum
+    (same terms, same order), whether or not the ends are sorted."""
+    b = a + d
+    assert _Inside(ends)(a, b) == sum(x for e, x in ends if a < e <= b)
+    ordered = sorted(ends, key=lambda t: t[0])
+    assert _Inside(ordered)(a, b) == sum(x for e, x in ordered if a < e <= b)
