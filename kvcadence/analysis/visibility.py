@@ -62,10 +62,12 @@ class VisibilityData:
     bundle: str
     source: str
     page_size: int
-    block_passes: list[int] = field(default_factory=list)
-    block_ns: list[int] = field(default_factory=list)
-    block_phase: list[int] = field(default_factory=list)
-    block_reason: list[str] = field(default_factory=list)
+    # per stored block of a sim bundle (int64 arrays: 24 bytes a block, where lists of ints
+    # were ~110; a 16,000-request replay has 2.5M blocks), and the blocks per publish reason
+    block_passes: Any = field(default_factory=lambda: array("q"))
+    block_ns: Any = field(default_factory=lambda: array("q"))
+    block_phase: Any = field(default_factory=lambda: array("q"))
+    block_reasons: dict[str, int] = field(default_factory=dict)
     note_mismatches: int = 0
     prompt_delay_ns: list[int] = field(default_factory=list)
     finish_delay_ns: list[int] = field(default_factory=list)
@@ -208,11 +210,19 @@ def visibility_data(
             continue
         pub_pass = int(d.get("publish_pass", frame_pass.get(fkey, -1)))
         reason = str(d.get("reason", ""))
-        for p, c, ph in zip(passes, comp, phase, strict=True):
-            data.block_passes.append(pub_pass - p)
-            data.block_ns.append(note.recv_ns - c)
-            data.block_phase.append(ph)
-            data.block_reason.append(reason)
+        try:  # one note's blocks whole, or none of them (a value past int64: a damaged note)
+            got = (
+                array("q", [pub_pass - p for p in passes]),
+                array("q", [note.recv_ns - c for c in comp]),
+                array("q", phase),
+            )
+        except (OverflowError, TypeError):
+            data.note_mismatches += 1
+            continue
+        data.block_passes.extend(got[0])
+        data.block_ns.extend(got[1])
+        data.block_phase.extend(got[2])
+        data.block_reasons[reason] = data.block_reasons.get(reason, 0) + len(passes)
     lookups.results(data)
     return data
 
@@ -292,10 +302,10 @@ class _Lookups:
                 data.prompt_delay_ns.append(t - ref)
 
 
-def _dist(values: Sequence[float]) -> dict[str, Any]:
+def _dist(values: Any) -> dict[str, Any]:
     import numpy as np
 
-    if not values:
+    if not len(values):
         return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     a = np.asarray(values, dtype=float)
     return {
@@ -315,17 +325,19 @@ def visibility_metrics(data: VisibilityData | str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {"bundle": data.bundle, "source": data.source}
     out["page_size"] = data.page_size
     out["blocks.n"] = len(data.block_passes)
-    if data.block_passes:
-        out["blocks.passes"] = _dist(data.block_passes)
-        out["blocks.seconds"] = _dist([x / 1e9 for x in data.block_ns])
+    if len(data.block_passes):
+        import numpy as np
+
+        passes = np.asarray(data.block_passes, dtype=np.int64)
+        secs = np.asarray(data.block_ns, dtype=np.int64) / 1e9
+        phases = np.asarray(data.block_phase, dtype=np.int64)
+        out["blocks.passes"] = _dist(passes)
+        out["blocks.seconds"] = _dist(secs)
         for phase, name in ((0, "prefill"), (1, "decode")):
-            idx = [i for i, p in enumerate(data.block_phase) if p == phase]
-            out[f"blocks.{name}.passes"] = _dist([data.block_passes[i] for i in idx])
-            out[f"blocks.{name}.seconds"] = _dist([data.block_ns[i] / 1e9 for i in idx])
-        by_reason: dict[str, int] = {}
-        for reason in data.block_reason:
-            by_reason[reason] = by_reason.get(reason, 0) + 1
-        out["blocks.by_reason"] = dict(sorted(by_reason.items()))
+            mask = phases == phase
+            out[f"blocks.{name}.passes"] = _dist(passes[mask])
+            out[f"blocks.{name}.seconds"] = _dist(secs[mask])
+        out["blocks.by_reason"] = dict(sorted(data.block_reasons.items()))
     out["blocks.note_mismatches"] = data.note_mismatches
     out["requests.prompt_delay_s"] = _dist([x / 1e9 for x in data.prompt_delay_ns])
     out["requests.finish_delay_s"] = _dist([x / 1e9 for x in data.finish_delay_ns])
@@ -456,7 +468,7 @@ def visibility_figure(labelled: list[tuple[str, VisibilityData]]) -> Any:
     ax = axes[1]
     drawn = False
     for label, d in labelled:
-        if not d.block_passes:
+        if not len(d.block_passes):
             continue
         p = np.asarray(d.block_passes)
         ph = np.asarray(d.block_phase)
