@@ -46,7 +46,7 @@ from kvcadence.analysis.catalogue import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, event_payload
-from kvcadence.format.schema import BlockStored, EventFrame, RequestRecord
+from kvcadence.format.schema import BlockStoredView, EventFrame, RequestRecord
 
 PLOT_NAME = "visibility.png"
 
@@ -190,13 +190,13 @@ def visibility_data(
         if key in seen:
             continue
         seen.add(key)
-        try:
-            batch = wire.decode_batch(event_payload(rec))
+        try:  # token ids left undecoded (only the hashes are looked at), as ingest reads
+            batch = wire.decode_batch_view(event_payload(rec))
         except Exception:  # undecodable payloads are counted by ingest, not here
             continue
         n = 0
         for e in batch.events:
-            if isinstance(e, BlockStored):
+            if isinstance(e, BlockStoredView):
                 n += len(e.block_hashes)
                 lookups.stored(e.block_hashes, rec.recv_ns)
         frame_pass[(rec.endpoint, rec.seq)] = rec.pass_index
