@@ -310,3 +310,26 @@ def test_small_reads_give_the_same_records(tmp_path, chunk):
     t = LogTail(got.append, metrics=[d], from_start=True, read_bytes=chunk)
     t.stop()
     assert [r.rid for r in recs(got)] == [f"r{i}" for i in range(40)]
+
+
+def test_a_long_capture_checks_a_sample_of_its_requests(tmp_path):
+    """Checking a request against the event stream hashes its whole prompt in the tail's
+    thread: past the first ``ANCHOR_ALL`` only every ``ANCHOR_STRIDE``-th is checked, and the
+    summary says so (every record is still written)."""
+    from kvcadence.capture.tail import ANCHOR_ALL, ANCHOR_STRIDE, TailStats, summary_text
+
+    d = tmp_path / "m"
+    d.mkdir()
+    n = ANCHOR_ALL + 3 * ANCHOR_STRIDE + 1
+    body = "".join(metrics_line(f"r{i}", [i % 50_000, 7, 8]) for i in range(n))
+    (d / "sglang-request-metrics-20261201_19.log").write_text(body)
+    got: list = []
+    t = LogTail(got.append, metrics=[d], from_start=True)
+    st = t.stop()
+    assert len(recs(got)) == st.records == n
+    assert len(t.anchors) == ANCHOR_ALL + 4  # records 1000, 1020, 1040, 1060
+    match = {"requests": len(t.anchors), "matched": 1000, "short": 0, "no_ids": 0}
+    text = summary_text(st, match)
+    assert f"1000 of {ANCHOR_ALL + 4} requests checked (of {n}: the first 1000" in text
+    small = summary_text(TailStats(records=len(t.anchors)), match)
+    assert f"1000 of {ANCHOR_ALL + 4} requests matched to the event stream" in small
