@@ -16,8 +16,9 @@ What this file owns: how the replay keeps token ids in memory.
   its ``span``; a list: ``compact`` of the slice; an array: its slice).
 * ``PromptIndex`` — builds ``Prompt``s as records stream in: each new prompt is compared
   with the last prompt of its lane and, when that shares less than half of it, with the
-  last prompt that started with the same first tokens; it shares the longest common
-  prefix found. Chains are cut (a full copy) after
+  last prompt that started with the same first tokens and (records without a lane: SGLang's
+  own request logs) the last prompt that shares its longest whole ``BLOCK_KEY``-token
+  prefix (``block_keys``); it shares the longest common prefix found. Chains are cut (a full copy) after
   ``MAX_DEPTH`` levels, so materializing stays linear in the prompt's length.
 
 Hashes are unchanged: an ``array('I')`` hashes to the same SGLang block hashes as the list
@@ -26,6 +27,7 @@ of the same ints (``format.hashes`` packs either as uint32).
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,6 +40,8 @@ WIDE = "q"
 MAX_DEPTH = 32
 #: tokens of a prompt's start that key the same-start candidate
 START_KEY = 16
+#: tokens per block of the lane-less candidates' prefix keys (``block_keys``)
+BLOCK_KEY = 512
 
 EMPTY = array(CODE)
 
@@ -204,15 +208,32 @@ def common_prefix(a: array, b: array) -> int:
     return lo
 
 
+def block_keys(arr: array) -> list[bytes]:
+    """One key per whole ``BLOCK_KEY``-token block of ``arr``: key ``k`` is a digest of
+    ``arr[:(k + 1) * BLOCK_KEY]`` (a running BLAKE2b over the array's bytes, its typecode
+    first), so two arrays share key ``k`` exactly when (up to a 2^-128 collision) they share
+    that prefix."""
+    h = hashlib.blake2b(arr.typecode.encode(), digest_size=16)
+    raw = memoryview(arr).cast("B")
+    step = BLOCK_KEY * arr.itemsize
+    keys = []
+    for k in range(len(arr) // BLOCK_KEY):
+        h.update(raw[k * step : (k + 1) * step])
+        keys.append(h.copy().digest())
+    return keys
+
+
 class PromptIndex:
     """Builds prefix-shared ``Prompt``s from streamed prompts (see the module docstring).
 
-    Live memory: the last prompt (full array) of each lane, and one ``Prompt`` reference
-    per distinct prompt start."""
+    Live memory: the last prompt (full array) of each lane, one ``Prompt`` reference per
+    distinct prompt start and one per distinct ``BLOCK_KEY``-token prefix (the lane-less
+    records' candidates: they grow with the unique tokens, not with the prompts)."""
 
     def __init__(self) -> None:
         self._lane: dict[Any, tuple[Prompt, array]] = {}
         self._start: dict[bytes, Prompt] = {}
+        self._blocks: dict[bytes, Prompt] = {}
 
     def add(self, ids: Any, lane: Any = None) -> Prompt:
         """The ``Prompt`` of token ids ``ids`` (a list, an array or a ``Prompt``, kept as
@@ -236,6 +257,20 @@ class PromptIndex:
             cand_len = common_prefix(arr, cand.materialize(len(arr)))
             if cand_len > best_len:
                 best, best_len = cand, cand_len
+        # no lane (SGLang's own request logs): the latest prompt sharing this one's longest
+        # whole-block prefix (the previous turn of its session, usually), by block keys
+        keys = block_keys(arr) if lane is None else []
+        if 2 * best_len < len(arr):
+            for k in range(len(keys) - 1, -1, -1):
+                if (k + 1) * BLOCK_KEY <= best_len:
+                    break
+                cand = self._blocks.get(keys[k])
+                if cand is None:
+                    continue
+                cand_len = common_prefix(arr, cand.materialize(len(arr)))
+                if cand_len > best_len:
+                    best, best_len = cand, cand_len
+                break
         if best is None or best_len == 0 or best.depth >= MAX_DEPTH:
             prompt = Prompt(None, 0, arr)
         else:
@@ -243,4 +278,6 @@ class PromptIndex:
         if lane is not None:
             self._lane[lane] = (prompt, arr)
         self._start[key] = prompt
+        for block in keys:
+            self._blocks[block] = prompt
         return prompt

@@ -80,6 +80,47 @@ def ids_of(prompts):
     return [ids for _, ids in prompts]
 
 
+@settings(max_examples=200, deadline=None)
+@given(agent_prompts(), st.integers(1, 6))
+def test_lane_less_prompts_rebuild_exactly_with_block_keys(prompts, block):
+    """The lane-less candidates (``block_keys``) at a block small enough for these prompts:
+    every prompt still rebuilds exactly, and never keeps more than it holds."""
+    from unittest import mock
+
+    from kvcadence.replay import tokens
+
+    with mock.patch.object(tokens, "BLOCK_KEY", block):
+        index = PromptIndex()
+        built = [(index.add(ids, None), ids) for _, ids in prompts]
+    for p, ids in built:
+        assert p.materialize().tolist() == ids and p.span(1, len(ids)).tolist() == ids[1:]
+        assert p.depth <= MAX_DEPTH + 1
+    assert sum(len(p.own) for p, _ in built) <= sum(len(ids) for ids in ids_of(prompts))
+
+
+def test_lane_less_turns_keep_about_their_new_tokens():
+    """SGLang's own request logs have no lanes: interleaved sessions on two shared system
+    prompts still share each turn's predecessor (within a block of tokens a turn), so memory
+    follows the unique tokens (before: only the system prompt was shared, the sum of the
+    prompts was kept)."""
+    from kvcadence.replay.tokens import BLOCK_KEY
+
+    systems = [list(range(3, 2003)), list(range(5003, 7003))]
+    sessions = [list(systems[i % 2]) for i in range(6)]
+    index = PromptIndex()
+    kept = new = total = 0
+    for turn in range(8):
+        for i, prompt in enumerate(sessions):
+            prompt += [10_000 + 1_000 * i + turn] * 700  # the previous output + a user chunk
+            p = index.add(list(prompt), None)
+            assert p.materialize().tolist() == prompt
+            kept += len(p.own)
+            new += 700 if turn or i >= 2 else len(prompt)
+            total += len(prompt)
+    assert kept <= new + 48 * BLOCK_KEY  # at most a block more a prompt
+    assert kept < total / 4
+
+
 def test_a_turn_keeps_only_its_new_tokens():
     index = PromptIndex()
     system = list(range(3, 503))
