@@ -46,6 +46,7 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
     events_by_type = dict.fromkeys(EVENT_TYPES, 0)
     messages = undecodable = bin_payloads = payload_bytes = 0
     stored_blocks = removed_blocks = 0
+    block_sizes: dict[int, int] = {}  # BlockStored events per block_size
     streams: dict[tuple[int, int], list[int]] = {}  # (endpoint, epoch) -> first, last, n
     first_recv: int | None = None
     last_recv: int | None = None
@@ -102,6 +103,7 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
                 if et is BlockStored:
                     events_by_type["BlockStored"] += 1
                     stored_blocks += len(ev.block_hashes)
+                    block_sizes[ev.block_size] = block_sizes.get(ev.block_size, 0) + 1
                     racc["stored_events"] += 1
                     racc["stored_blocks"] += len(ev.block_hashes)
                 elif et is BlockRemoved:
@@ -168,6 +170,7 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "events_by_type": events_by_type,
         "total_stored_blocks": stored_blocks,
         "total_removed_blocks": removed_blocks,
+        "settings": _settings(header, block_sizes),
         "streams": [
             {"endpoint": e, "epoch": p, "first_seq": s[0], "last_seq": s[1], "messages": s[2]}
             for (e, p), s in sorted(streams.items())
@@ -205,6 +208,42 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         ],
         "damaged": rep.damaged,
     }
+
+
+#: the /server_info settings ``inspect`` shows (key, how the text line names it)
+_SETTINGS = (
+    ("page_size", "page"),
+    ("max_total_num_tokens", "pool"),
+    ("chunked_prefill_size", "chunked_prefill"),
+    ("disable_overlap_schedule", "overlap_off"),
+    ("schedule_policy", "policy"),
+    ("dp_size", "dp"),
+)
+
+
+def _settings(header: Header | None, block_sizes: dict[int, int]) -> dict[str, Any]:
+    """The header's /server_info settings a replay starts from (null when absent; rank 0's
+    scheduler state under the top level, as the replay reads it) and the events'
+    ``block_size`` counts: without a snapshot the replay takes its page size from them."""
+    info = dict((header.server_info or {}) if header else {})
+    internal = info.get("internal_states")
+    if isinstance(internal, list) and internal and isinstance(internal[0], dict):
+        info = {**internal[0], **info}
+    out: dict[str, Any] = {k: info.get(k) for k, _ in _SETTINGS}
+    out["server_info"] = bool(header and header.server_info)
+    out["block_sizes"] = {str(k): v for k, v in sorted(block_sizes.items())}
+    return out
+
+
+def _settings_text(st: dict[str, Any]) -> str:
+    sizes = ", ".join(f"{k} ({v} events)" for k, v in st["block_sizes"].items()) or "none"
+    if not st["server_info"]:
+        return (
+            f"no /server_info snapshot; the events' block_size: {sizes} (replay reads the "
+            "page size from them and estimates the KV pool, saying so)"
+        )
+    known = "  ".join(f"{name}={st[k]}" for k, name in _SETTINGS if st[k] is not None)
+    return f"{known or 'a /server_info snapshot without settings'}  (block_size: {sizes})"
 
 
 _RANK_KEYS = (
@@ -276,6 +315,7 @@ def format_text(s: dict[str, Any]) -> str:
             "blocks",
             f"stored={s['total_stored_blocks']:,}  removed={s['total_removed_blocks']:,}",
         ),
+        ("settings", _settings_text(s["settings"])),
     ]
     for st in s["streams"]:
         rows.append(

@@ -131,3 +131,17 @@ def test_quiet_replay_says_nothing_and_a_fleet_replay_warns(tmp_path, capsys):
     assert main(["replay", str(src), "--out", str(tmp_path / "sim2")]) == 0
     err = capsys.readouterr().err
     assert "page size 8 from its events' block_size" in err
+
+
+def test_inspect_shows_the_settings_or_that_the_capture_has_none(tmp_path):
+    from kvcadence.capture.inspect import format_text, inspect_bundle
+
+    full = inspect_bundle(CORPUS / "p16-chunk256-evict" / "bundle")
+    assert full["settings"]["server_info"] is True
+    assert (full["settings"]["page_size"], full["settings"]["max_total_num_tokens"]) == (16, 2400)
+    assert full["settings"]["chunked_prefill_size"] == 256
+    assert "page=16  pool=2400  chunked_prefill=256" in format_text(full)
+    bare = inspect_bundle(_copy(CORPUS / "p16-chunk256-evict" / "bundle", tmp_path / "b", {}))
+    assert bare["settings"]["server_info"] is False and bare["settings"]["page_size"] is None
+    assert bare["settings"]["block_sizes"] == {"16": 376}
+    assert "no /server_info snapshot; the events' block_size: 16 (376 events)" in format_text(bare)
