@@ -17,6 +17,12 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
     the bundle's page size; prompt pages start at ``cached_tokens``). On a real capture both
     clocks are the recorder host's wall clock; on a sim bundle both are virtual.
 
+  Two passes, neither holding the capture: the request records one at a time, each kept as
+  the two hashes it is looked up by; then the event frames and notes. The report passes the
+  page size its ingest found (the events' ``block_size`` when the header has none) and
+  ``page_ends(ing, page_size)``: those two hashes per request read from the ingest's
+  request page-hash cache (``analysis.pages``), so no prompt is hashed twice.
+
 * ``visibility_metrics(data)`` → a JSON-able dict of distributions (n, mean, p50, p90, p99,
   max; numpy's linear percentiles) and counts, every value with its unit in ``units``
   (names, units and definitions: ``kvcadence.analysis.catalogue.VISIBILITY_DEFS``);
@@ -90,7 +96,7 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
     return None
 
 
-def page_ends(ing: Any, page_size: int) -> Any:
+def page_ends(ing: Any, page_size: int) -> _PageEnds | None:
     """Per request of the ingest ``ing`` (``request_id`` order = bundle order): the hash of
     its last full prompt page, of its chain's last page (``input_ids + output_ids[:-1]``) and
     the chain's page count, read from the request page-hash cache (``pages.ensure_file``,
