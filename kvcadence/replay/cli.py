@@ -31,8 +31,9 @@ def register(sub: Any) -> None:
         help="simulate SGLang's scheduler, radix cache and KV-event cadence from a bundle",
         description=(
             "Replay BUNDLE's request schedule through a simulated SGLang worker and write a "
-            "sim bundle (source=sim). Settings come from the bundle's /server_info snapshot; "
-            "every one can be overridden. The pass-time model is calibrated from the capture. "
+            "sim bundle (source=sim). Settings come from the bundle's /server_info snapshot "
+            "(a capture without one: page size and KV pool read from its events, said on "
+            "stderr); every one can be overridden. The pass-time model is calibrated from the capture. "
             "With --trace FILE instead of BUNDLE: an offline trace (Mooncake format or a "
             "requests JSONL), no capture needed. "
             "docs/simulator.md describes the model; docs/fleet.md DP ranks and sweeps."
