@@ -48,6 +48,7 @@ from typing import Any, cast
 
 import msgspec
 
+from kvcadence.analysis import pages, sql
 from kvcadence.analysis.catalogue import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
 from kvcadence.format import wire
@@ -103,8 +104,6 @@ def page_ends(ing: Any, page_size: int) -> _PageEnds | None:
     which the report's attribution wrote already): three int64 columns and the prompt page's
     presence, not a page hash per token. None where the cache cannot be written (the caller
     hashes the requests itself)."""
-    from kvcadence.analysis import pages, sql
-
     ps = max(1, int(page_size))
     con = sql.connect(ing)
     try:

@@ -37,13 +37,13 @@ Pure arithmetic on the records: deterministic.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
 from kvcadence.replay.config import TimingParams
 from kvcadence.replay.fitting import fit_line, fit_nonneg, rss
+from kvcadence.replay.intervals import Alive, Inside, overlaps
 
 
 class PassTimer:
@@ -176,11 +176,11 @@ def calibrate(
                 ends.append((e + dur if sync_forward else f, dur))
         return xs, ys, ends
 
-    alive = _Alive([r[1] for r in rows], [r[3] for r in rows])
+    alive = Alive([r[1] for r in rows], [r[3] for r in rows])
 
     def decode_fit(ends: list[tuple[Any, ...]]) -> tuple[float, float, float] | None:
         per_pass, conc = [], []
-        inside_of = _Inside(ends)
+        inside_of = Inside(ends)
         for _fe, pf, _rx, fin, n, _u, _c in rows:
             if n < 2 or fin <= pf:
                 continue
@@ -251,55 +251,6 @@ def _prefill_duration(
     if sync_forward:
         dur = nxt - entry if nxt is not None and nxt < finished else dur - decode_s
     return dur
-
-
-class _Alive:
-    """``alive(a, b)`` = ``sum(1 for s, f in zip(starts, finishes) if s < b and f > a)``
-    for ``a < b``, by bisection (the per-phase calibration's concurrency: pairwise, O(n^2),
-    130 s of a 16,000-request replay's calibration). The rows with ``start < finish`` are
-    those started before ``b`` less those finished by ``a``; the others (``finish <=
-    start``: none in a sane capture) are counted one by one."""
-
-    def __init__(self, starts: list[float], finishes: list[float]) -> None:
-        ok = [(st, f) for st, f in zip(starts, finishes, strict=True) if st < f]
-        self.starts = sorted(st for st, _ in ok)
-        self.finishes = sorted(f for _, f in ok)
-        self.odd = [(st, f) for st, f in zip(starts, finishes, strict=True) if not st < f]
-
-    def __call__(self, a: float, b: float) -> int:
-        n = bisect_left(self.starts, b) - bisect_right(self.finishes, a)
-        return n + sum(1 for st, f in self.odd if st < b and f > a)
-
-
-class _Inside:
-    """``inside(a, b)`` = ``sum(d for e, d in ends if a < e <= b)``, the same float (the
-    same terms added in the same order): the ends with ``a < e <= b`` are a run of them
-    sorted by ``e``, added in their list order."""
-
-    def __init__(self, ends: list[tuple[Any, ...]]) -> None:
-        self.order = sorted(range(len(ends)), key=lambda i: ends[i][0])
-        self.es = [ends[i][0] for i in self.order]
-        self.ds = [ends[i][1] for i in range(len(ends))]
-        self.in_order = all(i == k for k, i in enumerate(self.order))
-
-    def __call__(self, a: float, b: float) -> float:
-        lo, hi = bisect_right(self.es, a), bisect_right(self.es, b)
-        if self.in_order:
-            return sum(self.ds[lo:hi])
-        return sum(self.ds[i] for i in sorted(self.order[lo:hi]))
-
-
-def overlaps(spans: list[tuple[float, float, int, int]]) -> tuple[list[int], list[int]]:
-    """Per span ``(rx, fin, ...)`` (``rx < fin``): how many spans overlap it (``r.rx < fin``
-    and ``r.fin > rx``, itself included) and how many were received inside it (``rx <
-    r.rx < fin``). Counted by bisection over the sorted times (the spans alive in it are
-    those received before ``fin`` less those finished by ``rx``): O(n log n), where the
-    pairwise count was O(n^2) -- 11 s of a 6,000-request replay's 28 s, hours at 10^5."""
-    rxs = sorted(s[0] for s in spans)
-    fins = sorted(s[1] for s in spans)
-    alive = [bisect_left(rxs, fin) - bisect_right(fins, rx) for rx, fin, _, _ in spans]
-    arrivals = [bisect_left(rxs, fin) - bisect_right(rxs, rx) for rx, fin, _, _ in spans]
-    return alive, arrivals
 
 
 def _calibrate_from_latency(

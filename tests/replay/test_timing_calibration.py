@@ -14,16 +14,14 @@ from hypothesis import strategies as st
 
 from kvcadence.format.schema import RequestRecord
 from kvcadence.replay.config import TimingParams
+from kvcadence.replay.intervals import Alive, Inside, overlaps
 from kvcadence.replay.schedule import build_schedule
 from kvcadence.replay.timing import (
     PACE_MAX_FACTOR,
     PACE_MIN_FACTOR,
     PacedTimer,
     PassTimer,
-    _Alive,
-    _Inside,
     calibrate,
-    overlaps,
     recorded_token_times,
 )
 
@@ -490,7 +488,7 @@ _TIMES = st.integers(0, 24).map(lambda x: x / 8)
 def test_alive_counts_as_the_pairwise_definition(rows, a, d):
     """The per-phase calibration's concurrency (rows that may end before they start, ties)."""
     b = a + d + 0.125  # a < b, as the calibration asks it
-    alive = _Alive([r[0] for r in rows], [r[1] for r in rows])
+    alive = Alive([r[0] for r in rows], [r[1] for r in rows])
     assert alive(a, b) == sum(1 for st_, f in rows if st_ < b and f > a)
 
 
@@ -499,6 +497,6 @@ def test_inside_is_the_same_float_as_the_direct_sum(ends, a, d):
     """The decode-window time taken by prefill batches: bit for bit the generator's sum
     (same terms, same order), whether or not the ends are sorted."""
     b = a + d
-    assert _Inside(ends)(a, b) == sum(x for e, x in ends if a < e <= b)
+    assert Inside(ends)(a, b) == sum(x for e, x in ends if a < e <= b)
     ordered = sorted(ends, key=lambda t: t[0])
-    assert _Inside(ordered)(a, b) == sum(x for e, x in ordered if a < e <= b)
+    assert Inside(ordered)(a, b) == sum(x for e, x in ordered if a < e <= b)
