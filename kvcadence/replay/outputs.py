@@ -140,7 +140,9 @@ class StoreIndex:
         return idx
 
     @classmethod
-    def from_reader(cls, reader: Any, page_size: int, scan: Any = None) -> StoreIndex:
+    def from_reader(
+        cls, reader: Any, page_size: int, scan: Any = None, tally: Any = None
+    ) -> StoreIndex:
         """From a ``BundleReader``'s event frames (payload ``ts``; ``recv_ns`` if it lacks
         one). Only ``BlockStored`` hashes and tokens are decoded, once: the common frame
         with its payload in one decode (``schema.EventFrameIdsView``: token ids into lists, hashes and
@@ -150,7 +152,8 @@ class StoreIndex:
         int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw`` refuses
         holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and annotation
         of the same pass (a frame with a clear is decoded fully first: a payload
-        ``wire.decode_batch`` refuses is no flush)."""
+        ``wire.decode_batch`` refuses is no flush); ``tally`` (a ``settings.EventTally``)
+        every decoded batch."""
         idx = cls(page_size)
         raw: list[tuple[int, int, int | None, bytes | memoryview, int, array]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
@@ -163,6 +166,8 @@ class StoreIndex:
                 b = f.payload
                 if scan is not None:
                     scan.frame(f, b.ts, ())
+                if tally is not None:
+                    tally.batch(b, f.endpoint)
                 bts = b.ts
                 ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
                 frame_stores(b, page_size, ts, n, append)
@@ -176,6 +181,8 @@ class StoreIndex:
                 b, got, clear = payload_stores(payload, page_size)
             except Exception:  # noqa: BLE001 - a torn payload holds no usable store
                 continue
+            if tally is not None:
+                tally.batch(b, f.endpoint)
             if scan is not None:
                 if clear:
                     try:

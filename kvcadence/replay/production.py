@@ -59,7 +59,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
-from kvcadence.replay.settings import capture_settings
+from kvcadence.replay.settings import capture_settings, page_size_hint, settle, tally_for
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
 
 #: why an output stays synthetic (report keys)
@@ -420,12 +420,18 @@ def records_for_replay(
     recs = reader.requests() if records is None else records
     if not needs_completion(recs):
         return recs, {}, None
-    # the capture's page size: its snapshot's, else its events' block_size (``settings``)
-    ps = capture_settings(reader).page_size
-    scan = FlushScan(reader.header)
+    # the capture's page size: its snapshot's, else its events' block_size, counted in the
+    # index's pass with the rest of the settings (``settings``: no pass of its own)
+    tally = tally_for(reader)
+    ps = page_size_hint(reader)
     # like simulate(): the cyclic GC would only re-walk the many long-lived lists made here
     with gc_paused():
-        index = StoreIndex.from_reader(reader, int(ps), scan)
+        scan = FlushScan(reader.header)
+        index = StoreIndex.from_reader(reader, ps, scan, tally)
+        if tally is not None and settle(reader, tally.scan).page_size != ps:
+            # stores of several page sizes, the first not the most common (SGLang writes one)
+            scan = FlushScan(reader.header)
+            index = StoreIndex.from_reader(reader, capture_settings(reader).page_size, scan)
         flushes = scan.result()
         out, report = complete_records(recs, index, [f.recv_ns for f in flushes])
     return out, report, flushes

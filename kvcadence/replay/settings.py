@@ -22,7 +22,8 @@ Everything else keeps ``SimConfig``'s defaults (SGLang's: chunked prefill 8192, 
 schedule on, ``fcfs``). ``CaptureSettings.note`` says in one line what was read from the
 events and what was left at a default, for the CLI to print; the values can be overridden
 on the command line (``--page-size``, ``--max-total-tokens``, ...). The event scan runs only
-when a key is missing: a capture with a full snapshot pays nothing.
+when a key is missing: a capture with a full snapshot pays nothing; a pass over the events
+made anyway (the production inference's) counts them on the way (``tally_for``, ``settle``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from kvcadence.format.bundle import event_payload
 from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemovedRawView,
+    BlockRemovedV17RawView,
+    BlockStoredIdsView,
     BlockStoredRawView,
+    BlockStoredV17RawView,
     _raw_array_len,
 )
 from kvcadence.replay.config import SimConfig
@@ -82,6 +86,50 @@ def capture_settings(reader: Any) -> CaptureSettings:
     return got
 
 
+def tally_for(reader: Any) -> EventTally | None:
+    """An ``EventTally`` for a pass over ``reader``'s events that someone makes anyway (the
+    production inference's ``StoreIndex.from_reader``) when ``capture_settings`` would scan
+    them, else None; hand its result to ``settle``."""
+    if reader in _CACHE:
+        return None
+    info = getattr(reader.header, "server_info", None) or {}
+    if _stated(info, PAGE_KEYS) is not None and _stated(info, POOL_KEYS) is not None:
+        return None
+    return EventTally(getattr(reader.header, "endpoints", None) or [])
+
+
+def settle(reader: Any, scan: EventScan) -> CaptureSettings:
+    """``capture_settings(reader)`` from ``scan`` (a ``tally_for`` tally's result: every
+    event frame of ``reader``), kept as its settings: no second scan."""
+    got = _CACHE.get(reader)
+    if got is None:
+        got = _settings(reader, scan)
+        _CACHE[reader] = got
+    return got
+
+
+def page_size_hint(reader: Any) -> int:
+    """``reader``'s page size before its events are scanned: its settings' when known (a
+    full snapshot, or read before), else the first ``BlockStored``'s ``block_size`` (a
+    short read; 1 when there is none). ``settle``'s page size is the most common one, the
+    same in every capture SGLang writes."""
+    got = _CACHE.get(reader)
+    if got is not None:
+        return got.page_size
+    v = _stated(getattr(reader.header, "server_info", None) or {}, PAGE_KEYS)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    for frame in reader.events():
+        try:
+            batch = wire.decode_batch_raw(event_payload(frame), check_tokens=False)
+        except Exception:  # noqa: BLE001 - as scan_events: a damaged payload says nothing
+            continue
+        for ev in batch.events:
+            if type(ev) in _STORED:
+                return int(ev.block_size)
+    return 1
+
+
 def _merged(info: dict[str, Any]) -> dict[str, Any]:
     """The snapshot as ``config.from_server_info`` reads it: rank 0's scheduler state under
     the top-level keys."""
@@ -99,13 +147,14 @@ def _stated(info: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
-def _settings(reader: Any) -> CaptureSettings:
+def _settings(reader: Any, scan: EventScan | None = None) -> CaptureSettings:
     info = dict(getattr(reader.header, "server_info", None) or {})
     need_page = _stated(info, PAGE_KEYS) is None
     need_pool = _stated(info, POOL_KEYS) is None
     if not need_page and not need_pool:
         return CaptureSettings(info)
-    scan = scan_events(reader, getattr(reader.header, "endpoints", None) or [])
+    if scan is None:
+        scan = scan_events(reader, getattr(reader.header, "endpoints", None) or [])
     filled: list[str] = []
     said: list[str] = []
     if need_page:
@@ -165,37 +214,58 @@ class EventScan:
     evicted: bool = False
 
 
+#: the event views a stored / removed block comes as (``decode_batch_raw``'s, either wire
+#: version; ``schema.EventFrameIdsView``'s store)
+_STORED = frozenset({BlockStoredRawView, BlockStoredV17RawView, BlockStoredIdsView})
+_REMOVED = frozenset({BlockRemovedRawView, BlockRemovedV17RawView})
+
+
+class EventTally:
+    """``EventScan`` fed one decoded batch at a time (``batch``): ``scan_events``' pass, or
+    another pass over the same frames. Per DP rank: the batch's ``attn_dp_rank``, else its
+    endpoint's."""
+
+    def __init__(self, endpoints: Any = ()) -> None:
+        self._rank_of = {e.id: int(e.dp_rank) for e in endpoints}
+        self._resident: dict[int, int] = {}
+        self.scan = EventScan(Counter())
+
+    def batch(self, batch: Any, endpoint: int) -> None:
+        """Count ``batch``'s events (hashes that are not an array are not counted)."""
+        rank = batch.attn_dp_rank
+        if rank is None:
+            rank = self._rank_of.get(endpoint, 0)
+        out = self.scan
+        n = self._resident.get(rank, 0)
+        for ev in batch.events:
+            t = type(ev)
+            try:
+                if t in _STORED:
+                    out.block_sizes[ev.block_size] += 1
+                    n += _raw_array_len(ev.block_hashes)
+                elif t in _REMOVED:
+                    out.evicted = True
+                    n = max(0, n - _raw_array_len(ev.block_hashes))
+                elif t is AllBlocksCleared:
+                    n = 0
+            except (ValueError, IndexError):
+                continue
+            if n > out.peak_blocks:
+                out.peak_blocks = n
+        self._resident[rank] = n
+
+
 def scan_events(reader: Any, endpoints: Any = ()) -> EventScan:
     """One pass over ``reader``'s event frames, hashes and token ids left undecoded
     (``wire.decode_batch_raw``): block sizes, peak resident blocks per DP rank (stored less
     removed, never below 0: a capture that started late sees removals of blocks stored
     before it; a clear empties the rank), whether anything was evicted. A payload that does
     not decode is skipped."""
-    rank_of = {e.id: int(e.dp_rank) for e in endpoints}
-    out = EventScan(Counter())
-    resident: dict[int, int] = {}
+    tally = EventTally(endpoints)
     for frame in reader.events():
         try:
             batch = wire.decode_batch_raw(event_payload(frame), check_tokens=False)
         except Exception:  # noqa: BLE001 - a damaged payload says nothing of the settings
             continue
-        rank = (
-            batch.attn_dp_rank if batch.attn_dp_rank is not None else rank_of.get(frame.endpoint, 0)
-        )
-        n = resident.get(rank, 0)
-        for ev in batch.events:
-            try:
-                if isinstance(ev, BlockStoredRawView):
-                    out.block_sizes[ev.block_size] += 1
-                    n += _raw_array_len(ev.block_hashes)
-                elif isinstance(ev, BlockRemovedRawView):
-                    out.evicted = True
-                    n = max(0, n - _raw_array_len(ev.block_hashes))
-                elif isinstance(ev, AllBlocksCleared):
-                    n = 0
-            except (ValueError, IndexError):  # hashes that are not an array: not counted
-                continue
-            if n > out.peak_blocks:
-                out.peak_blocks = n
-        resident[rank] = n
-    return out
+        tally.batch(batch, frame.endpoint)
+    return tally.scan

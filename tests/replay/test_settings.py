@@ -145,3 +145,32 @@ def test_inspect_shows_the_settings_or_that_the_capture_has_none(tmp_path):
     assert bare["settings"]["server_info"] is False and bare["settings"]["page_size"] is None
     assert bare["settings"]["block_sizes"] == {"16": 376}
     assert "no /server_info snapshot; the events' block_size: 16 (376 events)" in format_text(bare)
+
+
+@pytest.mark.parametrize("name", ["p16-chunk256-evict", "dp2-p8-long-nooverlap"])
+def test_the_inference_counts_the_settings_in_its_own_pass(tmp_path, name):
+    """A production replay of a capture without a snapshot reads its events once: the
+    inference's pass counts the settings (``tally_for``, ``settle``), and they are those a
+    scan of their own finds."""
+    src = _copy(CORPUS / name / "bundle", tmp_path / "p", {}, production=True)
+    alone = capture_settings(BundleReader(src))
+    passes, peeked = 0, 0
+
+    class Counting(BundleReader):
+        def events_and_notes(self, *a, **kw):
+            nonlocal passes
+            passes += 1
+            return super().events_and_notes(*a, **kw)
+
+        def events(self, *a, **kw):  # the page size's peek: up to the first store
+            nonlocal peeked
+            for f in super().events(*a, **kw):
+                peeked += 1
+                yield f
+
+    rd = Counting(src)
+    _, rep, _ = records_for_replay(rd)
+    assert passes == 1 and rep["outputs_from_events"] > 0
+    assert 1 <= peeked <= 3
+    assert capture_settings(rd) == alone  # kept: no scan now either
+    assert peeked <= 3
