@@ -124,6 +124,7 @@ def page_size_hint(reader: Any) -> int:
             batch = wire.decode_batch_raw(event_payload(frame), check_tokens=False)
         except Exception:  # noqa: BLE001 - as scan_events: a damaged payload says nothing
             continue
+        ev: Any
         for ev in batch.events:
             if type(ev) in _STORED:
                 return int(ev.block_size)
