@@ -93,19 +93,19 @@ def json_loads(text: str | bytes) -> Any:
             obj = json.loads(text)
         except RecursionError:
             raise json.JSONDecodeError(deep, "", 0) from None
-    if _opens(text) > MAX_JSON_DEPTH and too_deep(obj):
+    if may_nest_deeper(text) and too_deep(obj):
         raise json.JSONDecodeError(deep, "", 0)
     return obj
 
 
-def _opens(text: str | bytes) -> int:
-    """How many ``[`` and ``{`` characters ``text`` holds: an upper bound of its nesting
-    depth (each level opens with one; inside strings they only add to the count). Counted in
-    C: a metrics line with a 100k-token prompt holds a few dozen, and ``too_deep`` is not
-    needed to walk its ids."""
+def may_nest_deeper(text: str | bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON ``text`` opens more than ``limit`` ``[`` and ``{`` characters, an
+    upper bound of its nesting depth (each level opens with one; inside strings they only
+    add to the count): when not, its decoded value need not be walked by ``too_deep``.
+    Counted in C: a metrics line with a 100k-token prompt holds a few dozen."""
     if isinstance(text, str):
-        return text.count("[") + text.count("{")
-    return text.count(b"[") + text.count(b"{")
+        return text.count("[") + text.count("{") > limit
+    return text.count(b"[") + text.count(b"{") > limit
 
 
 __all__ = [
@@ -114,5 +114,6 @@ __all__ = [
     "MAX_REQUEST_TOKENS",
     "dp_size_problem",
     "json_loads",
+    "may_nest_deeper",
     "too_deep",
 ]

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvcadence.errors import InputError, UsageError
-from kvcadence.format.bounds import MAX_DP_SIZE, MAX_JSON_DEPTH, too_deep
+from kvcadence.format.bounds import MAX_DP_SIZE, MAX_JSON_DEPTH, may_nest_deeper, too_deep
 from kvcadence.format.bundle.segments import MAGIC as BUNDLE_SEGMENT_MAGIC
 from kvcadence.format.schema import RequestRecord
 
@@ -216,7 +216,7 @@ def decode_object(text: str | bytes, where: str) -> dict[str, Any]:
         raise InputError(f"{where}: not valid JSON ({exc})") from None
     except RecursionError:
         obj = _TOO_DEEP  # too deep for the decoder: refused just below
-    if obj is _TOO_DEEP or too_deep(obj):
+    if obj is _TOO_DEEP or (may_nest_deeper(text) and too_deep(obj)):
         raise InputError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     if type(obj) is not dict:
         raise InputError(f"{where}: expected a JSON object, got {_kind(obj)}")

@@ -58,3 +58,18 @@ def test_refused_exactly_when_too_deep(value, wrap):
             json_loads(text)
     else:
         assert json_loads(text) == doc
+
+
+@given(json_values, st.integers(0, MAX_JSON_DEPTH + 3))
+def test_jsonl_objects_refused_exactly_when_too_deep(value, wrap):
+    """``jsonl.decode_object`` (``kvcadence import --requests`` lines) holds the same limit."""
+    from kvcadence.errors import InputError
+    from kvcadence.format.jsonl import decode_object
+
+    doc = {"v": _nest(wrap, value)}
+    text = json.dumps(doc)
+    if too_deep(doc):
+        with pytest.raises(InputError, match="nested deeper"):
+            decode_object(text, "x:1")
+    else:
+        assert decode_object(text.encode(), "x:1") == doc
