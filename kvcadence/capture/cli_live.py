@@ -30,7 +30,7 @@ from typing import Any
 
 from kvcadence.argtypes import nonneg_float, positive_float
 from kvcadence.capture import cli_tail
-from kvcadence.errors import InputError, UsageError
+from kvcadence.errors import UsageError
 
 
 def register(sub: Any) -> None:
@@ -124,7 +124,8 @@ def _register_capture(sub: Any) -> None:
             "--log-requests-format json lines into RequestRecords appended to BUNDLE "
             "(created when missing). Each file is read as it is when the command starts "
             "(lines a live worker appends later are left for the next import), a line at a "
-            "time: every record is validated before BUNDLE is opened, then written; the logs "
+            "time: each record is validated as it is written, and a bad one leaves BUNDLE as it "
+            "was (a new one is not created, an append is undone); the logs "
             "are never held in memory. Pickled dumps are refused."
         ),
         epilog="examples:\n"
@@ -392,71 +393,60 @@ def check_recorded(stats: Any, eps: list[Any], out: str) -> None:
     )
 
 
-_CHANGED = (
-    "capture import: an SGLang log file changed while it was being imported (rewritten or "
-    "rotated away between the validating pass and the writing pass); run it again"
-)
-
-
 def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
     from kvcadence.capture.discovery import make_header
     from kvcadence.capture.importer import check_request_record
-    from kvcadence.capture.rids import UniqueRids, refuse_known_rids
+    from kvcadence.capture.rids import UniqueRids, bundle_rids, known_rid
     from kvcadence.format.bundle import BundleWriter, check_encodable, staged_bundle
     from kvcadence.format.schema import RequestRecord
 
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
     # each log as it is now (sizes taken: a live worker's later lines are not read), read
-    # a line at a time, twice: validated, then written -- never every record in memory
+    # once, a line at a time, each record validated as it is written -- never every record
+    # in memory; a bad one undoes the whole import (below)
     logs: list[Iterable[RequestRecord]] = [
         *map(sglang_logs.MetricsExport, args.sglang_metrics),
         *map(sglang_logs.JsonRequestLog, args.sglang_request_log),
     ]
-    rids: list[str] = []  # the first pass's, in order: the second must read the same
+    out = Path(args.bundle)
+    n = 0
 
-    def validated() -> Iterator[RequestRecord]:
+    def validated(known: set[str]) -> Iterator[RequestRecord]:
+        nonlocal n
         seen = UniqueRids("capture import")  # e.g. metrics and request log together
         for log in logs:
-            for rec in log:  # validated as `kvcadence import` validates, before anything opens
+            for rec in log:  # validated as `kvcadence import` validates
                 check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
                 check_encodable([rec])  # a record that cannot be written fails here
                 seen.add(rec.rid)
-                rids.append(rec.rid)
-                yield rec
-
-    def again() -> Iterator[RequestRecord]:
-        n = 0
-        for log in logs:
-            for rec in log:
-                if n >= len(rids) or rec.rid != rids[n]:
-                    raise InputError(_CHANGED)
+                if rec.rid in known:  # never a request twice
+                    raise known_rid(out, rec.rid)
                 n += 1
                 yield rec
-        if n != len(rids):
-            raise InputError(_CHANGED)
 
-    out = Path(args.bundle)
     created = not (out.exists() and any(out.iterdir()))
-    if created:
-        for _ in validated():
-            pass
+    if created:  # all or nothing: staged, moved into place once every record is written
         with (
             staged_bundle(out) as tmp,
             BundleWriter(tmp, make_header([], server_info=None, command=command_line())) as w,
         ):
-            for rec in again():
+            for rec in validated(set()):
                 w.write(rec)
     else:
-        refuse_known_rids(out, validated())  # never a request twice
-        with BundleWriter.append(out) as w:
-            for rec in again():
+        w = BundleWriter.append(out)  # locked: the rids read next stay the bundle's
+        try:
+            for rec in validated(bundle_rids(out)):
                 w.write(rec)
+        except BaseException:
+            w.discard()  # all or nothing: the segments this import opened are removed
+            raise
+        w.close()
     if not args.quiet:
         # a new bundle holds requests only: said, so a mistyped capture name is seen at once
         new = " (a new bundle: no KV events, no server info)" if created else ""
-        print(f"capture import: {len(rids)} request records -> {out}{new}", file=sys.stderr)
+        print(f"capture import: {n} request records -> {out}{new}", file=sys.stderr)
     return 0
 
 

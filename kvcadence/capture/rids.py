@@ -61,12 +61,23 @@ def bundle_rids(bundle: str | os.PathLike[str]) -> set[str]:
     return {r.rid for r in reader.records(request_view=True) if type(r) is RequestRecordView}
 
 
+def known_rid(bundle: str | os.PathLike[str], rid: str) -> InputError:
+    """The error for a record whose rid ``bundle`` already holds."""
+    return InputError(f"{bundle}: already holds a request with rid {rid!r}; {_HINT}")
+
+
 def refuse_known_rids(bundle: str | os.PathLike[str], records: Iterable[RequestRecord]) -> None:
     """``InputError`` at the first record whose rid ``bundle`` already holds."""
     known = bundle_rids(bundle)
     for r in records:
         if r.rid in known:
-            raise InputError(f"{bundle}: already holds a request with rid {r.rid!r}; {_HINT}")
+            raise known_rid(bundle, r.rid)
 
 
-__all__ = ["UniqueRids", "bundle_rids", "refuse_duplicate_rids", "refuse_known_rids"]
+__all__ = [
+    "UniqueRids",
+    "bundle_rids",
+    "known_rid",
+    "refuse_duplicate_rids",
+    "refuse_known_rids",
+]

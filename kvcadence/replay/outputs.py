@@ -26,6 +26,9 @@ arrays, sliced into output ids) and every block hash in one int64 array (``hashe
 msgpack bytes of all events at once: a hash is only ever looked at, never kept as a Python
 int), and two indexes of event numbers (by parent hash, by first token: one int per event
 each) so that a lookup visits only its candidates.
+
+Why ~500 lines: one class, ``StoreIndex``, whose build (the one pass over the events, the
+flush scan and the settings tally fed on the way) and lookups share its columns and windows.
 """
 
 from __future__ import annotations

@@ -167,8 +167,7 @@ def _metrics_line(rid: str, ids: list[int]) -> str:
 
 def test_logs_are_read_as_they_were_when_opened(tmp_path):
     """A live worker appends while a log is read: each file is read up to the size it had
-    when ``MetricsExport`` / ``JsonRequestLog`` was made, every time it is iterated (the
-    validating and the writing pass of ``capture import`` see the same records)."""
+    when ``MetricsExport`` / ``JsonRequestLog`` was made, every time it is iterated."""
     from kvcadence.capture.sglang_logs import MetricsExport
 
     f = tmp_path / "sglang-request-metrics-20261202_06.log"
@@ -201,26 +200,44 @@ def test_request_log_streams_finished_then_unfinished(tmp_path):
     assert [(r.rid, r.error) for r in rest] == [("a", "no request.finished line")]
 
 
-def test_capture_import_refuses_a_log_rewritten_between_its_passes(tmp_path, capsys, monkeypatch):
-    """``capture import`` validates every record, then reads the logs again to write them
-    (never all records in memory): a file rewritten in between is one clear line, exit 2,
-    and no bundle."""
+def test_capture_import_reads_each_log_once_and_a_bad_record_undoes_an_append(
+    tmp_path, capsys, monkeypatch, fixture_dir
+):
+    """``capture import`` reads the logs once, writing each record as it is validated; a
+    bad record found after others were written leaves an existing bundle byte for byte as
+    it was (the segments the import opened are removed) and creates no new one."""
     from kvcadence.capture import sglang_logs
+    from kvcadence.format.bundle.segments import list_segments
 
-    f = tmp_path / "m.log"
-    f.write_text(_metrics_line("a", [1, 2]) + _metrics_line("b", [3]))
     passes = []
     real_iter = sglang_logs.MetricsExport.__iter__
 
     def iterate(self):
         passes.append(1)
-        if len(passes) == 2:  # the writing pass: the worker rewrote the file meanwhile
-            f.write_text(_metrics_line("z", [1, 2]) + _metrics_line("b", [3]))
         return real_iter(self)
 
     monkeypatch.setattr(sglang_logs.MetricsExport, "__iter__", iterate)
+    f = tmp_path / "m.log"
+    good = "".join(_metrics_line(f"r{i}", [1, 2, i]) for i in range(50))
+    f.write_text(good)
     b = tmp_path / "b"
-    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(f), str(b)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "changed while it was being imported" in err, err
-    assert len(passes) == 2 and not b.exists()
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(f), str(b)]) == 0
+    assert len(passes) == 1 and len(BundleReader(b).requests()) == 50
+    before = {p.name: p.read_bytes() for p in list_segments(b)}
+    # 50 new records, then a bad one: all 50 were written before it was read
+    g = tmp_path / "g.log"
+    g.write_text(
+        "".join(_metrics_line(f"s{i}", [3, 4, i]) for i in range(50)) + _metrics_line("x", [-1])
+    )
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(g), str(b)]) == 2
+    assert "g.log:51" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in list_segments(b)} == before
+    assert len(BundleReader(b).requests()) == 50
+    # the same into a new bundle: none is created
+    b2 = tmp_path / "b2"
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(g), str(b2)]) == 2
+    assert not b2.exists() and not list(tmp_path.glob(".b2.partial-*"))
+    # and a good append still appends
+    g.write_text("".join(_metrics_line(f"s{i}", [3, 4, i]) for i in range(50)))
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(g), str(b)]) == 0
+    assert len(BundleReader(b).requests()) == 100

@@ -7,13 +7,14 @@ fsyncs on rotation and close, so a crash loses at most that window and leaves a 
 encode is a ``BundleError`` naming the record, and nothing of it is written. Request records
 are stored compact (format 2.0, ``compact.PrefixIndex``: one index per segment).
 
-Why ~560 lines: one class, ``BundleWriter``, whose open/append/rollover/flush/close paths
+Why ~600 lines: one class, ``BundleWriter``, whose open/append/rollover/flush/close/discard paths
 share the segment state and the failure rules (the compact request path among them: its
 references must not cross a rotation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -153,6 +154,7 @@ class BundleWriter:
         self.counts: dict[str, int] = {}
         self.bytes_written = 0
         self.append_report: AppendReport | None = None
+        self._first_new: int | None = None  # an appending writer's first segment (discard)
         self._lock = None
         self.bundle_id = None  # set once the header is known (SegmentStart)
         self._version = (FORMAT_MAJOR, FORMAT_MINOR)  # of the segments this writer opens
@@ -231,6 +233,7 @@ class BundleWriter:
         except OSError as exc:
             raise BundleError(f"cannot truncate {last}: {exc}") from exc
         self.append_report = report
+        self._first_new = next_index
         self._open_segment(next_index)
         self.write(
             Annotation(
@@ -550,6 +553,31 @@ class BundleWriter:
         finally:
             self._release_lock()
         self._sync_dir()
+
+    def discard(self) -> None:
+        """Undo an append (a writer made by ``append``): close without a ``Trailer`` and
+        remove every segment this writer opened, so the bundle holds what it held before
+        (less the torn tail ``append`` cut off, which held no readable record). For an
+        all-or-nothing append (``capture import``: a bad record found while writing)."""
+        if self._closed:
+            return
+        if self._first_new is None:
+            raise TypeError("discard() undoes an append: this writer made a new bundle")
+        f, self._file = self._file, None
+        try:
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+            for i in range(self._seg_index, self._first_new - 1, -1):  # newest first
+                seg = self.path / segment_name(i)
+                try:
+                    seg.unlink(missing_ok=True)
+                except OSError as exc:
+                    raise BundleError(f"cannot remove {seg} to undo the append: {exc}") from exc
+            self._sync_dir()
+        finally:
+            self._closed = True
+            self._release_lock()
 
     def _release_lock(self) -> None:
         if self._lock is not None:
