@@ -77,7 +77,7 @@ def json_loads(text: str | bytes) -> Any:
     RecursionError) for a value nested deeper than ``MAX_JSON_DEPTH``.
 
     Decoded by msgspec first (the same values for every document both take; ~4x faster on a
-    metrics line holding a 100k-token prompt, and ``capture import`` reads each line twice),
+    metrics line holding a 100k-token prompt, what ``capture import`` reads by the million),
     by the stdlib where msgspec refuses (what only the stdlib takes, ``NaN``, ``1e400``, a
     lone surrogate; or malformed input: the stdlib's error message). The depth is measured
     (``too_deep``) only when the text opens more than ``MAX_JSON_DEPTH`` brackets."""
