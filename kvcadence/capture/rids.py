@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 from kvcadence.errors import InputError
 from kvcadence.format.bundle import BundleReader
-from kvcadence.format.schema import RequestRecord, RequestRecordView
+from kvcadence.format.schema import RequestRecord
 
 _HINT = "rids must be unique in a bundle (a request recorded twice is counted twice)"
 
@@ -56,9 +56,9 @@ def refuse_duplicate_rids(
 
 
 def bundle_rids(bundle: str | os.PathLike[str]) -> set[str]:
-    """The rids of every request record of ``bundle``."""
-    reader = BundleReader(bundle)
-    return {r.rid for r in reader.records(request_view=True) if type(r) is RequestRecordView}
+    """The rids of every request record of ``bundle`` (read for their rids only:
+    ``BundleReader.request_rids``)."""
+    return set(BundleReader(bundle).request_rids())
 
 
 def known_rid(bundle: str | os.PathLike[str], rid: str) -> InputError:

@@ -464,6 +464,20 @@ class RequestRecordView(BundleRecordBase, tag="request"):
     meta_info: dict[str, Any] = {}
 
 
+class RequestRidView(BundleRecordBase, tag="request"):
+    """A ``RequestRecord`` frame read for its rid only (the fields after it are not
+    decoded): ``BundleReader.request_rids``."""
+
+    rid: str
+
+
+class PackedRequestRidView(BundleRecordBase, tag="preq"):
+    """A ``PackedRequest`` frame read for its rid only (its prefix is not resolved):
+    ``BundleReader.request_rids``."""
+
+    rid: str
+
+
 class RequestRecordU32View(msgspec.Struct, gc=False):
     """A format 2.0 packed request as analysis ingest reads it (never encoded or decoded):
     ``RequestRecordView``'s fields in the same order, but ``input_ids``/``output_ids`` are
@@ -660,6 +674,8 @@ __all__ = [
     "EventFrame",
     "RequestRecord",
     "RequestRecordU32View",
+    "RequestRidView",
+    "PackedRequestRidView",
     "RequestRecordView",
     "PackedRequest",
     "Gap",

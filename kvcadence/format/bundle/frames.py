@@ -30,8 +30,10 @@ from kvcadence.format.schema import (
     Gap,
     Header,
     PackedRequest,
+    PackedRequestRidView,
     RequestRecord,
     RequestRecordView,
+    RequestRidView,
     SegmentStart,
     Trailer,
 )
@@ -283,6 +285,8 @@ def _events_as_decoder(events_as: Any) -> msgspec.msgpack.Decoder[Any]:
 # requests only (``requests()``, ``iter_kinds("request")``): either layout
 _REQUESTS = msgspec.msgpack.Decoder(Union[RequestRecord, PackedRequest])
 _REQUESTS_VIEW = msgspec.msgpack.Decoder(Union[RequestRecordView, PackedRequest])
+# their rids only (``request_rids``: ``views="rid"``; array-like structs ignore the rest)
+_REQUEST_RIDS = msgspec.msgpack.Decoder(Union[RequestRidView, PackedRequestRidView])
 
 
 def fast_decoder(wanted: frozenset[bytes] | None, views: bool | str) -> Any:
@@ -294,6 +298,8 @@ def fast_decoder(wanted: frozenset[bytes] | None, views: bool | str) -> Any:
     if len(wanted) == 1:
         return (_VIEW_DECODERS if views else _DECODERS)[next(iter(wanted))].decode
     if wanted == REQUEST_TAGS:
+        if views == "rid":
+            return _REQUEST_RIDS.decode
         return (_REQUESTS_VIEW if views else _REQUESTS).decode
     if not views and len(wanted) > 1 and wanted <= _CLASSES_BY_TAG.keys():
         return _union_of(wanted).decode  # a frame of another kind fails on its tag

@@ -498,6 +498,13 @@ class BundleReader:
             events_as=events_as,
         )
 
+    def request_rids(self) -> Iterator[str]:
+        """The rid of every request record, in order, nothing else of them decoded (a
+        packed request's prefix is not resolved: its rid is read even where the blocks it
+        refers to were lost with damage). For duplicate checks on long captures."""
+        for rec in self._iter(REQUEST_TAGS, "rid"):
+            yield rec.rid  # type: ignore[union-attr]
+
     def iter_kinds(self, *tags: str) -> Iterator[BundleRecord]:
         """Only the records whose tag is in ``tags`` (e.g. ``"gap", "epoch"``)."""
         return self._iter(frozenset(t.encode() for t in tags))  # type: ignore[return-value]
