@@ -246,6 +246,11 @@ class StoreIndex:
             else:
                 lst.append(ei)
 
+    def shift(self, ns: int) -> None:
+        """Every event's publish time less ``ns`` (onto the request records' clock:
+        ``clocks.records_offset``)."""
+        self._ts = [t - ns for t in self._ts]
+
     def hashes_of(self, ei: int) -> list[int]:
         """The block hashes of event ``ei``."""
         off = self.offs[ei]

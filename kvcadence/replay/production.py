@@ -39,6 +39,7 @@ Recovered outputs take the record's form: an ``array`` for a compact record
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -49,6 +50,7 @@ import msgspec
 from kvcadence.errors import WireError
 from kvcadence.format.hashes import block_hashes
 from kvcadence.gcpause import gc_paused
+from kvcadence.replay.clocks import records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
@@ -433,7 +435,14 @@ def records_for_replay(
             scan = FlushScan(reader.header)
             index = StoreIndex.from_reader(reader, capture_settings(reader).page_size, scan)
         flushes = scan.result()
+        # the events on the records' clock when the two disagree (``clocks``)
+        off = records_offset(index, recs)
+        if off:
+            index.shift(off)
+            flushes = [dataclasses.replace(f, recv_ns=f.recv_ns - off) for f in flushes]
         out, report = complete_records(recs, index, [f.recv_ns for f in flushes])
+    if off:
+        report["clock_offset_s"] = round(off / 1e9, 3)
     return out, report, flushes
 
 
@@ -454,6 +463,11 @@ def report_text(rep: dict[str, Any]) -> str:
 def _edge_text(rep: dict[str, Any]) -> str:
     """The production-only kinds of request, when the capture had any."""
     parts = []
+    if rep.get("clock_offset_s"):
+        parts.append(
+            f"the event stream's clock {rep['clock_offset_s']:+.3f} s from the request "
+            "records' (read from the prefill stores; the events put on the records' clock)"
+        )
     if rep.get("predecessor_ties"):
         parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
     if rep.get("idle_client_joins"):

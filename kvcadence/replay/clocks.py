@@ -1,0 +1,78 @@
+"""The offset between a capture's two clocks: its event stream's and its request records'.
+
+What this file owns: ``records_offset(index, records)``. A production capture times its
+events by the capture host's receive clock (``recv_ns``) and the scheduler's payload ``ts``,
+and its requests by SGLang's request log (``request_received_ts`` / ``request_finished_ts``
+of the tokenizer manager). The two agree within milliseconds on one healthy host, but not
+always: a capture host other than the worker's, or a worker whose wall-clock anchor moved
+(``tests/replay/data/clock-offset-touch``: the records 54.9 s behind both event clocks).
+The replay compares them directly -- recorded flushes are placed among the requests by
+time, the production inference searches a request's stores between its receive and its
+finish -- so with an offset every flush lands after every request and no store is found.
+
+The offset is read from content, not from time: a request's prefill store holds the first
+page of its prompt past its cached prefix, and it is published between the request's
+receive and its finish. Each request whose first uncached page is stored by exactly one
+event gives an interval of offsets that put that store inside its window, ``[t - finish,
+t - receive]``; the offset is the middle of the range covered by the most intervals. It is
+0 -- nothing changed -- when 0 is covered by as many as that (the clocks agree: every
+capture of the corpus), or when fewer than ``MIN_SAMPLES`` requests give an interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcadence.replay.schedule import _arrival, _finish
+from kvcadence.replay.tokens import same_ids, span
+
+#: fewer uniquely stored first pages than this: the offset is not estimated (0)
+MIN_SAMPLES = 5
+
+
+def records_offset(index: Any, records: Sequence[Any]) -> int:
+    """Nanoseconds to subtract from the event stream's times to put them on the records'
+    clock (see module); 0 when the clocks agree or the capture cannot tell."""
+    ps = index.page_size
+    tokens, ts, by_first = index.tokens, index._ts, index._by_first
+    spans: list[tuple[int, int]] = []
+    for r in records:
+        a, f, c = _arrival(r), _finish(r), r.cached_tokens
+        if a is None or f is None or c is None or f < a or c < 0:
+            continue
+        start = c // ps * ps
+        if start + ps > len(r.input_ids):
+            continue
+        want = span(r.input_ids, start, start + ps)
+        found = [e for e in by_first.get(want[0], ()) if same_ids(tokens[e][:ps], want)]
+        if len(found) == 1:
+            t = ts[found[0]]
+            spans.append((t - f, t - a))
+    if len(spans) < MIN_SAMPLES:
+        return 0
+    lo, hi, best = best_covered(spans)
+    at_zero = sum(1 for a, b in spans if a <= 0 <= b)
+    return 0 if at_zero >= best else (lo + hi) // 2
+
+
+def best_covered(spans: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
+    """``(lo, hi, n)``: the first range ``[lo, hi]`` covered by the most of the closed
+    intervals ``spans`` (``n`` of them), by a sweep over their ends."""
+    points = sorted([(a, 0) for a, _ in spans] + [(b, 1) for _, b in spans])
+    n = best = 0
+    lo = hi = points[0][0]
+    opened = False
+    for x, kind in points:  # at one x, openings (0) come before closings (1)
+        if kind == 0:
+            n += 1
+            if n > best:
+                best, lo, opened = n, x, True
+        else:
+            if opened:
+                hi, opened = x, False
+            n -= 1
+    return lo, hi, best
+
+
+__all__ = ["MIN_SAMPLES", "best_covered", "records_offset"]
