@@ -16,7 +16,8 @@ receive and its finish. Each request whose first uncached page is stored by exac
 event gives an interval of offsets that put that store inside its window, ``[t - finish,
 t - receive]``; the offset is the middle of the range covered by the most intervals. It is
 0 -- nothing changed -- when 0 is covered by as many as that (the clocks agree: every
-capture of the corpus), or when fewer than ``MIN_SAMPLES`` requests give an interval.
+capture of the corpus), or when fewer than ``MIN_SAMPLES`` requests give an interval. At
+most ``MAX_LOOKED`` requests, evenly spaced, are looked at.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from kvcadence.replay.tokens import same_ids, span
 
 #: fewer uniquely stored first pages than this: the offset is not estimated (0)
 MIN_SAMPLES = 5
+#: at most this many requests are looked at, evenly spaced (one offset for the capture: a
+#: long capture costs no more than this)
+MAX_LOOKED = 2000
 
 
 def records_offset(index: Any, records: Sequence[Any]) -> int:
@@ -37,7 +41,8 @@ def records_offset(index: Any, records: Sequence[Any]) -> int:
     ps = index.page_size
     tokens, ts, by_first = index.tokens, index._ts, index._by_first
     spans: list[tuple[int, int]] = []
-    for r in records:
+    step = -(-len(records) // MAX_LOOKED) or 1
+    for r in records[::step]:
         a, f, c = _arrival(r), _finish(r), r.cached_tokens
         if a is None or f is None or c is None or f < a or c < 0:
             continue
@@ -75,4 +80,4 @@ def best_covered(spans: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
     return lo, hi, best
 
 
-__all__ = ["MIN_SAMPLES", "best_covered", "records_offset"]
+__all__ = ["MAX_LOOKED", "MIN_SAMPLES", "best_covered", "records_offset"]

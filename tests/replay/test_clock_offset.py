@@ -84,3 +84,16 @@ def test_the_best_covered_range_holds_every_window_of_a_true_offset(windows, tru
     lo, hi, n = best_covered(spans)
     assert n == len(spans) and lo <= true_offset <= hi
     assert all(a <= lo and hi <= b for a, b in spans)
+
+
+def test_a_sample_of_the_requests_tells_the_same_and_too_few_tell_nothing(monkeypatch):
+    from kvcadence.replay import clocks
+
+    rd = BundleReader(BUNDLE)
+    recs = rd.requests()
+    index = StoreIndex.from_reader(rd, capture_settings(rd).page_size)
+    full = records_offset(index, recs)
+    monkeypatch.setattr(clocks, "MAX_LOOKED", 6)  # every other request
+    assert abs(records_offset(index, recs) - full) < 0.5e9 and full > 54e9
+    monkeypatch.setattr(clocks, "MAX_LOOKED", 3)  # 3 requests: fewer than MIN_SAMPLES
+    assert records_offset(index, recs) == 0
