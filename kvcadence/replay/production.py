@@ -61,7 +61,7 @@ from kvcadence.replay.sessions import (
     infer_clients,
     infer_predecessors,
 )
-from kvcadence.replay.settings import capture_settings, page_size_hint, settle, tally_for
+from kvcadence.replay.settings import capture_settings, page_size_hint, tally_for
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
 
 #: why an output stays synthetic (report keys)
@@ -430,7 +430,7 @@ def records_for_replay(
     with gc_paused():
         scan = FlushScan(reader.header)
         index = StoreIndex.from_reader(reader, ps, scan, tally)
-        if tally is not None and settle(reader, tally.scan).page_size != ps:
+        if tally is not None and capture_settings(reader, tally.scan).page_size != ps:
             # stores of several page sizes, the first not the most common (SGLang writes one)
             scan = FlushScan(reader.header)
             index = StoreIndex.from_reader(reader, capture_settings(reader).page_size, scan)

@@ -23,7 +23,7 @@ schedule on, ``fcfs``). ``CaptureSettings.note`` says in one line what was read 
 events and what was left at a default, for the CLI to print; the values can be overridden
 on the command line (``--page-size``, ``--max-total-tokens``, ...). The event scan runs only
 when a key is missing: a capture with a full snapshot pays nothing; a pass over the events
-made anyway (the production inference's) counts them on the way (``tally_for``, ``settle``).
+made anyway (the production inference's) counts them on the way (``tally_for``).
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ from kvcadence.format.bundle import event_payload
 from kvcadence.format.schema import (
     AllBlocksCleared,
     BlockRemovedRawView,
-    BlockRemovedV17RawView,
     BlockStoredIdsView,
     BlockStoredRawView,
-    BlockStoredV17RawView,
     _raw_array_len,
 )
 from kvcadence.replay.config import SimConfig
@@ -77,11 +75,13 @@ class CaptureSettings:
 _CACHE: weakref.WeakKeyDictionary[Any, CaptureSettings] = weakref.WeakKeyDictionary()
 
 
-def capture_settings(reader: Any) -> CaptureSettings:
-    """The settings of ``reader``'s capture (see module); read once per reader."""
+def capture_settings(reader: Any, scan: EventScan | None = None) -> CaptureSettings:
+    """The settings of ``reader``'s capture (see module); read once per reader. ``scan``: a
+    ``tally_for`` tally's result (every event frame of ``reader``, counted in a pass made
+    anyway), used instead of a scan of its own."""
     got = _CACHE.get(reader)
     if got is None:
-        got = _settings(reader)
+        got = _settings(reader, scan)
         _CACHE[reader] = got
     return got
 
@@ -89,7 +89,7 @@ def capture_settings(reader: Any) -> CaptureSettings:
 def tally_for(reader: Any) -> EventTally | None:
     """An ``EventTally`` for a pass over ``reader``'s events that someone makes anyway (the
     production inference's ``StoreIndex.from_reader``) when ``capture_settings`` would scan
-    them, else None; hand its result to ``settle``."""
+    them, else None; hand its result to ``capture_settings``."""
     if reader in _CACHE:
         return None
     info = getattr(reader.header, "server_info", None) or {}
@@ -98,20 +98,10 @@ def tally_for(reader: Any) -> EventTally | None:
     return EventTally(getattr(reader.header, "endpoints", None) or [])
 
 
-def settle(reader: Any, scan: EventScan) -> CaptureSettings:
-    """``capture_settings(reader)`` from ``scan`` (a ``tally_for`` tally's result: every
-    event frame of ``reader``), kept as its settings: no second scan."""
-    got = _CACHE.get(reader)
-    if got is None:
-        got = _settings(reader, scan)
-        _CACHE[reader] = got
-    return got
-
-
 def page_size_hint(reader: Any) -> int:
     """``reader``'s page size before its events are scanned: its settings' when known (a
     full snapshot, or read before), else the first ``BlockStored``'s ``block_size`` (a
-    short read; 1 when there is none). ``settle``'s page size is the most common one, the
+    short read; 1 when there is none). The settings' page size is the most common one, the
     same in every capture SGLang writes."""
     got = _CACHE.get(reader)
     if got is not None:
@@ -215,10 +205,10 @@ class EventScan:
     evicted: bool = False
 
 
-#: the event views a stored / removed block comes as (``decode_batch_raw``'s, either wire
-#: version; ``schema.EventFrameIdsView``'s store)
-_STORED = frozenset({BlockStoredRawView, BlockStoredV17RawView, BlockStoredIdsView})
-_REMOVED = frozenset({BlockRemovedRawView, BlockRemovedV17RawView})
+#: the event views a stored / removed block comes as (``decode_batch_raw``'s, every wire
+#: version converted to them; ``schema.EventFrameIdsView``'s store)
+_STORED = frozenset({BlockStoredRawView, BlockStoredIdsView})
+_REMOVED = frozenset({BlockRemovedRawView})
 
 
 class EventTally:

@@ -150,7 +150,7 @@ def test_inspect_shows_the_settings_or_that_the_capture_has_none(tmp_path):
 @pytest.mark.parametrize("name", ["p16-chunk256-evict", "dp2-p8-long-nooverlap"])
 def test_the_inference_counts_the_settings_in_its_own_pass(tmp_path, name):
     """A production replay of a capture without a snapshot reads its events once: the
-    inference's pass counts the settings (``tally_for``, ``settle``), and they are those a
+    inference's pass counts the settings (``tally_for``), and they are those a
     scan of their own finds."""
     src = _copy(CORPUS / name / "bundle", tmp_path / "p", {}, production=True)
     alone = capture_settings(BundleReader(src))
