@@ -183,7 +183,13 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("page_size", int, ("page_size",)),
     ("max_total_tokens", int, ("max_total_num_tokens", "max_total_tokens")),
     ("max_prefill_tokens", int, ("max_prefill_tokens",)),
-    ("max_running_requests", int, ("max_running_requests",)),
+    # the scheduler's own (``internal_states``: the requested value capped by the pool, or
+    # the default SGLang derives from the pool), else the requested one
+    (
+        "max_running_requests",
+        int,
+        ("effective_max_running_requests_per_dp", "max_running_requests"),
+    ),
     ("decode_log_interval", int, ("decode_log_interval",)),
     ("schedule_policy", str, ("schedule_policy",)),
     ("schedule_conservativeness", float, ("schedule_conservativeness",)),
@@ -225,9 +231,9 @@ def from_server_info(server_info: dict[str, Any], sglang_version: str | None = N
         merged.update(info)
         info = merged
     for attr, conv, names in _SERVER_INFO_FIELDS:
-        v = _get(info, *names)
-        if v is not None:
-            setattr(cfg, attr, _checked(conv, v, names[0]))
+        key = next((n for n in names if info.get(n) is not None), None)
+        if key is not None:
+            setattr(cfg, attr, _checked(conv, info[key], key))
     if "chunked_prefill_size" in info:
         v = info["chunked_prefill_size"]
         if v is not None:

@@ -499,8 +499,9 @@ class Scheduler:
         for req in ordered:
             if gen0523 and adder.budget_state() is AddReqResult.OTHER:
                 break
-            n_admitted = len(can_run_list) - (1 if has_chunked else 0)
-            if n_admitted >= allocatable:
+            # the continuing chunk counts (0.5.23: ``len(adder.can_run_list) >=
+            # get_num_allocatable_reqs(running_bs)``; it is not in the running batch)
+            if len(can_run_list) >= allocatable:
                 self.batch_is_full = True
                 break
             self._match(req)

@@ -73,6 +73,10 @@ CAPTURES = (
     "dp2-p4-retract-noeos",
     "dp2-p32-http-clients",
     "p8-chunk128-nooverlap-http-clients",
+    "p4-mrr3",
+    "p8-chunk384",
+    "p8-chunk384-loaded",
+    "p2-flush2x",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -103,6 +107,9 @@ MISSES: dict[tuple[str, str], str] = {
     ("p16-retract-noeos", "stored_median"): "stored_blocks_median 11 -> 10 (-9.1%)",
     ("p16-retract-noeos", "cached_equal"): "cached_tokens_equal 0.660",
     ("dp2-p4-retract-noeos", "cached_equal"): "cached_tokens_equal 0.865",
+    ("p4-mrr3", "cached_equal"): "cached_tokens_equal 0.905",
+    ("p8-chunk384-loaded", "cached_equal"): "cached_tokens_equal 0.805",
+    ("p2-flush2x", "cached_equal"): "cached_tokens_equal 0.945",
 }
 
 
@@ -236,6 +243,9 @@ PRODUCTION_MISSES: dict[str, str] = {
     "dp2-p4-retract-noeos": "cached_tokens_equal 0.865",
     "dp2-p32-http-clients": "removed_blocks_mean 7.5 -> 8.394 (+11.9%)",
     "p8-chunk128-nooverlap-http-clients": "cached_tokens_equal 0.936",
+    "p4-mrr3": "cached_tokens_equal 0.905",
+    "p8-chunk384-loaded": "cached_tokens_equal 0.805",
+    "p2-flush2x": "cached_tokens_equal 0.945",
 }
 
 

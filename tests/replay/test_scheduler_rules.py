@@ -511,3 +511,33 @@ def test_reprefill_past_the_prompt_splits_the_leaf_at_the_prompt_end(ps):
     assert s.tree.evict(1) == n_out  # the outputs' leaf alone
     assert s.tree.peek_prefix_len(r.ids) == prompt  # the prompt stays cached
     assert s.tree.evict(1) == prompt
+
+
+def test_max_running_requests_counts_the_continuing_chunk():
+    """0.5.23 ``_get_new_batch_prefill_raw``: the batch is full once ``len(can_run_list)``
+    -- the continuing chunk included (it is not in the running batch) -- reaches
+    ``max_running_requests − running``; with 2, the pass that ends ``a``'s chunked prompt
+    admits ``b`` and not ``c`` (all three waiting since the first pass)."""
+    a = req("a", list(range(3, 153)), 4)  # 150 tokens: chunks 128 + 22
+    b = req("b", list(range(300, 320)), 4)
+    c = req("c", list(range(400, 420)), 4)
+    for overlap_off in (False, True):
+        cfg = config(
+            chunked_prefill_size=128, max_running_requests=2, disable_overlap_schedule=overlap_off
+        )
+        r = run([a, b, c], cfg)
+        done = {x.rid: x.meta_info["prefill_finished_time"] for x in r.requests}
+        assert done["a"] == done["b"] < done["c"], (overlap_off, done, shape(r))
+        check_stream(r)
+
+
+def test_max_running_requests_read_from_the_schedulers_effective_value():
+    """``/server_info`` ``internal_states`` carries the scheduler's own limit (the requested
+    value capped by the pool, or the default SGLang derives): preferred to the request."""
+    from kvcadence.replay.config import from_server_info
+
+    info = {"max_running_requests": None, "max_total_num_tokens": 5000}
+    states = [{"effective_max_running_requests_per_dp": 2048}]
+    assert from_server_info({**info, "internal_states": states}).effective_max_running == 2048
+    assert from_server_info({**info, "max_running_requests": 3}).effective_max_running == 3
+    assert from_server_info(info).effective_max_running == 2500  # pool / 2
