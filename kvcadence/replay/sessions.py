@@ -25,7 +25,9 @@ bound (``max_gap_ns``); (2) it is the *only idle client* -- the one session end 
 start has joined yet, every other client being in a session -- whose session itself joined
 a client (it came back before), and it came at most the median wait from a given moment to
 the next session start earlier (``median_wait``: an independent, open-loop arrival would
-follow a given moment that closely less often than not). (2) keeps a closed-loop client
+follow a given moment that closely less often than not). A start that finds no end in its
+bound first tries one augmenting step (an earlier start gives up its end when another free
+end is within its own bound): the pairing that joins more starts. (2) keeps a closed-loop client
 that paused long (a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
 nobody joins, and from the first of them on no client is the only idle one.
 """
@@ -233,6 +235,12 @@ def infer_clients(
     a predecessor) took across that flush (``_flush_pauses``): the clients demonstrably
     paused that long there, so a session start within it is a client resuming too.
 
+    A start that finds no end within the bound takes one from an earlier start when that
+    start can take another unclaimed end within its own bound instead (an augmenting path
+    of one step: two sessions that started ms apart after two clients' ends -- the later
+    start's end claimed by the earlier start -- are both closed loop, as their clients were;
+    the pairing that joins more starts wins, ties as above).
+
     ``None`` = open loop; ``order``: ``arrival_order(nodes)`` when the caller has it.
     Returns the links and how many of them rule 2 made."""
     out: list[int | None] = [None] * len(nodes)
@@ -243,7 +251,28 @@ def infer_clients(
     idle_gap: int | None = None  # rule 2's bound, computed when first needed
     free: list[int] = []  # every session end finished so far and unclaimed, by finish time
     flushes = sorted(flushes_ns)
-    crossing: list[int] | None = None  # ``_flush_pauses``, computed when first needed
+    crossing: list[int] = []  # ``_flush_pauses``, computed when first needed
+
+    def pause(q: int, e: int) -> tuple[int, int]:
+        """``(gap, bound)``: start ``q``'s pause after session end ``e`` and its rule-1
+        think-time bound."""
+        t = nodes[q].arrival_ns
+        since = cast("int", nodes[e].finish_ns)
+        k = bisect_right(flushes, t)
+        bound = max_gap_ns
+        if k and flushes[k - 1] > since:
+            since = flushes[k - 1]  # the pause spans a flush: counted from it
+            if not crossing:
+                crossing.extend(_flush_pauses(nodes, flushes))
+            bound = max(bound, crossing[k - 1])
+        return t - since, bound
+
+    def fits(q: int, e: int) -> bool:
+        """Rule 1: session end ``e`` within start ``q``'s think-time bound."""
+        gap, bound = pause(q, e)
+        return gap <= bound
+
+    joined: list[int] = []  # the starts rule 1 joined, in arrival order
     ei = idle = 0
     for q in starts:
         t = nodes[q].arrival_ns
@@ -252,17 +281,12 @@ def infer_clients(
             ei += 1
         if not free:
             continue
-        since = cast("int", nodes[free[-1]].finish_ns)
-        k = bisect_right(flushes, t)
-        bound = max_gap_ns
-        if k and flushes[k - 1] > since:
-            since = flushes[k - 1]  # the pause spans a flush: counted from it
-            if crossing is None:
-                crossing = _flush_pauses(nodes, flushes)
-            bound = max(bound, crossing[k - 1])
-        gap = t - since
+        gap, bound = pause(q, free[-1])
         if gap <= bound:
             out[q] = free.pop()
+            joined.append(q)
+        elif _augment(q, joined, free, out, fits, nodes):
+            joined.append(q)
         elif len(free) == 1:
             if idle_gap is None:
                 idle_gap = median_wait(
@@ -272,6 +296,36 @@ def infer_clients(
                 out[q] = free.pop()
                 idle += 1
     return out, idle
+
+
+#: how many of the latest rule-1 joins an augmenting step looks at
+AUGMENT_LOOKBACK = 16
+
+
+def _augment(
+    q: int,
+    joined: list[int],
+    free: list[int],
+    out: list[int | None],
+    fits: Callable[[int, int], bool],
+    nodes: Sequence[Node],
+) -> bool:
+    """Join start ``q`` (no free end within its bound) by one augmenting step: an earlier
+    start ``p`` (latest first) holds an end within ``q``'s bound and can take a free end
+    within its own bound that had finished before ``p`` arrived (the latest such); ``p``
+    moves to it, ``q`` takes ``p``'s. True when done."""
+    for p in reversed(joined[max(0, len(joined) - AUGMENT_LOOKBACK) :]):
+        e = out[p]
+        if e is None or not fits(q, e):
+            continue
+        t = nodes[p].arrival_ns
+        for j in range(len(free) - 1, -1, -1):
+            f = free[j]
+            if cast("int", nodes[f].finish_ns) <= t and fits(p, f):
+                out[p] = free.pop(j)
+                out[q] = e
+                return True
+    return False
 
 
 def _flush_pauses(nodes: Sequence[Node], flushes: Sequence[int]) -> list[int]:

@@ -77,6 +77,7 @@ CAPTURES = (
     "p8-chunk384",
     "p8-chunk384-loaded",
     "p2-flush2x",
+    "p4-dfs-mrr4",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are

@@ -10,6 +10,8 @@ import random
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcadence.format.hashes import block_hashes
 from kvcadence.format.schema import BlockStored, RequestRecord
@@ -700,3 +702,44 @@ def test_index_drops_a_store_whose_nine_byte_hashes_are_not_ints(tmp_path):
     got = [(index.hashes_of(i), e.tokens) for i, e in enumerate(index.events)]
     assert got == [([2**40 + 1, 2**41], [5, 6]), ([2**43], [11]), ([3, 2**44], [12, 13])]
     assert index.offs == [0, 2, 3]
+
+
+def test_a_start_past_the_bound_takes_an_earlier_starts_end_when_that_start_has_another():
+    """Corpus ``p4-dfs-mrr4``: one client's session ends at 1000 ms, another's at 1270;
+    two sessions start at 1285 and 1300. Joining each start to the latest free end gives
+    the first start the 1270 end (15 ms) and leaves the second none (its only free end,
+    1000, is 300 ms back, past a 290 ms bound): one open-loop client more. The second takes
+    the 1270 end (30 ms) from the first, which moves to the 1000 end (285 ms, within its
+    bound); with a 280 ms bound the first cannot move, and the second stays open loop."""
+    spans = [(0, 1000), (5, 1270), (1285, 2000), (1300, 2100)]
+    links, idle = infer_clients(_sessions(spans), 290 * 1_000_000)
+    assert links[2:] == [0, 1] and idle == 0  # both closed loop (their own clients here)
+    # an earlier start with no other end in its bound keeps its end: the later one is open loop
+    links, _ = infer_clients(_sessions(spans), 280 * 1_000_000)
+    assert links[2:] == [1, None]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 3000)), min_size=1, max_size=30),
+    st.integers(1, 2000),
+)
+def test_client_links_are_a_matching_of_starts_to_earlier_ends(spans, bound_ms):
+    """Every link joins a start to a session end that finished before it, each end at most
+    once, and no more starts are left open loop than without the augmenting step."""
+    import kvcadence.replay.sessions as sessions
+
+    nodes = _sessions([(a, a + d) for a, d in spans])
+    links, _ = infer_clients(nodes, bound_ms * 1_000_000)
+    used = [e for e in links if e is not None]
+    assert len(used) == len(set(used))
+    for q, e in enumerate(links):
+        if e is not None:
+            assert nodes[e].finish_ns <= nodes[q].arrival_ns and e != q
+    saved = sessions.AUGMENT_LOOKBACK
+    sessions.AUGMENT_LOOKBACK = 0
+    try:
+        plain, _ = infer_clients(nodes, bound_ms * 1_000_000)
+    finally:
+        sessions.AUGMENT_LOOKBACK = saved
+    assert links.count(None) <= plain.count(None)
