@@ -78,6 +78,7 @@ CAPTURES = (
     "p8-chunk384-loaded",
     "p2-flush2x",
     "p4-dfs-mrr4",
+    "dp2-p8-lpm",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -111,6 +112,8 @@ MISSES: dict[tuple[str, str], str] = {
     ("p4-mrr3", "cached_equal"): "cached_tokens_equal 0.905",
     ("p8-chunk384-loaded", "cached_equal"): "cached_tokens_equal 0.805",
     ("p2-flush2x", "cached_equal"): "cached_tokens_equal 0.945",
+    ("dp2-p8-lpm", "stored_median"): "stored_blocks_median 14 -> 15 (+7.1%)",
+    ("dp2-p8-lpm", "cached_equal"): "cached_tokens_equal 0.925",
 }
 
 
@@ -247,6 +250,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p4-mrr3": "cached_tokens_equal 0.905",
     "p8-chunk384-loaded": "cached_tokens_equal 0.805",
     "p2-flush2x": "cached_tokens_equal 0.945",
+    "dp2-p8-lpm": "stored_blocks_median 14 -> 15 (+7.1%); cached_tokens_equal 0.925",
 }
 
 
