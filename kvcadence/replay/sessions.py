@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -272,7 +273,8 @@ def infer_clients(
         gap, bound = pause(q, e)
         return gap <= bound
 
-    joined: list[int] = []  # the starts rule 1 joined, in arrival order
+    # the latest starts rule 1 joined, in arrival order (an augmenting step looks at these)
+    joined: deque[int] = deque(maxlen=AUGMENT_LOOKBACK)
     ei = idle = 0
     for q in starts:
         t = nodes[q].arrival_ns
@@ -304,27 +306,30 @@ AUGMENT_LOOKBACK = 16
 
 def _augment(
     q: int,
-    joined: list[int],
+    joined: deque[int],
     free: list[int],
     out: list[int | None],
     fits: Callable[[int, int], bool],
     nodes: Sequence[Node],
 ) -> bool:
     """Join start ``q`` (no free end within its bound) by one augmenting step: an earlier
-    start ``p`` (latest first) holds an end within ``q``'s bound and can take a free end
-    within its own bound that had finished before ``p`` arrived (the latest such); ``p``
-    moves to it, ``q`` takes ``p``'s. True when done."""
-    for p in reversed(joined[max(0, len(joined) - AUGMENT_LOOKBACK) :]):
+    start ``p`` (of the latest ``joined``, latest first) holds an end within ``q``'s bound
+    and can take the latest free end that had finished before ``p`` arrived, when that is
+    within ``p``'s bound (an older end's pause is no shorter); ``p`` moves to it, ``q``
+    takes ``p``'s. True when done. ``free`` is in finish order: only the ends that finished
+    after ``p`` arrived are stepped over."""
+    for p in reversed(joined):
         e = out[p]
         if e is None or not fits(q, e):
             continue
         t = nodes[p].arrival_ns
-        for j in range(len(free) - 1, -1, -1):
-            f = free[j]
-            if cast("int", nodes[f].finish_ns) <= t and fits(p, f):
-                out[p] = free.pop(j)
-                out[q] = e
-                return True
+        j = len(free) - 1
+        while j >= 0 and cast("int", nodes[free[j]].finish_ns) > t:
+            j -= 1
+        if j >= 0 and fits(p, free[j]):
+            out[p] = free.pop(j)
+            out[q] = e
+            return True
     return False
 
 
