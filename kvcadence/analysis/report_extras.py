@@ -23,6 +23,12 @@ every input, so a report only pays for sections that say something; it draws its
   rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
   sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
 
+* ``divergence`` (``kvcadence.analysis.divergence``): with two or more inputs. JSON
+  ``divergence``: one entry per compared input -- per DP rank the leading messages whose
+  events equal the reference's and the first differing message of each side (block runs
+  named by request page), the first request whose ``cached_tokens`` differs; section
+  "Divergence (LABEL)".
+
 ``visibility`` and ``families`` read the bundles themselves, ``aligned`` and ``ranks`` the
 Parquet tables (``ranks.rank_figures``, the one place hit rate and per-rank figures are
 computed); each cost is only paid when its section applies.
@@ -35,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis import aligned, families, plots, ranks, sql, visibility
+from kvcadence.analysis import aligned, divergence, families, plots, ranks, sql, visibility
 from kvcadence.analysis.formatting import fmt
 
 
@@ -225,12 +231,29 @@ def families_extra(
     return Extra({"hash_families": data}, [families.families_section(data)], after="Data quality")
 
 
+def divergence_extra(
+    labelled: list[tuple[str, Any]], ings: list[Any], out: Path | None
+) -> Extra | None:
+    if len(labelled) < 2:
+        return None
+    (ref, m0), ref_ing = labelled[0], ings[0]
+    ps = int(m0.inputs.get("page_size") or 1)
+    found = [
+        divergence.compare(ref, ref_ing, label, ing, ps)
+        for (label, _), ing in zip(labelled[1:], ings[1:], strict=True)
+    ]
+    return Extra(
+        {"divergence": [d.as_dict() for d in found]}, [divergence.section(d) for d in found]
+    )
+
+
 #: The optional section providers, in report order (see the module docstring).
 PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path | None], Extra | None]] = [
     families_extra,
     aligned_extra,
     visibility_extra,
     ranks_extra,
+    divergence_extra,
 ]
 
 
