@@ -3,9 +3,10 @@
 What this file owns (``report_extras.divergence_extra`` adds the section and JSON key
 ``divergence``): for the reference (real) bundle and each compared one,
 
-* each message reduced to one signature in DuckDB -- its events in order, each its kind and
-  block hashes in order (a hash of that list: no event list is held in Python) -- and the
-  messages of a DP rank in publish order (epoch, seq); leading messages holding only
+* each message reduced to one signature in DuckDB -- its events in order, each its kind,
+  block count and first, last and parent block hash (chained hashes: the last names the
+  run), from the events table alone (no pass over the blocks, no event list in Python) --
+  and the messages of a DP rank in publish order (epoch, seq); leading messages holding only
   ``AllBlocksCleared`` (the start-up clear, present in one bundle and not the other) are
   skipped;
 * the number of leading messages with equal signatures on each rank (``same``) and, when
@@ -29,6 +30,10 @@ from kvcadence.analysis.formatting import md_escape
 
 #: events of a differing message shown per side (the rest counted)
 MAX_EVENTS = 8
+
+#: one event of a shown message: its kind ("S", "R", "C") and block runs
+#: ``(rid or None, first page, last page, prompt pages?, blocks)``
+Event = tuple[str, list[tuple[str | None, int, int, bool, int]]]
 
 
 @dataclass
@@ -73,51 +78,55 @@ class Divergence:
 
 
 _SIGNATURES = """
-WITH ev AS (
-    SELECT e.event_id, e.batch_id, e.kind::VARCHAR AS kind,
-           list(b.hash ORDER BY b.pos) FILTER (WHERE b.hash IS NOT NULL) AS hs
-    FROM events e LEFT JOIN blocks b ON b.event_id = e.event_id
-    GROUP BY e.event_id, e.batch_id, e.kind
-)
-SELECT m.dp_rank, m.batch_id,
-       hash(list(struct_pack(k := ev.kind, h := ev.hs) ORDER BY ev.event_id)) AS sig,
-       bool_and(ev.kind = 'cleared') AS clear_only
-FROM batches m JOIN ev ON ev.batch_id = m.batch_id
-GROUP BY m.dp_rank, m.batch_id, m.epoch, m.seq
-ORDER BY m.dp_rank, m.epoch, m.seq, m.batch_id
+SELECT dp_rank, batch_id,
+       bit_xor(hash(idx, kind::VARCHAR, n_blocks, first_hash, last_hash, parent_hash)) AS sig,
+       bool_and(kind::VARCHAR = 'cleared') AS clear_only
+FROM events
+GROUP BY dp_rank, epoch, seq, batch_id
+ORDER BY dp_rank, epoch, seq, batch_id
 """
 
 
-def _signatures(ing: Any) -> dict[int, tuple[list[int], list[int]]]:
-    """rank -> (batch ids, signatures) in publish order, leading clear-only messages out."""
+def _signatures(ing: Any) -> dict[int, tuple[Any, Any]]:
+    """rank -> (batch ids, signatures) in publish order (numpy arrays), leading clear-only
+    messages out. A message's signature combines each event's position, kind, block count,
+    first, last and parent hash (the chained hashes: the last block names the run) -- from
+    the events table alone, no pass over the blocks."""
+    import numpy as np
+
     con = sql.connect(ing)
     try:
-        rows = con.sql(_SIGNATURES).fetchall()
+        cols = con.sql(_SIGNATURES).fetchnumpy()
     finally:
         con.close()
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    for rank, batch_id, sig, clear_only in rows:
-        ids, sigs = out.setdefault(int(rank), ([], []))
-        if clear_only and not ids:
-            continue
-        ids.append(int(batch_id))
-        sigs.append(int(sig))
+    ranks = np.asarray(cols["dp_rank"], dtype=np.int64)
+    ids = np.asarray(cols["batch_id"], dtype=np.int64)
+    sigs = np.asarray(cols["sig"], dtype=np.uint64)
+    clear = np.asarray(cols["clear_only"], dtype=bool)
+    out: dict[int, tuple[Any, Any]] = {}
+    for rank in np.unique(ranks).tolist():
+        mine = np.flatnonzero(ranks == rank)
+        lead = int(np.argmin(clear[mine])) if not clear[mine].all() else len(mine)
+        mine = mine[lead:]
+        out[int(rank)] = (ids[mine], sigs[mine])
     return out
-
-
-#: one event of a shown message: its kind ("S", "R", "C") and block runs
-#: ``(rid or None, first page, last page, prompt pages?, blocks)``
-Event = tuple[str, list[tuple[str | None, int, int, bool, int]]]
 
 
 def _message(ing: Any, batch_id: int, page_size: int) -> list[Event]:
     """The events of message ``batch_id``, each block run attributed to its request pages."""
     con = sql.connect(ing)
     try:
+        # a message's events are consecutive rows, its blocks too: the event-id range lets
+        # the blocks scan skip every other row group (their min/max statistics)
+        ((lo, hi),) = con.sql(
+            f"SELECT min(event_id), max(event_id) FROM events WHERE batch_id = {int(batch_id)}"
+        ).fetchall()
         rows = con.sql(
             "SELECT e.event_id, e.kind::VARCHAR, b.pos, b.hash FROM events e "
-            "LEFT JOIN blocks b ON b.event_id = e.event_id "
-            f"WHERE e.batch_id = {int(batch_id)} ORDER BY e.event_id, b.pos"
+            "LEFT JOIN (SELECT * FROM blocks WHERE event_id BETWEEN $lo AND $hi) b "
+            "ON b.event_id = e.event_id "
+            "WHERE e.event_id BETWEEN $lo AND $hi ORDER BY e.event_id, b.pos",
+            params={"lo": lo, "hi": hi},
         ).fetchall()
         hashes = sorted({int(h) for *_, h in rows if h is not None})
         owners: dict[int, tuple[str, int, bool]] = {}
@@ -199,29 +208,25 @@ def message_text(msg: list[Event], esc: Any = str) -> list[str]:
 
 
 def _first_cached(real: Any, sim: Any) -> dict[str, Any] | None:
-    """The first request (the reference's arrival order) whose ``cached_tokens`` differs."""
+    """The first request (the reference's arrival order) whose ``cached_tokens`` differs: one
+    query over both requests tables (no rid list in Python)."""
+    path = str(sim.path("requests")).replace("'", "''")
     con = sql.connect(real)
     try:
-        ours = con.sql(
-            "SELECT rid, cached_tokens, row_number() OVER (ORDER BY send_ns, request_id) "
-            "FROM requests WHERE error IS NULL ORDER BY send_ns, request_id"
+        rows = con.sql(
+            "WITH r AS (SELECT rid, cached_tokens, row_number() OVER "
+            "(ORDER BY send_ns, request_id) AS k FROM requests WHERE error IS NULL), "
+            "s AS (SELECT rid, any_value(cached_tokens) AS cached_tokens "
+            f"FROM read_parquet('{path}') GROUP BY rid) "
+            "SELECT r.rid, r.k, r.cached_tokens, s.cached_tokens FROM r JOIN s USING (rid) "
+            "WHERE r.cached_tokens IS DISTINCT FROM s.cached_tokens ORDER BY r.k LIMIT 1"
         ).fetchall()
     finally:
         con.close()
-    con = sql.connect(sim)
-    try:
-        theirs = dict(con.sql("SELECT rid, cached_tokens FROM requests").fetchall())
-    finally:
-        con.close()
-    for rid, cached, k in ours:
-        if rid in theirs and theirs[rid] != cached:
-            return {
-                "rid": rid,
-                "arrival_index": int(k),
-                "real": cached,
-                "sim": theirs[rid],
-            }
-    return None
+    if not rows:
+        return None
+    ((rid, k, a, b),) = rows
+    return {"rid": rid, "arrival_index": int(k), "real": a, "sim": b}
 
 
 def compare(real_label: str, real: Any, sim_label: str, sim: Any, page_size: int) -> Divergence:
@@ -229,15 +234,19 @@ def compare(real_label: str, real: Any, sim_label: str, sim: Any, page_size: int
     ps = max(1, int(page_size))
     a, b = _signatures(real), _signatures(sim)
     out = Divergence(real_label, sim_label)
+    import numpy as np
+
+    none = (np.zeros(0, np.int64), np.zeros(0, np.uint64))
     for rank in sorted(set(a) | set(b)):
-        ia, sa = a.get(rank, ([], []))
-        ib, sb = b.get(rank, ([], []))
+        ia, sa = a.get(rank, none)
+        ib, sb = b.get(rank, none)
         n = min(len(sa), len(sb))
-        same = next((i for i in range(n) if sa[i] != sb[i]), n)
+        diff = np.flatnonzero(sa[:n] != sb[:n])
+        same = int(diff[0]) if len(diff) else n
         p = Parting(rank, same, len(sa), len(sb))
         if same < max(len(sa), len(sb)):
-            p.real = _message(real, ia[same], ps) if same < len(sa) else None
-            p.sim = _message(sim, ib[same], ps) if same < len(sb) else None
+            p.real = _message(real, int(ia[same]), ps) if same < len(sa) else None
+            p.sim = _message(sim, int(ib[same]), ps) if same < len(sb) else None
         out.ranks.append(p)
     out.first_cached = _first_cached(real, sim)
     return out
