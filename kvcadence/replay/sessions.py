@@ -25,8 +25,8 @@ bound (``max_gap_ns``); (2) it is the *only idle client* -- the one session end 
 start has joined yet, every other client being in a session -- whose session itself joined
 a client (it came back before), and it came at most the median wait from a given moment to
 the next session start earlier (``median_wait``: an independent, open-loop arrival would
-follow a given moment that closely less often than not). A start that finds no end in its
-bound first tries one augmenting step (an earlier start gives up its end when another free
+follow a given moment that closely less often than not). A start that neither way joins
+tries one augmenting step (an earlier start gives up its end when another free
 end is within its own bound): the pairing that joins more starts. (2) keeps a closed-loop client
 that paused long (a loaded box) from becoming a new, open-loop one; open-loop traffic leaves session ends
 nobody joins, and from the first of them on no client is the only idle one.
@@ -236,7 +236,8 @@ def infer_clients(
     a predecessor) took across that flush (``_flush_pauses``): the clients demonstrably
     paused that long there, so a session start within it is a client resuming too.
 
-    A start that finds no end within the bound takes one from an earlier start when that
+    A start that finds no end within the bound, and does not join as the only idle client,
+    takes one from an earlier start when that
     start can take another unclaimed end within its own bound instead (an augmenting path
     of one step: two sessions that started ms apart after two clients' ends -- the later
     start's end claimed by the earlier start -- are both closed loop, as their clients were;
@@ -287,9 +288,8 @@ def infer_clients(
         if gap <= bound:
             out[q] = free.pop()
             joined.append(q)
-        elif _augment(q, joined, free, out, fits, nodes):
-            joined.append(q)
-        elif len(free) == 1:
+            continue
+        if len(free) == 1:
             if idle_gap is None:
                 idle_gap = median_wait(
                     [nodes[b].arrival_ns - nodes[a].arrival_ns for a, b in pairwise(starts)]
@@ -297,6 +297,9 @@ def infer_clients(
             if gap <= idle_gap and out[_session_start(nodes, free[0])] is not None:
                 out[q] = free.pop()
                 idle += 1
+                continue
+        if _augment(q, joined, free, out, fits, nodes):  # rule 1 after one augmenting step
+            joined.append(q)
     return out, idle
 
 
