@@ -107,10 +107,11 @@ class _Pending:
             self.tail.close()
 
     def summary(self, out: str) -> str:
-        from kvcadence.capture.tail import match_requests, summary_text
+        from kvcadence.capture.tail import match_requests, rematch_at_events_page, summary_text
         from kvcadence.format.bundle import BundleReader
 
         match = match_requests(BundleReader(out), self.tail.anchors, self.page_size)
+        match = rematch_at_events_page(BundleReader(out), match)
         return summary_text(self.tail.stats, match)
 
 

@@ -421,6 +421,24 @@ def match_requests(
     return out
 
 
+def rematch_at_events_page(reader: Any, match: dict[str, int]) -> dict[str, int]:
+    """``match`` again when it says ``page_mismatch`` (the prompts were hashed at page size
+    1: no /server_info page size): the anchored requests' prompts re-read from the bundle,
+    one record at a time, and hashed at the events' block size (``rehashed_at``). The same
+    requests are checked (``anchored``: the tail's order is the bundle's)."""
+    ps = match.get("page_mismatch")
+    if not ps:
+        return match
+    anchors = [
+        prompt_anchor(list(rec.input_ids), ps)
+        for i, rec in enumerate(reader.iter_kinds("request"))
+        if anchored(i)
+    ]
+    again = match_requests(reader, anchors, ps)
+    again["rehashed_at"] = ps
+    return again
+
+
 def _checked(st: TailStats, match: dict[str, int]) -> str:
     """How many requests were checked, when not all were (a long capture's sample)."""
     if match["requests"] >= st.records:
@@ -447,6 +465,13 @@ def summary_text(st: TailStats, match: dict[str, int] | None) -> str:
         s += (
             f"; {match['matched']} of {match['requests']} requests{_checked(st, match)} "
             f"matched to the event stream (prompt's last page stored; {match['short']} "
-            f"shorter than a page, {match['no_ids']} without token ids)"
+            f"shorter than a page, {match['no_ids']} without token ids"
+            + (
+                f"; hashed at the events' page size, {match['rehashed_at']} tokens: the capture "
+                "has no /server_info page size"
+                if match.get("rehashed_at")
+                else ""
+            )
+            + ")"
         )
     return s

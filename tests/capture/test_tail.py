@@ -300,6 +300,34 @@ def test_match_requests_says_when_the_events_have_another_page_size(tmp_path):
     assert right["matched"] == 20 and "page_mismatch" not in right
 
 
+def test_the_summary_rehashes_at_the_events_page_size(tmp_path):
+    """The capture's summary does not stop at the mismatch: the checked requests' prompts,
+    read back from the bundle, are hashed at the events' block size and matched (a real
+    production capture, ``http-clients-p16``: its records are the tailed metrics)."""
+    from kvcadence.capture.tail import (
+        TailStats,
+        anchored,
+        prompt_anchor,
+        rematch_at_events_page,
+        summary_text,
+    )
+
+    corpus = Path(__file__).parents[1] / "replay" / "data" / "corpus" / "http-clients-p16"
+    reader = BundleReader(corpus / "bundle")
+    recs = reader.requests()
+    anchors = [prompt_anchor(r.input_ids, 1) for i, r in enumerate(recs) if anchored(i)]
+    got = match_requests(reader, anchors, 1)
+    assert got["matched"] == 0 and got["page_mismatch"] == 16
+    again = rematch_at_events_page(reader, got)
+    truth = match_requests(
+        reader, [prompt_anchor(r.input_ids, 16) for i, r in enumerate(recs) if anchored(i)], 16
+    )
+    assert again == {**truth, "rehashed_at": 16} and again["matched"] > 0.9 * len(recs)
+    text = summary_text(TailStats(records=len(recs)), again)
+    assert f"{again['matched']} of {len(recs)} requests" in text and "page size, 16 tokens" in text
+    assert rematch_at_events_page(reader, truth) is truth  # nothing to redo
+
+
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
 def test_small_reads_give_the_same_records(tmp_path, chunk):
     d = tmp_path / "m"
