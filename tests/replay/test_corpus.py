@@ -79,6 +79,7 @@ CAPTURES = (
     "p2-flush2x",
     "p4-dfs-mrr4",
     "dp2-p8-lpm",
+    "p16-mpt512",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -114,6 +115,8 @@ MISSES: dict[tuple[str, str], str] = {
     ("p2-flush2x", "cached_equal"): "cached_tokens_equal 0.945",
     ("dp2-p8-lpm", "stored_median"): "stored_blocks_median 14 -> 15 (+7.1%)",
     ("dp2-p8-lpm", "cached_equal"): "cached_tokens_equal 0.925",
+    ("p16-mpt512", "removed_per_req"): "removed_events_per_request 0.645 -> 0.740 (+14.7%)",
+    ("p16-mpt512", "removed_mean"): "removed_blocks_mean 15.1 -> 13.2 (-12.7%)",
 }
 
 
@@ -251,6 +254,8 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p8-chunk384-loaded": "cached_tokens_equal 0.805",
     "p2-flush2x": "cached_tokens_equal 0.945",
     "dp2-p8-lpm": "stored_blocks_median 14 -> 15 (+7.1%); cached_tokens_equal 0.925",
+    "p16-mpt512": "removed_events_per_request 0.645 -> 0.725 (+12.4%); removed_blocks_mean 15.1 "
+    "-> 13.5 (-10.8%)",
 }
 
 
