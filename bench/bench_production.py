@@ -2,11 +2,16 @@
 lanes costs next to the replay itself (goal: at most 10 % of the replay's time).
 
 The replay benchmark's workload (``bench_replay.workload``: closed-loop agent sessions,
-page size 1, an evicting pool) is simulated once and written as a bundle (its events stand
-for a real capture's; its sim visibility notes are kept, so the pass reads ~1 note per
-request that a real capture does not have); a copy keeps only what SGLang's
-``--export-metrics-to-file`` holds (no output ids, no lanes/sessions/turns, rids
-replaced). Measured, CPU time on one core, the least of ``--repeat`` interleaved runs:
+page size 1, an evicting pool) is simulated once and written as a bundle, then copied twice
+as a real capture of it holds it (``capture_copy``: its events, a real header with the
+worker's ``/server_info`` snapshot -- page size, pool, chunk: what ``kvcadence capture
+--server`` records --, none of the simulator's own visibility notes): the driver capture
+with the driver's records, the production capture with only what SGLang's
+``--export-metrics-to-file`` holds (no output ids, no lanes/sessions/turns, rids replaced).
+(Until 2026-12-03 both were the sim bundle itself: no snapshot, so the inference's pass also
+tallied the events for the settings a snapshot states, and walked ~1 sim note per request
+that no capture has: 8 % more inference time on the same code.) Measured, CPU time on one core, the least of
+``--repeat`` interleaved runs:
 
 * the inference, the figure (the goal's: inference time / replay time):
   ``replay.production.records_for_replay`` given the request records as every replay holds
@@ -45,7 +50,7 @@ from bench_replay import workload
 from common import add_output_args, figure, goal, write_results
 
 from kvcadence.format.bundle import BundleReader, BundleWriter
-from kvcadence.format.schema import Header, RequestRecord, Trailer
+from kvcadence.format.schema import Annotation, Header, RequestRecord, Trailer
 from kvcadence.replay.config import SimConfig, TimingParams
 from kvcadence.replay.flushes import recorded_flushes
 from kvcadence.replay.loading import compact_requests
@@ -53,15 +58,27 @@ from kvcadence.replay.production import records_for_replay
 from kvcadence.replay.simulator import replay_bundle, simulate, write_sim_bundle
 
 
-def production_copy(src: Path, dst: Path) -> None:
-    """``src`` with its request records stripped to SGLang's metrics-file fields."""
+def capture_copy(src: Path, dst: Path, cfg: SimConfig, *, metrics_only: bool) -> None:
+    """``src`` (a sim bundle) as a real capture of it holds it: its header a real one with
+    the worker's ``/server_info`` snapshot (what ``kvcadence capture --server`` records:
+    page size, pool, chunk), the simulator's own notes (visibility) left out; with
+    ``metrics_only`` its request records stripped to SGLang's metrics-file fields."""
     rng = random.Random(15)
     rd = BundleReader(src)
-    with BundleWriter(dst, rd.header) as w:
+    info = {
+        "page_size": cfg.page_size,
+        "max_total_num_tokens": cfg.max_total_tokens,
+        "chunked_prefill_size": cfg.chunked_prefill_size,
+        "max_prefill_tokens": cfg.max_prefill_tokens,
+        "schedule_policy": cfg.schedule_policy,
+        "disable_overlap_schedule": cfg.disable_overlap_schedule,
+    }
+    header = msgspec.structs.replace(rd.header, source="real", server_info=info, sim_config=None)
+    with BundleWriter(dst, header) as w:
         for rec in rd.records():
-            if isinstance(rec, (Header, Trailer)):
+            if isinstance(rec, (Header, Trailer, Annotation)):
                 continue
-            if isinstance(rec, RequestRecord):
+            if metrics_only and isinstance(rec, RequestRecord):
                 rec = msgspec.structs.replace(
                     rec,
                     rid=f"{rng.getrandbits(128):032x}",
@@ -124,9 +141,10 @@ def main() -> None:
         return out
 
     try:
-        real, prod = tmp / "real", tmp / "prod"
-        write_sim_bundle(real, simulate(workload(args.requests, args.lanes), cfg), None)
-        production_copy(real, prod)
+        sim, real, prod = tmp / "sim", tmp / "real", tmp / "prod"
+        write_sim_bundle(sim, simulate(workload(args.requests, args.lanes), cfg), None)
+        capture_copy(sim, real, cfg, metrics_only=False)
+        capture_copy(sim, prod, cfg, metrics_only=True)
         rep: dict[str, Any] = {}
         for _ in range(args.repeat):  # interleaved: a busy spell hits every figure alike
             drv_ph, prod_ph = CpuPhases(), CpuPhases()
