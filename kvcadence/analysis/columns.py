@@ -310,7 +310,10 @@ def requests_table(reqs: RequestColumns, base: int = 0) -> Any:
     n = len(cols["rid"])
 
     def col(name: str, typ: Any) -> Any:
-        return pa.array(cols[name], type=typ)
+        c = cols[name]
+        if c and c[0] is None and c.count(None) == len(c):
+            return pa.nulls(len(c), typ)  # a field no request has (no per-value conversion)
+        return pa.array(c, type=typ)
 
     inp_ids, out_ids = reqs.token_ids()
     if n:

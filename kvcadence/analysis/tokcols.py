@@ -317,12 +317,11 @@ def id_arrays(values: Sequence[Any]) -> tuple[Any, Any]:
     import numpy as np
 
     m = len(values)
-    is_u32 = [type(v) is array for v in values]
-    k = sum(is_u32)
-    if k == 0:
+    kinds = set(map(type, values))  # one C-level pass: arrays only, none or some
+    if array not in kinds:
         return int_arrays(values)
-    if k < m:
-        mixed = [msgpack_uint_array(v) if u else v for v, u in zip(values, is_u32, strict=True)]
+    if len(kinds) > 1:
+        mixed = [msgpack_uint_array(v) if type(v) is array else v for v in values]
         return int_arrays(mixed)
     lens = np.fromiter(map(len, values), np.int64, m)
     vals = np.frombuffer(b"".join(values), np.uint32).astype(np.int64)

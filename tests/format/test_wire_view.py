@@ -1,5 +1,5 @@
 """``wire.decode_batch_view`` and ``wire.decode_batch_raw`` (the analysis fast paths) agree
-with ``wire.decode_batch``.
+with ``wire.decode_batch``; ``wire.decode_batch_raw_fast`` is ``decode_batch_raw`` or None.
 
 Golden vectors (every shape), the real 0.5.23 capture, hypothesis-generated batches, and the
 fallback paths (unknown tags, uint64 hashes, bytes hashes, bigram tokens, malformed input).
@@ -357,3 +357,39 @@ def test_property_raw_equals_full_decode(batch: KVEventBatch, version: str) -> N
     _same_raw(payload)
     # valid token ids: the unchecked fast path returns what the checked one does
     assert wire.decode_batch_raw(payload, check_tokens=False) == wire.decode_batch_raw(payload)
+
+
+def _fast_or_none(payload: bytes) -> Any:
+    """``decode_batch_raw_fast`` of ``payload`` (as bytes, memoryview and Raw): None, or
+    exactly what ``decode_batch_raw(..., check_tokens=False)`` returns."""
+    got = [wire.decode_batch_raw_fast(a) for a in (payload, memoryview(payload))]
+    got.append(wire.decode_batch_raw_fast(msgspec.Raw(payload)))
+    assert len({g is None for g in got}) == 1
+    if got[0] is not None:
+        for g in got:
+            assert g == wire.decode_batch_raw(payload, check_tokens=False)
+    return got[0]
+
+
+def test_raw_fast_path_alone_is_decode_batch_raw_or_none() -> None:
+    ev = {"type": "BlockRemoved", "block_hashes": [1, 2]}
+    three = msgspec.msgpack.encode([1.0, [ev], None])
+    assert _fast_or_none(three) is not None
+    assert _fast_or_none(BAD_TOKENS) is not None  # token ids are the caller's to check
+    # a 2-element batch decodes into the view (attn_dp_rank has a default), but only a
+    # fixarray of 3 takes decode_batch_raw's fast path: that one refuses it
+    two = msgspec.msgpack.encode([1.0, [ev]])
+    assert _fast_or_none(two) is None
+    with pytest.raises(WireError):
+        wire.decode_batch_raw(two)
+    # the same 3 elements behind an array16 header: not the fast path's either
+    assert _fast_or_none(b"\xdc\x00\x03" + three[1:]) is None
+    unknown = msgspec.msgpack.encode([1.0, [{"type": "BlockUpdated", "x": 1}], None])
+    for payload in (b"", b"\xc1", unknown, msgspec.msgpack.encode({"a": 1})):
+        assert _fast_or_none(payload) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(_batch, st.sampled_from(["0.5.23", "0.5.20", "0.5.14", "0.5.5"]))
+def test_property_raw_fast_path_agrees(batch: KVEventBatch, version: str) -> None:
+    _fast_or_none(wire.encode_batch(batch, version))

@@ -28,6 +28,8 @@ and a per-event dispatch (mixed shapes, unknown tags, bytes hashes, bigram token
 Two decode-only variants for readers that need fewer Python objects (analysis ingest):
 ``decode_batch_view`` leaves stored token ids as raw msgpack, ``decode_batch_raw`` leaves
 block hashes raw too (the caller checks them); both agree with ``decode_batch`` otherwise.
+``decode_batch_raw_fast`` is ``decode_batch_raw``'s typed fast path alone (None where it does
+not apply), for a caller that pays for the full call only on the payloads it refuses.
 ``tokens_ok`` is ``decode_batch``'s rule for one raw ``token_ids`` array (ints, or
 ``[int, int]`` pairs), for a caller that checks them itself (``check_tokens=False``).
 
@@ -78,6 +80,7 @@ from kvcadence.format.wire.decode import (
     count_unknown,
     decode_batch,
     decode_batch_raw,
+    decode_batch_raw_fast,
     decode_batch_view,
     tokens_ok,
 )
@@ -117,6 +120,7 @@ __all__ = [
     "decode_batch",
     "decode_batch_view",
     "decode_batch_raw",
+    "decode_batch_raw_fast",
     "tokens_ok",
     "encode_batch",
     "count_unknown",
