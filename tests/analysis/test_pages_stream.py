@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -145,3 +146,95 @@ def test_out_of_order_batches_are_refused() -> None:
     assert kpages._hash_batches([batch([0, 1]), batch([2])], 1, None) is not None
     assert kpages._hash_batches([batch([0, 2]), batch([1])], 1, None) is None
     assert kpages._hash_batches([batch([1, 0])], 1, None) is None
+
+
+def _production_chains(seed: int, n: int, sessions: int, ps: int) -> list[list[int]]:
+    """Interleaved agent sessions without lanes or sessions (a production capture's records):
+    each turn's chain extends its session's previous chain; all share a system prompt."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 50_000) for _ in range(3 * ps + 17)]
+    ctx: dict[int, list[int]] = {}
+    chains = []
+    for _ in range(n):
+        s = rng.randrange(sessions)
+        base = ctx.get(s, system)
+        chain = base + [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 3 * ps))]
+        ctx[s] = chain
+        chains.append(chain[: len(chain) // ps * ps])
+    return chains
+
+
+def _hashed_pages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the pages ``hash_requests`` hashes (the root pass and the per-row tails)."""
+    from kvcadence.analysis import hashpool
+
+    seen = [0]
+    digests = hashpool.ChainHasher.digests
+    block_digests = kpages.wire.block_digests
+
+    def root(self: hashpool.ChainHasher, words: bytes, ps: int, first: object) -> object:
+        seen[0] += len(words) // (4 * ps)
+        return digests(self, words, ps, first)
+
+    def tail(tokens: object, ps: int, *a: object, **k: object) -> object:
+        seen[0] += len(tokens) // ps  # type: ignore[arg-type]
+        return block_digests(tokens, ps, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hashpool.ChainHasher, "digests", root)
+    monkeypatch.setattr(kpages.wire, "block_digests", tail)
+    return seen
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_rows_without_sessions_reuse_the_longest_prefix_by_content(
+    monkeypatch: pytest.MonkeyPatch, ps: int
+) -> None:
+    """A production capture's rows (no lane, no session): each turn reuses the digests of the
+    earlier row its chain extends, found by content; the hashes are ``wire``'s, and every
+    distinct page is hashed once but the ones no earlier row starts alike with."""
+    chains = _production_chains(5, 120, 7, ps)
+    seen = _hashed_pages(monkeypatch)
+    cv, co = kpages._flat(pa.chunked_array([pa.array(chains, type=pa.list_(pa.int64()))]))
+    page_off, hashes = kpages.hash_requests(cv, co, ps, [None] * 120, [None] * 120)
+    for r, chain in enumerate(chains):
+        assert hashes[page_off[r] : page_off[r + 1]].tolist() == wire.block_hashes(chain, ps)
+    distinct = len(set(hashes.tolist()))
+    assert distinct <= seen[0] < distinct + 7 * len(chains[0]) // ps  # the first turns
+    assert seen[0] < int(page_off[-1]) / 3  # against hashing every row from the root
+
+
+def test_content_reuse_across_batches_and_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows without sessions reuse rows of earlier batches (``Recent``) with the same hashes;
+    with the carry bounded to nothing, the same hashes again (hashed from the root)."""
+    chains = _production_chains(6, 90, 4, 4)
+    reqs = [RequestRecord(rid=f"r{i}", input_ids=c, output_ids=[]) for i, c in enumerate(chains)]
+    b = write_bundle(tmp_path / "b", [(0, [cleared()])], reqs, hdr=header(page_size=4))
+    ing = ingest.ingest(b)
+    monkeypatch.setattr(kpages, "BATCH_ROWS", 5)
+    for limit in (None, 0):
+        if limit is not None:
+            monkeypatch.setattr(kpages, "CARRY_BYTES", limit)
+        seen = _hashed_pages(monkeypatch)
+        got = kpages.compute(sql.connect(ing), 4)
+        for r, chain in enumerate(chains):
+            assert got.chain(r) == wire.block_hashes(chain, 4)
+        if limit is None:
+            reused = seen[0]
+        else:
+            assert seen[0] > reused  # nothing carried: each batch's first turns from the root
+    total = int(got.offsets[-1])
+    assert reused < total / 3
+
+
+def test_recent_stays_in_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kpages, "HEAD_CANDIDATES", 3)
+    rec = kpages.Recent(limit=200)
+    for i in range(50):
+        head = b"h%d" % (i % 2)
+        rec.put(head, 1, b"w" * 10, np.zeros(4, dtype=np.uint8))
+        assert rec.bytes <= 200 and len(rec.items) <= 14
+        assert all(len(ids) <= 3 for ids in rec.by_head.values())
+        assert sum(len(ids) for ids in rec.by_head.values()) == len(rec.items)
+    assert [k for k, _, _ in rec.candidates(b"h1")] == [1, 1, 1]
