@@ -43,6 +43,7 @@ from typing import Any
 
 from kvcadence.analysis.cache import Ingested
 from kvcadence.analysis.hashpool import ChainHasher
+from kvcadence.analysis.pagereuse import RECENT_ROWS, Carry, Recent, head_pages, longest_prefix
 from kvcadence.format import wire
 
 _I64_BITS = "int64"
@@ -53,11 +54,6 @@ BATCH_TOKENS = 1 << 24
 #: pages one batch hashes at most: their 32-byte digests are 64 MB (at page size 1 a page is
 #: a token, and the digests, not the ids, were most of a batch: 0.5 GB at ``BATCH_TOKENS``)
 BATCH_PAGES = 1 << 21
-#: bytes of the session reuse carried between batches (each session's latest chain and
-#: digests), least recently used sessions dropped beyond it: the carry grew with every
-#: session of the capture (a dropped session's next turn is hashed from the root: the same
-#: hashes)
-CARRY_BYTES = 1 << 27
 
 
 def batch_rows(con: Any, page_size: int = 1) -> int:
@@ -68,133 +64,6 @@ def batch_rows(con: Any, page_size: int = 1) -> int:
     longest = max(int(longest), 1)
     pages = max(longest // max(1, int(page_size)), 1)
     return max(1, min(BATCH_ROWS, BATCH_TOKENS // longest, BATCH_PAGES // pages))
-
-
-class Carry:
-    """The session reuse carried from batch to batch: ``(lane, session)`` -> (pages, chain
-    words, digests) of the session's latest row, within ``CARRY_BYTES`` (the least recently
-    used sessions dropped first)."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        from collections import OrderedDict
-
-        self.limit = CARRY_BYTES if limit is None else limit
-        self.items: OrderedDict[tuple[Any, Any], tuple[int, bytes, Any]] = OrderedDict()
-        self.bytes = 0
-
-    def get(self, key: tuple[Any, Any]) -> tuple[int, bytes, Any] | None:
-        return self.items.get(key)
-
-    def put(self, key: tuple[Any, Any], k: int, words: bytes, digests: Any) -> None:
-        old = self.items.pop(key, None)
-        if old is not None:
-            self.bytes -= len(old[1]) + old[2].nbytes
-        self.items[key] = (k, words, digests)
-        self.bytes += len(words) + digests.nbytes
-        while self.bytes > self.limit and len(self.items) > 1:
-            _, (_, w, d) = self.items.popitem(last=False)
-            self.bytes -= len(w) + d.nbytes
-
-
-#: tokens of a chain's start that key the content reuse (``Recent``): rows are compared only
-#: with recent rows that start alike (a shared system prompt keys them all together)
-HEAD_TOKENS = 16
-#: rows of one head compared at most (the latest): more than a worker's concurrent sessions
-HEAD_CANDIDATES = 256
-#: rows of a batch carried to the next for content reuse at most (the latest)
-RECENT_ROWS = 1024
-
-
-def head_pages(page_size: int) -> int:
-    """Whole pages of a chain's start that key the content reuse: ``HEAD_TOKENS`` rounded up."""
-    return max(1, -(-HEAD_TOKENS // max(1, page_size)))
-
-
-class Recent:
-    """The content reuse carried from batch to batch: the latest rows' (pages, chain words,
-    digests) by head (their first ``head_pages`` pages' words), at most ``HEAD_CANDIDATES``
-    a head and ``CARRY_BYTES`` in all (the least recently added dropped first)."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        from collections import OrderedDict
-
-        self.limit = CARRY_BYTES if limit is None else limit
-        self.items: OrderedDict[int, tuple[bytes, int, bytes, Any]] = OrderedDict()
-        self.by_head: dict[bytes, list[int]] = {}
-        self.bytes = 0
-        self._next = 0
-
-    def candidates(self, head: bytes) -> list[tuple[int, bytes, Any]]:
-        """``(pages, words, digests)`` of the rows carried for ``head``, oldest first."""
-        ids = self.by_head.get(head)
-        if not ids:
-            return []
-        items = self.items
-        return [items[i][1:] for i in ids]
-
-    def put(self, head: bytes, k: int, words: bytes, digests: Any) -> None:
-        i = self._next
-        self._next += 1
-        self.items[i] = (head, k, words, digests)
-        self.bytes += len(words) + digests.nbytes
-        ids = self.by_head.setdefault(head, [])
-        ids.append(i)
-        if len(ids) > HEAD_CANDIDATES:
-            self._drop(ids[0])
-        while self.bytes > self.limit and len(self.items) > 1:
-            self._drop(next(iter(self.items)))
-
-    def _drop(self, i: int) -> None:
-        head, _, words, digests = self.items.pop(i)
-        self.bytes -= len(words) + digests.nbytes
-        ids = self.by_head[head]
-        ids.remove(i)
-        if not ids:
-            del self.by_head[head]
-
-
-def _longest_prefix(
-    buf: bytes,
-    a: int,
-    k: int,
-    step: int,
-    pol: list[int],
-    npl: list[int],
-    prev_same: list[int],
-    q: int,
-    carried: list[tuple[int, bytes, Any]],
-) -> tuple[int, Any]:
-    """``(pages, source)`` of the longest candidate whose chain is a whole-page prefix of the
-    row at byte ``a`` of ``buf`` (``k`` pages of ``step`` bytes), or has that row's as one:
-    this batch's rows under the same head, from row ``q`` back along ``prev_same`` (at most
-    ``HEAD_CANDIDATES``; a row's words at ``step * pol[row]``, ``npl[row]`` pages) -- the
-    row --, then the carried ``(pages, words, digests)`` -- the digests; ``(0, None)`` if
-    none. The latest first: a session's previous turn is near."""
-    best, src = 0, None
-    left = HEAD_CANDIDATES
-    while q >= 0 and left:
-        qk = npl[q]
-        m = qk if qk < k else k
-        if m > best:
-            qa = step * pol[q]
-            e = step * m  # the last page first: another session's chain parts there
-            if buf[a + e - step : a + e] == buf[qa + e - step : qa + e] and (
-                buf[a : a + e] == buf[qa : qa + e]
-            ):
-                best, src = m, q
-                if m == k:
-                    return best, src
-        q = prev_same[q]
-        left -= 1
-    for qk, qw, d in reversed(carried):
-        m = qk if qk < k else k
-        if m > best:
-            e = step * m
-            if buf[a + e - step : a + e] == qw[e - step : e] and buf[a : a + e] == qw[:e]:
-                best, src = m, d
-                if m == k:
-                    return best, src
-    return best, src
 
 
 @dataclass
@@ -499,7 +368,7 @@ def hash_requests(
         head = buf[a : a + head_bytes]
         q = heads.get(head, -1)
         if r not in source and (q >= 0 or head in carried):
-            best, src = _longest_prefix(
+            best, src = longest_prefix(
                 buf, a, k, step, pol, npl, prev_same, q, recent.candidates(head)
             )
             if src is not None:

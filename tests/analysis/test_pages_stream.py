@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvcadence.analysis import ingest, sql
+from kvcadence.analysis import ingest, pagereuse, sql
 from kvcadence.analysis import pages as kpages
 from kvcadence.format import wire
 from kvcadence.format.schema import RequestRecord
@@ -73,7 +73,7 @@ def test_a_bounded_session_carry_gives_the_same_hashes(
     ing = ingest.ingest(b)
     whole = kpages.compute(sql.connect(ing), 4)
     monkeypatch.setattr(kpages, "BATCH_ROWS", 5)
-    monkeypatch.setattr(kpages, "CARRY_BYTES", limit)
+    monkeypatch.setattr(pagereuse, "CARRY_BYTES", limit)
     seen: list[tuple[int, int]] = []
     put = kpages.Carry.put
 
@@ -215,7 +215,7 @@ def test_content_reuse_across_batches_and_its_bound(
     monkeypatch.setattr(kpages, "BATCH_ROWS", 5)
     for limit in (None, 0):
         if limit is not None:
-            monkeypatch.setattr(kpages, "CARRY_BYTES", limit)
+            monkeypatch.setattr(pagereuse, "CARRY_BYTES", limit)
         seen = _hashed_pages(monkeypatch)
         got = kpages.compute(sql.connect(ing), 4)
         for r, chain in enumerate(chains):
@@ -229,8 +229,8 @@ def test_content_reuse_across_batches_and_its_bound(
 
 
 def test_recent_stays_in_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kpages, "HEAD_CANDIDATES", 3)
-    rec = kpages.Recent(limit=200)
+    monkeypatch.setattr(pagereuse, "HEAD_CANDIDATES", 3)
+    rec = pagereuse.Recent(limit=200)
     for i in range(50):
         head = b"h%d" % (i % 2)
         rec.put(head, 1, b"w" * 10, np.zeros(4, dtype=np.uint8))

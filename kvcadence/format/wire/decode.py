@@ -2,6 +2,10 @@
 (``decode_batch``) and the two decode-only variants for analysis ingest (``decode_batch_view``,
 ``decode_batch_raw``). See ``kvcadence.format.wire`` for the accepted shapes and the fast and
 slow paths; every variant reaches the same verdict on a payload.
+
+Why ~520 lines: the decoders (canonical, view, raw and the raw one's fast path alone) are one
+piece -- they share the typed fast-path decoders and the per-event slow path, and each must
+give the others' verdict on every payload; split, each would import the others' privates.
 """
 
 from __future__ import annotations
