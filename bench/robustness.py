@@ -20,9 +20,9 @@ holds only when it holds on every rank (each rank's events, requests by their re
 rank). The Kolmogorov–Smirnov distances of blocks per Stored and per Removed event
 (``analysis.distance``) are reported next to the bars (not bars).
 
-Captures: the shared fixture (``--fixture``, imported into a temporary bundle), the
-``examples/`` sample, the DP captures of ``tests/replay/data`` and the real-capture corpus
-of ``tests/replay/data/corpus`` (``--only corpus`` for those alone). ``--write-docs`` replaces
+Captures: the fixture (the copy in ``tests/data/fixtures``, or ``--fixture DIR``; imported
+into a temporary bundle), the ``examples/`` sample, the DP captures of ``tests/replay/data``
+and the real-capture corpus of ``tests/replay/data/corpus`` (``--only corpus`` for those alone). ``--write-docs`` replaces
 the generated table in ``docs/simulator.md`` (between the ``robustness`` markers);
 ``--json PATH`` writes every variant's numbers. ``--pace recorded`` replays the single-rank
 captures on their recorded pace (``kvcadence replay --pace recorded``; default ``model``, as
@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_FIXTURE = ROOT.parent / "shared" / "fixtures" / "sglang-0.5.23-agent-ps1"
+DEFAULT_FIXTURE = ROOT / "tests" / "data" / "fixtures" / "sglang-0.5.23-agent-ps1"
 SAMPLE = ROOT / "examples" / "sglang-0.5.23-agent-ps1.kvcb"
 DP_DATA = ROOT / "tests" / "replay" / "data"
 CORPUS = DP_DATA / "corpus"
@@ -257,7 +257,7 @@ def captures(
         b = fixture_bundle(fixture, tmp / "fixture")
         out.append(single_capture(f"fixture `{fixture.name}`", b, pace))
     elif fixture is None:
-        notes.append(f"the shared fixture was not found at {DEFAULT_FIXTURE}: not in the table")
+        notes.append("no fixture directory (tests/data/fixtures): not in the table")
     if not SAMPLE.exists():
         notes.append(f"{SAMPLE.relative_to(ROOT)} not found: not in the table")
     elif wanted("sample " + SAMPLE.name):
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fixture",
         type=Path,
         default=None,
-        help=f"the shared fixture directory (default {DEFAULT_FIXTURE} when present)",
+        help="the fixture directory (default: the copy in tests/data/fixtures)",
     )
     ap.add_argument(
         "--only",

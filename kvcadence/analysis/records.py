@@ -103,10 +103,15 @@ def _system_pool() -> Iterator[None]:
 
 
 #: events gathered before a chunk of the batches/events/blocks tables is written (a row
-#: group each): what ingest holds is a chunk, never the bundle (a few tens of MB at this size)
-CHUNK_EVENTS = 1 << 17
+#: group each): what ingest holds is a chunk, never the bundle. The peak RSS is the base plus
+#: the largest chunk's transients, so the chunk decides both the peak and how much it drifts
+#: with the bundle's size (more chunks, more chances of a bad coincidence with the reader's
+#: window and the heap): at 2^17 events / 2^22 ids the 1M-event bench bundle peaked at ~300 MB
+#: (111 MB bundle: ~280), at 2^15 / 2^20 at ~245 MB for both, with the same CPU (within the
+#: noise of three interleaved runs) and the same report time on the smaller row groups
+CHUNK_EVENTS = 1 << 15
 #: request token ids gathered before a chunk of the requests table is written
-CHUNK_REQUEST_IDS = 1 << 22
+CHUNK_REQUEST_IDS = 1 << 20
 
 
 def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
