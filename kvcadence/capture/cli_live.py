@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import textwrap
@@ -488,15 +489,19 @@ def run_drive(args: argparse.Namespace) -> int:
         data=discovery.redact_paths(wl.describe(), workdirs),
     )
     progress = None if args.quiet or not sys.stderr.isatty() else _progress_bar(wl)
+    host = [_host_note("start")]
     if args.no_capture:
         writer.write(note)
+        writer.write(host[0])
         try:
             with _stop_on_signals(stop):
                 drv = Driver(args.server, wl, writer.write, stop=stop, progress=None, **opts)
                 dst = drv.run()
+            host.append(_host_note("end"))
+            writer.write(host[1])
         finally:
             writer.close(clean=not stop.is_set())
-        _drive_summary(args, dst, None)
+        _drive_summary(args, dst, None, host)
         return 0
 
     rec_stop = threading.Event()
@@ -504,6 +509,7 @@ def run_drive(args: argparse.Namespace) -> int:
     rec.attach(writer)
     rec.status = None  # the driver's progress bar owns the terminal
     rec.submit(note)
+    rec.submit(host[0])
     result: dict[str, Any] = {}
 
     def record() -> None:
@@ -529,6 +535,8 @@ def run_drive(args: argparse.Namespace) -> int:
                 if idle >= args.settle:
                     break
                 time.sleep(0.1)
+            host.append(_host_note("end"))
+            rec.submit(host[1])
     finally:
         rec_stop.set()
         t.join()
@@ -536,7 +544,7 @@ def run_drive(args: argparse.Namespace) -> int:
             progress.close()
     if "error" in result:
         raise result["error"]
-    _drive_summary(args, dst, result.get("stats"))
+    _drive_summary(args, dst, result.get("stats"), host)
     if not args.quiet:
         print(summary_text(result["stats"], args.out), file=sys.stderr)
     return 0
@@ -566,16 +574,38 @@ def _progress_bar(wl: Any) -> Any:
     return cb
 
 
-def _drive_summary(args: argparse.Namespace, dst: Any, cst: Any) -> None:
+def _host_note(at: str) -> Any:
+    """A ``host`` note: this box's CPUs and load average (1, 5, 15 min) at the run's
+    ``start`` or ``end``. A CPU worker on a loaded box paces differently and its frontend
+    (tokenizer, detokenizer) starves, delaying arrivals by what no record holds
+    (docs/drive.md, "A quiet box"); the note keeps the evidence with the capture."""
+    from kvcadence.format.schema import Annotation
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        load: list[float] | None = [round(v, 2) for v in os.getloadavg()]
+    except OSError:  # pragma: no cover - a platform without a load average
+        load = None
+    return Annotation(
+        kind="host", recv_ns=time.time_ns(), data={"at": at, "cpus": cpus, "load_avg": load}
+    )
+
+
+def _drive_summary(args: argparse.Namespace, dst: Any, cst: Any, host: list[Any]) -> None:
     if args.quiet:
         return
     hit = dst.cached_tokens / dst.prompt_tokens if dst.prompt_tokens else 0.0
+    loads = [h.data["load_avg"][0] for h in host if h.data["load_avg"]]
     print(
         f"drive: {dst.sent} requests ({dst.errors} errors) in {dst.wall_s:.1f} s, "
         f"{dst.prompt_tokens} prompt / {dst.cached_tokens} cached ({hit:.1%}) / "
         f"{dst.completion_tokens} completion tokens"
+        + (f", {dst.flushes} cache flushes ({dst.flush_failures} refused)" if args.flush_at else "")
         + (
-            f", {dst.flushes} cache flushes ({dst.flush_failures} refused)" if args.flush_at else ""
+            f"; load average {' -> '.join(f'{v:.2f}' for v in loads)} on "
+            f"{host[0].data['cpus']} CPUs"
+            if loads
+            else ""
         ),
         file=sys.stderr,
     )

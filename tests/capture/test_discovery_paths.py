@@ -160,6 +160,36 @@ def test_drive_header_has_no_machine_paths(tmp_path, http_server, monkeypatch):
     assert len(r.requests()) == 3
 
 
+def test_drive_records_the_box_load_at_the_start_and_the_end(tmp_path, http_server, monkeypatch):
+    """``drive`` keeps the box's CPUs and load average with the capture (a ``host`` note
+    before the first request and one after the last finish): a loaded box is what a CPU
+    worker's capture cannot be replayed past (docs/drive.md, "A quiet box")."""
+    state, url = http_server
+    state["info"] = server_info_with_paths(None, tmp_path / "w")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": i * 10, "input_length": 20, "output_length": 2,
+                        "hash_ids": [i, i + 1]}) + "\n"
+            for i in range(3)
+        )
+    )  # fmt: skip
+    out = tmp_path / "b"
+    argv = ["drive", "--server", url, "--workload", f"mooncake:path={trace}", "--out", str(out)]
+    assert run_as_process(monkeypatch, [*argv, "--no-capture", "--quiet"]) == 0
+    records = list(BundleReader(out).records())
+    notes = [x for x in records if isinstance(x, Annotation) and x.kind == "host"]
+    assert [n.data["at"] for n in notes] == ["start", "end"]
+    cpus = len(os.sched_getaffinity(0))
+    for n in notes:
+        assert n.data["cpus"] == cpus
+        assert len(n.data["load_avg"]) == 3 and all(v >= 0 for v in n.data["load_avg"])
+    # the start note comes before every request record, the end note after them
+    kinds = ["host" if x in notes else type(x).__name__ for x in records]
+    reqs = [i for i, k in enumerate(kinds) if k == "RequestRecord"]
+    assert kinds.index("host") < reqs[0] and len(kinds) - 1 - kinds[::-1].index("host") > reqs[-1]
+
+
 def test_redact_paths_only_replaces_whole_components():
     home = str(Path.home())
     got = discovery.redact_paths(
