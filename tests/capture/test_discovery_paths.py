@@ -134,10 +134,8 @@ def test_capture_header_has_no_machine_paths(tmp_path, http_server, monkeypatch)
     assert [f.seq for f in r.events()] == [0]  # the real endpoint was still used
 
 
-def test_drive_header_has_no_machine_paths(tmp_path, http_server, monkeypatch):
-    state, url = http_server
-    work = tmp_path / "w"
-    state["info"] = server_info_with_paths(None, work)
+def _drive_three(tmp_path, url, monkeypatch):
+    """``drive --no-capture`` of a 3-request Mooncake trace against ``url``; the bundle."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text(
         "".join(
@@ -149,6 +147,14 @@ def test_drive_header_has_no_machine_paths(tmp_path, http_server, monkeypatch):
     out = tmp_path / "b"
     argv = ["drive", "--server", url, "--workload", f"mooncake:path={trace}", "--out", str(out)]
     assert run_as_process(monkeypatch, [*argv, "--no-capture", "--quiet"]) == 0
+    return out
+
+
+def test_drive_header_has_no_machine_paths(tmp_path, http_server, monkeypatch):
+    state, url = http_server
+    work = tmp_path / "w"
+    state["info"] = server_info_with_paths(None, work)
+    out = _drive_three(tmp_path, url, monkeypatch)
     r = BundleReader(out)
     data = b"".join(p.read_bytes() for p in list_segments(out))
     assert leaks(data, tmp_path, work) == []
@@ -166,17 +172,7 @@ def test_drive_records_the_box_load_at_the_start_and_the_end(tmp_path, http_serv
     worker's capture cannot be replayed past (docs/drive.md, "A quiet box")."""
     state, url = http_server
     state["info"] = server_info_with_paths(None, tmp_path / "w")
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text(
-        "".join(
-            json.dumps({"timestamp": i * 10, "input_length": 20, "output_length": 2,
-                        "hash_ids": [i, i + 1]}) + "\n"
-            for i in range(3)
-        )
-    )  # fmt: skip
-    out = tmp_path / "b"
-    argv = ["drive", "--server", url, "--workload", f"mooncake:path={trace}", "--out", str(out)]
-    assert run_as_process(monkeypatch, [*argv, "--no-capture", "--quiet"]) == 0
+    out = _drive_three(tmp_path, url, monkeypatch)
     records = list(BundleReader(out).records())
     notes = [x for x in records if isinstance(x, Annotation) and x.kind == "host"]
     assert [n.data["at"] for n in notes] == ["start", "end"]
