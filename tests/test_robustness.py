@@ -166,6 +166,8 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
         "corpus `dp2-p4-retract-noeos`",
         "corpus `dp2-p8-long-nooverlap`",
         "corpus `dp2-p8-lpm`",
+        "corpus `dp2-p8-lpm-quiet`",
+        "corpus `dp2-p4-retract-noeos-quiet`",
     }
     assert all(c.bundle.name == "bundle" and c.calibrated["decode_base_s"] > 0 for c in caps)
 
