@@ -69,6 +69,12 @@ def register(sub: Any) -> None:
         dest="schedule_policy",
         help="waiting-queue order (SGLang --schedule-policy; default: the bundle's)",
     )
+    p.add_argument(
+        "--radix-eviction-policy",
+        choices=("lru", "lfu", "slru", "priority"),  # radix.EVICTION_POLICIES (not imported here)
+        dest="eviction_policy",
+        help="the radix tree's eviction order (SGLang --radix-eviction-policy; default: the bundle's)",
+    )
     p.add_argument("--schedule-conservativeness", type=nonneg_float, dest="schedule_conservativeness",
                    help="scales the decode-token reservation (SGLang's option, default 1.0)")  # fmt: skip
     g = p.add_mutually_exclusive_group()

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvcadence.errors import UsageError
 from kvcadence.replay.events import VERSION_MODES, event_mode
+from kvcadence.replay.radix import EVICTION_POLICIES
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
 ROLES = ("both", "prefill", "decode")
@@ -60,6 +61,8 @@ class SimConfig:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_overlap_schedule: bool = False
+    #: the radix tree's eviction order (SGLang ``--radix-eviction-policy``; ``replay.radix``)
+    eviction_policy: str = "lru"
     sglang_version: str = "0.5.23"
     medium: str | None = "GPU"
     attn_dp_rank: int = 0
@@ -124,6 +127,11 @@ class SimConfig:
             raise UsageError(
                 f"schedule policy {self.schedule_policy!r} not simulated "
                 f"(choose from {', '.join(POLICIES)})"
+            )
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise UsageError(
+                f"radix eviction policy {self.eviction_policy!r} not simulated "
+                f"(choose from {', '.join(EVICTION_POLICIES)})"
             )
         if self.schedule_conservativeness <= 0:
             raise UsageError("schedule conservativeness must be > 0")
@@ -194,6 +202,7 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("schedule_policy", str, ("schedule_policy",)),
     ("schedule_conservativeness", float, ("schedule_conservativeness",)),
     ("disable_overlap_schedule", bool, ("disable_overlap_schedule",)),
+    ("eviction_policy", str, ("radix_eviction_policy",)),
 )
 
 
@@ -272,6 +281,7 @@ CLI_OVERRIDES = (
     "schedule_policy",
     "schedule_conservativeness",
     "disable_overlap_schedule",
+    "eviction_policy",
     "sglang_version",
     "prefill_base_s",
     "prefill_per_token_s",

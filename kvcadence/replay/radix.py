@@ -18,17 +18,27 @@ docs/sglang-sources.md):
   page hash, None at the root) through the ``EventSink``.
 * ``lock`` / ``unlock`` count references along the path to the root (SGLang's
   ``inc_lock_ref`` / ``dec_lock_ref``) and keep ``evictable_size`` / ``protected_size``.
-* ``evict(n)`` removes **whole unlocked leaves** in LRU order until at least ``n`` tokens
-  were freed (overshoot up to one node); a parent becomes a candidate when its last child
-  goes; each evicted node records one ``BlockRemoved`` with all its pages.
+* ``evict(n)`` removes **whole unlocked leaves** in the eviction policy's order until at
+  least ``n`` tokens were freed (overshoot up to one node); a parent becomes a candidate when
+  its last child goes; each evicted node records one ``BlockRemoved`` with all its pages.
+* The eviction policy (SGLang ``--radix-eviction-policy``, ``EVICTION_POLICIES``; the tree
+  core's ``eviction_strategy.get_priority``): ``lru`` (last access), ``lfu`` (hit count,
+  then last access), ``slru`` (protected once hit ``SLRU_PROTECTED`` times, then last
+  access), ``priority`` (the node's priority, then last access). A node's hit count goes up
+  once per insert that walks it past what the inserting request had inserted before
+  (``inserted_len``: its earlier checkpoints; match does not count), a new node starts at
+  one; its priority is the highest priority of the inserts that walked it (a finished
+  request's prompt is inserted again one above its own: SGLang's prompt-boundary split). A
+  split's new parent takes the child's count and priority.
 
 Token counts only: the tree knows how many KV slots it owns (``total_size``), not where.
 Candidates live in a lazy heap (stale entries are skipped on pop), so an eviction costs
 O(evicted · log n) instead of SGLang's collect-all-leaves O(n). Nodes that become candidates
 (touched or unlocked leaves) are only noted, and enter the heap at the next ``evict`` if they
-are still candidates then, with their access stamp of then: the pop order is the total order
-(last access, node id) over the current candidates either way, and a leaf touched or locked
-again in between costs no heap entry.
+are still candidates then, with their policy key of then: the pop order is the total order
+(policy key, node id) over the current candidates either way (every change of a key --
+an access, a hit, a priority -- comes with an access, which notes the node), and a leaf
+touched or locked again in between costs no heap entry.
 
 Why ~520 lines: one data structure (match, insert, split, lock, evict) whose walks are inlined
 hot paths.
@@ -39,13 +49,46 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from operator import attrgetter
+from typing import Any, Protocol
 
 from kvcadence.format import wire
 from kvcadence.replay.tokens import CODE, compact
 
 #: 32 bytes per page: a node's page digests, concatenated (one object per node, not per page)
 DIGEST_SIZE = 32
+
+#: the eviction policies simulated (SGLang 0.5.23 ``--radix-eviction-policy`` choices but
+#: ``tlru``, which needs its per-deployment thresholds)
+EVICTION_POLICIES = ("lru", "lfu", "slru", "priority")
+#: ``slru``: hits that make a node protected (``SLRUStrategy``'s default threshold)
+SLRU_PROTECTED = 2
+#: the priority of a finished request's second insert of its prompt (SGLang: the request's
+#: priority + 1; a request's own priority is not recorded, taken as 0)
+PROMPT_PRIORITY = 1
+
+_last_access = attrgetter("last_access")
+
+
+def _lfu_key(n: Node) -> tuple[int, int]:
+    return n.hits, n.last_access
+
+
+def _slru_key(n: Node) -> tuple[bool, int]:
+    return n.hits >= SLRU_PROTECTED, n.last_access
+
+
+def _priority_key(n: Node) -> tuple[int, int]:
+    return n.prio, n.last_access
+
+
+#: policy -> a node's eviction key (lower goes first), SGLang's ``get_priority``
+_POLICY_KEYS: dict[str, Callable[[Node], Any]] = {
+    "lru": _last_access,
+    "lfu": _lfu_key,
+    "slru": _slru_key,
+    "priority": _priority_key,
+}
 
 # (parent_digest or None, page-aligned token ids, page_size)
 #   -> (the pages' 32-byte digests concatenated, their int64 hashes: a list or an array)
@@ -112,6 +155,8 @@ class Node:
         "hashes",
         "nid",
         "alive",
+        "hits",
+        "prio",
     )
 
     def __init__(
@@ -131,6 +176,8 @@ class Node:
         self.hashes = hashes
         self.nid = nid
         self.alive = True
+        self.hits = 0  # inserts that walked it (``lfu``, ``slru``)
+        self.prio = 0  # the highest priority of those inserts (``priority``)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(id={self.nid}, len={len(self.key)}, lock={self.lock_ref})"
@@ -139,10 +186,22 @@ class Node:
 class RadixTree:
     """Page-granular radix tree (see the module docstring for the rules)."""
 
-    def __init__(self, page_size: int, hasher: Hasher, sink: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        hasher: Hasher,
+        sink: EventSink | None = None,
+        policy: str = "lru",
+    ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if policy not in _POLICY_KEYS:
+            raise ValueError(f"eviction policy {policy!r} not simulated")
         self.page_size = page_size
+        self.policy = policy
+        self._key = _POLICY_KEYS[policy]
+        #: the policy reads hit counts (kept only then: a walk up the path per insert)
+        self.counts_hits = policy in ("lfu", "slru")
         self.hasher = hasher
         self.sink: EventSink = sink if sink is not None else NullSink()
         self._next_id = 1
@@ -173,6 +232,7 @@ class RadixTree:
         """Push the noted nodes that are still eviction candidates, at their stamp now."""
         heap = self._heap
         root = self.root
+        key = self._key
         seen: set[int] = set()
         for node in self._noted:
             if (
@@ -183,20 +243,21 @@ class RadixTree:
                 and node.nid not in seen
             ):
                 seen.add(node.nid)
-                heapq.heappush(heap, (node.last_access, node.nid, node))
+                heapq.heappush(heap, (key(node), node.nid, node))
         self._noted = []
         if len(heap) > 64 + 4 * self.num_nodes:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
         heap = []
+        key = self._key
         stack = [self.root]
         while stack:
             n = stack.pop()
             if n.children:
                 stack.extend(n.children.values())
             elif n.lock_ref == 0 and n is not self.root:
-                heap.append((n.last_access, n.nid, n))
+                heap.append((key(n), n.nid, n))
         heapq.heapify(heap)
         self._heap = heap
         self._noted = []
@@ -235,6 +296,8 @@ class RadixTree:
         self.num_nodes += 1
         new.lock_ref = child.lock_ref
         new.last_access = child.last_access
+        new.hits = child.hits
+        new.prio = child.prio
         parent.children[self._child_key(child.key, 0)] = new
         child.key = child.key[length:]
         child.digests = child.digests[cut:]
@@ -330,15 +393,26 @@ class RadixTree:
         return self.insert_below(self.root, 0, key[:n])
 
     def insert_below(
-        self, node: Node, depth: int, run: Sequence[int]
+        self,
+        node: Node,
+        depth: int,
+        run: Sequence[int],
+        inserted_len: int = 0,
+        priority: int = 0,
     ) -> tuple[int, Node, Node | None]:
         """Insert ``path(node) + run`` (page floored), where ``node`` is the root (``depth``
         0) or a node the caller holds locked whose path is ``depth`` tokens long: its
         ancestors are touched top-down as the walk from the root would, then the walk goes
         on from ``node`` over ``run`` only, so a caller passes just the tokens past its
-        locked prefix. Returns what ``insert`` does (positions counted from the root)."""
+        locked prefix. Returns what ``insert`` does (positions counted from the root).
+
+        ``inserted_len``: what the inserting request inserted before (its earlier
+        checkpoints): a walked node ending past it gains a hit; ``priority``: the insert's,
+        raised onto every walked node (both read only by the policies that use them)."""
         ps = self.page_size
         root = self.root
+        if self.counts_hits or self.policy == "priority":
+            self._count_path(node, depth, inserted_len, priority)
         if node is not root:
             # ``_touch`` of the path top-down (root side first), inlined: count the nodes,
             # then stamp them bottom-up with the ticks a top-down walk would give
@@ -363,6 +437,7 @@ class RadixTree:
         n = len(run)
         n -= n % ps
         pos = 0
+        counts = self.counts_hits
         while pos < n:
             child = node.children.get(run[pos] if ps == 1 else tuple(run[pos : pos + ps]))
             if child is None:
@@ -373,11 +448,19 @@ class RadixTree:
             if pos + m <= n and run[pos : pos + m] == ckey:
                 pos += m
                 node = child
+                if counts and depth + pos > inserted_len:
+                    child.hits += 1
+                if priority > child.prio:
+                    child.prio = priority
                 continue
             common = self._common_len(ckey, run, pos, min(m, n - pos))
             common -= common % ps
             node = self._split(child, common)
             pos += common
+            if counts and depth + pos > inserted_len:
+                node.hits += 1
+            if priority > node.prio:
+                node.prio = priority
             break
         if pos >= n:
             return depth + pos, node, None
@@ -385,6 +468,8 @@ class RadixTree:
         digests = node.digests
         digests, hashes = self.hasher(digests[-DIGEST_SIZE:] if digests else None, rest, ps)
         new = Node(rest, node, digests, hashes, self._next_id)
+        new.hits = 1  # a new node ends past anything its request inserted before
+        new.prio = priority
         self._next_id += 1
         self.num_nodes += 1
         node.children[rest[0] if ps == 1 else tuple(rest[:ps])] = new
@@ -394,6 +479,21 @@ class RadixTree:
         parent_hash = node.hashes[-1] if node.hashes else None
         self.sink.record_store(hashes, parent_hash, rest, ps)
         return depth + pos, new, new
+
+    def _count_path(self, node: Node, depth: int, inserted_len: int, priority: int) -> None:
+        """The hits and priority an insert walking from the root gives ``node`` (path
+        ``depth`` tokens long) and its ancestors (``insert_below`` goes on below it)."""
+        counts = self.counts_hits
+        root = self.root
+        end = depth
+        cur: Node | None = node
+        while cur is not root and cur is not None:
+            if counts and end > inserted_len:
+                cur.hits += 1
+            if priority > cur.prio:
+                cur.prio = priority
+            end -= len(cur.key)
+            cur = cur.parent
 
     def lock(self, node: Node) -> None:
         """``inc_lock_ref``: protect ``node`` and its ancestors from eviction."""
@@ -448,7 +548,8 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
 
     def evict(self, num_tokens: int) -> int:
-        """Evict whole unlocked leaves (LRU) until ``num_tokens`` are freed; return freed."""
+        """Evict whole unlocked leaves (the policy's order) until ``num_tokens`` are freed;
+        return freed."""
         if self._noted:
             self._push_noted()
         freed = 0
@@ -456,13 +557,14 @@ class RadixTree:
         root = self.root
         sink = self.sink
         ps = self.page_size
+        key_of = self._key
         while freed < num_tokens and heap:
             stamp, _nid, node = heapq.heappop(heap)
             if (
                 not node.alive
                 or node.children
                 or node.lock_ref != 0
-                or node.last_access != stamp
+                or key_of(node) != stamp
                 or node is root
             ):
                 continue
@@ -478,7 +580,7 @@ class RadixTree:
             self.num_nodes -= 1
             sink.record_remove(node.hashes)
             if parent is not root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.nid, parent))
+                heapq.heappush(heap, (key_of(parent), parent.nid, parent))
         return freed
 
     def reset(self) -> None:

@@ -62,6 +62,7 @@ class SimReq:
         "error",
         "marks",
         "dec0",
+        "inserted_len",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -86,6 +87,9 @@ class SimReq:
         self.lock_handle: Node | None = None
         self.kv_len = 0
         self.tree_len = 0
+        #: what its checkpoints inserted (page aligned; SGLang's ``cache_inserted_len``):
+        #: the walked nodes past it gain a hit (``replay.radix``'s counting policies)
+        self.inserted_len = 0
         self.alloc = 0
         self.decode_left = 0
         self.cached_tokens = 0

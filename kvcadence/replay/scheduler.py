@@ -77,7 +77,7 @@ from kvcadence.replay.policy import (
     refreshes_waiting_prefixes,
     touch_waiting_prefixes,
 )
-from kvcadence.replay.radix import Hasher, Node, RadixTree
+from kvcadence.replay.radix import PROMPT_PRIORITY, Hasher, Node, RadixTree
 from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
 from kvcadence.replay.timing import PassTimer
@@ -154,7 +154,7 @@ class Scheduler:
         #: processes the previous result only after the current forward ends
         self.sync = cfg.sync_forward
         self.queue = EventQueue(cfg.sglang_version, cfg.medium)
-        self.tree = RadixTree(cfg.page_size, hasher, self.queue)
+        self.tree = RadixTree(cfg.page_size, hasher, self.queue, cfg.eviction_policy)
         self.publisher = publisher or Publisher(
             cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns
         )
@@ -324,7 +324,9 @@ class Scheduler:
             # leaf evicts B in 7 of 7 runs (A when A finishes before B's prefill, 2 of 2)
             h = req.lock_handle
             if h is not None and h is not self.tree.root:
-                self.tree.insert_below(h, req.tree_len, ())
+                self.tree.insert_below(h, req.tree_len, (), req.inserted_len)
+            if end > req.inserted_len:
+                req.inserted_len = end
             return
         tree = self.tree
         start = req.lock_handle
@@ -332,7 +334,11 @@ class Scheduler:
             start, depth = tree.root, 0
         else:
             depth = req.tree_len  # the locked node's path: only the tokens past it are walked
-        existing, node, new = tree.insert_below(start, depth, req.seq_slice(depth, end))
+        existing, node, new = tree.insert_below(
+            start, depth, req.seq_slice(depth, end), req.inserted_len
+        )
+        if end > req.inserted_len:
+            req.inserted_len = end
         if new is not None and self.track:
             self._record_store(req, existing, end)
         prompt = len(req.ids)
@@ -342,8 +348,13 @@ class Scheduler:
             # re-prefill, prompt + outputs): SGLang 0.5.23's checkpoint inserts the prompt's
             # page-aligned key again (``UnifiedRadixCache.checkpoint_into_tree``: "split the
             # leaf at the prompt boundary so eviction can drop the output KV without the
-            # prompt"), so the outputs are a leaf of their own (no event)
-            tree.insert_below(start, depth, req.seq_slice(depth, prompt))
+            # prompt"), so the outputs are a leaf of their own (no event); that insert's
+            # priority is the request's + 1 (its prompt outlives its outputs under ``priority``)
+            tree.insert_below(start, depth, req.seq_slice(depth, prompt), prompt, PROMPT_PRIORITY)
+        elif 0 < prompt < end and tree.policy == "priority":
+            # the same insert at a finish (the prompt's nodes end at its last page already:
+            # no split); only its priority can change an eviction, so only walked then
+            tree.insert_below(tree.root, 0, req.seq_slice(0, prompt), prompt, PROMPT_PRIORITY)
         old = req.lock_handle
         if old is not None:
             self.tree.relock(old, node)
@@ -364,7 +375,7 @@ class Scheduler:
             self.tree.unlock(req.lock_handle)
         req.lock_handle = None
         req.last_node = None
-        req.kv_len = req.tree_len = 0
+        req.kv_len = req.tree_len = req.inserted_len = 0
         req.marks = []
         req.dec0 = None
 

@@ -85,6 +85,10 @@ CAPTURES = (
     "p1-retract-noeos-quiet",
     "dp2-p8-lpm-quiet",
     "dp2-p4-retract-noeos-quiet",
+    "p1-lanes8-quiet",
+    "p1-lanes8-lfu",
+    "p1-lanes8-slru",
+    "p1-lanes8-priority",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -125,6 +129,10 @@ MISSES: dict[tuple[str, str], str] = {
     ("p32-flush-nooverlap-quiet", "cached_equal"): "cached_tokens_equal 0.720",
     ("p1-retract-noeos-quiet", "cached_equal"): "cached_tokens_equal 0.735",
     ("dp2-p4-retract-noeos-quiet", "cached_equal"): "cached_tokens_equal 0.700",
+    ("p1-lanes8-lfu", "stored_median"): "stored_blocks_median 49 -> 50.5 (+3.1%)",
+    ("p1-lanes8-lfu", "cached_equal"): "cached_tokens_equal 0.760",
+    ("p1-lanes8-slru", "cached_equal"): "cached_tokens_equal 0.750",
+    ("p1-lanes8-priority", "cached_equal"): "cached_tokens_equal 0.735",
 }
 
 
@@ -267,6 +275,9 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p32-flush-nooverlap-quiet": "cached_tokens_equal 0.720",
     "p1-retract-noeos-quiet": "cached_tokens_equal 0.740",
     "dp2-p4-retract-noeos-quiet": "cached_tokens_equal 0.700",
+    "p1-lanes8-lfu": "stored_blocks_median 49 -> 51 (+4.1%); cached_tokens_equal 0.765",
+    "p1-lanes8-slru": "cached_tokens_equal 0.730",
+    "p1-lanes8-priority": "cached_tokens_equal 0.725",
 }
 
 
