@@ -131,7 +131,7 @@ class SimConfig:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise UsageError(
                 f"radix eviction policy {self.eviction_policy!r} not simulated "
-                f"(choose from {', '.join(EVICTION_POLICIES)})"
+                f"(choose from {', '.join(EVICTION_POLICIES)} with --radix-eviction-policy)"
             )
         if self.schedule_conservativeness <= 0:
             raise UsageError("schedule conservativeness must be > 0")
