@@ -18,7 +18,7 @@ from typing import Any
 
 from kvcadence.errors import UsageError
 from kvcadence.replay.events import VERSION_MODES, event_mode
-from kvcadence.replay.radix import EVICTION_POLICIES
+from kvcadence.replay.radix import EVICTION_POLICIES, SLRU_PROTECTED
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
 ROLES = ("both", "prefill", "decode")
@@ -63,6 +63,9 @@ class SimConfig:
     disable_overlap_schedule: bool = False
     #: the radix tree's eviction order (SGLang ``--radix-eviction-policy``; ``replay.radix``)
     eviction_policy: str = "lru"
+    #: ``slru``: the hits that protect a node (``--radix-eviction-policy-config``'s
+    #: ``protected_threshold``)
+    slru_protected: int = SLRU_PROTECTED
     sglang_version: str = "0.5.23"
     medium: str | None = "GPU"
     attn_dp_rank: int = 0
@@ -133,6 +136,8 @@ class SimConfig:
                 f"radix eviction policy {self.eviction_policy!r} not simulated "
                 f"(choose from {', '.join(EVICTION_POLICIES)} with --radix-eviction-policy)"
             )
+        if self.slru_protected < 1:
+            raise UsageError("slru protected threshold must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise UsageError("schedule conservativeness must be > 0")
         event_mode(self.sglang_version)
@@ -211,6 +216,35 @@ _INT_RANGE = {"page_size": (1, 1 << 20), "decode_log_interval": (1, 1 << 31)}
 _INT_DEFAULT_RANGE = (1, 1 << 40)
 
 
+#: /server_info settings that change what the worker schedules or publishes and that the
+#: replay does not model (docs/simulator.md, "What is not modelled"): key -> whether its
+#: value turns the feature on
+_UNMODELLED: dict[str, Any] = {
+    "enable_mixed_chunk": lambda v: v is True,
+    "enable_priority_scheduling": lambda v: v is True,
+    "enable_hierarchical_cache": lambda v: v is True,
+    "enable_dynamic_chunking": lambda v: v is True,
+    "enable_session_radix_cache": lambda v: v is True,
+    "enable_dp_attention": lambda v: v is True,
+    "disable_radix_cache": lambda v: v is True,
+    "speculative_algorithm": lambda v: isinstance(v, str) and v.strip() != "",
+    "num_continuous_decode_steps": lambda v: type(v) is int and v > 1,
+}
+
+
+def unmodelled_settings(server_info: dict[str, Any]) -> list[str]:
+    """The worker's settings in ``server_info`` that the replay does not model, as command
+    line flags (``--enable-mixed-chunk``, ``--speculative-algorithm EAGLE``), in a fixed
+    order; empty for a snapshot without any."""
+    out = []
+    for key, on in _UNMODELLED.items():
+        v = server_info.get(key)
+        if on(v):
+            flag = "--" + key.replace("_", "-")
+            out.append(flag if v is True else f"{flag} {v}")
+    return out
+
+
 def _checked(conv: Any, v: Any, key: str, lo: int | None = None) -> Any:
     """``conv(v)`` for the /server_info setting ``key``, or a UsageError naming it (never a
     TypeError/OverflowError traceback, a NaN or a page size of 0 inside the simulator)."""
@@ -243,6 +277,9 @@ def from_server_info(server_info: dict[str, Any], sglang_version: str | None = N
         key = next((n for n in names if info.get(n) is not None), None)
         if key is not None:
             setattr(cfg, attr, _checked(conv, info[key], key))
+    pc = info.get("radix_eviction_policy_config")
+    if isinstance(pc, dict) and pc.get("protected_threshold") is not None:
+        cfg.slru_protected = _checked(int, pc["protected_threshold"], "protected_threshold")
     if "chunked_prefill_size" in info:
         v = info["chunked_prefill_size"]
         if v is not None:

@@ -74,8 +74,11 @@ def _lfu_key(n: Node) -> tuple[int, int]:
     return n.hits, n.last_access
 
 
-def _slru_key(n: Node) -> tuple[bool, int]:
-    return n.hits >= SLRU_PROTECTED, n.last_access
+def _slru_key(protected: int) -> Callable[[Node], tuple[bool, int]]:
+    def key(n: Node) -> tuple[bool, int]:
+        return n.hits >= protected, n.last_access
+
+    return key
 
 
 def _priority_key(n: Node) -> tuple[int, int]:
@@ -86,7 +89,7 @@ def _priority_key(n: Node) -> tuple[int, int]:
 _POLICY_KEYS: dict[str, Callable[[Node], Any]] = {
     "lru": _last_access,
     "lfu": _lfu_key,
-    "slru": _slru_key,
+    "slru": _slru_key(SLRU_PROTECTED),
     "priority": _priority_key,
 }
 
@@ -192,6 +195,7 @@ class RadixTree:
         hasher: Hasher,
         sink: EventSink | None = None,
         policy: str = "lru",
+        slru_protected: int = SLRU_PROTECTED,
     ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
@@ -200,6 +204,8 @@ class RadixTree:
         self.page_size = page_size
         self.policy = policy
         self._key = _POLICY_KEYS[policy]
+        if policy == "slru" and slru_protected != SLRU_PROTECTED:
+            self._key = _slru_key(slru_protected)
         #: the policy reads hit counts (kept only then: a walk up the path per insert)
         self.counts_hits = policy in ("lfu", "slru")
         self.hasher = hasher

@@ -154,7 +154,9 @@ class Scheduler:
         #: processes the previous result only after the current forward ends
         self.sync = cfg.sync_forward
         self.queue = EventQueue(cfg.sglang_version, cfg.medium)
-        self.tree = RadixTree(cfg.page_size, hasher, self.queue, cfg.eviction_policy)
+        self.tree = RadixTree(
+            cfg.page_size, hasher, self.queue, cfg.eviction_policy, cfg.slru_protected
+        )
         self.publisher = publisher or Publisher(
             cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns
         )

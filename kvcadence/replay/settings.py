@@ -20,7 +20,9 @@ them:
 
 Everything else keeps ``SimConfig``'s defaults (SGLang's: chunked prefill 8192, the overlap
 schedule on, ``fcfs``). ``CaptureSettings.note`` says in one line what was read from the
-events and what was left at a default, for the CLI to print; the values can be overridden
+events and what was left at a default, and which of the snapshot's settings the replay
+does not model (``config.unmodelled_settings``: mixed chunked prefill, HiCache, speculative
+decoding, ...), for the CLI to print; the values can be overridden
 on the command line (``--page-size``, ``--max-total-tokens``, ...). The event scan runs only
 when a key is missing: a capture with a full snapshot pays nothing; a pass over the events
 made anyway (the production inference's) counts them on the way (``tally_for``).
@@ -28,6 +30,7 @@ made anyway (the production inference's) counts them on the way (``tally_for``).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -42,7 +45,7 @@ from kvcadence.format.schema import (
     BlockStoredRawView,
     _raw_array_len,
 )
-from kvcadence.replay.config import SimConfig
+from kvcadence.replay.config import SimConfig, unmodelled_settings
 
 #: keys of the snapshot a replay cannot do without (``config._SERVER_INFO_FIELDS``' names)
 PAGE_KEYS = ("page_size",)
@@ -60,7 +63,8 @@ DEFAULTED = (
 class CaptureSettings:
     """``server_info``: the snapshot with the missing page size / pool size filled in from
     the events (``filled`` names them, ``source`` says how); ``note``: one line for the user
-    when anything was filled or left at a default, else None."""
+    when anything was filled or left at a default or the worker ran with a setting the
+    replay does not model, else None."""
 
     server_info: dict[str, Any]
     filled: tuple[str, ...] = ()
@@ -139,6 +143,20 @@ def _stated(info: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def _settings(reader: Any, scan: EventScan | None = None) -> CaptureSettings:
+    got = _filled(reader, scan)
+    off = unmodelled_settings(_merged(got.server_info))
+    if not off:
+        return got
+    said = (
+        f"the worker ran with {', '.join(off)}, which the replay does not model "
+        '(docs/simulator.md, "What is not modelled"): its figures may part from the worker\'s'
+    )
+    note = said if got.note is None else f"{got.note}; {said}"
+    return dataclasses.replace(got, note=note)
+
+
+def _filled(reader: Any, scan: EventScan | None = None) -> CaptureSettings:
+    """The snapshot with the page and pool sizes filled in from the events where missing."""
     info = dict(getattr(reader.header, "server_info", None) or {})
     need_page = _stated(info, PAGE_KEYS) is None
     need_pool = _stated(info, POOL_KEYS) is None

@@ -212,3 +212,18 @@ def test_the_command_line_offers_the_simulated_policies():
     assert tuple(action.choices) == EVICTION_POLICIES
     args = parser.parse_args(["x.kvcb", "--radix-eviction-policy", "slru"])
     assert args.eviction_policy == "slru"
+
+
+def test_slru_threshold_from_the_worker_config():
+    """``protected_threshold`` 3: a node hit twice is still probationary, evicted by age."""
+    q = EventQueue("0.5.23")
+    t = RadixTree(1, wire_hasher(), q, "slru", 3)
+    t.insert((1, 2))
+    t.insert((1, 2))
+    t.insert((3, 4))
+    twice, once = hashes_of(t, (1, 2)), hashes_of(t, (3, 4))
+    q.take()
+    t.evict(2)
+    assert removed(q) == [twice]  # the older, not protected at 2 hits
+    t.evict(2)
+    assert removed(q) == [once]
