@@ -18,8 +18,10 @@ every 32nd (the first included) touches the tree path of each of the first 128 w
 requests in the order just computed, head last (``touch_waiting_prefix``: prompt + outputs
 so far, page floored, not capped at ``len − 1``; ``touch_prefix`` is the match walk, split
 and stamps included, with no request fields set), so LRU eviction spares what the queue
-head will match. Not on a decode worker (``disaggregation_mode == "decode"``); the other
-conditions (LRU eviction, a tree without ``supports_fast_match_prefix``) always hold here.
+head will match. Not on a decode worker (``disaggregation_mode == "decode"``) and only under
+the ``lru`` eviction policy (``radix_eviction_policy``: the other policies order by hits or
+priority first, and the refresh does not run, nor count, for them); the other condition (a
+tree without ``supports_fast_match_prefix``) always holds here.
 
 Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, and the
 matching fields the scheduler fills (``prefix_len``, ``last_node``) through ``match``.
@@ -68,9 +70,12 @@ def order_waiting(
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
-def refreshes_waiting_prefixes(policy: str, n_waiting: int) -> bool:
+def refreshes_waiting_prefixes(policy: str, n_waiting: int, eviction: str = "lru") -> bool:
     """Whether ``calc_priority`` with ``n_waiting`` (> 0) requests counts towards the
-    waiting-prefix refresh: its active policy is cache-agnostic."""
+    waiting-prefix refresh: its active policy is cache-agnostic and the tree evicts by
+    ``lru``."""
+    if eviction != "lru":
+        return False
     if policy == "lpm":
         return n_waiting > WAITING_QUEUE_PREFIX_MATCH_MAX
     return policy in ("fcfs", "lof")

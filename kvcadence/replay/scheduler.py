@@ -484,7 +484,9 @@ class Scheduler:
         if (
             self.waiting
             and self.role != "decode"
-            and refreshes_waiting_prefixes(cfg.schedule_policy, len(self.waiting))
+            and refreshes_waiting_prefixes(
+                cfg.schedule_policy, len(self.waiting), cfg.eviction_policy
+            )
         ):
             if self._prefix_refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0:
                 touch_waiting_prefixes(ordered, self.tree)

@@ -87,6 +87,10 @@ def test_refresh_runs_only_under_a_cache_agnostic_active_policy():
     assert not refreshes_waiting_prefixes("lpm", 128)
     assert refreshes_waiting_prefixes("lpm", 129)  # lpm's fcfs fallback
     assert not refreshes_waiting_prefixes("dfs-weight", 1000)  # never falls back
+    # only under LRU eviction (0.5.23 checks ``radix_eviction_policy``): not counted either
+    for eviction in ("lfu", "slru", "priority"):
+        assert not refreshes_waiting_prefixes("fcfs", 1, eviction)
+        assert not refreshes_waiting_prefixes("lpm", 129, eviction)
 
 
 def test_refresh_touches_the_queue_head_last_over_the_whole_fill():
