@@ -217,6 +217,7 @@ _SETTINGS = (
     ("chunked_prefill_size", "chunked_prefill"),
     ("disable_overlap_schedule", "overlap_off"),
     ("schedule_policy", "policy"),
+    ("radix_eviction_policy", "eviction"),
     ("dp_size", "dp"),
 )
 

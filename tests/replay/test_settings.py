@@ -141,6 +141,9 @@ def test_inspect_shows_the_settings_or_that_the_capture_has_none(tmp_path):
     assert (full["settings"]["page_size"], full["settings"]["max_total_num_tokens"]) == (16, 2400)
     assert full["settings"]["chunked_prefill_size"] == 256
     assert "page=16  pool=2400  chunked_prefill=256" in format_text(full)
+    assert "eviction=lru" in format_text(full)
+    lfu = inspect_bundle(CORPUS / "p1-lanes8-lfu" / "bundle")
+    assert lfu["settings"]["radix_eviction_policy"] == "lfu" and "eviction=lfu" in format_text(lfu)
     bare = inspect_bundle(_copy(CORPUS / "p16-chunk256-evict" / "bundle", tmp_path / "b", {}))
     assert bare["settings"]["server_info"] is False and bare["settings"]["page_size"] is None
     assert bare["settings"]["block_sizes"] == {"16": 376}
