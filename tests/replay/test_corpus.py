@@ -89,6 +89,8 @@ CAPTURES = (
     "p1-lanes8-lfu",
     "p1-lanes8-slru",
     "p1-lanes8-priority",
+    "p16-chunk256-lfu",
+    "p16-chunk256-priority",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -133,6 +135,8 @@ MISSES: dict[tuple[str, str], str] = {
     ("p1-lanes8-lfu", "cached_equal"): "cached_tokens_equal 0.760",
     ("p1-lanes8-slru", "cached_equal"): "cached_tokens_equal 0.750",
     ("p1-lanes8-priority", "cached_equal"): "cached_tokens_equal 0.735",
+    ("p16-chunk256-lfu", "cached_equal"): "cached_tokens_equal 0.890",
+    ("p16-chunk256-priority", "cached_equal"): "cached_tokens_equal 0.755",
 }
 
 
@@ -278,6 +282,8 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p1-lanes8-lfu": "stored_blocks_median 49 -> 51 (+4.1%); cached_tokens_equal 0.765",
     "p1-lanes8-slru": "cached_tokens_equal 0.730",
     "p1-lanes8-priority": "cached_tokens_equal 0.725",
+    "p16-chunk256-lfu": "cached_tokens_equal 0.885",
+    "p16-chunk256-priority": "cached_tokens_equal 0.810",
 }
 
 
