@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvcadence import cli
+from kvcadence.replay.config import UNMODELLED
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", REPO / "examples" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -60,6 +61,8 @@ OTHER_FLAGS = {
     "--input",
     "--speedup",
     "--update-doc",
+    # SGLang settings the replay does not model, named where it warns of them
+    *("--" + k.replace("_", "-") for k in UNMODELLED),
 }
 OUTSIDE = re.compile(
     r"\.\./shared|\.\./fixtures|shared/reference|sglang-scheduler-model|sglang-kv-events"

@@ -219,7 +219,7 @@ _INT_DEFAULT_RANGE = (1, 1 << 40)
 #: /server_info settings that change what the worker schedules or publishes and that the
 #: replay does not model (docs/simulator.md, "What is not modelled"): key -> whether its
 #: value turns the feature on
-_UNMODELLED: dict[str, Any] = {
+UNMODELLED: dict[str, Any] = {
     "enable_mixed_chunk": lambda v: v is True,
     "enable_priority_scheduling": lambda v: v is True,
     "enable_hierarchical_cache": lambda v: v is True,
@@ -237,7 +237,7 @@ def unmodelled_settings(server_info: dict[str, Any]) -> list[str]:
     line flags (``--enable-mixed-chunk``, ``--speculative-algorithm EAGLE``), in a fixed
     order; empty for a snapshot without any."""
     out = []
-    for key, on in _UNMODELLED.items():
+    for key, on in UNMODELLED.items():
         v = server_info.get(key)
         if on(v):
             flag = "--" + key.replace("_", "-")

@@ -26,7 +26,8 @@ def removed(q: EventQueue) -> list[list[int]]:
 
 
 def hashes_of(t: RadixTree, key: tuple[int, ...]) -> list[int]:
-    """The block hashes of ``key``'s last node (it must end exactly at a node)."""
+    """The block hashes of ``key``'s last node (it must end exactly at a node). A match:
+    it touches the path (a fresher access stamp), as any match does."""
     n, node = t.match_prefix(key)
     assert n == len(key)
     return list(node.hashes)
