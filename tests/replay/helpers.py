@@ -203,3 +203,26 @@ def finish_prefill_merges(
                     if key[0] == rank:
                         removed_at[key] = ts
     return merges
+
+
+def radix_op(tree: Any, op: str, key: tuple[int, ...], n: int, locked: list) -> None:
+    """One operation of the radix tree's random-operation tests on ``tree`` (``evict`` is the
+    caller's): ``ins`` inserts ``key`` from the root (``n``: what the inserting request had
+    inserted before, ``n % 3`` its priority), ``again`` inserts it again at the prompt
+    re-insert's priority, ``match`` matches it (capped at ``len - 1``), ``lock`` locks the node
+    its whole match ends at (kept in ``locked``), ``unlock`` releases the latest lock."""
+    from kvcadence.replay.radix import PROMPT_PRIORITY
+
+    if op == "ins":
+        tree.insert_below(tree.root, 0, key, inserted_len=n, priority=n % 3)
+    elif op == "again":
+        tree.insert_below(tree.root, 0, key, len(key), PROMPT_PRIORITY)
+    elif op == "match":
+        tree.match_prefix(key, len(key) - 1)
+    elif op == "lock":
+        _, node = tree.match_prefix(key, len(key))
+        if node is not tree.root:
+            tree.lock(node)
+            locked.append(node)
+    elif op == "unlock" and locked:
+        tree.unlock(locked.pop())

@@ -13,6 +13,7 @@ from kvcadence.replay import cli as replay_cli
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import EventQueue
 from kvcadence.replay.radix import EVICTION_POLICIES, PROMPT_PRIORITY, RadixTree, wire_hasher
+from tests.replay.helpers import radix_op
 
 
 def tree(policy: str, ps: int = 1) -> tuple[RadixTree, EventQueue]:
@@ -168,26 +169,13 @@ def test_lazy_heap_evicts_as_a_full_scan_would(policy, ps, ops):
     locked: list[list] = [[], []]
     ref = _Ref(trees[1][0])
     for op, toks, n in ops:
-        key = tuple(toks)
         for side, (t, _) in enumerate(trees):
-            if op == "ins":
-                t.insert_below(t.root, 0, key, inserted_len=n, priority=n % 3)
-            elif op == "again":
-                t.insert_below(t.root, 0, key, len(key), PROMPT_PRIORITY)
-            elif op == "match":
-                t.match_prefix(key, len(key) - 1)
-            elif op == "lock":
-                _, node = t.match_prefix(key, len(key))
-                if node is not t.root:
-                    t.lock(node)
-                    locked[side].append(node)
-            elif op == "unlock" and locked[side]:
-                t.unlock(locked[side].pop())
-            elif op == "evict":
-                if side == 0:
-                    t.evict(n)
-                else:
-                    ref.evict(n)
+            if op != "evict":
+                radix_op(t, op, tuple(toks), n, locked[side])
+            elif side == 0:
+                t.evict(n)
+            else:
+                ref.evict(n)
         got, want = ([(e.kind, tuple(e.hashes)) for e in q.take()] for _, q in trees)
         assert got == want
         trees[0][0].check_invariants()

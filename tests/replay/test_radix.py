@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvcadence.format import wire
 from kvcadence.replay.events import EventQueue
 from kvcadence.replay.radix import RadixTree, wire_hasher
+from tests.replay.helpers import radix_op
 
 
 def tree(ps: int = 1) -> tuple[RadixTree, EventQueue]:
@@ -114,20 +115,10 @@ def test_random_operations_keep_invariants(ops, ps):
     locked = []
     resident: set[int] = set()
     for op, toks, n in ops:
-        key = tuple(toks)
-        if op == "ins":
-            t.insert(key)
-        elif op == "match":
-            t.match_prefix(key, len(key) - 1)
-        elif op == "lock":
-            _, node = t.match_prefix(key, len(key))
-            if node is not t.root:
-                t.lock(node)
-                locked.append(node)
-        elif op == "unlock" and locked:
-            t.unlock(locked.pop())
-        elif op == "evict":
+        if op == "evict":
             t.evict(n)
+        else:
+            radix_op(t, op, tuple(toks), n, locked)
         for e in q.take():
             if e.kind == 0:
                 assert e.parent is None or e.parent in resident
