@@ -8,11 +8,16 @@
 * ``dfs-weight``: group by matched last node; weight = requests in the subtree; DFS heaviest
   child first, a node's own requests after its children's (post-order). Never falls back.
 * ``lof``: longest output first (``-max_new_tokens``, stable).
+* ``hrrn``: highest response ratio next, with token-based aging (0.5.23
+  ``_sort_by_hrrn``): the prefix matches and in-batch de-prioritisation of ``lpm``, then by
+  the tokens the worker prefilled since the request entered the queue over its uncached
+  prompt tokens, highest first (a fully cached prompt first of all, a de-prioritised one
+  last; ties by rid). Falls back to fcfs beyond 128 waiting requests.
 
 Waiting-prefix refresh (0.5.23 ``SchedulePolicy._touch_waiting_prefixes``, called at the end
 of ``calc_priority``; ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH`` defaults to on): when the
 active policy (``_determine_active_policy``) is cache-agnostic (``fcfs``, ``lof``, ``lpm``
-beyond 128 waiting requests) the cache-aware matches above do not run, so the scheduler
+and ``hrrn`` beyond 128 waiting requests) the cache-aware matches above do not run, so the scheduler
 counts its ``calc_priority`` calls made under such a policy with a non-empty queue, and on
 every 32nd (the first included) touches the tree path of each of the first 128 waiting
 requests in the order just computed, head last (``touch_waiting_prefix``: prompt + outputs
@@ -51,19 +56,24 @@ def order_waiting(
     waiting: list[Any],
     tree: RadixTree,
     match: Callable[[Any], None],
+    processed_tokens: int = 0,
 ) -> list[Any]:
     """Return the waiting queue in the order the adder walks it.
 
     ``match(req)`` re-matches a request against ``tree`` (setting ``prefix_len`` and
     ``last_node``); cache-aware policies call it for every waiting request.
+    ``processed_tokens``: the tokens the worker has prefilled so far (``hrrn``'s clock; a
+    request's ``arrival_processed`` is its value when the request entered the queue).
     """
     if policy == "fcfs" or len(waiting) <= 1:
         return list(waiting)
     if policy == "lof":
         return sorted(waiting, key=lambda r: -r.max_new_tokens)
-    if policy == "lpm":
+    if policy in ("lpm", "hrrn"):
         if len(waiting) > WAITING_QUEUE_PREFIX_MATCH_MAX:
             return list(waiting)
+        if policy == "hrrn":
+            return _hrrn(waiting, tree, match, processed_tokens)
         return _lpm(waiting, tree, match)
     if policy == "dfs-weight":
         return _dfs_weight(waiting, tree, match)
@@ -76,7 +86,7 @@ def refreshes_waiting_prefixes(policy: str, n_waiting: int, eviction: str = "lru
     ``lru``."""
     if eviction != "lru":
         return False
-    if policy == "lpm":
+    if policy in ("lpm", "hrrn"):
         return n_waiting > WAITING_QUEUE_PREFIX_MATCH_MAX
     return policy in ("fcfs", "lof")
 
@@ -87,7 +97,13 @@ def touch_waiting_prefixes(ordered: list[Any], tree: RadixTree) -> None:
         tree.match_prefix(r.fill, r.fill_len)
 
 
-def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:
+def _prefix_matches(
+    waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]
+) -> tuple[list[Any], list[Any]]:
+    """``_compute_prefix_matches``: every waiting request matched, in queue order; those with
+    a short match (<= 32 tokens) that share >= 32 tokens with an earlier such request are
+    de-prioritised (in-batch prefix caching: one of them fills the cache for the others).
+    Returns ``(kept, de-prioritised)``."""
     temp = RadixTree(tree.page_size, _null_hasher)
     keep: list[Any] = []
     deprioritized: list[Any] = []
@@ -101,8 +117,34 @@ def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> l
                 continue
             temp.insert(key)
         keep.append(r)
+    return keep, deprioritized
+
+
+def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:
+    keep, deprioritized = _prefix_matches(waiting, tree, match)
     keep.sort(key=lambda r: -r.prefix_len)
     return keep + deprioritized
+
+
+def _hrrn(
+    waiting: list[Any], tree: RadixTree, match: Callable[[Any], None], processed: int
+) -> list[Any]:
+    """0.5.23 ``_sort_by_hrrn``: ratio = tokens prefilled since the request entered the
+    queue / its uncached prompt tokens, highest first; no uncached token: first; the
+    de-prioritised: last; ties by rid (the sort is over the whole queue, stable)."""
+    keep, deprioritized = _prefix_matches(waiting, tree, match)
+    low = {id(r) for r in deprioritized}
+    inf = float("inf")
+
+    def key(r: Any) -> tuple[float, str]:
+        if id(r) in low:
+            return inf, r.rid
+        uncached = r.input_len - r.prefix_len
+        if uncached <= 0:
+            return -inf, r.rid
+        return -max(0, processed - r.arrival_processed) / uncached, r.rid
+
+    return sorted(waiting, key=key)
 
 
 def _dfs_weight(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:

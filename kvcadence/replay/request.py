@@ -63,6 +63,7 @@ class SimReq:
         "marks",
         "dec0",
         "inserted_len",
+        "arrival_processed",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -90,6 +91,8 @@ class SimReq:
         #: what its checkpoints inserted (page aligned; SGLang's ``cache_inserted_len``):
         #: the walked nodes past it gain a hit (``replay.radix``'s counting policies)
         self.inserted_len = 0
+        #: the scheduler's prefill tokens when it entered the queue (``hrrn``'s aging)
+        self.arrival_processed = 0
         self.alloc = 0
         self.decode_left = 0
         self.cached_tokens = 0

@@ -206,6 +206,8 @@ class Scheduler:
         self.batch_is_full = False
         #: ``cfg.effective_max_running``, read once (a property; checked per batch build)
         self.max_running = cfg.effective_max_running
+        #: prefill tokens launched so far (``processed_tokens_counter``: ``hrrn``'s clock)
+        self.processed_tokens = 0
         #: ``calc_priority`` calls counted towards the waiting-prefix refresh (policy.py)
         self._prefix_refresh_calls = 0
         self.private_total = 0
@@ -480,7 +482,9 @@ class Scheduler:
             return None
         # ``calc_priority``: after the early returns above, as in 0.5.23
         # ``_get_new_batch_prefill_raw``; its waiting-prefix refresh (policy.py) last
-        ordered = order_waiting(cfg.schedule_policy, self.waiting, self.tree, self._match)
+        ordered = order_waiting(
+            cfg.schedule_policy, self.waiting, self.tree, self._match, self.processed_tokens
+        )
         if (
             self.waiting
             and self.role != "decode"
@@ -619,6 +623,7 @@ class Scheduler:
         r.gen += 1
         r.state = WAITING
         r.retractions += 1
+        r.arrival_processed = self.processed_tokens  # ``_add_request_to_queue`` again
         n = r.input_len + r.output_len
         r.fill = r.seq_slice(0, n)
         r.fill_len = len(r.fill)
@@ -895,6 +900,7 @@ class Scheduler:
                 self._release_successors(req, at)
                 continue
             self.waiting.append(req)
+            req.arrival_processed = self.processed_tokens
 
     # ------------------------------------------------------------------ main loop
     def run(self, progress: Callable[[int], None] | None = None) -> SimStats:
@@ -998,6 +1004,8 @@ class Scheduler:
         batch = self._get_next_batch(t)
         if batch is not None:
             if batch.kind == "prefill":
+                # ``run_batch``: the prefill tokens launched so far (``hrrn``'s clock)
+                self.processed_tokens += batch.tokens
                 # a decode worker's "prefill" is the prebuilt batch of transferred KV
                 if self.role == "decode":
                     dur = self.timer.prefill_ns(0, len(batch.reqs))

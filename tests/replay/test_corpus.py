@@ -91,6 +91,7 @@ CAPTURES = (
     "p1-lanes8-priority",
     "p16-chunk256-lfu",
     "p16-chunk256-priority",
+    "p4-mrr3-hrrn",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -137,6 +138,7 @@ MISSES: dict[tuple[str, str], str] = {
     ("p1-lanes8-priority", "cached_equal"): "cached_tokens_equal 0.735",
     ("p16-chunk256-lfu", "cached_equal"): "cached_tokens_equal 0.890",
     ("p16-chunk256-priority", "cached_equal"): "cached_tokens_equal 0.755",
+    ("p4-mrr3-hrrn", "cached_equal"): "cached_tokens_equal 0.660",
 }
 
 
@@ -284,6 +286,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p1-lanes8-priority": "cached_tokens_equal 0.725",
     "p16-chunk256-lfu": "cached_tokens_equal 0.885",
     "p16-chunk256-priority": "cached_tokens_equal 0.810",
+    "p4-mrr3-hrrn": "stored_blocks_median 22 -> 23 (+4.5%); cached_tokens_equal 0.655",
 }
 
 

@@ -1,5 +1,6 @@
 """Waiting-queue policies: lpm (longest prefix, in-batch de-prioritisation, fcfs beyond 128),
-lof, dfs-weight (heaviest subtree first, post-order), fcfs; the waiting-prefix refresh."""
+lof, dfs-weight (heaviest subtree first, post-order), hrrn (response ratio with token
+aging), fcfs; the waiting-prefix refresh."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from kvcadence.replay.radix import RadixTree, wire_hasher
 
 
 class R:
-    def __init__(self, name, fill, max_new=10):
-        self.name = name
+    def __init__(self, name, fill, max_new=10, entered=0):
+        self.name = self.rid = name
         self.fill = tuple(fill)
+        self.input_len = len(self.fill)
         self.max_new_tokens = max_new
         self.prefix_len = 0
         self.last_node = None
+        self.arrival_processed = entered
 
 
 def setup():
@@ -51,6 +54,34 @@ def test_lpm_in_batch_dedup_sends_shared_uncached_prefixes_to_the_end():
     shared = list(range(500, 540))
     q = [R("a", shared + [1]), R("b", shared + [2]), R("c", range(900, 905)), R("d", shared + [3])]
     assert names(order_waiting("lpm", q, tree, match)) == ["a", "c", "b", "d"]
+
+
+def test_hrrn_orders_by_prefilled_tokens_waited_over_uncached_tokens():
+    """0.5.23 ``_sort_by_hrrn``: ratio = (processed − the request's value at entry) / its
+    uncached prompt tokens, highest first; a fully cached prompt first; ties by rid."""
+    tree, match = setup()
+    q = [
+        R("old-long", range(1000, 1400), entered=0),  # waited 800 over 400 uncached: 2
+        R("new-short", range(2000, 2040), entered=700),  # waited 100 over 40: 2.5
+        R("cached", list(range(100, 200)) + [7], entered=790),  # 1 uncached, waited 10: 10
+        R("young", range(3000, 3100), entered=800),  # waited 0: ratio 0
+        R("b-tie", range(4000, 4200), entered=400),  # 400 / 200: 2, rid after old-long
+    ]
+    got = names(order_waiting("hrrn", q, tree, match, processed_tokens=800))
+    assert got == ["cached", "new-short", "b-tie", "old-long", "young"]
+    # no token prefilled since any entered: every ratio 0, rid order
+    got = names(order_waiting("hrrn", q, tree, match, processed_tokens=0))
+    assert got == ["b-tie", "cached", "new-short", "old-long", "young"]
+
+
+def test_hrrn_sends_in_batch_duplicates_last_and_falls_back_to_fcfs_beyond_128():
+    tree, match = setup()
+    shared = list(range(500, 540))
+    q = [R("a", shared + [1]), R("b", shared + [2], entered=-1000), R("c", range(900, 905))]
+    assert names(order_waiting("hrrn", q, tree, match, processed_tokens=10)) == ["c", "a", "b"]
+    big = [R(f"r{i}", [1000 + i, 2], entered=i) for i in range(129)]
+    assert names(order_waiting("hrrn", big, tree, match, processed_tokens=500)) == names(big)
+    assert refreshes_waiting_prefixes("hrrn", 129) and not refreshes_waiting_prefixes("hrrn", 5)
 
 
 def test_lpm_falls_back_to_fcfs_beyond_128():
