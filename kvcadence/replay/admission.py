@@ -214,15 +214,18 @@ class PrefillAdder:
         return False
 
     # ------------------------------------------------------------------ chunked continuation
-    def add_chunked_req(self, req: Any) -> Any:
+    def add_chunked_req(self, req: Any, limit: int | None = None) -> Any:
         """Continue ``req``'s chunked prefill first; return it while still truncated.
 
         Both generations: ``available = min(rem_chunk_tokens, int(rem_total_tokens))``, or
         ``rem_chunk_tokens`` when that is <= 0 (the request must progress to free its KV);
         ``extend = min(remaining, available)`` -- no page rounding (0.5.23 ``fit_chunk`` is
         the identity for a plain ``PrefillBudget``; the mamba grid floor does not apply).
+        ``limit``: ``chunked_req_limit`` (shortest-prefill-first), a cap on the chunk.
         """
         chunk = self.rem_chunk_tokens if self.rem_chunk_tokens is not None else 1 << 62
+        if limit is not None:
+            chunk = min(chunk, limit)
         avail = min(chunk, int(self.rem_total_tokens))
         if avail <= 0:
             avail = chunk

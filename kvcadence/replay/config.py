@@ -20,7 +20,7 @@ from kvcadence.errors import UsageError
 from kvcadence.replay.events import VERSION_MODES, event_mode
 from kvcadence.replay.radix import EVICTION_POLICIES, SLRU_PROTECTED
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "hrrn")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "hrrn", "shortest-prefill-first")
 ROLES = ("both", "prefill", "decode")
 
 

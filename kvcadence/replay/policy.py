@@ -13,6 +13,11 @@
   the tokens the worker prefilled since the request entered the queue over its uncached
   prompt tokens, highest first (a fully cached prompt first of all, a de-prioritised one
   last; ties by rid). Falls back to fcfs beyond 128 waiting requests.
+* ``shortest-prefill-first`` (0.5.23's experimental ``_sort_by_shortest_prefill``): the
+  same matches and de-prioritisation, then the fewest uncached tokens (prompt + outputs so
+  far less the match, at least 1) first, queue order among equals; never falls back. A
+  chunked prefill in progress leaves room in its chunk for the shorter waiting requests
+  (``spf_chunk_limit``).
 
 Waiting-prefix refresh (0.5.23 ``SchedulePolicy._touch_waiting_prefixes``, called at the end
 of ``calc_priority``; ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH`` defaults to on): when the
@@ -44,6 +49,8 @@ IN_BATCH_CHECK_THRESHOLD = 32
 IN_BATCH_DEPRIORITIZE_THRESHOLD = 32
 #: ``WAITING_PREFIX_REFRESH_INTERVAL``: calc_priority calls between waiting-prefix refreshes
 WAITING_PREFIX_REFRESH_INTERVAL = 32
+#: the shortest-prefill-first policy's name
+SPF = "shortest-prefill-first"
 
 
 def _null_hasher(parent: bytes | None, tokens: Any, page_size: int) -> tuple[bytes, list]:
@@ -77,6 +84,8 @@ def order_waiting(
         return _lpm(waiting, tree, match)
     if policy == "dfs-weight":
         return _dfs_weight(waiting, tree, match)
+    if policy == SPF:
+        return _shortest_prefill(waiting, tree, match)
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
@@ -145,6 +154,42 @@ def _hrrn(
         return -max(0, processed - r.arrival_processed) / uncached, r.rid
 
     return sorted(waiting, key=key)
+
+
+def _prefill_work(r: Any) -> int:
+    """``_shortest_prefill_work``: the tokens ``r``'s prefill computes (at least 1)."""
+    return max(1, r.fill_len - r.prefix_len)
+
+
+def _shortest_prefill(
+    waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]
+) -> list[Any]:
+    """0.5.23 ``_sort_by_shortest_prefill``: de-prioritised last, then the least prefill
+    work first, queue order (entry time) among equals."""
+    _, deprioritized = _prefix_matches(waiting, tree, match)
+    low = {id(r) for r in deprioritized}
+    return sorted(waiting, key=lambda r: (id(r) in low, _prefill_work(r)))
+
+
+def spf_chunk_limit(chunked: Any, ordered: list[Any], budget: int, page_size: int) -> int | None:
+    """0.5.23 ``shortest_prefill_chunk_limit``: the tokens the chunked prefill in progress
+    may take this pass so that the shorter waiting requests (``ordered``: the queue in
+    shortest-prefill-first order) fit beside it, each charged its work page-rounded, while
+    their sum leaves a page of ``budget`` (the adder's chunk tokens); None when no request
+    is reserved for, or the budget is under two pages."""
+    if budget < 2 * page_size:
+        return None
+    remaining = chunked.fill_len - chunked.prefix_len
+    reserved = 0
+    for r in ordered:
+        work = _prefill_work(r)
+        charge = -(-work // page_size) * page_size
+        if work >= remaining or reserved + charge > budget - page_size:
+            break
+        reserved += charge
+    if not reserved:
+        return None
+    return (budget - reserved) // page_size * page_size
 
 
 def _dfs_weight(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:

@@ -72,9 +72,11 @@ from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
 from kvcadence.replay.flushes import FlushPlan
 from kvcadence.replay.policy import (
+    SPF,
     WAITING_PREFIX_REFRESH_INTERVAL,
     order_waiting,
     refreshes_waiting_prefixes,
+    spf_chunk_limit,
     touch_waiting_prefixes,
 )
 from kvcadence.replay.radix import PROMPT_PRIORITY, Hasher, Node, RadixTree
@@ -510,7 +512,10 @@ class Scheduler:
         chunked = self.chunked_req
         still_chunked: SimReq | None = None
         if chunked is not None:
-            still_chunked = adder.add_chunked_req(chunked)
+            limit = None
+            if cfg.schedule_policy == SPF:
+                limit = spf_chunk_limit(chunked, ordered, adder.rem_chunk_tokens or 0, self.ps)
+            still_chunked = adder.add_chunked_req(chunked, limit)
         gen0523 = self.adm_generation == "0.5.23"
         allocatable = self._num_allocatable()  # the running batch does not change here
         has_chunked = chunked is not None

@@ -92,6 +92,7 @@ CAPTURES = (
     "p16-chunk256-lfu",
     "p16-chunk256-priority",
     "p4-mrr3-hrrn",
+    "p4-mrr3-chunk256-spf",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are

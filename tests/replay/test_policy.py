@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvcadence.replay.policy import (
     order_waiting,
     refreshes_waiting_prefixes,
+    spf_chunk_limit,
     touch_waiting_prefixes,
 )
 from kvcadence.replay.radix import RadixTree, wire_hasher
@@ -16,7 +17,7 @@ class R:
     def __init__(self, name, fill, max_new=10, entered=0):
         self.name = self.rid = name
         self.fill = tuple(fill)
-        self.input_len = len(self.fill)
+        self.input_len = self.fill_len = len(self.fill)
         self.max_new_tokens = max_new
         self.prefix_len = 0
         self.last_node = None
@@ -82,6 +83,37 @@ def test_hrrn_sends_in_batch_duplicates_last_and_falls_back_to_fcfs_beyond_128()
     big = [R(f"r{i}", [1000 + i, 2], entered=i) for i in range(129)]
     assert names(order_waiting("hrrn", big, tree, match, processed_tokens=500)) == names(big)
     assert refreshes_waiting_prefixes("hrrn", 129) and not refreshes_waiting_prefixes("hrrn", 5)
+
+
+def test_shortest_prefill_first_orders_by_uncached_work_and_never_falls_back():
+    tree, match = setup()
+    q = [
+        R("long", range(1000, 1300)),  # 300 uncached
+        R("hit", list(range(100, 200)) + list(range(7, 27))),  # 120 tokens, 100 cached: 20
+        R("short", range(2000, 2050)),  # 50
+        R("short2", range(3000, 3050)),  # 50: after "short" (queue order)
+    ]
+    spf = "shortest-prefill-first"
+    assert names(order_waiting(spf, q, tree, match)) == ["hit", "short", "short2", "long"]
+    big = [R(f"r{i}", range(10_000 * i + 1, 10_000 * i + 200 - i)) for i in range(1, 131)]
+    assert names(order_waiting(spf, big, tree, match)) == names(big[::-1])  # no fcfs fallback
+    assert not refreshes_waiting_prefixes(spf, 500)
+
+
+def test_spf_chunk_limit_leaves_room_for_the_shorter_waiting_requests():
+    """0.5.23 ``shortest_prefill_chunk_limit`` at page 4, a 256-token chunk budget."""
+    tree, match = setup()
+    chunked = R("chunked", range(5000, 5900))
+    chunked.prefix_len = 256  # 644 tokens still to prefill
+    q = [R("a", range(6000, 6030)), R("b", range(7000, 7061)), R("c", range(8000, 8400))]
+    for r in q:
+        match(r)
+    # a: 30 -> 32 and b: 61 -> 64 tokens reserved; c (400) does not fit beside them
+    assert spf_chunk_limit(chunked, q, 256, 4) == 256 - 96
+    assert spf_chunk_limit(chunked, q, 4, 4) is None  # under two pages
+    assert spf_chunk_limit(chunked, [q[2]], 256, 4) is None  # nothing reserved
+    chunked.prefix_len = 880  # 20 left: no waiting request is shorter
+    assert spf_chunk_limit(chunked, q, 256, 4) is None
 
 
 def test_lpm_falls_back_to_fcfs_beyond_128():
