@@ -177,3 +177,16 @@ def test_refresh_touches_the_queue_head_last_over_the_whole_fill():
             if n not in evicted and not tree.peek_prefix_len(p)
         ]
     assert evicted == ["z", "y", "x"]  # untouched first, the head last
+
+
+def test_the_command_line_offers_every_simulated_schedule_policy():
+    import argparse
+
+    from kvcadence.replay import cli as replay_cli
+    from kvcadence.replay.config import POLICIES
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    replay_cli.register(sub)
+    (parser,) = sub.choices.values()
+    (action,) = [a for a in parser._actions if a.dest == "schedule_policy"]
+    assert tuple(action.choices) == POLICIES
