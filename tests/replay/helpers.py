@@ -226,3 +226,17 @@ def radix_op(tree: Any, op: str, key: tuple[int, ...], n: int, locked: list) -> 
             locked.append(node)
     elif op == "unlock" and locked:
         tree.unlock(locked.pop())
+
+
+def replay_choices(dest: str) -> tuple[Any, Any]:
+    """``(the choices of the replay option stored in dest, the replay parser)``: the
+    ``kvcadence replay`` parser as the console script builds it."""
+    import argparse
+
+    from kvcadence.replay import cli as replay_cli
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    replay_cli.register(sub)
+    (parser,) = sub.choices.values()
+    (action,) = [a for a in parser._actions if a.dest == dest]
+    return tuple(action.choices), parser

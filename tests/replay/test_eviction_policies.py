@@ -9,11 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcadence.errors import UsageError
-from kvcadence.replay import cli as replay_cli
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.events import EventQueue
 from kvcadence.replay.radix import EVICTION_POLICIES, PROMPT_PRIORITY, RadixTree, wire_hasher
-from tests.replay.helpers import radix_op
+from tests.replay.helpers import radix_op, replay_choices
 
 
 def tree(policy: str, ps: int = 1) -> tuple[RadixTree, EventQueue]:
@@ -192,13 +191,8 @@ def test_the_policy_comes_from_the_snapshot_and_unknown_ones_are_refused():
 
 
 def test_the_command_line_offers_the_simulated_policies():
-    import argparse
-
-    sub = argparse.ArgumentParser().add_subparsers()
-    replay_cli.register(sub)
-    (parser,) = sub.choices.values()
-    (action,) = [a for a in parser._actions if a.dest == "eviction_policy"]
-    assert tuple(action.choices) == EVICTION_POLICIES
+    choices, parser = replay_choices("eviction_policy")
+    assert choices == EVICTION_POLICIES
     args = parser.parse_args(["x.kvcb", "--radix-eviction-policy", "slru"])
     assert args.eviction_policy == "slru"
 

@@ -180,13 +180,7 @@ def test_refresh_touches_the_queue_head_last_over_the_whole_fill():
 
 
 def test_the_command_line_offers_every_simulated_schedule_policy():
-    import argparse
-
-    from kvcadence.replay import cli as replay_cli
     from kvcadence.replay.config import POLICIES
+    from tests.replay.helpers import replay_choices
 
-    sub = argparse.ArgumentParser().add_subparsers()
-    replay_cli.register(sub)
-    (parser,) = sub.choices.values()
-    (action,) = [a for a in parser._actions if a.dest == "schedule_policy"]
-    assert tuple(action.choices) == POLICIES
+    assert replay_choices("schedule_policy")[0] == POLICIES
