@@ -141,7 +141,7 @@ def _hrrn(
     """0.5.23 ``_sort_by_hrrn``: ratio = tokens prefilled since the request entered the
     queue / its uncached prompt tokens, highest first; no uncached token: first; the
     de-prioritised: last; ties by rid (the sort is over the whole queue, stable)."""
-    keep, deprioritized = _prefix_matches(waiting, tree, match)
+    _, deprioritized = _prefix_matches(waiting, tree, match)
     low = {id(r) for r in deprioritized}
     inf = float("inf")
 
