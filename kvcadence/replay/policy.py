@@ -10,9 +10,10 @@
 * ``lof``: longest output first (``-max_new_tokens``, stable).
 * ``hrrn``: highest response ratio next, with token-based aging (0.5.23
   ``_sort_by_hrrn``): the prefix matches and in-batch de-prioritisation of ``lpm``, then by
-  the tokens the worker prefilled since the request entered the queue over its uncached
-  prompt tokens, highest first (a fully cached prompt first of all, a de-prioritised one
-  last; ties by rid). Falls back to fcfs beyond 128 waiting requests.
+  the scheduler's token clock since the request entered the queue (``processed_tokens``:
+  the scheduler counts it, decode launches included) over its uncached prompt tokens,
+  highest first (a fully cached prompt first of all, a de-prioritised one last; ties by
+  rid). Falls back to fcfs beyond 128 waiting requests.
 * ``shortest-prefill-first`` (0.5.23's experimental ``_sort_by_shortest_prefill``): the
   same matches and de-prioritisation, then the fewest uncached tokens (prompt + outputs so
   far less the match, at least 1) first, queue order among equals; never falls back. A
@@ -69,8 +70,8 @@ def order_waiting(
 
     ``match(req)`` re-matches a request against ``tree`` (setting ``prefix_len`` and
     ``last_node``); cache-aware policies call it for every waiting request.
-    ``processed_tokens``: the tokens the worker has prefilled so far (``hrrn``'s clock; a
-    request's ``arrival_processed`` is its value when the request entered the queue).
+    ``processed_tokens``: the scheduler's token clock (``hrrn``'s; a request's
+    ``arrival_processed`` is its value when the request entered the queue).
     """
     if policy == "fcfs" or len(waiting) <= 1:
         return list(waiting)
@@ -138,8 +139,8 @@ def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> l
 def _hrrn(
     waiting: list[Any], tree: RadixTree, match: Callable[[Any], None], processed: int
 ) -> list[Any]:
-    """0.5.23 ``_sort_by_hrrn``: ratio = tokens prefilled since the request entered the
-    queue / its uncached prompt tokens, highest first; no uncached token: first; the
+    """0.5.23 ``_sort_by_hrrn``: ratio = the token clock's advance since the request entered
+    the queue / its uncached prompt tokens, highest first; no uncached token: first; the
     de-prioritised: last; ties by rid (the sort is over the whole queue, stable)."""
     _, deprioritized = _prefix_matches(waiting, tree, match)
     low = {id(r) for r in deprioritized}

@@ -208,8 +208,14 @@ class Scheduler:
         self.batch_is_full = False
         #: ``cfg.effective_max_running``, read once (a property; checked per batch build)
         self.max_running = cfg.effective_max_running
-        #: prefill tokens launched so far (``processed_tokens_counter``: ``hrrn``'s clock)
+        #: ``processed_tokens_counter``, ``hrrn``'s clock: each launch's extend tokens
         self.processed_tokens = 0
+        #: what a decode launch adds to it: 0.5.23 counts ``batch.extend_num_tokens`` of
+        #: every launch, and a decode batch is the running batch object, which keeps the
+        #: ``extend_num_tokens`` of the prefill batch it was made from (``running_batch =
+        #: last_batch`` when the running batch was empty; a merge into it keeps its value)
+        self.decode_extend_tokens = 0
+        self.pending_merge_tokens = 0
         #: ``calc_priority`` calls counted towards the waiting-prefix refresh (policy.py)
         self._prefix_refresh_calls = 0
         self.private_total = 0
@@ -720,6 +726,10 @@ class Scheduler:
         if self.chunked_req is not None:
             self._stash_chunked()
         if self.pending_merge:
+            if not self.running and any(r.state == RUNNING for r in self.pending_merge):
+                # the prefill batch becomes the running batch object (``running_batch =
+                # last_batch``), its ``extend_num_tokens`` with it
+                self.decode_extend_tokens = self.pending_merge_tokens
             for r in self.pending_merge:
                 if r.state == RUNNING:
                     self.running.append(r)
@@ -738,6 +748,7 @@ class Scheduler:
                     r.decode_left = r.n_out - (r.output_len + 1)
                     if r.decode_left > 0 or (eos_first and r.stops_unseen):
                         self.pending_merge.append(r)
+            self.pending_merge_tokens = batch.tokens
             self.stats.prefill_passes += 1
             return batch
         batch = self._update_running_batch(t)
@@ -1009,7 +1020,7 @@ class Scheduler:
         batch = self._get_next_batch(t)
         if batch is not None:
             if batch.kind == "prefill":
-                # ``run_batch``: the prefill tokens launched so far (``hrrn``'s clock)
+                # ``run_batch`` counts each launch's ``extend_num_tokens`` (``hrrn``'s clock)
                 self.processed_tokens += batch.tokens
                 # a decode worker's "prefill" is the prebuilt batch of transferred KV
                 if self.role == "decode":
@@ -1018,6 +1029,7 @@ class Scheduler:
                     tokens = batch.tokens
                     dur = self.timer.prefill_ns(tokens, len(batch.reqs), sum(batch.upto) - tokens)
             else:
+                self.processed_tokens += self.decode_extend_tokens
                 dur = self.timer.decode_ns(len(batch.reqs))
             start = max(t, self.gpu_free)
             batch.end_ns = start + dur

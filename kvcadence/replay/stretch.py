@@ -127,6 +127,7 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
     self.stats.decode_passes += m
     self.stats.skipped_passes += m - stepped
     self.pass_index += m
+    self.processed_tokens += m * self.decode_extend_tokens  # ``hrrn``'s clock, as each launch
     if self.overlap:
         # results processed: last + the first m-1 new batches; the m-th is in flight
         new_last = Batch("decode", list(running), [], self.pass_index)

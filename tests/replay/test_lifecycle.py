@@ -223,3 +223,22 @@ def test_seq_slice_is_a_slice_of_prompt_plus_outputs():
     for start in range(17):
         for end in range(start, 17):
             assert r.seq_slice(start, end) == seq[start:end]
+
+
+def test_rule_the_hrrn_clock_counts_decode_launches_at_their_running_batch_extend():
+    """0.5.23 ``run_batch`` adds every launch's ``extend_num_tokens`` to
+    ``processed_tokens_counter``; a decode batch is the running batch object, made from the
+    prefill batch it started as, which keeps that batch's value: a lone 20-token prompt with
+    6 outputs counts its prefill and its 5 decodes at 20 each, with the decode stretches
+    skipped or not. A second request merged into the running batch keeps the first value."""
+    for skip in (True, False):
+        a = req("a", list(range(3, 23)), 6)
+        s = Scheduler(config(skip_decode_stretches=skip), build_schedule([a]), wire_hasher())
+        s.run()
+        assert s.processed_tokens == 20 + 5 * 20, skip
+    a = req("a", list(range(3, 23)), 40)
+    b = req("b", list(range(100, 110)), 3, arrival_ms=60)  # prefilled while a decodes
+    s = Scheduler(config(), build_schedule([a, b]), wire_hasher())
+    s.run()
+    decodes = s.stats.decode_passes
+    assert s.processed_tokens == 20 + 10 + decodes * 20
