@@ -19,7 +19,9 @@ Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only L
   with its start time), never by name. ``start_server`` does this itself on every failure
   path -- ready timeout, the worker exiting early, Ctrl-C, SIGTERM/SIGHUP of the caller --
   so a failed start leaves no process behind (e.g. the DP scheduler processes of a
-  ``--dp-size 2`` worker).
+  ``--dp-size 2`` worker). A worker that exits before it is ready is started once more on
+  fresh ports (``START_ATTEMPTS``; a port found free may be taken before SGLang binds it),
+  and the error names the exception line of its log (``exit_cause``), not its last line.
 * Data parallelism: ``ServerConfig.dp_size`` adds ``--dp-size N``; rank ``r`` publishes on
   ``events_port + r`` and replays on ``replay_port + r`` (SGLang offsets both endpoints by the
   rank), so ``reserve_ports`` holds the whole ranges ``[ev, ev+dp)`` and ``[rp, rp+dp)`` free
@@ -30,7 +32,7 @@ Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only L
 
 Only the standard library is imported here (httpx is not needed for a readiness probe).
 
-Why ~760 lines: it is the recipe -- venv, model, ports, command line, start, readiness and
+Why ~830 lines: it is the recipe -- venv, model, ports, command line, start, readiness and
 stop of one real worker's process tree -- kept in one place so it can be read top to bottom.
 """
 
@@ -41,6 +43,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,6 +71,12 @@ DEFAULT_TOPIC = "kv-events"
 DEFAULT_READY_TIMEOUT_S = 600.0
 #: SIGTERM -> SIGKILL grace when a worker's process tree is stopped
 STOP_GRACE_S = 30.0
+#: starts of a worker that exits before it is ready (``start_server``'s ``attempts``)
+START_ATTEMPTS = 2
+#: how much of a worker's log ``log_tail`` reads (its end)
+LOG_TAIL_BYTES = 1 << 16
+#: log lines searched for the exception that stopped a worker
+LOG_CAUSE_LINES = 200
 
 
 def cache_dir() -> Path:
@@ -353,10 +362,14 @@ class ServerHandle:
         return _pid_is_our_server(self.pid)
 
     def log_tail(self, n: int = 30) -> str:
+        """The log's last ``n`` lines (read from its last ``LOG_TAIL_BYTES`` only)."""
         try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-n:])
 
     def stop(self, timeout: float | None = None) -> int | None:
         """Stop the worker's whole process tree (SIGTERM, SIGKILL after ``timeout`` s, default
@@ -613,25 +626,70 @@ def start_server(
     ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
     detach: bool = False,
     quiet: bool = True,
+    attempts: int = START_ATTEMPTS,
 ) -> ServerHandle:
     """Launch a worker (venv + model built first if needed) and wait up to ``ready_timeout``
     s for ``/health``. The worker leads its own session and process group; when the start
     fails (not ready in time, the worker exits first, Ctrl-C or SIGTERM/SIGHUP of this
-    process) its whole process tree is stopped before the error propagates. A returned
-    worker runs until ``ServerHandle.stop()`` (``detach`` only says it outlives this
-    process, as ``harness start`` needs)."""
+    process) its whole process tree is stopped before the error propagates. A worker that
+    exits before it is ready is started again on fresh ports, up to ``attempts`` starts in
+    all (a port chosen free can be taken by another process before the worker binds it);
+    each earlier attempt's log is kept as ``server.attempt<N>.log``, and a usage error of
+    SGLang's own parser (exit 2) is never retried. A returned worker runs until
+    ``ServerHandle.stop()`` (``detach`` only says it outlives this process, as ``harness
+    start`` needs)."""
     if not (0 < ready_timeout < float("inf")):
         raise UsageError(f"ready_timeout must be a positive number of seconds, got {ready_timeout}")
+    if attempts < 1:
+        raise UsageError(f"attempts must be >= 1, got {attempts}")
     venv = ensure_venv(quiet=quiet)
     model = ensure_model(quiet=quiet)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_dir = workdir / "sglang-metrics"
     metrics_dir.mkdir(exist_ok=True)
+    log_path = workdir / "server.log"
+    for attempt in range(1, attempts + 1):
+        try:
+            return _launch(cfg, venv, model, metrics_dir, log_path, ready_timeout, quiet=quiet)
+        except _ExitedEarly as e:
+            if attempt == attempts or e.returncode == 2:
+                raise HarnessError(
+                    str(e) + (f" (start {attempt} of {attempts})" if attempt > 1 else "")
+                ) from None
+            kept = log_path.with_name(f"server.attempt{attempt}.log")
+            log_path.replace(kept)
+            print(
+                f"harness: {e}; starting it again on fresh ports (start {attempt + 1} of "
+                f"{attempts}; that log kept as {kept})",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+
+class _ExitedEarly(HarnessError):
+    """The worker exited before ``/health`` answered (``start_server`` may start it again)."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def _launch(
+    cfg: ServerConfig,
+    venv: Path,
+    model: Path,
+    metrics_dir: Path,
+    log_path: Path,
+    ready_timeout: float,
+    *,
+    quiet: bool,
+) -> ServerHandle:
+    """One start: fresh ports, the worker's process, readiness; its tree stopped on failure."""
     ports = reserve_ports(cfg.dp_size)
     cmd, kv_json = build_command(cfg, model, venv, ports, metrics_dir)
     extra_env = worker_env_extra(cfg)
-    log_path = workdir / "server.log"
     with _signals_interrupt():  # from here on a SIGTERM unwinds through the cleanup below
         log = open(log_path, "wb")
         try:
@@ -641,7 +699,7 @@ def start_server(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                cwd=workdir,
+                cwd=log_path.parent,
                 start_new_session=True,  # its own process group: stopped as one tree
             )
         finally:
@@ -651,7 +709,7 @@ def start_server(
             port=ports[0],
             events_port=ports[1],
             replay_port=ports[2] if cfg.replay else None,
-            workdir=str(workdir),
+            workdir=str(log_path.parent),
             metrics_dir=str(metrics_dir),
             log_path=str(log_path),
             command=cmd,
@@ -670,6 +728,20 @@ def start_server(
                 tree.signal(signal.SIGKILL)
             raise
     return handle
+
+
+_CAUSE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception)(?::|$)")
+
+
+def exit_cause(log_text: str) -> str:
+    """The line of a worker's log that says why it stopped: the last exception line of a
+    Python traceback (SGLang's scheduler prints one, then its launcher logs
+    ``kill_process_tree called`` and kills itself), else the last non-empty line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if _CAUSE.match(ln):
+            return ln
+    return lines[-1] if lines else ""
 
 
 def _wait_ready(
@@ -691,11 +763,12 @@ def _wait_ready(
         if _health(handle.url):
             return
         if proc.poll() is not None:
-            last = handle.log_tail(1).strip()
-            raise HarnessError(
+            cause = exit_cause(handle.log_tail(LOG_CAUSE_LINES))
+            raise _ExitedEarly(
                 f"SGLang worker exited with {proc.returncode} before it was ready"
-                + (f" ({last})" if last else "")
-                + f"; its process tree was stopped; log: {handle.log_path}"
+                + (f" ({cause})" if cause else "")
+                + f"; its process tree was stopped; log: {handle.log_path}",
+                proc.returncode,
             )
         if time.monotonic() > deadline:
             raise HarnessError(

@@ -12,6 +12,7 @@ MODE says what the launcher does then:
 
 * ``hang`` -- nothing, forever (never becomes ready);
 * ``exit`` -- prints a last line and exits with 3 at once, its children left running;
+* ``usage`` -- the same with an argparse-style error line and exit status 2;
 * ``ready`` -- answers ``GET /health`` on ``127.0.0.1:PORT`` with 200, forever.
 
 The trailing ``sglang.launch_server`` word only makes ``/proc/PID/cmdline`` look like a real
@@ -75,6 +76,11 @@ def main() -> None:
             time.sleep(0.01)
         print("fake worker: boom, exiting before ready", flush=True)
         sys.exit(3)
+    if mode == "usage":
+        while len(list(piddir.glob("*.pid"))) < 4:
+            time.sleep(0.01)
+        print("launch_server.py: error: unrecognized arguments: --bogus", flush=True)
+        sys.exit(2)
     if mode == "ready":
         http.server.HTTPServer(("127.0.0.1", port), _Health).serve_forever()
     _idle()

@@ -7,8 +7,11 @@ the command line are replaced). Checked:
 
 * ready timeout (``--ready-timeout 2``): exit 1, one error line naming ``--ready-timeout``, and
   no process of the tree alive afterwards (by pid);
-* the worker exits before it is ready: exit 1 at once (no waiting for the timeout), the
-  worker's last log line in the error, no process left;
+* the worker exits before it is ready: started once more on fresh ports (the first tree
+  stopped, its log kept); when that start exits too: exit 1 at once (no waiting for the
+  timeout), the worker's last log line in the error, no process of either start left; a
+  usage error (exit 2) is not retried; the error names a traceback's exception line, not
+  SGLang's closing ``kill_process_tree`` line;
 * SIGTERM or Ctrl-C (SIGINT) of the ``harness start`` process while it waits: exit 130, no
   process left;
 * a worker that did come up: ``harness stop`` stops its whole tree, SIGTERM-deaf child too;
@@ -68,10 +71,13 @@ def _assert_all_gone(pids: dict[str, int], timeout: float = 5.0) -> None:
     assert not left, f"still running after the harness gave up: {left}"
 
 
-def _fake_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str) -> Path:
-    """``harness start`` launches ``fake_worker.py MODE`` (venv/model/command replaced)."""
+def _fake_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str, *later: str) -> Path:
+    """``harness start`` launches ``fake_worker.py MODE`` (venv/model/command replaced); a
+    start after the first runs the next of ``later`` (else MODE again) and writes its pids
+    into ``pids/start<N>/`` (the first start's stay in ``pids/``)."""
     piddir = tmp_path / "pids"
     piddir.mkdir()
+    starts: list[int] = []
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # state file + cache in tmp
     harness.cache_dir().mkdir(parents=True)
     monkeypatch.setattr(harness, "ensure_venv", lambda **kw: tmp_path / "venv")
@@ -79,7 +85,13 @@ def _fake_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str) -> Pat
     monkeypatch.setattr(harness, "STOP_GRACE_S", 1.0)  # sched0 ignores SIGTERM: SIGKILL after 1 s
 
     def command(cfg, model, venv, ports, metrics_dir):
-        argv = [sys.executable, "-S", str(FAKE), mode, str(piddir), str(ports[0])]
+        starts.append(ports[0])
+        n = len(starts)
+        seq = [mode, *later]
+        this_mode = seq[min(n, len(seq)) - 1]
+        pids = piddir if n == 1 else piddir / f"start{n}"
+        pids.mkdir(exist_ok=True)
+        argv = [sys.executable, "-S", str(FAKE), this_mode, str(pids), str(ports[0])]
         return [*argv, "sglang.launch_server"], "{}"
 
     monkeypatch.setattr(harness, "build_command", command)
@@ -123,20 +135,97 @@ def test_ready_timeout_stops_the_whole_tree_and_names_the_flag(tmp_path, monkeyp
     assert not harness.state_path().exists()  # nothing recorded for 'harness stop'
 
 
-def test_worker_exiting_early_fails_at_once_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+def test_worker_exiting_early_twice_fails_at_once_and_leaves_nothing(tmp_path, monkeypatch, capsys):
     piddir = _fake_cli(monkeypatch, tmp_path, "exit")
     t0 = time.monotonic()
     rc = main(_start_argv(tmp_path, "120"))
     took = time.monotonic() - t0
-    line = _error_line(capsys.readouterr().err)
+    err = capsys.readouterr().err
+    line = _error_line(err)
     assert rc == 1
     assert "SGLang worker exited with 3 before it was ready" in line
     assert "(fake worker: boom, exiting before ready)" in line  # the log's last line
-    assert "process tree was stopped" in line
-    pids = _pids(piddir)
-    assert set(pids) == set(ROLES)
-    _assert_all_gone(pids, timeout=0.5)
+    assert "process tree was stopped" in line and "(start 2 of 2)" in line
+    assert "starting it again on fresh ports (start 2 of 2" in err  # the one retry, said
+    first, second = _pids(piddir), _pids(piddir / "start2")
+    assert set(first) == set(second) == set(ROLES)
+    _assert_all_gone(first, timeout=0.5)
+    _assert_all_gone(second, timeout=0.5)
+    kept = tmp_path / "w" / "server.attempt1.log"
+    assert "boom" in kept.read_text()  # the first start's log is kept beside the last one's
     assert took < 60  # did not sit out the 120 s ready timeout
+
+
+def test_worker_exiting_early_once_is_started_again_on_fresh_ports(tmp_path, monkeypatch, capsys):
+    """A start that dies before it is ready (e.g. a port found free was taken before SGLang
+    bound it) costs one more start, not the caller's run: the first tree is stopped, the
+    second start gets fresh ports and is the worker returned."""
+    piddir = _fake_cli(monkeypatch, tmp_path, "exit", "ready")
+    h = harness.start_server(harness.ServerConfig(), tmp_path / "w", ready_timeout=60)
+    try:
+        err = capsys.readouterr().err
+        assert "exited with 3 before it was ready (fake worker: boom" in err
+        assert "starting it again on fresh ports (start 2 of 2" in err
+        _assert_all_gone(_pids(piddir), timeout=0.5)  # the first start's whole tree
+        second = _wait_pids(piddir / "start2")
+        assert all(_running(p) for p in second.values())
+        assert h.pid == second["launcher"] and h.alive()
+        assert (tmp_path / "w" / "server.attempt1.log").exists()
+        assert "boom" not in Path(h.log_path).read_text()  # its own log, not the first's
+    finally:
+        h.stop(timeout=1.0)
+    _assert_all_gone(second, timeout=0.5)
+
+
+def test_a_usage_error_of_the_worker_is_not_retried(tmp_path, monkeypatch, capsys):
+    piddir = _fake_cli(monkeypatch, tmp_path, "usage")
+    rc = main(_start_argv(tmp_path, "120"))
+    line = _error_line(capsys.readouterr().err)
+    assert rc == 1
+    assert "exited with 2 before it was ready" in line and "(start" not in line
+    assert "unrecognized arguments: --bogus" in line
+    assert not (piddir / "start2").exists()
+    _assert_all_gone(_pids(piddir), timeout=0.5)
+
+
+SGLANG_DEATH = """\
+[2026-12-03 16:48:20] Init torch distributed begin.
+[2026-12-03 16:48:26] Scheduler hit an exception: Traceback (most recent call last):
+  File "sglang/srt/managers/scheduler.py", line 2940, in run_scheduler_process
+    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank)
+zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:36259')
+
+[2026-12-03 16:48:27] Received sigquit from a child process. It usually means the child failed.
+[2026-12-03 16:48:27] kill_process_tree called: parent_pid=30973, include_parent=True
+"""
+
+
+def test_exit_cause_is_the_exception_line_not_the_last_line():
+    assert harness.exit_cause(SGLANG_DEATH) == (
+        "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:36259')"
+    )
+    assert harness.exit_cause("starting\nKilled\n\n") == "Killed"  # none: the last line
+    assert harness.exit_cause("") == ""
+    assert harness.exit_cause("RuntimeError\n[x] done\n") == "RuntimeError"
+
+
+def test_log_tail_reads_only_the_end_of_a_large_log(tmp_path, monkeypatch):
+    log = tmp_path / "server.log"
+    log.write_text("x" * 200 + "\n" + "first\n" + "y\n" * 10 + "last\n")
+    h = harness.ServerHandle(
+        pid=1,
+        port=1,
+        events_port=2,
+        replay_port=None,
+        workdir=str(tmp_path),
+        metrics_dir=str(tmp_path),
+        log_path=str(log),
+        command=[],
+        kv_events_config="{}",
+    )
+    assert h.log_tail(2) == "y\nlast"
+    monkeypatch.setattr(harness, "LOG_TAIL_BYTES", 30)
+    assert h.log_tail(100).splitlines()[-1] == "last" and "first" not in h.log_tail(100)
 
 
 DRIVER = """
