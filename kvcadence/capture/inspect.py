@@ -218,6 +218,7 @@ _SETTINGS = (
     ("disable_overlap_schedule", "overlap_off"),
     ("schedule_policy", "policy"),
     ("radix_eviction_policy", "eviction"),
+    ("enable_mixed_chunk", "mixed_chunk"),
     ("dp_size", "dp"),
 )
 

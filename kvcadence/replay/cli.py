@@ -92,6 +92,22 @@ def register(sub: Any) -> None:
         const=False,
         help="simulate the overlap event loop (SGLang's default)",
     )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--enable-mixed-chunk",
+        dest="enable_mixed_chunk",
+        action="store_const",
+        const=True,
+        help="mixed chunked prefill: a prefill pass also decodes the running requests (SGLang "
+        "--enable-mixed-chunk; needs chunked prefill; default: as the bundle's worker ran)",
+    )
+    g.add_argument(
+        "--no-mixed-chunk",
+        dest="enable_mixed_chunk",
+        action="store_const",
+        const=False,
+        help="prefill passes without the running requests' decode (SGLang's default)",
+    )
     p.add_argument(
         "--sglang-version",
         dest="sglang_version",
@@ -338,7 +354,9 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
         where = f" -> {args.out}" if args.out else ""
         print(
             f"replayed {summary['requests']} requests{where}: {summary['passes']} passes "
-            f"({summary['prefill_passes']} prefill, {summary['decode_passes']} decode), "
+            f"({summary['prefill_passes']} prefill"
+            + (f", {summary['mixed_passes']} of them mixed" if summary["mixed_passes"] else "")
+            + f", {summary['decode_passes']} decode), "
             f"{summary['events']} events in {summary['messages']} messages, "
             f"{summary['evictions']} evictions, {summary['retractions']} retractions, "
             f"{summary['aborted']} aborted; "

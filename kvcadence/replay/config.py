@@ -61,6 +61,9 @@ class SimConfig:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_overlap_schedule: bool = False
+    #: mixed chunked prefill (SGLang ``--enable-mixed-chunk``; only with chunked prefill on):
+    #: a prefill pass also decodes the running requests (``scheduler.Scheduler._mix``)
+    enable_mixed_chunk: bool = False
     #: the radix tree's eviction order (SGLang ``--radix-eviction-policy``; ``replay.radix``)
     eviction_policy: str = "lru"
     #: ``slru``: the hits that protect a node (``--radix-eviction-policy-config``'s
@@ -207,6 +210,7 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("schedule_policy", str, ("schedule_policy",)),
     ("schedule_conservativeness", float, ("schedule_conservativeness",)),
     ("disable_overlap_schedule", bool, ("disable_overlap_schedule",)),
+    ("enable_mixed_chunk", bool, ("enable_mixed_chunk",)),
     ("eviction_policy", str, ("radix_eviction_policy",)),
 )
 
@@ -220,7 +224,6 @@ _INT_DEFAULT_RANGE = (1, 1 << 40)
 #: replay does not model (docs/simulator.md, "What is not modelled"): key -> whether its
 #: value turns the feature on
 UNMODELLED: dict[str, Any] = {
-    "enable_mixed_chunk": lambda v: v is True,
     "enable_priority_scheduling": lambda v: v is True,
     "enable_hierarchical_cache": lambda v: v is True,
     "enable_dynamic_chunking": lambda v: v is True,
@@ -318,6 +321,7 @@ CLI_OVERRIDES = (
     "schedule_policy",
     "schedule_conservativeness",
     "disable_overlap_schedule",
+    "enable_mixed_chunk",
     "eviction_policy",
     "sglang_version",
     "prefill_base_s",

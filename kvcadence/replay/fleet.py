@@ -138,6 +138,7 @@ class FleetResult:
                     "passes": st.passes,
                     "prefill_passes": st.prefill_passes,
                     "decode_passes": st.decode_passes,
+                    "mixed_passes": st.mixed_passes,
                     "messages": pub.seq,
                     "events": pub.n_events,
                     "evictions": st.evictions,

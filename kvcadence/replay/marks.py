@@ -103,6 +103,9 @@ def _mark_batch(self: Scheduler, batch: Batch) -> None:
     self.pass_end.append(batch.end_ns)
     if batch.kind == "prefill":
         self.pass_phase.append(0)
+        if batch.mixed:  # its decoded rows: an entry of the decode log (they all run in it)
+            self._dec_pass.append(batch.index)
+            self._dec_end.append(batch.end_ns)
         g = len(self._dec_pass)
         for r, final in zip(batch.reqs, batch.finals, strict=True):
             r.marks.append((r.kv_len, batch))

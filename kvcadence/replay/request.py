@@ -174,6 +174,11 @@ class Batch:
     #: decode pass shares the empty defaults: no two lists per pass)
     upto: Sequence[int] = ()
     finals: Sequence[bool] = ()
+    #: a mixed prefill (``--enable-mixed-chunk``): the running requests it also decodes, a
+    #: token each, their generations, and the sum of their sequence ends after that token
+    mixed: Sequence[SimReq] = ()
+    mixed_gens: Sequence[int] = ()
+    mixed_seq: int = 0
 
 
 @dataclass(slots=True)
@@ -181,6 +186,8 @@ class SimStats:
     passes: int = 0
     prefill_passes: int = 0
     decode_passes: int = 0
+    #: prefill passes that also decoded the running requests (``--enable-mixed-chunk``)
+    mixed_passes: int = 0
     skipped_passes: int = 0
     retractions: int = 0
     evictions: int = 0

@@ -155,6 +155,10 @@ class Scheduler:
         #: the forward runs inside the launch (CPU device): the overlap loop receives and
         #: processes the previous result only after the current forward ends
         self.sync = cfg.sync_forward
+        #: mixed chunked prefill (0.5.23 ``is_mixed_chunk``: only with chunked prefill on)
+        self.mixed = (
+            cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None and cfg.role == "both"
+        )
         self.queue = EventQueue(cfg.sglang_version, cfg.medium)
         self.tree = RadixTree(
             cfg.page_size, hasher, self.queue, cfg.eviction_policy, cfg.slru_protected
@@ -513,6 +517,8 @@ class Scheduler:
             # a decode worker receives the whole KV at once (no chunking)
             None if self.role == "decode" else cfg.chunked_prefill_size,
             generation=self.adm_generation,
+            # mixed chunked prefill: a token per running request comes off both budgets
+            num_mixed_decode_tokens=len(self.running) if self.mixed else 0,
             clip_max_new_tokens=cfg.clip_max_new_tokens,
         )
         chunked = self.chunked_req
@@ -674,14 +680,7 @@ class Scheduler:
         running = self._decode_batch()
         if not running:
             return None
-        ps = self.ps
-        if ps == 1:
-            need = len(running)
-        else:
-            need = 0
-            for r in running:
-                if r.kv_len % ps == 0:
-                    need += ps
+        need = self._decode_need(running)
         cap = self.cfg.max_total_tokens - self.private_total  # available() = cap - tree size
         if cap - self.tree.total_size < need:
             self._evict_for(need)
@@ -701,8 +700,27 @@ class Scheduler:
                 return None
         else:
             self.tracker.on_decode_steps(1)
+        self._decode_alloc(running)
+        self.pass_index += 1
+        return Batch("decode", running, [], self.pass_index, 0, len(running))
+
+    def _decode_need(self, running: list[SimReq]) -> int:
+        """``check_decode_mem``'s tokens: a token per request at page 1, else a page per
+        request whose next token starts one."""
+        ps = self.ps
+        if ps == 1:
+            return len(running)
+        need = 0
+        for r in running:
+            if r.kv_len % ps == 0:
+                need += ps
+        return need
+
+    def _decode_alloc(self, running: list[SimReq]) -> None:
+        """``prepare_for_decode``: a token's KV for each request of ``running`` (at page > 1
+        ``alloc_paged_token_slots_decode`` first evicts as if each needed a new page)."""
+        ps = self.ps
         if ps > 1:
-            # alloc_paged_token_slots_decode over-estimates: one new page per request
             self._evict_for(len(running) * ps)
         if ps == 1:
             for r in running:
@@ -719,8 +737,34 @@ class Scheduler:
                 r.kv_len += 1
                 r.decode_left -= 1
             self.private_total += grown
-        self.pass_index += 1
-        return Batch("decode", running, [], self.pass_index, 0, len(running))
+
+    def _mix(self, batch: Batch) -> None:
+        """Mixed chunked prefill (``--enable-mixed-chunk``, 0.5.23
+        ``_get_new_batch_prefill_raw``): once the prefill batch holds its KV, the running
+        requests -- less those whose result in flight finishes them by length, which leave
+        the running batch -- are decoded in the same pass if ``check_decode_mem`` finds
+        their next tokens room (evicting for them); else they sit this pass out (no
+        retraction). Mixed in, they leave the running batch and come back with the prefill
+        batch they rode in (``running_batch = last_batch``); their result inserts nothing
+        unless it finishes them."""
+        rows = self._decode_batch()
+        if len(rows) < len(self.running):
+            self.batch_is_full = False
+            self.running = rows
+        if not rows:
+            return
+        need = self._decode_need(rows)
+        self._evict_for(need)
+        if self.available() < need:
+            return
+        self._decode_alloc(rows)
+        batch.mixed = rows
+        batch.mixed_gens = [r.gen for r in rows]
+        batch.mixed_seq = sum(r.kv_len for r in rows)
+        batch.tokens += len(rows)
+        self.stats.mixed_passes += 1
+        self.running = []
+        self.pending_merge.extend(rows)
 
     def _get_next_batch(self, t: int) -> Batch | None:
         if self.chunked_req is not None:
@@ -748,6 +792,8 @@ class Scheduler:
                     r.decode_left = r.n_out - (r.output_len + 1)
                     if r.decode_left > 0 or (eos_first and r.stops_unseen):
                         self.pending_merge.append(r)
+            if self.mixed and self.running:
+                self._mix(batch)
             self.pending_merge_tokens = batch.tokens
             self.stats.prefill_passes += 1
             return batch
@@ -779,6 +825,8 @@ class Scheduler:
                     # rule: the prompt is checkpointed after its prefill result whether or
                     # not its first decode slots can be reserved; a later retraction keeps it
                     self._insert_upto(r, upto)
+            if batch.mixed:
+                self._process_mixed(batch, t)
             self._publish(t, batch.index, "prefill")
             self.last_pass_published = batch.index
             return
@@ -809,6 +857,19 @@ class Scheduler:
         self.decode_ct = (self.decode_ct + 1) % (1 << 30)
         if self.decode_ct % self.cfg.decode_log_interval == 0:
             self._publish(t, batch.index, "decode")
+
+    def _process_mixed(self, batch: Batch, t: int) -> None:
+        """The decoded rows of a mixed prefill: a token each; a finished one releases
+        (inserting its sequence), the others insert nothing (0.5.23 skips the checkpoint of
+        a mixed batch's ``decoding_reqs``)."""
+        for r, g in zip(batch.mixed, batch.mixed_gens, strict=True):
+            if r.gen != g or r.state != RUNNING:
+                continue  # retracted (or aborted) after this batch was launched
+            r.output_len += 1
+            if r.output_len >= r.n_out:
+                if r in self.running:
+                    self.running.remove(r)
+                self._finish(r, t)
 
     # ------------------------------------------------------------------ PD prefill
     def _hold_for_transfer(self, req: SimReq, upto: int, t: int) -> None:
@@ -1027,7 +1088,11 @@ class Scheduler:
                     dur = self.timer.prefill_ns(0, len(batch.reqs))
                 else:  # the prefix the batch attends to: sequence ends − computed tokens
                     tokens = batch.tokens
-                    dur = self.timer.prefill_ns(tokens, len(batch.reqs), sum(batch.upto) - tokens)
+                    n, ends = len(batch.reqs), sum(batch.upto)
+                    if batch.mixed:  # a mixed prefill's decoded rows: a token each
+                        n += len(batch.mixed)
+                        ends += batch.mixed_seq
+                    dur = self.timer.prefill_ns(tokens, n, ends - tokens)
             else:
                 self.processed_tokens += self.decode_extend_tokens
                 dur = self.timer.decode_ns(len(batch.reqs))

@@ -82,6 +82,7 @@ class SimResult:
             "passes": self.stats.passes,
             "prefill_passes": self.stats.prefill_passes,
             "decode_passes": self.stats.decode_passes,
+            "mixed_passes": self.stats.mixed_passes,
             "skipped_decode_passes": self.stats.skipped_passes,
             "messages": len(self.batches) if self.messages is None else self.messages,
             "events": (

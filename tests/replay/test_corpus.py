@@ -93,6 +93,8 @@ CAPTURES = (
     "p16-chunk256-priority",
     "p4-mrr3-hrrn",
     "p4-mrr3-chunk256-spf",
+    "p16-chunk256-mixed",
+    "p16-chunk128-mixed-long",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are

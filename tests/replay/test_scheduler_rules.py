@@ -541,3 +541,75 @@ def test_max_running_requests_read_from_the_schedulers_effective_value():
     assert from_server_info({**info, "internal_states": states}).effective_max_running == 2048
     assert from_server_info({**info, "max_running_requests": 3}).effective_max_running == 3
     assert from_server_info(info).effective_max_running == 2500  # pool / 2
+
+
+def _mixed_run(mixed: bool, **kw):
+    """Three requests decoding 60 tokens each (20-token prompts: one prefill pass), then a
+    200-token prompt in 64-token chunks."""
+    running = [req(f"r{i}", list(range(100 * i + 3, 100 * i + 23)), 60) for i in range(3)]
+    late = req("late", list(range(1000, 1200)), 4, arrival_ms=30.0)
+    cfg = config(chunked_prefill_size=64, enable_mixed_chunk=mixed, **kw)
+    return run([*running, late], cfg)
+
+
+@pytest.mark.parametrize("overlap_off", [False, True], ids=["overlap", "normal"])
+def test_mixed_chunk_prefill_decodes_the_running_requests_in_the_same_pass(overlap_off):
+    """``--enable-mixed-chunk`` (0.5.23 ``mix_with_running``): each chunk of ``late`` also
+    decodes the three running requests a token, and takes a token per running request off
+    the chunk budget: 61-token chunks instead of 64. The rows insert nothing until they
+    finish, and finish sooner than with their decode paused for each chunk."""
+    off = _mixed_run(False, disable_overlap_schedule=overlap_off)
+    on = _mixed_run(True, disable_overlap_schedule=overlap_off)
+    assert off.stats.mixed_passes == 0 and on.stats.mixed_passes >= 3
+    stores = {
+        mode: [len(e.block_hashes) for b in decoded(r) for e in b if isinstance(e, BlockStored)]
+        for mode, r in (("off", off), ("on", on))
+    }
+    assert stores["off"][:5] == [20, 20, 20, 64, 64]  # r0..r2's prompts, then late's chunks
+    assert stores["on"][:5] == [20, 20, 20, 61, 61]
+    assert on.stats.mixed_passes == 4  # late's four chunks (200 = 3 x 61 + 17)
+    fin = {mode: {x.rid: x.finish_ns for x in r.requests} for mode, r in (("off", off), ("on", on))}
+    assert all(fin["on"][f"r{i}"] < fin["off"][f"r{i}"] for i in range(3))
+    assert [x.completion_tokens for x in on.requests] == [60, 60, 60, 4]
+    check_stream(on)
+
+
+def test_mixed_chunk_needs_chunked_prefill_and_is_read_from_the_snapshot():
+    """0.5.23 ``is_mixed_chunk``: the flag does nothing without chunked prefill."""
+    running = [req(f"r{i}", list(range(100 * i + 3, 100 * i + 23)), 60) for i in range(3)]
+    late = req("late", list(range(1000, 1200)), 4, arrival_ms=30.0)
+    on = run([*running, late], config(chunked_prefill_size=None, enable_mixed_chunk=True))
+    assert on.stats.mixed_passes == 0
+    from kvcadence.replay.config import from_server_info, unmodelled_settings
+
+    snapshot = {"enable_mixed_chunk": True, "chunked_prefill_size": 256}
+    cfg = from_server_info(snapshot)
+    assert cfg.enable_mixed_chunk and cfg.chunked_prefill_size == 256
+    assert not unmodelled_settings(snapshot)  # modelled: no warning line
+    assert not from_server_info({"chunked_prefill_size": 256}).enable_mixed_chunk
+
+
+def test_mixed_chunk_from_the_capture_and_overridden_on_the_command_line(tmp_path, capsys):
+    """A capture of a ``--enable-mixed-chunk`` worker replays mixed (its summary counts the
+    mixed passes) without a warning line; ``--no-mixed-chunk`` turns it off, and
+    ``--enable-mixed-chunk`` turns it on for a capture of a worker without it."""
+    import json
+    from pathlib import Path
+
+    from kvcadence.cli import main
+
+    corpus = Path(__file__).parent / "data" / "corpus"
+    mixed = corpus / "p16-chunk256-mixed" / "bundle"
+    plain = corpus / "p16-chunk256-evict" / "bundle"
+
+    def summary(src: Path, *flags: str) -> dict:
+        out = tmp_path / f"sim{len(list(tmp_path.iterdir()))}"
+        assert main(["replay", str(src), "--out", str(out), "--json", *flags]) == 0
+        cap = capsys.readouterr()
+        assert "warning" not in cap.err
+        return json.loads(cap.out.strip().splitlines()[-1])
+
+    assert summary(mixed)["mixed_passes"] > 0
+    assert summary(mixed, "--no-mixed-chunk")["mixed_passes"] == 0
+    assert summary(plain)["mixed_passes"] == 0
+    assert summary(plain, "--enable-mixed-chunk")["mixed_passes"] > 0
