@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from kvcadence.argtypes import nonneg_float
+from kvcadence.argtypes import nonneg_float, positive_int
 from kvcadence.outguard import refuse_nonempty_dir, removed_on_failure
 
 
@@ -61,6 +61,8 @@ def register(sub: Any) -> None:
                    help="prefill token budget per batch (SGLang --max-prefill-tokens; default: the bundle's)")  # fmt: skip
     p.add_argument("--max-running-requests", type=int, dest="max_running_requests",
                    help="cap on running requests (SGLang --max-running-requests; default: the bundle's)")  # fmt: skip
+    p.add_argument("--prefill-max-requests", type=positive_int, dest="prefill_max_requests",
+                   help="the most requests of one prefill batch (SGLang --prefill-max-requests; default: the bundle's, else no cap)")  # fmt: skip
     p.add_argument("--decode-log-interval", type=int, dest="decode_log_interval",
                    help="publish KV events every N-th decode result (SGLang --decode-log-interval; default: the bundle's)")  # fmt: skip
     p.add_argument(

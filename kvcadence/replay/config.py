@@ -57,6 +57,8 @@ class SimConfig:
     chunked_prefill_size: int | None = 8192
     max_prefill_tokens: int = 16384
     max_running_requests: int | None = None
+    #: the most requests of one prefill batch (SGLang ``--prefill-max-requests``; None: no cap)
+    prefill_max_requests: int | None = None
     decode_log_interval: int = 40
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
@@ -139,6 +141,8 @@ class SimConfig:
                 f"radix eviction policy {self.eviction_policy!r} not simulated "
                 f"(choose from {', '.join(EVICTION_POLICIES)} with --radix-eviction-policy)"
             )
+        if self.prefill_max_requests is not None and self.prefill_max_requests < 1:
+            raise UsageError("prefill max requests must be >= 1")
         if self.slru_protected < 1:
             raise UsageError("slru protected threshold must be >= 1")
         if self.schedule_conservativeness <= 0:
@@ -207,6 +211,7 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
         ("effective_max_running_requests_per_dp", "max_running_requests"),
     ),
     ("decode_log_interval", int, ("decode_log_interval",)),
+    ("prefill_max_requests", int, ("prefill_max_requests",)),
     ("schedule_policy", str, ("schedule_policy",)),
     ("schedule_conservativeness", float, ("schedule_conservativeness",)),
     ("disable_overlap_schedule", bool, ("disable_overlap_schedule",)),
@@ -227,6 +232,7 @@ UNMODELLED: dict[str, Any] = {
     "enable_priority_scheduling": lambda v: v is True,
     "enable_hierarchical_cache": lambda v: v is True,
     "enable_dynamic_chunking": lambda v: v is True,
+    "enable_prefill_delayer": lambda v: v is True,
     "enable_session_radix_cache": lambda v: v is True,
     "enable_dp_attention": lambda v: v is True,
     "disable_radix_cache": lambda v: v is True,
@@ -317,6 +323,7 @@ CLI_OVERRIDES = (
     "chunked_prefill_size",
     "max_prefill_tokens",
     "max_running_requests",
+    "prefill_max_requests",
     "decode_log_interval",
     "schedule_policy",
     "schedule_conservativeness",

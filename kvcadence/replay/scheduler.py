@@ -519,6 +519,7 @@ class Scheduler:
             generation=self.adm_generation,
             # mixed chunked prefill: a token per running request comes off both budgets
             num_mixed_decode_tokens=len(self.running) if self.mixed else 0,
+            prefill_max_requests=cfg.prefill_max_requests,
             clip_max_new_tokens=cfg.clip_max_new_tokens,
         )
         chunked = self.chunked_req

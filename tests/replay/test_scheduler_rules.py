@@ -613,3 +613,17 @@ def test_mixed_chunk_from_the_capture_and_overridden_on_the_command_line(tmp_pat
     assert summary(mixed, "--no-mixed-chunk")["mixed_passes"] == 0
     assert summary(plain)["mixed_passes"] == 0
     assert summary(plain, "--enable-mixed-chunk")["mixed_passes"] > 0
+
+
+def test_prefill_max_requests_caps_each_prefill_batch():
+    """SGLang ``--prefill-max-requests N`` (``PrefillAdder.add_one_req``: no request past the
+    N-th of a batch), read from the snapshot: four requests arriving together prefill in
+    batches of at most two."""
+    from kvcadence.replay.config import from_server_info
+
+    recs = [req(f"r{i}", list(range(50 * i + 3, 50 * i + 23)), 3) for i in range(4)]
+    free = run(recs)
+    capped = run(recs, config(prefill_max_requests=2))
+    assert free.stats.prefill_passes == 1 and capped.stats.prefill_passes == 2
+    assert from_server_info({"prefill_max_requests": 2}).prefill_max_requests == 2
+    assert from_server_info({"prefill_max_requests": None}).prefill_max_requests is None
