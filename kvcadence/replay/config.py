@@ -238,6 +238,10 @@ UNMODELLED: dict[str, Any] = {
     "disable_radix_cache": lambda v: v is True,
     "speculative_algorithm": lambda v: isinstance(v, str) and v.strip() != "",
     "num_continuous_decode_steps": lambda v: type(v) is int and v > 1,
+    "prefill_decode_interval": lambda v: type(v) is int and v > 0,
+    "scheduler_recv_interval": lambda v: type(v) is int and v > 1,
+    "min_free_slots_delay": lambda v: type(v) is int and v > 1,
+    "retraction_policy": lambda v: isinstance(v, str) and v not in ("", "length"),
 }
 
 

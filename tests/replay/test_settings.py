@@ -194,6 +194,29 @@ def test_settings_the_replay_does_not_model_are_named_in_one_warning(tmp_path, c
             "enable_hierarchical_cache": "true",  # not the bool: not read as on
         }
     ) == ["--enable-priority-scheduling", "--speculative-algorithm EAGLE"]
+    defaults = {
+        "prefill_decode_interval": None,
+        "scheduler_recv_interval": 1,
+        "min_free_slots_delay": None,
+        "retraction_policy": "length",
+        "enable_prefill_delayer": False,
+    }
+    assert unmodelled_settings(defaults) == []  # 0.5.23's defaults: nothing to name
+    assert unmodelled_settings(
+        {
+            "enable_prefill_delayer": True,
+            "prefill_decode_interval": 4,
+            "scheduler_recv_interval": 2,
+            "min_free_slots_delay": 3,
+            "retraction_policy": "priority",
+        }
+    ) == [
+        "--enable-prefill-delayer",
+        "--prefill-decode-interval 4",
+        "--scheduler-recv-interval 2",
+        "--min-free-slots-delay 3",
+        "--retraction-policy priority",
+    ]
     src = CORPUS / "p16-chunk256-evict" / "bundle"
     info = {**BundleReader(src).header.server_info, "enable_priority_scheduling": True}
     copy = _copy(src, tmp_path / "b", info)
