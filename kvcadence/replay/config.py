@@ -227,22 +227,28 @@ _INT_DEFAULT_RANGE = (1, 1 << 40)
 
 #: /server_info settings that change what the worker schedules or publishes and that the
 #: replay does not model (docs/simulator.md, "What is not modelled"): key -> whether its
-#: value turns the feature on
+#: value (given the whole snapshot) turns the feature on. ``--num-continuous-decode-steps``
+#: is not here: 0.5.23 declares it and never reads it.
 UNMODELLED: dict[str, Any] = {
-    "enable_priority_scheduling": lambda v: v is True,
-    "enable_hierarchical_cache": lambda v: v is True,
-    "enable_dynamic_chunking": lambda v: v is True,
-    "enable_prefill_delayer": lambda v: v is True,
-    "enable_session_radix_cache": lambda v: v is True,
-    "enable_dp_attention": lambda v: v is True,
-    "disable_radix_cache": lambda v: v is True,
-    "speculative_algorithm": lambda v: isinstance(v, str) and v.strip() != "",
-    "num_continuous_decode_steps": lambda v: type(v) is int and v > 1,
-    "prefill_decode_interval": lambda v: type(v) is int and v > 0,
-    "scheduler_recv_interval": lambda v: type(v) is int and v > 1,
-    "min_free_slots_delay": lambda v: type(v) is int and v > 1,
-    "retraction_policy": lambda v: isinstance(v, str) and v not in ("", "length"),
+    "enable_priority_scheduling": lambda v, _: v is True,
+    "enable_hierarchical_cache": lambda v, _: v is True,
+    # 0.5.23 sizes chunks dynamically only under pipeline parallelism
+    "enable_dynamic_chunking": lambda v, info: v is True and _int(info.get("pp_size")) > 1,
+    "enable_prefill_delayer": lambda v, _: v is True,
+    "enable_session_radix_cache": lambda v, _: v is True,
+    "enable_dp_attention": lambda v, _: v is True,
+    "disable_radix_cache": lambda v, _: v is True,
+    "speculative_algorithm": lambda v, _: isinstance(v, str) and v.strip() != "",
+    "prefill_decode_interval": lambda v, _: _int(v) > 0,
+    "scheduler_recv_interval": lambda v, _: _int(v) > 1,
+    "min_free_slots_delay": lambda v, _: _int(v) > 1,
+    "retraction_policy": lambda v, _: isinstance(v, str) and v not in ("", "length"),
 }
+
+
+def _int(v: Any) -> int:
+    """``v`` when it is an int (not a bool), else 0: a snapshot's value as a count."""
+    return v if type(v) is int else 0
 
 
 def unmodelled_settings(server_info: dict[str, Any]) -> list[str]:
@@ -252,7 +258,7 @@ def unmodelled_settings(server_info: dict[str, Any]) -> list[str]:
     out = []
     for key, on in UNMODELLED.items():
         v = server_info.get(key)
-        if on(v):
+        if on(v, server_info):
             flag = "--" + key.replace("_", "-")
             out.append(flag if v is True else f"{flag} {v}")
     return out

@@ -190,7 +190,8 @@ def test_settings_the_replay_does_not_model_are_named_in_one_warning(tmp_path, c
         {
             "enable_priority_scheduling": True,
             "speculative_algorithm": "EAGLE",
-            "num_continuous_decode_steps": 1,
+            "num_continuous_decode_steps": 4,  # declared by 0.5.23, never read: not named
+            "enable_dynamic_chunking": True,  # only under pipeline parallelism (pp_size > 1)
             "enable_hierarchical_cache": "true",  # not the bool: not read as on
         }
     ) == ["--enable-priority-scheduling", "--speculative-algorithm EAGLE"]
@@ -202,6 +203,9 @@ def test_settings_the_replay_does_not_model_are_named_in_one_warning(tmp_path, c
         "enable_prefill_delayer": False,
     }
     assert unmodelled_settings(defaults) == []  # 0.5.23's defaults: nothing to name
+    assert unmodelled_settings({"enable_dynamic_chunking": True, "pp_size": 2}) == [
+        "--enable-dynamic-chunking"
+    ]
     assert unmodelled_settings(
         {
             "enable_prefill_delayer": True,
