@@ -18,11 +18,22 @@ from kvcadence.outguard import refuse_nonempty_dir, removed_on_failure
 
 
 def _bool_flag(
-    p: argparse.ArgumentParser, name: str, dest: str, help_on: str, help_off: str
+    p: argparse.ArgumentParser,
+    name: str,
+    dest: str,
+    help_on: str,
+    help_off: str,
+    *,
+    on: str | None = None,
+    off: str | None = None,
 ) -> None:
+    """``--NAME`` (``dest`` True) / ``--no-NAME`` (False), either flag's name replaceable
+    (``on`` / ``off``: SGLang's own spellings); neither given: None (the bundle's)."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument(f"--{name}", dest=dest, action="store_const", const=True, help=help_on)
-    g.add_argument(f"--no-{name}", dest=dest, action="store_const", const=False, help=help_off)
+    g.add_argument(on or f"--{name}", dest=dest, action="store_const", const=True, help=help_on)
+    g.add_argument(
+        off or f"--no-{name}", dest=dest, action="store_const", const=False, help=help_off
+    )
 
 
 def register(sub: Any) -> None:
@@ -79,36 +90,22 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--schedule-conservativeness", type=nonneg_float, dest="schedule_conservativeness",
                    help="scales the decode-token reservation (SGLang's option, default 1.0)")  # fmt: skip
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--disable-overlap-schedule",
-        dest="disable_overlap_schedule",
-        action="store_const",
-        const=True,
-        help="simulate the normal (non-overlap) event loop (default: as the bundle's worker ran)",
+    _bool_flag(
+        p,
+        "disable-overlap-schedule",
+        "disable_overlap_schedule",
+        "simulate the normal (non-overlap) event loop (default: as the bundle's worker ran)",
+        "simulate the overlap event loop (SGLang's default)",
+        off="--overlap-schedule",
     )
-    g.add_argument(
-        "--overlap-schedule",
-        dest="disable_overlap_schedule",
-        action="store_const",
-        const=False,
-        help="simulate the overlap event loop (SGLang's default)",
-    )
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--enable-mixed-chunk",
-        dest="enable_mixed_chunk",
-        action="store_const",
-        const=True,
-        help="mixed chunked prefill: a prefill pass also decodes the running requests (SGLang "
+    _bool_flag(
+        p,
+        "mixed-chunk",
+        "enable_mixed_chunk",
+        "mixed chunked prefill: a prefill pass also decodes the running requests (SGLang "
         "--enable-mixed-chunk; needs chunked prefill; default: as the bundle's worker ran)",
-    )
-    g.add_argument(
-        "--no-mixed-chunk",
-        dest="enable_mixed_chunk",
-        action="store_const",
-        const=False,
-        help="prefill passes without the running requests' decode (SGLang's default)",
+        "prefill passes without the running requests' decode (SGLang's default)",
+        on="--enable-mixed-chunk",
     )
     p.add_argument(
         "--sglang-version",
