@@ -63,6 +63,8 @@ OTHER_FLAGS = {
     "--update-doc",
     # SGLang settings the replay does not model, named where it warns of them
     *("--" + k.replace("_", "-") for k in UNMODELLED),
+    # declared by SGLang 0.5.23 and never read (docs/simulator.md says so)
+    "--num-continuous-decode-steps",
 }
 OUTSIDE = re.compile(
     r"\.\./shared|\.\./fixtures|shared/reference|sglang-scheduler-model|sglang-kv-events"
