@@ -627,3 +627,20 @@ def test_prefill_max_requests_caps_each_prefill_batch():
     assert free.stats.prefill_passes == 1 and capped.stats.prefill_passes == 2
     assert from_server_info({"prefill_max_requests": 2}).prefill_max_requests == 2
     assert from_server_info({"prefill_max_requests": None}).prefill_max_requests is None
+
+
+def test_prefill_max_requests_flag_parses_and_refuses_nonsense():
+    """``replay --prefill-max-requests N``: a positive count; 0 or text is a usage error (exit 2)."""
+    import argparse
+
+    from kvcadence.replay import cli as replay_cli
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    replay_cli.register(sub)
+    (parser,) = sub.choices.values()
+    assert parser.parse_args(["x.kvcb", "--prefill-max-requests", "3"]).prefill_max_requests == 3
+    assert parser.parse_args(["x.kvcb"]).prefill_max_requests is None  # the bundle's
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["x.kvcb", "--prefill-max-requests", bad])
+        assert exc.value.code == 2
