@@ -100,8 +100,9 @@ def test_finish_with_nothing_new_to_insert_touches_the_path(sglang_worker_factor
     (0.5.23 ``checkpoint_into_tree`` inserts from the root; the Rust tree core does the
     same): ``a`` finishing after ``b`` keeps its pages and ``c`` evicts ``b``'s; ``a``
     finishing before ``b`` came is older and goes (the control). Without the touch ``a``'s
-    pages, stamped at its prefill, would always go first. The replay gives the same removal
-    wherever it kept the finish order."""
+    pages, stamped at its prefill, would always go first. Wherever the replay kept the finish
+    order it never evicts the other one of ``a`` and ``b``, and it shows the rule on at least
+    one overlapped trial."""
     h = sglang_worker_factory("rule-touch", **TOUCH_CFG)
     with httpx.Client(timeout=120) as warm:  # the first forward is slow: not in the capture
         r = warm.post(
@@ -134,5 +135,11 @@ def test_finish_with_nothing_new_to_insert_touches_the_path(sglang_worker_factor
     assert len(got) == len(trials), got
     kept = [i for i, bf in enumerate(b_first(sim_fin)) if bf == order[i]]
     print(f"[rule-touch] b first {order}; real {real}; replay {got}, order kept {kept}")
-    assert any(order[i] for i in kept), (order, kept)  # an overlapped trial to judge
-    assert [got[i] for i in kept] == [want[i] for i in kept], (got, kept)
+    # the rule decides between ``a``'s leaf and ``b``'s: the replay must never evict the
+    # other one of the two where it kept the order, and must show the rule on an
+    # overlapped trial; another removal (the replay's pass timing moved ``c`` or a flush
+    # relative to the finishes, seen once in CI) is not this rule's verdict
+    other = {i: f"t{i}:{'a' if order[i] else 'b'}" for i in kept}
+    assert not [i for i in kept if got[i] == other[i]], (got, want, kept)
+    shown = [i for i in kept if got[i] == want[i]]
+    assert any(order[i] for i in shown), (got, want, kept)
