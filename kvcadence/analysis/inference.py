@@ -44,6 +44,10 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("aborted_not_run", "aborted before they ran (not replayed)"),
     ("errored_running", "errored after they ran (recorded output replayed)"),
     ("errored_not_run", "errored before they ran (not replayed)"),
+    ("unrecorded_rebuilt", "requests not in the records, rebuilt from their prefill stores"),
+    ("unrecorded_with_finish_store", "... of them with a finish store (outputs from it)"),
+    ("unrecorded_not_rebuilt", "unclaimed stores not rebuilt (prefix before the capture)"),
+    ("unclaimed_below_records", "unclaimed stores below a record's prompt (left alone)"),
     ("retracted_in_capture", "retracted in the capture"),
     ("retracted_in_capture_and_replay", "... of them retracted in the replay too"),
 )

@@ -43,6 +43,7 @@ from kvcadence.analysis.catalogue import (
 )
 from kvcadence.analysis.ranks import request_totals
 from kvcadence.errors import UsageError
+from kvcadence.format.schema import UNRECORDED_SOURCE
 
 __all__ = [
     "BUCKETS",
@@ -702,7 +703,10 @@ def compute(
     pool_pages = int(max_tokens) // page_size if max_tokens else None
     scope = "seq <> 0" if peer_compatible else "TRUE"
 
-    (n_requests,) = c.one("SELECT count(*) FROM requests")
+    # the capture's own requests: not those a replay rebuilt from the KV events
+    (n_requests,) = c.one(
+        f"SELECT count(*) FILTER (source IS DISTINCT FROM '{UNRECORDED_SOURCE}') FROM requests"
+    )
     (t0, t_end) = c.one("SELECT min(recv_ns), max(recv_ns) FROM batches")
     t0 = int(t0 or 0)
     t_end = int(t_end or 0)

@@ -407,6 +407,11 @@ class EventFrameIdsView(BundleRecordBase, tag="event"):
     pass_index: int = -1
 
 
+#: ``RequestRecord.source`` of a request the capture's records lack, rebuilt by the replay
+#: from its KV events (``replay.unrecorded``); the report counts only the other requests
+UNRECORDED_SOURCE = "kv-events"
+
+
 class RequestRecord(BundleRecordBase, tag="request"):
     """One request of the schedule: what was sent, what came back, when.
 
@@ -430,7 +435,7 @@ class RequestRecord(BundleRecordBase, tag="request"):
     finish_reason: str | None = None
     error: str | None = None
     dp_rank: int | None = None
-    source: str = "driver"  # driver | sglang-metrics | request-log | import | sim
+    source: str = "driver"  # driver | sglang-metrics | request-log | import | sim | kv-events
     think_ns: int | None = None  # client pause before this request (closed loop), if known
     arrival_ns: int | None = None  # open-loop trace arrival time, if the workload had one
     meta_info: dict[str, Any] = {}

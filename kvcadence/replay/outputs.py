@@ -246,6 +246,10 @@ class StoreIndex:
             else:
                 lst.append(ei)
 
+    def ts_of(self, ei: int) -> int:
+        """Event ``ei``'s publish time (ns)."""
+        return self._ts[ei]
+
     def shift(self, ns: int) -> None:
         """Every event's publish time less ``ns`` (onto the request records' clock:
         ``clocks.records_offset``)."""

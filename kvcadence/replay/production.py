@@ -43,7 +43,7 @@ import dataclasses
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -63,6 +63,12 @@ from kvcadence.replay.sessions import (
 )
 from kvcadence.replay.settings import capture_settings, page_size_hint, tally_for
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
+from kvcadence.replay.unrecorded import (
+    Found,
+    claimed_mask,
+    find_unrecorded,
+    unrecorded_records,
+)
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -179,6 +185,12 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     found = index.windows([x[1] for x in timed], [x[2] for x in timed])
     for x, w in zip(timed, found, strict=True):
         wins[x[0]] = w
+    # what the records claim of the stores (``unrecorded``): runs, hashed prompts, and the
+    # prompts whose finish store was not found; the records' prefill delays
+    claims: list[tuple[int, int, int]] = []
+    hashed: list[int] = []
+    no_finish: set[int] = set()
+    delays: list[int] = []
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
@@ -200,11 +212,14 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L)
         if fast is not None:
             h, node.segs, node.base = fast
+            claims.extend((ei, j, m) for _, ei, j, m in node.segs)
+            delays.append(index.ts_of(node.segs[0][1]) - cast("int", arr))
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
             try:
                 node.path = block_hashes(span(prompt, 0, P * ps), ps)
             except WireError:
                 node.path = []
+            hashed.extend(node.path)
             h = node.path[-1] if node.path else None
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
@@ -225,13 +240,21 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if fin is None or arr is None
             else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i])
         )
+        runs = claims
         if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
             if _retracted(r):
-                got = _retracted_run(index, h, tail, Kq, arr, fin, taken) or got
+                runs = []  # its runs, each claimed where found
+                more = _retracted_run(index, h, tail, Kq, arr, fin, taken, runs)
+                got = more or got
+                claims.extend(runs if more else ())
         if got is not None:
             ties += got[4]
             shared += got[3] in taken
             taken.setdefault(got[3], i)
+            if runs is claims:
+                claims.append((got[3][0], got[3][1], len(got[0]) // ps))
+        elif h is not None:
+            no_finish.add(h)
         if r.output_ids:
             known[i] = None
             if got is not None and len(got[0]) in (K * ps, Kq * ps):
@@ -261,6 +284,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         return lens[q] >= L and same_ids(
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
+
+    lost = _unrecorded(records, index, claims, hashed, no_finish, delays, lens)
 
     order = arrival_order(nodes)
     # at page size 1 every prompt ends on a full page: ``extends`` admits every candidate
@@ -345,6 +370,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if len(ids) < n:
                 ids = ids + _synth_tokens(r.rid, n - len(ids))
         out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
+    out_records.extend(unrecorded_records(lost))
     report = {
         "requests": len(records),
         "outputs_recorded": sum(1 for k in known if k is None),
@@ -360,8 +386,34 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "idle_client_joins": idle_joins,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
         "predecessor_ties": pred_ties,
+        "unrecorded_rebuilt": len(lost.requests),
+        "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
+        "unrecorded_not_rebuilt": lost.outside + lost.multi_rank,
+        "unclaimed_below_records": lost.below_records,
     }
     return out_records, report
+
+
+def _unrecorded(
+    records: list[Any],
+    index: StoreIndex,
+    claims: list[tuple[int, int, int]],
+    hashed: list[int],
+    no_finish: set[int],
+    delays: list[int],
+    lens: list[int],
+) -> Found:
+    """The requests behind the stores no record claimed (``unrecorded``); a multi-rank
+    capture's are counted, not rebuilt."""
+    free = ~claimed_mask(index, claims, hashed)
+    if not free.any():
+        return Found()
+    if any(r.dp_rank not in (None, 0) for r in records):
+        return Found(multi_rank=int(free.sum()))
+    delays.sort()
+    delay = delays[len(delays) // 2] if delays else 0
+    max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
+    return find_unrecorded(index, free, no_finish, delay, max_pages)
 
 
 def _retracted_run(
@@ -372,21 +424,25 @@ def _retracted_run(
     arr: int,
     fin: int,
     taken: dict[tuple[int, int], int],
+    runs: list[tuple[int, int, int]],
 ) -> tuple[Any, int, bool, tuple[int, int], bool] | None:
     """A retracted request's outputs, ``finish_pages``' result for up to ``k`` pages. It
     stored them in two runs: at its re-prefill, with the outputs decoded before the
     retraction (the run after ``h`` in the first event from its arrival on that holds
     ``h``: the retraction may have evicted its prompt's last pages, re-stored there too),
-    and at its finish, chained below that run."""
+    and at its finish, chained below that run. ``runs``: each run's ``(event, first page,
+    pages)`` is appended to it."""
     got = index.finish_pages(h, tail, k, arr, arr, None, taken)
     if got is None:
         return None
     toks, last, merged, where, tie = got
     ps = index.page_size
+    runs.append((where[0], where[1], len(toks) // ps))
     while len(toks) < k * ps:
         more = index.finish_pages(last, EMPTY, k - len(toks) // ps, arr, fin, None, taken)
         if more is None or not len(more[0]):
             break
+        runs.append((more[3][0], more[3][1], len(more[0]) // ps))
         toks = cat(toks, more[0])
         last = more[1]
         merged = merged or more[2]
@@ -488,6 +544,18 @@ def _edge_text(rep: dict[str, Any]) -> str:
     ):
         if rep.get(key):
             parts.append(f"{rep[key]} {what}")
+    if rep.get("unrecorded_rebuilt"):
+        parts.append(
+            f"{rep['unrecorded_rebuilt']} requests not in the records (client-aborted requests "
+            "SGLang's metrics file omits) rebuilt from their prefill stores "
+            f"({rep.get('unrecorded_with_finish_store', 0)} with a finish store; the others "
+            "run one output token)"
+        )
+    if rep.get("unrecorded_not_rebuilt"):
+        parts.append(
+            f"{rep['unrecorded_not_rebuilt']} stores no record claimed not rebuilt "
+            "(a prefix stored before the capture, or a multi-rank capture)"
+        )
     if rep.get("retracted_in_capture"):
         parts.append(
             f"{rep['retracted_in_capture']} retracted in the capture"

@@ -28,6 +28,7 @@ from kvcadence.format.schema import (
 from kvcadence.outguard import _write_failure, refuse_nonempty_dir
 from kvcadence.replay.request import ABORTED, SimReq
 from kvcadence.replay.tokens import as_list
+from kvcadence.replay.unrecorded import SOURCE
 
 
 def sim_header(
@@ -200,7 +201,7 @@ def sim_request_record(
         finish_reason="abort" if r.state == ABORTED else "length",
         error=r.error,
         dp_rank=rank,
-        source="sim",
+        source=SOURCE if s.source.source == SOURCE else "sim",
         think_ns=s.gap_ns if s.pred is not None else None,
         arrival_ns=None if s.pred is not None else anchor_ns + (s.arrival_ns or 0),
         meta_info=meta,

@@ -9,7 +9,11 @@ prompt is its system prompt + ``turn_in`` + 8 tokens), and single shots (a syste
 20 tokens, ``single_in``, ``--single-in N``; 8 output tokens). Chat turns ask for 4-20
 tokens (``chat_out``, ``--chat-out MIN-MAX``); a chat's 2nd and 4th turns may stop at EOS
 (``ignore_eos`` off), every other request runs to its length (greedy decoding). Some requests stream (``"stream": true``: a
-chat's last turn, every other single shot). No rid is sent: SGLang picks one. Plain
+chat's last turn, every other single shot). With ``cancel_share`` (``--cancel-share F``) a
+share of the requests (drawn from a generator of their own: the plans above stay those of the
+seed) stream and their client hangs up after 1-4 output tokens (``cancel_after``,
+``--cancel-after MIN-MAX``), as a user stopping a generation: SGLang aborts the request; a
+chat goes on with the partial answer in its next prompt. No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
 Seeded: the number of requests, their start times, system prompts, turn counts, output
@@ -26,6 +30,7 @@ corpus captures ``http-clients-p16``, ``dp2-p32-http-clients`` and ``p8-chunk128
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -53,6 +58,8 @@ class Plan:
     outputs: tuple[int, ...]  # max_new_tokens per request
     streams: tuple[bool, ...]  # stream flag per request
     chat: bool
+    #: per request: hang up after this many output tokens (None: read the whole answer)
+    cancels: tuple[int | None, ...] = ()
 
 
 class Clients:
@@ -70,6 +77,8 @@ class Clients:
         systems: tuple[int, ...] = SYSTEM_LENGTHS,
         single_in: int = 20,
         turn_in: int = 16,
+        cancel_share: float = 0.0,
+        cancel_after: tuple[int, int] = (1, 4),
     ) -> None:
         self.url = url
         self.seed = seed
@@ -80,6 +89,8 @@ class Clients:
         self.turn_in = turn_in
         self.systems = [self._toks(self.rng, n) for n in systems]
         self.plans = self._plan(sessions, singles, span_s)
+        if cancel_share > 0:
+            self.plans = self._cancel(cancel_share, cancel_after)
         self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
         self.errors: list[str] = []
         self.lock = threading.Lock()
@@ -103,11 +114,33 @@ class Clients:
                 plans.append(Plan(i, s, i % len(self.systems), (8,), (i % 2 == 0,), False))
         return plans
 
+    def _cancel(self, share: float, after: tuple[int, int]) -> list[Plan]:
+        """The plans with ``share`` of their requests cancelled after ``after`` (MIN, MAX)
+        output tokens (streamed), drawn from a generator of their own."""
+        rng = random.Random(f"{self.seed}-cancel")
+        plans = []
+        for p in self.plans:
+            cancels = tuple(
+                rng.randint(*after) if rng.random() < share else None for _ in p.outputs
+            )
+            streams = tuple(s or c is not None for s, c in zip(p.streams, cancels, strict=True))
+            plans.append(dataclasses.replace(p, streams=streams, cancels=cancels))
+        return plans
+
     @property
     def n_requests(self) -> int:
         return sum(len(p.outputs) for p in self.plans)
 
-    def send(self, client: Any, ids: list[int], n_out: int, stream: bool, ignore_eos: bool) -> list:
+    def send(
+        self,
+        client: Any,
+        ids: list[int],
+        n_out: int,
+        stream: bool,
+        ignore_eos: bool,
+        cancel: int | None = None,
+    ) -> list:
+        """One request; ``cancel``: hang up once that many output tokens came (streamed)."""
         params = {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": ignore_eos}
         body = {
             "input_ids": ids,
@@ -127,12 +160,16 @@ class Clients:
                             out = list(ids_now)
                         else:
                             out += ids_now
+                        if cancel is not None and len(out) >= cancel:
+                            break  # leaving the block closes the connection: SGLang aborts
         else:
             r = client.post(self.url + "/generate", json=body)
             r.raise_for_status()
             out = r.json()["output_ids"]
         with self.lock:
-            self.sent.append({"input_ids": ids, "output_ids": out, "stream": stream})
+            self.sent.append(
+                {"input_ids": ids, "output_ids": out, "stream": stream, "cancel": cancel}
+            )
         return out
 
     def prompts(self, plan: Plan) -> tuple[list[int], list[list[int]]]:
@@ -153,10 +190,13 @@ class Clients:
         time.sleep(max(0.0, t0 + plan.start_s - time.monotonic()))
         try:
             with httpx.Client(timeout=self.timeout_s) as c:
-                for k, (n_out, stream) in enumerate(zip(plan.outputs, plan.streams, strict=True)):
+                cancels = plan.cancels or (None,) * len(plan.outputs)
+                for k, (n_out, stream, cancel) in enumerate(
+                    zip(plan.outputs, plan.streams, cancels, strict=True)
+                ):
                     # a chat's 2nd and 4th turns may stop at EOS, nothing else
                     ignore = not plan.chat or k % 2 == 0
-                    out = self.send(c, ids, n_out, stream, ignore_eos=ignore)
+                    out = self.send(c, ids, n_out, stream, ignore_eos=ignore, cancel=cancel)
                     if k < len(appended):
                         time.sleep(0.02)
                         ids = ids + out + appended[k]
@@ -252,6 +292,21 @@ def main(argv: list[str] | None = None) -> int:
         help="a chat's user turn in tokens: each later prompt appends 3 template tokens + N, "
         "the first is the system prompt + N + 8 (default 16)",
     )
+    ap.add_argument(
+        "--cancel-share",
+        type=_share,
+        default=0.0,
+        metavar="F",
+        help="share of the requests (0-1) that stream and hang up early, as a user stopping "
+        "a generation: SGLang aborts them; a chat goes on with the partial answer (default 0)",
+    )
+    ap.add_argument(
+        "--cancel-after",
+        type=_out_range,
+        default=(1, 4),
+        metavar="MIN-MAX",
+        help="a cancelled request's client hangs up after MIN-MAX output tokens (default 1-4)",
+    )
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -282,6 +337,17 @@ def _lengths(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _share(text: str) -> float:
+    """``F`` (``--cancel-share``): a share in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     """``N`` (``--single-in``, ``--turn-in``): a token count >= 1."""
     if not (text.isdigit() and int(text) >= 1):
@@ -300,6 +366,8 @@ def _run(a: argparse.Namespace) -> int:
         systems=a.systems,
         single_in=a.single_in,
         turn_in=a.turn_in,
+        cancel_share=a.cancel_share,
+        cancel_after=a.cancel_after,
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None

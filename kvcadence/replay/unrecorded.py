@@ -1,0 +1,221 @@
+"""Requests a production capture's records lack, rebuilt from its KV events.
+
+What this file owns: ``find_unrecorded`` and ``unrecorded_records``. SGLang 0.5.23's
+``--export-metrics-to-file`` writes a request when it finishes; a request whose client hung
+up (a closed stream: SGLang aborts it) is not written, yet it ran: its prefill stored its
+pages, it held the pool while it decoded, and its pages stayed in the tree (measured on a
+real worker: 62 of 188 requests cancelled by their clients after 1-4 streamed tokens, none in
+the metrics file, every one's prefill in the event stream). Replaying the records alone
+leaves those stores, their evictions and the cache hits they gave out of the replay.
+
+Every stored page that no record claimed (``production._complete`` marks the runs it matched
+to a record's prefill or finish, and the page hashes of prompts it hashed) is looked at in
+publish order, runs of consecutive unclaimed pages of one event at a time:
+
+* a run below the last page of a rebuilt request, published later, is that request's finish
+  store: its tokens become the request's outputs (all but the last output token is
+  inserted, so ``pages * page_size + 1`` outputs) and its publish time its finish;
+* a run below a record's prompt whose finish store was not found is left alone (most
+  likely that finish store);
+* any other run is a request's prefill: its prompt is the run's tokens after the tokens of
+  its parent chain, read back page by page through the stored events to the root (a chain
+  that leaves the capture -- stored before it started -- is not rebuilt, only counted); it
+  arrived the records' median prefill delay (receive -> publish of the prefill store) before
+  the run was published; without a finish store it runs one output token. The tokens of its
+  prompt's partial last page and of its outputs were never stored: unknown, left out.
+
+Multi-rank captures are not rebuilt (the rank a request ran on is not in its stores): the
+runs are counted only. Rebuilt records have ``source = "kv-events"``; the sim bundle keeps
+the source, and the report counts only the capture's own requests per request.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvcadence.format.schema import UNRECORDED_SOURCE as SOURCE
+from kvcadence.replay.tokens import CODE
+
+
+@dataclass(slots=True)
+class Unrecorded:
+    """One rebuilt request: its prompt (whole pages), outputs, receive and finish times."""
+
+    prompt: array
+    outputs: array
+    arrival_ns: int
+    prefill_ns: int
+    finish_ns: int | None
+    last: int  # hash of the prompt's last page
+
+
+@dataclass(slots=True)
+class Found:
+    """``find_unrecorded``'s result: the requests and what was left alone."""
+
+    requests: list[Unrecorded] = field(default_factory=list)
+    #: unclaimed runs below a record's prompt whose finish store was not found
+    below_records: int = 0
+    #: unclaimed runs whose parent chain leaves the capture (stored before it)
+    outside: int = 0
+    #: unclaimed pages of a multi-rank capture (not rebuilt)
+    multi_rank: int = 0
+
+
+def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int]], hashes: Any) -> Any:
+    """Per stored page of ``index``: whether a record claimed it -- in ``runs`` ``(event,
+    first page, pages)``, or a page with the same hash (a re-store, or a prompt hashed
+    instead of matched: ``hashes``)."""
+    h = index.hashes
+    mask = np.zeros(len(h), dtype=bool)
+    offs = index.offs
+    pages = index.pages
+    for ei, j, n in runs:
+        a = offs[ei] + j
+        mask[a : a + min(n, pages[ei] - j)] = True
+    free = np.flatnonzero(~mask)
+    if not len(free):  # every store is a record's (the usual capture)
+        return mask
+    # the few free hashes, sorted; every page looked up among them (no sort of all hashes)
+    fh = h[free]
+    sf = np.unique(fh)
+    at = np.minimum(np.searchsorted(sf, h), len(sf) - 1)
+    seen = sf[at] == h
+    seen &= mask  # a free hash stored at a claimed page too
+    known = np.concatenate([h[seen], np.asarray(hashes, dtype=np.int64)])
+    mask[free[np.isin(fh, known)]] = True
+    return mask
+
+
+def _runs(index: Any, free: Any) -> list[tuple[int, int, int]]:
+    """``(event, first page, pages)`` of every maximal run of ``free`` pages inside one
+    event, in event (publish) order."""
+    out: list[tuple[int, int, int]] = []
+    pos = np.flatnonzero(free)
+    if not len(pos):
+        return out
+    offs = np.asarray(index.offs, dtype=np.int64)
+    ev = np.searchsorted(offs, pos, side="right") - 1
+    # a new run where the position jumps or the event changes
+    brk = np.ones(len(pos), dtype=bool)
+    brk[1:] = (np.diff(pos) != 1) | (np.diff(ev) != 0)
+    starts = np.flatnonzero(brk)
+    ends = np.append(starts[1:], len(pos))
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        ei = int(ev[s])
+        out.append((ei, int(pos[s] - offs[ei]), e - s))
+    return out
+
+
+class _Chains:
+    """Token chains back to the root through the stored events (a hash -> its first
+    position, by a sorted copy of the hashes)."""
+
+    def __init__(self, index: Any) -> None:
+        self.index = index
+        self.order = np.argsort(index.hashes, kind="stable")
+        self.sorted = index.hashes[self.order]
+        self.offs = np.asarray(index.offs, dtype=np.int64)
+
+    def where(self, h: int) -> tuple[int, int] | None:
+        """``(event, page)`` of the first stored page with hash ``h``."""
+        k = int(np.searchsorted(self.sorted, h))
+        if k >= len(self.sorted) or int(self.sorted[k]) != h:
+            return None
+        pos = int(self.order[k])
+        ei = int(np.searchsorted(self.offs, pos, side="right") - 1)
+        return ei, pos - int(self.offs[ei])
+
+    def prefix(self, parent: int | None, limit: int) -> array | None:
+        """The tokens from the root through the page ``parent`` (None: the root, no
+        tokens); None when the chain leaves the capture or runs past ``limit`` pages."""
+        idx, ps = self.index, self.index.page_size
+        parts: list[array] = []
+        pages = 0
+        while parent is not None:
+            got = self.where(parent)
+            if got is None:
+                return None
+            ei, j = got
+            parts.append(idx.tokens[ei][: (j + 1) * ps])
+            pages += j + 1
+            if pages > limit:
+                return None
+            parent = idx.parents[ei]
+        out = array(CODE)
+        for p in reversed(parts):
+            out.extend(p)
+        return out
+
+
+def find_unrecorded(
+    index: Any,
+    free: Any,
+    record_anchors: set[int],
+    prefill_delay_ns: int,
+    max_pages: int,
+) -> Found:
+    """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
+    ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
+    finish store was not found; ``max_pages``: the longest prompt rebuilt, in pages."""
+    found = Found()
+    ps = index.page_size
+    by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page -> it
+    chains = _Chains(index)
+    hashes, offs = index.hashes, index.offs
+    for ei, j, n in _runs(index, free):
+        parent = index.parents[ei] if j == 0 else int(hashes[offs[ei] + j - 1])
+        toks = index.tokens[ei][j * ps : (j + n) * ps]
+        last = int(hashes[offs[ei] + j + n - 1])
+        t = index.ts_of(ei)
+        req = by_last.get(parent) if parent is not None else None
+        if req is not None and not len(req.outputs) and t >= req.prefill_ns:
+            req.outputs = array(CODE, toks)
+            req.outputs.append(toks[-1])  # the last output's KV was never inserted
+            req.finish_ns = t
+            continue
+        if parent is not None and parent in record_anchors:
+            found.below_records += 1
+            continue
+        head = chains.prefix(parent, max_pages)
+        if head is None:
+            found.outside += 1
+            continue
+        head.extend(toks)
+        req = Unrecorded(head, array(CODE), t - prefill_delay_ns, t, None, last)
+        found.requests.append(req)
+        by_last[last] = req
+    return found
+
+
+def unrecorded_records(found: Found, first_rid: int = 0) -> list[Any]:
+    """``RequestRecord``s of the rebuilt requests (``source`` ``SOURCE``; rid
+    ``kv-events-<n>``; outputs: the finish store's, else one token)."""
+    from kvcadence.format.schema import RequestRecord
+
+    out = []
+    for k, u in enumerate(found.requests, first_rid):
+        outputs = u.outputs if len(u.outputs) else array(CODE, u.prompt[-1:])
+        meta: dict[str, Any] = {"request_received_ts": u.arrival_ns / 1e9}
+        if u.finish_ns is not None:
+            meta["request_finished_ts"] = u.finish_ns / 1e9
+        out.append(
+            RequestRecord(
+                rid=f"kv-events-{k}",
+                input_ids=u.prompt,  # type: ignore[arg-type]  # compact, as a replay holds them
+                output_ids=outputs,  # type: ignore[arg-type]
+                max_new_tokens=len(outputs),
+                prompt_tokens=len(u.prompt),
+                completion_tokens=len(outputs),
+                finish_reason="abort",
+                source=SOURCE,
+                arrival_ns=u.arrival_ns,
+                meta_info=meta,
+            )
+        )
+    return out

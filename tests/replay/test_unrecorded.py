@@ -1,0 +1,132 @@
+"""Requests the records lack (SGLang's metrics file omits client-aborted requests), rebuilt
+from the stores no record claimed (``replay.unrecorded``)."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcadence.format.schema import UNRECORDED_SOURCE, BlockStored
+from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.production import complete_records, report_text
+from kvcadence.replay.simulator import simulate
+from kvcadence.replay.unrecorded import claimed_mask
+from tests.replay.helpers import config
+from tests.replay.test_production_inference import S, rec, store
+
+PS = 4
+SYSTEM = list(range(100, 108))  # 2 pages every prompt shares
+
+
+def _traffic(chain_outside: bool = False):
+    """A recorded request ``a`` (system + 1 own page + 2 tokens, 5 outputs: its finish
+    stores one page) and an unrecorded ``b`` (system + 1 own page: its prefill store below
+    the system prompt's last page, then its finish store); with ``chain_outside`` one more
+    store whose parent was stored before the capture."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    a_full = [*a, 50, 51, 52, 53, 54]
+    b = [*SYSTEM, 9, 9, 8, 8]
+    b_full = [*b, 60, 61, 62, 63]
+    batches = [
+        (int(1.1 * S), [store(a, 0, 3, PS)]),
+        (int(2.0 * S), [store(a_full, 3, 4, PS)]),
+        (int(3.1 * S), [store(b, 2, 3, PS)]),
+        (int(3.5 * S), [store(b_full, 3, 4, PS)]),
+    ]
+    if chain_outside:
+        lost = BlockStored(
+            block_hashes=[7777],
+            parent_block_hash=123456789,
+            token_ids=[1, 1, 1, 1],
+            block_size=PS,
+            lora_id=None,
+        )
+        batches.append((int(4.0 * S), [lost]))
+    records = [rec("a", a, 5, 1.0, 2.0, cached=0)]
+    return batches, records, b, b_full
+
+
+def test_a_prefill_store_no_record_claims_becomes_a_request():
+    batches, records, b, b_full = _traffic(chain_outside=True)
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert [r.rid for r in out] == ["a", "kv-events-0"]
+    got = out[1]
+    assert got.source == UNRECORDED_SOURCE and got.finish_reason == "abort"
+    assert list(got.input_ids) == b  # the system prompt read back through a's store
+    # its finish store's page is its output (all but the last output is inserted)
+    assert list(got.output_ids[:PS]) == b_full[len(b) :] and len(got.output_ids) == PS + 1
+    # received the records' prefill delay (a: 1.0 -> its store at 1.1) before its store
+    assert got.arrival_ns == int(3.1 * S) - int(0.1 * S)
+    assert got.meta_info["request_finished_ts"] == 3.5
+    assert rep["unrecorded_rebuilt"] == 1 and rep["unrecorded_with_finish_store"] == 1
+    assert rep["unrecorded_not_rebuilt"] == 1  # the store below a page stored before
+    assert "1 requests not in the records" in report_text(rep)
+    # the replay runs it: its prefill hits the system prompt a stored
+    res = simulate(out, config(page_size=PS, max_total_tokens=64))
+    by = {r.rid: r for r in res.requests}
+    assert by["kv-events-0"].cached_tokens == len(SYSTEM)
+    assert by["kv-events-0"].source == UNRECORDED_SOURCE and by["a"].source == "sim"
+
+
+def test_complete_records_rebuild_nothing():
+    batches, records, b, _ = _traffic()
+    b_rec = rec("b", b, 5, 3.0, 3.5, cached=8)
+    out, rep = complete_records([*records, b_rec], StoreIndex.from_batches(batches, PS))
+    assert [r.rid for r in out] == ["a", "b"]
+    assert rep["unrecorded_rebuilt"] == rep["unrecorded_not_rebuilt"] == 0
+
+
+def test_a_multi_rank_capture_counts_unclaimed_stores_without_rebuilding():
+    batches, records, _, _ = _traffic()
+    records = [msgspec.structs.replace(records[0], dp_rank=1)]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert [r.rid for r in out] == ["a"]
+    assert rep["unrecorded_rebuilt"] == 0 and rep["unrecorded_not_rebuilt"] == 2  # b's pages
+
+
+def test_a_store_below_a_prompt_whose_finish_was_not_found_is_left_alone():
+    """``a``'s finish store published before its recorded receive (a clock step: outside
+    its search window) is not found; below ``a``'s prompt it is most likely that store, not
+    a request."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    batches = [
+        (int(1.1 * S), [store(a, 0, 3, PS)]),
+        (int(0.9 * S), [store([*a, 50, 51, 52, 53, 54], 3, 4, PS)]),
+    ]
+    records = [rec("a", a, 5, 1.0, 2.0, cached=0)]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert [r.rid for r in out] == ["a"]
+    assert rep["unclaimed_below_records"] == 1 and rep["unrecorded_rebuilt"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12))
+def test_claimed_mask_claims_every_page_with_a_claimed_hash(seed, n_events):
+    """A page is claimed when a record's run holds it or its hash is claimed anywhere (a
+    re-store of a claimed page, a hashed prompt's page); never otherwise."""
+    rng = random.Random(seed)
+    pool = [rng.randrange(1, 50) for _ in range(10)]  # few hashes: re-stores are common
+    batches = []
+    for e in range(n_events):
+        hs = [rng.choice(pool) for _ in range(rng.randint(1, 4))]
+        ev = BlockStored(hs, None, [e % 7] * (PS * len(hs)), PS, None)
+        batches.append((e, [ev]))
+    idx = StoreIndex.from_batches(batches, PS)
+    runs = []
+    for ei in range(n_events):
+        if rng.random() < 0.4:
+            j = rng.randrange(idx.pages[ei])
+            runs.append((ei, j, rng.randint(1, 5)))  # may run past the event: capped
+    hashed = rng.sample(pool, 2)
+    mask = claimed_mask(idx, runs, hashed)
+    by_run = np.zeros(len(idx.hashes), dtype=bool)
+    for ei, j, n in runs:
+        a = idx.offs[ei] + j
+        by_run[a : a + min(n, idx.pages[ei] - j)] = True
+    claimed = set(idx.hashes[by_run].tolist()) | set(hashed)
+    want = [bool(r) or h in claimed for r, h in zip(by_run, idx.hashes.tolist(), strict=True)]
+    assert mask.tolist() == want
