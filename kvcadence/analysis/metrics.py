@@ -41,9 +41,8 @@ from kvcadence.analysis.catalogue import (
     VISIBILITY_DEFS,
     unit,
 )
-from kvcadence.analysis.ranks import request_totals
+from kvcadence.analysis.ranks import OWN_REQUESTS_SQL, request_totals
 from kvcadence.errors import UsageError
-from kvcadence.format.schema import UNRECORDED_SOURCE
 
 __all__ = [
     "BUCKETS",
@@ -704,9 +703,7 @@ def compute(
     scope = "seq <> 0" if peer_compatible else "TRUE"
 
     # the capture's own requests: not those a replay rebuilt from the KV events
-    (n_requests,) = c.one(
-        f"SELECT count(*) FILTER (source IS DISTINCT FROM '{UNRECORDED_SOURCE}') FROM requests"
-    )
+    (n_requests,) = c.one(f"SELECT count(*) FILTER ({OWN_REQUESTS_SQL}) FROM requests")
     (t0, t_end) = c.one("SELECT min(recv_ns), max(recv_ns) FROM batches")
     t0 = int(t0 or 0)
     t_end = int(t_end or 0)

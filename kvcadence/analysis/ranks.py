@@ -37,6 +37,7 @@ from kvcadence.analysis.distance import ks_statistic
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.hitrate import CACHED_SQL, PROMPT_SQL, hit_rate
+from kvcadence.format.schema import UNRECORDED_SOURCE
 
 FIGURES = (
     "requests",
@@ -92,6 +93,10 @@ def request_totals(con: Any, where: str = "TRUE") -> tuple[int, int, int, float 
     )
     return int(n), int(prompt), int(cached), hit_rate(int(cached), int(prompt))
 
+
+#: the requests of the capture itself: not those a replay rebuilt from the KV events
+#: (``replay.unrecorded``), which the real side's records lack
+OWN_REQUESTS_SQL = f"source IS DISTINCT FROM '{UNRECORDED_SOURCE}'"
 
 #: the DP rank that served a request (``format.schema.served_rank`` over the table)
 REQUEST_RANK_SQL = "coalesce(dp_rank, TRY_CAST(json_extract(meta_info, '$.dp_rank') AS BIGINT), 0)"
@@ -154,7 +159,8 @@ def _rank_figures(ing: Ingested, con: Any) -> dict[str, dict[str, Any]]:
             .column(0)
             .to_pylist()
         )
-        where = f"{REQUEST_RANK_SQL} = {rank}"
+        # the capture's own requests: not those a replay rebuilt from the KV events
+        where = f"{REQUEST_RANK_SQL} = {rank} AND {OWN_REQUESTS_SQL}"
         n, prompt, cached, _ = request_totals(con, where)
         per_req = dict(
             ksql.rows(

@@ -286,6 +286,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         )
 
     lost = _unrecorded(records, index, claims, hashed, no_finish, delays, lens)
+    if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
+        records = [*records, *_join(lost, ps, times, n_outs, lens, nodes, known)]
+        finished = finish_order(nodes, range(len(nodes)))
 
     order = arrival_order(nodes)
     # at page size 1 every prompt ends on a full page: ``extends`` admits every candidate
@@ -370,9 +373,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if len(ids) < n:
                 ids = ids + _synth_tokens(r.rid, n - len(ids))
         out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
-    out_records.extend(unrecorded_records(lost))
     report = {
-        "requests": len(records),
+        "requests": len(records) - len(lost.requests),
         "outputs_recorded": sum(1 for k in known if k is None),
         "outputs_from_events": via_events,
         "finish_stores_in_merged_events": in_merged,
@@ -392,6 +394,33 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unclaimed_below_records": lost.below_records,
     }
     return out_records, report
+
+
+def _join(
+    lost: Found,
+    ps: int,
+    times: list[tuple[int | None, int | None]],
+    n_outs: list[int],
+    lens: list[int],
+    nodes: list[Node],
+    known: list[Sequence[int] | None],
+) -> list[Any]:
+    """The rebuilt requests' records, their rows appended to ``_complete``'s columns: a
+    node whose anchors are its prompt's last page and its finish store's (the prefill's
+    publish time its finish when it has none: it was aborted soon after), its outputs its
+    record's own."""
+    recs = unrecorded_records(lost)
+    for u, r in zip(lost.requests, recs, strict=True):
+        fin = u.finish_ns if u.finish_ns is not None else u.prefill_ns
+        times.append((u.arrival_ns, fin))
+        n_outs.append(len(r.output_ids))
+        lens.append(len(u.prompt))
+        node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt, ps))
+        node.prompt_anchor = u.last
+        node.end_anchor = u.end if u.end is not None else u.last
+        nodes.append(node)
+        known.append(None)
+    return recs
 
 
 def _unrecorded(

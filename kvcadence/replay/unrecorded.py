@@ -4,13 +4,14 @@ What this file owns: ``find_unrecorded`` and ``unrecorded_records``. SGLang 0.5.
 ``--export-metrics-to-file`` writes a request when it finishes; a request whose client hung
 up (a closed stream: SGLang aborts it) is not written, yet it ran: its prefill stored its
 pages, it held the pool while it decoded, and its pages stayed in the tree (measured on a
-real worker: 62 of 188 requests cancelled by their clients after 1-4 streamed tokens, none in
-the metrics file, every one's prefill in the event stream). Replaying the records alone
-leaves those stores, their evictions and the cache hits they gave out of the replay.
+real worker, corpus ``p16-http-clients-cancel``: 93 of 305 requests aborted by clients that
+hung up after 1-4 streamed tokens, none in the metrics file, their prefills in the event
+stream). Replaying the records alone leaves those stores, their evictions and the cache hits
+they gave out of the replay.
 
 Every stored page that no record claimed (``production._complete`` marks the runs it matched
-to a record's prefill or finish, and the page hashes of prompts it hashed) is looked at in
-publish order, runs of consecutive unclaimed pages of one event at a time:
+to a record's prefill or finish, and the page hashes of prompts it hashed: ``claimed_mask``)
+is looked at in publish order, runs of consecutive unclaimed pages of one event at a time:
 
 * a run below the last page of a rebuilt request, published later, is that request's finish
   store: its tokens become the request's outputs (all but the last output token is
@@ -24,9 +25,11 @@ publish order, runs of consecutive unclaimed pages of one event at a time:
   the run was published; without a finish store it runs one output token. The tokens of its
   prompt's partial last page and of its outputs were never stored: unknown, left out.
 
-Multi-rank captures are not rebuilt (the rank a request ran on is not in its stores): the
-runs are counted only. Rebuilt records have ``source = "kv-events"``; the sim bundle keeps
-the source, and the report counts only the capture's own requests per request.
+``production`` then treats the rebuilt requests as records in the session inference (a
+cancelled chat turn is its chat's turn). Multi-rank captures are not rebuilt (the rank a
+request ran on is not in its stores): the runs are counted only. Rebuilt records have
+``source = "kv-events"``; the sim bundle keeps the source, and the report counts only the
+capture's own requests per request.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Unrecorded:
     prefill_ns: int
     finish_ns: int | None
     last: int  # hash of the prompt's last page
+    end: int | None = None  # hash of the finish store's last page
 
 
 @dataclass(slots=True)
@@ -178,6 +182,8 @@ def find_unrecorded(
             req.outputs = array(CODE, toks)
             req.outputs.append(toks[-1])  # the last output's KV was never inserted
             req.finish_ns = t
+            req.end = last
+            by_last[last] = req  # (a store below it is another request's)
             continue
         if parent is not None and parent in record_anchors:
             found.below_records += 1

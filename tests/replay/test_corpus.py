@@ -102,6 +102,8 @@ CAPTURES = (
     "p8-nochunk",
     "p128-chunk512",
     "dp2-p16-chunk128-mixed",
+    "p16-http-clients-cancel",
+    "p4-nooverlap-http-clients-cancel",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -113,6 +115,8 @@ PRODUCTION_ONLY = (
     "http-clients-p16",
     "dp2-p32-http-clients",
     "p8-chunk128-nooverlap-http-clients",
+    "p16-http-clients-cancel",
+    "p4-nooverlap-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -506,6 +510,63 @@ def test_http_clients_production_inference_is_the_clients_sessions(name, tmp_pat
     assert known == with_pred
     assert sorted(len({c for c, _ in v}) for v in sessions.values()) == [1] * n_sessions
     assert (rep["clients"], rep["idle_client_joins"]) == (n_clients, 0)
+
+
+#: capture -> (requests the clients sent, cancelled ones aborted by SGLang (no metrics line),
+#: of those rebuilt from their stores, rebuilt with a finish store), measured
+CANCELLED = {
+    "p16-http-clients-cancel": (305, 93, 90, 23),
+    "p4-nooverlap-http-clients-cancel": (263, 31, 31, 31),
+}
+
+
+#: capture -> rebuilt requests that are a later turn of an inferred session, measured
+CANCELLED_TURNS = {"p16-http-clients-cancel": 37, "p4-nooverlap-http-clients-cancel": 23}
+
+
+@pytest.mark.parametrize("name", sorted(CANCELLED))
+def test_cancelled_requests_are_rebuilt_from_their_stores(name, tmp_path):
+    """Requests whose client hung up mid-stream are aborted by SGLang and never written to
+    its metrics file, yet they ran. The production path rebuilds them from the stores no
+    record claimed: what each rebuilt request stores is a distinct aborted request's prompt
+    (as the clients sent it, ``sent.jsonl.gz``), its whole pages at least, and then its
+    outputs as far as the client read them (the worker decodes on until the abort lands). A
+    finish store merged into the prefill's event is read as prompt (its partial page and
+    outputs), and a next turn's prefill below a rebuilt request as its finish store."""
+    import gzip
+    import json
+
+    from kvcadence.replay.production import records_for_replay
+
+    sent_n, aborted_n, rebuilt_n, with_fin = CANCELLED[name]
+    with gzip.open(CORPUS / name / "sent.jsonl.gz", "rt") as fh:
+        sent = [json.loads(line) for line in fh]
+    recorded = {tuple(r.input_ids) for r in BundleReader(CORPUS / name / "bundle").requests()}
+    aborted = [s for s in sent if tuple(s["input_ids"]) not in recorded]
+    assert len(sent) == sent_n and len(aborted) == aborted_n
+    assert all(s["cancel"] is not None and s["stream"] for s in aborted)  # only cancels
+    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    rebuilt = [r for r in recs if r.source == "kv-events"]
+    assert rep["unrecorded_rebuilt"] == len(rebuilt) == rebuilt_n
+    assert rep["unrecorded_with_finish_store"] == with_fin
+    ps = BundleReader(CORPUS / name / "bundle").header.server_info["page_size"]
+    used: set[int] = set()
+    for r in rebuilt:
+        p = list(r.input_ids) + list(r.output_ids[:-1])  # what its stores hold
+        fits = []
+        for k, a in enumerate(aborted):
+            full = a["input_ids"] + a["output_ids"]  # as far as the client read it
+            pages = len(a["input_ids"]) // ps * ps
+            m = min(len(p), len(full))
+            if len(r.input_ids) >= pages and p[:m] == full[:m]:
+                fits.append((pages, k))
+        assert fits, r.rid  # its stores are an aborted request's prompt (+ outputs)
+        used.add(max(fits)[1])
+    assert len(used) == rebuilt_n  # each a different aborted request
+    # they join the session inference as records do: a cancelled chat turn is its chat's
+    # turn (closed loop after the turn before it), not an open-loop arrival
+    assert all(r.lane is not None and r.session is not None for r in rebuilt)
+    assert sum(1 for r in rebuilt if r.turn) == CANCELLED_TURNS[name]
 
 
 def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar():
