@@ -375,7 +375,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
     report = {
         "requests": len(records) - len(lost.requests),
-        "outputs_recorded": sum(1 for k in known if k is None),
+        "outputs_recorded": sum(1 for k in known if k is None) - len(lost.requests),
         "outputs_from_events": via_events,
         "finish_stores_in_merged_events": in_merged,
         "outputs_from_next_prompt": via_prompt,

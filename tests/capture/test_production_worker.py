@@ -42,6 +42,7 @@ from kvcadence.cli import main
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, BundleWriter, event_payload
 from kvcadence.format.schema import (
+    UNRECORDED_SOURCE,
     BlockRemoved,
     BlockStored,
     Header,
@@ -90,7 +91,9 @@ def cadence(reader: BundleReader, n_requests: int) -> dict[str, Any]:
 def bars(real: Path, sim: Path) -> dict[str, Any]:
     """The production bars' numbers, and which fail."""
     rr, sr = BundleReader(real), BundleReader(sim)
-    real_reqs, sim_reqs = rr.requests(), sr.requests()
+    real_reqs = rr.requests()
+    # the sim's own requests: not those the replay rebuilt from the KV events
+    sim_reqs = [r for r in sr.requests() if r.source != UNRECORDED_SOURCE]
     a, b = cadence(rr, len(real_reqs)), cadence(sr, len(sim_reqs))
     cached = {r.rid: r.cached_tokens for r in real_reqs}
     equal = sum(cached.get(r.rid) == r.cached_tokens for r in sim_reqs)
@@ -339,3 +342,33 @@ def test_production_capture_of_plain_http_clients(sglang_worker_factory, tmp_pat
     real_stored, sim_stored, _ = res["stored_per_req"]
     assert abs(sim_stored - real_stored) <= HTTPX_STORED_GROSS * real_stored, res
     check_bars(res, HTTPX_MISSES)
+
+
+@worker
+def test_production_capture_of_clients_that_hang_up(sglang_worker_factory, tmp_path):
+    """Clients that hang up mid-stream: SGLang 0.5.23 aborts those requests and writes no
+    metrics line for them, though they ran and stored their prefill. The capture holds only
+    the others; the replay rebuilds the aborted ones from the stores no record claimed, so
+    the stored hash set is the real one (without them it is not: corpus
+    ``p16-http-clients-cancel``)."""
+    h = sglang_worker_factory("prod-cancel", page_size=16, max_total_tokens=1600)
+    out = tmp_path / "capture.kvcb"
+    proc = start_capture(h.url, h.metrics_dir, out)
+    clients = Clients(h.url, seed=700, cancel_share=0.4, cancel_after=(1, 3))
+    try:
+        clients.run()
+    finally:
+        stop_capture(proc, out, settle_s=3.0)
+    assert not clients.errors and h.alive(), (clients.errors, h.log_tail())
+    recorded = {tuple(r.input_ids) for r in BundleReader(out).requests()}
+    missing = [s for s in clients.sent if tuple(s["input_ids"]) not in recorded]
+    assert len(recorded) + len(missing) == len(clients.sent)
+    # only requests whose client hung up are missing, and some are (what the rebuild is for)
+    assert missing and all(s["cancel"] is not None for s in missing), missing
+    res = replay_and_check(out, tmp_path, "prod-cancel", seed=7)
+    sim = BundleReader(tmp_path / "prod-cancel-sim.kvcb").requests()
+    rebuilt = [r for r in sim if r.source == UNRECORDED_SOURCE]
+    print(f"[prod-cancel] {len(missing)} aborted of {len(clients.sent)}, {len(rebuilt)} rebuilt")
+    assert res["inferred"]["unrecorded_rebuilt"] == len(rebuilt) > 0
+    assert len(rebuilt) <= len(missing)
+    assert res["hashes_identical"], res

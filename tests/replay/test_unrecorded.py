@@ -64,6 +64,7 @@ def test_a_prefill_store_no_record_claims_becomes_a_request():
     assert got.meta_info["request_finished_ts"] == 3.5
     assert rep["unrecorded_rebuilt"] == 1 and rep["unrecorded_with_finish_store"] == 1
     assert rep["unrecorded_not_rebuilt"] == 1  # the store below a page stored before
+    assert rep["requests"] == 1 and rep["outputs_recorded"] == 0  # the records' own
     assert "1 requests not in the records" in report_text(rep)
     # the replay runs it: its prefill hits the system prompt a stored
     res = simulate(out, config(page_size=PS, max_total_tokens=64))

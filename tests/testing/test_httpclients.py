@@ -121,3 +121,35 @@ def test_a_shape_option_with_a_bad_value_is_a_usage_error(flag, bad, capsys):
         main(["--server", "http://127.0.0.1:1", flag, bad])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_cancel_share_marks_streamed_requests_that_hang_up_early():
+    """``--cancel-share F`` makes a share of the requests stream and hang up after
+    ``--cancel-after MIN-MAX`` tokens, drawn from a generator of their own: the seed's plans
+    (starts, outputs, prompts) stay what they were, only ``streams`` and ``cancels`` move."""
+    from kvcadence.testing.httpclients import Clients
+
+    plain = Clients("", 700, 46, 120, 75.0)
+    cut = Clients("", 700, 46, 120, 75.0, cancel_share=0.3, cancel_after=(2, 5))
+    assert [p.cancels for p in plain.plans] == [()] * len(plain.plans)
+    cancels = [c for p in cut.plans for c in p.cancels]
+    assert len(cancels) == plain.n_requests
+    chosen = [c for c in cancels if c is not None]
+    assert 0.2 * len(cancels) < len(chosen) < 0.4 * len(cancels)
+    assert min(chosen) >= 2 and max(chosen) <= 5
+    for a, b in zip(plain.plans, cut.plans, strict=True):
+        assert (a.start_s, a.outputs, a.system, a.chat) == (b.start_s, b.outputs, b.system, b.chat)
+        assert plain.prompts(a) == cut.prompts(b)
+        for s0, s1, c in zip(a.streams, b.streams, b.cancels, strict=True):
+            assert s1 == (s0 or c is not None)  # a cancelled request streams
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--cancel-share", "1.5"), ("--cancel-share", "x"), ("--cancel-after", "0-3")],
+)
+def test_bad_cancel_options_are_usage_errors(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--server", "http://127.0.0.1:1", flag, value])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err.strip().splitlines()[-1]
