@@ -105,8 +105,10 @@ class BadInput(Exception):
 def figures(payloads: Sequence[bytes], requests: Sequence[Any]) -> dict[str, Any]:
     """Cadence figures of one rank: its published payloads and the requests it served."""
     from kvcadence.format import wire
-    from kvcadence.format.schema import BlockRemoved, BlockStored
+    from kvcadence.format.schema import UNRECORDED_SOURCE, BlockRemoved, BlockStored
 
+    # per request: the capture's own requests, not those rebuilt from its KV events
+    requests = [r for r in requests if r.source != UNRECORDED_SOURCE]
     stored: list[int] = []
     removed: list[int] = []
     hashes: set[int] = set()
