@@ -162,6 +162,7 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
     assert {c.name for c in caps if c.dp} == {
         "corpus `dp2-p16-chunk128-mixed`",
         "corpus `dp2-p16-chunk256`",
+        "corpus `dp2-p16-http-clients-cancel`",
         "corpus `dp2-p32-http-clients`",
         "corpus `dp2-p4-flush`",
         "corpus `dp2-p4-retract-noeos`",

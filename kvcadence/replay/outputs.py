@@ -99,6 +99,10 @@ class StoreIndex:
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
         self._by_first: dict[int, list[int]] = {}
+        #: each event's frame number (``from_reader``'s count) and the DP rank of the frames
+        #: of a rank other than 0 (``rank_of``)
+        self.frame_of: list[int] = []
+        self.frame_rank: dict[int, int] = {}
 
     @property
     def events(self) -> list[StoredEvent]:
@@ -163,10 +167,18 @@ class StoreIndex:
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
         append = raw.append
+        # the endpoints of DP ranks other than 0 (a frame of another endpoint: its payload's)
+        ep_rank = {e.id: e.dp_rank for e in reader.header.endpoints}
+        frame_rank = idx.frame_rank
         for n, f in enumerate(records):
             t = type(f)
             if t is EventFrameIdsView:  # the common frame: no clear in it
                 b = f.payload
+                rank = ep_rank.get(f.endpoint)
+                if rank is None:
+                    rank = b.attn_dp_rank
+                if rank:
+                    frame_rank[n] = rank
                 if scan is not None:
                     scan.frame(f, b.ts, ())
                 if tally is not None:
@@ -186,6 +198,11 @@ class StoreIndex:
                 continue
             if tally is not None:
                 tally.batch(b, f.endpoint)
+            rank = ep_rank.get(f.endpoint)
+            if rank is None:
+                rank = getattr(b, "attn_dp_rank", None)
+            if rank:
+                frame_rank[n] = rank
             if scan is not None:
                 if clear:
                     try:
@@ -215,7 +232,7 @@ class StoreIndex:
         first_ei = len(self.offs)
         off0 = len(self.hashes)
         # the rows' columns, transposed in one step
-        ts, _, parents, packs, pages, tokens = zip(*rows, strict=True)
+        ts, ns, parents, packs, pages, tokens = zip(*rows, strict=True)
         bad: list[int] = []
         more = unpacked_all(packs, sum(pages), bad)
         if bad:  # rare: drop the events holding them, index the others
@@ -226,6 +243,7 @@ class StoreIndex:
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more
         self._ts.extend(ts)
+        self.frame_of.extend(ns)
         offs = list(accumulate(pages[:-1], initial=off0))
         self.parents.extend(parents)
         self.pages.extend(pages)
@@ -245,6 +263,10 @@ class StoreIndex:
                 by_first[first] = [ei]
             else:
                 lst.append(ei)
+
+    def rank_of(self, ei: int) -> int:
+        """The DP rank that published event ``ei`` (0 for a one-rank capture)."""
+        return self.frame_rank.get(self.frame_of[ei], 0) if self.frame_rank else 0
 
     def ts_of(self, ei: int) -> int:
         """Event ``ei``'s publish time (ns)."""

@@ -49,6 +49,7 @@ import msgspec
 
 from kvcadence.errors import WireError
 from kvcadence.format.hashes import block_hashes
+from kvcadence.format.schema import served_rank
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
@@ -67,6 +68,7 @@ from kvcadence.replay.unrecorded import (
     Found,
     claimed_mask,
     find_unrecorded,
+    page_key,
     unrecorded_records,
 )
 
@@ -187,13 +189,14 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         wins[x[0]] = w
     # what the records claim of the stores (``unrecorded``): runs, hashed prompts, and the
     # prompts whose finish store was not found; the records' prefill delays
-    claims: list[tuple[int, int, int]] = []
+    claims: list[tuple[int, int, int, int]] = []  # (event, page, pages, the record's rank)
     hashed: list[int] = []
     no_finish: set[int] = set()
     delays: list[int] = []
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
+        rk = served_rank(r) if index.frame_rank else 0
         node = nodes[i]
         # the prompt's tokens are read by ``span``: only the runs looked at (a compact
         # record's ``Prompt`` is not built whole, a list's ints are not all visited)
@@ -212,14 +215,14 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L)
         if fast is not None:
             h, node.segs, node.base = fast
-            claims.extend((ei, j, m) for _, ei, j, m in node.segs)
+            claims.extend((ei, j, m, rk) for _, ei, j, m in node.segs)
             delays.append(index.ts_of(node.segs[0][1]) - cast("int", arr))
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
             try:
                 node.path = block_hashes(span(prompt, 0, P * ps), ps)
             except WireError:
                 node.path = []
-            hashed.extend(node.path)
+            hashed.extend(page_key(x, rk) for x in node.path)
             h = node.path[-1] if node.path else None
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
@@ -240,21 +243,21 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if fin is None or arr is None
             else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i])
         )
-        runs = claims
+        runs: list[tuple[int, int, int]] | None = None
         if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
             if _retracted(r):
                 runs = []  # its runs, each claimed where found
                 more = _retracted_run(index, h, tail, Kq, arr, fin, taken, runs)
                 got = more or got
-                claims.extend(runs if more else ())
+                claims.extend((a, b, c, rk) for a, b, c in (runs if more else ()))
         if got is not None:
             ties += got[4]
             shared += got[3] in taken
             taken.setdefault(got[3], i)
-            if runs is claims:
-                claims.append((got[3][0], got[3][1], len(got[0]) // ps))
+            if runs is None:
+                claims.append((got[3][0], got[3][1], len(got[0]) // ps, rk))
         elif h is not None:
-            no_finish.add(h)
+            no_finish.add(page_key(h, rk))
         if r.output_ids:
             known[i] = None
             if got is not None and len(got[0]) in (K * ps, Kq * ps):
@@ -390,7 +393,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "predecessor_ties": pred_ties,
         "unrecorded_rebuilt": len(lost.requests),
         "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
-        "unrecorded_not_rebuilt": lost.outside + lost.multi_rank,
+        "unrecorded_not_rebuilt": lost.outside,
         "unclaimed_below_records": lost.below_records,
     }
     return out_records, report
@@ -426,19 +429,17 @@ def _join(
 def _unrecorded(
     records: list[Any],
     index: StoreIndex,
-    claims: list[tuple[int, int, int]],
+    claims: list[tuple[int, int, int, int]],
     hashed: list[int],
     no_finish: set[int],
     delays: list[int],
     lens: list[int],
 ) -> Found:
-    """The requests behind the stores no record claimed (``unrecorded``); a multi-rank
-    capture's are counted, not rebuilt."""
+    """The requests behind the stores no record claimed (``unrecorded``); ``hashed`` and
+    ``no_finish`` hold page keys (``unrecorded.page_key``: the hash on the record's rank)."""
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()
-    if any(r.dp_rank not in (None, 0) for r in records):
-        return Found(multi_rank=int(free.sum()))
     delays.sort()
     delay = delays[len(delays) // 2] if delays else 0
     max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
@@ -583,7 +584,7 @@ def _edge_text(rep: dict[str, Any]) -> str:
     if rep.get("unrecorded_not_rebuilt"):
         parts.append(
             f"{rep['unrecorded_not_rebuilt']} stores no record claimed not rebuilt "
-            "(a prefix stored before the capture, or a multi-rank capture)"
+            "(a prefix stored before the capture)"
         )
     if rep.get("retracted_in_capture"):
         parts.append(

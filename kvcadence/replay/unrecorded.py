@@ -26,10 +26,12 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
   prompt's partial last page and of its outputs were never stored: unknown, left out.
 
 ``production`` then treats the rebuilt requests as records in the session inference (a
-cancelled chat turn is its chat's turn). Multi-rank captures are not rebuilt (the rank a
-request ran on is not in its stores): the runs are counted only. Rebuilt records have
-``source = "kv-events"``; the sim bundle keeps the source, and the report counts only the
-capture's own requests per request.
+cancelled chat turn is its chat's turn). In a multi-rank capture a page is the rank's that
+published it: a record claims the pages its runs hold on the rank that served it (its
+prefill is found by content, possibly in another rank's store of the same pages), and a
+rebuilt request runs on the rank that published its prefill (``dp_rank``). Rebuilt records
+have ``source = "kv-events"``; the sim bundle keeps the source, and the report counts only
+the capture's own requests per request.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Unrecorded:
     prefill_ns: int
     finish_ns: int | None
     last: int  # hash of the prompt's last page
+    rank: int = 0  # the DP rank that published its prefill
     end: int | None = None  # hash of the finish store's last page
 
 
@@ -67,19 +70,49 @@ class Found:
     below_records: int = 0
     #: unclaimed runs whose parent chain leaves the capture (stored before it)
     outside: int = 0
-    #: unclaimed pages of a multi-rank capture (not rebuilt)
-    multi_rank: int = 0
+    #: whether the capture has several DP ranks (rebuilt records then say theirs)
+    multi_rank: bool = False
 
 
-def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int]], hashes: Any) -> Any:
+#: a page's key in a multi-rank capture: its hash moved by its rank (int64 wrap-around); a
+#: rank-0 page's key is its hash
+_RANK_STRIDE = 0x5BD1E9955BD1E995
+
+
+def page_key(h: int, rank: int) -> int:
+    """The key of a page of hash ``h`` published by DP rank ``rank`` (see ``_RANK_STRIDE``)."""
+    if not rank:
+        return h
+    return (h + rank * _RANK_STRIDE + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def page_keys(index: Any) -> Any:
+    """Every stored page's key (``page_key``, vectorised)."""
+    ranks = np.fromiter(
+        (index.rank_of(ei) for ei in range(len(index.offs))), np.int64, len(index.offs)
+    )
+    per_page = np.repeat(ranks, np.asarray(index.pages, dtype=np.int64))
+    return index.hashes + per_page * np.int64(_RANK_STRIDE)  # int64 arrays wrap around
+
+
+def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: Any) -> Any:
     """Per stored page of ``index``: whether a record claimed it -- in ``runs`` ``(event,
-    first page, pages)``, or a page with the same hash (a re-store, or a prompt hashed
-    instead of matched: ``hashes``)."""
+    first page, pages, the record's rank)``, or a page with the same hash (a re-store, or a
+    prompt hashed instead of matched: ``hashes``, as ``page_key``s). On several DP ranks
+    the same hash on the record's rank: its prefill is found by content, possibly in another
+    rank's store of the same pages, and a page is the rank's that stored it."""
     h = index.hashes
+    offs, pages = index.offs, index.pages
+    if index.frame_rank:
+        keys = page_keys(index)
+        parts = [np.asarray(hashes, dtype=np.int64)]
+        for ei, j, n, rk in runs:
+            a = offs[ei] + j
+            part = h[a : a + min(n, pages[ei] - j)]
+            parts.append(part + np.int64(rk) * np.int64(_RANK_STRIDE) if rk else part)
+        return np.isin(keys, np.concatenate(parts))
     mask = np.zeros(len(h), dtype=bool)
-    offs = index.offs
-    pages = index.pages
-    for ei, j, n in runs:
+    for ei, j, n, _ in runs:
         a = offs[ei] + j
         mask[a : a + min(n, pages[ei] - j)] = True
     free = np.flatnonzero(~mask)
@@ -167,9 +200,9 @@ def find_unrecorded(
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
     ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
     finish store was not found; ``max_pages``: the longest prompt rebuilt, in pages."""
-    found = Found()
+    found = Found(multi_rank=bool(index.frame_rank))
     ps = index.page_size
-    by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page -> it
+    by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page (key) -> it
     chains = _Chains(index)
     hashes, offs = index.hashes, index.offs
     for ei, j, n in _runs(index, free):
@@ -177,15 +210,17 @@ def find_unrecorded(
         toks = index.tokens[ei][j * ps : (j + n) * ps]
         last = int(hashes[offs[ei] + j + n - 1])
         t = index.ts_of(ei)
-        req = by_last.get(parent) if parent is not None else None
+        rank = index.rank_of(ei)
+        pkey = None if parent is None else page_key(parent, rank)
+        req = by_last.get(pkey) if pkey is not None else None
         if req is not None and not len(req.outputs) and t >= req.prefill_ns:
             req.outputs = array(CODE, toks)
             req.outputs.append(toks[-1])  # the last output's KV was never inserted
             req.finish_ns = t
             req.end = last
-            by_last[last] = req  # (a store below it is another request's)
+            by_last[page_key(last, rank)] = req  # (a store below it is another request's)
             continue
-        if parent is not None and parent in record_anchors:
+        if pkey is not None and pkey in record_anchors:
             found.below_records += 1
             continue
         head = chains.prefix(parent, max_pages)
@@ -193,9 +228,9 @@ def find_unrecorded(
             found.outside += 1
             continue
         head.extend(toks)
-        req = Unrecorded(head, array(CODE), t - prefill_delay_ns, t, None, last)
+        req = Unrecorded(head, array(CODE), t - prefill_delay_ns, t, None, last, rank)
         found.requests.append(req)
-        by_last[last] = req
+        by_last[page_key(last, rank)] = req
     return found
 
 
@@ -219,6 +254,7 @@ def unrecorded_records(found: Found, first_rid: int = 0) -> list[Any]:
                 prompt_tokens=len(u.prompt),
                 completion_tokens=len(outputs),
                 finish_reason="abort",
+                dp_rank=u.rank if found.multi_rank else None,
                 source=SOURCE,
                 arrival_ns=u.arrival_ns,
                 meta_info=meta,

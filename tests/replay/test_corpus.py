@@ -104,6 +104,7 @@ CAPTURES = (
     "dp2-p16-chunk128-mixed",
     "p16-http-clients-cancel",
     "p4-nooverlap-http-clients-cancel",
+    "dp2-p16-http-clients-cancel",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -117,6 +118,7 @@ PRODUCTION_ONLY = (
     "p8-chunk128-nooverlap-http-clients",
     "p16-http-clients-cancel",
     "p4-nooverlap-http-clients-cancel",
+    "dp2-p16-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -517,11 +519,16 @@ def test_http_clients_production_inference_is_the_clients_sessions(name, tmp_pat
 CANCELLED = {
     "p16-http-clients-cancel": (305, 93, 90, 23),
     "p4-nooverlap-http-clients-cancel": (263, 31, 31, 31),
+    "dp2-p16-http-clients-cancel": (297, 76, 70, 22),
 }
 
 
 #: capture -> rebuilt requests that are a later turn of an inferred session, measured
-CANCELLED_TURNS = {"p16-http-clients-cancel": 37, "p4-nooverlap-http-clients-cancel": 23}
+CANCELLED_TURNS = {
+    "p16-http-clients-cancel": 37,
+    "p4-nooverlap-http-clients-cancel": 23,
+    "dp2-p16-http-clients-cancel": 23,
+}
 
 
 @pytest.mark.parametrize("name", sorted(CANCELLED))
@@ -566,6 +573,9 @@ def test_cancelled_requests_are_rebuilt_from_their_stores(name, tmp_path):
     # they join the session inference as records do: a cancelled chat turn is its chat's
     # turn (closed loop after the turn before it), not an open-loop arrival
     assert all(r.lane is not None and r.session is not None for r in rebuilt)
+    # on several DP ranks each runs on the rank that published its prefill
+    ranks = {e.dp_rank for e in BundleReader(CORPUS / name / "bundle").header.endpoints}
+    assert {r.dp_rank for r in rebuilt} == (ranks if len(ranks) > 1 else {None})
     assert sum(1 for r in rebuilt if r.turn) == CANCELLED_TURNS[name]
 
 

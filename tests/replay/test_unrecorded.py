@@ -81,12 +81,24 @@ def test_complete_records_rebuild_nothing():
     assert rep["unrecorded_rebuilt"] == rep["unrecorded_not_rebuilt"] == 0
 
 
-def test_a_multi_rank_capture_counts_unclaimed_stores_without_rebuilding():
-    batches, records, _, _ = _traffic()
+def test_a_multi_rank_capture_claims_and_rebuilds_per_rank():
+    """Two DP ranks: ``a`` ran on rank 1, the unrecorded ``b`` on rank 0, and rank 0 also
+    re-stored ``a``'s pages (another request's, unrecorded): a page is claimed on the rank
+    of the record that stored it, and ``b`` runs on its own rank."""
+    batches, records, b, _ = _traffic()
+    a = records[0].input_ids
     records = [msgspec.structs.replace(records[0], dp_rank=1)]
-    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
-    assert [r.rid for r in out] == ["a"]
-    assert rep["unrecorded_rebuilt"] == 0 and rep["unrecorded_not_rebuilt"] == 2  # b's pages
+    idx = StoreIndex.from_batches([*batches, (int(5.0 * S), [store(a, 0, 3, PS)])], PS)
+    idx.frame_rank = {0: 1, 1: 1}  # frames 0 and 1 (a's stores) from rank 1, the rest rank 0
+    out, rep = complete_records(records, idx)
+    rebuilt = {tuple(r.input_ids): r for r in out if r.source == UNRECORDED_SOURCE}
+    assert set(rebuilt) == {tuple(b), tuple(a[:12])}
+    assert rebuilt[tuple(b)].dp_rank == 0 and rebuilt[tuple(a[:12])].dp_rank == 0
+    assert rep["unrecorded_rebuilt"] == 2
+    # one rank: the re-store is a's (claimed by its hash), b alone is rebuilt
+    idx1 = StoreIndex.from_batches([*batches, (int(5.0 * S), [store(a, 0, 3, PS)])], PS)
+    out1, _ = complete_records([msgspec.structs.replace(records[0], dp_rank=None)], idx1)
+    assert [tuple(r.input_ids) for r in out1 if r.source == UNRECORDED_SOURCE] == [tuple(b)]
 
 
 def test_a_store_below_a_prompt_whose_finish_was_not_found_is_left_alone():
@@ -121,11 +133,11 @@ def test_claimed_mask_claims_every_page_with_a_claimed_hash(seed, n_events):
     for ei in range(n_events):
         if rng.random() < 0.4:
             j = rng.randrange(idx.pages[ei])
-            runs.append((ei, j, rng.randint(1, 5)))  # may run past the event: capped
+            runs.append((ei, j, rng.randint(1, 5), 0))  # may run past the event: capped
     hashed = rng.sample(pool, 2)
     mask = claimed_mask(idx, runs, hashed)
     by_run = np.zeros(len(idx.hashes), dtype=bool)
-    for ei, j, n in runs:
+    for ei, j, n, _ in runs:
         a = idx.offs[ei] + j
         by_run[a : a + min(n, idx.pages[ei] - j)] = True
     claimed = set(idx.hashes[by_run].tolist()) | set(hashed)
