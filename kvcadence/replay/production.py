@@ -23,6 +23,9 @@ opaque rids. Before the replay builds its schedule:
    last page) -- or the whole output when the events had none -- are read from it.
 4. The rest stays synthetic (``schedule._synth_tokens``); the report says why. Tokens that
    are never stored and never reused change no hash and no cache hit.
+5. **Requests the records lack** (``unrecorded``): SGLang's metrics file has no line for a
+   request its client aborted; the stores no record claimed are rebuilt into requests
+   (``source`` ``kv-events``) before step 2, which then treats them as records.
 
 Aborted and errored requests that never ran (no output token) stored nothing and are left
 out (``error`` set); those that ran are replayed to their recorded, partial, output length.
@@ -288,7 +291,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
 
-    lost = _unrecorded(records, index, claims, hashed, no_finish, delays, lens)
+    lost = _unrecorded(index, claims, hashed, no_finish, delays, lens)
     if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
         records = [*records, *_join(lost, ps, times, n_outs, lens, nodes, known)]
         finished = finish_order(nodes, range(len(nodes)))
@@ -427,7 +430,6 @@ def _join(
 
 
 def _unrecorded(
-    records: list[Any],
     index: StoreIndex,
     claims: list[tuple[int, int, int, int]],
     hashed: list[int],
