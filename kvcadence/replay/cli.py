@@ -363,7 +363,7 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
             f"({phases.breakdown()})"
         )
         if inferred:
-            from kvcadence.replay.production import report_text
+            from kvcadence.replay.inferred import report_text
 
             print(report_text(inferred))
     check_some_ran(result.requests)

@@ -229,7 +229,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
             )
         for w in workers:  # production captures: what was inferred, as the single replay says
             if w.inferred:
-                from kvcadence.replay.production import report_text
+                from kvcadence.replay.inferred import report_text
 
                 print(f"  {w.name}: {report_text(w.inferred)}")
     check_some_ran(result.requests)

@@ -67,13 +67,7 @@ from kvcadence.replay.sessions import (
 )
 from kvcadence.replay.settings import capture_settings, page_size_hint, tally_for
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
-from kvcadence.replay.unrecorded import (
-    Found,
-    claimed_mask,
-    find_unrecorded,
-    page_key,
-    unrecorded_records,
-)
+from kvcadence.replay.unrecorded import join_rows, page_key, rebuild
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -291,9 +285,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
 
-    lost = _unrecorded(index, claims, hashed, no_finish, delays, lens)
+    lost = rebuild(index, claims, hashed, no_finish, delays, lens)
     if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
-        records = [*records, *_join(lost, ps, times, n_outs, lens, nodes, known)]
+        records = [*records, *join_rows(lost, ps, times, n_outs, lens, nodes, known)]
         finished = finish_order(nodes, range(len(nodes)))
 
     order = arrival_order(nodes)
@@ -402,52 +396,6 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     return out_records, report
 
 
-def _join(
-    lost: Found,
-    ps: int,
-    times: list[tuple[int | None, int | None]],
-    n_outs: list[int],
-    lens: list[int],
-    nodes: list[Node],
-    known: list[Sequence[int] | None],
-) -> list[Any]:
-    """The rebuilt requests' records, their rows appended to ``_complete``'s columns: a
-    node whose anchors are its prompt's last page and its finish store's (the prefill's
-    publish time its finish when it has none: it was aborted soon after), its outputs its
-    record's own."""
-    recs = unrecorded_records(lost)
-    for u, r in zip(lost.requests, recs, strict=True):
-        fin = u.finish_ns if u.finish_ns is not None else u.prefill_ns
-        times.append((u.arrival_ns, fin))
-        n_outs.append(len(r.output_ids))
-        lens.append(len(u.prompt))
-        node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt, ps))
-        node.prompt_anchor = u.last
-        node.end_anchor = u.end if u.end is not None else u.last
-        nodes.append(node)
-        known.append(None)
-    return recs
-
-
-def _unrecorded(
-    index: StoreIndex,
-    claims: list[tuple[int, int, int, int]],
-    hashed: list[int],
-    no_finish: set[int],
-    delays: list[int],
-    lens: list[int],
-) -> Found:
-    """The requests behind the stores no record claimed (``unrecorded``); ``hashed`` and
-    ``no_finish`` hold page keys (``unrecorded.page_key``: the hash on the record's rank)."""
-    free = ~claimed_mask(index, claims, hashed)
-    if not free.any():
-        return Found()
-    delays.sort()
-    delay = delays[len(delays) // 2] if delays else 0
-    max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
-    return find_unrecorded(index, free, no_finish, delay, max_pages)
-
-
 def _retracted_run(
     index: StoreIndex,
     h: int | None,
@@ -532,69 +480,3 @@ def records_for_replay(
     if off:
         report["clock_offset_s"] = round(off / 1e9, 3)
     return out, report, flushes
-
-
-def report_text(rep: dict[str, Any]) -> str:
-    """One paragraph for the replay's output: where the outputs and sessions came from."""
-    syn = rep["outputs_synthetic"]
-    tail = rep["unstored_tail_synthetic"]
-    why = "; ".join(f"{n} {k}" for k, n in {**syn, **tail}.items()) or "none"
-    return (
-        f"inferred (no output ids / lanes recorded): outputs of {rep['requests']} requests: "
-        f"{rep['outputs_recorded']} recorded, {rep['outputs_from_events']} from KV events, "
-        f"{rep['outputs_from_next_prompt']} completed from the next prompt; synthetic: {why}; "
-        f"{rep['sessions']} sessions, {rep['with_predecessor']} requests with a predecessor"
-        + _edge_text(rep)
-    )
-
-
-def _edge_text(rep: dict[str, Any]) -> str:
-    """The production-only kinds of request, when the capture had any."""
-    parts = []
-    if rep.get("clock_offset_s"):
-        parts.append(
-            f"the event stream's clock {rep['clock_offset_s']:+.3f} s from the request "
-            "records' (read from the prefill stores; the events put on the records' clock)"
-        )
-    if rep.get("predecessor_ties"):
-        parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
-    if rep.get("idle_client_joins"):
-        parts.append(
-            f"{rep['idle_client_joins']} session starts past the think-time bound joined "
-            "the only idle client"
-        )
-    if rep.get("finish_store_ties"):
-        parts.append(
-            f"{rep['finish_store_ties']} finish-store ties (parallel samples of one prompt; "
-            f"{rep.get('finish_stores_shared', 0)} shared)"
-        )
-    for key, what in (
-        ("aborted_running", "aborted while running (replayed to their partial output)"),
-        ("aborted_not_run", "aborted before they ran (not replayed)"),
-        ("errored_running", "errored after they ran (replayed to their recorded output)"),
-        ("errored_not_run", "errored before they ran (not replayed)"),
-    ):
-        if rep.get(key):
-            parts.append(f"{rep[key]} {what}")
-    if rep.get("unrecorded_rebuilt"):
-        parts.append(
-            f"{rep['unrecorded_rebuilt']} requests not in the records (client-aborted requests "
-            "SGLang's metrics file omits) rebuilt from their prefill stores "
-            f"({rep.get('unrecorded_with_finish_store', 0)} with a finish store; the others "
-            "run one output token)"
-        )
-    if rep.get("unrecorded_not_rebuilt"):
-        parts.append(
-            f"{rep['unrecorded_not_rebuilt']} stores no record claimed not rebuilt "
-            "(a prefix stored before the capture)"
-        )
-    if rep.get("retracted_in_capture"):
-        parts.append(
-            f"{rep['retracted_in_capture']} retracted in the capture"
-            + (
-                f", {rep['retracted_in_capture_and_replay']} of them in the replay too"
-                if "retracted_in_capture_and_replay" in rep
-                else ""
-            )
-        )
-    return "; " + "; ".join(parts) if parts else ""

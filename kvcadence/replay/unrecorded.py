@@ -1,6 +1,7 @@
 """Requests a production capture's records lack, rebuilt from its KV events.
 
-What this file owns: ``find_unrecorded`` and ``unrecorded_records``. SGLang 0.5.23's
+What this file owns: ``rebuild`` (``claimed_mask``, ``find_unrecorded``), the rebuilt
+requests' records (``unrecorded_records``) and their rows in the inference (``join_rows``). SGLang 0.5.23's
 ``--export-metrics-to-file`` writes a request when it finishes; a request whose client hung
 up (a closed stream: SGLang aborts it) is not written, yet it ran: its prefill stored its
 pages, it held the pool while it decoded, and its pages stayed in the tree (measured on a
@@ -43,7 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from kvcadence.format.hashes import block_hashes
 from kvcadence.format.schema import UNRECORDED_SOURCE as SOURCE
+from kvcadence.format.schema import RequestRecord
+from kvcadence.replay.sessions import Node
 from kvcadence.replay.tokens import CODE
 
 
@@ -237,8 +241,6 @@ def find_unrecorded(
 def unrecorded_records(found: Found, first_rid: int = 0) -> list[Any]:
     """``RequestRecord``s of the rebuilt requests (``source`` ``SOURCE``; rid
     ``kv-events-<n>``; outputs: the finish store's, else one token)."""
-    from kvcadence.format.schema import RequestRecord
-
     out = []
     for k, u in enumerate(found.requests, first_rid):
         outputs = u.outputs if len(u.outputs) else array(CODE, u.prompt[-1:])
@@ -261,3 +263,53 @@ def unrecorded_records(found: Found, first_rid: int = 0) -> list[Any]:
             )
         )
     return out
+
+
+def join_rows(
+    lost: Found,
+    ps: int,
+    times: list[tuple[int | None, int | None]],
+    n_outs: list[int],
+    lens: list[int],
+    nodes: list[Node],
+    known: list[Sequence[int] | None],
+) -> list[Any]:
+    """The rebuilt requests' records, their rows appended to ``production._complete``'s
+    columns: a
+    node whose anchors are its prompt's last page and its finish store's (the prefill's
+    publish time its finish when it has none: it was aborted soon after), its outputs its
+    record's own."""
+    recs = unrecorded_records(lost)
+    for u, r in zip(lost.requests, recs, strict=True):
+        fin = u.finish_ns if u.finish_ns is not None else u.prefill_ns
+        times.append((u.arrival_ns, fin))
+        n_outs.append(len(r.output_ids))
+        lens.append(len(u.prompt))
+        node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt, ps))
+        node.prompt_anchor = u.last
+        node.end_anchor = u.end if u.end is not None else u.last
+        nodes.append(node)
+        known.append(None)
+    return recs
+
+
+def rebuild(
+    index: Any,
+    claims: list[tuple[int, int, int, int]],
+    hashed: list[int],
+    no_finish: set[int],
+    delays: list[int],
+    lens: list[int],
+) -> Found:
+    """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
+    pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
+    ``claimed_mask`` takes them, ``no_finish`` the page keys of records' prompts whose
+    finish store was not found, ``delays`` the records' prefill delays (their median is the
+    rebuilt requests' one), ``lens`` their prompt lengths (a walk's bound)."""
+    free = ~claimed_mask(index, claims, hashed)
+    if not free.any():
+        return Found()
+    delays.sort()
+    delay = delays[len(delays) // 2] if delays else 0
+    max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
+    return find_unrecorded(index, free, no_finish, delay, max_pages)

@@ -10,12 +10,12 @@ from pathlib import Path
 import msgspec
 
 from kvcadence.format.bundle import BundleReader
+from kvcadence.replay.inferred import report_text
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.production import (
     NOT_RUN_ABORT,
     NOT_RUN_ERROR,
     complete_records,
-    report_text,
     retractions,
 )
 from kvcadence.replay.simulator import replay_bundle, simulate

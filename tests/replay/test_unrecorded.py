@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcadence.format.schema import UNRECORDED_SOURCE, BlockStored
+from kvcadence.replay.inferred import report_text
 from kvcadence.replay.outputs import StoreIndex
-from kvcadence.replay.production import complete_records, report_text
+from kvcadence.replay.production import complete_records
 from kvcadence.replay.simulator import simulate
 from kvcadence.replay.unrecorded import claimed_mask
 from tests.replay.helpers import config

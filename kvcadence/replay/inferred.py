@@ -1,0 +1,76 @@
+"""What a production replay says about what it inferred: ``report_text``, the one paragraph
+``kvcadence replay`` prints (and its fleet per worker) from ``production.complete_records``'
+report: where the outputs and sessions came from, what stays synthetic and why, and the
+production-only kinds of request the capture had (aborted, errored, retracted, rebuilt from
+the KV events).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def report_text(rep: dict[str, Any]) -> str:
+    """One paragraph for the replay's output: where the outputs and sessions came from."""
+    syn = rep["outputs_synthetic"]
+    tail = rep["unstored_tail_synthetic"]
+    why = "; ".join(f"{n} {k}" for k, n in {**syn, **tail}.items()) or "none"
+    return (
+        f"inferred (no output ids / lanes recorded): outputs of {rep['requests']} requests: "
+        f"{rep['outputs_recorded']} recorded, {rep['outputs_from_events']} from KV events, "
+        f"{rep['outputs_from_next_prompt']} completed from the next prompt; synthetic: {why}; "
+        f"{rep['sessions']} sessions, {rep['with_predecessor']} requests with a predecessor"
+        + _edge_text(rep)
+    )
+
+
+def _edge_text(rep: dict[str, Any]) -> str:
+    """The production-only kinds of request, when the capture had any."""
+    parts = []
+    if rep.get("clock_offset_s"):
+        parts.append(
+            f"the event stream's clock {rep['clock_offset_s']:+.3f} s from the request "
+            "records' (read from the prefill stores; the events put on the records' clock)"
+        )
+    if rep.get("predecessor_ties"):
+        parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
+    if rep.get("idle_client_joins"):
+        parts.append(
+            f"{rep['idle_client_joins']} session starts past the think-time bound joined "
+            "the only idle client"
+        )
+    if rep.get("finish_store_ties"):
+        parts.append(
+            f"{rep['finish_store_ties']} finish-store ties (parallel samples of one prompt; "
+            f"{rep.get('finish_stores_shared', 0)} shared)"
+        )
+    for key, what in (
+        ("aborted_running", "aborted while running (replayed to their partial output)"),
+        ("aborted_not_run", "aborted before they ran (not replayed)"),
+        ("errored_running", "errored after they ran (replayed to their recorded output)"),
+        ("errored_not_run", "errored before they ran (not replayed)"),
+    ):
+        if rep.get(key):
+            parts.append(f"{rep[key]} {what}")
+    if rep.get("unrecorded_rebuilt"):
+        parts.append(
+            f"{rep['unrecorded_rebuilt']} requests not in the records (client-aborted requests "
+            "SGLang's metrics file omits) rebuilt from their prefill stores "
+            f"({rep.get('unrecorded_with_finish_store', 0)} with a finish store; the others "
+            "run one output token)"
+        )
+    if rep.get("unrecorded_not_rebuilt"):
+        parts.append(
+            f"{rep['unrecorded_not_rebuilt']} stores no record claimed not rebuilt "
+            "(a prefix stored before the capture)"
+        )
+    if rep.get("retracted_in_capture"):
+        parts.append(
+            f"{rep['retracted_in_capture']} retracted in the capture"
+            + (
+                f", {rep['retracted_in_capture_and_replay']} of them in the replay too"
+                if "retracted_in_capture_and_replay" in rep
+                else ""
+            )
+        )
+    return "; " + "; ".join(parts) if parts else ""
