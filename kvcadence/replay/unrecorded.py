@@ -48,14 +48,14 @@ from kvcadence.format.hashes import block_hashes
 from kvcadence.format.schema import UNRECORDED_SOURCE as SOURCE
 from kvcadence.format.schema import RequestRecord
 from kvcadence.replay.sessions import Node
-from kvcadence.replay.tokens import CODE
+from kvcadence.replay.tokens import CODE, Prompt, PromptIndex
 
 
 @dataclass(slots=True)
 class Unrecorded:
     """One rebuilt request: its prompt (whole pages), outputs, receive and finish times."""
 
-    prompt: array
+    prompt: Prompt  # prefix-shared with the rebuilt prompts before it (``tokens.Prompt``)
     outputs: array
     arrival_ns: int
     prefill_ns: int
@@ -208,6 +208,7 @@ def find_unrecorded(
     ps = index.page_size
     by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page (key) -> it
     chains = _Chains(index)
+    prompts = PromptIndex()  # each rebuilt prompt shares its prefix with the ones before
     hashes, offs = index.hashes, index.offs
     for ei, j, n in _runs(index, free):
         parent = index.parents[ei] if j == 0 else int(hashes[offs[ei] + j - 1])
@@ -232,7 +233,8 @@ def find_unrecorded(
             found.outside += 1
             continue
         head.extend(toks)
-        req = Unrecorded(head, array(CODE), t - prefill_delay_ns, t, None, last, rank)
+        prompt = prompts.add(head)  # (the whole array is not kept)
+        req = Unrecorded(prompt, array(CODE), t - prefill_delay_ns, t, None, last, rank)
         found.requests.append(req)
         by_last[page_key(last, rank)] = req
     return found
@@ -243,7 +245,8 @@ def unrecorded_records(found: Found, first_rid: int = 0) -> list[Any]:
     ``kv-events-<n>``; outputs: the finish store's, else one token)."""
     out = []
     for k, u in enumerate(found.requests, first_rid):
-        outputs = u.outputs if len(u.outputs) else array(CODE, u.prompt[-1:])
+        n = len(u.prompt)
+        outputs = u.outputs if len(u.outputs) else u.prompt.span(n - 1, n)
         meta: dict[str, Any] = {"request_received_ts": u.arrival_ns / 1e9}
         if u.finish_ns is not None:
             meta["request_finished_ts"] = u.finish_ns / 1e9
@@ -285,7 +288,7 @@ def join_rows(
         times.append((u.arrival_ns, fin))
         n_outs.append(len(r.output_ids))
         lens.append(len(u.prompt))
-        node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt, ps))
+        node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt.materialize(), ps))
         node.prompt_anchor = u.last
         node.end_anchor = u.end if u.end is not None else u.last
         nodes.append(node)

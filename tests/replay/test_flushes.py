@@ -525,3 +525,32 @@ def test_recorded_flushes_reads_array_shaped_and_odd_payloads(tmp_path):
     got = recorded_flushes(BundleReader(tmp_path / "b"))
     assert [(f.seq, f.recv_ns) for f in got] == [(1, base + 2 * MS)]
     assert got == _scan_decoding_every_frame(BundleReader(tmp_path / "b"))
+
+
+def test_a_request_finished_a_few_ms_around_a_clear_is_before_it(tmp_path):
+    """``data/flush-clock-noise`` (a real capture, see its README): each trial's last
+    request finished 6 ms before the next clear, 1 ms after it once the events were moved
+    by the 7 ms clock offset read from the stores. Received before the clear and finished
+    within ``FLUSH_FINISH_SLACK_NS`` after it, it is over before the flush, and the replay
+    has the worker's events in the worker's order (it flushed before ``c`` and evicted the
+    previous trial's ``c`` instead)."""
+    from kvcadence.cli import main
+    from kvcadence.format import wire
+    from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored
+
+    src = Path(__file__).parent / "data" / "flush-clock-noise" / "bundle"
+
+    def shape(path):
+        out = []
+        for f in BundleReader(path).events():
+            for e in wire.decode_batch(f.payload).events:
+                if isinstance(e, AllBlocksCleared):
+                    out.append("clear")
+                elif isinstance(e, (BlockStored, BlockRemoved)):
+                    out.append(f"{type(e).__name__[5]}{len(e.block_hashes)}")
+        return out
+
+    sim = tmp_path / "sim"
+    assert main(["replay", str(src), "--out", str(sim), "--quiet"]) == 0
+    trial = ["S4", "S4", "R4", "S6"]
+    assert shape(src)[1:] == ["clear", *trial] * 4 == shape(sim)[1:]
