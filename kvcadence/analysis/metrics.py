@@ -729,11 +729,13 @@ def compute(
     # per DP rank (+ totals are ``metrics``)
     per_rank: dict[str, dict[str, Any]] = {}
     ranks = [int(r) for (r,) in c.rows("SELECT DISTINCT dp_rank FROM batches ORDER BY 1")]
-    (req_ranks,) = c.one("SELECT count(*) FILTER (dp_rank IS NOT NULL) FROM requests")
+    (req_ranks,) = c.one(
+        f"SELECT count(*) FILTER (dp_rank IS NOT NULL AND {OWN_REQUESTS_SQL}) FROM requests"
+    )
     for r in ranks:
         if int(req_ranks) == int(n_requests) and n_requests:
-            (nr,) = c.one(f"SELECT count(*) FROM requests WHERE dp_rank = {r}")
-            req_scope = f"dp_rank = {r}"
+            req_scope = f"dp_rank = {r} AND {OWN_REQUESTS_SQL}"
+            (nr,) = c.one(f"SELECT count(*) FROM requests WHERE {req_scope}")
         elif len(ranks) == 1:
             nr, req_scope = n_requests, "TRUE"
         else:

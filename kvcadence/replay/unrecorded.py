@@ -113,7 +113,7 @@ def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: 
         for ei, j, n, rk in runs:
             a = offs[ei] + j
             part = h[a : a + min(n, pages[ei] - j)]
-            parts.append(part + np.int64(rk) * np.int64(_RANK_STRIDE) if rk else part)
+            parts.append(part + np.int64(page_key(0, rk)) if rk else part)  # no scalar overflow
         return np.isin(keys, np.concatenate(parts))
     mask = np.zeros(len(h), dtype=bool)
     for ei, j, n, _ in runs:

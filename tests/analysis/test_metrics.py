@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvcadence.analysis import ingest, metrics, sql
-from kvcadence.format.schema import Annotation, Gap, RequestRecord
+from kvcadence.format.schema import UNRECORDED_SOURCE, Annotation, Gap, RequestRecord
 from tests.analysis.helpers import T0, cleared, header, removed, stored, write_bundle
 
 MS = 1_000_000
@@ -261,6 +261,29 @@ def test_flush_annotation_and_per_rank(tmp_path: Path) -> None:
     assert res.per_rank["0"]["stored_events_per_request"] == 1.0
     assert res.per_rank["1"]["blocks_per_stored_event.median"] == 1.0
     assert res.metrics["quality.epochs"] == 2
+
+
+def test_per_rank_figures_count_only_the_captures_own_requests(tmp_path: Path) -> None:
+    """A sim bundle with requests the replay rebuilt from the KV events (``source``
+    kv-events) on three ranks: each rank's per-request figures count its own requests only
+    (the rebuilt ones on it left out), as the totals do."""
+    b = tmp_path / "s"
+    write_bundle(
+        b,
+        [(0, [stored([1, 2])], 0), (0, [stored([3])], 1), (0, [stored([4]), stored([5])], 2)],
+        [
+            RequestRecord(rid="x", input_ids=[1], dp_rank=0),
+            RequestRecord(rid="y", input_ids=[1], dp_rank=1),
+            RequestRecord(rid="z", input_ids=[1], dp_rank=2),
+            RequestRecord(rid="kv-events-0", input_ids=[1], dp_rank=2, source=UNRECORDED_SOURCE),
+        ],
+        hdr=header(ranks=3),
+    )
+    res = metrics.compute(ingest.ingest(b))
+    assert res.metrics["requests"] == 3
+    assert sorted(res.per_rank) == ["0", "1", "2"]
+    assert [res.per_rank[r]["requests"] for r in "012"] == [1, 1, 1]
+    assert [res.per_rank[r]["stored_events_per_request"] for r in "012"] == [1.0, 1.0, 2.0]
 
 
 def test_every_metric_has_a_definition(golden: metrics.BundleMetrics) -> None:

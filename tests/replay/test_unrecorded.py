@@ -15,7 +15,7 @@ from kvcadence.replay.inferred import report_text
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.production import complete_records
 from kvcadence.replay.simulator import simulate
-from kvcadence.replay.unrecorded import claimed_mask
+from kvcadence.replay.unrecorded import claimed_mask, page_key
 from tests.replay.helpers import config
 from tests.replay.test_production_inference import S, rec, store
 
@@ -143,4 +143,37 @@ def test_claimed_mask_claims_every_page_with_a_claimed_hash(seed, n_events):
         by_run[a : a + min(n, idx.pages[ei] - j)] = True
     claimed = set(idx.hashes[by_run].tolist()) | set(hashed)
     want = [bool(r) or h in claimed for r, h in zip(by_run, idx.hashes.tolist(), strict=True)]
+    assert mask.tolist() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.integers(2, 8))
+def test_claimed_mask_on_several_ranks_claims_a_hash_on_its_rank(seed, n_events, n_ranks):
+    """Several DP ranks (more than two: a rank's key offset must not overflow): a page is
+    claimed when a run of a record on its rank holds its hash, or its hash was hashed for
+    a record on its rank (``page_key``); the same hash on another rank is not."""
+    rng = random.Random(seed)
+    pool = [rng.randrange(-(2**63), 2**63) for _ in range(6)]  # any int64: keys wrap around
+    batches = []
+    for e in range(n_events):
+        hs = [rng.choice(pool) for _ in range(rng.randint(1, 4))]
+        batches.append((e, [BlockStored(hs, None, [e % 7] * (PS * len(hs)), PS, None)]))
+    idx = StoreIndex.from_batches(batches, PS)
+    idx.frame_rank = {e: rng.randrange(n_ranks) for e in range(n_events)}
+    runs = []
+    for ei in range(n_events):
+        if rng.random() < 0.4:
+            j = rng.randrange(idx.pages[ei])
+            runs.append((ei, j, rng.randint(1, 5), rng.randrange(n_ranks)))
+    hashed_pairs = {(rng.choice(pool), rng.randrange(n_ranks)) for _ in range(2)}
+    mask = claimed_mask(idx, runs, [page_key(h, rk) for h, rk in hashed_pairs])
+    claimed = set(hashed_pairs)
+    for ei, j, n, rk in runs:
+        a = idx.offs[ei] + j
+        claimed |= {(h, rk) for h in idx.hashes[a : a + min(n, idx.pages[ei] - j)].tolist()}
+    want = []
+    for ei in range(n_events):
+        rank = idx.frame_rank[ei]
+        hs = idx.hashes[idx.offs[ei] : idx.offs[ei] + idx.pages[ei]].tolist()
+        want += [(h, rank) in claimed for h in hs]
     assert mask.tolist() == want
