@@ -224,9 +224,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
         # a request that stopped before its length (EOS): the overlap loop decoded it once
-        # more, so its finish may also have inserted the last output (``Kq`` pages)
-        Kq = (L + n) // ps - P if K > 0 and r.finish_reason not in (None, "length") else K
-        if K <= 0:
+        # more, so its finish may also have inserted the last output (``Kq`` pages) -- also
+        # when the outputs before it fill no page (K == 0: the page is found or none was)
+        Kq = (L + n) // ps - P if n > 0 and r.finish_reason not in (None, "length") else K
+        if Kq <= 0:
             known[i] = None if r.output_ids else []
             node.end_anchor = h
             continue
@@ -240,6 +241,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if fin is None or arr is None
             else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i])
         )
+        if K <= 0 and got is None:  # no finish store: the last output was not inserted
+            known[i] = None if r.output_ids else []
+            node.end_anchor = h
+            continue
         runs: list[tuple[int, int, int]] | None = None
         if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
             if _retracted(r):

@@ -105,6 +105,7 @@ CAPTURES = (
     "p16-http-clients-cancel",
     "p4-nooverlap-http-clients-cancel",
     "dp2-p16-http-clients-cancel",
+    "dp3-p8-http-clients-cancel",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -119,6 +120,7 @@ PRODUCTION_ONLY = (
     "p16-http-clients-cancel",
     "p4-nooverlap-http-clients-cancel",
     "dp2-p16-http-clients-cancel",
+    "dp3-p8-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -520,6 +522,7 @@ CANCELLED = {
     "p16-http-clients-cancel": (305, 93, 90, 23),
     "p4-nooverlap-http-clients-cancel": (263, 31, 31, 31),
     "dp2-p16-http-clients-cancel": (297, 76, 70, 22),
+    "dp3-p8-http-clients-cancel": (236, 31, 31, 24),
 }
 
 
@@ -528,6 +531,7 @@ CANCELLED_TURNS = {
     "p16-http-clients-cancel": 37,
     "p4-nooverlap-http-clients-cancel": 23,
     "dp2-p16-http-clients-cancel": 23,
+    "dp3-p8-http-clients-cancel": 13,
 }
 
 

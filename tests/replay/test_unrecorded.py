@@ -7,6 +7,7 @@ import random
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -177,3 +178,24 @@ def test_claimed_mask_on_several_ranks_claims_a_hash_on_its_rank(seed, n_events,
         hs = idx.hashes[idx.offs[ei] : idx.offs[ei] + idx.pages[ei]].tolist()
         want += [(h, rank) in claimed for h in hs]
     assert mask.tolist() == want
+
+
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_the_eos_pages_overlap_decode_stores_are_the_requests_own(reason):
+    """``a`` stopped at EOS after 4 outputs, its prompt two whole pages: the outputs before
+    the last fill no page (nothing stored at finish by that count), but the overlap loop's
+    extra decode inserted the last output too -- one whole page of outputs, stored below the
+    prompt. That page is ``a``'s finish store (its outputs read from it), not a request of
+    its own (found on a real DP capture: a phantom 240-token request). A request that ran to
+    its length does not store that page: a store there is another request's."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6, 7, 8]  # 16 tokens: 4 whole pages
+    a_full = [*a, 70, 71, 72, 73]  # + its 4 outputs: a fifth page
+    batches = [(int(1.1 * S), [store(a, 0, 4, PS)]), (int(2.0 * S), [store(a_full, 4, 5, PS)])]
+    r = msgspec.structs.replace(rec("a", a, 4, 1.0, 2.0, cached=0), finish_reason=reason)
+    out, rep = complete_records([r], StoreIndex.from_batches(batches, PS))
+    rebuilt = [x for x in out if x.source == UNRECORDED_SOURCE]
+    if reason == "stop":
+        assert rebuilt == [] and rep["outputs_from_events"] == 1
+        assert list(out[0].output_ids) == [70, 71, 72, 73]
+    else:
+        assert [list(x.input_ids) for x in rebuilt] == [a_full]
