@@ -106,6 +106,8 @@ CAPTURES = (
     "p4-nooverlap-http-clients-cancel",
     "dp2-p16-http-clients-cancel",
     "dp3-p8-http-clients-cancel",
+    "p1-chunk256-http-clients-cancel",
+    "p64-http-clients-cancel",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -121,6 +123,8 @@ PRODUCTION_ONLY = (
     "p4-nooverlap-http-clients-cancel",
     "dp2-p16-http-clients-cancel",
     "dp3-p8-http-clients-cancel",
+    "p1-chunk256-http-clients-cancel",
+    "p64-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -323,6 +327,8 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p8-nochunk": "cached_tokens_equal 0.650",
     "p128-chunk512": "cached_tokens_equal 0.810",
     "dp2-p16-chunk128-mixed": "stored_events_per_request 3.355 -> 3.475 (+3.6%)",
+    "p64-http-clients-cancel": "removed_events_per_request 0.242 -> 0.210 (-13.1%); "
+    "removed_blocks_mean 1.328 -> 1.509 (+13.7%); cached_tokens_equal 0.933",
 }
 
 
@@ -523,6 +529,8 @@ CANCELLED = {
     "p4-nooverlap-http-clients-cancel": (263, 31, 31, 31),
     "dp2-p16-http-clients-cancel": (297, 76, 70, 22),
     "dp3-p8-http-clients-cancel": (236, 31, 31, 24),
+    "p1-chunk256-http-clients-cancel": (299, 76, 76, 76),
+    "p64-http-clients-cancel": (300, 48, 12, 0),
 }
 
 
@@ -532,6 +540,8 @@ CANCELLED_TURNS = {
     "p4-nooverlap-http-clients-cancel": 23,
     "dp2-p16-http-clients-cancel": 23,
     "dp3-p8-http-clients-cancel": 13,
+    "p1-chunk256-http-clients-cancel": 43,
+    "p64-http-clients-cancel": 10,
 }
 
 
