@@ -108,6 +108,8 @@ CAPTURES = (
     "dp3-p8-http-clients-cancel",
     "p1-chunk256-http-clients-cancel",
     "p64-http-clients-cancel",
+    "p4-nooverlap-long-http-clients-cancel",
+    "p4-tight-long-http-clients-cancel",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -125,6 +127,8 @@ PRODUCTION_ONLY = (
     "dp3-p8-http-clients-cancel",
     "p1-chunk256-http-clients-cancel",
     "p64-http-clients-cancel",
+    "p4-nooverlap-long-http-clients-cancel",
+    "p4-tight-long-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -329,6 +333,8 @@ PRODUCTION_MISSES: dict[str, str] = {
     "dp2-p16-chunk128-mixed": "stored_events_per_request 3.355 -> 3.475 (+3.6%)",
     "p64-http-clients-cancel": "removed_events_per_request 0.242 -> 0.210 (-13.1%); "
     "removed_blocks_mean 1.328 -> 1.509 (+13.7%); cached_tokens_equal 0.933",
+    "p4-tight-long-http-clients-cancel": "stored_events_per_request 2.931 -> 2.758 (-5.9%); "
+    "stored_blocks_median 37 -> 35 (-5.4%); cached_tokens_equal 0.608",
 }
 
 
@@ -531,6 +537,8 @@ CANCELLED = {
     "dp3-p8-http-clients-cancel": (236, 31, 31, 24),
     "p1-chunk256-http-clients-cancel": (299, 76, 76, 76),
     "p64-http-clients-cancel": (300, 48, 12, 0),
+    "p4-nooverlap-long-http-clients-cancel": (280, 11, 11, 11),
+    "p4-tight-long-http-clients-cancel": (274, 14, 8, 2),
 }
 
 
@@ -542,6 +550,8 @@ CANCELLED_TURNS = {
     "dp3-p8-http-clients-cancel": 13,
     "p1-chunk256-http-clients-cancel": 43,
     "p64-http-clients-cancel": 10,
+    "p4-nooverlap-long-http-clients-cancel": 7,
+    "p4-tight-long-http-clients-cancel": 4,
 }
 
 
