@@ -110,6 +110,7 @@ CAPTURES = (
     "p64-http-clients-cancel",
     "p4-nooverlap-long-http-clients-cancel",
     "p4-tight-long-http-clients-cancel",
+    "dp2-p16-lpm-http-clients-cancel",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -129,6 +130,7 @@ PRODUCTION_ONLY = (
     "p64-http-clients-cancel",
     "p4-nooverlap-long-http-clients-cancel",
     "p4-tight-long-http-clients-cancel",
+    "dp2-p16-lpm-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -539,6 +541,7 @@ CANCELLED = {
     "p64-http-clients-cancel": (300, 48, 12, 0),
     "p4-nooverlap-long-http-clients-cancel": (280, 11, 11, 11),
     "p4-tight-long-http-clients-cancel": (274, 14, 8, 2),
+    "dp2-p16-lpm-http-clients-cancel": (271, 21, 19, 10),
 }
 
 
@@ -552,6 +555,7 @@ CANCELLED_TURNS = {
     "p64-http-clients-cancel": 10,
     "p4-nooverlap-long-http-clients-cancel": 7,
     "p4-tight-long-http-clients-cancel": 4,
+    "dp2-p16-lpm-http-clients-cancel": 4,
 }
 
 
