@@ -48,6 +48,20 @@ BARS: dict[str, tuple[str, float]] = {
     "hash_set": ("stored_hash_jaccard", 1.0),  # identical sets
 }
 
+#: captures of plain HTTP clients some of which hang up mid-stream (SGLang writes no metrics
+#: line for those): each also keeps ``sent.jsonl.gz``, what the clients sent and got
+CANCEL_CAPTURES = (
+    "p16-http-clients-cancel",
+    "p4-nooverlap-http-clients-cancel",
+    "dp2-p16-http-clients-cancel",
+    "dp3-p8-http-clients-cancel",
+    "p1-chunk256-http-clients-cancel",
+    "p64-http-clients-cancel",
+    "p4-nooverlap-long-http-clients-cancel",
+    "p4-tight-long-http-clients-cancel",
+    "dp2-p16-lpm-http-clients-cancel",
+)
+
 #: the captures, in the README's order (each must exist: no silent skips)
 CAPTURES = (
     "p1-lanes8",
@@ -102,15 +116,7 @@ CAPTURES = (
     "p8-nochunk",
     "p128-chunk512",
     "dp2-p16-chunk128-mixed",
-    "p16-http-clients-cancel",
-    "p4-nooverlap-http-clients-cancel",
-    "dp2-p16-http-clients-cancel",
-    "dp3-p8-http-clients-cancel",
-    "p1-chunk256-http-clients-cancel",
-    "p64-http-clients-cancel",
-    "p4-nooverlap-long-http-clients-cancel",
-    "p4-tight-long-http-clients-cancel",
-    "dp2-p16-lpm-http-clients-cancel",
+    *CANCEL_CAPTURES,
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -122,15 +128,7 @@ PRODUCTION_ONLY = (
     "http-clients-p16",
     "dp2-p32-http-clients",
     "p8-chunk128-nooverlap-http-clients",
-    "p16-http-clients-cancel",
-    "p4-nooverlap-http-clients-cancel",
-    "dp2-p16-http-clients-cancel",
-    "dp3-p8-http-clients-cancel",
-    "p1-chunk256-http-clients-cancel",
-    "p64-http-clients-cancel",
-    "p4-nooverlap-long-http-clients-cancel",
-    "p4-tight-long-http-clients-cancel",
-    "dp2-p16-lpm-http-clients-cancel",
+    *CANCEL_CAPTURES,
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -259,12 +257,15 @@ def _params():
 def test_every_capture_is_listed_and_complete():
     on_disk = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
     assert on_disk == sorted(CAPTURES)
+    assert set(CANCELLED) == set(CANCELLED_TURNS) == set(CANCEL_CAPTURES)
     for name in CAPTURES:
         assert any((CORPUS / name / "sglang-metrics").glob("sglang-request-metrics-*.log"))
         reader = BundleReader(CORPUS / name / "bundle")
         assert len(reader.requests()) >= 200
         assert reader.header.sglang_version == "0.5.23"
         assert f"## `{name}`" in (CORPUS / "README.md").read_text()
+        # the clients' own log: kept for exactly the captures of clients that hang up
+        assert (CORPUS / name / "sent.jsonl.gz").exists() == (name in CANCEL_CAPTURES), name
         # a driven capture's bundle holds the driver's records, a production-only one the
         # metrics records the capture tailed, nothing else
         sources = {r.source for r in reader.requests()}
