@@ -227,10 +227,6 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         # more, so its finish may also have inserted the last output (``Kq`` pages) -- also
         # when the outputs before it fill no page (K == 0: the page is found or none was)
         Kq = (L + n) // ps - P if n > 0 and r.finish_reason not in (None, "length") else K
-        if Kq <= 0:
-            known[i] = None if r.output_ids else []
-            node.end_anchor = h
-            continue
         at = None
         if fast is not None:
             _, ei, j, m = node.segs[-1]
@@ -238,10 +234,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         tail = span(prompt, P * ps, L) if P * ps < L else EMPTY  # the partial last page
         got = (
             None
-            if fin is None or arr is None
+            if fin is None or arr is None or Kq <= 0
             else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i])
         )
-        if K <= 0 and got is None:  # no finish store: the last output was not inserted
+        if K <= 0 and got is None:  # nothing stored at finish (or the last output not)
             known[i] = None if r.output_ids else []
             node.end_anchor = h
             continue
