@@ -190,6 +190,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     hashed: list[int] = []
     no_finish: set[int] = set()
     delays: list[int] = []
+    per_token: list[int] = []  # the records' mean time per output token (ns)
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
@@ -214,6 +215,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             h, node.segs, node.base = fast
             claims.extend((ei, j, m, rk) for _, ei, j, m in node.segs)
             delays.append(index.ts_of(node.segs[0][1]) - cast("int", arr))
+            if n >= 2 and fin is not None:  # its outputs' time, from its prompt's last store
+                per_token.append((fin - index.ts_of(node.segs[-1][1])) // (n - 1))
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
             try:
                 node.path = block_hashes(span(prompt, 0, P * ps), ps)
@@ -286,7 +289,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
 
-    lost = rebuild(index, claims, hashed, no_finish, delays, lens)
+    lost = rebuild(index, claims, hashed, no_finish, delays, lens, per_token)
     if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
         records = [*records, *join_rows(lost, ps, times, n_outs, lens, nodes, known)]
         finished = finish_order(nodes, range(len(nodes)))

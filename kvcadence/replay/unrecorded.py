@@ -16,7 +16,12 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
 
 * a run below the last page of a rebuilt request, published later, is that request's finish
   store: its tokens become the request's outputs (all but the last output token is
-  inserted, so ``pages * page_size + 1`` outputs) and its publish time its finish;
+  inserted, so ``pages * page_size + 1`` outputs) and its publish time its finish -- unless
+  it came sooner than that many outputs take to decode (half the records' least time per
+  output token, each): then it is the next chunk of the request's prompt (chunked prefill
+  stores a long prompt chunk by chunk, each chunk's store below the one before; measured
+  on corpus ``p16-chunk512-longprompt-http-clients-cancel``, where an aborted 2558-token prompt's
+  five chunk stores were rebuilt as two phantom requests with 513 outputs each);
 * a run below a record's prompt whose finish store was not found is left alone (most
   likely that finish store);
 * any other run is a request's prefill: its prompt is the run's tokens after the tokens of
@@ -40,7 +45,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -200,10 +205,12 @@ def find_unrecorded(
     record_anchors: set[int],
     prefill_delay_ns: int,
     max_pages: int,
+    min_token_ns: int = 0,
 ) -> Found:
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
     ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
-    finish store was not found; ``max_pages``: the longest prompt rebuilt, in pages."""
+    finish store was not found; ``max_pages``: the longest prompt rebuilt, in pages;
+    ``min_token_ns``: a lower bound of one output token's decode time (0: none known)."""
     found = Found(multi_rank=bool(index.frame_rank))
     ps = index.page_size
     by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page (key) -> it
@@ -219,6 +226,15 @@ def find_unrecorded(
         pkey = None if parent is None else page_key(parent, rank)
         req = by_last.get(pkey) if pkey is not None else None
         if req is not None and not len(req.outputs) and t >= req.prefill_ns:
+            if t - req.prefill_ns < (len(toks) - ps) * min_token_ns:
+                # too soon for that many outputs: its prompt's next chunk (chunked prefill)
+                grown = req.prompt.materialize()
+                grown.extend(toks)
+                req.prompt = prompts.add(grown)
+                req.prefill_ns, req.last = t, last
+                by_last.pop(cast("int", pkey))
+                by_last[page_key(last, rank)] = req
+                continue
             req.outputs = array(CODE, toks)
             req.outputs.append(toks[-1])  # the last output's KV was never inserted
             req.finish_ns = t
@@ -303,16 +319,22 @@ def rebuild(
     no_finish: set[int],
     delays: list[int],
     lens: list[int],
+    per_token: Sequence[int] = (),
 ) -> Found:
     """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
     ``claimed_mask`` takes them, ``no_finish`` the page keys of records' prompts whose
     finish store was not found, ``delays`` the records' prefill delays (their median is the
-    rebuilt requests' one), ``lens`` their prompt lengths (a walk's bound)."""
+    rebuilt requests' one), ``lens`` their prompt lengths (a walk's bound), ``per_token``
+    their mean times per output token (half the least is ``find_unrecorded``'s bound of one
+    output's decode: a run published sooner than that many outputs take after a rebuilt
+    prompt's last store is the next chunk of that prompt, not its finish store)."""
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()
     delays.sort()
     delay = delays[len(delays) // 2] if delays else 0
     max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
-    return find_unrecorded(index, free, no_finish, delay, max_pages)
+    positive = [x for x in per_token if x > 0]
+    min_token = min(positive) // 2 if positive else 0
+    return find_unrecorded(index, free, no_finish, delay, max_pages, min_token)

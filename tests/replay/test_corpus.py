@@ -60,6 +60,7 @@ CANCEL_CAPTURES = (
     "p4-nooverlap-long-http-clients-cancel",
     "p4-tight-long-http-clients-cancel",
     "dp2-p16-lpm-http-clients-cancel",
+    "p16-chunk512-longprompt-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -543,6 +544,7 @@ CANCELLED = {
     "p4-nooverlap-long-http-clients-cancel": (280, 11, 11, 11),
     "p4-tight-long-http-clients-cancel": (274, 14, 8, 2),
     "dp2-p16-lpm-http-clients-cancel": (271, 21, 19, 10),
+    "p16-chunk512-longprompt-http-clients-cancel": (238, 30, 30, 24),
 }
 
 
@@ -557,6 +559,7 @@ CANCELLED_TURNS = {
     "p4-nooverlap-long-http-clients-cancel": 7,
     "p4-tight-long-http-clients-cancel": 4,
     "dp2-p16-lpm-http-clients-cancel": 4,
+    "p16-chunk512-longprompt-http-clients-cancel": 18,
 }
 
 

@@ -199,3 +199,32 @@ def test_the_eos_pages_overlap_decode_stores_are_the_requests_own(reason):
         assert list(out[0].output_ids) == [70, 71, 72, 73]
     else:
         assert [list(x.input_ids) for x in rebuilt] == [a_full]
+
+
+@pytest.mark.parametrize("gap_s", [0.05, 1.0])
+def test_a_chunked_prompts_next_store_is_its_prompt_not_its_finish(gap_s):
+    """An unrecorded ``c`` whose prompt was prefilled in two chunks: the second chunk's
+    store chains below the first's, like a finish store. Published sooner than its tokens
+    could be decoded (the records' least time per output token, halved: ``a`` decoded 4
+    tokens in 0.9 s), it is the prompt's next chunk, and ``c``'s finish store follows it;
+    published later, it is read as the finish store (the rule's other side)."""
+    batches, records, _, _ = _traffic()
+    c = [*SYSTEM, *range(20, 36)]  # 2 system pages + 4 own pages
+    c_full = [*c, 70, 71, 72, 73]
+    t = 5.0 + gap_s
+    batches = [
+        *batches[:2],
+        (int(5.0 * S), [store(c, 2, 4, PS)]),
+        (int(t * S), [store(c, 4, 6, PS)]),
+        (int((t + 1.0) * S), [store(c_full, 6, 7, PS)]),
+    ]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    rebuilt = [r for r in out if r.source == UNRECORDED_SOURCE]
+    if gap_s < 0.45:  # 2 pages (8 tokens: >= 5 outputs) in less than 4 x 0.1125 s
+        assert [list(r.input_ids) for r in rebuilt] == [c]
+        assert list(rebuilt[0].output_ids[:PS]) == c_full[len(c) :]
+        assert rebuilt[0].meta_info["request_finished_ts"] == t + 1.0
+    else:
+        # the chunk is c[:16]'s finish, c's finish store a request below it
+        assert [list(r.input_ids) for r in rebuilt] == [c[:16], c_full]
+        assert list(rebuilt[0].output_ids[: 2 * PS]) == c[16:]
