@@ -103,6 +103,9 @@ class StoreIndex:
         #: of a rank other than 0 (``rank_of``)
         self.frame_of: list[int] = []
         self.frame_rank: dict[int, int] = {}
+        #: the worker's ``chunked_prefill_size`` (the header's ``/server_info`` snapshot;
+        #: None: chunking off or not stated)
+        self.chunk_tokens: int | None = None
 
     @property
     def events(self) -> list[StoredEvent]:
@@ -162,6 +165,9 @@ class StoreIndex:
         ``wire.decode_batch`` refuses is no flush); ``tally`` (a ``settings.EventTally``)
         every decoded batch."""
         idx = cls(page_size)
+        chunk = (reader.header.server_info or {}).get("chunked_prefill_size")
+        if type(chunk) is int and chunk > 0:
+            idx.chunk_tokens = chunk
         raw: list[tuple[int, int, int | None, bytes | memoryview, int, array]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)

@@ -289,7 +289,12 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
 
-    lost = rebuild(index, claims, hashed, no_finish, delays, lens, per_token)
+    finish_at: dict[int, int] = {}  # an event holding records' finish stores -> their finish
+    for (e, _), i in taken.items():
+        f = times[i][1]
+        if f is not None and (e not in finish_at or f < finish_at[e]):
+            finish_at[e] = f
+    lost = rebuild(index, claims, hashed, no_finish, delays, lens, per_token, finish_at)
     if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
         records = [*records, *join_rows(lost, ps, times, n_outs, lens, nodes, known)]
         finished = finish_order(nodes, range(len(nodes)))

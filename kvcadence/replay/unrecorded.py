@@ -17,19 +17,27 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
 * a run below the last page of a rebuilt request, published later, is that request's finish
   store: its tokens become the request's outputs (all but the last output token is
   inserted, so ``pages * page_size + 1`` outputs) and its publish time its finish -- unless
-  it came sooner than that many outputs take to decode (half the records' least time per
-  output token, each): then it is the next chunk of the request's prompt (chunked prefill
-  stores a long prompt chunk by chunk, each chunk's store below the one before; measured
-  on corpus ``p16-chunk512-longprompt-http-clients-cancel``, where an aborted 2558-token prompt's
-  five chunk stores were rebuilt as two phantom requests with 513 outputs each);
+  it came sooner than that many outputs take to decode (at least ``tokens - page_size + 1``
+  decode passes, each at least half the records' least time per output token). Then, below
+  a run of half the worker's chunk or more, it is the next chunk of the request's prompt
+  (chunked prefill stores a long prompt chunk by chunk, each chunk's store below the one
+  before; measured on corpus ``p16-chunk512-longprompt-http-clients-cancel``, where an
+  aborted 2558-token prompt's five chunk stores were rebuilt as two phantom requests with
+  513 outputs each); below a shorter one it is another request's prefill (the next turn
+  of an aborted one: corpus ``p32-tight-longprompt-http-clients-cancel``, a 3105-token
+  turn aborted after 11 tokens and the next, 3269 tokens, 235 ms later);
 * a run below a record's prompt whose finish store was not found is left alone (most
   likely that finish store);
 * any other run is a request's prefill: its prompt is the run's tokens after the tokens of
   its parent chain, read back page by page through the stored events to the root (a chain
   that leaves the capture -- stored before it started -- is not rebuilt, only counted); it
   arrived the records' median prefill delay (receive -> publish of the prefill store) before
-  the run was published; without a finish store it runs one output token. The tokens of its
-  prompt's partial last page and of its outputs were never stored: unknown, left out.
+  the run was published, but not before the finish of the request whose outputs it extends
+  (its parent page first stored in a record's finish store, or a rebuilt one's: a client
+  sends the next turn after the answer; under a queue the median delay put such turns
+  before their predecessor's finish, so they ran open loop); without a finish store it
+  runs one output token. The tokens of its prompt's partial last page and of its outputs
+  were never stored: unknown, left out.
 
 ``production`` then treats the rebuilt requests as records in the session inference (a
 cancelled chat turn is its chat's turn). In a multi-rank capture a page is the rank's that
@@ -68,6 +76,7 @@ class Unrecorded:
     last: int  # hash of the prompt's last page
     rank: int = 0  # the DP rank that published its prefill
     end: int | None = None  # hash of the finish store's last page
+    run: int = 0  # tokens of its prompt's latest run (a chunk, if it was chunked)
 
 
 @dataclass(slots=True)
@@ -206,11 +215,19 @@ def find_unrecorded(
     prefill_delay_ns: int,
     max_pages: int,
     min_token_ns: int = 0,
+    chunk_tokens: int | None = None,
+    finish_at: dict[int, int] | None = None,
 ) -> Found:
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
     ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
     finish store was not found; ``max_pages``: the longest prompt rebuilt, in pages;
-    ``min_token_ns``: a lower bound of one output token's decode time (0: none known)."""
+    ``min_token_ns``: a lower bound of one output token's decode time (0: none known);
+    ``chunk_tokens``: the worker's chunked-prefill size (None: chunking off);
+    ``finish_at``: the events holding the records' finish stores -> the earliest of those
+    records' finish times (a rebuilt request whose prompt extends a page first stored in
+    one arrived after that finish; the rebuilt requests' finish stores join it, at their
+    publish)."""
+    finish_at = {} if finish_at is None else dict(finish_at)
     found = Found(multi_rank=bool(index.frame_rank))
     ps = index.page_size
     by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page (key) -> it
@@ -226,21 +243,26 @@ def find_unrecorded(
         pkey = None if parent is None else page_key(parent, rank)
         req = by_last.get(pkey) if pkey is not None else None
         if req is not None and not len(req.outputs) and t >= req.prefill_ns:
-            if t - req.prefill_ns < (len(toks) - ps) * min_token_ns:
-                # too soon for that many outputs: its prompt's next chunk (chunked prefill)
+            # a finish store holds at most the prompt's partial page (< ps tokens) and all
+            # but the last output: len(toks) - ps + 1 decode passes at least
+            if t - req.prefill_ns >= (len(toks) - ps + 1) * min_token_ns:
+                req.outputs = array(CODE, toks)
+                req.outputs.append(toks[-1])  # the last output's KV was never inserted
+                req.finish_ns = t
+                req.end = last
+                by_last[page_key(last, rank)] = req  # (a store below it is another request's)
+                finish_at.setdefault(ei, t)
+                continue
+            if chunk_tokens and 2 * req.run >= chunk_tokens:
+                # too soon for its outputs, below a chunk-sized run: the prompt's next chunk
                 grown = req.prompt.materialize()
                 grown.extend(toks)
                 req.prompt = prompts.add(grown)
-                req.prefill_ns, req.last = t, last
+                req.prefill_ns, req.last, req.run = t, last, len(toks)
                 by_last.pop(cast("int", pkey))
                 by_last[page_key(last, rank)] = req
                 continue
-            req.outputs = array(CODE, toks)
-            req.outputs.append(toks[-1])  # the last output's KV was never inserted
-            req.finish_ns = t
-            req.end = last
-            by_last[page_key(last, rank)] = req  # (a store below it is another request's)
-            continue
+            # neither: another request's prefill below it (a next turn after its abort)
         if pkey is not None and pkey in record_anchors:
             found.below_records += 1
             continue
@@ -250,7 +272,12 @@ def find_unrecorded(
             continue
         head.extend(toks)
         prompt = prompts.add(head)  # (the whole array is not kept)
-        req = Unrecorded(prompt, array(CODE), t - prefill_delay_ns, t, None, last, rank)
+        arrival = t - prefill_delay_ns
+        first = chains.where(parent) if parent is not None else None
+        if first is not None and first[0] in finish_at:
+            # it extends another request's outputs: sent after that request finished
+            arrival = min(max(arrival, finish_at[first[0]]), t)
+        req = Unrecorded(prompt, array(CODE), arrival, t, None, last, rank, run=len(toks))
         found.requests.append(req)
         by_last[page_key(last, rank)] = req
     return found
@@ -320,6 +347,7 @@ def rebuild(
     delays: list[int],
     lens: list[int],
     per_token: Sequence[int] = (),
+    finish_at: dict[int, int] | None = None,
 ) -> Found:
     """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
@@ -328,7 +356,8 @@ def rebuild(
     rebuilt requests' one), ``lens`` their prompt lengths (a walk's bound), ``per_token``
     their mean times per output token (half the least is ``find_unrecorded``'s bound of one
     output's decode: a run published sooner than that many outputs take after a rebuilt
-    prompt's last store is the next chunk of that prompt, not its finish store)."""
+    prompt's last store is not its finish store), ``finish_at`` the events of the
+    records' finish stores and those records' earliest finish."""
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()
@@ -337,4 +366,5 @@ def rebuild(
     max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
     positive = [x for x in per_token if x > 0]
     min_token = min(positive) // 2 if positive else 0
-    return find_unrecorded(index, free, no_finish, delay, max_pages, min_token)
+    chunk = getattr(index, "chunk_tokens", None)
+    return find_unrecorded(index, free, no_finish, delay, max_pages, min_token, chunk, finish_at)

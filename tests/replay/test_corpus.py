@@ -61,6 +61,7 @@ CANCEL_CAPTURES = (
     "p4-tight-long-http-clients-cancel",
     "dp2-p16-lpm-http-clients-cancel",
     "p16-chunk512-longprompt-http-clients-cancel",
+    "p32-tight-longprompt-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -337,8 +338,10 @@ PRODUCTION_MISSES: dict[str, str] = {
     "dp2-p16-chunk128-mixed": "stored_events_per_request 3.355 -> 3.475 (+3.6%)",
     "p64-http-clients-cancel": "removed_events_per_request 0.242 -> 0.210 (-13.1%); "
     "removed_blocks_mean 1.328 -> 1.509 (+13.7%); cached_tokens_equal 0.933",
-    "p4-tight-long-http-clients-cancel": "stored_events_per_request 2.931 -> 2.758 (-5.9%); "
-    "stored_blocks_median 37 -> 35 (-5.4%); cached_tokens_equal 0.608",
+    "p4-tight-long-http-clients-cancel": "stored_events_per_request 2.931 -> 2.685 (-8.4%); "
+    "cached_tokens_equal 0.604",
+    "p32-tight-longprompt-http-clients-cancel": "stored_events_per_request 2.579 -> 2.361 "
+    "(-8.4%); stored_blocks_median 7 -> 8 (+14.3%); cached_tokens_equal 0.458",
 }
 
 
@@ -545,21 +548,32 @@ CANCELLED = {
     "p4-tight-long-http-clients-cancel": (274, 14, 8, 2),
     "dp2-p16-lpm-http-clients-cancel": (271, 21, 19, 10),
     "p16-chunk512-longprompt-http-clients-cancel": (238, 30, 30, 24),
+    "p32-tight-longprompt-http-clients-cancel": (240, 24, 13, 8),
 }
 
+#: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
+#: pages, measured: ``p32-tight-longprompt-http-clients-cancel``'s 2100-token prompt stored
+#: 8 pages below a cached 1792-token prefix, then its 65th page 19 ms later in the next
+#: publish -- a second chunk of 1 page after a first of 8 (the tight pool's budget), read as
+#: a finish store with one page of outputs (a chunk that small is not told from one)
+MISFITS = {"p32-tight-longprompt-http-clients-cancel": 1}
 
-#: capture -> rebuilt requests that are a later turn of an inferred session, measured
+
+#: capture -> (rebuilt requests that are a later turn of an inferred session, aborted
+#: requests that are a later turn of their chat: their prompt extends another request's
+#: prompt and answer, ``sent.jsonl.gz``), measured
 CANCELLED_TURNS = {
-    "p16-http-clients-cancel": 37,
-    "p4-nooverlap-http-clients-cancel": 23,
-    "dp2-p16-http-clients-cancel": 23,
-    "dp3-p8-http-clients-cancel": 13,
-    "p1-chunk256-http-clients-cancel": 43,
-    "p64-http-clients-cancel": 10,
-    "p4-nooverlap-long-http-clients-cancel": 7,
-    "p4-tight-long-http-clients-cancel": 4,
-    "dp2-p16-lpm-http-clients-cancel": 4,
-    "p16-chunk512-longprompt-http-clients-cancel": 18,
+    "p16-http-clients-cancel": (39, 42),
+    "p4-nooverlap-http-clients-cancel": (23, 23),
+    "dp2-p16-http-clients-cancel": (30, 42),
+    "dp3-p8-http-clients-cancel": (13, 15),
+    "p1-chunk256-http-clients-cancel": (46, 46),
+    "p64-http-clients-cancel": (10, 28),
+    "p4-nooverlap-long-http-clients-cancel": (7, 7),
+    "p4-tight-long-http-clients-cancel": (6, 10),
+    "dp2-p16-lpm-http-clients-cancel": (10, 15),
+    "p16-chunk512-longprompt-http-clients-cancel": (20, 20),
+    "p32-tight-longprompt-http-clients-cancel": (9, 17),
 }
 
 
@@ -590,6 +604,7 @@ def test_cancelled_requests_are_rebuilt_from_their_stores(name, tmp_path):
     assert rep["unrecorded_with_finish_store"] == with_fin
     ps = BundleReader(CORPUS / name / "bundle").header.server_info["page_size"]
     used: set[int] = set()
+    misfits: list[str] = []
     for r in rebuilt:
         p = list(r.input_ids) + list(r.output_ids[:-1])  # what its stores hold
         fits = []
@@ -599,16 +614,27 @@ def test_cancelled_requests_are_rebuilt_from_their_stores(name, tmp_path):
             m = min(len(p), len(full))
             if len(r.input_ids) >= pages and p[:m] == full[:m]:
                 fits.append((pages, k))
-        assert fits, r.rid  # its stores are an aborted request's prompt (+ outputs)
+        if not fits:  # its stores are no aborted request's prompt (+ outputs)
+            misfits.append(r.rid)
+            continue
         used.add(max(fits)[1])
-    assert len(used) == rebuilt_n  # each a different aborted request
+    assert len(misfits) == MISFITS.get(name, 0), misfits
+    assert len(used) == rebuilt_n - len(misfits)  # each a different aborted request
     # they join the session inference as records do: a cancelled chat turn is its chat's
     # turn (closed loop after the turn before it), not an open-loop arrival
     assert all(r.lane is not None and r.session is not None for r in rebuilt)
     # on several DP ranks each runs on the rank that published its prefill
     ranks = {e.dp_rank for e in BundleReader(CORPUS / name / "bundle").header.endpoints}
     assert {r.dp_rank for r in rebuilt} == (ranks if len(ranks) > 1 else {None})
-    assert sum(1 for r in rebuilt if r.turn) == CANCELLED_TURNS[name]
+    turns, true_turns = CANCELLED_TURNS[name]
+    assert sum(1 for r in rebuilt if r.turn) == turns
+    sent_by = [s["input_ids"] + s["output_ids"] for s in sent if s["output_ids"]]
+    assert true_turns == sum(
+        any(len(q) < len(a["input_ids"]) and a["input_ids"][: len(q)] == q for q in sent_by)
+        for a in aborted
+    )
+    # no more turns than the clients sent (a rebuilt turn is never a phantom one)
+    assert turns <= true_turns
 
 
 def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar():

@@ -201,13 +201,16 @@ def test_the_eos_pages_overlap_decode_stores_are_the_requests_own(reason):
         assert [list(x.input_ids) for x in rebuilt] == [a_full]
 
 
-@pytest.mark.parametrize("gap_s", [0.05, 1.0])
-def test_a_chunked_prompts_next_store_is_its_prompt_not_its_finish(gap_s):
-    """An unrecorded ``c`` whose prompt was prefilled in two chunks: the second chunk's
-    store chains below the first's, like a finish store. Published sooner than its tokens
-    could be decoded (the records' least time per output token, halved: ``a`` decoded 4
-    tokens in 0.9 s), it is the prompt's next chunk, and ``c``'s finish store follows it;
-    published later, it is read as the finish store (the rule's other side)."""
+@pytest.mark.parametrize(("gap_s", "chunk"), [(0.05, 16), (1.0, 16), (0.05, 64)])
+def test_a_chunked_prompts_next_store_is_its_prompt_not_its_finish(gap_s, chunk):
+    """An unrecorded ``c`` whose prompt was prefilled in two chunks (the worker's chunk: 16
+    tokens): the second chunk's store chains below the first's, like a finish store.
+    Published sooner than its tokens could be decoded (the records' least time per output
+    token, halved: ``a`` decoded 4 tokens in 0.9 s; 8 tokens are >= 5 decode passes) and
+    below a run of half a chunk or more, it is the prompt's next chunk, and ``c``'s finish
+    store follows it. Published later, it is read as the finish store; below a run too
+    short for a chunk (64-token chunks), as another request's prefill below ``c`` (a next
+    turn of an aborted one)."""
     batches, records, _, _ = _traffic()
     c = [*SYSTEM, *range(20, 36)]  # 2 system pages + 4 own pages
     c_full = [*c, 70, 71, 72, 73]
@@ -218,13 +221,40 @@ def test_a_chunked_prompts_next_store_is_its_prompt_not_its_finish(gap_s):
         (int(t * S), [store(c, 4, 6, PS)]),
         (int((t + 1.0) * S), [store(c_full, 6, 7, PS)]),
     ]
-    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    index = StoreIndex.from_batches(batches, PS)
+    index.chunk_tokens = chunk
+    out, _ = complete_records(records, index)
     rebuilt = [r for r in out if r.source == UNRECORDED_SOURCE]
-    if gap_s < 0.45:  # 2 pages (8 tokens: >= 5 outputs) in less than 4 x 0.1125 s
-        assert [list(r.input_ids) for r in rebuilt] == [c]
+    got = [list(r.input_ids) for r in rebuilt]
+    if gap_s >= 0.5625:  # 2 pages (8 tokens: >= 6 outputs) in 5 x 0.1125 s or more
+        # the chunk is c[:16]'s finish, c's finish store a request below it
+        assert got == [c[:16], c_full]
+        assert list(rebuilt[0].output_ids[: 2 * PS]) == c[16:]
+    elif chunk == 16:
+        assert got == [c]
         assert list(rebuilt[0].output_ids[:PS]) == c_full[len(c) :]
         assert rebuilt[0].meta_info["request_finished_ts"] == t + 1.0
-    else:
-        # the chunk is c[:16]'s finish, c's finish store a request below it
-        assert [list(r.input_ids) for r in rebuilt] == [c[:16], c_full]
-        assert list(rebuilt[0].output_ids[: 2 * PS]) == c[16:]
+    else:  # too soon for a finish, too short for a chunk: c[:16], then c below it
+        assert got == [c[:16], c]
+        assert len(rebuilt[0].output_ids) == 1 and len(rebuilt[1].output_ids) == PS + 1
+
+
+def test_a_rebuilt_request_below_a_records_outputs_arrives_after_its_finish():
+    """``b`` (unrecorded) extends the recorded ``a``'s prompt and answer (its prefill store
+    below ``a``'s finish store): a client sent it after ``a`` finished, so its arrival is
+    not before ``a``'s recorded finish, however long the records' median prefill delay
+    (here 1.5 s: ``a`` waited in the queue); it then joins ``a``'s session as its next turn."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    a_full = [*a, 50, 51, 52, 53, 54]  # its 5 outputs: one page stored at its finish
+    b = [*a_full, 9, 9, 8]  # a's prompt, its answer, a new turn
+    batches = [
+        (int(2.5 * S), [store(a, 0, 3, PS)]),
+        (int(3.0 * S), [store(a_full, 3, 4, PS)]),
+        (int(3.4 * S), [store(b, 4, 5, PS)]),
+    ]
+    records = [rec("a", a, 5, 1.0, 3.0, cached=0)]
+    out, _ = complete_records(records, StoreIndex.from_batches(batches, PS))
+    (got,) = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert list(got.input_ids) == b[:20]  # its whole pages
+    assert got.arrival_ns == int(3.0 * S)  # not 3.4 - 1.5 = 1.9 s
+    assert got.session == out[0].session and got.turn == 1
