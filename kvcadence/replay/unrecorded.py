@@ -77,6 +77,7 @@ class Unrecorded:
     rank: int = 0  # the DP rank that published its prefill
     end: int | None = None  # hash of the finish store's last page
     run: int = 0  # tokens of its prompt's latest run (a chunk, if it was chunked)
+    out_pages: list[int] | None = None  # its finish store's page hashes
 
 
 @dataclass(slots=True)
@@ -250,6 +251,7 @@ def find_unrecorded(
                 req.outputs.append(toks[-1])  # the last output's KV was never inserted
                 req.finish_ns = t
                 req.end = last
+                req.out_pages = hashes[offs[ei] + j : offs[ei] + j + n].tolist()
                 by_last[page_key(last, rank)] = req  # (a store below it is another request's)
                 finish_at.setdefault(ei, t)
                 continue
@@ -334,6 +336,11 @@ def join_rows(
         node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt.materialize(), ps))
         node.prompt_anchor = u.last
         node.end_anchor = u.end if u.end is not None else u.last
+        # its stores' publish only bounds its abort (the client hung up, and may have sent
+        # its next turn -- its prompt and the outputs it read -- before the finish store
+        # went out): a request whose prompt holds its prompt may follow it from its prefill
+        node.ready_ns = u.prefill_ns
+        node.out_pages = u.out_pages
         nodes.append(node)
         known.append(None)
     return recs

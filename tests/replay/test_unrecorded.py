@@ -258,3 +258,27 @@ def test_a_rebuilt_request_below_a_records_outputs_arrives_after_its_finish():
     assert list(got.input_ids) == b[:20]  # its whole pages
     assert got.arrival_ns == int(3.0 * S)  # not 3.4 - 1.5 = 1.9 s
     assert got.session == out[0].session and got.turn == 1
+
+
+def test_the_next_turn_after_an_aborted_one_follows_it():
+    """An aborted ``b`` (unrecorded: a prefill store, then a finish store of two output
+    pages published late, when the abort landed) and the recorded ``c``, its chat's next
+    turn: its client read only the first output page before it hung up, and sent ``c``
+    before ``b``'s finish store went out. ``c`` still follows ``b`` (closed loop): a rebuilt
+    request's anchors count from its prefill on, every page of its finish store among them."""
+    batches, records, b, _ = _traffic()
+    b_full = [*b, *range(60, 68)]  # two output pages stored at the abort
+    c = [*b_full[:16], 7, 7, 7, 7, 5]  # b, the output page its client read, a new turn
+    batches = [
+        *batches[:2],
+        (int(3.1 * S), [store(b, 2, 3, PS)]),
+        (int(3.6 * S), [store(c, 4, 5, PS)]),
+        (int(3.9 * S), [store(b_full, 3, 5, PS)]),
+    ]
+    out, _ = complete_records(
+        [*records, rec("c", c, 3, 3.5, 4.5, cached=16)], StoreIndex.from_batches(batches, PS)
+    )
+    by = {r.rid: r for r in out}
+    (rb,) = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert list(rb.input_ids) == b and list(rb.output_ids[: 2 * PS]) == b_full[len(b) :]
+    assert by["c"].session == rb.session and by["c"].turn == rb.turn + 1
