@@ -35,7 +35,8 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
   the run was published, but not before the finish of the request whose outputs it extends
   (its parent page first stored in a record's finish store, or a rebuilt one's: a client
   sends the next turn after the answer; under a queue the median delay put such turns
-  before their predecessor's finish, so they ran open loop); without a finish store it
+  before their predecessor's finish, so they ran open loop), nor before the prefill of a
+  rebuilt request whose prompt it extends; without a finish store it
   runs one output token. The tokens of its prompt's partial last page and of its outputs
   were never stored: unknown, left out.
 
@@ -279,6 +280,8 @@ def find_unrecorded(
         if first is not None and first[0] in finish_at:
             # it extends another request's outputs: sent after that request finished
             arrival = min(max(arrival, finish_at[first[0]]), t)
+        if req is not None:  # below a rebuilt prompt: sent after that request's prefill
+            arrival = min(max(arrival, req.prefill_ns), t)
         req = Unrecorded(prompt, array(CODE), arrival, t, None, last, rank, run=len(toks))
         found.requests.append(req)
         by_last[page_key(last, rank)] = req

@@ -237,6 +237,9 @@ def test_a_chunked_prompts_next_store_is_its_prompt_not_its_finish(gap_s, chunk)
     else:  # too soon for a finish, too short for a chunk: c[:16], then c below it
         assert got == [c[:16], c]
         assert len(rebuilt[0].output_ids) == 1 and len(rebuilt[1].output_ids) == PS + 1
+        # sent after c[:16]'s prefill (its client had its partial answer), not the median
+        # prefill delay (0.1 s) before its own store
+        assert rebuilt[1].arrival_ns == int(5.0 * S)
 
 
 def test_a_rebuilt_request_below_a_records_outputs_arrives_after_its_finish():
