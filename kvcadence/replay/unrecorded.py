@@ -25,7 +25,10 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
   aborted 2558-token prompt's five chunk stores were rebuilt as two phantom requests with
   513 outputs each); below a shorter one it is another request's prefill (the next turn
   of an aborted one: corpus ``p32-tight-longprompt-http-clients-cancel``, a 3105-token
-  turn aborted after 11 tokens and the next, 3269 tokens, 235 ms later);
+  turn aborted after 11 tokens and the next, 3269 tokens, 235 ms later). Below a whole chunk
+  (a run of the chunk's pages) it is the next chunk also when it came no later than the
+  longest gap between a record's chunk stores (a prompt's last chunk of one page is as
+  fast as a one-page finish store: corpus ``dp2-p16-tight-long-http-clients-cancel``);
 * a run below a record's prompt whose finish store was not found is left alone (most
   likely that finish store);
 * any other run is a request's prefill: its prompt is the run's tokens after the tokens of
@@ -219,6 +222,7 @@ def find_unrecorded(
     min_token_ns: int = 0,
     chunk_tokens: int | None = None,
     finish_at: dict[int, int] | None = None,
+    chunk_gap_ns: int = 0,
 ) -> Found:
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
     ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
@@ -228,7 +232,8 @@ def find_unrecorded(
     ``finish_at``: the events holding the records' finish stores -> the earliest of those
     records' finish times (a rebuilt request whose prompt extends a page first stored in
     one arrived after that finish; the rebuilt requests' finish stores join it, at their
-    publish)."""
+    publish); ``chunk_gap_ns``: the longest a record's chunk store came after its previous
+    chunk's (a run below a whole chunk within it is the next chunk)."""
     finish_at = {} if finish_at is None else dict(finish_at)
     found = Found(multi_rank=bool(index.frame_rank))
     ps = index.page_size
@@ -247,7 +252,9 @@ def find_unrecorded(
         if req is not None and not len(req.outputs) and t >= req.prefill_ns:
             # a finish store holds at most the prompt's partial page (< ps tokens) and all
             # but the last output: len(toks) - ps + 1 decode passes at least
-            if t - req.prefill_ns >= (len(toks) - ps + 1) * min_token_ns:
+            gap = t - req.prefill_ns
+            full = chunk_tokens is not None and req.run >= chunk_tokens // ps * ps
+            if gap >= (len(toks) - ps + 1) * min_token_ns and not (full and gap <= chunk_gap_ns):
                 req.outputs = array(CODE, toks)
                 req.outputs.append(toks[-1])  # the last output's KV was never inserted
                 req.finish_ns = t
@@ -257,7 +264,8 @@ def find_unrecorded(
                 finish_at.setdefault(ei, t)
                 continue
             if chunk_tokens and 2 * req.run >= chunk_tokens:
-                # too soon for its outputs, below a chunk-sized run: the prompt's next chunk
+                # too soon for its outputs, or as soon as a record's chunks came below a
+                # whole chunk, below a chunk-sized run: the prompt's next chunk
                 grown = req.prompt.materialize()
                 grown.extend(toks)
                 req.prompt = prompts.add(grown)
@@ -358,6 +366,7 @@ def rebuild(
     lens: list[int],
     per_token: Sequence[int] = (),
     finish_at: dict[int, int] | None = None,
+    chunk_gap_ns: int = 0,
 ) -> Found:
     """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
@@ -367,7 +376,8 @@ def rebuild(
     their mean times per output token (half the least is ``find_unrecorded``'s bound of one
     output's decode: a run published sooner than that many outputs take after a rebuilt
     prompt's last store is not its finish store), ``finish_at`` the events of the
-    records' finish stores and those records' earliest finish."""
+    records' finish stores and those records' earliest finish, ``chunk_gap_ns`` the longest
+    gap between a record's chunk stores."""
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()
@@ -377,4 +387,6 @@ def rebuild(
     positive = [x for x in per_token if x > 0]
     min_token = min(positive) // 2 if positive else 0
     chunk = getattr(index, "chunk_tokens", None)
-    return find_unrecorded(index, free, no_finish, delay, max_pages, min_token, chunk, finish_at)
+    return find_unrecorded(
+        index, free, no_finish, delay, max_pages, min_token, chunk, finish_at, chunk_gap_ns
+    )

@@ -63,6 +63,7 @@ CANCEL_CAPTURES = (
     "p16-chunk512-longprompt-http-clients-cancel",
     "p32-tight-longprompt-http-clients-cancel",
     "p8-longout-http-clients-cancel",
+    "dp2-p16-tight-long-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -341,6 +342,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "removed_blocks_mean 1.328 -> 1.509 (+13.7%); cached_tokens_equal 0.933",
     "p4-tight-long-http-clients-cancel": "stored_events_per_request 2.931 -> 2.685 (-8.4%); "
     "cached_tokens_equal 0.604",
+    "dp2-p16-tight-long-http-clients-cancel": "stored_blocks_median 9 -> 9.5 (+5.6%)",
     "p32-tight-longprompt-http-clients-cancel": "stored_events_per_request 2.579 -> 2.389 "
     "(-7.4%); stored_blocks_median 7 -> 8 (+14.3%); cached_tokens_equal 0.486",
 }
@@ -551,6 +553,7 @@ CANCELLED = {
     "p16-chunk512-longprompt-http-clients-cancel": (238, 30, 30, 24),
     "p32-tight-longprompt-http-clients-cancel": (240, 24, 13, 8),
     "p8-longout-http-clients-cancel": (227, 21, 21, 20),
+    "dp2-p16-tight-long-http-clients-cancel": (232, 18, 15, 11),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -558,7 +561,13 @@ CANCELLED = {
 #: 8 pages below a cached 1792-token prefix, then its 65th page 19 ms later in the next
 #: publish -- a second chunk of 1 page after a first of 8 (the tight pool's budget), read as
 #: a finish store with one page of outputs (a chunk that small is not told from one)
-MISFITS = {"p32-tight-longprompt-http-clients-cancel": 1}
+MISFITS = {
+    "p32-tight-longprompt-http-clients-cancel": 1,
+    # a 1135-token prompt's stores up to its 62nd page (the rest claimed as a record's
+    # re-store), and a second 480-token prompt where one aborted request of 487 tokens fits
+    # (the other most likely a 708-token prompt's first chunk, the rest never stored)
+    "dp2-p16-tight-long-http-clients-cancel": 2,
+}
 
 
 #: capture -> (rebuilt requests that are a later turn of an inferred session, aborted
@@ -577,6 +586,7 @@ CANCELLED_TURNS = {
     "p16-chunk512-longprompt-http-clients-cancel": (20, 20),
     "p32-tight-longprompt-http-clients-cancel": (11, 17),
     "p8-longout-http-clients-cancel": (18, 19),
+    "dp2-p16-tight-long-http-clients-cancel": (11, 11),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -594,6 +604,7 @@ SUCCESSORS = {
     "p16-chunk512-longprompt-http-clients-cancel": (20, 20),
     "p32-tight-longprompt-http-clients-cancel": (3, 12),
     "p8-longout-http-clients-cancel": (10, 11),
+    "dp2-p16-tight-long-http-clients-cancel": (5, 10),
 }
 
 
@@ -634,17 +645,19 @@ def test_cancelled_requests_are_rebuilt_from_their_stores(name, tmp_path):
         p = list(r.input_ids) + list(r.output_ids[:-1])  # what its stores hold
         fits = []
         for k, a in enumerate(aborted):
+            if k in used:  # each rebuilt request is a different aborted one
+                continue
             full = a["input_ids"] + a["output_ids"]  # as far as the client read it
             pages = len(a["input_ids"]) // ps * ps
             m = min(len(p), len(full))
             if len(r.input_ids) >= pages and p[:m] == full[:m]:
                 fits.append((pages, k))
-        if not fits:  # its stores are no aborted request's prompt (+ outputs)
+        if not fits:  # its stores are no (other) aborted request's prompt (+ outputs)
             misfits.append(r.rid)
             continue
         used.add(max(fits)[1])
     assert len(misfits) == MISFITS.get(name, 0), misfits
-    assert len(used) == rebuilt_n - len(misfits)  # each a different aborted request
+    assert len(used) == rebuilt_n - len(misfits)
     # they join the session inference as records do: a cancelled chat turn is its chat's
     # turn (closed loop after the turn before it), not an open-loop arrival
     assert all(r.lane is not None and r.session is not None for r in rebuilt)

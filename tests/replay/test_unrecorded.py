@@ -285,3 +285,32 @@ def test_the_next_turn_after_an_aborted_one_follows_it():
     (rb,) = [r for r in out if r.source == UNRECORDED_SOURCE]
     assert list(rb.input_ids) == b and list(rb.output_ids[: 2 * PS]) == b_full[len(b) :]
     assert by["c"].session == rb.session and by["c"].turn == rb.turn + 1
+
+
+@pytest.mark.parametrize("gap_s", [0.3, 0.5])
+def test_a_one_page_chunk_after_a_whole_one_is_the_prompts(gap_s):
+    """The recorded ``a`` was prefilled in two 8-token chunks 0.4 s apart. The unrecorded
+    ``c``'s first chunk is a whole one (2 pages); a 1-page run below it could be a finish
+    store (one decode pass is faster than the gap) or the last chunk: no later than the
+    records' longest gap between chunk stores (0.4 s) it is the chunk, later the finish."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    a_full = [*a, 50, 51, 52, 53, 54]
+    c = [*SYSTEM, *range(20, 32), 33]  # 2 system pages, 3 own pages and a token
+    c_full = [*c, *range(80, 87)]
+    t = 5.0 + gap_s
+    batches = [
+        (int(1.1 * S), [store(a, 0, 2, PS)]),
+        (int(1.5 * S), [store(a, 2, 3, PS)]),
+        (int(2.0 * S), [store(a_full, 3, 4, PS)]),
+        (int(5.0 * S), [store(c, 2, 4, PS)]),
+        (int(t * S), [store(c, 4, 5, PS)]),
+        (int(6.5 * S), [store(c_full, 5, 6, PS)]),
+    ]
+    index = StoreIndex.from_batches(batches, PS)
+    index.chunk_tokens = 8
+    out, _ = complete_records([rec("a", a, 5, 1.0, 2.0, cached=0)], index)
+    got = [list(r.input_ids) for r in out if r.source == UNRECORDED_SOURCE]
+    if gap_s <= 0.4:
+        assert got == [c[:20]]  # its whole pages, its finish store below them
+    else:
+        assert got[0] == c[:16]  # the one-page run read as its finish store
