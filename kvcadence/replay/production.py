@@ -191,7 +191,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     hashed: list[int] = []
     no_finish: set[int] = set()
     delays: list[int] = []
-    per_token: list[int] = []  # the records' mean time per output token (ns)
+    min_token = 0  # the least of the records' mean times per output token (ns; 0: none)
     chunk_gap = 0  # the longest a record's chunk store came after its previous chunk's (ns)
     for i in by_fin:
         r = records[i]
@@ -218,7 +218,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             claims.extend((ei, j, m, rk) for _, ei, j, m in node.segs)
             delays.append(index.ts_of(node.segs[0][1]) - cast("int", arr))
             if n >= 2 and fin is not None:  # its outputs' time, from its prompt's last store
-                per_token.append((fin - index.ts_of(node.segs[-1][1])) // (n - 1))
+                per = (fin - index.ts_of(node.segs[-1][1])) // (n - 1)
+                if per > 0 and (not min_token or per < min_token):
+                    min_token = per
             for a, b in pairwise(node.segs):  # a chunked prompt: one chunk to the next
                 chunk_gap = max(chunk_gap, index.ts_of(b[1]) - index.ts_of(a[1]))
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
@@ -298,7 +300,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         f = times[i][1]
         if f is not None and (e not in finish_at or f < finish_at[e]):
             finish_at[e] = f
-    lost = rebuild(index, claims, hashed, no_finish, delays, lens, per_token, finish_at, chunk_gap)
+    lost = rebuild(index, claims, hashed, no_finish, delays, lens, min_token, finish_at, chunk_gap)
     if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
         records = [*records, *join_rows(lost, ps, times, n_outs, lens, nodes, known)]
         finished = finish_order(nodes, range(len(nodes)))

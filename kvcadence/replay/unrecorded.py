@@ -364,7 +364,7 @@ def rebuild(
     no_finish: set[int],
     delays: list[int],
     lens: list[int],
-    per_token: Sequence[int] = (),
+    min_token_ns: int = 0,
     finish_at: dict[int, int] | None = None,
     chunk_gap_ns: int = 0,
 ) -> Found:
@@ -372,10 +372,10 @@ def rebuild(
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
     ``claimed_mask`` takes them, ``no_finish`` the page keys of records' prompts whose
     finish store was not found, ``delays`` the records' prefill delays (their median is the
-    rebuilt requests' one), ``lens`` their prompt lengths (a walk's bound), ``per_token``
-    their mean times per output token (half the least is ``find_unrecorded``'s bound of one
-    output's decode: a run published sooner than that many outputs take after a rebuilt
-    prompt's last store is not its finish store), ``finish_at`` the events of the
+    rebuilt requests' one), ``lens`` their prompt lengths (a walk's bound), ``min_token_ns``
+    the least of their mean times per output token (half of it is ``find_unrecorded``'s
+    bound of one output's decode: a run published sooner than that many outputs take after
+    a rebuilt prompt's last store is not its finish store; 0: none known), ``finish_at`` the events of the
     records' finish stores and those records' earliest finish, ``chunk_gap_ns`` the longest
     gap between a record's chunk stores."""
     free = ~claimed_mask(index, claims, hashed)
@@ -384,9 +384,14 @@ def rebuild(
     delays.sort()
     delay = delays[len(delays) // 2] if delays else 0
     max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
-    positive = [x for x in per_token if x > 0]
-    min_token = min(positive) // 2 if positive else 0
-    chunk = getattr(index, "chunk_tokens", None)
     return find_unrecorded(
-        index, free, no_finish, delay, max_pages, min_token, chunk, finish_at, chunk_gap_ns
+        index,
+        free,
+        no_finish,
+        delay,
+        max_pages,
+        min_token_ns // 2,
+        index.chunk_tokens,
+        finish_at,
+        chunk_gap_ns,
     )
