@@ -118,6 +118,11 @@ def page_keys(index: Any) -> Any:
     return index.hashes + per_page * np.int64(_RANK_STRIDE)  # int64 arrays wrap around
 
 
+#: ``claimed_mask``'s sieve: a page's hash is compared with the unclaimed ones only when its
+#: low bits are one of theirs (2**16 flags: a few thousand candidates among a million pages)
+_SIEVE_BITS = 16
+
+
 def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: Any) -> Any:
     """Per stored page of ``index``: whether a record claimed it -- in ``runs`` ``(event,
     first page, pages, the record's rank)``, or a page with the same hash (a re-store, or a
@@ -141,13 +146,16 @@ def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: 
     free = np.flatnonzero(~mask)
     if not len(free):  # every store is a record's (the usual capture)
         return mask
-    # the few free hashes, sorted; every page looked up among them (no sort of all hashes)
+    # a free hash stored at a claimed page too: the claimed pages whose low bits are some
+    # free hash's (a table of ``_SIEVE_BITS``: one gather over every page, no sort or binary
+    # search of all hashes); the others cannot hold one (those that do not are harmless
+    # among them: only the free hashes are looked up in ``known``)
     fh = h[free]
-    sf = np.unique(fh)
-    at = np.minimum(np.searchsorted(sf, h), len(sf) - 1)
-    seen = sf[at] == h
-    seen &= mask  # a free hash stored at a claimed page too
-    known = np.concatenate([h[seen], np.asarray(hashes, dtype=np.int64)])
+    sieve = np.zeros(1 << _SIEVE_BITS, dtype=bool)
+    low = np.int64((1 << _SIEVE_BITS) - 1)
+    sieve[fh & low] = True
+    cand = np.flatnonzero(sieve[h & low] & mask)
+    known = np.concatenate([h[cand], np.asarray(hashes, dtype=np.int64)])
     mask[free[np.isin(fh, known)]] = True
     return mask
 

@@ -124,7 +124,11 @@ def test_claimed_mask_claims_every_page_with_a_claimed_hash(seed, n_events):
     """A page is claimed when a record's run holds it or its hash is claimed anywhere (a
     re-store of a claimed page, a hashed prompt's page); never otherwise."""
     rng = random.Random(seed)
-    pool = [rng.randrange(1, 50) for _ in range(10)]  # few hashes: re-stores are common
+    # few hashes (re-stores are common), many sharing their low 16 bits, some negative (a
+    # mask looks hashes up by their low bits first: those alone must not claim a page)
+    pool = [
+        rng.choice((1, -1)) * (rng.randrange(1, 8) + (rng.randrange(4) << 16)) for _ in range(10)
+    ]
     batches = []
     for e in range(n_events):
         hs = [rng.choice(pool) for _ in range(rng.randint(1, 4))]
