@@ -36,6 +36,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("sessions", "sessions inferred"),
     ("with_predecessor", "requests with an inferred predecessor"),
     ("predecessor_ties", "predecessors picked by the tie rule (ambiguous)"),
+    ("unlinked_shared_prefix", "requests not linked to a rebuilt request's shared prefix"),
     ("clients", "clients inferred"),
     ("open_loop", "open-loop arrivals (first of each client, recorded time)"),
     ("session_starts_joined", "session starts joined to a client (timing only)"),

@@ -34,6 +34,11 @@ def _edge_text(rep: dict[str, Any]) -> str:
         )
     if rep.get("predecessor_ties"):
         parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
+    if rep.get("unlinked_shared_prefix"):
+        parts.append(
+            f"{rep['unlinked_shared_prefix']} requests left without the rebuilt predecessor "
+            "whose pages they share (a prefix several prompts continue differently)"
+        )
     if rep.get("idle_client_joins"):
         parts.append(
             f"{rep['idle_client_joins']} session starts past the think-time bound joined "

@@ -65,6 +65,7 @@ from kvcadence.replay.sessions import (
     finish_order,
     infer_clients,
     infer_predecessors,
+    unlink_shared_open_tails,
 )
 from kvcadence.replay.settings import capture_settings, page_size_hint, tally_for
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
@@ -192,6 +193,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     no_finish: set[int] = set()
     delays: list[int] = []
     min_token = 0  # the least of the records' mean times per output token (ns; 0: none)
+    max_token = 0  # ... and the most
     chunk_gap = 0  # the longest a record's chunk store came after its previous chunk's (ns)
     for i in by_fin:
         r = records[i]
@@ -221,6 +223,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
                 per = (fin - index.ts_of(node.segs[-1][1])) // (n - 1)
                 if per > 0 and (not min_token or per < min_token):
                     min_token = per
+                if per > max_token:
+                    max_token = per
             for a, b in pairwise(node.segs):  # a chunked prompt: one chunk to the next
                 chunk_gap = max(chunk_gap, index.ts_of(b[1]) - index.ts_of(a[1]))
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
@@ -228,7 +232,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
                 node.path = block_hashes(span(prompt, 0, P * ps), ps)
             except WireError:
                 node.path = []
-            hashed.extend(page_key(x, rk) for x in node.path)
+            # the pages it may have stored at prefill: those past its recorded cached
+            # prefix (a cached page was in the tree before it came: another request's,
+            # maybe one the records lack -- its store is no claim of this record's)
+            c = r.cached_tokens // ps if r.cached_tokens is not None else 0
+            hashed.extend(page_key(x, rk) for x in node.path[c:])
             h = node.path[-1] if node.path else None
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
@@ -300,7 +308,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         f = times[i][1]
         if f is not None and (e not in finish_at or f < finish_at[e]):
             finish_at[e] = f
-    lost = rebuild(index, claims, hashed, no_finish, delays, lens, min_token, finish_at, chunk_gap)
+    lost = rebuild(
+        index, claims, hashed, no_finish, delays, lens, min_token, finish_at, chunk_gap, max_token
+    )
     if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
         records = [*records, *join_rows(lost, ps, times, n_outs, lens, nodes, known)]
         finished = finish_order(nodes, range(len(nodes)))
@@ -309,6 +319,15 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # at page size 1 every prompt ends on a full page: ``extends`` admits every candidate
     ext = extends if ps > 1 else None
     pred_ties = infer_predecessors(nodes, index.hashes, index.offs, ext, order, finished)
+
+    def holds(a: int, b: int) -> bool:
+        """``a``'s prompt starts with ``b``'s whole prompt."""
+        n = lens[b]
+        return lens[a] >= n and same_ids(
+            span(records[a].input_ids, 0, n), span(records[b].input_ids, 0, n)
+        )
+
+    unlinked = unlink_shared_open_tails(nodes, holds, lens.__getitem__)
 
     # outputs from the next prompt: the first successor (by arrival) of each request
     first_succ: dict[int, int] = {}
@@ -403,6 +422,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "idle_client_joins": idle_joins,
         "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
         "predecessor_ties": pred_ties,
+        "unlinked_shared_prefix": unlinked,
         "unrecorded_rebuilt": len(lost.requests),
         "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
         "unrecorded_not_rebuilt": lost.outside,

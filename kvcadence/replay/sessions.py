@@ -73,6 +73,10 @@ class Node:
     #: client read only part of what the worker stored before the abort landed, so the next
     #: turn's prompt holds only part of those pages)
     out_pages: list[int] | None = None
+    #: its prompt's tail past its last stored page and its outputs are unknown (a rebuilt
+    #: request without a finish store): a later prompt through its last page is its next
+    #: turn only when no other takes it for its predecessor (``infer_predecessors``)
+    open_tail: bool = False
     pred: int | None = None
     has_successor: bool = False
 
@@ -149,7 +153,7 @@ def infer_predecessors(
                 c -= 1
                 found = anchors.get(hit_hash[c])
                 if found:
-                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
+                    hit = [x for x in found if x[1] != q and (extends is None or extends(q, x[1]))]
                     if hit:
                         break
             if hit:
@@ -157,13 +161,13 @@ def infer_predecessors(
         else:
             if node.path:
                 for found in _anchored_rest(node, anchors):
-                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
+                    hit = [x for x in found if x[1] != q and (extends is None or extends(q, x[1]))]
                     if hit:
                         break
             elif node.base is not None:  # ``_anchored_rest``'s only anchor here
                 found = anchors.get(node.base)
                 if found:
-                    hit = found if extends is None else [x for x in found if extends(q, x[1])]
+                    hit = [x for x in found if x[1] != q and (extends is None or extends(q, x[1]))]
         if not hit:
             continue
         best = hit[0]
@@ -181,6 +185,34 @@ def infer_predecessors(
         node.pred = best[1]
         nodes[best[1]].has_successor = True
     return ties
+
+
+def unlink_shared_open_tails(
+    nodes: Sequence[Node], holds: Callable[[int, int], bool], length: Callable[[int], int]
+) -> int:
+    """Unlink the requests whose predecessor has an open tail (``Node.open_tail``) when
+    that predecessor's takers are not one conversation: ``holds(a, b)``, whether request
+    ``a``'s prompt holds request ``b``'s whole prompt, fails for two of them (by prompt
+    ``length``, each holds the one before). Its stored pages are then a prefix several prompts
+    continue differently -- a system prompt the aborted request was the first to store --
+    and which of them is its next turn, if any, is not known. Returns how many were
+    unlinked."""
+    taken: dict[int, list[int]] = {}
+    for q, n in enumerate(nodes):
+        if n.pred is not None and nodes[n.pred].open_tail:
+            taken.setdefault(n.pred, []).append(q)
+    out = 0
+    for r, qs in taken.items():
+        if len(qs) < 2:
+            continue
+        qs.sort(key=lambda q: (length(q), q))
+        if all(holds(b, a) for a, b in pairwise(qs)):
+            continue  # one conversation: each longer prompt holds the shorter ones
+        for q in qs:
+            nodes[q].pred = None
+        nodes[r].has_successor = False
+        out += len(qs)
+    return out
 
 
 def _add_anchors(anchors: dict[int, list[tuple[int, int]]], rn: Node, r: int) -> None:

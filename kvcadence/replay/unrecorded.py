@@ -231,6 +231,7 @@ def find_unrecorded(
     chunk_tokens: int | None = None,
     finish_at: dict[int, int] | None = None,
     chunk_gap_ns: int = 0,
+    max_token_ns: int = 0,
 ) -> Found:
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
     ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
@@ -241,7 +242,10 @@ def find_unrecorded(
     records' finish times (a rebuilt request whose prompt extends a page first stored in
     one arrived after that finish; the rebuilt requests' finish stores join it, at their
     publish); ``chunk_gap_ns``: the longest a record's chunk store came after its previous
-    chunk's (a run below a whole chunk within it is the next chunk)."""
+    chunk's (a run below a whole chunk within it is the next chunk); ``max_token_ns``: an
+    upper bound of one output token's decode time (0: none known): a run published later
+    after a rebuilt prompt's last store than all it may hold and the outputs decoded past
+    it (``len + page - 1``) take at that pace is not its finish store."""
     finish_at = {} if finish_at is None else dict(finish_at)
     found = Found(multi_rank=bool(index.frame_rank))
     ps = index.page_size
@@ -262,7 +266,9 @@ def find_unrecorded(
             # but the last output: len(toks) - ps + 1 decode passes at least
             gap = t - req.prefill_ns
             full = chunk_tokens is not None and req.run >= chunk_tokens // ps * ps
-            if gap >= (len(toks) - ps + 1) * min_token_ns and not (full and gap <= chunk_gap_ns):
+            soon = gap < (len(toks) - ps + 1) * min_token_ns or (full and gap <= chunk_gap_ns)
+            late = max_token_ns and gap > (len(toks) + ps - 1) * max_token_ns
+            if not soon and not late:
                 req.outputs = array(CODE, toks)
                 req.outputs.append(toks[-1])  # the last output's KV was never inserted
                 req.finish_ns = t
@@ -360,6 +366,7 @@ def join_rows(
         # went out): a request whose prompt holds its prompt may follow it from its prefill
         node.ready_ns = u.prefill_ns
         node.out_pages = u.out_pages
+        node.open_tail = u.end is None
         nodes.append(node)
         known.append(None)
     return recs
@@ -375,6 +382,7 @@ def rebuild(
     min_token_ns: int = 0,
     finish_at: dict[int, int] | None = None,
     chunk_gap_ns: int = 0,
+    max_token_ns: int = 0,
 ) -> Found:
     """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
@@ -385,7 +393,9 @@ def rebuild(
     bound of one output's decode: a run published sooner than that many outputs take after
     a rebuilt prompt's last store is not its finish store; 0: none known), ``finish_at`` the events of the
     records' finish stores and those records' earliest finish, ``chunk_gap_ns`` the longest
-    gap between a record's chunk stores."""
+    gap between a record's chunk stores, ``max_token_ns`` the most of their mean times per
+    output token (twice it is ``find_unrecorded``'s bound of one output's decode: a run
+    published later than that many outputs take is not the finish store; 0: none known)."""
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()
@@ -402,4 +412,5 @@ def rebuild(
         index.chunk_tokens,
         finish_at,
         chunk_gap_ns,
+        2 * max_token_ns,
     )

@@ -318,3 +318,53 @@ def test_a_one_page_chunk_after_a_whole_one_is_the_prompts(gap_s):
         assert got == [c[:20]]  # its whole pages, its finish store below them
     else:
         assert got[0] == c[:16]  # the one-page run read as its finish store
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_a_system_prompt_an_aborted_request_stored_first_is_its_store(distinct):
+    """The unrecorded ``x`` was the first to send the shared system prompt (2 pages) and
+    stored those pages at its prefill; its own short question filled no page. The
+    recorded ``a1`` and ``a2`` came later with the system prompt cached (``cached_tokens``
+    8: all their whole pages) and stored nothing. A cached page was in the tree before a
+    request came, so it is no claim of that request's: ``x`` is rebuilt, and the replay
+    gives ``a1`` and ``a2`` their recorded cache hit. Both prompts run through ``x``'s last
+    page, the only anchor ``x`` has (its question and answer were never stored): when they
+    continue it differently (two questions), neither is ``x``'s next turn; when one holds
+    the other (one conversation), they stay linked."""
+    a1 = [*SYSTEM, 1, 2, 3]
+    a2 = [*SYSTEM, 5, 6, 7] if distinct else [*a1, 4, 5, 6, 7, 8]
+    batches = [(int(1.1 * S), [store([*SYSTEM, 9], 0, 2, PS)])]
+    if not distinct:  # a2's own pages, past its cached prefix
+        batches.append((int(3.1 * S), [store(a2, 2, 4, PS)]))
+    records = [rec("a1", a1, 1, 2.0, 2.5, cached=8), rec("a2", a2, 1, 3.0, 3.5, cached=8)]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    by = {r.rid: r for r in out}
+    (x,) = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert list(x.input_ids) == SYSTEM and len(x.output_ids) == 1
+    assert rep["unlinked_shared_prefix"] == (2 if distinct else 0)
+    assert ("2 requests left without the rebuilt predecessor" in report_text(rep)) is distinct
+    if distinct:
+        assert by["a1"].turn == by["a2"].turn == 0 and by["a1"].session != by["a2"].session
+    else:
+        assert by["a1"].session == x.session and by["a1"].turn == x.turn + 1
+    res = simulate(out, config(page_size=PS, max_total_tokens=64))
+    got = {r.rid: r.cached_tokens for r in res.requests}
+    assert got["a1"] == got["a2"] == 8
+
+
+@pytest.mark.parametrize("gap_s", [1.0, 5.0])
+def test_a_store_too_late_for_a_rebuilt_prompts_outputs_is_another_request(gap_s):
+    """The unrecorded ``b`` stored its prompt at 3.1 s; a 1-page run below it comes
+    ``gap_s`` later. The records' slowest mean time per output token is ``a``'s (4 tokens
+    after its prefill store in 0.9 s: 0.225 s); twice it bounds one output's decode. A page
+    (at most 7 outputs: the stored ones and those decoded past them) is then at most
+    1.575 s: 1 s later the run is ``b``'s finish store, 5 s later another request's prefill
+    below ``b`` (a prompt continuing ``b``'s pages)."""
+    batches, records, b, b_full = _traffic()
+    batches = [*batches[:3], (int((3.1 + gap_s) * S), [store(b_full, 3, 4, PS)])]
+    out, _ = complete_records(records, StoreIndex.from_batches(batches, PS))
+    got = [(list(r.input_ids), list(r.output_ids)) for r in out if r.source == UNRECORDED_SOURCE]
+    if gap_s < 1.575:
+        assert got == [(b, [*b_full[len(b) :], b_full[-1]])]
+    else:
+        assert got == [(b, [b[-1]]), (b_full, [b_full[-1]])]
