@@ -191,7 +191,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     claims: list[tuple[int, int, int, int]] = []  # (event, page, pages, the record's rank)
     hashed: list[int] = []
     no_finish: set[int] = set()
-    delays: list[int] = []
+    delays: list[tuple[int, int]] = []  # (prefill store's publish, prefill delay)
     min_token = 0  # the least of the records' mean times per output token (ns; 0: none)
     max_token = 0  # ... and the most
     chunk_gap = 0  # the longest a record's chunk store came after its previous chunk's (ns)
@@ -218,7 +218,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if fast is not None:
             h, node.segs, node.base = fast
             claims.extend((ei, j, m, rk) for _, ei, j, m in node.segs)
-            delays.append(index.ts_of(node.segs[0][1]) - cast("int", arr))
+            t_pre = index.ts_of(node.segs[0][1])
+            delays.append((t_pre, t_pre - cast("int", arr)))
             if n >= 2 and fin is not None:  # its outputs' time, from its prompt's last store
                 per = (fin - index.ts_of(node.segs[-1][1])) // (n - 1)
                 if per > 0 and (not min_token or per < min_token):

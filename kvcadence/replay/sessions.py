@@ -25,7 +25,14 @@ holding only part of what that store holds (the answer as far as the client read
 anchors count from its prefill on (``Node.ready_ns``), and every page of its finish store is
 an end anchor too (``Node.out_pages``). Measured on the corpus's captures of such clients
 (``tests/replay/test_corpus.py``, ``SUCCESSORS``): the records that follow an aborted turn
-and are linked to it went from 79 to 162 of 215 (2026-12-04), none linked to another.
+and are linked to it went from 79 to 162 of 215 (2026-12-04), none linked to another. Its
+receive time is an estimate (its prefill store's publish less the prefill delay of the
+records prefilled around it): any request that finished before its prefill may be its
+predecessor (rebuilt turns inferred over the corpus's 13 such captures: +12 toward the
+clients' truth, none past it). Without a finish store its anchor is its prompt's last
+stored page alone, and the prompts through it are its next turn only when they are one
+conversation (``unlink_shared_open_tails``: a system prompt an aborted request was the
+first to send is every later request's prefix).
 
 ``infer_clients`` links each request without a predecessor (a session start) to the
 session end (a request without a successor) that finished last before it: a closed-loop
@@ -126,16 +133,21 @@ def infer_predecessors(
     early = sorted((n.ready_ns, r) for r, n in enumerate(nodes) if n.ready_ns is not None)
     added: set[int] = set()
     ek = 0
+    # a rebuilt request's arrival is an estimate (its prefill store's publish less a
+    # queue's delay): any request that finished before its prefill may be its predecessor
+    at = [n.arrival_ns if n.ready_ns is None else max(n.arrival_ns, n.ready_ns) for n in nodes]
+    if early:
+        order = sorted(order, key=at.__getitem__)  # stable: arrival order within a time
     for q in order:
         node = nodes[q]
         # (strictly before: a request's own anchors are ready at its prefill, never before
         # its arrival)
-        while ek < len(early) and early[ek][0] < node.arrival_ns:
+        while ek < len(early) and early[ek][0] < at[q]:
             _add_anchors(anchors, nodes[early[ek][1]], early[ek][1])
             added.add(early[ek][1])
             ek += 1
-        if fi < len(fins) and fins[fi] <= node.arrival_ns:
-            stop = bisect_right(fins, node.arrival_ns, fi)
+        if fi < len(fins) and fins[fi] <= at[q]:
+            stop = bisect_right(fins, at[q], fi)
             for r in by_finish[fi:stop]:  # finished by now: their anchors become candidates
                 if r not in added:
                     _add_anchors(anchors, nodes[r], r)

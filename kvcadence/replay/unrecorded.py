@@ -34,8 +34,11 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
 * any other run is a request's prefill: its prompt is the run's tokens after the tokens of
   its parent chain, read back page by page through the stored events to the root (a chain
   that leaves the capture -- stored before it started -- is not rebuilt, only counted); it
-  arrived the records' median prefill delay (receive -> publish of the prefill store) before
-  the run was published, but not before the finish of the request whose outputs it extends
+  arrived the prefill delay (receive -> publish of the prefill store) of the records
+  prefilled around it (the median of the ``LOCAL_DELAY`` before and after it: a queue
+  comes and goes -- on ``p4-tight-long-http-clients-cancel`` the delay grows from 30 ms to
+  8 s, and the capture-wide median, 4.7 s, received its first aborted request before the
+  first request of the capture) before the run was published, but not before the finish of the request whose outputs it extends
   (its parent page first stored in a record's finish store, or a rebuilt one's: a client
   sends the next turn after the answer; under a queue the median delay put such turns
   before their predecessor's finish, so they ran open loop), nor before the prefill of a
@@ -55,6 +58,7 @@ the capture's own requests per request.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -95,6 +99,29 @@ class Found:
     outside: int = 0
     #: whether the capture has several DP ranks (rebuilt records then say theirs)
     multi_rank: bool = False
+
+
+#: a rebuilt request's prefill delay is the median of this many records' prefilled before
+#: it and as many after (``LocalDelay``)
+LOCAL_DELAY = 3
+
+
+class LocalDelay:
+    """The records' prefill delays by prefill time: ``at(t)`` is the median delay of the
+    ``LOCAL_DELAY`` records prefilled last before ``t`` and as many first after it (0 when
+    there is none). All DP ranks' together: per rank (each its own queue) held 600 bars of
+    the corpus against 602 (2026-12-04)."""
+
+    def __init__(self, pairs: Sequence[tuple[int, int]]) -> None:
+        got = sorted(pairs)
+        self.ts = [t for t, _ in got]
+        self.delays = [d for _, d in got]
+
+    def at(self, t: int) -> int:
+        """The prefill delay of a request prefilled at ``t`` (ns)."""
+        i = bisect_left(self.ts, t)
+        near = sorted(self.delays[max(0, i - LOCAL_DELAY) : i + LOCAL_DELAY])
+        return near[len(near) // 2] if near else 0
 
 
 #: a page's key in a multi-rank capture: its hash moved by its rank (int64 wrap-around); a
@@ -225,7 +252,7 @@ def find_unrecorded(
     index: Any,
     free: Any,
     record_anchors: set[int],
-    prefill_delay_ns: int,
+    prefill_delay: LocalDelay,
     max_pages: int,
     min_token_ns: int = 0,
     chunk_tokens: int | None = None,
@@ -297,7 +324,7 @@ def find_unrecorded(
             continue
         head.extend(toks)
         prompt = prompts.add(head)  # (the whole array is not kept)
-        arrival = t - prefill_delay_ns
+        arrival = t - prefill_delay.at(t)
         first = chains.where(parent) if parent is not None else None
         if first is not None and first[0] in finish_at:
             # it extends another request's outputs: sent after that request finished
@@ -377,7 +404,7 @@ def rebuild(
     claims: list[tuple[int, int, int, int]],
     hashed: list[int],
     no_finish: set[int],
-    delays: list[int],
+    delays: list[tuple[int, int]],
     lens: list[int],
     min_token_ns: int = 0,
     finish_at: dict[int, int] | None = None,
@@ -387,8 +414,8 @@ def rebuild(
     """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
     ``claimed_mask`` takes them, ``no_finish`` the page keys of records' prompts whose
-    finish store was not found, ``delays`` the records' prefill delays (their median is the
-    rebuilt requests' one), ``lens`` their prompt lengths (a walk's bound), ``min_token_ns``
+    finish store was not found, ``delays`` the records' ``(prefill store's publish, prefill
+    delay)`` (``LocalDelay``: the rebuilt requests' delays), ``lens`` their prompt lengths (a walk's bound), ``min_token_ns``
     the least of their mean times per output token (half of it is ``find_unrecorded``'s
     bound of one output's decode: a run published sooner than that many outputs take after
     a rebuilt prompt's last store is not its finish store; 0: none known), ``finish_at`` the events of the
@@ -399,14 +426,12 @@ def rebuild(
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()
-    delays.sort()
-    delay = delays[len(delays) // 2] if delays else 0
     max_pages = 2 * (max(lens, default=0) // index.page_size) + 1
     return find_unrecorded(
         index,
         free,
         no_finish,
-        delay,
+        LocalDelay(delays),
         max_pages,
         min_token_ns // 2,
         index.chunk_tokens,

@@ -368,3 +368,44 @@ def test_a_store_too_late_for_a_rebuilt_prompts_outputs_is_another_request(gap_s
         assert got == [(b, [*b_full[len(b) :], b_full[-1]])]
     else:
         assert got == [(b, [b[-1]]), (b_full, [b_full[-1]])]
+
+
+def test_a_rebuilt_request_waited_as_long_as_the_records_prefilled_around_it():
+    """A queue comes and goes: the four first records waited 0.1 s for their prefill, the
+    five later ones 5 s (the capture-wide median). The unrecorded ``b``, prefilled among
+    the first, is received the median delay of the records prefilled around it (0.1 s
+    before its store), not 5 s before it -- before the capture's first request."""
+    recv = [1.0, 2.0, 3.0, 4.0, 10.0, 11.0, 12.0, 13.0, 14.0]
+    records, batches = [], []
+    for k, r in enumerate(recv):
+        prompt = [1000 + 10 * k + i for i in range(PS)]  # one page each, nothing shared
+        wait = 0.1 if r < 5 else 5.0
+        batches.append((int((r + wait) * S), [store(prompt, 0, 1, PS)]))
+        records.append(rec(f"a{k}", prompt, 1, r, r + wait + 0.2, cached=0))
+    b = [7, 7, 7, 7]
+    batches.append((int(2.5 * S), [store(b, 0, 1, PS)]))
+    out, _ = complete_records(records, StoreIndex.from_batches(batches, PS))
+    (got,) = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert list(got.input_ids) == b
+    assert got.arrival_ns == int(2.5 * S) - int(0.1 * S)
+
+
+def test_a_rebuilt_turn_follows_a_request_that_finished_before_its_prefill():
+    """Under a 2 s queue the unrecorded ``b`` (``a``'s prompt, the output ``a``'s client
+    read, a new turn: its prefill store below ``a``'s last full page, at 4.5 s) is received,
+    by the delay of the records prefilled around it, at 2.5 s: before ``a`` finished (3.5
+    s). That receive is an estimate; ``a`` finished before ``b``'s prefill, so ``b`` may
+    follow it, and does: the turn after ``a``."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]  # 3 whole pages and 2 tokens; its 1 output fills none
+    b = [*a, 77, 9, 9, 9, 9, 9]
+    batches = [(int(3.0 * S), [store(a, 0, 3, PS)]), (int(4.5 * S), [store(b, 3, 5, PS)])]
+    records = [rec("a", a, 1, 1.0, 3.5, cached=0)]
+    for k in range(3):  # others in the queue: 2 s from receive to prefill
+        p = [1000 + 10 * k + i for i in range(PS)]
+        batches.append((int((4.0 + k) * S), [store(p, 0, 1, PS)]))
+        records.append(rec(f"c{k}", p, 1, 2.0 + k, 4.2 + k, cached=0))
+    out, _ = complete_records(records, StoreIndex.from_batches(batches, PS))
+    by = {r.rid: r for r in out}
+    (rb,) = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert list(rb.input_ids) == b and rb.arrival_ns == int(2.5 * S)
+    assert rb.session == by["a"].session and rb.turn == by["a"].turn + 1
