@@ -64,6 +64,7 @@ CANCEL_CAPTURES = (
     "p32-tight-longprompt-http-clients-cancel",
     "p8-longout-http-clients-cancel",
     "dp2-p16-tight-long-http-clients-cancel",
+    "p8-systems-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -552,6 +553,7 @@ CANCELLED = {
     "p32-tight-longprompt-http-clients-cancel": (240, 24, 13, 8),
     "p8-longout-http-clients-cancel": (227, 21, 21, 20),
     "dp2-p16-tight-long-http-clients-cancel": (232, 18, 15, 11),
+    "p8-systems-http-clients-cancel": (261, 32, 32, 29),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -585,6 +587,7 @@ CANCELLED_TURNS = {
     "p32-tight-longprompt-http-clients-cancel": (11, 17),
     "p8-longout-http-clients-cancel": (19, 19),
     "dp2-p16-tight-long-http-clients-cancel": (11, 11),
+    "p8-systems-http-clients-cancel": (22, 22),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -603,6 +606,7 @@ SUCCESSORS = {
     "p32-tight-longprompt-http-clients-cancel": (3, 12),
     "p8-longout-http-clients-cancel": (11, 11),
     "dp2-p16-tight-long-http-clients-cancel": (5, 10),
+    "p8-systems-http-clients-cancel": (18, 18),
 }
 
 
