@@ -81,8 +81,8 @@ class Node:
     #: turn's prompt holds only part of those pages)
     out_pages: list[int] | None = None
     #: its prompt's tail past its last stored page and its outputs are unknown (a rebuilt
-    #: request without a finish store): a later prompt through its last page is its next
-    #: turn only when no other takes it for its predecessor (``infer_predecessors``)
+    #: request without a finish store): the later prompts that take it for their
+    #: predecessor keep it only when they are one conversation (``unlink_shared_open_tails``)
     open_tail: bool = False
     pred: int | None = None
     has_successor: bool = False

@@ -11,14 +11,20 @@ stream). Replaying the records alone leaves those stores, their evictions and th
 they gave out of the replay.
 
 Every stored page that no record claimed (``production._complete`` marks the runs it matched
-to a record's prefill or finish, and the page hashes of prompts it hashed: ``claimed_mask``)
+to a record's prefill or finish, and the page hashes of prompts it hashed past their
+recorded cached prefix -- a cached page is another request's store, maybe an aborted one's:
+``claimed_mask``)
 is looked at in publish order, runs of consecutive unclaimed pages of one event at a time:
 
 * a run below the last page of a rebuilt request, published later, is that request's finish
   store: its tokens become the request's outputs (all but the last output token is
   inserted, so ``pages * page_size + 1`` outputs) and its publish time its finish -- unless
   it came sooner than that many outputs take to decode (at least ``tokens - page_size + 1``
-  decode passes, each at least half the records' least time per output token). Then, below
+  decode passes, each at least half the records' least time per output token), or later
+  than all it holds and the fewer than a page decoded past it take at twice the records'
+  greatest mean time per output token (``tokens + page_size - 1`` passes: then it is
+  another request's prefill; corpus ``p64-http-clients-cancel``, a page 20 s after an
+  aborted system prompt's store). When too soon, below
   a run of half the worker's chunk or more, it is the next chunk of the request's prompt
   (chunked prefill stores a long prompt chunk by chunk, each chunk's store below the one
   before; measured on corpus ``p16-chunk512-longprompt-http-clients-cancel``, where an
@@ -38,8 +44,8 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
   prefilled around it (the median of the ``LOCAL_DELAY`` before and after it: a queue
   comes and goes -- on ``p4-tight-long-http-clients-cancel`` the delay grows from 30 ms to
   8 s, and the capture-wide median, 4.7 s, received its first aborted request before the
-  first request of the capture) before the run was published, but not before the finish of the request whose outputs it extends
-  (its parent page first stored in a record's finish store, or a rebuilt one's: a client
+  first request of the capture) before the run was published, but not before the finish
+  of the request whose outputs it extends (its parent page first stored in a record's finish store, or a rebuilt one's: a client
   sends the next turn after the answer; under a queue the median delay put such turns
   before their predecessor's finish, so they ran open loop), nor before the prefill of a
   rebuilt request whose prompt it extends; without a finish store it
@@ -262,7 +268,8 @@ def find_unrecorded(
 ) -> Found:
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
     ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
-    finish store was not found; ``max_pages``: the longest prompt rebuilt, in pages;
+    finish store was not found; ``prefill_delay``: the records' prefill delays by time
+    (``LocalDelay``); ``max_pages``: the longest prompt rebuilt, in pages;
     ``min_token_ns``: a lower bound of one output token's decode time (0: none known);
     ``chunk_tokens``: the worker's chunked-prefill size (None: chunking off);
     ``finish_at``: the events holding the records' finish stores -> the earliest of those
@@ -304,7 +311,7 @@ def find_unrecorded(
                 by_last[page_key(last, rank)] = req  # (a store below it is another request's)
                 finish_at.setdefault(ei, t)
                 continue
-            if chunk_tokens and 2 * req.run >= chunk_tokens:
+            if soon and chunk_tokens and 2 * req.run >= chunk_tokens:
                 # too soon for its outputs, or as soon as a record's chunks came below a
                 # whole chunk, below a chunk-sized run: the prompt's next chunk
                 grown = req.prompt.materialize()
@@ -415,7 +422,8 @@ def rebuild(
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
     ``claimed_mask`` takes them, ``no_finish`` the page keys of records' prompts whose
     finish store was not found, ``delays`` the records' ``(prefill store's publish, prefill
-    delay)`` (``LocalDelay``: the rebuilt requests' delays), ``lens`` their prompt lengths (a walk's bound), ``min_token_ns``
+    delay)`` (``LocalDelay``: the rebuilt requests' delays), ``lens`` their prompt lengths
+    (a walk's bound), ``min_token_ns``
     the least of their mean times per output token (half of it is ``find_unrecorded``'s
     bound of one output's decode: a run published sooner than that many outputs take after
     a rebuilt prompt's last store is not its finish store; 0: none known), ``finish_at`` the events of the

@@ -352,17 +352,21 @@ def test_a_system_prompt_an_aborted_request_stored_first_is_its_store(distinct):
     assert got["a1"] == got["a2"] == 8
 
 
+@pytest.mark.parametrize("chunk", [None, 8])
 @pytest.mark.parametrize("gap_s", [1.0, 5.0])
-def test_a_store_too_late_for_a_rebuilt_prompts_outputs_is_another_request(gap_s):
+def test_a_store_too_late_for_a_rebuilt_prompts_outputs_is_another_request(gap_s, chunk):
     """The unrecorded ``b`` stored its prompt at 3.1 s; a 1-page run below it comes
     ``gap_s`` later. The records' slowest mean time per output token is ``a``'s (4 tokens
     after its prefill store in 0.9 s: 0.225 s); twice it bounds one output's decode. A page
     (at most 7 outputs: the stored ones and those decoded past them) is then at most
     1.575 s: 1 s later the run is ``b``'s finish store, 5 s later another request's prefill
-    below ``b`` (a prompt continuing ``b``'s pages)."""
+    below ``b`` (a prompt continuing ``b``'s pages) -- also with 8-token chunks, where ``b``'s
+    run is a whole chunk: a chunk comes soon, not late."""
     batches, records, b, b_full = _traffic()
     batches = [*batches[:3], (int((3.1 + gap_s) * S), [store(b_full, 3, 4, PS)])]
-    out, _ = complete_records(records, StoreIndex.from_batches(batches, PS))
+    index = StoreIndex.from_batches(batches, PS)
+    index.chunk_tokens = chunk
+    out, _ = complete_records(records, index)
     got = [(list(r.input_ids), list(r.output_ids)) for r in out if r.source == UNRECORDED_SOURCE]
     if gap_s < 1.575:
         assert got == [(b, [*b_full[len(b) :], b_full[-1]])]
