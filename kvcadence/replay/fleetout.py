@@ -36,7 +36,7 @@ from typing import Any
 from kvcadence.errors import ReplayError
 from kvcadence.format.schema import EndpointInfo
 from kvcadence.outguard import refuse_nonempty_dir
-from kvcadence.replay.production import retractions
+from kvcadence.replay.retracted import retractions
 from kvcadence.replay.simbundle import SimBundleOut, sim_header
 from kvcadence.replay.visibility import scheduler_notes
 

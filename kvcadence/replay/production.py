@@ -10,7 +10,7 @@ opaque rids. Before the replay builds its schedule:
    A request that stopped at EOS before its length may have one output more in its finish
    store (the overlap loop decodes it once more, ``replay.scheduler``): up to that many
    pages are read. A retracted request stored its outputs in two runs (its re-prefill, which
-   may re-store its prompt's evicted last pages, and its finish): ``_retracted_run``.
+   may re-store its prompt's evicted last pages, and its finish): ``retracted.retracted_run``.
 2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
    requests becomes one inferred session, written as ``session`` with ``turn`` its
    position (``lane``: its client, below), so the schedule replays it closed loop (think time = recorded receive − the
@@ -30,8 +30,8 @@ opaque rids. Before the replay builds its schedule:
 Aborted and errored requests that never ran (no output token) stored nothing and are left
 out (``error`` set); those that ran are replayed to their recorded, partial, output length.
 Parallel samples (``n > 1``) of one prompt each claim their own finish store, in finish
-order. Retractions are not imposed: ``retractions`` compares the capture's with the
-replay's own. The counts are in the report (docs/production.md, "Production traffic").
+order. Retractions are not imposed: ``retracted.retractions`` compares the capture's with
+the replay's own. The counts are in the report (docs/production.md, "Production traffic").
 
 Records that already have output ids keep them (``--log-requests`` records: only the
 sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any, cast
 
@@ -58,6 +58,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
+from kvcadence.replay.retracted import is_retracted, retracted_run
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
     Node,
@@ -150,7 +151,7 @@ def complete_records(
             else:
                 why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
                 out[i] = msgspec.structs.replace(r, error=r.error or why)
-        retracted += _retracted(r)
+        retracted += is_retracted(r)
     if len(keep) == len(records):  # every record ran (the usual capture)
         out, report = _complete(records, index, flushes_ns)
     else:
@@ -261,9 +262,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             continue
         runs: list[tuple[int, int, int]] | None = None
         if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
-            if _retracted(r):
+            if is_retracted(r):
                 runs = []  # its runs, each claimed where found
-                more = _retracted_run(index, h, tail, Kq, arr, fin, taken, runs)
+                more = retracted_run(index, h, tail, Kq, arr, fin, taken, runs)
                 got = more or got
                 claims.extend((a, b, c, rk) for a, b, c in (runs if more else ()))
         if got is not None:
@@ -430,58 +431,6 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unclaimed_below_records": lost.below_records,
     }
     return out_records, report
-
-
-def _retracted_run(
-    index: StoreIndex,
-    h: int | None,
-    tail: Sequence[int],
-    k: int,
-    arr: int,
-    fin: int,
-    taken: dict[tuple[int, int], int],
-    runs: list[tuple[int, int, int]],
-) -> tuple[Any, int, bool, tuple[int, int], bool] | None:
-    """A retracted request's outputs, ``finish_pages``' result for up to ``k`` pages. It
-    stored them in two runs: at its re-prefill, with the outputs decoded before the
-    retraction (the run after ``h`` in the first event from its arrival on that holds
-    ``h``: the retraction may have evicted its prompt's last pages, re-stored there too),
-    and at its finish, chained below that run. ``runs``: each run's ``(event, first page,
-    pages)`` is appended to it."""
-    got = index.finish_pages(h, tail, k, arr, arr, None, taken)
-    if got is None:
-        return None
-    toks, last, merged, where, tie = got
-    ps = index.page_size
-    runs.append((where[0], where[1], len(toks) // ps))
-    while len(toks) < k * ps:
-        more = index.finish_pages(last, EMPTY, k - len(toks) // ps, arr, fin, None, taken)
-        if more is None or not len(more[0]):
-            break
-        runs.append((more[3][0], more[3][1], len(more[0]) // ps))
-        toks = cat(toks, more[0])
-        last = more[1]
-        merged = merged or more[2]
-    return toks, last, merged, where, tie
-
-
-def _retracted(r: Any) -> bool:
-    nr = (r.meta_info or {}).get("num_retractions")
-    return isinstance(nr, int) and not isinstance(nr, bool) and nr > 0
-
-
-def retractions(records: Iterable[Any], sim_requests: Iterable[Any]) -> dict[str, int]:
-    """The capture's retracted requests against the replay's: how many the capture
-    retracted (``meta_info.num_retractions`` > 0), how many of those the replay retracted
-    too, and how many the replay retracted in all. The replay simulates its own
-    retractions (memory pressure); the recorded count is not imposed."""
-    real = {r.rid for r in records if _retracted(r)}
-    sim = {r.rid for r in sim_requests if _retracted(r)}
-    return {
-        "retracted_in_capture": len(real),
-        "retracted_in_capture_and_replay": len(real & sim),
-        "retracted_in_replay": len(sim),
-    }
 
 
 def records_for_replay(

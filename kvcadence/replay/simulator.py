@@ -48,9 +48,9 @@ from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import PublishedBatch
 from kvcadence.replay.fleet import Fleet
 from kvcadence.replay.loading import load_for_replay
-from kvcadence.replay.production import retractions
 from kvcadence.replay.radix import Hasher
 from kvcadence.replay.request import SimStats
+from kvcadence.replay.retracted import retractions
 from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import Schedule
 from kvcadence.replay.settings import capture_settings

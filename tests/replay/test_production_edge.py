@@ -16,8 +16,8 @@ from kvcadence.replay.production import (
     NOT_RUN_ABORT,
     NOT_RUN_ERROR,
     complete_records,
-    retractions,
 )
+from kvcadence.replay.retracted import retractions
 from kvcadence.replay.simulator import replay_bundle, simulate
 from tests.replay.helpers import config
 from tests.replay.test_production_inference import S, rec, store
