@@ -16,6 +16,12 @@ seed) stream and their client hangs up after 1-4 output tokens (``cancel_after``
 chat goes on with the partial answer in its next prompt. No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
+With ``flush_at`` (``--flush-at S``, repeatable) an operator thread calls ``POST
+/flush_cache`` at ``S`` seconds into the run, whatever the clients are doing, as an operator
+would (after a weight update, say): SGLang flushes only when nothing is running or waiting
+and refuses otherwise, so the call is repeated every ``FLUSH_RETRY_S`` until it succeeds
+(or ``FLUSH_GIVE_UP_S`` passed). Each outcome is kept in ``Clients.flushes``.
+
 Seeded: the number of requests, their start times, system prompts, turn counts, output
 lengths and every prompt token are fixed by ``seed`` (each client draws from its own
 generator); only the outputs (greedy) and the worker's timing are not.
@@ -46,6 +52,10 @@ from typing import Any
 from kvcadence.errors import CaptureError, KvcadenceError
 
 SYSTEM_LENGTHS = (96, 160, 224)
+#: an operator's ``/flush_cache`` refused (the worker was busy) is tried again this often ...
+FLUSH_RETRY_S = 0.25
+#: ... for this long
+FLUSH_GIVE_UP_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,12 @@ class Clients:
         turn_in: int = 16,
         cancel_share: float = 0.0,
         cancel_after: tuple[int, int] = (1, 4),
+        flush_at: tuple[float, ...] = (),
     ) -> None:
         self.url = url
+        self.flush_at = tuple(sorted(flush_at))
+        #: per ``flush_at`` point: {"at_s", "ok", "tries", "done_s", "status"}
+        self.flushes: list[dict[str, Any]] = []
         self.seed = seed
         self.timeout_s = timeout_s
         self.rng = random.Random(seed)
@@ -204,9 +218,41 @@ class Clients:
             with self.lock:
                 self.errors.append(repr(exc))
 
+    def _operator(self, t0: float) -> None:
+        """``POST /flush_cache`` at each ``flush_at`` point, again every ``FLUSH_RETRY_S``
+        while the worker refuses (busy), for at most ``FLUSH_GIVE_UP_S``."""
+        import httpx
+
+        with httpx.Client(timeout=30.0) as c:
+            for at in self.flush_at:
+                time.sleep(max(0.0, t0 + at - time.monotonic()))
+                tries, status, deadline = 0, None, time.monotonic() + FLUSH_GIVE_UP_S
+                while True:
+                    tries += 1
+                    try:
+                        status = c.post(self.url + "/flush_cache").status_code
+                    except httpx.HTTPError:
+                        status = None
+                    if status == 200 or time.monotonic() > deadline:
+                        break
+                    time.sleep(FLUSH_RETRY_S)
+                done = round(time.monotonic() - t0, 3)
+                with self.lock:
+                    self.flushes.append(
+                        {
+                            "at_s": at,
+                            "ok": status == 200,
+                            "tries": tries,
+                            "done_s": done,
+                            "status": status,
+                        }
+                    )
+
     def run(self) -> None:
         t0 = time.monotonic()
         threads = [threading.Thread(target=self._client, args=(p, t0)) for p in self.plans]
+        if self.flush_at:
+            threads.append(threading.Thread(target=self._operator, args=(t0,)))
         for th in threads:
             th.start()
         for th in threads:
@@ -307,6 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MIN-MAX",
         help="a cancelled request's client hangs up after MIN-MAX output tokens (default 1-4)",
     )
+    ap.add_argument(
+        "--flush-at",
+        type=_seconds,
+        action="append",
+        default=[],
+        metavar="S",
+        help="an operator's POST /flush_cache S seconds into the run, repeated every "
+        f"{FLUSH_RETRY_S} s while the busy worker refuses it (repeatable)",
+    )
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -348,6 +403,17 @@ def _share(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    """``S`` (``--flush-at``): seconds into the run, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     """``N`` (``--single-in``, ``--turn-in``): a token count >= 1."""
     if not (text.isdigit() and int(text) >= 1):
@@ -368,6 +434,7 @@ def _run(a: argparse.Namespace) -> int:
         turn_in=a.turn_in,
         cancel_share=a.cancel_share,
         cancel_after=a.cancel_after,
+        flush_at=tuple(a.flush_at),
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None
@@ -377,6 +444,11 @@ def _run(a: argparse.Namespace) -> int:
     finally:
         summary = stop_capture(proc, a.out, a.settle) if proc and a.out else ""
     print(f"clients done in {time.monotonic() - t0:.1f} s, {len(clients.errors)} errors")
+    for f in clients.flushes:
+        print(
+            f"flush at {f['at_s']} s: {'done' if f['ok'] else 'refused'} at {f['done_s']} s "
+            f"after {f['tries']} tries (HTTP {f['status']})"
+        )
     print(summary)
     if a.sent:
         with open(a.sent, "w") as fh:
@@ -384,7 +456,7 @@ def _run(a: argparse.Namespace) -> int:
                 fh.write(json.dumps(s) + "\n")
     for e in clients.errors:
         print(e, file=sys.stderr)
-    return 1 if clients.errors else 0
+    return 1 if clients.errors or not all(f["ok"] for f in clients.flushes) else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ point) on bad input: one line, an exit code from the exception tree, no bundle."
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -153,3 +154,51 @@ def test_bad_cancel_options_are_usage_errors(flag, value, capsys):
         main(["--server", "http://127.0.0.1:1", flag, value])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "nan"])
+def test_bad_flush_at_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--server", "http://127.0.0.1:1", "--flush-at", value])
+    assert exc.value.code == 2
+    assert "--flush-at" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_flush_at_retries_a_busy_worker_until_it_flushes(monkeypatch):
+    """``--flush-at S``: the operator's ``POST /flush_cache`` at ``S`` s is refused while the
+    worker is busy (SGLang answers 400) and tried again until it is done; the outcome, with
+    its tries, is kept. A real HTTP server on loopback plays the worker."""
+    import http.server
+    import threading
+
+    import kvcadence.testing.httpclients as hc
+
+    calls: list[float] = []
+
+    class Worker(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            calls.append(time.monotonic())
+            busy = self.path == "/flush_cache" and len(calls) < 3
+            self.send_response(400 if busy else 200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setattr(hc, "FLUSH_RETRY_S", 0.01)
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        c = hc.Clients(url, 1, sessions=0, singles=0, flush_at=(0.2, 0.0))
+        t0 = time.monotonic()
+        c.run()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [(f["at_s"], f["ok"], f["tries"], f["status"]) for f in c.flushes] == [
+        (0.0, True, 3, 200),  # refused twice (busy), then flushed
+        (0.2, True, 1, 200),
+    ]
+    assert len(calls) == 4 and calls[3] - t0 >= 0.2  # the second at its time, not before
