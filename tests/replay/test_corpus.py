@@ -65,6 +65,7 @@ CANCEL_CAPTURES = (
     "p8-longout-http-clients-cancel",
     "dp2-p16-tight-long-http-clients-cancel",
     "p8-systems-http-clients-cancel",
+    "dp2-p8-nooverlap-flush-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -554,6 +555,7 @@ CANCELLED = {
     "p8-longout-http-clients-cancel": (227, 21, 21, 20),
     "dp2-p16-tight-long-http-clients-cancel": (232, 18, 15, 11),
     "p8-systems-http-clients-cancel": (261, 32, 32, 29),
+    "dp2-p8-nooverlap-flush-http-clients-cancel": (248, 13, 12, 9),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -588,6 +590,7 @@ CANCELLED_TURNS = {
     "p8-longout-http-clients-cancel": (19, 19),
     "dp2-p16-tight-long-http-clients-cancel": (11, 11),
     "p8-systems-http-clients-cancel": (22, 22),
+    "dp2-p8-nooverlap-flush-http-clients-cancel": (10, 10),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -607,6 +610,7 @@ SUCCESSORS = {
     "p8-longout-http-clients-cancel": (11, 11),
     "dp2-p16-tight-long-http-clients-cancel": (5, 10),
     "p8-systems-http-clients-cancel": (18, 18),
+    "dp2-p8-nooverlap-flush-http-clients-cancel": (7, 8),
 }
 
 
