@@ -123,6 +123,7 @@ CAPTURES = (
     "p128-chunk512",
     "dp2-p16-chunk128-mixed",
     *CANCEL_CAPTURES,
+    "p16-attach-midrun-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -135,7 +136,14 @@ PRODUCTION_ONLY = (
     "dp2-p32-http-clients",
     "p8-chunk128-nooverlap-http-clients",
     *CANCEL_CAPTURES,
+    "p16-attach-midrun-http-clients",
 )
+
+#: captures attached to a worker that had served traffic already: the worker's metrics files
+#: also hold the requests that finished before the capture started, the bundle only the
+#: records the capture tailed (what a production user has); their production path replays
+#: the bundle's own records
+ATTACHED = ("p16-attach-midrun-http-clients",)
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
 DRIVEN = tuple(n for n in CAPTURES if n not in PRODUCTION_ONLY)
@@ -197,10 +205,11 @@ def production_bundle(name: str, out: Path) -> Path:
 
     src = BundleReader(CORPUS / name / "bundle")
     rng = random.Random(name)
+    tailed = src.requests() if name in ATTACHED else None
     with BundleWriter(out, src.header) as w:
         for frame in src.events():
             w.write(frame)
-        for rec in read_metrics(CORPUS / name / "sglang-metrics"):
+        for rec in tailed or read_metrics(CORPUS / name / "sglang-metrics"):
             rid = f"{rng.getrandbits(128):032x}"
             meta = dict(rec.meta_info)
             meta["request_parameters"] = {**meta.get("request_parameters", {}), "rid": rid}
@@ -302,6 +311,10 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
         tailed = BundleReader(CORPUS / name / "bundle").requests()
         metrics = read_metrics(CORPUS / name / "sglang-metrics")
         key = lambda r: (r.rid, r.input_ids, r.cached_tokens, r.completion_tokens)  # noqa: E731
+        if name in ATTACHED:  # and before them the requests that finished before it attached
+            got = {(r.rid, tuple(r.input_ids), r.cached_tokens) for r in tailed}
+            assert got < {(r.rid, tuple(r.input_ids), r.cached_tokens) for r in metrics}, name
+            continue
         assert sorted(map(key, tailed)) == sorted(map(key, metrics)), name
 
 
@@ -345,6 +358,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "cached_tokens_equal 0.627",
     "p32-tight-longprompt-http-clients-cancel": "stored_events_per_request 2.579 -> 2.403 "
     "(-6.8%); cached_tokens_equal 0.481",
+    "p16-attach-midrun-http-clients": "cached_tokens_equal 0.871",
 }
 
 
@@ -732,6 +746,42 @@ def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar(
     assert abs(first["real"] / rerun["real"] - 1) > BARS["stored_per_req"][1]  # 5.4 %
     assert abs(first["sim"] / rerun["sim"] - 1) < 0.005
     assert bar_holds(rerun, "stored_per_req") and not bar_holds(first, "stored_per_req")
+
+
+def test_attached_capture_rebuilds_the_history_it_recovered(tmp_path):
+    """``p16-attach-midrun-http-clients``: ``kvcadence capture`` attached 30 s into a run of
+    plain clients (a worker already serving). The worker's metrics files hold 27 requests
+    that finished before the capture started; the capture tailed the others (311, 10 of them
+    received before it attached), and the initial replay from seq 0 recovered the worker's
+    earlier messages (seqs 0-32, ``VIA_REPLAY``), so the events of the requests it has no
+    record of are in the bundle. The production path rebuilds those requests from the
+    stores no record claims (as it does a client-aborted request's) rather than leaving
+    their stores to nobody; the event bars then hold (``test_production_path_bars``)."""
+    from kvcadence.capture.sglang_logs import read_metrics
+    from kvcadence.format.schema import VIA_REPLAY
+    from kvcadence.replay.production import records_for_replay
+
+    name = "p16-attach-midrun-http-clients"
+    src = BundleReader(CORPUS / name / "bundle")
+    frames = list(src.events())
+    recovered = sorted(f.seq for f in frames if f.via == VIA_REPLAY)
+    live = [f for f in frames if f.via != VIA_REPLAY]
+    assert recovered == list(range(33)) and min(f.seq for f in live) == 33
+    attached_s = min(f.recv_ns for f in live) / 1e9
+    tailed = {r.rid for r in src.requests()}
+    before = [r for r in read_metrics(CORPUS / name / "sglang-metrics") if r.rid not in tailed]
+    assert len(tailed) == 311 and len(before) == 27
+    assert all(r.meta_info["request_finished_ts"] < attached_s for r in before)
+    assert sum(r.meta_info["request_received_ts"] < attached_s for r in src.requests()) == 10
+    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    rebuilt = [r for r in recs if r.source == "kv-events"]
+    assert rep["unrecorded_rebuilt"] == len(rebuilt) == 12
+    # each rebuilt prompt is a prompt one of the requests before the attach sent (its pages)
+    ps = src.header.server_info["page_size"]
+    sent = [list(r.input_ids) for r in before]
+    for r in rebuilt:
+        p = list(r.input_ids)
+        assert any(len(p) >= len(q) // ps * ps and q[: len(p)] == p[: len(q)] for q in sent)
 
 
 def test_dp2_p32_http_clients_miss_is_the_pace_clamp(tmp_path):
