@@ -49,6 +49,8 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("unrecorded_with_finish_store", "... of them with a finish store (outputs from it)"),
     ("unrecorded_not_rebuilt", "unclaimed stores not rebuilt (prefix before the capture)"),
     ("unclaimed_below_records", "unclaimed stores below a record's prompt (left alone)"),
+    ("precached_requests", "requests that found a prefix cached before the capture"),
+    ("precached_prefixes", "... prefixes stored before the capture (pre-loaded)"),
     ("retracted_in_capture", "retracted in the capture"),
     ("retracted_in_capture_and_replay", "... of them retracted in the replay too"),
 )

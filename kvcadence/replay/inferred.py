@@ -69,6 +69,12 @@ def _edge_text(rep: dict[str, Any]) -> str:
             f"{rep['unrecorded_not_rebuilt']} stores no record claimed not rebuilt "
             "(a prefix stored before the capture)"
         )
+    if rep.get("precached_requests"):
+        parts.append(
+            f"{rep['precached_requests']} requests found a prefix cached before the capture "
+            f"started ({rep.get('precached_prefixes', 0)} prefixes, no store of them in the "
+            "capture: pre-loaded into the simulated tree)"
+        )
     if rep.get("retracted_in_capture"):
         parts.append(
             f"{rep['retracted_in_capture']} retracted in the capture"

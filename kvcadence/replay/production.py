@@ -26,6 +26,9 @@ opaque rids. Before the replay builds its schedule:
 5. **Requests the records lack** (``unrecorded``): SGLang's metrics file has no line for a
    request its client aborted; the stores no record claimed are rebuilt into requests
    (``source`` ``kv-events``) before step 2, which then treats them as records.
+6. **Prefixes cached before the capture** (``precached``): a record whose cached prefix no
+   store of the capture made before it (a capture attached to a worker already serving)
+   carries its length in ``meta_info`` (``PRECACHED_KEY``); the replay pre-loads it.
 
 Aborted and errored requests that never ran (no output token) stored nothing and are left
 out (``error`` set); those that ran are replayed to their recorded, partial, output length.
@@ -58,6 +61,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
+from kvcadence.replay.precached import PRECACHED_KEY, precached
 from kvcadence.replay.retracted import is_retracted, retracted_run
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
@@ -196,6 +200,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     min_token = 0  # the least of the records' mean times per output token (ns; 0: none)
     max_token = 0  # ... and the most
     chunk_gap = 0  # the longest a record's chunk store came after its previous chunk's (ns)
+    # (record, the block its cached prefix ends in, its finish, rank): was that prefix
+    # stored before the capture (``precached``: no store of it published before the
+    # record finished -- its prefill found it, its store's publish may lag that a little)
+    pre_cands: list[tuple[int, int, int, int]] = []
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
@@ -221,6 +229,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             claims.extend((ei, j, m, rk) for _, ei, j, m in node.segs)
             t_pre = index.ts_of(node.segs[0][1])
             delays.append((t_pre, t_pre - cast("int", arr)))
+            if node.base is not None and cast("int", r.cached_tokens) >= ps and fin is not None:
+                pre_cands.append((i, node.base, fin, rk))
             if n >= 2 and fin is not None:  # its outputs' time, from its prompt's last store
                 per = (fin - index.ts_of(node.segs[-1][1])) // (n - 1)
                 if per > 0 and (not min_token or per < min_token):
@@ -240,6 +250,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             c = r.cached_tokens // ps if r.cached_tokens is not None else 0
             hashed.extend(page_key(x, rk) for x in node.path[c:])
             h = node.path[-1] if node.path else None
+            if 0 < c <= len(node.path) and fin is not None:
+                pre_cands.append((i, node.path[c - 1], fin, rk))
         node.prompt_anchor = h
         K = (L + n - 1) // ps - P if n > 0 else 0
         # a request that stopped before its length (EOS): the overlap loop decoded it once
@@ -304,6 +316,11 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         return lens[q] >= L and same_ids(
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
+
+    pre_tokens = {
+        i: cast("int", records[i].cached_tokens) // ps * ps for i in precached(index, pre_cands)
+    }
+    pre_prefixes = len({(h, rk) for i, h, _, rk in pre_cands if i in pre_tokens})
 
     finish_at: dict[int, int] = {}  # an event holding records' finish stores -> their finish
     for (e, _), i in taken.items():
@@ -395,6 +412,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     for i, r in enumerate(records):
         s, t = session_of[i]
         kn = outs[i]
+        if i in pre_tokens:  # its cached prefix was stored before the capture: pre-loaded
+            r = replace(r, meta_info={**(r.meta_info or {}), PRECACHED_KEY: pre_tokens[i]})
         if kn is None:
             out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
             continue
@@ -429,6 +448,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
         "unrecorded_not_rebuilt": lost.outside,
         "unclaimed_below_records": lost.below_records,
+        "precached_requests": len(pre_tokens),
+        "precached_prefixes": pre_prefixes,
     }
     return out_records, report
 

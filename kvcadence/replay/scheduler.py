@@ -56,7 +56,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcadence.errors import ReplayError
@@ -79,7 +79,7 @@ from kvcadence.replay.policy import (
     spf_chunk_limit,
     touch_waiting_prefixes,
 )
-from kvcadence.replay.radix import PROMPT_PRIORITY, Hasher, Node, RadixTree
+from kvcadence.replay.radix import PROMPT_PRIORITY, Hasher, Node, NullSink, RadixTree
 from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
 from kvcadence.replay.timing import PassTimer
@@ -264,6 +264,23 @@ class Scheduler:
         self._dec_end = array("q")
         if flush_plan is not None:
             flush_plan.attach(self._flush_due)
+
+    def preload(self, keys: Sequence[Sequence[int]]) -> int:
+        """Insert prefixes the worker held before the capture started (``replay.precached``)
+        into the tree before the first pass, with no event (they were stored before), each
+        page floored, in order (the first oldest), while the pool has room; returns the
+        tokens inserted."""
+        tree = self.tree
+        sink, tree.sink = tree.sink, NullSink()
+        before = tree.total_size
+        try:
+            for key in keys:
+                n = len(key) - len(key) % self.ps
+                if n and tree.total_size + n <= self.cfg.max_total_tokens:
+                    tree.insert(key, end=n)
+        finally:
+            tree.sink = sink
+        return tree.total_size - before
 
     # ------------------------------------------------------------------ accounting
     def available(self) -> int:

@@ -1,0 +1,99 @@
+"""Prefixes the worker had cached before the capture started (``replay.precached``): found by
+the records, pre-loaded into the simulated tree with no event."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvcadence.format.hashes import block_hashes
+from kvcadence.format.schema import BlockStored
+from kvcadence.replay.inferred import report_text
+from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.precached import PRECACHED_KEY, precached
+from kvcadence.replay.production import complete_records
+from tests.replay.helpers import config, decoded, run
+from tests.replay.test_production_inference import S, rec, store
+
+PS = 4
+SYSTEM = list(range(100, 108))  # 2 pages: stored before the capture in the first test
+
+
+def _capture(system_in_capture: bool):
+    """Two clients' requests below one system prompt: ``a`` (a page of its own + 2 tokens, 5
+    outputs), ``b`` later (a page of its own + 1). With ``system_in_capture`` an earlier
+    request stored the system prompt in the capture (its store at 0.5 s); else it was
+    stored before the capture started and no event of it is in the bundle."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    b = [*SYSTEM, 9, 9, 8, 8, 7]
+    batches = [
+        (int(1.1 * S), [store(a, 2, 3, PS)]),  # a's prefill: below the system prompt's page
+        (int(2.0 * S), [store([*a, 50, 51, 52, 53, 54], 3, 4, PS)]),
+        (int(3.1 * S), [store(b, 2, 3, PS)]),
+        (int(3.5 * S), [store([*b, 60, 61, 62, 63], 3, 4, PS)]),
+    ]
+    records = [rec("a", a, 5, 1.0, 2.0, cached=8), rec("b", b, 5, 3.0, 3.5, cached=8)]
+    if system_in_capture:
+        first = [*SYSTEM, 7, 7, 7, 7]
+        batches.insert(0, (int(0.4 * S), [store(first, 0, 3, PS)]))
+        batches.insert(1, (int(0.5 * S), [store([*first, 70, 71, 72, 73], 3, 4, PS)]))
+        records.insert(0, rec("first", first, 5, 0.3, 0.5, cached=0))
+    return batches, records
+
+
+def _stored_hashes(res) -> set[int]:
+    return {
+        h for evs in decoded(res) for e in evs if isinstance(e, BlockStored) for h in e.block_hashes
+    }
+
+
+def test_a_prefix_stored_before_the_capture_is_preloaded_without_an_event():
+    batches, records = _capture(system_in_capture=False)
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert (rep["precached_requests"], rep["precached_prefixes"]) == (2, 1)
+    assert [r.meta_info[PRECACHED_KEY] for r in out] == [8, 8]
+    assert "2 requests found a prefix cached before the capture" in report_text(rep)
+    res = run(out, config(page_size=PS, max_total_tokens=64))
+    assert [r.cached_tokens for r in res.requests] == [8, 8]  # as recorded
+    system = set(block_hashes(SYSTEM, PS))
+    stored = _stored_hashes(res)
+    assert not stored & system  # no store of it: it was in the tree before
+    assert set(block_hashes(records[0].input_ids[:12], PS)[2:]) <= stored  # a's own page
+    # without the pre-load the replay misses it and stores it (the rule this fixes)
+    res0 = run(records, config(page_size=PS, max_total_tokens=64))  # no key in them
+    assert res0.requests[0].cached_tokens == 0 and system <= _stored_hashes(res0)
+
+
+def test_a_prefix_the_capture_stored_is_not_preloaded():
+    batches, records = _capture(system_in_capture=True)
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert (rep["precached_requests"], rep["precached_prefixes"]) == (0, 0)
+    assert not any(PRECACHED_KEY in (r.meta_info or {}) for r in out)
+
+
+def test_a_store_published_after_a_quick_requests_finish_is_the_captures():
+    """A store is published at the next publish point, which may come after a request that
+    found its pages finished: still the capture's store (within ``FINISH_WINDOW_NS``), not a
+    prefix from before the capture; one that never comes is."""
+    batches, records = _capture(system_in_capture=False)
+    index = StoreIndex.from_batches(batches, PS)
+    sys_last = block_hashes(SYSTEM, PS)[-1]
+    a_page = index.hashes_of(0)[0]  # a's own page, published at 1.1 s
+    cands = [(0, a_page, int(1.05 * S), 0), (1, a_page, int(1.2 * S), 0), (2, sys_last, 0, 0)]
+    assert precached(index, cands) == [2]
+    assert precached(index, [(0, a_page, int(1.1 * S) - 200 * S, 0)]) == [0]  # far too early
+    assert precached(index, []) == []
+
+
+def test_the_preload_stops_at_the_pool():
+    """Pre-loaded prefixes take the pool's room (evictable); what does not fit is left out."""
+    from kvcadence.replay.config import SimConfig
+    from kvcadence.replay.radix import wire_hasher
+    from kvcadence.replay.schedule import Schedule
+    from kvcadence.replay.scheduler import Scheduler
+
+    cfg: SimConfig = config(page_size=PS, max_total_tokens=16)
+    sch = Scheduler(cfg, Schedule([], 0), wire_hasher())
+    keys = [np.arange(100, 110).tolist(), np.arange(200, 212).tolist()]
+    assert sch.preload(keys) == 8  # the first, page floored; the second does not fit
+    assert sch.tree.total_size == sch.tree.evictable_size == 8
+    assert len(sch.queue) == 0 and sch.tree.sink is sch.queue  # no event, the sink back
