@@ -75,9 +75,10 @@ def _add_endpoint_opts(p: argparse.ArgumentParser) -> None:
         "--from-now",
         action="store_true",
         help="record from the first live message on: no initial replay, and a first seq "
-        "above 0 starts the recording instead of being a gap to recover (what the worker "
-        "published before has no requests in this capture). The default when tailing "
-        "--sglang-metrics / --sglang-request-log without --sglang-backlog",
+        "above 0 starts the recording instead of being a gap to recover. Without it the "
+        "capture recovers what the worker's replay ring still holds of its history (the "
+        "replay rebuilds those requests from their stores; --sglang-backlog reads their "
+        "records too)",
     )
     g.add_argument(
         "--segment-mb", type=positive_float, default=256.0, help="segment size in MB (default 256)"
@@ -316,14 +317,12 @@ def _make_recorder(args: argparse.Namespace, eps: list[Any], **kw: Any) -> Any:
 
 
 def from_now(args: argparse.Namespace) -> bool:
-    """``--from-now``, or a capture that tails SGLang's request files from now on: their
-    requests start at the capture, so must the events (history would have no requests)."""
-    tailing = bool(
-        getattr(args, "sglang_metrics", None) or getattr(args, "sglang_request_log", None)
-    )
-    return bool(getattr(args, "from_now", False)) or (
-        tailing and not getattr(args, "sglang_backlog", False)
-    )
+    """``--from-now``: record from the first live message on. Not the default when tailing
+    SGLang's request files: the history the worker's replay ring still holds comes in with
+    the initial replay, and the replay rebuilds its requests (they have no records) from
+    their stores, so the simulated tree starts where the worker's was (docs/production.md,
+    "Attaching to a worker that already served traffic")."""
+    return bool(getattr(args, "from_now", False))
 
 
 def command_line() -> list[str]:

@@ -1,6 +1,7 @@
-"""Attaching to a worker that already serves traffic (``capture --from-now``, the default when
-tailing SGLang's request files from now on): the recording starts at the first live message;
-what the worker published before is neither a gap nor recovered through the replay socket."""
+"""Attaching to a worker that already serves traffic with ``capture --from-now``: the
+recording starts at the first live message; what the worker published before is neither a
+gap nor recovered through the replay socket. Without it (also when tailing SGLang's request
+files) the capture recovers that history."""
 
 from __future__ import annotations
 
@@ -53,12 +54,19 @@ def test_capture_attached_mid_run_records_from_its_first_message(run_capture, en
     assert trailer.stats["per_endpoint"]["0"]["attached_at_seq"] == seqs[0]
 
 
-def test_tailing_request_files_defaults_to_from_now():
-    ns = argparse.Namespace
-    assert from_now(ns(sglang_metrics=["m"], sglang_request_log=None, sglang_backlog=False))
-    assert not from_now(ns(sglang_metrics=["m"], sglang_request_log=None, sglang_backlog=True))
-    assert not from_now(ns(sglang_metrics=None, sglang_request_log=None, from_now=False))
-    assert from_now(ns(sglang_metrics=None, sglang_request_log=None, from_now=True))
+def test_from_now_is_the_option_alone_also_when_tailing():
+    """Read from the CLI's own parser (a hand-made namespace once named the tailing options
+    wrongly, so a documented tailing default never applied to a live capture)."""
+    from kvcadence.cli import build_parser
+
+    def parsed(*extra: str) -> argparse.Namespace:
+        return build_parser().parse_args(["capture", "--server", "http://x", "--out", "o", *extra])
+
+    assert not from_now(parsed())
+    assert not from_now(parsed("--sglang-metrics", "m"))
+    assert not from_now(parsed("--sglang-metrics", "m", "--sglang-backlog"))
+    assert from_now(parsed("--from-now"))
+    assert from_now(parsed("--sglang-request-log", "f", "--from-now"))
 
 
 def test_reader_sees_a_clean_bundle(run_capture, endpoint_info):
