@@ -60,7 +60,8 @@ def _edge_text(rep: dict[str, Any]) -> str:
     if rep.get("unrecorded_rebuilt"):
         parts.append(
             f"{rep['unrecorded_rebuilt']} requests not in the records (client-aborted requests "
-            "SGLang's metrics file omits) rebuilt from their prefill stores "
+            "SGLang's metrics file omits, or requests that finished before the capture "
+            "attached) rebuilt from their prefill stores "
             f"({rep.get('unrecorded_with_finish_store', 0)} with a finish store; the others "
             "run one output token)"
         )
