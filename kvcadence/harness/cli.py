@@ -86,6 +86,14 @@ def _register_harness(sub: Any) -> None:
         help="no replay_endpoint in --kv-events-config (missed messages cannot be recovered)",
     )
     st.add_argument(
+        "--buffer-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the publisher's replay ring (--kv-events-config buffer_steps; SGLang's default "
+        "10000 messages): a small ring makes a capture attached mid-run miss the history",
+    )
+    st.add_argument(
         "--dp-size",
         type=int,
         default=1,
@@ -165,11 +173,14 @@ def run_harness(args: argparse.Namespace) -> int:
         workdir = Path(args.workdir) if args.workdir else harness.cache_dir() / "harness-run"
         if args.dp_size < 1:
             raise UsageError("--dp-size must be >= 1")
+        if args.buffer_steps is not None and args.buffer_steps < 1:
+            raise UsageError("--buffer-steps must be >= 1")
         cfg = harness.ServerConfig(
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
             chunked_prefill_size=args.chunked_prefill_size,
             replay=not args.no_replay,
+            buffer_steps=args.buffer_steps,
             dp_size=args.dp_size,
             enable_metrics=not args.no_enable_metrics,
             env=_env_pairs(args.env),

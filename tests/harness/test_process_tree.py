@@ -308,3 +308,24 @@ def test_start_server_refuses_a_nonsense_ready_timeout(tmp_path):
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(UsageError, match="ready_timeout"):
             harness.start_server(harness.ServerConfig(), tmp_path, ready_timeout=bad)
+
+
+def test_buffer_steps_reaches_the_workers_kv_events_config(tmp_path, monkeypatch, capsys):
+    """``harness start --buffer-steps N`` sets the publisher's replay ring (a capture attached
+    mid-run then misses the history: how a long-running worker looks); 0 is refused."""
+    from kvcadence.errors import UsageError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    got: list = []
+
+    def fake_start(cfg, *a, **k):
+        got.append(cfg)
+        raise UsageError("stop here")  # nothing started
+
+    monkeypatch.setattr(harness, "start_server", fake_start)
+    assert main(["harness", "start", "--buffer-steps", "0"]) == 2
+    assert not got and "--buffer-steps" in capsys.readouterr().err
+    assert main(["harness", "start", "--buffer-steps", "5", "--workdir", str(tmp_path / "w")]) == 2
+    assert got[0].buffer_steps == 5
+    assert main(["harness", "start", "--workdir", str(tmp_path / "w")]) == 2
+    assert got[1].buffer_steps is None  # SGLang's default ring
