@@ -17,7 +17,8 @@ would replay those requests as misses that store the prefix.
   the capture attached. Vectorised: the candidates' hashes are looked up among the stored
   pages through a low-bit sieve (``unrecorded.claimed_mask``'s), one pass over the pages.
 * ``PRECACHED_KEY`` -- the ``meta_info`` key of a completed record that carries that
-  prefix's length in tokens; ``preloads(specs)`` reads them back, per rank, as the
+  prefix's length in tokens (one record per prefix, the first to arrive, so the prefixes
+  kept grow with the distinct ones); ``preloads(specs)`` reads them back, per rank, as the
   prefixes ``Scheduler.preload`` inserts into the simulated tree before the first pass,
   with no event (they were stored before the capture), the one used latest inserted first
   (oldest).

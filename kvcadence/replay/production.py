@@ -28,6 +28,7 @@ opaque rids. Before the replay builds its schedule:
    (``source`` ``kv-events``) before step 2, which then treats them as records.
 6. **Prefixes cached before the capture** (``precached``): a record whose cached prefix no
    store of the capture made before it (a capture attached to a worker already serving)
+   found it stored before; the first to arrive of the records that found one prefix
    carries its length in ``meta_info`` (``PRECACHED_KEY``); the replay pre-loads it.
 
 Aborted and errored requests that never ran (no output token) stored nothing and are left
@@ -317,10 +318,16 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
 
-    pre_tokens = {
-        i: cast("int", records[i].cached_tokens) // ps * ps for i in precached(index, pre_cands)
-    }
-    pre_prefixes = len({(h, rk) for i, h, _, rk in pre_cands if i in pre_tokens})
+    # one record carries each prefix to the replay (the first to arrive: its first use), so
+    # what is kept grows with the distinct prefixes, not with the records that found them
+    flagged = set(precached(index, pre_cands))
+    carrier: dict[tuple[int, int], int] = {}
+    for i, h, _, rk in pre_cands:
+        if i in flagged:
+            j = carrier.setdefault((h, rk), i)
+            if (times[i][0] or 0) < (times[j][0] or 0):
+                carrier[h, rk] = i
+    pre_tokens = {i: cast("int", records[i].cached_tokens) // ps * ps for i in carrier.values()}
 
     finish_at: dict[int, int] = {}  # an event holding records' finish stores -> their finish
     for (e, _), i in taken.items():
@@ -448,8 +455,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
         "unrecorded_not_rebuilt": lost.outside,
         "unclaimed_below_records": lost.below_records,
-        "precached_requests": len(pre_tokens),
-        "precached_prefixes": pre_prefixes,
+        "precached_requests": len(flagged),
+        "precached_prefixes": len(carrier),
     }
     return out_records, report
 
