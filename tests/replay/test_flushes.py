@@ -497,7 +497,11 @@ def test_recorded_flushes_of_real_captures_equal_decoding_every_frame(src, monke
     decode = wire.decode_batch
     monkeypatch.setattr(wire, "decode_batch", lambda p: whole.append(1) or decode(p))
     assert recorded_flushes(BundleReader(src)) == want
-    assert 0 < len(whole) == tagged
+    assert len(whole) == tagged
+    # a capture holding a publisher's seq 0 holds its start-up clear (a late attach whose
+    # replay ring no longer had it, ``p16-attach-late-ring4-http-clients``, holds none)
+    if any(f.seq == 0 for f in BundleReader(src).events()):
+        assert tagged > 0
 
 
 def test_recorded_flushes_reads_array_shaped_and_odd_payloads(tmp_path):
