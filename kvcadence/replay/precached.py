@@ -15,7 +15,7 @@ would replay those requests as misses that store the prefix.
   child is stored after its parent, and a parent is evicted only after its children), so
   the record's whole cached prefix (``cached_tokens``, page floored) was in the tree when
   the capture attached. Vectorised: the candidates' hashes are looked up among the stored
-  pages through a low-bit sieve (``unrecorded.claimed_mask``'s), one pass over the pages.
+  pages through ``unrecorded.matches`` (a low-bit sieve, one pass over the pages).
 * ``PRECACHED_KEY`` -- the ``meta_info`` key of a completed record that carries that
   prefix's length in tokens (one record per prefix, the first to arrive, so the prefixes
   kept grow with the distinct ones); ``preloads(specs)`` reads them back, per rank, as the
@@ -36,14 +36,11 @@ import numpy as np
 from kvcadence.replay.outputs import FINISH_WINDOW_NS
 from kvcadence.replay.schedule import _arrival
 from kvcadence.replay.tokens import span
-from kvcadence.replay.unrecorded import page_key, page_keys
+from kvcadence.replay.unrecorded import matches, page_key, page_keys
 
 #: ``meta_info`` key of a record whose cached prefix was stored before the capture: its
 #: length in tokens (page aligned)
 PRECACHED_KEY = "kvcadence_precached_tokens"
-
-#: the sieve's low bits (as ``unrecorded._SIEVE_BITS``)
-_SIEVE_BITS = 16
 
 
 def precached(index: Any, cands: Sequence[tuple[int, int, int, int]]) -> list[int]:
@@ -57,11 +54,7 @@ def precached(index: Any, cands: Sequence[tuple[int, int, int, int]]) -> list[in
     want = np.fromiter(
         (page_key(h, rk) if multi else h for _, h, _, rk in cands), np.int64, len(cands)
     )
-    low = np.int64((1 << _SIEVE_BITS) - 1)
-    sieve = np.zeros(1 << _SIEVE_BITS, dtype=bool)
-    sieve[want & low] = True
-    pos = np.flatnonzero(sieve[keys & low])
-    pos = pos[np.isin(keys[pos], want)]
+    pos = matches(keys, want)
     first: dict[int, int] = {}
     if len(pos):
         offs = np.asarray(index.offs, dtype=np.int64)

@@ -179,18 +179,24 @@ def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: 
     free = np.flatnonzero(~mask)
     if not len(free):  # every store is a record's (the usual capture)
         return mask
-    # a free hash stored at a claimed page too: the claimed pages whose low bits are some
-    # free hash's (a table of ``_SIEVE_BITS``: one gather over every page, no sort or binary
-    # search of all hashes); the others cannot hold one (those that do not are harmless
-    # among them: only the free hashes are looked up in ``known``)
+    # a free hash stored at a claimed page too: the claimed pages holding one (``matches``)
     fh = h[free]
-    sieve = np.zeros(1 << _SIEVE_BITS, dtype=bool)
-    low = np.int64((1 << _SIEVE_BITS) - 1)
-    sieve[fh & low] = True
-    cand = np.flatnonzero(sieve[h & low] & mask)
-    known = np.concatenate([h[cand], np.asarray(hashes, dtype=np.int64)])
+    cand = matches(h, fh)
+    known = np.concatenate([h[cand[mask[cand]]], np.asarray(hashes, dtype=np.int64)])
     mask[free[np.isin(fh, known)]] = True
     return mask
+
+
+def matches(keys: Any, want: Any) -> Any:
+    """The positions of ``keys`` (an int64 array, every stored page's) whose value is one
+    of ``want`` (a few): a page is compared with them only when its low bits are one of
+    theirs (a table of ``_SIEVE_BITS`` flags: one gather over every page, no sort or binary
+    search of all of them)."""
+    low = np.int64((1 << _SIEVE_BITS) - 1)
+    sieve = np.zeros(1 << _SIEVE_BITS, dtype=bool)
+    sieve[want & low] = True
+    pos = np.flatnonzero(sieve[keys & low])
+    return pos[np.isin(keys[pos], want)]
 
 
 def _runs(index: Any, free: Any) -> list[tuple[int, int, int]]:
