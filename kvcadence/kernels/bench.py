@@ -37,6 +37,7 @@ from kvcadence.kernels.options import (
     Config,
     build_parser,
     config_from_args,
+    nccl_problem,
 )
 from kvcadence.kernels.paths import (
     RankCase,
@@ -79,18 +80,25 @@ def run(cfg: Config, *, stdout: IO[str] | None = None) -> int:
 
 
 def pick_backend(requested: str) -> tuple[str, Any]:
-    """``(backend, device)``: NCCL on this rank's GPU, gloo on CPU."""
-    cuda = torch.cuda.is_available()
-    backend = ("nccl" if cuda else "gloo") if requested == "auto" else requested
+    """``(backend, device)``: NCCL on this rank's GPU, gloo on CPU.
+
+    NCCL needs a GPU of its own for every rank on the node (two ranks on one GPU do not
+    run), so ``auto`` picks NCCL only when each of the node's ranks (torchrun's
+    ``LOCAL_WORLD_SIZE``) has one, and ``nccl`` with too few GPUs is a usage error. The
+    check reads the node's rank count, the same on every rank, so rank 0 (the one that
+    prints usage errors) fails with the same line as the rank that has no GPU.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if requested == "auto":
+        backend = "gloo" if nccl_problem(gpus, local_world) else "nccl"
+    else:
+        backend = requested
     if backend == "nccl":
-        if not cuda:
-            raise UsageError("--backend nccl needs CUDA, and torch sees no GPU (use gloo)")
+        problem = nccl_problem(gpus, local_world)
+        if problem:
+            raise UsageError(problem)
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local >= torch.cuda.device_count():
-            raise UsageError(
-                f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s) visible "
-                "(NCCL needs one GPU per rank)"
-            )
         torch.cuda.set_device(local)
         return backend, torch.device("cuda", local)
     if backend != "gloo":

@@ -74,7 +74,7 @@ def launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Validate, launch, and pass the workers' failure on as exit 1 (their lines say why)."""
     from kvcadence.errors import UsageError
-    from kvcadence.kernels.options import config_from_args
+    from kvcadence.kernels.options import config_from_args, nccl_problem
 
     if not 1 <= args.nproc_per_node <= 64:
         raise UsageError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
@@ -84,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if args.backend == "nccl":  # said here, once: not by every rank plus torchrun's traceback
         import torch
 
-        if not torch.cuda.is_available():
-            raise UsageError("--backend nccl needs CUDA, and torch sees no GPU (use gloo)")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        problem = nccl_problem(gpus, args.nproc_per_node)
+        if problem:
+            raise UsageError(problem)
     proc = subprocess.run(launch_command(args), env=launch_env(), check=False)
     if proc.returncode == 0:
         return 0

@@ -132,7 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKENDS,
         default="auto",
-        help="auto (nccl when CUDA is available, else gloo), nccl or gloo (default auto)",
+        help="auto (nccl when every rank on the node has a GPU of its own, else gloo), nccl "
+        "or gloo (default auto)",
     )
     p.add_argument(
         "--out",
@@ -154,6 +155,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help=f"subset of paths: {', '.join(PATHS)} (default all)",
     )
+
+
+def nccl_problem(gpus: int, local_world: int) -> str | None:
+    """Why NCCL cannot run ``local_world`` ranks on a node with ``gpus`` visible GPUs
+    (0: torch sees none), or None. NCCL needs a GPU of its own for every rank."""
+    if gpus == 0:
+        return "--backend nccl needs CUDA, and torch sees no GPU (use gloo)"
+    if local_world > gpus:
+        return (
+            f"--backend nccl needs one GPU per rank: {local_world} ranks on this node "
+            f"but {gpus} GPU(s) visible (use fewer ranks, or gloo)"
+        )
+    return None
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

@@ -27,7 +27,8 @@ RESULT_KEYS = {
 
 
 def _run(argv: list[str]) -> str:
-    cfg = config_from_args(build_parser("t").parse_args(argv))
+    # gloo pinned: on a CUDA box `auto` picks NCCL, whose repeat default and records differ
+    cfg = config_from_args(build_parser("t").parse_args(["--backend", "gloo", *argv]))
     buf = io.StringIO()
     assert bench.run(cfg, stdout=buf) == 0
     return buf.getvalue()
@@ -124,9 +125,6 @@ def test_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert err.startswith("kvcadence: error: ") and "field 'schema'" in err and "\n" not in err
     assert bench.main(["--tokens", "64", "--out", str(tmp_path / "no" / "r.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    if not torch.cuda.is_available():
-        assert bench.main(["--backend", "nccl", "--tokens", "64"]) == 2
-        assert "--backend nccl needs CUDA" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         bench.main(["--tokens", "0"])
     assert info.value.code == 2
@@ -143,3 +141,38 @@ def test_cpu_default_repeats_and_spread_fields(tmp_path: Path) -> None:
     assert row["repeat"] == DEFAULT_REPEAT_CPU == 50  # no --repeat on CPU: more repeats
     assert row["cpu_ms_min"] <= row["cpu_ms_p25"] <= row["cpu_ms_p50"] <= row["cpu_ms_p75"]
     assert row["cpu_ms_p75"] <= row["cpu_ms_max"] and row["gpu_ms_p25"] is None
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, n: int, local_world: int | None) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+
+
+def test_nccl_without_cuda_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _gpus(monkeypatch, 0, None)
+    assert bench.main(["--backend", "nccl", "--tokens", "64"]) == 2
+    assert capsys.readouterr().err == (
+        "kvcadence: error: --backend nccl needs CUDA, and torch sees no GPU (use gloo)\n"
+    )
+    assert bench.pick_backend("auto") == ("gloo", torch.device("cpu"))
+
+
+def test_more_ranks_than_gpus_fail_on_every_rank_and_rank_0_says_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # seen on one H200: two ranks, one GPU; rank 1 failed alone and rank 0 printed nothing
+    _gpus(monkeypatch, 1, 2)
+    monkeypatch.setenv("RANK", "0")
+    assert bench.main(["--backend", "nccl", "--tokens", "64"]) == 2
+    assert capsys.readouterr().err == (
+        "kvcadence: error: --backend nccl needs one GPU per rank: 2 ranks on this node "
+        "but 1 GPU(s) visible (use fewer ranks, or gloo)\n"
+    )
+    # auto runs such a node on gloo instead of failing
+    assert bench.pick_backend("auto") == ("gloo", torch.device("cpu"))

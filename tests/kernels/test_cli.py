@@ -75,3 +75,19 @@ def test_repeat_is_left_to_the_worker_when_not_given() -> None:
     from kvcadence.kernels.options import config_from_args
 
     assert config_from_args(worker_parser("w").parse_args(["--tokens", "64"])).repeat is None
+
+
+def test_more_ranks_than_gpus_is_one_line_before_launch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail("torchrun launched"))
+    argv = ["collectives", "--backend", "nccl", "--nproc-per-node", "2", "--tokens", "16"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "kvcadence: error: --backend nccl needs one GPU per rank: 2 ranks on this node "
+        "but 1 GPU(s) visible (use fewer ranks, or gloo)\n"
+    )
