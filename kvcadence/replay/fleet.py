@@ -64,6 +64,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.fleetout import write_fleet_bundles as write_fleet_bundles
 from kvcadence.replay.flushes import FlushLedger, FlushPlan
+from kvcadence.replay.heldbefore import runs_to_hold
 from kvcadence.replay.precached import preloads
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
@@ -145,6 +146,11 @@ class FleetResult:
                     "evictions": st.evictions,
                     "retractions": st.retractions,
                     "aborted": st.aborted,
+                    **(
+                        {"held_before_tokens": st.held_before_tokens}
+                        if st.held_before_tokens
+                        else {}
+                    ),
                 }
             )
         return {
@@ -280,10 +286,18 @@ class Fleet:
                 self.slots.append(Slot(len(self.slots), wi, rank, sched, pub))
         self.slot_of = {(sl.worker, sl.rank): sl.index for sl in self.slots}
         # prefixes the workers had cached before their capture: each rank's tree holds them
-        # from the start (``replay.precached``)
+        # from the start (``replay.precached``), and before them (older) placeholders of the
+        # pages the worker held before a late capture and evicted during it
+        # (``replay.heldbefore``)
         at_slot = ((self.slot_of[self.home[s.idx]], s) for s in specs)
-        for slot, keys in preloads(at_slot).items():
-            self.slots[slot].sched.preload(keys)
+        pre = preloads(at_slot)
+        for sl in self.slots:
+            keys = pre.get(sl.index, [])
+            runs = workers[sl.worker].unseen.get(sl.rank)
+            if runs:
+                sl.sched.hold_unseen(runs_to_hold(runs, keys, sl.sched.ps))
+            if keys:
+                sl.sched.preload(keys)
         #: pred idx -> the lane's next requests: every rank's scheduler maps the shared
         #: request list so (``Scheduler.successors``); the fleet reads the first one's
         self.successors: dict[int, list[int]] = self.slots[0].sched.successors if self.slots else {}

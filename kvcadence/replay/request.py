@@ -194,4 +194,7 @@ class SimStats:
     flushes: int = 0
     aborted: int = 0
     virtual_ns: int = 0
+    #: tokens held from the start as placeholders of pages the worker held before a late
+    #: capture (``Scheduler.hold_unseen``)
+    held_before_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

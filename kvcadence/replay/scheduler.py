@@ -83,8 +83,13 @@ from kvcadence.replay.radix import PROMPT_PRIORITY, Hasher, Node, NullSink, Radi
 from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
 from kvcadence.replay.timing import PassTimer
+from kvcadence.replay.tokens import CODE
 
 _INF = float("inf")
+
+
+#: the first placeholder token id of ``Scheduler.hold_unseen`` (past any model's vocabulary)
+UNSEEN_TOKEN_BASE = 1 << 31
 
 
 class _TreeCacheAdapter:
@@ -163,6 +168,7 @@ class Scheduler:
         self.tree = RadixTree(
             cfg.page_size, hasher, self.queue, cfg.eviction_policy, cfg.slru_protected
         )
+        self._unseen = 0  # placeholder tokens handed out (``hold_unseen``)
         self.publisher = publisher or Publisher(
             cfg.sglang_version, cfg.medium, cfg.attn_dp_rank, schedule.anchor_ns
         )
@@ -280,6 +286,28 @@ class Scheduler:
                     tree.insert(key, end=n)
         finally:
             tree.sink = sink
+        return tree.total_size - before
+
+    def hold_unseen(self, runs: Sequence[int]) -> int:
+        """Hold a placeholder for each run of pages the worker held before the capture and
+        evicted during it (``replay.heldbefore``: page counts, oldest first), before the
+        first pass, with no event: a root child of token ids no prompt has (past any vocab),
+        so nothing matches it and it leaves as the worker's did, evicted oldest first (each
+        inserted older than the next); while the pool has room. Returns the tokens held."""
+        tree = self.tree
+        sink, tree.sink = tree.sink, NullSink()
+        before = tree.total_size
+        try:
+            for pages in runs:
+                n = pages * self.ps
+                if n <= 0 or tree.total_size + n > self.cfg.max_total_tokens:
+                    continue
+                first = UNSEEN_TOKEN_BASE + self._unseen
+                self._unseen += n
+                tree.insert(array(CODE, range(first, first + n)))
+        finally:
+            tree.sink = sink
+        self.stats.held_before_tokens += tree.total_size - before
         return tree.total_size - before
 
     # ------------------------------------------------------------------ accounting

@@ -47,6 +47,7 @@ from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import PublishedBatch
 from kvcadence.replay.fleet import Fleet
+from kvcadence.replay.heldbefore import unseen_runs
 from kvcadence.replay.loading import load_for_replay
 from kvcadence.replay.radix import Hasher
 from kvcadence.replay.request import SimStats
@@ -92,6 +93,12 @@ class SimResult:
             "retractions": self.stats.retractions,
             "aborted": self.stats.aborted,
             "flushes": self.stats.flushes,
+            # placeholders of pages held before a late capture (replay/heldbefore)
+            **(
+                {"held_before_tokens": self.stats.held_before_tokens}
+                if self.stats.held_before_tokens
+                else {}
+            ),
             "virtual_s": round(self.stats.virtual_ns / 1e9, 6),
             "wall_s": round(self.wall_s, 3),
             # production captures: how outputs and sessions were inferred (replay/production)
@@ -114,6 +121,7 @@ def simulate(
     source_header: Any = None,
     pace: str = "model",
     pace_clamp: tuple[float, float] | None = None,
+    unseen: Sequence[list[int]] = (),
 ) -> SimResult:
     """Simulate ``records`` (``RequestRecord``-like) on one rank under ``cfg``; no I/O
     unless ``out``: then the sim bundle of a replay of ``source_header``'s bundle is opened
@@ -127,12 +135,13 @@ def simulate(
     ``worker.spans_next_forward``; the summary then says ``"pace": "recorded"``;
     ``pace_clamp`` as ``fleet.simulate_fleet``'s), no event
     log kept; flushing at
-    ``flush_abs_ns`` (absolute receive times) in request order. The cyclic garbage
+    ``flush_abs_ns`` (absolute receive times) in request order, holding the ``unseen`` runs
+    of pages from the start (``replay.heldbefore``). The cyclic garbage
     collector is paused for the call (a replay builds millions of long-lived objects that
     collections would only re-walk)."""
     t0 = time.perf_counter()
     cfg.validate()
-    worker = one_rank_worker(records, cfg, flush_abs_ns, header=source_header)
+    worker = one_rank_worker(records, cfg, flush_abs_ns, header=source_header, unseen=unseen)
     with gc_paused():  # the schedule's construction too (it copies every token stream)
         fleet = Fleet(
             [worker],
@@ -261,6 +270,7 @@ def replay_bundle(
             )
         # one rank's clears (a DP bundle replayed as one rank would flush once per rank)
         flush_ns = flush_times_from_bundle(BundleReader(src_path), config.attn_dp_rank, flushes)
+        unseen = unseen_runs(BundleReader(src_path)).get(config.attn_dp_rank or 0, [])
     sink = SimBundleOut(out_path) if out_path is not None and not keep_batches else None
     with phases.phase("simulate", f"simulating {len(records)} requests"):
         result = simulate(
@@ -273,6 +283,7 @@ def replay_bundle(
             source_header=header,
             pace=pace,
             pace_clamp=pace_clamp,
+            unseen=unseen,
         )
     try:
         if inferred:

@@ -34,6 +34,7 @@ from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import served_rank
 from kvcadence.replay.config import SimConfig, from_server_info
 from kvcadence.replay.flushes import recorded_flushes
+from kvcadence.replay.heldbefore import unseen_runs
 from kvcadence.replay.loading import load_for_replay
 from kvcadence.replay.settings import capture_settings
 from kvcadence.replay.timing import calibrate
@@ -104,6 +105,9 @@ class WorkerInput:
     inferred: dict[str, Any] | None = None
     #: what the capture's snapshot lacked and how it was filled (``settings``), for the CLI
     settings_note: str | None = None
+    #: per rank (an index of ``rank_configs``): the runs of pages the worker held before a
+    #: late capture and evicted during it (``replay.heldbefore``), held from the start
+    unseen: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def flushes_of(self, rank: int) -> list[int]:
         """Recorded flush times (absolute ns) of DP ``rank``."""
@@ -127,12 +131,15 @@ def one_rank_worker(
     *,
     name: str = "sim",
     header: Any = None,
+    unseen: Sequence[list[int]] = (),
 ) -> WorkerInput:
     """The single-rank replay's worker: every request of ``records`` on one rank with
-    ``cfg``, flushing at ``flush_abs_ns`` (absolute receive times). ``records`` may be a
-    stream: the fleet reads it once, into its schedule (compact token arrays)."""
+    ``cfg``, flushing at ``flush_abs_ns`` (absolute receive times), holding the ``unseen``
+    runs of pages from the start (``replay.heldbefore``). ``records`` may be a stream: the
+    fleet reads it once, into its schedule (compact token arrays)."""
     flushes = sorted(int(f) for f in flush_abs_ns)
-    return WorkerInput(name, records, [cfg], flushes, header, one_rank=True)
+    held = {0: list(unseen)} if unseen else {}
+    return WorkerInput(name, records, [cfg], flushes, header, one_rank=True, unseen=held)
 
 
 def dp_size_of(header: Any, records: Sequence[Any]) -> int:
@@ -246,6 +253,7 @@ def load_worker(
         [f.rank for f in flushes],
         inferred=inferred or None,
         settings_note=settings.note,
+        unseen=unseen_runs(BundleReader(p)),
     )
 
 

@@ -1,0 +1,92 @@
+"""Pages a worker held before its capture started and evicted during it (a late attach).
+
+What this file owns: a capture attached to a worker that has served for a while starts where
+the worker's replay buffer still reaches (SGLang keeps its last messages; the capture's
+first ``Gap`` record, from seq 0, says what was lost). The worker's tree then held pages no
+event of the capture stores; the capture's requests that found some of them name those
+(``replay.precached``), the others show only as ``BlockRemoved`` events of pages no earlier
+event of the capture stored -- evicted during the capture, known by their hashes alone (no
+tokens, no parent). ``unseen_runs(reader)`` lists them per DP rank, one run of pages per
+such event, in the order the worker evicted them (its oldest first); the replay holds a
+placeholder for each from the start (``Scheduler.hold_unseen``): pool space no prompt
+matches, evicted oldest first, as the worker's were -- but for a run of a prefix the replay
+pre-loads anyway (``replay.precached``: a prefix a record found, evicted later), held once. A capture that holds its endpoints'
+first messages (or recovered them) has none: it is not read again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcadence.format import wire
+
+
+def late_endpoints(reader: Any) -> set[int]:
+    """The endpoints whose stream's start (from seq 0) the capture lost for good: said by
+    the capture's ``Gap`` records (a gap from seq 0 not wholly recovered); for an endpoint
+    no gap record speaks of (a bundle written without them), its first frame's seq > 0."""
+    late, told = set(), set()
+    for g in reader.iter_kinds("gap"):
+        if g.first_seq == 0:
+            told.add(g.endpoint)
+            if g.recovered < g.last_seq - g.first_seq + 1:
+                late.add(g.endpoint)
+    endpoints = {e.id for e in reader.header.endpoints}
+    seen: set[int] = set()
+    for f in reader.events():
+        if f.endpoint not in seen:
+            seen.add(f.endpoint)
+            if f.endpoint not in told and f.epoch == 0 and f.seq > 0:
+                late.add(f.endpoint)
+        if endpoints and endpoints <= seen:
+            break
+    return late
+
+
+def unseen_runs(reader: Any) -> dict[int, list[list[int]]]:
+    """Per DP rank: the page hashes of each ``BlockRemoved`` event that names only pages no
+    earlier event of the capture stored on that rank, in capture order, for the ranks whose
+    stream lost its start (``late_endpoints``); until the rank's first clear (after it the
+    worker holds nothing from before). Empty when no stream lost its start."""
+    late = late_endpoints(reader)
+    if not late:
+        return {}
+    ep_rank = {e.id: e.dp_rank for e in reader.header.endpoints}
+    stored: set[tuple[int, int]] = set()
+    cleared: set[int] = set()
+    runs: dict[int, list[list[int]]] = {}
+    for f in reader.events():
+        if f.endpoint not in late or f.payload_is_bin:
+            continue
+        try:
+            batch = wire.decode_batch(f.payload)
+        except Exception:  # noqa: BLE001 - a torn payload holds nothing to count
+            continue
+        rank = ep_rank.get(f.endpoint)
+        if rank is None:
+            rank = getattr(batch, "attn_dp_rank", None) or 0
+        if rank in cleared:
+            continue
+        for e in batch.events:  # every version's shapes (``BlockStoredV17``, ...): by name
+            kind = type(e).__name__
+            hs = getattr(e, "block_hashes", None) or ()
+            if kind.startswith("BlockStored"):
+                stored.update((rank, h) for h in hs)
+            elif kind.startswith("BlockRemoved"):
+                if hs and not any((rank, h) in stored for h in hs):
+                    runs.setdefault(rank, []).append(list(hs))
+            elif kind.startswith("AllBlocksCleared"):
+                cleared.add(rank)
+                break
+    return runs
+
+
+def runs_to_hold(runs: list[list[int]], preloaded: list[Any], page_size: int) -> list[int]:
+    """The page counts of ``runs`` to hold as placeholders: those with no page of the
+    ``preloaded`` prefixes (token arrays: those pages are pre-loaded with their tokens)."""
+    if not runs:
+        return []
+    have: set[int] = set()
+    for key in preloaded:
+        have.update(wire.block_hashes(key[: len(key) - len(key) % page_size], page_size))
+    return [len(r) for r in runs if not have.intersection(r)]
