@@ -47,12 +47,14 @@ def unseen_runs(reader: Any) -> dict[int, list[list[int]]]:
     """Per DP rank: the page hashes of each ``BlockRemoved`` event that names only pages no
     earlier event of the capture stored on that rank, in capture order, for the ranks whose
     stream lost its start (``late_endpoints``); until the rank's first clear (after it the
-    worker holds nothing from before). Empty when no stream lost its start."""
+    worker holds nothing from before). What is kept to tell is the pages the capture stored
+    and has not seen removed yet (a page is removed once a store): the rank's live tree, not
+    its history. Empty when no stream lost its start."""
     late = late_endpoints(reader)
     if not late:
         return {}
     ep_rank = {e.id: e.dp_rank for e in reader.header.endpoints}
-    stored: set[tuple[int, int]] = set()
+    live: dict[int, set[int]] = {}
     cleared: set[int] = set()
     runs: dict[int, list[list[int]]] = {}
     for f in reader.events():
@@ -67,16 +69,19 @@ def unseen_runs(reader: Any) -> dict[int, list[list[int]]]:
             rank = getattr(batch, "attn_dp_rank", None) or 0
         if rank in cleared:
             continue
+        mine = live.setdefault(rank, set())
         for e in batch.events:  # every version's shapes (``BlockStoredV17``, ...): by name
             kind = type(e).__name__
             hs = getattr(e, "block_hashes", None) or ()
             if kind.startswith("BlockStored"):
-                stored.update((rank, h) for h in hs)
+                mine.update(hs)
             elif kind.startswith("BlockRemoved"):
-                if hs and not any((rank, h) in stored for h in hs):
+                if hs and mine.isdisjoint(hs):
                     runs.setdefault(rank, []).append(list(hs))
+                mine.difference_update(hs)
             elif kind.startswith("AllBlocksCleared"):
                 cleared.add(rank)
+                live.pop(rank, None)
                 break
     return runs
 
