@@ -10,8 +10,10 @@ tokens, no parent). ``unseen_runs(reader)`` lists them per DP rank, one run of p
 such event, in the order the worker evicted them (its oldest first); the replay holds a
 placeholder for each from the start (``Scheduler.hold_unseen``): pool space no prompt
 matches, evicted oldest first, as the worker's were -- but for a run of a prefix the replay
-pre-loads anyway (``replay.precached``: a prefix a record found, evicted later), held once. A capture that holds its endpoints'
-first messages (or recovered them) has none: it is not read again.
+pre-loads anyway (``replay.precached``: a prefix a record found, evicted later), held once.
+A capture that holds its endpoints' first messages (or recovered them) has none: it is not
+read again. One that lost them is read once more, its late endpoints' payloads decoded (a
+1M-event bundle, 445 MB: 5.7 cpu-s).
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ def late_endpoints(reader: Any) -> set[int]:
             told.add(g.endpoint)
             if g.recovered < g.last_seq - g.first_seq + 1:
                 late.add(g.endpoint)
-    endpoints = {e.id for e in reader.header.endpoints}
+    endpoints = {e.id for e in reader.header.endpoints} or {0}  # none listed: one endpoint
     seen: set[int] = set()
-    for f in reader.events():
+    for f in reader.events():  # each endpoint's first frame: the file's first few
         if f.endpoint not in seen:
             seen.add(f.endpoint)
             if f.endpoint not in told and f.epoch == 0 and f.seq > 0:
                 late.add(f.endpoint)
-        if endpoints and endpoints <= seen:
+        if endpoints <= seen:
             break
     return late
 
