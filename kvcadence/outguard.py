@@ -22,7 +22,9 @@ What this file owns, for every command that writes an ``--out``:
   and SIGTERM, which replay raises as Ctrl-C), exit 130 as before. An output that existed before
   (refused anyway) is never touched; a deliberate run-time verdict without an ``OSError``
   behind it (``replay``'s "no request ran", which keeps the written bundle) is not a failure
-  of the write.
+  of the write, nor is anything after the command marked its output complete
+  (``args._out_complete``: e.g. its summary printed to a closed pipe, ``replay ... | head``,
+  which removed a finished sim bundle until 2026-12-04).
 
 Standard library only (imported by the capture, replay and analysis command modules alike).
 """
@@ -167,7 +169,10 @@ def removed_on_failure(run: Callable[[Any], int], attr: str = "out") -> Callable
                 raise Interrupted(f"the unfinished output {p} was removed") from None
             raise
         except BaseException as exc:
-            if fresh and p is not None and p.exists() and _write_failure(exc):
+            # an output the command marked complete is never removed: what fails after it
+            # (a closed stdout under ``| head``: BrokenPipeError) is not its write failing
+            done = getattr(args, "_out_complete", False)
+            if fresh and p is not None and p.exists() and not done and _write_failure(exc):
                 shutil.rmtree(p, ignore_errors=True)
                 if was_dir:
                     p.mkdir(exist_ok=True)

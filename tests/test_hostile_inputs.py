@@ -406,6 +406,33 @@ def test_an_interrupted_replay_output_is_removed_unless_complete(tmp_path, monke
     assert (kept / "worker=x" / "job0000-0.parquet").exists()
 
 
+@pytest.mark.parametrize(
+    "bundle",
+    [SAMPLE, REPO / "tests" / "replay" / "data" / "sglang-0.5.23-dp2-agent-ps1"],
+    ids=["one-rank", "dp2-fleet"],
+)
+def test_a_replay_into_a_closed_pipe_keeps_its_finished_output(tmp_path, bundle):
+    """``kvcadence replay B --out X | head`` (the reader gone before the summary is printed):
+    the sim bundle was written whole before the summary, so it stays, exit 0 -- it was
+    removed as an "unfinished output" (exit 1) until 2026-12-04."""
+    import subprocess
+    import sys
+
+    from kvcadence.format.bundle import BundleReader
+
+    out = tmp_path / "sim"
+    cmd = [sys.executable, "-m", "kvcadence", "replay", str(bundle), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone: every print to stdout is EPIPE
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait() == 0, err
+    assert "removed" not in err
+    sims = [out] if (out / "seg-000000.kvcb").exists() else sorted(out.iterdir())
+    assert sims and all(len(BundleReader(s).requests()) > 0 for s in sims)
+
+
 def test_replay_takes_sigterm_as_ctrl_c():
     """SIGTERM (kill, a job scheduler) during a replay raises KeyboardInterrupt, so the
     output is cleaned up as on Ctrl-C instead of the process dying mid-write; the previous

@@ -51,6 +51,8 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("unclaimed_below_records", "unclaimed stores below a record's prompt (left alone)"),
     ("precached_requests", "requests that found a prefix cached before the capture"),
     ("precached_prefixes", "... prefixes stored before the capture (pre-loaded)"),
+    ("precached_below_capture_stores", "... requests below a capture store of an older prefix"),
+    ("held_before_tokens", "tokens held before a late capture (placeholders of evicted pages)"),
     ("retracted_in_capture", "retracted in the capture"),
     ("retracted_in_capture_and_replay", "... of them retracted in the replay too"),
 )
@@ -60,9 +62,20 @@ def trailer_inferred(bundle: str | Path) -> dict[str, Any] | None:
     """``stats.replay.inferred`` of the bundle's last ``Trailer``; None when absent."""
     found = None
     for rec in BundleReader(Path(bundle)).iter_kinds("trailer"):
-        inf = ((getattr(rec, "stats", None) or {}).get("replay") or {}).get("inferred")
-        found = inf if isinstance(inf, dict) else found
+        rp = (getattr(rec, "stats", None) or {}).get("replay") or {}
+        inf = rp.get("inferred")
+        if isinstance(inf, dict):
+            found = {**inf, **_held_before(rp)}
     return found
+
+
+def _held_before(rp: dict[str, Any]) -> dict[str, int]:
+    """``held_before_tokens`` of a replay's stats (a fleet's: its ranks' summed), when any."""
+    n = rp.get("held_before_tokens")
+    if not isinstance(n, int):
+        ranks = rp.get("per_rank")
+        n = sum(p.get("held_before_tokens") or 0 for p in ranks or () if isinstance(p, dict))
+    return {"held_before_tokens": n} if n else {}
 
 
 def figures(inf: dict[str, Any]) -> dict[str, Any]:

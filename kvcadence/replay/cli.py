@@ -359,7 +359,8 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
             f"{summary['events']} events in {summary['messages']} messages, "
             f"{summary['evictions']} evictions, {summary['retractions']} retractions, "
             f"{summary['aborted']} aborted; "
-            f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.2f} s "
+            + _held_before(summary.get("held_before_tokens"))
+            + f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.2f} s "
             f"({phases.breakdown()})"
         )
         if inferred:
@@ -368,3 +369,11 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
             print(report_text(inferred))
     check_some_ran(result.requests)
     return 0
+
+
+def _held_before(tokens: int | None) -> str:
+    """The summary's clause for placeholders of pages a late capture's worker held before it
+    (``replay.heldbefore``): empty when none."""
+    if not tokens:
+        return ""
+    return f"{tokens} tokens held before the capture (placeholders of pages it evicted); "

@@ -204,6 +204,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
 
     with phases.phase("write", f"writing {args.out}"):
         paths = out.finish(result)
+    args._out_complete = True  # written whole: a closed stdout (``| head``) keeps it
     summary = result.summary()
     summary["simulate_s"] = summary.pop("wall_s")
     summary["wall_s"] = round(phases.wall(), 3)  # the whole command
@@ -226,6 +227,12 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 f"  {p['worker']} rank {p['rank']}: {p['requests']} requests, "
                 f"{p['messages']} messages, {p['events']} events, {p['evictions']} evictions, "
                 f"{p['aborted']} aborted"
+                + (
+                    f", {p['held_before_tokens']} tokens held before the capture "
+                    "(placeholders of pages it evicted)"
+                    if p.get("held_before_tokens")
+                    else ""
+                )
             )
         for w in workers:  # production captures: what was inferred, as the single replay says
             if w.inferred:
@@ -268,6 +275,7 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
         pace=_pace(args),
         executor=args.executor,
     )
+    args._out_complete = True  # the dataset is whole: a closed stdout keeps it
     wall = time.perf_counter() - t0
     table = [what_if_row(r) for r in results]
     if args.json:

@@ -76,6 +76,11 @@ def _edge_text(rep: dict[str, Any]) -> str:
             f"started ({rep.get('precached_prefixes', 0)} prefixes, no store of them in the "
             "capture: pre-loaded into the simulated tree)"
         )
+    if rep.get("precached_below_capture_stores"):
+        parts.append(
+            f"{rep['precached_below_capture_stores']} requests found a prefix the capture "
+            "extended but did not store from its start (its older part pre-loaded)"
+        )
     if rep.get("retracted_in_capture"):
         parts.append(
             f"{rep['retracted_in_capture']} retracted in the capture"

@@ -16,6 +16,12 @@ would replay those requests as misses that store the prefix.
   the record's whole cached prefix (``cached_tokens``, page floored) was in the tree when
   the capture attached. Vectorised: the candidates' hashes are looked up among the stored
   pages through ``unrecorded.matches`` (a low-bit sieve, one pass over the pages).
+* ``precached_below(index, cands, cached_pages)`` -- the records ``precached`` did not flag
+  whose block the capture stored, but below a prefix older than the capture (a recovered
+  message, or a request the records lack, extended it): the block's first store is followed
+  up store by store to a parent no earlier event of the capture stored (an orphan: the
+  pages above it and itself were held before the capture) or to the root (nothing);
+  memoised per event.
 * ``PRECACHED_KEY`` -- the ``meta_info`` key of a completed record that carries that
   prefix's length in tokens (one record per prefix, the first to arrive, so the prefixes
   kept grow with the distinct ones); ``preloads(specs)`` reads them back, per rank, as the
@@ -29,7 +35,7 @@ Only records are looked at (a rebuilt request's prompt above its store is not kn
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -68,6 +74,90 @@ def precached(index: Any, cands: Sequence[tuple[int, int, int, int]]) -> list[in
         got = first.get(k)
         if got is None or got > t + FINISH_WINDOW_NS:
             out.append(i)
+    return out
+
+
+def precached_below(
+    index: Any, cands: Sequence[tuple[int, int, int, int]], cached_pages: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """Of ``cands`` (``precached``'s, those it did not flag: their block was stored in the
+    capture before they finished) with ``cached_pages[k]`` cached pages each, the records
+    whose block's first store chains up, store by store, to a parent no earlier event of
+    the capture stored on that rank (an *orphan*: stored before the capture -- a recovered
+    message, or a request the records lack, extended a prefix older than the capture):
+    ``(record, orphan hash, pages above it and itself)``, the pages of the record's cached
+    prefix the worker held before the capture. A chain that starts at the root (parent
+    None) was stored wholly in the capture: no such record."""
+    if not cands:
+        return []
+    multi = bool(index.frame_rank)
+    keys = page_keys(index) if multi else index.hashes
+    offs = np.asarray(index.offs, dtype=np.int64)
+
+    def first_positions(want: list[int]) -> dict[int, tuple[int, int]]:
+        """key -> (event, offset) of its earliest store."""
+        arr = np.fromiter(want, np.int64, len(want))
+        pos = matches(keys, arr)  # ascending: the first of each key is its earliest
+        ev = np.searchsorted(offs, pos, side="right") - 1
+        out: dict[int, tuple[int, int]] = {}
+        for k, e, q in zip(keys[pos].tolist(), ev.tolist(), pos.tolist(), strict=True):
+            if k not in out:
+                out[k] = (e, q - int(offs[e]))
+        return out
+
+    def key(h: int, ei: int) -> int:
+        return page_key(h, index.rank_of(ei)) if multi else h
+
+    parents = index.parents
+    parent_keys = [key(p, ei) if p is not None else None for ei, p in enumerate(parents)]
+    parent_at = first_positions([k for k in parent_keys if k is not None])
+    # a capture that holds its streams from the start has no orphan: nothing to follow
+    if not any(
+        k is not None and ((up := parent_at.get(k)) is None or up[0] >= ei)
+        for ei, k in enumerate(parent_keys)
+    ):
+        return []
+    base_keys = [page_key(h, rk) if multi else h for _, h, _, rk in cands]
+    base_at = first_positions(base_keys)
+    # per event: (orphan parent hash or None for a chain from the root, pages between the
+    # orphan and the event's first page)
+    memo: dict[int, tuple[int | None, int]] = {}
+
+    def resolve(e0: int) -> tuple[int | None, int]:
+        path: list[tuple[int, int]] = []  # (event, offset of its parent in the next one up)
+        e = e0
+        got: tuple[int | None, int]
+        while True:
+            if e in memo:
+                got = memo[e]
+                break
+            p = parents[e]
+            if p is None:
+                got = (None, 0)
+                memo[e] = got
+                break
+            up = parent_at.get(cast("int", parent_keys[e]))
+            if up is None or up[0] >= e:  # no store of the parent before this one
+                got = (p, 0)
+                memo[e] = got
+                break
+            path.append((e, up[1]))
+            e = up[0]
+        orphan, above = got
+        for ev, j in reversed(path):  # the parent sits at ``j`` of the event above
+            above += j + 1
+            memo[ev] = (orphan, above)
+        return memo[e0]
+
+    out = []
+    for (i, _, _, _), k, c in zip(cands, base_keys, cached_pages, strict=True):
+        at = base_at.get(k)
+        if at is None:
+            continue
+        orphan, above = resolve(at[0])
+        pages = c - 1 - at[1] - above  # the base is page ``c - 1``: the event's first page
+        if orphan is not None and 0 < pages < c:  # sits ``at[1]`` pages above it
+            out.append((i, orphan, pages))
     return out
 
 

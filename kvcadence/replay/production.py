@@ -62,7 +62,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
-from kvcadence.replay.precached import PRECACHED_KEY, precached
+from kvcadence.replay.precached import PRECACHED_KEY, precached, precached_below
 from kvcadence.replay.retracted import is_retracted, retracted_run
 from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
@@ -321,13 +321,29 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # one record carries each prefix to the replay (the first to arrive: its first use), so
     # what is kept grows with the distinct prefixes, not with the records that found them
     flagged = set(precached(index, pre_cands))
+    # (record, the prefix's last block, its pages): the whole cached prefix of a flagged
+    # record; the part above a store of the capture that extended an older prefix for the
+    # others (``precached_below``)
+    pre: list[tuple[int, int, int, int]] = []
+    rest: list[tuple[int, int, int, int]] = []
+    for c in pre_cands:
+        if c[0] in flagged:
+            pre.append((c[0], c[1], c[3], cast("int", records[c[0]].cached_tokens) // ps))
+        else:
+            rest.append(c)
+    below = precached_below(
+        index, rest, [cast("int", records[c[0]].cached_tokens) // ps for c in rest]
+    )
+    rank_of = {c[0]: c[3] for c in rest}
+    pre.extend((i, h, rank_of[i], n) for i, h, n in below)
     carrier: dict[tuple[int, int], int] = {}
-    for i, h, _, rk in pre_cands:
-        if i in flagged:
-            j = carrier.setdefault((h, rk), i)
-            if (times[i][0] or 0) < (times[j][0] or 0):
-                carrier[h, rk] = i
-    pre_tokens = {i: cast("int", records[i].cached_tokens) // ps * ps for i in carrier.values()}
+    pages_of: dict[int, int] = {}
+    for i, h, rk, n in pre:
+        pages_of[i] = n
+        j = carrier.setdefault((h, rk), i)
+        if (times[i][0] or 0) < (times[j][0] or 0):
+            carrier[h, rk] = i
+    pre_tokens = {i: pages_of[i] * ps for i in carrier.values()}
 
     finish_at: dict[int, int] = {}  # an event holding records' finish stores -> their finish
     for (e, _), i in taken.items():
@@ -456,6 +472,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unrecorded_not_rebuilt": lost.outside,
         "unclaimed_below_records": lost.below_records,
         "precached_requests": len(flagged),
+        "precached_below_capture_stores": len(below),
         "precached_prefixes": len(carrier),
     }
     return out_records, report

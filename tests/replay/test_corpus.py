@@ -367,8 +367,8 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p32-tight-longprompt-http-clients-cancel": "stored_events_per_request 2.579 -> 2.403 "
     "(-6.8%); cached_tokens_equal 0.481",
     "p16-attach-midrun-http-clients": "cached_tokens_equal 0.871",
-    "p16-attach-late-ring4-http-clients": "stored_hash_jaccard 0.973",
-    "dp2-p8-attach-late-ring4-http-clients": "stored_hash_jaccard 0.984",
+    "p16-attach-late-ring4-http-clients": "stored_hash_jaccard 0.988",
+    "dp2-p8-attach-late-ring4-http-clients": "stored_hash_jaccard 0.988",
 }
 
 
@@ -801,7 +801,12 @@ def test_a_late_attach_preloads_what_the_worker_had_cached(tmp_path):
     prompts were stored before the capture, so the records that found them cached name the
     prefixes the worker held (``replay.precached``), and the replay pre-loads them with no
     event. Measured: `cached_tokens` equal 85.2 -> 87.5 %, stored hash set Jaccard 0.948 ->
-    0.997 (without -> with the pre-load); the capture's other stores are unchanged."""
+    0.997 (without -> with the pre-load); the capture's other stores are unchanged. Since the
+    prefixes the capture's stores extended are pre-loaded too (``precached_below``: 47
+    records, 9 prefixes more): `cached_tokens` equal 88.1 %, Stored events/request +4.4 ->
+    +3.4 %, Removed events/request +13.0 -> +10.2 %, Jaccard 0.992 (the two system prompts,
+    pre-loaded as the oldest pages, are evicted and stored again once more than the worker
+    did: 10 sim-only pages)."""
     from kvcadence.format.bundle import BundleWriter
     from kvcadence.format.schema import VIA_REPLAY
     from kvcadence.replay.simulator import replay_bundle
@@ -816,14 +821,15 @@ def test_a_late_attach_preloads_what_the_worker_had_cached(tmp_path):
             w.write(rec)
     res = replay_bundle(late, tmp_path / "sim")
     inferred = res.extra["inferred"]
-    assert (inferred["precached_requests"], inferred["precached_prefixes"]) == (264, 14)
+    assert (inferred["precached_requests"], inferred["precached_prefixes"]) == (264, 23)
+    assert inferred["precached_below_capture_stores"] == 47
     rows = {
         r["figure"]: r
         for r in compare_ranks(rank_figures(late), rank_figures(tmp_path / "sim"))
         if r["rank"] == "all"
     }
-    assert rows["cached_tokens_equal"]["sim"] >= 0.87
-    assert rows["stored_hash_jaccard"]["sim"] >= 0.995
+    assert rows["cached_tokens_equal"]["sim"] >= 0.88
+    assert rows["stored_hash_jaccard"]["sim"] >= 0.99
 
 
 def test_a_late_attach_on_a_real_worker_preloads_what_it_had_cached(tmp_path):
@@ -836,7 +842,9 @@ def test_a_late_attach_on_a_real_worker_preloads_what_it_had_cached(tmp_path):
     +3.7 -> -0.4 %, ``cached_tokens`` equal 94.1 -> 97.7 %, stored hash-set Jaccard 0.940
     -> 0.973 (the pages the worker held before and evicted during the capture are known only
     by their hashes: not replayed), Removed events/request -2.6 -> +0.7 %, mean
-    blocks/Removed -5.2 -> -8.3 %."""
+    blocks/Removed -5.2 -> -8.3 %. Its first request found 512 tokens cached, the last 80
+    stored by one of the recovered messages below 432 older ones: pre-loaded since
+    ``precached_below`` (2 prefixes more; Jaccard 0.973 -> 0.988)."""
     from kvcadence.format.schema import VIA_REPLAY
     from kvcadence.replay.simulator import replay_bundle
 
@@ -848,7 +856,7 @@ def test_a_late_attach_on_a_real_worker_preloads_what_it_had_cached(tmp_path):
     prod = production_bundle(name, tmp_path / "p")
     res = replay_bundle(prod, tmp_path / "sim")
     inferred = res.extra["inferred"]
-    assert (inferred["precached_requests"], inferred["precached_prefixes"]) == (154, 13)
+    assert (inferred["precached_requests"], inferred["precached_prefixes"]) == (154, 15)
     assert inferred["unrecorded_rebuilt"] == 0  # their stores are not in the capture
     rows = {
         r["figure"]: r
@@ -858,6 +866,7 @@ def test_a_late_attach_on_a_real_worker_preloads_what_it_had_cached(tmp_path):
     for bar in ("stored_per_req", "stored_median", "removed_per_req", "removed_mean"):
         assert bar_holds(rows[BARS[bar][0]], bar), bar
     assert rows["cached_tokens_equal"]["sim"] >= 0.97
+    assert rows["stored_hash_jaccard"]["sim"] >= 0.985
 
 
 def _removed_unseen(bundle: Path) -> tuple[int, int, int]:
@@ -887,7 +896,9 @@ def test_a_late_dp_attach_holds_the_pages_the_worker_held_before_it(tmp_path, mo
     capture and evicted during it. Without placeholders for them the replay published 35
     fewer Removed events (Removed events/request -12.8 %, missed); holding them from the
     start (``replay.heldbefore``; 31 runs, the 2 that are pre-loaded prefixes once) it is
-    -5.1 %. A capture of a fresh worker has none (``p16-attach-midrun-http-clients``
+    -5.1 % (-4.7 % since the prefixes the capture's stores extended are pre-loaded too,
+    ``precached_below``: 30 runs held, one more of them a page of a pre-loaded prefix). A
+    capture of a fresh worker has none (``p16-attach-midrun-http-clients``
     recovered its whole history: none either)."""
     from kvcadence.replay import fleet as fleet_mod
     from kvcadence.replay.heldbefore import late_endpoints, unseen_runs
@@ -917,7 +928,7 @@ def test_a_late_dp_attach_holds_the_pages_the_worker_held_before_it(tmp_path, mo
         tmp_path / "sim",
         fleet_mod.simulate_fleet([load_worker(prod)], "recorded", pace="auto"),
     )
-    assert (len(held), sum(held)) == (31, 414)
+    assert (len(held), sum(held)) == (30, 402)
     rows = {
         r["figure"]: r
         for r in compare_ranks(rank_figures(prod), rank_figures(sim))

@@ -98,3 +98,60 @@ def test_the_preload_stops_at_the_pool():
     assert sch.preload(keys) == 8  # the first, page floored; the second does not fit
     assert sch.tree.total_size == sch.tree.evictable_size == 8
     assert len(sch.queue) == 0 and sch.tree.sink is sch.queue  # no event, the sink back
+
+
+def _extended(hops: int, from_root: bool = False):
+    """The system prompt stored before the capture; ``hops`` stores of the capture (a
+    recovered message of a request the records lack) extended it by 2 pages each, chained;
+    record ``a`` found the whole extended prefix cached and stored one page of its own.
+    ``from_root``: the first of those stores holds the system prompt too (stored in the
+    capture from the root)."""
+    early = [*SYSTEM]
+    batches = []
+    for k in range(hops):
+        start = len(early) // PS
+        early += [7 + k] * (2 * PS)
+        first = 0 if from_root and k == 0 else start
+        batches.append((int((0.2 + 0.1 * k) * S), [store(early, first, start + 2, PS)]))
+    a = [*early, 1, 2, 3, 4, 5]
+    batches.append((int(1.1 * S), [store(a, len(early) // PS, len(early) // PS + 1, PS)]))
+    return batches, [rec("a", a, 3, 1.0, 1.5, cached=len(early))], early
+
+
+def test_a_capture_store_below_an_older_prefix_preloads_the_older_part():
+    """A record's cached prefix ends in a page the capture stored (a recovered message
+    extended the system prompt) but that store chains from a page no event of the capture
+    stored: the system prompt was in the tree before the capture -- pre-loaded, the part
+    the capture stored not (its store is in the capture)."""
+    from kvcadence.replay.precached import precached_below
+
+    for hops in (1, 2, 3):
+        batches, records, early = _extended(hops)
+        index = StoreIndex.from_batches(batches, PS)
+        base = block_hashes(early, PS)[-1]
+        c = len(early) // PS
+        assert precached(index, [(0, base, int(1.5 * S), 0)]) == []  # the capture stored it
+        orphan = block_hashes(SYSTEM, PS)[-1]
+        assert precached_below(index, [(0, base, int(1.5 * S), 0)], [c]) == [(0, orphan, 2)]
+        out, rep = complete_records(records, index)
+        assert out[0].meta_info[PRECACHED_KEY] == len(SYSTEM), hops
+        assert (rep["precached_below_capture_stores"], rep["precached_prefixes"]) == (1, 1)
+        assert "1 requests found a prefix the capture extended" in report_text(rep)
+        res = run(out, config(page_size=PS, max_total_tokens=256))
+        assert not _stored_hashes(res) & set(block_hashes(SYSTEM, PS)), hops  # held before
+        res0 = run(records, config(page_size=PS, max_total_tokens=256))  # the rule's absence
+        assert set(block_hashes(SYSTEM, PS)) <= _stored_hashes(res0)
+
+
+def test_a_capture_chain_from_the_root_preloads_nothing():
+    from kvcadence.replay.precached import precached_below
+
+    batches, records, early = _extended(2, from_root=True)
+    index = StoreIndex.from_batches(batches, PS)
+    base = block_hashes(early, PS)[-1]
+    assert precached_below(index, [(0, base, int(1.5 * S), 0)], [len(early) // PS]) == []
+    out, rep = complete_records(records, index)
+    assert PRECACHED_KEY not in (out[0].meta_info or {})
+    assert rep["precached_below_capture_stores"] == 0
+    assert "extended but did not store" not in report_text(rep)
+    assert precached_below(index, [], []) == []
