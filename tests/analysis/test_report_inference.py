@@ -114,3 +114,24 @@ def test_driver_replay_adds_no_section(tmp_path):
     )
     assert "inferred" not in res.doc
     assert "Inferred inputs" not in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("name", "held"),
+    [("p16-attach-late-ring4-http-clients", 1376), ("dp2-p8-attach-late-ring4-http-clients", 3216)],
+)
+def test_a_late_capture_report_says_how_much_was_held_before(name, held, tmp_path):
+    """A capture that lost its start: the replay holds placeholders of the pages the worker
+    held before it (``replay.heldbefore``); the report's inferred section says how many
+    tokens (one rank's replay, or a DP fleet's ranks summed), as ``kvcadence replay`` does."""
+    from tests.replay.test_corpus import production_bundle
+
+    prod = production_bundle(name, tmp_path / "real")
+    sim = tmp_path / "sim"
+    assert main(["replay", "--quiet", str(prod), "--out", str(sim)]) == 0
+    inf = inference.trailer_inferred(sim)
+    assert inf is not None and inf["held_before_tokens"] == held
+    res = report.make_report([str(prod), str(sim)], tmp_path / "r", plots=False)
+    assert res.doc["inferred"]["sim"]["held_before_tokens"] == held
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert f"| tokens held before a late capture (placeholders of evicted pages) | {held:,} |" in md
