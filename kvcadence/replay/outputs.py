@@ -103,6 +103,9 @@ class StoreIndex:
         #: of a rank other than 0 (``rank_of``)
         self.frame_of: list[int] = []
         self.frame_rank: dict[int, int] = {}
+        #: per endpoint, the least seq of its first epoch's frames (``from_reader``): above 0,
+        #: the capture lost that stream's start (``lost_start``)
+        self.first_seq: dict[int, int] = {}
         #: the worker's ``chunked_prefill_size`` (the header's ``/server_info`` snapshot;
         #: None: chunking off or not stated)
         self.chunk_tokens: int | None = None
@@ -176,8 +179,13 @@ class StoreIndex:
         # the endpoints of DP ranks other than 0 (a frame of another endpoint: its payload's)
         ep_rank = {e.id: e.dp_rank for e in reader.header.endpoints}
         frame_rank = idx.frame_rank
+        first_seq = idx.first_seq
         for n, f in enumerate(records):
             t = type(f)
+            if t is not AnnotationRawView and f.epoch == 0:
+                least = first_seq.get(f.endpoint)
+                if least is None or f.seq < least:
+                    first_seq[f.endpoint] = f.seq
             if t is EventFrameIdsView:  # the common frame: no clear in it
                 b = f.payload
                 rank = ep_rank.get(f.endpoint)
@@ -269,6 +277,14 @@ class StoreIndex:
                 by_first[first] = [ei]
             else:
                 lst.append(ei)
+
+    @property
+    def lost_start(self) -> bool:
+        """Some stream of the capture lost its start: the least seq of an endpoint's first
+        epoch is above 0 (its earlier messages neither received live nor recovered; the
+        order frames were written in does not matter). False for an index not built
+        ``from_reader`` (no seqs)."""
+        return any(s > 0 for s in self.first_seq.values())
 
     def rank_of(self, ei: int) -> int:
         """The DP rank that published event ``ei`` (0 for a one-rank capture)."""

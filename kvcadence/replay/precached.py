@@ -21,7 +21,8 @@ would replay those requests as misses that store the prefix.
   message, or a request the records lack, extended it): the block's first store is followed
   up store by store to a parent no earlier event of the capture stored (an orphan: the
   pages above it and itself were held before the capture) or to the root (nothing);
-  memoised per event.
+  memoised per event. ``production`` asks only when a stream of the capture lost its start
+  (``outputs.StoreIndex.lost_start``).
 * ``PRECACHED_KEY`` -- the ``meta_info`` key of a completed record that carries that
   prefix's length in tokens (one record per prefix, the first to arrive, so the prefixes
   kept grow with the distinct ones); ``preloads(specs)`` reads them back, per rank, as the

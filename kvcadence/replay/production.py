@@ -133,14 +133,21 @@ def _kind(r: Any) -> tuple[str | None, bool]:
 
 
 def complete_records(
-    records: list[Any], index: StoreIndex, flushes_ns: Sequence[int] = ()
+    records: list[Any],
+    index: StoreIndex,
+    flushes_ns: Sequence[int] = (),
+    *,
+    lost_start: bool = True,
 ) -> tuple[list[Any], dict[str, Any]]:
     """Records with recovered outputs and inferred sessions, and the report (see module).
 
     Aborted and errored requests that ran (at least one output token) are replayed to
     their recorded, partial, output length; those that never ran stored nothing and are
     returned with ``error`` set (the schedule leaves them out) and kept out of the
-    inference (no predecessor, no client)."""
+    inference (no predecessor, no client). ``lost_start``: some stream of the capture lost
+    its start (``StoreIndex.lost_start``; ``records_for_replay`` says), the only case
+    where a store of the capture can chain from a prefix older than it (``precached_below``
+    is looked for then only)."""
     counts: Counter[str] = Counter()
     keep: list[int] = []
     out: list[Any] = list(records)
@@ -158,9 +165,9 @@ def complete_records(
                 out[i] = msgspec.structs.replace(r, error=r.error or why)
         retracted += is_retracted(r)
     if len(keep) == len(records):  # every record ran (the usual capture)
-        out, report = _complete(records, index, flushes_ns)
+        out, report = _complete(records, index, flushes_ns, lost_start)
     else:
-        done, report = _complete([records[i] for i in keep], index, flushes_ns)
+        done, report = _complete([records[i] for i in keep], index, flushes_ns, lost_start)
         for i, r in zip(keep, done, strict=True):
             out[i] = r
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
@@ -170,7 +177,7 @@ def complete_records(
 
 
 def _complete(  # noqa: C901 - one pass over the records: outputs by route, in order
-    records: list[Any], index: StoreIndex, flushes_ns: Sequence[int] = ()
+    records: list[Any], index: StoreIndex, flushes_ns: Sequence[int] = (), lost_start: bool = True
 ) -> tuple[list[Any], dict[str, Any]]:
     ps = index.page_size
     times = [(_arrival(r), _finish(r)) for r in records]
@@ -331,8 +338,10 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             pre.append((c[0], c[1], c[3], cast("int", records[c[0]].cached_tokens) // ps))
         else:
             rest.append(c)
-    below = precached_below(
-        index, rest, [cast("int", records[c[0]].cached_tokens) // ps for c in rest]
+    below = (
+        precached_below(index, rest, [cast("int", records[c[0]].cached_tokens) // ps for c in rest])
+        if lost_start
+        else []
     )
     rank_of = {c[0]: c[3] for c in rest}
     pre.extend((i, h, rank_of[i], n) for i, h, n in below)
@@ -506,7 +515,9 @@ def records_for_replay(
         if off:
             index.shift(off)
             flushes = [dataclasses.replace(f, recv_ns=f.recv_ns - off) for f in flushes]
-        out, report = complete_records(recs, index, [f.recv_ns for f in flushes])
+        out, report = complete_records(
+            recs, index, [f.recv_ns for f in flushes], lost_start=index.lost_start
+        )
     if off:
         report["clock_offset_s"] = round(off / 1e9, 3)
     return out, report, flushes

@@ -155,3 +155,37 @@ def test_a_capture_chain_from_the_root_preloads_nothing():
     assert rep["precached_below_capture_stores"] == 0
     assert "extended but did not store" not in report_text(rep)
     assert precached_below(index, [], []) == []
+
+
+def test_an_index_knows_whether_the_capture_lost_a_streams_start(tmp_path):
+    """``StoreIndex.lost_start`` (what decides whether ``precached_below`` is looked for):
+    the least seq of an endpoint's first epoch above 0 -- whatever order the frames were
+    written in (recovered messages after live ones) and whatever a later epoch (a worker
+    restart counts from 0 again) holds."""
+    import msgspec
+
+    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from tests.analysis.helpers import T0, header
+
+    payload = msgspec.msgpack.encode([1.0, [], 0])
+
+    def index(frames: list[tuple[int, int]]) -> StoreIndex:
+        path = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        with BundleWriter(path, header()) as w:
+            for k, (seq, epoch) in enumerate(frames):
+                w.write_event(
+                    endpoint=0,
+                    seq=seq,
+                    recv_ns=T0 + k,
+                    topic="kv-events",
+                    payload=payload,
+                    via=0,
+                    epoch=epoch,
+                )
+        return StoreIndex.from_reader(BundleReader(path), PS)
+
+    assert not index([(0, 0), (1, 0), (2, 0)]).lost_start
+    assert not index([(5, 0), (6, 0), (0, 0), (1, 0)]).lost_start  # recovered, written after
+    assert index([(64, 0), (65, 0)]).lost_start  # a ring that no longer held seq 0..63
+    assert index([(3, 0), (0, 1), (1, 1)]).lost_start  # the restart's epoch does not tell
+    assert not StoreIndex.from_batches([], PS).lost_start  # no seqs: nothing said
