@@ -49,6 +49,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("unrecorded_with_finish_store", "... of them with a finish store (outputs from it)"),
     ("unrecorded_not_rebuilt", "unclaimed stores not rebuilt (prefix before the capture)"),
     ("unclaimed_below_records", "unclaimed stores below a record's prompt (left alone)"),
+    ("finish_stores_unseen", "finish stores not in the capture (inserted with no event)"),
     ("precached_requests", "requests that found a prefix cached before the capture"),
     ("precached_prefixes", "... prefixes stored before the capture (pre-loaded)"),
     ("precached_below_capture_stores", "... requests below a capture store of an older prefix"),

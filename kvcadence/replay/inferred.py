@@ -76,6 +76,11 @@ def _edge_text(rep: dict[str, Any]) -> str:
             f"started ({rep.get('precached_prefixes', 0)} prefixes, no store of them in the "
             "capture: pre-loaded into the simulated tree)"
         )
+    if rep.get("finish_stores_unseen"):
+        parts.append(
+            f"{rep['finish_stores_unseen']} requests' outputs stored in no event of the capture "
+            "(their finish inserts them with no event)"
+        )
     if rep.get("precached_below_capture_stores"):
         parts.append(
             f"{rep['precached_below_capture_stores']} requests found a prefix the capture "

@@ -64,7 +64,7 @@ from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
 from kvcadence.replay.precached import PRECACHED_KEY, precached, precached_below
 from kvcadence.replay.retracted import is_retracted, retracted_run
-from kvcadence.replay.schedule import _arrival, _finish, _synth_tokens
+from kvcadence.replay.schedule import FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
     Node,
     arrival_order,
@@ -212,6 +212,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # stored before the capture (``precached``: no store of it published before the
     # record finished -- its prefill found it, its store's publish may lag that a little)
     pre_cands: list[tuple[int, int, int, int]] = []
+    # records whose finish store the capture lacks though their prompt's is there
+    unseen_finish: set[int] = set()
     for i in by_fin:
         r = records[i]
         arr, fin = times[i]
@@ -304,6 +306,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             known[i] = []
             stored_prompt = fast is not None or (r.cached_tokens or 0) >= P * ps
             missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
+            if stored_prompt and fin is not None and arr is not None and Kq > 0:
+                unseen_finish.add(i)
             continue
         toks, last, was_merged = got[:3]
         known[i] = toks[L - P * ps :] if L > P * ps else toks  # a fresh slice already
@@ -446,6 +450,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         kn = outs[i]
         if i in pre_tokens:  # its cached prefix was stored before the capture: pre-loaded
             r = replace(r, meta_info={**(r.meta_info or {}), PRECACHED_KEY: pre_tokens[i]})
+        if i in unseen_finish:  # no store of its outputs: its finish publishes none
+            r = replace(r, meta_info={**(r.meta_info or {}), FINISH_UNSEEN_KEY: True})
         if kn is None:
             out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
             continue
@@ -480,6 +486,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
         "unrecorded_not_rebuilt": lost.outside,
         "unclaimed_below_records": lost.below_records,
+        "finish_stores_unseen": len(unseen_finish),
         "precached_requests": len(flagged),
         "precached_below_capture_stores": len(below),
         "precached_prefixes": len(carrier),

@@ -55,6 +55,11 @@ import numpy as np
 from kvcadence.errors import InputError
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 
+#: ``meta_info`` key of a completed production record whose outputs no store of the capture
+#: holds though its prompt's do (``replay.production``): the worker published none at its
+#: finish, so the replay inserts them with no event
+FINISH_UNSEEN_KEY = "kvcadence_finish_unseen"
+
 
 @dataclass(slots=True)
 class RequestSpec:
@@ -83,6 +88,9 @@ class RequestSpec:
     decode_ns: int = 0
     #: recorded server-side latency (receive -> finish), when known
     e2e_ns: int | None = None
+    #: the capture holds no store of its outputs (``production``'s ``FINISH_UNSEEN_KEY``):
+    #: its finish inserts them with no event (``Scheduler._finish``)
+    finish_unseen: bool = False
 
     @property
     def n_out(self) -> int:
@@ -243,6 +251,8 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
         fin_ns = _finish(r, fin)
         if fin_ns is not None and fin_ns > a:
             spec.e2e_ns = fin_ns - a
+        if mi.get(FINISH_UNSEEN_KEY) is True:
+            spec.finish_unseen = True
         rows.append((a, r.rid, spec, fin_ns, n_out))
     if not rows:
         raise InputError("the bundle has no requests to replay")

@@ -441,7 +441,18 @@ class Scheduler:
         req.dec0 = None
 
     def _finish(self, req: SimReq, t: int, insert: bool = True, error: str | None = None) -> None:
-        self._release(req, insert)
+        if insert and req.spec.finish_unseen:
+            # the capture holds no store of its outputs (``schedule.FINISH_UNSEEN_KEY``): in
+            # the tree as the worker's were, with no event (nor a visibility entry)
+            tree = self.tree
+            sink, tree.sink = tree.sink, NullSink()
+            track, self.track = self.track, False
+            try:
+                self._release(req, insert)
+            finally:
+                tree.sink, self.track = sink, track
+        else:
+            self._release(req, insert)
         req.drop_tokens()  # only live requests hold their prompt's array
         if error is not None:
             req.error = error

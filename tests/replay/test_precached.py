@@ -3,6 +3,7 @@ the records, pre-loaded into the simulated tree with no event."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from kvcadence.format.hashes import block_hashes
@@ -189,3 +190,36 @@ def test_an_index_knows_whether_the_capture_lost_a_streams_start(tmp_path):
     assert index([(64, 0), (65, 0)]).lost_start  # a ring that no longer held seq 0..63
     assert index([(3, 0), (0, 1), (1, 1)]).lost_start  # the restart's epoch does not tell
     assert not StoreIndex.from_batches([], PS).lost_start  # no seqs: nothing said
+
+
+def test_outputs_no_store_of_the_capture_holds_are_inserted_with_no_event():
+    """A record whose prompt's store is in the capture but no store of its outputs (an
+    earlier identical run's output pages were in the tree, or the capture lost the message):
+    the worker published none at its finish, so the replay publishes none either -- the
+    pages are in its tree all the same, and leave it as any others (``FINISH_UNSEEN_KEY``);
+    its outputs stay synthetic (counted as ``finish store not found``)."""
+    from kvcadence.replay.production import WHY_NO_FINISH
+    from kvcadence.replay.schedule import FINISH_UNSEEN_KEY
+
+    a = [*SYSTEM, 1, 2]  # 2 full pages + 2 tokens; 5 outputs: one more full page at finish
+    batches = [(int(1.1 * S), [store(a, 0, 2, PS)])]  # its prefill store, no finish store
+    records = [rec("a", a, 5, 1.0, 2.0, cached=0)]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert out[0].meta_info[FINISH_UNSEEN_KEY] is True
+    assert rep["finish_stores_unseen"] == 1
+    assert rep["outputs_synthetic"] == {WHY_NO_FINISH: 1}
+    assert "1 requests' outputs stored in no event of the capture" in report_text(rep)
+    res = run(out, config(page_size=PS, max_total_tokens=64))
+    prompt_pages = set(block_hashes(a, PS))
+    assert _stored_hashes(res) == prompt_pages  # the prefill's store only
+    assert res.scheduler.tree.total_size == 12  # the output page is in the tree
+    # the same record without the key: its finish publishes its output page
+    plain = [msgspec.structs.replace(out[0], meta_info={"request_received_ts": 1.0})]
+    res0 = run(plain, config(page_size=PS, max_total_tokens=64))
+    assert len(_stored_hashes(res0) - prompt_pages) == 1
+    assert res0.scheduler.tree.total_size == 12
+    # a record whose finish store is there is not marked
+    seq = [*a, 50, 51, 52, 53, 54]
+    found = [*batches, (int(2.0 * S), [store(seq, 2, 3, PS)])]
+    out2, rep2 = complete_records(records, StoreIndex.from_batches(found, PS))
+    assert FINISH_UNSEEN_KEY not in out2[0].meta_info and rep2["finish_stores_unseen"] == 0
