@@ -306,7 +306,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             known[i] = []
             stored_prompt = fast is not None or (r.cached_tokens or 0) >= P * ps
             missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
-            if stored_prompt and fin is not None and arr is not None and Kq > 0:
+            if fin is not None and arr is not None and Kq > 0:
                 unseen_finish.add(i)
             continue
         toks, last, was_merged = got[:3]

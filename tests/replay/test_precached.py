@@ -218,6 +218,12 @@ def test_outputs_no_store_of_the_capture_holds_are_inserted_with_no_event():
     res0 = run(plain, config(page_size=PS, max_total_tokens=64))
     assert len(_stored_hashes(res0) - prompt_pages) == 1
     assert res0.scheduler.tree.total_size == 12
+    # its prompt's store not in the capture either (prefilled before a late attach)
+    from kvcadence.replay.production import WHY_NO_PROMPT
+
+    out3, rep3 = complete_records(records, StoreIndex.from_batches([], PS))
+    assert out3[0].meta_info[FINISH_UNSEEN_KEY] is True
+    assert rep3["outputs_synthetic"] == {WHY_NO_PROMPT: 1}
     # a record whose finish store is there is not marked
     seq = [*a, 50, 51, 52, 53, 54]
     found = [*batches, (int(2.0 * S), [store(seq, 2, 3, PS)])]
