@@ -126,6 +126,7 @@ CAPTURES = (
     "p16-attach-midrun-http-clients",
     "p16-attach-late-ring4-http-clients",
     "dp2-p8-attach-late-ring4-http-clients",
+    "p4-attach-late-ring4-longout-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -141,6 +142,7 @@ PRODUCTION_ONLY = (
     "p16-attach-midrun-http-clients",
     "p16-attach-late-ring4-http-clients",
     "dp2-p8-attach-late-ring4-http-clients",
+    "p4-attach-late-ring4-longout-http-clients",
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
@@ -151,6 +153,7 @@ ATTACHED = (
     "p16-attach-midrun-http-clients",
     "p16-attach-late-ring4-http-clients",
     "dp2-p8-attach-late-ring4-http-clients",
+    "p4-attach-late-ring4-longout-http-clients",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -368,6 +371,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "(-6.8%); cached_tokens_equal 0.481",
     "p16-attach-midrun-http-clients": "cached_tokens_equal 0.871",
     "dp2-p8-attach-late-ring4-http-clients": "stored_hash_jaccard 0.994",
+    "p4-attach-late-ring4-longout-http-clients": "stored_hash_jaccard 0.9998",
 }
 
 
