@@ -183,6 +183,7 @@ class Capture:
 
 def single_capture(name: str, bundle: Path, pace: str = "model") -> Capture:
     from kvcadence.format.bundle import BundleReader
+    from kvcadence.replay.heldbefore import unseen_runs
     from kvcadence.replay.loading import load_for_replay
     from kvcadence.replay.simulator import simulate
     from kvcadence.replay.worker import effective_config, flush_times_from_bundle
@@ -195,12 +196,23 @@ def single_capture(name: str, bundle: Path, pace: str = "model") -> Capture:
         reader.header.server_info, records, sglang_version=reader.header.sglang_version
     )
     flushes = flush_times_from_bundle(BundleReader(bundle), base.attn_dp_rank, recorded)
+    # the pages a late capture's worker held before it (``replay.heldbefore``), as
+    # ``replay_bundle`` holds them (left out until 2026-12-04: the single-rank late captures'
+    # variants replayed without them)
+    unseen = unseen_runs(BundleReader(bundle)).get(base.attn_dp_rank or 0, [])
 
     def replay(param: str | None, factor: float) -> dict[int, dict[str, Any]]:
         cfg = copy.deepcopy(base)
         if param is not None:
             setattr(cfg.timing, param, getattr(cfg.timing, param) * factor)
-        res = simulate(records, cfg, flush_abs_ns=flushes, pace=pace, source_header=reader.header)
+        res = simulate(
+            records,
+            cfg,
+            flush_abs_ns=flushes,
+            pace=pace,
+            source_header=reader.header,
+            unseen=unseen,
+        )
         return {0: figures([b.payload for b in res.batches], res.requests)}
 
     return Capture(name, bundle, False, replay, {p: getattr(base.timing, p) for p in PARAMS})

@@ -49,14 +49,7 @@ def _edge_text(rep: dict[str, Any]) -> str:
             f"{rep['finish_store_ties']} finish-store ties (parallel samples of one prompt; "
             f"{rep.get('finish_stores_shared', 0)} shared)"
         )
-    for key, what in (
-        ("aborted_running", "aborted while running (replayed to their partial output)"),
-        ("aborted_not_run", "aborted before they ran (not replayed)"),
-        ("errored_running", "errored after they ran (replayed to their recorded output)"),
-        ("errored_not_run", "errored before they ran (not replayed)"),
-    ):
-        if rep.get(key):
-            parts.append(f"{rep[key]} {what}")
+    _counted(parts, rep, _RUN_KINDS)
     if rep.get("unrecorded_rebuilt"):
         parts.append(
             f"{rep['unrecorded_rebuilt']} requests not in the records (client-aborted requests "
@@ -76,16 +69,7 @@ def _edge_text(rep: dict[str, Any]) -> str:
             f"started ({rep.get('precached_prefixes', 0)} prefixes, no store of them in the "
             "capture: pre-loaded into the simulated tree)"
         )
-    if rep.get("finish_stores_unseen"):
-        parts.append(
-            f"{rep['finish_stores_unseen']} requests' outputs stored in no event of the capture "
-            "(their finish inserts them with no event)"
-        )
-    if rep.get("precached_below_capture_stores"):
-        parts.append(
-            f"{rep['precached_below_capture_stores']} requests found a prefix the capture "
-            "extended but did not store from its start (its older part pre-loaded)"
-        )
+    _counted(parts, rep, _BEFORE_THE_CAPTURE)
     if rep.get("retracted_in_capture"):
         parts.append(
             f"{rep['retracted_in_capture']} retracted in the capture"
@@ -96,3 +80,32 @@ def _edge_text(rep: dict[str, Any]) -> str:
             )
         )
     return "; " + "; ".join(parts) if parts else ""
+
+
+#: report keys said as "<count> <what>", in order: requests that did not finish normally
+_RUN_KINDS = (
+    ("aborted_running", "aborted while running (replayed to their partial output)"),
+    ("aborted_not_run", "aborted before they ran (not replayed)"),
+    ("errored_running", "errored after they ran (replayed to their recorded output)"),
+    ("errored_not_run", "errored before they ran (not replayed)"),
+)
+#: ... and what the worker held before the capture that its events show only in part
+_BEFORE_THE_CAPTURE = (
+    (
+        "finish_stores_unseen",
+        "requests' outputs stored in no event of the capture (their finish inserts them "
+        "with no event)",
+    ),
+    (
+        "precached_below_capture_stores",
+        "requests found a prefix the capture extended but did not store from its start (its "
+        "older part pre-loaded)",
+    ),
+)
+
+
+def _counted(parts: list[str], rep: dict[str, Any], keys: tuple[tuple[str, str], ...]) -> None:
+    """Append ``"<count> <what>"`` for each of ``keys`` the report counts (non-zero)."""
+    for key, what in keys:
+        if rep.get(key):
+            parts.append(f"{rep[key]} {what}")
