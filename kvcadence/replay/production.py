@@ -22,14 +22,19 @@ opaque rids. Before the replay builds its schedule:
    output, so the tokens the finish never stored (the last token at page size 1, a partial
    last page) -- or the whole output when the events had none -- are read from it.
 4. The rest stays synthetic (``schedule._synth_tokens``); the report says why. Tokens that
-   are never stored and never reused change no hash and no cache hit.
+   are never stored and never reused change no hash and no cache hit. A record no store of
+   whose outputs the capture holds (its finish published none: they were in the tree
+   already, or the message was lost) carries ``schedule.FINISH_UNSEEN_KEY``: its finish
+   inserts them with no event.
 5. **Requests the records lack** (``unrecorded``): SGLang's metrics file has no line for a
    request its client aborted; the stores no record claimed are rebuilt into requests
    (``source`` ``kv-events``) before step 2, which then treats them as records.
 6. **Prefixes cached before the capture** (``precached``): a record whose cached prefix no
    store of the capture made before it (a capture attached to a worker already serving)
    found it stored before; the first to arrive of the records that found one prefix
-   carries its length in ``meta_info`` (``PRECACHED_KEY``); the replay pre-loads it.
+   carries its length in ``meta_info`` (``PRECACHED_KEY``); the replay pre-loads it. Where a
+   stream lost its start, a record whose cached prefix ends in pages the capture stored
+   below an older prefix gets that older part pre-loaded (``precached.precached_below``).
 
 Aborted and errored requests that never ran (no output token) stored nothing and are left
 out (``error`` set); those that ran are replayed to their recorded, partial, output length.
@@ -212,7 +217,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # stored before the capture (``precached``: no store of it published before the
     # record finished -- its prefill found it, its store's publish may lag that a little)
     pre_cands: list[tuple[int, int, int, int]] = []
-    # records whose finish store the capture lacks though their prompt's is there
+    # records no store of whose outputs the capture holds (``FINISH_UNSEEN_KEY``)
     unseen_finish: set[int] = set()
     for i in by_fin:
         r = records[i]
