@@ -36,6 +36,7 @@ Only records are looked at (a rebuilt request's prompt above its store is not kn
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -160,6 +161,50 @@ def precached_below(
         if orphan is not None and 0 < pages < c:  # sits ``at[1]`` pages above it
             out.append((i, orphan, pages))
     return out
+
+
+@dataclass
+class Carriers:
+    """``carriers``' answer: ``pages`` record -> the pages of the prefix it carries (one
+    record a prefix and rank: the first to arrive, its first use, so what is kept grows with
+    the distinct prefixes, not with the records that found them); how many records
+    ``precached`` flagged and ``precached_below`` found."""
+
+    pages: dict[int, int] = field(default_factory=dict)
+    flagged: int = 0
+    below: int = 0
+
+
+def carriers(
+    index: Any,
+    cands: Sequence[tuple[int, int, int, int]],
+    cached_pages: Sequence[int],
+    arrivals: Sequence[int],
+    lost_start: bool,
+) -> Carriers:
+    """The prefixes to pre-load, each with the record that carries it: of ``cands``
+    (``precached``'s, with each one's cached pages and arrival), the whole cached prefix of
+    those ``precached`` flags, and -- where a stream lost its start (``lost_start``) -- the
+    part above a store of the capture that extended an older prefix for the others
+    (``precached_below``)."""
+    flagged = set(precached(index, cands))
+    pre: list[tuple[int, int, int, int, int]] = []  # (record, last block, rank, pages, arrival)
+    rest, rest_pages, rest_of = [], [], {}
+    for c, n, at in zip(cands, cached_pages, arrivals, strict=True):
+        if c[0] in flagged:
+            pre.append((c[0], c[1], c[3], n, at))
+        else:
+            rest.append(c)
+            rest_pages.append(n)
+            rest_of[c[0]] = (c[3], at)
+    below = precached_below(index, rest, rest_pages) if lost_start else []
+    pre.extend((i, h, rest_of[i][0], n, rest_of[i][1]) for i, h, n in below)
+    first: dict[tuple[int, int], tuple[int, int, int]] = {}  # (block, rank) -> carrier
+    for i, h, rk, n, at in pre:
+        got = first.get((h, rk))
+        if got is None or at < got[0]:
+            first[h, rk] = (at, i, n)
+    return Carriers({i: n for _, i, n in first.values()}, len(flagged), len(below))
 
 
 def preloads(specs: Iterable[tuple[Any, Any]]) -> dict[Any, list[Any]]:

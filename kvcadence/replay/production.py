@@ -42,6 +42,12 @@ Parallel samples (``n > 1``) of one prompt each claim their own finish store, in
 order. Retractions are not imposed: ``retracted.retractions`` compares the capture's with
 the replay's own. The counts are in the report (docs/production.md, "Production traffic").
 
+Why one module past 500 lines: ``_complete`` is one pass over the records in finish order
+whose every route feeds the next (the finish stores claimed, the rebuild's claims, the
+pre-load's candidates, the session anchors); each rule it applies lives in its own module
+(``outputs``, ``sessions``, ``unrecorded``, ``precached``, ``retracted``), only their joining
+is here.
+
 Records that already have output ids keep them (``--log-requests`` records: only the
 sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
 all have output ids and come from elsewhere (an open-loop trace), is returned unchanged.
@@ -67,7 +73,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
-from kvcadence.replay.precached import PRECACHED_KEY, precached, precached_below
+from kvcadence.replay.precached import PRECACHED_KEY, carriers
 from kvcadence.replay.retracted import is_retracted, retracted_run
 from kvcadence.replay.schedule import FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
@@ -334,34 +340,15 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
         )
 
-    # one record carries each prefix to the replay (the first to arrive: its first use), so
-    # what is kept grows with the distinct prefixes, not with the records that found them
-    flagged = set(precached(index, pre_cands))
-    # (record, the prefix's last block, its pages): the whole cached prefix of a flagged
-    # record; the part above a store of the capture that extended an older prefix for the
-    # others (``precached_below``)
-    pre: list[tuple[int, int, int, int]] = []
-    rest: list[tuple[int, int, int, int]] = []
-    for c in pre_cands:
-        if c[0] in flagged:
-            pre.append((c[0], c[1], c[3], cast("int", records[c[0]].cached_tokens) // ps))
-        else:
-            rest.append(c)
-    below = (
-        precached_below(index, rest, [cast("int", records[c[0]].cached_tokens) // ps for c in rest])
-        if lost_start
-        else []
+    # the prefixes cached before the capture, each carried by one record (``precached``)
+    pre = carriers(
+        index,
+        pre_cands,
+        [cast("int", records[c[0]].cached_tokens) // ps for c in pre_cands],
+        [times[c[0]][0] or 0 for c in pre_cands],
+        lost_start,
     )
-    rank_of = {c[0]: c[3] for c in rest}
-    pre.extend((i, h, rank_of[i], n) for i, h, n in below)
-    carrier: dict[tuple[int, int], int] = {}
-    pages_of: dict[int, int] = {}
-    for i, h, rk, n in pre:
-        pages_of[i] = n
-        j = carrier.setdefault((h, rk), i)
-        if (times[i][0] or 0) < (times[j][0] or 0):
-            carrier[h, rk] = i
-    pre_tokens = {i: pages_of[i] * ps for i in carrier.values()}
+    pre_tokens = {i: n * ps for i, n in pre.pages.items()}
 
     finish_at: dict[int, int] = {}  # an event holding records' finish stores -> their finish
     for (e, _), i in taken.items():
@@ -492,9 +479,9 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unrecorded_not_rebuilt": lost.outside,
         "unclaimed_below_records": lost.below_records,
         "finish_stores_unseen": len(unseen_finish),
-        "precached_requests": len(flagged),
-        "precached_below_capture_stores": len(below),
-        "precached_prefixes": len(carrier),
+        "precached_requests": pre.flagged,
+        "precached_below_capture_stores": pre.below,
+        "precached_prefixes": len(pre.pages),
     }
     return out_records, report
 
