@@ -23,6 +23,9 @@ would replay those requests as misses that store the prefix.
   pages above it and itself were held before the capture) or to the root (nothing);
   memoised per event. ``production`` asks only when a stream of the capture lost its start
   (``outputs.StoreIndex.lost_start``).
+* ``carriers(index, cands, cached_pages, arrivals, lost_start)`` -- both rules' prefixes,
+  each with the one record that carries it to the replay (per prefix and rank: the first to
+  arrive).
 * ``PRECACHED_KEY`` -- the ``meta_info`` key of a completed record that carries that
   prefix's length in tokens (one record per prefix, the first to arrive, so the prefixes
   kept grow with the distinct ones); ``preloads(specs)`` reads them back, per rank, as the
