@@ -372,8 +372,9 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
 
 
 def _held_before(tokens: int | None) -> str:
-    """The summary's clause for placeholders of pages a late capture's worker held before it
-    (``replay.heldbefore``): empty when none."""
+    """The summary's held-before clause (``inferred.held_before_text``); empty when none."""
     if not tokens:
         return ""
-    return f"{tokens} tokens held before the capture (placeholders of pages it evicted); "
+    from kvcadence.replay.inferred import held_before_text
+
+    return f"{held_before_text(tokens)}; "

@@ -222,14 +222,15 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
             f"{summary['aborted']} aborted; virtual {summary['virtual_s']:.3f} s, "
             f"wall {summary['wall_s']:.2f} s ({phases.breakdown()})"
         )
+        from kvcadence.replay.inferred import held_before_text
+
         for p in summary["per_rank"]:
             print(
                 f"  {p['worker']} rank {p['rank']}: {p['requests']} requests, "
                 f"{p['messages']} messages, {p['events']} events, {p['evictions']} evictions, "
                 f"{p['aborted']} aborted"
                 + (
-                    f", {p['held_before_tokens']} tokens held before the capture "
-                    "(placeholders of pages it evicted)"
+                    f", {held_before_text(p['held_before_tokens'])}"
                     if p.get("held_before_tokens")
                     else ""
                 )

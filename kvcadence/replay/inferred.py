@@ -109,3 +109,9 @@ def _counted(parts: list[str], rep: dict[str, Any], keys: tuple[tuple[str, str],
     for key, what in keys:
         if rep.get(key):
             parts.append(f"{rep[key]} {what}")
+
+
+def held_before_text(tokens: int) -> str:
+    """The replay summaries' clause for the placeholders of pages a late capture's worker
+    held before it (``replay.heldbefore``)."""
+    return f"{tokens} tokens held before the capture (placeholders of pages it evicted)"

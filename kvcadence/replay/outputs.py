@@ -282,8 +282,9 @@ class StoreIndex:
     def lost_start(self) -> bool:
         """Some stream of the capture lost its start: the least seq of an endpoint's first
         epoch is above 0 (its earlier messages neither received live nor recovered; the
-        order frames were written in does not matter). False for an index not built
-        ``from_reader`` (no seqs)."""
+        order frames were written in does not matter). ``heldbefore.late_endpoints``' rule,
+        read from this pass's frames instead of a pass for the gap records. False for an
+        index not built ``from_reader`` (no seqs)."""
         return any(s > 0 for s in self.first_seq.values())
 
     def rank_of(self, ei: int) -> int:

@@ -56,8 +56,8 @@ from kvcadence.errors import InputError
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 
 #: ``meta_info`` key of a completed production record whose outputs no store of the capture
-#: holds though its prompt's do (``replay.production``): the worker published none at its
-#: finish, so the replay inserts them with no event
+#: holds (``replay.production``): the worker published none at its finish, so the replay
+#: inserts them with no event
 FINISH_UNSEEN_KEY = "kvcadence_finish_unseen"
 
 

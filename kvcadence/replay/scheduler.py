@@ -54,9 +54,10 @@ slots (``alloc`` = page-ceiled). ``available = pool − tree.total_size − Σ a
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvcadence.errors import ReplayError
@@ -277,16 +278,25 @@ class Scheduler:
         page floored, in order (the first oldest), while the pool has room; returns the
         tokens inserted."""
         tree = self.tree
-        sink, tree.sink = tree.sink, NullSink()
         before = tree.total_size
-        try:
+        with self._silent():
             for key in keys:
                 n = len(key) - len(key) % self.ps
                 if n and tree.total_size + n <= self.cfg.max_total_tokens:
                     tree.insert(key, end=n)
-        finally:
-            tree.sink = sink
         return tree.total_size - before
+
+    @contextlib.contextmanager
+    def _silent(self) -> Iterator[None]:
+        """Inserts that publish nothing: the tree's event sink dropped and no visibility
+        entry noted (each store's entry is paired with its event), both restored after."""
+        tree = self.tree
+        sink, tree.sink = tree.sink, NullSink()
+        track, self.track = self.track, False
+        try:
+            yield
+        finally:
+            tree.sink, self.track = sink, track
 
     def hold_unseen(self, runs: Sequence[int]) -> int:
         """Hold a placeholder for each run of pages the worker held before the capture and
@@ -295,9 +305,8 @@ class Scheduler:
         so nothing matches it and it leaves as the worker's did, evicted oldest first (each
         inserted older than the next); while the pool has room. Returns the tokens held."""
         tree = self.tree
-        sink, tree.sink = tree.sink, NullSink()
         before = tree.total_size
-        try:
+        with self._silent():
             for pages in runs:
                 n = pages * self.ps
                 if n <= 0 or tree.total_size + n > self.cfg.max_total_tokens:
@@ -305,8 +314,6 @@ class Scheduler:
                 first = UNSEEN_TOKEN_BASE + self._unseen
                 self._unseen += n
                 tree.insert(array(CODE, range(first, first + n)))
-        finally:
-            tree.sink = sink
         self.stats.held_before_tokens += tree.total_size - before
         return tree.total_size - before
 
@@ -443,14 +450,9 @@ class Scheduler:
     def _finish(self, req: SimReq, t: int, insert: bool = True, error: str | None = None) -> None:
         if insert and req.spec.finish_unseen:
             # the capture holds no store of its outputs (``schedule.FINISH_UNSEEN_KEY``): in
-            # the tree as the worker's were, with no event (nor a visibility entry)
-            tree = self.tree
-            sink, tree.sink = tree.sink, NullSink()
-            track, self.track = self.track, False
-            try:
+            # the tree as the worker's were, with no event
+            with self._silent():
                 self._release(req, insert)
-            finally:
-                tree.sink, self.track = sink, track
         else:
             self._release(req, insert)
         req.drop_tokens()  # only live requests hold their prompt's array
