@@ -112,7 +112,23 @@ class _Pending:
 
         match = match_requests(BundleReader(out), self.tail.anchors, self.page_size)
         match = rematch_at_events_page(BundleReader(out), match)
-        return summary_text(self.tail.stats, match)
+        text = summary_text(self.tail.stats, match)
+        if not self.tail.stats.files:
+            text += "\n" + no_files_warning([*self.metrics, *self.logs])
+        return text
+
+
+def no_files_warning(sources: list[str | Path]) -> str:
+    """The capture summary's warning when no log file was followed: the request side is
+    missing, most likely a directory that is not the worker's (a relative
+    ``--export-metrics-to-file-dir`` resolves against the worker's working directory)."""
+    where = ", ".join(str(Path(p).resolve()) for p in sources)
+    return (
+        f"warning: no SGLang log file was found in {where} during the capture, so the bundle "
+        "holds no request records: is that the worker's --export-metrics-to-file-dir (a "
+        "relative one is under the worker's working directory)? Import the files later with "
+        "`kvcadence capture import --sglang-metrics DIR BUNDLE`"
+    )
 
 
 def print_summary(pending: Any, out: str, quiet: bool) -> None:

@@ -644,7 +644,9 @@ def start_server(
         raise UsageError(f"attempts must be >= 1, got {attempts}")
     venv = ensure_venv(quiet=quiet)
     model = ensure_model(quiet=quiet)
-    workdir = Path(workdir)
+    # absolute: the worker runs in ``workdir`` (``cwd``), so a relative metrics dir handed
+    # to it would resolve one level deeper than the one ``harness start`` reports
+    workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_dir = workdir / "sglang-metrics"
     metrics_dir.mkdir(exist_ok=True)

@@ -264,6 +264,39 @@ def test_capture_with_the_metrics_dir_appended_while_it_runs(tmp_path, fixture_d
     assert "120 from KV events" in capsys.readouterr().out
 
 
+def test_a_capture_whose_metrics_dir_never_gets_a_file_warns(tmp_path, fixture_dir, capsys):
+    """The request side missing from a capture (a metrics dir the worker never wrote to: a
+    relative ``--export-metrics-to-file-dir`` lands under the worker's own working
+    directory) is said in one warning line with the fix, not left to a "0 request
+    records" count; the events are still recorded and the capture exits 0."""
+    frames = [json.loads(x) for x in (fixture_dir / "events.jsonl").read_text().splitlines()]
+    out = tmp_path / "prod.kvcb"
+    mdir = tmp_path / "metrics"
+    mdir.mkdir()
+    rc: list[int] = []
+    with TestPublisher() as pub:
+        argv = ["capture", "--endpoint", pub.endpoint, "--sglang-metrics", str(mdir)]
+        th = threading.Thread(
+            target=lambda: rc.append(main([*argv, "--out", str(out), "--duration", "3"]))
+        )
+        th.start()
+        deadline = time.monotonic() + 30
+        while not out.exists():
+            assert time.monotonic() < deadline, "capture did not start"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        for f in frames[:20]:
+            pub.publish(base64.b64decode(f["payload_b64"]))
+        th.join(60)
+    assert rc == [0]
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
+    assert f"no SGLang log file was found in {mdir.resolve()}" in line
+    assert "capture import --sglang-metrics" in line
+    rd = BundleReader(out)
+    assert not rd.requests() and len(list(rd.events())) > 0
+
+
 def test_match_requests_counts_short_and_unmatched_prompts(fixture_dir, tmp_path):
     from kvcadence.capture.importer import import_bundle
     from kvcadence.capture.tail import prompt_anchor

@@ -329,3 +329,26 @@ def test_buffer_steps_reaches_the_workers_kv_events_config(tmp_path, monkeypatch
     assert got[0].buffer_steps == 5
     assert main(["harness", "start", "--workdir", str(tmp_path / "w")]) == 2
     assert got[1].buffer_steps is None  # SGLang's default ring
+
+
+def test_a_relative_workdir_is_made_absolute_before_the_worker_runs_in_it(tmp_path, monkeypatch):
+    """The worker runs with its workdir as cwd: a relative ``--workdir w`` handed on as is
+    made SGLang write its metrics files to ``w/w/sglang-metrics``, not the ``w/sglang-metrics``
+    that ``harness start`` reports (a capture then tails an empty directory)."""
+    _fake_cli(monkeypatch, tmp_path, "ready")
+    fake = harness.build_command
+    seen: list[Path] = []
+
+    def command(cfg, model, venv, ports, metrics_dir):
+        seen.append(metrics_dir)
+        return fake(cfg, model, venv, ports, metrics_dir)
+
+    monkeypatch.setattr(harness, "build_command", command)
+    monkeypatch.chdir(tmp_path)
+    h = harness.start_server(harness.ServerConfig(), Path("w"), ready_timeout=60)
+    try:
+        want = tmp_path.resolve() / "w" / "sglang-metrics"
+        assert seen == [want]
+        assert h.metrics_dir == str(want) and h.workdir == str(want.parent)
+    finally:
+        h.stop(timeout=1.0)
