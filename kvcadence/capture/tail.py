@@ -355,6 +355,11 @@ def check_source(path: Path) -> None:
 
 SHORT = "short"
 NO_IDS = "no_ids"
+#: what the summary says of requests without token ids
+NO_IDS_WHY = (
+    ": text prompts, or a worker run with --log-requests at --log-requests-level 0 or 1, "
+    "which drops input_ids from its metrics file -- not replayable"
+)
 #: the records the capture's summary checks against the event stream: the first
 #: ``ANCHOR_ALL``, then every ``ANCHOR_STRIDE``-th. Checking one hashes its whole prompt in
 #: the tail's thread (0.12 s for a 100k-token prompt at page size 1: at 5 such requests a
@@ -466,6 +471,7 @@ def summary_text(st: TailStats, match: dict[str, int] | None) -> str:
             f"; {match['matched']} of {match['requests']} requests{_checked(st, match)} "
             f"matched to the event stream (prompt's last page stored; {match['short']} "
             f"shorter than a page, {match['no_ids']} without token ids"
+            + (NO_IDS_WHY if match["no_ids"] else "")
             + (
                 f"; hashed at the events' page size, {match['rehashed_at']} tokens: the capture "
                 "has no /server_info page size"

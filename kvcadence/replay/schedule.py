@@ -148,6 +148,25 @@ def _arrival(rec: Any) -> int | None:
     return None if rec.send_ns is None else int(rec.send_ns)
 
 
+def _why_no_ids(rec: Any) -> str:
+    """Why a record has no prompt token ids, read from what SGLang's metrics line kept of the
+    request (``meta_info.request_parameters``, its fields but ``input_ids``)."""
+    params = (rec.meta_info or {}).get("request_parameters")
+    if isinstance(params, dict) and params.get("text"):
+        return (
+            "a text prompt -- SGLang's metrics line holds the text, not the token ids (a string "
+            "prompt sent to /generate or /v1/completions; /v1/chat/completions and requests "
+            "sent with input_ids log the ids)"
+        )
+    if isinstance(params, dict) and rec.source == "sglang-metrics":
+        return (
+            "the metrics line holds neither input_ids nor text: the worker runs with "
+            "--log-requests at --log-requests-level 0 or 1, which also drops both from "
+            "--export-metrics-to-file; run it at level 2 or 3 (or without --log-requests)"
+        )
+    return "a text prompt? SGLang logs token ids for requests sent with input_ids"
+
+
 def _finish(rec: Any, finished_ts_ns: int | None = None) -> int | None:
     """Server-side finish: ``request_finished_ts`` (``finished_ts_ns`` when the caller read it
     already), else ``response_sent_to_client_ts``, else the client's ``finish_ns``."""
@@ -208,8 +227,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             raise InputError(f"request {r.rid!r}: no arrival or send time recorded")
         if not r.input_ids:
             raise InputError(
-                f"request {r.rid!r}: no input_ids recorded (cannot replay); a text prompt? "
-                "SGLang logs token ids only for requests sent with input_ids"
+                f"request {r.rid!r}: no input_ids recorded (cannot replay): {_why_no_ids(r)}"
             )
         n_out = r.completion_tokens
         if n_out is None:

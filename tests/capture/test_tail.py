@@ -299,7 +299,7 @@ def test_a_capture_whose_metrics_dir_never_gets_a_file_warns(tmp_path, fixture_d
 
 def test_match_requests_counts_short_and_unmatched_prompts(fixture_dir, tmp_path):
     from kvcadence.capture.importer import import_bundle
-    from kvcadence.capture.tail import prompt_anchor
+    from kvcadence.capture.tail import TailStats, prompt_anchor, summary_text
 
     b = tmp_path / "b"
     import_bundle(
@@ -315,6 +315,11 @@ def test_match_requests_counts_short_and_unmatched_prompts(fixture_dir, tmp_path
     got = match_requests(BundleReader(b), anchors)
     assert got == {"requests": 8, "matched": 5, "short": 1, "no_ids": 1}
     assert match_requests(BundleReader(b), anchors, 1) == got
+    # the summary says what a request without token ids may be, and that it is lost
+    text = summary_text(TailStats(records=8), got)
+    assert "1 without token ids: text prompts, or a worker run with --log-requests" in text
+    ok = summary_text(TailStats(records=5), {**got, "no_ids": 0})
+    assert "0 without token ids)" in ok and "log-requests" not in ok
 
 
 def test_match_requests_says_when_the_events_have_another_page_size(tmp_path):

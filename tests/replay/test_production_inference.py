@@ -743,3 +743,51 @@ def test_client_links_are_a_matching_of_starts_to_earlier_ends(spans, bound_ms):
     finally:
         sessions.AUGMENT_LOOKBACK = saved
     assert links.count(None) <= plain.count(None)
+
+
+@pytest.mark.parametrize(
+    ("params", "said"),
+    [
+        ({"text": "You are a helpful assistant. Hi"}, "a text prompt -- SGLang's metrics line"),
+        ({}, "--log-requests-level 0 or 1"),
+    ],
+    ids=["text-prompt", "log-level-0-or-1"],
+)
+def test_a_metrics_line_without_ids_is_refused_with_its_cause(tmp_path, capsys, params, said):
+    """SGLang's metrics line has no ``input_ids`` for a string prompt (it holds the text) and
+    none for any request when the worker runs with ``--log-requests`` at level 0 or 1 (both
+    fields dropped from ``--export-metrics-to-file``): ``replay`` says which, in one line,
+    exit 2, and what to change."""
+    import json
+
+    from kvcadence.cli import main
+
+    good = {"rid": "a", "input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3}}
+    bad = {"rid": "b", "sampling_params": {"max_new_tokens": 3}, **params}
+    lines = []
+    for k, p in enumerate((good, bad)):
+        lines.append(
+            json.dumps(
+                {
+                    "request_parameters": json.dumps(p),
+                    "id": p["rid"],
+                    "prompt_tokens": 4,
+                    "cached_tokens": 0,
+                    "completion_tokens": 3,
+                    "request_received_ts": 1.8e9 + k,
+                    "request_finished_ts": 1.8e9 + k + 0.5,
+                }
+            )
+        )
+    logs = tmp_path / "sglang-metrics"
+    logs.mkdir()
+    (logs / "sglang-request-metrics-20261204_19.log").write_text("\n".join(lines) + "\n")
+    bundle = tmp_path / "b"
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(logs), str(bundle)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(bundle), "--out", str(tmp_path / "sim")]) == 2
+    err = capsys.readouterr().err.strip()
+    *warnings, line = err.splitlines()  # (a warning: the import has no /server_info snapshot)
+    assert all(w.startswith("replay: warning:") for w in warnings) and "Traceback" not in err
+    assert "'b': no input_ids recorded" in line and said in line
+    assert not (tmp_path / "sim").exists()
