@@ -66,20 +66,22 @@ def precached(index: Any, cands: Sequence[tuple[int, int, int, int]]) -> list[in
         (page_key(h, rk) if multi else h for _, h, _, rk in cands), np.int64, len(cands)
     )
     pos = matches(keys, want)
-    first: dict[int, int] = {}
+    finish = np.fromiter((c[2] for c in cands), np.int64, len(cands))
+    flag = np.ones(len(cands), dtype=bool)  # no store of the block: before the capture
     if len(pos):
         offs = np.asarray(index.offs, dtype=np.int64)
         ev = np.searchsorted(offs, pos, side="right") - 1
         ts = np.asarray(index._ts, dtype=np.int64)[ev]
-        for k, t in zip(keys[pos].tolist(), ts.tolist(), strict=True):
-            if k not in first or t < first[k]:
-                first[k] = t
-    out = []
-    for (i, _, t, _), k in zip(cands, want.tolist(), strict=True):
-        got = first.get(k)
-        if got is None or got > t + FINISH_WINDOW_NS:
-            out.append(i)
-    return out
+        found = keys[pos]
+        order = np.lexsort((ts, found))  # by key, then time: each key's first is its earliest
+        found, ts = found[order], ts[order]
+        head = np.ones(len(found), dtype=bool)
+        head[1:] = found[1:] != found[:-1]
+        uniq, first = found[head], ts[head]
+        at = np.searchsorted(uniq, want).clip(max=len(uniq) - 1)
+        stored = uniq[at] == want
+        flag = ~stored | (first[at] > finish + FINISH_WINDOW_NS)
+    return [c[0] for c, f in zip(cands, flag.tolist(), strict=True) if f]
 
 
 def precached_below(

@@ -152,8 +152,9 @@ def page_keys(index: Any) -> Any:
 
 
 #: ``claimed_mask``'s sieve: a page's hash is compared with the unclaimed ones only when its
-#: low bits are one of theirs (2**16 flags: a few thousand candidates among a million pages)
-_SIEVE_BITS = 16
+#: low bits are one of theirs (2**20 flags, 1 MiB: a few thousand candidates among a million
+#: pages; 2**16 let ~9 % of them through for 6,000 wanted keys, 3x the time)
+_SIEVE_BITS = 20
 
 
 def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: Any) -> Any:
