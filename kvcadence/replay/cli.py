@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
     from kvcadence.replay.loading import load_for_replay
-    from kvcadence.replay.settings import capture_settings
+    from kvcadence.replay.settings import capture_settings, namespace_note
 
     with phases.phase("load", f"loading {src}"):
         reader = BundleReader(src)
@@ -271,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
     settings = capture_settings(reader)
     if settings.note and not args.quiet:
         print(f"replay: warning: {src}: {settings.note}", file=sys.stderr)
+    ns_note = namespace_note(records)
+    if ns_note and not args.quiet:
+        print(f"replay: warning: {src}: {ns_note}", file=sys.stderr)
     cfg = effective_config(
         settings.server_info,
         records,

@@ -159,6 +159,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     from kvcadence.progress import Phases
     from kvcadence.replay.fleet import simulate_fleet
     from kvcadence.replay.fleetout import FleetOut
+    from kvcadence.replay.settings import namespace_note
     from kvcadence.replay.worker import load_worker
 
     quiet = getattr(args, "quiet", False)
@@ -178,6 +179,9 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     for w in workers:
         if w.settings_note and not quiet:
             print(f"replay: warning: {w.path}: {w.settings_note}", file=sys.stderr)
+        ns_note = namespace_note(w.records)
+        if ns_note and not quiet:
+            print(f"replay: warning: {w.path}: {ns_note}", file=sys.stderr)
     total = sum(len(w.records) for w in workers if isinstance(w.records, Sized))  # lists here
     bar = None
     progress = None

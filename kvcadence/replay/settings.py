@@ -278,3 +278,33 @@ def scan_events(reader: Any, endpoints: Any = ()) -> EventScan:
             continue
         tally.batch(batch, frame.endpoint)
     return tally.scan
+
+
+#: request fields that put a request's KV in a cache namespace of its own in SGLang 0.5.23
+#: (``RadixKey``: ``extra_key`` -- a LoRA adapter's id is appended to it -- and
+#: ``cache_salt``; a salt also seeds the page hash chain, a LoRA adapter post-maps it)
+NAMESPACE_FIELDS = ("cache_salt", "extra_key", "lora_path")
+
+
+def namespace_note(records: Any) -> str | None:
+    """One line when requests carry a cache namespace (``NAMESPACE_FIELDS`` in the metrics
+    line's ``request_parameters``) the replay does not model, else None: it keeps one prefix
+    tree and the plain hash chain for every request."""
+    counts: Counter[str] = Counter()
+    n = 0
+    for r in records:
+        params = (getattr(r, "meta_info", None) or {}).get("request_parameters")
+        if not isinstance(params, dict):
+            continue
+        hit = [k for k in NAMESPACE_FIELDS if params.get(k) not in (None, "", [], [None])]
+        counts.update(hit)
+        n += bool(hit)
+    if not n:
+        return None
+    what = ", ".join(f"{k} on {counts[k]}" for k in NAMESPACE_FIELDS if counts[k])
+    return (
+        f"{n} requests carry a cache namespace ({what}), which the replay does not model: "
+        "it keeps one prefix tree and the plain hash chain for every request, so their "
+        "prefixes are shared across namespaces and a salted or LoRA request's stored hashes "
+        "differ from the worker's (docs/production.md)"
+    )

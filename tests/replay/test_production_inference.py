@@ -791,3 +791,50 @@ def test_a_metrics_line_without_ids_is_refused_with_its_cause(tmp_path, capsys, 
     assert all(w.startswith("replay: warning:") for w in warnings) and "Traceback" not in err
     assert "'b': no input_ids recorded" in line and said in line
     assert not (tmp_path / "sim").exists()
+
+
+def test_requests_in_a_cache_namespace_are_said_not_modelled(tmp_path, capsys):
+    """Requests with a ``cache_salt`` or an ``extra_key`` (or a LoRA adapter) have their own
+    prefix-tree namespace in SGLang and a salt seeds their hash chain; the replay keeps one
+    tree and the plain chain, and says so in one warning line with the counts (a plain
+    capture gets no such line)."""
+    import json
+
+    from kvcadence.cli import main
+
+    def line(k: int, **extra: object) -> str:
+        p = {"rid": f"r{k}", "input_ids": [5, 6, 7, 8, k], "sampling_params": {"max_new_tokens": 3}}
+        return json.dumps(
+            {
+                "request_parameters": json.dumps({**p, **extra}),
+                "id": p["rid"],
+                "prompt_tokens": 5,
+                "cached_tokens": 0,
+                "completion_tokens": 3,
+                "request_received_ts": 1.8e9 + k,
+                "request_finished_ts": 1.8e9 + k + 0.5,
+            }
+        )
+
+    for name, lines in (
+        (
+            "salted",
+            [line(0), line(1, cache_salt="tenant-a"), line(2, extra_key="x", lora_path=None)],
+        ),
+        ("plain", [line(0), line(1)]),
+    ):
+        logs = tmp_path / name / "sglang-metrics"
+        logs.mkdir(parents=True)
+        (logs / "sglang-request-metrics-20261204_19.log").write_text("\n".join(lines) + "\n")
+        b = tmp_path / name / "b"
+        assert main(["capture", "import", "--quiet", "--sglang-metrics", str(logs), str(b)]) == 0
+        capsys.readouterr()
+        assert main(["replay", str(b), "--out", str(tmp_path / name / "sim")]) == 0
+        err = capsys.readouterr().err
+        said = [x for x in err.splitlines() if "cache namespace" in x]
+        if name == "plain":
+            assert not said
+        else:
+            (w,) = said
+            assert w.startswith("replay: warning:")
+            assert "2 requests carry a cache namespace (cache_salt on 1, extra_key on 1)" in w
