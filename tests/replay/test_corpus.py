@@ -129,6 +129,7 @@ CAPTURES = (
     "p16-attach-late-ring4-http-clients",
     "dp2-p8-attach-late-ring4-http-clients",
     "p4-attach-late-ring4-longout-http-clients",
+    "p8-tight-longout-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -145,6 +146,7 @@ PRODUCTION_ONLY = (
     "p16-attach-late-ring4-http-clients",
     "dp2-p8-attach-late-ring4-http-clients",
     "p4-attach-late-ring4-longout-http-clients",
+    "p8-tight-longout-http-clients",
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
@@ -374,6 +376,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p16-attach-midrun-http-clients": "cached_tokens_equal 0.871",
     "dp2-p8-attach-late-ring4-http-clients": "stored_hash_jaccard 0.994",
     "p4-attach-late-ring4-longout-http-clients": "stored_hash_jaccard 0.9998",
+    "p8-tight-longout-http-clients": "cached_tokens_equal 0.778",
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": "stored_events_per_request 2.315 -> "
     "2.192 (-5.3%); removed_events_per_request 1.342 -> 1.183 (-11.9%); cached_tokens_equal "
     "0.854",
