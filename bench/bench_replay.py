@@ -11,7 +11,8 @@ streams into the radix tree (what any simulator must do at least), printing the 
 
 ``--repeat``: timed runs of each, interleaved; each figure is the least of them (a busy spell
 of a shared box only ever adds CPU time; measured on this 2-core box, one run of the same
-code read 4,409 and 5,382 requests/s back to back). ``--quick``: 600 requests, one run; ``--json``: the figures for ``bench/run`` (see bench/common.py).
+code read 4,409 and 5,382 requests/s back to back). ``--quick``: 600 requests, one run;
+``--json``: the figures for ``bench/run`` (see bench/common.py).
 Measurement flags (what a cost is, not a configuration to ship): ``--no-gc`` runs the timed
 simulation with the cyclic garbage collector disabled (``simulate()`` now pauses it itself,
 so this changes little); ``--no-visibility`` sets ``track_visibility=False`` (no per-page

@@ -26,6 +26,10 @@ decoding, ...), for the CLI to print; the values can be overridden
 on the command line (``--page-size``, ``--max-total-tokens``, ...). The event scan runs only
 when a key is missing: a capture with a full snapshot pays nothing; a pass over the events
 made anyway (the production inference's) counts them on the way (``tally_for``).
+
+``namespace_note(records)``: the one line a replay prints when requests carry a cache
+namespace SGLang keys its tree by (``cache_salt``, ``extra_key``, a LoRA adapter), which the
+replay does not model.
 """
 
 from __future__ import annotations
