@@ -253,27 +253,38 @@ def _part_keys(point: dict[str, Any]) -> list[str]:
 
 
 def write_table(out: Path, table: Any, point: dict[str, Any], job: int) -> int:
-    """Append one job's ``job_table`` to the dataset at ``out`` (hive partitions); returns
-    files written. The process pool calls it in the worker, the Ray executor in the driver:
-    the same files either way."""
-    import pyarrow as pa
-    import pyarrow.dataset as pads
+    """Append one job's ``job_table`` to the dataset at ``out`` (hive partitions: a file a
+    ``(worker, rank)``, ``job<NNNN>-<i>.parquet`` under the partition directory pyarrow's
+    hive ``Partitioning.format`` names); returns files written. The process pool calls it
+    in the worker, the Ray executor in the driver: the same files either way.
 
-    part_schema = pa.schema([table.schema.field(k) for k in _part_keys(point)])
-    written: list[str] = []
-    pads.write_dataset(
-        table,
-        str(out),
-        format="parquet",
-        partitioning=pads.partitioning(part_schema, flavor="hive"),
-        basename_template=f"job{job:04d}-{{i}}.parquet",
-        existing_data_behavior="overwrite_or_ignore",
-        file_visitor=lambda f: written.append(f.path),
-        # one small table per job: threads buy nothing, and a dataset writer's pool still
-        # running at interpreter exit can abort the process (pyarrow's known finalization race)
-        use_threads=False,
-    )
-    return len(written)
+    Each file is written by ``pyarrow.parquet.write_table`` on the calling thread, not by
+    ``pyarrow.dataset.write_dataset``: the dataset writer's I/O pool can still be tearing
+    down when the interpreter exits, and a joinable native thread destroyed then aborts the
+    process (``terminate called without an active exception``, exit -6, after the sweep's
+    work was done and printed; seen once in CI with ``use_threads=False``, apache/arrow
+    #34314)."""
+    import functools
+    import operator
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    keys = _part_keys(point)
+    hive = pads.partitioning(pa.schema([table.schema.field(k) for k in keys]), flavor="hive")
+    data = table.drop_columns(keys)
+    combos: dict[tuple[Any, ...], list[int]] = {}  # partition values -> rows, in order
+    for i, combo in enumerate(zip(*(table.column(k).to_pylist() for k in keys), strict=True)):
+        combos.setdefault(combo, []).append(i)
+    for n, (combo, rows) in enumerate(combos.items()):
+        eqs = (pc.field(k) == v for k, v in zip(keys, combo, strict=True))
+        expr = functools.reduce(operator.and_, eqs)
+        where = out / hive.format(expr)[0] / f"job{job:04d}-{n}.parquet"
+        where.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(data.take(rows), where)
+    return len(combos)
 
 
 def write_rows(out: Path, rows: list[dict[str, Any]], point: dict[str, Any], job: int) -> int:
