@@ -253,17 +253,11 @@ def _part_keys(point: dict[str, Any]) -> list[str]:
 
 
 def write_table(out: Path, table: Any, point: dict[str, Any], job: int) -> int:
-    """Append one job's ``job_table`` to the dataset at ``out`` (hive partitions: a file a
-    ``(worker, rank)``, ``job<NNNN>-<i>.parquet`` under the partition directory pyarrow's
-    hive ``Partitioning.format`` names); returns files written. The process pool calls it
-    in the worker, the Ray executor in the driver: the same files either way.
-
-    Each file is written by ``pyarrow.parquet.write_table`` on the calling thread, not by
-    ``pyarrow.dataset.write_dataset``: the dataset writer's I/O pool can still be tearing
-    down when the interpreter exits, and a joinable native thread destroyed then aborts the
-    process (``terminate called without an active exception``, exit -6, after the sweep's
-    work was done and printed; seen once in CI with ``use_threads=False``, apache/arrow
-    #34314)."""
+    """Append one job's ``job_table`` to the dataset at ``out``: a file a ``(worker, rank)``
+    under the hive directory pyarrow's ``Partitioning.format`` names; returns files written.
+    The pool calls it in the worker, the Ray executor in the driver. Written on the calling
+    thread (``parquet.write_table``), not by ``dataset.write_dataset``: its I/O pool tearing
+    down at interpreter exit aborted a finished sweep once in CI (exit -6, apache/arrow#34314)."""
     import functools
     import operator
 
