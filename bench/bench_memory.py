@@ -15,7 +15,12 @@ measured in the same run:
   peak RSS of each size against the interpreter with kvcadence imported (the floor) and,
   for the larger sizes, against the first point (``ratio`` = growth); the marginal
   KB/request between the two smallest sizes, against the workload's own (the records built
-  in a list, not simulated: a child of its own).
+  in a list, not simulated: a child of its own). Each point's note has its speed twice: end
+  to end (the records, built lazily inside ``simulate()``, and the sim bundle's records
+  written after it, counted) and simulated (``simulate()``'s CPU less the records' building:
+  the published batches still streamed into the bundle); at 600k requests the simulated
+  speed is a figure of its own with the goal of ``bench_replay.py`` (>= 5,000 requests/s
+  per core), against the first point's.
 * fleet replay (2 DP ranks): the replay workload with each lane's requests recorded on rank
   ``lane % 2``, streamed into ``simulate_fleet`` (``round_robin``: every request's rank
   decided by the router, the pass-time model's pace) and written as ``kvcadence replay --out``
@@ -62,9 +67,13 @@ measured in the same run:
   own peak only. The 10M
   report measured alone on 2026-12-02: 1.65 GB own peak + 34 MB for its one hash worker
   (1.69 GB; earlier runs 1.56-1.72 GB own), 137 s wall (load ~3) to 395 s (load ~7) -- see
-  docs/metrics.md.
+  docs/metrics.md; on 2026-12-04 at load average ~1: 41.5 s, 1.71 GB with the worker
+  (docs/performance-at-size.md has the latest).
 
-    .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|prodlog|ingest|report] [--quick]
+``--only`` takes several curves (``--only replay report``); ``bench/run --args
+'memory=...'`` hands this script such arguments and writes their page.
+
+    .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|prodlog|ingest|report ...] [--quick]
         [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]
         [--agentlog-lanes N] [--prodlog-requests N ...] [--ingest-mb MB ...] [--report-events N ...] [--dir DIR]
         [--json PATH]
@@ -169,9 +178,15 @@ def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -
 
     stream = iter_long_workload(n, lanes) if long else iter_workload(n, lanes)
     counts = [0, 0]  # requests, prompt tokens
+    gen_cpu = [0.0]  # CPU spent building the records (the workload, not the replay)
 
     def counted() -> Iterator[Any]:
-        for r in stream:
+        while True:
+            c = time.process_time()
+            r = next(stream, None)
+            gen_cpu[0] += time.process_time() - c
+            if r is None:
+                return
             counts[0] += 1
             counts[1] += len(r.input_ids)
             yield r
@@ -198,9 +213,17 @@ def child_workload(n: int, lanes: int, simulate_too: bool, long: bool = False) -
             sim = SimBundleOut(Path(tmp) / "sim")
             c = time.process_time()
             res = simulate(counted(), cfg, out=sim)
+            c_sim = time.process_time()
             write_sim_bundle(sim, res, None)
             cpu = time.process_time() - c
-        out.update(simulate_cpu_s=round(cpu, 3), requests_per_s=round(counts[0] / cpu))
+            sim_cpu = c_sim - c - gen_cpu[0]  # the simulation (batches streamed out) alone
+        out.update(
+            simulate_cpu_s=round(cpu, 3),
+            requests_per_s=round(counts[0] / cpu),
+            workload_cpu_s=round(gen_cpu[0], 3),
+            records_write_cpu_s=round(cpu - (c_sim - c), 3),
+            simulate_only_requests_per_s=round(counts[0] / sim_cpu),
+        )
         out["events"] = res.summary()["events"]
     out.update(requests=counts[0], prompt_tokens=counts[1])
     return out
@@ -530,8 +553,27 @@ def bench_replay(
                 note=(
                     f"the workload alone (records built, not simulated): {wl:,.0f} MB; "
                     f"{info['prompt_tokens'] / n:,.0f} prompt tokens/request; "
-                    f"{info['requests_per_s']:,} requests/s per core"
+                    f"{info['requests_per_s']:,} requests/s per core end to end (the "
+                    f"records built lazily inside it: {info['workload_cpu_s']:.1f} cpu-s; the "
+                    f"sim bundle's records written after it: {info['records_write_cpu_s']:.1f} "
+                    f"cpu-s), {info['simulate_only_requests_per_s']:,} requests/s per core "
+                    "simulated (the published batches streamed out, neither of those)"
                 ),
+            )
+        )
+    big_n, _, _, big = points[-1]
+    if big_n >= 600_000 and not long:  # the bar's size: its speed, next to its peak RSS
+        figures.append(
+            figure(
+                f"{what} simulated requests/s per core, {big_n // 1000}k requests",
+                big["simulate_only_requests_per_s"],
+                "requests/s",
+                baseline=points[0][3]["simulate_only_requests_per_s"],
+                baseline_name=f"the same at {n0:,} requests",
+                goal=goal("value", ">=", 5000, ">= 5,000 requests/s per core at 600k requests"),
+                note="simulate()'s CPU less the records' lazy building; the published batches "
+                "streamed into a sim bundle (its records, written after the run, not counted: "
+                f"{big['records_write_cpu_s']:.1f} cpu-s)",
             )
         )
     if len(points) > 1:
@@ -807,9 +849,10 @@ def bench_report(sizes: list[int], work: Path, figures: list, notes: list) -> No
                         "(measured 2026-12-02: 1.69 GB with the hash worker)"
                         if unit == "MB"
                         else "; an underestimate: the per-event cost grows with the size "
-                        "(measured 2026-12-02 on the same synthetic bundle at 10M events, "
-                        "first report after ingest: 68.4 s wall at load average 1-2, 1.53 GB "
-                        "+ the hash worker; 154 s at load average 4-5)"
+                        "(measured on the same synthetic bundle at 10M events, first report "
+                        "after ingest: 41.5 s wall and 1.71 GB with the hash worker at load "
+                        "average ~1 on 2026-12-04; 68.4 s at load 1-2 and 154 s at load 4-5 "
+                        "on 2026-12-02)"
                     ),
                 )
             )
@@ -838,8 +881,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--only", choices=("replay", "long", "fleet", "agentlog", "prodlog", "ingest", "report"),
-                    help="one of the curves")  # fmt: skip
+    ap.add_argument("--only", nargs="+", metavar="CURVE",
+                    choices=("replay", "long", "fleet", "agentlog", "prodlog", "ingest", "report"),
+                    help="only these curves")  # fmt: skip
     ap.add_argument("--full", action="store_true",
                     help="add 600k requests, a 10 GB bundle and a 10M-event report")  # fmt: skip
     ap.add_argument("--lanes", type=int, default=64)
@@ -877,28 +921,28 @@ def main() -> None:
     prodlog_sizes = args.prodlog_requests or ([100, 400] if args.quick else [500, 2000])
     figures: list[dict[str, Any]] = []
     notes: list[str] = ["peak RSS of a fresh child process per point (os.wait4 ru_maxrss)"]
-    if args.only in (None, "replay"):
+    if not args.only or "replay" in args.only:
         print("replay:", flush=True)
         bench_replay(replay_sizes, args.lanes, figures, notes)
-    if args.only in (None, "fleet"):
+    if not args.only or "fleet" in args.only:
         print("fleet replay:", flush=True)
         bench_fleet(replay_sizes[:2], args.lanes, figures, notes)
-    if args.only in (None, "long"):
+    if not args.only or "long" in args.only:
         print("long-prompt replay:", flush=True)
         bench_replay(long_sizes, args.long_lanes, figures, notes, long=True)
-    if args.only in (None, "agentlog"):
+    if not args.only or "agentlog" in args.only:
         print("agent-log replay:", flush=True)
         with scratch(args.dir) as work:
             bench_agentlog(agentlog_sizes, args.agentlog_lanes, work, figures, notes)
-    if args.only in (None, "prodlog"):
+    if not args.only or "prodlog" in args.only:
         print("production logs (capture import):", flush=True)
         with scratch(args.dir) as work:
             bench_prodlog(prodlog_sizes, args.long_lanes, work, figures, notes)
-    if args.only in (None, "ingest"):
+    if not args.only or "ingest" in args.only:
         print("ingest:", flush=True)
         with scratch(args.dir) as work:
             bench_ingest(ingest_mb, work, figures, notes)
-    if args.only in (None, "report"):
+    if not args.only or "report" in args.only:
         print("report:", flush=True)
         with scratch(args.dir) as work:
             bench_report(report_events, work, figures, notes)

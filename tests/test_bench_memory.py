@@ -98,3 +98,41 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
     assert est["baseline"] == 3072 and est["value"] >= rep["value"] - 50
     assert all(not f["higher_is_better"] for f in doc["figures"])
     assert list(tmp_path.iterdir()) == [out]  # the bundles and caches are removed
+
+
+def test_bench_memory_only_several_curves(tmp_path: Path) -> None:
+    out = tmp_path / "mem.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--only",
+            "replay",
+            "report",
+            "--replay-requests",
+            "300",
+            "600",
+            "--report-events",
+            "2000",
+            "4000",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = [f["name"] for f in json.loads(out.read_text())["figures"]]
+    assert names[:3] == [
+        "replay peak RSS, 300 requests",
+        "replay peak RSS, 600 requests",
+        "replay RSS growth per request (300 -> 600)",
+    ]
+    assert names[3:5] == ["report wall, 2k events", "report peak RSS, 2k events"]
+    assert not [n for n in names if n.startswith(("fleet", "long", "agent", "capture", "ingest"))]
+    note = json.loads(out.read_text())["figures"][1]["note"]
+    # the simulation's own speed apart from building the records and writing the bundle
+    assert "requests/s per core simulated" in note and "records built lazily" in note

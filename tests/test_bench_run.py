@@ -111,6 +111,42 @@ def test_medians_verbatim_and_failures(tmp_path: Path) -> None:
     assert "boom: cannot reach the thing" in verbatim
 
 
+FAKE_ARGV = """
+import json, pathlib, sys
+if "--help" in sys.argv:
+    print("--json")
+    sys.exit(0)
+out = pathlib.Path(sys.argv[sys.argv.index("--json") + 1])
+fig = {"name": "n", "value": 1.0, "unit": "x", "baseline_name": "b", "baseline": 1.0,
+       "ratio": 1.0, "higher_is_better": True, "goal": None, "note": ""}
+doc = {"schema": "kvcadence.bench/1", "bench": "argv", "title": "argv",
+       "params": {}, "figures": [fig], "notes": ["argv " + json.dumps(sys.argv[1:])]}
+out.write_text(json.dumps(doc))
+"""
+
+
+def test_args_reach_one_script_and_the_page(tmp_path: Path) -> None:
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    for name in ("x", "y"):
+        (bench / f"bench_{name}.py").write_text(textwrap.dedent(FAKE_ARGV))
+    out = tmp_path / "perf.md"
+    proc = _bench_run(
+        "--bench-dir", str(bench), "--runs", "1", "--out", str(out),
+        "--args", "x=--only replay report --sizes '6000 600000'",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    page = out.read_text()
+    x = page.split("## x: argv", 1)[1].split("\n## ", 1)[0]
+    y = page.split("## y: argv", 1)[1]
+    assert '--only", "replay", "report", "--sizes", "6000 600000"]' in x
+    assert "--only" not in y  # only the named script gets them
+    assert "--args 'x=--only replay report --sizes '\"'\"'6000 600000'\"'\"''" in page
+    assert str(tmp_path) not in page  # an --out outside the checkout is not named
+    bad = _bench_run("--bench-dir", str(bench), "--args", "noequals", "--out", str(out))
+    assert bad.returncode == 2 and "--args wants NAME=ARGS" in bad.stderr
+
+
 def test_unknown_benchmark_is_refused(tmp_path: Path) -> None:
     proc = _bench_run("--only", "nosuch", "--out", str(tmp_path / "p.md"))
     assert proc.returncode != 0

@@ -32,9 +32,14 @@ OTHER_FLAGS = {
     "--model-path",
     "--standalone",
     "--quick",
-    # bench/run and bench/bench_memory.py (named by the generated docs/performance.md)
+    # bench/run and bench/bench_memory.py (named by the generated docs/performance.md and
+    # docs/performance-at-size.md)
     "--runs",
     "--full",
+    "--args",
+    "--only",
+    "--replay-requests",
+    "--report-events",
     # the SGLang launch command of examples/README.md
     "--attention-backend",
     "--enable-metrics",
