@@ -11,7 +11,7 @@ CHROMIUM ?= /usr/bin/chromium
 BROWSER_FAILED := make browser: chromium is missing and apt-get could not install it (needs root \
 and Debian's package sources); install chromium, then rerun
 
-.PHONY: venv browser test test-fast lint demo bench clean
+.PHONY: venv browser test test-fast lint demo bench bench-at-size clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -45,6 +45,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run
+
+# the size goals at their size (~10 min here): docs/performance-at-size.md
+bench-at-size: $(STAMP)
+	$(PY) bench/run --runs 1 --only memory --timeout 1800 --out docs/performance-at-size.md \
+		--args 'memory=--only replay report --replay-requests 6000 600000 --report-events 250000 10000000'
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -143,6 +143,7 @@ def test_args_reach_one_script_and_the_page(tmp_path: Path) -> None:
     assert "--only" not in y  # only the named script gets them
     assert "--args 'x=--only replay report --sizes '\"'\"'6000 600000'\"'\"''" in page
     assert str(tmp_path) not in page  # an --out outside the checkout is not named
+    assert "**Do not edit by hand**: rerun that command." in page  # not `make bench`
     bad = _bench_run("--bench-dir", str(bench), "--args", "noequals", "--out", str(out))
     assert bad.returncode == 2 and "--args wants NAME=ARGS" in bad.stderr
 
