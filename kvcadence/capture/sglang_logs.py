@@ -8,6 +8,7 @@ Two formats SGLang 0.5.23 writes itself:
   ``sampling_params``, ...) plus every ``meta_info`` key (``id``, ``prompt_tokens``,
   ``cached_tokens``, ``completion_tokens``, ``finish_reason``, ``request_received_ts``,
   ``first_token_latency``, ``request_finished_ts``, ...; float seconds). No output ids.
+  An hourly file rotated and compressed (``...log.gz``) is read as well (not followed live).
 * ``--log-requests --log-requests-format json``: JSON lines ``{"timestamp": ISO8601,
   "event": "request.received" | "request.finished", "rid", "obj", "out"}``; a received and a
   finished line are paired by ``rid`` (``RequestLogPairer``). With ``--log-requests-level``
@@ -29,7 +30,9 @@ file:line.
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +47,9 @@ from kvcadence.format.schema import RequestRecord
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pk")
 METRICS_GLOB = "sglang-request-metrics-*.log"
+#: an hourly file rotated and compressed (``logrotate``'s ``compress``, ``gzip FILE``):
+#: read by ``capture import`` (never followed live: a compressed file is complete)
+METRICS_GZ_GLOB = "sglang-request-metrics-*.log.gz"
 
 
 def refuse_pickle(path: Path) -> None:
@@ -70,12 +76,12 @@ def _lines(
     appends to, as it was when its size was taken)."""
     refuse_pickle(path)
     try:
-        fh = open(path, "rb")
+        fh: Any = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc})") from exc
     with fh:
         left = limit
-        for i, raw in enumerate(fh, 1):
+        for i, raw in enumerate(_read_lines(fh, path), 1):
             if left is not None:
                 if left <= 0:
                     return
@@ -93,6 +99,14 @@ def _lines(
             if not line.strip():
                 continue
             yield i, json_line(line, f"{path}:{i}")
+
+
+def _read_lines(fh: Any, path: Path) -> Iterator[bytes]:
+    """``fh``'s lines; a damaged compressed file is one ``InputError``."""
+    try:
+        yield from fh
+    except (OSError, EOFError, zlib.error) as exc:  # gzip: bad magic, CRC, cut short
+        raise InputError(f"{path}: cannot read as gzip ({exc})") from exc
 
 
 #: what a metrics line / a request-log JSON object starts with (``json.dumps`` key order):
@@ -188,9 +202,16 @@ def metrics_files(path: Path) -> list[Path]:
         for p in sorted(path.iterdir()):
             if p.suffix.lower() in PICKLE_SUFFIXES:
                 refuse_pickle(p)
-        files = sorted(path.glob(METRICS_GLOB))
+        files = sorted([*path.glob(METRICS_GLOB), *path.glob(METRICS_GZ_GLOB)])
         if not files:
             raise InputError(f"{path}: no {METRICS_GLOB} files (SGLang --export-metrics-to-file)")
+        names = {f.name for f in files}
+        both = sorted(n for n in names if n + ".gz" in names)
+        if both:  # the same hour twice: its records would be read twice
+            raise InputError(
+                f"{path}: {both[0]} and {both[0]}.gz are both there (the same hour, plain and "
+                "compressed): keep one"
+            )
         return files
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
@@ -218,7 +239,8 @@ class MetricsExport:
 
     def __iter__(self) -> Iterator[RequestRecord]:
         for f, size in self.files:
-            for i, d in _lines(f, limit=size):
+            # a compressed file is complete (no live appends) and its size is not its text's
+            for i, d in _lines(f, limit=None if f.name.endswith(".gz") else size):
                 yield metrics_record(d, f"{f}:{i}")
 
 

@@ -76,6 +76,8 @@ class PassTimer:
 #: (batches − 3)); 10 is p < 0.002 from 30 batches on): a term that explains nothing on a
 #: capture would only move its replay (docs/simulator.md, "Time")
 PREFIX_MIN_F = 10.0
+#: the prefix term is refused when a typical batch's own work is at most this share of it
+OWN_MIN_SHARE = 1e-6
 
 
 #: the latency-only fit (a median over whole request lifetimes) needs more requests than the
@@ -211,8 +213,14 @@ def calibrate(
             a3, b3, c3 = fit_nonneg([[1.0] * len(xs), xs, prefix_xs], ys)
             rss2 = rss(ys, xs, prefix_xs, a, b, 0.0)
             rss3 = rss(ys, xs, prefix_xs, a3, b3, c3)
-            # the prefix term only where it explains the durations (partial F test)
-            if c3 > 0 and (rss2 - rss3) * (len(xs) - 3) >= PREFIX_MIN_F * rss3:
+            # the prefix term only where it explains the durations (partial F test), never
+            # alone (base and per-token ~0: nothing cached would prefill in no time)
+            own = a3 + b3 * median(xs)  # a typical batch's own work, nothing cached
+            if (
+                c3 > 0
+                and own > OWN_MIN_SHARE * median(ys)
+                and (rss2 - rss3) * (len(xs) - 3) >= PREFIX_MIN_F * rss3
+            ):
                 a, b, c = a3, b3, c3
         p.prefill_base_s, p.prefill_per_token_s, p.prefill_per_prefix_token_s = a, b, c
     if fit is not None:

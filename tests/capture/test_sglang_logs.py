@@ -241,3 +241,31 @@ def test_capture_import_reads_each_log_once_and_a_bad_record_undoes_an_append(
     g.write_text("".join(_metrics_line(f"s{i}", [3, 4, i]) for i in range(50)))
     assert main(["capture", "import", "--quiet", "--sglang-metrics", str(g), str(b)]) == 0
     assert len(BundleReader(b).requests()) == 100
+
+
+def test_rotated_compressed_metrics_files_are_read_too(tmp_path, fixture_dir):
+    """An hourly file rotated and compressed (``logrotate``'s ``compress``) reads as the
+    plain one; the same hour both plain and compressed is refused (read twice otherwise),
+    and a damaged compressed file is one clear error."""
+    import gzip
+    import shutil
+
+    src = sorted((fixture_dir / "sglang-metrics").glob("sglang-request-metrics-*.log"))
+    plain = read_metrics(fixture_dir / "sglang-metrics")
+    d = tmp_path / "m"
+    d.mkdir()
+    for i, f in enumerate(src):  # the first hour compressed, any later one plain
+        if i == 0:
+            with f.open("rb") as fin, gzip.open(d / (f.name + ".gz"), "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+        else:
+            shutil.copy(f, d / f.name)
+    assert read_metrics(d) == plain
+    shutil.copy(src[0], d / src[0].name)
+    with pytest.raises(InputError, match=r"\.log and .*\.log\.gz are both there"):
+        read_metrics(d)
+    (d / src[0].name).unlink()
+    gz = d / (src[0].name + ".gz")
+    gz.write_bytes(gz.read_bytes()[: gz.stat().st_size // 2])  # cut short
+    with pytest.raises(InputError, match=r"cannot read as gzip"):
+        read_metrics(d)

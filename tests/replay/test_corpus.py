@@ -68,6 +68,7 @@ CANCEL_CAPTURES = (
     "dp2-p8-nooverlap-flush-http-clients-cancel",
     "p32-nochunk-flush-longout-http-clients-cancel",
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel",
+    "p16-chunk4096-longctx-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -289,7 +290,8 @@ def test_every_capture_is_listed_and_complete():
     assert on_disk == sorted(CAPTURES)
     assert set(CANCELLED) == set(CANCELLED_TURNS) == set(CANCEL_CAPTURES)
     for name in CAPTURES:
-        assert any((CORPUS / name / "sglang-metrics").glob("sglang-request-metrics-*.log"))
+        # (a long-prompt capture's file compressed, as logrotate leaves an hour it rotated)
+        assert any((CORPUS / name / "sglang-metrics").glob("sglang-request-metrics-*.log*"))
         reader = BundleReader(CORPUS / name / "bundle")
         assert len(reader.requests()) >= 200
         assert reader.header.sglang_version == "0.5.23"
@@ -593,6 +595,7 @@ CANCELLED = {
     "dp2-p8-nooverlap-flush-http-clients-cancel": (248, 13, 12, 9),
     "p32-nochunk-flush-longout-http-clients-cancel": (243, 3, 3, 0),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (240, 21, 11, 10),
+    "p16-chunk4096-longctx-http-clients-cancel": (221, 6, 6, 3),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -633,6 +636,7 @@ CANCELLED_TURNS = {
     "dp2-p8-nooverlap-flush-http-clients-cancel": (10, 10),
     "p32-nochunk-flush-longout-http-clients-cancel": (2, 2),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (6, 14),
+    "p16-chunk4096-longctx-http-clients-cancel": (3, 3),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -655,6 +659,7 @@ SUCCESSORS = {
     "dp2-p8-nooverlap-flush-http-clients-cancel": (7, 8),
     "p32-nochunk-flush-longout-http-clients-cancel": (3, 3),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (3, 13),
+    "p16-chunk4096-longctx-http-clients-cancel": (4, 4),
 }
 
 

@@ -423,6 +423,25 @@ def test_prefix_term_needs_to_explain_the_durations():
     assert calibrate(noisy).prefill_per_prefix_token_s == 0.0
 
 
+def test_prefix_term_never_takes_the_whole_prefill():
+    """Durations that follow the attended prefix alone (every prefill below a long cached
+    prompt, as on a capture of 6k-12k-token system prompts) would be fitted with base and
+    per-token cost 0: a prompt with nothing cached prefilled in no time, a configuration
+    ``validate`` refuses ("pass times must be positive": such a capture could not be
+    replayed). The two-term fit is kept then."""
+    from kvcadence.replay.config import SimConfig
+
+    recs = []
+    for i in range(24):
+        new = 50 + 137 * (i % 7)
+        cached = 6000 + 1500 * (i % 5)
+        recs.append(prefix_rec(f"q{i}", 100.0 + 2 * i, 5e-5 * cached, new, cached))
+    p = calibrate(recs)
+    assert p.prefill_per_prefix_token_s == 0.0
+    assert p.prefill_base_s + p.prefill_per_token_s > 0
+    SimConfig(timing=p).validate()  # replayable
+
+
 def test_pass_timer_charges_the_attended_prefix():
     t = PassTimer(TimingParams(prefill_base_s=0.01, prefill_per_token_s=2e-5,
                                prefill_per_prefix_token_s=5e-6))  # fmt: skip
