@@ -11,43 +11,44 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "bench_memory.py"
 
 
-def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
+def _bench(tmp_path: Path, *args: str) -> dict:
+    """Run the script with ``args`` (bundles under ``tmp_path``); its JSON document."""
     out = tmp_path / "mem.json"
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--replay-requests",
-            "600",
-            "2000",
-            "--long-requests",
-            "16",
-            "64",
-            "--agentlog-requests",
-            "100",
-            "400",
-            "--agentlog-lanes",
-            "8",
-            "--prodlog-requests",
-            "10",
-            "40",
-            "--ingest-mb",
-            "1",
-            "4",
-            "--report-events",
-            "2000",
-            "8000",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],  # fmt: skip
+        [sys.executable, str(SCRIPT), *args, "--dir", str(tmp_path), "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc: dict = json.loads(out.read_text())
+    return doc
+
+
+def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
+    doc = _bench(
+        tmp_path,
+        "--replay-requests",
+        "600",
+        "2000",
+        "--long-requests",
+        "16",
+        "64",
+        "--agentlog-requests",
+        "100",
+        "400",
+        "--agentlog-lanes",
+        "8",
+        "--prodlog-requests",
+        "10",
+        "40",
+        "--ingest-mb",
+        "1",
+        "4",
+        "--report-events",
+        "2000",
+        "8000",
+    )  # fmt: skip
     assert doc["schema"] == "kvcadence.bench/1" and doc["bench"] == "memory"
     by = {f["name"]: f for f in doc["figures"]}
     assert list(by) == [
@@ -97,35 +98,16 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
     est = by["report peak RSS, 10M events (extrapolated)"]
     assert est["baseline"] == 3072 and est["value"] >= rep["value"] - 50
     assert all(not f["higher_is_better"] for f in doc["figures"])
-    assert list(tmp_path.iterdir()) == [out]  # the bundles and caches are removed
+    # the bundles and caches are removed
+    assert list(tmp_path.iterdir()) == [tmp_path / "mem.json"]
 
 
 def test_bench_memory_only_several_curves(tmp_path: Path) -> None:
-    out = tmp_path / "mem.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--only",
-            "replay",
-            "report",
-            "--replay-requests",
-            "300",
-            "600",
-            "--report-events",
-            "2000",
-            "4000",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    names = [f["name"] for f in json.loads(out.read_text())["figures"]]
+    doc = _bench(
+        tmp_path, "--only", "replay", "report", "--replay-requests", "300", "600",
+        "--report-events", "2000", "4000",
+    )  # fmt: skip
+    names = [f["name"] for f in doc["figures"]]
     assert names[:3] == [
         "replay peak RSS, 300 requests",
         "replay peak RSS, 600 requests",
@@ -133,6 +115,6 @@ def test_bench_memory_only_several_curves(tmp_path: Path) -> None:
     ]
     assert names[3:5] == ["report wall, 2k events", "report peak RSS, 2k events"]
     assert not [n for n in names if n.startswith(("fleet", "long", "agent", "capture", "ingest"))]
-    note = json.loads(out.read_text())["figures"][1]["note"]
+    note = doc["figures"][1]["note"]
     # the simulation's own speed apart from building the records and writing the bundle
     assert "requests/s per core simulated" in note and "records built lazily" in note
