@@ -73,10 +73,13 @@ def _lines(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, JSON object)`` of each line of ``path``, read a line at a time (never
     the whole file); with ``limit``, only its first ``limit`` bytes (a file a live worker
-    appends to, as it was when its size was taken)."""
+    appends to, as it was when its size was taken); ``*.gz``: decompressed, whole."""
     refuse_pickle(path)
+    gz = path.name.endswith(".gz")
+    if gz:  # a compressed file is complete (no live appends); its size is not its text's
+        limit = None
     try:
-        fh: Any = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+        fh: Any = gzip.open(path, "rb") if gz else open(path, "rb")
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc})") from exc
     with fh:
@@ -239,8 +242,7 @@ class MetricsExport:
 
     def __iter__(self) -> Iterator[RequestRecord]:
         for f, size in self.files:
-            # a compressed file is complete (no live appends) and its size is not its text's
-            for i, d in _lines(f, limit=None if f.name.endswith(".gz") else size):
+            for i, d in _lines(f, limit=size):
                 yield metrics_record(d, f"{f}:{i}")
 
 

@@ -70,6 +70,16 @@ def test_json_request_log_pairs_received_and_finished(tmp_path):
     assert (a.cached_tokens, a.max_new_tokens, a.finish_reason) == (1, 2, "length")
     assert a.finish_ns - a.send_ns == 1_250_000_000
     assert recs["b"].error == "no request.finished line" and recs["b"].input_ids == [9]
+    # a rotated hour compressed next to it (``--log-requests-target`` dir): read whole, the
+    # same records (the compressed size is not a limit on its text)
+    import gzip
+
+    d = tmp_path / "dir"
+    d.mkdir()
+    with gzip.open(d / "host_0.log.2026112914.gz", "wt") as fh:
+        fh.write(log.read_text())
+    again = {r.rid: r for r in read_request_log(d)}
+    assert again == recs
 
 
 def test_pickled_dumps_are_refused_with_the_reason(tmp_path, capsys):
