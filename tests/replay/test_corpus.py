@@ -69,6 +69,7 @@ CANCEL_CAPTURES = (
     "p32-nochunk-flush-longout-http-clients-cancel",
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel",
     "p16-chunk4096-longctx-http-clients-cancel",
+    "dp2-p1-chunk2048-longctx-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -379,6 +380,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "dp2-p8-attach-late-ring4-http-clients": "stored_hash_jaccard 0.994",
     "p4-attach-late-ring4-longout-http-clients": "stored_hash_jaccard 0.9998",
     "p8-tight-longout-http-clients": "cached_tokens_equal 0.778",
+    "dp2-p1-chunk2048-longctx-http-clients-cancel": "stored_hash_jaccard 0.99998",
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": "stored_events_per_request 2.315 -> "
     "2.192 (-5.3%); removed_events_per_request 1.342 -> 1.183 (-11.9%); cached_tokens_equal "
     "0.854",
@@ -596,6 +598,7 @@ CANCELLED = {
     "p32-nochunk-flush-longout-http-clients-cancel": (243, 3, 3, 0),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (240, 21, 11, 10),
     "p16-chunk4096-longctx-http-clients-cancel": (221, 6, 6, 3),
+    "dp2-p1-chunk2048-longctx-http-clients-cancel": (220, 9, 10, 8),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -612,6 +615,8 @@ MISFITS = {
     # 544 tokens (34 pages, none cached) that are the first 544 of an aborted 783-token
     # prompt: its stores up to there, the rest never stored (not traced further)
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": 1,
+    # an 8657-token prompt's stores read as two requests (not traced further)
+    "dp2-p1-chunk2048-longctx-http-clients-cancel": 1,
 }
 
 
@@ -637,6 +642,7 @@ CANCELLED_TURNS = {
     "p32-nochunk-flush-longout-http-clients-cancel": (2, 2),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (6, 14),
     "p16-chunk4096-longctx-http-clients-cancel": (3, 3),
+    "dp2-p1-chunk2048-longctx-http-clients-cancel": (9, 9),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -660,6 +666,7 @@ SUCCESSORS = {
     "p32-nochunk-flush-longout-http-clients-cancel": (3, 3),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (3, 13),
     "p16-chunk4096-longctx-http-clients-cancel": (4, 4),
+    "dp2-p1-chunk2048-longctx-http-clients-cancel": (3, 4),
 }
 
 
