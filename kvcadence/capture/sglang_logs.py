@@ -84,7 +84,7 @@ def _lines(
         raise InputError(f"{path}: cannot read ({exc})") from exc
     with fh:
         left = limit
-        for i, raw in enumerate(_read_lines(fh, path), 1):
+        for i, raw in enumerate(_read_lines(fh, path, gz), 1):
             if left is not None:
                 if left <= 0:
                     return
@@ -104,12 +104,13 @@ def _lines(
             yield i, json_line(line, f"{path}:{i}")
 
 
-def _read_lines(fh: Any, path: Path) -> Iterator[bytes]:
-    """``fh``'s lines; a damaged compressed file is one ``InputError``."""
+def _read_lines(fh: Any, path: Path, gz: bool) -> Iterator[bytes]:
+    """``fh``'s lines; a read that fails midway (a damaged compressed file: bad magic, CRC,
+    cut short) is one ``InputError``."""
     try:
         yield from fh
-    except (OSError, EOFError, zlib.error) as exc:  # gzip: bad magic, CRC, cut short
-        raise InputError(f"{path}: cannot read as gzip ({exc})") from exc
+    except (OSError, EOFError, zlib.error) as exc:
+        raise InputError(f"{path}: cannot read{' as gzip' if gz else ''} ({exc})") from exc
 
 
 #: what a metrics line / a request-log JSON object starts with (``json.dumps`` key order):
