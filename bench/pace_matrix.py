@@ -13,7 +13,7 @@ single-rank capture is replayed as ``kvcadence replay`` does (``replay_bundle``)
 multi-rank one as the fleet does (``recorded`` routing, recorded pace).
 
 A setting is the single-rank pace (``model`` or ``recorded``) and the clamp of a paced pass
-(``timing.PacedTimer``'s ``clamp``, which the multi-rank replays always use): today's
+(``pace.PacedTimer``'s ``clamp``, which the multi-rank replays always use): today's
 default is ``model`` with [0.5, 2]. A single-rank replay at the model's pace does not depend
 on the clamp, so each distinct replay runs once. Printed: per setting, how many replays hold
 every bar (all, single-rank, multi-rank, production path), and each replay's missed bars

@@ -27,7 +27,8 @@ ROLES = ("both", "prefill", "decode")
 @dataclass(slots=True)
 class TimingParams:
     """Pass-time model (seconds): prefill = base + per_token × extend tokens
-    (+ per_req × requests); decode = base + per_req × batch size; plus the client gap."""
+    (+ per_req × requests, + per_prefix_token × attended prefix); decode = base + per_req ×
+    batch size (+ per_ctx_token × the batch's context); plus the client gap."""
 
     prefill_base_s: float = 0.010
     prefill_per_token_s: float = 3.0e-5
@@ -37,6 +38,9 @@ class TimingParams:
     prefill_per_prefix_token_s: float = 0.0
     decode_base_s: float = 0.004
     decode_per_req_s: float = 0.0003
+    #: per context token a decode pass attends to (each running request's KV length:
+    #: prompt + outputs so far, summed over the batch); 0 (no term) unless calibrated or set
+    decode_per_ctx_token_s: float = 0.0
     #: extra time between a request's finish and its lane's next arrival when the capture
     #: has no per-request gap (round trip + think)
     default_gap_s: float = 0.03
@@ -158,6 +162,7 @@ class SimConfig:
             "prefill_per_prefix_token_s",
             "decode_base_s",
             "decode_per_req_s",
+            "decode_per_ctx_token_s",
             "default_gap_s",
             "wakeup_s",
             "transfer_base_s",
@@ -167,7 +172,7 @@ class SimConfig:
                 raise UsageError(f"timing parameter {name} must be >= 0")
         if (
             t.prefill_base_s + t.prefill_per_token_s <= 0
-            or t.decode_base_s + t.decode_per_req_s <= 0
+            or t.decode_base_s + t.decode_per_req_s + t.decode_per_ctx_token_s <= 0
         ):
             raise UsageError("pass times must be positive")
         return self
@@ -347,6 +352,7 @@ CLI_OVERRIDES = (
     "prefill_per_prefix_token_s",
     "decode_base_s",
     "decode_per_req_s",
+    "decode_per_ctx_token_s",
     "default_gap_s",
     "skip_decode_stretches",
     "role",

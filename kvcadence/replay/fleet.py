@@ -18,8 +18,8 @@ What this file owns:
   finishes on whichever rank served it. Recorded flushes are replayed in request order
   (``replay.flushes``): one ledger per worker, one plan per rank with that rank's clears;
 * pass-time pacing (``PACES``, ``Fleet.pace_of``): ``recorded`` gives each rank a
-  ``timing.PacedTimer`` that keeps it on the pace its requests' outputs were recorded at
-  (per rank: ``timing.recorded_token_times``); ``auto`` does so for a multi-rank worker
+  ``pace.PacedTimer`` that keeps it on the pace its requests' outputs were recorded at
+  (per rank: ``pace.recorded_token_times``); ``auto`` does so for a multi-rank worker
   under ``recorded`` routing -- the DP controller's round robin was decided on the recorded
   arrival order, which the pass-time model's drift would scramble -- else ``model``;
 * ``simulate_fleet(..., out=)`` -- the sim bundles (``replay.fleetout.FleetOut``: one per
@@ -65,6 +65,7 @@ from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.fleetout import write_fleet_bundles as write_fleet_bundles
 from kvcadence.replay.flushes import FlushLedger, FlushPlan
 from kvcadence.replay.heldbefore import runs_to_hold
+from kvcadence.replay.pace import PacedTimer, recorded_token_times
 from kvcadence.replay.precached import preloads
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
@@ -73,7 +74,6 @@ from kvcadence.replay.schedule import RequestSpec, Schedule, build_schedule
 from kvcadence.replay.scheduler import Scheduler
 from kvcadence.replay.simbundle import sim_request_record
 from kvcadence.replay.simrecords import SimRecords
-from kvcadence.replay.timing import PacedTimer, recorded_token_times
 from kvcadence.replay.worker import WorkerInput, spans_next_forward
 
 _INF = float("inf")
@@ -516,8 +516,8 @@ def simulate_fleet(
 ) -> FleetResult:
     """Replay ``workers`` with routing policy ``route`` (a name or a router object) and
     pass-time ``pace`` (``PACES``; see ``Fleet.pace_of``; ``pace_clamp``: a paced pass's
-    bounds as multiples of the model's, ``timing.PacedTimer``'s ``clamp``, default
-    [``timing.PACE_MIN_FACTOR``, ``timing.PACE_MAX_FACTOR``]); ``event_log``: see ``Fleet``.
+    bounds as multiples of the model's, ``pace.PacedTimer``'s ``clamp``, default
+    [``pace.PACE_MIN_FACTOR``, ``pace.PACE_MAX_FACTOR``]); ``event_log``: see ``Fleet``.
     ``out`` (a ``replay.fleetout.FleetOut``): its sim bundles are opened before the run and
     every rank's batches written into them as they are published (none kept in
     ``Publisher.batches``); ``out.finish(result)`` completes them, a failed run removes

@@ -2,8 +2,10 @@
 times instead of pairwise.
 
 What this file owns: ``overlaps`` (per request span: the spans alive in it and those received
-inside it), ``Alive`` (how many rows overlap a window) and ``Inside`` (the prefill time that
-falls inside a window, the same float as the direct sum). The pairwise counts they replace
+inside it), ``Alive`` (how many rows overlap a window), ``Inside`` (the prefill time that
+falls inside a window, the same float as the direct sum) and ``Context`` (the context the
+requests alive in a window hold, time-averaged over it: prefix sums of each request's
+linear KV growth). The pairwise counts they replace
 were O(n^2): 40.6 s of calibration at 16,000 requests, hours at 10^5; these are O(n log n)
 and give the same numbers (tests/replay/test_timing_calibration.py checks them against the
 pairwise definitions with hypothesis).
@@ -62,3 +64,61 @@ def overlaps(spans: list[tuple[float, float, int, int]]) -> tuple[list[int], lis
     alive = [bisect_left(rxs, fin) - bisect_right(fins, rx) for rx, fin, _, _ in spans]
     arrivals = [bisect_left(rxs, fin) - bisect_right(rxs, rx) for rx, fin, _, _ in spans]
     return alive, arrivals
+
+
+class Context:
+    """``ctx(a, b)`` (``a < b``) = the mean over ``[a, b]`` of ``Σ_j kv_j(t)``, where row ``j``
+    (``start < finish``; others are left out) holds ``kv_j(t) = prompt_j + outputs_j × (t −
+    start_j) / (finish_j − start_j)`` tokens while ``start_j < t < finish_j`` (its prompt,
+    then an output at a time, evenly over its decode window), none outside it: the context
+    the decode passes of a window attend to, on average. ``G(t) = ∫_{-∞}^{t} Σ_j kv_j``
+    is a quadratic in ``t`` per row, summed by prefix sums over the rows started before
+    ``t`` less those finished by it (each then adds its whole integral): O(log n) a window.
+    Times are taken relative to the earliest start (squares of epoch seconds would lose
+    the window's own digits)."""
+
+    def __init__(
+        self,
+        starts: list[float],
+        finishes: list[float],
+        prompts: list[float],
+        outputs: list[float],
+    ) -> None:
+        rows = [
+            (st, f, p, n)
+            for st, f, p, n in zip(starts, finishes, prompts, outputs, strict=True)
+            if st < f
+        ]
+        self.t0 = min((r[0] for r in rows), default=0.0)
+        coef = []  # (start, finish, t² coefficient, t coefficient, constant, whole integral)
+        for st, f, p, n in rows:
+            st, f = st - self.t0, f - self.t0
+            q = n / (f - st)  # outputs a second
+            coef.append(
+                (st, f, q / 2, p - q * st, q * st * st / 2 - p * st, (p + n / 2) * (f - st))
+            )
+        by_start = sorted(coef, key=lambda c: c[0])
+        by_finish = sorted(coef, key=lambda c: c[1])
+        self.starts = [c[0] for c in by_start]
+        self.finishes = [c[1] for c in by_finish]
+        self.s_sums = _prefix_sums([c[2:5] for c in by_start], 3)
+        self.f_sums = _prefix_sums([(*c[2:5], c[5]) for c in by_finish], 4)
+
+    def _g(self, t: float) -> float:
+        t -= self.t0
+        a, b, c = self.s_sums[bisect_left(self.starts, t)]
+        fa, fb, fc, whole = self.f_sums[bisect_right(self.finishes, t)]
+        return (a - fa) * t * t + (b - fb) * t + (c - fc) + whole
+
+    def __call__(self, a: float, b: float) -> float:
+        return (self._g(b) - self._g(a)) / (b - a)
+
+
+def _prefix_sums(rows: list[tuple[float, ...]], width: int) -> list[tuple[float, ...]]:
+    """``out[k]`` = the columnwise sums of ``rows[:k]`` (``width`` columns)."""
+    acc = [0.0] * width
+    out = [tuple(acc)]
+    for r in rows:
+        acc = [x + y for x, y in zip(acc, r, strict=True)]
+        out.append(tuple(acc))
+    return out

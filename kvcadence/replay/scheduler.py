@@ -1154,7 +1154,9 @@ class Scheduler:
                     dur = self.timer.prefill_ns(tokens, n, ends - tokens)
             else:
                 self.processed_tokens += self.decode_extend_tokens
-                dur = self.timer.decode_ns(len(batch.reqs))
+                timer = self.timer  # the context summed only where the pass depends on it
+                ctx = sum([r.kv_len for r in batch.reqs]) if timer.ctx_ns else 0
+                dur = timer.decode_ns(len(batch.reqs), ctx)
             start = max(t, self.gpu_free)
             batch.end_ns = start + dur
             self.gpu_free = batch.end_ns

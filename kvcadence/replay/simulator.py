@@ -49,6 +49,7 @@ from kvcadence.replay.events import PublishedBatch
 from kvcadence.replay.fleet import Fleet
 from kvcadence.replay.heldbefore import unseen_runs
 from kvcadence.replay.loading import load_for_replay
+from kvcadence.replay.pace import PacedTimer
 from kvcadence.replay.radix import Hasher
 from kvcadence.replay.request import SimStats
 from kvcadence.replay.retracted import retractions
@@ -56,7 +57,6 @@ from kvcadence.replay.routing import make_router
 from kvcadence.replay.schedule import Schedule
 from kvcadence.replay.settings import capture_settings
 from kvcadence.replay.simbundle import SimBundleOut, sim_header, write_sim
-from kvcadence.replay.timing import PacedTimer
 from kvcadence.replay.visibility import visibility_notes
 from kvcadence.replay.worker import effective_config, flush_times_from_bundle, one_rank_worker
 

@@ -10,7 +10,8 @@ the stretch before it. Output is identical to stepping every pass (property-test
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
 
 from kvcadence.replay.request import Batch
 
@@ -57,12 +58,19 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
     if left < 2:
         return None
     ps = self.ps
-    d = self.timer.decode_ns(len(running))
+    timer = self.timer
+    # the passes' ends after the stretch's start: ``cum[j]`` (j passes), or ``j * d``
+    cum: list[int] | None = None
+    if timer.ctx_ns:  # a pass grows with the context: a token a request a pass
+        cum = _pass_ends(timer, running, min(m, left))
+        d = cum[1]
+    else:
+        d = timer.decode_ns(len(running))
     if overlap:
         assert last is not None
         e = last.end_ns
         if next_arr is not None:
-            jmax = (next_arr - e - 1) // d + 1 if next_arr > e else 0
+            jmax = _fits(cum, d, next_arr - e)
             # GPU overlap: iteration j receives at e + (j-2)d (j >= 2); synchronous
             # forward (CPU): at e + (j-1)d, after the previous forward ended
             m = min(m, jmax if self.sync else jmax + 1)
@@ -73,7 +81,7 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
         if last is not None:
             return None
         if next_arr is not None:
-            m = min(m, (next_arr - t - 1) // d + 1)
+            m = min(m, _fits(cum, d, next_arr - t))
         if m < 2:
             return None
         m = min(m, left)
@@ -98,12 +106,19 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
     # apply m iterations
     start = max(t, self.gpu_free) if not self.overlap else self.gpu_free
     first_pass = self.pass_index + 1
-    first_end = (start if self.overlap else t) + d
+    base = start if self.overlap else t
     if self.track:
         self._dec_pass.extend(range(first_pass, first_pass + m))
-        self._dec_end.extend(range(first_end, first_end + m * d, d))
-        self.pass_end.extend(range(first_end, first_end + m * d, d))
+        ends = (
+            range(base + d, base + (m + 1) * d, d)
+            if cum is None
+            else [base + c for c in cum[1 : m + 1]]
+        )
+        self._dec_end.extend(ends)
+        self.pass_end.extend(ends)
         self.pass_phase.extend(_DECODE_PHASES * m)
+    span = m * d if cum is None else cum[m]  # the m passes' time
+    span1 = span - d if cum is None else cum[m - 1]  # ... the first m - 1's
     if ps == 1:
         for r in running:
             r.kv_len += m
@@ -131,11 +146,37 @@ def _skip_decode_stretch(  # noqa: C901 - the stretch bound: every condition tha
     if self.overlap:
         # results processed: last + the first m-1 new batches; the m-th is in flight
         new_last = Batch("decode", list(running), [], self.pass_index)
-        new_last.end_ns = start + m * d
+        new_last.end_ns = start + span
         self.gpu_free = new_last.end_ns
-        return (new_last.end_ns if self.sync else start + (m - 1) * d), new_last
-    self.gpu_free = t + m * d
-    return t + m * d, None
+        return (new_last.end_ns if self.sync else start + span1), new_last
+    self.gpu_free = t + span
+    return t + span, None
+
+
+def _pass_ends(timer: Any, running: list[Any], m: int) -> list[int]:
+    """``[0, d_0, d_0 + d_1, ...]`` (``m + 1`` of them): the ends of the next ``m`` decode
+    passes of ``running`` after their start, each as stepping times it (``decode_ns`` of
+    the batch's KV lengths after that pass's token)."""
+    n = len(running)
+    ctx = sum([r.kv_len for r in running])
+    out = [0]
+    acc = 0
+    for _ in range(m):
+        ctx += n
+        acc += timer.decode_ns(n, ctx)
+        out.append(acc)
+    return out
+
+
+def _fits(cum: list[int] | None, d: int, room: int) -> int:
+    """How many of ``0, 1, 2, ...`` passes end before ``room`` (``j`` such that the end of
+    ``j`` passes ``< room``; ``cum``: those ends, else ``j * d``). With ``cum``, at most
+    ``len(cum)`` (the caller's bound is below it)."""
+    if room <= 0:
+        return 0
+    if cum is None:
+        return (room - 1) // d + 1
+    return bisect_left(cum, room)
 
 
 def _stretch_needs(self: Scheduler, m: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 What this file owns: ``PassTimer`` (prefill pass = base + per_token × extend tokens +
 per_req × requests + per_prefix_token × the prefix tokens the batch's requests attend to;
-decode pass = base + per_req × batch size) and ``calibrate(records)``, which derives the
+decode pass = base + per_req × batch size + per_ctx_token × the batch's context, its
+requests' KV lengths summed) and ``calibrate(records)``, which derives the
 parameters from the capture's own ``meta_info`` timings (bundles carry no ``server.log``):
 
 * prefill batches are the requests sharing one ``forward_entry_time``; their duration is
@@ -18,7 +19,11 @@ parameters from the capture's own ``meta_info`` timings (bundles carry no ``serv
 * a decode pass is, per request, ``(request_finished_ts − prefill_finished_time −
   prefill time of other batches finishing inside that window) / (completion_tokens − 1)``;
   the median over requests is split into a base and a per-request part by regressing on the
-  number of requests that overlapped the window;
+  number of requests that overlapped the window. The per-context-token term is not fitted
+  (docs/simulator.md, "Time", says what fitting it measured); where it is given
+  (``--decode-per-ctx-token``), each request's share of it (``intervals.Context``: the
+  context the requests alive in its window held, time-averaged) is taken off its passes
+  first, and base and per request are fitted to the rest;
 * without per-phase timings but with server-side receive / finish times
   (``request_received_ts``, else ``response_sent_to_client_ts − e2e_latency``; finish =
   ``request_finished_ts``, else ``response_sent_to_client_ts``) and at least 16 requests:
@@ -28,11 +33,8 @@ parameters from the capture's own ``meta_info`` timings (bundles carry no ``serv
 
 When the capture has no usable timings the defaults of ``TimingParams`` stay.
 
-Also the recorded pace of one rank (``--pace``: a multi-rank fleet replay by default, a
-single-rank replay with ``--pace recorded``): ``recorded_token_times``
-(when each output of the rank's requests was recorded, from a pass rate fitted to all of
-them at once) and ``PacedTimer`` (passes aimed at those times, clamped around the model).
-Pure arithmetic on the records: deterministic.
+The recorded pace of one rank (``--pace``) is ``replay.pace``'s. Pure arithmetic on the
+records: deterministic.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 
 from kvcadence.replay.config import TimingParams
 from kvcadence.replay.fitting import fit_line, fit_nonneg, rss
-from kvcadence.replay.intervals import Alive, Inside, overlaps
+from kvcadence.replay.intervals import Alive, Context, Inside, overlaps
 
 
 class PassTimer:
@@ -57,6 +59,9 @@ class PassTimer:
         self._pp = p.prefill_per_prefix_token_s * 1e9
         self._db = p.decode_base_s * 1e9
         self._dr = p.decode_per_req_s * 1e9
+        #: ns per context token of a decode pass (0: the pass does not depend on it, and
+        #: the scheduler does not sum its batch's KV lengths)
+        self.ctx_ns = p.decode_per_ctx_token_s * 1e9
         self.wakeup_ns = int(p.wakeup_s * 1e9)
 
     def prefill_ns(self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0) -> int:
@@ -67,8 +72,10 @@ class PassTimer:
             int(self._pb + self._pt * extend_tokens + self._pr * n_reqs + self._pp * prefix_tokens),
         )
 
-    def decode_ns(self, batch_size: int) -> int:
-        return max(1, int(self._db + self._dr * batch_size))
+    def decode_ns(self, batch_size: int, ctx_tokens: int = 0) -> int:
+        """``ctx_tokens``: the positions each request of the batch attends to (its KV
+        length: the prompt and the outputs before the one this pass computes), summed."""
+        return max(1, int(self._db + self._dr * batch_size + self.ctx_ns * ctx_tokens))
 
 
 #: the prefill fit takes the attended-prefix term only when it lowers the residual sum of
@@ -85,25 +92,25 @@ OWN_MIN_SHARE = 1e-6
 _MIN_LATENCY_SPANS = 16
 
 
-def _meta_s(mi: dict[str, Any], key: str) -> float | None:
+def meta_s(mi: dict[str, Any], key: str) -> float | None:
     v = mi.get(key)
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
 def _received_s(mi: dict[str, Any]) -> float | None:
     """``request_received_ts``, else ``response_sent_to_client_ts − e2e_latency``."""
-    v = _meta_s(mi, "request_received_ts")
+    v = meta_s(mi, "request_received_ts")
     if v is not None:
         return v
-    sent, e2e = _meta_s(mi, "response_sent_to_client_ts"), mi.get("e2e_latency")
+    sent, e2e = meta_s(mi, "response_sent_to_client_ts"), mi.get("e2e_latency")
     if sent is not None and isinstance(e2e, (int, float)) and e2e >= 0:
         return sent - float(e2e)
     return None
 
 
-def _finished_s(mi: dict[str, Any]) -> float | None:
-    v = _meta_s(mi, "request_finished_ts")
-    return v if v is not None else _meta_s(mi, "response_sent_to_client_ts")
+def finished_s(mi: dict[str, Any]) -> float | None:
+    v = meta_s(mi, "request_finished_ts")
+    return v if v is not None else meta_s(mi, "response_sent_to_client_ts")
 
 
 def calibrate(
@@ -126,11 +133,11 @@ def calibrate(
     for r in records:
         mi = r.meta_info or {}
         n = r.completion_tokens or len(r.output_ids) or 0
-        rx, fin = _received_s(mi), _finished_s(mi)
+        rx, fin = _received_s(mi), finished_s(mi)
         uncached = (r.prompt_tokens or len(r.input_ids)) - (r.cached_tokens or 0)
         if rx is not None and fin is not None and fin > rx:
             spans.append((rx, fin, int(n), max(uncached, 0)))
-        fe, pf = _meta_s(mi, "forward_entry_time"), _meta_s(mi, "prefill_finished_time")
+        fe, pf = meta_s(mi, "forward_entry_time"), meta_s(mi, "prefill_finished_time")
         if fe is None or pf is None or rx is None or fin is None:
             continue
         prompt = r.prompt_tokens or len(r.input_ids)
@@ -144,6 +151,7 @@ def calibrate(
                 int(n),
                 prompt - cached,
                 _attended(cached, prompt - cached, chunk_tokens),
+                prompt,
             )
         )
     if len(rows) < 4:
@@ -159,7 +167,7 @@ def calibrate(
             sum(g[5] for g in grp),
             sum(g[6] for g in grp),
         )
-        for grp in _prefill_batches(rows)
+        for grp in prefill_batches(rows)
     )
     entries = [g[0] for g in groups]
 
@@ -170,7 +178,7 @@ def calibrate(
         prefix_xs.clear()
         for i, (e, f, toks, prefix) in enumerate(groups):
             nxt = entries[i + 1] if i + 1 < len(entries) else None
-            dur = _prefill_duration(e, f, nxt, sync_forward, decode_s)
+            dur = prefill_duration(e, f, nxt, sync_forward, decode_s)
             if dur > 0:
                 xs.append(float(toks))
                 prefix_xs.append(float(prefix))
@@ -179,11 +187,20 @@ def calibrate(
         return xs, ys, ends
 
     alive = Alive([r[1] for r in rows], [r[3] for r in rows])
+    per_ctx = p.decode_per_ctx_token_s  # given, not fitted
+    context = (
+        Context(
+            [r[1] for r in rows], [r[3] for r in rows], [r[7] for r in rows], [r[4] for r in rows]
+        )
+        if per_ctx > 0
+        else None
+    )
 
     def decode_fit(ends: list[tuple[Any, ...]]) -> tuple[float, float, float] | None:
-        per_pass, conc = [], []
+        """``(base, per request, a typical pass)``: the typical pass's context part in."""
+        per_pass, conc, ctx = [], [], []
         inside_of = Inside(ends)
-        for _fe, pf, _rx, fin, n, _u, _c in rows:
+        for _fe, pf, _rx, fin, n, _u, _c, _p in rows:
             if n < 2 or fin <= pf:
                 continue
             inside = inside_of(pf, fin)
@@ -191,20 +208,22 @@ def calibrate(
             if t <= 0:
                 continue
             overlap = alive(pf, fin)
-            per_pass.append(t)
+            x = context(pf, fin) if context is not None else 0.0
+            per_pass.append(t - per_ctx * x)
             conc.append(float(overlap))
+            ctx.append(x)
         if len(per_pass) < 3:
             return None
         a, b = fit_line(conc, per_pass)
         if a + b * median(conc) <= 0:
-            a, b = median(per_pass), 0.0
-        return a, b, median(conc)
+            a, b = max(median(per_pass), 0.0), 0.0
+        return a, b, a + b * median(conc) + per_ctx * median(ctx)
 
     xs, ys, ends = prefill_durations(0.0)
     fit = decode_fit(ends)
     if sync_forward and fit is not None:
         # the decode pass that follows a prefill batch, then refit decode without it
-        xs, ys, ends = prefill_durations(fit[0] + fit[1] * fit[2])
+        xs, ys, ends = prefill_durations(fit[2])
         fit = decode_fit(ends) or fit
     if len(xs) >= 3:
         a, b = fit_line(xs, ys)
@@ -239,7 +258,7 @@ def _attended(cached: int, uncached: int, chunk: int | None) -> int:
     return n * cached + chunk * n * (n - 1) // 2
 
 
-def _prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
+def prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
     """``rows`` (``forward_entry_time`` first) grouped into prefill batches: the requests
     sharing one ``forward_entry_time`` (to the microsecond)."""
     batches: dict[int, list[tuple[Any, ...]]] = {}
@@ -248,7 +267,7 @@ def _prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ..
     return list(batches.values())
 
 
-def _prefill_duration(
+def prefill_duration(
     entry: float, finished: float, nxt: float | None, sync_forward: bool, decode_s: float
 ) -> float:
     """The forward of a prefill batch entering at ``entry`` whose result was recorded at
@@ -311,7 +330,7 @@ def _median_gap(records: list[Any], default: float) -> float:
     for lane_recs in by_lane.values():
         lane_recs = sorted(lane_recs, key=lambda r: _received_s(r.meta_info or {}) or 0.0)
         for a_, b_ in zip(lane_recs, lane_recs[1:], strict=False):
-            fa = _finished_s(a_.meta_info or {})
+            fa = finished_s(a_.meta_info or {})
             rb = _received_s(b_.meta_info or {})
             if fa is not None and rb is not None and rb > fa:
                 gaps.append(rb - fa)
@@ -322,179 +341,3 @@ def _asdict(p: TimingParams) -> dict[str, float]:
     import dataclasses
 
     return dataclasses.asdict(p)
-
-
-# ---------------------------------------------------------------------- recorded pace
-#: a paced pass takes between these multiples of the pass-time model's duration
-PACE_MIN_FACTOR = 0.5
-PACE_MAX_FACTOR = 2.0
-#: width (seconds) of one step of a rank's recorded pass-rate curve
-PACE_STEP_S = 1.0
-#: Kaczmarz sweeps fitting that curve
-PACE_SWEEPS = 50
-
-
-def recorded_token_times(
-    records: Iterable[Any], p: TimingParams, *, sync_forward: bool = False
-) -> dict[int, list[float]]:
-    """Recorded wall time (seconds) of every output of one rank's requests: ``{index in
-    records: [t_1, ..., t_n]}`` for those with per-phase timings (``t_1`` =
-    ``prefill_finished_time``, ``t_n`` = ``request_finished_ts``). ``sync_forward`` as in
-    ``calibrate`` (a CPU worker recorded under the overlap loop: ``prefill_finished_time``
-    is the end of the *next* forward): ``t_1`` is that next forward's recorded start when
-    the records show it -- the next prefill batch's ``forward_entry_time``, when it entered
-    before ``prefill_finished_time`` (where ``calibrate`` ends the batch too) --, else
-    ``prefill_finished_time`` still (``calibrate`` takes one modelled decode pass off it;
-    here that measured worse on the DP captures: docs/simulator.md, "Recorded pace").
-
-    A decode pass gives every running request of the rank one token, so the rank's pass
-    rate ``v(t)`` (passes per second) is fitted to all its requests at once: each request
-    ran ``outputs − 1`` decode passes plus one pass per prefill batch entering the forward
-    (``forward_entry_time``) inside its window, i.e. ``∫ v = that count`` over
-    ``[prefill_finished_time, request_finished_ts]``. ``v`` is piecewise constant
-    (``PACE_STEP_S``), fitted by Kaczmarz sweeps from the pass-time model's rate and kept
-    within [0.2, 5] × it. Output ``j`` of a request lies where the integral of ``v`` from its
-    prefill reaches the fraction ``(j − 1) / (outputs − 1)`` of its whole window's
-    integral: exact at both ends, following the rank's speed in between."""
-    recs = list(records)
-    rows = []
-    for i, r in enumerate(recs):
-        mi = r.meta_info or {}
-        fe, pf = _meta_s(mi, "forward_entry_time"), _meta_s(mi, "prefill_finished_time")
-        fin = _finished_s(mi)
-        n = int(r.completion_tokens or len(r.output_ids) or 0)
-        if fe is None or pf is None or fin is None or fin < pf:
-            continue
-        rows.append((i, fe, pf, fin, n))
-    out: dict[int, list[float]] = {}
-    if not rows:
-        return out
-    entries = sorted({round(fe, 6) for _i, fe, _pf, _fin, _n in rows})
-    lo = min(pf for _i, _fe, pf, _fin, _n in rows)
-    steps = int((max(fin for *_x, fin, _n in rows) - lo) / PACE_STEP_S) + 1
-    base = 1.0 / max(p.decode_base_s + 2 * p.decode_per_req_s, 1e-6)
-    v = [base] * steps
-
-    def cover(a: float, b: float) -> list[tuple[int, float]]:
-        c = []
-        for k in range(int((a - lo) / PACE_STEP_S), min(int((b - lo) / PACE_STEP_S) + 1, steps)):
-            ov = min(b, lo + (k + 1) * PACE_STEP_S) - max(a, lo + k * PACE_STEP_S)
-            if ov > 0:
-                c.append((k, ov))
-        return c
-
-    eqs = []
-    for _i, _fe, pf, fin, n in rows:
-        if n >= 2 and fin > pf:
-            c = cover(pf, fin)
-            norm = sum(ov * ov for _k, ov in c)
-            if norm > 0:
-                work = n - 1 + sum(1 for e in entries if pf < e < fin)
-                eqs.append((work, c, norm))
-    vlo, vhi = 0.2 * base, 5.0 * base
-    for _ in range(PACE_SWEEPS if len(eqs) >= 2 else 0):
-        for work, c, norm in eqs:
-            d = (work - sum(v[k] * ov for k, ov in c)) / norm
-            for k, ov in c:
-                v[k] = min(max(v[k] + d * ov, vlo), vhi)
-    for i, _fe, pf, fin, n in rows:
-        if n < 2 or fin <= pf:
-            out[i] = [pf] * max(n, 1)
-            continue
-        c = cover(pf, fin)
-        total = sum(v[k] * ov for k, ov in c)
-        times = [pf]
-        acc = 0.0
-        it = iter(c)
-        k, ov = next(it, (0, 0.0))
-        seg_start = pf
-        for j in range(1, n - 1):
-            goal = total * j / (n - 1)
-            while acc + v[k] * ov < goal:
-                nxt = next(it, None)
-                if nxt is None:  # rounding at the window's end
-                    break
-                acc += v[k] * ov
-                seg_start += ov
-                k, ov = nxt
-            times.append(seg_start + (goal - acc) / v[k])
-        times.append(fin)
-        out[i] = times
-    if sync_forward:
-        batches = _prefill_batches((fe, pf, i) for i, fe, pf, _fin, _n in rows)
-        groups = sorted(
-            ((min(r[0] for r in g), median(r[1] for r in g), g) for g in batches),
-            key=lambda x: x[:2],
-        )
-        for k, (e, f, grp) in enumerate(groups):
-            nxt = groups[k + 1][0] if k + 1 < len(groups) else None
-            end = e + _prefill_duration(e, f, nxt, True, 0.0)  # no modelled decode pass
-            for r in grp:
-                out[r[2]][0] = end
-    return out
-
-
-class PacedTimer(PassTimer):
-    """``PassTimer`` that keeps one simulated rank on its recorded pace (``pace =
-    "recorded"``, see ``replay.fleet``).
-
-    ``times``: request idx -> the recorded wall time of each of its outputs
-    (``recorded_token_times``; ``origin_ns`` is scheduler time 0). A decode pass launched now should end when the
-    running requests' tokens it produces were recorded: its duration is the median over
-    them of ``T(j) − launch``, where ``j`` counts the outputs already processed, the one
-    in flight (the previous batch's) and this one. A prefill pass aims at its requests'
-    first output ``T(1)`` (``prefill_finished_time``, or on a CPU worker recorded under the
-    overlap loop the next recorded forward's start: ``recorded_token_times``). Either is
-    clamped to ``clamp`` (default [``PACE_MIN_FACTOR``, ``PACE_MAX_FACTOR``]) × the model's
-    duration, so a drifted rank catches up over several passes; with no recorded target the
-    model's duration stands. Pure function of the scheduler's state at the call:
-    deterministic."""
-
-    def __init__(
-        self,
-        p: TimingParams,
-        sched: Any,
-        times: dict[int, list[float]],
-        origin_ns: int,
-        clamp: tuple[float, float] | None = None,
-    ) -> None:
-        super().__init__(p)
-        self.sched = sched
-        lo, hi = (PACE_MIN_FACTOR, PACE_MAX_FACTOR) if clamp is None else clamp
-        if not 0 < lo <= 1 <= hi:
-            raise ValueError(f"pace clamp ({lo}, {hi}): need 0 < low <= 1 <= high")
-        #: a paced pass takes between these multiples of the model's duration
-        self.clamp = (lo, hi)
-        # request idx -> scheduler time (ns) of each output
-        self.times = {i: [int(x * 1e9) - origin_ns for x in ts] for i, ts in times.items()}
-
-    def _paced(self, model_ns: int, targets: list[int]) -> int:
-        if not targets:
-            return model_ns
-        sched = self.sched
-        start = max(sched.t, sched.gpu_free)
-        targets.sort()
-        want = targets[len(targets) // 2] - start
-        lo, hi = int(model_ns * self.clamp[0]), int(model_ns * self.clamp[1])
-        return max(1, min(max(want, lo), hi))
-
-    def prefill_ns(self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0) -> int:
-        model = super().prefill_ns(extend_tokens, n_reqs, prefix_tokens)
-        times = self.times
-        targets = [times[r.idx][0] for r in self.sched.pending_merge if r.idx in times]
-        return self._paced(model, targets)
-
-    def decode_ns(self, batch_size: int) -> int:
-        model = super().decode_ns(batch_size)
-        sched = self.sched
-        times = self.times
-        last = sched.last
-        flying = set(map(id, last.reqs)) if last is not None else ()
-        targets = []
-        for r in sched.running:
-            tt = times.get(r.idx)
-            if tt is None:
-                continue
-            j = r.output_len + (2 if id(r) in flying else 1)
-            targets.append(tt[min(j, len(tt)) - 1])
-        return self._paced(model, targets)

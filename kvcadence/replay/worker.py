@@ -48,7 +48,7 @@ def spans_next_forward(server_info: dict[str, Any] | None) -> bool:
     ``server_info``, whatever the overrides simulate) a prefill's result is processed after
     the next forward; the normal loop processes it right after its own. The calibration
     takes that forward out (``timing.calibrate``), the recorded pace too
-    (``timing.recorded_token_times``)."""
+    (``pace.recorded_token_times``)."""
     info = server_info or {}
     cpu = str(info.get("device", "")) == "cpu"
     return cpu and not from_server_info(info).disable_overlap_schedule
@@ -64,6 +64,9 @@ def effective_config(
 ) -> SimConfig:
     """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored)."""
     cfg = from_server_info(server_info or {}, sglang_version)
+    per_ctx = (overrides or {}).get("decode_per_ctx_token_s")
+    if per_ctx is not None:  # given, not fitted: the decode fit takes its share off first
+        cfg.timing.decode_per_ctx_token_s = per_ctx
     if calibrate_timing:
         cfg.timing = calibrate(
             list(records),

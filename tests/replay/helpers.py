@@ -62,12 +62,15 @@ def lane_chain(lane: int, turns: list[tuple[list[int], int]], gap_ms: float = 1.
     return out
 
 
-def config(**kw: Any) -> SimConfig:
+def config(*, decode_per_ctx_token_s: float = 0.0, **kw: Any) -> SimConfig:
+    """The tests' ``SimConfig``: fixed pass times (a decode pass 5 ms, plus
+    ``decode_per_ctx_token_s`` a context token), ``kw`` its other fields."""
     timing = TimingParams(
         prefill_base_s=0.010,
         prefill_per_token_s=0.0,
         decode_base_s=0.005,
         decode_per_req_s=0.0,
+        decode_per_ctx_token_s=decode_per_ctx_token_s,
         default_gap_s=0.001,
         wakeup_s=0.0,
     )

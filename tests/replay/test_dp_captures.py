@@ -129,7 +129,7 @@ def test_s303_every_fidelity_bar_holds_per_rank(runs):
 def test_p4_flush_rank1_median_holds_on_the_next_forwards_start(tmp_path):
     """``dp2-p4-flush`` (an overlap-loop CPU worker, recorded pace): a paced prefill pass
     ends where the next recorded forward entered when that is a prefill batch entering
-    before this one's result was recorded (``timing.recorded_token_times``), not at the
+    before this one's result was recorded (``pace.recorded_token_times``), not at the
     result (the end of that next forward): rank 1's median blocks per Stored event then
     holds (16 real; 17, +6.2 %, aimed at the result). Its one miss left is rank 1's median
     blocks per Removed event (97 real -> 82, -15.5 %)."""

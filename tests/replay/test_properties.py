@@ -50,11 +50,15 @@ settings_ = settings(max_examples=40, deadline=None, suppress_health_check=[Heal
     policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof"]),
     interval=st.sampled_from([3, 40]),
     sync=st.booleans(),
+    ctx=st.sampled_from([0.0, 7e-6]),
 )
 def test_stream_invariants_and_determinism(
-    records, ps, pool, overlap_off, chunk, policy, interval, sync
+    records, ps, pool, overlap_off, chunk, policy, interval, sync, ctx
 ):
+    """Every stream is well formed and deterministic; decode stretches (also where a pass
+    grows with its context, ``ctx``) publish what stepping every pass does, at the same times."""
     cfg = dict(
+        decode_per_ctx_token_s=ctx,
         sync_forward=sync,
         page_size=ps,
         max_total_tokens=pool,
@@ -106,12 +110,14 @@ class _FittingStretchesOnly(Scheduler):
     overlap_off=st.booleans(),
     interval=st.sampled_from([3, 40]),
     sync=st.booleans(),
+    ctx=st.sampled_from([0.0, 7e-6]),
 )
-def test_evicting_stretches_book_as_stepping(records, ps, pool, overlap_off, interval, sync):
+def test_evicting_stretches_book_as_stepping(records, ps, pool, overlap_off, interval, sync, ctx):
     """Under tight pools (decode passes that evict, aborts) a run with decode stretches
     that evict equals the rule without them in every output, statistic and the final
     ``new_token_ratio``; and stepping every pass publishes the same."""
     cfg_kw = dict(
+        decode_per_ctx_token_s=ctx,
         sync_forward=sync,
         page_size=ps,
         max_total_tokens=pool,

@@ -15,15 +15,14 @@ from hypothesis import strategies as st
 from kvcadence.format.schema import RequestRecord
 from kvcadence.replay.config import TimingParams
 from kvcadence.replay.intervals import Alive, Inside, overlaps
-from kvcadence.replay.schedule import build_schedule
-from kvcadence.replay.timing import (
+from kvcadence.replay.pace import (
     PACE_MAX_FACTOR,
     PACE_MIN_FACTOR,
     PacedTimer,
-    PassTimer,
-    calibrate,
     recorded_token_times,
 )
+from kvcadence.replay.schedule import build_schedule
+from kvcadence.replay.timing import PassTimer, calibrate
 
 T0 = 1_800_000_000.0
 
@@ -519,3 +518,94 @@ def test_inside_is_the_same_float_as_the_direct_sum(ends, a, d):
     assert Inside(ends)(a, b) == sum(x for e, x in ends if a < e <= b)
     ordered = sorted(ends, key=lambda t: t[0])
     assert Inside(ordered)(a, b) == sum(x for e, x in ordered if a < e <= b)
+
+
+def _context_capture(per_ctx: float) -> list[RequestRecord]:
+    """Decode windows of one or two requests at a time (a pair prefilled together, same
+    outputs), 5 s apart: a pass takes 4 ms + 1 ms a request + ``per_ctx`` a context token
+    (each request's prompt + outputs so far: over its window, on average, prompt + half
+    its outputs)."""
+    recs = []
+    for i in range(24):
+        entry = 100.0 + 5 * i
+        pf = entry + 0.02
+        n = 20 + 7 * (i % 5)
+        prompts = [300 + 900 * (i % 4)] + ([1500 + 400 * (i % 3)] if i % 3 else [])
+        ctx = sum(prompts) + len(prompts) * n / 2
+        per = 0.004 + 0.001 * len(prompts) + per_ctx * ctx
+        for k, p in enumerate(prompts):
+            recs.append(phase_rec(f"q{i}-{k}", entry, pf, pf + (n - 1) * per, p, n_out=n))
+    return recs
+
+
+def test_decode_context_term_is_given_and_the_rest_fitted_around_it():
+    """The per-context-token decode cost is not fitted (calibration leaves it as given);
+    given (``--decode-per-ctx-token``), each request's share of it -- the context its
+    window's passes attended to, on average -- comes off its passes first, and base and per
+    request are fitted to the rest: exactly, on passes that follow that model. Through
+    ``effective_config`` (the replay's path) the override reaches the fit."""
+    from kvcadence.replay.worker import effective_config
+
+    recs = _context_capture(2e-6)
+    assert calibrate(recs).decode_per_ctx_token_s == 0.0  # not fitted
+    given = calibrate(recs, TimingParams(decode_per_ctx_token_s=2e-6))
+    assert given.decode_per_ctx_token_s == 2e-6
+    assert given.decode_base_s == pytest.approx(0.004, rel=1e-6)
+    assert given.decode_per_req_s == pytest.approx(0.001, rel=1e-6)
+    cfg = effective_config({}, recs, {"decode_per_ctx_token_s": 2e-6})
+    assert cfg.timing.decode_base_s == pytest.approx(0.004, rel=1e-6)
+    # flat passes: without the term, base + per request is the pass
+    flat = calibrate(_context_capture(0.0))
+    assert flat.decode_base_s + flat.decode_per_req_s == pytest.approx(0.005, rel=1e-6)
+
+
+def test_context_is_the_time_averaged_kv_of_the_requests_alive():
+    """``intervals.Context`` against its definition, summed row by row."""
+    from kvcadence.replay.intervals import Context
+
+    rows = [(10.0, 14.0, 100, 40), (12.0, 13.0, 50, 0), (20.0, 20.0, 9, 9)]  # last: empty span
+    ctx = Context(*(list(c) for c in zip(*rows, strict=True)))
+
+    def direct(a: float, b: float) -> float:
+        tot = 0.0
+        for s, f, p, n in rows:
+            x, y = max(a, s), min(b, f)
+            if s < f and y > x:
+                q = n / (f - s)
+                tot += p * (y - x) + q * ((y - s) ** 2 - (x - s) ** 2) / 2
+        return tot / (b - a)
+
+    for a, b in ((9.0, 15.0), (11.0, 12.5), (13.5, 30.0), (0.0, 1.0), (10.0, 14.0)):
+        assert ctx(a, b) == pytest.approx(direct(a, b), rel=1e-12, abs=1e-12)
+    assert ctx(10.0, 14.0) == pytest.approx(120.0 + 50 / 4)  # 100 + 40/2, and 50 for 1 s of 4
+
+
+def test_pass_timer_and_scheduler_charge_the_decode_context():
+    """A decode pass pays per context token (each running request's KV length, this
+    pass's input token included); the default (0) is the context-free model. In the
+    replay, a request's decode passes lengthen as its outputs grow: outputs 2-4 of a
+    100-token prompt take 3 passes after its prefill, attending to 101, 102 and 103 tokens
+    (the prompt and the outputs before the one computed): 5 ms + 1 µs × each."""
+    import dataclasses
+
+    from .helpers import config, req, run
+
+    t = PassTimer(TimingParams(decode_base_s=0.004, decode_per_req_s=0.001,
+                               decode_per_ctx_token_s=2e-6))  # fmt: skip
+    assert t.decode_ns(2, 3000) == int(0.004e9 + 2 * 0.001e9 + 3000 * 2e-6 * 1e9)
+    d = PassTimer(TimingParams())
+    assert d.decode_ns(2, 10_000) == d.decode_ns(2)
+    sched = _Sched([])  # the paced timer's model includes the term
+    assert PacedTimer(t.p, sched, {}, 0).decode_ns(2, 3000) == t.decode_ns(2, 3000)
+    prompt = list(range(3, 103))
+    for skip in (True, False):
+        cfg = config(decode_per_ctx_token_s=1e-6, skip_decode_stretches=skip,
+                     disable_overlap_schedule=True)  # fmt: skip
+        flat = dataclasses.replace(cfg, timing=dataclasses.replace(cfg.timing,
+                                                                   decode_per_ctx_token_s=0.0))  # fmt: skip
+        grown = run([req("a", prompt, 4)], cfg).requests[0].meta_info
+        base = run([req("a", prompt, 4)], flat).requests[0].meta_info
+        extra = (grown["request_finished_ts"] - grown["prefill_finished_time"]) - (
+            base["request_finished_ts"] - base["prefill_finished_time"]
+        )
+        assert extra == pytest.approx((101 + 102 + 103) * 1e-6, abs=3e-9)
