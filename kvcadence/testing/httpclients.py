@@ -13,7 +13,11 @@ chat's last turn, every other single shot). With ``cancel_share`` (``--cancel-sh
 share of the requests (drawn from a generator of their own: the plans above stay those of the
 seed) stream and their client hangs up after 1-4 output tokens (``cancel_after``,
 ``--cancel-after MIN-MAX``), as a user stopping a generation: SGLang aborts the request; a
-chat goes on with the partial answer in its next prompt. No rid is sent: SGLang picks one. Plain
+chat goes on with the partial answer in its next prompt. With ``parallel_share``
+(``--parallel-share F``) a share of the single shots (a generator of their own too) ask
+for ``parallel_n`` (``--parallel-n N``, default 3) parallel samples of one prompt
+(``"n": N``, sampled at temperature ``PARALLEL_TEMPERATURE`` so the samples differ; not
+streamed), as best-of-n and RL rollout clients do. No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
 With ``flush_at`` (``--flush-at S``, repeatable) an operator thread calls ``POST
@@ -38,10 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -49,9 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcadence.errors import CaptureError, KvcadenceError
+from kvcadence.errors import KvcadenceError
+from kvcadence.testing.capturerun import start_capture, stop_capture
 
 SYSTEM_LENGTHS = (96, 160, 224)
+#: a parallel-sampling request's temperature (``--parallel-share``): samples that differ
+PARALLEL_TEMPERATURE = 1.0
 #: an operator's ``/flush_cache`` refused (the worker was busy) is tried again this often ...
 FLUSH_RETRY_S = 0.25
 #: ... for this long
@@ -70,6 +74,8 @@ class Plan:
     chat: bool
     #: per request: hang up after this many output tokens (None: read the whole answer)
     cancels: tuple[int | None, ...] = ()
+    #: per request: parallel samples asked for (``"n"``; empty: one each)
+    samples: tuple[int, ...] = ()
 
 
 class Clients:
@@ -90,6 +96,8 @@ class Clients:
         cancel_share: float = 0.0,
         cancel_after: tuple[int, int] = (1, 4),
         flush_at: tuple[float, ...] = (),
+        parallel_share: float = 0.0,
+        parallel_n: int = 3,
     ) -> None:
         self.url = url
         self.flush_at = tuple(sorted(flush_at))
@@ -105,6 +113,8 @@ class Clients:
         self.plans = self._plan(sessions, singles, span_s)
         if cancel_share > 0:
             self.plans = self._cancel(cancel_share, cancel_after)
+        if parallel_share > 0:
+            self.plans = self._parallel(parallel_share, parallel_n)
         self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
         self.errors: list[str] = []
         self.lock = threading.Lock()
@@ -141,8 +151,22 @@ class Clients:
             plans.append(dataclasses.replace(p, streams=streams, cancels=cancels))
         return plans
 
+    def _parallel(self, share: float, n: int) -> list[Plan]:
+        """The plans with ``share`` of the single shots asking for ``n`` parallel samples
+        (not streamed, never cancelled), drawn from a generator of their own."""
+        rng = random.Random(f"{self.seed}-parallel")
+        plans = []
+        for p in self.plans:
+            if not p.chat and rng.random() < share:
+                p = dataclasses.replace(
+                    p, samples=(n,), streams=(False,), cancels=(None,) if p.cancels else ()
+                )
+            plans.append(p)
+        return plans
+
     @property
     def n_requests(self) -> int:
+        """Requests sent (a parallel-sampling one counts once)."""
         return sum(len(p.outputs) for p in self.plans)
 
     def send(
@@ -153,9 +177,18 @@ class Clients:
         stream: bool,
         ignore_eos: bool,
         cancel: int | None = None,
+        samples: int = 1,
     ) -> list:
-        """One request; ``cancel``: hang up once that many output tokens came (streamed)."""
-        params = {"max_new_tokens": n_out, "temperature": 0, "ignore_eos": ignore_eos}
+        """One request; ``cancel``: hang up once that many output tokens came (streamed);
+        ``samples`` > 1: that many parallel samples (not streamed; the first one's
+        output is returned, every sample is kept in ``sent``)."""
+        params: dict[str, Any] = {
+            "max_new_tokens": n_out,
+            "temperature": 0 if samples == 1 else PARALLEL_TEMPERATURE,
+            "ignore_eos": ignore_eos,
+        }
+        if samples > 1:
+            params["n"] = samples
         body = {
             "input_ids": ids,
             "sampling_params": params,
@@ -179,7 +212,22 @@ class Clients:
         else:
             r = client.post(self.url + "/generate", json=body)
             r.raise_for_status()
-            out = r.json()["output_ids"]
+            got = r.json()
+            if samples > 1:  # one result per sample
+                with self.lock:
+                    for k, one in enumerate(got):
+                        self.sent.append(
+                            {
+                                "input_ids": ids,
+                                "output_ids": one["output_ids"],
+                                "stream": False,
+                                "cancel": None,
+                                "sample": k,
+                                "samples": samples,
+                            }  # fmt: skip
+                        )
+                return list(got[0]["output_ids"])
+            out = got["output_ids"]
         with self.lock:
             self.sent.append(
                 {"input_ids": ids, "output_ids": out, "stream": stream, "cancel": cancel}
@@ -205,12 +253,15 @@ class Clients:
         try:
             with httpx.Client(timeout=self.timeout_s) as c:
                 cancels = plan.cancels or (None,) * len(plan.outputs)
-                for k, (n_out, stream, cancel) in enumerate(
-                    zip(plan.outputs, plan.streams, cancels, strict=True)
+                samples = plan.samples or (1,) * len(plan.outputs)
+                for k, (n_out, stream, cancel, n) in enumerate(
+                    zip(plan.outputs, plan.streams, cancels, samples, strict=True)
                 ):
                     # a chat's 2nd and 4th turns may stop at EOS, nothing else
                     ignore = not plan.chat or k % 2 == 0
-                    out = self.send(c, ids, n_out, stream, ignore_eos=ignore, cancel=cancel)
+                    out = self.send(
+                        c, ids, n_out, stream, ignore_eos=ignore, cancel=cancel, samples=n
+                    )
                     if k < len(appended):
                         time.sleep(0.02)
                         ids = ids + out + appended[k]
@@ -257,44 +308,6 @@ class Clients:
             th.start()
         for th in threads:
             th.join()
-
-
-# ---------------------------------------------------------------------- recording
-
-
-def start_capture(url: str, metrics_dir: str | Path, out: Path) -> subprocess.Popen:
-    """``kvcadence capture --server URL --sglang-metrics DIR --out OUT`` as its own
-    process, once it is listening (its log: ``OUT`` + ``.stderr``)."""
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "kvcadence", "capture", "--server", url]
-    cmd += ["--sglang-metrics", str(metrics_dir), "--out", str(out)]
-    with open(out.with_suffix(".stderr"), "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 60
-    while not out.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise CaptureError(f"capture did not start: {capture_log(out).strip()}")
-        time.sleep(0.1)
-    time.sleep(1.5)  # SUB subscription (the initial replay covers seq 0 anyway)
-    return proc
-
-
-def capture_log(out: Path) -> str:
-    log = out.with_suffix(".stderr")
-    return log.read_text() if log.exists() else ""
-
-
-def stop_capture(proc: subprocess.Popen, out: Path, settle_s: float = 3.0) -> str:
-    """Let the last finish stores (published on idle) and metrics lines arrive, stop the
-    capture with SIGINT; its log."""
-    time.sleep(settle_s)
-    proc.send_signal(signal.SIGINT)
-    if proc.wait(60) != 0:
-        raise CaptureError(f"capture exited {proc.returncode}: {capture_log(out).strip()}")
-    return capture_log(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,6 +374,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S",
         help="an operator's POST /flush_cache S seconds into the run, repeated every "
         f"{FLUSH_RETRY_S} s while the busy worker refuses it (repeatable)",
+    )
+    ap.add_argument(
+        "--parallel-share",
+        type=_share,
+        default=0.0,
+        metavar="F",
+        help="share of the single shots (0-1) that ask for --parallel-n parallel samples of "
+        f'one prompt ("n"; temperature {PARALLEL_TEMPERATURE}, not streamed) (default 0)',
+    )
+    ap.add_argument(
+        "--parallel-n",
+        type=_positive,
+        default=3,
+        metavar="N",
+        help="parallel samples a --parallel-share request asks for (default 3)",
     )
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
@@ -435,6 +463,8 @@ def _run(a: argparse.Namespace) -> int:
         cancel_share=a.cancel_share,
         cancel_after=a.cancel_after,
         flush_at=tuple(a.flush_at),
+        parallel_share=a.parallel_share,
+        parallel_n=a.parallel_n,
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None

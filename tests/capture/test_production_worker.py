@@ -49,7 +49,8 @@ from kvcadence.format.schema import (
     RequestRecord,
     Trailer,
 )
-from kvcadence.testing.httpclients import Clients, start_capture, stop_capture
+from kvcadence.testing.capturerun import start_capture, stop_capture
+from kvcadence.testing.httpclients import Clients
 
 worker = pytest.mark.sglang_worker
 RESULTS: dict[str, Any] = {}

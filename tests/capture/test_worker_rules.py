@@ -21,7 +21,7 @@ from kvcadence.cli import main
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import BlockRemoved, BlockStored
-from kvcadence.testing.httpclients import start_capture, stop_capture
+from kvcadence.testing.capturerun import start_capture, stop_capture
 
 worker = pytest.mark.sglang_worker
 

@@ -70,6 +70,7 @@ CANCEL_CAPTURES = (
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel",
     "p16-chunk4096-longctx-http-clients-cancel",
     "dp2-p1-chunk2048-longctx-http-clients-cancel",
+    "p4-chunk512-parallel-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -599,6 +600,8 @@ CANCELLED = {
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (240, 21, 11, 10),
     "p16-chunk4096-longctx-http-clients-cancel": (221, 6, 6, 3),
     "dp2-p1-chunk2048-longctx-http-clients-cancel": (220, 9, 10, 8),
+    # 363 = 228 requests of one sample + 45 of 3 parallel samples (a sent line each)
+    "p4-chunk512-parallel-http-clients-cancel": (363, 9, 9, 8),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -643,6 +646,7 @@ CANCELLED_TURNS = {
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (6, 14),
     "p16-chunk4096-longctx-http-clients-cancel": (3, 3),
     "dp2-p1-chunk2048-longctx-http-clients-cancel": (9, 9),
+    "p4-chunk512-parallel-http-clients-cancel": (3, 3),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -667,6 +671,7 @@ SUCCESSORS = {
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (3, 13),
     "p16-chunk4096-longctx-http-clients-cancel": (4, 4),
     "dp2-p1-chunk2048-longctx-http-clients-cancel": (3, 4),
+    "p4-chunk512-parallel-http-clients-cancel": (5, 5),
 }
 
 
@@ -1053,6 +1058,43 @@ def test_p8_chunk128_http_clients_miss_follows_the_workers_pace(tmp_path):
     rows = compare_ranks(rank_figures(src), rank_figures(paced))
     held = {r["figure"]: r for r in rows if r["rank"] == "all"}
     assert all(bar_holds(held[fig], bar) for bar, (fig, _) in BARS.items())
+
+
+def test_parallel_samples_on_a_real_worker(tmp_path):
+    """``p4-chunk512-parallel-http-clients-cancel``: 45 requests asked for 3 parallel samples
+    (``"n": 3``, temperature 1). SGLang 0.5.23 writes 4 metrics lines for each: a
+    prefill-only request (0 outputs: it caches the prompt) and one per sample, all with the
+    same prompt. Through the production path every sample's outputs are what the clients
+    got for one of them (``sent.jsonl.gz``) as far as its finish store holds them (whole
+    pages), each sample claims its own store (2 ties a request, none shared), and the
+    prefill-only request is no sample: it starts a session one sample continues."""
+    import gzip
+    import json
+
+    from kvcadence.replay.production import records_for_replay
+
+    name = "p4-chunk512-parallel-http-clients-cancel"
+    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    with gzip.open(CORPUS / name / "sent.jsonl.gz", "rt") as fh:
+        sent = [json.loads(line) for line in fh]
+    truth: dict[tuple[int, ...], list[list[int]]] = {}
+    for line in sent:
+        if line.get("samples"):
+            truth.setdefault(tuple(line["input_ids"]), []).append(line["output_ids"])
+    assert len(truth) == 45 and all(len(v) == 3 for v in truth.values())
+    assert (rep["finish_store_ties"], rep["finish_stores_shared"]) == (90, 0)
+    ps = 4
+    for prompt, outs in truth.items():
+        group = [r for r in recs if tuple(r.input_ids) == prompt]
+        assert sorted(r.completion_tokens for r in group)[0] == 0 and len(group) == 4
+        samples = [r for r in group if r.completion_tokens]
+        # single shots run to their length (8 outputs): the same stored pages each
+        (n,) = {r.completion_tokens for r in samples}
+        k = (len(prompt) + n - 1) // ps * ps - len(prompt)  # outputs in whole pages
+        # each real sample's stored part is exactly one replayed sample's
+        assert sorted(list(r.output_ids[:k]) for r in samples) == sorted(o[:k] for o in outs)
+        (first,) = [r for r in group if not r.completion_tokens]
+        assert [r.turn for r in group if r.session == first.session] == [0, 1]
 
 
 def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):

@@ -145,9 +145,36 @@ def test_cancel_share_marks_streamed_requests_that_hang_up_early():
             assert s1 == (s0 or c is not None)  # a cancelled request streams
 
 
+def test_parallel_share_asks_single_shots_for_several_samples():
+    """``--parallel-share F`` makes a share of the single shots ask for ``--parallel-n``
+    parallel samples (not streamed, not cancelled), drawn from a generator of their own:
+    chats, starts, outputs and prompts stay the seed's."""
+    from kvcadence.testing.httpclients import Clients
+
+    plain = Clients("", 700, 46, 120, 75.0, cancel_share=0.3)
+    par = Clients("", 700, 46, 120, 75.0, cancel_share=0.3, parallel_share=0.5, parallel_n=4)
+    chosen = [p for p in par.plans if p.samples]
+    singles = [p for p in par.plans if not p.chat]
+    assert all(not p.chat and p.samples == (4,) for p in chosen)
+    assert 0.35 * len(singles) < len(chosen) < 0.65 * len(singles)
+    for a, b in zip(plain.plans, par.plans, strict=True):
+        assert (a.start_s, a.outputs, a.system, a.chat) == (b.start_s, b.outputs, b.system, b.chat)
+        assert plain.prompts(a) == par.prompts(b)
+        if b.samples:
+            assert b.streams == (False,) and b.cancels == (None,)
+        else:
+            assert (a.streams, a.cancels) == (b.streams, b.cancels)
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--cancel-share", "1.5"), ("--cancel-share", "x"), ("--cancel-after", "0-3")],
+    [
+        ("--cancel-share", "1.5"),
+        ("--cancel-share", "x"),
+        ("--cancel-after", "0-3"),
+        ("--parallel-share", "2"),
+        ("--parallel-n", "0"),
+    ],
 )
 def test_bad_cancel_options_are_usage_errors(flag, value, capsys):
     with pytest.raises(SystemExit) as exc:
