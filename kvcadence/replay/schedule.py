@@ -134,6 +134,23 @@ def _received_ns(meta: dict[str, Any]) -> int | None:
     return None
 
 
+def _length_limit(r: Any, mi: dict[str, Any]) -> int | None:
+    """The output limit a request that finished by length ran to, when its record states
+    it (SGLang's ``finish_reason`` ``{"type": "length", "length": k}``) and it is below the
+    ``max_new_tokens`` asked for: the prefill-only request SGLang sends first for ``n > 1``
+    parallel samples (0: it caches the prompt, its record keeps the request's sampling
+    parameters), or a limit clipped to the context length. A request replayed past the limit
+    would look like an EOS stop the scheduler cannot see ahead (``SimReq.stops_unseen``): one
+    decode pass more, and its finish inserting that output's KV too."""
+    fr = mi.get("finish_reason")
+    if r.finish_reason != "length" or not isinstance(fr, dict):
+        return None
+    k = fr.get("length")
+    if type(k) is not int or k < 0 or (r.max_new_tokens is not None and k >= r.max_new_tokens):
+        return None
+    return k
+
+
 def _arrival(rec: Any) -> int | None:
     """Arrival: the record's ``arrival_ns``, else the server-side receive, else ``send_ns``."""
     if rec.arrival_ns is not None:
@@ -237,6 +254,9 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
         n_out = max(int(n_out), 1)
         max_new = r.max_new_tokens if r.max_new_tokens is not None else n_out
         mi = r.meta_info or {}
+        limit = _length_limit(r, mi)
+        if limit is not None:  # the limit the worker applied, not the one asked for
+            max_new = limit
         ignore_eos = _sent_ignore_eos(mi)
         if ignore_eos is None:
             ignore_eos = r.finish_reason in (None, "length") or n_out >= max_new

@@ -71,6 +71,7 @@ CANCEL_CAPTURES = (
     "p16-chunk4096-longctx-http-clients-cancel",
     "dp2-p1-chunk2048-longctx-http-clients-cancel",
     "p4-chunk512-parallel-http-clients-cancel",
+    "p1-longout-parallel-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -602,6 +603,7 @@ CANCELLED = {
     "dp2-p1-chunk2048-longctx-http-clients-cancel": (220, 9, 10, 8),
     # 363 = 228 requests of one sample + 45 of 3 parallel samples (a sent line each)
     "p4-chunk512-parallel-http-clients-cancel": (363, 9, 9, 8),
+    "p1-longout-parallel-http-clients-cancel": (324, 9, 9, 9),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -647,6 +649,7 @@ CANCELLED_TURNS = {
     "p16-chunk4096-longctx-http-clients-cancel": (3, 3),
     "dp2-p1-chunk2048-longctx-http-clients-cancel": (9, 9),
     "p4-chunk512-parallel-http-clients-cancel": (3, 3),
+    "p1-longout-parallel-http-clients-cancel": (6, 6),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -672,6 +675,7 @@ SUCCESSORS = {
     "p16-chunk4096-longctx-http-clients-cancel": (4, 4),
     "dp2-p1-chunk2048-longctx-http-clients-cancel": (3, 4),
     "p4-chunk512-parallel-http-clients-cancel": (5, 5),
+    "p1-longout-parallel-http-clients-cancel": (6, 6),
 }
 
 
@@ -1060,20 +1064,28 @@ def test_p8_chunk128_http_clients_miss_follows_the_workers_pace(tmp_path):
     assert all(bar_holds(held[fig], bar) for bar, (fig, _) in BARS.items())
 
 
-def test_parallel_samples_on_a_real_worker(tmp_path):
-    """``p4-chunk512-parallel-http-clients-cancel``: 45 requests asked for 3 parallel samples
-    (``"n": 3``, temperature 1). SGLang 0.5.23 writes 4 metrics lines for each: a
-    prefill-only request (0 outputs: it caches the prompt) and one per sample, all with the
-    same prompt. Through the production path every sample's outputs are what the clients
-    got for one of them (``sent.jsonl.gz``) as far as its finish store holds them (whole
-    pages), each sample claims its own store (2 ties a request, none shared), and the
-    prefill-only request is no sample: it starts a session one sample continues."""
+#: capture -> (requests that asked for parallel samples, samples each, page size)
+PARALLEL = {
+    "p4-chunk512-parallel-http-clients-cancel": (45, 3, 4),
+    "p1-longout-parallel-http-clients-cancel": (21, 4, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARALLEL))
+def test_parallel_samples_on_a_real_worker(name, tmp_path):
+    """Captures where single shots asked for parallel samples (``"n": 3`` / ``4``,
+    temperature 1). SGLang 0.5.23 writes ``n`` + 1 metrics lines for each: a prefill-only
+    request (0 outputs: it caches the prompt) and one per sample, all with the same prompt.
+    Through the production path every sample's outputs are what the clients got for one of
+    them (``sent.jsonl.gz``) as far as its finish store holds them (whole pages), each sample
+    claims its own store (``n`` - 1 ties a request, none shared), and the prefill-only
+    request is no sample: it starts a session one sample continues."""
     import gzip
     import json
 
     from kvcadence.replay.production import records_for_replay
 
-    name = "p4-chunk512-parallel-http-clients-cancel"
+    groups, n_samples, ps = PARALLEL[name]
     recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
     with gzip.open(CORPUS / name / "sent.jsonl.gz", "rt") as fh:
         sent = [json.loads(line) for line in fh]
@@ -1081,12 +1093,13 @@ def test_parallel_samples_on_a_real_worker(tmp_path):
     for line in sent:
         if line.get("samples"):
             truth.setdefault(tuple(line["input_ids"]), []).append(line["output_ids"])
-    assert len(truth) == 45 and all(len(v) == 3 for v in truth.values())
-    assert (rep["finish_store_ties"], rep["finish_stores_shared"]) == (90, 0)
-    ps = 4
+    assert len(truth) == groups and all(len(v) == n_samples for v in truth.values())
+    ties = groups * (n_samples - 1)
+    assert (rep["finish_store_ties"], rep["finish_stores_shared"]) == (ties, 0)
     for prompt, outs in truth.items():
         group = [r for r in recs if tuple(r.input_ids) == prompt]
-        assert sorted(r.completion_tokens for r in group)[0] == 0 and len(group) == 4
+        assert sorted(r.completion_tokens for r in group)[0] == 0
+        assert len(group) == n_samples + 1
         samples = [r for r in group if r.completion_tokens]
         # single shots run to their length (8 outputs): the same stored pages each
         (n,) = {r.completion_tokens for r in samples}

@@ -101,6 +101,37 @@ def test_parallel_samples_each_get_their_own_finish_store():
     assert "2 finish-store ties" in report_text(rep)
 
 
+def test_parallel_samples_prefill_only_line_stores_its_prompt_alone():
+    """For ``n > 1`` SGLang first sends a prefill-only request (its internal
+    ``max_new_tokens`` 0: it caches the prompt) whose metrics line keeps the request's
+    sampling parameters (``max_new_tokens`` 6) and states the limit it ran to (finish
+    ``{"type": "length", "length": 0}``). Replayed to that limit, it finishes at its prefill
+    and inserts the prompt alone; replayed to the 6 asked for, its one output looked like
+    an EOS stop the overlap loop decodes once more, and its finish stored that output's
+    page too (the corpus's ``p1-longout-parallel-http-clients-cancel``: 21 blocks the worker
+    never stored, one per such request, at page 1)."""
+    from kvcadence.format import wire
+    from kvcadence.format.schema import BlockStored
+
+    prompt = list(range(10, 30))
+    r = rec("p", prompt, 0, 0.5, 0.6, cached=0)
+    r = _with(r, {"type": "length", "length": 0})
+    r = msgspec.structs.replace(r, max_new_tokens=6)
+    asked = msgspec.structs.replace(r, meta_info={**r.meta_info, "finish_reason": None})
+
+    def stored(recs) -> int:
+        res = simulate(recs, config(page_size=1))
+        return sum(
+            len(e.block_hashes)
+            for b in res.batches
+            for e in wire.decode_batch(b.payload).events
+            if isinstance(e, BlockStored)
+        )
+
+    assert stored([r]) == len(prompt)  # the prompt, no output
+    assert stored([asked]) == len(prompt) + 1  # the rule this replaces: one block more
+
+
 def test_retracted_in_capture_counted_against_the_replay():
     def mk(rid, base, t, nr):
         r = _with(rec(rid, list(range(base, base + 50)), 58, t, t + 1.0), "stop")
