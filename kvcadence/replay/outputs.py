@@ -350,13 +350,34 @@ class StoreIndex:
         t1: int,
         win: Window | None = None,
         length: int | None = None,
+        rank: int | None = None,
     ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
         """The prefill store(s) of ``prompt[cached:]``'s full pages published in ``[t0, t1]``
         (receive .. finish): ``(hash of the last full page, segments ``(first page, event
         index, position, pages)``, the hash the first page attached to)``; ``None`` when not
         found (nothing new stored, another page size, or outside the window). ``win``:
         ``windows``' for (``t0``, ``t1``) when the caller has it; ``length``:
-        ``len(prompt)``, when the caller has it."""
+        ``len(prompt)``, when the caller has it. ``rank``: the DP rank that served the
+        request (a multi-rank capture): that rank's stores only (another rank's store of the
+        same pages -- parallel samples of one prompt routed to both -- is not its), every
+        rank's when that finds none (a rank the record misstates)."""
+        if rank is not None and self.frame_rank:
+            got = self._prefill_run(prompt, cached, t0, t1, win, length, rank)
+            if got is not None:
+                return got
+        return self._prefill_run(prompt, cached, t0, t1, win, length, None)
+
+    def _prefill_run(
+        self,
+        prompt: Sequence[int],
+        cached: int,
+        t0: int,
+        t1: int,
+        win: Window | None,
+        length: int | None,
+        rank: int | None,
+    ) -> tuple[int, list[tuple[int, int, int, int]], int | None] | None:
+        """``prefill_run`` among ``rank``'s events (every rank's: None)."""
         ps = self.page_size
         pages = (len(prompt) if length is None else length) // ps
         start = cached // ps
@@ -371,7 +392,7 @@ class StoreIndex:
             end = self._until(i, win[1])
         # the pages looked for, as an array once (compared with the events' arrays)
         want = span(prompt, start * ps, pages * ps)
-        found = self._first_chunk(want, start, pages, i, end)
+        found = self._first_chunk(want, start, pages, i, end, rank)
         if found is None:
             return None
         e0, j, n = found
@@ -386,6 +407,8 @@ class StoreIndex:
         for ei in range(e0 + 1, end):  # later chunks: chained below the last page found
             if p >= pages:
                 break
+            if rank is not None and self.rank_of(ei) != rank:
+                continue
             if parents[ei] == cur:
                 j = 0
             else:
@@ -402,11 +425,12 @@ class StoreIndex:
         return (cur, segs, base) if p >= pages else None
 
     def _first_chunk(
-        self, prompt: Sequence[int], start: int, pages: int, i: int, end: int
+        self, prompt: Sequence[int], start: int, pages: int, i: int, end: int, rank: int | None
     ) -> tuple[int, int, int] | None:
         """``(event, position, pages)`` of the first run of the pages ``start`` .. ``pages``
-        (``prompt``: their tokens) among events ``[i, end)``: at an event's start first, then
-        (tail merging: after another request's finish store) anywhere in it."""
+        (``prompt``: their tokens) among events ``[i, end)`` (of DP rank ``rank``; None:
+        every rank's): at an event's start first, then (tail merging: after another
+        request's finish store) anywhere in it."""
         ps, n_pages, tokens = self.page_size, self.pages, self.tokens
         want = prompt[0]
         cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
@@ -414,6 +438,9 @@ class StoreIndex:
         left = pages - start
         while c < len(cands) and cands[c] < end:
             ei = cands[c]
+            if rank is not None and self.rank_of(ei) != rank:
+                c += 1
+                continue
             n = n_pages[ei]
             toks = tokens[ei]
             if n > left:
@@ -426,6 +453,8 @@ class StoreIndex:
         # a C search, not an int object per token compared (``array.index``)
         pat = array(CODE, [want]).tobytes() if type(want) is int and 0 <= want < 1 << 32 else None
         for ei in range(i, end):
+            if rank is not None and self.rank_of(ei) != rank:
+                continue
             toks = tokens[ei]
             buf = toks.tobytes() if pat is not None and toks.typecode == CODE else None
             k = 1
@@ -460,6 +489,7 @@ class StoreIndex:
         at: tuple[int, int] | None = None,
         taken: dict[tuple[int, int], int] | None = None,
         win: Window | None = None,
+        rank: int | None = None,
     ) -> tuple[array, int, bool, tuple[int, int], bool] | None:
         """The finish store below block ``h`` (``None`` = the root): the tokens of up to
         ``k`` pages of the first run below ``h`` that starts with ``tail``, the hash of its
@@ -476,7 +506,28 @@ class StoreIndex:
         every run found is claimed is the first claimed one returned (identical outputs:
         the later sample inserted nothing new). The result also says where the run is
         (``(event, position)``) and whether a claimed run was met on the way (a tie).
-        ``win``: ``windows``' for (``arrival_ns``, ``finish_ns``) when the caller has it."""
+        ``win``: ``windows``' for (``arrival_ns``, ``finish_ns``) when the caller has it.
+        ``rank``: as ``prefill_run``'s (that rank's stores first, every rank's when it has
+        none: samples of one prompt on two ranks each store their own run below ``h``)."""
+        if rank is not None and self.frame_rank:
+            got = self._finish_pages(h, tail, k, arrival_ns, finish_ns, at, taken, win, rank)
+            if got is not None:
+                return got
+        return self._finish_pages(h, tail, k, arrival_ns, finish_ns, at, taken, win, None)
+
+    def _finish_pages(
+        self,
+        h: int | None,
+        tail: Sequence[int],
+        k: int,
+        arrival_ns: int,
+        finish_ns: int,
+        at: tuple[int, int] | None,
+        taken: dict[tuple[int, int], int] | None,
+        win: Window | None,
+        rank: int | None,
+    ) -> tuple[array, int, bool, tuple[int, int], bool] | None:
+        """``finish_pages`` among ``rank``'s events (every rank's: None)."""
         ts = self._ts
         horizon = finish_ns + FINISH_WINDOW_NS
         claimed = taken or {}
@@ -506,6 +557,9 @@ class StoreIndex:
         cands = self._by_parent.get(h, ())
         c = bisect_left(cands, i)
         while c < len(cands) and cands[c] < stop:
+            if rank is not None and self.rank_of(cands[c]) != rank:
+                c += 1
+                continue
             where = (cands[c], 0)
             got = self._run(where[0], 0, tail, k)
             if got is not None:
@@ -530,8 +584,8 @@ class StoreIndex:
             seen = -1
             for pos in (np.flatnonzero(self.hashes[lo:hi] == h) + lo).tolist():
                 ei = bisect_right(offs, pos, i, stop) - 1
-                if ei == seen:
-                    continue  # not the event's first ``h``
+                if ei == seen or (rank is not None and self.rank_of(ei) != rank):
+                    continue  # not the event's first ``h``, or another rank's
                 seen = ei
                 where = (ei, pos - offs[ei] + 1)
                 got = self._run(where[0], where[1], tail, k)

@@ -229,6 +229,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         r = records[i]
         arr, fin = times[i]
         rk = served_rank(r) if index.frame_rank else 0
+        rank = rk if index.frame_rank else None  # a multi-rank capture: its rank's stores
         node = nodes[i]
         # the prompt's tokens are read by ``span``: only the runs looked at (a compact
         # record's ``Prompt`` is not built whole, a list's ints are not all visited)
@@ -244,7 +245,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         h: int | None
         fast = None
         if r.cached_tokens is not None and arr is not None and fin is not None:
-            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L)
+            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L, rank)
         if fast is not None:
             h, node.segs, node.base = fast
             claims.extend((ei, j, m, rk) for _, ei, j, m in node.segs)
@@ -287,7 +288,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         got = (
             None
             if fin is None or arr is None or Kq <= 0
-            else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i])
+            else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i], rank)
         )
         if K <= 0 and got is None:  # nothing stored at finish (or the last output not)
             known[i] = None if r.output_ids else []

@@ -132,6 +132,38 @@ def test_parallel_samples_prefill_only_line_stores_its_prompt_alone():
     assert stored([asked]) == len(prompt) + 1  # the rule this replaces: one block more
 
 
+def test_parallel_samples_on_two_dp_ranks_take_their_own_ranks_stores():
+    """``n = 2`` on a DP 2 worker: the prompt is prefilled on each rank a sample was routed
+    to, rank 0 first. The rank-1 sample is short: its prefill and finish stores went out
+    merged in one event; the rank-0 sample's finish store chains below the prompt's last
+    page later. A record's stores are its own rank's (``meta_info.dp_rank``). Without
+    ranks the rank-1 sample matched rank 0's prefill (the first with those hashes), took the
+    rank-0 sample's finish store below it, and left it the other's outputs
+    (``dp2-p8-parallel-http-clients-cancel``: 14 phantom requests rebuilt from the stores
+    left to no record)."""
+    ps = 1
+    p = [5, 6, 7, 8]
+    o0, o1 = [20, 21, 22], [30, 31, 32]
+    batches = [
+        (int(1.0 * S), [store(p, 0, 4, ps)]),  # frame 0, rank 0: prefill
+        (int(1.1 * S), [store(p + o1, 0, 6, ps)]),  # frame 1, rank 1: prefill + finish
+        (int(2.0 * S), [store(p + o0, 4, 6, ps)]),  # frame 2, rank 0: finish
+    ]
+    idx = StoreIndex.from_batches(batches, ps)
+    idx.frame_rank = {1: 1}
+    r1 = rec("s1", p, 3, 0.5, 1.15, cached=0)
+    r1 = msgspec.structs.replace(r1, meta_info={**r1.meta_info, "dp_rank": 1})
+    r0 = rec("s0", p, 3, 0.5, 2.1, cached=0)
+    r0 = msgspec.structs.replace(r0, meta_info={**r0.meta_info, "dp_rank": 0})
+    out, rep = complete_records([r1, r0], idx)
+    assert out[0].output_ids[:2] == o1[:2] and out[1].output_ids[:2] == o0[:2]
+    assert rep["outputs_from_events"] == 2
+    # a rank the record misstates: every rank's stores are looked at then
+    lost = msgspec.structs.replace(r1, meta_info={**r1.meta_info, "dp_rank": 5})
+    out2, _ = complete_records([lost], idx)
+    assert out2[0].output_ids[:2] == o0[:2]
+
+
 def test_retracted_in_capture_counted_against_the_replay():
     def mk(rid, base, t, nr):
         r = _with(rec(rid, list(range(base, base + 50)), 58, t, t + 1.0), "stop")
