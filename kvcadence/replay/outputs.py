@@ -509,25 +509,19 @@ class StoreIndex:
         ``win``: ``windows``' for (``arrival_ns``, ``finish_ns``) when the caller has it.
         ``rank``: as ``prefill_run``'s (that rank's stores first, every rank's when it has
         none: samples of one prompt on two ranks each store their own run below ``h``)."""
+        query = (h, tail, k, arrival_ns, finish_ns, at, taken, win)
         if rank is not None and self.frame_rank:
-            got = self._finish_pages(h, tail, k, arrival_ns, finish_ns, at, taken, win, rank)
+            got = self._finish_pages(query, rank)
             if got is not None:
                 return got
-        return self._finish_pages(h, tail, k, arrival_ns, finish_ns, at, taken, win, None)
+        return self._finish_pages(query, None)
 
     def _finish_pages(
-        self,
-        h: int | None,
-        tail: Sequence[int],
-        k: int,
-        arrival_ns: int,
-        finish_ns: int,
-        at: tuple[int, int] | None,
-        taken: dict[tuple[int, int], int] | None,
-        win: Window | None,
-        rank: int | None,
+        self, query: tuple[Any, ...], rank: int | None
     ) -> tuple[array, int, bool, tuple[int, int], bool] | None:
-        """``finish_pages`` among ``rank``'s events (every rank's: None)."""
+        """``finish_pages`` (its arguments, ``query``) among ``rank``'s events (every rank's:
+        None)."""
+        h, tail, k, arrival_ns, finish_ns, at, taken, win = query
         ts = self._ts
         horizon = finish_ns + FINISH_WINDOW_NS
         claimed = taken or {}
