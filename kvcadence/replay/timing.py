@@ -20,10 +20,11 @@ parameters from the capture's own ``meta_info`` timings (bundles carry no ``serv
   prefill time of other batches finishing inside that window) / (completion_tokens − 1)``;
   the median over requests is split into a base and a per-request part by regressing on the
   number of requests that overlapped the window. The per-context-token term is not fitted
-  (docs/simulator.md, "Time", says what fitting it measured); where it is given
-  (``--decode-per-ctx-token``), each request's share of it (``intervals.Context``: the
-  context the requests alive in its window held, time-averaged) is taken off its passes
-  first, and base and per request are fitted to the rest;
+  (docs/simulator.md, "A decode term per context token", says what fitting it measured);
+  where it is given (``--decode-per-ctx-token``), each request's share of it
+  (``intervals.Context``: the context the requests alive in its window held,
+  time-averaged) is taken off its passes first, and base and per request are fitted to
+  the rest;
 * without per-phase timings but with server-side receive / finish times
   (``request_received_ts``, else ``response_sent_to_client_ts − e2e_latency``; finish =
   ``request_finished_ts``, else ``response_sent_to_client_ts``) and at least 16 requests:
