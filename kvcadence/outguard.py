@@ -25,6 +25,9 @@ What this file owns, for every command that writes an ``--out``:
   of the write, nor is anything after the command marked its output complete
   (``args._out_complete``: e.g. its summary printed to a closed pipe, ``replay ... | head``,
   which removed a finished sim bundle until 2026-12-04).
+* ``term_as_interrupt(run)`` -- SIGTERM taken as Ctrl-C while ``run`` runs (``replay``, the
+  HTTP clients' recorder), so the cleanup above, or a child's orderly stop, happens on
+  ``kill`` too.
 
 Standard library only (imported by the capture, replay and analysis command modules alike).
 """
@@ -185,6 +188,32 @@ def removed_on_failure(run: Callable[[Any], int], attr: str = "out") -> Callable
     return wrapped
 
 
+def term_as_interrupt(func: Callable[[Any], int]) -> Callable[[Any], int]:
+    """``func(args)`` with SIGTERM (``kill``, a job scheduler's stop) raised as
+    ``KeyboardInterrupt``, as Ctrl-C is: what the command began is cleaned up or finished as
+    on Ctrl-C (``replay``: the sim bundle or sweep directory removed, exit 130; the HTTP
+    clients' recorder: its ``kvcadence capture`` child stopped, the bundle closed) instead
+    of the process dying mid-write or leaving a child running. Only in the main thread; the
+    old handler is put back after."""
+    import signal
+    import threading
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    @functools.wraps(func)
+    def wrapped(args: Any) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            return int(func(args))
+        old = signal.signal(signal.SIGTERM, interrupt)
+        try:
+            return int(func(args))
+        finally:
+            signal.signal(signal.SIGTERM, old)
+
+    return wrapped
+
+
 __all__ = [
     "enclosing_bundle",
     "refuse_inside_bundle",
@@ -192,4 +221,5 @@ __all__ = [
     "refuse_out_file",
     "refuse_uncreatable",
     "removed_on_failure",
+    "term_as_interrupt",
 ]

@@ -440,7 +440,7 @@ def test_replay_takes_sigterm_as_ctrl_c():
     import os
     import signal
 
-    from kvcadence.replay.cli import _term_as_interrupt
+    from kvcadence.outguard import term_as_interrupt
 
     before = signal.getsignal(signal.SIGTERM)
 
@@ -451,7 +451,7 @@ def test_replay_takes_sigterm_as_ctrl_c():
 
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        _term_as_interrupt(killed)(argparse.Namespace())
+        term_as_interrupt(killed)(argparse.Namespace())
     assert time.monotonic() - t0 < 4
     assert signal.getsignal(signal.SIGTERM) is before
 

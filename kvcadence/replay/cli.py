@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float, positive_int
-from kvcadence.outguard import refuse_nonempty_dir, removed_on_failure
+from kvcadence.outguard import refuse_nonempty_dir, removed_on_failure, term_as_interrupt
 
 
 def _bool_flag(
@@ -200,32 +200,7 @@ def register(sub: Any) -> None:
     add_fleet_args(p)
     add_trace_args(p)
     # no partial sim bundle on a full disk, on Ctrl-C or on SIGTERM
-    p.set_defaults(_run=removed_on_failure(_term_as_interrupt(run)))
-
-
-def _term_as_interrupt(func: Any) -> Any:
-    """``func(args)`` with SIGTERM (``kill``, a job scheduler's stop) raised as
-    ``KeyboardInterrupt``, as Ctrl-C is: the sim bundle or sweep directory the replay began is
-    removed and the command exits 130, instead of the process dying with a half-written
-    bundle that later reads as a valid (only unclean) one. The old handler is put back after."""
-    import functools
-    import signal
-    import threading
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    @functools.wraps(func)
-    def wrapped(args: argparse.Namespace) -> int:
-        if threading.current_thread() is not threading.main_thread():
-            return int(func(args))
-        old = signal.signal(signal.SIGTERM, interrupt)
-        try:
-            return int(func(args))
-        finally:
-            signal.signal(signal.SIGTERM, old)
-
-    return wrapped
+    p.set_defaults(_run=removed_on_failure(term_as_interrupt(run)))
 
 
 def run(args: argparse.Namespace) -> int:

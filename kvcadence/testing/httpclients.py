@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import random
 import sys
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence.errors import KvcadenceError
+from kvcadence.outguard import term_as_interrupt
 from kvcadence.testing.capturerun import start_capture, stop_capture
 
 SYSTEM_LENGTHS = (96, 160, 224)
@@ -300,10 +302,11 @@ class Clients:
                     )
 
     def run(self) -> None:
-        t0 = time.monotonic()
-        threads = [threading.Thread(target=self._client, args=(p, t0)) for p in self.plans]
+        """Each client (and the flush operator) in a daemon thread: an interrupt ends the run."""
+        t0, thread = time.monotonic(), functools.partial(threading.Thread, daemon=True)
+        threads = [thread(target=self._client, args=(p, t0)) for p in self.plans]
         if self.flush_at:
-            threads.append(threading.Thread(target=self._operator, args=(t0,)))
+            threads.append(thread(target=self._operator, args=(t0,)))
         for th in threads:
             th.start()
         for th in threads:
@@ -397,11 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.out is not None and not a.sglang_metrics:
         ap.error("--out needs --sglang-metrics (the worker's --export-metrics-to-file-dir)")
-    try:
-        return _run(a)
+    try:  # SIGTERM (``kill``, ``pkill``) as Ctrl-C: ``_run``'s ``finally`` stops the capture
+        return term_as_interrupt(_run)(a)
     except KvcadenceError as exc:  # one line, as every kvcadence command
         print(f"{ap.prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        kept = f"; the capture was stopped and {a.out} kept" if a.out else ""
+        print(f"{ap.prog}: interrupted{kept}", file=sys.stderr)
+        return 130
 
 
 def _out_range(text: str) -> tuple[int, int]:

@@ -229,3 +229,52 @@ def test_flush_at_retries_a_busy_worker_until_it_flushes(monkeypatch):
         (0.2, True, 1, 200),
     ]
     assert len(calls) == 4 and calls[3] - t0 >= 0.2  # the second at its time, not before
+
+
+def test_sigterm_stops_the_capture_child_and_exits_130(monkeypatch, tmp_path, capsys):
+    """``pkill`` (SIGTERM) of the recorder mid-run is taken as Ctrl-C: its capture child is
+    stopped the orderly way (SIGINT after the settle time) instead of being left running, the
+    client threads are abandoned, and it exits 130 with one line naming the kept bundle."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import kvcadence.testing.httpclients as hc
+
+    # the capture child: exits 0 on SIGINT, as ``kvcadence capture`` does
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, lambda *a: sys.exit(0))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    monkeypatch.setattr(hc, "start_capture", lambda url, metrics, out: child)
+
+    def killed(self: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+
+    monkeypatch.setattr(hc.Clients, "run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "b"
+    t0 = time.monotonic()
+    try:
+        argv = ["--server", "http://127.0.0.1:1", "--singles", "1", "--sessions", "0"]
+        rc = main([*argv, "--out", str(out), "--sglang-metrics", str(tmp_path), "--settle", "0"])
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.stdout.close()
+    assert rc == 130 and time.monotonic() - t0 < 4
+    assert child.wait(5) == 0  # stopped by its SIGINT, not killed above
+    assert signal.getsignal(signal.SIGTERM) is before
+    err = capsys.readouterr().err.strip().splitlines()
+    prog = "python -m kvcadence.testing.httpclients"
+    assert err[-1] == f"{prog}: interrupted; the capture was stopped and {out} kept"
