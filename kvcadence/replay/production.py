@@ -225,8 +225,14 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     pre_cands: list[tuple[int, int, int, int]] = []
     # records no store of whose outputs the capture holds (``FINISH_UNSEEN_KEY``)
     unseen_finish: set[int] = set()
+    # ``claims[a:b]`` of each retracted record: every store of those pages is its own
+    retracted: list[tuple[int, int]] = []
+    ret_from = -1
     for i in by_fin:
+        if ret_from >= 0:
+            retracted.append((ret_from, len(claims)))
         r = records[i]
+        ret_from = len(claims) if is_retracted(r) else -1
         arr, fin = times[i]
         rk = served_rank(r) if index.frame_rank else 0
         rank = rk if index.frame_rank else None  # a multi-rank capture: its rank's stores
@@ -356,6 +362,16 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         f = times[i][1]
         if f is not None and (e not in finish_at or f < finish_at[e]):
             finish_at[e] = f
+    if ret_from >= 0:
+        retracted.append((ret_from, len(claims)))
+    # a retracted request stored its pages more than once (its prompt and outputs at the
+    # retraction, again at its re-prefill once evicted): each store of them is its own, the
+    # earlier ones too (``claimed_mask`` claims a run's re-stores only from the run on)
+    offs, pages_of, hs = index.offs, index.pages, index.hashes
+    for lo, hi in retracted:
+        for ei, j, m, rk in claims[lo:hi]:
+            o = offs[ei] + j
+            hashed.extend(page_key(x, rk) for x in hs[o : o + min(m, pages_of[ei] - j)].tolist())
     lost = rebuild(
         index, claims, hashed, no_finish, delays, lens, min_token, finish_at, chunk_gap, max_token
     )

@@ -12,8 +12,10 @@ they gave out of the replay.
 
 Every stored page that no record claimed (``production._complete`` marks the runs it matched
 to a record's prefill or finish, and the page hashes of prompts it hashed past their
-recorded cached prefix -- a cached page is another request's store, maybe an aborted one's:
-``claimed_mask``)
+recorded cached prefix -- a cached page is another request's store, maybe an aborted one's;
+a store of a run's pages published after the run is a re-store, one published before it is
+another request's -- an aborted turn whose pages the next turn stored again --, except a
+retracted record's, every store of whose pages is its own: ``claimed_mask``)
 is looked at in publish order, runs of consecutive unclaimed pages of one event at a time:
 
 * a run below the last page of a rebuilt request, published later, is that request's finish
@@ -159,20 +161,32 @@ _SIEVE_BITS = 20
 
 def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: Any) -> Any:
     """Per stored page of ``index``: whether a record claimed it -- in ``runs`` ``(event,
-    first page, pages, the record's rank)``, or a page with the same hash (a re-store, or a
-    prompt hashed instead of matched: ``hashes``, as ``page_key``s). On several DP ranks
-    the same hash on the record's rank: its prefill is found by content, possibly in another
-    rank's store of the same pages, and a page is the rank's that stored it."""
+    first page, pages, the record's rank)``; a later store of a page a run holds (a
+    re-store after an eviction: the prefill of a request that shares the prefix, a record's
+    where its run is found, else one its own run starts below); or a page with a hashed
+    prompt's hash (``hashes``, as ``page_key``s: no position known, any store of it). A store
+    of a claimed page published *before* the run that holds it is not claimed: the run was
+    found as the first store of those pages after the record's receive, so the earlier one
+    is another request's -- a client-aborted turn whose pages were evicted and stored again
+    by the chat's next turn (corpus ``p8-longout1500-http-clients-cancel``: 4 of its 9
+    aborted requests were left out so). On several DP ranks the same hash on the record's
+    rank: its prefill is found by content, possibly in another rank's store of the same
+    pages, and a page is the rank's that stored it (a store on the record's rank is claimed
+    from the run's publish on)."""
     h = index.hashes
     offs, pages = index.offs, index.pages
     if index.frame_rank:
         keys = page_keys(index)
-        parts = [np.asarray(hashes, dtype=np.int64)]
+        hashed = np.isin(keys, np.asarray(hashes, dtype=np.int64))
+        parts, at = [], []
         for ei, j, n, rk in runs:
             a = offs[ei] + j
             part = h[a : a + min(n, pages[ei] - j)]
             parts.append(part + np.int64(page_key(0, rk)) if rk else part)  # no scalar overflow
-        return np.isin(keys, np.concatenate(parts))
+            at.append(np.arange(a, a + len(part), dtype=np.int64))
+        if not parts:
+            return hashed
+        return hashed | _restored(keys, np.concatenate(parts), np.concatenate(at))
     mask = np.zeros(len(h), dtype=bool)
     for ei, j, n, _ in runs:
         a = offs[ei] + j
@@ -180,12 +194,29 @@ def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: 
     free = np.flatnonzero(~mask)
     if not len(free):  # every store is a record's (the usual capture)
         return mask
-    # a free hash stored at a claimed page too: the claimed pages holding one (``matches``)
+    # a free hash stored at a claimed page too (``matches``), and published after it
     fh = h[free]
     cand = matches(h, fh)
-    known = np.concatenate([h[cand[mask[cand]]], np.asarray(hashes, dtype=np.int64)])
-    mask[free[np.isin(fh, known)]] = True
+    held = cand[mask[cand]]
+    again = _restored(fh, h[held], held, free) if len(held) else np.zeros(len(free), bool)
+    mask[free[again | np.isin(fh, np.asarray(hashes, dtype=np.int64))]] = True
     return mask
+
+
+def _restored(keys: Any, claimed: Any, at: Any, pos: Any = None) -> Any:
+    """Per key of ``keys`` (at positions ``pos``; default ``0 .. len - 1``): whether it is
+    one of ``claimed`` (keys claimed at positions ``at``) and not before the first position
+    that claimed it."""
+    if pos is None:
+        pos = np.arange(len(keys), dtype=np.int64)
+    if not len(claimed):
+        return np.zeros(len(keys), dtype=bool)
+    order = np.lexsort((at, claimed))
+    uniq, first = np.unique(claimed[order], return_index=True)
+    first_at = at[order][first]
+    k = np.searchsorted(uniq, keys)
+    k[k == len(uniq)] = 0
+    return (uniq[k] == keys) & (pos >= first_at[k])
 
 
 def matches(keys: Any, want: Any) -> Any:

@@ -121,8 +121,9 @@ def test_a_store_below_a_prompt_whose_finish_was_not_found_is_left_alone():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 12))
 def test_claimed_mask_claims_every_page_with_a_claimed_hash(seed, n_events):
-    """A page is claimed when a record's run holds it or its hash is claimed anywhere (a
-    re-store of a claimed page, a hashed prompt's page); never otherwise."""
+    """A page is claimed when a record's run holds it, a run held its hash at or before it (a
+    re-store of a claimed page) or its hash is hashed (a hashed prompt's page, any store);
+    never otherwise -- not a store of a run's page published before that run."""
     rng = random.Random(seed)
     # few hashes (re-stores are common), many sharing their low 16 bits, some negative (a
     # mask looks hashes up by their low bits first: those alone must not claim a page)
@@ -146,8 +147,13 @@ def test_claimed_mask_claims_every_page_with_a_claimed_hash(seed, n_events):
     for ei, j, n, _ in runs:
         a = idx.offs[ei] + j
         by_run[a : a + min(n, idx.pages[ei] - j)] = True
-    claimed = set(idx.hashes[by_run].tolist()) | set(hashed)
-    want = [bool(r) or h in claimed for r, h in zip(by_run, idx.hashes.tolist(), strict=True)]
+    first: dict[int, int] = {}  # a run's hash -> the first position a run holds it
+    for p in np.flatnonzero(by_run).tolist():
+        first.setdefault(int(idx.hashes[p]), p)
+    want = [
+        bool(r) or h in hashed or first.get(h, len(by_run)) <= p
+        for p, (r, h) in enumerate(zip(by_run, idx.hashes.tolist(), strict=True))
+    ]
     assert mask.tolist() == want
 
 
@@ -155,8 +161,9 @@ def test_claimed_mask_claims_every_page_with_a_claimed_hash(seed, n_events):
 @given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.integers(2, 8))
 def test_claimed_mask_on_several_ranks_claims_a_hash_on_its_rank(seed, n_events, n_ranks):
     """Several DP ranks (more than two: a rank's key offset must not overflow): a page is
-    claimed when a run of a record on its rank holds its hash, or its hash was hashed for
-    a record on its rank (``page_key``); the same hash on another rank is not."""
+    claimed when a run of a record on its rank held its hash at or before it (the run's
+    pages may be another rank's store), or its hash was hashed for a record on its rank
+    (``page_key``, any store); the same hash on another rank is not."""
     rng = random.Random(seed)
     pool = [rng.randrange(-(2**63), 2**63) for _ in range(6)]  # any int64: keys wrap around
     batches = []
@@ -172,15 +179,18 @@ def test_claimed_mask_on_several_ranks_claims_a_hash_on_its_rank(seed, n_events,
             runs.append((ei, j, rng.randint(1, 5), rng.randrange(n_ranks)))
     hashed_pairs = {(rng.choice(pool), rng.randrange(n_ranks)) for _ in range(2)}
     mask = claimed_mask(idx, runs, [page_key(h, rk) for h, rk in hashed_pairs])
-    claimed = set(hashed_pairs)
+    first: dict[tuple[int, int], int] = {}  # (hash, the run's rank) -> its first position
     for ei, j, n, rk in runs:
         a = idx.offs[ei] + j
-        claimed |= {(h, rk) for h in idx.hashes[a : a + min(n, idx.pages[ei] - j)].tolist()}
+        for p in range(a, a + min(n, idx.pages[ei] - j)):
+            key = (int(idx.hashes[p]), rk)
+            first[key] = min(first.get(key, p), p)
     want = []
     for ei in range(n_events):
         rank = idx.frame_rank[ei]
-        hs = idx.hashes[idx.offs[ei] : idx.offs[ei] + idx.pages[ei]].tolist()
-        want += [(h, rank) in claimed for h in hs]
+        for p in range(idx.offs[ei], idx.offs[ei] + idx.pages[ei]):
+            key = (int(idx.hashes[p]), rank)
+            want.append(key in hashed_pairs or first.get(key, len(idx.hashes)) <= p)
     assert mask.tolist() == want
 
 
@@ -413,3 +423,45 @@ def test_a_rebuilt_turn_follows_a_request_that_finished_before_its_prefill():
     (rb,) = [r for r in out if r.source == UNRECORDED_SOURCE]
     assert list(rb.input_ids) == b and rb.arrival_ns == int(2.5 * S)
     assert rb.session == by["a"].session and rb.turn == by["a"].turn + 1
+
+
+def test_an_aborted_turn_re_stored_by_the_next_turn_is_rebuilt():
+    """``b`` stored two pages of its own and its client hung up (no record); its pages were
+    evicted and the chat's next turn ``c`` (its prompt ``b``'s, the answer read so far and a
+    new message; cached only the system prompt) stored them again with its own. ``b``'s
+    store came before ``c``'s run that holds the same pages: it is ``b``'s, rebuilt -- not a
+    re-store of ``c``'s pages (corpus ``p8-longout1500-http-clients-cancel``: 4 of its 9
+    aborted requests were left out so, their stores claimed by the next turn's)."""
+    batches, records, _, _ = _traffic()
+    b = [*SYSTEM, 9, 9, 8, 8, 7, 7, 6, 6]
+    c = [*b, 70, 71, 5, 5, 5, 5, 4, 4]  # 24 tokens: pages 2-5 stored again at its prefill
+    batches = [*batches[:2], (int(3.1 * S), [store(b, 2, 4, PS)])]
+    batches.append((int(6.1 * S), [store(c, 2, 6, PS)]))
+    records = [*records, rec("c", c, 1, 6.0, 7.0, cached=len(SYSTEM))]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    rebuilt = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert [list(r.input_ids) for r in rebuilt] == [b]
+    assert rep["unrecorded_rebuilt"] == 1
+    # a store of the same pages after c's run is a re-store: claimed, nothing more rebuilt
+    batches.append((int(8.0 * S), [store(c, 2, 6, PS)]))
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert [list(r.input_ids) for r in out if r.source == UNRECORDED_SOURCE] == [b]
+
+
+def test_a_retracted_record_s_earlier_store_of_its_pages_is_its_own():
+    """A retracted request (``num_retractions``) whose run is found in its later store: the
+    earlier store of the same pages (before its retraction freed them) is its own too."""
+    batches, records, _, _ = _traffic()
+    r = [*SYSTEM, 3, 3, 3, 3, 2, 2, 2, 2]
+    batches = [*batches[:2], (int(3.1 * S), [store(r, 2, 4, PS)])]
+    batches.append((int(4.1 * S), [store(r, 2, 4, PS)]))  # its re-prefill
+    retracted = msgspec.structs.replace(
+        rec("r", r, 1, 3.5, 5.0, cached=len(SYSTEM)),
+        meta_info={"request_received_ts": 3.5, "request_finished_ts": 5.0, "num_retractions": 1},
+    )
+    out, rep = complete_records([*records, retracted], StoreIndex.from_batches(batches, PS))
+    assert rep["unrecorded_rebuilt"] == 0 and [x.rid for x in out] == ["a", "r"]
+    # the same record not retracted: that earlier store is another request's
+    plain = rec("r", r, 1, 3.5, 5.0, cached=len(SYSTEM))
+    out, rep = complete_records([*records, plain], StoreIndex.from_batches(batches, PS))
+    assert [list(x.input_ids) for x in out if x.source == UNRECORDED_SOURCE] == [r]
