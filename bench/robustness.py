@@ -24,12 +24,13 @@ Captures: the fixture (the copy in ``tests/data/fixtures``, or ``--fixture DIR``
 into a temporary bundle), the ``examples/`` sample, the DP captures of ``tests/replay/data``
 and the real-capture corpus of ``tests/replay/data/corpus`` (``--only corpus`` for those alone). ``--write-docs`` replaces
 the generated table in ``docs/simulator.md`` (between the ``robustness`` markers);
-``--json PATH`` writes every variant's numbers. ``--pace recorded`` replays the single-rank
-captures on their recorded pace (``kvcadence replay --pace recorded``; default ``model``, as
-``kvcadence replay`` does; a DP capture keeps the fleet's default, the recorded pace).
+``--json PATH`` writes every variant's numbers. ``--pace recorded`` or ``model`` replays the
+single-rank captures on that pace (``kvcadence replay --pace ...``; default ``auto``, as
+``kvcadence replay`` does: the recorded pace where the requests queued, ``pace.queued``; a
+DP capture keeps the fleet's default, the recorded pace).
 
     .venv/bin/python bench/robustness.py [--write-docs] [--json PATH] [--fixture DIR]
-        [--pace model|recorded]
+        [--pace auto|model|recorded]
 
 Bad input (a given path that does not exist, markers missing from the docs page): one line
 on stderr, exit 2.
@@ -181,7 +182,7 @@ class Capture:
     calibrated: dict[str, float]
 
 
-def single_capture(name: str, bundle: Path, pace: str = "model") -> Capture:
+def single_capture(name: str, bundle: Path, pace: str = "auto") -> Capture:
     from kvcadence.format.bundle import BundleReader
     from kvcadence.replay.heldbefore import unseen_runs
     from kvcadence.replay.loading import load_for_replay
@@ -257,7 +258,7 @@ def fixture_bundle(fixture: Path, out: Path) -> Path:
 
 
 def captures(
-    fixture: Path | None, tmp: Path, only: Sequence[str] = (), pace: str = "model"
+    fixture: Path | None, tmp: Path, only: Sequence[str] = (), pace: str = "auto"
 ) -> tuple[list[Capture], list[str]]:
     """The captures to replay (``only``: those whose name contains one of these; ``pace``:
     of the single-rank ones)."""
@@ -285,7 +286,7 @@ def captures(
     return out, notes
 
 
-def corpus_capture(d: Path, pace: str = "model") -> Capture:
+def corpus_capture(d: Path, pace: str = "auto") -> Capture:
     """A capture of the real-capture corpus (``tests/replay/data/corpus/<name>/bundle``),
     replayed as ``tests/replay/test_corpus.py`` replays it: a multi-rank worker as a fleet."""
     from kvcadence.format.bundle import BundleReader
@@ -457,9 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--pace",
-        choices=("model", "recorded"),
-        default="model",
-        help="pace of the single-rank replays (default model, as `kvcadence replay`)",
+        choices=("auto", "model", "recorded"),
+        default="auto",
+        help="pace of the single-rank replays (default auto, as `kvcadence replay`: recorded "
+        "where the requests queued)",
     )
     ap.add_argument("--write-docs", action="store_true", help="update docs/simulator.md")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write all numbers")
@@ -469,11 +471,11 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise BadInput(f"--params: unknown {', '.join(bad)} (known: {', '.join(PARAMS)})")
         if args.write_docs and (
-            args.only or list(args.params) != list(PARAMS) or args.pace != "model"
+            args.only or list(args.params) != list(PARAMS) or args.pace != "auto"
         ):
             raise BadInput(
                 "--write-docs writes the full table at the default pace: not with --only / "
-                "--params / --pace recorded"
+                "--params / --pace recorded / model"
             )
         fixture = args.fixture
         if fixture is not None and not (fixture / "events.jsonl").exists():

@@ -184,8 +184,8 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
 
 def test_pace_recorded_paces_the_single_rank_replays(rob, tmp_path: Path):
     """``--pace recorded`` replays a single-rank capture with per-phase timings on its
-    recorded pace (other events than the model's); the default is the model's pace, as
-    ``kvcadence replay``'s."""
+    recorded pace (other events than the model's); the default (``auto``, as ``kvcadence
+    replay``'s) is the model's pace there: its requests did not queue (``pace.queued``)."""
     d = rob.CORPUS / "p4-chunk512-nooverlap"
     model = rob.corpus_capture(d).replay(None, 1.0)[0]
     paced = rob.corpus_capture(d, "recorded").replay(None, 1.0)[0]

@@ -7,7 +7,7 @@ What this file owns: the flags ``--route``, ``--sweep``, ``--jobs``, ``--each``,
 (``replay.fleet``) when several bundles are given, a ``--route`` is asked for, the bundle
 was captured from a ``--dp-size N > 1`` worker, or a sweep (``replay.sweep``) is asked for;
 otherwise it returns ``None`` and the single-rank replay proceeds unchanged, paced as
-``single_rank_pace(args)`` says (``--pace recorded`` only).
+``single_rank_pace(args)`` says (``auto``: recorded when its requests queued).
 Imports only the standard library at module level.
 """
 
@@ -78,8 +78,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "requests' outputs were recorded at (the pass-time model clamped to 0.5-2x; a "
         "single-rank replay too; requests without per-phase timings keep the model), 'model' "
         "uses the pass-time model alone; 'auto' (default) = recorded for a multi-rank worker "
-        "replayed with --route recorded and a calibrated pass-time model, else model (a "
-        "single-rank replay: model)",
+        "replayed with --route recorded, and for one rank whose requests queued (a median "
+        "wait of 1 s or more from receive to first forward), with a calibrated pass-time "
+        "model; else model",
     )
 
 
@@ -97,10 +98,11 @@ def _pace(args: argparse.Namespace) -> str:
 
 
 def single_rank_pace(args: argparse.Namespace) -> str:
-    """The pace of a single-rank replay: ``recorded`` only when asked for (``--pace
-    recorded``); ``auto`` is ``model`` there (measured on the real captures, the recorded
-    pace did not hold more fidelity bars on one rank than the model: docs/simulator.md)."""
-    return "recorded" if getattr(args, "pace", None) == "recorded" else "model"
+    """The pace of a single-rank replay: as asked (``--pace recorded`` or ``model``);
+    ``auto`` stays ``auto`` (``Fleet.pace_of``: the recorded pace when the records queued,
+    ``pace.queued``), but is ``model`` under ``--no-calibrate`` (the built-in pass times are
+    no base for the recorded pace)."""
+    return _pace(args)
 
 
 def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:

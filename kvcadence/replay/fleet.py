@@ -21,7 +21,9 @@ What this file owns:
   ``pace.PacedTimer`` that keeps it on the pace its requests' outputs were recorded at
   (per rank: ``pace.recorded_token_times``); ``auto`` does so for a multi-rank worker
   under ``recorded`` routing -- the DP controller's round robin was decided on the recorded
-  arrival order, which the pass-time model's drift would scramble -- else ``model``;
+  arrival order, which the pass-time model's drift would scramble -- and for a one-rank
+  worker whose requests queued (``pace.queued``: a median wait of a second or more), else
+  ``model``;
 * ``simulate_fleet(..., out=)`` -- the sim bundles (``replay.fleetout.FleetOut``: one per
   worker, one endpoint per rank, the ranks' frames in (publish time, rank, seq) order)
   written as the ranks publish: the fleet tells the output how far every rank has got
@@ -65,7 +67,7 @@ from kvcadence.replay.events import Publisher, QueuedEvent
 from kvcadence.replay.fleetout import write_fleet_bundles as write_fleet_bundles
 from kvcadence.replay.flushes import FlushLedger, FlushPlan
 from kvcadence.replay.heldbefore import runs_to_hold
-from kvcadence.replay.pace import PacedTimer, recorded_token_times
+from kvcadence.replay.pace import PacedTimer, queued, recorded_token_times
 from kvcadence.replay.precached import preloads
 from kvcadence.replay.radix import Hasher, wire_hasher
 from kvcadence.replay.request import ABORTED, FINISHED, SimReq
@@ -240,7 +242,7 @@ class Fleet:
         for wi, (w, sch) in enumerate(zip(self.workers, per_worker, strict=True)):
             # scheduler time 0 = this absolute capture time of the worker
             origin = sch.anchor_ns if align_workers else self.anchor_ns
-            paced = self.pace_of(w, pace)
+            paced = self.pace_of(w, pace, [sp.source for sp in sch.requests if sp.source])
             times: list[dict[int, list[float]]] = [{} for _ in w.rank_configs]
             if paced:
                 spans = spans_next_forward(getattr(w.header, "server_info", None))
@@ -308,13 +310,16 @@ class Fleet:
         #: no rank publishes before absolute ``ns``): ``replay.fleetout.FleetOut.attach``
         self.outputs: list[Any] = []
 
-    def pace_of(self, w: WorkerInput, pace: str) -> bool:
+    def pace_of(self, w: WorkerInput, pace: str, records: Sequence[Any] = ()) -> bool:
         """Whether worker ``w``'s ranks run on the recorded pace: ``recorded`` yes,
         ``model`` no, ``auto`` when several ranks share the worker's host and the requests
-        are routed to their recorded ranks."""
+        are routed to their recorded ranks, or on one rank when its ``records`` queued
+        (``pace.queued``)."""
         if pace != "auto":
             return pace == "recorded"
-        return w.dp_size > 1 and getattr(self.router, "name", None) == "recorded"
+        if w.dp_size > 1:
+            return getattr(self.router, "name", None) == "recorded"
+        return queued(records)
 
     def publish_floor(self) -> float:
         """The earliest virtual time any rank may still publish at: the earliest rank's

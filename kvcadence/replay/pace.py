@@ -1,10 +1,19 @@
 """Recorded pace: one simulated rank kept on the pace its requests' outputs were recorded at.
 
 What this file owns: ``recorded_token_times`` (when each output of a rank's requests was
-recorded, from a pass rate fitted to all of them at once) and ``PacedTimer`` (a
-``timing.PassTimer`` whose passes aim at those times, clamped around the model) -- used by
-``--pace recorded`` (a multi-rank fleet replay by default; ``replay.fleet``). Pure
-arithmetic on the records and the scheduler's state: deterministic.
+recorded, from a pass rate fitted to all of them at once), ``PacedTimer`` (a
+``timing.PassTimer`` whose passes aim at those times, clamped around the model) and
+``queued`` (``--pace auto``'s rule for one rank: its requests waited in the queue) -- used
+by ``--pace recorded`` and by ``auto`` for a multi-rank fleet under recorded routing and for
+a rank whose requests queued (``replay.fleet``). Pure arithmetic on the records and the
+scheduler's state: deterministic.
+
+Why a queue decides (measured on the 81 corpus captures, both paths, docs/simulator.md
+"Recorded pace"): where requests wait seconds between their receive and their first forward
+(``QUEUE_PACE_S``: the median wait), which request is admitted when follows every earlier
+finish, so the pass-time model's error compounds through the queue; kept on the recorded
+pace, the admissions come in the worker's order. Without a queue the model's own passes
+held as many bars or more, and the recorded pace is the noisier (a box's load in it).
 """
 
 from __future__ import annotations
@@ -29,6 +38,28 @@ PACE_MAX_FACTOR = 2.0
 PACE_STEP_S = 1.0
 #: Kaczmarz sweeps fitting that curve
 PACE_SWEEPS = 50
+#: ``auto`` paces one rank on its records when their median wait (receive -> first
+#: forward) is at least this (seconds): a queue (``queued``)
+QUEUE_PACE_S = 1.0
+
+
+def median_wait_s(records: Iterable[Any]) -> float | None:
+    """The median scheduler-side wait of ``records``: ``forward_entry_time`` (the first
+    forward) less ``request_received_ts``, over those with both (None: none has)."""
+    waits = []
+    for r in records:
+        mi = getattr(r, "meta_info", None) or {}
+        fe, rc = meta_s(mi, "forward_entry_time"), meta_s(mi, "request_received_ts")
+        if fe is not None and rc is not None:
+            waits.append(fe - rc)
+    return median(waits) if waits else None
+
+
+def queued(records: Iterable[Any]) -> bool:
+    """``--pace auto`` for one rank: its requests queued (``median_wait_s`` at least
+    ``QUEUE_PACE_S``)."""
+    w = median_wait_s(records)
+    return w is not None and w >= QUEUE_PACE_S
 
 
 def recorded_token_times(

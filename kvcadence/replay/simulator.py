@@ -119,7 +119,7 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     out: SimBundleOut | None = None,
     source_header: Any = None,
-    pace: str = "model",
+    pace: str = "auto",
     pace_clamp: tuple[float, float] | None = None,
     unseen: Sequence[list[int]] = (),
 ) -> SimResult:
@@ -130,7 +130,8 @@ def simulate(
 
     A fleet of one (``replay.fleet``, the one replay driver): every request on this rank,
     ``recorded`` routing, ``pace`` (``model``: the pass-time model alone; ``recorded``: the
-    rank kept on its recorded pace, ``Fleet.pace_of``, when its records have per-phase
+    rank kept on its recorded pace, ``auto``: so when its records queued, ``Fleet.pace_of``,
+    when its records have per-phase
     timings -- ``source_header``'s ``server_info`` says how they were recorded,
     ``worker.spans_next_forward``; the summary then says ``"pace": "recorded"``;
     ``pace_clamp`` as ``fleet.simulate_fleet``'s), no event
@@ -227,7 +228,7 @@ def replay_bundle(
     inferred: dict[str, Any] | None = None,
     flushes: list[Any] | None = None,
     keep_batches: bool = False,
-    pace: str = "model",
+    pace: str = "auto",
     pace_clamp: tuple[float, float] | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None): its

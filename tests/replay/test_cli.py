@@ -252,3 +252,51 @@ def test_single_rank_replay_pace_flag(tmp_path, capsys):
     assert summaries["recorded"]["pace"] == "recorded"
     assert frames["auto"] == frames["model"] != frames["recorded"]
     assert summaries["recorded"]["skipped_decode_passes"] == 0  # a paced pass at a time
+
+
+def test_single_rank_auto_pace_is_recorded_where_requests_queued(tmp_path, capsys):
+    """``--pace auto`` (the default) on one rank whose requests queued (``p4-mrr3``:
+    ``--max-running-requests 3`` under 8 lanes, a median wait of 1.3 s from receive to first
+    forward) is the recorded pace: the same bytes as ``--pace recorded``, not the model's;
+    under ``--no-calibrate`` it is the model (the built-in pass times are no base for it)."""
+    import json
+
+    from kvcadence.replay.pace import QUEUE_PACE_S, median_wait_s
+
+    src = Path(__file__).parent / "data" / "corpus" / "p4-mrr3" / "bundle"
+    wait = median_wait_s(BundleReader(src).requests())
+    assert wait is not None and QUEUE_PACE_S <= wait < 1.5
+    summaries, frames = {}, {}
+    for pace, extra in (
+        ("auto", []),
+        ("recorded", []),
+        ("model", []),
+        ("nocal", ["--no-calibrate"]),
+    ):
+        out = tmp_path / pace
+        flag = ["--pace", "auto" if pace == "nocal" else pace]
+        assert main(["replay", str(src), "--out", str(out), *flag, *extra, "--json"]) == 0
+        summaries[pace] = json.loads(capsys.readouterr().out)
+        frames[pace] = [f.payload for f in BundleReader(out).events()]
+    assert summaries["auto"]["pace"] == summaries["recorded"]["pace"] == "recorded"
+    assert "pace" not in summaries["model"] and "pace" not in summaries["nocal"]
+    assert frames["auto"] == frames["recorded"] != frames["model"]
+
+
+@pytest.mark.parametrize(("waits", "want"), [((0.2, 0.9, 3.0), False), ((0.2, 1.0, 3.0), True)])
+def test_queued_is_a_median_wait_of_a_second(waits, want):
+    """``pace.queued``: the median of ``forward_entry_time - request_received_ts`` over the
+    records with both (a record without them is not counted) against ``QUEUE_PACE_S``."""
+    from types import SimpleNamespace
+
+    from kvcadence.replay.pace import median_wait_s, queued
+
+    recs = [
+        SimpleNamespace(meta_info={"request_received_ts": 100.0, "forward_entry_time": 100.0 + w})
+        for w in waits
+    ]
+    recs.append(SimpleNamespace(meta_info={"request_received_ts": 100.0}))
+    recs.append(SimpleNamespace(meta_info=None))
+    assert queued(recs) is want
+    assert median_wait_s(recs) == pytest.approx(waits[1])
+    assert median_wait_s(recs[-2:]) is None and not queued(recs[-2:])
