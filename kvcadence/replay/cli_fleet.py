@@ -77,10 +77,10 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         help="pass times of the simulated ranks: 'recorded' keeps each rank on the pace its "
         "requests' outputs were recorded at (the pass-time model clamped to 0.5-2x; a "
         "single-rank replay too; requests without per-phase timings keep the model), 'model' "
-        "uses the pass-time model alone; 'auto' (default) = recorded for a multi-rank worker "
-        "replayed with --route recorded, and for one rank whose requests queued (a median "
-        "wait of 1 s or more from receive to first forward), with a calibrated pass-time "
-        "model; else model",
+        "uses the pass-time model alone; 'auto' (default) = recorded under --route recorded "
+        "with a calibrated pass-time model for a multi-rank worker and for one rank whose "
+        "requests queued (a median wait of 1 s or more from receive to first forward); "
+        "else model",
     )
 
 

@@ -313,13 +313,12 @@ class Fleet:
     def pace_of(self, w: WorkerInput, pace: str, records: Sequence[Any] = ()) -> bool:
         """Whether worker ``w``'s ranks run on the recorded pace: ``recorded`` yes,
         ``model`` no, ``auto`` when several ranks share the worker's host and the requests
-        are routed to their recorded ranks, or on one rank when its ``records`` queued
-        (``pace.queued``)."""
-        if pace != "auto":
+        are routed to their recorded ranks, or one rank's, so routed, when its ``records``
+        queued (``pace.queued``): another router serves a rank other requests than those
+        whose recorded times the pace aims at."""
+        if pace != "auto" or getattr(self.router, "name", None) != "recorded":
             return pace == "recorded"
-        if w.dp_size > 1:
-            return getattr(self.router, "name", None) == "recorded"
-        return queued(records)
+        return w.dp_size > 1 or queued(records)
 
     def publish_floor(self) -> float:
         """The earliest virtual time any rank may still publish at: the earliest rank's

@@ -330,3 +330,16 @@ def test_one_rank_recorded_pace_is_the_single_rank_replays():
     assert payloads(fleet.slots[0].publisher.batches) == payloads(single["recorded"].batches)
     assert payloads(single["model"].batches) != payloads(single["recorded"].batches)
     assert single["recorded"].summary()["pace"] == "recorded"
+
+
+def test_auto_pace_paces_a_queued_rank_only_under_recorded_routing():
+    """``pace="auto"`` on a one-rank worker whose requests queued (``p4-mrr3``: a median
+    wait of 1.3 s, ``pace.queued``): the recorded pace under ``recorded`` routing (the
+    single-rank replay's), the model's under another router, which serves the rank other
+    requests than those whose recorded times the pace aims at."""
+    from kvcadence.replay.pace import PacedTimer
+
+    src = Path(__file__).parent / "data" / "corpus" / "p4-mrr3" / "bundle"
+    for route, want in (("recorded", True), ("round_robin", False)):
+        fleet = simulate_fleet([load_worker(src)], route, pace="auto")
+        assert (type(fleet.slots[0].sched.timer) is PacedTimer) is want, route
