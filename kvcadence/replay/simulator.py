@@ -49,7 +49,7 @@ from kvcadence.replay.events import PublishedBatch
 from kvcadence.replay.fleet import Fleet
 from kvcadence.replay.heldbefore import unseen_runs
 from kvcadence.replay.loading import load_for_replay
-from kvcadence.replay.pace import PacedTimer
+from kvcadence.replay.pace import PacedTimer, median_wait_s
 from kvcadence.replay.radix import Hasher
 from kvcadence.replay.request import SimStats
 from kvcadence.replay.retracted import retractions
@@ -103,8 +103,12 @@ class SimResult:
             "wall_s": round(self.wall_s, 3),
             # production captures: how outputs and sessions were inferred (replay/production)
             **({"inferred": self.extra["inferred"]} if "inferred" in self.extra else {}),
-            # a rank kept on its recorded pace (``--pace recorded``; the model's: no key)
+            # a rank kept on its recorded pace (``--pace recorded``; the model's: no key), and
+            # why when ``auto`` chose it (its requests' median wait, ``pace.queued``)
             **({"pace": self.extra["pace"]} if "pace" in self.extra else {}),
+            **(
+                {"queue_wait_s": self.extra["queue_wait_s"]} if "queue_wait_s" in self.extra else {}
+            ),
             # offline traces: which file and format (replay/trace)
             **({"trace": self.extra["trace"]} if "trace" in self.extra else {}),
         }
@@ -177,8 +181,18 @@ def simulate(
         scheduler=sched,
         messages=slot.publisher.seq,
         events=slot.publisher.n_events,
-        extra={"pace": "recorded"} if paced else {},
+        extra=_pace_extra(paced, pace, [sp.source for sp in schedule.requests if sp.source]),
     )
+
+
+def _pace_extra(paced: bool, pace: str, records: Sequence[Any]) -> dict[str, Any]:
+    """The summary's pace keys: ``pace`` when the rank was paced, and, when ``auto`` chose
+    it, ``queue_wait_s`` (the records' median wait that made it, ``pace.median_wait_s``)."""
+    if not paced:
+        return {}
+    if pace != "auto":
+        return {"pace": "recorded"}
+    return {"pace": "recorded", "queue_wait_s": round(median_wait_s(records) or 0.0, 3)}
 
 
 def _header(source_header: Any, cfg: SimConfig, anchor_ns: int) -> Any:

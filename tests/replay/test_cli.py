@@ -279,6 +279,9 @@ def test_single_rank_auto_pace_is_recorded_where_requests_queued(tmp_path, capsy
         summaries[pace] = json.loads(capsys.readouterr().out)
         frames[pace] = [f.payload for f in BundleReader(out).events()]
     assert summaries["auto"]["pace"] == summaries["recorded"]["pace"] == "recorded"
+    # why auto chose it: the records' median wait, said in the summary (and the trailer)
+    assert summaries["auto"]["queue_wait_s"] == round(wait, 3)
+    assert "queue_wait_s" not in summaries["recorded"]
     assert "pace" not in summaries["model"] and "pace" not in summaries["nocal"]
     assert frames["auto"] == frames["recorded"] != frames["model"]
 
