@@ -429,8 +429,11 @@ class StoreIndex:
     ) -> tuple[int, int, int] | None:
         """``(event, position, pages)`` of the first run of the pages ``start`` .. ``pages``
         (``prompt``: their tokens) among events ``[i, end)`` (of DP rank ``rank``; None:
-        every rank's): at an event's start first, then (tail merging: after another
-        request's finish store) anywhere in it."""
+        every rank's): at an event's start, or (tail merging: after another request's finish
+        store) anywhere in an earlier event -- the earliest wins (a later event starting
+        with them is a re-store after an eviction, e.g. the next turn's: live capture of
+        driver traffic, a 110-page prefill merged below a 3-page finish store, whose pages
+        the next turn stored again, was taken for an aborted request's)."""
         ps, n_pages, tokens = self.page_size, self.pages, self.tokens
         want = prompt[0]
         cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
@@ -447,8 +450,11 @@ class StoreIndex:
                 n = left
                 toks = toks[: n * ps]
             if same_ids(toks, prompt if n == left else prompt[: n * ps]):
-                return ei, 0, n
+                end, found = ei, (ei, 0, n)  # an earlier event may hold them after another's
+                break
             c += 1
+        else:
+            found = None
         # ``want``'s bytes, found in an event's array bytes at a multiple of the item size:
         # a C search, not an int object per token compared (``array.index``)
         pat = array(CODE, [want]).tobytes() if type(want) is int and 0 <= want < 1 << 32 else None
@@ -477,7 +483,7 @@ class StoreIndex:
                     if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
                         return ei, j, n
                 k += 1
-        return None
+        return found
 
     def finish_pages(
         self,

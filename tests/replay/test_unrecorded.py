@@ -465,3 +465,27 @@ def test_a_retracted_record_s_earlier_store_of_its_pages_is_its_own():
     plain = rec("r", r, 1, 3.5, 5.0, cached=len(SYSTEM))
     out, rep = complete_records([*records, plain], StoreIndex.from_batches(batches, PS))
     assert [list(x.input_ids) for x in out if x.source == UNRECORDED_SOURCE] == [r]
+
+
+def test_a_prefill_merged_below_another_s_finish_store_is_found_before_a_later_re_store():
+    """Tail merging: ``b``'s prefill store (its pages past the system prompt) went out in
+    one event with ``a``'s finish store just before it (``a``'s output page, then ``b``'s
+    pages chained below it); after an eviction a later request stored ``b``'s pages again,
+    in an event of their own. ``b``'s run is the first store of its pages after its
+    receive -- inside the merged event --, not the later one that starts with them: that
+    one is the re-store, and nothing is left for a phantom rebuilt request (live capture
+    of driver traffic, page 1: a 110-page prefill merged below a 3-token finish store was
+    taken for an aborted request's when the next turn's re-store was matched instead)."""
+    from tests.replay.test_production_inference import merged
+
+    a = [*SYSTEM, 1, 2, 3, 4]  # 3 pages; 5 outputs: its finish stores page 3
+    a_full = [*a, 50, 51, 52, 53, 54]
+    b = [*a_full[:16], 7, 7, 7, 7, 6, 6, 6, 6]  # extends a's answer: pages 4-5 its own
+    batches = [
+        (int(1.1 * S), [store(a, 0, 3, PS)]),
+        (int(2.0 * S), [merged(store(a_full, 3, 4, PS), store(b, 4, 6, PS))]),
+        (int(5.0 * S), [store(b, 4, 6, PS)]),  # the re-store, after an eviction
+    ]
+    records = [rec("a", a, 5, 1.0, 2.0, cached=0), rec("b", b, 1, 1.95, 5.2, cached=16)]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert [r.rid for r in out] == ["a", "b"] and rep["unrecorded_rebuilt"] == 0
