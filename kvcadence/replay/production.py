@@ -14,7 +14,8 @@ opaque rids. Before the replay builds its schedule:
 2. **Sessions** (``sessions.infer_predecessors``): each request's predecessor; a chain of
    requests becomes one inferred session, written as ``session`` with ``turn`` its
    position (``lane``: its client, below), so the schedule replays it closed loop (think time = recorded receive − the
-   predecessor's recorded finish). A session start (no predecessor) joins the closed-loop
+   predecessor's recorded finish; its estimated finish for a rebuilt predecessor without a
+   finish store, ``_estimated_thinks``). A session start (no predecessor) joins the closed-loop
    client whose session ended last before it (``sessions.infer_clients``: within the
    think-time bound, or as the only idle client) or arrives open loop at its recorded
    time, as does a second successor of one request.
@@ -452,6 +453,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         else:
             lane_of[i] = n_lanes
             n_lanes += 1
+    think = _estimated_thinks(records, order, lane_of, times)
     out_records = []
     replace = msgspec.structs.replace
     for i, r in enumerate(records):
@@ -461,6 +463,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             r = replace(r, meta_info={**(r.meta_info or {}), PRECACHED_KEY: pre_tokens[i]})
         if i in unseen_finish:  # no store of its outputs: its finish publishes none
             r = replace(r, meta_info={**(r.meta_info or {}), FINISH_UNSEEN_KEY: True})
+        if i in think:
+            r = replace(r, think_ns=think[i])
         if kn is None:
             out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
             continue
@@ -501,6 +505,36 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "precached_prefixes": len(pre.pages),
     }
     return out_records, report
+
+
+def _estimated_thinks(
+    records: Sequence[Any],
+    order: Sequence[int],
+    lane_of: dict[int, int],
+    times: Sequence[tuple[int | None, int | None]],
+) -> dict[int, int]:
+    """Think times (ns) of the requests that follow, on their client, a request whose record
+    has no finish time but whose finish the inference estimated: a rebuilt request without
+    a finish store (``unrecorded.join_rows``: its last store's publish). The schedule
+    releases a closed-loop request its recorded receive less its predecessor's recorded
+    finish after that predecessor's simulated finish, else ``think_ns``, else the median
+    gap; the median put a request 24-28 s before its recorded receive (corpus
+    ``p16-attach-midrun-http-clients``: a single that repeats a prompt sent before the
+    attach, and chat turns whose previous turn ran before it, followed their rebuilt
+    request's prefill by the median 42 ms), so its receive less that estimate is its think
+    time instead."""
+    out: dict[int, int] = {}
+    last: dict[int, int] = {}  # lane -> its latest request so far (arrival order)
+    for i in order:
+        lane = lane_of[i]
+        p = last.get(lane)
+        last[lane] = i
+        if p is None:
+            continue
+        arr, fin = times[i][0], times[p][1]
+        if arr is not None and fin is not None and _finish(records[p]) is None:
+            out[i] = max(0, arr - fin)
+    return out
 
 
 def records_for_replay(

@@ -373,11 +373,13 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p8-nochunk": "cached_tokens_equal 0.650",
     "p128-chunk512": "cached_tokens_equal 0.810",
     "dp2-p16-chunk128-mixed": "stored_events_per_request 3.355 -> 3.475 (+3.6%)",
-    "p64-http-clients-cancel": "removed_blocks_mean 1.328 -> 1.464 (+10.3%)",
     "p4-tight-long-http-clients-cancel": "stored_blocks_median 37 -> 39 (+5.4%); cached_tokens_equal 0.738",
-    "p32-tight-longprompt-http-clients-cancel": "stored_blocks_median 7 -> 8.5 (+21.4%); cached_tokens_equal 0.671",
-    "p16-attach-midrun-http-clients": "cached_tokens_equal 0.862",
+    "p32-tight-longprompt-http-clients-cancel": "cached_tokens_equal 0.690",
+    "p16-attach-midrun-http-clients": "cached_tokens_equal 0.875",
     "dp2-p8-attach-late-ring4-http-clients": "stored_hash_jaccard 0.994",
+    # at the edge: +2.4 % until a turn after a rebuilt aborted one kept its receive less
+    # that request's prefill store as its think time (``production._estimated_thinks``)
+    "dp2-p16-tight-long-http-clients-cancel": "stored_events_per_request 2.178 -> 2.248 (+3.2%)",
     "p4-attach-late-ring4-longout-http-clients": "stored_hash_jaccard 0.9998",
     "p8-tight-longout-http-clients": "cached_tokens_equal 0.865",
     "dp2-p1-chunk2048-longctx-http-clients-cancel": "stored_hash_jaccard 0.99998",

@@ -489,3 +489,35 @@ def test_a_prefill_merged_below_another_s_finish_store_is_found_before_a_later_r
     records = [rec("a", a, 5, 1.0, 2.0, cached=0), rec("b", b, 1, 1.95, 5.2, cached=16)]
     out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
     assert [r.rid for r in out] == ["a", "b"] and rep["unrecorded_rebuilt"] == 0
+
+
+@pytest.mark.parametrize("later_s", [0.2, 20.0])
+def test_a_turn_after_a_rebuilt_request_without_a_finish_keeps_its_receive(later_s):
+    """``b`` (unrecorded: its prefill store alone, at 3.1 s; no finish store: its outputs
+    filled no page) and the recorded ``c``, whose prompt extends ``b``'s stored pages,
+    received ``later_s`` after that store (a chat's next turn after a hang-up, or a single
+    shot repeating a prompt sent long before: ``p16-attach-midrun-http-clients``). ``b``'s
+    record has no finish, so the schedule would release ``c`` the median client gap after
+    ``b``'s simulated finish -- 20 s before its receive; its think time is its receive less
+    ``b``'s estimated finish (that store's publish) instead, and the replay receives it
+    about when the worker did."""
+    b = [*SYSTEM, 9, 9, 8, 8]
+    c = [*b, 7, 7]
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    recv = 3.1 + later_s
+    batches = [
+        (int(1.1 * S), [store(a, 0, 3, PS)]),
+        (int(2.0 * S), [store([*a, 50, 51, 52, 53, 54], 3, 4, PS)]),
+        (int(3.1 * S), [store(b, 2, 3, PS)]),
+    ]
+    records = [rec("a", a, 5, 1.0, 2.0, cached=0), rec("c", c, 2, recv, recv + 0.5, cached=12)]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    by = {r.rid: r for r in out}
+    (rb,) = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert "request_finished_ts" not in (rb.meta_info or {})  # no finish store
+    assert by["c"].lane == rb.lane and by["c"].turn == rb.turn + 1
+    assert by["c"].think_ns == round(later_s * S)
+    assert by["a"].think_ns is None and rb.think_ns is None  # recorded finishes: no estimate
+    res = simulate(out, config(page_size=PS, max_total_tokens=4000))
+    got = {r.rid: r.meta_info["request_received_ts"] for r in res.requests}
+    assert got["c"] - got[rb.rid] == pytest.approx(later_s, abs=0.5)
