@@ -20,6 +20,10 @@
   chunked prefill in progress leaves room in its chunk for the shorter waiting requests
   (``spf_chunk_limit``).
 
+The scheduler keeps the returned order as its queue (0.5.23 sorts ``waiting_queue`` in place):
+the next call starts from it, which only lpm / dfs-weight ties and the fcfs fallback beyond
+128 waiting requests can tell from the arrival order.
+
 Waiting-prefix refresh (0.5.23 ``SchedulePolicy._touch_waiting_prefixes``, called at the end
 of ``calc_priority``; ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH`` defaults to on): when the
 active policy (``_determine_active_policy``) is cache-agnostic (``fcfs``, ``lof``, ``lpm``

@@ -555,6 +555,9 @@ class Scheduler:
         ordered = order_waiting(
             cfg.schedule_policy, self.waiting, self.tree, self._match, self.processed_tokens
         )
+        # 0.5.23 sorts the waiting queue in place: the next call starts from this order
+        # (ties of lpm / dfs-weight, the fcfs fallback beyond 128 waiting requests)
+        self.waiting = ordered
         if (
             self.waiting
             and self.role != "decode"

@@ -644,3 +644,25 @@ def test_prefill_max_requests_flag_parses_and_refuses_nonsense():
         with pytest.raises(SystemExit) as exc:
             parser.parse_args(["x.kvcb", "--prefill-max-requests", bad])
         assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("policy, queue", [("lpm", ["c1", "b1"]), ("fcfs", ["b1", "c1"])])
+def test_the_waiting_queue_keeps_the_order_its_policy_gave_it(policy, queue):
+    """0.5.23 ``calc_priority`` sorts ``waiting_queue`` in place and admission filters it in
+    that order, so the next call starts from the last computed order (an lpm tie, or the
+    fcfs fallback beyond 128 waiting requests, keeps it). ``b1`` (unrelated) and ``c1``
+    (``a``'s cached 40-token prompt + 100) arrive together while ``long`` decodes and neither
+    fits: lpm puts ``c1`` first and the queue stays so; fcfs keeps arrival order (ties by
+    rid)."""
+    p = list(range(1000, 1040))
+    recs = [
+        req("a", p, 1),
+        req("long", list(range(3000, 3100)), 200, arrival_ms=50),
+        req("b1", list(range(5000, 5120)), 1, arrival_ms=60),
+        req("c1", p + list(range(6000, 6100)), 1, arrival_ms=60),
+    ]
+    s = _scheduler(recs, config(schedule_policy=policy, max_total_tokens=420))
+    s.start()
+    while s.next_time < 200e6:
+        s.step(200e6)
+    assert [r.spec.rid for r in s.waiting] == queue
