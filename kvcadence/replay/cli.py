@@ -78,7 +78,16 @@ def register(sub: Any) -> None:
                    help="publish KV events every N-th decode result (SGLang --decode-log-interval; default: the bundle's)")  # fmt: skip
     p.add_argument(
         "--schedule-policy",
-        choices=("fcfs", "lpm", "dfs-weight", "lof", "hrrn", "shortest-prefill-first"),
+        choices=(
+            "fcfs",
+            "lpm",
+            "dfs-weight",
+            "lof",
+            "hrrn",
+            "shortest-prefill-first",
+            "random",
+            "routing-key",
+        ),
         dest="schedule_policy",
         help="waiting-queue order (SGLang --schedule-policy; default: the bundle's)",
     )

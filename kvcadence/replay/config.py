@@ -20,7 +20,16 @@ from kvcadence.errors import UsageError
 from kvcadence.replay.events import VERSION_MODES, event_mode
 from kvcadence.replay.radix import EVICTION_POLICIES, SLRU_PROTECTED
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "hrrn", "shortest-prefill-first")
+POLICIES = (
+    "fcfs",
+    "lpm",
+    "dfs-weight",
+    "lof",
+    "hrrn",
+    "shortest-prefill-first",
+    "random",
+    "routing-key",
+)
 ROLES = ("both", "prefill", "decode")
 
 
@@ -101,6 +110,9 @@ class SimConfig:
     #: closed loop: scale a recorded client gap by the predecessor's simulated / recorded
     #: latency, so the gap spans as many scheduler passes as it did on the real worker
     scale_client_gaps: bool = True
+    #: ``--schedule-policy random``: the seed of the replay's own shuffles (the worker's
+    #: ``--random-seed``; its shuffles themselves are not reproduced, docs/simulator.md)
+    random_seed: int = 0
 
     # ------------------------------------------------------------------ derived
     @property
@@ -222,11 +234,16 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("disable_overlap_schedule", bool, ("disable_overlap_schedule",)),
     ("enable_mixed_chunk", bool, ("enable_mixed_chunk",)),
     ("eviction_policy", str, ("radix_eviction_policy",)),
+    ("random_seed", int, ("random_seed",)),
 )
 
 
 #: the range a /server_info setting must lie in (anything else is a damaged or hostile snapshot)
-_INT_RANGE = {"page_size": (1, 1 << 20), "decode_log_interval": (1, 1 << 31)}
+_INT_RANGE = {
+    "page_size": (1, 1 << 20),
+    "decode_log_interval": (1, 1 << 31),
+    "random_seed": (-(1 << 63), 1 << 64),
+}
 _INT_DEFAULT_RANGE = (1, 1 << 40)
 
 

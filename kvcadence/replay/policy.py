@@ -14,6 +14,12 @@
   the scheduler counts it, decode launches included) over its uncached prompt tokens,
   highest first (a fully cached prompt first of all, a de-prioritised one last; ties by
   rid). Falls back to fcfs beyond 128 waiting requests.
+* ``random`` (``_sort_randomly``): a shuffle of the queue, from the replay's own generator
+  (seeded with the worker's ``--random-seed``; the worker's own shuffles are not
+  reproduced: which request it drew when depends on every earlier call).
+* ``routing-key`` (``_sort_by_routing_key``): when running requests carry routing keys, the
+  waiting requests whose key runs go first, the most running first (ties by key), then the
+  others by key (none: ""); stable, no reordering while no running request has a key.
 * ``shortest-prefill-first`` (0.5.23's experimental ``_sort_by_shortest_prefill``): the
   same matches and de-prioritisation, then the fewest uncached tokens (prompt + outputs so
   far less the match, at least 1) first, queue order among equals; never falls back. A
@@ -26,8 +32,9 @@ the next call starts from it, which only lpm / dfs-weight ties and the fcfs fall
 
 Waiting-prefix refresh (0.5.23 ``SchedulePolicy._touch_waiting_prefixes``, called at the end
 of ``calc_priority``; ``SGLANG_ENABLE_WAITING_PREFIX_REFRESH`` defaults to on): when the
-active policy (``_determine_active_policy``) is cache-agnostic (``fcfs``, ``lof``, ``lpm``
-and ``hrrn`` beyond 128 waiting requests) the cache-aware matches above do not run, so the scheduler
+active policy (``_determine_active_policy``) is cache-agnostic (``fcfs``, ``lof``, ``random``,
+``routing-key``, ``lpm`` and ``hrrn`` beyond 128 waiting requests) the cache-aware matches above
+do not run, so the scheduler
 counts its ``calc_priority`` calls made under such a policy with a non-empty queue, and on
 every 32nd (the first included) touches the tree path of each of the first 128 waiting
 requests in the order just computed, head last (``touch_waiting_prefix``: prompt + outputs
@@ -38,13 +45,15 @@ the ``lru`` eviction policy (``radix_eviction_policy``: the other policies order
 priority first, and the refresh does not run, nor count, for them); the other condition (a
 tree without ``supports_fast_match_prefix``) always holds here.
 
-Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, and the
-matching fields the scheduler fills (``prefix_len``, ``last_node``) through ``match``.
+Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, ``routing_key``
+and the matching fields the scheduler fills (``prefix_len``, ``last_node``) through ``match``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcadence.replay.radix import RadixTree
@@ -69,6 +78,8 @@ def order_waiting(
     tree: RadixTree,
     match: Callable[[Any], None],
     processed_tokens: int = 0,
+    running_keys: Iterable[str | None] = (),
+    rng: random.Random | None = None,
 ) -> list[Any]:
     """Return the waiting queue in the order the adder walks it.
 
@@ -76,11 +87,19 @@ def order_waiting(
     ``last_node``); cache-aware policies call it for every waiting request.
     ``processed_tokens``: the scheduler's token clock (``hrrn``'s; a request's
     ``arrival_processed`` is its value when the request entered the queue).
+    ``running_keys``: the running requests' routing keys (``routing-key``'s); ``rng``: the
+    generator ``random`` shuffles with.
     """
     if policy == "fcfs" or len(waiting) <= 1:
         return list(waiting)
     if policy == "lof":
         return sorted(waiting, key=lambda r: -r.max_new_tokens)
+    if policy == "random":
+        out = list(waiting)
+        (rng or random.Random(0)).shuffle(out)
+        return out
+    if policy == "routing-key":
+        return _routing_key(waiting, Counter(k for k in running_keys if k))
     if policy in ("lpm", "hrrn"):
         if len(waiting) > WAITING_QUEUE_PREFIX_MATCH_MAX:
             return list(waiting)
@@ -102,7 +121,23 @@ def refreshes_waiting_prefixes(policy: str, n_waiting: int, eviction: str = "lru
         return False
     if policy in ("lpm", "hrrn"):
         return n_waiting > WAITING_QUEUE_PREFIX_MATCH_MAX
-    return policy in ("fcfs", "lof")
+    return policy in ("fcfs", "lof", "random", "routing-key")
+
+
+def _routing_key(waiting: list[Any], counts: Counter[str]) -> list[Any]:
+    """0.5.23 ``_sort_by_routing_key``: no running request with a key, no change; else
+    the waiting requests whose key runs first, the most running first (ties by key), then
+    the others by key (none: ""), stable."""
+    if not counts:
+        return list(waiting)
+
+    def key(r: Any) -> tuple[int, int, str]:
+        k = r.routing_key
+        if k and k in counts:
+            return 0, -counts[k], k
+        return 1, 0, k or ""
+
+    return sorted(waiting, key=key)
 
 
 def touch_waiting_prefixes(ordered: list[Any], tree: RadixTree) -> None:

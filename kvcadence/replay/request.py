@@ -66,6 +66,11 @@ class SimReq:
         "arrival_processed",
     )
 
+    @property
+    def routing_key(self) -> str | None:
+        """The routing key it was sent with (``routing-key`` scheduling)."""
+        return self.spec.routing_key
+
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
         self.rid = spec.rid

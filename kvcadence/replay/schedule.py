@@ -91,6 +91,8 @@ class RequestSpec:
     #: the capture holds no store of its outputs (``production``'s ``FINISH_UNSEEN_KEY``):
     #: its finish inserts them with no event (``Scheduler._finish``)
     finish_unseen: bool = False
+    #: the routing key it was sent with (``routing-key`` scheduling), where its record kept it
+    routing_key: str | None = None
 
     @property
     def n_out(self) -> int:
@@ -113,6 +115,14 @@ def _sent_ignore_eos(mi: dict[str, Any]) -> bool | None:
     sp = params.get("sampling_params") if isinstance(params, dict) else None
     v = sp.get("ignore_eos") if isinstance(sp, dict) else None
     return v if isinstance(v, bool) else None
+
+
+def _routing_key(mi: dict[str, Any]) -> str | None:
+    """The ``routing_key`` the request was sent with, where the record kept it (SGLang's
+    metrics line: ``request_parameters``)."""
+    params = mi.get("request_parameters")
+    v = params.get("routing_key") if isinstance(params, dict) else None
+    return v if isinstance(v, str) and v else None
 
 
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
@@ -278,6 +288,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             ignore_eos=ignore_eos,
             real_cached_tokens=r.cached_tokens,
             source=_stripped(r, prompt, rec_out),
+            routing_key=_routing_key(mi),
         )
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:

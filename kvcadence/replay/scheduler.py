@@ -56,6 +56,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import heapq
+import random
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -221,6 +222,8 @@ class Scheduler:
         self.max_running = cfg.effective_max_running
         #: ``processed_tokens_counter``, ``hrrn``'s clock: each launch's extend tokens
         self.processed_tokens = 0
+        #: ``random`` scheduling's shuffles (seeded: a replay is deterministic)
+        self.rng = random.Random(cfg.random_seed)
         #: what a decode launch adds to it: 0.5.23 counts ``batch.extend_num_tokens`` of
         #: every launch, and a decode batch is the running batch object, which keeps the
         #: ``extend_num_tokens`` of the prefill batch it was made from (``running_batch =
@@ -553,7 +556,13 @@ class Scheduler:
         # ``calc_priority``: after the early returns above, as in 0.5.23
         # ``_get_new_batch_prefill_raw``; its waiting-prefix refresh (policy.py) last
         ordered = order_waiting(
-            cfg.schedule_policy, self.waiting, self.tree, self._match, self.processed_tokens
+            cfg.schedule_policy,
+            self.waiting,
+            self.tree,
+            self._match,
+            self.processed_tokens,
+            [r.spec.routing_key for r in (*self.running, *self.pending_merge)],
+            self.rng,
         )
         # 0.5.23 sorts the waiting queue in place: the next call starts from this order
         # (ties of lpm / dfs-weight, the fcfs fallback beyond 128 waiting requests)

@@ -146,16 +146,30 @@ def _stated(info: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
+#: the note of a worker that shuffled its waiting queue (``--schedule-policy random``)
+RANDOM_NOTE = (
+    "the worker ran with --schedule-policy random: the replay shuffles its waiting queue with "
+    "its own draws (seeded with the worker's --random-seed), not the worker's, so which "
+    "request goes first when several wait follows neither"
+)
+
+
 def _settings(reader: Any, scan: EventScan | None = None) -> CaptureSettings:
     got = _filled(reader, scan)
-    off = unmodelled_settings(_merged(got.server_info))
-    if not off:
+    merged = _merged(got.server_info)
+    off = unmodelled_settings(merged)
+    said = []
+    if off:
+        said.append(
+            f"the worker ran with {', '.join(off)}, which the replay does not model "
+            '(docs/simulator.md, "What is not modelled"): its figures may part from the '
+            "worker's"
+        )
+    if merged.get("schedule_policy") == "random":
+        said.append(RANDOM_NOTE)
+    if not said:
         return got
-    said = (
-        f"the worker ran with {', '.join(off)}, which the replay does not model "
-        '(docs/simulator.md, "What is not modelled"): its figures may part from the worker\'s'
-    )
-    note = said if got.note is None else f"{got.note}; {said}"
+    note = "; ".join(said if got.note is None else [got.note, *said])
     return dataclasses.replace(got, note=note)
 
 

@@ -14,8 +14,9 @@ from kvcadence.replay.radix import RadixTree, wire_hasher
 
 
 class R:
-    def __init__(self, name, fill, max_new=10, entered=0):
+    def __init__(self, name, fill, max_new=10, entered=0, key=None):
         self.name = self.rid = name
+        self.routing_key = key
         self.fill = tuple(fill)
         self.input_len = self.fill_len = len(self.fill)
         self.max_new_tokens = max_new
@@ -184,3 +185,38 @@ def test_the_command_line_offers_every_simulated_schedule_policy():
     from tests.replay.helpers import replay_choices
 
     assert replay_choices("schedule_policy")[0] == POLICIES
+
+
+def test_random_shuffles_with_the_schedulers_generator():
+    """``random`` (0.5.23 ``_sort_randomly``): a shuffle of the queue drawn from the
+    generator given (the replay's, seeded): the same seed, the same order."""
+    import random
+
+    tree, match = setup()
+    q = [R(f"r{i}", [1000 + i, 2]) for i in range(8)]
+    a = names(order_waiting("random", q, tree, match, rng=random.Random(7)))
+    assert a == names(order_waiting("random", q, tree, match, rng=random.Random(7)))
+    assert sorted(a) == sorted(names(q)) and a != names(q)
+    assert refreshes_waiting_prefixes("random", 3)
+
+
+def test_routing_key_puts_the_keys_running_most_first_then_the_others_by_key():
+    """``routing-key`` (0.5.23 ``_sort_by_routing_key``): the waiting requests whose key a
+    running request has first, the most running first (ties by key), then the others by
+    key (none sorts as ""), stable; while no running request has a key, the queue is left
+    as it is."""
+    tree, match = setup()
+    q = [
+        R("n1", [1, 1]),
+        R("z", [2, 2], key="zeta"),
+        R("b1", [3, 3], key="beta"),
+        R("a1", [4, 4], key="alpha"),
+        R("b2", [5, 5], key="beta"),
+        R("o", [6, 6], key="omega"),
+        R("n2", [7, 7]),
+    ]
+    running = ["alpha", "beta", "beta", None]
+    got = names(order_waiting("routing-key", q, tree, match, running_keys=running))
+    assert got == ["b1", "b2", "a1", "n1", "n2", "o", "z"]
+    assert names(order_waiting("routing-key", q, tree, match, running_keys=[None])) == names(q)
+    assert refreshes_waiting_prefixes("routing-key", 3)

@@ -666,3 +666,27 @@ def test_the_waiting_queue_keeps_the_order_its_policy_gave_it(policy, queue):
     while s.next_time < 200e6:
         s.step(200e6)
     assert [r.spec.rid for r in s.waiting] == queue
+
+
+def _keyed(r, key: str):
+    """``r`` sent with ``routing_key`` ``key`` (as SGLang's metrics line keeps it)."""
+    import msgspec
+
+    meta = {**(r.meta_info or {}), "request_parameters": {"routing_key": key}}
+    return msgspec.structs.replace(r, meta_info=meta)
+
+
+@pytest.mark.parametrize("policy, first", [("routing-key", "y"), ("fcfs", "x")])
+def test_routing_key_admits_the_waiting_request_whose_key_runs_first(policy, first):
+    """``--schedule-policy routing-key`` with the keys the records kept: ``long`` (key
+    ``k1``) decodes; ``x`` (``k2``) and ``y`` (``k1``) arrive together, ``x`` first, and
+    each prefill batch takes one request: ``y`` is prefilled first (fcfs: ``x``)."""
+    recs = [
+        _keyed(req("long", list(range(3000, 3020)), 60), "k1"),
+        _keyed(req("x", list(range(4000, 4020)), 2, arrival_ms=30), "k2"),
+        _keyed(req("y", list(range(5000, 5020)), 2, arrival_ms=30), "k1"),
+    ]
+    r = run(recs, config(schedule_policy=policy, prefill_max_requests=1))
+    check_stream(r)
+    entry = {x.rid: x.meta_info["forward_entry_time"] for x in r.requests}
+    assert min(("x", "y"), key=entry.__getitem__) == first

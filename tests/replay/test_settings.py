@@ -247,3 +247,30 @@ def test_the_slru_threshold_comes_from_the_policy_config():
     )
     assert (cfg.eviction_policy, cfg.slru_protected) == ("slru", 4)
     assert from_server_info({"radix_eviction_policy": "slru"}).slru_protected == 2
+
+
+def test_random_and_routing_key_scheduling_come_from_the_snapshot():
+    """0.5.23's ``random`` and ``routing-key`` policies are replayed (no refusal); a
+    ``random`` replay shuffles with the worker's ``--random-seed`` (``random_seed``), any
+    int, 0 when the snapshot has none."""
+    from kvcadence.replay.config import from_server_info
+
+    for policy in ("random", "routing-key"):
+        cfg = from_server_info({"schedule_policy": policy, "random_seed": 0}).validate()
+        assert (cfg.schedule_policy, cfg.random_seed) == (policy, 0)
+    assert from_server_info({"random_seed": 1234567890123}).random_seed == 1234567890123
+    assert from_server_info({}).random_seed == 0
+
+
+def test_a_random_scheduling_capture_says_its_shuffles_are_not_the_workers(tmp_path):
+    from kvcadence.replay.settings import RANDOM_NOTE
+    from tests.format.test_bundle import make_header
+
+    info = {"page_size": 1, "max_total_num_tokens": 1000, "schedule_policy": "random"}
+    with BundleWriter(tmp_path / "b", make_header(server_info=info)):
+        pass
+    assert capture_settings(BundleReader(tmp_path / "b")).note == RANDOM_NOTE
+    info["schedule_policy"] = "routing-key"
+    with BundleWriter(tmp_path / "c", make_header(server_info=info)):
+        pass
+    assert capture_settings(BundleReader(tmp_path / "c")).note is None
