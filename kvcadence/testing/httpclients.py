@@ -17,7 +17,9 @@ chat goes on with the partial answer in its next prompt. With ``parallel_share``
 (``--parallel-share F``) a share of the single shots (a generator of their own too) ask
 for ``parallel_n`` (``--parallel-n N``, default 3) parallel samples of one prompt
 (``"n": N``, sampled at temperature ``PARALLEL_TEMPERATURE`` so the samples differ; not
-streamed), as best-of-n and RL rollout clients do. No rid is sent: SGLang picks one. Plain
+streamed), as best-of-n and RL rollout clients do. With ``routing_keys`` (``--routing-keys
+N``) client ``i`` sends every request with ``"routing_key": "key-<i % N>"`` (what a router
+sets for ``--schedule-policy routing-key``). No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
 With ``flush_at`` (``--flush-at S``, repeatable) an operator thread calls ``POST
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcadence.argtypes import nonneg_float, positive_int
 from kvcadence.errors import KvcadenceError
 from kvcadence.outguard import term_as_interrupt
 from kvcadence.testing.capturerun import start_capture, stop_capture
@@ -100,8 +103,10 @@ class Clients:
         flush_at: tuple[float, ...] = (),
         parallel_share: float = 0.0,
         parallel_n: int = 3,
+        routing_keys: int = 0,
     ) -> None:
         self.url = url
+        self.routing_keys = routing_keys
         self.flush_at = tuple(sorted(flush_at))
         #: per ``flush_at`` point: {"at_s", "ok", "tries", "done_s", "status"}
         self.flushes: list[dict[str, Any]] = []
@@ -180,6 +185,7 @@ class Clients:
         ignore_eos: bool,
         cancel: int | None = None,
         samples: int = 1,
+        routing_key: str | None = None,
     ) -> list:
         """One request; ``cancel``: hang up once that many output tokens came (streamed);
         ``samples`` > 1: that many parallel samples (not streamed; the first one's
@@ -196,6 +202,8 @@ class Clients:
             "sampling_params": params,
             "stream": stream,
         }
+        if routing_key is not None:
+            body["routing_key"] = routing_key
         out: list[int] = []
         if stream:
             with client.stream("POST", self.url + "/generate", json=body) as r:
@@ -251,6 +259,7 @@ class Clients:
         import httpx
 
         ids, appended = self.prompts(plan)
+        key = f"key-{plan.index % self.routing_keys}" if self.routing_keys else None
         time.sleep(max(0.0, t0 + plan.start_s - time.monotonic()))
         try:
             with httpx.Client(timeout=self.timeout_s) as c:
@@ -262,7 +271,7 @@ class Clients:
                     # a chat's 2nd and 4th turns may stop at EOS, nothing else
                     ignore = not plan.chat or k % 2 == 0
                     out = self.send(
-                        c, ids, n_out, stream, ignore_eos=ignore, cancel=cancel, samples=n
+                        c, ids, n_out, stream, ignore, cancel, samples=n, routing_key=key
                     )
                     if k < len(appended):
                         time.sleep(0.02)
@@ -341,14 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--single-in",
-        type=_positive,
+        type=positive_int,
         default=20,
         metavar="N",
         help="a single shot's own tokens after its system prompt (default 20)",
     )
     ap.add_argument(
         "--turn-in",
-        type=_positive,
+        type=positive_int,
         default=16,
         metavar="N",
         help="a chat's user turn in tokens: each later prompt appends 3 template tokens + N, "
@@ -371,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--flush-at",
-        type=_seconds,
+        type=nonneg_float,
         action="append",
         default=[],
         metavar="S",
@@ -388,11 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--parallel-n",
-        type=_positive,
+        type=positive_int,
         default=3,
         metavar="N",
         help="parallel samples a --parallel-share request asks for (default 3)",
     )
+    ap.add_argument("--routing-keys", type=positive_int, metavar="N",
+                    help='client i sends "routing_key": "key-<i %% N>" (default: none)')  # fmt: skip
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -438,24 +449,6 @@ def _share(text: str) -> float:
     return value
 
 
-def _seconds(text: str) -> float:
-    """``S`` (``--flush-at``): seconds into the run, >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    """``N`` (``--single-in``, ``--turn-in``): a token count >= 1."""
-    if not (text.isdigit() and int(text) >= 1):
-        raise argparse.ArgumentTypeError(f"expected a token count >= 1, got {text!r}")
-    return int(text)
-
-
 def _run(a: argparse.Namespace) -> int:
     clients = Clients(
         a.server,
@@ -472,6 +465,7 @@ def _run(a: argparse.Namespace) -> int:
         flush_at=tuple(a.flush_at),
         parallel_share=a.parallel_share,
         parallel_n=a.parallel_n,
+        routing_keys=a.routing_keys or 0,
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None

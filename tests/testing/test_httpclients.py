@@ -278,3 +278,55 @@ def test_sigterm_stops_the_capture_child_and_exits_130(monkeypatch, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     prog = "python -m kvcadence.testing.httpclients"
     assert err[-1] == f"{prog}: interrupted; the capture was stopped and {out} kept"
+
+
+def test_routing_keys_tag_each_clients_requests():
+    """``--routing-keys N``: client ``i`` sends every request with ``"routing_key":
+    "key-<i % N>"`` (what a router sets for ``--schedule-policy routing-key``); without it
+    no request has one. A real HTTP server on loopback plays the worker (streamed and
+    plain answers)."""
+    import http.server
+    import json
+    import threading
+
+    import kvcadence.testing.httpclients as hc
+
+    bodies: list[dict] = []
+
+    class Worker(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            ans = {"output_ids": [5] * body["sampling_params"]["max_new_tokens"]}
+            data = (
+                f"data: {json.dumps(ans)}\n\ndata: [DONE]\n\n"
+                if body["stream"]
+                else json.dumps(ans)
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        keyed = hc.Clients(url, 3, sessions=2, singles=3, span_s=0.1, routing_keys=2)
+        keyed.run()
+        n_keyed = len(bodies)
+        hc.Clients(url, 3, sessions=1, singles=1, span_s=0.1).run()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert not keyed.errors and n_keyed == keyed.n_requests
+    want = {
+        tuple(keyed.prompts(p)[0]): f"key-{p.index % 2}" for p in keyed.plans
+    }  # each client's first prompt
+    got = {tuple(b["input_ids"]): b["routing_key"] for b in bodies[:n_keyed]}
+    assert all(got[k] == v for k, v in want.items())
+    assert {b["routing_key"] for b in bodies[:n_keyed]} == {"key-0", "key-1"}
+    assert all("routing_key" not in b for b in bodies[n_keyed:])
