@@ -78,16 +78,9 @@ def register(sub: Any) -> None:
                    help="publish KV events every N-th decode result (SGLang --decode-log-interval; default: the bundle's)")  # fmt: skip
     p.add_argument(
         "--schedule-policy",
-        choices=(
-            "fcfs",
-            "lpm",
-            "dfs-weight",
-            "lof",
-            "hrrn",
-            "shortest-prefill-first",
-            "random",
-            "routing-key",
-        ),
+        # config.POLICIES (not imported here): cache-agnostic, then cache-aware
+        choices=("fcfs", "lof", "random", "routing-key")
+        + ("lpm", "dfs-weight", "hrrn", "shortest-prefill-first"),
         dest="schedule_policy",
         help="waiting-queue order (SGLang --schedule-policy; default: the bundle's)",
     )

@@ -20,16 +20,11 @@ from kvcadence.errors import UsageError
 from kvcadence.replay.events import VERSION_MODES, event_mode
 from kvcadence.replay.radix import EVICTION_POLICIES, SLRU_PROTECTED
 
-POLICIES = (
-    "fcfs",
-    "lpm",
-    "dfs-weight",
-    "lof",
-    "hrrn",
-    "shortest-prefill-first",
-    "random",
-    "routing-key",
-)
+#: SGLang 0.5.23's schedule policies, its two kinds (``CacheAgnosticPolicy``,
+#: ``CacheAwarePolicy``)
+CACHE_AGNOSTIC_POLICIES = ("fcfs", "lof", "random", "routing-key")
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight", "hrrn", "shortest-prefill-first")
+POLICIES = CACHE_AGNOSTIC_POLICIES + CACHE_AWARE_POLICIES
 ROLES = ("both", "prefill", "decode")
 
 
