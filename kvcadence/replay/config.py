@@ -108,6 +108,9 @@ class SimConfig:
     #: ``--schedule-policy random``: the seed of the replay's own shuffles (the worker's
     #: ``--random-seed``; its shuffles themselves are not reproduced, docs/simulator.md)
     random_seed: int = 0
+    #: ``random`` as the capture's worker drew it: the waiting requests in the order of their
+    #: recorded first forward (set when the policy is the capture's own, not a what-if)
+    random_as_recorded: bool = False
 
     # ------------------------------------------------------------------ derived
     @property

@@ -14,9 +14,12 @@
   the scheduler counts it, decode launches included) over its uncached prompt tokens,
   highest first (a fully cached prompt first of all, a de-prioritised one last; ties by
   rid). Falls back to fcfs beyond 128 waiting requests.
-* ``random`` (``_sort_randomly``): a shuffle of the queue, from the replay's own generator
-  (seeded with the worker's ``--random-seed``; the worker's own shuffles are not
-  reproduced: which request it drew when depends on every earlier call).
+* ``random`` (``_sort_randomly``): the worker's draws are not reproducible (they depend on
+  every earlier call), but a capture's records say which request won them when: replaying
+  the capture's own policy (``as_recorded``), the waiting requests go in the order of their
+  recorded first forward (``forward_entry_time``), those without one after them in a shuffle
+  from the replay's generator (seeded with the worker's ``--random-seed``); a what-if
+  ``random`` shuffles them all.
 * ``routing-key`` (``_sort_by_routing_key``): when running requests carry routing keys, the
   waiting requests whose key runs go first, the most running first (ties by key), then the
   others by key (none: ""); stable, no reordering while no running request has a key.
@@ -80,6 +83,7 @@ def order_waiting(
     processed_tokens: int = 0,
     running_keys: Iterable[str | None] = (),
     rng: random.Random | None = None,
+    as_recorded: bool = False,
 ) -> list[Any]:
     """Return the waiting queue in the order the adder walks it.
 
@@ -88,7 +92,8 @@ def order_waiting(
     ``processed_tokens``: the scheduler's token clock (``hrrn``'s; a request's
     ``arrival_processed`` is its value when the request entered the queue).
     ``running_keys``: the running requests' routing keys (``routing-key``'s); ``rng``: the
-    generator ``random`` shuffles with.
+    generator ``random`` shuffles with; ``as_recorded``: ``random`` as the capture's worker
+    drew it (the requests with a recorded first forward in that order, first).
     """
     if policy == "fcfs" or len(waiting) <= 1:
         return list(waiting)
@@ -97,6 +102,8 @@ def order_waiting(
     if policy == "random":
         out = list(waiting)
         (rng or random.Random(0)).shuffle(out)
+        if as_recorded:  # stable: the shuffle orders those without a recorded entry
+            out.sort(key=_recorded_entry)
         return out
     if policy == "routing-key":
         return _routing_key(waiting, Counter(k for k in running_keys if k))
@@ -122,6 +129,12 @@ def refreshes_waiting_prefixes(policy: str, n_waiting: int, eviction: str = "lru
     if policy in ("lpm", "hrrn"):
         return n_waiting > WAITING_QUEUE_PREFIX_MATCH_MAX
     return policy in ("fcfs", "lof", "random", "routing-key")
+
+
+def _recorded_entry(r: Any) -> tuple[bool, float]:
+    """``random`` as recorded: a request's recorded first forward, none last."""
+    e = r.recorded_entry_s
+    return e is None, e or 0.0
 
 
 def _routing_key(waiting: list[Any], counts: Counter[str]) -> list[Any]:

@@ -71,6 +71,11 @@ class SimReq:
         """The routing key it was sent with (``routing-key`` scheduling)."""
         return self.spec.routing_key
 
+    @property
+    def recorded_entry_s(self) -> float | None:
+        """Its recorded first forward (``random`` as recorded)."""
+        return self.spec.recorded_entry_s
+
     def __init__(self, spec: RequestSpec) -> None:
         self.spec = spec
         self.rid = spec.rid

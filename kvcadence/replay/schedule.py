@@ -93,6 +93,9 @@ class RequestSpec:
     finish_unseen: bool = False
     #: the routing key it was sent with (``routing-key`` scheduling), where its record kept it
     routing_key: str | None = None
+    #: its recorded first forward (``forward_entry_time``, s), where its record has it: the
+    #: order a ``random`` worker's draws admitted the requests in
+    recorded_entry_s: float | None = None
 
     @property
     def n_out(self) -> int:
@@ -123,6 +126,12 @@ def _routing_key(mi: dict[str, Any]) -> str | None:
     params = mi.get("request_parameters")
     v = params.get("routing_key") if isinstance(params, dict) else None
     return v if isinstance(v, str) and v else None
+
+
+def _entry_s(mi: dict[str, Any]) -> float | None:
+    """The recorded ``forward_entry_time`` (s), when the record has a usable one."""
+    v = mi.get("forward_entry_time")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
@@ -289,6 +298,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             real_cached_tokens=r.cached_tokens,
             source=_stripped(r, prompt, rec_out),
             routing_key=_routing_key(mi),
+            recorded_entry_s=_entry_s(mi),
         )
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:

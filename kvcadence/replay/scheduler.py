@@ -563,6 +563,7 @@ class Scheduler:
             self.processed_tokens,
             [r.spec.routing_key for r in (*self.running, *self.pending_merge)],
             self.rng,
+            cfg.random_as_recorded,
         )
         # 0.5.23 sorts the waiting queue in place: the next call starts from this order
         # (ties of lpm / dfs-weight, the fcfs fallback beyond 128 waiting requests)

@@ -148,9 +148,10 @@ def _stated(info: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 #: the note of a worker that shuffled its waiting queue (``--schedule-policy random``)
 RANDOM_NOTE = (
-    "the worker ran with --schedule-policy random: the replay shuffles its waiting queue with "
-    "its own draws (seeded with the worker's --random-seed), not the worker's, so which "
-    "request goes first when several wait follows neither"
+    "the worker ran with --schedule-policy random: its draws cannot be reproduced, so the "
+    "replay admits the waiting requests in the order the records show they won them (their "
+    "first forward), those without one in a shuffle of its own (seeded with the worker's "
+    "--random-seed)"
 )
 
 

@@ -83,6 +83,11 @@ def effective_config(
             setattr(cfg, key, value)
         else:
             raise UsageError(f"unknown simulator setting {key!r}")
+    # the capture's own random draws: its records say in which order they won (a what-if
+    # ``--schedule-policy random`` shuffles instead)
+    cfg.random_as_recorded = (
+        cfg.schedule_policy == "random" and (overrides or {}).get("schedule_policy") is None
+    )
     return cfg.validate()
 
 

@@ -138,6 +138,7 @@ CAPTURES = (
     "p4-attach-late-ring4-longout-http-clients",
     "p8-tight-longout-http-clients",
     "p16-routing-key-mrr4-http-clients",
+    "p16-random-mrr4-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -156,6 +157,7 @@ PRODUCTION_ONLY = (
     "p4-attach-late-ring4-longout-http-clients",
     "p8-tight-longout-http-clients",
     "p16-routing-key-mrr4-http-clients",
+    "p16-random-mrr4-http-clients",
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
@@ -494,6 +496,13 @@ CLIENTS_OVER_LANES: dict[str, int] = {"p16-tight-long-nooverlap-quiet": 4}
 #: --sessions 26 --singles 90 --span-s 120 --chat-out 32-128 --systems 160,288,416
 #: --single-in 240 --turn-in 200``)
 HTTP_CLIENTS: dict[str, dict[str, Any]] = {
+    "p16-random-mrr4-http-clients": {
+        "seed": 9504,
+        "sessions": 36,
+        "singles": 72,
+        "span_s": 10.0,
+        "chat_out": (30, 120),
+    },
     "p16-routing-key-mrr4-http-clients": {
         "seed": 9503,
         "sessions": 36,
@@ -562,6 +571,7 @@ HTTP_CLIENTS_INFERRED = {
     "dp2-p32-http-clients": (114, 87, 2, 91),
     "p8-chunk128-nooverlap-http-clients": (116, 88, 0, 95),
     "p16-routing-key-mrr4-http-clients": (108, 108, 0, 72),
+    "p16-random-mrr4-http-clients": (108, 110, 0, 82),
 }
 
 
@@ -579,7 +589,8 @@ def test_http_clients_production_inference_is_the_clients_sessions(name, tmp_pat
     with one session): session starts that arrived within 10 median think times of another
     session's end are joined to it, as docs/production.md says open-loop arrivals that
     close to a finish are; none as the only idle client. (``p16-routing-key-mrr4-http-clients``:
-    216 of 108 clients, 36 chats and 72 single shots in 10 s; 72 clients inferred.)"""
+    216 of 108 clients, 36 chats and 72 single shots in 10 s; 72 clients inferred;
+    ``p16-random-mrr4-http-clients``: 218, 82.)"""
     from kvcadence.replay.production import records_for_replay
 
     n_sessions, with_pred, ties, n_clients = HTTP_CLIENTS_INFERRED[name]

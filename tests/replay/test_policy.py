@@ -14,9 +14,10 @@ from kvcadence.replay.radix import RadixTree, wire_hasher
 
 
 class R:
-    def __init__(self, name, fill, max_new=10, entered=0, key=None):
+    def __init__(self, name, fill, max_new=10, entered=0, key=None, entry=None):
         self.name = self.rid = name
         self.routing_key = key
+        self.recorded_entry_s = entry
         self.fill = tuple(fill)
         self.input_len = self.fill_len = len(self.fill)
         self.max_new_tokens = max_new
@@ -220,3 +221,16 @@ def test_routing_key_puts_the_keys_running_most_first_then_the_others_by_key():
     assert got == ["b1", "b2", "a1", "n1", "n2", "o", "z"]
     assert names(order_waiting("routing-key", q, tree, match, running_keys=[None])) == names(q)
     assert refreshes_waiting_prefixes("routing-key", 3)
+
+
+def test_random_as_recorded_follows_the_first_forwards_the_records_show():
+    """The capture's own ``random`` policy: the worker's draws cannot be reproduced, but the
+    records say in which order the requests won them (their first forward), so the waiting
+    requests go in that order, those without a recorded entry last, shuffled."""
+    import random
+
+    tree, match = setup()
+    q = [R("a", [1, 1], entry=5.0), R("b", [2, 2]), R("c", [3, 3], entry=2.0)]
+    q += [R("d", [4, 4], entry=3.5), R("e", [5, 5])]
+    got = names(order_waiting("random", q, tree, match, rng=random.Random(1), as_recorded=True))
+    assert got[:3] == ["c", "d", "a"] and sorted(got[3:]) == ["b", "e"]

@@ -274,3 +274,16 @@ def test_a_random_scheduling_capture_says_its_shuffles_are_not_the_workers(tmp_p
     with BundleWriter(tmp_path / "c", make_header(server_info=info)):
         pass
     assert capture_settings(BundleReader(tmp_path / "c")).note is None
+
+
+def test_random_is_replayed_as_recorded_only_for_the_captures_own_policy():
+    """``random`` from the snapshot replays the recorded draws; a what-if ``--schedule-policy
+    random`` on another capture shuffles."""
+    from kvcadence.replay.worker import effective_config
+
+    info = {"page_size": 1, "max_total_num_tokens": 1000, "schedule_policy": "random"}
+    assert effective_config(info, [], calibrate_timing=False).random_as_recorded
+    what_if = {**info, "schedule_policy": "fcfs"}
+    cfg = effective_config(what_if, [], {"schedule_policy": "random"}, calibrate_timing=False)
+    assert cfg.schedule_policy == "random" and not cfg.random_as_recorded
+    assert not effective_config(what_if, [], calibrate_timing=False).random_as_recorded
