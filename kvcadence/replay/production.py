@@ -180,8 +180,9 @@ def complete_records(
         out, report = _complete(records, index, flushes_ns, lost_start)
     else:
         done, report = _complete([records[i] for i in keep], index, flushes_ns, lost_start)
-        for i, r in zip(keep, done, strict=True):
+        for i, r in zip(keep, done, strict=False):  # the kept records', in order
             out[i] = r
+        out.extend(done[len(keep) :])  # then the requests rebuilt from unclaimed stores
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
         report[k] = counts[k]
     report["retracted_in_capture"] = retracted
@@ -339,14 +340,22 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
 
     def extends(q: int, r: int) -> bool:
         """``q``'s prompt repeats ``r``'s partial last prompt page (the anchor pages
-        before it are on ``q``'s path): ``r``'s whole prompt is in ``q``'s."""
+        before it are on ``q``'s path): ``r``'s whole prompt is in ``q``'s, and more (a next
+        turn holds at least its predecessor's answer: a prompt no longer than ``r``'s is a
+        repeat of it, another client's or a retry, not its next turn -- but after a request
+        with no output, SGLang's prefill-only line of a parallel request, which its samples,
+        the same prompt, follow)."""
         L = lens[r]
+        if lens[q] <= L and n_outs[r]:
+            return False
         a = L - L % ps
         if a == L:
             return True
-        return lens[q] >= L and same_ids(
-            span(records[q].input_ids, a, L), span(records[r].input_ids, a, L)
-        )
+        return same_ids(span(records[q].input_ids, a, L), span(records[r].input_ids, a, L))
+
+    def longer(q: int, r: int) -> bool:
+        """``extends`` at page size 1 (every prompt ends on a full page)."""
+        return lens[q] > lens[r] or not n_outs[r]
 
     # the prefixes cached before the capture, each carried by one record (``precached``)
     pre = carriers(
@@ -381,8 +390,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         finished = finish_order(nodes, range(len(nodes)))
 
     order = arrival_order(nodes)
-    # at page size 1 every prompt ends on a full page: ``extends`` admits every candidate
-    ext = extends if ps > 1 else None
+    ext = extends if ps > 1 else longer
     pred_ties = infer_predecessors(nodes, index.hashes, index.offs, ext, order, finished)
 
     def holds(a: int, b: int) -> bool:

@@ -838,3 +838,49 @@ def test_requests_in_a_cache_namespace_are_said_not_modelled(tmp_path, capsys):
             (w,) = said
             assert w.startswith("replay: warning:")
             assert "2 requests carry a cache namespace (cache_salt on 1, extra_key on 1)" in w
+
+
+def test_a_repeated_prompt_is_no_next_turn_but_a_parallel_sample_follows_its_prefill():
+    """Page 4: ``s1`` (13 tokens, 2 outputs: its finish stores no page) and, 5 s later,
+    ``s2`` with the same prompt (another client's single shot, or a retry): ``s2``'s prompt
+    holds ``s1``'s but nothing after it -- a next turn holds at least the answer --, so it
+    has no predecessor and arrives open loop (``p16-attach-midrun-http-clients``: such
+    repeats were replayed as next turns). SGLang's prefill-only line of a parallel request
+    (``p``: no output) is followed by its samples, the same prompt (``q``)."""
+    ps = 4
+    s = list(range(100, 113))
+    p = list(range(200, 213))
+    index = StoreIndex.from_batches(
+        [(int(0.1 * S), [store(s, 0, 3, ps)]), (int(6.1 * S), [store(p, 0, 3, ps)])], ps
+    )
+    prefill_only = msgspec.structs.replace(
+        rec("p", p, 0, 6.0, 6.15, cached=0), finish_reason="length"
+    )
+    recs = [
+        rec("s1", s, 2, 0.05, 0.3, cached=0),
+        rec("s2", s, 2, 5.0, 5.3, cached=12),
+        prefill_only,
+        rec("q", p, 3, 6.2, 6.5, cached=12),
+    ]
+    out, rep = complete_records(recs, index)
+    by = {r.rid: r for r in out}
+    assert by["s2"].turn == 0 and by["s2"].session != by["s1"].session
+    assert (by["q"].session, by["q"].turn) == (by["p"].session, 1)
+    assert rep["with_predecessor"] == 1
+
+
+def test_a_request_that_never_ran_beside_a_rebuilt_one_keeps_every_record():
+    """An errored request that never ran (no output, no finish reason: left out of the
+    inference) and a store no record claims (a request SGLang's metrics file lacks, rebuilt)
+    in one capture: every record comes back in its place, the rebuilt one after them (the
+    two paths once met in a ``zip(strict=True)`` and the replay stopped with a traceback)."""
+    ps = 4
+    a = list(range(100, 113))
+    lost = list(range(300, 313))
+    index = StoreIndex.from_batches(
+        [(int(0.1 * S), [store(a, 0, 3, ps)]), (int(1.1 * S), [store(lost, 0, 3, ps)])], ps
+    )
+    recs = [rec("a", a, 2, 0.05, 0.3, cached=0), rec("e", list(range(500, 510)), 0, 0.5, 0.6)]
+    out, rep = complete_records(recs, index)
+    assert [r.rid for r in out] == ["a", "e", "kv-events-0"]
+    assert out[1].error and rep["errored_not_run"] == 1 and rep["unrecorded_rebuilt"] == 1
