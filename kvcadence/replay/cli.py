@@ -207,7 +207,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvcadence.errors import UsageError
-    from kvcadence.replay.cli_fleet import maybe_run_fleet, single_rank_pace
+    from kvcadence.replay.cli_fleet import maybe_run_fleet, replay_pace
     from kvcadence.replay.config import CLI_OVERRIDES
     from kvcadence.replay.simulator import replay_bundle
     from kvcadence.replay.worker import effective_config
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
             inferred=inferred,
             flushes=flushes,
             keep_batches=bool(args.publish),  # published live after the run
-            pace=single_rank_pace(args),
+            pace=replay_pace(args),
         )
     args._out_complete = True  # written whole: an interrupted --publish keeps it
     return _finish(args, result, cfg, phases, inferred)

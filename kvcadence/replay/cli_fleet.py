@@ -7,7 +7,7 @@ What this file owns: the flags ``--route``, ``--sweep``, ``--jobs``, ``--each``,
 (``replay.fleet``) when several bundles are given, a ``--route`` is asked for, the bundle
 was captured from a ``--dp-size N > 1`` worker, or a sweep (``replay.sweep``) is asked for;
 otherwise it returns ``None`` and the single-rank replay proceeds unchanged, paced as
-``single_rank_pace(args)`` says (``auto``: recorded when its requests queued).
+``replay_pace(args)`` says (``auto``: recorded when its requests queued).
 Imports only the standard library at module level.
 """
 
@@ -90,19 +90,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k, None) for k in CLI_OVERRIDES}
 
 
-def _pace(args: argparse.Namespace) -> str:
+def replay_pace(args: argparse.Namespace) -> str:
     """``--pace``; ``auto`` becomes ``model`` under ``--no-calibrate`` (the built-in pass
     times are no base for the recorded pace)."""
     pace = getattr(args, "pace", None) or "auto"
     return "model" if pace == "auto" and getattr(args, "no_calibrate", False) else pace
-
-
-def single_rank_pace(args: argparse.Namespace) -> str:
-    """The pace of a single-rank replay: as asked (``--pace recorded`` or ``model``);
-    ``auto`` stays ``auto`` (``Fleet.pace_of``: the recorded pace when the records queued,
-    ``pace.queued``), but is ``model`` under ``--no-calibrate`` (the built-in pass times are
-    no base for the recorded pace)."""
-    return _pace(args)
 
 
 def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
@@ -199,7 +191,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 args.route or "recorded",
                 align_workers=args.align_workers,
                 progress=progress,
-                pace=_pace(args),
+                pace=replay_pace(args),
                 event_log=False,  # only the bundles are written (cache_aware keeps its own)
                 out=out,  # every rank's batches written as they are published
             )
@@ -279,7 +271,7 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
         calibrate=not args.no_calibrate,
         align_workers=args.align_workers,
         on_done=done,
-        pace=_pace(args),
+        pace=replay_pace(args),
         executor=args.executor,
     )
     args._out_complete = True  # the dataset is whole: a closed stdout keeps it

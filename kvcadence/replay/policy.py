@@ -59,6 +59,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvcadence.replay.config import CACHE_AGNOSTIC_POLICIES
 from kvcadence.replay.radix import RadixTree
 
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
@@ -128,7 +129,7 @@ def refreshes_waiting_prefixes(policy: str, n_waiting: int, eviction: str = "lru
         return False
     if policy in ("lpm", "hrrn"):
         return n_waiting > WAITING_QUEUE_PREFIX_MATCH_MAX
-    return policy in ("fcfs", "lof", "random", "routing-key")
+    return policy in CACHE_AGNOSTIC_POLICIES
 
 
 def _recorded_entry(r: Any) -> tuple[bool, float]:

@@ -53,6 +53,7 @@ import msgspec
 import numpy as np
 
 from kvcadence.errors import InputError
+from kvcadence.replay.timing import meta_s
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 
 #: ``meta_info`` key of a completed production record whose outputs no store of the capture
@@ -126,12 +127,6 @@ def _routing_key(mi: dict[str, Any]) -> str | None:
     params = mi.get("request_parameters")
     v = params.get("routing_key") if isinstance(params, dict) else None
     return v if isinstance(v, str) and v else None
-
-
-def _entry_s(mi: dict[str, Any]) -> float | None:
-    """The recorded ``forward_entry_time`` (s), when the record has a usable one."""
-    v = mi.get("forward_entry_time")
-    return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
@@ -298,7 +293,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             real_cached_tokens=r.cached_tokens,
             source=_stripped(r, prompt, rec_out),
             routing_key=_routing_key(mi),
-            recorded_entry_s=_entry_s(mi),
+            recorded_entry_s=meta_s(mi, "forward_entry_time"),
         )
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:
