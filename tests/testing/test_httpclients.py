@@ -174,6 +174,8 @@ def test_parallel_share_asks_single_shots_for_several_samples():
         ("--cancel-after", "0-3"),
         ("--parallel-share", "2"),
         ("--parallel-n", "0"),
+        ("--routing-keys", "0"),
+        ("--routing-keys", "x"),
     ],
 )
 def test_bad_cancel_options_are_usage_errors(flag, value, capsys):
