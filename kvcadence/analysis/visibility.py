@@ -53,6 +53,7 @@ from kvcadence.analysis.catalogue import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, event_payload
+from kvcadence.format.namespace import salt_of
 from kvcadence.format.schema import BlockStoredView, EventFrame, RequestRecord
 
 PLOT_NAME = "visibility.png"
@@ -272,7 +273,8 @@ class _Lookups:
             return
         prompt_end = len(r.input_ids) // ps
         if ends is None:
-            hashes = wire.block_hashes(list(r.input_ids) + list(r.output_ids[:-1]), ps)
+            ids = list(r.input_ids) + list(r.output_ids[:-1])
+            hashes = wire.block_hashes(ids, ps, salt_of(r.meta_info))
             n = len(hashes)
             ends = (hashes[prompt_end - 1] if prompt_end else None, hashes[-1] if n else None, n)
         h_prompt, h_last, n = ends

@@ -52,6 +52,7 @@ from kvcadence.errors import BundleError, InputError, UsageError, WireError
 from kvcadence.format import wire
 from kvcadence.format.bundle import check_encodable, event_payload
 from kvcadence.format.hashes import block_hashes
+from kvcadence.format.namespace import salt_of
 from kvcadence.format.schema import Annotation, BlockStored, RequestRecord
 
 METRICS = "metrics"
@@ -323,7 +324,9 @@ class LogTail:
         self.submit(rec)
         self.stats.records += 1
         if anchored(self.stats.records - 1):
-            self.anchors.append(prompt_anchor(rec.input_ids, self.page_size))
+            self.anchors.append(
+                prompt_anchor(rec.input_ids, self.page_size, salt_of(rec.meta_info))
+            )
 
     def _bad(self, where: str, error: str) -> None:
         self.stats.bad_lines += 1
@@ -373,16 +376,17 @@ def anchored(i: int) -> bool:
     return i < ANCHOR_ALL or i % ANCHOR_STRIDE == 0
 
 
-def prompt_anchor(prompt: list[int], page_size: int) -> int | str:
-    """The hash of ``prompt``'s last full page (SGLang's chained SHA-256), ``SHORT`` when it
-    fills no page, ``NO_IDS`` without token ids."""
+def prompt_anchor(prompt: list[int], page_size: int, cache_salt: str | None = None) -> int | str:
+    """The hash of ``prompt``'s last full page (SGLang's chained SHA-256, seeded by the
+    request's ``cache_salt``), ``SHORT`` when it fills no page, ``NO_IDS`` without token
+    ids."""
     if not prompt:
         return NO_IDS
     n = len(prompt) // page_size * page_size
     if not n:
         return SHORT
     try:
-        return block_hashes(prompt[:n], page_size)[-1]
+        return block_hashes(prompt[:n], page_size, cache_salt)[-1]
     except WireError:
         return NO_IDS
 
@@ -435,7 +439,7 @@ def rematch_at_events_page(reader: Any, match: dict[str, int]) -> dict[str, int]
     if not ps:
         return match
     anchors = [
-        prompt_anchor(list(rec.input_ids), ps)
+        prompt_anchor(list(rec.input_ids), ps, salt_of(rec.meta_info))
         for i, rec in enumerate(reader.iter_kinds("request"))
         if anchored(i)
     ]

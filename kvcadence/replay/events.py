@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from kvcadence.errors import UsageError
 from kvcadence.format import wire
+from kvcadence.format.namespace import Namespace
 from kvcadence.format.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 _PER_NODE_REMOVE_FROM = (0, 5, 17)  # array family: one BlockRemoved per node from 0.5.17
@@ -99,6 +100,9 @@ class QueuedEvent:
     tokens: list[int] | None = None
     block_size: int = 0
     session_id: str | None = None
+    #: the cache namespace of its nodes (``format.namespace``): its salt goes on the wire,
+    #: the whole of it keeps events apart (a tail merges only within one namespace)
+    ns: Namespace | None = None
 
 
 class EventQueue:
@@ -123,6 +127,7 @@ class EventQueue:
         parent_hash: int | None,
         token_ids: Sequence[int],
         page_size: int,
+        ns: Namespace | None = None,
     ) -> None:
         self.stored_blocks += len(hashes)
         q = self.queue
@@ -135,6 +140,7 @@ class EventQueue:
                     and tail.hashes
                     and tail.block_size == page_size
                     and tail.session_id == sid
+                    and tail.ns == ns
                     and parent_hash == tail.hashes[-1]
                 ):
                     tail.hashes += _as_list(hashes)
@@ -142,7 +148,13 @@ class EventQueue:
                     return
             q.append(
                 QueuedEvent(
-                    STORE, _as_list(hashes), parent_hash, _as_list(token_ids), page_size, sid
+                    STORE,
+                    _as_list(hashes),
+                    parent_hash,
+                    _as_list(token_ids),
+                    page_size,
+                    sid,
+                    ns,
                 )
             )
             return
@@ -157,18 +169,19 @@ class EventQueue:
                     list(token_ids[i * page_size : (i + 1) * page_size]),
                     page_size,
                     None,
+                    ns,
                 )
             )
             prev = h
 
-    def record_remove(self, hashes: Sequence[int]) -> None:
+    def record_remove(self, hashes: Sequence[int], ns: Namespace | None = None) -> None:
         self.removed_blocks += len(hashes)
         q = self.queue
         if self.mode == "coalesced":
-            if q and q[-1].kind == REMOVE:
+            if q and q[-1].kind == REMOVE and q[-1].ns == ns:
                 q[-1].hashes += _as_list(hashes)
                 return
-            q.append(QueuedEvent(REMOVE, _as_list(hashes)))
+            q.append(QueuedEvent(REMOVE, _as_list(hashes), ns=ns))
         elif self.mode == "per_page_store_per_node_remove":
             q.append(QueuedEvent(REMOVE, _as_list(hashes)))
         else:
@@ -200,6 +213,7 @@ def to_schema_events(events: list[QueuedEvent], medium: str | None) -> list:
                     lora_id=None,
                     medium=medium,
                     session_id=e.session_id,
+                    cache_salt=None if e.ns is None else e.ns.cache_salt,
                 )
             )
         elif e.kind == REMOVE:

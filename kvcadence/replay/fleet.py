@@ -294,12 +294,13 @@ class Fleet:
         at_slot = ((self.slot_of[self.home[s.idx]], s) for s in specs)
         pre = preloads(at_slot)
         for sl in self.slots:
-            keys = pre.get(sl.index, [])
+            keys = [k for k, _ in pre.get(sl.index, [])]
+            spaces = [ns for _, ns in pre.get(sl.index, [])]
             runs = workers[sl.worker].unseen.get(sl.rank)
             if runs:
-                sl.sched.hold_unseen(runs_to_hold(runs, keys, sl.sched.ps))
+                sl.sched.hold_unseen(runs_to_hold(runs, keys, sl.sched.ps, spaces))
             if keys:
-                sl.sched.preload(keys)
+                sl.sched.preload(keys, spaces)
         #: pred idx -> the lane's next requests: every rank's scheduler maps the shared
         #: request list so (``Scheduler.successors``); the fleet reads the first one's
         self.successors: dict[int, list[int]] = self.slots[0].sched.successors if self.slots else {}

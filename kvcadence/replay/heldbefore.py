@@ -18,6 +18,7 @@ read again. One that lost them is read once more, its late endpoints' payloads d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvcadence.format import wire
@@ -88,12 +89,20 @@ def unseen_runs(reader: Any) -> dict[int, list[list[int]]]:
     return runs
 
 
-def runs_to_hold(runs: list[list[int]], preloaded: list[Any], page_size: int) -> list[int]:
+def runs_to_hold(
+    runs: list[list[int]],
+    preloaded: list[Any],
+    page_size: int,
+    namespaces: Sequence[Any] | None = None,
+) -> list[int]:
     """The page counts of ``runs`` to hold as placeholders: those with no page of the
-    ``preloaded`` prefixes (token arrays: those pages are pre-loaded with their tokens)."""
+    ``preloaded`` prefixes (token arrays: those pages are pre-loaded with their tokens;
+    ``namespaces``: each one's cache namespace, whose salt seeds its hashes)."""
     if not runs:
         return []
     have: set[int] = set()
-    for key in preloaded:
-        have.update(wire.block_hashes(key[: len(key) - len(key) % page_size], page_size))
+    for i, key in enumerate(preloaded):
+        ns = namespaces[i] if namespaces else None
+        salt = None if ns is None else ns.cache_salt
+        have.update(wire.block_hashes(key[: len(key) - len(key) % page_size], page_size, salt))
     return [len(r) for r in runs if not have.intersection(r)]

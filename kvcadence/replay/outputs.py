@@ -109,6 +109,8 @@ class StoreIndex:
         #: the worker's ``chunked_prefill_size`` (the header's ``/server_info`` snapshot;
         #: None: chunking off or not stated)
         self.chunk_tokens: int | None = None
+        #: the ``cache_salt`` of each salted event (a salted namespace's store; none: absent)
+        self.salts: dict[int, str] = {}
 
     @property
     def events(self) -> list[StoredEvent]:
@@ -146,6 +148,7 @@ class StoreIndex:
                     packed(e.block_hashes),  # int64, as the parent: SGLang's form
                     len(e.block_hashes),
                     compact(e.token_ids),
+                    e.cache_salt,
                 )
                 for ts, n, e in raw
             ]
@@ -171,7 +174,7 @@ class StoreIndex:
         chunk = (reader.header.server_info or {}).get("chunked_prefill_size")
         if type(chunk) is int and chunk > 0:
             idx.chunk_tokens = chunk
-        raw: list[tuple[int, int, int | None, bytes | memoryview, int, array]] = []
+        raw: list[tuple[int, int, int | None, bytes | memoryview, int, array, str | None]] = []
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
@@ -228,25 +231,25 @@ class StoreIndex:
                 else:
                     scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
-            for parent, hashes, pages, tokens in got:
+            for parent, hashes, pages, tokens, salt in got:
                 # as an array while its ints are fresh: no int object per token is kept
-                raw.append((ts, n, parent, hashes, pages, compact(tokens)))
+                raw.append((ts, n, parent, hashes, pages, compact(tokens), salt))
         raw.sort(key=itemgetter(0))  # stable: frame order (appended so) within a time
         idx._extend(raw)
         return idx
 
     def _extend(
-        self, rows: list[tuple[int, int, int | None, bytes | memoryview, int, array]]
+        self, rows: list[tuple[int, int, int | None, bytes | memoryview, int, array, str | None]]
     ) -> None:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
-        tokens)``, in publish order, and index them; an event whose hashes are not all
-        64-bit ints (``stored.frame_stores``' unchecked ones) is left out."""
+        tokens, cache_salt)``, in publish order, and index them; an event whose hashes are not
+        all 64-bit ints (``stored.frame_stores``' unchecked ones) is left out."""
         if not rows:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
         # the rows' columns, transposed in one step
-        ts, ns, parents, packs, pages, tokens = zip(*rows, strict=True)
+        ts, ns, parents, packs, pages, tokens, salts = zip(*rows, strict=True)
         bad: list[int] = []
         more = unpacked_all(packs, sum(pages), bad)
         if bad:  # rare: drop the events holding them, index the others
@@ -263,6 +266,8 @@ class StoreIndex:
         self.pages.extend(pages)
         self.tokens.extend(tokens)
         self.offs.extend(offs)
+        if any(salts):
+            self.salts.update((ei, s) for ei, s in enumerate(salts, first_ei) if s is not None)
         by_parent, by_first = self._by_parent, self._by_first
         for ei, parent in enumerate(parents, first_ei):
             lst = by_parent.get(parent)

@@ -48,7 +48,8 @@ the ``lru`` eviction policy (``radix_eviction_policy``: the other policies order
 priority first, and the refresh does not run, nor count, for them); the other condition (a
 tree without ``supports_fast_match_prefix``) always holds here.
 
-Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, ``routing_key``
+Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, ``routing_key``,
+``ns`` (the cache namespace: walks start at its root, ``RadixTree.root_of``)
 and the matching fields the scheduler fills (``prefix_len``, ``last_node``) through ``match``.
 """
 
@@ -157,7 +158,7 @@ def _routing_key(waiting: list[Any], counts: Counter[str]) -> list[Any]:
 def touch_waiting_prefixes(ordered: list[Any], tree: RadixTree) -> None:
     """``touch_waiting_prefix`` of the first 128 of ``ordered``, head last."""
     for r in reversed(ordered[:WAITING_QUEUE_PREFIX_MATCH_MAX]):
-        tree.match_prefix(r.fill, r.fill_len)
+        tree.match_prefix(r.fill, r.fill_len, tree.root_of(r.ns))
 
 
 def _prefix_matches(
@@ -174,11 +175,12 @@ def _prefix_matches(
         match(r)
         if r.prefix_len <= IN_BATCH_CHECK_THRESHOLD:
             key = r.fill
-            shared = temp.peek_prefix_len(key, len(key) - 1)
+            home = temp.root_of(r.ns)  # the waiting-queue tree is keyed by namespace too
+            shared = temp.peek_prefix_len(key, len(key) - 1, home)
             if shared >= IN_BATCH_DEPRIORITIZE_THRESHOLD:
                 deprioritized.append(r)
                 continue
-            temp.insert(key)
+            temp.insert(key, root=home)
         keep.append(r)
     return keep, deprioritized
 
@@ -246,18 +248,25 @@ def spf_chunk_limit(chunked: Any, ordered: list[Any], budget: int, page_size: in
     return (budget - reserved) // page_size * page_size
 
 
+def _flat(node: Any, root: Any) -> Any:
+    """``node``, or the root for a cache namespace's root (``RadixTree.root_of``): SGLang
+    keys the namespaces' first nodes as children of the one root, so its walks see them as
+    the root's children, and an unmatched request's node as the root."""
+    return root if node.parent is root and not node.key else node
+
+
 def _dfs_weight(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:
     groups: dict[int, list[Any]] = {}
     nodes: dict[int, Any] = {}
+    root = tree.root
     for r in waiting:
         match(r)
-        node = r.last_node
+        node = _flat(r.last_node, root)
         groups.setdefault(id(node), []).append(r)
         nodes[id(node)] = node
     # weights: number of waiting requests in each node's subtree (walk up from each group)
     weight: dict[int, int] = {}
     children: dict[int, list[Any]] = {}
-    root = tree.root
     for key, reqs in groups.items():
         node = nodes[key]
         w = len(reqs)
@@ -268,9 +277,9 @@ def _dfs_weight(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None
                 weight[k] = 0
                 parent = cur.parent
                 if parent is not None:
-                    children.setdefault(id(parent), []).append(cur)
+                    children.setdefault(id(_flat(parent, root)), []).append(cur)
             weight[k] += w
-            cur = cur.parent
+            cur = None if cur.parent is None else _flat(cur.parent, root)
     out: list[Any] = []
 
     def visit(node: Any) -> None:

@@ -212,11 +212,12 @@ def carriers(
     return Carriers({i: n for _, i, n in first.values()}, len(flagged), len(below))
 
 
-def preloads(specs: Iterable[tuple[Any, Any]]) -> dict[Any, list[Any]]:
+def preloads(specs: Iterable[tuple[Any, Any]]) -> dict[Any, list[tuple[Any, Any]]]:
     """Per home (``(home, spec)`` pairs: whatever the caller maps a spec to, the fleet its
     rank's slot): the prefixes to pre-load (``PRECACHED_KEY`` of each spec's source
-    record), as token arrays, the one first used latest first (it goes in oldest)."""
-    by: dict[Any, list[tuple[int, int, Any, int]]] = {}
+    record), as ``(token array, cache namespace)``, the one first used latest first (it
+    goes in oldest)."""
+    by: dict[Any, list[tuple[int, int, Any, int, Any]]] = {}
     for home, s in specs:
         src = s.source
         mi = getattr(src, "meta_info", None) if src is not None else None
@@ -224,9 +225,10 @@ def preloads(specs: Iterable[tuple[Any, Any]]) -> dict[Any, list[Any]]:
         if type(n) is not int or n <= 0:
             continue
         at = _arrival(src)
-        by.setdefault(home, []).append((at if at is not None else 0, s.idx, s.input_ids, n))
-    out: dict[Any, list[Any]] = {}
+        at = at if at is not None else 0
+        by.setdefault(home, []).append((at, s.idx, s.input_ids, n, s.namespace))
+    out: dict[Any, list[tuple[Any, Any]]] = {}
     for home, items in by.items():
         items.sort(key=lambda x: (x[0], x[1]), reverse=True)
-        out[home] = [span(prompt, 0, n) for _, _, prompt, n in items]
+        out[home] = [(span(prompt, 0, n), ns) for _, _, prompt, n, ns in items]
     return out

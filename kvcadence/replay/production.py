@@ -69,6 +69,7 @@ import msgspec
 
 from kvcadence.errors import WireError
 from kvcadence.format.hashes import block_hashes
+from kvcadence.format.namespace import salt_of
 from kvcadence.format.schema import served_rank
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import records_offset
@@ -271,7 +272,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
                 chunk_gap = max(chunk_gap, index.ts_of(b[1]) - index.ts_of(a[1]))
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
             try:
-                node.path = block_hashes(span(prompt, 0, P * ps), ps)
+                node.path = block_hashes(span(prompt, 0, P * ps), ps, salt_of(r.meta_info))
             except WireError:
                 node.path = []
             # the pages it may have stored at prefill: those past its recorded cached

@@ -53,6 +53,7 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from kvcadence.format import wire
+from kvcadence.format.namespace import Namespace
 from kvcadence.replay.tokens import CODE, compact
 
 #: 32 bytes per page: a node's page digests, concatenated (one object per node, not per page)
@@ -107,9 +108,10 @@ class EventSink(Protocol):
         parent_hash: int | None,
         token_ids: Sequence[int],
         page_size: int,
+        ns: Namespace | None = None,
     ) -> None: ...
 
-    def record_remove(self, hashes: Sequence[int]) -> None: ...
+    def record_remove(self, hashes: Sequence[int], ns: Namespace | None = None) -> None: ...
 
 
 class NullSink:
@@ -121,10 +123,11 @@ class NullSink:
         parent_hash: int | None,
         token_ids: Sequence[int],
         page_size: int,
+        ns: Namespace | None = None,
     ) -> None:
         return None
 
-    def record_remove(self, hashes: Sequence[int]) -> None:
+    def record_remove(self, hashes: Sequence[int], ns: Namespace | None = None) -> None:
         return None
 
 
@@ -160,6 +163,7 @@ class Node:
         "alive",
         "hits",
         "prio",
+        "ns",
     )
 
     def __init__(
@@ -181,6 +185,8 @@ class Node:
         self.alive = True
         self.hits = 0  # inserts that walked it (``lfu``, ``slru``)
         self.prio = 0  # the highest priority of those inserts (``priority``)
+        #: the cache namespace of its subtree (``format.namespace``; None: the default one)
+        self.ns: Namespace | None = None
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(id={self.nid}, len={len(self.key)}, lock={self.lock_ref})"
@@ -221,6 +227,30 @@ class RadixTree:
         self._heap: list[tuple[int, int, Node]] = []
         #: leaves that became candidates since the last ``evict`` (pushed there if still so)
         self._noted: list[Node] = []
+        #: the root of each non-default cache namespace (``root_of``)
+        self._ns_roots: dict[Namespace, Node] = {}
+
+    # ------------------------------------------------------------------ namespaces
+    def root_of(self, ns: Namespace | None) -> Node:
+        """Where the walks of a request in cache namespace ``ns`` start: the root for the
+        default one, else the namespace's own root -- a child of the root holding no tokens,
+        locked for good (never evicted), keyed by the namespace (no page key equals it), its
+        digest the salt's seed (its first pages chain from it, as SGLang's salted chain;
+        none with an extra key alone: the plain chain) and no hash (a first page's parent is
+        None, as under the root). Requests of two namespaces never share a node, and the
+        eviction order is the one tree's (SGLang keys one tree's children by namespace)."""
+        if ns is None:
+            return self.root
+        node = self._ns_roots.get(ns)
+        if node is None:
+            seed = b"" if ns.cache_salt is None else wire.cache_salt_seed(ns.cache_salt)
+            node = Node(array(CODE), self.root, seed, [], self._next_id)
+            self._next_id += 1
+            node.lock_ref = 1
+            node.ns = ns
+            self.root.children[ns] = node
+            self._ns_roots[ns] = node
+        return node
 
     # ------------------------------------------------------------------ helpers
     def _child_key(self, key: Sequence[int], pos: int) -> object:
@@ -304,6 +334,7 @@ class RadixTree:
         new.last_access = child.last_access
         new.hits = child.hits
         new.prio = child.prio
+        new.ns = child.ns
         parent.children[self._child_key(child.key, 0)] = new
         child.key = child.key[length:]
         child.digests = child.digests[cut:]
@@ -313,17 +344,20 @@ class RadixTree:
         return new
 
     # ------------------------------------------------------------------ queries
-    def match_prefix(self, key: Sequence[int], limit: int | None = None) -> tuple[int, Node]:
+    def match_prefix(
+        self, key: Sequence[int], limit: int | None = None, root: Node | None = None
+    ) -> tuple[int, Node]:
         """Device match of ``key[:limit]`` floored to a page; touches and splits as SGLang.
 
         Returns ``(matched_tokens, last_node)``. Callers cap ``limit`` at ``len(prompt) - 1``.
+        ``root``: the walk's start (``root_of`` a namespace; the root when None).
         """
         if type(key) is not array:
             key = compact(key)
         ps = self.page_size
         n = len(key) if limit is None else min(limit, len(key))
         n -= n % ps
-        node = self.root
+        node = self.root if root is None else root
         pos = 0
         while pos < n:
             child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
@@ -351,14 +385,17 @@ class RadixTree:
             break
         return pos, node
 
-    def peek_prefix_len(self, key: Sequence[int], limit: int | None = None) -> int:
-        """Matched length without touching or splitting (for policies and probes)."""
+    def peek_prefix_len(
+        self, key: Sequence[int], limit: int | None = None, root: Node | None = None
+    ) -> int:
+        """Matched length without touching or splitting (for policies and probes); ``root``
+        as ``match_prefix``'s."""
         if type(key) is not array:
             key = compact(key)
         ps = self.page_size
         n = len(key) if limit is None else min(limit, len(key))
         n -= n % ps
-        node = self.root
+        node = self.root if root is None else root
         pos = 0
         while pos < n:
             child = node.children.get(key[pos] if ps == 1 else tuple(key[pos : pos + ps]))
@@ -382,8 +419,9 @@ class RadixTree:
         start_node: Node | None = None,
         start_pos: int = 0,
         end: int | None = None,
+        root: Node | None = None,
     ) -> tuple[int, Node, Node | None]:
-        """Insert page-aligned ``key`` from the root.
+        """Insert page-aligned ``key`` from the root (``root``: a namespace's, ``root_of``).
 
         ``start_node``/``start_pos`` is a shortcut for callers that hold a lock on the node
         whose path is exactly ``key[:start_pos]`` (a request's locked prefix): the walk then
@@ -396,7 +434,7 @@ class RadixTree:
         n -= n % self.page_size
         if start_node is not None and start_node is not self.root and start_pos <= n:
             return self.insert_below(start_node, start_pos, key[start_pos:n])
-        return self.insert_below(self.root, 0, key[:n])
+        return self.insert_below(self.root if root is None else root, 0, key[:n])
 
     def insert_below(
         self,
@@ -476,6 +514,7 @@ class RadixTree:
         new = Node(rest, node, digests, hashes, self._next_id)
         new.hits = 1  # a new node ends past anything its request inserted before
         new.prio = priority
+        ns = new.ns = node.ns
         self._next_id += 1
         self.num_nodes += 1
         node.children[rest[0] if ps == 1 else tuple(rest[:ps])] = new
@@ -483,7 +522,7 @@ class RadixTree:
         self.evictable_size += len(rest)
         self._touch(new)
         parent_hash = node.hashes[-1] if node.hashes else None
-        self.sink.record_store(hashes, parent_hash, rest, ps)
+        self.sink.record_store(hashes, parent_hash, rest, ps, ns)
         return depth + pos, new, new
 
     def _count_path(self, node: Node, depth: int, inserted_len: int, priority: int) -> None:
@@ -584,7 +623,7 @@ class RadixTree:
             self.total_size -= k
             self.evictable_size -= k
             self.num_nodes -= 1
-            sink.record_remove(node.hashes)
+            sink.record_remove(node.hashes, node.ns)
             if parent is not root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (key_of(parent), parent.nid, parent))
         return freed
@@ -597,6 +636,7 @@ class RadixTree:
         self.num_nodes = 0
         self._heap = []
         self._noted = []
+        self._ns_roots = {}
 
     # ------------------------------------------------------------------ introspection
     def resident_hashes(self) -> set[int]:
@@ -616,6 +656,11 @@ class RadixTree:
         while stack:
             n = stack.pop()
             k = len(n.key)
+            if n.parent is self.root and n.ns is not None and self._ns_roots.get(n.ns) is n:
+                if k or n.hashes or n.lock_ref < 1:  # a namespace's root (``root_of``)
+                    raise AssertionError(f"bad namespace root {n!r}")
+                stack.extend(n.children.values())
+                continue
             if k == 0 or k % self.page_size or len(n.hashes) != k // self.page_size:
                 raise AssertionError(f"bad node {n!r}")
             total += k

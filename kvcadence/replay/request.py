@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcadence.format.namespace import Namespace
 from kvcadence.replay.radix import Node
 from kvcadence.replay.schedule import RequestSpec
 from kvcadence.replay.tokens import cat
@@ -70,6 +71,11 @@ class SimReq:
     def routing_key(self) -> str | None:
         """The routing key it was sent with (``routing-key`` scheduling)."""
         return self.spec.routing_key
+
+    @property
+    def ns(self) -> Namespace | None:
+        """Its cache namespace (``format.namespace``; None: the default one)."""
+        return self.spec.namespace
 
     @property
     def recorded_entry_s(self) -> float | None:

@@ -53,6 +53,7 @@ import msgspec
 import numpy as np
 
 from kvcadence.errors import InputError
+from kvcadence.format.namespace import Namespace, namespace_of
 from kvcadence.replay.timing import meta_s
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 
@@ -97,6 +98,8 @@ class RequestSpec:
     #: its recorded first forward (``forward_entry_time``, s), where its record has it: the
     #: order a ``random`` worker's draws admitted the requests in
     recorded_entry_s: float | None = None
+    #: its cache namespace (``format.namespace``: extra key, cache salt; None: the default)
+    namespace: Namespace | None = None
 
     @property
     def n_out(self) -> int:
@@ -294,6 +297,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             source=_stripped(r, prompt, rec_out),
             routing_key=_routing_key(mi),
             recorded_entry_s=meta_s(mi, "forward_entry_time"),
+            namespace=namespace_of(mi),
         )
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:

@@ -62,6 +62,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvcadence.errors import ReplayError
+from kvcadence.format.namespace import Namespace
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay import marks, stretch
 from kvcadence.replay.admission import (
@@ -275,18 +276,23 @@ class Scheduler:
         if flush_plan is not None:
             flush_plan.attach(self._flush_due)
 
-    def preload(self, keys: Sequence[Sequence[int]]) -> int:
+    def preload(
+        self, keys: Sequence[Sequence[int]], namespaces: Sequence[Namespace | None] | None = None
+    ) -> int:
         """Insert prefixes the worker held before the capture started (``replay.precached``)
         into the tree before the first pass, with no event (they were stored before), each
-        page floored, in order (the first oldest), while the pool has room; returns the
-        tokens inserted."""
+        page floored, in order (the first oldest), while the pool has room (``namespaces``:
+        each one's cache namespace, the default where not given); returns the tokens
+        inserted."""
         tree = self.tree
         before = tree.total_size
         with self._silent():
-            for key in keys:
+            for i, key in enumerate(keys):
                 n = len(key) - len(key) % self.ps
                 if n and tree.total_size + n <= self.cfg.max_total_tokens:
-                    tree.insert(key, end=n)
+                    tree.insert(
+                        key, end=n, root=tree.root_of(namespaces[i] if namespaces else None)
+                    )
         return tree.total_size - before
 
     @contextlib.contextmanager
@@ -341,7 +347,8 @@ class Scheduler:
 
     def _match(self, req: SimReq) -> None:
         """``init_next_round_input``: device match capped at len − 1, page aligned."""
-        n, node = self.tree.match_prefix(req.fill, req.fill_len - 1)
+        tree = self.tree
+        n, node = tree.match_prefix(req.fill, req.fill_len - 1, tree.root_of(req.spec.namespace))
         req.prefix_len = n
         req.last_node = node
         req.host_hit_length = 0
@@ -394,15 +401,16 @@ class Scheduler:
             # finishes after B (65 tokens, prefilled after A); a third prompt that needs one
             # leaf evicts B in 7 of 7 runs (A when A finishes before B's prefill, 2 of 2)
             h = req.lock_handle
-            if h is not None and h is not self.tree.root:
+            if h is not None and h is not self.tree.root and h.key:  # not a namespace's root
                 self.tree.insert_below(h, req.tree_len, (), req.inserted_len)
             if end > req.inserted_len:
                 req.inserted_len = end
             return
         tree = self.tree
         start = req.lock_handle
-        if start is None or start is tree.root:
-            start, depth = tree.root, 0
+        home = tree.root_of(req.spec.namespace)
+        if start is None or start is home:
+            start, depth = home, 0
         else:
             depth = req.tree_len  # the locked node's path: only the tokens past it are walked
         existing, node, new = tree.insert_below(
@@ -425,7 +433,7 @@ class Scheduler:
         elif 0 < prompt < end and tree.policy == "priority":
             # the same insert at a finish (the prompt's nodes end at its last page already:
             # no split); only its priority can change an eviction, so only walked then
-            tree.insert_below(tree.root, 0, req.seq_slice(0, prompt), prompt, PROMPT_PRIORITY)
+            tree.insert_below(home, 0, req.seq_slice(0, prompt), prompt, PROMPT_PRIORITY)
         old = req.lock_handle
         if old is not None:
             self.tree.relock(old, node)

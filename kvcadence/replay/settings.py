@@ -299,16 +299,15 @@ def scan_events(reader: Any, endpoints: Any = ()) -> EventScan:
     return tally.scan
 
 
-#: request fields that put a request's KV in a cache namespace of its own in SGLang 0.5.23
-#: (``RadixKey``: ``extra_key`` -- a LoRA adapter's id is appended to it -- and
-#: ``cache_salt``; a salt also seeds the page hash chain, a LoRA adapter post-maps it)
-NAMESPACE_FIELDS = ("cache_salt", "extra_key", "lora_path")
+#: request fields of a cache namespace the replay does not model: a LoRA adapter (SGLang
+#: 0.5.23 appends its id to ``extra_key`` and post-maps its hashes); ``extra_key`` and
+#: ``cache_salt`` are modelled (``format.namespace``)
+NAMESPACE_FIELDS = ("lora_path",)
 
 
 def namespace_note(records: Any) -> str | None:
-    """One line when requests carry a cache namespace (``NAMESPACE_FIELDS`` in the metrics
-    line's ``request_parameters``) the replay does not model, else None: it keeps one prefix
-    tree and the plain hash chain for every request."""
+    """One line when requests name a LoRA adapter (``NAMESPACE_FIELDS`` in the metrics
+    line's ``request_parameters``), whose namespace the replay does not model, else None."""
     counts: Counter[str] = Counter()
     n = 0
     for r in records:
@@ -320,10 +319,9 @@ def namespace_note(records: Any) -> str | None:
         n += bool(hit)
     if not n:
         return None
-    what = ", ".join(f"{k} on {counts[k]}" for k in NAMESPACE_FIELDS if counts[k])
     return (
-        f"{n} requests carry a cache namespace ({what}), which the replay does not model: "
-        "it keeps one prefix tree and the plain hash chain for every request, so their "
-        "prefixes are shared across namespaces and a salted or LoRA request's stored hashes "
-        "differ from the worker's (docs/production.md)"
+        f"a LoRA adapter (lora_path) on {n} of the requests, whose cache namespace the replay "
+        "does not model: they share prefixes with the other requests of their extra_key / "
+        "cache_salt namespace and their stored hashes are not post-mapped, so they differ "
+        "from the worker's (docs/production.md)"
     )

@@ -34,8 +34,9 @@ from kvcadence.format.schema import (
 )
 from kvcadence.replay.tokens import CODE, compact
 
-#: an indexable store: (parent hash, hashes as ``packed`` bytes, pages, token ids)
-Store = tuple[int | None, bytes | memoryview, int, list[int]]
+#: an indexable store: (parent hash, hashes as ``packed`` bytes, pages, token ids, its
+#: ``cache_salt``)
+Store = tuple[int | None, bytes | memoryview, int, list[int], str | None]
 
 _INTS = msgspec.msgpack.Decoder(list[int])
 _I64S = msgspec.msgpack.Decoder(list[Int64])
@@ -125,7 +126,7 @@ def frame_stores(b: KVEventBatchIdsView, page_size: int, ts: int, n: int, append
     """``_stored``'s indexable stores of a ``schema.EventFrameIdsView`` payload, the same: its token ids
     are int arrays (``decode_batch_raw``'s check passes), so a store of another page size,
     or whose hashes are not ints, is skipped and the others kept. Each is handed to
-    ``append`` as the index's row ``(ts, n, parent, hashes, pages, tokens)`` (``ts``: the
+    ``append`` as the index's row ``(ts, n, parent, hashes, pages, tokens, salt)`` (``ts``: the
     frame's publish time, ``n``: its number; ``tokens`` made ``tokens.compact``'s array while
     its ints are fresh: no int object per token is kept).
 
@@ -165,7 +166,7 @@ def frame_stores(b: KVEventBatchIdsView, page_size: int, ts: int, n: int, append
                 arr.fromlist(tokens)  # ``tokens.compact``'s usual case, inline
             except (OverflowError, TypeError):
                 arr = compact(tokens)
-            append((ts, n, e.parent_block_hash, hb, pages, arr))
+            append((ts, n, e.parent_block_hash, hb, pages, arr, e.cache_salt))
 
 
 def _aspacked(raw: msgspec.Raw) -> tuple[bytes, int]:
@@ -195,7 +196,7 @@ class _Recheck(Exception):
 def _stored(
     payload: bytes | memoryview, page_size: int, check: bool
 ) -> tuple[Any, list[Store], bool]:
-    """``(batch, [(parent, hashes, pages, tokens)], has a clear)``: the payload's raw view,
+    """``(batch, [(parent, hashes, pages, tokens, salt)], has a clear)``: the payload's raw view,
     its indexable ``BlockStored`` events (this page size, int ids, one page of tokens per
     hash; hashes as ``packed`` bytes, ``pages`` of them) and whether it holds an
     ``AllBlocksCleared``. ``check=False``: token ids unchecked by the decoder (decoded here
@@ -225,5 +226,5 @@ def _stored(
         hb, pages = fast
         if not pages or len(tokens) != page_size * pages:
             continue
-        out.append((e.parent_block_hash, hb, pages, tokens))
+        out.append((e.parent_block_hash, hb, pages, tokens, e.cache_salt))
     return b, out, clear

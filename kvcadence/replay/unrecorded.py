@@ -94,6 +94,7 @@ class Unrecorded:
     end: int | None = None  # hash of the finish store's last page
     run: int = 0  # tokens of its prompt's latest run (a chunk, if it was chunked)
     out_pages: list[int] | None = None  # its finish store's page hashes
+    salt: str | None = None  # its prefill store's ``cache_salt`` (its namespace's salt)
 
 
 @dataclass(slots=True)
@@ -376,7 +377,17 @@ def find_unrecorded(
             arrival = min(max(arrival, finish_at[first[0]]), t)
         if req is not None:  # below a rebuilt prompt: sent after that request's prefill
             arrival = min(max(arrival, req.prefill_ns), t)
-        req = Unrecorded(prompt, array(CODE), arrival, t, None, last, rank, run=len(toks))
+        req = Unrecorded(
+            prompt,
+            array(CODE),
+            arrival,
+            t,
+            None,
+            last,
+            rank,
+            run=len(toks),
+            salt=index.salts.get(ei),
+        )
         found.requests.append(req)
         by_last[page_key(last, rank)] = req
     return found
@@ -392,6 +403,8 @@ def unrecorded_records(found: Found, first_rid: int = 0) -> list[Any]:
         meta: dict[str, Any] = {"request_received_ts": u.arrival_ns / 1e9}
         if u.finish_ns is not None:
             meta["request_finished_ts"] = u.finish_ns / 1e9
+        if u.salt is not None:  # its namespace (an extra key is not on the wire: unknown)
+            meta["request_parameters"] = {"cache_salt": u.salt}
         out.append(
             RequestRecord(
                 rid=f"kv-events-{k}",
@@ -430,7 +443,7 @@ def join_rows(
         times.append((u.arrival_ns, fin))
         n_outs.append(len(r.output_ids))
         lens.append(len(u.prompt))
-        node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt.materialize(), ps))
+        node = Node(u.arrival_ns, fin, path=block_hashes(u.prompt.materialize(), ps, u.salt))
         node.prompt_anchor = u.last
         node.end_anchor = u.end if u.end is not None else u.last
         # its stores' publish only bounds its abort (the client hung up, and may have sent

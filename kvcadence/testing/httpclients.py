@@ -19,7 +19,11 @@ for ``parallel_n`` (``--parallel-n N``, default 3) parallel samples of one promp
 (``"n": N``, sampled at temperature ``PARALLEL_TEMPERATURE`` so the samples differ; not
 streamed), as best-of-n and RL rollout clients do. With ``routing_keys`` (``--routing-keys
 N``) client ``i`` sends every request with ``"routing_key": "key-<i % N>"`` (what a router
-sets for ``--schedule-policy routing-key``). No rid is sent: SGLang picks one. Plain
+sets for ``--schedule-policy routing-key``). With ``cache_salts`` (``--cache-salts N``)
+client ``i`` sends ``"cache_salt": "tenant-<i % N>"``, and with ``extra_keys``
+(``--extra-keys N``) ``"extra_key": "app-<i % N>"``, each but where ``i % N`` is 0 (those
+send none): SGLang 0.5.23 keeps each ``(extra_key, cache_salt)`` in a cache namespace of its
+own, as a multi-tenant front end asks it to. No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
 With ``flush_at`` (``--flush-at S``, repeatable) an operator thread calls ``POST
@@ -31,6 +35,10 @@ and refuses otherwise, so the call is repeated every ``FLUSH_RETRY_S`` until it 
 Seeded: the number of requests, their start times, system prompts, turn counts, output
 lengths and every prompt token are fixed by ``seed`` (each client draws from its own
 generator); only the outputs (greedy) and the worker's timing are not.
+
+Why ~530 lines: one seeded traffic model whose every option is a kind of production traffic
+the corpus records (hang-ups, parallel samples, flushes, routing keys, namespaces) and its
+command line.
 
 Used by ``tests/capture/test_production_worker.py`` (60 requests) and to record the
 corpus captures ``http-clients-p16``, ``dp2-p32-http-clients`` and ``p8-chunk128-nooverlap-http-clients``
@@ -104,9 +112,13 @@ class Clients:
         parallel_share: float = 0.0,
         parallel_n: int = 3,
         routing_keys: int = 0,
+        cache_salts: int = 0,
+        extra_keys: int = 0,
     ) -> None:
         self.url = url
         self.routing_keys = routing_keys
+        self.cache_salts = cache_salts
+        self.extra_keys = extra_keys
         self.flush_at = tuple(sorted(flush_at))
         #: per ``flush_at`` point: {"at_s", "ok", "tries", "done_s", "status"}
         self.flushes: list[dict[str, Any]] = []
@@ -186,6 +198,7 @@ class Clients:
         cancel: int | None = None,
         samples: int = 1,
         routing_key: str | None = None,
+        namespace: dict[str, str] | None = None,
     ) -> list:
         """One request; ``cancel``: hang up once that many output tokens came (streamed);
         ``samples`` > 1: that many parallel samples (not streamed; the first one's
@@ -204,6 +217,7 @@ class Clients:
         }
         if routing_key is not None:
             body["routing_key"] = routing_key
+        body.update(namespace or {})
         out: list[int] = []
         if stream:
             with client.stream("POST", self.url + "/generate", json=body) as r:
@@ -255,11 +269,21 @@ class Clients:
         appended = [self._toks(rng, 3) + self._toks(rng, self.turn_in) for _ in plan.outputs[1:]]
         return first, appended
 
+    def namespace(self, i: int) -> dict[str, str]:
+        """Client ``i``'s cache namespace fields (``cache_salts``, ``extra_keys``)."""
+        out = {}
+        if self.cache_salts and i % self.cache_salts:
+            out["cache_salt"] = f"tenant-{i % self.cache_salts}"
+        if self.extra_keys and i % self.extra_keys:
+            out["extra_key"] = f"app-{i % self.extra_keys}"
+        return out
+
     def _client(self, plan: Plan, t0: float) -> None:
         import httpx
 
         ids, appended = self.prompts(plan)
         key = f"key-{plan.index % self.routing_keys}" if self.routing_keys else None
+        ns = self.namespace(plan.index)
         time.sleep(max(0.0, t0 + plan.start_s - time.monotonic()))
         try:
             with httpx.Client(timeout=self.timeout_s) as c:
@@ -271,7 +295,15 @@ class Clients:
                     # a chat's 2nd and 4th turns may stop at EOS, nothing else
                     ignore = not plan.chat or k % 2 == 0
                     out = self.send(
-                        c, ids, n_out, stream, ignore, cancel, samples=n, routing_key=key
+                        c,
+                        ids,
+                        n_out,
+                        stream,
+                        ignore,
+                        cancel,
+                        samples=n,
+                        routing_key=key,
+                        namespace=ns,
                     )
                     if k < len(appended):
                         time.sleep(0.02)
@@ -404,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--routing-keys", type=positive_int, metavar="N",
                     help='client i sends "routing_key": "key-<i %% N>" (default: none)')  # fmt: skip
+    ap.add_argument("--cache-salts", type=positive_int, metavar="N",
+                    help='client i sends "cache_salt": "tenant-<i %% N>", none where i %% N '
+                    "is 0 (default: none)")  # fmt: skip
+    ap.add_argument("--extra-keys", type=positive_int, metavar="N",
+                    help='client i sends "extra_key": "app-<i %% N>", none where i %% N is 0 '
+                    "(default: none)")  # fmt: skip
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -466,6 +504,8 @@ def _run(a: argparse.Namespace) -> int:
         parallel_share=a.parallel_share,
         parallel_n=a.parallel_n,
         routing_keys=a.routing_keys or 0,
+        cache_salts=a.cache_salts or 0,
+        extra_keys=a.extra_keys or 0,
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None

@@ -14,9 +14,10 @@ from kvcadence.replay.radix import RadixTree, wire_hasher
 
 
 class R:
-    def __init__(self, name, fill, max_new=10, entered=0, key=None, entry=None):
+    def __init__(self, name, fill, max_new=10, entered=0, key=None, entry=None, ns=None):
         self.name = self.rid = name
         self.routing_key = key
+        self.ns = ns
         self.recorded_entry_s = entry
         self.fill = tuple(fill)
         self.input_len = self.fill_len = len(self.fill)

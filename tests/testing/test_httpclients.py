@@ -176,6 +176,8 @@ def test_parallel_share_asks_single_shots_for_several_samples():
         ("--parallel-n", "0"),
         ("--routing-keys", "0"),
         ("--routing-keys", "x"),
+        ("--cache-salts", "0"),
+        ("--extra-keys", "-1"),
     ],
 )
 def test_bad_cancel_options_are_usage_errors(flag, value, capsys):
@@ -282,11 +284,12 @@ def test_sigterm_stops_the_capture_child_and_exits_130(monkeypatch, tmp_path, ca
     assert err[-1] == f"{prog}: interrupted; the capture was stopped and {out} kept"
 
 
-def test_routing_keys_tag_each_clients_requests():
+def test_routing_keys_and_namespaces_tag_each_clients_requests():
     """``--routing-keys N``: client ``i`` sends every request with ``"routing_key":
     "key-<i % N>"`` (what a router sets for ``--schedule-policy routing-key``); without it
-    no request has one. A real HTTP server on loopback plays the worker (streamed and
-    plain answers)."""
+    no request has one. ``--cache-salts N`` / ``--extra-keys M``: ``"cache_salt":
+    "tenant-<i % N>"`` / ``"extra_key": "app-<i % M>"``, none where the remainder is 0. A
+    real HTTP server on loopback plays the worker (streamed and plain answers)."""
     import http.server
     import json
     import threading
@@ -321,6 +324,9 @@ def test_routing_keys_tag_each_clients_requests():
         keyed.run()
         n_keyed = len(bodies)
         hc.Clients(url, 3, sessions=1, singles=1, span_s=0.1).run()
+        n_plain = len(bodies)
+        spaced = hc.Clients(url, 4, sessions=2, singles=10, span_s=0.1, cache_salts=2, extra_keys=3)
+        spaced.run()
     finally:
         srv.shutdown()
         srv.server_close()
@@ -332,3 +338,13 @@ def test_routing_keys_tag_each_clients_requests():
     assert all(got[k] == v for k, v in want.items())
     assert {b["routing_key"] for b in bodies[:n_keyed]} == {"key-0", "key-1"}
     assert all("routing_key" not in b for b in bodies[n_keyed:])
+    assert all("cache_salt" not in b and "extra_key" not in b for b in bodies[:n_plain])
+    assert not spaced.errors and len(bodies) - n_plain == spaced.n_requests
+    firsts = {tuple(spaced.prompts(p)[0]): p.index for p in spaced.plans}
+    for b in bodies[n_plain:]:
+        i = firsts.get(tuple(b["input_ids"]))
+        if i is not None:  # a client's first request
+            assert b.get("cache_salt") == (f"tenant-{i % 2}" if i % 2 else None)
+            assert b.get("extra_key") == (f"app-{i % 3}" if i % 3 else None)
+    spaces = {(b.get("extra_key"), b.get("cache_salt")) for b in bodies[n_plain:]}
+    assert len(spaces) == 6 and (None, None) in spaces
