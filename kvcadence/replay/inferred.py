@@ -70,6 +70,12 @@ def _edge_text(rep: dict[str, Any]) -> str:
             "capture: pre-loaded into the simulated tree)"
         )
     _counted(parts, rep, _BEFORE_THE_CAPTURE)
+    if rep.get("namespaces"):
+        parts.append(
+            f"{rep['namespaced_requests']} requests in {rep['namespaces']} cache namespaces "
+            f"besides the default ({rep.get('salted_requests', 0)} salted; each its own "
+            "subtree, a salt its own hash chain)"
+        )
     if rep.get("retracted_in_capture"):
         parts.append(
             f"{rep['retracted_in_capture']} retracted in the capture"

@@ -69,7 +69,7 @@ import msgspec
 
 from kvcadence.errors import WireError
 from kvcadence.format.hashes import block_hashes
-from kvcadence.format.namespace import salt_of
+from kvcadence.format.namespace import namespace_of, salt_of
 from kvcadence.format.schema import served_rank
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import records_offset
@@ -187,6 +187,10 @@ def complete_records(
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
         report[k] = counts[k]
     report["retracted_in_capture"] = retracted
+    spaces = Counter(ns for ns in (namespace_of(r.meta_info) for r in out) if ns is not None)
+    report["namespaces"] = len(spaces)
+    report["namespaced_requests"] = sum(spaces.values())
+    report["salted_requests"] = sum(n for ns, n in spaces.items() if ns.cache_salt is not None)
     return out, report
 
 

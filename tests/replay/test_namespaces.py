@@ -147,6 +147,7 @@ def test_a_salted_request_the_records_lack_is_rebuilt_in_its_salt(tmp_path):
     events); ``b`` is rebuilt with its store's salt (its extra key, not on the wire, is
     unknown), so its replay finds ``a``'s salted pages and stores ``b``'s salted chain."""
     from kvcadence.format.bundle import BundleReader
+    from kvcadence.replay.inferred import report_text
     from kvcadence.replay.outputs import StoreIndex
     from kvcadence.replay.production import complete_records
     from tests.replay.test_production_inference import S, rec, write_payloads
@@ -174,6 +175,8 @@ def test_a_salted_request_the_records_lack_is_rebuilt_in_its_salt(tmp_path):
     assert [r.rid for r in out] == ["a", "kv-events-0"] and rep["outputs_from_events"] == 1
     got = out[1]
     assert list(got.input_ids) == b and got.meta_info["request_parameters"] == {"cache_salt": salt}
+    assert (rep["namespaces"], rep["namespaced_requests"], rep["salted_requests"]) == (1, 2, 2)
+    assert "2 requests in 1 cache namespaces besides the default (2 salted" in report_text(rep)
     res = run(out, config(page_size=ps, max_total_tokens=64))
     by = {r.rid: r for r in res.requests}
     assert by["kv-events-0"].cached_tokens == len(system)  # a's salted system prompt
