@@ -1055,8 +1055,8 @@ def test_a_late_dp_attach_holds_the_pages_the_worker_held_before_it(tmp_path, mo
     held: list[int] = []
     hold = fleet_mod.runs_to_hold
 
-    def spy(r: list, keys: list, ps: int) -> list:
-        out = hold(r, keys, ps)
+    def spy(r: list, keys: list, ps: int, namespaces: list | None = None) -> list:
+        out = hold(r, keys, ps, namespaces)
         held.extend(out)
         return out
 
