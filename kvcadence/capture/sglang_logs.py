@@ -11,8 +11,9 @@ Two formats SGLang 0.5.23 writes itself:
   An hourly file rotated and compressed (``...log.gz``) is read as well (not followed live).
 * ``--log-requests --log-requests-format json``: JSON lines ``{"timestamp": ISO8601,
   "event": "request.received" | "request.finished", "rid", "obj", "out"}``; a received and a
-  finished line are paired by ``rid`` (``RequestLogPairer``). With ``--log-requests-level``
-  below 2 there are no ids. SGLang's log formatter puts ``[YYYY-mm-dd HH:MM:SS] `` before
+  finished line are paired by ``rid`` (``RequestLogPairer``); the request's ``obj`` but its
+  ids is kept as ``meta_info["request_parameters"]``, as a metrics line's (sampling params,
+  routing key, cache namespace). With ``--log-requests-level`` below 2 there are no ids. SGLang's log formatter puts ``[YYYY-mm-dd HH:MM:SS] `` before
   each line, and the stdout target mixes them with the server's other log lines: the prefix
   is stripped and lines that hold no JSON object are skipped (``request_log_json``). Its
   timestamps are the worker's local time without a zone (``datetime.now().isoformat()``);
@@ -359,6 +360,9 @@ class RequestLogPairer:
         recv = meta.get("request_received_ts")
         ftl = meta.get("first_token_latency")
         first = _ns(recv + ftl) if isinstance(recv, float) and isinstance(ftl, float) else None
+        meta = dict(meta)
+        if obj:  # what the request was sent with, as the metrics line keeps it (no ids)
+            meta["request_parameters"] = {k: v for k, v in obj.items() if k != "input_ids"}
         return RequestRecord(
             rid=rid,
             input_ids=_ids(obj.get("input_ids"), where, "obj.input_ids"),
@@ -373,7 +377,7 @@ class RequestLogPairer:
             finish_reason=_finish_reason(meta.get("finish_reason")),
             dp_rank=_int(meta.get("dp_rank")),
             source="request-log",
-            meta_info=dict(meta),
+            meta_info=meta,
         )
 
     def unfinished(self) -> list[RequestRecord]:

@@ -40,7 +40,11 @@ def test_json_request_log_pairs_received_and_finished(tmp_path):
             "timestamp": "2026-11-29T14:00:00.000000+00:00",
             "event": "request.received",
             "rid": "a",
-            "obj": {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}},
+            "obj": {
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"max_new_tokens": 2},
+                "cache_salt": "t1",
+            },
         },
         {
             "timestamp": "2026-11-29T14:00:00.5+00:00",
@@ -69,6 +73,12 @@ def test_json_request_log_pairs_received_and_finished(tmp_path):
     assert a.input_ids == [5, 6, 7] and a.output_ids == [11, 12]
     assert (a.cached_tokens, a.max_new_tokens, a.finish_reason) == (1, 2, "length")
     assert a.finish_ns - a.send_ns == 1_250_000_000
+    # what it was sent with, as a metrics line keeps it (its namespace; no ids)
+    params = a.meta_info["request_parameters"]
+    assert params == {"sampling_params": {"max_new_tokens": 2}, "cache_salt": "t1"}
+    from kvcadence.format.namespace import Namespace, namespace_of
+
+    assert namespace_of(a.meta_info) == Namespace(cache_salt="t1")
     assert recs["b"].error == "no request.finished line" and recs["b"].input_ids == [9]
     # a rotated hour compressed next to it (``--log-requests-target`` dir): read whole, the
     # same records (the compressed size is not a limit on its text)
