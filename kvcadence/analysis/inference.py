@@ -56,6 +56,9 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("held_before_tokens", "tokens held before a late capture (placeholders of evicted pages)"),
     ("retracted_in_capture", "retracted in the capture"),
     ("retracted_in_capture_and_replay", "... of them retracted in the replay too"),
+    ("namespaced_requests", "requests in a cache namespace (extra_key, cache_salt)"),
+    ("namespaces", "... cache namespaces besides the default"),
+    ("salted_requests", "... requests with a cache_salt"),
 )
 
 

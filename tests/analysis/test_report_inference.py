@@ -135,3 +135,23 @@ def test_a_late_capture_report_says_how_much_was_held_before(name, held, tmp_pat
     assert res.doc["inferred"]["sim"]["held_before_tokens"] == held
     md = (tmp_path / "r" / "report.md").read_text()
     assert f"| tokens held before a late capture (placeholders of evicted pages) | {held:,} |" in md
+
+
+def test_a_multi_tenant_capture_report_says_how_many_requests_ran_in_namespaces(tmp_path):
+    """``p16-namespaces-http-clients``: the report's inferred section counts the requests
+    sent in a cache namespace (206 of 221: nine namespaces besides the default, 105 salted),
+    as ``kvcadence replay``'s inferred line does."""
+    from tests.replay.test_corpus import production_bundle
+
+    prod = production_bundle("p16-namespaces-http-clients", tmp_path / "real")
+    sim = tmp_path / "sim"
+    assert main(["replay", "--quiet", str(prod), "--out", str(sim)]) == 0
+    res = report.make_report([str(prod), str(sim)], tmp_path / "r", plots=False)
+    got = res.doc["inferred"]["sim"]
+    assert (got["namespaced_requests"], got["namespaces"], got["salted_requests"]) == (206, 9, 105)
+    md = (tmp_path / "r" / "report.md").read_text()
+    (row,) = [x for x in md.splitlines() if "requests in a cache namespace" in x]
+    assert [c.strip() for c in row.strip("|").split("|")] == [
+        "requests in a cache namespace (extra_key, cache_salt)",
+        "206",
+    ]
