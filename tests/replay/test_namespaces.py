@@ -127,19 +127,6 @@ def test_a_replay_keeps_each_tenant_in_its_namespace():
     assert {h for e in plain for h in e.block_hashes} >= set(wire.block_hashes(prompt, 4))
 
 
-def _salted_store(seq: list[int], start: int, end: int, ps: int, salt: str) -> BlockStored:
-    """The store of pages ``[start, end)`` of ``seq`` in salt ``salt``'s chain."""
-    hs = wire.block_hashes(seq[: end * ps], ps, cache_salt=salt)
-    return BlockStored(
-        block_hashes=hs[start:end],
-        parent_block_hash=hs[start - 1] if start else None,
-        token_ids=seq[start * ps : end * ps],
-        block_size=ps,
-        lora_id=None,
-        cache_salt=salt,
-    )
-
-
 def test_a_salted_request_the_records_lack_is_rebuilt_in_its_salt(tmp_path):
     """A production capture: the salted record ``a`` and an unrecorded salted ``b`` (a
     client that hung up: no metrics line) below ``a``'s salted system prompt. The index
@@ -150,7 +137,7 @@ def test_a_salted_request_the_records_lack_is_rebuilt_in_its_salt(tmp_path):
     from kvcadence.replay.inferred import report_text
     from kvcadence.replay.outputs import StoreIndex
     from kvcadence.replay.production import complete_records
-    from tests.replay.test_production_inference import S, rec, write_payloads
+    from tests.replay.test_production_inference import S, rec, store, write_payloads
 
     ps, salt = 4, "t"
     system = list(range(100, 108))
@@ -159,10 +146,10 @@ def test_a_salted_request_the_records_lack_is_rebuilt_in_its_salt(tmp_path):
     b = [*system, 9, 9, 8, 8]
     b_full = [*b, 60, 61, 62, 63]
     batches = [
-        (int(1.1 * S), [_salted_store(a, 0, 3, ps, salt)]),
-        (int(2.0 * S), [_salted_store(a_full, 3, 4, ps, salt)]),
-        (int(3.1 * S), [_salted_store(b, 2, 3, ps, salt)]),
-        (int(3.5 * S), [_salted_store(b_full, 3, 4, ps, salt)]),
+        (int(1.1 * S), [store(a, 0, 3, ps, salt)]),
+        (int(2.0 * S), [store(a_full, 3, 4, ps, salt)]),
+        (int(3.1 * S), [store(b, 2, 3, ps, salt)]),
+        (int(3.5 * S), [store(b_full, 3, 4, ps, salt)]),
     ]
     write_payloads(tmp_path / "b", [[t / S, evs, None] for t, evs in batches])
     from_frames = StoreIndex.from_reader(BundleReader(tmp_path / "b"), ps)

@@ -44,15 +44,17 @@ def rec(
     )
 
 
-def store(seq: list[int], start: int, end: int, ps: int) -> BlockStored:
-    """The store of pages ``[start, end)`` of ``seq`` (page indices), chained from the root."""
-    hs = block_hashes(seq[: end * ps], ps)
+def store(seq: list[int], start: int, end: int, ps: int, salt: str | None = None) -> BlockStored:
+    """The store of pages ``[start, end)`` of ``seq`` (page indices), chained from the root
+    (from ``salt``'s seed, and carrying it, with a ``cache_salt``)."""
+    hs = block_hashes(seq[: end * ps], ps, salt)
     return BlockStored(
         block_hashes=hs[start:end],
         parent_block_hash=hs[start - 1] if start else None,
         token_ids=seq[start * ps : end * ps],
         block_size=ps,
         lora_id=None,
+        cache_salt=salt,
     )
 
 
