@@ -16,6 +16,10 @@ docs/sglang-sources.md):
 * ``insert`` walks the existing path and creates **at most one** new node for the rest;
   a new node records one ``BlockStored`` (all its pages, parent = the parent node's last
   page hash, None at the root) through the ``EventSink``.
+* Cache namespaces (``format.namespace``: ``extra_key``, ``cache_salt``): each has a root of
+  its own under the root (``root_of``; holds no tokens, never evicted), where its requests'
+  walks start, so no prefix is shared across namespaces; a salt seeds the chain of its pages
+  and rides on their events, and a store or a removal carries its namespace to the sink.
 * ``lock`` / ``unlock`` count references along the path to the root (SGLang's
   ``inc_lock_ref`` / ``dec_lock_ref``) and keep ``evictable_size`` / ``protected_size``.
 * ``evict(n)`` removes **whole unlocked leaves** in the eviction policy's order until at
@@ -40,7 +44,7 @@ are still candidates then, with their policy key of then: the pop order is the t
 an access, a hit, a priority -- comes with an access, which notes the node), and a leaf
 touched or locked again in between costs no heap entry.
 
-Why ~520 lines: one data structure (match, insert, split, lock, evict) whose walks are inlined
+Why ~680 lines: one data structure (match, insert, split, lock, evict) whose walks are inlined
 hot paths.
 """
 
