@@ -510,6 +510,17 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
 CLIENTS_OVER_LANES: dict[str, int] = {"p16-tight-long-nooverlap-quiet": 4}
 
 
+#: the clients of the two lpm burst captures (the second in six cache namespaces)
+_LPM_BURST: dict[str, Any] = {
+    "seed": 9506,
+    "sessions": 36,
+    "singles": 72,
+    "span_s": 10.0,
+    "chat_out": (30, 120),
+    "systems": (96, 160, 224, 128),
+}
+
+
 #: capture -> its clients: ``python -m kvcadence.testing.httpclients`` with these
 #: parameters (the corpus README; ``http-clients-p16``: ``--seed 612 --sessions 32 --singles
 #: 76 --span-s 60``; ``dp2-p32-http-clients``: ``--seed 613 --sessions 28 --singles 86
@@ -517,24 +528,8 @@ CLIENTS_OVER_LANES: dict[str, int] = {"p16-tight-long-nooverlap-quiet": 4}
 #: --sessions 26 --singles 90 --span-s 120 --chat-out 32-128 --systems 160,288,416
 #: --single-in 240 --turn-in 200``)
 HTTP_CLIENTS: dict[str, dict[str, Any]] = {
-    "p16-lpm-http-clients": {
-        "seed": 9506,
-        "sessions": 36,
-        "singles": 72,
-        "span_s": 10.0,
-        "chat_out": (30, 120),
-        "systems": (96, 160, 224, 128),
-    },
-    "p16-lpm-namespaces-http-clients": {
-        "seed": 9506,
-        "sessions": 36,
-        "singles": 72,
-        "span_s": 10.0,
-        "chat_out": (30, 120),
-        "systems": (96, 160, 224, 128),
-        "cache_salts": 3,
-        "extra_keys": 2,
-    },
+    "p16-lpm-http-clients": _LPM_BURST,
+    "p16-lpm-namespaces-http-clients": {**_LPM_BURST, "cache_salts": 3, "extra_keys": 2},
     "p16-namespaces-http-clients": {
         "seed": 9505,
         "sessions": 36,
