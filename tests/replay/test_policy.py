@@ -235,3 +235,35 @@ def test_random_as_recorded_follows_the_first_forwards_the_records_show():
     q += [R("d", [4, 4], entry=3.5), R("e", [5, 5])]
     got = names(order_waiting("random", q, tree, match, rng=random.Random(1), as_recorded=True))
     assert got[:3] == ["c", "d", "a"] and sorted(got[3:]) == ["b", "e"]
+
+
+def test_namespaces_match_apart_and_dfs_weight_sees_their_nodes_under_the_root():
+    """Requests in a cache namespace (``ns``) match only their namespace's subtree; lpm's
+    in-batch probe tree is keyed by namespace too (two requests sharing an uncached prefix
+    in different namespaces are not de-prioritised); dfs-weight orders the namespaces' first
+    nodes as the root's children, and a request that matched nothing in its namespace
+    comes with the root's own, last (SGLang's one root)."""
+    from kvcadence.format.namespace import Namespace
+
+    tree, _ = setup()
+    a, b = Namespace(cache_salt="a"), Namespace(extra_key="b")
+    tree.insert(tuple(range(300, 340)), root=tree.root_of(a))
+
+    def match(r):
+        r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1, tree.root_of(r.ns))
+
+    q = [
+        R("x", range(1000, 1010)),  # matches nothing: the root's own
+        R("b-none", list(range(100, 200)) + [9], ns=b),  # the default's prefix: not b's
+        R("a1", list(range(300, 340)) + [1], ns=a),
+        R("plain", list(range(100, 200)) + [3]),
+        R("a2", list(range(300, 340)) + [2], ns=a),
+    ]
+    assert names(order_waiting("lpm", q, tree, match)) == ["plain", "a1", "a2", "x", "b-none"]
+    assert [r.prefix_len for r in q] == [0, 0, 40, 100, 40]
+    order = names(order_waiting("dfs-weight", q, tree, match))
+    assert order[:2] == ["a1", "a2"] and order[-2:] == ["x", "b-none"]  # with the root's own
+    shared = list(range(500, 540))
+    dup = [R("s1", shared + [1], ns=a), R("s2", shared + [2], ns=a), R("s3", shared + [3], ns=b)]
+    # s2 shares s1's uncached prefix in its namespace (de-prioritised), s3 in another (kept)
+    assert names(order_waiting("lpm", dup, tree, match)) == ["s1", "s3", "s2"]
