@@ -13,7 +13,8 @@ Two formats SGLang 0.5.23 writes itself:
   "event": "request.received" | "request.finished", "rid", "obj", "out"}``; a received and a
   finished line are paired by ``rid`` (``RequestLogPairer``); the request's ``obj`` but its
   ids is kept as ``meta_info["request_parameters"]``, as a metrics line's (sampling params,
-  routing key, cache namespace). With ``--log-requests-level`` below 2 there are no ids. SGLang's log formatter puts ``[YYYY-mm-dd HH:MM:SS] `` before
+  routing key, cache namespace). With ``--log-requests-level`` below 2 there are no ids.
+  SGLang's log formatter puts ``[YYYY-mm-dd HH:MM:SS] `` before
   each line, and the stdout target mixes them with the server's other log lines: the prefix
   is stripped and lines that hold no JSON object are skipped (``request_log_json``). Its
   timestamps are the worker's local time without a zone (``datetime.now().isoformat()``);

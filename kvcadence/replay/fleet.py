@@ -294,8 +294,8 @@ class Fleet:
         at_slot = ((self.slot_of[self.home[s.idx]], s) for s in specs)
         pre = preloads(at_slot)
         for sl in self.slots:
-            keys = [k for k, _ in pre.get(sl.index, [])]
-            spaces = [ns for _, ns in pre.get(sl.index, [])]
+            pairs = pre.get(sl.index, [])  # (prefix, its cache namespace)
+            keys, spaces = [k for k, _ in pairs], [ns for _, ns in pairs]
             runs = workers[sl.worker].unseen.get(sl.rank)
             if runs:
                 sl.sched.hold_unseen(runs_to_hold(runs, keys, sl.sched.ps, spaces))
