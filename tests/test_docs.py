@@ -66,6 +66,10 @@ OTHER_FLAGS = {
     "--input",
     "--speedup",
     "--update-doc",
+    # SGLang settings docs/simulator.md and docs/production.md name: the tokenizer's default
+    # priority (in the metrics line already) and the queue limit (not modelled)
+    "--default-priority-value",
+    "--max-queued-requests",
     # SGLang settings the replay does not model, named where it warns of them
     *("--" + k.replace("_", "-") for k in UNMODELLED),
     # declared by SGLang 0.5.23 and never read (docs/simulator.md says so)

@@ -109,6 +109,40 @@ def register(sub: Any) -> None:
         "prefill passes without the running requests' decode (SGLang's default)",
         on="--enable-mixed-chunk",
     )
+    _bool_flag(
+        p,
+        "priority-scheduling",
+        "enable_priority_scheduling",
+        "order the waiting queue by each request's priority first and let a request preempt "
+        "less important running ones (SGLang --enable-priority-scheduling; fcfs and lof "
+        "only; default: as the bundle's worker ran)",
+        "no priority scheduling (SGLang's default)",
+        on="--enable-priority-scheduling",
+    )
+    _bool_flag(
+        p,
+        "priority-preemption",
+        "disable_priority_preemption",
+        "priority scheduling without preemption (SGLang --disable-priority-preemption; "
+        "default: as the bundle's worker ran)",
+        "priority scheduling with preemption (SGLang's default once it is on)",
+        on="--disable-priority-preemption",
+        off="--priority-preemption",
+    )
+    _bool_flag(
+        p,
+        "low-priority-values-first",
+        "schedule_low_priority_values_first",
+        "a lower priority value is more important (SGLang "
+        "--schedule-low-priority-values-first; default: as the bundle's worker ran)",
+        "a higher priority value is more important (SGLang's default)",
+        on="--schedule-low-priority-values-first",
+        off="--schedule-high-priority-values-first",
+    )
+    p.add_argument("--priority-scheduling-preemption-threshold", type=int,
+                   dest="priority_threshold", metavar="N",
+                   help="the priority gap a request must exceed to preempt a running one "
+                   "(SGLang's option; default: the bundle's, else 10)")  # fmt: skip
     p.add_argument(
         "--sglang-version",
         dest="sglang_version",
@@ -342,7 +376,8 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
             + f", {summary['decode_passes']} decode), "
             f"{summary['events']} events in {summary['messages']} messages, "
             f"{summary['evictions']} evictions, {summary['retractions']} retractions, "
-            f"{summary['aborted']} aborted; "
+            + (f"{summary['preemptions']} preemptions, " if summary.get("preemptions") else "")
+            + f"{summary['aborted']} aborted; "
             + _held_before(summary.get("held_before_tokens"))
             + f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.2f} s "
             f"({phases.breakdown()})"
@@ -350,7 +385,8 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
         if inferred:
             from kvcadence.replay.inferred import report_text
 
-            print(report_text(inferred))
+            # the run's own (the replay's retractions added to the capture's)
+            print(report_text(summary.get("inferred") or inferred))
     check_some_ran(result.requests)
     return 0
 

@@ -111,6 +111,18 @@ class SimConfig:
     #: ``random`` as the capture's worker drew it: the waiting requests in the order of their
     #: recorded first forward (set when the policy is the capture's own, not a what-if)
     random_as_recorded: bool = False
+    #: priority scheduling (SGLang ``--enable-priority-scheduling``; ``fcfs`` and ``lof``
+    #: only): the waiting queue by each request's ``priority`` first, and a request that
+    #: finds the running batch full preempts running ones ``priority_threshold`` below it
+    #: (``scheduler.Scheduler._preempt_for``) unless ``disable_priority_preemption``
+    enable_priority_scheduling: bool = False
+    #: ``--schedule-low-priority-values-first``: a lower value is more important
+    schedule_low_priority_values_first: bool = False
+    #: ``--priority-scheduling-preemption-threshold``: the priority gap preemption needs
+    #: (strictly more than it)
+    priority_threshold: int = 10
+    #: ``--disable-priority-preemption``
+    disable_priority_preemption: bool = False
 
     # ------------------------------------------------------------------ derived
     @property
@@ -123,6 +135,11 @@ class SimConfig:
         if self.max_running_requests is not None and self.max_running_requests > 0:
             return self.max_running_requests
         return max(1, self.max_total_tokens // 2)
+
+    @property
+    def priority_preemption(self) -> bool:
+        """Priority scheduling with its preemption on (SGLang's default once it is on)."""
+        return self.enable_priority_scheduling and not self.disable_priority_preemption
 
     @property
     def init_ratio(self) -> float:
@@ -149,6 +166,11 @@ class SimConfig:
             raise UsageError(
                 f"schedule policy {self.schedule_policy!r} not simulated "
                 f"(choose from {', '.join(POLICIES)})"
+            )
+        if self.enable_priority_scheduling and self.schedule_policy not in ("fcfs", "lof"):
+            raise UsageError(
+                "priority scheduling needs schedule policy fcfs or lof (as SGLang: got "
+                f"{self.schedule_policy!r})"
             )
         if self.eviction_policy not in EVICTION_POLICIES:
             raise UsageError(
@@ -233,6 +255,10 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("enable_mixed_chunk", bool, ("enable_mixed_chunk",)),
     ("eviction_policy", str, ("radix_eviction_policy",)),
     ("random_seed", int, ("random_seed",)),
+    ("enable_priority_scheduling", bool, ("enable_priority_scheduling",)),
+    ("schedule_low_priority_values_first", bool, ("schedule_low_priority_values_first",)),
+    ("priority_threshold", int, ("priority_scheduling_preemption_threshold",)),
+    ("disable_priority_preemption", bool, ("disable_priority_preemption",)),
 )
 
 
@@ -241,6 +267,7 @@ _INT_RANGE = {
     "page_size": (1, 1 << 20),
     "decode_log_interval": (1, 1 << 31),
     "random_seed": (-(1 << 63), 1 << 64),
+    "priority_scheduling_preemption_threshold": (-(1 << 62), 1 << 62),
 }
 _INT_DEFAULT_RANGE = (1, 1 << 40)
 
@@ -250,7 +277,6 @@ _INT_DEFAULT_RANGE = (1, 1 << 40)
 #: value (given the whole snapshot) turns the feature on. ``--num-continuous-decode-steps``
 #: is not here: 0.5.23 declares it and never reads it.
 UNMODELLED: dict[str, Any] = {
-    "enable_priority_scheduling": lambda v, _: v is True,
     "enable_hierarchical_cache": lambda v, _: v is True,
     # 0.5.23 sizes chunks dynamically only under pipeline parallelism
     "enable_dynamic_chunking": lambda v, info: v is True and _int(info.get("pp_size")) > 1,
@@ -360,6 +386,10 @@ CLI_OVERRIDES = (
     "disable_overlap_schedule",
     "enable_mixed_chunk",
     "eviction_policy",
+    "enable_priority_scheduling",
+    "disable_priority_preemption",
+    "schedule_low_priority_values_first",
+    "priority_threshold",
     "sglang_version",
     "prefill_base_s",
     "prefill_per_token_s",

@@ -147,6 +147,7 @@ class FleetResult:
                     "events": pub.n_events,
                     "evictions": st.evictions,
                     "retractions": st.retractions,
+                    **({"preemptions": st.preemptions} if st.preemptions else {}),
                     "aborted": st.aborted,
                     **(
                         {"held_before_tokens": st.held_before_tokens}

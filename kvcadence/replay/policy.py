@@ -86,6 +86,7 @@ def order_waiting(
     running_keys: Iterable[str | None] = (),
     rng: random.Random | None = None,
     as_recorded: bool = False,
+    priority: Callable[[Any], int] | None = None,
 ) -> list[Any]:
     """Return the waiting queue in the order the adder walks it.
 
@@ -96,7 +97,15 @@ def order_waiting(
     ``running_keys``: the running requests' routing keys (``routing-key``'s); ``rng``: the
     generator ``random`` shuffles with; ``as_recorded``: ``random`` as the capture's worker
     drew it (the requests with a recorded first forward in that order, first).
+    ``priority``: priority scheduling's sort key of a request (its priority, signed so the
+    most important sorts first; None: priority scheduling off): ``fcfs`` then orders by it
+    and by when each request entered the queue (``wait_seq``), ``lof`` by it first
+    (0.5.23 ``_sort_by_priority_and_fcfs``, ``_sort_by_longest_output``).
     """
+    if priority is not None and policy in ("fcfs", "lof") and len(waiting) > 1:
+        if policy == "fcfs":
+            return sorted(waiting, key=lambda r: (priority(r), r.wait_seq))
+        return sorted(waiting, key=lambda r: (priority(r), -r.max_new_tokens))
     if policy == "fcfs" or len(waiting) <= 1:
         return list(waiting)
     if policy == "lof":

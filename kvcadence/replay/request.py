@@ -65,12 +65,18 @@ class SimReq:
         "dec0",
         "inserted_len",
         "arrival_processed",
+        "wait_seq",
     )
 
     @property
     def routing_key(self) -> str | None:
         """The routing key it was sent with (``routing-key`` scheduling)."""
         return self.spec.routing_key
+
+    @property
+    def priority(self) -> int | None:
+        """The priority it was sent with (priority scheduling; None: none)."""
+        return self.spec.priority
 
     @property
     def ns(self) -> Namespace | None:
@@ -109,6 +115,9 @@ class SimReq:
         self.inserted_len = 0
         #: the scheduler's prefill tokens when it entered the queue (``hrrn``'s aging)
         self.arrival_processed = 0
+        #: the order it (last) entered the waiting queue in (``Scheduler._enqueue``): its
+        #: ``wait_queue_entry_time`` for priority scheduling's sorts
+        self.wait_seq = 0
         self.alloc = 0
         self.decode_left = 0
         self.cached_tokens = 0
@@ -206,6 +215,8 @@ class SimStats:
     mixed_passes: int = 0
     skipped_passes: int = 0
     retractions: int = 0
+    #: running requests released for a more important one (priority scheduling)
+    preemptions: int = 0
     evictions: int = 0
     flushes: int = 0
     aborted: int = 0

@@ -100,6 +100,8 @@ class RequestSpec:
     recorded_entry_s: float | None = None
     #: its cache namespace (``format.namespace``: extra key, cache salt; None: the default)
     namespace: Namespace | None = None
+    #: the ``priority`` it was sent with (priority scheduling), where its record kept it
+    priority: int | None = None
 
     @property
     def n_out(self) -> int:
@@ -122,6 +124,15 @@ def _sent_ignore_eos(mi: dict[str, Any]) -> bool | None:
     sp = params.get("sampling_params") if isinstance(params, dict) else None
     v = sp.get("ignore_eos") if isinstance(sp, dict) else None
     return v if isinstance(v, bool) else None
+
+
+def _priority(mi: dict[str, Any]) -> int | None:
+    """The ``priority`` the request was sent with (or the worker's
+    ``--default-priority-value``, which its tokenizer sets before the metrics line is
+    written), where the record kept it (``request_parameters``)."""
+    params = mi.get("request_parameters")
+    v = params.get("priority") if isinstance(params, dict) else None
+    return v if type(v) is int else None
 
 
 def _routing_key(mi: dict[str, Any]) -> str | None:
@@ -298,6 +309,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             routing_key=_routing_key(mi),
             recorded_entry_s=meta_s(mi, "forward_entry_time"),
             namespace=namespace_of(mi),
+            priority=_priority(mi),
         )
         pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:

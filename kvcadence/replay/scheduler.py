@@ -11,8 +11,9 @@ What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
 * the loop: each iteration receives arrived requests, stashes the in-flight chunked
   request (its chunk is inserted → one store), merges the last prefill batch into the
   running batch, builds a prefill batch (``replay.admission.PrefillAdder`` over the queue
-  ordered by ``replay.policy``) or else a decode batch, allocates KV (evicting whole LRU
-  leaves on a shortfall), launches it, then
+  ordered by ``replay.policy``; under priority scheduling a request that finds the running
+  batch full may preempt less important running ones, ``_preempt_for``) or else a decode
+  batch, allocates KV (evicting whole LRU leaves on a shortfall), launches it, then
 
   - **overlap** (default): processes the *previous* batch's result — so removals caused
     while scheduling batch k+1 are queued before batch k's prefill stores; GPU timing by
@@ -57,6 +58,7 @@ import bisect
 import contextlib
 import heapq
 import random
+import sys
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -221,6 +223,16 @@ class Scheduler:
         self.batch_is_full = False
         #: ``cfg.effective_max_running``, read once (a property; checked per batch build)
         self.max_running = cfg.effective_max_running
+        #: priority scheduling: the waiting queue's sort key of a request (None: off),
+        #: whether a request may preempt running ones, and the order entries are made in
+        self.prio_key: Callable[[SimReq], int] | None = (
+            self._prio_sort_key if cfg.enable_priority_scheduling else None
+        )
+        self.preemption = cfg.priority_preemption
+        #: 1: a lower priority value is more important (``--schedule-low-priority-values-
+        #: first``), -1: a higher one (SGLang's default)
+        self.prio_sign = 1 if cfg.schedule_low_priority_values_first else -1
+        self.wait_seq = 0
         #: ``processed_tokens_counter``, ``hrrn``'s clock: each launch's extend tokens
         self.processed_tokens = 0
         #: ``random`` scheduling's shuffles (seeded: a replay is deterministic)
@@ -554,14 +566,11 @@ class Scheduler:
     def _num_allocatable(self) -> int:
         return self.max_running - len(self.running)
 
-    def _get_new_batch_prefill(self, t: int) -> Batch | None:
+    def _calc_priority(self) -> list[SimReq]:
+        """``calc_priority``: the waiting queue in the order the adder walks it (sorted in
+        place: ``self.waiting`` becomes that order), then the waiting-prefix refresh."""
         cfg = self.cfg
-        if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
-            return None
-        if self._num_allocatable() <= 0 and self.chunked_req is None:
-            self.batch_is_full = True
-            return None
-        # ``calc_priority``: after the early returns above, as in 0.5.23
+        # called after ``_get_new_batch_prefill``'s early returns, as in 0.5.23
         # ``_get_new_batch_prefill_raw``; its waiting-prefix refresh (policy.py) last
         ordered = order_waiting(
             cfg.schedule_policy,
@@ -572,6 +581,7 @@ class Scheduler:
             [r.spec.routing_key for r in (*self.running, *self.pending_merge)],
             self.rng,
             cfg.random_as_recorded,
+            self.prio_key,
         )
         # 0.5.23 sorts the waiting queue in place: the next call starts from this order
         # (ties of lpm / dfs-weight, the fcfs fallback beyond 128 waiting requests)
@@ -586,6 +596,18 @@ class Scheduler:
             if self._prefix_refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0:
                 touch_waiting_prefixes(ordered, self.tree)
             self._prefix_refresh_calls += 1
+        return ordered
+
+    def _get_new_batch_prefill(self, t: int) -> Batch | None:
+        cfg = self.cfg
+        if self.preemption:  # reset to try preemption with a prefill adder (0.5.23)
+            self.batch_is_full = False
+        if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
+            return None
+        if self._num_allocatable() <= 0 and self.chunked_req is None and not self.preemption:
+            self.batch_is_full = True
+            return None
+        ordered = self._calc_priority()
         adder = PrefillAdder(
             self.ps,
             self.tc,
@@ -609,9 +631,11 @@ class Scheduler:
                 limit = spf_chunk_limit(chunked, ordered, adder.rem_chunk_tokens or 0, self.ps)
             still_chunked = adder.add_chunked_req(chunked, limit)
         gen0523 = self.adm_generation == "0.5.23"
-        allocatable = self._num_allocatable()  # the running batch does not change here
+        # the running batch changes here only by preemption
+        allocatable = self._num_allocatable()
         has_chunked = chunked is not None
         can_run_list = adder.can_run_list
+        preempted: list[SimReq] = []
         for req in ordered:
             if gen0523 and adder.budget_state() is AddReqResult.OTHER:
                 break
@@ -619,7 +643,15 @@ class Scheduler:
             # get_num_allocatable_reqs(running_bs)``; it is not in the running batch)
             if len(can_run_list) >= allocatable:
                 self.batch_is_full = True
-                break
+            if self.batch_is_full:
+                # full: only a request that preempts running ones goes on (and once full,
+                # every later one of the pass must too: the flag stays set)
+                if not self.preemption:
+                    break
+                self._match(req)  # its prefix, as ``calc_priority``'s match left it
+                if not self._preempt_for(req, adder, preempted):
+                    break
+                allocatable = self._num_allocatable()
             self._match(req)
             res = adder.add_one_req(req, has_chunked_req=has_chunked)
             if res is not AddReqResult.CONTINUE:
@@ -629,9 +661,13 @@ class Scheduler:
                 break
         can_run = adder.can_run_list
         if not can_run:
+            for r in preempted:  # released already: queued again though nothing was admitted
+                self._enqueue(r)
             return None
         admitted = {id(r) for r in can_run}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        for r in preempted:
+            self._enqueue(r)
         new_chunked = adder.new_chunked_req
         self.chunked_req = new_chunked if new_chunked is not None else still_chunked
         # allocate the extend KV (prepare_for_extend): evict the shortfall first; at page > 1
@@ -681,6 +717,54 @@ class Scheduler:
             [not r.is_chunked for r in can_run],
         )
 
+    def _preempt_for(self, req: SimReq, adder: PrefillAdder, preempted: list[SimReq]) -> bool:
+        """0.5.23 ``PrefillAdder.preempt_to_schedule``: release running requests less
+        important than ``req`` by more than the threshold, least important (then newest)
+        first, until their reservations cover what ``req`` needs beyond the adder's
+        budget; False (nothing released) when they do not. Each is released as a retraction
+        is (``_requeue``: no insert, ``remaining × retract_decode_steps`` tokens evicted)
+        and added to ``preempted`` (queued again after the pass's admissions)."""
+        sign = self.prio_sign
+        mine = self._priority(req)
+        ratio = self.tracker.current
+        clip = self.cfg.clip_max_new_tokens
+
+        def offset(r: SimReq) -> float:
+            # ``_get_running_request_total_token_offset``
+            return min(r.max_new_tokens - r.output_len, clip) * (1.0 if r.ignore_eos else ratio)
+
+        cands = sorted(
+            (r for r in self.running if r.state == RUNNING and r not in preempted),
+            key=lambda r: (self._priority(r) * -sign, -r.wait_seq),
+        )
+        need = (
+            req.fill_len - req.prefix_len + min(req.max_new_tokens, clip) - adder.rem_total_tokens
+        )
+        chosen: list[SimReq] = []
+        for r in cands:
+            if (mine - self._priority(r)) * -sign <= self.cfg.priority_threshold:
+                break
+            chosen.append(r)
+            need -= offset(r)
+            if need <= 0:
+                break
+        if not chosen or need > 0:
+            return False
+        gone = {id(r) for r in chosen}
+        released = 0
+        steps = self.cfg.retract_decode_steps
+        for r in self.running:  # in the running batch's order, as 0.5.23 releases them
+            if id(r) not in gone:
+                continue
+            adder.rem_total_token_offset -= offset(r)
+            released += 1
+            self._requeue(r)
+            self._evict_for((len(self.running) - released) * steps)
+        self.running = [r for r in self.running if id(r) not in gone]
+        preempted.extend(chosen)
+        self.stats.preemptions += len(chosen)
+        return True
+
     def _retract(self, t: int, batch: list[SimReq]) -> None:
         """``retract_decode``: release requests of the decode ``batch`` until the next decode
         step fits."""
@@ -699,7 +783,8 @@ class Scheduler:
             self.stats.retractions += len(retracted)
             gone = {id(r) for r in retracted}
             self.running = [r for r in self.running if id(r) not in gone]
-            self.waiting.extend(retracted)
+            for r in retracted:
+                self._enqueue(r)
             # the new ratio is estimated over the requests that stay (the filtered batch)
             self.tracker.on_retract(cand)
             self.batch_is_full = False
@@ -720,7 +805,6 @@ class Scheduler:
         r.gen += 1
         r.state = WAITING
         r.retractions += 1
-        r.arrival_processed = self.processed_tokens  # ``_add_request_to_queue`` again
         n = r.input_len + r.output_len
         r.fill = r.seq_slice(0, n)
         r.fill_len = len(r.fill)
@@ -740,7 +824,10 @@ class Scheduler:
                 self.stats.retractions += len(victims)
                 self.running = []
                 self.pending_merge = []
-                self.waiting = victims + self.waiting
+                rest, self.waiting = self.waiting, []
+                for r in victims:
+                    self._enqueue(r)
+                self.waiting.extend(rest)
                 self.batch_is_full = False
         self._publish(t, self.pass_index, "pause")
         self.paused_until = until
@@ -859,7 +946,9 @@ class Scheduler:
                     self.running.append(r)
             self.pending_merge = []
         # ``_get_new_batch_prefill``'s first refusal inlined (a call per decode pass else)
-        if (self.waiting and not self.batch_is_full) or self.chunked_req is not None:
+        if (
+            self.waiting and (not self.batch_is_full or self.preemption)
+        ) or self.chunked_req is not None:
             batch = self._get_new_batch_prefill(t)
         else:
             batch = None
@@ -1056,8 +1145,29 @@ class Scheduler:
                 self.finished_count += 1
                 self._release_successors(req, at)
                 continue
-            self.waiting.append(req)
-            req.arrival_processed = self.processed_tokens
+            self._enqueue(req)
+
+    def _enqueue(self, req: SimReq) -> None:
+        """``_add_request_to_queue``: ``req`` at the end of the waiting queue, stamped with
+        the scheduler's token clock (``hrrn``) and its entry order (priority scheduling's
+        ``wait_queue_entry_time``)."""
+        self.waiting.append(req)
+        req.arrival_processed = self.processed_tokens
+        self.wait_seq += 1
+        req.wait_seq = self.wait_seq
+
+    def _priority(self, req: SimReq) -> int:
+        """``req``'s priority as the worker holds it: the one it was sent with, else the
+        least important value (0.5.23 ``_set_or_validate_priority``: ``sys.maxsize`` when low
+        values come first, ``-sys.maxsize - 1`` otherwise)."""
+        p = req.priority
+        if p is None:
+            return sys.maxsize if self.prio_sign == 1 else -sys.maxsize - 1
+        return p
+
+    def _prio_sort_key(self, req: SimReq) -> int:
+        """The waiting queue's priority key: the most important request first."""
+        return self._priority(req) * self.prio_sign
 
     # ------------------------------------------------------------------ main loop
     def run(self, progress: Callable[[int], None] | None = None) -> SimStats:

@@ -91,6 +91,8 @@ class SimResult:
             ),
             "evictions": self.stats.evictions,
             "retractions": self.stats.retractions,
+            # running requests released for a more important one (priority scheduling)
+            **({"preemptions": self.stats.preemptions} if self.stats.preemptions else {}),
             "aborted": self.stats.aborted,
             "flushes": self.stats.flushes,
             # placeholders of pages held before a late capture (replay/heldbefore)

@@ -23,7 +23,9 @@ sets for ``--schedule-policy routing-key``). With ``cache_salts`` (``--cache-sal
 client ``i`` sends ``"cache_salt": "tenant-<i % N>"``, and with ``extra_keys``
 (``--extra-keys N``) ``"extra_key": "app-<i % N>"``, each but where ``i % N`` is 0 (those
 send none): SGLang 0.5.23 keeps each ``(extra_key, cache_salt)`` in a cache namespace of its
-own, as a multi-tenant front end asks it to. No rid is sent: SGLang picks one. Plain
+own, as a multi-tenant front end asks it to. With ``priorities`` (``--priorities P,P,...``)
+client ``i`` sends ``"priority": P[i % len]`` (``none``: no priority), for a worker run with
+``--enable-priority-scheduling``. No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
 With ``flush_at`` (``--flush-at S``, repeatable) an operator thread calls ``POST
@@ -114,8 +116,10 @@ class Clients:
         routing_keys: int = 0,
         cache_salts: int = 0,
         extra_keys: int = 0,
+        priorities: tuple[int | None, ...] = (),
     ) -> None:
         self.url = url
+        self.priorities = priorities
         self.routing_keys = routing_keys
         self.cache_salts = cache_salts
         self.extra_keys = extra_keys
@@ -198,7 +202,7 @@ class Clients:
         cancel: int | None = None,
         samples: int = 1,
         routing_key: str | None = None,
-        namespace: dict[str, str] | None = None,
+        namespace: dict[str, Any] | None = None,
     ) -> list:
         """One request; ``cancel``: hang up once that many output tokens came (streamed);
         ``samples`` > 1: that many parallel samples (not streamed; the first one's
@@ -278,12 +282,20 @@ class Clients:
             out["extra_key"] = f"app-{i % self.extra_keys}"
         return out
 
+    def fields(self, i: int) -> dict[str, Any]:
+        """Client ``i``'s request fields besides the prompt: its namespace and its
+        ``priority`` (``priorities``; none where its entry is None)."""
+        out: dict[str, Any] = dict(self.namespace(i))
+        if self.priorities and self.priorities[i % len(self.priorities)] is not None:
+            out["priority"] = self.priorities[i % len(self.priorities)]
+        return out
+
     def _client(self, plan: Plan, t0: float) -> None:
         import httpx
 
         ids, appended = self.prompts(plan)
         key = f"key-{plan.index % self.routing_keys}" if self.routing_keys else None
-        ns = self.namespace(plan.index)
+        ns = self.fields(plan.index)
         time.sleep(max(0.0, t0 + plan.start_s - time.monotonic()))
         try:
             with httpx.Client(timeout=self.timeout_s) as c:
@@ -442,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-keys", type=positive_int, metavar="N",
                     help='client i sends "extra_key": "app-<i %% N>", none where i %% N is 0 '
                     "(default: none)")  # fmt: skip
+    ap.add_argument("--priorities", type=_priorities, metavar="P,P,...",
+                    help='client i sends "priority": P[i %% len] (an int; "none": no '
+                    "priority), for a worker with --enable-priority-scheduling (default: none)")  # fmt: skip
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -476,6 +491,23 @@ def _lengths(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _priorities(text: str) -> tuple[int | None, ...]:
+    """``P,P,...`` (``--priorities``): request priorities, each an int or ``none``."""
+    out: list[int | None] = []
+    for part in text.split(","):
+        p = part.strip()
+        if p == "none":
+            out.append(None)
+            continue
+        try:
+            out.append(int(p))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected priorities P,P,... (ints or none), got {text!r}"
+            ) from None
+    return tuple(out)
+
+
 def _share(text: str) -> float:
     """``F`` (``--cancel-share``): a share in [0, 1]."""
     try:
@@ -506,6 +538,7 @@ def _run(a: argparse.Namespace) -> int:
         routing_keys=a.routing_keys or 0,
         cache_salts=a.cache_salts or 0,
         extra_keys=a.extra_keys or 0,
+        priorities=a.priorities or (),
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None

@@ -180,21 +180,22 @@ def test_the_inference_counts_the_settings_in_its_own_pass(tmp_path, name):
 
 
 def test_settings_the_replay_does_not_model_are_named_in_one_warning(tmp_path, capsys):
-    """A snapshot that turns on what the simulator leaves out (priority scheduling, HiCache,
-    speculative decoding, ...) is still replayed, with one line naming each such flag; what
-    it models (mixed chunked prefill) is not named."""
+    """A snapshot that turns on what the simulator leaves out (HiCache, speculative
+    decoding, ...) is still replayed, with one line naming each such flag; what it models
+    (mixed chunked prefill, priority scheduling) is not named."""
     from kvcadence.replay.config import unmodelled_settings
 
     assert unmodelled_settings({"enable_mixed_chunk": True, "speculative_algorithm": None}) == []
     assert unmodelled_settings(
         {
-            "enable_priority_scheduling": True,
+            "enable_priority_scheduling": True,  # modelled: not named
+            "enable_session_radix_cache": True,
             "speculative_algorithm": "EAGLE",
             "num_continuous_decode_steps": 4,  # declared by 0.5.23, never read: not named
             "enable_dynamic_chunking": True,  # only under pipeline parallelism (pp_size > 1)
             "enable_hierarchical_cache": "true",  # not the bool: not read as on
         }
-    ) == ["--enable-priority-scheduling", "--speculative-algorithm EAGLE"]
+    ) == ["--enable-session-radix-cache", "--speculative-algorithm EAGLE"]
     defaults = {
         "prefill_decode_interval": None,
         "scheduler_recv_interval": 1,
@@ -222,16 +223,16 @@ def test_settings_the_replay_does_not_model_are_named_in_one_warning(tmp_path, c
         "--retraction-policy priority",
     ]
     src = CORPUS / "p16-chunk256-evict" / "bundle"
-    info = {**BundleReader(src).header.server_info, "enable_priority_scheduling": True}
+    info = {**BundleReader(src).header.server_info, "enable_hierarchical_cache": True}
     copy = _copy(src, tmp_path / "b", info)
     got = capture_settings(BundleReader(copy))
     assert got.filled == () and got.note is not None
     assert got.note.startswith(
-        "the worker ran with --enable-priority-scheduling, which the replay does not"
+        "the worker ran with --enable-hierarchical-cache, which the replay does not"
     )
     assert main(["replay", str(copy), "--out", str(tmp_path / "sim")]) == 0
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
-    assert "--enable-priority-scheduling" in line and "What is not modelled" in line
+    assert "--enable-hierarchical-cache" in line and "What is not modelled" in line
     # the snapshot's own is silent (every corpus capture ran the defaults)
     assert capture_settings(BundleReader(src)).note is None
 

@@ -111,6 +111,7 @@ BAD_SHAPES = [
     *(("--chat-out", bad) for bad in ("160-32", "0-8", "32", "a-b")),
     *(("--systems", bad) for bad in ("", "160,,288", "0", "a,8", "-8")),
     *((flag, bad) for flag in ("--single-in", "--turn-in") for bad in ("0", "-3", "x")),
+    *(("--priorities", bad) for bad in ("", "1,,2", "high", "1.5", "None")),
 ]
 
 
@@ -327,6 +328,9 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
         n_plain = len(bodies)
         spaced = hc.Clients(url, 4, sessions=2, singles=10, span_s=0.1, cache_salts=2, extra_keys=3)
         spaced.run()
+        n_spaced = len(bodies)
+        ranked = hc.Clients(url, 5, sessions=2, singles=6, span_s=0.1, priorities=(None, 0, 30))
+        ranked.run()
     finally:
         srv.shutdown()
         srv.server_close()
@@ -339,12 +343,23 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
     assert {b["routing_key"] for b in bodies[:n_keyed]} == {"key-0", "key-1"}
     assert all("routing_key" not in b for b in bodies[n_keyed:])
     assert all("cache_salt" not in b and "extra_key" not in b for b in bodies[:n_plain])
-    assert not spaced.errors and len(bodies) - n_plain == spaced.n_requests
+    assert not spaced.errors and n_spaced - n_plain == spaced.n_requests
+    assert all("priority" not in b for b in bodies[:n_spaced])
     firsts = {tuple(spaced.prompts(p)[0]): p.index for p in spaced.plans}
-    for b in bodies[n_plain:]:
+    for b in bodies[n_plain:n_spaced]:
         i = firsts.get(tuple(b["input_ids"]))
         if i is not None:  # a client's first request
             assert b.get("cache_salt") == (f"tenant-{i % 2}" if i % 2 else None)
             assert b.get("extra_key") == (f"app-{i % 3}" if i % 3 else None)
-    spaces = {(b.get("extra_key"), b.get("cache_salt")) for b in bodies[n_plain:]}
+    spaces = {(b.get("extra_key"), b.get("cache_salt")) for b in bodies[n_plain:n_spaced]}
     assert len(spaces) == 6 and (None, None) in spaces
+    # --priorities: client i sends priorities[i % 3], none where that is None
+    assert not ranked.errors and len(bodies) - n_spaced == ranked.n_requests
+    firsts = {tuple(ranked.prompts(p)[0]): p.index for p in ranked.plans}
+    seen = set()
+    for b in bodies[n_spaced:]:
+        i = firsts.get(tuple(b["input_ids"]))
+        if i is not None:
+            assert b.get("priority") == (None, 0, 30)[i % 3]
+            seen.add(b.get("priority"))
+    assert seen == {None, 0, 30}
