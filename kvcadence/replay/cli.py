@@ -139,6 +139,10 @@ def register(sub: Any) -> None:
         on="--schedule-low-priority-values-first",
         off="--schedule-high-priority-values-first",
     )
+    p.add_argument("--retraction-policy", choices=("length", "priority"), dest="retraction_policy",
+                   help="which running request a decode short of memory retracts first: fewest "
+                   "outputs (length) or the least important (priority; needs priority "
+                   "scheduling) (SGLang's option; default: the bundle's, else length)")  # fmt: skip
     p.add_argument("--priority-scheduling-preemption-threshold", type=int,
                    dest="priority_threshold", metavar="N",
                    help="the priority gap a request must exceed to preempt a running one "

@@ -123,6 +123,10 @@ class SimConfig:
     priority_threshold: int = 10
     #: ``--disable-priority-preemption``
     disable_priority_preemption: bool = False
+    #: which running request a decode short of memory retracts first (SGLang
+    #: ``--retraction-policy``): ``length`` (fewest outputs, then longest prompt) or
+    #: ``priority`` (the least important first, then as ``length``; needs priority scheduling)
+    retraction_policy: str = "length"
 
     # ------------------------------------------------------------------ derived
     @property
@@ -172,6 +176,12 @@ class SimConfig:
                 "priority scheduling needs schedule policy fcfs or lof (as SGLang: got "
                 f"{self.schedule_policy!r})"
             )
+        if self.retraction_policy not in ("length", "priority"):
+            raise UsageError(
+                f"retraction policy {self.retraction_policy!r} not simulated (length or priority)"
+            )
+        if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
+            raise UsageError("retraction policy priority needs priority scheduling (as SGLang)")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise UsageError(
                 f"radix eviction policy {self.eviction_policy!r} not simulated "
@@ -259,6 +269,7 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("schedule_low_priority_values_first", bool, ("schedule_low_priority_values_first",)),
     ("priority_threshold", int, ("priority_scheduling_preemption_threshold",)),
     ("disable_priority_preemption", bool, ("disable_priority_preemption",)),
+    ("retraction_policy", str, ("retraction_policy",)),
 )
 
 
@@ -288,7 +299,6 @@ UNMODELLED: dict[str, Any] = {
     "prefill_decode_interval": lambda v, _: _int(v) > 0,
     "scheduler_recv_interval": lambda v, _: _int(v) > 1,
     "min_free_slots_delay": lambda v, _: _int(v) > 1,
-    "retraction_policy": lambda v, _: isinstance(v, str) and v not in ("", "length"),
 }
 
 
@@ -390,6 +400,7 @@ CLI_OVERRIDES = (
     "disable_priority_preemption",
     "schedule_low_priority_values_first",
     "priority_threshold",
+    "retraction_policy",
     "sglang_version",
     "prefill_base_s",
     "prefill_per_token_s",

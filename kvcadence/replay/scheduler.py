@@ -767,9 +767,18 @@ class Scheduler:
 
     def _retract(self, t: int, batch: list[SimReq]) -> None:
         """``retract_decode``: release requests of the decode ``batch`` until the next decode
-        step fits."""
+        step fits (``_get_decode_retraction_order``: fewest outputs first, ties longest
+        prompt; ``--retraction-policy priority``: the least important first)."""
         ps = self.ps
-        cand = sorted(batch, key=lambda r: (r.output_len, -r.input_len), reverse=True)
+        if self.cfg.retraction_policy == "priority":  # the least important first, then length
+            sign = self.prio_sign
+            cand = sorted(
+                batch,
+                key=lambda r: (self._priority(r) * -sign, r.output_len, -r.input_len),
+                reverse=True,
+            )
+        else:
+            cand = sorted(batch, key=lambda r: (r.output_len, -r.input_len), reverse=True)
         retracted: list[SimReq] = []
         while True:
             need = sum(ps for r in cand if r.kv_len % ps == 0)

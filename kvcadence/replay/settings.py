@@ -21,8 +21,8 @@ them:
 Everything else keeps ``SimConfig``'s defaults (SGLang's: chunked prefill 8192, the overlap
 schedule on, ``fcfs``). ``CaptureSettings.note`` says in one line what was read from the
 events and what was left at a default, and which of the snapshot's settings the replay
-does not model (``config.unmodelled_settings``: HiCache, speculative decoding, priority
-retraction, ...), for the CLI to print; the values can be overridden
+does not model (``config.unmodelled_settings``: HiCache, speculative decoding, the
+prefill delayer, ...), for the CLI to print; the values can be overridden
 on the command line (``--page-size``, ``--max-total-tokens``, ...). The event scan runs only
 when a key is missing: a capture with a full snapshot pays nothing; a pass over the events
 made anyway (the production inference's) counts them on the way (``tally_for``).

@@ -238,3 +238,38 @@ def test_the_cli_reads_priority_scheduling_from_the_capture_and_overrides_it(tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "fcfs or lof" in err[0]
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+def _retracting(policy: str) -> dict[str, int]:
+    """``early`` (priority 1) decodes from 0 ms, ``late`` (priority 9) from 30 ms; a
+    200-token pool cannot hold both answers, so a decode step retracts one: each
+    request's ``num_retractions``."""
+
+    def mk(rid: str, base: int, at: float, p: int) -> Any:
+        r = _prio(req(rid, list(range(base, base + 50)), 58, arrival_ms=at), p)
+        r.max_new_tokens, r.finish_reason = 60, "stop"  # sent without ignore_eos
+        return r
+
+    recs = [mk("early", 3, 0, 1), mk("late", 300, 30, 9)]
+    cfg = config(
+        max_total_tokens=200,
+        schedule_conservativeness=0.1,
+        enable_priority_scheduling=True,
+        retraction_policy=policy,
+    )
+    r = run(recs, cfg)
+    assert r.stats.retractions >= 1 and r.stats.preemptions == 0
+    assert all(x.completion_tokens == 58 and x.error is None for x in r.requests)
+    check_stream(r)
+    return {x.rid: x.meta_info["num_retractions"] for x in r.requests}
+
+
+def test_retraction_policy_priority_retracts_the_least_important_first():
+    # length: the fewest outputs first (``late``); priority: the least important (``early``)
+    by_length = _retracting("length")
+    assert by_length["late"] >= 1 and by_length["early"] == 0
+    by_priority = _retracting("priority")
+    assert by_priority["early"] >= 1 and by_priority["late"] == 0
+    assert from_server_info({"retraction_policy": "priority"}).retraction_policy == "priority"
+    with pytest.raises(UsageError, match="needs priority scheduling"):
+        config(retraction_policy="priority").validate()

@@ -213,14 +213,13 @@ def test_settings_the_replay_does_not_model_are_named_in_one_warning(tmp_path, c
             "prefill_decode_interval": 4,
             "scheduler_recv_interval": 2,
             "min_free_slots_delay": 3,
-            "retraction_policy": "priority",
+            "retraction_policy": "priority",  # modelled: not named
         }
     ) == [
         "--enable-prefill-delayer",
         "--prefill-decode-interval 4",
         "--scheduler-recv-interval 2",
         "--min-free-slots-delay 3",
-        "--retraction-policy priority",
     ]
     src = CORPUS / "p16-chunk256-evict" / "bundle"
     info = {**BundleReader(src).header.server_info, "enable_hierarchical_cache": True}
