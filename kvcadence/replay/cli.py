@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from kvcadence.argtypes import nonneg_float, positive_int
+from kvcadence.argtypes import nonneg_float, nonneg_int, positive_int
 from kvcadence.outguard import refuse_nonempty_dir, removed_on_failure, term_as_interrupt
 
 
@@ -139,6 +139,16 @@ def register(sub: Any) -> None:
         on="--schedule-low-priority-values-first",
         off="--schedule-high-priority-values-first",
     )
+    p.add_argument("--prefill-decode-interval", type=nonneg_int, dest="prefill_decode_interval",
+                   metavar="N", help="decode rounds after each prefill batch before the next "
+                   "prefill (SGLang's option; 0: off; default: the bundle's)")  # fmt: skip
+    p.add_argument("--prefill-decode-interval-min-bs", type=nonneg_int,
+                   dest="prefill_decode_interval_min_bs", metavar="N",
+                   help="apply --prefill-decode-interval only while at least N requests run "
+                   "(SGLang's option; default: the bundle's, else 0)")  # fmt: skip
+    p.add_argument("--scheduler-recv-interval", type=positive_int, dest="scheduler_recv_interval",
+                   metavar="N", help="receive new requests every N-th iteration after decode "
+                   "ones (SGLang's option; default: the bundle's, else 1)")  # fmt: skip
     p.add_argument("--retraction-policy", choices=("length", "priority"), dest="retraction_policy",
                    help="which running request a decode short of memory retracts first: fewest "
                    "outputs (length) or the least important (priority; needs priority "

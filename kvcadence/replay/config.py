@@ -127,6 +127,14 @@ class SimConfig:
     #: ``--retraction-policy``): ``length`` (fewest outputs, then longest prompt) or
     #: ``priority`` (the least important first, then as ``length``; needs priority scheduling)
     retraction_policy: str = "length"
+    #: decode rounds after each prefill batch before the next prefill may be scheduled
+    #: (SGLang ``--prefill-decode-interval``; 0: off), only while the running batch holds
+    #: at least ``prefill_decode_interval_min_bs`` requests
+    prefill_decode_interval: int = 0
+    prefill_decode_interval_min_bs: int = 0
+    #: receive new requests only every N-th iteration after decode ones (SGLang
+    #: ``--scheduler-recv-interval``; 1: every iteration); after a prefill, at once
+    scheduler_recv_interval: int = 1
 
     # ------------------------------------------------------------------ derived
     @property
@@ -176,6 +184,10 @@ class SimConfig:
                 "priority scheduling needs schedule policy fcfs or lof (as SGLang: got "
                 f"{self.schedule_policy!r})"
             )
+        if self.prefill_decode_interval < 0 or self.prefill_decode_interval_min_bs < 0:
+            raise UsageError("prefill decode interval (and its min batch size) must be >= 0")
+        if self.scheduler_recv_interval < 1:
+            raise UsageError("scheduler recv interval must be >= 1")
         if self.retraction_policy not in ("length", "priority"):
             raise UsageError(
                 f"retraction policy {self.retraction_policy!r} not simulated (length or priority)"
@@ -270,6 +282,9 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("priority_threshold", int, ("priority_scheduling_preemption_threshold",)),
     ("disable_priority_preemption", bool, ("disable_priority_preemption",)),
     ("retraction_policy", str, ("retraction_policy",)),
+    ("prefill_decode_interval", int, ("prefill_decode_interval",)),
+    ("prefill_decode_interval_min_bs", int, ("prefill_decode_interval_min_bs",)),
+    ("scheduler_recv_interval", int, ("scheduler_recv_interval",)),
 )
 
 
@@ -279,6 +294,9 @@ _INT_RANGE = {
     "decode_log_interval": (1, 1 << 31),
     "random_seed": (-(1 << 63), 1 << 64),
     "priority_scheduling_preemption_threshold": (-(1 << 62), 1 << 62),
+    "prefill_decode_interval": (0, 1 << 20),
+    "prefill_decode_interval_min_bs": (0, 1 << 20),
+    "scheduler_recv_interval": (1, 1 << 20),
 }
 _INT_DEFAULT_RANGE = (1, 1 << 40)
 
@@ -296,8 +314,6 @@ UNMODELLED: dict[str, Any] = {
     "enable_dp_attention": lambda v, _: v is True,
     "disable_radix_cache": lambda v, _: v is True,
     "speculative_algorithm": lambda v, _: isinstance(v, str) and v.strip() != "",
-    "prefill_decode_interval": lambda v, _: _int(v) > 0,
-    "scheduler_recv_interval": lambda v, _: _int(v) > 1,
     "min_free_slots_delay": lambda v, _: _int(v) > 1,
 }
 
@@ -401,6 +417,9 @@ CLI_OVERRIDES = (
     "schedule_low_priority_values_first",
     "priority_threshold",
     "retraction_policy",
+    "prefill_decode_interval",
+    "prefill_decode_interval_min_bs",
+    "scheduler_recv_interval",
     "sglang_version",
     "prefill_base_s",
     "prefill_per_token_s",

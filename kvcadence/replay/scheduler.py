@@ -233,6 +233,14 @@ class Scheduler:
         #: first``), -1: a higher one (SGLang's default)
         self.prio_sign = 1 if cfg.schedule_low_priority_values_first else -1
         self.wait_seq = 0
+        #: ``--prefill-decode-interval``: decode rounds left before a prefill may run again
+        self.pdi = cfg.prefill_decode_interval
+        self.pdi_left = 0
+        #: ``--scheduler-recv-interval`` (``SchedulerRecvSkipper``): its counter, and the kind
+        #: of the previous iteration's batch (None: none) whose weight it adds
+        self.recv_interval = cfg.scheduler_recv_interval
+        self.recv_counter = 0
+        self.last_kind: str | None = None
         #: ``processed_tokens_counter``, ``hrrn``'s clock: each launch's extend tokens
         self.processed_tokens = 0
         #: ``random`` scheduling's shuffles (seeded: a replay is deterministic)
@@ -942,6 +950,32 @@ class Scheduler:
         self.running = []
         self.pending_merge.extend(rows)
 
+    def _recv_due(self) -> bool:
+        """``SchedulerRecvSkipper.handle``: add the previous iteration's weight (a decode
+        batch or none 1, any other 1000: at once after a prefill) and receive when the sum
+        reaches ``--scheduler-recv-interval``. An idle scheduler receives at once (its spins
+        take no modelled time)."""
+        if self.last_kind is None and not self.running and self.chunked_req is None:
+            self.recv_counter = 0
+            return True
+        self.recv_counter += 1 if self.last_kind in (None, "decode") else 1000
+        if self.recv_counter >= self.recv_interval:
+            self.recv_counter = 0
+            return True
+        return False
+
+    def _defer_prefill(self) -> bool:
+        """``_should_defer_prefill``: a decode round of ``--prefill-decode-interval`` instead
+        of a prefill, while the running batch holds ``prefill_decode_interval_min_bs``
+        requests (and any: an empty one spins through its rounds in no modelled time)."""
+        if not self.pdi_left:
+            return False
+        if len(self.running) < max(1, self.cfg.prefill_decode_interval_min_bs):
+            self.pdi_left = 0
+            return False
+        self.pdi_left -= 1
+        return True
+
     def _get_next_batch(self, t: int) -> Batch | None:
         if self.chunked_req is not None:
             self._stash_chunked()
@@ -955,7 +989,9 @@ class Scheduler:
                     self.running.append(r)
             self.pending_merge = []
         # ``_get_new_batch_prefill``'s first refusal inlined (a call per decode pass else)
-        if (
+        if self.pdi_left and self._defer_prefill():
+            batch = None
+        elif (
             self.waiting and (not self.batch_is_full or self.preemption)
         ) or self.chunked_req is not None:
             batch = self._get_new_batch_prefill(t)
@@ -974,6 +1010,7 @@ class Scheduler:
                 self._mix(batch)
             self.pending_merge_tokens = batch.tokens
             self.stats.prefill_passes += 1
+            self.pdi_left = self.pdi  # ``_arm_prefill_decode_interval``
             return batch
         batch = self._update_running_batch(t)
         if batch is not None:
@@ -1252,11 +1289,18 @@ class Scheduler:
             and not self.pending_merge
             and self.skip_stretches
             and not (arrivals and arrivals[0][0] <= t)
+            and not self.pdi_left
         ):
+            before = self.pass_index
             jumped = self._skip_decode_stretch(t, last, horizon)
             if jumped is not None:
                 self.t, self.last = jumped
                 self._idle_since = None
+                if self.recv_interval > 1:  # a decode iteration adds 1 to the skipper
+                    self.recv_counter = (
+                        self.recv_counter + self.pass_index - before
+                    ) % self.recv_interval
+                    self.last_kind = "decode"
                 return True
         self._idle_since = None
         if self._pauses and self._pauses[0][0] <= t and self.paused_until is None:
@@ -1271,13 +1315,16 @@ class Scheduler:
                 self.t = self.paused_until
                 return True
             self.paused_until = None
-        if arrivals and arrivals[0][0] <= t:  # ``_receive``'s first check (a call per pass)
+        if self.recv_interval > 1 and not self._recv_due():
+            pass  # ``SchedulerRecvSkipper``: not this iteration
+        elif arrivals and arrivals[0][0] <= t:  # ``_receive``'s first check (a call per pass)
             self._receive(t)
         if self._aborts:
             self._apply_aborts(t)
         if self.flush_times:
             self._maybe_flush(t)
         batch = self._get_next_batch(t)
+        self.last_kind = None if batch is None else batch.kind
         if batch is not None:
             if batch.kind == "prefill":
                 # ``run_batch`` counts each launch's ``extend_num_tokens`` (``hrrn``'s clock)

@@ -144,6 +144,8 @@ CAPTURES = (
     "p16-lpm-http-clients",
     "p16-lpm-namespaces-http-clients",
     "p16-priority-mrr4-http-clients",
+    "p16-pdi8-burst-http-clients",
+    "p16-recv8-burst-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -167,6 +169,8 @@ PRODUCTION_ONLY = (
     "p16-lpm-http-clients",
     "p16-lpm-namespaces-http-clients",
     "p16-priority-mrr4-http-clients",
+    "p16-pdi8-burst-http-clients",
+    "p16-recv8-burst-http-clients",
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
@@ -424,6 +428,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     # namespaces were modelled), the pace as above
     "p16-lpm-namespaces-http-clients": "stored_blocks_median 3 -> 4 (+33.3%); "
     "removed_events_per_request 0.8791 -> 1.088 (+23.8%); cached_tokens_equal 0.563",
+    "p16-pdi8-burst-http-clients": "stored_blocks_median 4 -> 3 (-25.0%); cached_tokens_equal 0.943",
 }
 
 
@@ -549,6 +554,20 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
         "chat_out": (30, 120),
         "priorities": (None, 0, 20, 40),
     },
+    "p16-pdi8-burst-http-clients": {
+        "seed": 9603,
+        "sessions": 36,
+        "singles": 72,
+        "span_s": 8.0,
+        "chat_out": (30, 120),
+    },
+    "p16-recv8-burst-http-clients": {
+        "seed": 9604,
+        "sessions": 36,
+        "singles": 72,
+        "span_s": 8.0,
+        "chat_out": (30, 120),
+    },
     "p16-random-mrr4-http-clients": {
         "seed": 9504,
         "sessions": 36,
@@ -629,6 +648,8 @@ HTTP_CLIENTS_INFERRED = {
     "p16-lpm-http-clients": (108, 107, 0, 97),
     "p16-lpm-namespaces-http-clients": (108, 107, 0, 60),
     "p16-priority-mrr4-http-clients": (108, 107, 0, 74),
+    "p16-pdi8-burst-http-clients": (108, 103, 0, 98),
+    "p16-recv8-burst-http-clients": (108, 116, 0, 98),
 }
 
 
@@ -1378,6 +1399,35 @@ def test_priority_capture_preempts_as_the_worker_did():
     }
     assert off["cached_tokens_equal"]["sim"] < 0.9
     assert off["removed_blocks_mean"]["delta"] > 0.3
+
+
+@pytest.mark.parametrize(
+    ("name", "setting", "off"),
+    [
+        ("p16-pdi8-burst-http-clients", "prefill_decode_interval", 0),
+        ("p16-recv8-burst-http-clients", "scheduler_recv_interval", 1),
+    ],
+)
+def test_loop_setting_captures_publish_at_the_worker_s_cadence(name, setting, off):
+    """A burst of 108 clients to a worker with ``--prefill-decode-interval 8`` (8 decode
+    rounds after each prefill batch) or ``--scheduler-recv-interval 8`` (requests received
+    every 8th iteration after decodes): both make the worker prefill fewer, larger batches,
+    so it publishes fewer messages. The production path publishes about as many as the
+    worker (130 real, 132 replayed; 168, 183) and far fewer than with the setting off
+    (188; 204)."""
+    from kvcadence.replay.simulator import replay_bundle
+
+    replayed(name, "production")
+    out = _workdir() / f"{name}-production"
+    plain = out / "sim-setting-off"
+    replay_bundle(out / "real", plain, overrides={setting: off})
+
+    def messages(p: Path) -> int:
+        return sum(1 for _ in BundleReader(p).iter_kinds("event"))
+
+    real, sim, without = messages(out / "real"), messages(out / "sim"), messages(plain)
+    assert abs(sim - real) <= 0.1 * real, (real, sim)
+    assert without - real > 2 * abs(sim - real), (real, sim, without)
 
 
 # ---------------------------------------------------------------------- the README table

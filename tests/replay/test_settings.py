@@ -210,15 +210,13 @@ def test_settings_the_replay_does_not_model_are_named_in_one_warning(tmp_path, c
     assert unmodelled_settings(
         {
             "enable_prefill_delayer": True,
-            "prefill_decode_interval": 4,
-            "scheduler_recv_interval": 2,
+            "prefill_decode_interval": 4,  # modelled: not named
+            "scheduler_recv_interval": 2,  # modelled: not named
             "min_free_slots_delay": 3,
             "retraction_policy": "priority",  # modelled: not named
         }
     ) == [
         "--enable-prefill-delayer",
-        "--prefill-decode-interval 4",
-        "--scheduler-recv-interval 2",
         "--min-free-slots-delay 3",
     ]
     src = CORPUS / "p16-chunk256-evict" / "bundle"
