@@ -149,6 +149,10 @@ def register(sub: Any) -> None:
     p.add_argument("--scheduler-recv-interval", type=positive_int, dest="scheduler_recv_interval",
                    metavar="N", help="receive new requests every N-th iteration after decode "
                    "ones (SGLang's option; default: the bundle's, else 1)")  # fmt: skip
+    p.add_argument("--min-free-slots-delay", type=int, dest="min_free_slots_delay", metavar="N",
+                   help="hold fresh prefills while fewer than N running-request slots are free "
+                   "(SGLang's option, capped by --max-running-requests; <= 1: off; default: "
+                   "the bundle's)")  # fmt: skip
     p.add_argument("--retraction-policy", choices=("length", "priority"), dest="retraction_policy",
                    help="which running request a decode short of memory retracts first: fewest "
                    "outputs (length) or the least important (priority; needs priority "

@@ -135,6 +135,10 @@ class SimConfig:
     #: receive new requests only every N-th iteration after decode ones (SGLang
     #: ``--scheduler-recv-interval``; 1: every iteration); after a prefill, at once
     scheduler_recv_interval: int = 1
+    #: hold fresh prefills while fewer than N running-request slots are free and some
+    #: request runs (SGLang ``--min-free-slots-delay``; capped by the running-request
+    #: limit, 1 or less: off)
+    min_free_slots_delay: int | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -152,6 +156,15 @@ class SimConfig:
     def priority_preemption(self) -> bool:
         """Priority scheduling with its preemption on (SGLang's default once it is on)."""
         return self.enable_priority_scheduling and not self.disable_priority_preemption
+
+    @property
+    def min_free_slots(self) -> int | None:
+        """0.5.23 ``resolve_min_free_slots``: ``min_free_slots_delay`` capped by the
+        running-request limit; None (off) when that is 1 or less or unset."""
+        if self.min_free_slots_delay is None:
+            return None
+        n = min(self.min_free_slots_delay, max(0, self.effective_max_running))
+        return n if n > 1 else None
 
     @property
     def init_ratio(self) -> float:
@@ -285,6 +298,7 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ("prefill_decode_interval", int, ("prefill_decode_interval",)),
     ("prefill_decode_interval_min_bs", int, ("prefill_decode_interval_min_bs",)),
     ("scheduler_recv_interval", int, ("scheduler_recv_interval",)),
+    ("min_free_slots_delay", int, ("min_free_slots_delay",)),
 )
 
 
@@ -297,6 +311,7 @@ _INT_RANGE = {
     "prefill_decode_interval": (0, 1 << 20),
     "prefill_decode_interval_min_bs": (0, 1 << 20),
     "scheduler_recv_interval": (1, 1 << 20),
+    "min_free_slots_delay": (-(1 << 31), 1 << 31),
 }
 _INT_DEFAULT_RANGE = (1, 1 << 40)
 
@@ -314,7 +329,6 @@ UNMODELLED: dict[str, Any] = {
     "enable_dp_attention": lambda v, _: v is True,
     "disable_radix_cache": lambda v, _: v is True,
     "speculative_algorithm": lambda v, _: isinstance(v, str) and v.strip() != "",
-    "min_free_slots_delay": lambda v, _: _int(v) > 1,
 }
 
 
@@ -420,6 +434,7 @@ CLI_OVERRIDES = (
     "prefill_decode_interval",
     "prefill_decode_interval_min_bs",
     "scheduler_recv_interval",
+    "min_free_slots_delay",
     "sglang_version",
     "prefill_base_s",
     "prefill_per_token_s",

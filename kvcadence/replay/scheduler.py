@@ -238,6 +238,9 @@ class Scheduler:
         self.pdi_left = 0
         #: ``--scheduler-recv-interval`` (``SchedulerRecvSkipper``): its counter, and the kind
         #: of the previous iteration's batch (None: none) whose weight it adds
+        #: ``--min-free-slots-delay`` (``MinFreeSlotsDelayer``): the free running-request
+        #: slots a fresh prefill waits for while some request runs (None: off)
+        self.min_free_slots = cfg.min_free_slots
         self.recv_interval = cfg.scheduler_recv_interval
         self.recv_counter = 0
         self.last_kind: str | None = None
@@ -612,6 +615,13 @@ class Scheduler:
             self.batch_is_full = False
         if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
             return None
+        if (
+            self.min_free_slots is not None
+            and self.chunked_req is None
+            and self.running
+            and self._num_allocatable() < self.min_free_slots
+        ):
+            return None  # ``MinFreeSlotsDelayer.should_delay``: wait for more free slots
         if self._num_allocatable() <= 0 and self.chunked_req is None and not self.preemption:
             self.batch_is_full = True
             return None

@@ -146,6 +146,7 @@ CAPTURES = (
     "p16-priority-mrr4-http-clients",
     "p16-pdi8-burst-http-clients",
     "p16-recv8-burst-http-clients",
+    "p16-mfs3-mrr6-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -171,6 +172,7 @@ PRODUCTION_ONLY = (
     "p16-priority-mrr4-http-clients",
     "p16-pdi8-burst-http-clients",
     "p16-recv8-burst-http-clients",
+    "p16-mfs3-mrr6-http-clients",
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
@@ -429,6 +431,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p16-lpm-namespaces-http-clients": "stored_blocks_median 3 -> 4 (+33.3%); "
     "removed_events_per_request 0.8791 -> 1.088 (+23.8%); cached_tokens_equal 0.563",
     "p16-pdi8-burst-http-clients": "stored_blocks_median 4 -> 3 (-25.0%); cached_tokens_equal 0.943",
+    "p16-mfs3-mrr6-http-clients": "cached_tokens_equal 0.846",
 }
 
 
@@ -568,6 +571,13 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
         "span_s": 8.0,
         "chat_out": (30, 120),
     },
+    "p16-mfs3-mrr6-http-clients": {
+        "seed": 9605,
+        "sessions": 36,
+        "singles": 72,
+        "span_s": 10.0,
+        "chat_out": (30, 120),
+    },
     "p16-random-mrr4-http-clients": {
         "seed": 9504,
         "sessions": 36,
@@ -650,6 +660,7 @@ HTTP_CLIENTS_INFERRED = {
     "p16-priority-mrr4-http-clients": (108, 107, 0, 74),
     "p16-pdi8-burst-http-clients": (108, 103, 0, 98),
     "p16-recv8-burst-http-clients": (108, 116, 0, 98),
+    "p16-mfs3-mrr6-http-clients": (108, 106, 0, 74),
 }
 
 
@@ -1406,15 +1417,17 @@ def test_priority_capture_preempts_as_the_worker_did():
     [
         ("p16-pdi8-burst-http-clients", "prefill_decode_interval", 0),
         ("p16-recv8-burst-http-clients", "scheduler_recv_interval", 1),
+        ("p16-mfs3-mrr6-http-clients", "min_free_slots_delay", 0),
     ],
 )
 def test_loop_setting_captures_publish_at_the_worker_s_cadence(name, setting, off):
     """A burst of 108 clients to a worker with ``--prefill-decode-interval 8`` (8 decode
-    rounds after each prefill batch) or ``--scheduler-recv-interval 8`` (requests received
-    every 8th iteration after decodes): both make the worker prefill fewer, larger batches,
-    so it publishes fewer messages. The production path publishes about as many as the
-    worker (130 real, 132 replayed; 168, 183) and far fewer than with the setting off
-    (188; 204)."""
+    rounds after each prefill batch), ``--scheduler-recv-interval 8`` (requests received
+    every 8th iteration after decodes) or ``--min-free-slots-delay 3`` under
+    ``--max-running-requests 6`` (fresh prefills wait for 3 free slots): each makes the
+    worker prefill fewer, larger batches, so it publishes fewer messages. The production
+    path publishes about as many as the worker (130 real, 132 replayed; 168, 183; 150,
+    137) and far fewer than with the setting off (188; 204; 224)."""
     from kvcadence.replay.simulator import replay_bundle
 
     replayed(name, "production")

@@ -101,3 +101,25 @@ def test_settings_come_from_the_snapshot_and_are_checked():
             from_server_info(bad)
     with pytest.raises(UsageError, match="recv interval"):
         config(scheduler_recv_interval=0)
+
+
+def _slots(delay: int | None) -> Any:
+    """Four 60-output requests fill 4 of 5 slots; ``late`` arrives while they decode."""
+    recs = [req(f"r{i}", list(range(10 * i + 3, 10 * i + 13)), 60) for i in range(4)]
+    recs.append(req("late", list(range(300, 320)), 5, arrival_ms=50))
+    return run(recs, config(max_running_requests=5, min_free_slots_delay=delay))
+
+
+def test_fresh_prefills_wait_for_enough_free_slots():
+    entry = {x.rid: x.entry_ns for x in _slots(None).scheduler.reqs}
+    assert entry["late"] < 100 * MS  # one slot is free: admitted at once
+    held = _slots(2)  # it waits for 2 free slots: until the four finish
+    got = {x.rid: x for x in held.scheduler.reqs}
+    assert got["late"].entry_ns >= max(got[f"r{i}"].finish_ns for i in range(4))
+    check_stream(held)
+    # 1 or less is off, and the limit caps it (5 slots: a delay of 9 waits for all 5)
+    assert {x.rid: x.entry_ns for x in _slots(1).scheduler.reqs} == entry
+    assert config(max_running_requests=5, min_free_slots_delay=9).min_free_slots == 5
+    assert config(min_free_slots_delay=None).min_free_slots is None
+    assert from_server_info({"min_free_slots_delay": 3}).min_free_slots_delay == 3
+    assert unmodelled_settings({"min_free_slots_delay": 3}) == []
