@@ -466,7 +466,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         else:
             lane_of[i] = n_lanes
             n_lanes += 1
-    think = _estimated_thinks(records, order, lane_of, times)
+    # only a rebuilt request's estimated finish is one its record lacks (``join_rows``)
+    think = _estimated_thinks(records, order, lane_of, times) if lost.requests else {}
     out_records = []
     replace = msgspec.structs.replace
     for i, r in enumerate(records):
