@@ -1,6 +1,6 @@
 """The simulated SGLang scheduler loop (overlap and normal), in virtual time.
 
-Why one ~1,000-line module: the loop is one algorithm whose steps share the worker's state
+Why one ~1,500-line module: the loop is one algorithm whose steps share the worker's state
 (queue, running batch, pool, tree, publish counters) and whose order *is* the model (what is
 evicted before which store is queued); its side concerns live elsewhere -- request and batch
 records in ``replay.request``, decode-stretch skipping in ``replay.stretch``, visibility marks

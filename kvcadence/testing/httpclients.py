@@ -38,9 +38,9 @@ Seeded: the number of requests, their start times, system prompts, turn counts, 
 lengths and every prompt token are fixed by ``seed`` (each client draws from its own
 generator); only the outputs (greedy) and the worker's timing are not.
 
-Why ~530 lines: one seeded traffic model whose every option is a kind of production traffic
-the corpus records (hang-ups, parallel samples, flushes, routing keys, namespaces) and its
-command line.
+Why ~570 lines: one seeded traffic model whose every option is a kind of production traffic
+the corpus records (hang-ups, parallel samples, flushes, routing keys, namespaces,
+priorities) and its command line.
 
 Used by ``tests/capture/test_production_worker.py`` (60 requests) and to record the
 corpus captures ``http-clients-p16``, ``dp2-p32-http-clients`` and ``p8-chunk128-nooverlap-http-clients``
