@@ -236,11 +236,11 @@ class Scheduler:
         #: ``--prefill-decode-interval``: decode rounds left before a prefill may run again
         self.pdi = cfg.prefill_decode_interval
         self.pdi_left = 0
-        #: ``--scheduler-recv-interval`` (``SchedulerRecvSkipper``): its counter, and the kind
-        #: of the previous iteration's batch (None: none) whose weight it adds
         #: ``--min-free-slots-delay`` (``MinFreeSlotsDelayer``): the free running-request
         #: slots a fresh prefill waits for while some request runs (None: off)
         self.min_free_slots = cfg.min_free_slots
+        #: ``--scheduler-recv-interval`` (``SchedulerRecvSkipper``): its counter, and the kind
+        #: of the previous iteration's batch (None: none) whose weight it adds
         self.recv_interval = cfg.scheduler_recv_interval
         self.recv_counter = 0
         self.last_kind: str | None = None
