@@ -8,7 +8,9 @@ multi-turn chats whose next prompt is the previous prompt + the previous output 
 prompt is its system prompt + ``turn_in`` + 8 tokens), and single shots (a system prompt +
 20 tokens, ``single_in``, ``--single-in N``; 8 output tokens). Chat turns ask for 4-20
 tokens (``chat_out``, ``--chat-out MIN-MAX``); a chat's 2nd and 4th turns may stop at EOS
-(``ignore_eos`` off), every other request runs to its length (greedy decoding). Some requests stream (``"stream": true``: a
+(``ignore_eos`` off), every other request runs to its length (greedy decoding; with
+``eos_everywhere``, ``--no-ignore-eos``, every request may stop at EOS: 0.5.23 then reserves
+only part of its answer, so a tight pool retracts). Some requests stream (``"stream": true``: a
 chat's last turn, every other single shot). With ``cancel_share`` (``--cancel-share F``) a
 share of the requests (drawn from a generator of their own: the plans above stay those of the
 seed) stream and their client hangs up after 1-4 output tokens (``cancel_after``,
@@ -117,8 +119,10 @@ class Clients:
         cache_salts: int = 0,
         extra_keys: int = 0,
         priorities: tuple[int | None, ...] = (),
+        eos_everywhere: bool = False,
     ) -> None:
         self.url = url
+        self.eos_everywhere = eos_everywhere
         self.priorities = priorities
         self.routing_keys = routing_keys
         self.cache_salts = cache_salts
@@ -305,7 +309,7 @@ class Clients:
                     zip(plan.outputs, plan.streams, cancels, samples, strict=True)
                 ):
                     # a chat's 2nd and 4th turns may stop at EOS, nothing else
-                    ignore = not plan.chat or k % 2 == 0
+                    ignore = not self.eos_everywhere and (not plan.chat or k % 2 == 0)
                     out = self.send(
                         c,
                         ids,
@@ -457,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--priorities", type=_priorities, metavar="P,P,...",
                     help='client i sends "priority": P[i %% len] (an int; "none": no '
                     "priority), for a worker with --enable-priority-scheduling (default: none)")  # fmt: skip
+    ap.add_argument("--no-ignore-eos", action="store_true", dest="eos_everywhere",
+                    help="send every request without ignore_eos (default: only a chat's 2nd and "
+                    "4th turns)")  # fmt: skip
     ap.add_argument("--out", type=Path, help="capture bundle directory to create")
     ap.add_argument("--sglang-metrics", help="the worker's metrics dir (with --out)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before stopping")
@@ -539,6 +546,7 @@ def _run(a: argparse.Namespace) -> int:
         cache_salts=a.cache_salts or 0,
         extra_keys=a.extra_keys or 0,
         priorities=a.priorities or (),
+        eos_everywhere=a.eos_everywhere,
     )
     print(f"{clients.n_requests} requests from {len(clients.plans)} clients", file=sys.stderr)
     proc = start_capture(a.server, a.sglang_metrics, a.out) if a.out else None

@@ -147,6 +147,7 @@ CAPTURES = (
     "p16-pdi8-burst-http-clients",
     "p16-recv8-burst-http-clients",
     "p16-mfs3-mrr6-http-clients",
+    "p16-retract-priority-http-clients",
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -173,6 +174,7 @@ PRODUCTION_ONLY = (
     "p16-pdi8-burst-http-clients",
     "p16-recv8-burst-http-clients",
     "p16-mfs3-mrr6-http-clients",
+    "p16-retract-priority-http-clients",
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
@@ -432,6 +434,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "removed_events_per_request 0.8791 -> 1.088 (+23.8%); cached_tokens_equal 0.563",
     "p16-pdi8-burst-http-clients": "stored_blocks_median 4 -> 3 (-25.0%); cached_tokens_equal 0.943",
     "p16-mfs3-mrr6-http-clients": "cached_tokens_equal 0.846",
+    "p16-retract-priority-http-clients": "cached_tokens_equal 0.704",
 }
 
 
@@ -578,6 +581,15 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
         "span_s": 10.0,
         "chat_out": (30, 120),
     },
+    "p16-retract-priority-http-clients": {
+        "seed": 9606,
+        "sessions": 40,
+        "singles": 70,
+        "span_s": 30.0,
+        "chat_out": (60, 200),
+        "priorities": (None, 0, 20, 40),
+        "eos_everywhere": True,
+    },
     "p16-random-mrr4-http-clients": {
         "seed": 9504,
         "sessions": 36,
@@ -661,6 +673,7 @@ HTTP_CLIENTS_INFERRED = {
     "p16-pdi8-burst-http-clients": (108, 103, 0, 98),
     "p16-recv8-burst-http-clients": (108, 116, 0, 98),
     "p16-mfs3-mrr6-http-clients": (108, 106, 0, 74),
+    "p16-retract-priority-http-clients": (110, 123, 0, 79),
 }
 
 

@@ -331,6 +331,9 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
         n_spaced = len(bodies)
         ranked = hc.Clients(url, 5, sessions=2, singles=6, span_s=0.1, priorities=(None, 0, 30))
         ranked.run()
+        n_ranked = len(bodies)
+        eos = hc.Clients(url, 6, sessions=2, singles=4, span_s=0.1, eos_everywhere=True)
+        eos.run()
     finally:
         srv.shutdown()
         srv.server_close()
@@ -354,12 +357,16 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
     spaces = {(b.get("extra_key"), b.get("cache_salt")) for b in bodies[n_plain:n_spaced]}
     assert len(spaces) == 6 and (None, None) in spaces
     # --priorities: client i sends priorities[i % 3], none where that is None
-    assert not ranked.errors and len(bodies) - n_spaced == ranked.n_requests
+    assert not ranked.errors and n_ranked - n_spaced == ranked.n_requests
     firsts = {tuple(ranked.prompts(p)[0]): p.index for p in ranked.plans}
     seen = set()
-    for b in bodies[n_spaced:]:
+    for b in bodies[n_spaced:n_ranked]:
         i = firsts.get(tuple(b["input_ids"]))
         if i is not None:
             assert b.get("priority") == (None, 0, 30)[i % 3]
             seen.add(b.get("priority"))
     assert seen == {None, 0, 30}
+    # single shots and a chat's odd turns are sent with ignore_eos, unless --no-ignore-eos
+    assert any(b["sampling_params"]["ignore_eos"] for b in bodies[n_spaced:n_ranked])
+    assert not eos.errors and len(bodies) - n_ranked == eos.n_requests
+    assert not any(b["sampling_params"]["ignore_eos"] for b in bodies[n_ranked:])
