@@ -524,12 +524,13 @@ CLIENTS_OVER_LANES: dict[str, int] = {"p16-tight-long-nooverlap-quiet": 4}
 
 
 #: the clients of the two lpm burst captures (the second in six cache namespaces)
+#: the 108 clients (36 chats, 72 single shots, 30-120-token answers) of the captures of
+#: 2026-12-05 that start them within a few seconds
+_CLIENTS_108: dict[str, Any] = {"sessions": 36, "singles": 72, "chat_out": (30, 120)}
 _LPM_BURST: dict[str, Any] = {
+    **_CLIENTS_108,
     "seed": 9506,
-    "sessions": 36,
-    "singles": 72,
     "span_s": 10.0,
-    "chat_out": (30, 120),
     "systems": (96, 160, 224, 128),
 }
 
@@ -544,43 +545,21 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
     "p16-lpm-http-clients": _LPM_BURST,
     "p16-lpm-namespaces-http-clients": {**_LPM_BURST, "cache_salts": 3, "extra_keys": 2},
     "p16-namespaces-http-clients": {
+        **_CLIENTS_108,
         "seed": 9505,
-        "sessions": 36,
-        "singles": 72,
         "span_s": 10.0,
-        "chat_out": (30, 120),
         "cache_salts": 2,
         "extra_keys": 5,
     },
     "p16-priority-mrr4-http-clients": {
+        **_CLIENTS_108,
         "seed": 9601,
-        "sessions": 36,
-        "singles": 72,
         "span_s": 15.0,
-        "chat_out": (30, 120),
         "priorities": (None, 0, 20, 40),
     },
-    "p16-pdi8-burst-http-clients": {
-        "seed": 9603,
-        "sessions": 36,
-        "singles": 72,
-        "span_s": 8.0,
-        "chat_out": (30, 120),
-    },
-    "p16-recv8-burst-http-clients": {
-        "seed": 9604,
-        "sessions": 36,
-        "singles": 72,
-        "span_s": 8.0,
-        "chat_out": (30, 120),
-    },
-    "p16-mfs3-mrr6-http-clients": {
-        "seed": 9605,
-        "sessions": 36,
-        "singles": 72,
-        "span_s": 10.0,
-        "chat_out": (30, 120),
-    },
+    "p16-pdi8-burst-http-clients": {**_CLIENTS_108, "seed": 9603, "span_s": 8.0},
+    "p16-recv8-burst-http-clients": {**_CLIENTS_108, "seed": 9604, "span_s": 8.0},
+    "p16-mfs3-mrr6-http-clients": {**_CLIENTS_108, "seed": 9605, "span_s": 10.0},
     "p16-retract-priority-http-clients": {
         "seed": 9606,
         "sessions": 40,
@@ -590,20 +569,8 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
         "priorities": (None, 0, 20, 40),
         "eos_everywhere": True,
     },
-    "p16-random-mrr4-http-clients": {
-        "seed": 9504,
-        "sessions": 36,
-        "singles": 72,
-        "span_s": 10.0,
-        "chat_out": (30, 120),
-    },
-    "p16-routing-key-mrr4-http-clients": {
-        "seed": 9503,
-        "sessions": 36,
-        "singles": 72,
-        "span_s": 10.0,
-        "chat_out": (30, 120),
-    },
+    "p16-random-mrr4-http-clients": {**_CLIENTS_108, "seed": 9504, "span_s": 10.0},
+    "p16-routing-key-mrr4-http-clients": {**_CLIENTS_108, "seed": 9503, "span_s": 10.0},
     "http-clients-p16": {"seed": 612, "sessions": 32, "singles": 76, "span_s": 60.0},
     "dp2-p32-http-clients": {
         "seed": 613,
