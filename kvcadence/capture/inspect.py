@@ -222,6 +222,22 @@ _SETTINGS = (
     ("dp_size", "dp"),
 )
 
+#: settings ``inspect`` shows only where the worker ran them off SGLang 0.5.23's default
+#: (key, text name, whether the value is off the default): each changes what it schedules
+_SET_ONLY = (
+    ("max_running_requests", "max_running", lambda v: v is not None),
+    ("max_prefill_tokens", "max_prefill", lambda v: v not in (None, 16384)),
+    ("schedule_conservativeness", "conservativeness", lambda v: v not in (None, 1.0)),
+    ("enable_priority_scheduling", "priority", lambda v: v is True),
+    ("schedule_low_priority_values_first", "low_priority_first", lambda v: v is True),
+    ("priority_scheduling_preemption_threshold", "preempt_gap", lambda v: v not in (None, 10)),
+    ("disable_priority_preemption", "no_preemption", lambda v: v is True),
+    ("retraction_policy", "retraction", lambda v: v not in (None, "length")),
+    ("prefill_decode_interval", "prefill_decode_interval", lambda v: bool(v)),
+    ("scheduler_recv_interval", "recv_interval", lambda v: v not in (None, 1)),
+    ("min_free_slots_delay", "min_free_slots", lambda v: v is not None),
+)
+
 
 def _settings(header: Header | None, block_sizes: dict[int, int]) -> dict[str, Any]:
     """The header's /server_info settings a replay starts from (null when absent; rank 0's
@@ -232,6 +248,7 @@ def _settings(header: Header | None, block_sizes: dict[int, int]) -> dict[str, A
     if isinstance(internal, list) and internal and isinstance(internal[0], dict):
         info = {**internal[0], **info}
     out: dict[str, Any] = {k: info.get(k) for k, _ in _SETTINGS}
+    out.update({k: info[k] for k, _, off in _SET_ONLY if k in info and off(info[k])})
     out["server_info"] = bool(header and header.server_info)
     out["block_sizes"] = {str(k): v for k, v in sorted(block_sizes.items())}
     return out
@@ -244,7 +261,10 @@ def _settings_text(st: dict[str, Any]) -> str:
             f"no /server_info snapshot; the events' block_size: {sizes} (replay reads the "
             "page size from them and estimates the KV pool, saying so)"
         )
-    known = "  ".join(f"{name}={st[k]}" for k, name in _SETTINGS if st[k] is not None)
+    known = "  ".join(
+        [f"{name}={st[k]}" for k, name in _SETTINGS if st[k] is not None]
+        + [f"{name}={st[k]}" for k, name, _ in _SET_ONLY if k in st]
+    )
     return f"{known or 'a /server_info snapshot without settings'}  (block_size: {sizes})"
 
 

@@ -144,6 +144,17 @@ def test_inspect_shows_the_settings_or_that_the_capture_has_none(tmp_path):
     assert "eviction=lru" in format_text(full)
     lfu = inspect_bundle(CORPUS / "p1-lanes8-lfu" / "bundle")
     assert lfu["settings"]["radix_eviction_policy"] == "lfu" and "eviction=lfu" in format_text(lfu)
+    # what changes the schedule, where the worker ran it off the default: only then
+    assert "max_running" not in format_text(full) and "priority" not in full["settings"]
+    prio = inspect_bundle(CORPUS / "p16-priority-mrr4-http-clients" / "bundle")
+    assert "max_running=4  priority=True" in format_text(prio)
+    assert prio["settings"]["enable_priority_scheduling"] is True
+    loop = inspect_bundle(CORPUS / "p16-pdi8-burst-http-clients" / "bundle")
+    assert "prefill_decode_interval=8" in format_text(loop)
+    mfs = format_text(inspect_bundle(CORPUS / "p16-mfs3-mrr6-http-clients" / "bundle"))
+    assert "max_running=6" in mfs and "min_free_slots=3" in mfs
+    rp = format_text(inspect_bundle(CORPUS / "p16-retract-priority-http-clients" / "bundle"))
+    assert "priority=True  retraction=priority" in rp
     bare = inspect_bundle(_copy(CORPUS / "p16-chunk256-evict" / "bundle", tmp_path / "b", {}))
     assert bare["settings"]["server_info"] is False and bare["settings"]["page_size"] is None
     assert bare["settings"]["block_sizes"] == {"16": 376}
