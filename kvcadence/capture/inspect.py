@@ -239,17 +239,36 @@ _SET_ONLY = (
 )
 
 
+#: a sim bundle's ``sim_config`` keys (``replay.config.SimConfig``) named otherwise in
+#: /server_info
+_SIM_NAMES = {
+    "max_total_tokens": "max_total_num_tokens",
+    "eviction_policy": "radix_eviction_policy",
+    "priority_threshold": "priority_scheduling_preemption_threshold",
+}
+
+
 def _settings(header: Header | None, block_sizes: dict[int, int]) -> dict[str, Any]:
     """The header's /server_info settings a replay starts from (null when absent; rank 0's
     scheduler state under the top level, as the replay reads it) and the events'
-    ``block_size`` counts: without a snapshot the replay takes its page size from them."""
+    ``block_size`` counts: without a snapshot the replay takes its page size from them. A
+    sim bundle keeps its source's snapshot; its own settings -- what the replay ran, the
+    overrides included (``sim_config``) -- take their places (``sim``: True)."""
     info = dict((header.server_info or {}) if header else {})
     internal = info.get("internal_states")
     if isinstance(internal, list) and internal and isinstance(internal[0], dict):
         info = {**internal[0], **info}
+    sim = header is not None and header.source == "sim" and isinstance(header.sim_config, dict)
+    if sim:
+        assert header is not None and isinstance(header.sim_config, dict)  # for mypy
+        ran = {_SIM_NAMES.get(k, k): v for k, v in header.sim_config.items()}
+        if "chunked_prefill_size" in ran and ran["chunked_prefill_size"] is None:
+            ran["chunked_prefill_size"] = -1  # SGLang's spelling of chunking off
+        info.update({k: v for k, v in ran.items() if k != "dp_size"})
     out: dict[str, Any] = {k: info.get(k) for k, _ in _SETTINGS}
     out.update({k: info[k] for k, _, off in _SET_ONLY if k in info and off(info[k])})
-    out["server_info"] = bool(header and header.server_info)
+    out["server_info"] = bool(header and header.server_info) or sim
+    out["sim"] = sim
     out["block_sizes"] = {str(k): v for k, v in sorted(block_sizes.items())}
     return out
 
@@ -265,7 +284,8 @@ def _settings_text(st: dict[str, Any]) -> str:
         [f"{name}={st[k]}" for k, name in _SETTINGS if st[k] is not None]
         + [f"{name}={st[k]}" for k, name, _ in _SET_ONLY if k in st]
     )
-    return f"{known or 'a /server_info snapshot without settings'}  (block_size: {sizes})"
+    whose = "  (the replay's)" if st.get("sim") else ""
+    return f"{known or 'a /server_info snapshot without settings'}{whose}  (block_size: {sizes})"
 
 
 _RANK_KEYS = (

@@ -155,6 +155,18 @@ def test_inspect_shows_the_settings_or_that_the_capture_has_none(tmp_path):
     assert "max_running=6" in mfs and "min_free_slots=3" in mfs
     rp = format_text(inspect_bundle(CORPUS / "p16-retract-priority-http-clients" / "bundle"))
     assert "priority=True  retraction=priority" in rp
+    # a sim bundle: what the replay ran (its overrides), not its source's snapshot
+    src = CORPUS / "p16-mfs3-mrr6-http-clients" / "bundle"
+    sim = tmp_path / "sim"
+    assert (
+        main(["replay", str(src), "--out", str(sim), "--max-total-tokens", "8000", "--quiet"]) == 0
+    )
+    ran = inspect_bundle(sim)
+    assert ran["settings"]["sim"] is True and ran["settings"]["max_total_num_tokens"] == 8000
+    assert "pool=8000" in format_text(ran) and "min_free_slots=3  (the replay's)" in format_text(
+        ran
+    )
+    assert mfs.count("(the replay's)") == 0
     bare = inspect_bundle(_copy(CORPUS / "p16-chunk256-evict" / "bundle", tmp_path / "b", {}))
     assert bare["settings"]["server_info"] is False and bare["settings"]["page_size"] is None
     assert bare["settings"]["block_sizes"] == {"16": 376}
