@@ -79,6 +79,25 @@ CANCEL_CAPTURES = (
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
+#: the captures of plain HTTP clients recorded after the cancel ones (production path only)
+LATER_CLIENT_CAPTURES = (
+    "p16-attach-midrun-http-clients",
+    "p16-attach-late-ring4-http-clients",
+    "dp2-p8-attach-late-ring4-http-clients",
+    "p4-attach-late-ring4-longout-http-clients",
+    "p8-tight-longout-http-clients",
+    "p16-routing-key-mrr4-http-clients",
+    "p16-random-mrr4-http-clients",
+    "p16-namespaces-http-clients",
+    "p16-lpm-http-clients",
+    "p16-lpm-namespaces-http-clients",
+    "p16-priority-mrr4-http-clients",
+    "p16-pdi8-burst-http-clients",
+    "p16-recv8-burst-http-clients",
+    "p16-mfs3-mrr6-http-clients",
+    "p16-retract-priority-http-clients",
+)
+
 CAPTURES = (
     "p1-lanes8",
     "p4-chunk512-nooverlap",
@@ -133,21 +152,7 @@ CAPTURES = (
     "p128-chunk512",
     "dp2-p16-chunk128-mixed",
     *CANCEL_CAPTURES,
-    "p16-attach-midrun-http-clients",
-    "p16-attach-late-ring4-http-clients",
-    "dp2-p8-attach-late-ring4-http-clients",
-    "p4-attach-late-ring4-longout-http-clients",
-    "p8-tight-longout-http-clients",
-    "p16-routing-key-mrr4-http-clients",
-    "p16-random-mrr4-http-clients",
-    "p16-namespaces-http-clients",
-    "p16-lpm-http-clients",
-    "p16-lpm-namespaces-http-clients",
-    "p16-priority-mrr4-http-clients",
-    "p16-pdi8-burst-http-clients",
-    "p16-recv8-burst-http-clients",
-    "p16-mfs3-mrr6-http-clients",
-    "p16-retract-priority-http-clients",
+    *LATER_CLIENT_CAPTURES,
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -160,21 +165,7 @@ PRODUCTION_ONLY = (
     "dp2-p32-http-clients",
     "p8-chunk128-nooverlap-http-clients",
     *CANCEL_CAPTURES,
-    "p16-attach-midrun-http-clients",
-    "p16-attach-late-ring4-http-clients",
-    "dp2-p8-attach-late-ring4-http-clients",
-    "p4-attach-late-ring4-longout-http-clients",
-    "p8-tight-longout-http-clients",
-    "p16-routing-key-mrr4-http-clients",
-    "p16-random-mrr4-http-clients",
-    "p16-namespaces-http-clients",
-    "p16-lpm-http-clients",
-    "p16-lpm-namespaces-http-clients",
-    "p16-priority-mrr4-http-clients",
-    "p16-pdi8-burst-http-clients",
-    "p16-recv8-burst-http-clients",
-    "p16-mfs3-mrr6-http-clients",
-    "p16-retract-priority-http-clients",
+    *LATER_CLIENT_CAPTURES,
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
