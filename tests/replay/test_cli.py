@@ -84,6 +84,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ["replay", str(src), "--out", str(tmp_path / "o3"), "--sglang-version", "0.5.5"],
         ["replay", str(src), "--out", str(tmp_path / "o4"), "--decode-per-ctx-token", "-1"],
         ["replay", str(src)],
+        # the scheduling settings: a bad value, or priority retraction without priorities
+        ["replay", str(src), "--out", str(tmp_path / "o5"), "--prefill-decode-interval", "-1"],
+        ["replay", str(src), "--out", str(tmp_path / "o6"), "--scheduler-recv-interval", "0"],
+        ["replay", str(src), "--out", str(tmp_path / "o7"), "--min-free-slots-delay", "x"],
+        ["replay", str(src), "--out", str(tmp_path / "o8"), "--retraction-policy", "priority"],
+        [
+            "replay",
+            str(src),
+            "--out",
+            str(tmp_path / "o9"),
+            "--priority-scheduling-preemption-threshold",
+            "high",
+        ],
     ]
     for argv in cases:
         proc = subprocess.run(
