@@ -666,7 +666,9 @@ class Scheduler:
                 # every later one of the pass must too: the flag stays set)
                 if not self.preemption:
                     break
-                self._match(req)  # its prefix, as ``calc_priority``'s match left it
+                # its prefix as an earlier pass's match left it (0: never matched): 0.5.23
+                # matches a waiting request only once the loop admits it
+                # (``init_next_round_input``; fcfs and lof do not match in ``calc_priority``)
                 if not self._preempt_for(req, adder, preempted):
                     break
                 allocatable = self._num_allocatable()

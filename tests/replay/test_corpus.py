@@ -96,6 +96,7 @@ LATER_CLIENT_CAPTURES = (
     "p16-recv8-burst-http-clients",
     "p16-mfs3-mrr6-http-clients",
     "p16-retract-priority-http-clients",
+    "p16-lof-lowprio-mrr4-http-clients",
 )
 
 CAPTURES = (
@@ -426,6 +427,9 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p16-pdi8-burst-http-clients": "stored_blocks_median 4 -> 3 (-25.0%); cached_tokens_equal 0.943",
     "p16-mfs3-mrr6-http-clients": "cached_tokens_equal 0.846",
     "p16-retract-priority-http-clients": "cached_tokens_equal 0.704",
+    "p16-lof-lowprio-mrr4-http-clients": "stored_blocks_median 2 -> 1 (-50.0%); "
+    "removed_events_per_request 0.7773 -> 0.8957 (+15.2%); "
+    "removed_blocks_mean 5.091 -> 3.984 (-21.7%); cached_tokens_equal 0.938",
 }
 
 
@@ -560,6 +564,12 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
         "priorities": (None, 0, 20, 40),
         "eos_everywhere": True,
     },
+    "p16-lof-lowprio-mrr4-http-clients": {
+        **_CLIENTS_108,
+        "seed": 9607,
+        "span_s": 15.0,
+        "priorities": (None, 0, 20, 40),
+    },
     "p16-random-mrr4-http-clients": {**_CLIENTS_108, "seed": 9504, "span_s": 10.0},
     "p16-routing-key-mrr4-http-clients": {**_CLIENTS_108, "seed": 9503, "span_s": 10.0},
     "http-clients-p16": {"seed": 612, "sessions": 32, "singles": 76, "span_s": 60.0},
@@ -632,6 +642,7 @@ HTTP_CLIENTS_INFERRED = {
     "p16-recv8-burst-http-clients": (108, 116, 0, 98),
     "p16-mfs3-mrr6-http-clients": (108, 106, 0, 74),
     "p16-retract-priority-http-clients": (110, 123, 0, 79),
+    "p16-lof-lowprio-mrr4-http-clients": (108, 103, 0, 55),
 }
 
 
