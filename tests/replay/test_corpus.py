@@ -522,6 +522,10 @@ CLIENTS_OVER_LANES: dict[str, int] = {"p16-tight-long-nooverlap-quiet": 4}
 #: the 108 clients (36 chats, 72 single shots, 30-120-token answers) of the captures of
 #: 2026-12-05 that start them within a few seconds
 _CLIENTS_108: dict[str, Any] = {"sessions": 36, "singles": 72, "chat_out": (30, 120)}
+#: the priorities (``--priorities none,0,20,40``) of the priority-scheduling captures, and
+#: the 108 clients sending them within 15 s
+_PRIORITIES = (None, 0, 20, 40)
+_PRIO_CLIENTS: dict[str, Any] = {**_CLIENTS_108, "span_s": 15.0, "priorities": _PRIORITIES}
 _LPM_BURST: dict[str, Any] = {
     **_CLIENTS_108,
     "seed": 9506,
@@ -546,12 +550,7 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
         "cache_salts": 2,
         "extra_keys": 5,
     },
-    "p16-priority-mrr4-http-clients": {
-        **_CLIENTS_108,
-        "seed": 9601,
-        "span_s": 15.0,
-        "priorities": (None, 0, 20, 40),
-    },
+    "p16-priority-mrr4-http-clients": {**_PRIO_CLIENTS, "seed": 9601},
     "p16-pdi8-burst-http-clients": {**_CLIENTS_108, "seed": 9603, "span_s": 8.0},
     "p16-recv8-burst-http-clients": {**_CLIENTS_108, "seed": 9604, "span_s": 8.0},
     "p16-mfs3-mrr6-http-clients": {**_CLIENTS_108, "seed": 9605, "span_s": 10.0},
@@ -561,15 +560,10 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
         "singles": 70,
         "span_s": 30.0,
         "chat_out": (60, 200),
-        "priorities": (None, 0, 20, 40),
+        "priorities": _PRIORITIES,
         "eos_everywhere": True,
     },
-    "p16-lof-lowprio-mrr4-http-clients": {
-        **_CLIENTS_108,
-        "seed": 9607,
-        "span_s": 15.0,
-        "priorities": (None, 0, 20, 40),
-    },
+    "p16-lof-lowprio-mrr4-http-clients": {**_PRIO_CLIENTS, "seed": 9607},
     "p16-random-mrr4-http-clients": {**_CLIENTS_108, "seed": 9504, "span_s": 10.0},
     "p16-routing-key-mrr4-http-clients": {**_CLIENTS_108, "seed": 9503, "span_s": 10.0},
     "http-clients-p16": {"seed": 612, "sessions": 32, "singles": 76, "span_s": 60.0},
