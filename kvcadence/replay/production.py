@@ -76,7 +76,7 @@ from kvcadence.replay.clocks import records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
 from kvcadence.replay.precached import PRECACHED_KEY, carriers
-from kvcadence.replay.retracted import is_retracted, retracted_run
+from kvcadence.replay.retracted import retracted_run
 from kvcadence.replay.schedule import FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
     Node,
@@ -87,6 +87,7 @@ from kvcadence.replay.sessions import (
     unlink_shared_open_tails,
 )
 from kvcadence.replay.settings import capture_settings, page_size_hint, tally_for
+from kvcadence.replay.timing import is_retracted
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
 from kvcadence.replay.unrecorded import join_rows, page_key, rebuild
 

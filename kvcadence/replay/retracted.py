@@ -1,10 +1,10 @@
 """Retracted requests in a production capture: their outputs' stores, and the counts.
 
 What this file owns: ``retracted_run`` (a retracted request stored its outputs in two runs,
-at its re-prefill and at its finish: ``production`` reads both), ``is_retracted`` (a
-record's ``meta_info.num_retractions``) and ``retractions`` (the capture's retracted
-requests against the replay's own: the replay simulates retractions from memory pressure,
-the recorded count is not imposed).
+at its re-prefill and at its finish: ``production`` reads both) and ``retractions`` (the
+capture's retracted requests against the replay's own: the replay simulates retractions
+from memory pressure, the recorded count is not imposed; ``timing.is_retracted`` reads a
+record's ``meta_info.num_retractions``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvcadence.replay.outputs import StoreIndex
+from kvcadence.replay.timing import is_retracted
 from kvcadence.replay.tokens import EMPTY, cat
 
 
@@ -47,12 +48,6 @@ def retracted_run(
         last = more[1]
         merged = merged or more[2]
     return toks, last, merged, where, tie
-
-
-def is_retracted(r: Any) -> bool:
-    """``r`` (a request record) was retracted at least once (``meta_info.num_retractions``)."""
-    nr = (r.meta_info or {}).get("num_retractions")
-    return isinstance(nr, int) and not isinstance(nr, bool) and nr > 0
 
 
 def retractions(records: Iterable[Any], sim_requests: Iterable[Any]) -> dict[str, int]:

@@ -118,10 +118,16 @@ class Schedule:
     closed_loop: bool = True
 
 
+def _sent(mi: dict[str, Any], key: str) -> Any:
+    """``key`` of the request as it was sent, where the record kept it (SGLang's metrics
+    line: ``request_parameters``); ``None`` where it did not."""
+    params = mi.get("request_parameters")
+    return params.get(key) if isinstance(params, dict) else None
+
+
 def _sent_ignore_eos(mi: dict[str, Any]) -> bool | None:
     """The ``ignore_eos`` the request was sent with, where the record kept it."""
-    params = mi.get("request_parameters")
-    sp = params.get("sampling_params") if isinstance(params, dict) else None
+    sp = _sent(mi, "sampling_params")
     v = sp.get("ignore_eos") if isinstance(sp, dict) else None
     return v if isinstance(v, bool) else None
 
@@ -129,17 +135,14 @@ def _sent_ignore_eos(mi: dict[str, Any]) -> bool | None:
 def _priority(mi: dict[str, Any]) -> int | None:
     """The ``priority`` the request was sent with (or the worker's
     ``--default-priority-value``, which its tokenizer sets before the metrics line is
-    written), where the record kept it (``request_parameters``)."""
-    params = mi.get("request_parameters")
-    v = params.get("priority") if isinstance(params, dict) else None
+    written), where the record kept it."""
+    v = _sent(mi, "priority")
     return v if type(v) is int else None
 
 
 def _routing_key(mi: dict[str, Any]) -> str | None:
-    """The ``routing_key`` the request was sent with, where the record kept it (SGLang's
-    metrics line: ``request_parameters``)."""
-    params = mi.get("request_parameters")
-    v = params.get("routing_key") if isinstance(params, dict) else None
+    """The ``routing_key`` the request was sent with, where the record kept it."""
+    v = _sent(mi, "routing_key")
     return v if isinstance(v, str) and v else None
 
 

@@ -17,7 +17,9 @@ parameters from the capture's own ``meta_info`` timings (bundles carry no ``serv
   ``forward_entry_time`` − this one's when that batch is a prefill, else
   ``prefill_finished_time − forward_entry_time`` − one decode pass;
 * a decode pass is, per request, ``(request_finished_ts − prefill_finished_time −
-  prefill time of other batches finishing inside that window) / (completion_tokens − 1)``;
+  prefill time of other batches finishing inside that window) / (completion_tokens − 1)``
+  (not for a request retracted or preempted on the way, ``num_retractions`` > 0: its window
+  holds its wait in the queue);
   the median over requests is split into a base and a per-request part by regressing on the
   number of requests that overlapped the window. The per-context-token term is not fitted
   (docs/simulator.md, "A decode term per context token", says what fitting it measured);
@@ -109,6 +111,12 @@ def _received_s(mi: dict[str, Any]) -> float | None:
     return None
 
 
+def is_retracted(r: Any) -> bool:
+    """``r`` (a request record) was retracted at least once (``meta_info.num_retractions``)."""
+    nr = (r.meta_info or {}).get("num_retractions")
+    return isinstance(nr, int) and not isinstance(nr, bool) and nr > 0
+
+
 def finished_s(mi: dict[str, Any]) -> float | None:
     v = meta_s(mi, "request_finished_ts")
     return v if v is not None else meta_s(mi, "response_sent_to_client_ts")
@@ -130,6 +138,7 @@ def calibrate(
     records = list(records)
     p = TimingParams() if base is None else TimingParams(**_asdict(base))
     rows = []
+    retracted = []  # rows[i]'s request waited again mid-run: its window is no decode time
     spans = []  # (received, finished, completion tokens) from server-side times
     for r in records:
         mi = r.meta_info or {}
@@ -155,6 +164,7 @@ def calibrate(
                 prompt,
             )
         )
+        retracted.append(is_retracted(r))
     if len(rows) < 4:
         if len(spans) >= _MIN_LATENCY_SPANS:
             _calibrate_from_latency(p, spans, sync_forward)
@@ -201,8 +211,8 @@ def calibrate(
         """``(base, per request, a typical pass)``: the typical pass's context part in."""
         per_pass, conc, ctx = [], [], []
         inside_of = Inside(ends)
-        for _fe, pf, _rx, fin, n, _u, _c, _p in rows:
-            if n < 2 or fin <= pf:
+        for (_fe, pf, _rx, fin, n, _u, _c, _p), back in zip(rows, retracted, strict=True):
+            if n < 2 or fin <= pf or back:
                 continue
             inside = inside_of(pf, fin)
             t = (fin - pf - inside) / (n - 1)

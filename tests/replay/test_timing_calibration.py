@@ -559,6 +559,28 @@ def test_decode_context_term_is_given_and_the_rest_fitted_around_it():
     assert flat.decode_base_s + flat.decode_per_req_s == pytest.approx(0.005, rel=1e-6)
 
 
+def test_a_retracted_requests_window_is_no_decode_time():
+    """A request retracted or preempted mid-run (``meta_info.num_retractions``) waited
+    inside its first-prefill-to-finish window: those windows stay out of the decode fit,
+    which recovers the passes of the requests that ran straight through."""
+    recs = _context_capture(0.0)
+    waited = []  # alone, 2.4 s from first prefill to finish: mostly waiting
+    for i in range(0, 24, 3):
+        entry = 100.0 + 5 * i + 2.5
+        r = phase_rec(f"w{i}", entry, entry + 0.02, entry + 2.4, 400)
+        mi = {**(r.meta_info or {}), "num_retractions": 1 + i % 2}
+        waited.append(msgspec.structs.replace(r, meta_info=mi))
+    fit = calibrate(recs + waited)
+    assert fit.decode_base_s + fit.decode_per_req_s == pytest.approx(0.005, rel=1e-6)
+    # the same windows counted as decode time pull the fit far off
+    kept = [
+        msgspec.structs.replace(w, meta_info={**(w.meta_info or {}), "num_retractions": 0})
+        for w in waited
+    ]
+    off = calibrate(recs + kept)
+    assert off.decode_base_s + off.decode_per_req_s > 0.01
+
+
 def test_context_is_the_time_averaged_kv_of_the_requests_alive():
     """``intervals.Context`` against its definition, summed row by row."""
     from kvcadence.replay.intervals import Context
