@@ -403,6 +403,29 @@ def test_calibration_recovers_the_attended_prefix_coefficient():
     assert flat.prefill_per_token_s == pytest.approx(2e-5, rel=1e-6)
 
 
+def test_a_preempted_requests_prefill_span_is_no_prefill_time():
+    """SGLang keeps a request's first ``forward_entry_time`` and first
+    ``prefill_finished_time``; a preempted request's may span its wait in the queue
+    (seconds, where the others' prefills take tens of ms). Such requests
+    (``num_retractions`` > 0) stay out of the prefill fit: it recovers the others' cost."""
+    recs = _prefix_capture(0.0)
+    waited = []
+    for i in range(6):
+        r = prefix_rec(f"w{i}", 101.0 + 2 * i, 1.5, 300, 0)  # 1.5 s "prefill", alone
+        waited.append(
+            msgspec.structs.replace(r, meta_info={**(r.meta_info or {}), "num_retractions": 1})
+        )
+    fit = calibrate(recs + waited)
+    assert fit.prefill_per_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert fit.prefill_base_s == pytest.approx(0.010, rel=1e-6)
+    # counted, the same spans make the prefill pass seconds
+    kept = [
+        msgspec.structs.replace(w, meta_info={**(w.meta_info or {}), "num_retractions": 0})
+        for w in waited
+    ]
+    assert calibrate(recs + kept).prefill_base_s > 0.1
+
+
 def test_prefix_term_needs_to_explain_the_durations():
     """A prefix coefficient that lowers the residuals by less than ``PREFIX_MIN_F`` (noise
     that happens to correlate with the cached prefix) is not taken."""
