@@ -3,7 +3,8 @@
 What this file owns: ``PassTimer`` (prefill pass = base + per_token × extend tokens +
 per_req × requests + per_prefix_token × the prefix tokens the batch's requests attend to;
 decode pass = base + per_req × batch size + per_ctx_token × the batch's context, its
-requests' KV lengths summed) and ``calibrate(records)``, which derives the
+requests' KV lengths summed), ``is_retracted`` (a record's ``meta_info.num_retractions``:
+retracted or preempted at least once) and ``calibrate(records)``, which derives the
 parameters from the capture's own ``meta_info`` timings (bundles carry no ``server.log``):
 
 * prefill batches are the requests sharing one ``forward_entry_time`` (not those retracted
