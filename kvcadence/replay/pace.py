@@ -26,6 +26,7 @@ from kvcadence.replay.config import TimingParams
 from kvcadence.replay.timing import (
     PassTimer,
     finished_s,
+    is_retracted,
     meta_s,
     prefill_batches,
     prefill_duration,
@@ -67,7 +68,10 @@ def recorded_token_times(
 ) -> dict[int, list[float]]:
     """Recorded wall time (seconds) of every output of one rank's requests: ``{index in
     records: [t_1, ..., t_n]}`` for those with per-phase timings (``t_1`` =
-    ``prefill_finished_time``, ``t_n`` = ``request_finished_ts``). ``sync_forward`` as in
+    ``prefill_finished_time``, ``t_n`` = ``request_finished_ts``) and never retracted or
+    preempted (``timing.is_retracted``: such a request waited in the queue inside that
+    window, so when its outputs came is not known; it neither gets times nor sets the
+    rank's pace). ``sync_forward`` as in
     ``calibrate`` (a CPU worker recorded under the overlap loop: ``prefill_finished_time``
     is the end of the *next* forward): ``t_1`` is that next forward's recorded start when
     the records show it -- the next prefill batch's ``forward_entry_time``, when it entered
@@ -91,7 +95,7 @@ def recorded_token_times(
         fe, pf = meta_s(mi, "forward_entry_time"), meta_s(mi, "prefill_finished_time")
         fin = finished_s(mi)
         n = int(r.completion_tokens or len(r.output_ids) or 0)
-        if fe is None or pf is None or fin is None or fin < pf:
+        if fe is None or pf is None or fin is None or fin < pf or is_retracted(r):
             continue
         rows.append((i, fe, pf, fin, n))
     out: dict[int, list[float]] = {}

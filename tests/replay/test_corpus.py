@@ -195,7 +195,7 @@ MISSES: dict[tuple[str, str], str] = {
     ("p1-retract-noeos", "cached_equal"): "cached_tokens_equal 0.655",
     ("p16-retract-noeos", "stored_median"): "stored_blocks_median 11 -> 10 (-9.1%)",
     ("p16-retract-noeos", "cached_equal"): "cached_tokens_equal 0.665",
-    ("dp2-p4-retract-noeos", "cached_equal"): "cached_tokens_equal 0.865",
+    ("dp2-p4-retract-noeos", "cached_equal"): "cached_tokens_equal 0.860",
     ("p4-mrr3", "cached_equal"): "cached_tokens_equal 0.935",
     ("p8-chunk384-loaded", "cached_equal"): "cached_tokens_equal 0.805",
     ("p2-flush2x", "cached_equal"): "cached_tokens_equal 0.945",
@@ -205,7 +205,7 @@ MISSES: dict[tuple[str, str], str] = {
     ("p16-mpt512", "removed_mean"): "removed_blocks_mean 15.1 -> 13.2 (-12.7%)",
     ("p32-flush-nooverlap-quiet", "cached_equal"): "cached_tokens_equal 0.720",
     ("p1-retract-noeos-quiet", "cached_equal"): "cached_tokens_equal 0.735",
-    ("dp2-p4-retract-noeos-quiet", "cached_equal"): "cached_tokens_equal 0.720",
+    ("dp2-p4-retract-noeos-quiet", "cached_equal"): "cached_tokens_equal 0.830",
     ("p1-lanes8-lfu", "stored_median"): "stored_blocks_median 49 -> 50.5 (+3.1%)",
     ("p1-lanes8-lfu", "cached_equal"): "cached_tokens_equal 0.760",
     ("p1-lanes8-slru", "cached_equal"): "cached_tokens_equal 0.750",
@@ -363,7 +363,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p1-retract-noeos": "stored_blocks_median 135 -> 149.5 (+10.7%); removed_blocks_mean 225.9 "
     "-> 255.8 (+13.2%); cached_tokens_equal 0.625",
     "p16-retract-noeos": "stored_blocks_median 11 -> 10 (-9.1%); cached_tokens_equal 0.665",
-    "dp2-p4-retract-noeos": "cached_tokens_equal 0.865",
+    "dp2-p4-retract-noeos": "cached_tokens_equal 0.860",
     "dp2-p32-http-clients": "removed_blocks_mean 7.5 -> 8.394 (+11.9%)",
     "p4-mrr3": "cached_tokens_equal 0.935",
     "p8-chunk384-loaded": "cached_tokens_equal 0.805",
@@ -373,7 +373,7 @@ PRODUCTION_MISSES: dict[str, str] = {
     "-> 13.5 (-10.8%)",
     "p32-flush-nooverlap-quiet": "cached_tokens_equal 0.720",
     "p1-retract-noeos-quiet": "cached_tokens_equal 0.740",
-    "dp2-p4-retract-noeos-quiet": "cached_tokens_equal 0.720",
+    "dp2-p4-retract-noeos-quiet": "cached_tokens_equal 0.830",
     "p1-lanes8-lfu": "stored_blocks_median 49 -> 51 (+4.1%); cached_tokens_equal 0.765",
     "p1-lanes8-slru": "cached_tokens_equal 0.730",
     "p1-lanes8-priority": "cached_tokens_equal 0.725",
@@ -1292,7 +1292,7 @@ RETRACTIONS = {
     "p1-retract-noeos": (6, 5, 0),
     "p1-retract-noeos-nooverlap": (7, 7, 6),
     "p16-retract-noeos": (5, 8, 1),
-    "dp2-p4-retract-noeos": (10, 7, 3),
+    "dp2-p4-retract-noeos": (10, 6, 2),
     "p1-mixed-retract-nooverlap": (5, 5, 0),
     "p4-retract-noeos-cons03": (3, 3, 0),
 }
@@ -1309,8 +1309,8 @@ def test_retraction_capture_retracts_in_the_replay_too(name):
     retraction estimated over the whole batch); ``p16-retract-noeos`` (page 16, queued
     too): 5 against 8, 1 the same (2 on the model's pace; the first retraction is the real
     one; the streams part at message 39 by one decode step of timing, see the corpus
-    README); ``dp2-p4-retract-noeos`` (DP 2, page 4): 10 against 7,
-    3 the same; ``p1-mixed-retract-nooverlap`` (mixed chunks): 5 against 5, none the same
+    README); ``dp2-p4-retract-noeos`` (DP 2, page 4): 10 against 6,
+    2 the same (7 and 3 while its recorded pace counted the retracted requests' windows); ``p1-mixed-retract-nooverlap`` (mixed chunks): 5 against 5, none the same
     (the first batch already differs, see the corpus README); ``p4-retract-noeos-cons03``
     (``--schedule-conservativeness 0.3``): 3 against 3, none the same. Without the sent ``ignore_eos`` the replay took every
     request that ran to its length for an ``ignore_eos`` one and retracted none."""

@@ -244,6 +244,24 @@ def test_prefill_times_span_the_next_forward_only_on_an_overlap_loop_cpu_worker(
     assert not spans_next_forward(None)
 
 
+def test_a_retracted_request_has_no_recorded_pace_and_sets_none():
+    """A request retracted or preempted on the way (``num_retractions`` > 0) waited inside
+    its first-prefill-to-finish window: when its outputs were recorded is not known, so it
+    gets no recorded times (a paced pass does not aim at it) and its window does not slow
+    the rank's fitted pass rate."""
+    a = phased("a", 0.0, 0.5, 10.5, 41)
+    b = phased("b", 0.0, 0.5, 2.5, 21)
+    slow = phased("w", 0.0, 0.5, 10.5, 21)  # 20 outputs over 10 s: mostly waiting
+    ret = msgspec.structs.replace(slow, meta_info={**slow.meta_info, "num_retractions": 1})
+    alone = recorded_token_times([a, b], P)
+    out = recorded_token_times([a, b, ret], P)
+    assert sorted(out) == [0, 1]
+    assert out[0] == pytest.approx(alone[0]) and out[1] == pytest.approx(alone[1])
+    # counted, its window would pull the rank's pace down (a's 21st output later)
+    kept = recorded_token_times([a, b, slow], P)
+    assert sorted(kept) == [0, 1, 2] and kept[0][20] > out[0][20] + 0.1
+
+
 def test_records_without_phase_timings_have_no_recorded_pace():
     r = phased("a", 0.0, 0.5, 10.5, 21)
     r.meta_info = {"e2e_latency": 3.0}
