@@ -9,6 +9,7 @@ module level; the simulator and its dependencies load inside ``run``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -307,12 +308,14 @@ def run(args: argparse.Namespace) -> int:
     ns_note = namespace_note(records)
     if ns_note and not args.quiet:
         print(f"replay: warning: {src}: {ns_note}", file=sys.stderr)
+    calibration: dict[str, Any] = {}
     cfg = effective_config(
         settings.server_info,
         records,
         overrides,
         sglang_version=args.sglang_version or reader.header.sglang_version,
         calibrate_timing=not args.no_calibrate,
+        calibration=calibration,
     )
     with request_bar(len(records), quiet=args.quiet) as progress:
         result = replay_bundle(
@@ -328,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
             pace=replay_pace(args),
         )
     args._out_complete = True  # written whole: an interrupted --publish keeps it
-    return _finish(args, result, cfg, phases, inferred)
+    return _finish(args, result, cfg, phases, inferred, (calibration, overrides))
 
 
 def _warn_if_damaged(src: Any, reader: Any, n_requests: int) -> None:
@@ -356,11 +359,24 @@ def _warn_if_damaged(src: Any, reader: Any, n_requests: int) -> None:
     )
 
 
-def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferred: Any) -> int:
-    """Publish (``--publish``), print the summary, exit status of a single-worker replay."""
+def _finish(
+    args: argparse.Namespace,
+    result: Any,
+    cfg: Any,
+    phases: Any,
+    inferred: Any,
+    timing: tuple[dict[str, Any], dict[str, Any]] | None = None,
+) -> int:
+    """Publish (``--publish``), print the summary, exit status of a single-worker replay.
+    ``timing``: a bundle's replay, ``(calibration report, overrides)``: its pass-time model
+    and where it came from are said (``timing.model_line``; JSON ``timing``, ``calibration``)."""
     from kvcadence.replay.simulator import check_some_ran
+    from kvcadence.replay.timing import given_terms
 
     summary = result.summary()
+    if timing is not None:
+        summary["timing"] = dataclasses.asdict(cfg.timing)
+        summary["calibration"] = {**timing[0], "given": given_terms(cfg.timing, timing[1])}
     summary["simulate_s"] = summary.pop("wall_s")
     if args.publish:
         from kvcadence.replay.publish import publish_batches
@@ -400,6 +416,11 @@ def _finish(args: argparse.Namespace, result: Any, cfg: Any, phases: Any, inferr
             + f"virtual {summary['virtual_s']:.3f} s, wall {summary['wall_s']:.2f} s "
             f"({phases.breakdown()})"
         )
+        if timing is not None:
+            from kvcadence.replay.timing import model_line
+
+            given = given_terms(cfg.timing, timing[1])
+            print(model_line(cfg.timing, timing[0], given, calibrated=not args.no_calibrate))
         if inferred:
             from kvcadence.replay.inferred import report_text
 

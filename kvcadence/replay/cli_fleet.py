@@ -14,6 +14,7 @@ Imports only the standard library at module level.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sized
@@ -209,6 +210,24 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
     summary["phases_s"] = {k: round(v, 3) for k, v in phases.times.items()}
     summary["out"] = [str(p) for p in paths]
     summary["aborted"] = sum(p["aborted"] for p in summary["per_rank"])
+    from kvcadence.replay.timing import given_terms, model_line
+
+    timings = []
+    for w in workers:
+        cals = w.calibrations
+        if len(cals) != len(w.rank_configs):  # not read by ``load_worker``: not known
+            cals = [{} for _ in w.rank_configs]
+        for cfg, cal in zip(w.rank_configs, cals, strict=True):
+            timings.append((w, cfg, cal, given_terms(cfg.timing, ov)))
+    summary["timing"] = [
+        {
+            "worker": w.name,
+            "rank": cfg.attn_dp_rank,
+            **dataclasses.asdict(cfg.timing),
+            "calibration": {**cal, "given": given},
+        }
+        for w, cfg, cal, given in timings
+    ]
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
@@ -233,6 +252,9 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                     else ""
                 )
             )
+        for w, cfg, cal, given in timings:  # each rank's pass-time model, as calibrated
+            text = model_line(cfg.timing, cal, given, calibrated=not args.no_calibrate)
+            print(f"  {w.name} rank {cfg.attn_dp_rank}: {text}")
         for w in workers:  # production captures: what was inferred, as the single replay says
             if w.inferred:
                 from kvcadence.replay.inferred import report_text

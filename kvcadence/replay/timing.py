@@ -4,7 +4,8 @@ What this file owns: ``PassTimer`` (prefill pass = base + per_token × extend to
 per_req × requests + per_prefix_token × the prefix tokens the batch's requests attend to;
 decode pass = base + per_req × batch size + per_ctx_token × the batch's context, its
 requests' KV lengths summed), ``is_retracted`` (a record's ``meta_info.num_retractions``:
-retracted or preempted at least once) and ``calibrate(records)``, which derives the
+retracted or preempted at least once), ``model_text`` / ``model_line`` (the model in one
+line, with where it came from: what ``kvcadence replay`` prints) and ``calibrate(records)``, which derives the
 parameters from the capture's own ``meta_info`` timings (bundles carry no ``server.log``):
 
 * prefill batches are the requests sharing one ``forward_entry_time`` (not those retracted
@@ -45,6 +46,7 @@ records: deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from statistics import median
 from typing import Any
@@ -120,6 +122,58 @@ def is_retracted(r: Any) -> bool:
     return isinstance(nr, int) and not isinstance(nr, bool) and nr > 0
 
 
+def model_text(p: TimingParams) -> str:
+    """The pass-time model in one line (what ``kvcadence replay`` prints): each term that is
+    not 0."""
+    pre = [f"{p.prefill_base_s * 1e3:.2f} ms"]
+    if p.prefill_per_token_s:
+        pre.append(f"{p.prefill_per_token_s * 1e6:.1f} us/token")
+    if p.prefill_per_req_s:
+        pre.append(f"{p.prefill_per_req_s * 1e3:.2f} ms/request")
+    if p.prefill_per_prefix_token_s:
+        pre.append(f"{p.prefill_per_prefix_token_s * 1e6:.2f} us/prefix token")
+    dec = [f"{p.decode_base_s * 1e3:.2f} ms"]
+    if p.decode_per_req_s:
+        dec.append(f"{p.decode_per_req_s * 1e3:.3f} ms/request")
+    if p.decode_per_ctx_token_s:
+        dec.append(f"{p.decode_per_ctx_token_s * 1e9:.1f} ns/context token")
+    return "prefill " + " + ".join(pre) + "; decode " + " + ".join(dec)
+
+
+def given_terms(p: TimingParams, overrides: dict[str, Any]) -> list[str]:
+    """The pass-time parameters of ``p`` that ``overrides`` set (not fitted), sorted."""
+    names = {f.name for f in dataclasses.fields(p)}
+    return sorted(k for k, v in overrides.items() if v is not None and k in names)
+
+
+def model_line(
+    p: TimingParams, calibration: dict[str, Any], given: list[str], *, calibrated: bool = True
+) -> str:
+    """One line: the pass-time model (``model_text``) and where it came from
+    (``calibration``: ``calibrate``'s report; empty: not known, or ``calibrated`` False
+    under ``--no-calibrate``; ``given``: the terms an option set)."""
+    src = calibration.get("source")
+    n = calibration.get("requests", 0)
+    if not calibrated:
+        where = "built-in defaults, --no-calibrate"
+    elif src == "phases":
+        where = f"calibrated from {n} requests' per-phase timings"
+        if calibration.get("left_out"):
+            where += (
+                f"; {calibration['left_out']} retracted or preempted on the way left out, "
+                "their windows holding waits in the queue"
+            )
+    elif src == "latency":
+        where = f"calibrated from {n} requests' receive and finish times"
+    elif src == "none":
+        where = "built-in defaults: the capture has too few request timings"
+    else:
+        where = ""
+    if given:
+        where += ("; " if where else "") + "set by option: " + ", ".join(given)
+    return f"pass-time model: {model_text(p)}" + (f" ({where})" if where else "")
+
+
 def finished_s(mi: dict[str, Any]) -> float | None:
     v = meta_s(mi, "request_finished_ts")
     return v if v is not None else meta_s(mi, "response_sent_to_client_ts")
@@ -131,8 +185,14 @@ def calibrate(
     *,
     sync_forward: bool = False,
     chunk_tokens: int | None = None,
+    report: dict[str, Any] | None = None,
 ) -> TimingParams:
     """Fit ``TimingParams`` from ``RequestRecord.meta_info`` timings (see module docstring).
+
+    ``report``: where given, filled with what the fit read: ``source`` ``"phases"`` (the
+    per-phase timings of ``requests`` requests; ``left_out``: those retracted or preempted
+    on the way, not fitted), ``"latency"`` (receive and finish times of ``requests``) or
+    ``"none"`` (too few timings: ``base`` stands).
 
     ``sync_forward``: the worker ran each forward inside its launch (``--device cpu``), so a
     prefill batch's ``prefill_finished_time`` is the end of the *next* forward: the batch's
@@ -171,10 +231,16 @@ def calibrate(
         )
         retracted.append(is_retracted(r))
     if len(rows) < 4:
-        if len(spans) >= _MIN_LATENCY_SPANS:
+        latency = len(spans) >= _MIN_LATENCY_SPANS
+        if latency:
             _calibrate_from_latency(p, spans, sync_forward)
+        if report is not None:
+            report.update(source="latency" if latency else "none", requests=len(spans))
         p.default_gap_s = _median_gap(records, p.default_gap_s)
         return p
+    if report is not None:
+        n_back = sum(retracted)
+        report.update(source="phases", requests=len(rows) - n_back, left_out=n_back)
     # prefill batches: (entry, finished, uncached tokens, attended prefix tokens), of the
     # requests never retracted: SGLang keeps a request's first ``forward_entry_time`` and its
     # first ``prefill_finished_time``, and those of a preempted request may span a wait in

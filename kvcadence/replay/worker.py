@@ -61,8 +61,10 @@ def effective_config(
     *,
     sglang_version: str | None = None,
     calibrate_timing: bool = True,
+    calibration: dict[str, Any] | None = None,
 ) -> SimConfig:
-    """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored)."""
+    """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored).
+    ``calibration``: where given, ``timing.calibrate``'s report of what it read."""
     cfg = from_server_info(server_info or {}, sglang_version)
     per_ctx = (overrides or {}).get("decode_per_ctx_token_s")
     if per_ctx is not None:  # given, not fitted: the decode fit takes its share off first
@@ -73,6 +75,7 @@ def effective_config(
             cfg.timing,
             sync_forward=cfg.sync_forward or spans_next_forward(server_info),
             chunk_tokens=cfg.chunked_prefill_size,
+            report=calibration,
         )
     for key, value in (overrides or {}).items():
         if value is None:
@@ -116,6 +119,8 @@ class WorkerInput:
     #: per rank (an index of ``rank_configs``): the runs of pages the worker held before a
     #: late capture and evicted during it (``replay.heldbefore``), held from the start
     unseen: dict[int, list[list[int]]] = field(default_factory=dict)
+    #: per rank (an index of ``rank_configs``): ``timing.calibrate``'s report, for the CLI
+    calibrations: list[dict[str, Any]] = field(default_factory=list)
 
     def flushes_of(self, rank: int) -> list[int]:
         """Recorded flush times (absolute ns) of DP ``rank``."""
@@ -194,9 +199,11 @@ def rank_configs(
     calibrate_timing: bool = True,
     dp_size: int | None = None,
     server_info: dict[str, Any] | None = None,
+    calibrations: list[dict[str, Any]] | None = None,
 ) -> list[SimConfig]:
     """One ``SimConfig`` per rank of a worker (see module docstring); ``server_info``: the
-    snapshot to read (``settings.capture_settings``' filled one; default: the header's)."""
+    snapshot to read (``settings.capture_settings``' filled one; default: the header's);
+    ``calibrations``: where given, each rank's calibration report is appended to it."""
 
     n = dp_size or dp_size_of(header, records)
     info = dict(server_info or getattr(header, "server_info", None) or {})
@@ -212,13 +219,17 @@ def rank_configs(
                 if v is not None:
                     rank_info[k] = v
         mine = [r for r in records if served_rank(r) == rank]
+        report: dict[str, Any] = {}
         cfg = effective_config(
             rank_info,
             mine if len(mine) >= 8 else list(records),
             overrides,
             sglang_version=version,
             calibrate_timing=calibrate_timing,
+            calibration=report,
         )
+        if calibrations is not None:
+            calibrations.append(report)
         cfg.attn_dp_rank = rank
         out.append(cfg)
     return out
@@ -242,6 +253,7 @@ def load_worker(
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     settings = capture_settings(reader)  # a missing page / pool size read from its events
+    calibrations: list[dict[str, Any]] = []
     cfgs = rank_configs(
         reader.header,
         records,
@@ -249,6 +261,7 @@ def load_worker(
         sglang_version=sglang_version,
         calibrate_timing=calibrate_timing,
         server_info=settings.server_info,
+        calibrations=calibrations,
     )
     flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
     return WorkerInput(
@@ -262,6 +275,7 @@ def load_worker(
         inferred=inferred or None,
         settings_note=settings.note,
         unseen=unseen_runs(BundleReader(p)),
+        calibrations=calibrations,
     )
 
 

@@ -316,3 +316,36 @@ def test_queued_is_a_median_wait_of_a_second(waits, want):
     assert queued(recs) is want
     assert median_wait_s(recs) == pytest.approx(waits[1])
     assert median_wait_s(recs[-2:]) is None and not queued(recs[-2:])
+
+
+def test_replay_says_its_pass_time_model_and_where_it_came_from(tmp_path, capsys):
+    """The summary's second line: the pass-time model's terms and what calibrated them --
+    how many requests' per-phase timings, and how many retracted or preempted ones the fits
+    left out (``p1-retract-noeos``: 6); ``--no-calibrate`` and an option that sets a term
+    say so; ``--json`` carries the parameters and the report; a fleet says it per rank."""
+    import json
+
+    corpus = Path(__file__).parent / "data" / "corpus"
+    src = corpus / "p1-retract-noeos" / "bundle"
+    assert main(["replay", str(src), "--out", str(tmp_path / "a")]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert re.fullmatch(
+        r"pass-time model: prefill [\d.]+ ms \+ [\d.]+ us/token; decode [\d.]+ ms \+ [\d.]+ "
+        r"ms/request \(calibrated from 194 requests' per-phase timings; 6 retracted or "
+        r"preempted on the way left out, their windows holding waits in the queue\)",
+        line,
+    ), line
+    argv = ["replay", str(src), "--no-calibrate", "--decode-base", "0.004"]
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("pass-time model: prefill 10.00 ms + 30.0 us/token; decode 4.00 ms")
+    assert line.endswith("(built-in defaults, --no-calibrate; set by option: decode_base_s)")
+    assert main([*argv, "--out", str(tmp_path / "c"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["timing"]["decode_base_s"] == 0.004
+    assert summary["calibration"] == {"given": ["decode_base_s"]}
+    dp = corpus / "dp2-p4-flush" / "bundle"
+    assert main(["replay", str(dp), "--out", str(tmp_path / "d")]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "pass-time model" in x]
+    assert [x.split(":")[0] for x in lines] == ["  bundle rank 0", "  bundle rank 1"]
+    assert all("(calibrated from 100 requests' per-phase timings)" in x for x in lines)

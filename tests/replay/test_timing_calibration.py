@@ -118,6 +118,24 @@ def phase_rec(rid, entry, finished, done, uncached, n_out=11) -> RequestRecord:
     )
 
 
+def test_calibration_reports_what_it_read():
+    """``calibrate(report=...)``: the per-phase timings of how many requests (and how many
+    retracted or preempted ones it left out), else receive and finish times, else none."""
+    rep: dict = {}
+    recs = _prefix_capture(0.0)
+    r = recs[0]
+    back = msgspec.structs.replace(r, meta_info={**(r.meta_info or {}), "num_retractions": 2})
+    calibrate([back, *recs[1:]], report=rep)
+    assert rep == {"source": "phases", "requests": 23, "left_out": 1}
+    lat = [rec(f"q{i}", 0, i * 1.05, i * 1.05, i * 1.05 + 1.0) for i in range(16)]
+    rep = {}
+    calibrate(lat, report=rep)
+    assert rep == {"source": "latency", "requests": 16}
+    rep = {}
+    calibrate(lat[:15], report=rep)
+    assert rep == {"source": "none", "requests": 15}
+
+
 def test_sync_forward_calibration_takes_the_next_forward_out_of_prefill_times():
     """A CPU worker's ``prefill_finished_time − forward_entry_time`` spans the prefill
     forward *and* the next one: consecutive prefill batches give the forward itself
