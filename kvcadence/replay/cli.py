@@ -374,9 +374,10 @@ def _finish(
     from kvcadence.replay.timing import given_terms
 
     summary = result.summary()
+    given = given_terms(cfg.timing, timing[1]) if timing is not None else []
     if timing is not None:
         summary["timing"] = dataclasses.asdict(cfg.timing)
-        summary["calibration"] = {**timing[0], "given": given_terms(cfg.timing, timing[1])}
+        summary["calibration"] = {**timing[0], "given": given}
     summary["simulate_s"] = summary.pop("wall_s")
     if args.publish:
         from kvcadence.replay.publish import publish_batches
@@ -419,7 +420,6 @@ def _finish(
         if timing is not None:
             from kvcadence.replay.timing import model_line
 
-            given = given_terms(cfg.timing, timing[1])
             print(model_line(cfg.timing, timing[0], given, calibrated=not args.no_calibrate))
         if inferred:
             from kvcadence.replay.inferred import report_text

@@ -223,7 +223,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
         {
             "worker": w.name,
             "rank": cfg.attn_dp_rank,
-            **dataclasses.asdict(cfg.timing),
+            "timing": dataclasses.asdict(cfg.timing),
             "calibration": {**cal, "given": given},
         }
         for w, cfg, cal, given in timings

@@ -5,8 +5,9 @@ per_req × requests + per_prefix_token × the prefix tokens the batch's requests
 decode pass = base + per_req × batch size + per_ctx_token × the batch's context, its
 requests' KV lengths summed), ``is_retracted`` (a record's ``meta_info.num_retractions``:
 retracted or preempted at least once), ``model_text`` / ``model_line`` (the model in one
-line, with where it came from: what ``kvcadence replay`` prints) and ``calibrate(records)``, which derives the
-parameters from the capture's own ``meta_info`` timings (bundles carry no ``server.log``):
+line, with where it came from: what ``kvcadence replay`` prints) and ``calibrate(records)``,
+which derives the parameters from the capture's own ``meta_info`` timings (bundles carry
+no ``server.log``):
 
 * prefill batches are the requests sharing one ``forward_entry_time`` (not those retracted
   or preempted, ``num_retractions`` > 0: their ``prefill_finished_time`` may come after a

@@ -349,3 +349,10 @@ def test_replay_says_its_pass_time_model_and_where_it_came_from(tmp_path, capsys
     lines = [x for x in capsys.readouterr().out.splitlines() if "pass-time model" in x]
     assert [x.split(":")[0] for x in lines] == ["  bundle rank 0", "  bundle rank 1"]
     assert all("(calibrated from 100 requests' per-phase timings)" in x for x in lines)
+    assert main(["replay", str(dp), "--out", str(tmp_path / "e"), "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["timing"]
+    assert [(t["rank"], t["calibration"]["source"]) for t in ranks] == [
+        (0, "phases"),
+        (1, "phases"),
+    ]
+    assert all(t["timing"]["decode_base_s"] > 0 for t in ranks)
