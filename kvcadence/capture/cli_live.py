@@ -31,7 +31,7 @@ from typing import Any
 
 from kvcadence.argtypes import nonneg_float, positive_float
 from kvcadence.capture import cli_tail
-from kvcadence.errors import UsageError
+from kvcadence.errors import InputError, UsageError
 
 
 def register(sub: Any) -> None:
@@ -128,7 +128,11 @@ def _register_capture(sub: Any) -> None:
             "(lines a live worker appends later are left for the next import), a line at a "
             "time: each record is validated as it is written, and a bad one leaves BUNDLE as it "
             "was (a new one is not created, an append is undone); the logs "
-            "are never held in memory. Pickled dumps are refused."
+            "are never held in memory. Into a bundle that holds KV events only the records "
+            "of the capture's own stretch are imported (a metrics directory holds every hour "
+            "the worker served): those that finished before its first KV event or were "
+            "received after its last are left out and counted (--all-records keeps them). "
+            "Pickled dumps are refused."
         ),
         epilog="examples:\n"
         "  kvcadence capture import --sglang-metrics METRICS_DIR run.kvcb\n"
@@ -148,6 +152,13 @@ def _register_capture(sub: Any) -> None:
         action="append",
         default=[],
         help="a log written with --log-requests --log-requests-format json (repeatable)",
+    )
+    imp.add_argument(
+        "--all-records",
+        action="store_true",
+        help="import every record, also those outside the bundle's KV events (by default a "
+        "record that finished before the capture's first KV event or was received after its "
+        "last is left out, and counted: it published nothing the capture holds)",
     )
     imp.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     imp.set_defaults(_run=run_capture_import)
@@ -398,6 +409,7 @@ def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture.discovery import make_header
     from kvcadence.capture.importer import check_request_record
     from kvcadence.capture.rids import UniqueRids, bundle_rids, known_rid
+    from kvcadence.capture.window import RecordWindow, event_window
     from kvcadence.format.bundle import BundleWriter, check_encodable, staged_bundle
     from kvcadence.format.schema import RequestRecord
 
@@ -412,6 +424,11 @@ def run_capture_import(args: argparse.Namespace) -> int:
     ]
     out = Path(args.bundle)
     n = 0
+    created = not (out.exists() and any(out.iterdir()))
+    # a bundle with KV events keeps the records of its own stretch of the worker's life
+    # (``capture.window``: a metrics directory holds every hour the worker served)
+    span = None if created or args.all_records else event_window(out)
+    window = None if span is None else RecordWindow(*span)
 
     def validated(known: set[str]) -> Iterator[RequestRecord]:
         nonlocal n
@@ -424,9 +441,9 @@ def run_capture_import(args: argparse.Namespace) -> int:
                 if rec.rid in known:  # never a request twice
                     raise known_rid(out, rec.rid)
                 n += 1
-                yield rec
+                if window is None or window.keep(rec):
+                    yield rec
 
-    created = not (out.exists() and any(out.iterdir()))
     if created:  # all or nothing: staged, moved into place once every record is written
         with (
             staged_bundle(out) as tmp,
@@ -439,6 +456,8 @@ def run_capture_import(args: argparse.Namespace) -> int:
         try:
             for rec in validated(bundle_rids(out)):
                 w.write(rec)
+            if window is not None and window.left_out and not window.kept:
+                raise InputError(f"capture import: {window.refusal(n)}")
         except BaseException:
             w.discard()  # all or nothing: the segments this import opened are removed
             raise
@@ -446,7 +465,9 @@ def run_capture_import(args: argparse.Namespace) -> int:
     if not args.quiet:
         # a new bundle holds requests only: said, so a mistyped capture name is seen at once
         new = " (a new bundle: no KV events, no server info)" if created else ""
-        print(f"capture import: {n} request records -> {out}{new}", file=sys.stderr)
+        kept = n if window is None else window.kept
+        said = "" if window is None else window.said()
+        print(f"capture import: {kept} request records -> {out}{new}{said}", file=sys.stderr)
     return 0
 
 
