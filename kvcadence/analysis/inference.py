@@ -54,6 +54,8 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("precached_prefixes", "... prefixes stored before the capture (pre-loaded)"),
     ("precached_below_capture_stores", "... requests below a capture store of an older prefix"),
     ("held_before_tokens", "tokens held before a late capture (placeholders of evicted pages)"),
+    ("records_before_capture", "records that finished before the capture's first store"),
+    ("records_after_capture", "records received after the capture's last store"),
     ("retracted_in_capture", "retracted in the capture"),
     ("retracted_in_capture_and_replay", "... of them retracted in the replay too"),
     ("namespaced_requests", "requests in a cache namespace (extra_key, cache_salt)"),

@@ -1,6 +1,8 @@
 """The offset between a capture's two clocks: its event stream's and its request records'.
 
-What this file owns: ``records_offset(index, records)``. A production capture times its
+What this file owns: ``records_offset(index, records)``, and ``outside_stores(index,
+records)`` (the records that lie outside the span of the capture's stores, on the records'
+clock: they published nothing the capture holds). A production capture times its
 events by the capture host's receive clock (``recv_ns``) and the scheduler's payload ``ts``,
 and its requests by SGLang's request log (``request_received_ts`` / ``request_finished_ts``
 of the tokenizer manager). The two agree within milliseconds on one healthy host, but not
@@ -50,6 +52,8 @@ PREFILL_FINISH_SLACK_NS = 50_000_000
 #: at most this many requests are looked at, evenly spaced (one offset for the capture: a
 #: long capture costs no more than this)
 MAX_LOOKED = 2000
+#: ``outside_stores``' slack either side of the stores' span (``capture.window``'s)
+OUTSIDE_SLACK_NS = 1_000_000_000
 
 
 def records_offset(index: Any, records: Sequence[Any]) -> int:
@@ -84,6 +88,22 @@ def records_offset(index: Any, records: Sequence[Any]) -> int:
     return 0 if at_zero + margin > best else (lo + hi) // 2
 
 
+def outside_stores(index: Any, times: Sequence[tuple[int | None, int | None]]) -> tuple[int, int]:
+    """``(before, after)``: of the records whose ``(arrival, finish)`` are ``times``, how
+    many finished more than ``OUTSIDE_SLACK_NS`` before the capture's first store, and how
+    many were received more than that after its last (``index``'s publish times, already on
+    the records' clock): records of another stretch of the worker's life, e.g. a metrics
+    directory imported whole with ``capture import --all-records`` or ``kvcadence import
+    --requests``. (0, 0) for an index without stores."""
+    ts = index._ts
+    if not ts:
+        return 0, 0
+    first, last = ts[0] - OUTSIDE_SLACK_NS, ts[-1] + OUTSIDE_SLACK_NS
+    before = sum(1 for _, f in times if f is not None and f < first)
+    after = sum(1 for a, f in times if a is not None and a > last and (f is None or f >= first))
+    return before, after
+
+
 def best_covered(spans: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
     """``(lo, hi, n)``: the first range ``[lo, hi]`` covered by the most of the closed
     intervals ``spans`` (``n`` of them), by a sweep over their ends."""
@@ -103,4 +123,12 @@ def best_covered(spans: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
     return lo, hi, best
 
 
-__all__ = ["MAX_LOOKED", "MIN_SAMPLES", "OUTLIER_SHARE", "best_covered", "records_offset"]
+__all__ = [
+    "MAX_LOOKED",
+    "MIN_SAMPLES",
+    "OUTLIER_SHARE",
+    "OUTSIDE_SLACK_NS",
+    "best_covered",
+    "outside_stores",
+    "records_offset",
+]

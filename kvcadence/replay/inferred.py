@@ -70,6 +70,13 @@ def _edge_text(rep: dict[str, Any]) -> str:
             "capture: pre-loaded into the simulated tree)"
         )
     _counted(parts, rep, _BEFORE_THE_CAPTURE)
+    before, after = rep.get("records_before_capture", 0), rep.get("records_after_capture", 0)
+    if before or after:
+        parts.append(
+            f"{before + after} records outside the capture's stores ({before} finished before "
+            f"its first, {after} received after its last; replayed all the same, though they "
+            "published nothing the capture holds: `capture import` leaves them out)"
+        )
     if rep.get("namespaces"):
         parts.append(
             f"{rep['namespaced_requests']} requests in {rep['namespaces']} cache namespaces "

@@ -72,7 +72,7 @@ from kvcadence.format.hashes import block_hashes
 from kvcadence.format.namespace import namespace_of, salt_of
 from kvcadence.format.schema import served_rank
 from kvcadence.gcpause import gc_paused
-from kvcadence.replay.clocks import records_offset
+from kvcadence.replay.clocks import outside_stores, records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
 from kvcadence.replay.precached import PRECACHED_KEY, carriers
@@ -199,6 +199,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     records: list[Any], index: StoreIndex, flushes_ns: Sequence[int] = (), lost_start: bool = True
 ) -> tuple[list[Any], dict[str, Any]]:
     ps = index.page_size
+    n_recorded = len(records)  # (rebuilt requests join ``records`` below)
     times = [(_arrival(r), _finish(r)) for r in records]
     n_outs = [_n_out(r) for r in records]
     lens = [len(r.input_ids) for r in records]
@@ -494,6 +495,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if len(ids) < n:
                 ids = ids + _synth_tokens(r.rid, n - len(ids))
         out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
+    before, after = outside_stores(index, times[:n_recorded])
     report = {
         "requests": len(records) - len(lost.requests),
         "outputs_recorded": sum(1 for k in known if k is None) - len(lost.requests),
@@ -518,6 +520,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "precached_requests": pre.flagged,
         "precached_below_capture_stores": pre.below,
         "precached_prefixes": len(pre.pages),
+        "records_before_capture": before,
+        "records_after_capture": after,
     }
     return out_records, report
 

@@ -89,6 +89,15 @@ def test_capture_import_leaves_out_the_records_outside_the_capture(
     b2, _ = _bundle(fixture_dir, tmp_path / "all", part)
     assert main([*argv, "--all-records", "--quiet", str(b2)]) == 0
     assert len(BundleReader(b2).requests()) == len(metrics)
+    # ... which the replay runs all the same, and says so
+    capsys.readouterr()
+    assert main(["replay", str(b2), "--out", str(tmp_path / "sim")]) == 0
+    said = capsys.readouterr()
+    before, after = (0, n_out) if part == "first" else (n_out, 0)
+    assert (
+        f"{n_out} records outside the capture's stores ({before} finished before its first, "
+        f"{after} received after its last;"
+    ) in said.out + said.err
 
 
 def test_a_new_bundle_takes_every_record(fixture_dir, tmp_path):

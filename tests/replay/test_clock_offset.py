@@ -97,3 +97,39 @@ def test_a_sample_of_the_requests_tells_the_same_and_too_few_tell_nothing(monkey
     assert abs(records_offset(index, recs) - full) < 0.5e9 and full > 54e9
     monkeypatch.setattr(clocks, "MAX_LOOKED", 3)  # 3 requests: fewer than MIN_SAMPLES
     assert records_offset(index, recs) == 0
+
+
+def test_records_outside_the_stores_span_are_counted_on_the_records_clock():
+    """``outside_stores``: a record that finished before the first store, or was received
+    after the last (1 s of slack), is counted; on the touch capture, whose records are
+    54.9 s behind its events, none is once the offset is taken off -- every one before it."""
+    from kvcadence.format.schema import RequestRecord
+    from kvcadence.replay.clocks import OUTSIDE_SLACK_NS, outside_stores
+
+    class Index:
+        _ts = [100 * 10**9, 150 * 10**9, 200 * 10**9]
+
+    s = 10**9
+    recs = [
+        RequestRecord(rid="early", input_ids=[1], send_ns=10 * s, finish_ns=98 * s),
+        RequestRecord(rid="edge", input_ids=[1], send_ns=10 * s, finish_ns=99 * s + 1),
+        RequestRecord(rid="in", input_ids=[1], send_ns=120 * s, finish_ns=130 * s),
+        RequestRecord(rid="late", input_ids=[1], send_ns=201 * s + 1, finish_ns=230 * s),
+        RequestRecord(rid="untimed", input_ids=[1]),
+    ]
+    times = [(_arrival(r), _finish(r)) for r in recs]
+    assert OUTSIDE_SLACK_NS == s
+    assert outside_stores(Index(), times) == (1, 1)
+    Index._ts = []
+    assert outside_stores(Index(), times) == (0, 0)
+    # the touch capture: every record before its (unshifted) stores, none once shifted
+    reader = BundleReader(BUNDLE)
+    ps = capture_settings(reader).page_size
+    index = StoreIndex.from_reader(reader, ps)
+    recs = reader.requests()
+    times = [(_arrival(r), _finish(r)) for r in recs]
+    assert outside_stores(index, times) == (len(recs), 0)
+    index.shift(records_offset(index, recs))
+    assert outside_stores(index, times) == (0, 0)
+    _, report, _ = records_for_replay(BundleReader(BUNDLE))
+    assert (report["records_before_capture"], report["records_after_capture"]) == (0, 0)
