@@ -26,6 +26,12 @@ would replay those requests as misses that store the prefix.
 * ``carriers(index, cands, cached_pages, arrivals, lost_start)`` -- both rules' prefixes,
   each with the one record that carries it to the replay (per prefix and rank: the first to
   arrive).
+* ``OlderPages`` -- the tokens from the root through a page stored before the capture,
+  read from the cached prefix of a record whose prompt passes through it: where a request
+  the records lack (``unrecorded``) stored pages below a prefix older than the capture
+  (corpus ``dp2-p8-attach-late-ring4-http-clients``: 6 such runs, 24 pages, each below a
+  page on a record's cached prefix). The records' cached prefixes are hashed in arrival
+  order, only when asked and only until the page is found, at most ``OLDER_MAX_PAGES``.
 * ``PRECACHED_KEY`` -- the ``meta_info`` key of a completed record that carries that
   prefix's length in tokens (one record per prefix, the first to arrive, so the prefixes
   kept grow with the distinct ones); ``preloads(specs)`` reads them back, per rank, as the
@@ -33,17 +39,22 @@ would replay those requests as misses that store the prefix.
   with no event (they were stored before the capture), the one used latest inserted first
   (oldest).
 
-Only records are looked at (a rebuilt request's prompt above its store is not known).
+Only records are looked at (a rebuilt request's prompt above its store is known only as far
+as ``OlderPages`` finds it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
+from kvcadence.errors import WireError
+from kvcadence.format.hashes import block_hashes
+from kvcadence.format.namespace import salt_of
 from kvcadence.replay.outputs import FINISH_WINDOW_NS
 from kvcadence.replay.schedule import _arrival
 from kvcadence.replay.tokens import span
@@ -210,6 +221,57 @@ def carriers(
         if got is None or at < got[0]:
             first[h, rk] = (at, i, n)
     return Carriers({i: n for _, i, n in first.values()}, len(flagged), len(below))
+
+
+#: the most cached-prefix pages ``OlderPages`` hashes (about 1 us a page) looking for pages
+#: stored before the capture; past it, a page not found yet stays unknown
+OLDER_MAX_PAGES = 1_000_000
+
+
+class OlderPages:
+    """``older(h)``: the tokens from the root through page ``h`` (a block hash), stored before
+    the capture, from the cached prefix of a record whose prompt passes through it (None:
+    none found). ``order()``: the records' indices, the first looked at first (arrival
+    order: the records nearest the capture's start carry what the worker held before it),
+    called at the first ask (a capture with no such page pays nothing). Each
+    record's cached prefix (``cached_tokens``, page floored) is hashed once, in its cache
+    namespace's chain, when a page asked for is not among those hashed so far."""
+
+    def __init__(
+        self, records: Sequence[Any], order: Callable[[], Iterable[int]], page_size: int
+    ) -> None:
+        self._records = records
+        self._order_of = order
+        self._order: Iterator[int] | None = None
+        self._ps = page_size
+        self._at: dict[int, tuple[int, int]] = {}  # hash -> (record, page)
+        self.hashed = 0  # pages hashed so far
+
+    def __call__(self, h: int) -> array | None:
+        ps, at = self._ps, self._at
+        got = at.get(h)
+        if got is None and self._order is None:
+            self._order = iter(self._order_of())
+        while got is None and self.hashed < OLDER_MAX_PAGES:
+            i = next(self._order, None)  # type: ignore[arg-type]
+            if i is None:
+                break
+            r = self._records[i]
+            pages = (r.cached_tokens or 0) // ps
+            if pages <= 0:
+                continue
+            try:
+                hs = block_hashes(span(r.input_ids, 0, pages * ps), ps, salt_of(r.meta_info))
+            except WireError:  # ids no hash takes: no page of it is known
+                continue
+            self.hashed += pages
+            for k, x in enumerate(hs):
+                at.setdefault(x, (i, k))
+            got = at.get(h)
+        if got is None:
+            return None
+        i, k = got
+        return span(self._records[i].input_ids, 0, (k + 1) * ps)
 
 
 def preloads(specs: Iterable[tuple[Any, Any]]) -> dict[Any, list[tuple[Any, Any]]]:

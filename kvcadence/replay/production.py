@@ -75,7 +75,7 @@ from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import outside_stores, records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
-from kvcadence.replay.precached import PRECACHED_KEY, carriers
+from kvcadence.replay.precached import PRECACHED_KEY, OlderPages, carriers
 from kvcadence.replay.retracted import retracted_run
 from kvcadence.replay.schedule import FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
@@ -389,12 +389,29 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         for ei, j, m, rk in claims[lo:hi]:
             o = offs[ei] + j
             hashed.extend(page_key(x, rk) for x in hs[o : o + min(m, pages_of[ei] - j)].tolist())
+    # a rebuilt request below a prefix older than the capture: the tokens above its chain's
+    # stores from a record's cached prefix (hashed only when asked)
+    older = OlderPages(records, lambda: arrival_order(nodes), ps)
     lost = rebuild(
-        index, claims, hashed, no_finish, delays, lens, min_token, finish_at, chunk_gap, max_token
+        index,
+        claims,
+        hashed,
+        no_finish,
+        delays,
+        lens,
+        min_token,
+        finish_at,
+        chunk_gap,
+        max_token,
+        older,
     )
     if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
         records = [*records, *join_rows(lost, ps, times, n_outs, lens, nodes, known)]
         finished = finish_order(nodes, range(len(nodes)))
+        # the part of a rebuilt prompt stored before the capture: pre-loaded, as a record's
+        for k, u in enumerate(lost.requests, n_recorded):
+            if u.precached:
+                pre_tokens[k] = u.precached
 
     order = arrival_order(nodes)
     ext = extends if ps > 1 else longer
@@ -515,6 +532,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unrecorded_rebuilt": len(lost.requests),
         "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
         "unrecorded_not_rebuilt": lost.outside,
+        "unrecorded_older_prefix": lost.older_prefix,
         "unclaimed_below_records": lost.below_records,
         "finish_stores_unseen": len(unseen_finish),
         "precached_requests": pre.flagged,

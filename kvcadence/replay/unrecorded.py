@@ -41,7 +41,10 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
   likely that finish store);
 * any other run is a request's prefill: its prompt is the run's tokens after the tokens of
   its parent chain, read back page by page through the stored events to the root (a chain
-  that leaves the capture -- stored before it started -- is not rebuilt, only counted); it
+  that leaves the capture -- stored before it started -- takes the tokens above it from a
+  record whose cached prefix holds the page it left at, those tokens pre-loaded as the
+  records' older prefixes are: ``precached.OlderPages``; where no record's does, the run is
+  not rebuilt, only counted); it
   arrived the prefill delay (receive -> publish of the prefill store) of the records
   prefilled around it (the median of the ``LOCAL_DELAY`` before and after it: a queue
   comes and goes -- on ``p4-tight-long-http-clients-cancel`` the delay grows from 30 ms to
@@ -67,7 +70,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -76,6 +79,7 @@ import numpy as np
 from kvcadence.format.hashes import block_hashes
 from kvcadence.format.schema import UNRECORDED_SOURCE as SOURCE
 from kvcadence.format.schema import RequestRecord
+from kvcadence.replay.chains import Chains
 from kvcadence.replay.sessions import Node
 from kvcadence.replay.tokens import CODE, Prompt, PromptIndex
 
@@ -95,6 +99,9 @@ class Unrecorded:
     run: int = 0  # tokens of its prompt's latest run (a chunk, if it was chunked)
     out_pages: list[int] | None = None  # its finish store's page hashes
     salt: str | None = None  # its prefill store's ``cache_salt`` (its namespace's salt)
+    #: tokens of its prompt stored before the capture (its chain's part above the capture's
+    #: stores, read from a record's cached prefix: ``older``), pre-loaded by the replay
+    precached: int = 0
 
 
 @dataclass(slots=True)
@@ -104,8 +111,12 @@ class Found:
     requests: list[Unrecorded] = field(default_factory=list)
     #: unclaimed runs below a record's prompt whose finish store was not found
     below_records: int = 0
-    #: unclaimed runs whose parent chain leaves the capture (stored before it)
+    #: unclaimed runs whose parent chain leaves the capture (stored before it) at a page no
+    #: record's cached prefix holds (not rebuilt)
     outside: int = 0
+    #: rebuilt requests whose chain left the capture at a page a record's cached prefix
+    #: holds (the part above it read from that record)
+    older_prefix: int = 0
     #: whether the capture has several DP ranks (rebuilt records then say theirs)
     multi_rank: bool = False
 
@@ -252,47 +263,6 @@ def _runs(index: Any, free: Any) -> list[tuple[int, int, int]]:
     return out
 
 
-class _Chains:
-    """Token chains back to the root through the stored events (a hash -> its first
-    position, by a sorted copy of the hashes)."""
-
-    def __init__(self, index: Any) -> None:
-        self.index = index
-        self.order = np.argsort(index.hashes, kind="stable")
-        self.sorted = index.hashes[self.order]
-        self.offs = np.asarray(index.offs, dtype=np.int64)
-
-    def where(self, h: int) -> tuple[int, int] | None:
-        """``(event, page)`` of the first stored page with hash ``h``."""
-        k = int(np.searchsorted(self.sorted, h))
-        if k >= len(self.sorted) or int(self.sorted[k]) != h:
-            return None
-        pos = int(self.order[k])
-        ei = int(np.searchsorted(self.offs, pos, side="right") - 1)
-        return ei, pos - int(self.offs[ei])
-
-    def prefix(self, parent: int | None, limit: int) -> array | None:
-        """The tokens from the root through the page ``parent`` (None: the root, no
-        tokens); None when the chain leaves the capture or runs past ``limit`` pages."""
-        idx, ps = self.index, self.index.page_size
-        parts: list[array] = []
-        pages = 0
-        while parent is not None:
-            got = self.where(parent)
-            if got is None:
-                return None
-            ei, j = got
-            parts.append(idx.tokens[ei][: (j + 1) * ps])
-            pages += j + 1
-            if pages > limit:
-                return None
-            parent = idx.parents[ei]
-        out = array(CODE)
-        for p in reversed(parts):
-            out.extend(p)
-        return out
-
-
 def find_unrecorded(
     index: Any,
     free: Any,
@@ -304,6 +274,7 @@ def find_unrecorded(
     finish_at: dict[int, int] | None = None,
     chunk_gap_ns: int = 0,
     max_token_ns: int = 0,
+    older: Callable[[int], array | None] | None = None,
 ) -> Found:
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
     ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
@@ -318,12 +289,14 @@ def find_unrecorded(
     chunk's (a run below a whole chunk within it is the next chunk); ``max_token_ns``: an
     upper bound of one output token's decode time (0: none known): a run published later
     after a rebuilt prompt's last store than all it may hold and the outputs decoded past
-    it (``len + page - 1``) take at that pace is not its finish store."""
+    it (``len + page - 1``) take at that pace is not its finish store. ``older``: the tokens
+    from the root through a page stored before the capture (None: not known), where a run's
+    chain leaves the capture's stores (``precached.OlderPages``)."""
     finish_at = {} if finish_at is None else dict(finish_at)
     found = Found(multi_rank=bool(index.frame_rank))
     ps = index.page_size
     by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page (key) -> it
-    chains = _Chains(index)
+    chains = Chains(index, older)
     prompts = PromptIndex()  # each rebuilt prompt shares its prefix with the ones before
     hashes, offs = index.hashes, index.offs
     for ei, j, n in _runs(index, free):
@@ -364,10 +337,12 @@ def find_unrecorded(
         if pkey is not None and pkey in record_anchors:
             found.below_records += 1
             continue
-        head = chains.prefix(parent, max_pages)
-        if head is None:
+        got = chains.prefix(parent, max_pages, rank if found.multi_rank else None)
+        if got is None:
             found.outside += 1
             continue
+        head, above = got
+        found.older_prefix += above > 0
         head.extend(toks)
         prompt = prompts.add(head)  # (the whole array is not kept)
         arrival = t - prefill_delay.at(t)
@@ -387,6 +362,7 @@ def find_unrecorded(
             rank,
             run=len(toks),
             salt=index.salts.get(ei),
+            precached=above,
         )
         found.requests.append(req)
         by_last[page_key(last, rank)] = req
@@ -468,6 +444,7 @@ def rebuild(
     finish_at: dict[int, int] | None = None,
     chunk_gap_ns: int = 0,
     max_token_ns: int = 0,
+    older: Callable[[int], array | None] | None = None,
 ) -> Found:
     """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
     pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
@@ -481,7 +458,8 @@ def rebuild(
     records' finish stores and those records' earliest finish, ``chunk_gap_ns`` the longest
     gap between a record's chunk stores, ``max_token_ns`` the most of their mean times per
     output token (twice it is ``find_unrecorded``'s bound of one output's decode: a run
-    published later than that many outputs take is not the finish store; 0: none known)."""
+    published later than that many outputs take is not the finish store; 0: none known),
+    ``older`` ``find_unrecorded``'s."""
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()
@@ -497,4 +475,5 @@ def rebuild(
         finish_at,
         chunk_gap_ns,
         2 * max_token_ns,
+        older,
     )

@@ -521,3 +521,74 @@ def test_a_turn_after_a_rebuilt_request_without_a_finish_keeps_its_receive(later
     res = simulate(out, config(page_size=PS, max_total_tokens=4000))
     got = {r.rid: r.meta_info["request_received_ts"] for r in res.requests}
     assert got["c"] - got[rb.rid] == pytest.approx(later_s, abs=0.5)
+
+
+def _stores_of(res) -> set[int]:
+    from kvcadence.format import wire
+
+    return {
+        h
+        for b in res.batches
+        for e in wire.decode_batch(b.payload).events
+        if isinstance(e, BlockStored)
+        for h in e.block_hashes
+    }
+
+
+def test_a_store_below_a_prefix_older_than_the_capture_takes_it_from_a_records_cached_prefix():
+    """A late capture: the system prompt was stored before it. Record ``c`` found it cached;
+    ``u``, which the records lack, stored one page below it. Its chain leaves the capture at
+    the system prompt's last page, which ``c``'s cached prefix holds: ``u`` is rebuilt with
+    the system prompt's tokens, pre-loaded, and its replay stores exactly the page the worker
+    stored (before 2026-12-05 it was not rebuilt, and that page was the worker's alone)."""
+    from kvcadence.format.hashes import block_hashes
+    from kvcadence.replay.precached import PRECACHED_KEY
+
+    c = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    u = [*SYSTEM, 9, 9, 8, 8]
+    batches = [(int(1.1 * S), [store(c, 2, 3, PS)]), (int(3.1 * S), [store(u, 2, 3, PS)])]
+    records = [rec("c", c, 1, 1.0, 1.2, cached=len(SYSTEM))]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    rebuilt = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert [list(r.input_ids) for r in rebuilt] == [u]
+    assert rebuilt[0].meta_info[PRECACHED_KEY] == len(SYSTEM)
+    assert rep["unrecorded_older_prefix"] == 1 and rep["unrecorded_not_rebuilt"] == 0
+    res = simulate(out, config(page_size=PS, max_total_tokens=64))
+    by = {r.rid: r for r in res.requests}
+    assert by[rebuilt[0].rid].cached_tokens == len(SYSTEM)
+    assert block_hashes(u, PS)[2] in _stores_of(res)
+    assert not set(block_hashes(SYSTEM, PS)) & _stores_of(res)  # held before: no store
+    # no record's cached prefix holds that page: not rebuilt, counted (as before)
+    out2, rep2 = complete_records(
+        [rec("c", c, 1, 1.0, 1.2, cached=0)], StoreIndex.from_batches(batches, PS)
+    )
+    assert [r.rid for r in out2] == ["c"] and rep2["unrecorded_not_rebuilt"] >= 1
+
+
+def test_older_pages_hashes_the_records_cached_prefixes_only_when_asked():
+    """``OlderPages``: the arrival order is asked for at the first lookup only; a page is
+    found in a record's cached prefix (its salt's chain), hashed once; an unknown one: None."""
+    from kvcadence.format.hashes import block_hashes
+    from kvcadence.replay.precached import OlderPages
+
+    asked = []
+
+    def order():
+        asked.append(1)
+        return [1, 0]
+
+    r0 = rec("x", [*SYSTEM, 1, 2, 3, 4], 1, 1.0, 1.1, cached=12)
+    r1 = rec("y", [*SYSTEM, 5, 5, 5, 5], 1, 0.5, 0.6, cached=8)
+    salted = msgspec.structs.replace(
+        r0, meta_info={**r0.meta_info, "request_parameters": {"cache_salt": "t"}}
+    )
+    older = OlderPages([r0, r1], order, PS)
+    assert asked == []
+    hs = block_hashes(r0.input_ids, PS)
+    assert list(older(hs[1]) or []) == SYSTEM and asked == [1]  # from y, arriving first
+    assert older.hashed == 2
+    assert list(older(hs[2]) or []) == r0.input_ids[:12] and older.hashed == 5
+    assert older(12345) is None and older.hashed == 5
+    salty = OlderPages([salted], lambda: [0], PS)
+    assert salty(hs[1]) is None
+    assert list(salty(block_hashes(SYSTEM, PS, "t")[1]) or []) == SYSTEM
