@@ -223,7 +223,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # prompts whose finish store was not found; the records' prefill delays
     claims: list[tuple[int, int, int, int]] = []  # (event, page, pages, the record's rank)
     hashed: list[int] = []
-    no_finish: set[int] = set()
+    no_finish: dict[int, int] = {}  # prompt's last page key -> pages its finish may store
     delays: list[tuple[int, int]] = []  # (prefill store's publish, prefill delay)
     min_token = 0  # the least of the records' mean times per output token (ns; 0: none)
     max_token = 0  # ... and the most
@@ -323,7 +323,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if runs is None:
                 claims.append((got[3][0], got[3][1], len(got[0]) // ps, rk))
         elif h is not None:
-            no_finish.add(page_key(h, rk))
+            key = page_key(h, rk)
+            no_finish[key] = max(Kq, no_finish.get(key, 0))
         if r.output_ids:
             known[i] = None
             if got is not None and len(got[0]) in (K * ps, Kq * ps):

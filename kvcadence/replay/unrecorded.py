@@ -266,7 +266,7 @@ def _runs(index: Any, free: Any) -> list[tuple[int, int, int]]:
 def find_unrecorded(
     index: Any,
     free: Any,
-    record_anchors: set[int],
+    record_anchors: dict[int, int],
     prefill_delay: LocalDelay,
     max_pages: int,
     min_token_ns: int = 0,
@@ -277,10 +277,10 @@ def find_unrecorded(
     older: Callable[[int], array | None] | None = None,
 ) -> Found:
     """The requests behind the unclaimed pages ``free`` (``claimed_mask``'s negation) of
-    ``index`` (see module doc). ``record_anchors``: the last prompt pages of records whose
-    finish store was not found; ``prefill_delay``: the records' prefill delays by time
-    (``LocalDelay``); ``max_pages``: the longest prompt rebuilt, in pages;
-    ``min_token_ns``: a lower bound of one output token's decode time (0: none known);
+    ``index`` (see module doc). ``record_anchors``: the last prompt pages (keys) of records
+    whose finish store was not found -> the pages that finish may store; ``prefill_delay``:
+    the records' prefill delays by time (``LocalDelay``); ``max_pages``: the longest prompt
+    rebuilt, in pages; ``min_token_ns``: a lower bound of one output token's decode time (0: none known);
     ``chunk_tokens``: the worker's chunked-prefill size (None: chunking off);
     ``finish_at``: the events holding the records' finish stores -> the earliest of those
     records' finish times (a rebuilt request whose prompt extends a page first stored in
@@ -342,6 +342,9 @@ def find_unrecorded(
             found.outside += 1
             continue
         head, above = got
+        if above and _in_finish_span(head, ps, index.salts.get(ei), rank, record_anchors):
+            found.below_records += 1  # that record's finish store, its first pages cached
+            continue
         found.older_prefix += above > 0
         head.extend(toks)
         prompt = prompts.add(head)  # (the whole array is not kept)
@@ -367,6 +370,19 @@ def find_unrecorded(
         found.requests.append(req)
         by_last[page_key(last, rank)] = req
     return found
+
+
+def _in_finish_span(
+    head: array, ps: int, salt: str | None, rank: int, anchors: dict[int, int]
+) -> bool:
+    """Whether a run below ``head`` (the tokens through its parent, in part a record's
+    cached prefix) starts within the pages a finish whose store was not found may store
+    (``anchors``: its prompt's last page key -> those pages): that finish's store, below
+    output pages cached already (the same prompt and greedy answer stored before the
+    capture), not a request. Asked only where the chain left the capture."""
+    path = block_hashes(head, ps, salt) if anchors else []
+    # the run's first page is page ``len(path)``: within the span of an anchor above it?
+    return any(len(path) <= k + anchors.get(page_key(h, rank), 0) for k, h in enumerate(path))
 
 
 def unrecorded_records(found: Found, first_rid: int = 0) -> list[Any]:
@@ -437,7 +453,7 @@ def rebuild(
     index: Any,
     claims: list[tuple[int, int, int, int]],
     hashed: list[int],
-    no_finish: set[int],
+    no_finish: dict[int, int],
     delays: list[tuple[int, int]],
     lens: list[int],
     min_token_ns: int = 0,
@@ -447,19 +463,19 @@ def rebuild(
     older: Callable[[int], array | None] | None = None,
 ) -> Found:
     """The requests behind the stores no record claimed: ``claims`` ``(event, first page,
-    pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as
-    ``claimed_mask`` takes them, ``no_finish`` the page keys of records' prompts whose
-    finish store was not found, ``delays`` the records' ``(prefill store's publish, prefill
-    delay)`` (``LocalDelay``: the rebuilt requests' delays), ``lens`` their prompt lengths
-    (a walk's bound), ``min_token_ns``
-    the least of their mean times per output token (half of it is ``find_unrecorded``'s
-    bound of one output's decode: a run published sooner than that many outputs take after
-    a rebuilt prompt's last store is not its finish store; 0: none known), ``finish_at`` the events of the
-    records' finish stores and those records' earliest finish, ``chunk_gap_ns`` the longest
-    gap between a record's chunk stores, ``max_token_ns`` the most of their mean times per
-    output token (twice it is ``find_unrecorded``'s bound of one output's decode: a run
-    published later than that many outputs take is not the finish store; 0: none known),
-    ``older`` ``find_unrecorded``'s."""
+    pages, the record's rank)`` and ``hashed`` (page keys, ``page_key``) as ``claimed_mask``
+    takes them, ``no_finish`` the page keys of records' prompts whose finish store was not
+    found (-> the pages that finish may store), ``delays`` the records' ``(prefill store's
+    publish, prefill delay)`` (``LocalDelay``: the rebuilt requests' delays), ``lens`` their
+    prompt lengths (a walk's bound), ``min_token_ns`` the least of their mean times per
+    output token (half of it is ``find_unrecorded``'s bound of one output's decode: a run
+    published sooner than that many outputs take after a rebuilt prompt's last store is not
+    its finish store; 0: none known), ``finish_at`` the events of the records' finish stores
+    and those records' earliest finish, ``chunk_gap_ns`` the longest gap between a record's
+    chunk stores, ``max_token_ns`` the most of their mean times per output token (twice it
+    is ``find_unrecorded``'s bound of one output's decode: a run published later than that
+    many outputs take is not the finish store; 0: none known), ``older``
+    ``find_unrecorded``'s."""
     free = ~claimed_mask(index, claims, hashed)
     if not free.any():
         return Found()

@@ -592,3 +592,26 @@ def test_older_pages_hashes_the_records_cached_prefixes_only_when_asked():
     salty = OlderPages([salted], lambda: [0], PS)
     assert salty(hs[1]) is None
     assert list(salty(block_hashes(SYSTEM, PS, "t")[1]) or []) == SYSTEM
+
+
+def test_a_finish_store_below_output_pages_cached_before_the_capture_is_no_request():
+    """``r``'s prompt and the first page of its (greedy) answer were in the tree before the
+    capture; its finish stored the rest, below that output page -- a chain that leaves the
+    capture. Its finish store is not found below its prompt, and the next turn's cached
+    prefix tells the tokens above: the run lies within the pages ``r``'s finish may store,
+    so it is ``r``'s, left alone, not a request of its own (corpus
+    ``p16-attach-late-ring4-http-clients``: a single shot sent again after the attach)."""
+    r_prompt = [*SYSTEM, 1, 2, 3, 4, 5, 6]  # 3 pages and 2 tokens
+    full = [*r_prompt, *range(60, 70)]  # + 10 outputs: 6 pages
+    nxt = [*full, 7, 7, 7, 7]
+    batches = [
+        (int(2.0 * S), [store(full, 4, 6, PS)]),  # below page 3, held before the capture
+        (int(3.1 * S), [store(nxt, 6, 7, PS)]),
+    ]
+    records = [
+        rec("r", r_prompt, 10, 1.0, 2.0, cached=12),
+        rec("n", nxt, 1, 3.0, 3.2, cached=len(full)),
+    ]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    assert [r.rid for r in out] == ["r", "n"]
+    assert rep["unrecorded_rebuilt"] == 0 and rep["unclaimed_below_records"] == 1
