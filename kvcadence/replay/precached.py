@@ -223,9 +223,12 @@ def carriers(
     return Carriers({i: n for _, i, n in first.values()}, len(flagged), len(below))
 
 
-#: the most cached-prefix pages ``OlderPages`` hashes (about 1 us a page) looking for pages
-#: stored before the capture; past it, a page not found yet stays unknown
-OLDER_MAX_PAGES = 1_000_000
+#: the most cached-prefix pages ``OlderPages`` hashes (about 1 us a page, and an entry of its
+#: map: ~25 MB at most) looking for pages stored before the capture; past it, a page not
+#: found yet stays unknown
+OLDER_MAX_PAGES = 250_000
+#: ``OlderPages``' map packs (record, page) into one int: the page in the low bits
+_PAGE_BITS = 32
 
 
 class OlderPages:
@@ -244,7 +247,7 @@ class OlderPages:
         self._order_of = order
         self._order: Iterator[int] | None = None
         self._ps = page_size
-        self._at: dict[int, tuple[int, int]] = {}  # hash -> (record, page)
+        self._at: dict[int, int] = {}  # hash -> record << _PAGE_BITS | page
         self.hashed = 0  # pages hashed so far
 
     def __call__(self, h: int) -> array | None:
@@ -252,8 +255,9 @@ class OlderPages:
         got = at.get(h)
         if got is None and self._order is None:
             self._order = iter(self._order_of())
-        while got is None and self.hashed < OLDER_MAX_PAGES:
-            i = next(self._order, None)  # type: ignore[arg-type]
+        order = self._order
+        while got is None and order is not None and self.hashed < OLDER_MAX_PAGES:
+            i = next(order, None)
             if i is None:
                 break
             r = self._records[i]
@@ -266,11 +270,11 @@ class OlderPages:
                 continue
             self.hashed += pages
             for k, x in enumerate(hs):
-                at.setdefault(x, (i, k))
+                at.setdefault(x, i << _PAGE_BITS | k)
             got = at.get(h)
         if got is None:
             return None
-        i, k = got
+        i, k = got >> _PAGE_BITS, got & ((1 << _PAGE_BITS) - 1)
         return span(self._records[i].input_ids, 0, (k + 1) * ps)
 
 
