@@ -48,9 +48,10 @@ class Chains:
 
     def prefix(
         self, parent: int | None, limit: int, rank: int | None = None
-    ) -> tuple[array, int] | None:
-        """The tokens from the root through the page ``parent`` (None: the root, no tokens)
-        and how many of them the worker held before the capture: those above the
+    ) -> tuple[array, int, bool] | None:
+        """The tokens from the root through the page ``parent`` (None: the root, no tokens),
+        how many of them the worker held before the capture, and whether the chain left the
+        capture's stores (``older`` told the tokens above them). Held: those above the
         capture's stores (``older``: the tokens through a page stored before the capture,
         from a record's cached prefix), and with ``rank`` (a multi-rank capture) also the
         pages through the last one on the way up that no event of that rank stored (another
@@ -89,4 +90,4 @@ class Chains:
         held = 0 if above is None else len(above)
         if up is not None:
             held = len(out) - up * ps
-        return out, held
+        return out, held, above is not None

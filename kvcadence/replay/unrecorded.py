@@ -341,11 +341,11 @@ def find_unrecorded(
         if got is None:
             found.outside += 1
             continue
-        head, above = got
-        if above and _in_finish_span(head, ps, index.salts.get(ei), rank, record_anchors):
+        head, held, left = got
+        if left and _in_finish_span(head, ps, index.salts.get(ei), rank, record_anchors):
             found.below_records += 1  # that record's finish store, its first pages cached
             continue
-        found.older_prefix += above > 0
+        found.older_prefix += left
         head.extend(toks)
         prompt = prompts.add(head)  # (the whole array is not kept)
         arrival = t - prefill_delay.at(t)
@@ -365,7 +365,7 @@ def find_unrecorded(
             rank,
             run=len(toks),
             salt=index.salts.get(ei),
-            precached=above,
+            precached=held,
         )
         found.requests.append(req)
         by_last[page_key(last, rank)] = req
