@@ -99,8 +99,9 @@ class Unrecorded:
     run: int = 0  # tokens of its prompt's latest run (a chunk, if it was chunked)
     out_pages: list[int] | None = None  # its finish store's page hashes
     salt: str | None = None  # its prefill store's ``cache_salt`` (its namespace's salt)
-    #: tokens of its prompt stored before the capture (its chain's part above the capture's
-    #: stores, read from a record's cached prefix: ``older``), pre-loaded by the replay
+    #: tokens of its prompt its rank held before the capture (``Chains.prefix``: the part
+    #: above the capture's stores, from a record's cached prefix, and in a DP capture the
+    #: pages up to the last its rank never stored), pre-loaded by the replay
     precached: int = 0
 
 
