@@ -122,10 +122,13 @@ def long_workload(n: int, lanes: int, seed: int = 11) -> list[Any]:
     return list(iter_long_workload(n, lanes, seed))
 
 
-def iter_long_workload(n: int, lanes: int, seed: int = 11) -> Iterator[Any]:
+def iter_long_workload(
+    n: int, lanes: int, seed: int = 11, max_context: int = 32_768
+) -> Iterator[Any]:
     """Long-context agent sessions: a 2k-token system prompt (one of 4), then each turn adds
     its output (64-256 tokens) and a user/tool chunk (500-2,000 tokens) until the context
-    would pass 32k tokens; then the lane starts a new session. One record at a time."""
+    would pass ``max_context`` tokens (32k); then the lane starts a new session. One record
+    at a time."""
     import random
 
     from kvcadence.format.schema import RequestRecord
@@ -140,7 +143,7 @@ def iter_long_workload(n: int, lanes: int, seed: int = 11) -> Iterator[Any]:
                 break
             prompt, session, turn, t = lane_state[lane]
             prompt = prompt + [rng.randrange(3, 32000) for _ in range(rng.randint(500, 2000))]
-            if len(prompt) > 32_768:
+            if len(prompt) > max_context:
                 session, turn = session + 1, 0
                 prompt = list(rng.choice(systems)) + [rng.randrange(3, 32000) for _ in range(500)]
             n_out = rng.randint(64, 256)

@@ -28,15 +28,26 @@ that no capture has: 8 % more inference time on the same code.) Measured, CPU ti
   the inferred sessions, not the recorded lanes, so it differs a little from the driver's
   (either way: the difference is what the user pays, measured as it is).
 
+* the third figure, the same inference share at production size: long-context agent
+  sessions (``bench_memory.iter_long_workload``: 2k-token system prompts, 500-2,000 new
+  tokens a turn, contexts up to ``--long-context`` tokens, 100k by default; 8 lanes) at
+  page 16 with a 1,000,000-token pool, ``--long-requests`` of them (2,000), copied as the
+  production capture of it as above: ``records_for_replay`` against ``replay_bundle`` of
+  the driver copy. Few requests with many tokens each: the per-request part of the
+  inference weighs less than on the first workload (many short requests at page 1), the
+  decoding of the stored tokens more.
+
 The goal is checked on the first figure (docs/simulator.md, "Production captures").
 
-    .venv/bin/python bench/bench_production.py [--requests 6000] [--repeat 3] [--quick] [--json PATH]
+    .venv/bin/python bench/bench_production.py [--requests 6000] [--repeat 3]
+        [--long-requests 2000] [--long-context 100000] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import random
 import shutil
 import tempfile
@@ -46,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from bench_memory import iter_long_workload
 from bench_replay import workload
 from common import add_output_args, figure, goal, write_results
 
@@ -116,10 +128,12 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=16)
     ap.add_argument("--pool", type=int, default=60_000)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (the least)")
-    add_output_args(ap, "600 requests (a smoke run)")
+    ap.add_argument("--long-requests", type=int, default=2000)
+    ap.add_argument("--long-context", type=int, default=100_000)
+    add_output_args(ap, "600 requests, 200 long ones (a smoke run)")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.repeat = 600, 1
+        args.requests, args.repeat, args.long_requests = 600, 1, 200
     cfg = SimConfig(
         page_size=1,
         max_total_tokens=args.pool,
@@ -130,6 +144,9 @@ def main() -> None:
             decode_base_s=0.004,
             decode_per_req_s=8e-5,
         ),  # fmt: skip
+    ).validate()
+    long_cfg = dataclasses.replace(
+        cfg, page_size=16, max_total_tokens=1_000_000, chunked_prefill_size=8192
     ).validate()
     tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-prod-"))
     best: dict[str, float] = {}
@@ -157,6 +174,20 @@ def main() -> None:
                 for k in ("load", "simulate"):
                     key = f"{who} {k}"
                     best[key] = min(best.get(key, float("inf")), ph.cpu[k])
+        # production size: few requests, long contexts (page 16)
+        long_sim, long_real, long_prod = tmp / "long-sim", tmp / "long-real", tmp / "long-prod"
+        long_work = iter_long_workload(args.long_requests, 8, max_context=args.long_context)
+        write_sim_bundle(long_sim, simulate(long_work, long_cfg), None)
+        capture_copy(long_sim, long_real, long_cfg, metrics_only=False)
+        capture_copy(long_sim, long_prod, long_cfg, metrics_only=True)
+        shutil.rmtree(long_sim)
+        for _ in range(args.repeat):
+            cpu("long replay", lambda: replay_bundle(long_real, None, long_cfg))
+            recs = compact_requests(BundleReader(long_prod))
+            _, long_rep, _ = cpu(
+                "long gross",
+                lambda: records_for_replay(BundleReader(long_prod), recs),  # noqa: B023
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     replay_cpu, gross_cpu, scan_cpu = best["replay"], best["gross"], best["scan"]
@@ -174,6 +205,13 @@ def main() -> None:
         f"inference {best['production load']:.3f} s against records + flush scan "
         f"{best['driver load']:.3f} s; simulate: {best['production simulate']:.3f} s against "
         f"{best['driver simulate']:.3f} s)"
+    )
+    long_share = best["long gross"] / best["long replay"]
+    print(
+        f"production size ({args.long_requests} requests, contexts up to {args.long_context} "
+        f"tokens, page 16): inference {best['long gross']:.3f} s CPU against "
+        f"{best['long replay']:.3f} s for replaying the driver bundle: {long_share * 100:.1f} %; "
+        f"outputs from events {long_rep['outputs_from_events']}, sessions {long_rep['sessions']}"
     )
     write_results(
         args.json,
@@ -200,12 +238,25 @@ def main() -> None:
                 note=f"extra over the driver replay: {extra * 100:+.1f} % (what a user pays; "
                 "the goal is checked on the inference figure)",
             ),
+            figure(
+                f"inference CPU per request at production size ({args.long_requests} requests, "
+                f"contexts up to {args.long_context // 1000}k tokens, page 16)",
+                best["long gross"] / args.long_requests * 1e6,
+                "us",
+                baseline=best["long replay"] / args.long_requests * 1e6,
+                baseline_name="replay CPU per request (driver records)",
+                higher_is_better=False,
+                note=f"{long_share * 100:.1f} % of the replay (the goal is checked on the first "
+                "figure's workload)",
+            ),
         ],
         params={
             "requests": args.requests,
             "lanes": args.lanes,
             "pool": args.pool,
             "repeat": args.repeat,
+            "long_requests": args.long_requests,
+            "long_context": args.long_context,
         },
     )
 

@@ -460,28 +460,32 @@ class StoreIndex:
             c += 1
         else:
             found = None
-        # ``want``'s bytes, found in an event's array bytes at a multiple of the item size:
-        # a C search, not an int object per token compared (``array.index``)
+        # ``want``'s bytes, found among the bytes of an event's pages' first tokens at a
+        # multiple of the item size (a run starts at a page: the tokens within a page are
+        # not searched): a C search, not an int object per token compared (``array.index``)
         pat = array(CODE, [want]).tobytes() if type(want) is int and 0 <= want < 1 << 32 else None
         for ei in range(i, end):
             if rank is not None and self.rank_of(ei) != rank:
                 continue
             toks = tokens[ei]
-            buf = toks.tobytes() if pat is not None and toks.typecode == CODE else None
+            if pat is not None and toks.typecode == CODE:
+                heads = (toks if ps == 1 else toks[::ps]).tobytes()
+                at = heads.find(pat, 4)
+                while at > 0:
+                    if at % 4 == 0:
+                        j = at // 4
+                        k = j * ps
+                        n = min(n_pages[ei] - j, pages - start)
+                        if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
+                            return ei, j, n
+                    at = heads.find(pat, at + 1)
+                continue
             k = 1
             while True:
-                if buf is not None and pat is not None:
-                    at = buf.find(pat, 4 * k)
-                    while at > 0 and at % 4:
-                        at = buf.find(pat, at + 1)
-                    if at < 0:
-                        break
-                    k = at // 4
-                else:
-                    try:
-                        k = toks.index(want, k)
-                    except ValueError:
-                        break
+                try:
+                    k = toks.index(want, k)
+                except ValueError:
+                    break
                 if k % ps == 0:
                     j = k // ps
                     n = min(n_pages[ei] - j, pages - start)

@@ -884,3 +884,26 @@ def test_a_request_that_never_ran_beside_a_rebuilt_one_keeps_every_record():
     out, rep = complete_records(recs, index)
     assert [r.rid for r in out] == ["a", "e", "kv-events-0"]
     assert out[1].error and rep["errored_not_run"] == 1 and rep["unrecorded_rebuilt"] == 1
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_a_prefill_run_merged_after_another_store_is_found_at_a_page_start(ps):
+    """A prefill store merged after another request's finish store (tail merging): the
+    run is looked for at each page's first token (``StoreIndex._first_chunk``), so a
+    token equal to the prompt's first inside the other store's page (position 2 of 4) is
+    stepped over and the run found at the next page; at page 1 that earlier position is
+    a page of its own, its next token differs, and the run is found after it all the same."""
+    a = [100 + k for k in range(12)]
+    a_full = [*a, 50, 51, 7, 53]  # a's finish page holds 7 inside it
+    b = [*a_full, 7, 8, 9, 10, 11, 12, 13, 14]  # b's own pages start with 7
+    p0, p1 = len(a) // ps, len(a_full) // ps
+    ev = merged(store(a_full, p0, p1, ps), store(b, p1, len(b) // ps, ps))
+    idx = StoreIndex.from_batches([(2_000_000_000, [ev])], ps)
+    got = idx.prefill_run(b, len(a_full), 1_900_000_000, 3_000_000_000)
+    assert got is not None
+    last, segs, base = got
+    assert segs == [(p1, 0, p1 - p0, len(b) // ps - p1)]
+    assert last == ev.block_hashes[-1] and base == ev.block_hashes[p1 - p0 - 1]
+    # a prompt whose next page differs from the stored one: no run
+    other = [*a_full, 7, 8, 9, 99, 11, 12, 13, 14]
+    assert idx.prefill_run(other, len(a_full), 1_900_000_000, 3_000_000_000) is None
