@@ -44,7 +44,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -54,7 +54,7 @@ from kvcadence.errors import UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, event_payload
 from kvcadence.format.namespace import salt_of
-from kvcadence.format.schema import BlockStoredView, EventFrame, RequestRecord
+from kvcadence.format.schema import BlockStoredView, EventFrame
 
 PLOT_NAME = "visibility.png"
 
@@ -178,8 +178,7 @@ def visibility_data(
     ps = page_size if isinstance(page_size, int) and page_size > 0 else _page_size(header)
     data = VisibilityData(str(path), header.source, ps)
     lookups = _Lookups()
-    for i, rec in enumerate(reader.iter_kinds("request")):
-        r = cast(RequestRecord, rec)
+    for i, r in enumerate(reader.request_arrays()):  # packed requests' ids as arrays
         row = None if ends is None else ends.row(i, len(r.input_ids))
         if ends is not None and row is None:
             ends = None  # not this bundle's rows: hash from here on

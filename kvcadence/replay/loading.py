@@ -4,7 +4,8 @@ What this file owns: ``load_for_replay(reader)``, what every replay entry point 
 fleet, CLI) calls to get ``(records, inference report, recorded flushes)`` (its records:
 ``compact_requests(reader)``) --
 ``production.records_for_replay``'s contract -- without holding every prompt as a list of
-ints. Each ``RequestRecord`` is read alone (``BundleReader.iter_kinds``) and replaced at once
+ints. Each ``RequestRecord`` is read alone (``BundleReader.request_arrays``: a packed
+request's ids as arrays, not lists) and replaced at once
 by ``compact_record``: its prompt a prefix-shared ``replay.tokens.Prompt`` (a turn's prompt
 repeats its predecessor's prompt + output: only the new tokens are kept), its outputs an
 array. Memory then grows with the unique tokens of the capture, not with the sum of its
@@ -37,9 +38,13 @@ def compact_record(rec: Any, index: PromptIndex) -> Any:
 
 def compact_requests(reader: Any) -> list[Any]:
     """``reader``'s request records in order, each made compact as it is read
-    (``compact_record``, one ``PromptIndex`` for all): what a replay holds and completes."""
+    (``compact_record``, one ``PromptIndex`` for all): what a replay holds and completes.
+    A format 2.0 bundle's packed requests come with their ids as the arrays the reader
+    rebuilds them into (``BundleReader.request_arrays``), never lists of ints: at 10k-100k
+    tokens a prompt, making each a list and the list an array again was most of a
+    replay's time."""
     index = PromptIndex()
-    return [compact_record(r, index) for r in reader.iter_kinds("request")]
+    return [compact_record(r, index) for r in reader.request_arrays()]
 
 
 def load_for_replay(reader: Any) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:

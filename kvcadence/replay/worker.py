@@ -178,11 +178,12 @@ def dp_size_of(header: Any, records: Sequence[Any]) -> int:
 
 def bundle_dp_size(reader: Any) -> tuple[int, int]:
     """``(dp_size_of, request count)`` of a bundle, its records read one at a time (only the
-    highest served rank's is kept: no prompt list of every request at once)."""
+    highest served rank's is kept: no prompt list of every request at once; a packed
+    request's ids left arrays, ``BundleReader.request_arrays``)."""
     top = None
     top_rank = -1
     n = 0
-    for rec in reader.iter_kinds("request"):
+    for rec in reader.request_arrays():
         n += 1
         rank = served_rank(rec)
         if rank > top_rank:

@@ -188,6 +188,18 @@ def test_round_trip_of_prompt_families(
     assert [msgspec.structs.astuple(v)[3:] for v in u32] == [
         msgspec.structs.astuple(r)[3:] for r in reqs
     ]
+    # ``request_arrays``: the same records, a packed request's ids the reader's arrays (never
+    # made lists), one stored in full (an id beyond uint32) as written
+    arrs = list(reader.request_arrays())
+    assert [(a.rid, list(a.input_ids), list(a.output_ids)) for a in arrs] == [
+        (r.rid, r.input_ids, r.output_ids) for r in reqs
+    ]
+    assert [msgspec.structs.astuple(a)[3:] for a in arrs] == [
+        msgspec.structs.astuple(r)[3:] for r in reqs
+    ]
+    packed_ones = [type(v) is RequestRecordU32View for v in u32]
+    assert [type(a.input_ids) is array and type(a.output_ids) is array for a in arrs] == packed_ones
+    assert all(type(a.input_ids) is list for a, p in zip(arrs, packed_ones, strict=True) if not p)
     # references never leave their segment; every segment's first request stands alone
     for seg in list_segments(path):
         packed = [_PACKED.decode(b) for _, b in _frames(seg) if _tag(b) == "preq"]

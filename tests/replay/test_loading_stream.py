@@ -57,6 +57,26 @@ def test_production_records_are_completed_from_the_streamed_compact_records(prod
     assert [_plain(r) for r in recs] == [_plain(r) for r in whole]
 
 
+def test_a_packed_request_s_ids_never_become_a_list_of_ints(prod, monkeypatch):
+    """The replay reads a format 2.0 bundle's packed requests with their ids as the arrays
+    the reader rebuilds (``BundleReader.request_arrays``): no prompt is made a list of ints
+    on the way (``PrefixResolver.record``, ``array.tolist``) and made an array again; the
+    records are the same."""
+    from kvcadence.format.bundle.compact import PrefixResolver
+
+    whole = load_for_replay(BundleReader(prod))
+
+    def listed(self, rec):
+        raise AssertionError("a packed request's ids made a list of ints")
+
+    monkeypatch.setattr(PrefixResolver, "record", listed)
+    recs, rep, flushes = load_for_replay(BundleReader(prod))
+    rd = BundleReader(prod)
+    assert sum(1 for _ in rd.request_arrays()) == rd.report.packed_requests == len(recs) == 100
+    assert (rep, flushes) == whole[1:]
+    assert [_plain(r) for r in recs] == [_plain(r) for r in whole[0]]
+
+
 def test_rank_count_is_streamed(prod, monkeypatch):
     reader = BundleReader(DP2)
     expected = dp_size_of(reader.header, reader.requests())

@@ -400,6 +400,12 @@ class PrefixResolver:
         rest = msgspec.structs.astuple(rec)[_PACKED_HEAD:]
         return RequestRecord(rec.rid, inp.tolist(), out.tolist(), *rest)
 
+    def arrays(self, rec: PackedRequest) -> RequestRecord:
+        """The ``RequestRecord`` that was written, its ids the ``array('I')`` resolved (not
+        made lists: ``BundleReader.request_arrays``)."""
+        inp, out = self.resolve(rec)
+        return RequestRecord(rec.rid, inp, out, *_astuple(rec)[_PACKED_HEAD:])  # type: ignore[arg-type]
+
     def view(self, rec: PackedRequest) -> RequestRecordView:
         """The ``RequestRecordView`` of the record (ids as msgpack arrays)."""
         inp, out = self.resolve(rec)
@@ -420,8 +426,9 @@ class PrefixResolver:
 class SegmentUnpacker:
     """The reader's: one segment's ``PackedRequest``s back to ``RequestRecord`` /
     ``RequestRecordView`` (a ``PrefixResolver`` made at the segment's first one), counted in
-    the ``ReadReport``; ``views``: False (``RequestRecord``), True (``RequestRecordView``) or
-    ``"u32"`` (``RequestRecordU32View``). A request whose prefix was lost with a corrupt span counts as a
+    the ``ReadReport``; ``views``: False (``RequestRecord``), True (``RequestRecordView``),
+    ``"u32"`` (``RequestRecordU32View``) or ``"arrays"`` (``RequestRecord`` with ``array('I')``
+    ids). A request whose prefix was lost with a corrupt span counts as a
     corrupt frame (``corrupt``, the reader's reporter; ``None``: not yielded); a reference no
     writer wrote is one ``InputError`` line naming segment, offset and rid."""
 
@@ -452,6 +459,8 @@ class SegmentUnpacker:
                 out: RequestRecord | RequestRecordView | RequestRecordU32View = (
                     RequestRecordU32View(rec.rid, inp, ids, *_astuple(rec)[_PACKED_HEAD:])
                 )
+            elif views == "arrays":
+                out = res.arrays(rec)
             else:
                 out = res.view(rec) if views else res.record(rec)
         except LostPrefix as exc:

@@ -311,7 +311,8 @@ class BundleReader:
         """Decode the frames of every segment; yield the records whose tag is ``wanted``
         (all when None). Trailers are always looked at (for ``clean_shutdown``). ``views``:
         request frames decode as ``RequestRecordView`` (every other record as usual; ``"u32"``:
-        packed requests as ``RequestRecordU32View``); ``notes_raw``:
+        packed requests as ``RequestRecordU32View``; ``"arrays"``: every record as usual but
+        packed requests' ids left arrays, ``request_arrays``); ``notes_raw``:
         notes as ``AnnotationRawView`` (``events_and_notes``), those of other kinds than
         ``note_kinds`` (when given) skipped, event frames as ``events_as`` where it
         decodes them."""
@@ -405,6 +406,8 @@ class BundleReader:
     ) -> tuple[dict[bytes, msgspec.msgpack.Decoder[Any]], Any, Any, Any]:
         """``_iter``'s ``(decoders by tag, fast path, fast path of a segment's first frame,
         the walk's ``unread`` predicate)``."""
+        if views == "arrays":  # only packed requests differ (``SegmentUnpacker``)
+            views = False
         decoders = _VIEW_DECODERS if views else _DECODERS
         fast = fast_decoder(wanted, views)
         if not notes_raw:
@@ -476,6 +479,14 @@ class BundleReader:
     def requests(self) -> list[RequestRecord]:
         """Every ``RequestRecord`` in order."""
         return list(self._iter(frozenset((b"request",))))  # type: ignore[arg-type]
+
+    def request_arrays(self) -> Iterator[RequestRecord]:
+        """Every ``RequestRecord`` in order, as ``iter_kinds("request")`` reads them, except
+        that a format 2.0 packed request's ``input_ids`` and ``output_ids`` are the
+        ``array('I')`` the reader rebuilds anyway, not made lists of ints (a 100k-token
+        prompt is 100k int objects as a list): for a caller that keeps ids as arrays (the
+        replay). A format 1.x request's ids are lists, as written."""
+        return self._iter(frozenset((b"request",)), "arrays")  # type: ignore[return-value]
 
     def events_and_notes(
         self, kinds: Iterable[str] | None = None, events_as: Any = None
