@@ -54,6 +54,7 @@ finish hooks, the publish floor its outputs need) and the only replay driver; it
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 import time
 from collections.abc import Callable, Sequence
@@ -455,7 +456,9 @@ class Fleet:
         vend = 0
         for sched in scheds:
             vend = max(vend, sched.finish_run().virtual_ns)
-        records = SimRecords(len(self.reqs), self._record)  # built when read
+        records = SimRecords(  # built when read
+            len(self.reqs), self._record, functools.partial(self._record, arrays=True)
+        )
         return FleetResult(
             self.workers,
             self.slots,
@@ -491,13 +494,15 @@ class Fleet:
             if not more or pending:
                 return guard, done_reported
 
-    def _record(self, i: int) -> Any:
+    def _record(self, i: int, arrays: bool = False) -> Any:
         """The sim ``RequestRecord`` of request ``i``: its serving rank (the rank its
         publisher stamps), also in ``meta_info`` unless a single-rank replay, and the
-        worker's name when there are several."""
+        worker's name when there are several; ``arrays``: its ids as arrays."""
         slot = self.slots[self.serving[i]] if self.serving[i] >= 0 else None
         if slot is None:
-            return sim_request_record(self.reqs[i], self.anchor_ns, None, rank_in_meta=True)
+            return sim_request_record(
+                self.reqs[i], self.anchor_ns, None, rank_in_meta=True, arrays=arrays
+            )
         w = self.workers[slot.worker]
         return sim_request_record(
             self.reqs[i],
@@ -505,6 +510,7 @@ class Fleet:
             slot.publisher.attn_dp_rank,
             w.name if len(self.workers) > 1 else None,
             rank_in_meta=not w.one_rank,
+            arrays=arrays,
         )
 
 

@@ -199,7 +199,7 @@ class FleetOut:
                 for sl in slots
                 for n in scheduler_notes(sl.sched, result.anchor_ns, endpoint=sl.rank)
             ),
-            _worker_records(result, wi),
+            _worker_records(result, wi, arrays=True),  # ids packed from arrays
             mine,
             result.anchor_ns + max(sl.sched.stats.virtual_ns for sl in slots),
         )
@@ -216,14 +216,15 @@ class FleetOut:
                 pass
 
 
-def _worker_records(result: Any, worker: int) -> Iterator[Any]:
+def _worker_records(result: Any, worker: int, arrays: bool = False) -> Iterator[Any]:
     """The sim ``RequestRecord``s served by ``worker``'s ranks, in request order, each
-    built when read."""
+    built when read (``arrays``: their ids as arrays, ``SimRecords.array_record``)."""
     slots = result.slots
     requests = result.requests
+    get = requests.array_record if arrays else requests.__getitem__
     for i, sl in enumerate(result.serving):
         if sl >= 0 and slots[sl].worker == worker:
-            yield requests[i]
+            yield get(i)
 
 
 def write_fleet_bundles(out: str | Path, result: Any) -> list[Path]:

@@ -27,7 +27,8 @@ from kvcadence.format.schema import (
 )
 from kvcadence.outguard import _write_failure, refuse_nonempty_dir
 from kvcadence.replay.request import ABORTED, SimReq
-from kvcadence.replay.tokens import as_list
+from kvcadence.replay.simrecords import SimRecords
+from kvcadence.replay.tokens import as_list, compact, span
 from kvcadence.replay.unrecorded import SOURCE
 
 
@@ -108,6 +109,8 @@ class SimBundleOut:
             summary.pop("wall_s", None)
             for note in notes:
                 w.write(note)
+            if isinstance(records, SimRecords):  # ids as arrays: packed without a list
+                records = records.arrays()
             for rec in records:
                 w.write(rec)
             w.close(stats={"replay": summary}, end_ns=end_ns)
@@ -163,10 +166,13 @@ def sim_request_record(
     worker: str | None = None,
     *,
     rank_in_meta: bool = False,
+    arrays: bool = False,
 ) -> Any:
     """The sim ``RequestRecord`` of one simulated request (virtual times anchored at
     ``anchor_ns``), served by DP ``rank``. ``rank_in_meta``: also ``meta_info["dp_rank"]``
-    (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers)."""
+    (a fleet replay); ``worker``: ``meta_info["worker"]`` (a fleet of several workers);
+    ``arrays``: its ids as ``tokens.compact``'s arrays, not lists (for the bundle writer,
+    which packs them: ``BundleWriter`` takes either)."""
 
     s = r.spec
     arr, entry, first, fin = r.arrival_ns, r.entry_ns, r.first_token_ns, r.finish_ns
@@ -184,10 +190,16 @@ def sim_request_record(
         meta["dp_rank"] = rank
     if worker is not None:
         meta["worker"] = worker
+    inp: Any
+    out: Any
+    if arrays:
+        inp, out = span(s.input_ids, 0, len(s.input_ids)), compact(s.output_ids[: r.output_len])
+    else:
+        inp, out = as_list(s.input_ids), list(s.output_ids[: r.output_len])
     return RequestRecord(
         rid=s.rid,
-        input_ids=as_list(s.input_ids),
-        output_ids=list(s.output_ids[: r.output_len]),
+        input_ids=inp,
+        output_ids=out,
         send_ns=anchor_ns + r.arrival_ns,
         first_token_ns=None if r.first_token_ns is None else anchor_ns + r.first_token_ns,
         finish_ns=None if r.finish_ns is None else anchor_ns + r.finish_ns,

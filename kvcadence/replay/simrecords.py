@@ -1,7 +1,8 @@
 """The sim ``RequestRecord``s of a run, built one at a time when read.
 
 What this file owns: ``SimRecords``, the read-only sequence a replay returns as its
-``requests``. A sim record holds its request's full prompt as a list of ints; building every
+``requests``. A sim record holds its request's full prompt as a list of ints (``arrays``:
+as an array, for the sim bundle's writer); building every
 one when the run ends would hold the whole history's prompts at once (what the compact
 tokens of ``replay.tokens`` avoid during the run). So each record is made by ``make(i)``
 when it is read -- the sim bundle writer streams them, one alive at a time -- and is a new,
@@ -15,13 +16,31 @@ from typing import Any, overload
 
 
 class SimRecords(Sequence[Any]):
-    """``n`` records, record ``i`` built by ``make(i)`` on each read."""
+    """``n`` records, record ``i`` built by ``make(i)`` on each read; ``make_arrays(i)``
+    (default ``make``): the same record with its ids as ``array('I')``, for a writer that
+    packs them (``arrays``: a 100k-token prompt is not made 100k int objects to be packed
+    back into 400 KB)."""
 
-    __slots__ = ("_n", "_make")
+    __slots__ = ("_n", "_make", "_make_arrays")
 
-    def __init__(self, n: int, make: Callable[[int], Any]) -> None:
+    def __init__(
+        self,
+        n: int,
+        make: Callable[[int], Any],
+        make_arrays: Callable[[int], Any] | None = None,
+    ) -> None:
         self._n = n
         self._make = make
+        self._make_arrays = make if make_arrays is None else make_arrays
+
+    def array_record(self, i: int) -> Any:
+        """Record ``i`` with its ids as arrays (``make_arrays``)."""
+        return self._make_arrays(i)
+
+    def arrays(self) -> Iterator[Any]:
+        """Every record in order, its ids as arrays (``make_arrays``)."""
+        make = self._make_arrays
+        return (make(i) for i in range(self._n))
 
     def __len__(self) -> int:
         return self._n

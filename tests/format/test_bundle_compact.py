@@ -578,3 +578,35 @@ def test_events_and_notes_step_over_unread_frames_without_their_crc(tmp_path: Pa
     assert rd.report.corrupt  # every frame's CRC checked
     with pytest.raises(CorruptFrameError):
         list(BundleReader(b, strict=True).events_and_notes(()))
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_request_ids_given_as_arrays_are_written_as_lists_are(
+    tmp_path: Path, compact: bool
+) -> None:
+    """A ``RequestRecord`` whose ids are ``array``s (what a replay writes: packed as they
+    are, no int object made) is stored exactly as the same record with lists: packed, in a
+    1.x bundle (``compact_requests=False``), and stored whole (an id beyond uint32, ``q``)."""
+    prompt = [7] * (3 * BLOCK) + [1, 2, 3]
+    reqs = [
+        RequestRecord("a", prompt, [4, 5], lane=0, turn=0),
+        RequestRecord("b", [*prompt, 4, 5, 6], [8], lane=0, turn=1),
+        RequestRecord("w", [1 << 40, 3], [2], lane=1, turn=0),
+    ]
+
+    def as_arrays(r: RequestRecord) -> RequestRecord:
+        code = "q" if max(r.input_ids) >= 1 << 32 else "I"
+        return msgspec.structs.replace(
+            r, input_ids=array(code, r.input_ids), output_ids=array("I", r.output_ids)
+        )
+
+    def stored(path: Path) -> list[tuple[str, object]]:
+        rd = BundleReader(path)
+        return [(type(r).__name__, r) for r in rd.records(request_view="u32")]
+
+    lists = _write(tmp_path / "l", reqs, compact_requests=compact)
+    arrays = _write(tmp_path / "a", [as_arrays(r) for r in reqs], compact_requests=compact)
+    assert BundleReader(arrays).requests() == reqs
+    kinds = [k for k, _ in stored(arrays)]
+    assert kinds == [k for k, _ in stored(lists)]
+    assert kinds.count("RequestRecordU32View") == (2 if compact else 0)

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import zlib
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,7 +288,8 @@ class BundleWriter:
     def write(self, record: BundleRecord) -> None:
         """Append one record (any ``BundleRecord``). A ``RequestRecord`` is stored as a
         ``PackedRequest`` (format 2.0: prefix shared with earlier requests of the segment,
-        packed ids) unless its ids do not fit a uint32 or the bundle is a 1.x bundle."""
+        packed ids) unless its ids do not fit a uint32 or the bundle is a 1.x bundle. Its ids
+        may be lists or ``array``s (a replay's: packed as they are, no int object made)."""
         with self._write_lock:  # a packed request's block numbers follow the order on disk
             self._write(record)
 
@@ -312,6 +314,8 @@ class BundleWriter:
                 self._put(size, tag)
                 commit()  # its blocks exist once its frame is written
                 return
+        if type(record) is RequestRecord:
+            record = _listed(record)  # stored whole: array ids (a replay's) as lists
         size = self._encode(record, record)
         if self._seg_frames and self._seg_size + size > self.segment_bytes:
             self._rotate()
@@ -599,6 +603,20 @@ class BundleWriter:
             self.close(clean=False, stats={"error": f"{exc_type.__name__}: {exc}"})
         except BundleError:
             pass  # keep the original exception
+
+
+def _listed(rec: RequestRecord) -> RequestRecord:
+    """``rec`` with ids given as ``array``s (what a replay writes: ``PrefixIndex.pack``
+    packs them as they are) made lists, as msgpack encodes them; ``rec`` itself otherwise."""
+    inp: Any = rec.input_ids
+    out: Any = rec.output_ids
+    if type(inp) is not array and type(out) is not array:
+        return rec
+    return msgspec.structs.replace(
+        rec,
+        input_ids=inp.tolist() if type(inp) is array else inp,
+        output_ids=out.tolist() if type(out) is array else out,
+    )
 
 
 __all__ = ["AppendReport", "BundleWriter"]
