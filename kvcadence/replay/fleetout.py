@@ -221,7 +221,7 @@ def _worker_records(result: Any, worker: int, arrays: bool = False) -> Iterator[
     built when read (``arrays``: their ids as arrays, ``SimRecords.array_record``)."""
     slots = result.slots
     requests = result.requests
-    get = requests.array_record if arrays else requests.__getitem__
+    get = (getattr(requests, "array_record", None) if arrays else None) or requests.__getitem__
     for i, sl in enumerate(result.serving):
         if sl >= 0 and slots[sl].worker == worker:
             yield get(i)
