@@ -128,8 +128,12 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=16)
     ap.add_argument("--pool", type=int, default=60_000)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (the least)")
-    ap.add_argument("--long-requests", type=int, default=2000)
-    ap.add_argument("--long-context", type=int, default=100_000)
+    ap.add_argument(
+        "--long-requests", type=int, default=2000, help="requests of the production-size figure"
+    )
+    ap.add_argument(
+        "--long-context", type=int, default=100_000, help="its contexts' limit, in tokens"
+    )
     add_output_args(ap, "600 requests, 200 long ones (a smoke run)")
     args = ap.parse_args()
     if args.quick:

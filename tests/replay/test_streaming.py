@@ -103,3 +103,26 @@ def test_a_failed_streamed_run_leaves_no_partial_bundle(tmp_path, given_dir):
         assert out.is_dir() and not any(out.iterdir())  # the empty directory given stays
     else:
         assert not out.exists()
+
+
+def test_sim_bundle_records_are_written_from_arrays_as_the_replay_s_records(tmp_path, monkeypatch):
+    """The sim bundle's writer gets each sim record with array ids (``SimRecords.arrays``: a
+    long prompt is not made a list of ints to be packed back into bytes), and what it stores
+    is the replay's records (``requests``, built with lists) exactly."""
+    from array import array
+
+    from kvcadence.format.bundle import compact
+
+    res = run(_lanes(), config())
+    packed_from: list[type] = []
+    pack = compact.pack_u32
+
+    def spy(ids):
+        packed_from.append(type(ids))
+        return pack(ids)
+
+    monkeypatch.setattr(compact, "pack_u32", spy)
+    write_sim_bundle(tmp_path / "sim", res, None)
+    assert packed_from and set(packed_from) == {array}
+    assert all(type(r.input_ids) is list for r in res.requests)
+    assert BundleReader(tmp_path / "sim").requests() == list(res.requests)
