@@ -129,7 +129,10 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=60_000)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (the least)")
     ap.add_argument(
-        "--long-requests", type=int, default=2000, help="requests of the production-size figure"
+        "--long-requests",
+        type=int,
+        default=2000,
+        help="requests of the production-size figure (0: not measured)",
     )
     ap.add_argument(
         "--long-context", type=int, default=100_000, help="its contexts' limit, in tokens"
@@ -178,14 +181,16 @@ def main() -> None:
                 for k in ("load", "simulate"):
                     key = f"{who} {k}"
                     best[key] = min(best.get(key, float("inf")), ph.cpu[k])
-        # production size: few requests, long contexts (page 16)
+        # production size: few requests, long contexts (page 16); none: not measured
+        long_rep: dict[str, Any] = {}
         long_sim, long_real, long_prod = tmp / "long-sim", tmp / "long-real", tmp / "long-prod"
         long_work = iter_long_workload(args.long_requests, 8, max_context=args.long_context)
-        write_sim_bundle(long_sim, simulate(long_work, long_cfg), None)
-        capture_copy(long_sim, long_real, long_cfg, metrics_only=False)
-        capture_copy(long_sim, long_prod, long_cfg, metrics_only=True)
-        shutil.rmtree(long_sim)
-        for _ in range(args.repeat):
+        if args.long_requests > 0:
+            write_sim_bundle(long_sim, simulate(long_work, long_cfg), None)
+            capture_copy(long_sim, long_real, long_cfg, metrics_only=False)
+            capture_copy(long_sim, long_prod, long_cfg, metrics_only=True)
+            shutil.rmtree(long_sim)
+        for _ in range(args.repeat if args.long_requests > 0 else 0):
             cpu("long replay", lambda: replay_bundle(long_real, None, long_cfg))
             recs = compact_requests(BundleReader(long_prod))
             _, long_rep, _ = cpu(
@@ -210,13 +215,29 @@ def main() -> None:
         f"{best['driver load']:.3f} s; simulate: {best['production simulate']:.3f} s against "
         f"{best['driver simulate']:.3f} s)"
     )
-    long_share = best["long gross"] / best["long replay"]
-    print(
-        f"production size ({args.long_requests} requests, contexts up to {args.long_context} "
-        f"tokens, page 16): inference {best['long gross']:.3f} s CPU against "
-        f"{best['long replay']:.3f} s for replaying the driver bundle: {long_share * 100:.1f} %; "
-        f"outputs from events {long_rep['outputs_from_events']}, sessions {long_rep['sessions']}"
-    )
+    figures = []
+    if long_rep:
+        long_share = best["long gross"] / best["long replay"]
+        print(
+            f"production size ({args.long_requests} requests, contexts up to "
+            f"{args.long_context} tokens, page 16): inference {best['long gross']:.3f} s CPU "
+            f"against {best['long replay']:.3f} s for replaying the driver bundle: "
+            f"{long_share * 100:.1f} %; outputs from events {long_rep['outputs_from_events']}, "
+            f"sessions {long_rep['sessions']}"
+        )
+        figures.append(
+            figure(
+                f"inference CPU per request at production size ({args.long_requests} requests, "
+                f"contexts up to {args.long_context // 1000}k tokens, page 16)",
+                best["long gross"] / args.long_requests * 1e6,
+                "us",
+                baseline=best["long replay"] / args.long_requests * 1e6,
+                baseline_name="replay CPU per request (driver records)",
+                higher_is_better=False,
+                note=f"{long_share * 100:.1f} % of the replay (the goal is checked on the first "
+                "figure's workload)",
+            )
+        )
     write_results(
         args.json,
         "production",
@@ -242,17 +263,7 @@ def main() -> None:
                 note=f"extra over the driver replay: {extra * 100:+.1f} % (what a user pays; "
                 "the goal is checked on the inference figure)",
             ),
-            figure(
-                f"inference CPU per request at production size ({args.long_requests} requests, "
-                f"contexts up to {args.long_context // 1000}k tokens, page 16)",
-                best["long gross"] / args.long_requests * 1e6,
-                "us",
-                baseline=best["long replay"] / args.long_requests * 1e6,
-                baseline_name="replay CPU per request (driver records)",
-                higher_is_better=False,
-                note=f"{long_share * 100:.1f} % of the replay (the goal is checked on the first "
-                "figure's workload)",
-            ),
+            *figures,
         ],
         params={
             "requests": args.requests,
