@@ -7,6 +7,7 @@ no page, opaque rids, and a round trip through the simulator."""
 from __future__ import annotations
 
 import random
+from array import array
 
 import msgspec
 import pytest
@@ -25,6 +26,7 @@ from kvcadence.replay.production import (
     needs_completion,
 )
 from kvcadence.replay.sessions import Node, infer_clients, median_wait
+from kvcadence.replay.tokens import CODE
 from tests.replay.helpers import config, lane_chain, run
 
 S = 1_000_000_000
@@ -907,3 +909,34 @@ def test_a_prefill_run_merged_after_another_store_is_found_at_a_page_start(ps):
     # a prompt whose next page differs from the stored one: no run
     other = [*a_full, 7, 8, 9, 99, 11, 12, 13, 14]
     assert idx.prefill_run(other, len(a_full), 1_900_000_000, 3_000_000_000) is None
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("wide", [False, True])
+def test_a_merged_prefill_run_is_found_past_earlier_events_of_its_window(ps, wide):
+    """The merged search spans the window's events as one run of page heads: a false hit
+    in an earlier event (the prompt's first token at a page start, the next page different)
+    is stepped over, the run found in the later event holding another request's finish
+    store before it, at the right event and position -- the same with an event of ids that
+    are not uint32 in the window (``_odd``: the event-by-event search)."""
+    a = [100 + k for k in range(12)]
+    a_full = [*a, 50, 51, 52, 53]
+    b = [*a_full, 7, 8, 9, 10, 11, 12, 13, 14]
+    decoy = [7, 60, 61, 62] * 2  # page starts with 7 (page 1: every token is a page)
+    p0, p1 = len(a) // ps, len(a_full) // ps
+    evs = [store(decoy, 0, len(decoy) // ps, ps)]
+    if wide:
+        big = [1 << 40, *range(200, 200 + ps - 1)]
+        evs.append(
+            msgspec.structs.replace(store(list(range(300, 300 + ps)), 0, 1, ps), token_ids=big)
+        )
+    evs.append(merged(store(a_full, p0, p1, ps), store(b, p1, len(b) // ps, ps)))
+    idx = StoreIndex.from_batches([(2_000_000_000 + k, [e]) for k, e in enumerate(evs)], ps)
+    assert bool(idx._odd) is wide
+    got = idx.prefill_run(b, len(a_full), 1_900_000_000, 3_000_000_000)
+    assert got is not None
+    last, segs, base = got
+    ei = len(evs) - 1
+    assert segs == [(p1, ei, p1 - p0, len(b) // ps - p1)]
+    assert last == evs[-1].block_hashes[-1] and base == evs[-1].block_hashes[p1 - p0 - 1]
+    assert idx.run_tokens(ei, (p1 - p0) * ps) == array(CODE, b[p1 * ps :])
