@@ -60,7 +60,7 @@ def records_offset(index: Any, records: Sequence[Any]) -> int:
     """Nanoseconds to subtract from the event stream's times to put them on the records'
     clock (see module); 0 when the clocks agree or the capture cannot tell."""
     ps = index.page_size
-    ts, by_first = index._ts, index._by_first
+    tokens, ts, by_first = index.tokens, index._ts, index._by_first
     spans: list[tuple[int, int]] = []
     step = -(-len(records) // MAX_LOOKED) or 1
     for r in records[::step]:
@@ -76,7 +76,7 @@ def records_offset(index: Any, records: Sequence[Any]) -> int:
         want = span(r.input_ids, start, start + ps)
         found = by_first.get(want[0], ())  # every event whose first page starts so
         if ps > 1 and found:  # (a page of one token: that is the whole page)
-            found = [e for e in found if same_ids(index.run_tokens(e, 0, ps), want)]
+            found = [e for e in found if same_ids(tokens[e][:ps], want)]
         if len(found) == 1:
             t = ts[found[0]]
             spans.append((t - f, t - a))

@@ -20,16 +20,12 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   page size 1; all full pages at page size > 1). The rest of the output is never inserted,
   so it never changes a block hash or a cache hit.
 
-Memory: the decoded events' tokens, all in one ``array('I')`` (``toks``: event ``i``'s at
-``offs[i] * page_size``, the layout of its hashes; 4 bytes a token, no object per event;
-decoded ints appended as they come, ``tokens.compact``'s form; an event whose ids are not
-uint32 keeps its own, ``_odd``), compared with the records' prompts as arrays and sliced
-into output ids (``run_tokens``), and every block hash in one int64 array (``hashes``,
-decoded from the msgpack bytes of all events at once: a hash is only ever looked at, never
-kept as a Python int), and two indexes of event numbers (by parent hash, by first token:
-one int per event each) so that a lookup visits only its candidates. The page heads of a
-window of events are one slice of ``toks``: a merged prefill run is looked for with one
-byte search over the window, not a call per event.
+Memory: the decoded events' tokens (an ``array('I')`` per event, ``tokens.compact``, made
+while the decoded ints are fresh: 4 bytes a token, compared with the records' prompts as
+arrays, sliced into output ids) and every block hash in one int64 array (``hashes``, decoded from the
+msgpack bytes of all events at once: a hash is only ever looked at, never kept as a Python
+int), and two indexes of event numbers (by parent hash, by first token: one int per event
+each) so that a lookup visits only its candidates.
 
 Why ~500 lines: one class, ``StoreIndex``, whose build (the one pass over the events, the
 flush scan and the settings tally fed on the way) and lookups share its columns and windows.
@@ -85,7 +81,7 @@ class StoredEvent:
 class StoreIndex:
     """Every stored block of a capture, by content (see module docstring). One column per
     event field (event ``i``: ``_ts[i]``, ``parents[i]``, ``offs[i]``, ``pages[i]``,
-    ``run_tokens(i)``), no object per event."""
+    ``tokens[i]``), no object per event."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
@@ -96,12 +92,9 @@ class StoreIndex:
         #: each event's first position in ``hashes`` (a position's event: bisect)
         self.offs: list[int] = []
         self.pages: list[int] = []
-        #: every event's token ids, in event order (event ``i``'s from ``offs[i] *
-        #: page_size``, ``pages[i] * page_size`` of them; ``run_tokens``); an event whose
-        #: ids are not uint32 (``tokens.compact`` kept them wide, or a list) holds zeros
-        #: there and its own ids in ``_odd``
-        self.toks: array = array(CODE)
-        self._odd: dict[int, Any] = {}
+        #: each event's token ids, as ``tokens.compact`` keeps them (``array('I')``: no int
+        #: object per token; compared with prompts as arrays)
+        self.tokens: list[array] = []
         #: event indices (ascending) by parent hash and by first token: the candidates the
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
@@ -123,9 +116,9 @@ class StoreIndex:
     def events(self) -> list[StoredEvent]:
         """Every event, in publish order (built on each call: a view for inspection)."""
         return [
-            StoredEvent(ts, parent, off, pages, as_list(self.run_tokens(ei)))
-            for ei, (ts, parent, off, pages) in enumerate(
-                zip(self._ts, self.parents, self.offs, self.pages, strict=True)
+            StoredEvent(ts, parent, off, pages, as_list(toks))
+            for ts, parent, off, pages, toks in zip(
+                self._ts, self.parents, self.offs, self.pages, self.tokens, strict=True
             )
         ]
 
@@ -271,14 +264,8 @@ class StoreIndex:
         offs = list(accumulate(pages[:-1], initial=off0))
         self.parents.extend(parents)
         self.pages.extend(pages)
+        self.tokens.extend(tokens)
         self.offs.extend(offs)
-        big, odd = self.toks, self._odd
-        for ei, toks in enumerate(tokens, first_ei):
-            if type(toks) is array and toks.typecode == CODE:
-                big.extend(toks)  # a copy of its bytes
-            else:
-                odd[ei] = toks
-                big.frombytes(bytes(len(toks) * big.itemsize))
         if any(salts):
             self.salts.update((ei, s) for ei, s in enumerate(salts, first_ei) if s is not None)
         by_parent, by_first = self._by_parent, self._by_first
@@ -326,19 +313,6 @@ class StoreIndex:
     def hash_at(self, ei: int, j: int) -> int:
         """Block hash ``j`` of event ``ei``."""
         return self.hashes.item(self.offs[ei] + j)
-
-    def run_tokens(self, ei: int, a: int = 0, b: int | None = None) -> Any:
-        """Tokens ``a`` .. ``b`` of event ``ei`` (``b``: its end when None or past it), a new
-        array (a list or a wide array for an event whose ids are not uint32)."""
-        odd = self._odd
-        if odd and ei in odd:
-            return odd[ei][a:b]
-        ps = self.page_size
-        base = self.offs[ei] * ps
-        n = self.pages[ei] * ps
-        if b is None or b > n:
-            b = n
-        return self.toks[base + a : base + b]
 
     def _find(self, ei: int, h: int) -> int:
         """The position of hash ``h`` in event ``ei`` (its first), -1 if absent."""
@@ -434,7 +408,7 @@ class StoreIndex:
         p = start + n
         if p >= pages:  # one chunk (the usual prompt)
             return cur, segs, base
-        parents, n_pages = self.parents, self.pages
+        parents, n_pages, tokens = self.parents, self.pages, self.tokens
         for ei in range(e0 + 1, end):  # later chunks: chained below the last page found
             if p >= pages:
                 break
@@ -448,7 +422,7 @@ class StoreIndex:
                     continue
             n = min(n_pages[ei] - j, pages - p)
             a = (p - start) * ps
-            if not same_ids(self.run_tokens(ei, j * ps, (j + n) * ps), want[a : a + n * ps]):
+            if not same_ids(tokens[ei][j * ps : (j + n) * ps], want[a : a + n * ps]):
                 continue
             segs.append((p, ei, j, n))
             cur = hashes.item(offs[ei] + j + n - 1)
@@ -465,7 +439,7 @@ class StoreIndex:
         with them is a re-store after an eviction, e.g. the next turn's: live capture of
         driver traffic, a 110-page prefill merged below a 3-page finish store, whose pages
         the next turn stored again, was taken for an aborted request's)."""
-        ps, n_pages, offs = self.page_size, self.pages, self.offs
+        ps, n_pages, tokens = self.page_size, self.pages, self.tokens
         want = prompt[0]
         cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
         c = bisect_left(cands, i)
@@ -475,50 +449,37 @@ class StoreIndex:
             if rank is not None and self.rank_of(ei) != rank:
                 c += 1
                 continue
-            n = min(n_pages[ei], left)
-            if same_ids(self.run_tokens(ei, 0, n * ps), prompt if n == left else prompt[: n * ps]):
+            n = n_pages[ei]
+            toks = tokens[ei]
+            if n > left:
+                n = left
+                toks = toks[: n * ps]
+            if same_ids(toks, prompt if n == left else prompt[: n * ps]):
                 end, found = ei, (ei, 0, n)  # an earlier event may hold them after another's
                 break
             c += 1
         else:
             found = None
-        if i >= end:
-            return found
-        if self._odd or not (type(want) is int and 0 <= want < 1 << 32):
-            return self._merged_checked(prompt, start, pages, i, end, rank) or found
-        # ``want``'s bytes, found among the bytes of the window's page heads (each page's
-        # first token: a run starts at a page) at a multiple of the item size: one C search
-        # over one slice of ``toks``, not an int object per token compared
-        lo, hi = offs[i], offs[end - 1] + n_pages[end - 1]  # the window's pages
-        toks = self.toks
-        heads = (memoryview(toks)[lo:hi] if ps == 1 else toks[lo * ps : hi * ps : ps]).tobytes()
-        pat = array(CODE, [want]).tobytes()
-        at = heads.find(pat)
-        while at >= 0:
-            if at % 4 == 0:
-                g = lo + at // 4  # the page's position (in ``hashes``)
-                ei = bisect_right(offs, g, i, end) - 1
-                j = g - offs[ei]
-                # (a run at an event's start is the candidates' above)
-                if j and (rank is None or self.rank_of(ei) == rank):
-                    n = min(n_pages[ei] - j, pages - start)
-                    if same_ids(toks[g * ps : (g + n) * ps], prompt[: n * ps]):
-                        return ei, j, n
-            at = heads.find(pat, at + 1)
-        return found
-
-    def _merged_checked(
-        self, prompt: Sequence[int], start: int, pages: int, i: int, end: int, rank: int | None
-    ) -> tuple[int, int, int] | None:
-        """``_first_chunk``'s search past an event's start, event by event and token by
-        token: for an index holding events whose ids are not uint32 (``_odd``), or a first
-        token that is not uint32."""
-        ps, n_pages = self.page_size, self.pages
-        want = prompt[0]
+        # ``want``'s bytes, found among the bytes of an event's pages' first tokens at a
+        # multiple of the item size (a run starts at a page: the tokens within a page are
+        # not searched): a C search, not an int object per token compared (``array.index``)
+        pat = array(CODE, [want]).tobytes() if type(want) is int and 0 <= want < 1 << 32 else None
         for ei in range(i, end):
             if rank is not None and self.rank_of(ei) != rank:
                 continue
-            toks = self.run_tokens(ei)
+            toks = tokens[ei]
+            if pat is not None and toks.typecode == CODE:
+                heads = (toks if ps == 1 else toks[::ps]).tobytes()
+                at = heads.find(pat, 4)
+                while at > 0:
+                    if at % 4 == 0:
+                        j = at // 4
+                        k = j * ps
+                        n = min(n_pages[ei] - j, pages - start)
+                        if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
+                            return ei, j, n
+                    at = heads.find(pat, at + 1)
+                continue
             k = 1
             while True:
                 try:
@@ -531,7 +492,7 @@ class StoreIndex:
                     if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
                         return ei, j, n
                 k += 1
-        return None
+        return found
 
     def finish_pages(
         self,
@@ -652,10 +613,11 @@ class StoreIndex:
         if j >= pages:
             return None
         ps = self.page_size
-        if tail and not same_ids(self.run_tokens(ei, j * ps, j * ps + len(tail)), tail):
+        toks = self.tokens[ei]
+        if tail and not same_ids(toks[j * ps : j * ps + len(tail)], tail):
             return None
         m = pages - j
         if k < m:
             m = k
         last = self.hashes.item(self.offs[ei] + j + m - 1)
-        return self.run_tokens(ei, j * ps, (j + m) * ps), last, j > 0 or j + m < pages
+        return toks[j * ps : (j + m) * ps], last, j > 0 or j + m < pages

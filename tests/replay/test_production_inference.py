@@ -918,7 +918,7 @@ def test_a_merged_prefill_run_is_found_past_earlier_events_of_its_window(ps, wid
     in an earlier event (the prompt's first token at a page start, the next page different)
     is stepped over, the run found in the later event holding another request's finish
     store before it, at the right event and position -- the same with an event of ids that
-    are not uint32 in the window (``_odd``: the event-by-event search)."""
+    are not uint32 in the window (kept as a wide array: searched token by token)."""
     a = [100 + k for k in range(12)]
     a_full = [*a, 50, 51, 52, 53]
     b = [*a_full, 7, 8, 9, 10, 11, 12, 13, 14]
@@ -932,11 +932,11 @@ def test_a_merged_prefill_run_is_found_past_earlier_events_of_its_window(ps, wid
         )
     evs.append(merged(store(a_full, p0, p1, ps), store(b, p1, len(b) // ps, ps)))
     idx = StoreIndex.from_batches([(2_000_000_000 + k, [e]) for k, e in enumerate(evs)], ps)
-    assert bool(idx._odd) is wide
+    assert [t.typecode for t in idx.tokens].count("q") == int(wide)
     got = idx.prefill_run(b, len(a_full), 1_900_000_000, 3_000_000_000)
     assert got is not None
     last, segs, base = got
     ei = len(evs) - 1
     assert segs == [(p1, ei, p1 - p0, len(b) // ps - p1)]
     assert last == evs[-1].block_hashes[-1] and base == evs[-1].block_hashes[p1 - p0 - 1]
-    assert idx.run_tokens(ei, (p1 - p0) * ps) == array(CODE, b[p1 * ps :])
+    assert idx.tokens[ei][(p1 - p0) * ps :] == array(CODE, b[p1 * ps :])
