@@ -914,7 +914,7 @@ def test_a_prefill_run_merged_after_another_store_is_found_at_a_page_start(ps):
 @pytest.mark.parametrize("ps", [1, 4])
 @pytest.mark.parametrize("wide", [False, True])
 def test_a_merged_prefill_run_is_found_past_earlier_events_of_its_window(ps, wide):
-    """The merged search spans the window's events as one run of page heads: a false hit
+    """The merged search looks past an event's start in every event of the window: a false hit
     in an earlier event (the prompt's first token at a page start, the next page different)
     is stepped over, the run found in the later event holding another request's finish
     store before it, at the right event and position -- the same with an event of ids that
