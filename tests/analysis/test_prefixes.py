@@ -81,7 +81,8 @@ def test_docs_name_every_metric() -> None:
             if catalogue is DEFS and suf in STATS:
                 assert f"`{base}.{{n,mean,median,p10,p90,p99,min,max}}`" in text, name
                 continue
-            assert f"| `{name}` | {unit} | {definition} |" in text, name
+            cell = definition.replace("|", "\\|")  # a pipe in a table cell is escaped
+            assert f"| `{name}` | {unit} | {cell} |" in text, name
     for table, cols in TABLES.items():
         assert f"### `{table}`" in text
         for col, _, _ in cols:
