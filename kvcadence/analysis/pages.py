@@ -2,7 +2,10 @@
 chain, computed once per bundle and page size and cached next to the ingest tables.
 
 A request's chain is ``input_ids + output_ids[:-1]`` (what SGLang caches at finish; see
-``docs/metrics.md``), cut to whole pages by DuckDB as it is read; its page hashes come from
+``docs/metrics.md``), cut to whole pages, read from the bundle's request records as the
+ingest read them (``_chain_batches``: a packed request's ids are the reader's uint32 arrays
+rebuilt from the prefix it shares, not a token column of the Parquet cache, which shares
+none: at production size that column was most of the cache); its page hashes come from
 ``kvcadence.format.wire`` (``root_chains`` / ``block_digests``: the one implementation of
 SGLang's hash), fed with one uint32 buffer of a batch's pages built with numpy: the requests
 hashed from the root are hashed in one pass over it, with no per-request Python call. A
@@ -19,7 +22,7 @@ carried from earlier ones (``Recent``). Digests are a function of the tokens alo
 reuse gives the hashes hashing from the root would (production-like agent traffic, 300
 requests of ~4.6k tokens at page size 1: 0.2 s against 1.3 s).
 
-The requests are read a batch at a time (never the whole token columns: only the page
+The requests are read a batch at a time (never every request's tokens: only the page
 hashes, 8 bytes a page, are kept): ``BATCH_ROWS`` rows, fewer when the longest request
 (``n_input + n_output``) would put more than ``BATCH_TOKENS`` token ids in a batch (100k-token
 prompts: 167 rows, not 8,192 -- 3.3 GB of ids) or more than ``BATCH_PAGES`` pages (their
@@ -37,13 +40,17 @@ so a stale cache cannot survive a changed bundle.
 from __future__ import annotations
 
 import os
+from array import array as array_type
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcadence.analysis import sql
 from kvcadence.analysis.cache import Ingested
 from kvcadence.analysis.hashpool import ChainHasher
 from kvcadence.analysis.pagereuse import RECENT_ROWS, Carry, Recent, head_pages, longest_prefix
+from kvcadence.analysis.records import open_reader
 from kvcadence.format import wire
 
 _I64_BITS = "int64"
@@ -113,10 +120,10 @@ def load(ing: Ingested, con: Any, page_size: int) -> RequestPages:
                 return RequestPages(ps, offsets, hashes)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        pages = compute(con, ps, tmp)
+        pages = compute(ing, con, ps, tmp)
     except OSError:  # a read-only cache: just don't cache
         tmp.unlink(missing_ok=True)
-        return compute(con, ps)
+        return compute(ing, con, ps)
     try:
         os.replace(tmp, path)
     except OSError:
@@ -140,7 +147,7 @@ def ensure_file(ing: Ingested, con: Any, page_size: int) -> Path | None:
             pass
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        compute(con, ps, tmp, keep=False)
+        compute(ing, con, ps, tmp, keep=False)
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -195,74 +202,113 @@ class _PageWriter:
         self.w.close()
 
 
-def _query(ps: int) -> str:
-    """Every request's chain ``input_ids + output_ids[:-1]`` cut to whole pages (DuckDB's list
-    slicing, in C++), with what the session reuse needs."""
-    return (
-        "SELECT request_id, (input_ids || output_ids[1:len(output_ids) - 1])"
-        f"[1:((len(input_ids) + greatest(len(output_ids) - 1, 0)) // {ps}) * {ps}] AS chain, "
-        "lane, session FROM requests"
-    )
-
-
-def compute(con: Any, page_size: int, cache: Path | None = None, keep: bool = True) -> RequestPages:
-    """Hash every request's chain (see module docstring) from a ``sql.connect`` connection,
-    ``batch_rows`` requests at a time; ``cache``: also write the pages there (Parquet).
-    ``keep=False``: only write them (the result then holds the offsets and no hashes)."""
-
+def compute(
+    ing: Ingested, con: Any, page_size: int, cache: Path | None = None, keep: bool = True
+) -> RequestPages:
+    """Hash every request's chain (see module docstring), read from the bundle
+    (``_chain_batches``) ``batch_rows`` requests at a time; ``con``: a ``sql.connect``
+    connection to ``ing``'s tables (the requests' lengths); ``cache``: also write the pages
+    there (Parquet). ``keep=False``: only write them (the result then holds the offsets and
+    no hashes)."""
     ps = max(1, int(page_size))
     rows = batch_rows(con, ps)
-    # no ORDER BY: the scan keeps file order (= request_id; DuckDB preserve_insertion_order),
-    # and sorting 45M tokens' lists doubled the read; the order is checked instead (DuckDB
-    # sorts, out of core, if it ever is not)
-    for query in (_query(ps), _query(ps) + " ORDER BY request_id"):
-        writer = _PageWriter(cache) if cache is not None else None
-        try:
-            with ChainHasher() as hasher:
-                batches = con.sql(query).to_arrow_reader(rows)
-                got = _hash_batches(batches, ps, writer, keep, hasher)
-        finally:
-            if writer is not None:
-                writer.close()
-        if got is not None:
-            return RequestPages(ps, *got)
-    raise AssertionError("requests ordered by request_id are out of order")  # pragma: no cover
+    writer = _PageWriter(cache) if cache is not None else None
+    try:
+        with ChainHasher() as hasher:
+            got = _hash_batches(_chain_batches(ing, con, ps, rows), ps, writer, keep, hasher)
+    finally:
+        if writer is not None:
+            writer.close()
+    return RequestPages(ps, *got)
+
+
+def _chain_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tuple[Any, ...]]:
+    """``(flat chain tokens as int64, their row offsets, lanes, sessions)`` of ``rows``
+    requests at a time, in request order: each request's chain ``input_ids +
+    output_ids[:-1]`` cut to whole pages, read from the bundle's request records as the
+    ingest read them (``BundleReader.request_arrays``: a packed request's ids are the
+    reader's uint32 arrays, rebuilt from its shared prefix, never a list of ints) -- not
+    from a token column of the cache, which holds no prefix sharing (at production size it
+    was several times the bundle). Each record is checked against its ``requests`` row
+    (the same count and lengths: the ingest's request order)."""
+    import numpy as np
+
+    lens = sql.arrow(con, "SELECT n_input, n_output FROM requests ORDER BY request_id")
+    n_in = lens.column(0).to_numpy(zero_copy_only=False)
+    n_out = lens.column(1).to_numpy(zero_copy_only=False)
+    chains: list[Any] = []
+    lanes: list[Any] = []
+    sessions: list[Any] = []
+    i = 0
+
+    def batch() -> tuple[Any, ...]:
+        co = np.zeros(len(chains) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in chains], out=co[1:])
+        cv = np.concatenate(chains) if chains else np.zeros(0, dtype=np.int64)
+        out = (cv, co, lanes.copy(), sessions.copy())
+        chains.clear()
+        lanes.clear()
+        sessions.clear()
+        return out
+
+    for r in open_reader(ing.bundle).request_arrays():
+        inp, outs = r.input_ids, r.output_ids
+        if i >= len(n_in) or len(inp) != n_in[i] or len(outs) != n_out[i]:
+            raise AssertionError(f"{ing.bundle}: request {i} is not the ingested one")
+        m = (len(inp) + max(len(outs) - 1, 0)) // ps * ps
+        chains.append(_ids(inp, outs, m))
+        lanes.append(r.lane)
+        sessions.append(r.session)
+        i += 1
+        if len(chains) >= rows:
+            yield batch()
+    if i != len(n_in):
+        raise AssertionError(f"{ing.bundle}: {i} requests read, {len(n_in)} ingested")
+    if chains:
+        yield batch()
+
+
+def _ids(inp: Any, outs: Any, m: int) -> Any:
+    """The first ``m`` ids of ``inp + outs`` as an int64 array (an ``array('I')`` read in
+    place; a list -- a format 1.x record's -- converted, the ingest has checked it is int64)."""
+    import numpy as np
+
+    def arr(x: Any, k: int) -> Any:
+        if isinstance(x, array_type) and x.itemsize == 4 and x.typecode in "IL":
+            return np.frombuffer(x, dtype=np.uint32, count=k).astype(np.int64)
+        return np.array(x[:k], dtype=np.int64)
+
+    k_in = min(m, len(inp))
+    if k_in == m:
+        return arr(inp, m)
+    return np.concatenate([arr(inp, k_in), arr(outs, m - k_in)])
 
 
 def _hash_batches(
-    batches: Any,
+    batches: Iterable[tuple[Any, ...]],
     ps: int,
     writer: _PageWriter | None,
     keep: bool = True,
     hasher: ChainHasher | None = None,
-) -> tuple[Any, Any] | None:
-    """(page offsets, hashes) of the requests in ``batches``; None if their request ids are
-    not increasing (the caller reads them sorted)."""
+) -> tuple[Any, Any]:
+    """(page offsets, hashes) of the requests in ``batches`` (``_chain_batches``')."""
     import numpy as np
 
     counts: list[Any] = [np.zeros(1, dtype=np.int64)]
     hashes: list[Any] = []
     last = Carry()
     recent = Recent()
-    prev_rid = -1
     rows = 0
-    for b in batches:
-        if b.num_rows == 0:
+    for cv, co, lane, session in batches:
+        if len(co) <= 1:
             continue
-        rid = b.column("request_id").to_numpy()
-        if rid[0] <= prev_rid or not (rid[1:] > rid[:-1]).all():
-            return None
-        prev_rid = int(rid[-1])
-        cv, co = _flat(b.column("chain"))
-        lane = b.column("lane").to_pylist()
-        session = b.column("session").to_pylist()
         off, h = hash_requests(cv, co, ps, lane, session, last, hasher, recent)
         if writer is not None:
             writer.write(rows, off, h)
         counts.append(np.diff(off))
         if keep:
             hashes.append(h)
-        rows += b.num_rows
+        rows += len(co) - 1
     offsets = np.cumsum(np.concatenate(counts))
     return offsets, (np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.int64))
 

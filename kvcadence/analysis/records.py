@@ -304,7 +304,7 @@ def _build_tables(
     own = sink is None
     if own:
         sink = MemorySink()
-    reader = _open_reader(bundle)
+    reader = open_reader(bundle)
     header = reader.header
     info = header_info(header)
     ep_rank = {e.id: e.dp_rank for e in header.endpoints}
@@ -447,7 +447,8 @@ def _build_tables(
     return (sink.close() if own else {}), info
 
 
-def _open_reader(bundle: Path) -> kbundle.BundleReader:
+def open_reader(bundle: Path) -> kbundle.BundleReader:
+    """The bundle's reader, as the ingest reads it (one that is not there: a ``UsageError``)."""
     try:
         return kbundle.BundleReader(bundle)
     except BundleError:

@@ -167,7 +167,7 @@ def test_ensure_file_streams_the_same_pages(fixture_bundle: Path, tmp_path: Path
     """``ensure_file`` writes the cache ``load`` would (and ``load`` then reads it back)."""
     ing = ingest.ingest(fixture_bundle, tmp_path / "pq")
     con = ksql.connect(ing)
-    whole = kpages.compute(con, 4)
+    whole = kpages.compute(ing, con, 4)
     path = kpages.ensure_file(ing, con, 4)
     assert path == kpages.cache_path(ing, 4)
     got = kpages.load(ing, con, 4)

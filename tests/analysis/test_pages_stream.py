@@ -8,13 +8,13 @@ import random
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from kvcadence.analysis import ingest, pagereuse, sql
 from kvcadence.analysis import pages as kpages
 from kvcadence.format import wire
+from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import RequestRecord
 from tests.analysis.helpers import cleared, header, write_bundle
 
@@ -49,7 +49,7 @@ def test_batches_equal_one_batch(
 ) -> None:
     b, chains = _sessions_bundle(tmp_path / "b")
     ing = ingest.ingest(b)
-    whole = kpages.compute(sql.connect(ing), 4)
+    whole = kpages.compute(ing, sql.connect(ing), 4)
     monkeypatch.setattr(kpages, "BATCH_ROWS", rows)
     got = kpages.load(ing, sql.connect(ing), 4)
     assert np.array_equal(got.offsets, whole.offsets)
@@ -71,7 +71,7 @@ def test_a_bounded_session_carry_gives_the_same_hashes(
     hashed from the root on their next turn: the same hashes; the carry stays in bounds."""
     b, chains = _sessions_bundle(tmp_path / "b")
     ing = ingest.ingest(b)
-    whole = kpages.compute(sql.connect(ing), 4)
+    whole = kpages.compute(ing, sql.connect(ing), 4)
     monkeypatch.setattr(kpages, "BATCH_ROWS", 5)
     monkeypatch.setattr(pagereuse, "CARRY_BYTES", limit)
     seen: list[tuple[int, int]] = []
@@ -82,7 +82,7 @@ def test_a_bounded_session_carry_gives_the_same_hashes(
         seen.append((len(self.items), self.bytes))
 
     monkeypatch.setattr(kpages.Carry, "put", spy)
-    got = kpages.compute(sql.connect(ing), 4)
+    got = kpages.compute(ing, sql.connect(ing), 4)
     assert np.array_equal(got.offsets, whole.offsets)
     assert np.array_equal(got.hashes, whole.hashes)
     for r, chain in enumerate(chains):
@@ -117,124 +117,39 @@ def test_batch_rows_bounded_by_the_longest_request_tokens(
     b, chains = _sessions_bundle(tmp_path / "b")
     ing = ingest.ingest(b)
     con = sql.connect(ing)
-    whole = kpages.compute(con, 4)
+    whole = kpages.compute(ing, con, 4)
     assert kpages.batch_rows(con) == kpages.BATCH_ROWS  # short requests: the row cap
     longest = max(len(r) for r in chains) + 1
     monkeypatch.setattr(kpages, "BATCH_TOKENS", 3 * longest)
     assert kpages.batch_rows(con) in (2, 3)  # the longest request has n_input + n_output ids
     monkeypatch.setattr(kpages, "BATCH_TOKENS", 1)
     assert kpages.batch_rows(con) == 1
-    got = kpages.compute(sql.connect(ing), 4)
+    got = kpages.compute(ing, sql.connect(ing), 4)
     assert np.array_equal(got.offsets, whole.offsets)
     assert np.array_equal(got.hashes, whole.hashes)
 
 
-def test_out_of_order_batches_are_refused() -> None:
-    import pyarrow as pa
+@pytest.mark.parametrize("compact", [True, False])
+def test_chains_are_read_from_the_bundle_packed_or_whole(tmp_path: Path, compact: bool) -> None:
+    """The chains come from the bundle's request records, not from a token column: packed
+    requests (format 2.0: uint32 arrays rebuilt from their shared prefix) and requests
+    stored whole (lists; one with an id past uint32, hashed by ``wire``'s wide path) give
+    every page ``wire.block_hashes`` of its chain, whatever the batch size."""
+    from kvcadence.format.bundle import BundleWriter
 
-    def batch(ids: list[int]) -> pa.RecordBatch:
-        n = len(ids)
-        return pa.RecordBatch.from_pydict(
-            {
-                "request_id": pa.array(ids, pa.int64()),
-                "chain": pa.array([[1, 2]] * n, pa.list_(pa.int64())),
-                "lane": pa.array([None] * n, pa.int64()),
-                "session": pa.array([None] * n, pa.int64()),
-            }
-        )
-
-    assert kpages._hash_batches([batch([0, 1]), batch([2])], 1, None) is not None
-    assert kpages._hash_batches([batch([0, 2]), batch([1])], 1, None) is None
-    assert kpages._hash_batches([batch([1, 0])], 1, None) is None
-
-
-def _production_chains(seed: int, n: int, sessions: int, ps: int) -> list[list[int]]:
-    """Interleaved agent sessions without lanes or sessions (a production capture's records):
-    each turn's chain extends its session's previous chain; all share a system prompt."""
-    rng = random.Random(seed)
-    system = [rng.randrange(1, 50_000) for _ in range(3 * ps + 17)]
-    ctx: dict[int, list[int]] = {}
-    chains = []
-    for _ in range(n):
-        s = rng.randrange(sessions)
-        base = ctx.get(s, system)
-        chain = base + [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 3 * ps))]
-        ctx[s] = chain
-        chains.append(chain[: len(chain) // ps * ps])
-    return chains
-
-
-def _hashed_pages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the pages ``hash_requests`` hashes (the root pass and the per-row tails)."""
-    from kvcadence.analysis import hashpool
-
-    seen = [0]
-    digests = hashpool.ChainHasher.digests
-    block_digests = kpages.wire.block_digests
-
-    def root(self: hashpool.ChainHasher, words: bytes, ps: int, first: object) -> object:
-        seen[0] += len(words) // (4 * ps)
-        return digests(self, words, ps, first)
-
-    def tail(tokens: object, ps: int, *a: object, **k: object) -> object:
-        seen[0] += len(tokens) // ps  # type: ignore[arg-type]
-        return block_digests(tokens, ps, *a, **k)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(hashpool.ChainHasher, "digests", root)
-    monkeypatch.setattr(kpages.wire, "block_digests", tail)
-    return seen
-
-
-@pytest.mark.parametrize("ps", [1, 4, 16])
-def test_rows_without_sessions_reuse_the_longest_prefix_by_content(
-    monkeypatch: pytest.MonkeyPatch, ps: int
-) -> None:
-    """A production capture's rows (no lane, no session): each turn reuses the digests of the
-    earlier row its chain extends, found by content; the hashes are ``wire``'s, and every
-    distinct page is hashed once but the ones no earlier row starts alike with."""
-    chains = _production_chains(5, 120, 7, ps)
-    seen = _hashed_pages(monkeypatch)
-    cv, co = kpages._flat(pa.chunked_array([pa.array(chains, type=pa.list_(pa.int64()))]))
-    page_off, hashes = kpages.hash_requests(cv, co, ps, [None] * 120, [None] * 120)
-    for r, chain in enumerate(chains):
-        assert hashes[page_off[r] : page_off[r + 1]].tolist() == wire.block_hashes(chain, ps)
-    distinct = len(set(hashes.tolist()))
-    assert distinct <= seen[0] < distinct + 7 * len(chains[0]) // ps  # the first turns
-    assert seen[0] < int(page_off[-1]) / 3  # against hashing every row from the root
-
-
-def test_content_reuse_across_batches_and_its_bound(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Rows without sessions reuse rows of earlier batches (``Recent``) with the same hashes;
-    with the carry bounded to nothing, the same hashes again (hashed from the root)."""
-    chains = _production_chains(6, 90, 4, 4)
-    reqs = [RequestRecord(rid=f"r{i}", input_ids=c, output_ids=[]) for i, c in enumerate(chains)]
-    b = write_bundle(tmp_path / "b", [(0, [cleared()])], reqs, hdr=header(page_size=4))
-    ing = ingest.ingest(b)
-    monkeypatch.setattr(kpages, "BATCH_ROWS", 5)
-    for limit in (None, 0):
-        if limit is not None:
-            monkeypatch.setattr(pagereuse, "CARRY_BYTES", limit)
-        seen = _hashed_pages(monkeypatch)
-        got = kpages.compute(sql.connect(ing), 4)
-        for r, chain in enumerate(chains):
-            assert got.chain(r) == wire.block_hashes(chain, 4)
-        if limit is None:
-            reused = seen[0]
-        else:
-            assert seen[0] > reused  # nothing carried: each batch's first turns from the root
-    total = int(got.offsets[-1])
-    assert reused < total / 3
-
-
-def test_recent_stays_in_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pagereuse, "HEAD_CANDIDATES", 3)
-    rec = pagereuse.Recent(limit=200)
-    for i in range(50):
-        head = b"h%d" % (i % 2)
-        rec.put(head, 1, b"w" * 10, np.zeros(4, dtype=np.uint8))
-        assert rec.bytes <= 200 and len(rec.items) <= 14
-        assert all(len(ids) <= 3 for ids in rec.by_head.values())
-        assert sum(len(ids) for ids in rec.by_head.values()) == len(rec.items)
-    assert [k for k, _, _ in rec.candidates(b"h1")] == [1, 1, 1]
+    _, chains = _sessions_bundle(tmp_path / "a")
+    reqs = list(BundleReader(tmp_path / "a").requests())
+    wide = RequestRecord(rid="wide", input_ids=[1, 2, 3, 1 << 40, 5, 6, 7, 8], output_ids=[9, 9])
+    path = tmp_path / "b"
+    with BundleWriter(path, header(page_size=4), compact_requests=compact) as w:
+        for r in [*reqs, wide]:
+            w.write(r)
+    ing = ingest.ingest(path)
+    for rows in (1, 64):
+        kpages.BATCH_ROWS, saved = rows, kpages.BATCH_ROWS
+        try:
+            got = kpages.compute(ing, sql.connect(ing), 4)
+        finally:
+            kpages.BATCH_ROWS = saved
+        for r, chain in enumerate([*chains, [*wide.input_ids, 9]]):
+            assert got.chain(r) == wire.block_hashes(chain, 4), r
