@@ -23,10 +23,10 @@ from typing import Any
 from kvcadence.analysis.cachedir import cache_write_error, default_cache
 from kvcadence.analysis.outpaths import check_out_dir
 from kvcadence.analysis.records import write_tables
-from kvcadence.analysis.tables import TABLES
+from kvcadence.analysis.tables import tables_of
 from kvcadence.errors import UsageError
 
-INGEST_VERSION = 3
+INGEST_VERSION = 4
 CACHE_DIRNAME = ".parquet"
 MANIFEST = "manifest.json"
 
@@ -101,10 +101,13 @@ def ingest(
     out: str | os.PathLike[str] | None = None,
     *,
     force: bool = False,
+    ids: bool = False,
 ) -> Ingested:
     """Make sure the Parquet tables of ``bundle`` are current; (re)build them if not.
 
-    ``out`` overrides the cache directory (default ``<bundle>/.parquet``).
+    ``out`` overrides the cache directory (default ``<bundle>/.parquet``). ``ids``: the
+    ``request_ids`` table too (``tables.ON_DEMAND``); a current cache without it is rebuilt
+    with it (one pass over the bundle, as any build), a cache with it serves either way.
     """
     bundle = Path(bundle)
     _check_bundle(bundle)
@@ -122,14 +125,15 @@ def ingest(
             manifest
             and manifest.get("ingest_version") == INGEST_VERSION
             and manifest.get("fingerprint") == fp
-            and all((cache / f"{t}.parquet").exists() for t in TABLES)
+            and (manifest.get("ids") or not ids)
+            and all((cache / f"{t}.parquet").exists() for t in tables_of(bool(manifest.get("ids"))))
         ):
             return Ingested(bundle, cache, manifest, rebuilt=False)
-    manifest = _build(bundle, cache, fp)
+    manifest = _build(bundle, cache, fp, ids)
     return Ingested(bundle, cache, manifest, rebuilt=True)
 
 
-def _build(bundle: Path, cache: Path, fp: list[list[Any]]) -> dict[str, Any]:
+def _build(bundle: Path, cache: Path, fp: list[list[Any]], ids: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     cache = Path(os.path.abspath(cache))  # "." / ".." have no usable name for the temp dir
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
@@ -138,9 +142,10 @@ def _build(bundle: Path, cache: Path, fp: list[list[Any]]) -> dict[str, Any]:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         # the tables are written as row groups while the bundle is read (bounded memory)
-        rows, info = write_tables(bundle, tmp)
+        rows, info = write_tables(bundle, tmp, ids=ids)
         manifest = {
             "ingest_version": INGEST_VERSION,
+            "ids": ids,
             "bundle": str(bundle.resolve()),
             "fingerprint": fp,
             "built_s": round(time.perf_counter() - t0, 6),

@@ -300,8 +300,9 @@ _ID_FIELDS = ("input_ids", "output_ids")
 
 
 def requests_table(reqs: RequestColumns, base: int = 0) -> Any:
-    """The requests table from the request columns and their token ids (the rows converted
-    since the last ``reset``; ``base``: the request id of the first)."""
+    """The requests table from the request columns, with their token ids' lengths (the rows
+    converted since the last ``reset``; ``base``: the request id of the first); the ids
+    themselves are ``request_ids_table``'s."""
     import msgspec
     import numpy as np
     import pyarrow as pa
@@ -315,21 +316,13 @@ def requests_table(reqs: RequestColumns, base: int = 0) -> Any:
             return pa.nulls(len(c), typ)  # a field no request has (no per-value conversion)
         return pa.array(c, type=typ)
 
-    inp_ids, out_ids = reqs.token_ids()
-    if n:
-        inp, n_in = _id_lists(inp_ids)
-        out, n_out = _id_lists(out_ids)
-    else:
-        inp = out = pa.array([], type=pa.list_(pa.int64()))
-        n_in = n_out = np.zeros(0, np.int64)
+    _, n_in, n_out = _token_columns(reqs, n)
     enc = msgspec.json.encode
     # an empty meta_info (most request sources) is "{}" without an encode call per row
     meta = pa.array([enc(m).decode() if m else "{}" for m in cols["meta_info"]], type=pa.string())
     arrays = [
         pa.array(np.arange(base, base + n, dtype=np.int64)),
         col("rid", pa.string()),
-        inp,
-        out,
         pa.array(n_in),
         pa.array(n_out),
         col("send_ns", pa.int64()),
@@ -351,6 +344,31 @@ def requests_table(reqs: RequestColumns, base: int = 0) -> Any:
         meta,
     ]
     return pa.Table.from_arrays(arrays, schema=arrow_schema("requests"))
+
+
+def request_ids_table(reqs: RequestColumns, base: int = 0) -> Any:
+    """The request_ids table (``tables.ON_DEMAND``) of the rows ``requests_table`` writes."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = reqs.pending_rows
+    (inp, out), _, _ = _token_columns(reqs, n)
+    arrays = [pa.array(np.arange(base, base + n, dtype=np.int64)), inp, out]
+    return pa.Table.from_arrays(arrays, schema=arrow_schema("request_ids"))
+
+
+def _token_columns(reqs: RequestColumns, n: int) -> tuple[tuple[Any, Any], Any, Any]:
+    """``((input_ids, output_ids) as list arrays, n_input, n_output)`` of ``n`` rows."""
+    import numpy as np
+    import pyarrow as pa
+
+    inp_ids, out_ids = reqs.token_ids()
+    if not n:
+        empty = pa.array([], type=pa.list_(pa.int64()))
+        return (empty, empty), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    inp, n_in = _id_lists(inp_ids)
+    out, n_out = _id_lists(out_ids)
+    return (inp, out), n_in, n_out
 
 
 def gaps_table(gaps: list[Any]) -> Any:

@@ -16,7 +16,9 @@ The tables (``docs/metrics.md`` lists the columns):
 ``batches``  one row per ZMQ message (EventFrame), de-duplicated by (endpoint, epoch, seq)
 ``events``   one row per KV event inside a batch
 ``blocks``   one row per block hash of a Stored/Removed event
-``requests`` one row per RequestRecord (every field; token ids as ``list<int64>`` columns)
+``requests`` one row per RequestRecord (every field but the token ids: their lengths)
+``request_ids`` the token ids, one row per request (``list<int64>`` columns): built only when
+           asked for (``ingest(..., ids=True)``, ``kvcadence sql`` naming it; ``ON_DEMAND``)
 ``gaps``     one row per Gap record
 ``epochs``   one row per Epoch record
 ``notes``    one row per Annotation record
@@ -38,13 +40,22 @@ from kvcadence.analysis.cache import (
     ingest,
 )
 from kvcadence.analysis.records import build_tables, write_tables
-from kvcadence.analysis.tables import KINDS, TABLES, arrow_schema, describe_tables, write_options
+from kvcadence.analysis.tables import (
+    KINDS,
+    ON_DEMAND,
+    TABLES,
+    arrow_schema,
+    describe_tables,
+    tables_of,
+    write_options,
+)
 
 __all__ = [
     "CACHE_DIRNAME",
     "INGEST_VERSION",
     "KINDS",
     "MANIFEST",
+    "ON_DEMAND",
     "TABLES",
     "Ingested",
     "arrow_schema",
@@ -53,6 +64,7 @@ __all__ = [
     "describe_tables",
     "fingerprint",
     "ingest",
+    "tables_of",
     "write_options",
     "write_tables",
 ]

@@ -41,6 +41,7 @@ from kvcadence.analysis.columns import (
     events_table,
     gaps_table,
     notes_table,
+    request_ids_table,
     requests_table,
 )
 from kvcadence.analysis.ingestinfo import header_info, read_info
@@ -114,18 +115,22 @@ CHUNK_EVENTS = 1 << 15
 CHUNK_REQUEST_IDS = 1 << 20
 
 
-def build_tables(bundle: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict), in memory.
+def build_tables(bundle: Path, *, ids: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read ``bundle`` once; return ({table name: pyarrow.Table}, info dict), in memory
+    (``ids``: ``request_ids`` too, ``tables.ON_DEMAND``).
 
     ``write_tables`` is the streaming form (what ingest uses).
     """
-    return _run(bundle, MemorySink())
+    return _run(bundle, MemorySink(ids))
 
 
-def write_tables(bundle: Path, directory: Path) -> tuple[dict[str, int], dict[str, Any]]:
+def write_tables(
+    bundle: Path, directory: Path, *, ids: bool = False
+) -> tuple[dict[str, int], dict[str, Any]]:
     """Read ``bundle`` once, writing its tables as ``<directory>/<table>.parquet`` row groups
-    while the records are decoded; return ({table: rows}, info dict)."""
-    sink = ParquetSink(directory)
+    while the records are decoded; return ({table: rows}, info dict). ``ids``: the
+    ``request_ids`` table too (``tables.ON_DEMAND``)."""
+    sink = ParquetSink(directory, ids)
     try:
         return _run(bundle, sink)
     except BaseException:
@@ -278,9 +283,10 @@ class _EventChunk:
 
 
 def _build_tables(
-    bundle: Path, *, views: bool, raw: bool = False, sink: Any = None
+    bundle: Path, *, views: bool, raw: bool = False, sink: Any = None, ids: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``_run``'s one attempt: the record loop into ``sink`` (a ``MemorySink`` when None,
+    with ``request_ids`` where ``ids``,
     whose tables are returned; with a sink of the caller's the first item is ``{}`` and the
     caller closes it).
 
@@ -303,7 +309,7 @@ def _build_tables(
     """
     own = sink is None
     if own:
-        sink = MemorySink()
+        sink = MemorySink(ids)
     reader = open_reader(bundle)
     header = reader.header
     info = header_info(header)
@@ -462,5 +468,7 @@ def _write_requests(reqs: RequestColumns, sink: Any, base: int) -> int:
     next chunk's first request id."""
     n = reqs.pending_rows
     sink.write("requests", requests_table(reqs, base))
+    if "request_ids" in sink.tables:  # (``tables.ON_DEMAND``: only when asked for)
+        sink.write("request_ids", request_ids_table(reqs, base))
     reqs.reset()
     return base + n

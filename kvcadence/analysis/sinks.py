@@ -5,8 +5,9 @@ it decodes them (``write(name, table)``), so what it holds is one chunk, never t
 ``ParquetSink`` appends every chunk to its table's Parquet file as row groups (one pyarrow
 ``ParquetWriter`` per table, ``tables.write_options``): ingest's memory is bounded by the
 chunk size, not by the bundle. ``MemorySink`` keeps the chunks and concatenates them
-(``build_tables``, tests). Both give every table of ``TABLES`` on ``close``, empty ones
-included, with the schema of ``tables.arrow_schema``.
+(``build_tables``, tests). Both give every table they were made for (``tables.tables_of``:
+the ``ON_DEMAND`` ones only when asked) on ``close``, empty ones included, with the schema of
+``tables.arrow_schema``.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis.tables import TABLES, arrow_schema, write_options
+from kvcadence.analysis.tables import arrow_schema, tables_of, write_options
 
 
 class ParquetSink:
     """``<dir>/<table>.parquet`` per table, written as row groups as chunks arrive."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, ids: bool = False) -> None:
         self.dir = directory
-        self.rows: dict[str, int] = dict.fromkeys(TABLES, 0)
+        self.tables = tables_of(ids)
+        self.rows: dict[str, int] = dict.fromkeys(self.tables, 0)
         self._writers: dict[str, Any] = {}
 
     def write(self, name: str, table: Any) -> None:
@@ -40,7 +42,7 @@ class ParquetSink:
 
     def close(self) -> dict[str, int]:
         """Write the tables no chunk came for (empty) and close every file; rows per table."""
-        for name in TABLES:
+        for name in self.tables:
             if name not in self._writers:
                 self.write(name, arrow_schema(name).empty_table())
         try:
@@ -56,10 +58,10 @@ class ParquetSink:
         """Close and remove what was written (the loop starts over, or failed)."""
         for w in self._writers.values():
             _close_quietly(w)
-        for name in TABLES:
+        for name in self.tables:
             (self.dir / f"{name}.parquet").unlink(missing_ok=True)
         self._writers.clear()
-        self.rows = dict.fromkeys(TABLES, 0)
+        self.rows = dict.fromkeys(self.tables, 0)
 
 
 def _close_quietly(w: Any) -> None:
@@ -78,8 +80,9 @@ def _close_quietly(w: Any) -> None:
 class MemorySink:
     """The chunks kept in memory; ``close`` gives ``{name: pyarrow.Table}``."""
 
-    def __init__(self) -> None:
-        self.chunks: dict[str, list[Any]] = {name: [] for name in TABLES}
+    def __init__(self, ids: bool = False) -> None:
+        self.tables = tables_of(ids)
+        self.chunks: dict[str, list[Any]] = {name: [] for name in self.tables}
 
     def write(self, name: str, table: Any) -> None:
         self.chunks[name].append(table)
@@ -94,7 +97,7 @@ class MemorySink:
         return out
 
     def abort(self) -> None:
-        self.chunks = {name: [] for name in TABLES}
+        self.chunks = {name: [] for name in self.tables}
 
 
 __all__ = ["MemorySink", "ParquetSink"]

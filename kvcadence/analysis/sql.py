@@ -20,7 +20,7 @@ import tempfile
 from typing import Any
 
 from kvcadence.analysis.cache import Ingested
-from kvcadence.analysis.tables import TABLES
+from kvcadence.analysis.tables import tables_of
 from kvcadence.errors import UsageError
 
 THREADS_ENV = "KVCADENCE_THREADS"
@@ -43,7 +43,8 @@ def env_threads() -> int | None:
 
 
 def connect(ing: Ingested, materialize: tuple[str, ...] = ()) -> Any:
-    """An in-memory DuckDB connection with a view per table of ``ing``.
+    """An in-memory DuckDB connection with a view per table of ``ing`` (``request_ids``
+    where it was built: ``ingest(..., ids=True)``).
 
     Tables named in ``materialize`` are loaded into memory once instead (a report runs ~70
     queries over ``batches``/``events``; re-reading Parquet for each was a third of its time).
@@ -62,7 +63,7 @@ def connect(ing: Ingested, materialize: tuple[str, ...] = ()) -> Any:
     threads = env_threads()
     if threads is not None:
         con.sql(f"SET threads = {threads}")
-    for table in TABLES:
+    for table in tables_of(bool(ing.manifest.get("ids"))):
         path = str(ing.path(table)).replace("'", "''")
         if table in materialize:
             con.sql(f"CREATE TEMP TABLE {table} AS SELECT * FROM read_parquet('{path}')")
@@ -83,6 +84,8 @@ def query(con: Any, sql: str, params: list[Any] | None = None) -> Any:
         return rel.pl()
     except duckdb.Error as exc:
         msg = str(exc).strip().splitlines()[0]
+        if "input_ids" in msg or "output_ids" in msg:
+            msg += " (token ids are in the request_ids table: JOIN request_ids USING (request_id))"
         raise UsageError(f"SQL error: {msg}") from None
 
 

@@ -175,6 +175,24 @@ def test_ingest_never_replaces_a_directory_that_is_not_its_cache(
     assert "built" in capsys.readouterr().out
 
 
+def test_sql_builds_request_ids_for_a_query_that_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The token ids are a table of their own, built the first time a query names it; a
+    query that asks ``requests`` for them is told where they are (one line, exit 2)."""
+    b = _bundle(tmp_path / "b")
+    assert main(["sql", str(b), "SELECT count(*) AS n FROM requests", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.split() == ["n", "2"]
+    assert not (b / ".parquet" / "request_ids.parquet").exists()
+    q = "SELECT rid, input_ids FROM requests JOIN request_ids USING (request_id) ORDER BY rid"
+    assert main(["sql", str(b), q, "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == [{"rid": "a", "input_ids": [1, 2, 3]}, {"rid": "b", "input_ids": [1, 2, 3, 4]}]
+    assert (b / ".parquet" / "request_ids.parquet").exists()
+    rc = main(["sql", str(b), "SELECT input_ids FROM requests"])
+    _usage(capsys, rc, "SQL error", "input_ids", "request_ids table")
+
+
 def test_sql_out_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     b = _bundle(tmp_path / "b")
     q = "SELECT 1 AS x"

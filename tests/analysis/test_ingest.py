@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvcadence.analysis import ingest, records
+from kvcadence.analysis import ingest, records, sql
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleWriter
@@ -54,12 +54,32 @@ def test_tables_columns_and_hashes(tmp_path: Path) -> None:
     assert kd["event_id"] == [1, 1, 2, 3]
     assert kd["n_tokens"] == [4, 4, 4, None]
     r = pq.read_table(ing.path("requests")).to_pydict()
-    assert r["input_ids"] == [[1, 2, 3]] and r["n_output"] == [2]
+    assert "input_ids" not in r and r["n_input"] == [3] and r["n_output"] == [2]
     assert ing.info["page_size"] == 4 and ing.info["clean_shutdown"] is True
 
 
+def test_request_ids_are_built_only_when_asked_for(tmp_path: Path) -> None:
+    """The token ids (``request_ids``, ``ON_DEMAND``) are not in a cache built by default: a
+    cache asked for them is rebuilt with them, and then serves every later ingest."""
+    b = _small(tmp_path)
+    ing = ingest.ingest(b)
+    assert not ing.path("request_ids").exists() and ing.manifest["ids"] is False
+    shown = [t for (t,) in sql.connect(ing).sql("SHOW TABLES").fetchall()]
+    assert "requests" in shown and "request_ids" not in shown
+    with_ids = ingest.ingest(b, ids=True)
+    assert with_ids.rebuilt and with_ids.manifest["ids"] is True
+    r = pq.read_table(with_ids.path("request_ids")).to_pydict()
+    assert r == {"request_id": [0], "input_ids": [[1, 2, 3]], "output_ids": [[4, 5]]}
+    again = ingest.ingest(b)
+    assert not again.rebuilt and again.path("request_ids").exists()
+    got = sql.connect(again).sql(
+        "SELECT rid, input_ids FROM requests JOIN request_ids USING (request_id)"
+    )
+    assert got.fetchall() == [("r0", [1, 2, 3])]
+
+
 def test_schema_dict_matches_written_tables(tmp_path: Path) -> None:
-    ing = ingest.ingest(_small(tmp_path))
+    ing = ingest.ingest(_small(tmp_path), ids=True)
     for table in ingest.TABLES:
         assert pq.read_schema(ing.path(table)).names == [c for c, _, _ in ingest.TABLES[table]]
 
@@ -127,7 +147,7 @@ def test_request_view_path_equals_ordinary_path(tmp_path: Path) -> None:
     assert fast.keys() == slow.keys()
     for name in fast:
         assert fast[name].equals(slow[name]), name
-    got = fast["requests"].column("input_ids").to_pylist()
+    got = fast["request_ids"].column("input_ids").to_pylist()
     assert got == [r.input_ids for r in reqs]
 
 
@@ -145,9 +165,10 @@ def test_non_int_ids_fall_back_to_the_ordinary_reader(tmp_path: Path) -> None:
     frame gets exactly the verdict every other reader gives it (not a request row)."""
     good = RequestRecord(rid="ok", input_ids=[1, 2, 300], output_ids=[5])
     b = _write_raw_request(tmp_path / "b", [1, 2.5], good)
-    ing = ingest.ingest(b)
+    ing = ingest.ingest(b, ids=True)
     r = pq.read_table(ing.path("requests")).to_pydict()
-    assert r["rid"] == ["ok"] and r["input_ids"] == [[1, 2, 300]]
+    assert r["rid"] == ["ok"] and r["n_input"] == [3]
+    assert pq.read_table(ing.path("request_ids")).column("input_ids").to_pylist() == [[1, 2, 300]]
     with gc_paused():
         slow, slow_info = records._build_tables(b, views=False)
     for name in slow:
@@ -275,7 +296,7 @@ def test_raw_check_failure_reads_the_bundle_with_decode_batch_view(
     else:
         with gc_paused():
             records._build_tables(c, views=True, raw=True)  # no second pass needed
-    ing = ingest.ingest(c)
+    ing = ingest.ingest(c, ids=True)
     with gc_paused():
         lst, lst_info = records._build_tables(c, views=True, raw=False)
     for name in lst:

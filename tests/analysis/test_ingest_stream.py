@@ -66,7 +66,7 @@ def test_chunked_tables_equal_whole_tables(tmp_path: Path, monkeypatch: pytest.M
         chunked, chunked_info = records._build_tables(b, views=True, raw=True)
     assert chunked_info == whole_info
     assert whole_info["duplicates"] == 60 and whole_info["unknown_events"] == 1
-    ing = ingest.ingest(b)
+    ing = ingest.ingest(b, ids=True)
     assert ing.manifest["tables"] == {name: t.num_rows for name, t in whole.items()}
     for name, table in whole.items():
         assert chunked[name].equals(table), name
@@ -98,7 +98,7 @@ def test_retry_after_raw_check_failure_starts_the_files_over(
             epoch=0,
         )
     monkeypatch.setattr(records, "CHUNK_EVENTS", 50)
-    ing = ingest.ingest(b)
+    ing = ingest.ingest(b, ids=True)
     with gc_paused():
         lst, _ = records._build_tables(b, views=True, raw=False)
     for name, table in lst.items():

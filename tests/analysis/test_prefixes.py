@@ -88,3 +88,13 @@ def test_docs_name_every_metric() -> None:
         for col, _, _ in cols:
             assert f"| `{col}` |" in text
     assert '"schema": "kvcadence.prefixes/1"' in text
+
+
+def test_docs_list_the_tables_as_the_schema_dict_does() -> None:
+    """The tables' listing in docs/metrics.md is ``describe_tables()`` verbatim (what
+    ``kvcadence sql --help`` would print): a column added, moved (the token ids went to
+    ``request_ids``) or reworded in ``TABLES`` shows in the docs too."""
+    from kvcadence.analysis.tables import describe_tables
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+    assert describe_tables().rstrip("\n") in docs.read_text()
