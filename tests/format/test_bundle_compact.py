@@ -416,8 +416,8 @@ def test_a_torn_last_segment_keeps_every_request_before_the_tear(tmp_path: Path)
 def test_analysis_tables_are_the_same_for_both_layouts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Ingest reads packed requests through the view path: the requests table (ids and
-    their counts) is the one the full layout gives."""
+    """Ingest reads packed requests through the view path: the requests table (the ids'
+    counts) and the ids (``request_ids``) are the ones the full layout gives."""
     prompt = list(range(70000, 70000 + 3 * BLOCK + 5))
     reqs = []
     for i in range(12):
@@ -427,7 +427,10 @@ def test_analysis_tables_are_the_same_for_both_layouts(
     docs = []
     for compact in (False, True):
         path = _write(tmp_path / f"b{compact}", reqs, compact_requests=compact)
-        q = "SELECT request_id, n_input, n_output, input_ids, output_ids FROM requests ORDER BY 1"
+        q = (
+            "SELECT request_id, n_input, n_output, input_ids, output_ids FROM requests "
+            "JOIN request_ids USING (request_id) ORDER BY 1"
+        )
         assert (
             main(
                 ["sql", str(path), q, "--format", "json", "--cache", str(tmp_path / f"c{compact}")]
