@@ -86,6 +86,8 @@ def query(con: Any, sql: str, params: list[Any] | None = None) -> Any:
         msg = str(exc).strip().splitlines()[0]
         if "input_ids" in msg or "output_ids" in msg:
             msg += " (token ids are in the request_ids table: JOIN request_ids USING (request_id))"
+        elif "request_ids" in msg:  # a connection to a cache built without it
+            msg += " (request_ids is built on demand: ingest(bundle, ids=True))"
         raise UsageError(f"SQL error: {msg}") from None
 
 

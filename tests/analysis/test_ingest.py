@@ -306,3 +306,9 @@ def test_raw_check_failure_reads_the_bundle_with_decode_batch_view(
         assert pq.read_table(ing.path("events")).column("n_tokens").to_pylist()[-1] == 2
     if _BYTES_HASH in extra:
         assert 9 in pq.read_table(ing.path("blocks")).column("hash").to_pylist()
+
+
+def test_a_connection_without_request_ids_says_how_to_build_them(tmp_path: Path) -> None:
+    con = sql.connect(ingest.ingest(_small(tmp_path)))
+    with pytest.raises(UsageError, match=r"built on demand: ingest\(bundle, ids=True\)"):
+        sql.query(con, "SELECT * FROM request_ids")
