@@ -193,6 +193,18 @@ def test_sql_builds_request_ids_for_a_query_that_names_them(
     _usage(capsys, rc, "SQL error", "input_ids", "request_ids table")
 
 
+def test_ingest_ids_writes_the_token_ids_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    b = _bundle(tmp_path / "b")
+    assert main(["ingest", str(b)]) == 0
+    assert "request_ids" not in capsys.readouterr().out
+    assert main(["ingest", str(b), "--ids"]) == 0
+    out = capsys.readouterr().out
+    assert "built" in out and "request_ids 2" in out
+    assert (b / ".parquet" / "request_ids.parquet").exists()
+
+
 def test_sql_out_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     b = _bundle(tmp_path / "b")
     q = "SELECT 1 AS x"
