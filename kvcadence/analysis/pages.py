@@ -51,6 +51,7 @@ from kvcadence.analysis.cache import Ingested
 from kvcadence.analysis.hashpool import ChainHasher
 from kvcadence.analysis.pagereuse import RECENT_ROWS, Carry, Recent, head_pages, longest_prefix
 from kvcadence.analysis.records import open_reader
+from kvcadence.errors import BundleError
 from kvcadence.format import wire
 
 _I64_BITS = "int64"
@@ -230,7 +231,9 @@ def _chain_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tupl
     reader's uint32 arrays, rebuilt from its shared prefix, never a list of ints) -- not
     from a token column of the cache, which holds no prefix sharing (at production size it
     was several times the bundle). Each record is checked against its ``requests`` row
-    (the same count and lengths: the ingest's request order)."""
+    (the same lengths: the ingest's request order); requests a live capture appended since
+    the ingest are left out, as its tables leave them, and a bundle that lost requests or
+    whose requests differ is a ``BundleError``."""
     import numpy as np
 
     lens = sql.arrow(con, "SELECT n_input, n_output FROM requests ORDER BY request_id")
@@ -251,10 +254,13 @@ def _chain_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tupl
         sessions.clear()
         return out
 
+    changed = f"{ing.bundle}: the bundle changed since its tables were built: run again"
     for r in open_reader(ing.bundle).request_arrays():
+        if i == len(n_in):
+            break  # requests a capture appended since the ingest: not in its tables
         inp, outs = r.input_ids, r.output_ids
-        if i >= len(n_in) or len(inp) != n_in[i] or len(outs) != n_out[i]:
-            raise AssertionError(f"{ing.bundle}: request {i} is not the ingested one")
+        if len(inp) != n_in[i] or len(outs) != n_out[i]:
+            raise BundleError(changed)
         m = (len(inp) + max(len(outs) - 1, 0)) // ps * ps
         chains.append(_ids(inp, outs, m))
         lanes.append(r.lane)
@@ -263,7 +269,7 @@ def _chain_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tupl
         if len(chains) >= rows:
             yield batch()
     if i != len(n_in):
-        raise AssertionError(f"{ing.bundle}: {i} requests read, {len(n_in)} ingested")
+        raise BundleError(changed)
     if chains:
         yield batch()
 

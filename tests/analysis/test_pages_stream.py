@@ -153,3 +153,27 @@ def test_chains_are_read_from_the_bundle_packed_or_whole(tmp_path: Path, compact
             kpages.BATCH_ROWS = saved
         for r, chain in enumerate([*chains, [*wide.input_ids, 9]]):
             assert got.chain(r) == wire.block_hashes(chain, 4), r
+
+
+def test_requests_appended_after_the_ingest_are_left_out(tmp_path: Path) -> None:
+    """A live capture appends requests while a report runs: the page hashes cover the
+    ingested requests only, as the tables do; a bundle whose requests are not the ingested
+    ones any more is one clear error."""
+    import dataclasses
+
+    from kvcadence.errors import BundleError
+    from kvcadence.format.bundle import BundleWriter
+
+    b, chains = _sessions_bundle(tmp_path / "b")
+    ing = ingest.ingest(b)
+    con = sql.connect(ing)
+    before = kpages.compute(ing, con, 4)
+    w = BundleWriter.append(b)
+    w.write(RequestRecord(rid="late", input_ids=list(range(40)), output_ids=[1, 2]))
+    w.close()
+    after = kpages.compute(ing, con, 4)
+    assert np.array_equal(after.offsets, before.offsets)
+    assert np.array_equal(after.hashes, before.hashes)
+    other = write_bundle(tmp_path / "o", [(0, [cleared()])], [], hdr=header(page_size=4))
+    with pytest.raises(BundleError, match="changed since its tables were built"):
+        kpages.compute(dataclasses.replace(ing, bundle=other), con, 4)
