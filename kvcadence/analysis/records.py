@@ -283,7 +283,7 @@ class _EventChunk:
 
 
 def _build_tables(
-    bundle: Path, *, views: bool, raw: bool = False, sink: Any = None, ids: bool = True
+    bundle: Path, *, views: bool, raw: bool = False, sink: Any = None, ids: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``_run``'s one attempt: the record loop into ``sink`` (a ``MemorySink`` when None,
     with ``request_ids`` where ``ids``,

@@ -124,8 +124,8 @@ def test_missing_bundle_is_usage_error(tmp_path: Path) -> None:
 def _tables_both_ways(bundle: Path) -> tuple[dict, dict]:
     """build_tables through the view path and through the ordinary RequestRecord path."""
     with gc_paused():
-        fast = records._build_tables(bundle, views=True)[0]
-        slow = records._build_tables(bundle, views=False)[0]
+        fast = records._build_tables(bundle, views=True, ids=True)[0]
+        slow = records._build_tables(bundle, views=False, ids=True)[0]
     return fast, slow
 
 
@@ -170,7 +170,7 @@ def test_non_int_ids_fall_back_to_the_ordinary_reader(tmp_path: Path) -> None:
     assert r["rid"] == ["ok"] and r["n_input"] == [3]
     assert pq.read_table(ing.path("request_ids")).column("input_ids").to_pylist() == [[1, 2, 300]]
     with gc_paused():
-        slow, slow_info = records._build_tables(b, views=False)
+        slow, slow_info = records._build_tables(b, views=False, ids=True)
     for name in slow:
         assert pq.read_table(ing.path(name)).equals(slow[name]), name
     assert ing.info["corrupt_frames"] == slow_info["corrupt_frames"]
@@ -186,8 +186,8 @@ def test_token_id_beyond_int64_is_input_error(tmp_path: Path) -> None:
 
 def _raw_and_list_paths(bundle: Path) -> tuple[tuple[dict, dict], tuple[dict, dict]]:
     with gc_paused():
-        raw = records._build_tables(bundle, views=True, raw=True)
-        lst = records._build_tables(bundle, views=True, raw=False)
+        raw = records._build_tables(bundle, views=True, raw=True, ids=True)
+        lst = records._build_tables(bundle, views=True, raw=False, ids=True)
     return raw, lst
 
 
@@ -292,13 +292,13 @@ def test_raw_check_failure_reads_the_bundle_with_decode_batch_view(
     bad_tokens = _BAD_TOKENS in extra or _BAD_TOKEN_ELEM in extra
     if _BYTES_HASH in extra or bad_tokens:
         with pytest.raises(records._RawCheckFailed), gc_paused():
-            records._build_tables(c, views=True, raw=True)
+            records._build_tables(c, views=True, raw=True, ids=True)
     else:
         with gc_paused():
-            records._build_tables(c, views=True, raw=True)  # no second pass needed
+            records._build_tables(c, views=True, raw=True, ids=True)  # no second pass needed
     ing = ingest.ingest(c, ids=True)
     with gc_paused():
-        lst, lst_info = records._build_tables(c, views=True, raw=False)
+        lst, lst_info = records._build_tables(c, views=True, raw=False, ids=True)
     for name in lst:
         assert pq.read_table(ing.path(name)).equals(lst[name]), name
     assert ing.info["undecodable_payloads"] == bad_tokens

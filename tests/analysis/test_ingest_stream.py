@@ -59,11 +59,11 @@ def test_chunked_tables_equal_whole_tables(tmp_path: Path, monkeypatch: pytest.M
     give exactly the tables of one chunk, in memory and in the Parquet cache."""
     b = _mixed_bundle(tmp_path / "b")
     with gc_paused():
-        whole, whole_info = records._build_tables(b, views=True, raw=True)
+        whole, whole_info = records._build_tables(b, views=True, raw=True, ids=True)
     monkeypatch.setattr(records, "CHUNK_EVENTS", 50)
     monkeypatch.setattr(records, "CHUNK_REQUEST_IDS", 2000)
     with gc_paused():
-        chunked, chunked_info = records._build_tables(b, views=True, raw=True)
+        chunked, chunked_info = records._build_tables(b, views=True, raw=True, ids=True)
     assert chunked_info == whole_info
     assert whole_info["duplicates"] == 60 and whole_info["unknown_events"] == 1
     ing = ingest.ingest(b, ids=True)
@@ -100,7 +100,7 @@ def test_retry_after_raw_check_failure_starts_the_files_over(
     monkeypatch.setattr(records, "CHUNK_EVENTS", 50)
     ing = ingest.ingest(b, ids=True)
     with gc_paused():
-        lst, _ = records._build_tables(b, views=True, raw=False)
+        lst, _ = records._build_tables(b, views=True, raw=False, ids=True)
     for name, table in lst.items():
         assert pq.read_table(ing.path(name)).equals(table), name
     assert pq.read_table(ing.path("blocks")).column("hash").to_pylist()[-1] == 9
