@@ -27,6 +27,9 @@ from kvcadence.analysis.tables import tables_of
 from kvcadence.errors import UsageError
 
 INGEST_VERSION = 4
+#: ``ingest(ids=None)`` keeps ``request_ids`` while its ids, as uint32, are at most this
+#: many times the bundle's bytes (the fingerprint's sizes)
+IDS_BUDGET = 1.0
 CACHE_DIRNAME = ".parquet"
 MANIFEST = "manifest.json"
 
@@ -101,13 +104,16 @@ def ingest(
     out: str | os.PathLike[str] | None = None,
     *,
     force: bool = False,
-    ids: bool = False,
+    ids: bool | None = None,
 ) -> Ingested:
     """Make sure the Parquet tables of ``bundle`` are current; (re)build them if not.
 
-    ``out`` overrides the cache directory (default ``<bundle>/.parquet``). ``ids``: the
-    ``request_ids`` table too (``tables.ON_DEMAND``); a current cache without it is rebuilt
-    with it (one pass over the bundle, as any build), a cache with it serves either way.
+    ``out`` overrides the cache directory (default ``<bundle>/.parquet``). ``ids``: whether
+    the cache holds ``request_ids`` (``tables.ON_DEMAND``): True, always (a current cache
+    without it is rebuilt with it); None (the default), while its ids are no more than
+    ``IDS_BUDGET`` times the bundle's bytes (as uint32) -- small requests keep them, long
+    prompts sharing their prefixes (several times the bundle) do not; False, never (a
+    current cache with it serves).
     """
     bundle = Path(bundle)
     _check_bundle(bundle)
@@ -125,7 +131,7 @@ def ingest(
             manifest
             and manifest.get("ingest_version") == INGEST_VERSION
             and manifest.get("fingerprint") == fp
-            and (manifest.get("ids") or not ids)
+            and (manifest.get("ids") or ids is not True)
             and all((cache / f"{t}.parquet").exists() for t in tables_of(bool(manifest.get("ids"))))
         ):
             return Ingested(bundle, cache, manifest, rebuilt=False)
@@ -133,7 +139,7 @@ def ingest(
     return Ingested(bundle, cache, manifest, rebuilt=True)
 
 
-def _build(bundle: Path, cache: Path, fp: list[list[Any]], ids: bool) -> dict[str, Any]:
+def _build(bundle: Path, cache: Path, fp: list[list[Any]], ids: bool | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     cache = Path(os.path.abspath(cache))  # "." / ".." have no usable name for the temp dir
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
@@ -142,10 +148,11 @@ def _build(bundle: Path, cache: Path, fp: list[list[Any]], ids: bool) -> dict[st
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         # the tables are written as row groups while the bundle is read (bounded memory)
-        rows, info = write_tables(bundle, tmp, ids=ids)
+        budget = None if ids else int(IDS_BUDGET * sum(f[1] for f in fp)) // 4
+        rows, info = write_tables(bundle, tmp, ids=ids is not False, ids_budget=budget)
         manifest = {
             "ingest_version": INGEST_VERSION,
-            "ids": ids,
+            "ids": "request_ids" in rows,
             "bundle": str(bundle.resolve()),
             "fingerprint": fp,
             "built_s": round(time.perf_counter() - t0, 6),

@@ -19,8 +19,8 @@ def register(sub: Any) -> None:
         "ingest",
         help="bundle -> Parquet tables (cached next to the bundle)",
         description="Write a bundle's Parquet tables (batches, events, blocks, requests, gaps, "
-        "epochs, notes; request_ids with --ids). Cached in BUNDLE/.parquet and rebuilt when "
-        "the bundle changes.",
+        "epochs, notes; request_ids while small, or with --ids). Cached in BUNDLE/.parquet and "
+        "rebuilt when the bundle changes.",
         epilog="examples:\n  kvcadence ingest run.kvcb\n  kvcadence ingest run.kvcb --out tables/ --force\n",
     )
     p.add_argument("bundle", help="bundle directory")
@@ -29,8 +29,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--ids",
         action="store_true",
-        help="also write request_ids (every request's token ids, no prefix shared: several "
-        "times the bundle for long prompts; kvcadence sql builds it when a query names it)",
+        help="write request_ids (every request's token ids, no prefix shared) however big: "
+        "without it, only while no bigger than the bundle (long prompts sharing prefixes are "
+        "several times it); kvcadence sql builds it when a query names it",
     )
     p.set_defaults(_run=run_ingest)
 
@@ -38,8 +39,8 @@ def register(sub: Any) -> None:
         "sql",
         help="run DuckDB SQL over a bundle's tables",
         description="Run one DuckDB statement over views batches, events, blocks, requests, "
-        "gaps, epochs, notes, and request_ids (the token ids: built the first time a query "
-        "names it). docs/metrics.md lists the columns.",
+        "gaps, epochs, notes, and request_ids (the token ids: kept while small, else built the "
+        "first time a query names it). docs/metrics.md lists the columns.",
         epilog="examples:\n"
         '  kvcadence sql run.kvcb "SELECT kind, count(*) AS n FROM events GROUP BY 1 ORDER BY 1"\n'
         '  kvcadence sql run.kvcb "SELECT * FROM requests" --format csv --out requests.csv\n'
@@ -141,7 +142,7 @@ def run_ingest(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         ingest.check_cache_dir(args.out, "--out")
-    ing = ingest.ingest(args.bundle, args.out, force=args.force, ids=args.ids)
+    ing = ingest.ingest(args.bundle, args.out, force=args.force, ids=args.ids or None)
     state = "built" if ing.rebuilt else "up to date"
     rows = ", ".join(f"{t} {n}" for t, n in ing.manifest.get("tables", {}).items())
     print(f"{ing.dir}: {state} ({rows})")
@@ -169,9 +170,10 @@ def run_sql(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_out_file(args.out, "--out", force=args.force)
     _check_cache(args)
-    # the token ids' table only for a query that names it (``tables.ON_DEMAND``)
-    ids = re.search(r"\brequest_ids\b", args.query, re.IGNORECASE) is not None
-    ing = ingest.ingest(args.bundle, args.cache, ids=ids)
+    # the token ids' table for a query that names it, else as the cache has it (kept when
+    # small: ``cache.IDS_BUDGET``)
+    named = re.search(r"\brequest_ids\b", args.query, re.IGNORECASE) is not None
+    ing = ingest.ingest(args.bundle, args.cache, ids=True if named else None)
     df = sql.query(sql.connect(ing), args.query)
     if args.format == "parquet":
         write_atomic(args.out, lambda tmp: df.write_parquet(tmp, compression="zstd"))

@@ -17,8 +17,9 @@ The tables (``docs/metrics.md`` lists the columns):
 ``events``   one row per KV event inside a batch
 ``blocks``   one row per block hash of a Stored/Removed event
 ``requests`` one row per RequestRecord (every field but the token ids: their lengths)
-``request_ids`` the token ids, one row per request (``list<int64>`` columns): built only when
-           asked for (``ingest(..., ids=True)``, ``kvcadence sql`` naming it; ``ON_DEMAND``)
+``request_ids`` the token ids, one row per request (``list<int64>`` columns): kept while no
+           bigger than the bundle, else built when asked for (``ingest(..., ids=True)``,
+           ``kvcadence sql`` naming it; ``ON_DEMAND``)
 ``gaps``     one row per Gap record
 ``epochs``   one row per Epoch record
 ``notes``    one row per Annotation record

@@ -213,14 +213,62 @@ def compute(
     no hashes)."""
     ps = max(1, int(page_size))
     rows = batch_rows(con, ps)
-    writer = _PageWriter(cache) if cache is not None else None
-    try:
-        with ChainHasher() as hasher:
-            got = _hash_batches(_chain_batches(ing, con, ps, rows), ps, writer, keep, hasher)
-    finally:
-        if writer is not None:
-            writer.close()
-    return RequestPages(ps, *got)
+    # where the cache holds the ids (``request_ids``: small requests, ``cache.IDS_BUDGET``)
+    # DuckDB reads them in C++, a batch at a time (no ORDER BY: the scan keeps file order,
+    # and sorting 45M tokens' lists doubled the read; the order is checked instead, and
+    # sorted on the rare scan that is not); else the bundle's records (``_chain_batches``)
+    sources = (
+        [
+            lambda: _parquet_batches(con, ps, rows, ""),
+            lambda: _parquet_batches(con, ps, rows, _ORDERED),
+        ]
+        if ing.manifest.get("ids")
+        else [lambda: _chain_batches(ing, con, ps, rows)]
+    )
+    for source in sources:
+        writer = _PageWriter(cache) if cache is not None else None
+        try:
+            with ChainHasher() as hasher:
+                got = _hash_batches(source(), ps, writer, keep, hasher)
+        except _Unordered:
+            continue
+        finally:
+            if writer is not None:
+                writer.close()
+        return RequestPages(ps, *got)
+    raise AssertionError("request_ids ordered by request_id are out of order")  # pragma: no cover
+
+
+class _Unordered(Exception):
+    """A scan of ``request_ids`` came out of request order (read it sorted)."""
+
+
+_ORDERED = " ORDER BY request_id"
+
+
+def _parquet_batches(con: Any, ps: int, rows: int, order: str) -> Iterator[tuple[Any, ...]]:
+    """``_chain_batches``' batches from the cache's ``request_ids`` (DuckDB's list slicing,
+    in C++); raises ``_Unordered`` when the scan is not in request order."""
+    import numpy as np
+
+    meta = sql.arrow(con, "SELECT lane, session FROM requests ORDER BY request_id")
+    lanes, sessions = meta.column(0).to_pylist(), meta.column(1).to_pylist()
+    query = (
+        "SELECT request_id, (input_ids || output_ids[1:len(output_ids) - 1])"
+        f"[1:((len(input_ids) + greatest(len(output_ids) - 1, 0)) // {ps}) * {ps}] AS chain "
+        f"FROM request_ids{order}"
+    )
+    at = 0
+    for b in con.sql(query).to_arrow_reader(rows):
+        if b.num_rows == 0:
+            continue
+        rid = b.column("request_id").to_numpy()
+        if rid[0] != at or not (np.diff(rid) == 1).all():
+            raise _Unordered
+        end = at + b.num_rows
+        cv, co = _flat(b.column("chain"))
+        yield cv, co, lanes[at:end], sessions[at:end]
+        at = end
 
 
 def _chain_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tuple[Any, ...]]:
@@ -239,55 +287,86 @@ def _chain_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tupl
     lens = sql.arrow(con, "SELECT n_input, n_output FROM requests ORDER BY request_id")
     n_in = lens.column(0).to_numpy(zero_copy_only=False)
     n_out = lens.column(1).to_numpy(zero_copy_only=False)
-    chains: list[Any] = []
+    n = len(n_in)
+    changed = f"{ing.bundle}: the bundle changed since its tables were built: run again"
+    # a batch: its records' ids as read, input then output, in runs of uint32 arrays (each
+    # array appended as it is: a copy of its bytes, no slicing and no numpy call a record)
+    # and int64 arrays (a record whose ids are not uint32: a 1.x list, a wide id); each
+    # chain (the first ``m`` of a record's ids) is cut out with numpy, a batch at once
+    parts: list[Any] = []
+    run = array_type("I")
+    got_in = array_type("q")  # the records' lengths, checked against the ingest's per batch
+    got_out = array_type("q")
     lanes: list[Any] = []
     sessions: list[Any] = []
-    i = 0
+    in_part: list[int] = []  # each record's part (``run``: the next, ``len(parts)``)
+    at_in_part: list[int] = []  # ... and where its ids start in it
+    start = 0  # the batch's first request
 
     def batch() -> tuple[Any, ...]:
-        co = np.zeros(len(chains) + 1, dtype=np.int64)
-        np.cumsum([len(c) for c in chains], out=co[1:])
-        cv = np.concatenate(chains) if chains else np.zeros(0, dtype=np.int64)
+        nonlocal run, start, got_in, got_out
+        li = np.frombuffer(got_in, np.int64)
+        lo = np.frombuffer(got_out, np.int64)
+        end = start + len(li)
+        if not (np.array_equal(li, n_in[start:end]) and np.array_equal(lo, n_out[start:end])):
+            raise BundleError(changed)
+        if run:
+            parts.append(run)
+        m = (li + np.maximum(lo - 1, 0)) // ps * ps  # each chain's ids
+        co = np.zeros(len(li) + 1, dtype=np.int64)
+        np.cumsum(m, out=co[1:])
+        # each chain cut from its part (views; one copy into the batch's int64 ids)
+        flats = [np.frombuffer(p, np.uint32) if type(p) is array_type else p for p in parts]
+        cuts = [
+            flats[q][at : at + k] for q, at, k in zip(in_part, at_in_part, m.tolist(), strict=True)
+        ]
+        cv = np.concatenate(cuts).astype(np.int64) if cuts else np.zeros(0, dtype=np.int64)
         out = (cv, co, lanes.copy(), sessions.copy())
-        chains.clear()
+        del flats, cuts  # (views of ``run``: released before it is replaced)
+        parts.clear()
+        run = array_type("I")
+        got_in, got_out = array_type("q"), array_type("q")  # (``li``, ``lo`` view the old)
+        in_part.clear()
+        at_in_part.clear()
         lanes.clear()
         sessions.clear()
+        start = end
         return out
 
-    changed = f"{ing.bundle}: the bundle changed since its tables were built: run again"
+    i = 0
+    code = run.typecode
     for r in open_reader(ing.bundle).request_arrays():
-        if i == len(n_in):
+        if i == n:
             break  # requests a capture appended since the ingest: not in its tables
         inp, outs = r.input_ids, r.output_ids
-        if len(inp) != n_in[i] or len(outs) != n_out[i]:
-            raise BundleError(changed)
-        m = (len(inp) + max(len(outs) - 1, 0)) // ps * ps
-        chains.append(_ids(inp, outs, m))
+        if (
+            type(inp) is array_type
+            and type(outs) is array_type
+            and inp.typecode == code
+            and outs.typecode == code
+        ):
+            in_part.append(len(parts))
+            at_in_part.append(len(run))
+            run.extend(inp)
+            run.extend(outs)
+        else:  # ids that are not uint32 arrays: this record's as int64
+            if run:
+                parts.append(run)
+                run = array_type("I")
+            in_part.append(len(parts))
+            at_in_part.append(0)
+            parts.append(np.array([*inp, *outs], dtype=np.int64))
+        got_in.append(len(inp))
+        got_out.append(len(outs))
         lanes.append(r.lane)
         sessions.append(r.session)
         i += 1
-        if len(chains) >= rows:
+        if len(got_in) >= rows:
             yield batch()
-    if i != len(n_in):
+    if i != n:
         raise BundleError(changed)
-    if chains:
+    if got_in:
         yield batch()
-
-
-def _ids(inp: Any, outs: Any, m: int) -> Any:
-    """The first ``m`` ids of ``inp + outs`` as an int64 array (an ``array('I')`` read in
-    place; a list -- a format 1.x record's -- converted, the ingest has checked it is int64)."""
-    import numpy as np
-
-    def arr(x: Any, k: int) -> Any:
-        if isinstance(x, array_type) and x.itemsize == 4 and x.typecode in "IL":
-            return np.frombuffer(x, dtype=np.uint32, count=k).astype(np.int64)
-        return np.array(x[:k], dtype=np.int64)
-
-    k_in = min(m, len(inp))
-    if k_in == m:
-        return arr(inp, m)
-    return np.concatenate([arr(inp, k_in), arr(outs, m - k_in)])
 
 
 def _hash_batches(

@@ -125,12 +125,13 @@ def build_tables(bundle: Path, *, ids: bool = False) -> tuple[dict[str, Any], di
 
 
 def write_tables(
-    bundle: Path, directory: Path, *, ids: bool = False
+    bundle: Path, directory: Path, *, ids: bool = False, ids_budget: int | None = None
 ) -> tuple[dict[str, int], dict[str, Any]]:
     """Read ``bundle`` once, writing its tables as ``<directory>/<table>.parquet`` row groups
     while the records are decoded; return ({table: rows}, info dict). ``ids``: the
-    ``request_ids`` table too (``tables.ON_DEMAND``)."""
-    sink = ParquetSink(directory, ids)
+    ``request_ids`` table too (``tables.ON_DEMAND``), dropped once it holds more than
+    ``ids_budget`` token ids (None: never; the rows then lack it)."""
+    sink = ParquetSink(directory, ids, ids_budget)
     try:
         return _run(bundle, sink)
     except BaseException:
@@ -469,6 +470,6 @@ def _write_requests(reqs: RequestColumns, sink: Any, base: int) -> int:
     n = reqs.pending_rows
     sink.write("requests", requests_table(reqs, base))
     if "request_ids" in sink.tables:  # (``tables.ON_DEMAND``: only when asked for)
-        sink.write("request_ids", request_ids_table(reqs, base))
+        sink.write_ids(request_ids_table(reqs, base), reqs.pending_ids)
     reqs.reset()
     return base + n

@@ -22,11 +22,30 @@ from kvcadence.analysis.tables import arrow_schema, tables_of, write_options
 class ParquetSink:
     """``<dir>/<table>.parquet`` per table, written as row groups as chunks arrive."""
 
-    def __init__(self, directory: Path, ids: bool = False) -> None:
+    def __init__(self, directory: Path, ids: bool = False, ids_budget: int | None = None) -> None:
         self.dir = directory
-        self.tables = tables_of(ids)
+        self._all = tables_of(ids)
+        self.tables = list(self._all)
         self.rows: dict[str, int] = dict.fromkeys(self.tables, 0)
         self._writers: dict[str, Any] = {}
+        #: token ids ``request_ids`` may hold (None: any number); past it the table is
+        #: dropped (``write_ids``)
+        self.ids_budget = ids_budget
+        self._ids = 0
+
+    def write_ids(self, table: Any, n_ids: int) -> None:
+        """``request_ids`` rows holding ``n_ids`` token ids; once the table's ids pass
+        ``ids_budget`` it is dropped (its file removed, no more rows written)."""
+        self._ids += n_ids
+        if self.ids_budget is not None and self._ids > self.ids_budget:
+            w = self._writers.pop("request_ids", None)
+            if w is not None:
+                _close_quietly(w)
+            (self.dir / "request_ids.parquet").unlink(missing_ok=True)
+            self.tables = [t for t in self.tables if t != "request_ids"]
+            self.rows.pop("request_ids", None)
+            return
+        self.write("request_ids", table)
 
     def write(self, name: str, table: Any) -> None:
         w = self._writers.get(name)
@@ -58,10 +77,12 @@ class ParquetSink:
         """Close and remove what was written (the loop starts over, or failed)."""
         for w in self._writers.values():
             _close_quietly(w)
-        for name in self.tables:
+        for name in self._all:
             (self.dir / f"{name}.parquet").unlink(missing_ok=True)
         self._writers.clear()
+        self.tables = list(self._all)  # (a dropped ``request_ids`` is tried again)
         self.rows = dict.fromkeys(self.tables, 0)
+        self._ids = 0
 
 
 def _close_quietly(w: Any) -> None:
@@ -86,6 +107,9 @@ class MemorySink:
 
     def write(self, name: str, table: Any) -> None:
         self.chunks[name].append(table)
+
+    def write_ids(self, table: Any, n_ids: int) -> None:
+        self.write("request_ids", table)
 
     def close(self) -> dict[str, Any]:
         import pyarrow as pa

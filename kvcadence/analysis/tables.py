@@ -123,11 +123,11 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 
-#: tables built only when asked for (``ingest(..., ids=True)``; ``kvcadence sql`` when its
-#: query names one): every request's token ids, stored once per request with no prefix
-#: shared -- at production size (3,000 requests of up to 100k tokens) 352 MB of the cache's
-#: 414 MB, for a 64 MB bundle; nothing of a report reads them (the page hashes read the
-#: bundle's own prefix-shared requests, ``pages``)
+#: tables a cache holds only while small, or when asked for (``cache.ingest``'s ``ids``;
+#: ``kvcadence sql`` when its query names one): every request's token ids, stored once per
+#: request with no prefix shared -- at production size (3,000 requests of up to 100k tokens)
+#: 352 MB of the cache's 414 MB, for a 64 MB bundle; the page hashes read the bundle's own
+#: prefix-shared requests where the cache lacks them (``pages``)
 ON_DEMAND: tuple[str, ...] = ("request_ids",)
 
 

@@ -176,10 +176,14 @@ def test_ingest_never_replaces_a_directory_that_is_not_its_cache(
 
 
 def test_sql_builds_request_ids_for_a_query_that_names_them(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The token ids are a table of their own, built the first time a query names it; a
-    query that asks ``requests`` for them is told where they are (one line, exit 2)."""
+    """The token ids are a table of their own, built the first time a query names it where
+    the cache dropped them (past ``IDS_BUDGET``); a query that asks ``requests`` for them is
+    told where they are (one line, exit 2)."""
+    from kvcadence.analysis import cache
+
+    monkeypatch.setattr(cache, "IDS_BUDGET", 0.0)
     b = _bundle(tmp_path / "b")
     assert main(["sql", str(b), "SELECT count(*) AS n FROM requests", "--format", "csv"]) == 0
     assert capsys.readouterr().out.split() == ["n", "2"]
@@ -194,8 +198,12 @@ def test_sql_builds_request_ids_for_a_query_that_names_them(
 
 
 def test_ingest_ids_writes_the_token_ids_table(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``--ids`` writes them however big they are (here: every id past the budget)."""
+    from kvcadence.analysis import cache
+
+    monkeypatch.setattr(cache, "IDS_BUDGET", 0.0)
     b = _bundle(tmp_path / "b")
     assert main(["ingest", str(b)]) == 0
     assert "request_ids" not in capsys.readouterr().out

@@ -58,14 +58,23 @@ def test_tables_columns_and_hashes(tmp_path: Path) -> None:
     assert ing.info["page_size"] == 4 and ing.info["clean_shutdown"] is True
 
 
-def test_request_ids_are_built_only_when_asked_for(tmp_path: Path) -> None:
-    """The token ids (``request_ids``, ``ON_DEMAND``) are not in a cache built by default: a
-    cache asked for them is rebuilt with them, and then serves every later ingest."""
+def test_request_ids_are_kept_while_they_are_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token ids (``request_ids``, ``ON_DEMAND``) stay in a default cache while they are
+    no bigger than the bundle (``IDS_BUDGET``); past it they are dropped, and a cache asked
+    for them is rebuilt with them and then serves every later ingest."""
+    from kvcadence.analysis import cache
+
     b = _small(tmp_path)
-    ing = ingest.ingest(b)
+    assert ingest.ingest(b).manifest["ids"] is True  # 5 ids, a bundle of some KB
+    monkeypatch.setattr(cache, "IDS_BUDGET", 0.0)  # every id past the budget
+    ing = ingest.ingest(b, force=True)
     assert not ing.path("request_ids").exists() and ing.manifest["ids"] is False
+    assert "request_ids" not in ing.manifest["tables"]
     shown = [t for (t,) in sql.connect(ing).sql("SHOW TABLES").fetchall()]
     assert "requests" in shown and "request_ids" not in shown
+    assert not ingest.ingest(b).rebuilt  # a default ingest takes the cache as it is
     with_ids = ingest.ingest(b, ids=True)
     assert with_ids.rebuilt and with_ids.manifest["ids"] is True
     r = pq.read_table(with_ids.path("request_ids")).to_pydict()
@@ -76,6 +85,7 @@ def test_request_ids_are_built_only_when_asked_for(tmp_path: Path) -> None:
         "SELECT rid, input_ids FROM requests JOIN request_ids USING (request_id)"
     )
     assert got.fetchall() == [("r0", [1, 2, 3])]
+    assert not ingest.ingest(b, ids=False).rebuilt
 
 
 def test_schema_dict_matches_written_tables(tmp_path: Path) -> None:
@@ -309,6 +319,6 @@ def test_raw_check_failure_reads_the_bundle_with_decode_batch_view(
 
 
 def test_a_connection_without_request_ids_says_how_to_build_them(tmp_path: Path) -> None:
-    con = sql.connect(ingest.ingest(_small(tmp_path)))
+    con = sql.connect(ingest.ingest(_small(tmp_path), ids=False))
     with pytest.raises(UsageError, match=r"built on demand: ingest\(bundle, ids=True\)"):
         sql.query(con, "SELECT * FROM request_ids")

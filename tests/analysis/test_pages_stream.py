@@ -43,12 +43,16 @@ def _sessions_bundle(path: Path) -> tuple[Path, list[list[int]]]:
     return write_bundle(path, [(0, [cleared()])], reqs, hdr=header(page_size=4)), chains
 
 
+@pytest.mark.parametrize("ids", [True, False], ids=["request_ids", "bundle"])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_batches_equal_one_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, ids: bool
 ) -> None:
+    """Either source of the chains -- the cache's ``request_ids`` (DuckDB) or the bundle's
+    records -- gives every page ``wire.block_hashes`` of its chain, whatever the batch."""
     b, chains = _sessions_bundle(tmp_path / "b")
-    ing = ingest.ingest(b)
+    ing = ingest.ingest(b, ids=ids)
+    assert ing.manifest["ids"] is ids
     whole = kpages.compute(ing, sql.connect(ing), 4)
     monkeypatch.setattr(kpages, "BATCH_ROWS", rows)
     got = kpages.load(ing, sql.connect(ing), 4)
@@ -129,8 +133,11 @@ def test_batch_rows_bounded_by_the_longest_request_tokens(
     assert np.array_equal(got.hashes, whole.hashes)
 
 
+@pytest.mark.parametrize("ids", [True, False], ids=["request_ids", "bundle"])
 @pytest.mark.parametrize("compact", [True, False])
-def test_chains_are_read_from_the_bundle_packed_or_whole(tmp_path: Path, compact: bool) -> None:
+def test_chains_are_read_from_the_bundle_packed_or_whole(
+    tmp_path: Path, compact: bool, ids: bool
+) -> None:
     """The chains come from the bundle's request records, not from a token column: packed
     requests (format 2.0: uint32 arrays rebuilt from their shared prefix) and requests
     stored whole (lists; one with an id past uint32, hashed by ``wire``'s wide path) give
@@ -142,16 +149,17 @@ def test_chains_are_read_from_the_bundle_packed_or_whole(tmp_path: Path, compact
     wide = RequestRecord(rid="wide", input_ids=[1, 2, 3, 1 << 40, 5, 6, 7, 8], output_ids=[9, 9])
     path = tmp_path / "b"
     with BundleWriter(path, header(page_size=4), compact_requests=compact) as w:
-        for r in [*reqs, wide]:
+        for r in [*reqs[:150], wide, *reqs[150:]]:  # a wide record between plain ones
             w.write(r)
-    ing = ingest.ingest(path)
+    ing = ingest.ingest(path, ids=ids)
+    assert ing.manifest["ids"] is ids
     for rows in (1, 64):
         kpages.BATCH_ROWS, saved = rows, kpages.BATCH_ROWS
         try:
             got = kpages.compute(ing, sql.connect(ing), 4)
         finally:
             kpages.BATCH_ROWS = saved
-        for r, chain in enumerate([*chains, [*wide.input_ids, 9]]):
+        for r, chain in enumerate([*chains[:150], [*wide.input_ids, 9], *chains[150:]]):
             assert got.chain(r) == wire.block_hashes(chain, 4), r
 
 
@@ -165,7 +173,7 @@ def test_requests_appended_after_the_ingest_are_left_out(tmp_path: Path) -> None
     from kvcadence.format.bundle import BundleWriter
 
     b, chains = _sessions_bundle(tmp_path / "b")
-    ing = ingest.ingest(b)
+    ing = ingest.ingest(b, ids=False)  # the chains from the bundle
     con = sql.connect(ing)
     before = kpages.compute(ing, con, 4)
     w = BundleWriter.append(b)
@@ -177,3 +185,24 @@ def test_requests_appended_after_the_ingest_are_left_out(tmp_path: Path) -> None
     other = write_bundle(tmp_path / "o", [(0, [cleared()])], [], hdr=header(page_size=4))
     with pytest.raises(BundleError, match="changed since its tables were built"):
         kpages.compute(dataclasses.replace(ing, bundle=other), con, 4)
+
+
+def test_an_unordered_request_ids_scan_is_read_sorted() -> None:
+    """``request_ids`` scanned out of request order is refused (the caller reads it with
+    ``ORDER BY``), and the sorted read gives each request its own chain."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.sql(
+        "CREATE TABLE requests AS SELECT * FROM (VALUES (0, NULL::BIGINT, NULL::BIGINT), "
+        "(1, 7, 2)) t(request_id, lane, session)"
+    )
+    con.sql(
+        "CREATE TABLE request_ids AS SELECT * FROM (VALUES (1, [1, 2], [3, 9]), "
+        "(0, [4, 5], [6])) t(request_id, input_ids, output_ids)"
+    )
+    with pytest.raises(kpages._Unordered):
+        list(kpages._parquet_batches(con, 1, 10, ""))
+    ((cv, co, lanes, sessions),) = kpages._parquet_batches(con, 1, 10, kpages._ORDERED)
+    assert cv.tolist() == [4, 5, 1, 2, 3] and co.tolist() == [0, 2, 5]
+    assert lanes == [None, 7] and sessions == [None, 2]

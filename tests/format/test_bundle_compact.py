@@ -583,6 +583,46 @@ def test_events_and_notes_step_over_unread_frames_without_their_crc(tmp_path: Pa
         list(BundleReader(b, strict=True).events_and_notes(()))
 
 
+def test_a_read_of_requests_steps_over_event_frames_unread(tmp_path: Path) -> None:
+    """Reading requests only (``requests()``, ``request_arrays()``, ``request_rids()``),
+    the event frames -- most of a capture -- are stepped over by their first bytes, their
+    CRC not checked and no decode tried: damage inside one is not reported there (counted
+    in ``report.unread``); every frame is checked where all are read, or strictly."""
+    w = BundleWriter(tmp_path / "b", _header())
+    w.write_event(
+        endpoint=0, seq=0, recv_ns=1, topic="kv-events", payload=b"\x93\x01\x90\xc0", via=0, epoch=0
+    )
+    for r in _family():
+        w.write(r)
+    for seq in (1, 2):
+        w.write_event(
+            endpoint=0, seq=seq, recv_ns=2, topic="kv-events", payload=b"\x93\x01\x90\xc0", via=0,
+            epoch=0,
+        )  # fmt: skip
+    w.close(end_ns=0)
+    b = tmp_path / "b"
+    want = [r.rid for r in BundleReader(b).requests()]
+    assert want == [r.rid for r in _family()]
+    (seg,) = list_segments(b)
+    events = [pos for pos, x in _frames(seg) if _tag(x) == "event"]
+    assert len(events) == 3
+    data = bytearray(seg.read_bytes())
+    data[events[-1] + FRAME_HEADER_SIZE + 12] ^= 0xFF  # inside the last event frame
+    seg.write_bytes(bytes(data))
+    for read in ("requests", "request_arrays", "request_rids"):
+        rd = BundleReader(b)
+        got = list(getattr(rd, read)())
+        assert [x if type(x) is str else x.rid for x in got] == want, read
+        assert not rd.report.corrupt and not rd.report.damaged, read
+        # (a segment's first frame is always read: the first event frame is after the header)
+        assert rd.report.unread == 3, read
+    rd = BundleReader(b)
+    list(rd.records())
+    assert rd.report.corrupt  # every frame's CRC checked
+    with pytest.raises(CorruptFrameError):
+        list(BundleReader(b, strict=True).requests())
+
+
 @pytest.mark.parametrize("compact", [True, False])
 def test_request_ids_given_as_arrays_are_written_as_lists_are(
     tmp_path: Path, compact: bool

@@ -210,6 +210,17 @@ _PACKED_HEAD = bytes([0xA0 | len(PACKED_TAG)]) + PACKED_TAG
 _HEAD_BYTE = frozenset((_NOTE_HEAD[0], _PACKED_HEAD[0]))
 
 
+#: an event frame's first bytes after its array header (fixstr ``"event"``)
+_EVENT_HEAD = b"\xa5event"
+
+
+def unread_events(body: memoryview) -> bool:
+    """The predicate a read of requests only steps over frames by: True for an event frame
+    (by its first bytes: most of a capture's frames, which such a read would CRC-check and
+    try to decode only to skip them)."""
+    return 0x91 <= body[0] <= 0x9F and body[1:7] == _EVENT_HEAD
+
+
 def _note_kind(body: memoryview) -> bytes | None:
     """The ``kind`` bytes of a note frame (``["note", kind, ...]``, kind a fixstr or str8),
     or None when ``body`` is not shaped so (not a note, or one to decode to find out).

@@ -55,6 +55,7 @@ from kvcadence.format.bundle.frames import (
     _peek_tag,
     events_and_notes_decoder,
     fast_decoder,
+    unread_events,
     unread_frames,
 )
 from kvcadence.format.bundle.report import ReadReport, SegmentScan
@@ -411,7 +412,10 @@ class BundleReader:
         decoders = _VIEW_DECODERS if views else _DECODERS
         fast = fast_decoder(wanted, views)
         if not notes_raw:
-            return decoders, fast, fast, None
+            # requests only: the event frames are stepped over by their first bytes, unread
+            # (a strict reader checks them all)
+            skip = wanted == REQUEST_TAGS and not self.strict
+            return decoders, fast, fast, (unread_events if skip else None)
         # events_and_notes
         decoders = {**decoders, b"note": NOTE_RAW}
         fast = events_and_notes_decoder(note_kinds, events_as)
