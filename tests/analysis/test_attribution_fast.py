@@ -10,6 +10,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcadence.analysis import chainsrc
 from kvcadence.analysis import pages as kpages
 from kvcadence.analysis.attribution import Request, attribute_arrays
 from kvcadence.format import wire
@@ -149,7 +150,7 @@ def test_page_hashes_equal_wire(rows: list[tuple[list[int], list[int], Any]], ps
     lane = [0 if r[2] is not None else None for r in rows]
     session = [r[2] for r in rows]
     chains = [(p + o[:-1])[: len(p + o[:-1]) // ps * ps] for p, o in zip(inp, out, strict=True)]
-    cv, co = kpages._flat(pa.chunked_array([pa.array(chains, type=pa.list_(pa.int64()))]))
+    cv, co = chainsrc.flat_lists(pa.chunked_array([pa.array(chains, type=pa.list_(pa.int64()))]))
     page_off, hashes = kpages.hash_requests(cv, co, ps, lane, session)
     for r in range(len(rows)):
         want = wire.block_hashes(inp[r] + out[r][:-1], ps)

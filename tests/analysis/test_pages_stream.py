@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from kvcadence.analysis import ingest, pagereuse, sql
+from kvcadence.analysis import chainsrc, ingest, pagereuse, sql
 from kvcadence.analysis import pages as kpages
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader
@@ -201,8 +201,8 @@ def test_an_unordered_request_ids_scan_is_read_sorted() -> None:
         "CREATE TABLE request_ids AS SELECT * FROM (VALUES (1, [1, 2], [3, 9]), "
         "(0, [4, 5], [6])) t(request_id, input_ids, output_ids)"
     )
-    with pytest.raises(kpages._Unordered):
-        list(kpages._parquet_batches(con, 1, 10, ""))
-    ((cv, co, lanes, sessions),) = kpages._parquet_batches(con, 1, 10, kpages._ORDERED)
+    with pytest.raises(chainsrc.Unordered):
+        list(chainsrc.parquet_batches(con, 1, 10, ""))
+    ((cv, co, lanes, sessions),) = chainsrc.parquet_batches(con, 1, 10, chainsrc.ORDERED)
     assert cv.tolist() == [4, 5, 1, 2, 3] and co.tolist() == [0, 2, 5]
     assert lanes == [None, 7] and sessions == [None, 2]
