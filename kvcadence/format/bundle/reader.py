@@ -481,7 +481,9 @@ class BundleReader:
         return self._iter(frozenset((b"event",)))  # type: ignore[return-value]
 
     def requests(self) -> list[RequestRecord]:
-        """Every ``RequestRecord`` in order."""
+        """Every ``RequestRecord`` in order. A read of requests only (this,
+        ``request_arrays``, ``request_rids``) steps over event frames by their first bytes,
+        unread (``report.unread``; a strict reader checks them)."""
         return list(self._iter(frozenset((b"request",))))  # type: ignore[arg-type]
 
     def request_arrays(self) -> Iterator[RequestRecord]:
