@@ -190,7 +190,9 @@ def _label(finish: bool, prefill: bool, unmatched: bool, span: int) -> str:
 def attribute_arrays(
     pages: Any, req: RequestColumns, ev: EventColumns, page_size: int
 ) -> Attribution:
-    """The attribution rule over columns; ``pages`` is a ``kvcadence.analysis.pages.RequestPages``.
+    """The attribution rule over columns; ``pages`` is a ``kvcadence.analysis.pages.RequestPages``
+    (each request's pages from its ``starts``: at most its cached prefix, where candidates
+    begin).
 
     ``per_event`` is left empty (the test oracle gives per-event labels).
     """
@@ -204,12 +206,14 @@ def attribute_arrays(
     pp = req.n_input // ps
     first = np.array([(c or 0) // ps for c in req.cached_tokens], dtype=np.int64)
     has_out = req.n_output > 0
-    res.expected_output_blocks = int((n_pages - pp)[has_out].sum())
+    # a request's chain pages, from its lengths (the pages held may start past page 0)
+    chain_pages = (req.n_input + np.maximum(req.n_output - 1, 0)) // ps
+    res.expected_output_blocks = int((chain_pages - pp)[has_out].sum())
 
     # candidate pages (p >= cached pages), sorted by (hash, request, page)
     total = int(pages.offsets[-1])
     r_of_g = np.repeat(np.arange(nreq, dtype=np.int64), n_pages)
-    p_of_g = np.arange(total, dtype=np.int64) - pages.offsets[:-1][r_of_g]
+    p_of_g = np.arange(total, dtype=np.int64) - (pages.offsets[:-1] - pages.starts)[r_of_g]
     cand_g = np.flatnonzero(p_of_g >= first[r_of_g])
     cand_h = pages.hashes[cand_g]
     order = np.argsort(cand_h, kind="stable")
@@ -370,7 +374,8 @@ def _slow_events(
     off = np.zeros(ne + 1, dtype=np.int64)
     np.cumsum(nb, out=off[1:])
     index = cands.of(ev.hashes[~fast_b].tolist())
-    pstart = pages.offsets.tolist()
+    # a page's position in ``pages.hashes``: its request's offset less the pages before its start
+    pstart = (pages.offsets[:-1] - pages.starts).tolist()
     chains: dict[int, list[int]] = {}
     pp = (req.n_input // res.page_size).tolist()
     rq = [
@@ -397,11 +402,11 @@ def _slow_events(
                 return cl[0]
             return min(cl, key=functools.partial(key, my_rank=my_rank, t_ev=t_ev))
 
-        def chain_of(r: int) -> list[int]:
+        def chain_of(r: int) -> tuple[int, list[int]]:
             ch = chains.get(r)
             if ch is None:
                 ch = chains[r] = pages.chain(r)
-            return ch
+            return int(pages.starts[r]), ch
 
         def consume(r: int, p: int, m: int) -> None:
             base = pstart[r]
@@ -414,14 +419,15 @@ def _slow_events(
 def _walk_event(
     hs: list[int],
     pick: Callable[[int], tuple[int, int] | None],
-    chain_of: Callable[[int], list[int]],
+    chain_of: Callable[[int], tuple[int, list[int]]],
     consume: Callable[[int, int, int], None],
     pp: Any,
     acc: Any,
 ) -> tuple[list[tuple[int, str]], int, int, int]:
     """Attribute one stored event's block hashes ``hs`` (the slow path of both
     implementations): at each block, ``pick`` the (request, page) it continues (None:
-    unmatched), extend the run while the request's page chain (``chain_of``) agrees,
+    unmatched), extend the run while the request's page chain (``chain_of``: its first
+    page's number and the pages from it, which start at most at a candidate) agrees,
     ``consume`` the pages, and split the run into prompt pages (below ``pp[request]``) and
     output pages, added to ``acc``. Returns (runs as (request, "prefill" | "finish"),
     unmatched blocks, prompt blocks, output blocks)."""
@@ -435,13 +441,14 @@ def _walk_event(
             i += 1
             continue
         r, p = cand
-        ch = chain_of(r)
+        base, ch = chain_of(r)
+        q = p - base  # the page's place in ``ch``
         m = 1
-        limit = min(n - i, len(ch) - p)
-        if hs[i : i + limit] == ch[p : p + limit]:
+        limit = min(n - i, len(ch) - q)
+        if hs[i : i + limit] == ch[q : q + limit]:
             m = limit
         else:
-            while m < limit and hs[i + m] == ch[p + m]:
+            while m < limit and hs[i + m] == ch[q + m]:
                 m += 1
         consume(r, p, m)
         n_prompt = max(0, min(p + m, pp[r]) - p)
@@ -543,12 +550,13 @@ def load_columns(
 
 
 def any_prompt_split_arrays(pages: Any, req: RequestColumns, ev: EventColumns) -> dict[str, int]:
-    """``any_prompt_split`` over columns: prompt iff the hash is a prompt page of any request."""
+    """``any_prompt_split`` over columns: prompt iff the hash is a prompt page of any request
+    (``pages``: every page, ``pages.load(full=True)``)."""
     import numpy as np
 
     n_pages = np.diff(pages.offsets)
     r_of_g = np.repeat(np.arange(len(n_pages), dtype=np.int64), n_pages)
-    p_of_g = np.arange(len(r_of_g), dtype=np.int64) - pages.offsets[:-1][r_of_g]
+    p_of_g = np.arange(len(r_of_g), dtype=np.int64) - (pages.offsets[:-1] - pages.starts)[r_of_g]
     prompt = pages.hashes[p_of_g < (req.n_input // pages.page_size)[r_of_g]]
     n_prompt = int(np.isin(ev.hashes, prompt).sum())
     return {"prompt_blocks": n_prompt, "output_blocks": int(len(ev.hashes)) - n_prompt}
@@ -584,9 +592,11 @@ def attribute_sql(
 ) -> tuple[Attribution, PerRequest, dict[str, int] | None]:
     """The attribution rule over ``con``'s ``requests`` / ``events`` / ``blocks`` and the
     request page hashes in ``pages_sql`` (a relation: ``request_id`` = request position in
-    ``request_id`` order, ``page``, ``hash`` of the same type as ``blocks.hash``); events
+    ``request_id`` order, ``page``, ``hash`` of the same type as ``blocks.hash``; each
+    request's pages from at most its cached prefix on, ``pages.ensure_file``); events
     limited to ``scope`` (a predicate on ``events``). ``per_event`` is left empty. With
-    ``any_prompt`` also the peer split (``any_prompt_split_arrays``)."""
+    ``any_prompt`` also the peer split (``any_prompt_split_arrays``): ``pages_sql`` must then
+    hold every page (``pages.ensure_file(full=True)``), the cached ones too."""
     ps = max(1, int(page_size))
     res = Attribution(page_size=ps)
     tmp = "_a_req _a_hc _a_er _a_slow _a_sbl _a_cand_slow _a_chain".split()
@@ -811,9 +821,15 @@ def _slow_sql(con: Any, pages_sql: str, scope: str, res: Attribution, acc: _Slow
     ):
         reqs[r] = Request("", [], [], None, s, f, la, se)
         pp[r] = int(ppr)
-    chains: dict[int, list[int]] = {}
-    for r, h in sql.rows(con, "SELECT request_id, hash FROM _a_chain ORDER BY request_id, page"):
-        chains.setdefault(r, []).append(h)
+    chains: dict[int, tuple[int, list[int]]] = {}  # request -> (its first page held, pages)
+    for r, p, h in sql.rows(
+        con, "SELECT request_id, page, hash FROM _a_chain ORDER BY request_id, page"
+    ):
+        got = chains.get(r)
+        if got is None:
+            chains[r] = (p, [h])
+        else:
+            got[1].append(h)
     consumed: set[tuple[int, int]] = set()
 
     def key(c: tuple[int, int], t_ev: int) -> tuple[bool, int, int]:

@@ -103,55 +103,80 @@ def side_events(
         )
         wanted = set(rids)
         chosen = [r for r in reqs if r[1] in wanted]
-        pages = pages_mod.load(ing, con, ps)
-        # hash (uint64) -> [(rid, page index)]
-        owners: dict[int, list[tuple[str, int]]] = {}
-        info: dict[str, tuple[int, int, int | None]] = {}  # rid -> (prompt pages, first, send)
+        # every page of each shown request (its cached ones too: a removal of them is
+        # shown), hashed for these requests alone (the page cache keeps no cached page)
+        pages = pages_mod.chains(ing, con, ps, [int(r[0]) for r in chosen])
+        # the shown requests (``k``: their place in ``shown``) and each page of theirs: a
+        # table DuckDB joins the blocks with (a production request is 100k pages at page
+        # size 1: no Python object a page or a matching block)
+        shown: list[str] = []
+        info: dict[str, int | None] = {}  # rid -> send
+        hs, ks, ps_, meta = [], [], [], []
         for request_id, rid, n_input, cached, send in chosen:
             if rid in info:  # a repeated rid: the first one is shown
                 continue
-            info[rid] = (int(n_input) // ps, int(cached or 0) // ps, send)
-            chain = np.asarray(pages.chain(int(request_id)), dtype=np.int64).view(np.uint64)
-            for p, h in enumerate(chain.tolist()):
-                owners.setdefault(int(h), []).append((rid, p))
+            info[rid] = send
+            chain = np.asarray(pages[int(request_id)], dtype=np.int64).view(np.uint64)
+            hs.append(chain)
+            ks.append(np.full(len(chain), len(shown), dtype=np.int64))
+            ps_.append(np.arange(len(chain), dtype=np.int64))
+            meta.append((len(shown), int(n_input) // ps, int(cached or 0) // ps, send))
+            shown.append(rid)
             out[rid] = Side(None if cached is None else int(cached), stored_counts.get(rid), [], 0)
-        if not owners:
+        if not sum(len(h) for h in hs):
             return out
-        con.register("_drill", pa.table({"h": pa.array(list(owners), type=pa.uint64())}))
+        con.register(
+            "_drill",
+            pa.table(
+                {
+                    "h": pa.array(np.concatenate(hs), type=pa.uint64()),
+                    "k": np.concatenate(ks),
+                    "p": np.concatenate(ps_),
+                }
+            ),
+        )
+        k_, pp_, first_, send_ = zip(*meta, strict=True)
+        con.register(
+            "_drill_r",
+            pa.table(
+                {
+                    "k": pa.array(k_, pa.int64()),
+                    "pp": pa.array(pp_, pa.int64()),
+                    "first": pa.array(first_, pa.int64()),
+                    "send": pa.array(send_, pa.int64()),
+                }
+            ),
+        )
+        # a stored event counts only at or past the request's cached pages and from its send
+        # (else it was in the tree at admission, or another request's store)
         hits = sql.rows(
             con,
-            "SELECT e.event_id, e.kind, e.recv_ns, e.endpoint, e.seq, e.n_blocks, b.hash "
-            "FROM blocks b JOIN _drill d ON b.hash = d.h JOIN events e USING (event_id) "
-            "ORDER BY e.recv_ns, e.event_id, b.pos",
+            "SELECT d.k, e.event_id, e.kind::VARCHAR, e.recv_ns, e.endpoint, e.seq, "
+            "e.n_blocks, count(*), count(*) FILTER (WHERE d.p < r.pp) "
+            "FROM blocks b JOIN _drill d ON b.hash = d.h JOIN _drill_r r USING (k) "
+            "JOIN events e ON e.event_id = b.event_id "
+            "WHERE NOT (e.kind = 'stored' AND (d.p < r.first OR coalesce(e.recv_ns < r.send, false))) "
+            "GROUP BY ALL ORDER BY d.k, e.recv_ns, e.event_id",
         )
     finally:
         con.close()
     per: dict[tuple[str, int], dict[str, Any]] = {}
     order: list[tuple[str, int]] = []
-    for event_id, kind, recv_ns, endpoint, seq, n_blocks, h in hits:
-        for rid, p in owners.get(int(h), []):
-            pp, first, send = info[rid]
-            if kind == "stored" and (p < first or (send is not None and recv_ns < send)):
-                continue  # cached at admission, or stored before it was sent: not its store
-            key = (rid, int(event_id))
-            row = per.get(key)
-            if row is None:
-                row = per[key] = {
-                    "kind": str(kind),
-                    "recv_ns": int(recv_ns),
-                    "message": f"{endpoint}/{seq}",
-                    "event_blocks": int(n_blocks),
-                    "prompt_pages": 0,
-                    "output_pages": 0,
-                    "request_pages": 0,
-                }
-                order.append(key)
-            row["request_pages"] += 1
-            if kind == "stored":
-                row["prompt_pages" if p < pp else "output_pages"] += 1
+    for k, event_id, kind, recv_ns, endpoint, seq, n_blocks, n, n_prompt in hits:
+        key = (shown[k], int(event_id))
+        order.append(key)
+        per[key] = {
+            "kind": str(kind),
+            "recv_ns": int(recv_ns),
+            "message": f"{endpoint}/{seq}",
+            "event_blocks": int(n_blocks),
+            "prompt_pages": int(n_prompt),
+            "output_pages": int(n) - int(n_prompt),
+            "request_pages": int(n),
+        }
     for rid, event_id in order:
         row = per[(rid, event_id)]
-        send = info[rid][2]
+        send = info[rid]
         t = row.pop("recv_ns")
         row["t_ms"] = None if send is None else round((t - int(send)) / 1e6, 3)
         if row["kind"] != "stored":

@@ -145,13 +145,33 @@ def bundle_family(bundle: str | Path, *, sample: int = SAMPLE_EVENTS) -> Family:
 
 
 def _distinct_stored(ing: Any) -> Any:
-    import numpy as np
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     t = pq.read_table(ing.path("blocks"), columns=["kind", "hash"])
     stored = t.filter(pc.equal(t.column("kind"), "stored"))  # no Python str per block
-    return np.unique(stored.column("hash").to_numpy().view(np.int64))
+    return _unique(stored.column("hash").to_numpy().view("int64"))
+
+
+def _unique(x: Any) -> Any:
+    """The distinct values of ``x``, sorted: a sort and a compare (``np.unique`` of numpy 2.3+
+    takes a hash table for plain int arrays, ~1 us a value on random 64-bit hashes: 4.5 s
+    for a production capture's 4.2M stored blocks, against 0.1 s sorted)."""
+    import numpy as np
+
+    s = np.sort(x)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
+
+
+def _shared(a: Any, b: Any) -> int:
+    """How many of the distinct sorted values ``a`` are in the distinct sorted ``b``: a
+    binary search each (``np.isin`` sorts both together again: 2 s at 4M hashes)."""
+    import numpy as np
+
+    if not len(a) or not len(b):
+        return 0
+    at = np.searchsorted(b, a).clip(max=len(b) - 1)
+    return int((b[at] == a).sum())
 
 
 def _translate(hashes: Any, table: dict[int, int]) -> Any:
@@ -202,20 +222,19 @@ def _attribution_translated(ing: Any, page_size: int, table: dict[int, int]) -> 
 def compare_families(labelled: list[tuple[str, Any]], ings: list[Any]) -> dict[str, Any]:
     """Per bundle: family, shared hashes with the first bundle, and for a mismatched bundle
     attribution on translated hashes; plus ``mismatches`` (labels) and ``sentence``."""
-    import numpy as np
 
     fams = [bundle_family(ing.bundle) for ing in ings]
     real_label = labelled[0][0]
     real_hashes = _distinct_stored(ings[0])
-    real_t = np.unique(_translate(real_hashes, fams[0].translated)) if fams[0].translated else None
+    real_t = _unique(_translate(real_hashes, fams[0].translated)) if fams[0].translated else None
     real_sg = real_t if real_t is not None else real_hashes
     out: dict[str, Any] = {"bundles": {}, "mismatches": []}
     for i, ((label, m), ing, fam) in enumerate(zip(labelled, ings, fams, strict=True)):
         d = fam.as_dict()
-        mine = _distinct_stored(ing)
+        mine = _distinct_stored(ing) if i else real_hashes
         d["distinct_stored_hashes"] = int(len(mine))
         if i:
-            shared = int(np.isin(mine, real_hashes).sum())
+            shared = _shared(mine, real_hashes)
             d["shared_with_real_blocks"] = shared
             mismatch = (
                 fam.family != fams[0].family and UNKNOWN not in (fam.family, fams[0].family)
@@ -223,8 +242,8 @@ def compare_families(labelled: list[tuple[str, Any]], ings: list[Any]) -> dict[s
             d["mismatch"] = bool(mismatch)
             if mismatch:
                 out["mismatches"].append(label)
-                mine_sg = np.unique(_translate(mine, fam.translated))
-                d["recomputed_shared_with_real_blocks"] = int(np.isin(mine_sg, real_sg).sum())
+                mine_sg = _unique(_translate(mine, fam.translated))
+                d["recomputed_shared_with_real_blocks"] = _shared(mine_sg, real_sg)
         if fam.translated:
             page = int(m.inputs.get("page_size") or 1)
             d["attribution_recomputed"] = _attribution_translated(ing, page, fam.translated)

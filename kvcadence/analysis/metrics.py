@@ -544,7 +544,8 @@ def _attribution(
     import polars as pl
 
     split: dict[str, int] | None = None
-    path = kpages.ensure_file(ing, c.con, page_size)
+    # the peer split ("a page of any prompt") needs every page, the cached ones too
+    path = kpages.ensure_file(ing, c.con, page_size, full=c.peer)
     if path is not None:  # out of core: DuckDB joins over the page cache (the usual path)
         a, per, split = attr.attribute_sql(
             c.con, kpages.relation(path), page_size, scope, any_prompt=c.peer
@@ -552,7 +553,7 @@ def _attribution(
         rids, cached, n_in, n_out = per.rid, per.cached_tokens, per.n_input, per.n_output
     else:  # a read-only cache: the page hashes in memory
         rids, req, events = attr.load_columns(ing, c.con, scope)
-        pages = kpages.load(ing, c.con, page_size)
+        pages = kpages.load(ing, c.con, page_size, full=c.peer)
         a = attr.attribute_arrays(pages, req, events, page_size)
         cached, n_in, n_out = req.cached_tokens, req.n_input, req.n_output
         if c.peer:

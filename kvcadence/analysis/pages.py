@@ -32,15 +32,26 @@ and digests, the least recently used sessions dropped beyond ``CARRY_BYTES``, so
 grow with the capture's sessions). A batch's root chains are shared among processes, one per
 CPU (``kvcadence.analysis.hashpool``).
 
+What is kept: a request's pages from ``keep_from`` on -- its cached prefix's pages are left
+out (``cached_tokens // page_size``: pages that were in the tree when it came, which it
+cannot have stored; the attribution looks only at the pages past them), its last prompt page
+always kept (the visibility's prompt end). A multi-turn capture's prompts repeat the
+previous turn's context: at production size (3,000 agent requests, contexts up to 100k
+tokens, page size 1) every page of every chain was 146M rows, a 1.17 GB cache per bundle and
+6.2 GB peak for the report; the pages past the cached prefixes are a few percent of them.
+``full=True`` keeps every page (the peer-compatible attribution's "a page of any prompt"
+needs every prompt page; a separate cache file).
+
 The result is cached as ``<cache>/request_pages-ps<N>.parquet`` (``request_id``, ``page``,
-``hash`` uint64); the ingest cache rebuild (a new fingerprint) replaces the whole directory,
-so a stale cache cannot survive a changed bundle.
+``hash`` uint64; ``-full`` before the suffix: every page); the ingest cache rebuild (a new
+fingerprint) replaces the whole directory, so a stale cache cannot survive a changed bundle.
+A cache written before the pages were cut (every page) is read as it is: a superset.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,55 +84,85 @@ def batch_rows(con: Any, page_size: int = 1) -> int:
 
 @dataclass
 class RequestPages:
-    """Page hashes of every request (request order = ``requests.request_id``).
+    """Page hashes of every request (request order = ``requests.request_id``), each from its
+    first kept page (``keep_from``; 0 for every request when computed ``full``).
 
-    ``hashes[offsets[r]:offsets[r + 1]]`` are request ``r``'s page hashes as int64 bit
-    patterns (``blocks.hash`` viewed as int64 compares equal).
+    ``hashes[offsets[r]:offsets[r + 1]]`` are request ``r``'s page hashes from page
+    ``starts[r]`` on, as int64 bit patterns (``blocks.hash`` viewed as int64 compares equal).
     """
 
     page_size: int
     offsets: Any  # numpy int64, n + 1
     hashes: Any  # numpy int64
+    starts: Any = None  # numpy int64, n (None: every request from page 0)
+
+    def __post_init__(self) -> None:
+        if self.starts is None:
+            import numpy as np
+
+            self.starts = np.zeros(len(self.offsets) - 1, dtype=np.int64)
 
     @property
     def n(self) -> int:
         return len(self.offsets) - 1
 
     def chain(self, r: int) -> list[int]:
+        """Request ``r``'s page hashes from page ``starts[r]`` on."""
         chain: list[int] = self.hashes[self.offsets[r] : self.offsets[r + 1]].tolist()
         return chain
 
 
-def cache_path(ing: Ingested, page_size: int) -> Path:
-    return ing.dir / f"request_pages-ps{int(page_size)}.parquet"
+def cache_path(ing: Ingested, page_size: int, full: bool = False) -> Path:
+    return ing.dir / f"request_pages-ps{int(page_size)}{'-full' if full else ''}.parquet"
 
 
-def load(ing: Ingested, con: Any, page_size: int) -> RequestPages:
-    """The request page hashes of ``ing`` (from the cache, else computed and cached)."""
+def keep_from(con: Any, page_size: int) -> Any:
+    """Per request (``request_id`` order, numpy int64): its first page the cache keeps --
+    its cached prefix's page count (``cached_tokens // page_size``, 0 when unknown: the
+    attribution's ``first``), at most its last prompt page (``n_input // page_size - 1``,
+    kept for the visibility), never below 0."""
+    import numpy as np
+
+    ps = max(1, int(page_size))
+    got = con.sql(
+        f"SELECT greatest(least(floor(coalesce(cached_tokens, 0) / {ps})::BIGINT, "
+        f"n_input // {ps} - 1), 0) FROM requests ORDER BY request_id"
+    ).fetchnumpy()
+    return np.asarray(next(iter(got.values())), dtype=np.int64)
+
+
+def load(ing: Ingested, con: Any, page_size: int, full: bool = False) -> RequestPages:
+    """The request page hashes of ``ing`` (from the cache, else computed and cached); every
+    page of every request with ``full``, else each from its ``keep_from``."""
     import numpy as np
     import pyarrow.parquet as pq
 
     ps = max(1, int(page_size))
-    path = cache_path(ing, ps)
+    path = cache_path(ing, ps, full)
     if path.exists():
         try:
-            t = pq.read_table(path, columns=["request_id", "hash"])
+            t = pq.read_table(path, columns=["request_id", "page", "hash"])
         except (OSError, ValueError):
             t = None
         if t is not None:
             rid = t.column("request_id").to_numpy()
             n = int(ing.manifest.get("tables", {}).get("requests", -1))
             if n >= 0:
+                counts = np.bincount(rid, minlength=n)[:n]
                 offsets = np.zeros(n + 1, dtype=np.int64)
-                np.cumsum(np.bincount(rid, minlength=n)[:n], out=offsets[1:])
+                np.cumsum(counts, out=offsets[1:])
+                page = t.column("page").to_numpy()
+                starts = np.zeros(n, dtype=np.int64)
+                some = counts > 0
+                starts[some] = page[offsets[:-1][some]]
                 hashes = t.column("hash").cast("uint64").to_numpy().view(np.int64)
-                return RequestPages(ps, offsets, hashes)
+                return RequestPages(ps, offsets, hashes, starts)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        pages = compute(ing, con, ps, tmp)
+        pages = compute(ing, con, ps, tmp, full=full)
     except OSError:  # a read-only cache: just don't cache
         tmp.unlink(missing_ok=True)
-        return compute(ing, con, ps)
+        return compute(ing, con, ps, full=full)
     try:
         os.replace(tmp, path)
     except OSError:
@@ -129,14 +170,15 @@ def load(ing: Ingested, con: Any, page_size: int) -> RequestPages:
     return pages
 
 
-def ensure_file(ing: Ingested, con: Any, page_size: int) -> Path | None:
-    """The cache file of ``ing``'s request page hashes, written (streamed: no page hash is
-    kept in memory) when missing or unreadable; None when it cannot be written (a read-only
-    cache: the caller falls back to ``load``)."""
+def ensure_file(ing: Ingested, con: Any, page_size: int, full: bool = False) -> Path | None:
+    """The cache file of ``ing``'s request page hashes (every page with ``full``, else each
+    request's from its ``keep_from``), written (streamed: no page hash is kept in memory)
+    when missing or unreadable; None when it cannot be written (a read-only cache: the
+    caller falls back to ``load``)."""
     import pyarrow.parquet as pq
 
     ps = max(1, int(page_size))
-    path = cache_path(ing, ps)
+    path = cache_path(ing, ps, full)
     if path.exists():
         try:
             pq.ParquetFile(path).close()
@@ -145,7 +187,7 @@ def ensure_file(ing: Ingested, con: Any, page_size: int) -> Path | None:
             pass
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        compute(ing, con, ps, tmp, keep=False)
+        compute(ing, con, ps, tmp, keep=False, full=full)
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
@@ -185,13 +227,15 @@ class _PageWriter:
             write_statistics=["request_id", "page"],
         )
 
-    def write(self, first_row: int, offsets: Any, hashes: Any) -> None:
+    def write(self, first_row: int, offsets: Any, hashes: Any, starts: Any) -> None:
+        """Rows ``first_row``.. of a batch: their kept pages (``_kept``' offsets and hashes,
+        each row's first at page ``starts``)."""
         import numpy as np
         import pyarrow as pa
 
         counts = np.diff(offsets)
         rid = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-        page = np.arange(len(rid), dtype=np.int64) - offsets[:-1][rid]
+        page = np.arange(len(rid), dtype=np.int64) - offsets[:-1][rid] + starts[rid]
         rid += first_row
         cols = [pa.array(rid), pa.array(page.astype(np.int32)), pa.array(hashes).view(pa.uint64())]
         self.w.write_table(pa.Table.from_arrays(cols, schema=self.schema))
@@ -201,38 +245,80 @@ class _PageWriter:
 
 
 def compute(
-    ing: Ingested, con: Any, page_size: int, cache: Path | None = None, keep: bool = True
+    ing: Ingested,
+    con: Any,
+    page_size: int,
+    cache: Path | None = None,
+    keep: bool = True,
+    full: bool = False,
 ) -> RequestPages:
     """Hash every request's chain (see module docstring), read from the bundle
     (``chainsrc.bundle_batches``) ``batch_rows`` requests at a time; ``con``: a ``sql.connect``
     connection to ``ing``'s tables (the requests' lengths); ``cache``: also write the pages
-    there (Parquet). ``keep=False``: only write them (the result then holds the offsets and
-    no hashes)."""
+    there (Parquet). Each request's pages from its ``keep_from`` (every page with ``full``).
+    ``keep=False``: only write them (the result then holds the offsets and no hashes)."""
+    import numpy as np
+
     ps = max(1, int(page_size))
     rows = batch_rows(con, ps)
-    # where the cache holds the ids (``request_ids``: small requests, ``cache.IDS_BUDGET``)
-    # DuckDB reads them in C++, a batch at a time (no ORDER BY: the scan keeps file order,
-    # and sorting 45M tokens' lists doubled the read; the order is checked instead, and
-    # sorted on the rare scan that is not); else the bundle's records (``chainsrc.bundle_batches``)
-    sources = (
-        [
-            lambda: parquet_batches(con, ps, rows, ""),
-            lambda: parquet_batches(con, ps, rows, ORDERED),
-        ]
-        if ing.manifest.get("ids")
-        else [lambda: bundle_batches(ing, con, ps, rows)]
-    )
-    for source in sources:
+    starts = None if full else keep_from(con, ps)
+    for source in _sources(ing, con, ps, rows):
         writer = _PageWriter(cache) if cache is not None else None
         try:
             with ChainHasher() as hasher:
-                got = _hash_batches(source(), ps, writer, keep, hasher)
+                got = _hash_batches(source(), ps, writer, keep, hasher, starts)
         except Unordered:
             continue
         finally:
             if writer is not None:
                 writer.close()
-        return RequestPages(ps, *got)
+        n = len(got[0]) - 1
+        return RequestPages(ps, *got, np.zeros(n, np.int64) if starts is None else starts[:n])
+    raise AssertionError("request_ids ordered by request_id are out of order")  # pragma: no cover
+
+
+def _sources(ing: Ingested, con: Any, ps: int, rows: int) -> list[Callable[[], Iterator[Any]]]:
+    """The chain sources to try in turn (``chainsrc``): where the cache holds the ids
+    (``request_ids``: small requests, ``cache.IDS_BUDGET``) DuckDB reads them in C++, a batch
+    at a time (no ORDER BY: the scan keeps file order, and sorting 45M tokens' lists doubled
+    the read; the order is checked instead, and sorted on the rare scan that is not); else
+    the bundle's records (``chainsrc.bundle_batches``)."""
+    if ing.manifest.get("ids"):
+        return [
+            lambda: parquet_batches(con, ps, rows, ""),
+            lambda: parquet_batches(con, ps, rows, ORDERED),
+        ]
+    return [lambda: bundle_batches(ing, con, ps, rows)]
+
+
+def chains(ing: Ingested, con: Any, page_size: int, wanted: Iterable[int]) -> dict[int, Any]:
+    """Every page hash (numpy int64) of the requests ``wanted`` (``request_id``s), hashed
+    from their chains: the few requests a drill-down shows, whose cached pages the cache
+    does not keep (one read of the requests, no page of the others hashed)."""
+    import numpy as np
+
+    want = sorted(set(wanted))
+    out: dict[int, Any] = {}
+    if not want:
+        return out
+    ps = max(1, int(page_size))
+    for source in _sources(ing, con, ps, batch_rows(con, ps)):
+        out.clear()
+        at = 0
+        try:
+            for cv, co, _lane, _session in source():
+                n = len(co) - 1
+                lo, hi = np.searchsorted(want, [at, at + n])
+                for r in want[lo:hi]:
+                    k = r - at
+                    off, h = hash_requests(
+                        cv[co[k] : co[k + 1]], co[k : k + 2] - co[k], ps, [None], [None]
+                    )
+                    out[r] = h[off[0] : off[1]]
+                at += n
+        except Unordered:
+            continue
+        return out
     raise AssertionError("request_ids ordered by request_id are out of order")  # pragma: no cover
 
 
@@ -242,8 +328,10 @@ def _hash_batches(
     writer: _PageWriter | None,
     keep: bool = True,
     hasher: ChainHasher | None = None,
+    starts: Any = None,
 ) -> tuple[Any, Any]:
-    """(page offsets, hashes) of the requests in ``batches`` (``chainsrc``')."""
+    """(page offsets, hashes) of the requests in ``batches`` (``chainsrc``'), each request's
+    from page ``starts[request]`` on (None: every page)."""
     import numpy as np
 
     counts: list[Any] = [np.zeros(1, dtype=np.int64)]
@@ -254,13 +342,17 @@ def _hash_batches(
     for cv, co, lane, session in batches:
         if len(co) <= 1:
             continue
-        off, h = hash_requests(cv, co, ps, lane, session, last, hasher, recent)
+        n = len(co) - 1
+        mine = None if starts is None else starts[rows : rows + n]
+        off, h = hash_requests(cv, co, ps, lane, session, last, hasher, recent, mine)
+        # each row's first page returned (its start, at most its page count)
+        first = np.zeros(n, np.int64) if mine is None else np.minimum(mine, np.diff(co) // ps)
         if writer is not None:
-            writer.write(rows, off, h)
+            writer.write(rows, off, h, first)
         counts.append(np.diff(off))
         if keep:
             hashes.append(h)
-        rows += len(co) - 1
+        rows += n
     offsets = np.cumsum(np.concatenate(counts))
     return offsets, (np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.int64))
 
@@ -274,9 +366,13 @@ def hash_requests(
     last: Carry | None = None,
     hasher: ChainHasher | None = None,
     recent: Recent | None = None,
+    starts: Any = None,
 ) -> tuple[Any, Any]:
     """(page offsets, int64 hashes) of every row's chain, given the flat chain tokens ``cv``
-    (int64, whole pages only: ``_query``) and their row offsets ``co``.
+    (int64, whole pages only: ``_query``) and their row offsets ``co``; with ``starts``
+    (numpy int64 a row) each row's pages from that page on only (a start past a row's pages:
+    none of them), the others hashed as they must be (a next page chains from them) but not
+    returned.
 
     The rows' pages are one uint32 buffer; the rows hashed
     from the root (most) are hashed in one ``wire.root_chains`` pass over it (no per-row
@@ -303,6 +399,7 @@ def hash_requests(
         recent = Recent()
     if total == 0:
         return page_off, np.zeros(0, dtype=np.int64)
+    first = None if starts is None else np.minimum(starts, n_pages)
     toks = cv
     plain = (toks >= 0) & (toks < (1 << 32))
     bad = np.zeros(n, dtype=bool)
@@ -405,5 +502,11 @@ def hash_requests(
         a, k = pol[r], npl[r]
         words = buf[step * a : step * (a + k)]
         recent.put(words[:head_bytes], k, words, digests[a : a + k].copy())
-    hashes = np.ascontiguousarray(digests[:, :8]).view(">i8").ravel().astype(np.int64)
-    return page_off, hashes
+    # a page's hash: its digest's first 8 bytes, big-endian (a gather of one word a row)
+    words8 = digests.view(">i8")
+    if first is None or not first.any():
+        return page_off, words8[:, 0].astype(np.int64)
+    kept = page_in_row >= np.repeat(first, n_pages)
+    off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(n_pages - first, out=off[1:])
+    return off, words8[kept, 0].astype(np.int64)

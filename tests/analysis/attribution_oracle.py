@@ -159,9 +159,12 @@ def any_prompt_split(
 
 
 def columns_from_objects(
-    requests: list[Request], events: list[StoredEvent], page_size: int
+    requests: list[Request], events: list[StoredEvent], page_size: int, cut: bool = False
 ) -> tuple[Any, RequestColumns, EventColumns]:
-    """(pages, RequestColumns, EventColumns) of the object inputs of ``attribute`` (tests)."""
+    """(pages, RequestColumns, EventColumns) of the object inputs of ``attribute`` (tests);
+    ``cut``: each request's pages from the page the report's cache keeps first
+    (``pages.keep_from``'s rule: its cached pages, at most its last prompt page), else
+    every page."""
     import numpy as np
 
     from kvcadence.analysis.pages import RequestPages
@@ -170,10 +173,15 @@ def columns_from_objects(
     chains = [
         [h - (1 << 64) if h >= 1 << 63 else h for h in _chain_hashes(r, ps)] for r in requests
     ]
+    starts = [
+        max(0, min((r.cached_tokens or 0) // ps, len(r.input_ids) // ps - 1)) if cut else 0
+        for r in requests
+    ]
+    chains = [c[min(s, len(c)) :] for c, s in zip(chains, starts, strict=True)]
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
     np.cumsum([len(c) for c in chains], out=offsets[1:])
     flat = np.array([h for c in chains for h in c], dtype=np.int64)
-    pages = RequestPages(ps, offsets, flat)
+    pages = RequestPages(ps, offsets, flat, np.array(starts, dtype=np.int64))
     rc = RequestColumns(
         n_input=np.array([len(r.input_ids) for r in requests], dtype=np.int64),
         n_output=np.array([len(r.output_ids) for r in requests], dtype=np.int64),

@@ -29,10 +29,11 @@ def _plain(v: Any) -> Any:
     return v.tolist() if isinstance(v, np.ndarray) else v
 
 
-def _connect(requests: list[Request], events: list[StoredEvent], ps: int) -> Any:
+def _connect(requests: list[Request], events: list[StoredEvent], ps: int, cut: bool = False) -> Any:
     """A DuckDB connection with ``requests`` / ``events`` / ``blocks`` / ``pages`` tables of
-    the object inputs (hashes as uint64, as the Parquet cache holds them)."""
-    pages, rc, ec = columns_from_objects(requests, events, ps)
+    the object inputs (hashes as uint64, as the Parquet cache holds them; ``cut``: each
+    request's pages from its cached prefix on, as the report's cache keeps them)."""
+    pages, rc, ec = columns_from_objects(requests, events, ps, cut)
     con = duckdb.connect(":memory:")
     n = len(requests)
     req = pa.table(
@@ -73,7 +74,9 @@ def _connect(requests: list[Request], events: list[StoredEvent], ps: int) -> Any
     pg = pa.table(
         {
             "request_id": pa.array(rid, pa.int64()),
-            "page": pa.array(np.arange(len(rid)) - pages.offsets[:-1][rid], pa.int32()),
+            "page": pa.array(
+                np.arange(len(rid)) - pages.offsets[:-1][rid] + pages.starts[rid], pa.int32()
+            ),
             "hash": pa.array(pages.hashes.view(np.uint64), pa.uint64()),
         }
     )
@@ -97,6 +100,12 @@ def _check(requests: list[Request], events: list[StoredEvent], ps: int) -> Any:
         "SELECT table_name FROM duckdb_tables() WHERE starts_with(table_name, '_a_')"
     ).fetchall()
     assert left == []
+    # the report's cache: each request's pages from its cached prefix on -- the same
+    # attribution (no cached page is a candidate)
+    con, _, _, _ = _connect(requests, events, ps, cut=True)
+    got, _, _ = attr.attribute_sql(con, "SELECT * FROM pages", ps)
+    for f in FIELDS:
+        assert _plain(getattr(got, f)) == getattr(ref, f), (f, "cut")
     return ref
 
 
@@ -131,16 +140,26 @@ def test_ingested_bundle_sql_equals_arrays(
     con = ksql.connect(ing)
     for ps in (1, 16):
         rids, rc, ec = attr.load_columns(ing, con)
-        pages = kpages.load(ing, con, ps)
+        pages = kpages.load(ing, con, ps)  # each request's pages from its cached prefix on
+        every = kpages.load(ing, con, ps, full=True)
+        assert pages.starts.any() and len(pages.hashes) < len(every.hashes)
         ref = attr.attribute_arrays(pages, rc, ec, ps)
         path = kpages.ensure_file(ing, con, ps)
-        assert path is not None
-        got, per, split = attr.attribute_sql(con, kpages.relation(path), ps, any_prompt=True)
+        full = kpages.ensure_file(ing, con, ps, full=True)
+        assert path is not None and full is not None and path != full
+        got, per, _ = attr.attribute_sql(con, kpages.relation(path), ps)
+        # every page: the same attribution (the cached pages are never a candidate), and
+        # the peer split, which needs them
+        got_full, _, split = attr.attribute_sql(con, kpages.relation(full), ps, any_prompt=True)
         for f in FIELDS:
             assert _plain(getattr(got, f)) == getattr(ref, f), (bundle.name, ps, f)
+            assert _plain(getattr(got_full, f)) == getattr(ref, f), (bundle.name, ps, f)
+        ref_full = attr.attribute_arrays(every, rc, ec, ps)
+        for f in FIELDS:
+            assert _plain(getattr(ref_full, f)) == _plain(getattr(ref, f)), (bundle.name, ps, f)
         assert per.rid.to_pylist() == rids
         assert per.cached_tokens.to_pylist() == rc.cached_tokens
-        assert split == attr.any_prompt_split_arrays(pages, rc, ec)
+        assert split == attr.any_prompt_split_arrays(every, rc, ec)
         assert ref.stored_blocks > 0
 
 
@@ -154,8 +173,8 @@ def test_metrics_sql_path_equals_in_memory_fallback(
 
     ing = ingest.ingest(fixture_bundle, tmp_path / "pq")
     sql_path = metrics.compute(ing, peer_compatible=peer)
-    assert kpages.cache_path(ing, int(ing.info.get("page_size") or 1)).exists()
-    monkeypatch.setattr(kpages, "ensure_file", lambda *a: None)
+    assert kpages.cache_path(ing, int(ing.info.get("page_size") or 1), full=peer).exists()
+    monkeypatch.setattr(kpages, "ensure_file", lambda *a, **k: None)
     mem = metrics.compute(ing, peer_compatible=peer)
     attr_keys = [k for k in mem.metrics if k.startswith("attribution.")]
     assert len(attr_keys) > 10

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcadence.analysis import families, ingest
 from kvcadence.cli import main
@@ -75,3 +78,18 @@ def test_report_names_the_mismatch_after_data_quality(mocker_bundles, tmp_path):
     assert sim["stored_events_per_request"]["value"] == pytest.approx(39.61, abs=0.01)
     assert sim["blocks_per_stored_event.median"]["value"] == 1
     assert sim["total_stored_blocks"]["value"] == 14_780
+
+
+@given(
+    st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=60),
+    st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=60),
+    st.integers(0, 30),
+)
+def test_distinct_and_shared_hashes_are_numpys(a: list[int], b: list[int], k: int) -> None:
+    """``_unique`` (a sort, not numpy's hash table) and ``_shared`` (binary searches) give
+    ``np.unique`` and ``np.isin``'s count, with values in both."""
+    x = np.array(a + b[:k], dtype=np.int64)
+    y = np.array(b, dtype=np.int64)
+    ux, uy = families._unique(x), families._unique(y)
+    assert np.array_equal(ux, np.unique(x)) and np.array_equal(uy, np.unique(y))
+    assert families._shared(ux, uy) == int(np.isin(ux, uy).sum())

@@ -19,10 +19,12 @@ from kvcadence.format.schema import RequestRecord
 from tests.analysis.helpers import cleared, header, write_bundle
 
 
-def _sessions_bundle(path: Path) -> tuple[Path, list[list[int]]]:
+def _sessions_bundle(path: Path, cached: bool = False) -> tuple[Path, list[list[int]]]:
     """Agent-like lanes: each turn's prompt extends the previous turn's chain; 3 lanes
-    interleaved, some sessions restarting, some requests with no lane."""
+    interleaved, some sessions restarting, some requests with no lane; with ``cached``
+    each request's ``cached_tokens`` drawn up to its prompt's length (some None)."""
     rng = random.Random(4)
+    crng = random.Random(5)
     reqs, chains = [], []
     ctx: dict[int, list[int]] = {}
     for i in range(300):
@@ -36,8 +38,16 @@ def _sessions_bundle(path: Path) -> tuple[Path, list[list[int]]]:
         out = [rng.randrange(50_000) for _ in range(rng.randrange(0, 6))]
         if lane is not None:
             ctx[lane] = prompt + out[:-1]
+        c = crng.choice([None, crng.randint(0, len(prompt))]) if cached else None
         reqs.append(
-            RequestRecord(rid=f"r{i}", input_ids=prompt, output_ids=out, lane=lane, session=session)
+            RequestRecord(
+                rid=f"r{i}",
+                input_ids=prompt,
+                output_ids=out,
+                lane=lane,
+                session=session,
+                cached_tokens=c,
+            )
         )
         chains.append(prompt + out[:-1])
     return write_bundle(path, [(0, [cleared()])], reqs, hdr=header(page_size=4)), chains
@@ -206,3 +216,43 @@ def test_an_unordered_request_ids_scan_is_read_sorted() -> None:
     ((cv, co, lanes, sessions),) = chainsrc.parquet_batches(con, 1, 10, chainsrc.ORDERED)
     assert cv.tolist() == [4, 5, 1, 2, 3] and co.tolist() == [0, 2, 5]
     assert lanes == [None, 7] and sessions == [None, 2]
+
+
+@pytest.mark.parametrize("ids", [True, False], ids=["request_ids", "bundle"])
+def test_the_cache_keeps_each_request_from_its_cached_prefix(tmp_path: Path, ids: bool) -> None:
+    """The report's page cache keeps a request's pages from its cached prefix on (at most
+    from its last prompt page); ``full`` keeps every page, in a file of its own; ``chains``
+    hashes every page of the requests asked for."""
+    b, chains = _sessions_bundle(tmp_path / "b", cached=True)
+    ing = ingest.ingest(b, ids=ids)
+    con = sql.connect(ing)
+    recs = BundleReader(b).requests()
+    want = [max(0, min((r.cached_tokens or 0) // 4, len(r.input_ids) // 4 - 1)) for r in recs]
+    assert kpages.keep_from(con, 4).tolist() == want
+    assert any(w > 0 for w in want)
+    path = kpages.ensure_file(ing, con, 4)
+    full = kpages.ensure_file(ing, con, 4, full=True)
+    assert path == kpages.cache_path(ing, 4) and full == kpages.cache_path(ing, 4, full=True)
+    cut, every = kpages.load(ing, con, 4), kpages.load(ing, con, 4, full=True)
+    t = pq.read_table(path).to_pydict()
+    rows = 0
+    for r, chain in enumerate(chains):
+        hs = wire.block_hashes(chain, 4)
+        assert every.chain(r) == hs and every.starts[r] == 0
+        first = min(want[r], len(hs))
+        assert cut.chain(r) == hs[first:]
+        if len(hs) > first:
+            assert cut.starts[r] == first
+        k = len(hs) - first
+        assert t["request_id"][rows : rows + k] == [r] * k
+        assert t["page"][rows : rows + k] == list(range(first, len(hs)))
+        rows += k
+    assert rows == len(t["hash"]) < len(pq.read_table(full)) == len(every.hashes)
+    again = kpages.compute(ing, con, 4)  # computed, not read: the same
+    assert np.array_equal(again.hashes, cut.hashes)
+    assert np.array_equal(again.offsets, cut.offsets)
+    picked = [3, 150, 299]
+    got = kpages.chains(ing, con, 4, picked)
+    assert sorted(got) == picked
+    for r in picked:
+        assert got[r].tolist() == wire.block_hashes(chains[r], 4)
