@@ -111,6 +111,15 @@ def _system_pool() -> Iterator[None]:
 #: (111 MB bundle: ~280), at 2^15 / 2^20 at ~245 MB for both, with the same CPU (within the
 #: noise of three interleaved runs) and the same report time on the smaller row groups
 CHUNK_EVENTS = 1 << 15
+#: ... or payload bytes, whichever comes first: an event at page size 1 holds a block a
+#: token (a 1,500-token prefill store is 1,500 hashes and ids), so 2^15 of them were every
+#: event of a production-shaped capture (25,600 events, 22M blocks: 2.5 GB of ingest peak
+#: at 9,000 requests of contexts up to 100k tokens, growing with the capture)
+CHUNK_PAYLOAD_BYTES = 1 << 26
+#: ... and the raw arrays (views pinning the payloads) are converted every this many
+#: events or payload bytes
+RAW_EVENTS = 16384
+RAW_PAYLOAD_BYTES = 1 << 23
 #: request token ids gathered before a chunk of the requests table is written
 CHUNK_REQUEST_IDS = 1 << 20
 
@@ -339,6 +348,7 @@ def _build_tables(
     decode_fast = wire.decode_batch_raw_fast
     checked = not raw
     raws = chunk.raws
+    raw_bytes = chunk_bytes = 0  # payload bytes since the last raw flush / chunk write
     raw_hashes = raws.hashes
     hr_app, tr_app = raw_hashes.append, raws.tokens.append
     payload_of = kbundle.event_payload_view
@@ -402,8 +412,11 @@ def _build_tables(
                     un_app((len(e_kind), str(getattr(ev, "tag", te.__name__))))
                     kind_app(K_UNKNOWN)
                     med_app(None)
-            if len(raw_hashes) >= 16384:
+            raw_bytes += len(payload)
+            if len(raw_hashes) >= RAW_EVENTS or raw_bytes >= RAW_PAYLOAD_BYTES:
                 raws.flush()
+                chunk_bytes += raw_bytes
+                raw_bytes = 0
             rank = ep_rank.get(rec.endpoint)
             if rank is None:
                 rank = batch.attn_dp_rank if batch is not None else None
@@ -423,8 +436,9 @@ def _build_tables(
                     ok,
                 )
             )
-            if len(e_kind) >= CHUNK_EVENTS:
+            if len(e_kind) >= CHUNK_EVENTS or chunk_bytes >= CHUNK_PAYLOAD_BYTES:
                 chunk.write()
+                chunk_bytes = raw_bytes = 0
         elif t is Packed or t is Request:
             req_app(astuple(rec))
             if len(req_rows) >= reqs.batch:

@@ -78,6 +78,27 @@ def test_chunked_tables_equal_whole_tables(tmp_path: Path, monkeypatch: pytest.M
     assert whole["batches"].column("batch_id").to_pylist() == list(range(1400))
 
 
+def test_chunks_bounded_by_payload_bytes_equal_whole_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks cut by payload bytes (a page-size-1 capture's few events of many blocks each),
+    and raw arrays converted by bytes too: the tables of one chunk, in many row groups."""
+    b = _mixed_bundle(tmp_path / "b")
+    with gc_paused():
+        whole, whole_info = records._build_tables(b, views=True, raw=True, ids=True)
+    monkeypatch.setattr(records, "CHUNK_PAYLOAD_BYTES", 4000)
+    monkeypatch.setattr(records, "RAW_PAYLOAD_BYTES", 700)
+    with gc_paused():
+        chunked, chunked_info = records._build_tables(b, views=True, raw=True, ids=True)
+    assert chunked_info == whole_info
+    for name, table in whole.items():
+        assert chunked[name].equals(table), name
+    ing = ingest.ingest(b, ids=True)
+    assert pq.ParquetFile(ing.path("blocks")).metadata.num_row_groups > 20
+    for name, table in whole.items():
+        assert pq.read_table(ing.path(name)).equals(table), name
+
+
 def test_retry_after_raw_check_failure_starts_the_files_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
