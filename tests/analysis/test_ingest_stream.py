@@ -15,14 +15,14 @@ from kvcadence.analysis import ingest, records
 from kvcadence.analysis.seqset import SeenSeqs
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleWriter
-from kvcadence.format.schema import BlockStored, KVEventBatch, RequestRecord
+from kvcadence.format.schema import Annotation, BlockStored, KVEventBatch, RequestRecord
 from kvcadence.gcpause import gc_paused
 from tests.analysis.helpers import T0, cleared, header, removed
 
 
 def _mixed_bundle(path: Path, seed: int = 5) -> Path:
     """Messages of two endpoints with duplicates and out-of-order (replayed) seqs, clears,
-    an unknown event, requests interleaved (long and empty id lists)."""
+    an unknown event, requests and notes interleaved (long and empty id lists)."""
     rng = random.Random(seed)
     seqs = [(ep, s) for ep in (0, 1) for s in range(700)]
     rng.shuffle(seqs[200:900])  # a stretch arrives out of order (gap recovery)
@@ -47,6 +47,8 @@ def _mixed_bundle(path: Path, seed: int = 5) -> Path:
             w.write_event(
                 endpoint=ep, seq=seq, recv_ns=T0 + i, topic="", payload=payload, via=0, epoch=0
             )
+            if i % 37 == 0:  # a note now and then (the sim's visibility kind, with data)
+                w.write(Annotation("visibility", T0 + i, {"seq": seq, "t": [i, i + 1]}))
             if i % 5 == 0:
                 n = rng.choice([0, 3, 50, 400])
                 ids = [rng.randrange(2**20) for _ in range(n)]
@@ -62,6 +64,7 @@ def test_chunked_tables_equal_whole_tables(tmp_path: Path, monkeypatch: pytest.M
         whole, whole_info = records._build_tables(b, views=True, raw=True, ids=True)
     monkeypatch.setattr(records, "CHUNK_EVENTS", 50)
     monkeypatch.setattr(records, "CHUNK_REQUEST_IDS", 2000)
+    monkeypatch.setattr(records, "CHUNK_NOTES", 3)
     with gc_paused():
         chunked, chunked_info = records._build_tables(b, views=True, raw=True, ids=True)
     assert chunked_info == whole_info
@@ -73,6 +76,8 @@ def test_chunked_tables_equal_whole_tables(tmp_path: Path, monkeypatch: pytest.M
         assert pq.read_table(ing.path(name)).equals(table), name
     assert pq.ParquetFile(ing.path("events")).metadata.num_row_groups > 20
     assert pq.ParquetFile(ing.path("requests")).metadata.num_row_groups >= 2
+    assert pq.ParquetFile(ing.path("notes")).metadata.num_row_groups > 10
+    assert whole["notes"].num_rows == 40  # 1,460 messages, one note in 37
     ev = whole["events"].to_pydict()
     assert ev["event_id"] == list(range(len(ev["event_id"])))
     assert whole["batches"].column("batch_id").to_pylist() == list(range(1400))
