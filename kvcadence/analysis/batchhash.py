@@ -14,7 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvcadence.analysis.hashpool import ChainHasher
-from kvcadence.analysis.pagereuse import RECENT_ROWS, Carry, Recent, head_pages, longest_prefix
+from kvcadence.analysis.pagereuse import (
+    RECENT_ROWS,
+    Carry,
+    Digests,
+    Recent,
+    head_pages,
+    longest_prefix,
+)
 from kvcadence.format import wire
 
 
@@ -123,51 +130,68 @@ def hash_requests(
     # every row hashed from the root, in one pass
     fast = (n_pages > 0) & (start == 0) & ~bad
     sel = np.repeat(fast, n_pages)
-    page_in_row = np.arange(total, dtype=np.int64) - np.repeat(page_off[:-1], n_pages)
+    row_head = np.zeros(total, dtype=bool)  # a row's first page (its chain starts there)
+    row_head[page_off[:-1][n_pages > 0]] = True
     hasher = hasher if hasher is not None else ChainHasher(1)
     if sel.all():
-        got = hasher.digests(buf, ps, page_in_row == 0)
+        got = hasher.digests(buf, ps, row_head)
     else:
         words_sel = np.frombuffer(buf, dtype=np.uint8).reshape(total, step)[sel].tobytes()
-        got = hasher.digests(words_sel, ps, page_in_row[sel] == 0)
+        got = hasher.digests(words_sel, ps, row_head[sel])
     if got:
         digests[sel] = np.frombuffer(got, dtype=np.uint8).reshape(-1, 32)
     del got
 
-    # the rest, row by row, in row order (a reused row is complete before its reuser)
+    # each row's digests as a later row reuses them: its new pages' own, the rest its
+    # source's (``Digests``: no row's reused prefix copied)
+    chains: dict[int, Digests] = {
+        r: Digests(None, 0, digests[pol[r] : pol[r] + npl[r]].copy())
+        for r in np.flatnonzero(fast).tolist()
+    }
+    # the rest, row by row, in row order (a reused row is complete before its reuser); of a
+    # reused prefix only the pages returned (from ``first``) and the tail's parent are read
     for r in np.flatnonzero((n_pages > 0) & ~fast).tolist():
         a, k = pol[r], npl[r]
         if bad[r]:
             out = wire.block_digests(cv[co[r] : co[r + 1]].tolist(), ps)
+            m, base = 0, None
         else:
             m = int(start[r])
             src = source[r]
-            digests[a : a + m] = (
-                digests[pol[src] : pol[src] + m] if isinstance(src, int) else src[:m]
-            )
+            base = chains[src] if isinstance(src, int) else src
+            lo = 0 if first is None else min(int(first[r]), m - 1)
+            digests[a + lo : a + m] = base.get(lo, m)
             if m == k:
+                chains[r] = Digests(base, m, np.empty((0, 32), dtype=np.uint8))
                 continue
             tail = array("I")
             tail.frombytes(buf[step * (a + m) : step * (a + k)])
             if sys.byteorder == "big":  # pragma: no cover - buf is little-endian
                 tail.byteswap()
             out = wire.block_digests(tail, ps, parent_digest=digests[a + m - 1].tobytes())
-        digests[a + k - len(out) : a + k] = np.frombuffer(b"".join(out), dtype=np.uint8).reshape(
-            -1, 32
-        )
-    # what the next batch reuses: copied digests, the latest rows put last (least recently
-    # used first out)
+        new = np.frombuffer(b"".join(out), dtype=np.uint8).reshape(-1, 32)
+        digests[a + k - len(out) : a + k] = new
+        chains[r] = Digests(base, m, new)
+    # what the next batch reuses: the rows' digests, the latest rows put last (least
+    # recently used first out)
     for key, (k, words, r) in sorted(ended.items(), key=lambda kv: kv[1][2]):
-        last.put(key, k, words, digests[pol[r] : pol[r] + k].copy())
+        last.put(key, k, words, chains[r])
     for r in seen[-RECENT_ROWS:]:
         a, k = pol[r], npl[r]
         words = buf[step * a : step * (a + k)]
-        recent.put(words[:head_bytes], k, words, digests[a : a + k].copy())
+        recent.put(words[:head_bytes], k, words, chains[r])
     # a page's hash: its digest's first 8 bytes, big-endian (a gather of one word a row)
     words8 = digests.view(">i8")
     if first is None or not first.any():
         return page_off, words8[:, 0].astype(np.int64)
-    kept = page_in_row >= np.repeat(first, n_pages)
     off = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(n_pages - first, out=off[1:])
+    kept = np.concatenate(
+        [
+            np.arange(b - c, b)
+            for b, c in zip(page_off[1:].tolist(), (n_pages - first).tolist(), strict=True)
+            if c
+        ]
+        or [np.zeros(0, dtype=np.int64)]
+    )
     return off, words8[kept, 0].astype(np.int64)

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcadence.analysis import chainsrc, ingest, pagereuse, sql
 from kvcadence.analysis import pages as kpages
@@ -218,11 +220,16 @@ def test_an_unordered_request_ids_scan_is_read_sorted() -> None:
     assert lanes == [None, 7] and sessions == [None, 2]
 
 
+@pytest.mark.parametrize("rows", [1, 7, 8192])
 @pytest.mark.parametrize("ids", [True, False], ids=["request_ids", "bundle"])
-def test_the_cache_keeps_each_request_from_its_cached_prefix(tmp_path: Path, ids: bool) -> None:
+def test_the_cache_keeps_each_request_from_its_cached_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ids: bool, rows: int
+) -> None:
     """The report's page cache keeps a request's pages from its cached prefix on (at most
     from its last prompt page); ``full`` keeps every page, in a file of its own; ``chains``
-    hashes every page of the requests asked for."""
+    hashes every page of the requests asked for -- in batches of any size (a reused
+    prefix read from its source's prefix-shared digests, carried across batches)."""
+    monkeypatch.setattr(kpages, "BATCH_ROWS", rows)
     b, chains = _sessions_bundle(tmp_path / "b", cached=True)
     ing = ingest.ingest(b, ids=ids)
     con = sql.connect(ing)
@@ -256,3 +263,23 @@ def test_the_cache_keeps_each_request_from_its_cached_prefix(tmp_path: Path, ids
     assert sorted(got) == picked
     for r in picked:
         assert got[r].tolist() == wire.block_hashes(chains[r], 4)
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5)), min_size=1, max_size=8))
+def test_prefix_shared_digests_read_as_the_flat_chain(links: list[tuple[int, int]]) -> None:
+    """A chain of ``Digests`` (each reusing part of the one before and adding its own pages)
+    reads back, for any page range, as the flat digests of its pages."""
+    rng = np.random.default_rng(len(links))
+    flat = rng.integers(0, 256, (0, 32), dtype=np.uint8)
+    node = None
+    for keep, add in links:
+        m = min(keep, len(flat))
+        own = rng.integers(0, 256, (add, 32), dtype=np.uint8)
+        node = pagereuse.Digests(node if m else None, m, own)
+        flat = np.concatenate([flat[:m], own])
+        assert node.pages == len(flat) and node.nbytes == 32 * len(flat)
+        for lo in range(len(flat) + 1):
+            for hi in range(lo, len(flat) + 1):
+                assert np.array_equal(node.get(lo, hi), flat[lo:hi])
+    with pytest.raises(ValueError):
+        pagereuse.Digests(None, 2, flat[:0]).get(0, 2)
