@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -41,16 +42,8 @@ def _sessions_bundle(path: Path, cached: bool = False) -> tuple[Path, list[list[
         if lane is not None:
             ctx[lane] = prompt + out[:-1]
         c = crng.choice([None, crng.randint(0, len(prompt))]) if cached else None
-        reqs.append(
-            RequestRecord(
-                rid=f"r{i}",
-                input_ids=prompt,
-                output_ids=out,
-                lane=lane,
-                session=session,
-                cached_tokens=c,
-            )
-        )
+        rec = RequestRecord(rid=f"r{i}", input_ids=prompt, output_ids=out, lane=lane)
+        reqs.append(msgspec.structs.replace(rec, session=session, cached_tokens=c))
         chains.append(prompt + out[:-1])
     return write_bundle(path, [(0, [cleared()])], reqs, hdr=header(page_size=4)), chains
 
