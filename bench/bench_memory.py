@@ -70,10 +70,23 @@ measured in the same run:
   docs/metrics.md; on 2026-12-04 at load average ~1: 41.5 s, 1.71 GB with the worker
   (docs/performance-at-size.md has the latest).
 
+* production report: ``kvcadence report`` of a production-shaped capture at SGLang's default
+  page size 1 and its production replay -- the long-prompt workload with contexts up to
+  100k tokens (8 lanes, a 1M-token pool), copied as ``kvcadence capture`` and SGLang's
+  metrics files record it (``bench_production.capture_copy``: no output ids, lanes or
+  sessions) and replayed (not measured) -- at 1,000 and 3,000 requests (``--quick`` 100 /
+  300): peak RSS (with the hash workers) and wall time of each; goal: the peak RSS at three
+  times the capture at most 2 x the first point's (it grows less than the capture: what it
+  holds is the exact per-block samples and the joins' working sets, not the chains' pages).
+  Measured 2026-12-06, code of that morning against the day's start (every page of every
+  chain cached and loaded, the ingest's event chunks and the sim bundle's visibility notes
+  held whole): 2,301 -> 5,988 MB (2.60 x) and 52 -> 147 s before, 594 -> 920 MB (1.55 x)
+  and 18 -> 48 s after (docs/production.md, "Checked at production size").
+
 ``--only`` takes several curves (``--only replay report``); ``bench/run --args
 'memory=...'`` hands this script such arguments and writes their page.
 
-    .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|prodlog|ingest|report ...] [--quick]
+    .venv/bin/python bench/bench_memory.py [--only replay|long|fleet|agentlog|prodlog|ingest|report|prodreport ...] [--quick]
         [--full] [--replay-requests N ...] [--long-requests N ...] [--agentlog-requests N ...]
         [--agentlog-lanes N] [--prodlog-requests N ...] [--ingest-mb MB ...] [--report-events N ...] [--dir DIR]
         [--json PATH]
@@ -355,8 +368,29 @@ def child_build_events(path: str, n_events: int) -> dict[str, Any]:
     return {"events": n_ev, "requests": n_req, "bytes": _segment_bytes(Path(path))}
 
 
-def child_report(bundle: str, cache: str, out: str) -> dict[str, Any]:
-    """The report's wall time and its peak RSS *with* its hash workers: the report's own peak
+def child_prodreport_build(path: str, n: int) -> dict[str, Any]:
+    """The production report's inputs under ``path``: ``prod`` (``n`` long-context requests at
+    page size 1, as a production capture records them) and ``sim`` (its replay)."""
+    sys.path.insert(0, str(HERE))
+    from bench_production import capture_copy
+
+    from kvcadence.replay.config import SimConfig
+    from kvcadence.replay.simulator import replay_bundle, simulate, write_sim_bundle
+
+    work = Path(path)
+    cfg = SimConfig(page_size=1, max_total_tokens=1_000_000, chunked_prefill_size=8192)
+    write_sim_bundle(
+        work / "made", simulate(iter_long_workload(n, 8, max_context=100_000), cfg.validate()), None
+    )
+    capture_copy(work / "made", work / "prod", cfg, metrics_only=True)
+    shutil.rmtree(work / "made")
+    replay_bundle(work / "prod", work / "sim")
+    return {"bytes": _segment_bytes(work / "prod"), "sim_bytes": _segment_bytes(work / "sim")}
+
+
+def child_report(bundle: str, cache: str, out: str, sim: str | None = None) -> dict[str, Any]:
+    """The report's wall time and its peak RSS *with* its hash workers (of ``bundle``, in
+    ``cache``; with ``sim``, of the two, each cached next to it): the report's own peak
     plus, for each worker a pool runs, the largest worker's own peak (``VmHWM`` read from
     ``/proc`` as the pool closes it): an upper bound of their sum (the workers run while the
     report is at work).
@@ -378,7 +412,10 @@ def child_report(bundle: str, cache: str, out: str) -> dict[str, Any]:
     hashpool._Worker.close = close_and_read  # type: ignore[method-assign]
     t = time.perf_counter()
     try:
-        report.make_report([bundle], out, cache_dirs=[cache])
+        if sim is None:
+            report.make_report([bundle], out, cache_dirs=[cache])
+        else:
+            report.make_report([bundle, sim], out)
     finally:
         hashpool._Worker.close = close  # type: ignore[method-assign]
     wall = round(time.perf_counter() - t, 2)
@@ -495,6 +532,10 @@ def run_child(argv: list[str]) -> None:
         out = child_build_events(rest[0], int(rest[1]))
     elif kind == "report":
         out = child_report(rest[0], rest[1], rest[2])
+    elif kind == "prodreport-build":
+        out = child_prodreport_build(rest[0], int(rest[1]))
+    elif kind == "prodreport":
+        out = child_report(rest[0], "", rest[2], sim=rest[1])
     else:
         raise SystemExit(f"bench_memory: unknown child {kind!r}")
     print(json.dumps(out))
@@ -867,6 +908,49 @@ def bench_report(sizes: list[int], work: Path, figures: list, notes: list) -> No
     )
 
 
+def bench_prodreport(sizes: list[int], work: Path, figures: list, notes: list) -> None:
+    """``kvcadence report`` of a production-shaped capture at page size 1 and its replay:
+    peak RSS and wall time at each size; the goal on the peak RSS of the second against the
+    first (at most 2 x for 3 x the capture)."""
+    points = []
+    for n in sizes:
+        d, out = work / f"prod{n}", work / f"prodout{n}"
+        _, built = measure("prodreport-build", str(d), str(n))
+        rss, info = measure("prodreport", str(d / "prod"), str(d / "sim"), str(out))
+        rss = max(rss, info["rss_with_workers_mb"])  # the hash workers' memory counted too
+        points.append((n, built, rss, info["wall_s"]))
+        for p in (d, out):
+            shutil.rmtree(p, ignore_errors=True)
+    n0, _, rss0, wall0 = points[0]
+    for i, (n, built, rss, wall) in enumerate(points):
+        note = (
+            f"{built['bytes'] / MB:.0f} MB capture + {built['sim_bytes'] / MB:.0f} MB sim "
+            f"bundle, {n:,} requests"
+        )
+        grows = i > 0 and n >= 2 * n0
+        for name, value, unit, base in (("peak RSS", rss, "MB", rss0), ("wall", wall, "s", wall0)):
+            figures.append(
+                figure(
+                    f"production report {name}, {n:,} requests (page 1, contexts to 100k)",
+                    value,
+                    unit,
+                    baseline=base if i else value,
+                    baseline_name=f"production report {name} at {n0:,} requests" if i else "itself",
+                    higher_is_better=False,
+                    goal=goal("ratio", "<=", 2.0, "<= 2 x the first point's at 3 x the capture")
+                    if grows and unit == "MB"
+                    else None,
+                    note=note,
+                )
+            )
+    notes.append(
+        "production report: bench_memory's long-context workload (8 lanes, contexts up to 100k "
+        "tokens, page 1, 1M-token pool) copied as a production capture (no outputs, lanes or "
+        "sessions) and replayed; `kvcadence report` of the two (first report: ingest and page "
+        "hashes included) in a fresh child, its hash workers counted"
+    )
+
+
 @contextlib.contextmanager
 def scratch(parent: Path | None) -> Iterator[Path]:
     """A temporary work directory (under ``parent`` when given), removed afterwards."""
@@ -885,7 +969,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--only", nargs="+", metavar="CURVE",
-                    choices=("replay", "long", "fleet", "agentlog", "prodlog", "ingest", "report"),
+                    choices=("replay", "long", "fleet", "agentlog", "prodlog", "ingest", "report",
+                             "prodreport"),
                     help="only these curves")  # fmt: skip
     ap.add_argument("--full", action="store_true",
                     help="add 600k requests, a 10 GB bundle and a 10M-event report")  # fmt: skip
@@ -905,6 +990,8 @@ def main() -> None:
                     help="bundle sizes instead of the defaults (the first is the baseline)")  # fmt: skip
     ap.add_argument("--report-events", type=int, nargs="+", metavar="N",
                     help="report sizes (events) instead of the defaults")  # fmt: skip
+    ap.add_argument("--prodreport-requests", type=int, nargs="+", metavar="N",
+                    help="production report sizes instead of the defaults (1,000 and 3,000)")  # fmt: skip
     add_output_args(
         ap, "replay 600 / 6,000 requests, long 50 / 200, ingest 25 / 250 MB, report 20k / 100k"
     )
@@ -922,6 +1009,7 @@ def main() -> None:
     agentlog_sizes = args.agentlog_requests or ([500, 2000] if args.quick else [2000, 8000])
     ingest_mb = args.ingest_mb or ingest_mb
     prodlog_sizes = args.prodlog_requests or ([100, 400] if args.quick else [500, 2000])
+    prodreport_sizes = args.prodreport_requests or ([100, 300] if args.quick else [1000, 3000])
     figures: list[dict[str, Any]] = []
     notes: list[str] = ["peak RSS of a fresh child process per point (os.wait4 ru_maxrss)"]
     if not args.only or "replay" in args.only:
@@ -949,6 +1037,10 @@ def main() -> None:
         print("report:", flush=True)
         with scratch(args.dir) as work:
             bench_report(report_events, work, figures, notes)
+    if not args.only or "prodreport" in args.only:
+        print("production report (page 1, long contexts):", flush=True)
+        with scratch(args.dir) as work:
+            bench_prodreport(prodreport_sizes, work, figures, notes)
     for f in figures:
         print(
             f"{f['name']}: {f['value']:,.1f} {f['unit']} = {f['ratio']:.2f}x {f['baseline_name']}"
@@ -969,6 +1061,7 @@ def main() -> None:
             "prodlog_requests": prodlog_sizes,
             "ingest_mb": ingest_mb,
             "report_events": report_events,
+            "prodreport_requests": prodreport_sizes,
         },
         notes,
     )

@@ -48,6 +48,9 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
         "--report-events",
         "2000",
         "8000",
+        "--prodreport-requests",
+        "20",
+        "60",
     )  # fmt: skip
     assert doc["schema"] == "kvcadence.bench/1" and doc["bench"] == "memory"
     by = {f["name"]: f for f in doc["figures"]}
@@ -76,6 +79,10 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
         "report peak RSS, 8k events",
         "report wall, 10M events (extrapolated)",
         "report peak RSS, 10M events (extrapolated)",
+        "production report peak RSS, 20 requests (page 1, contexts to 100k)",
+        "production report wall, 20 requests (page 1, contexts to 100k)",
+        "production report peak RSS, 60 requests (page 1, contexts to 100k)",
+        "production report wall, 60 requests (page 1, contexts to 100k)",
     ]
     small, big = by["replay peak RSS, 600 requests"], by["replay peak RSS, 2k requests"]
     assert 10 < small["baseline"] < small["value"] < big["value"] < 2000  # MB, a real RSS
@@ -97,6 +104,11 @@ def test_bench_memory_toy_sizes(tmp_path: Path) -> None:
     assert by["report wall, 8k events"]["value"] > 0
     est = by["report peak RSS, 10M events (extrapolated)"]
     assert est["baseline"] == 3072 and est["value"] >= rep["value"] - 50
+    big_rep = by["production report peak RSS, 60 requests (page 1, contexts to 100k)"]
+    small_rep = by["production report peak RSS, 20 requests (page 1, contexts to 100k)"]
+    assert big_rep["baseline"] == small_rep["value"] > 50 and small_rep["goal"] is None
+    assert big_rep["goal"]["target"] == 2.0 and big_rep["goal"]["on"] == "ratio"
+    assert by["production report wall, 60 requests (page 1, contexts to 100k)"]["value"] > 0
     assert all(not f["higher_is_better"] for f in doc["figures"])
     # the bundles and caches are removed
     assert list(tmp_path.iterdir()) == [tmp_path / "mem.json"]
