@@ -145,12 +145,12 @@ def bundle_family(bundle: str | Path, *, sample: int = SAMPLE_EVENTS) -> Family:
 
 
 def _distinct_stored(ing: Any) -> Any:
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    t = pq.read_table(ing.path("blocks"), columns=["kind", "hash"])
-    stored = t.filter(pc.equal(t.column("kind"), "stored"))  # no Python str per block
-    return _unique(stored.column("hash").to_numpy().view("int64"))
+    # the stored blocks' hashes only, filtered as each row group is read (reading ``kind``
+    # whole and filtering the table after: 6x the time and ~2x the memory at 7.5M blocks)
+    t = pq.read_table(ing.path("blocks"), columns=["hash"], filters=[("kind", "=", "stored")])
+    return _unique(t.column("hash").to_numpy().view("int64"))
 
 
 def _unique(x: Any) -> Any:
