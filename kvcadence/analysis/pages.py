@@ -61,6 +61,8 @@ from kvcadence.analysis.cache import Ingested
 from kvcadence.analysis.chainsrc import ORDERED, Unordered, bundle_batches, parquet_batches
 from kvcadence.analysis.hashpool import ChainHasher
 from kvcadence.analysis.pagereuse import Carry, Recent
+from kvcadence.analysis.records import open_reader
+from kvcadence.errors import BundleError
 
 _I64_BITS = "int64"
 #: requests hashed per batch (their token ids are what a batch holds)
@@ -294,7 +296,8 @@ def _sources(ing: Ingested, con: Any, ps: int, rows: int) -> list[Callable[[], I
 def chains(ing: Ingested, con: Any, page_size: int, wanted: Iterable[int]) -> dict[int, Any]:
     """Every page hash (numpy int64) of the requests ``wanted`` (``request_id``s), hashed
     from their chains: the few requests a drill-down shows, whose cached pages the cache
-    does not keep (one read of the requests, no page of the others hashed)."""
+    does not keep (no page of the others hashed; from the bundle, no chain of the others
+    built: its requests read up to the last one wanted)."""
     import numpy as np
 
     want = sorted(set(wanted))
@@ -302,6 +305,11 @@ def chains(ing: Ingested, con: Any, page_size: int, wanted: Iterable[int]) -> di
     if not want:
         return out
     ps = max(1, int(page_size))
+    if not ing.manifest.get("ids"):
+        for r, cv in _bundle_chains(ing, con, ps, want):
+            off, h = hash_requests(cv, np.array([0, len(cv)], dtype=np.int64), ps, [None], [None])
+            out[r] = h[off[0] : off[1]]
+        return out
     for source in _sources(ing, con, ps, batch_rows(con, ps)):
         out.clear()
         at = 0
@@ -320,6 +328,36 @@ def chains(ing: Ingested, con: Any, page_size: int, wanted: Iterable[int]) -> di
             continue
         return out
     raise AssertionError("request_ids ordered by request_id are out of order")  # pragma: no cover
+
+
+def _bundle_chains(ing: Ingested, con: Any, ps: int, want: list[int]) -> Iterator[tuple[int, Any]]:
+    """``(request, its chain as int64 ids, cut to whole pages)`` of each request in ``want``
+    (ascending), read from the bundle's records and checked against its ``requests`` row (a
+    bundle whose requests changed since the ingest: ``BundleError``)."""
+    import numpy as np
+
+    lens = dict(
+        con.sql(
+            "SELECT request_id, [n_input, n_output] FROM requests WHERE request_id IN "
+            f"({', '.join(str(int(r)) for r in want)})"
+        ).fetchall()
+    )
+    k = 0
+    for i, rec in enumerate(open_reader(ing.bundle).request_arrays()):
+        if i != want[k]:
+            continue
+        inp, outs = rec.input_ids, rec.output_ids
+        if lens.get(i) != [len(inp), len(outs)]:
+            raise BundleError(
+                f"{ing.bundle}: the bundle changed since its tables were built: run again"
+            )
+        m = (len(inp) + max(len(outs) - 1, 0)) // ps * ps
+        ids = np.concatenate([np.asarray(inp, dtype=np.int64), np.asarray(outs, dtype=np.int64)])
+        yield i, ids[:m]
+        k += 1
+        if k == len(want):
+            return
+    raise BundleError(f"{ing.bundle}: the bundle changed since its tables were built: run again")
 
 
 def _hash_batches(

@@ -190,6 +190,14 @@ def test_requests_appended_after_the_ingest_are_left_out(tmp_path: Path) -> None
     other = write_bundle(tmp_path / "o", [(0, [cleared()])], [], hdr=header(page_size=4))
     with pytest.raises(BundleError, match="changed since its tables were built"):
         kpages.compute(dataclasses.replace(ing, bundle=other), con, 4)
+    # the drill-down's chains too: the appended request is not one of the tables', and a
+    # bundle without those requests is refused
+    got = kpages.chains(ing, con, 4, [0, 299])
+    assert [got[r].tolist() for r in (0, 299)] == [
+        wire.block_hashes(chains[r], 4) for r in (0, 299)
+    ]
+    with pytest.raises(BundleError, match="changed since its tables were built"):
+        kpages.chains(dataclasses.replace(ing, bundle=other), con, 4, [3])
 
 
 def test_an_unordered_request_ids_scan_is_read_sorted() -> None:
