@@ -46,6 +46,9 @@ The result is cached as ``<cache>/request_pages-ps<N>.parquet`` (``request_id``,
 ``hash`` uint64; ``-full`` before the suffix: every page); the ingest cache rebuild (a new
 fingerprint) replaces the whole directory, so a stale cache cannot survive a changed bundle.
 A cache written before the pages were cut (every page) is read as it is: a superset.
+Read from the cache besides: ``page_ends`` (per request, its last prompt page's and last
+chain page's hashes: the visibility's lookups) and ``chains`` (the drill-down's few requests,
+every page, hashed for them alone).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcadence.analysis import sql
 from kvcadence.analysis.batchhash import hash_requests
 from kvcadence.analysis.cache import Ingested
 from kvcadence.analysis.chainsrc import ORDERED, Unordered, bundle_batches, parquet_batches
@@ -393,3 +397,61 @@ def _hash_batches(
         rows += n
     offsets = np.cumsum(np.concatenate(counts))
     return offsets, (np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.int64))
+
+
+def page_ends(ing: Any, page_size: int) -> PageEnds | None:
+    """Per request of the ingest ``ing`` (``request_id`` order = bundle order): the hash of
+    its last full prompt page, of its chain's last page (``input_ids + output_ids[:-1]``) and
+    the chain's page count, read from the request page-hash cache (``pages.ensure_file``,
+    which the report's attribution wrote already): three int64 columns and the prompt page's
+    presence, not a page hash per token. None where the cache cannot be written (the caller
+    hashes the requests itself)."""
+    ps = max(1, int(page_size))
+    con = sql.connect(ing)
+    try:
+        path = ensure_file(ing, con, ps)
+        if path is None:
+            return None
+        chain = f"((r.n_input + greatest(r.n_output - 1, 0)) // {ps})"
+        got = con.sql(
+            f"SELECT r.request_id, r.n_input, {chain} AS n_pages, "
+            f"coalesce(max(CASE WHEN p.page = r.n_input // {ps} - 1 THEN p.hash END), 0) AS hp, "
+            f"count(CASE WHEN p.page = r.n_input // {ps} - 1 THEN 1 END) AS has_p, "
+            f"coalesce(max(CASE WHEN p.page = {chain} - 1 THEN p.hash END), 0) AS hl, "
+            f"count(CASE WHEN p.page = {chain} - 1 THEN 1 END) AS has_l "
+            f"FROM requests r LEFT JOIN ({relation(path)}) p "
+            f"ON p.request_id = r.request_id "
+            f"AND (p.page = r.n_input // {ps} - 1 OR p.page = {chain} - 1) "
+            "GROUP BY ALL ORDER BY r.request_id"
+        ).fetchnumpy()
+    finally:
+        con.close()
+    return PageEnds(
+        got["n_input"],
+        got["n_pages"],
+        got["hp"].astype("uint64").view("int64"),
+        got["has_p"] > 0,
+        got["hl"].astype("uint64").view("int64"),
+        got["has_l"] > 0,
+    )
+
+
+@dataclass
+class PageEnds:
+    """``page_ends``' columns, one row a request (``row``: one request's)."""
+
+    n_input: Any
+    n_pages: Any
+    prompt_hash: Any
+    has_prompt: Any
+    last_hash: Any
+    has_last: Any
+
+    def row(self, i: int, n_input: int) -> tuple[int | None, int | None, int] | None:
+        """``(last prompt page hash, last chain page hash, pages)`` of request ``i``; None
+        when the row is not that request (another length: the tables do not line up)."""
+        if i >= len(self.n_input) or int(self.n_input[i]) != n_input:
+            return None
+        hp = int(self.prompt_hash[i]) if self.has_prompt[i] else None
+        hl = int(self.last_hash[i]) if self.has_last[i] else None
+        return hp, hl, int(self.n_pages[i])

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis import aligned, divergence, families, plots, ranks, sql, visibility
+from kvcadence.analysis import aligned, divergence, families, pages, plots, ranks, sql, visibility
 from kvcadence.analysis.formatting import fmt
 
 
@@ -82,7 +82,7 @@ def visibility_extra(
         # the ingest's page size (the header's, else the events' block_size) and its request
         # page hashes (cached by the attribution): the requests are not hashed again
         ps = int(ing.info.get("page_size") or 0) or None
-        ends = visibility.page_ends(ing, ps) if ps else None
+        ends = pages.page_ends(ing, ps) if ps else None
         data.append((label, visibility.visibility_data(ing.bundle, ps, ends)))
     metrics = [(label, visibility.visibility_metrics(d)) for label, d in data]
     title, text, table = visibility.visibility_section(metrics, visibility.missing_timings(data))

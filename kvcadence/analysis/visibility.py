@@ -20,7 +20,7 @@ What this file owns (pure functions; ``report.py`` adds the section and the plot
   Two passes, neither holding the capture: the request records one at a time, each kept as
   the two hashes it is looked up by; then the event frames and notes. The report passes the
   page size its ingest found (the events' ``block_size`` when the header has none) and
-  ``page_ends(ing, page_size)``: those two hashes per request read from the ingest's
+  ``pages.page_ends(ing, page_size)``: those two hashes per request read from the ingest's
   request page-hash cache (``analysis.pages``), so no prompt is hashed twice.
 
 * ``visibility_metrics(data)`` → a JSON-able dict of distributions (n, mean, p50, p90, p99,
@@ -48,7 +48,7 @@ from typing import Any
 
 import msgspec
 
-from kvcadence.analysis import pages, sql
+from kvcadence.analysis import pages
 from kvcadence.analysis.catalogue import VISIBILITY_DEFS
 from kvcadence.errors import UsageError
 from kvcadence.format import wire
@@ -98,71 +98,13 @@ def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
     return None
 
 
-def page_ends(ing: Any, page_size: int) -> _PageEnds | None:
-    """Per request of the ingest ``ing`` (``request_id`` order = bundle order): the hash of
-    its last full prompt page, of its chain's last page (``input_ids + output_ids[:-1]``) and
-    the chain's page count, read from the request page-hash cache (``pages.ensure_file``,
-    which the report's attribution wrote already): three int64 columns and the prompt page's
-    presence, not a page hash per token. None where the cache cannot be written (the caller
-    hashes the requests itself)."""
-    ps = max(1, int(page_size))
-    con = sql.connect(ing)
-    try:
-        path = pages.ensure_file(ing, con, ps)
-        if path is None:
-            return None
-        chain = f"((r.n_input + greatest(r.n_output - 1, 0)) // {ps})"
-        got = con.sql(
-            f"SELECT r.request_id, r.n_input, {chain} AS n_pages, "
-            f"coalesce(max(CASE WHEN p.page = r.n_input // {ps} - 1 THEN p.hash END), 0) AS hp, "
-            f"count(CASE WHEN p.page = r.n_input // {ps} - 1 THEN 1 END) AS has_p, "
-            f"coalesce(max(CASE WHEN p.page = {chain} - 1 THEN p.hash END), 0) AS hl, "
-            f"count(CASE WHEN p.page = {chain} - 1 THEN 1 END) AS has_l "
-            f"FROM requests r LEFT JOIN ({pages.relation(path)}) p "
-            f"ON p.request_id = r.request_id "
-            f"AND (p.page = r.n_input // {ps} - 1 OR p.page = {chain} - 1) "
-            "GROUP BY ALL ORDER BY r.request_id"
-        ).fetchnumpy()
-    finally:
-        con.close()
-    return _PageEnds(
-        got["n_input"],
-        got["n_pages"],
-        got["hp"].astype("uint64").view("int64"),
-        got["has_p"] > 0,
-        got["hl"].astype("uint64").view("int64"),
-        got["has_l"] > 0,
-    )
-
-
-@dataclass
-class _PageEnds:
-    """``page_ends``' columns, one row a request."""
-
-    n_input: Any
-    n_pages: Any
-    prompt_hash: Any
-    has_prompt: Any
-    last_hash: Any
-    has_last: Any
-
-    def row(self, i: int, n_input: int) -> tuple[int | None, int | None, int] | None:
-        """``(last prompt page hash, last chain page hash, pages)`` of request ``i``; None
-        when the row is not that request (another length: the tables do not line up)."""
-        if i >= len(self.n_input) or int(self.n_input[i]) != n_input:
-            return None
-        hp = int(self.prompt_hash[i]) if self.has_prompt[i] else None
-        hl = int(self.last_hash[i]) if self.has_last[i] else None
-        return hp, hl, int(self.n_pages[i])
-
-
 def visibility_data(
-    bundle: str | Path, page_size: int | None = None, ends: _PageEnds | None = None
+    bundle: str | Path, page_size: int | None = None, ends: pages.PageEnds | None = None
 ) -> VisibilityData:
     """Collect the visibility samples of ``bundle`` (see the module docstring);
     ``page_size``: the bundle's when the caller knows it (a capture without a /server_info
     page size: its events' ``block_size``), else its header's; ``ends``: its requests' page
-    hashes (``page_ends``, at that page size) when the caller has them, else each request is
+    hashes (``pages.page_ends``, at that page size) when the caller has them, else each request is
     hashed here.
 
     Two passes, neither holding the capture: the request records one at a time, each kept
@@ -279,7 +221,7 @@ class _Lookups:
     def add(self, r: Any, ps: int, ends: tuple[int | None, int | None, int] | None) -> None:
         """Request ``r``'s lookups (its chain ``input_ids + output_ids[:-1]`` hashed at page
         size ``ps``; prompt pages start at ``cached_tokens``). ``ends``: the chain's last
-        prompt page hash, last page hash and page count when known (``page_ends``), else
+        prompt page hash, last page hash and page count when known (``pages.page_ends``), else
         the chain is hashed here."""
         mi = r.meta_info or {}
         received = _mi_ns(mi, "request_received_ts")

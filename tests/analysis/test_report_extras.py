@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvcadence.analysis import report, visibility
+from kvcadence.analysis import pages, report, visibility
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import RequestRecord
@@ -133,7 +133,7 @@ def test_missing_timings_names_timed_requests_whose_stores_were_not_seen() -> No
 
 def test_visibility_from_the_page_cache_equals_hashing_every_request(tmp_path: Path) -> None:
     """The report reads each request's last prompt and chain page hashes from the ingest's
-    page-hash cache (``visibility.page_ends``) instead of hashing every prompt again: the
+    page-hash cache (``pages.page_ends``) instead of hashing every prompt again: the
     same samples as hashing, on a real page-16 capture with evictions and on its replay."""
     from kvcadence.analysis import ingest
     from kvcadence.replay.simulator import replay_bundle
@@ -143,7 +143,7 @@ def test_visibility_from_the_page_cache_equals_hashing_every_request(tmp_path: P
     replay_bundle(real, tmp_path / "sim")
     for name, bundle in (("real", real), ("sim", tmp_path / "sim")):
         ing = ingest.ingest(bundle, tmp_path / f"pq-{name}")
-        ends = visibility.page_ends(ing, 16)
+        ends = pages.page_ends(ing, 16)
         assert ends is not None and len(ends.n_input) == 200
         hashed = visibility.visibility_data(bundle)
         cached = visibility.visibility_data(bundle, 16, ends)
@@ -151,7 +151,7 @@ def test_visibility_from_the_page_cache_equals_hashing_every_request(tmp_path: P
         assert len(cached.prompt_delay_ns) + cached.prompt_unmatched > 100, name
     # another capture's table (its rows are other requests): hashed instead, the same
     other = corpus.parent / "p16-retract-noeos" / "bundle"
-    wrong = visibility.page_ends(ingest.ingest(other, tmp_path / "pq-other"), 16)
+    wrong = pages.page_ends(ingest.ingest(other, tmp_path / "pq-other"), 16)
     assert (
         wrong is not None and wrong.row(0, len(BundleReader(real).requests()[0].input_ids)) is None
     )
