@@ -6,7 +6,7 @@ offsets) to each row's page hashes (int64 bit patterns of the digests' first 8 b
 rows hashed from the root in one ``wire.root_chains`` pass (shared among processes:
 ``kvcadence.analysis.hashpool``), the rows that extend an earlier chain (a session's previous
 turn, or a recent request with the same first tokens: ``kvcadence.analysis.pagereuse``)
-copying its digests and hashing only their new pages.
+reading its digests (prefix-shared: ``pagereuse.Digests``) and hashing only their new pages.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def hash_requests(
 
     The rows' pages are one uint32 buffer; the rows hashed
     from the root (most) are hashed in one ``wire.root_chains`` pass over it (no per-row
-    call). Rows that reuse their session's previous row (a whole-page prefix of theirs) copy
-    its digests and hash only the new pages; rows with tokens that are not plain uint32 are
+    call). Rows that reuse their session's previous row (a whole-page prefix of theirs) read
+    its digests -- only those of the pages returned and their first new page's parent -- and
+    hash only the new pages, each row's digests kept as its new pages' and its source's
+    (``Digests``: what a later row or batch reuses); rows with tokens that are not plain uint32 are
     hashed from their Python lists (the wide / error path of ``wire``). ``last``: the
     ``Carry`` of the sessions' latest rows with pages from earlier batches (updated here);
     ``recent``: the ``Recent`` rows of earlier batches, for rows with no session to reuse
