@@ -10,7 +10,8 @@ whole pages --
 * ``bundle_batches``: the bundle's own request records (``BundleReader.request_arrays``: a
   packed request's ids are the reader's uint32 arrays rebuilt from the prefix it shares, no
   list of ints), where the cache dropped ``request_ids`` (long prompts sharing prefixes:
-  several times the bundle as a column); each batch checked against the ingested lengths.
+  several times the bundle as a column); each batch checked against the ingested lengths;
+* ``bundle_chains``: the same records' chains of a few requests alone (the drill-down's).
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ def bundle_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tupl
     n_in = lens.column(0).to_numpy(zero_copy_only=False)
     n_out = lens.column(1).to_numpy(zero_copy_only=False)
     n = len(n_in)
-    changed = f"{ing.bundle}: the bundle changed since its tables were built: run again"
     # a batch: its records' ids as read, input then output, in runs of uint32 arrays (each
     # array appended as it is: a copy of its bytes, no slicing and no numpy call a record)
     # and int64 arrays (a record whose ids are not uint32: a 1.x list, a wide id); each
@@ -95,7 +95,7 @@ def bundle_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tupl
         lo = np.frombuffer(got_out, np.int64)
         end = start + len(li)
         if not (np.array_equal(li, n_in[start:end]) and np.array_equal(lo, n_out[start:end])):
-            raise BundleError(changed)
+            raise _changed(ing)
         if run:
             parts.append(run)
         m = (li + np.maximum(lo - 1, 0)) // ps * ps  # each chain's ids
@@ -150,9 +150,42 @@ def bundle_batches(ing: Ingested, con: Any, ps: int, rows: int) -> Iterator[tupl
         if len(got_in) >= rows:
             yield batch()
     if i != n:
-        raise BundleError(changed)
+        raise _changed(ing)
     if got_in:
         yield batch()
+
+
+def bundle_chains(ing: Ingested, con: Any, ps: int, want: list[int]) -> Iterator[tuple[int, Any]]:
+    """``(request, its chain as int64 ids, cut to whole pages)`` of each request in ``want``
+    (ascending; the drill-down's few: no batch of the others' ids built), read from the bundle's records and checked against its ``requests`` row (a
+    bundle whose requests changed since the ingest: ``BundleError``)."""
+    import numpy as np
+
+    lens = dict(
+        con.sql(
+            "SELECT request_id, [n_input, n_output] FROM requests WHERE request_id IN "
+            f"({', '.join(str(int(r)) for r in want)})"
+        ).fetchall()
+    )
+    k = 0
+    for i, rec in enumerate(open_reader(ing.bundle).request_arrays()):
+        if i != want[k]:
+            continue
+        inp, outs = rec.input_ids, rec.output_ids
+        if lens.get(i) != [len(inp), len(outs)]:
+            raise _changed(ing)
+        m = (len(inp) + max(len(outs) - 1, 0)) // ps * ps
+        ids = np.concatenate([np.asarray(inp, dtype=np.int64), np.asarray(outs, dtype=np.int64)])
+        yield i, ids[:m]
+        k += 1
+        if k == len(want):
+            return
+    raise _changed(ing)
+
+
+def _changed(ing: Ingested) -> BundleError:
+    """The error of a bundle whose requests are not its tables' any more."""
+    return BundleError(f"{ing.bundle}: the bundle changed since its tables were built: run again")
 
 
 def flat_lists(col: Any) -> tuple[Any, Any]:

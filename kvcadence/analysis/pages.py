@@ -62,11 +62,15 @@ from typing import Any
 from kvcadence.analysis import sql
 from kvcadence.analysis.batchhash import hash_requests
 from kvcadence.analysis.cache import Ingested
-from kvcadence.analysis.chainsrc import ORDERED, Unordered, bundle_batches, parquet_batches
+from kvcadence.analysis.chainsrc import (
+    ORDERED,
+    Unordered,
+    bundle_batches,
+    bundle_chains,
+    parquet_batches,
+)
 from kvcadence.analysis.hashpool import ChainHasher
 from kvcadence.analysis.pagereuse import Carry, Recent
-from kvcadence.analysis.records import open_reader
-from kvcadence.errors import BundleError
 
 _I64_BITS = "int64"
 #: requests hashed per batch (their token ids are what a batch holds)
@@ -310,7 +314,7 @@ def chains(ing: Ingested, con: Any, page_size: int, wanted: Iterable[int]) -> di
         return out
     ps = max(1, int(page_size))
     if not ing.manifest.get("ids"):
-        for r, cv in _bundle_chains(ing, con, ps, want):
+        for r, cv in bundle_chains(ing, con, ps, want):
             off, h = hash_requests(cv, np.array([0, len(cv)], dtype=np.int64), ps, [None], [None])
             out[r] = h[off[0] : off[1]]
         return out
@@ -332,36 +336,6 @@ def chains(ing: Ingested, con: Any, page_size: int, wanted: Iterable[int]) -> di
             continue
         return out
     raise AssertionError("request_ids ordered by request_id are out of order")  # pragma: no cover
-
-
-def _bundle_chains(ing: Ingested, con: Any, ps: int, want: list[int]) -> Iterator[tuple[int, Any]]:
-    """``(request, its chain as int64 ids, cut to whole pages)`` of each request in ``want``
-    (ascending), read from the bundle's records and checked against its ``requests`` row (a
-    bundle whose requests changed since the ingest: ``BundleError``)."""
-    import numpy as np
-
-    lens = dict(
-        con.sql(
-            "SELECT request_id, [n_input, n_output] FROM requests WHERE request_id IN "
-            f"({', '.join(str(int(r)) for r in want)})"
-        ).fetchall()
-    )
-    k = 0
-    for i, rec in enumerate(open_reader(ing.bundle).request_arrays()):
-        if i != want[k]:
-            continue
-        inp, outs = rec.input_ids, rec.output_ids
-        if lens.get(i) != [len(inp), len(outs)]:
-            raise BundleError(
-                f"{ing.bundle}: the bundle changed since its tables were built: run again"
-            )
-        m = (len(inp) + max(len(outs) - 1, 0)) // ps * ps
-        ids = np.concatenate([np.asarray(inp, dtype=np.int64), np.asarray(outs, dtype=np.int64)])
-        yield i, ids[:m]
-        k += 1
-        if k == len(want):
-            return
-    raise BundleError(f"{ing.bundle}: the bundle changed since its tables were built: run again")
 
 
 def _hash_batches(
