@@ -79,7 +79,7 @@ class Chains:
                     if not self.on_rank(hs[k], rank):
                         up = pages + (j - k)
                         break
-            parts.append(idx.tokens[ei][: (j + 1) * ps])
+            parts.append(idx.tokens.span(ei, 0, (j + 1) * ps))
             pages += j + 1
             if pages > limit:
                 return None

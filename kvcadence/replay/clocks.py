@@ -76,7 +76,7 @@ def records_offset(index: Any, records: Sequence[Any]) -> int:
         want = span(r.input_ids, start, start + ps)
         found = by_first.get(want[0], ())  # every event whose first page starts so
         if ps > 1 and found:  # (a page of one token: that is the whole page)
-            found = [e for e in found if same_ids(tokens[e][:ps], want)]
+            found = [e for e in found if same_ids(tokens.span(e, 0, ps), want)]
         if len(found) == 1:
             t = ts[found[0]]
             spans.append((t - f, t - a))

@@ -20,12 +20,14 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   page size 1; all full pages at page size > 1). The rest of the output is never inserted,
   so it never changes a block hash or a cache hit.
 
-Memory: the decoded events' tokens (an ``array('I')`` per event, ``tokens.compact``, made
-while the decoded ints are fresh: 4 bytes a token, compared with the records' prompts as
-arrays, sliced into output ids) and every block hash in one int64 array (``hashes``, decoded from the
-msgpack bytes of all events at once: a hash is only ever looked at, never kept as a Python
-int), and two indexes of event numbers (by parent hash, by first token: one int per event
-each) so that a lookup visits only its candidates.
+Memory: the decoded events' tokens (``storetokens.StoredTokens``: every event's ids end to
+end in one buffer, 4 bytes a token, made from the decoded ints while they are fresh;
+compared with the records' prompts as bytes, sliced into output ids) and every block hash in
+one int64 array (``hashes``, decoded from the msgpack bytes of all events at once: a hash is
+only ever looked at, never kept as a Python int), and two indexes of event numbers (by
+parent hash, by first token: one int per event each) so that a lookup visits only its
+candidates; a prefill store merged into another request's event is found by one search of
+the window's page heads (``StoredTokens.heads``), not a walk of its events.
 
 Why ~500 lines: one class, ``StoreIndex``, whose build (the one pass over the events, the
 flush scan and the settings tally fed on the way) and lookups share its columns and windows.
@@ -49,7 +51,8 @@ from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked_all
-from kvcadence.replay.tokens import CODE, as_list, compact, same_ids, span
+from kvcadence.replay.storetokens import StoredTokens
+from kvcadence.replay.tokens import as_list, compact, same_ids, span
 
 #: a finish store is searched from this long before the recorded finish (clock granularity)
 FINISH_SLACK_NS = 50_000_000
@@ -92,9 +95,9 @@ class StoreIndex:
         #: each event's first position in ``hashes`` (a position's event: bisect)
         self.offs: list[int] = []
         self.pages: list[int] = []
-        #: each event's token ids, as ``tokens.compact`` keeps them (``array('I')``: no int
-        #: object per token; compared with prompts as arrays)
-        self.tokens: list[array] = []
+        #: each event's token ids (``storetokens.StoredTokens``: one buffer, 4 bytes a token;
+        #: ``tokens[e]`` / ``tokens.span(e, a, b)`` an ``array('I')``, compared with prompts)
+        self.tokens = StoredTokens(page_size)
         #: event indices (ascending) by parent hash and by first token: the candidates the
         #: lookups would otherwise find by walking every event of their window
         self._by_parent: dict[int | None, list[int]] = {}
@@ -243,15 +246,20 @@ class StoreIndex:
     ) -> None:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
         tokens, cache_salt)``, in publish order, and index them; an event whose hashes are not
-        all 64-bit ints (``stored.frame_stores``' unchecked ones) is left out."""
+        all 64-bit ints (``stored.frame_stores``' unchecked ones) is left out. Consumes
+        ``rows``: each row is let go as its tokens join ``tokens``' buffer (the events'
+        arrays and the buffer are not all held at once)."""
         if not rows:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
-        # the rows' columns, transposed in one step
-        ts, ns, parents, packs, pages, tokens, salts = zip(*rows, strict=True)
+        # the rows' columns but the tokens, transposed in one step
+        ts, ns, parents, packs, pages, salts = zip(
+            *((r[0], r[1], r[2], r[3], r[4], r[6]) for r in rows), strict=True
+        )
         bad: list[int] = []
         more = unpacked_all(packs, sum(pages), bad)
+        del packs
         if bad:  # rare: drop the events holding them, index the others
             ends = np.cumsum(pages)
             drop = set(np.searchsorted(ends, bad, side="right").tolist())
@@ -264,7 +272,6 @@ class StoreIndex:
         offs = list(accumulate(pages[:-1], initial=off0))
         self.parents.extend(parents)
         self.pages.extend(pages)
-        self.tokens.extend(tokens)
         self.offs.extend(offs)
         if any(salts):
             self.salts.update((ei, s) for ei, s in enumerate(salts, first_ei) if s is not None)
@@ -275,7 +282,12 @@ class StoreIndex:
                 by_parent[parent] = [ei]
             else:
                 lst.append(ei)
-        for ei, toks in enumerate(tokens, first_ei):
+        self.tokens.reserve(len(more))
+        add = self.tokens.append
+        for k, ei in enumerate(range(first_ei, first_ei + len(rows))):
+            toks = rows[k][5]
+            rows[k] = None  # type: ignore[call-overload]  # its array goes with it
+            add(toks, pages[k])
             first = toks[0]
             lst = by_first.get(first)
             if lst is None:
@@ -422,7 +434,7 @@ class StoreIndex:
                     continue
             n = min(n_pages[ei] - j, pages - p)
             a = (p - start) * ps
-            if not same_ids(tokens[ei][j * ps : (j + n) * ps], want[a : a + n * ps]):
+            if not tokens.same(ei, j * ps, (j + n) * ps, want[a : a + n * ps]):
                 continue
             segs.append((p, ei, j, n))
             cur = hashes.item(offs[ei] + j + n - 1)
@@ -444,54 +456,30 @@ class StoreIndex:
         cands = self._by_first.get(want, ())  # the events of [i, end) starting with ``want``
         c = bisect_left(cands, i)
         left = pages - start
+        found = None
         while c < len(cands) and cands[c] < end:
             ei = cands[c]
+            c += 1
             if rank is not None and self.rank_of(ei) != rank:
-                c += 1
                 continue
-            n = n_pages[ei]
-            toks = tokens[ei]
-            if n > left:
-                n = left
-                toks = toks[: n * ps]
-            if same_ids(toks, prompt if n == left else prompt[: n * ps]):
+            n = n_pages[ei] if n_pages[ei] < left else left
+            if tokens.same(ei, 0, n * ps, prompt if n == left else prompt[: n * ps]):
                 end, found = ei, (ei, 0, n)  # an earlier event may hold them after another's
                 break
-            c += 1
-        else:
-            found = None
-        # ``want``'s bytes, found among the bytes of an event's pages' first tokens at a
-        # multiple of the item size (a run starts at a page: the tokens within a page are
-        # not searched): a C search, not an int object per token compared (``array.index``)
-        pat = array(CODE, [want]).tobytes() if type(want) is int and 0 <= want < 1 << 32 else None
-        for ei in range(i, end):
-            if rank is not None and self.rank_of(ei) != rank:
+        if end <= i:
+            return found
+        # the pages of events [i, end) whose first token is ``want`` (``StoredTokens.heads``:
+        # one C search over the window's page heads); an event's first page is a candidate
+        # above already
+        offs = self.offs
+        for pos in tokens.heads(want, offs[i], offs[end - 1] + n_pages[end - 1]):
+            ei = bisect_right(offs, pos, i, end) - 1
+            j = pos - offs[ei]
+            if j == 0 or (rank is not None and self.rank_of(ei) != rank):
                 continue
-            toks = tokens[ei]
-            if pat is not None and toks.typecode == CODE:
-                heads = (toks if ps == 1 else toks[::ps]).tobytes()
-                at = heads.find(pat, 4)
-                while at > 0:
-                    if at % 4 == 0:
-                        j = at // 4
-                        k = j * ps
-                        n = min(n_pages[ei] - j, pages - start)
-                        if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
-                            return ei, j, n
-                    at = heads.find(pat, at + 1)
-                continue
-            k = 1
-            while True:
-                try:
-                    k = toks.index(want, k)
-                except ValueError:
-                    break
-                if k % ps == 0:
-                    j = k // ps
-                    n = min(n_pages[ei] - j, pages - start)
-                    if same_ids(toks[k : k + n * ps], prompt[: n * ps]):
-                        return ei, j, n
-                k += 1
+            n = min(n_pages[ei] - j, left)
+            if tokens.same(ei, j * ps, (j + n) * ps, prompt[: n * ps]):
+                return ei, j, n
         return found
 
     def finish_pages(
@@ -613,11 +601,11 @@ class StoreIndex:
         if j >= pages:
             return None
         ps = self.page_size
-        toks = self.tokens[ei]
-        if tail and not same_ids(toks[j * ps : j * ps + len(tail)], tail):
-            return None
         m = pages - j
         if k < m:
             m = k
+        toks = self.tokens.span(ei, j * ps, (j + m) * ps)
+        if tail and not same_ids(toks[: len(tail)], tail):
+            return None
         last = self.hashes.item(self.offs[ei] + j + m - 1)
-        return toks[j * ps : (j + m) * ps], last, j > 0 or j + m < pages
+        return toks, last, j > 0 or j + m < pages

@@ -302,7 +302,7 @@ def find_unrecorded(
     hashes, offs = index.hashes, index.offs
     for ei, j, n in _runs(index, free):
         parent = index.parents[ei] if j == 0 else int(hashes[offs[ei] + j - 1])
-        toks = index.tokens[ei][j * ps : (j + n) * ps]
+        toks = index.tokens.span(ei, j * ps, (j + n) * ps)
         last = int(hashes[offs[ei] + j + n - 1])
         t = index.ts_of(ei)
         rank = index.rank_of(ei)
