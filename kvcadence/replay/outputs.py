@@ -246,9 +246,9 @@ class StoreIndex:
     ) -> None:
         """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
         tokens, cache_salt)``, in publish order, and index them; an event whose hashes are not
-        all 64-bit ints (``stored.frame_stores``' unchecked ones) is left out. Consumes
-        ``rows``: each row is let go as its tokens join ``tokens``' buffer (the events'
-        arrays and the buffer are not all held at once)."""
+        all 64-bit ints (``stored.frame_stores``' unchecked ones) is left out. Empties
+        ``rows``: the events' arrays are joined into ``tokens``' buffer a few thousand at a
+        time, each let go once joined (they and the buffer are not all held at once)."""
         if not rows:
             return
         first_ei = len(self.offs)
@@ -282,13 +282,11 @@ class StoreIndex:
                 by_parent[parent] = [ei]
             else:
                 lst.append(ei)
-        self.tokens.reserve(len(more))
-        add = self.tokens.append
-        for k, ei in enumerate(range(first_ei, first_ei + len(rows))):
-            toks = rows[k][5]
-            rows[k] = None  # type: ignore[call-overload]  # its array goes with it
-            add(toks, pages[k])
-            first = toks[0]
+        # the tokens, joined into one buffer as each row is let go
+        arrays = [r[5] for r in rows]
+        rows.clear()
+        self.tokens.extend(arrays, pages)
+        for ei, first in enumerate(self.tokens.firsts(first_ei), first_ei):
             lst = by_first.get(first)
             if lst is None:
                 by_first[first] = [ei]

@@ -57,8 +57,9 @@ from kvcadence.format.hashes import block_hashes
 from kvcadence.format.namespace import salt_of
 from kvcadence.replay.outputs import FINISH_WINDOW_NS
 from kvcadence.replay.schedule import _arrival
+from kvcadence.replay.sieve import matches
 from kvcadence.replay.tokens import span
-from kvcadence.replay.unrecorded import matches, page_key, page_keys
+from kvcadence.replay.unrecorded import page_key, page_keys
 
 #: ``meta_info`` key of a record whose cached prefix was stored before the capture: its
 #: length in tokens (page aligned)

@@ -60,6 +60,8 @@ from typing import cast
 
 import numpy as np
 
+from kvcadence.replay.sieve import matches
+
 
 @dataclass(slots=True)
 class Node:
@@ -238,12 +240,6 @@ def _add_anchors(anchors: dict[int, list[tuple[int, int]]], rn: Node, r: int) ->
         anchors.setdefault(rn.prompt_anchor, []).append((1, r))
 
 
-#: the low bits of a hash that ``_anchor_positions``'s table is indexed by
-_TABLE_MASK = (1 << 20) - 1
-#: hashes ``_anchor_positions`` looks up at a time
-_SLICE = 1 << 15
-
-
 def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[int], list[int]]:
     """The positions in ``hashes`` holding some node's anchor (ascending), and the hash at
     each: the only places of a prefill segment a lookup has to look at. Found by one
@@ -253,21 +249,8 @@ def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[i
     want.update(h for n in nodes for h in n.out_pages or ())
     if not want or not len(hashes):
         return [], []
-    wanted = np.sort(np.fromiter(want, np.int64, len(want)))
-    table = np.zeros(_TABLE_MASK + 1, bool)
-    table[wanted & _TABLE_MASK] = True
-    # a slice at a time: temporaries of a few hundred KB, reused (one the size of every
-    # hash would be fresh memory, a page fault per 4 KB)
-    cand = np.concatenate(
-        [
-            np.flatnonzero(table[hashes[lo : lo + _SLICE] & _TABLE_MASK]) + lo
-            for lo in range(0, len(hashes), _SLICE)
-        ]
-    )
-    hs = hashes[cand]
-    # the candidates whose whole hash is an anchor (a binary search in the sorted anchors)
-    exact = wanted[np.searchsorted(wanted, hs).clip(max=len(wanted) - 1)] == hs
-    return cand[exact].tolist(), hs[exact].tolist()
+    cand = matches(hashes, np.fromiter(want, np.int64, len(want)))
+    return cand.tolist(), hashes[cand].tolist()
 
 
 def _anchored_rest(

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ _HEAD = np.dtype(f"=u{_ITEM}")
 #: ``heads`` searches windows of up to this many pages as bytes (``bytes.find``: no array
 #: made, but a stop at every byte-aligned false hit), wider ones with numpy
 _FIND_PAGES = 2048
+#: ``extend`` joins this many events' arrays into the buffer at a time
+_JOIN_EVENTS = 4096
 
 
 class StoredTokens:
@@ -47,11 +50,11 @@ class StoredTokens:
         self._heads = bytearray() if page_size > 1 else self._buf
         self._start: list[int] = []  # each event's first page (``StoreIndex.offs``)
         self._pages: list[int] = []
-        self._used = 0  # pages appended (the buffers may hold room for more: ``reserve``)
+        self._used = 0  # pages appended
         self._wide: dict[int, Any] = {}  # event -> its ids, where they are not uint32
         self._wide_order: list[int] = []  # those events, ascending
         #: the heads as a numpy array (``heads``), a view of ``_heads``: made at the first
-        #: search, dropped at the next ``append`` (a buffer with a view cannot grow)
+        #: search, dropped at the next ``extend`` (a buffer with a view cannot grow)
         self._view: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -64,35 +67,48 @@ class StoredTokens:
     def __iter__(self) -> Iterator[Any]:
         return (self[e] for e in range(len(self)))
 
-    def reserve(self, pages: int) -> None:
-        """Room for ``pages`` more pages, made at once (``append`` fills it): the buffers
-        are sized once, not grown by reallocation (at times a copy of all of them) with
-        spare room at the end."""
-        self._view = None
-        self._buf += bytes(_ITEM * pages * self.page_size)  # (fresh zero pages: no copy)
-        if self.page_size > 1:
-            self._heads += bytes(_ITEM * pages)
-
-    def append(self, toks: Any, pages: int) -> None:
-        """The next event's tokens (``pages * page_size`` of them: ``compact``'s array, or
-        whatever it kept of ids that are not ints), into the room ``reserve`` made, or
-        more."""
-        ps = self.page_size
-        e = len(self._start)
-        at = self._used
-        self._start.append(at)
-        self._pages.append(pages)
-        self._used = at + pages
-        if self._used * ps * _ITEM > len(self._buf):
-            self.reserve(self._used - len(self._buf) // (ps * _ITEM))
-        if type(toks) is array and toks.typecode == CODE:
-            a = at * ps * _ITEM
-            self._buf[a : a + pages * ps * _ITEM] = toks
-            if ps > 1:
-                self._heads[at * _ITEM : (at + pages) * _ITEM] = toks[::ps]
+    def extend(self, arrays: list[Any], pages: Sequence[int]) -> None:
+        """Append events: ``arrays[k]`` the tokens of ``pages[k]`` pages (``compact``'s array,
+        or whatever it kept of ids that are not ints). Consumes ``arrays``: joined into the
+        buffer ``_JOIN_EVENTS`` at a time, each entry let go once joined (the events' arrays
+        and the buffer are not all held at once)."""
+        if not arrays:
             return
-        self._wide[e] = toks  # its room stays zeros
-        self._wide_order.append(e)
+        ps = self.page_size
+        self._view = None
+        e0 = len(self._start)
+        byte0 = len(self._buf)
+        self._start.extend(accumulate(pages[:-1], initial=self._used))
+        self._pages.extend(pages)
+        self._used += sum(pages)
+        buf = self._buf
+        for c in range(0, len(arrays), _JOIN_EVENTS):
+            part = arrays[c : c + _JOIN_EVENTS]
+            for k, toks in enumerate(part):
+                if type(toks) is not array or toks.typecode != CODE:  # rare: its own array
+                    self._wide[e0 + c + k] = toks
+                    self._wide_order.append(e0 + c + k)
+                    part[k] = bytes(_ITEM * pages[c + k] * ps)  # its room: zeros
+            buf += b"".join(part)
+            arrays[c : c + _JOIN_EVENTS] = [None] * len(part)
+            del part
+        if ps > 1:  # each new page's first token
+            with memoryview(buf) as mv:
+                self._heads += np.frombuffer(mv[byte0:], dtype=_HEAD)[::ps].tobytes()
+
+    def firsts(self, e0: int) -> list[Any]:
+        """The first token of each event from ``e0`` on (a wide event's from its own ids)."""
+        ps, n = self.page_size, len(self._start)
+        if e0 >= n:
+            return []
+        with memoryview(self._buf) as mv:
+            out: list[Any] = np.frombuffer(mv, dtype=_HEAD)[
+                np.asarray(self._start[e0:], dtype=np.int64) * ps
+            ].tolist()
+        for e in self._wide_order:
+            if e >= e0:
+                out[e - e0] = self._wide[e][0]
+        return out
 
     def span(self, e: int, a: int, b: int) -> Any:
         """Tokens ``a .. b`` of event ``e`` (clipped to it), a new array."""

@@ -81,6 +81,7 @@ from kvcadence.format.schema import UNRECORDED_SOURCE as SOURCE
 from kvcadence.format.schema import RequestRecord
 from kvcadence.replay.chains import Chains
 from kvcadence.replay.sessions import Node
+from kvcadence.replay.sieve import matches
 from kvcadence.replay.tokens import CODE, Prompt, PromptIndex
 
 
@@ -166,12 +167,6 @@ def page_keys(index: Any) -> Any:
     return index.hashes + per_page * np.int64(_RANK_STRIDE)  # int64 arrays wrap around
 
 
-#: ``claimed_mask``'s sieve: a page's hash is compared with the unclaimed ones only when its
-#: low bits are one of theirs (2**20 flags, 1 MiB: a few thousand candidates among a million
-#: pages; 2**16 let ~9 % of them through for 6,000 wanted keys, 3x the time)
-_SIEVE_BITS = 20
-
-
 def claimed_mask(index: Any, runs: Sequence[tuple[int, int, int, int]], hashes: Any) -> Any:
     """Per stored page of ``index``: whether a record claimed it -- in ``runs`` ``(event,
     first page, pages, the record's rank)``; a later store of a page a run holds (a
@@ -230,18 +225,6 @@ def _restored(keys: Any, claimed: Any, at: Any, pos: Any = None) -> Any:
     k = np.searchsorted(uniq, keys)
     k[k == len(uniq)] = 0
     return (uniq[k] == keys) & (pos >= first_at[k])
-
-
-def matches(keys: Any, want: Any) -> Any:
-    """The positions of ``keys`` (an int64 array, every stored page's) whose value is one
-    of ``want`` (a few): a page is compared with them only when its low bits are one of
-    theirs (a table of ``_SIEVE_BITS`` flags: one gather over every page, no sort or binary
-    search of all of them)."""
-    low = np.int64((1 << _SIEVE_BITS) - 1)
-    sieve = np.zeros(1 << _SIEVE_BITS, dtype=bool)
-    sieve[want & low] = True
-    pos = np.flatnonzero(sieve[keys & low])
-    return pos[np.isin(keys[pos], want)]
 
 
 def _runs(index: Any, free: Any) -> list[tuple[int, int, int]]:

@@ -632,7 +632,7 @@ def test_hashes_are_unpacked_and_looked_up_a_slice_at_a_time(monkeypatch):
     import numpy as np
 
     from kvcadence.format.hashes import norm_hash
-    from kvcadence.replay import sessions, stored
+    from kvcadence.replay import sessions, sieve, stored
 
     rng = random.Random(5)
     hashes = [rng.getrandbits(64) - (1 << 63) * rng.getrandbits(1) for _ in range(200)]
@@ -647,7 +647,7 @@ def test_hashes_are_unpacked_and_looked_up_a_slice_at_a_time(monkeypatch):
         monkeypatch.setattr(stored, "_JOIN_BYTES", size)
         assert stored.unpacked_all(parts, len(hashes)).tolist() == want
     for size in (1, 3, 64, 1 << 15):
-        monkeypatch.setattr(sessions, "_SLICE", size)
+        monkeypatch.setattr(sieve, "SLICE", size)
         assert sessions._anchor_positions(nodes, arr) == whole
 
 

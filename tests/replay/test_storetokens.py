@@ -38,9 +38,20 @@ def _built(ps: int, events: list[array]) -> tuple[StoredTokens, list[int]]:
     at = 0
     for toks in events:
         starts.append(at)
-        col.append(toks, len(toks) // ps)
         at += len(toks) // ps
+    # in two calls, a few events joined at a time
+    cut = len(events) // 2
+    for part in (events[:cut], events[cut:]):
+        arrays = list(part)
+        col.extend(arrays, [len(t) // ps for t in part])
+        assert arrays == [None] * len(part)  # consumed
     return col, starts
+
+
+@pytest.fixture(autouse=True)
+def _small_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events joined into the buffer two at a time (the chunking exercised)."""
+    monkeypatch.setattr(storetokens, "_JOIN_EVENTS", 2)
 
 
 @settings(max_examples=300, deadline=None)
@@ -51,6 +62,8 @@ def test_column_answers_as_the_per_event_arrays(
     ps, events = built
     col, starts = _built(ps, events)
     assert len(col) == len(events)
+    assert col.firsts(0) == [t[0] for t in events]
+    assert col.firsts(len(events) // 3) == [t[0] for t in events[len(events) // 3 :]]
     assert [list(t) for t in col] == [list(t) for t in events]
     total = sum(len(t) // ps for t in events)
     for e, toks in enumerate(events):
@@ -91,12 +104,11 @@ def test_heads_by_bytes_and_by_numpy_agree(
     # 0x0100 then 0x0000: bytes 00 01 00 00 00 00 00 00 hold 0x00000100 at offset 1 too
     toks = array(CODE, [0x0100, 0, 0x0100, 7])
     col = StoredTokens(1)
-    col.append(toks[:2], 2)
-    col.append(toks[2:], 2)
+    col.extend([toks[:2], toks[2:]], [2, 2])
     assert col.heads(0x0100, 0, 4) == [0, 2]
     assert col.heads(0x0100, 1, 4) == [2]
     assert col.heads(0, 0, 4) == [1]
     assert col.heads(0, 0, 1) == []
     # the buffer grows after a search (the numpy view is dropped first)
-    col.append(array(CODE, [0x0100]), 1)
+    col.extend([array(CODE, [0x0100])], [1])
     assert col.heads(0x0100, 0, 5) == [0, 2, 4]

@@ -1,0 +1,42 @@
+"""Where an array of stored block hashes holds one of a few wanted values.
+
+What this file owns: ``matches(keys, want)``, the one membership pass over every stored page
+that the production inference makes in several places (the anchors a prompt's prefill may
+sit below, ``sessions``; the prefixes stored before the capture, ``precached``; the pages
+the records claimed, ``unrecorded``). A page is compared with the wanted values only when
+its low bits are one of theirs (a table of ``SIEVE_BITS`` flags: one gather per page, no
+sort or binary search of all of them), the pages taken ``SLICE`` at a time: temporaries of a
+few hundred KB, reused, where one the size of every hash would be fresh memory -- a page
+fault per 4 KB (24M stored pages, a 9,000-request capture at page 1: 0.13 s warm, 2.9 s
+the first time, against 0.09 s a slice at a time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: the low bits of a hash that the table is indexed by (2**20 flags, 1 MiB: a few thousand
+#: wanted values among a million pages let few through; 2**16 let ~9 % of them through for
+#: 6,000 wanted keys, 3x the time)
+SIEVE_BITS = 20
+#: pages looked at a time
+SLICE = 1 << 15
+
+
+def matches(keys: Any, want: Any) -> Any:
+    """The positions (ascending, an int64 array) of ``keys`` (an int64 array, every stored
+    page's hash or key) whose value is one of ``want`` (an int64 array, a few)."""
+    if not len(keys) or not len(want):
+        return np.zeros(0, np.int64)
+    low = np.int64((1 << SIEVE_BITS) - 1)
+    table = np.zeros(1 << SIEVE_BITS, dtype=bool)
+    table[want & low] = True
+    pos = np.concatenate(
+        [
+            np.flatnonzero(table[keys[lo : lo + SLICE] & low]) + lo
+            for lo in range(0, len(keys), SLICE)
+        ]
+    )
+    return pos[np.isin(keys[pos], want)]

@@ -1,0 +1,36 @@
+"""``replay.sieve.matches``: the positions of the wanted values, as a plain membership test
+gives them, whatever the slice and the table size (hypothesis)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcadence.replay import sieve
+
+_I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(_I64, max_size=300),
+    st.lists(_I64, max_size=20),
+    st.integers(0, 30),
+    st.sampled_from([1, 3, 64, 1 << 15]),
+    st.sampled_from([1, 4, 20]),
+)
+def test_matches_is_a_membership_test(
+    keys: list[int], extra: list[int], picked: int, size: int, bits: int
+) -> None:
+    arr = np.array(keys, np.int64)
+    # wanted: some of the keys (repeats and low-bit twins among them) and values maybe absent
+    want = np.array(keys[:picked] + extra + [k ^ (1 << 40) for k in keys[:3]], np.int64)
+    saved = sieve.SLICE, sieve.SIEVE_BITS
+    sieve.SLICE, sieve.SIEVE_BITS = size, bits
+    try:
+        got = sieve.matches(arr, want)
+    finally:
+        sieve.SLICE, sieve.SIEVE_BITS = saved
+    assert got.dtype == np.int64
+    assert got.tolist() == np.flatnonzero(np.isin(arr, want)).tolist()
