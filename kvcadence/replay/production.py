@@ -237,14 +237,17 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
     # ``claims[a:b]`` of each retracted record: every store of those pages is its own
     retracted: list[tuple[int, int]] = []
     ret_from = -1
+    ts = index._ts  # every event's publish time (on the records' clock already)
+    multi_rank = bool(index.frame_rank)
     for i in by_fin:
         if ret_from >= 0:
             retracted.append((ret_from, len(claims)))
         r = records[i]
-        ret_from = len(claims) if is_retracted(r) else -1
+        was_retracted = is_retracted(r)
+        ret_from = len(claims) if was_retracted else -1
         arr, fin = times[i]
-        rk = served_rank(r) if index.frame_rank else 0
-        rank = rk if index.frame_rank else None  # a multi-rank capture: its rank's stores
+        rk = served_rank(r) if multi_rank else 0
+        rank = rk if multi_rank else None  # a multi-rank capture: its rank's stores
         node = nodes[i]
         # the prompt's tokens are read by ``span``: only the runs looked at (a compact
         # record's ``Prompt`` is not built whole, a list's ints are not all visited)
@@ -262,20 +265,23 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         if r.cached_tokens is not None and arr is not None and fin is not None:
             fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L, rank)
         if fast is not None:
-            h, node.segs, node.base = fast
-            claims.extend((ei, j, m, rk) for _, ei, j, m in node.segs)
-            t_pre = index.ts_of(node.segs[0][1])
+            h, segs, node.base = fast
+            node.segs = segs
+            for _, ei, j, m in segs:
+                claims.append((ei, j, m, rk))
+            t_pre = ts[segs[0][1]]
             delays.append((t_pre, t_pre - cast("int", arr)))
             if node.base is not None and cast("int", r.cached_tokens) >= ps and fin is not None:
                 pre_cands.append((i, node.base, fin, rk))
             if n >= 2 and fin is not None:  # its outputs' time, from its prompt's last store
-                per = (fin - index.ts_of(node.segs[-1][1])) // (n - 1)
+                per = (fin - ts[segs[-1][1]]) // (n - 1)
                 if per > 0 and (not min_token or per < min_token):
                     min_token = per
                 if per > max_token:
                     max_token = per
-            for a, b in pairwise(node.segs):  # a chunked prompt: one chunk to the next
-                chunk_gap = max(chunk_gap, index.ts_of(b[1]) - index.ts_of(a[1]))
+            if len(segs) > 1:  # a chunked prompt: one chunk to the next
+                for a, b in pairwise(segs):
+                    chunk_gap = max(chunk_gap, ts[b[1]] - ts[a[1]])
         else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
             try:
                 node.path = block_hashes(span(prompt, 0, P * ps), ps, salt_of(r.meta_info))
@@ -311,7 +317,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             continue
         runs: list[tuple[int, int, int]] | None = None
         if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
-            if is_retracted(r):
+            if was_retracted:
                 runs = []  # its runs, each claimed where found
                 more = retracted_run(index, h, tail, Kq, arr, fin, taken, runs)
                 got = more or got
