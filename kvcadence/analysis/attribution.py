@@ -35,7 +35,6 @@ counts and the few events whose hashes have several candidate pages.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -330,20 +329,6 @@ class _Candidates:
     r_of_g: Any
     p_of_g: Any
 
-    def of(self, hashes: list[int]) -> dict[int, list[tuple[int, int]]]:
-        """hash -> [(request, page)] in (request, page) order, for ``hashes``."""
-        import numpy as np
-
-        u = np.unique(np.asarray(hashes, dtype=np.int64))
-        lo = np.searchsorted(self.h, u, "left")
-        hi = np.searchsorted(self.h, u, "right")
-        out: dict[int, list[tuple[int, int]]] = {}
-        for hv, a, b in zip(u.tolist(), lo.tolist(), hi.tolist(), strict=True):
-            if b > a:
-                g = self.g[a:b]
-                out[hv] = list(zip(self.r_of_g[g].tolist(), self.p_of_g[g].tolist(), strict=True))
-        return out
-
 
 def _slow_events(
     res: Attribution,
@@ -373,83 +358,88 @@ def _slow_events(
 
     off = np.zeros(ne + 1, dtype=np.int64)
     np.cumsum(nb, out=off[1:])
-    index = cands.of(ev.hashes[~fast_b].tolist())
     # a page's position in ``pages.hashes``: its request's offset less the pages before its start
     pstart = (pages.offsets[:-1] - pages.starts).tolist()
-    chains: dict[int, list[int]] = {}
+    starts = pages.starts.tolist()
     pp = (req.n_input // res.page_size).tolist()
     rq = [
         Request("", [], [], None, s, f, la, se)
         for s, f, la, se in zip(req.send_ns, req.finish_ns, req.lane, req.session, strict=True)
     ]
-    consumed: set[int] = set()
-
-    def key(c: tuple[int, int], my_rank: int, t_ev: int) -> tuple[bool, int, int]:
-        g = pstart[c[0]] + c[1]
-        used = g in consumed or int(first_fast[g]) < my_rank
-        return (used, _distance(rq[c[0]], t_ev), c[0])
+    consumed = np.zeros(len(pages.hashes), dtype=bool)  # per page: a slow event took it
+    cg, ch, r_of_g, p_of_g = cands.g, cands.h, cands.r_of_g, cands.p_of_g
 
     for e in sorted(np.flatnonzero(slow_ev).tolist(), key=lambda i: int(rank[i])):
         my_rank = int(rank[e])
         t_ev = int(ev.recv_ns[e])
-        hs = ev.hashes[off[e] : off[e + 1]].tolist()
+        hs = ev.hashes[off[e] : off[e + 1]]
+        # each block's candidates: ``cg[lo[i]:hi[i]]`` (one search for the event's blocks)
+        lo = np.searchsorted(ch, hs, "left").tolist()
+        hi = np.searchsorted(ch, hs, "right").tolist()
 
-        def pick(h: int, my_rank: int = my_rank, t_ev: int = t_ev) -> tuple[int, int] | None:
-            cl = index.get(h)
-            if not cl:
+        def pick(
+            i: int, lo: list[int] = lo, hi: list[int] = hi, my_rank: int = my_rank, t_ev: int = t_ev
+        ) -> tuple[int, int] | None:
+            a, b = lo[i], hi[i]
+            if a == b:
                 return None
-            if len(cl) == 1:
-                return cl[0]
-            return min(cl, key=functools.partial(key, my_rank=my_rank, t_ev=t_ev))
+            if b - a == 1:
+                g = int(cg[a])
+                return int(r_of_g[g]), int(p_of_g[g])
 
-        def chain_of(r: int) -> tuple[int, list[int]]:
-            ch = chains.get(r)
-            if ch is None:
-                ch = chains[r] = pages.chain(r)
-            return int(pages.starts[r]), ch
+            def key(g: int) -> tuple[bool, int, int]:
+                used = bool(consumed[g]) or int(first_fast[g]) < my_rank
+                return (used, _distance(rq[int(r_of_g[g])], t_ev), int(r_of_g[g]))
+
+            g = min(cg[a:b].tolist(), key=key)
+            return int(r_of_g[g]), int(p_of_g[g])
+
+        def chain_of(r: int) -> tuple[int, Any]:
+            return starts[r], pages.hashes[pages.offsets[r] : pages.offsets[r + 1]]
 
         def consume(r: int, p: int, m: int) -> None:
-            base = pstart[r]
-            consumed.update(range(base + p, base + p + m))
+            g = pstart[r] + p
+            consumed[g : g + m] = True
 
         walked = _walk_event(hs, pick, chain_of, consume, pp, acc)
         _tally_event(res, acc, kinds, len(hs), walked, rq)
 
 
 def _walk_event(
-    hs: list[int],
+    hs: Any,
     pick: Callable[[int], tuple[int, int] | None],
-    chain_of: Callable[[int], tuple[int, list[int]]],
+    chain_of: Callable[[int], tuple[int, Any]],
     consume: Callable[[int, int, int], None],
     pp: Any,
     acc: Any,
 ) -> tuple[list[tuple[int, str]], int, int, int]:
-    """Attribute one stored event's block hashes ``hs`` (the slow path of both
-    implementations): at each block, ``pick`` the (request, page) it continues (None:
-    unmatched), extend the run while the request's page chain (``chain_of``: its first
-    page's number and the pages from it, which start at most at a candidate) agrees,
-    ``consume`` the pages, and split the run into prompt pages (below ``pp[request]``) and
-    output pages, added to ``acc``. Returns (runs as (request, "prefill" | "finish"),
-    unmatched blocks, prompt blocks, output blocks)."""
+    """Attribute one stored event's block hashes ``hs`` (a numpy array; the slow path of
+    both implementations): at each block ``i``, ``pick(i)`` the (request, page) it continues
+    (None: unmatched), extend the run while the request's page chain (``chain_of``: its
+    first page's number and the page hashes from it, a numpy array, which start at most at a
+    candidate) agrees -- one comparison of the two runs, not a step per block --, ``consume``
+    the pages, and split the run into prompt pages (below ``pp[request]``) and output pages,
+    added to ``acc``. Returns (runs as (request, "prefill" | "finish"), unmatched blocks,
+    prompt blocks, output blocks)."""
+    import numpy as np
+
     n = len(hs)
     i = unmatched = ev_prompt = ev_output = 0
     runs: list[tuple[int, str]] = []
     while i < n:
-        cand = pick(hs[i])
+        cand = pick(i)
         if cand is None:
             unmatched += 1
             i += 1
             continue
         r, p = cand
         base, ch = chain_of(r)
-        q = p - base  # the page's place in ``ch``
-        m = 1
+        q = p - base  # the page's place in ``ch`` (its hash is ``hs[i]``: the candidate's)
         limit = min(n - i, len(ch) - q)
-        if hs[i : i + limit] == ch[q : q + limit]:
-            m = limit
-        else:
-            while m < limit and hs[i + m] == ch[q + m]:
-                m += 1
+        m = 1
+        if limit > 1:
+            differ = np.flatnonzero(hs[i + 1 : i + limit] != ch[q + 1 : q + limit])
+            m = 1 + int(differ[0]) if len(differ) else limit
         consume(r, p, m)
         n_prompt = max(0, min(p + m, pp[r]) - p)
         n_output = m - n_prompt
@@ -779,9 +769,21 @@ def _per_request_sql(
     return per, counts("pb"), counts("ob"), counts("ne"), counts("np"), counts("nf")
 
 
+def _starts(sorted_ids: Any) -> Any:
+    """The first position of each run of equal values in ``sorted_ids`` (a sorted numpy
+    array): ``np.unique(return_index=True)``'s without its sort."""
+    import numpy as np
+
+    if not len(sorted_ids):
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+
+
 def _slow_sql(con: Any, pages_sql: str, scope: str, res: Attribution, acc: _SlowAcc) -> None:
     """The per-event loop of ``_slow_events`` over the slow events only, read from SQL:
     their hashes, the candidate pages of those hashes and the chains of their requests."""
+    import numpy as np
+
     ev = sql.rows(
         con,
         "SELECT ev.event_id, ev.recv_ns FROM _a_ev ev SEMI JOIN _a_slow s ON s.e = ev.event_id "
@@ -793,8 +795,10 @@ def _slow_sql(con: Any, pages_sql: str, scope: str, res: Attribution, acc: _Slow
         "CREATE OR REPLACE TEMP TABLE _a_sbl AS SELECT b.* FROM "
         f"({_stored_blocks(scope)}) b SEMI JOIN _a_slow s ON s.e = b.e"
     )
+    # the candidate pages of the slow blocks' hashes, numbered in (hash, request, page) order
     con.sql(
-        "CREATE OR REPLACE TEMP TABLE _a_cand_slow AS SELECT pg.hash, pg.request_id, pg.page "
+        "CREATE OR REPLACE TEMP TABLE _a_cand_slow AS SELECT pg.hash, pg.request_id, pg.page, "
+        "row_number() OVER (ORDER BY pg.hash, pg.request_id, pg.page) - 1 AS k "
         f"FROM ({pages_sql}) pg JOIN _a_req q ON q.r = pg.request_id WHERE pg.page >= q.first "
         "AND pg.hash IN (SELECT h FROM _a_sbl)"
     )
@@ -802,16 +806,48 @@ def _slow_sql(con: Any, pages_sql: str, scope: str, res: Attribution, acc: _Slow
         "CREATE OR REPLACE TEMP TABLE _a_chain AS SELECT request_id, page, hash "
         f"FROM ({pages_sql}) WHERE request_id IN (SELECT DISTINCT request_id FROM _a_cand_slow)"
     )
-    hashes: dict[int, list[int]] = {}
-    for e, h in sql.rows(con, "SELECT e, h FROM _a_sbl ORDER BY e, pos"):
-        hashes.setdefault(e, []).append(h)
-    index: dict[int, list[tuple[int, int]]] = {}
-    for h, r, p in sql.rows(
+    # numpy columns, not a Python object per block, candidate or chain page: under eviction
+    # pressure most events are slow (a re-prefilled conversation's pages are candidates of
+    # every turn that stored them), millions of rows at production size. Each block with
+    # its candidates' rows ``lo .. lo + n`` (a hash join in DuckDB: a binary search of
+    # every block's hash among millions of candidates was most of this function's time)
+    blk = sql.arrow(
         con,
-        "SELECT c.hash, c.request_id, c.page FROM _a_cand_slow c ORDER BY c.hash, c.request_id, "
-        "c.page",
-    ):
-        index.setdefault(h, []).append((r, p))
+        "SELECT b.e, b.h, coalesce(g.lo, 0) AS lo, coalesce(g.n, 0) AS n FROM _a_sbl b "
+        "LEFT JOIN (SELECT hash, min(k) AS lo, count(*) AS n FROM _a_cand_slow GROUP BY hash) g "
+        "ON g.hash = b.h ORDER BY b.e, b.pos",
+    )
+    b_e = blk.column("e").to_numpy()
+    b_h = blk.column("h").to_numpy()
+    b_lo = blk.column("lo").to_numpy().astype(np.int64)
+    b_hi = b_lo + blk.column("n").to_numpy().astype(np.int64)
+    del blk
+    at = _starts(b_e)
+    span_of = dict(
+        zip(
+            b_e[at].tolist(),
+            zip(at.tolist(), [*at[1:].tolist(), len(b_e)], strict=True),
+            strict=True,
+        )
+    )
+    # each candidate request's chain: its pages from its first kept page on, in page order
+    ch = sql.arrow(con, "SELECT request_id, page, hash FROM _a_chain ORDER BY request_id, page")
+    c_r = ch.column("request_id").to_numpy().astype(np.int64)
+    c_p = ch.column("page").to_numpy().astype(np.int64)
+    c_h = ch.column("hash").to_numpy()
+    del ch
+    r_at = _starts(c_r)
+    rids = c_r[r_at]
+    r_end = np.append(r_at[1:], len(c_r))
+    first_page = c_p[r_at]
+    local = {r: k for k, r in enumerate(rids.tolist())}
+    bounds = list(zip(first_page.tolist(), r_at.tolist(), r_end.tolist(), strict=True))
+    # the candidate pages in their numbering
+    cand = sql.arrow(con, "SELECT request_id, page FROM _a_cand_slow ORDER BY k")
+    k_r = cand.column("request_id").to_numpy().astype(np.int64)
+    k_p = cand.column("page").to_numpy().astype(np.int64)
+    del cand
+    consumed = np.zeros(len(c_r), dtype=bool)  # per chain page: a slow event took it
     reqs: dict[int, Request] = {}
     pp: dict[int, int] = {}
     for r, s, f, la, se, ppr in sql.rows(
@@ -821,31 +857,37 @@ def _slow_sql(con: Any, pages_sql: str, scope: str, res: Attribution, acc: _Slow
     ):
         reqs[r] = Request("", [], [], None, s, f, la, se)
         pp[r] = int(ppr)
-    chains: dict[int, tuple[int, list[int]]] = {}  # request -> (its first page held, pages)
-    for r, p, h in sql.rows(
-        con, "SELECT request_id, page, hash FROM _a_chain ORDER BY request_id, page"
-    ):
-        got = chains.get(r)
-        if got is None:
-            chains[r] = (p, [h])
-        else:
-            got[1].append(h)
-    consumed: set[tuple[int, int]] = set()
 
-    def key(c: tuple[int, int], t_ev: int) -> tuple[bool, int, int]:
-        return (c in consumed, _distance(reqs[c[0]], t_ev), c[0])
+    def chain_of(r: int) -> tuple[int, Any]:
+        first, lo, hi = bounds[local[r]]
+        return first, c_h[lo:hi]
+
+    def consume(r: int, p: int, m: int) -> None:
+        first, lo, _ = bounds[local[r]]
+        consumed[lo + p - first : lo + p - first + m] = True
 
     for e, t_ev in ev:
-        hs = hashes.get(e, [])
+        a, b = span_of.get(e, (0, 0))
+        hs = b_h[a:b]
+        lo = b_lo[a:b].tolist()  # each block's candidates: rows ``lo[i]:hi[i]``
+        hi = b_hi[a:b].tolist()
 
-        def pick(h: int, t_ev: int = t_ev) -> tuple[int, int] | None:
-            cl = index.get(h)
-            if not cl:
+        def pick(
+            i: int, lo: list[int] = lo, hi: list[int] = hi, t_ev: int = t_ev
+        ) -> tuple[int, int] | None:
+            a, b = lo[i], hi[i]
+            if a == b:
                 return None
-            return cl[0] if len(cl) == 1 else min(cl, key=functools.partial(key, t_ev=t_ev))
+            if b - a == 1:
+                return int(k_r[a]), int(k_p[a])
 
-        def consume(r: int, p: int, m: int) -> None:
-            consumed.update((r, q) for q in range(p, p + m))
+            def key(c: int) -> tuple[bool, int, int]:
+                r = int(k_r[c])
+                first, at, _ = bounds[local[r]]  # the page's row in the chains
+                return (bool(consumed[at + int(k_p[c]) - first]), _distance(reqs[r], t_ev), r)
 
-        walked = _walk_event(hs, pick, chains.__getitem__, consume, pp, acc)
+            c = min(range(a, b), key=key)
+            return int(k_r[c]), int(k_p[c])
+
+        walked = _walk_event(hs, pick, chain_of, consume, pp, acc)
         _tally_event(res, acc, res.event_kinds, len(hs), walked, reqs)
