@@ -20,7 +20,11 @@ no ``server.log``):
   loop a prefill result is processed only after the *next* forward; the normal loop
   processes it right after its own) the duration is the next batch's
   ``forward_entry_time`` − this one's when that batch is a prefill, else
-  ``prefill_finished_time − forward_entry_time`` − one decode pass;
+  ``prefill_finished_time − forward_entry_time`` − one decode pass; with ``overlap`` (a
+  GPU worker's overlap loop forms a batch while the forward before it runs and records its
+  result when its own forward ends) it starts at the previous prefill batch's result when
+  that came after the entry, else one decode pass after the entry when requests were
+  decoding then (``prefill_duration``);
 * a decode pass is, per request, ``(request_finished_ts − prefill_finished_time −
   prefill time of other batches finishing inside that window) / (completion_tokens − 1)``
   (not for a request retracted or preempted on the way, ``num_retractions`` > 0: its window
@@ -99,6 +103,8 @@ OWN_MIN_SHARE = 1e-6
 #: the latency-only fit (a median over whole request lifetimes) needs more requests than the
 #: per-phase one; smaller captures keep the defaults
 _MIN_LATENCY_SPANS = 16
+#: "at" a time, for the requests decoding then (``Alive`` counts those alive in a window)
+_INSTANT_S = 1e-9
 
 
 def meta_s(mi: dict[str, Any], key: str) -> float | None:
@@ -185,6 +191,7 @@ def calibrate(
     base: TimingParams | None = None,
     *,
     sync_forward: bool = False,
+    overlap: bool = False,
     chunk_tokens: int | None = None,
     report: dict[str, Any] | None = None,
 ) -> TimingParams:
@@ -260,12 +267,18 @@ def calibrate(
 
     prefix_xs: list[float] = []
 
+    alive = Alive([r[1] for r in rows], [r[3] for r in rows])
+
     def prefill_durations(decode_s: float) -> tuple[list[float], list[float], list[tuple]]:
         xs, ys, ends = [], [], []
         prefix_xs.clear()
         for i, (e, f, toks, prefix) in enumerate(groups):
             nxt = entries[i + 1] if i + 1 < len(entries) else None
-            dur = prefill_duration(e, f, nxt, sync_forward, decode_s)
+            prev = groups[i - 1][1] if i > 0 else None
+            busy = overlap and alive(e, e + _INSTANT_S) > 0  # a decode forward ran at entry
+            dur = prefill_duration(
+                e, f, nxt, sync_forward, decode_s, overlap=overlap, prev=prev, busy=busy
+            )
             if dur > 0:
                 xs.append(float(toks))
                 prefix_xs.append(float(prefix))
@@ -273,7 +286,6 @@ def calibrate(
                 ends.append((e + dur if sync_forward else f, dur))
         return xs, ys, ends
 
-    alive = Alive([r[1] for r in rows], [r[3] for r in rows])
     per_ctx = p.decode_per_ctx_token_s  # given, not fitted
     context = (
         Context(
@@ -308,8 +320,11 @@ def calibrate(
 
     xs, ys, ends = prefill_durations(0.0)
     fit = decode_fit(ends)
-    if sync_forward and fit is not None:
-        # the decode pass that follows a prefill batch, then refit decode without it
+    for _ in range(2 if overlap and not sync_forward else 1 if sync_forward else 0):
+        if fit is None:
+            break
+        # the decode pass a prefill batch's recorded time spans (the one after it, with
+        # ``sync_forward``; the one before it, with ``overlap``), then refit decode without it
         xs, ys, ends = prefill_durations(fit[2])
         fit = decode_fit(ends) or fit
     if len(xs) >= 3:
@@ -355,15 +370,32 @@ def prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ...
 
 
 def prefill_duration(
-    entry: float, finished: float, nxt: float | None, sync_forward: bool, decode_s: float
+    entry: float,
+    finished: float,
+    nxt: float | None,
+    sync_forward: bool,
+    decode_s: float,
+    *,
+    overlap: bool = False,
+    prev: float | None = None,
+    busy: bool = False,
 ) -> float:
     """The forward of a prefill batch entering at ``entry`` whose result was recorded at
     ``finished``: ``finished − entry``; with ``sync_forward`` (the result processed after
     the next forward) up to the next batch's entry ``nxt`` when that is a prefill entering
-    before ``finished``, else ``finished − entry − decode_s`` (one decode pass)."""
+    before ``finished``, else ``finished − entry − decode_s`` (one decode pass). With
+    ``overlap`` (the overlap loop on a GPU: a batch is formed, ``forward_entry_time``, while
+    the forward before it runs, and runs after it) from the previous forward's end: the
+    previous prefill batch's result ``prev`` when it came after ``entry``, else, when
+    requests were decoding at ``entry`` (``busy``), one decode pass after ``entry``."""
     dur = finished - entry
     if sync_forward:
         dur = nxt - entry if nxt is not None and nxt < finished else dur - decode_s
+    elif overlap:
+        if prev is not None and entry < prev < finished:
+            dur = finished - prev
+        elif busy:
+            dur -= decode_s
     return dur
 
 

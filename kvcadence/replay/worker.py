@@ -54,6 +54,16 @@ def spans_next_forward(server_info: dict[str, Any] | None) -> bool:
     return cpu and not from_server_info(info).disable_overlap_schedule
 
 
+def spans_previous_forward(server_info: dict[str, Any] | None) -> bool:
+    """Whether a capture's recorded prefill times span the forward *before* the batch's
+    own: on a GPU the overlap loop forms a batch (``forward_entry_time``) while the forward
+    before it runs, launches it behind that one and records its result when it is done.
+    The calibration starts it where that forward ended (``timing.prefill_duration``)."""
+    info = server_info or {}
+    cpu = str(info.get("device", "")) == "cpu"
+    return not cpu and not from_server_info(info).disable_overlap_schedule
+
+
 def effective_config(
     server_info: dict[str, Any] | None,
     records: Sequence[Any],
@@ -74,6 +84,7 @@ def effective_config(
             list(records),
             cfg.timing,
             sync_forward=cfg.sync_forward or spans_next_forward(server_info),
+            overlap=spans_previous_forward(server_info),
             chunk_tokens=cfg.chunked_prefill_size,
             report=calibration,
         )

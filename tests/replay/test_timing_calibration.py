@@ -160,6 +160,98 @@ def test_sync_forward_calibration_takes_the_next_forward_out_of_prefill_times():
     assert gpu.prefill_base_s > cpu.prefill_base_s + 0.003  # includes the next forward
 
 
+def test_gpu_overlap_calibration_starts_a_prefill_where_the_forward_before_it_ended():
+    """On a GPU the overlap loop forms a batch (``forward_entry_time``) while the forward
+    before it runs and records its result when its own forward ends: the recorded span
+    holds that earlier forward. After a prefill batch (consecutive prefills) the forward
+    starts at that batch's result; after a decode pass (requests decoding at the entry)
+    one decode pass after the entry; on an idle worker at the entry."""
+    decode = 0.004
+    recs = []
+    t = 100.0
+    prev_end: float | None = None
+    for i in range(12):
+        d = 0.010 + 1e-5 * 100 * (i + 1)  # true prefill forward
+        kind = i % 3  # 0: after a prefill, 1: after a decode pass, 2: idle before it
+        if kind == 0 and prev_end is not None:
+            entry, start = t, prev_end  # formed while the previous prefill ran
+        elif kind == 1:
+            entry, start = t, t + decode  # formed while a decode pass ran
+        else:
+            entry = start = t + 0.5  # idle: launched at once
+        end = start + d
+        if kind == 1:  # the request whose decode pass ran: launched alone on an idle worker
+            e0 = t - 0.2
+            recs.append(phase_rec(f"d{i}", e0, e0 + 0.010 + 5e-5, end + 0.01, 5, n_out=40))
+        recs.append(phase_rec(f"p{i}", entry, end, end + 10 * decode, 100 * (i + 1)))
+        prev_end = end
+        t = end - 0.001 if kind == 2 else end + 0.3  # the next batch formed before this ends
+    gpu = calibrate(recs, overlap=True)
+    assert gpu.prefill_per_token_s == pytest.approx(1e-5, rel=0.1)
+    assert gpu.prefill_base_s == pytest.approx(0.010, rel=0.15)
+    # the recorded span read as the forward itself: a typical batch (600 tokens, 16 ms)
+    # gets part of the forwards before it
+    read_as_own = calibrate(recs)
+    assert read_as_own.prefill_base_s + 600 * read_as_own.prefill_per_token_s > 0.016 + 0.001
+
+
+def test_a_simulated_gpu_capture_calibrates_back_to_its_own_pass_times():
+    """The simulator records an overlap-loop GPU capture's timings (a batch formed while the
+    forward before it runs): replayed as a capture with a GPU snapshot, the calibration
+    finds the prefill pass times that made it (until 2026-12-06 it took the forward before
+    each batch for part of it: 28.7 ms + 22.2 us/token for 12 ms + 20 us/token at 128
+    clients, a decode pass of 1.8 ms for 4-14 ms)."""
+    import random
+
+    from kvcadence.replay.config import SimConfig
+    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.worker import effective_config
+
+    rng = random.Random(3)
+    work = []
+    for lane in range(12):
+        prompt = [rng.randrange(3, 30000) for _ in range(rng.randint(100, 400))]
+        t = T0 + lane * 0.01
+        for turn in range(6):
+            outs = [rng.randrange(3, 30000) for _ in range(rng.randint(8, 40))]
+            work.append(
+                RequestRecord(
+                    rid=f"l{lane}-t{turn}",
+                    input_ids=list(prompt),
+                    output_ids=outs,
+                    lane=lane,
+                    session=lane,
+                    turn=turn,
+                    max_new_tokens=len(outs),
+                    completion_tokens=len(outs),
+                    finish_reason="length",
+                    meta_info={"request_received_ts": t, "request_finished_ts": t + 0.2},
+                )
+            )
+            t += 0.3
+            prompt = prompt + outs + [rng.randrange(3, 30000) for _ in range(50)]
+    true = TimingParams(
+        prefill_base_s=0.012, prefill_per_token_s=2e-5, decode_base_s=0.004, decode_per_req_s=0.0
+    )
+    cfg = SimConfig(page_size=1, max_total_tokens=20000, timing=true).validate()
+    recs = simulate(work, cfg).requests
+    gpu = effective_config({"device": "cuda", "page_size": 1}, recs).timing
+    assert gpu.prefill_base_s == pytest.approx(0.012, rel=0.1)
+    assert gpu.prefill_per_token_s == pytest.approx(2e-5, rel=0.1)
+    assert gpu.decode_base_s + 4 * gpu.decode_per_req_s == pytest.approx(0.004, rel=0.15)
+    spans_own = calibrate(recs)  # read as the forward itself: a decode pass too long
+    assert spans_own.prefill_base_s > 0.012 + 0.003
+
+
+def test_prefill_times_span_the_previous_forward_on_an_overlap_loop_gpu_worker():
+    from kvcadence.replay.worker import spans_previous_forward
+
+    assert spans_previous_forward({"device": "cuda"})
+    assert spans_previous_forward(None)  # SGLang's defaults: a GPU, the overlap loop
+    assert not spans_previous_forward({"device": "cuda", "disable_overlap_schedule": True})
+    assert not spans_previous_forward({"device": "cpu"})  # the next forward instead
+
+
 def test_cpu_worker_normal_loop_prefill_times_are_its_own_forward():
     """Only the overlap loop processes a prefill result after the next forward: a CPU
     worker recorded with ``--disable-overlap-schedule`` (the normal loop: run the batch,
