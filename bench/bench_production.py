@@ -128,6 +128,30 @@ class CpuPhases:
             self.cpu[name] = time.process_time() - c
 
 
+def share_figure(
+    best: dict[str, float], key: str, requests: int, rep: dict[str, Any], said: str, named: str
+) -> dict[str, Any]:
+    """A second workload's inference share (``best[f"{key} gross"]`` against ``best[f"{key}
+    replay"]``), printed (``said``) and as a figure (``named``)."""
+    gross, replay = best[f"{key} gross"], best[f"{key} replay"]
+    share = gross / replay
+    print(
+        f"{said}: inference {gross:.3f} s CPU against {replay:.3f} s for replaying the driver "
+        f"bundle: {share * 100:.1f} %; outputs from events {rep['outputs_from_events']}, "
+        f"sessions {rep['sessions']}"
+    )
+    return figure(
+        f"inference CPU per request {named}",
+        gross / requests * 1e6,
+        "us",
+        baseline=replay / requests * 1e6,
+        baseline_name="replay CPU per request (driver records)",
+        higher_is_better=False,
+        note=f"{share * 100:.1f} % of the replay (the goal is checked on the first figure's "
+        "workload)",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,46 +274,27 @@ def main() -> None:
     )
     figures = []
     if many_rep:
-        many_share = best["many gross"] / best["many replay"]
-        print(
-            f"many clients ({args.requests} requests on {args.many_lanes} lanes): inference "
-            f"{best['many gross']:.3f} s CPU against {best['many replay']:.3f} s for replaying "
-            f"the driver bundle: {many_share * 100:.1f} %; outputs from events "
-            f"{many_rep['outputs_from_events']}, sessions {many_rep['sessions']}"
-        )
         figures.append(
-            figure(
-                f"inference CPU per request with many clients ({args.requests} requests, "
-                f"{args.many_lanes} lanes)",
-                best["many gross"] / args.requests * 1e6,
-                "us",
-                baseline=best["many replay"] / args.requests * 1e6,
-                baseline_name="replay CPU per request (driver records)",
-                higher_is_better=False,
-                note=f"{many_share * 100:.1f} % of the replay (the goal is checked on the first "
-                "figure's workload)",
+            share_figure(
+                best,
+                "many",
+                args.requests,
+                many_rep,
+                f"many clients ({args.requests} requests on {args.many_lanes} lanes)",
+                f"with many clients ({args.requests} requests, {args.many_lanes} lanes)",
             )
         )
     if long_rep:
-        long_share = best["long gross"] / best["long replay"]
-        print(
-            f"production size ({args.long_requests} requests, contexts up to "
-            f"{args.long_context} tokens, page 16): inference {best['long gross']:.3f} s CPU "
-            f"against {best['long replay']:.3f} s for replaying the driver bundle: "
-            f"{long_share * 100:.1f} %; outputs from events {long_rep['outputs_from_events']}, "
-            f"sessions {long_rep['sessions']}"
-        )
         figures.append(
-            figure(
-                f"inference CPU per request at production size ({args.long_requests} requests, "
-                f"contexts up to {args.long_context // 1000}k tokens, page 16)",
-                best["long gross"] / args.long_requests * 1e6,
-                "us",
-                baseline=best["long replay"] / args.long_requests * 1e6,
-                baseline_name="replay CPU per request (driver records)",
-                higher_is_better=False,
-                note=f"{long_share * 100:.1f} % of the replay (the goal is checked on the first "
-                "figure's workload)",
+            share_figure(
+                best,
+                "long",
+                args.long_requests,
+                long_rep,
+                f"production size ({args.long_requests} requests, contexts up to "
+                f"{args.long_context} tokens, page 16)",
+                f"at production size ({args.long_requests} requests, contexts up to "
+                f"{args.long_context // 1000}k tokens, page 16)",
             )
         )
     write_results(

@@ -24,6 +24,8 @@ from kvcadence.replay.pace import (
 from kvcadence.replay.schedule import build_schedule
 from kvcadence.replay.timing import PassTimer, calibrate
 
+from .helpers import lane_chain
+
 T0 = 1_800_000_000.0
 
 
@@ -208,28 +210,19 @@ def test_a_simulated_gpu_capture_calibrates_back_to_its_own_pass_times():
     from kvcadence.replay.worker import effective_config
 
     rng = random.Random(3)
-    work = []
-    for lane in range(12):
-        prompt = [rng.randrange(3, 30000) for _ in range(rng.randint(100, 400))]
-        t = T0 + lane * 0.01
-        for turn in range(6):
-            outs = [rng.randrange(3, 30000) for _ in range(rng.randint(8, 40))]
-            work.append(
-                RequestRecord(
-                    rid=f"l{lane}-t{turn}",
-                    input_ids=list(prompt),
-                    output_ids=outs,
-                    lane=lane,
-                    session=lane,
-                    turn=turn,
-                    max_new_tokens=len(outs),
-                    completion_tokens=len(outs),
-                    finish_reason="length",
-                    meta_info={"request_received_ts": t, "request_finished_ts": t + 0.2},
-                )
-            )
-            t += 0.3
-            prompt = prompt + outs + [rng.randrange(3, 30000) for _ in range(50)]
+    system = [rng.randrange(3, 30000) for _ in range(200)]
+    work = [
+        r
+        for lane in range(12)
+        for r in lane_chain(
+            lane,
+            [
+                (system + [rng.randrange(3, 30000) for _ in range(rng.randint(50, 600))], n)
+                for n in (rng.randint(8, 40) for _ in range(6))
+            ],
+            gap_ms=1.0,
+        )
+    ]
     true = TimingParams(
         prefill_base_s=0.012, prefill_per_token_s=2e-5, decode_base_s=0.004, decode_per_req_s=0.0
     )
