@@ -128,6 +128,29 @@ class CpuPhases:
             self.cpu[name] = time.process_time() - c
 
 
+def measure_share(
+    tmp: Path, key: str, work: Any, cfg: SimConfig, args: Any, cpu: Any
+) -> dict[str, Any]:
+    """``work`` simulated and copied as a driver capture and a production capture (under
+    ``tmp``), then measured ``args.repeat`` times: ``cpu(f"{key} replay")``, the driver
+    copy's replay, and ``cpu(f"{key} gross")``, the production copy's inference; returns
+    the inference's report."""
+    sim, real, prod = tmp / f"{key}-sim", tmp / f"{key}-real", tmp / f"{key}-prod"
+    write_sim_bundle(sim, simulate(work, cfg), None)
+    capture_copy(sim, real, cfg, metrics_only=False)
+    capture_copy(sim, prod, cfg, metrics_only=True)
+    shutil.rmtree(sim)
+    rep: dict[str, Any] = {}
+    for _ in range(args.repeat):
+        cpu(f"{key} replay", lambda: replay_bundle(real, None, cfg))
+        recs = compact_requests(BundleReader(prod))
+        _, rep, _ = cpu(
+            f"{key} gross",
+            lambda: records_for_replay(BundleReader(prod), recs),  # noqa: B023
+        )
+    return rep
+
+
 def share_figure(
     best: dict[str, float], key: str, requests: int, rep: dict[str, Any], said: str, named: str
 ) -> dict[str, Any]:
@@ -220,40 +243,19 @@ def main() -> None:
                 for k in ("load", "simulate"):
                     key = f"{who} {k}"
                     best[key] = min(best.get(key, float("inf")), ph.cpu[k])
-        # many clients: the first workload on more lanes (none: not measured)
-        many_rep: dict[str, Any] = {}
-        many_real, many_prod = tmp / "many-real", tmp / "many-prod"
-        if args.many_lanes > 0:
-            many_sim = tmp / "many-sim"
-            write_sim_bundle(
-                many_sim, simulate(workload(args.requests, args.many_lanes), cfg), None
-            )
-            capture_copy(many_sim, many_real, cfg, metrics_only=False)
-            capture_copy(many_sim, many_prod, cfg, metrics_only=True)
-            shutil.rmtree(many_sim)
-        for _ in range(args.repeat if args.many_lanes > 0 else 0):
-            cpu("many replay", lambda: replay_bundle(many_real, None, cfg))
-            recs = compact_requests(BundleReader(many_prod))
-            _, many_rep, _ = cpu(
-                "many gross",
-                lambda: records_for_replay(BundleReader(many_prod), recs),  # noqa: B023
-            )
-        # production size: few requests, long contexts (page 16); none: not measured
-        long_rep: dict[str, Any] = {}
-        long_sim, long_real, long_prod = tmp / "long-sim", tmp / "long-real", tmp / "long-prod"
+        # many clients: the first workload on more lanes; production size: few requests,
+        # long contexts (page 16); either none: not measured
+        many_rep = (
+            measure_share(tmp, "many", workload(args.requests, args.many_lanes), cfg, args, cpu)
+            if args.many_lanes > 0
+            else {}
+        )
         long_work = iter_long_workload(args.long_requests, 8, max_context=args.long_context)
-        if args.long_requests > 0:
-            write_sim_bundle(long_sim, simulate(long_work, long_cfg), None)
-            capture_copy(long_sim, long_real, long_cfg, metrics_only=False)
-            capture_copy(long_sim, long_prod, long_cfg, metrics_only=True)
-            shutil.rmtree(long_sim)
-        for _ in range(args.repeat if args.long_requests > 0 else 0):
-            cpu("long replay", lambda: replay_bundle(long_real, None, long_cfg))
-            recs = compact_requests(BundleReader(long_prod))
-            _, long_rep, _ = cpu(
-                "long gross",
-                lambda: records_for_replay(BundleReader(long_prod), recs),  # noqa: B023
-            )
+        long_rep = (
+            measure_share(tmp, "long", long_work, long_cfg, args, cpu)
+            if args.long_requests > 0
+            else {}
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     replay_cpu, gross_cpu, scan_cpu = best["replay"], best["gross"], best["scan"]
