@@ -320,7 +320,8 @@ def calibrate(
 
     xs, ys, ends = prefill_durations(0.0)
     fit = decode_fit(ends)
-    for _ in range(2 if overlap and not sync_forward else 1 if sync_forward else 0):
+    refits = 1 if sync_forward else 2 if overlap else 0
+    for _ in range(refits):
         if fit is None:
             break
         # the decode pass a prefill batch's recorded time spans (the one after it, with

@@ -42,6 +42,14 @@ from kvcadence.replay.timing import calibrate
 _TIMING_KEYS = {f.name for f in dataclasses.fields(SimConfig().timing)}
 
 
+def _recorded_overlap(server_info: dict[str, Any] | None) -> tuple[bool, bool]:
+    """``(a CPU worker, the overlap loop)`` as ``server_info`` recorded them (whatever loop
+    the overrides simulate)."""
+    info = server_info or {}
+    cpu = str(info.get("device", "")) == "cpu"
+    return cpu, not from_server_info(info).disable_overlap_schedule
+
+
 def spans_next_forward(server_info: dict[str, Any] | None) -> bool:
     """Whether a capture's recorded prefill times span the *next* forward: a CPU worker
     runs each forward inside its launch, so under the overlap loop (the one recorded in
@@ -49,9 +57,8 @@ def spans_next_forward(server_info: dict[str, Any] | None) -> bool:
     the next forward; the normal loop processes it right after its own. The calibration
     takes that forward out (``timing.calibrate``), the recorded pace too
     (``pace.recorded_token_times``)."""
-    info = server_info or {}
-    cpu = str(info.get("device", "")) == "cpu"
-    return cpu and not from_server_info(info).disable_overlap_schedule
+    cpu, overlap = _recorded_overlap(server_info)
+    return cpu and overlap
 
 
 def spans_previous_forward(server_info: dict[str, Any] | None) -> bool:
@@ -59,9 +66,8 @@ def spans_previous_forward(server_info: dict[str, Any] | None) -> bool:
     own: on a GPU the overlap loop forms a batch (``forward_entry_time``) while the forward
     before it runs, launches it behind that one and records its result when it is done.
     The calibration starts it where that forward ended (``timing.prefill_duration``)."""
-    info = server_info or {}
-    cpu = str(info.get("device", "")) == "cpu"
-    return not cpu and not from_server_info(info).disable_overlap_schedule
+    cpu, overlap = _recorded_overlap(server_info)
+    return overlap and not cpu
 
 
 def effective_config(
