@@ -130,6 +130,15 @@ def _register_harness(sub: Any) -> None:
         "stopped",
     )
     st.add_argument(
+        "--trace-evictions",
+        default=None,
+        metavar="FILE",
+        help="the worker appends a JSON line to FILE (a new file) for every radix-tree "
+        "eviction: cause (prefill, decode, check_decode, retract), tokens asked for, available "
+        "before and after, tokens freed, the batch's rids (docs/simulator.md, \"Eviction "
+        "traces\"; `kvcadence replay --trace-evictions` writes the simulator's)",
+    )
+    st.add_argument(
         "--no-enable-metrics",
         action="store_true",
         help="do not pass --enable-metrics (no request_received_ts etc. in meta_info; how "
@@ -175,6 +184,8 @@ def run_harness(args: argparse.Namespace) -> int:
             raise UsageError("--dp-size must be >= 1")
         if args.buffer_steps is not None and args.buffer_steps < 1:
             raise UsageError("--buffer-steps must be >= 1")
+        if args.trace_evictions and Path(args.trace_evictions).exists():
+            raise UsageError(f"--trace-evictions {args.trace_evictions}: exists (not appended to)")
         cfg = harness.ServerConfig(
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
@@ -185,6 +196,7 @@ def run_harness(args: argparse.Namespace) -> int:
             enable_metrics=not args.no_enable_metrics,
             env=_env_pairs(args.env),
             extra_args=_extra_args(args.extra_arg),
+            trace_evictions=args.trace_evictions,
         )
         h = harness.start_server(
             cfg, workdir, ready_timeout=args.ready_timeout, detach=True, quiet=False

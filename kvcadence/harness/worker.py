@@ -315,6 +315,13 @@ class ServerConfig:
     dp_size: int = 1  # --dp-size: one scheduler, KV cache and event publisher per rank
     enable_metrics: bool = True  # --enable-metrics: meta_info request_received_ts etc.
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the worker
+    #: a file the worker appends its tree evictions to (``sglang_cpu/sitecustomize.py``;
+    #: ``harness start --trace-evictions``); None: no trace
+    trace_evictions: str | None = None
+
+
+#: the variable ``sglang_cpu/sitecustomize.py`` reads: where the worker traces its evictions
+EVICTION_TRACE_ENV = "KVCADENCE_EVICTION_TRACE"
 
 
 @dataclass
@@ -525,9 +532,12 @@ def stop_pid(
 def worker_env_extra(cfg: ServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
     """What ``cfg`` adds to the worker's environment: ``cfg.env``, plus
     ``SGLANG_CPU_OMP_THREADS_BIND`` (``omp_threads_bind``) when ``dp_size > 1`` and neither
-    ``cfg.env`` nor ``base`` (default: this process's environment) sets it."""
+    ``cfg.env`` nor ``base`` (default: this process's environment) sets it, plus
+    ``EVICTION_TRACE_ENV`` (an absolute path) for ``cfg.trace_evictions``."""
     env: Mapping[str, str] = os.environ if base is None else base
     extra = dict(cfg.env)
+    if cfg.trace_evictions:
+        extra[EVICTION_TRACE_ENV] = str(Path(cfg.trace_evictions).resolve())
     key = "SGLANG_CPU_OMP_THREADS_BIND"
     if cfg.dp_size > 1 and not extra.get(key) and not env.get(key):
         extra[key] = omp_threads_bind(cfg.dp_size)

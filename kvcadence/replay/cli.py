@@ -9,9 +9,11 @@ module level; the simulator and its dependencies load inside ``run``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float, nonneg_int, positive_int
@@ -243,6 +245,11 @@ def register(sub: Any) -> None:
     pub.add_argument("--linger", type=nonneg_float, default=2.0,
                      help="seconds to keep serving replay requests after the last message "
                      "(default 2; requests are also served while publishing)")  # fmt: skip
+    p.add_argument("--trace-evictions", metavar="FILE", dest="trace_evictions", default=None,
+                   help="write a JSON line to FILE (a new file) for every eviction the "
+                   "simulated worker makes: cause, tokens asked for, available before and "
+                   "after, the batch's rids -- the shape `harness start --trace-evictions` "
+                   "gives a real worker's (one rank; decode stretches are stepped)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(
         "--quiet",
@@ -259,18 +266,27 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from kvcadence.errors import UsageError
-    from kvcadence.replay.cli_fleet import maybe_run_fleet, replay_pace
+    from kvcadence.replay.cli_fleet import maybe_run_fleet, needs_fleet, replay_pace
     from kvcadence.replay.config import CLI_OVERRIDES
     from kvcadence.replay.simulator import replay_bundle
     from kvcadence.replay.worker import effective_config
 
+    tracing = getattr(args, "trace_evictions", None)
+    if tracing and Path(tracing).exists():
+        raise UsageError(f"replay: --trace-evictions {tracing}: exists (not overwritten)")
     if getattr(args, "trace", None) is None:
         if not args.bundle:
             raise UsageError("replay: give BUNDLE (a capture or an import) or --trace FILE")
+        if tracing and needs_fleet(args, list(args.bundle)):
+            raise UsageError("replay: --trace-evictions traces one rank's replay, not a fleet")
         rc = maybe_run_fleet(args)  # several ranks / workers / --route / --sweep
         if rc is not None:
             return rc
+    elif tracing:
+        raise UsageError("replay: --trace-evictions replays a bundle, not --trace FILE")
     if args.out is None and args.publish is None:
         raise UsageError("replay: give --out SIM_BUNDLE and/or --publish ENDPOINT")
     if args.speed < 0:
@@ -278,8 +294,6 @@ def run(args: argparse.Namespace) -> int:
     if args.linger < 0:
         raise UsageError("--linger must be >= 0")
     overrides = {k: getattr(args, k) for k in CLI_OVERRIDES}
-    from pathlib import Path
-
     from kvcadence.format.bundle import BundleReader
     from kvcadence.progress import Phases, request_bar
 
@@ -317,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         calibrate_timing=not args.no_calibrate,
         calibration=calibration,
     )
-    with request_bar(len(records), quiet=args.quiet) as progress:
+    with request_bar(len(records), quiet=args.quiet) as progress, _trace_file(tracing) as trace:
         result = replay_bundle(
             src,
             args.out,
@@ -329,9 +343,30 @@ def run(args: argparse.Namespace) -> int:
             flushes=flushes,
             keep_batches=bool(args.publish),  # published live after the run
             pace=replay_pace(args),
+            eviction_trace=trace,
         )
+    if trace is not None and not args.quiet:
+        print(f"replay: {trace.count} evictions traced -> {tracing}", file=sys.stderr)
     args._out_complete = True  # written whole: an interrupted --publish keeps it
     return _finish(args, result, cfg, phases, inferred, (calibration, overrides))
+
+
+@contextlib.contextmanager
+def _trace_file(path: str | None) -> Iterator[Any]:
+    """``--trace-evictions``' ``EvictionTrace`` on a new file (exclusive create: another
+    process's file is never appended to), or None."""
+    if not path:
+        yield None
+        return
+    from kvcadence.errors import UsageError
+    from kvcadence.replay.evictiontrace import EvictionTrace
+
+    try:
+        fh = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise UsageError(f"replay: --trace-evictions {path}: {exc.strerror}") from None
+    with fh:
+        yield EvictionTrace(fh)
 
 
 def _warn_if_damaged(src: Any, reader: Any, n_requests: int) -> None:

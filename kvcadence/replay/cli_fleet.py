@@ -98,7 +98,9 @@ def replay_pace(args: argparse.Namespace) -> str:
     return "model" if pace == "auto" and getattr(args, "no_calibrate", False) else pace
 
 
-def _needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
+def needs_fleet(args: argparse.Namespace, bundles: list[str]) -> bool:
+    """Whether ``args`` ask for the fleet replay: several bundles, ``--route``, ``--sweep``
+    or a bundle of several DP ranks."""
     if len(bundles) > 1 or getattr(args, "route", None) or getattr(args, "sweep", None):
         return True
     from pathlib import Path
@@ -134,7 +136,7 @@ def maybe_run_fleet(args: argparse.Namespace) -> int | None:
             f"replay: --executor {args.executor} runs --sweep jobs; a replay without --sweep "
             "is one simulation (give a one-point sweep, e.g. --sweep route=recorded)"
         )
-    if not _needs_fleet(args, bundles):
+    if not needs_fleet(args, bundles):
         args.bundle = bundles[0]
         return None
     from kvcadence.errors import UsageError

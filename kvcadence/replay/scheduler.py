@@ -75,6 +75,7 @@ from kvcadence.replay.admission import (
 )
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
+from kvcadence.replay.evictiontrace import EvictionTrace
 from kvcadence.replay.flushes import FlushPlan
 from kvcadence.replay.policy import (
     SPF,
@@ -281,6 +282,8 @@ class Scheduler:
         self.track = cfg.track_visibility
         #: ``cfg.skip_decode_stretches``, read once (checked every step)
         self.skip_stretches = cfg.skip_decode_stretches
+        #: ``trace_evictions``' trace (None: none kept)
+        self.eviction_trace: EvictionTrace | None = None
         #: ``cfg.admission_generation``, read once (a property that parses the version
         #: string; read twice per prefill batch otherwise)
         self.adm_generation = cfg.admission_generation
@@ -353,12 +356,25 @@ class Scheduler:
     def available(self) -> int:
         return self.cfg.max_total_tokens - self.tree.total_size - self.private_total
 
-    def _evict_for(self, need: int) -> None:
+    def trace_evictions(self, trace: EvictionTrace) -> None:
+        """Record every eviction into ``trace`` (``replay.evictiontrace``). Decode stretches
+        are then stepped pass by pass (the same output: ``skip_decode_stretches`` is an
+        optimisation), so each eviction is traced at its own pass with its batch."""
+        self.eviction_trace = trace
+        self.skip_stretches = False
+
+    def _evict_for(self, need: int, cause: str, reqs: Sequence[SimReq]) -> None:
+        """Evict for a demand of ``need`` free tokens (``evict_to_free_tokens``): the
+        shortfall, whole leaves; traced with its ``cause`` and the batch ``reqs``."""
         avail = self.available()
         if avail < need:
             freed = self.tree.evict(need - avail)
             if freed:
                 self.stats.evictions += 1
+            if self.eviction_trace is not None:
+                self.eviction_trace.record(
+                    self.t, cause, need - avail, avail, self.available(), reqs
+                )
 
     def _alloc(self, req: SimReq, new_alloc: int) -> None:
         req.alloc += new_alloc
@@ -701,7 +717,7 @@ class Scheduler:
             need += ceil_paged(seq_end, ps) - ceil_paged(r.prefix_len, ps)
             extend_tokens += r.extend_len
         target = extend_tokens + len(can_run) * ps if ps > 1 else need
-        self._evict_for(target)
+        self._evict_for(target, "prefill", can_run)
         if self.available() < need:
             raise ReplayError(
                 f"prefill allocation failed at t={t} ns: need {need}, "
@@ -779,7 +795,7 @@ class Scheduler:
             adder.rem_total_token_offset -= offset(r)
             released += 1
             self._requeue(r)
-            self._evict_for((len(self.running) - released) * steps)
+            self._evict_for((len(self.running) - released) * steps, "retract", [r])
         self.running = [r for r in self.running if id(r) not in gone]
         preempted.extend(chosen)
         self.stats.preemptions += len(chosen)
@@ -807,7 +823,7 @@ class Scheduler:
             r = cand.pop()
             retracted.append(r)
             self._requeue(r)
-            self._evict_for(len(cand) * self.cfg.retract_decode_steps)
+            self._evict_for(len(cand) * self.cfg.retract_decode_steps, "retract", [r])
         if retracted:
             self.stats.retractions += len(retracted)
             gone = {id(r) for r in retracted}
@@ -879,7 +895,7 @@ class Scheduler:
         need = self._decode_need(running)
         cap = self.cfg.max_total_tokens - self.private_total  # available() = cap - tree size
         if cap - self.tree.total_size < need:
-            self._evict_for(need)
+            self._evict_for(need, "check_decode", running)
             short = self.available() < need
         else:
             short = False
@@ -917,7 +933,7 @@ class Scheduler:
         ``alloc_paged_token_slots_decode`` first evicts as if each needed a new page)."""
         ps = self.ps
         if ps > 1:
-            self._evict_for(len(running) * ps)
+            self._evict_for(len(running) * ps, "decode", running)
         if ps == 1:
             for r in running:
                 r.alloc += 1
@@ -950,7 +966,7 @@ class Scheduler:
         if not rows:
             return
         need = self._decode_need(rows)
-        self._evict_for(need)
+        self._evict_for(need, "check_decode", rows)
         if self.available() < need:
             return
         self._decode_alloc(rows)

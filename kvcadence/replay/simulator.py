@@ -46,6 +46,7 @@ from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import PublishedBatch
+from kvcadence.replay.evictiontrace import EvictionTrace
 from kvcadence.replay.fleet import Fleet
 from kvcadence.replay.heldbefore import unseen_runs
 from kvcadence.replay.loading import load_for_replay
@@ -128,6 +129,7 @@ def simulate(
     pace: str = "auto",
     pace_clamp: tuple[float, float] | None = None,
     unseen: Sequence[list[int]] = (),
+    eviction_trace: EvictionTrace | None = None,
 ) -> SimResult:
     """Simulate ``records`` (``RequestRecord``-like) on one rank under ``cfg``; no I/O
     unless ``out``: then the sim bundle of a replay of ``source_header``'s bundle is opened
@@ -143,7 +145,8 @@ def simulate(
     ``pace_clamp`` as ``fleet.simulate_fleet``'s), no event
     log kept; flushing at
     ``flush_abs_ns`` (absolute receive times) in request order, holding the ``unseen`` runs
-    of pages from the start (``replay.heldbefore``). The cyclic garbage
+    of pages from the start (``replay.heldbefore``); every eviction into ``eviction_trace``
+    when given (``Scheduler.trace_evictions``). The cyclic garbage
     collector is paused for the call (a replay builds millions of long-lived objects that
     collections would only re-walk)."""
     t0 = time.perf_counter()
@@ -159,6 +162,8 @@ def simulate(
             pace_clamp=pace_clamp,
         )
         (slot,) = fleet.slots
+        if eviction_trace is not None:
+            slot.sched.trace_evictions(eviction_trace)
         if out is not None:
             cfg0 = slot.sched.cfg
             out.open(_header(source_header, cfg0, fleet.schedules[0].anchor_ns))
@@ -246,6 +251,7 @@ def replay_bundle(
     keep_batches: bool = False,
     pace: str = "auto",
     pace_clamp: tuple[float, float] | None = None,
+    eviction_trace: EvictionTrace | None = None,
 ) -> SimResult:
     """Replay bundle ``src``; write the sim bundle to ``out`` (skipped when None): its
     frames as they are published (``SimResult.batches`` left empty), or, with
@@ -256,8 +262,8 @@ def replay_bundle(
     phases; ``loaded`` = ``(header, records)`` of ``src`` already read by the caller, the
     records as ``loading.load_for_replay`` returned them with its report
     ``inferred`` and the recorded ``flushes`` (a production capture's records are completed
-    here when not given; flushes scanned when None). ``pace``, ``pace_clamp``: as
-    ``simulate``'s."""
+    here when not given; flushes scanned when None). ``pace``, ``pace_clamp``,
+    ``eviction_trace``: as ``simulate``'s."""
 
     phases = phases or NoPhases()
 
@@ -301,6 +307,7 @@ def replay_bundle(
             pace=pace,
             pace_clamp=pace_clamp,
             unseen=unseen,
+            eviction_trace=eviction_trace,
         )
     try:
         if inferred:

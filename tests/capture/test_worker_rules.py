@@ -9,6 +9,7 @@ schedule's order.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -143,3 +144,74 @@ def test_finish_with_nothing_new_to_insert_touches_the_path(sglang_worker_factor
     assert not [i for i in kept if got[i] == other[i]], (got, want, kept)
     shown = [i for i in kept if got[i] == want[i]]
     assert any(order[i] for i in shown), (got, want, kept)
+
+
+#: page 16, a 100-page pool for 4 lanes of 200-700-token prompts: evictions at prefill and
+#: at decode
+EVICT_CFG = {"page_size": 16, "max_total_tokens": 1600, "chunked_prefill_size": 1024}
+
+
+def _prefill_lines(lines: list[dict]) -> dict[tuple, dict]:
+    """Prefill evictions by (the batch's rids, its occurrence): a batch in both traces."""
+    seen: dict[tuple, int] = {}
+    out = {}
+    for x in lines:
+        if x["cause"] == "prefill":
+            key = tuple(x["rids"])
+            out[(key, seen.get(key, 0))] = x
+            seen[key] = seen.get(key, 0) + 1
+    return out
+
+
+@worker
+def test_real_evictions_ask_what_the_replay_asks(sglang_worker_factory, tmp_path):
+    """The worker's own eviction calls (``harness start --trace-evictions``: every
+    ``evict_for_alloc`` of the radix cache, with the shortfall asked for, the available
+    tokens before and after and the batch) against the replay's (``replay
+    --trace-evictions``): a decode step asks for a page per running request
+    (``alloc_paged_token_slots_decode``), a prefill batch for its extend tokens plus a page
+    per request, both as the shortfall, and each eviction stops once that much is free. A
+    prefill batch of the same requests in both traces asks for the same tokens."""
+    real = tmp_path / "real.jsonl"
+    h = sglang_worker_factory("evict-trace", trace_evictions=str(real), **EVICT_CFG)
+    bundle, sim = tmp_path / "b", tmp_path / "sim.jsonl"
+    work = "agent:lanes=4,requests=60,seed=7,first_min=200,first_max=400,max_prompt=700"
+    assert (
+        main(["drive", "--server", h.url, "--workload", work, "--out", str(bundle), "--quiet"]) == 0
+    )
+    assert h.alive(), h.log_tail()
+    got = [json.loads(x) for x in real.read_text().splitlines()]
+    assert (
+        main(
+            [
+                "replay",
+                str(bundle),
+                "--out",
+                str(tmp_path / "s"),
+                "--trace-evictions",
+                str(sim),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    want = [json.loads(x) for x in sim.read_text().splitlines()]
+    for lines in (got, want):
+        assert {x["cause"] for x in lines} >= {"prefill", "decode"}, lines
+        for x in lines:
+            assert x["need"] > 0 and x["freed"] == x["avail1"] - x["avail0"]
+            assert x["avail1"] >= x["avail0"] + x["need"]  # stops at the target, not before
+            if x["cause"] == "decode":
+                assert x["need"] + x["avail0"] == 16 * len(x["rids"])
+    assert "other" not in {x["cause"] for x in got}  # every call site is known
+    a, b = _prefill_lines(got), _prefill_lines(want)
+    both = [k for k in a if k in b]
+    print(
+        f"[evict-trace] real {len(got)} evictions, replay {len(want)}; {len(both)} prefill batches in both"
+    )
+    assert len(both) >= len(a) // 2, (len(both), len(a))
+    recs = {tuple(r.input_ids): r.cached_tokens for r in BundleReader(bundle).requests()}
+    by_rid = {r.rid: r for r in BundleReader(tmp_path / "s").requests()}
+    for k in both:  # where the replay's batch found the worker's cached prefixes
+        if all(recs[tuple(by_rid[rid].input_ids)] == by_rid[rid].cached_tokens for rid in k[0]):
+            assert a[k]["need"] + a[k]["avail0"] == b[k]["need"] + b[k]["avail0"], (k, a[k], b[k])

@@ -130,6 +130,7 @@ CAPTURES = (
     "p4-dfs-mrr4",
     "dp2-p8-lpm",
     "p16-mpt512",
+    "p16-mpt512-quiet",
     "p32-flush-nooverlap-quiet",
     "p16-tight-long-nooverlap-quiet",
     "p1-retract-noeos-quiet",
