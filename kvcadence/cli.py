@@ -33,6 +33,7 @@ COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("admit", "kvcadence.admit.cli"),  # admit
     ("analysis", "kvcadence.analysis.cli"),  # ingest, sql, report, prefixes
     ("analysis", "kvcadence.analysis.cli_routing"),  # ranks
+    ("analysis", "kvcadence.analysis.cli_evictions"),  # evictions
     ("kernels", "kvcadence.kernels.cli"),  # collectives
     ("demo", "kvcadence.demo"),  # demo
 )
