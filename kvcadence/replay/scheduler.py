@@ -805,7 +805,6 @@ class Scheduler:
         """``retract_decode``: release requests of the decode ``batch`` until the next decode
         step fits (``_get_decode_retraction_order``: fewest outputs first, ties longest
         prompt; ``--retraction-policy priority``: the least important first)."""
-        ps = self.ps
         if self.cfg.retraction_policy == "priority":  # the least important first, then length
             sign = self.prio_sign
             cand = sorted(
@@ -816,9 +815,14 @@ class Scheduler:
         else:
             cand = sorted(batch, key=lambda r: (r.output_len, -r.input_len), reverse=True)
         retracted: list[SimReq] = []
+        # ``while first_iter or not check_decode_mem(kept)``: the first request goes
+        # unchecked (the caller's check failed), then each check evicts its shortfall first
+        # -- what the release's ``remaining x retract_decode_steps`` tokens did not cover at a
+        # page over that many tokens
         while True:
-            need = sum(ps for r in cand if r.kv_len % ps == 0)
-            if self.available() >= need or len(cand) <= 1:
+            if retracted and self._decode_fits(cand):
+                break
+            if len(cand) <= 1:
                 break
             r = cand.pop()
             retracted.append(r)
@@ -833,14 +837,20 @@ class Scheduler:
             # the new ratio is estimated over the requests that stay (the filtered batch)
             self.tracker.on_retract(cand)
             self.batch_is_full = False
-        need = sum(ps for r in self.running if r.kv_len % ps == 0)
-        if self.available() < need:
-            # even one request does not fit: abort it (SGLang: "Out of memory even after
-            # retracting")
-            for r in list(self.running):
+        if len(cand) <= 1 and not self._decode_fits(cand):
+            # even the last one does not fit: abort it (SGLang: "Out of memory even after
+            # retracting all other requests in the decode batch")
+            for r in cand:
                 self.running.remove(r)
                 self._finish(r, t, insert=False, error="out of memory after retraction")
                 self.stats.aborted += 1
+
+    def _decode_fits(self, reqs: list[SimReq]) -> bool:
+        """``check_decode_mem(selected)``: evict for the next decode step of ``reqs`` (a page
+        per request whose next token starts one), then whether it fits."""
+        need = sum(self.ps for r in reqs if r.kv_len % self.ps == 0)
+        self._evict_for(need, "check_decode", reqs)
+        return self.available() >= need
 
     def _requeue(self, r: SimReq) -> None:
         """``release_req`` of a retraction: free the request's KV without a store (its prompt,

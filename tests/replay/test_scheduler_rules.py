@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvcadence.format.schema import BlockRemoved, BlockStored
@@ -690,3 +692,40 @@ def test_routing_key_admits_the_waiting_request_whose_key_runs_first(policy, fir
     check_stream(r)
     entry = {x.rid: x.meta_info["forward_entry_time"] for x in r.requests}
     assert min(("x", "y"), key=entry.__getitem__) == first
+
+
+def test_retraction_checks_evict_for_the_requests_that_stay():
+    """SGLang 0.5.23 ``retract_decode``: ``while first_iter or not check_decode_mem(kept)``
+    -- after the first release, each check evicts its shortfall before it decides (the
+    release itself evicts only ``remaining × 20`` tokens). At page 64 the step of the two
+    requests that stay needs two pages, more than the first release freed and evicted:
+    the check evicts an unlocked leaf and they stay; without that eviction a second request
+    was retracted."""
+    from array import array
+
+    from kvcadence.replay.evictiontrace import EvictionTrace
+
+    cfg = config(page_size=64, max_total_tokens=64 * 12, chunked_prefill_size=None)
+    recs = [req(rid, list(range(b, b + 64)), 100) for rid, b in (("a", 3), ("b", 300), ("c", 600))]
+    s = _scheduler(recs, cfg)
+    lines: list[str] = []
+    s.trace_evictions(EvictionTrace(type("Sink", (), {"write": lambda _, x: lines.append(x)})()))
+    s.start()
+    for _ in range(100):  # the three admitted and decoding
+        if len(s.running) == 3:
+            break
+        s.step()
+    assert len(s.running) == 3
+    s.tree.insert(array("I", range(5000, 5128)))  # two unlocked pages: evictable
+    for r in s.running:  # each at a page boundary: the next step needs a page each
+        r.kv_len = 128
+        s.private_total += 64 - r.alloc
+        r.alloc = 64
+    s.private_total = cfg.max_total_tokens - s.tree.total_size  # nothing free
+    assert s.available() == 0 and s.tree.evictable_size >= 128
+    lines.clear()
+    s._retract(s.t, list(s.running))
+    assert len(s.running) == 2 and s.stats.retractions == 1 and s.stats.aborted == 0
+    causes = [json.loads(x)["cause"] for x in lines]
+    assert causes == ["check_decode"], causes  # the release freed 64 (>= 40): no eviction
+    assert s.available() >= 128
