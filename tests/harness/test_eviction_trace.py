@@ -68,6 +68,8 @@ main()
 
 
 def _run(tmp_path, trace):
+    # the interpreter's own sitecustomize, further on the path: still run
+    (tmp_path / "sitecustomize.py").write_text("open('chained', 'w').close()\n")
     pkg = tmp_path / "sglang" / "srt" / "mem_cache"
     pkg.mkdir(parents=True)
     for d in (tmp_path / "sglang", tmp_path / "sglang" / "srt", pkg):
@@ -98,6 +100,7 @@ def test_each_eviction_is_one_line_with_its_cause_and_batch(tmp_path):
 def test_no_trace_unless_asked(tmp_path):
     _run(tmp_path, None)  # the module loads and runs as it is
     assert not list(tmp_path.glob("*.jsonl"))
+    assert (tmp_path / "chained").exists()  # the shadowed sitecustomize ran
 
 
 def test_harness_passes_the_trace_file_to_the_worker(tmp_path, monkeypatch, capsys):

@@ -19,11 +19,14 @@ file as one JSON line, after the call::
 ``alloc_for_decode``: a decode step's; ``check_decode_mem``: the decode memory check;
 ``release_req`` / ``retract_decode``: a retraction). The worker's behaviour is unchanged: the
 wrapped methods are called with the same arguments and their results returned as they are.
-``replay --trace-evictions`` writes the simulator's evictions in the same shape
+An interpreter's own ``sitecustomize`` further on ``sys.path``, which this file shadows,
+is run after it (``_chain``). ``replay --trace-evictions`` writes the simulator's evictions
+in the same shape
 (``replay.evictiontrace``); docs/simulator.md, "Eviction traces", compares the two.
 """
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -116,5 +119,20 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _chain():
+    """Run the ``sitecustomize`` this one shadows (the interpreter's own, further on
+    ``sys.path``), as Python would have without this directory first."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if not entry or os.path.abspath(entry) == here:
+            continue
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [entry])
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return
+
+
 if _PATH:
     sys.meta_path.insert(0, _Finder())
+_chain()
