@@ -1,4 +1,5 @@
-"""Shared fixtures: paths to the vendored reference data (golden vectors, a real SGLang capture).
+"""Shared fixtures: paths to the vendored reference data (golden vectors, a real SGLang capture),
+and ``harness_starts`` (``kvcadence harness start`` with a stand-in for the worker).
 
 Both live in ``tests/data`` (copied from the project's shared reference set; see
 ``tests/data/README.md``), so every test runs on a plain clone. A missing file is a broken
@@ -106,3 +107,22 @@ def mocker_bundles(
         == 0
     )
     return real, mocker
+
+
+@pytest.fixture
+def harness_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list:
+    """``kvcadence harness start`` without a worker: ``HOME`` in ``tmp_path`` (no recorded
+    worker), ``start_server`` replaced by one that records the ``ServerConfig`` it is given
+    and returns a handle; returns that list."""
+    from kvcadence.harness import worker as harness
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    harness.cache_dir().mkdir(parents=True)
+    seen: list = []
+
+    def fake_start(cfg, workdir, **kw):
+        seen.append(cfg)
+        return harness.ServerHandle(1, 2, 20, 30, str(workdir), "m", "l", [], "{}")
+
+    monkeypatch.setattr(harness, "start_server", fake_start)
+    return seen

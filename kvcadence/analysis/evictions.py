@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from kvcadence.errors import InputError
+from kvcadence.format.jsonl import jsonl_raw_lines
 
 CAUSES = ("prefill", "decode", "check_decode", "retract", "other")
 
@@ -47,24 +48,18 @@ class Line(msgspec.Struct):
 
 
 def read_trace(path: str | Path) -> Iterator[Line]:
-    """The lines of trace ``path``, one at a time (``InputError``, naming the file and the
-    line, for one that is not a trace line; a blank line is skipped)."""
+    """The lines of trace ``path``, one at a time (``format.jsonl.jsonl_raw_lines``: blank
+    lines skipped; ``InputError``, naming the file and the line, for one that is not a trace
+    line; ``UsageError`` for a file that cannot be read)."""
     dec = msgspec.json.Decoder(Line)
-    try:
-        fh = open(path, "rb")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise InputError(f"{path}: {exc.strerror}") from None
-    with fh:
-        for n, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                line = dec.decode(raw)
-            except msgspec.DecodeError as exc:
-                raise InputError(f"{path}:{n}: not an eviction trace line ({exc})") from None
-            if line.cause not in CAUSES:
-                raise InputError(f"{path}:{n}: unknown cause {line.cause!r}")
-            yield line
+    for where, raw in jsonl_raw_lines(Path(path), "eviction trace"):
+        try:
+            line = dec.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise InputError(f"{where}: not an eviction trace line ({exc})") from None
+        if line.cause not in CAUSES:
+            raise InputError(f"{where}: unknown cause {line.cause!r}")
+        yield line
 
 
 @dataclass

@@ -68,7 +68,7 @@ def test_bad_traces_are_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(x.startswith("kvcadence: error: ") for x in err)
     assert f"{bad}:3: not an eviction trace line" in err[0]
-    assert "No such file" in err[1] and "unknown cause 'flush'" in err[2]
+    assert "eviction trace file not found" in err[1] and "unknown cause 'flush'" in err[2]
 
 
 _lines = st.lists(

@@ -634,18 +634,10 @@ def test_harness_start_flags_are_checked_before_anything_starts(tmp_path, monkey
     assert "--dp-size" in lines[0] and "KEY=VALUE" in lines[1]
 
 
-def test_harness_start_extra_args_reach_the_command(tmp_path, monkeypatch, capsys):
+def test_harness_start_extra_args_reach_the_command(tmp_path, harness_starts, capsys):
     from kvcadence.harness import worker as harness
 
-    monkeypatch.setenv("HOME", str(tmp_path))  # no recorded worker
-    harness.cache_dir().mkdir(parents=True)
-    seen: list[harness.ServerConfig] = []
-
-    def fake_start(cfg, workdir, **kw):
-        seen.append(cfg)
-        return harness.ServerHandle(1, 2, 20, 30, str(workdir), "m", "l", [], "{}")
-
-    monkeypatch.setattr(harness, "start_server", fake_start)
+    seen = harness_starts
     argv = ["harness", "start", "--workdir", str(tmp_path / "w")]
     extra = ["--extra-arg=--disable-overlap-schedule", "--extra-arg=--schedule-policy lpm"]
     assert main([*argv, *extra]) == 0

@@ -103,21 +103,13 @@ def test_no_trace_unless_asked(tmp_path):
     assert (tmp_path / "chained").exists()  # the shadowed sitecustomize ran
 
 
-def test_harness_passes_the_trace_file_to_the_worker(tmp_path, monkeypatch, capsys):
+def test_harness_passes_the_trace_file_to_the_worker(tmp_path, monkeypatch, harness_starts, capsys):
     cfg = harness.ServerConfig(trace_evictions="t.jsonl")
     monkeypatch.chdir(tmp_path)
     env = harness.worker_env_extra(cfg, base={})
     assert env[harness.EVICTION_TRACE_ENV] == str(tmp_path / "t.jsonl")  # absolute
     assert harness.EVICTION_TRACE_ENV not in harness.worker_env_extra(harness.ServerConfig())
-    monkeypatch.setenv("HOME", str(tmp_path))  # no recorded worker
-    harness.cache_dir().mkdir(parents=True)
-    seen: list[harness.ServerConfig] = []
-
-    def fake_start(cfg, workdir, **kw):
-        seen.append(cfg)
-        return harness.ServerHandle(1, 2, 20, 30, str(workdir), "m", "l", [], "{}")
-
-    monkeypatch.setattr(harness, "start_server", fake_start)
+    seen = harness_starts
     argv = ["harness", "start", "--workdir", str(tmp_path / "w"), "--trace-evictions"]
     (tmp_path / "old.jsonl").write_text("kept\n")
     assert main([*argv, str(tmp_path / "old.jsonl")]) == 2  # never appended to
