@@ -7,7 +7,8 @@ radix tree, in the shape the real worker's trace has (``harness start --trace-ev
     {"t": simulated time (s), "cause": "prefill" | "decode" | "check_decode" | "retract",
      "need": the tokens asked for (the shortfall: demand - available),
      "avail0": available tokens before, "avail1": after, "freed": tokens evicted,
-     "rids": the requests of the batch it was for}
+     "rids": the requests of the batch it was for (a retraction's: the decode batch it
+             retracts from, as the worker's trace shows it)}
 
 As SGLang's ``evict_to_free_tokens``, only a call with a shortfall is an eviction (a demand
 the free slots cover asks nothing of the tree). ``t`` is the simulated clock, not a wall

@@ -827,7 +827,8 @@ class Scheduler:
             r = cand.pop()
             retracted.append(r)
             self._requeue(r)
-            self._evict_for(len(cand) * self.cfg.retract_decode_steps, "retract", [r])
+            # traced with the decode batch it retracts from (the worker's trace shows that)
+            self._evict_for(len(cand) * self.cfg.retract_decode_steps, "retract", batch)
         if retracted:
             self.stats.retractions += len(retracted)
             gone = {id(r) for r in retracted}

@@ -9,10 +9,12 @@ schedule's order.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -146,56 +148,81 @@ def test_finish_with_nothing_new_to_insert_touches_the_path(sglang_worker_factor
     assert any(order[i] for i in shown), (got, want, kept)
 
 
-#: page 16, a 100-page pool for 4 lanes of 200-700-token prompts: evictions at prefill and
-#: at decode
-EVICT_CFG = {"page_size": 16, "max_total_tokens": 1600, "chunked_prefill_size": 1024}
+#: (worker settings, workload, drive flags): page 16, a 100-page pool for 4 lanes of
+#: 200-700-token prompts (evictions at prefill and at decode); page 1, a 2400-token pool for
+#: 6 lanes of long outputs sent without ``ignore_eos`` (decode checks, retractions)
+EVICT_RUNS = {
+    "p16": (
+        {"page_size": 16, "max_total_tokens": 1600, "chunked_prefill_size": 1024},
+        "agent:lanes=4,requests=60,seed=7,first_min=200,first_max=400,max_prompt=700",
+        [],
+    ),
+    "p1-retract": (
+        {"page_size": 1, "max_total_tokens": 2400},
+        "agent:lanes=6,requests=60,seed=613,out_min=64,out_max=256,max_prompt=700",
+        ["--no-ignore-eos"],
+    ),
+}
+
+
+def _trace_rules(f: Any, lines: list[dict], page: int) -> None:
+    """The allocation rules both traces follow (``f``: ``figures`` of ``lines``)."""
+    assert f.calls["prefill"] and not f.calls["other"], f.calls
+    # a prefill eviction reaches its target (the admission left room); a decode allocation
+    # asks for a page per request and may find every leaf locked, as may a decode check
+    # (a retraction follows)
+    assert not f.short["prefill"] and not f.short["retract"], f.short
+    if page > 1:
+        assert f.calls["decode"] and dict(f.decode_demand) == {page: f.calls["decode"]}
+    else:  # check_decode_mem: a token per request; the allocation after it asks nothing
+        assert not f.calls["decode"] and f.calls["check_decode"]
+        checks = [x for x in lines if x["cause"] == "check_decode"]
+        assert all(x["need"] + x["avail0"] == len(x["rids"]) for x in checks)
+    # a retraction's release: 20 tokens (``SGLANG_RETRACT_DECODE_STEPS``) per request left
+    # in the batch, the k-th release of one retraction with k requests gone
+    k, prev = 0, None
+    for x in lines:
+        if x["cause"] != "retract":
+            prev = None
+            continue
+        k = k + 1 if prev == x["rids"] else 1
+        prev = x["rids"]
+        assert x["need"] + x["avail0"] == 20 * (len(x["rids"]) - k), x
 
 
 @worker
-def test_real_evictions_ask_what_the_replay_asks(sglang_worker_factory, tmp_path):
+@pytest.mark.parametrize("run", list(EVICT_RUNS))
+def test_real_evictions_ask_what_the_replay_asks(sglang_worker_factory, tmp_path, run):
     """The worker's own eviction calls (``harness start --trace-evictions``: every
     ``evict_for_alloc`` of the radix cache, with the shortfall asked for, the available
     tokens before and after and the batch) against the replay's (``replay
-    --trace-evictions``): a decode step asks for a page per running request
-    (``alloc_paged_token_slots_decode``), a prefill batch for its extend tokens plus a page
-    per request, both as the shortfall, and each eviction stops once that much is free. A
-    prefill batch of the same requests in both traces asks for the same tokens."""
+    --trace-evictions``): a decode step asks for a page per running request at page > 1
+    (``alloc_paged_token_slots_decode``), a decode check for a token per request at page 1,
+    a retraction's release for 20 tokens per request left, a prefill batch for its extend
+    tokens (plus a page per request at page > 1), each as the shortfall; a prefill batch of
+    the same requests in both traces, where the replay found the worker's cached prefixes,
+    asks for the same tokens."""
+    cfg, work, flags = EVICT_RUNS[run]
     real = tmp_path / "real.jsonl"
-    h = sglang_worker_factory("evict-trace", trace_evictions=str(real), **EVICT_CFG)
+    h = sglang_worker_factory(f"evict-{run}", trace_evictions=str(real), **cfg)
     bundle, sim = tmp_path / "b", tmp_path / "sim.jsonl"
-    work = "agent:lanes=4,requests=60,seed=7,first_min=200,first_max=400,max_prompt=700"
-    assert (
-        main(["drive", "--server", h.url, "--workload", work, "--out", str(bundle), "--quiet"]) == 0
-    )
+    drive = ["drive", "--server", h.url, "--workload", work, *flags, "--out", str(bundle)]
+    assert main([*drive, "--quiet"]) == 0
     assert h.alive(), h.log_tail()
-    assert (
-        main(
-            [
-                "replay",
-                str(bundle),
-                "--out",
-                str(tmp_path / "s"),
-                "--trace-evictions",
-                str(sim),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    replay = ["replay", str(bundle), "--out", str(tmp_path / "s"), "--trace-evictions", str(sim)]
+    assert main([*replay, "--quiet"]) == 0
     a, b = figures(real), figures(sim)
-    for f in (a, b):
-        assert f.calls["prefill"] and f.calls["decode"] and not f.calls["other"], f.calls
-        # a prefill batch's eviction reaches its target (the admission left room); a decode
-        # allocation asks for a page per request and may find every leaf locked
-        assert f.at_target + f.short["decode"] == f.total and f.at_target, f
-        assert dict(f.decode_demand) == {16: f.calls["decode"]}  # a page per request
+    for f, path in ((a, real), (b, sim)):
+        _trace_rules(f, [json.loads(x) for x in path.read_text().splitlines()], cfg["page_size"])
     both = [k for k in a.prefill if k in b.prefill]
     print(
-        f"[evict-trace] real {a.total} evictions, replay {b.total}; {len(both)} prefill batches in both"
+        f"[evict-{run}] real {a.total} evictions, replay {b.total}; {len(both)} prefill batches in both"
     )
-    assert len(both) >= len(a.prefill) // 2, (len(both), len(a.prefill))
     cached = {tuple(r.input_ids): r.cached_tokens for r in BundleReader(bundle).requests()}
     by_rid = {r.rid: r for r in BundleReader(tmp_path / "s").requests()}
+    checked = 0
     for k in both:  # where the replay's batch found the worker's cached prefixes
         if all(cached[tuple(by_rid[rid].input_ids)] == by_rid[rid].cached_tokens for rid in k[0]):
             assert a.prefill[k] == b.prefill[k], (k, a.prefill[k], b.prefill[k])
+            checked += 1
+    assert checked >= 5, (checked, len(both), len(a.prefill))  # the check is not empty
