@@ -31,10 +31,19 @@ def register(sub: Any) -> None:
         "--trace-evictions real.jsonl\n"
         "  kvcadence drive --server URL --workload agent:lanes=6 --out run.kvcb\n"
         "  kvcadence replay run.kvcb --out sim.kvcb --trace-evictions sim.jsonl\n"
-        "  kvcadence evictions real.jsonl sim.jsonl\n",
+        "  kvcadence evictions real.jsonl sim.jsonl --bundles run.kvcb sim.kvcb\n",
     )
     p.add_argument("real", help="the real worker's trace (JSON lines)")
     p.add_argument("sim", help="the replay's trace (JSON lines)")
+    p.add_argument(
+        "--bundles",
+        nargs=2,
+        metavar=("CAPTURE", "SIM"),
+        default=None,
+        help="the capture and its replay: the prefill batches whose requests found the same "
+        "cached prefix in both are compared apart (a different demand there is a different "
+        "allocation rule, elsewhere a different cache); the differences listed are theirs",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(_run=run)
 
@@ -42,6 +51,6 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvcadence.analysis.evictions import compare, render
 
-    doc = compare(args.real, args.sim)
+    doc = compare(args.real, args.sim, tuple(args.bundles) if args.bundles else None)
     print(json.dumps(doc, indent=1) if args.json else render(doc))
     return 0

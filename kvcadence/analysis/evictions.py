@@ -105,11 +105,42 @@ def figures(path: str | Path) -> TraceFigures:
     return out
 
 
-def compare(real: str | Path, sim: str | Path) -> dict[str, Any]:
-    """The figures of both traces and of the prefill batches they share (a JSON document)."""
+def cached_by_rid(bundle: str | Path) -> dict[str, int | None]:
+    """``rid -> cached_tokens`` of a bundle's request records, read one at a time; None for
+    a retracted request (its ``cached_tokens`` is its first prefill's, while its re-prefill
+    extends what it had decoded by the retraction: no batch of it is comparable)."""
+    from kvcadence.format.bundle import BundleReader
+
+    return {
+        r.rid: None if (r.meta_info or {}).get("num_retractions") else r.cached_tokens
+        for r in BundleReader(Path(bundle)).request_arrays()
+    }
+
+
+def compare(
+    real: str | Path, sim: str | Path, bundles: tuple[str | Path, str | Path] | None = None
+) -> dict[str, Any]:
+    """The figures of both traces and of the prefill batches they share (a JSON document).
+    ``bundles``: the capture and its replay; then the prefill batches in both traces whose
+    every request found the same cached prefix in both (``cached_tokens``; no request
+    retracted in either) are counted apart: there a different demand is a different
+    allocation rule, elsewhere it is a different cache."""
     a, b = figures(real), figures(sim)
     both = [k for k in a.prefill if k in b.prefill]
     same = sum(a.prefill[k] == b.prefill[k] for k in both)
+    shown = both
+    agree: dict[str, int] = {}
+    if bundles is not None:
+        rc, sc = cached_by_rid(bundles[0]), cached_by_rid(bundles[1])
+        shown = [
+            k
+            for k in both
+            if all(rc.get(rid) is not None and rc.get(rid) == sc.get(rid) for rid in k[0])
+        ]
+        agree = {
+            "batches": len(shown),
+            "same_demand": sum(a.prefill[k] == b.prefill[k] for k in shown),
+        }
 
     def side(f: TraceFigures) -> dict[str, Any]:
         return {
@@ -131,9 +162,10 @@ def compare(real: str | Path, sim: str | Path) -> dict[str, Any]:
         "sim": side(b),
         "prefill_batches_in_both": len(both),
         "prefill_same_demand": same,
+        "prefill_cached_agree": agree or None,
         "prefill_differing": [
             {"rids": list(k[0]), "real": a.prefill[k], "sim": b.prefill[k]}
-            for k in both
+            for k in shown
             if a.prefill[k] != b.prefill[k]
         ][:20],
     }
@@ -165,6 +197,12 @@ def render(doc: dict[str, Any]) -> str:
         f"prefill batches in both traces: {doc['prefill_batches_in_both']}, asking the same "
         f"demand: {doc['prefill_same_demand']}"
     )
+    if doc["prefill_cached_agree"] is not None:
+        ag = doc["prefill_cached_agree"]
+        lines.append(
+            f"  of them with the same cached prefixes in both bundles: {ag['batches']}, "
+            f"asking the same demand: {ag['same_demand']}"
+        )
     for d in doc["prefill_differing"][:5]:
         lines.append(f"  differs: {','.join(d['rids'])}: real {d['real']}, sim {d['sim']}")
     return "\n".join(lines)

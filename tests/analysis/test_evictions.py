@@ -57,6 +57,49 @@ def test_figures_and_the_batches_in_both(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(doc))
 
 
+def test_bundles_split_the_batches_whose_caches_agree(tmp_path, capsys):
+    """``--bundles``: ``("b", "c")`` found other cached prefixes in the replay (its other
+    demand is a different cache), ``("a",)``'s first batch the same (its demand the rule's):
+    the differences listed are those of batches whose caches agree."""
+    from kvcadence.format.schema import RequestRecord
+    from tests.analysis.helpers import write_bundle
+
+    def bundle(path, cached, retracted=()):
+        recs = [
+            RequestRecord(
+                rid=k,
+                input_ids=[1, 2, 3],
+                cached_tokens=v,
+                meta_info={"num_retractions": int(k in retracted)},
+            )
+            for k, v in cached
+        ]
+        return write_bundle(path, [], recs)
+
+    real = _write(tmp_path / "r.jsonl", REAL)
+    sim = _write(tmp_path / "s.jsonl", SIM)
+    cap = bundle(tmp_path / "cap", [("a", 64), ("b", 0), ("c", 16)])
+    rep = bundle(tmp_path / "rep", [("a", 64), ("b", 0), ("c", 48)])
+    doc = compare(real, sim, (cap, rep))
+    # ("a", 0) and ("a", 1) agree (a's cached prefix is recorded once: both batches count)
+    assert doc["prefill_cached_agree"] == {"batches": 2, "same_demand": 1}
+    assert [tuple(d["rids"]) for d in doc["prefill_differing"]] == [("a",)]
+    assert compare(real, sim)["prefill_cached_agree"] is None
+    # a retracted request's cached_tokens is its first prefill's: none of its batches count
+    again = bundle(tmp_path / "rep2", [("a", 64), ("b", 0), ("c", 48)], retracted=("a",))
+    assert compare(real, sim, (cap, again))["prefill_cached_agree"] == {
+        "batches": 0,
+        "same_demand": 0,
+    }
+    assert main(["evictions", str(real), str(sim), "--bundles", str(cap), str(rep)]) == 0
+    out = capsys.readouterr().out
+    assert "with the same cached prefixes in both bundles: 2, asking the same demand: 1" in out
+    assert (
+        main(["evictions", str(real), str(sim), "--bundles", str(tmp_path / "no"), str(rep)]) == 2
+    )
+    assert "no such bundle" in capsys.readouterr().err
+
+
 def test_bad_traces_are_one_line_and_exit_2(tmp_path, capsys):
     good = _write(tmp_path / "g.jsonl", SIM)
     bad = tmp_path / "b.jsonl"

@@ -53,6 +53,12 @@ def alloc_for_extend(batch):
 def alloc_for_decode_default(batch):
     return evict_to_free_tokens(batch.tree, 16)
 
+def check_decode_capacity(tree, requests):
+    return evict_to_free_tokens(tree, 8)
+
+def check_decode_mem(batch):
+    return check_decode_capacity(batch.tree, batch.reqs[:1])  # the requests that stay
+
 def release_req(tree):
     return tree.evict(types.SimpleNamespace(num_tokens=40))
 
@@ -61,6 +67,7 @@ def main():
     two = types.SimpleNamespace(tree=tree, reqs=[Req("a"), Req("b")])
     assert alloc_for_extend(two).num_tokens_evicted == 32  # results passed on unchanged
     alloc_for_decode_default(two)
+    check_decode_mem(two)
     release_req(tree)  # no batch on the way: no rids
 
 main()
@@ -86,14 +93,16 @@ def test_each_eviction_is_one_line_with_its_cause_and_batch(tmp_path):
     trace = tmp_path / "real.jsonl"
     _run(tmp_path, trace)
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
-    assert [x["cause"] for x in lines] == ["prefill", "decode", "retract"]
-    assert [x["call"] for x in lines] == ["evict_for_alloc", "evict_for_alloc", "evict"]
-    assert [x["need"] for x in lines] == [20, 16, 40]
+    assert [x["cause"] for x in lines] == ["prefill", "decode", "check_decode", "retract"]
+    assert [x["call"] for x in lines][::2] == ["evict_for_alloc", "evict_for_alloc"]
+    assert lines[-1]["call"] == "evict"
+    assert [x["need"] for x in lines] == [20, 16, 8, 40]
+    assert lines[2]["rids"] == ["a"]  # the check's own requests, not its batch's
     assert [(x["avail0"], x["avail1"], x["freed"]) for x in lines[:2]] == [
         (16, 48, 32),
         (48, 80, 32),
     ]
-    assert lines[0]["rids"] == ["a", "b"] and lines[2]["rids"] is None
+    assert lines[0]["rids"] == ["a", "b"] and lines[3]["rids"] is None
     assert lines[0]["stack"][:2] == ["evict_to_free_tokens", "alloc_for_extend"]
 
 

@@ -12,12 +12,14 @@ file as one JSON line, after the call::
      "cause": "prefill" | "decode" | "check_decode" | "retract" | "other",
      "need": the tokens asked for (the shortfall: demand - available),
      "avail0": the allocator's available tokens before, "avail1": after,
-     "freed": the tokens the tree evicted, "rids": the batch's request ids (or null),
+     "freed": the tokens the tree evicted, "rids": the request ids it was for (or null),
      "stack": the calling functions, innermost first}
 
 ``cause`` is read from the calling functions (``alloc_for_extend``: a prefill batch's KV;
 ``alloc_for_decode``: a decode step's; ``check_decode_mem``: the decode memory check;
-``release_req`` / ``retract_decode``: a retraction). The worker's behaviour is unchanged: the
+``release_req`` / ``retract_decode``: a retraction), ``rids`` from the innermost caller holding
+``requests`` (a decode check's, in a retraction loop the requests that stay) or ``batch``
+(a retraction's: the decode batch it retracts from). The worker's behaviour is unchanged: the
 wrapped methods are called with the same arguments and their results returned as they are.
 An interpreter's own ``sitecustomize`` further on ``sys.path``, which this file shadows,
 is run after it (``_chain``). ``replay --trace-evictions`` writes the simulator's evictions
@@ -48,6 +50,21 @@ _CAUSES = {
 }
 
 
+def _rids(local):
+    """The request ids of a frame's ``requests`` (a decode check's selected requests) or
+    ``batch`` (a ``ScheduleBatch``), None when it has neither."""
+    try:
+        reqs = local.get("requests")
+        if isinstance(reqs, (list, tuple)) and reqs and hasattr(reqs[0], "rid"):
+            return [str(r.rid) for r in reqs]
+        batch = local.get("batch")
+        if batch is not None and hasattr(batch, "reqs"):
+            return [str(r.rid) for r in batch.reqs]
+    except Exception:  # noqa: BLE001 - a trace, not the worker's business
+        pass
+    return None
+
+
 def _context():
     names, rids, cause = [], None, None
     f = sys._getframe(2)  # past this function and the wrapper: the caller
@@ -56,12 +73,8 @@ def _context():
         names.append(name)
         if cause is None:
             cause = _CAUSES.get(name)
-        batch = f.f_locals.get("batch")
-        if rids is None and batch is not None and hasattr(batch, "reqs"):
-            try:
-                rids = [str(r.rid) for r in batch.reqs]
-            except Exception:  # noqa: BLE001 - a trace, not the worker's business
-                rids = None
+        if rids is None:
+            rids = _rids(f.f_locals)
         f = f.f_back
     return names, rids, cause or "other"
 
