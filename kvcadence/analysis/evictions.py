@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from kvcadence.errors import InputError
+from kvcadence.format.bundle import BundleReader
 from kvcadence.format.jsonl import jsonl_raw_lines
 
 CAUSES = ("prefill", "decode", "check_decode", "retract", "other")
@@ -109,8 +110,6 @@ def cached_by_rid(bundle: str | Path) -> dict[str, int | None]:
     """``rid -> cached_tokens`` of a bundle's request records, read one at a time; None for
     a retracted request (its ``cached_tokens`` is its first prefill's, while its re-prefill
     extends what it had decoded by the retraction: no batch of it is comparable)."""
-    from kvcadence.format.bundle import BundleReader
-
     return {
         r.rid: None if (r.meta_info or {}).get("num_retractions") else r.cached_tokens
         for r in BundleReader(Path(bundle)).request_arrays()
