@@ -33,26 +33,15 @@ import msgspec
 from kvcadence.errors import InputError
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.jsonl import jsonl_raw_lines
-
-CAUSES = ("prefill", "decode", "check_decode", "retract", "other")
-
-
-class Line(msgspec.Struct):
-    """The fields of a trace line this module reads (others, e.g. ``stack``, are skipped)."""
-
-    cause: str
-    need: int
-    avail0: int
-    avail1: int
-    freed: int
-    rids: list[str] | None = None
+from kvcadence.format.schema import EVICTION_CAUSES as CAUSES
+from kvcadence.format.schema import EvictionTraceLine
 
 
-def read_trace(path: str | Path) -> Iterator[Line]:
+def read_trace(path: str | Path) -> Iterator[EvictionTraceLine]:
     """The lines of trace ``path``, one at a time (``format.jsonl.jsonl_raw_lines``: blank
     lines skipped; ``InputError``, naming the file and the line, for one that is not a trace
     line; ``UsageError`` for a file that cannot be read)."""
-    dec = msgspec.json.Decoder(Line)
+    dec = msgspec.json.Decoder(EvictionTraceLine)
     for where, raw in jsonl_raw_lines(Path(path), "eviction trace"):
         try:
             line = dec.decode(raw)

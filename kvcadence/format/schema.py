@@ -18,6 +18,11 @@ Two families live here and nowhere else:
    stores a ``RequestRecord`` (the bundle layer converts both ways). All are ``array_like`` + ``gc=False``:
    the tag is the first array element.
 
+3. **Eviction trace lines** -- ``EvictionTraceLine``, one JSON line per eviction call, the
+   layout ``kvcadence replay --trace-evictions`` writes and ``kvcadence evictions`` reads
+   (the real worker's trace, written inside SGLang's venv by
+   ``harness/sglang_cpu/sitecustomize.py``, has the same fields plus ``call`` and ``stack``).
+
 Evolution rules (also in ``docs/format.md``): new fields only at the end of a struct and
 always with a default; never reorder, rename the tag of, or retype a field; a new record
 type gets a new tag and bumps ``FORMAT_MINOR`` (old readers skip unknown tags); anything
@@ -634,6 +639,31 @@ def served_rank(rec: Any) -> int:
     )
 
 
+#: an eviction's cause: a prefill batch's KV, a decode step's allocation, the decode memory
+#: check, a retraction's release; ``other`` only in a real worker's trace (a caller the
+#: harness's trace could not place)
+EVICTION_CAUSES = ("prefill", "decode", "check_decode", "retract", "other")
+
+
+class EvictionTraceLine(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One eviction call with a shortfall (JSON, one a line): ``t`` when (s; wall time on a
+    worker, simulated time in a replay), ``cause`` (``EVICTION_CAUSES``), ``need`` the tokens
+    asked of the tree (demand - available), ``avail0`` / ``avail1`` the allocator's available
+    tokens before and after, ``freed`` the tokens evicted, ``rids`` the requests it was for
+    (null where the worker's trace found none); a worker's line also has ``call`` (the method
+    wrapped) and ``stack`` (the calling functions, innermost first)."""
+
+    t: float
+    cause: str
+    need: int
+    avail0: int
+    avail1: int
+    freed: int
+    rids: list[str] | None = None
+    call: str | None = None
+    stack: list[str] | None = None
+
+
 __all__ = [
     "BlockStoredIdsView",
     "EventFrameIdsView",
@@ -690,4 +720,6 @@ __all__ = [
     "SegmentStart",
     "BundleRecord",
     "ReadRecord",
+    "EVICTION_CAUSES",
+    "EvictionTraceLine",
 ]

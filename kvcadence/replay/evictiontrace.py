@@ -1,7 +1,7 @@
 """The simulated worker's eviction trace (``kvcadence replay --trace-evictions FILE``).
 
-What this file owns: ``EvictionTrace``, one JSON line per eviction the scheduler asks of its
-radix tree, in the shape the real worker's trace has (``harness start --trace-evictions``,
+What this file owns: ``EvictionTrace``, one JSON line (``schema.EvictionTraceLine``) per
+eviction the scheduler asks of its radix tree, in the shape the real worker's trace has (``harness start --trace-evictions``,
 ``harness/sglang_cpu/sitecustomize.py``), so the two can be read side by side::
 
     {"t": simulated time (s), "cause": "prefill" | "decode" | "check_decode" | "retract",
@@ -22,24 +22,11 @@ from typing import IO, Any
 
 import msgspec
 
-#: the causes an eviction is traced with (the real trace's, but "other")
-CAUSES = ("prefill", "decode", "check_decode", "retract")
-
-
-class TraceLine(msgspec.Struct, frozen=True):
-    """One eviction (see module docstring)."""
-
-    t: float
-    cause: str
-    need: int
-    avail0: int
-    avail1: int
-    freed: int
-    rids: list[str]
+from kvcadence.format.schema import EvictionTraceLine
 
 
 class EvictionTrace:
-    """Appends ``TraceLine``s to ``fh`` (a text file opened by the caller), one a line."""
+    """Appends ``schema.EvictionTraceLine``s to ``fh`` (a text file opened by the caller), one a line."""
 
     def __init__(self, fh: IO[str]) -> None:
         self._fh = fh
@@ -56,8 +43,14 @@ class EvictionTrace:
         reqs: Iterable[Any],
     ) -> None:
         """An eviction at simulated ``t_ns`` for the batch ``reqs`` (objects with ``rid``)."""
-        line = TraceLine(
-            t_ns / 1e9, cause, need, avail0, avail1, avail1 - avail0, [str(r.rid) for r in reqs]
+        line = EvictionTraceLine(
+            t=t_ns / 1e9,
+            cause=cause,
+            need=need,
+            avail0=avail0,
+            avail1=avail1,
+            freed=avail1 - avail0,
+            rids=[str(r.rid) for r in reqs],
         )
         self._fh.write(self._enc.encode(line).decode() + "\n")
         self.count += 1
