@@ -23,6 +23,9 @@ every input, so a report only pays for sections that say something; it draws its
   rank by rank) and, with two or more sims, ``routing_what_if`` (one row per sim bundle);
   sections "Per-rank figures", "Per-rank real vs sim", "Routing what-if"; plot ``ranks.png``.
 
+* ``spread`` (``kvcadence.analysis.spread``): with two or more real inputs and a sim one.
+  JSON ``real_spread``: per headline figure the real inputs' range and where each sim lies
+  in it; section "Real spread" after "Verdict".
 * ``divergence`` (``kvcadence.analysis.divergence``): with two or more inputs. JSON
   ``divergence``: one entry per compared input -- per DP rank the leading messages whose
   events equal the reference's and the first differing message of each side (block runs
@@ -41,7 +44,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcadence.analysis import aligned, divergence, families, pages, plots, ranks, sql, visibility
+from kvcadence.analysis import (
+    aligned,
+    divergence,
+    families,
+    pages,
+    plots,
+    ranks,
+    spread,
+    sql,
+    visibility,
+)
 from kvcadence.analysis.formatting import fmt
 
 
@@ -247,6 +260,15 @@ def divergence_extra(
     )
 
 
+def spread_extra(
+    labelled: list[tuple[str, Any]], ings: list[Any], out: Path | None
+) -> Extra | None:
+    data = spread.real_spread(labelled)
+    if data is None:
+        return None
+    return Extra({"real_spread": data}, [spread.section(data)], after="Verdict")
+
+
 #: The optional section providers, in report order (see the module docstring).
 PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path | None], Extra | None]] = [
     families_extra,
@@ -254,6 +276,7 @@ PROVIDERS: list[Callable[[list[tuple[str, Any]], list[Any], Path | None], Extra 
     visibility_extra,
     ranks_extra,
     divergence_extra,
+    spread_extra,
 ]
 
 
