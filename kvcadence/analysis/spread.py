@@ -26,11 +26,7 @@ from kvcadence.analysis.formatting import fmt
 #: (figure, relative tolerance): the default gates' relative ones, and the mean blocks per
 #: Removed event at the Removed events' tolerance
 FIGURES: tuple[tuple[str, float], ...] = (
-    *(
-        (g.split("=", 1)[0], float(g.split("=", 1)[1].rstrip("%")) / 100)
-        for g in cmp.DEFAULT_GATES
-        if g.endswith("%")
-    ),
+    *((g.metric, g.value / 100) for g in map(cmp.parse_gate, cmp.DEFAULT_GATES) if g.kind == "rel"),
     ("blocks_per_removed_event.mean", 0.10),
 )
 
