@@ -100,7 +100,8 @@ def figure_spread(
 def section(data: dict[str, Any]) -> tuple[str, str, dict[str, list[str]]]:
     """The report section of ``real_spread``'s result."""
     figs = data["figures"]
-    sims = sorted({lb for f in figs.values() for lb in f["sims"]})
+    # the sims in report order (every figure lists all of them): sim2 before sim10
+    sims = list(next(iter(figs.values()))["sims"]) if figs else []
     cols: dict[str, list[str]] = {
         "figure": list(figs),
         "tolerance": [f"{f['tolerance'] * 100:g} %" for f in figs.values()],

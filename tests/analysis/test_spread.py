@@ -93,3 +93,14 @@ def test_one_value_holds_all_exactly_when_some_value_is_within_tolerance_of_each
     grid += [hi * (1 - tol), lo * (1 + tol)]
     found = any(all(abs(x - v) <= tol * v * (1 + 1e-12) for v in vals) for x in grid)
     assert fig["one_value_holds_all"] == found
+
+
+def test_the_section_lists_the_replays_in_report_order() -> None:
+    """sim2 before sim10 (report order, not string order)."""
+    reals = [("real1", {REMOVED: 0.8}), ("real2", {REMOVED: 0.7})]
+    sims = [(f"sim{k}", {REMOVED: 0.75}) for k in (1, 2, 10)]
+    data = {"reference": "real1", "figures": spread.figure_spread(reals, sims)}
+    data["cached_tokens_equal"] = {"real2": 1.0}
+    title, text, cols = spread.section(data)
+    assert title == "Real spread" and "real2 1" in text
+    assert [c for c in cols if c.startswith("sim")] == ["sim1", "sim2", "sim10"]
