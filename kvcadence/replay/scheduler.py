@@ -1,12 +1,17 @@
 """The simulated SGLang scheduler loop (overlap and normal), in virtual time.
 
-Why one ~1,500-line module: the loop is one algorithm whose steps share the worker's state
+Why one ~1,000-line module: the loop is one algorithm whose steps share the worker's state
 (queue, running batch, pool, tree, publish counters) and whose order *is* the model (what is
-evicted before which store is queued); its side concerns live elsewhere -- request and batch
-records in ``replay.request``, decode-stretch skipping in ``replay.stretch``, visibility marks
-in ``replay.marks`` (functions bound as ``Scheduler`` methods).
+evicted before which store is queued): the iteration, result processing, the tree
+operations and the stepping API stay here, together. Its steps' own rules are functions
+bound as ``Scheduler`` methods in the class body: prefill batch formation in
+``replay.prefillbatch``, decode passes, their memory and retraction in
+``replay.decodemem``, idle publishes, flushes, aborts and PD transfers in
+``replay.loopcontrol``, decode-stretch skipping in ``replay.stretch``, visibility marks in
+``replay.marks``; request and batch records are in ``replay.request``.
 
-What this file owns (SGLang's ``scheduler.py`` loops; docs/sglang-sources.md):
+The model, this file's and its bound modules' together (SGLang's ``scheduler.py`` loops;
+docs/sglang-sources.md):
 
 * the loop: each iteration receives arrived requests, stashes the in-flight chunked
   request (its chunk is inserted → one store), merges the last prefill batch into the
@@ -54,7 +59,6 @@ slots (``alloc`` = page-ceiled). ``available = pool − tree.total_size − Σ a
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import heapq
 import random
@@ -66,27 +70,16 @@ from typing import Any
 from kvcadence.errors import ReplayError
 from kvcadence.format.namespace import Namespace
 from kvcadence.gcpause import gc_paused
-from kvcadence.replay import marks, stretch
+from kvcadence.replay import decodemem, loopcontrol, marks, prefillbatch, stretch
 from kvcadence.replay.admission import (
-    AddReqResult,
     NewTokenRatioTracker,
-    PrefillAdder,
-    ceil_paged,
 )
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
 from kvcadence.replay.evictiontrace import EvictionTrace
 from kvcadence.replay.flushes import FlushPlan
-from kvcadence.replay.policy import (
-    SPF,
-    WAITING_PREFIX_REFRESH_INTERVAL,
-    order_waiting,
-    refreshes_waiting_prefixes,
-    spf_chunk_limit,
-    touch_waiting_prefixes,
-)
 from kvcadence.replay.radix import PROMPT_PRIORITY, Hasher, Node, NullSink, RadixTree
-from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, WAITING, Batch, SimReq, SimStats
+from kvcadence.replay.request import ABORTED, FINISHED, RUNNING, Batch, SimReq, SimStats
 from kvcadence.replay.schedule import RequestSpec, Schedule
 from kvcadence.replay.timing import PassTimer
 from kvcadence.replay.tokens import CODE
@@ -139,6 +132,30 @@ class Scheduler:
     _skip_decode_stretch = stretch._skip_decode_stretch
     _stretch_needs = stretch._stretch_needs
     _evict_through_stretch = stretch._evict_through_stretch
+    # prefill batches (replay/prefillbatch.py), decode passes and retraction
+    # (replay/decodemem.py), idle / flush / abort / PD transfers (replay/loopcontrol.py)
+    _stash_chunked = prefillbatch._stash_chunked
+    _num_allocatable = prefillbatch._num_allocatable
+    _calc_priority = prefillbatch._calc_priority
+    _get_new_batch_prefill = prefillbatch._get_new_batch_prefill
+    _preempt_for = prefillbatch._preempt_for
+    _mix = prefillbatch._mix
+    _decode_batch = decodemem._decode_batch
+    _update_running_batch = decodemem._update_running_batch
+    _decode_need = decodemem._decode_need
+    _decode_alloc = decodemem._decode_alloc
+    _decode_fits = decodemem._decode_fits
+    _retract = decodemem._retract
+    _requeue = decodemem._requeue
+    _pause = decodemem._pause
+    _fully_idle = loopcontrol._fully_idle
+    _on_idle = loopcontrol._on_idle
+    _maybe_flush = loopcontrol._maybe_flush
+    _flush_due = loopcontrol._flush_due
+    force_flush = loopcontrol.force_flush
+    _apply_aborts = loopcontrol._apply_aborts
+    _hold_for_transfer = loopcontrol._hold_for_transfer
+    _poll_transfers = loopcontrol._poll_transfers
 
     def __init__(
         self,
@@ -582,413 +599,7 @@ class Scheduler:
         tp = self.cfg.timing
         return int((tp.transfer_base_s + tp.transfer_per_token_s * len(spec.input_ids)) * 1e9)
 
-    # ------------------------------------------------------------------ batch building
-    def _stash_chunked(self) -> None:
-        req = self.chunked_req
-        if req is not None:
-            self._insert_upto(req, req.kv_len)
-            req.prefix_len = req.tree_len
-            req.last_node = req.lock_handle
-
-    def _num_allocatable(self) -> int:
-        return self.max_running - len(self.running)
-
-    def _calc_priority(self) -> list[SimReq]:
-        """``calc_priority``: the waiting queue in the order the adder walks it (sorted in
-        place: ``self.waiting`` becomes that order), then the waiting-prefix refresh."""
-        cfg = self.cfg
-        # called after ``_get_new_batch_prefill``'s early returns, as in 0.5.23
-        # ``_get_new_batch_prefill_raw``; its waiting-prefix refresh (policy.py) last
-        ordered = order_waiting(
-            cfg.schedule_policy,
-            self.waiting,
-            self.tree,
-            self._match,
-            self.processed_tokens,
-            [r.spec.routing_key for r in (*self.running, *self.pending_merge)],
-            self.rng,
-            cfg.random_as_recorded,
-            self.prio_key,
-        )
-        # 0.5.23 sorts the waiting queue in place: the next call starts from this order
-        # (ties of lpm / dfs-weight, the fcfs fallback beyond 128 waiting requests)
-        self.waiting = ordered
-        if (
-            self.waiting
-            and self.role != "decode"
-            and refreshes_waiting_prefixes(
-                cfg.schedule_policy, len(self.waiting), cfg.eviction_policy
-            )
-        ):
-            if self._prefix_refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0:
-                touch_waiting_prefixes(ordered, self.tree)
-            self._prefix_refresh_calls += 1
-        return ordered
-
-    def _get_new_batch_prefill(self, t: int) -> Batch | None:
-        cfg = self.cfg
-        if self.preemption:  # reset to try preemption with a prefill adder (0.5.23)
-            self.batch_is_full = False
-        if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
-            return None
-        if (
-            self.min_free_slots is not None
-            and self.chunked_req is None
-            and self.running
-            and self._num_allocatable() < self.min_free_slots
-        ):
-            return None  # ``MinFreeSlotsDelayer.should_delay``: wait for more free slots
-        if self._num_allocatable() <= 0 and self.chunked_req is None and not self.preemption:
-            self.batch_is_full = True
-            return None
-        ordered = self._calc_priority()
-        adder = PrefillAdder(
-            self.ps,
-            self.tc,
-            self.allocator,
-            self.running,
-            self.tracker.current,
-            cfg.max_prefill_tokens,
-            # a decode worker receives the whole KV at once (no chunking)
-            None if self.role == "decode" else cfg.chunked_prefill_size,
-            generation=self.adm_generation,
-            # mixed chunked prefill: a token per running request comes off both budgets
-            num_mixed_decode_tokens=len(self.running) if self.mixed else 0,
-            prefill_max_requests=cfg.prefill_max_requests,
-            clip_max_new_tokens=cfg.clip_max_new_tokens,
-        )
-        chunked = self.chunked_req
-        still_chunked: SimReq | None = None
-        if chunked is not None:
-            limit = None
-            if cfg.schedule_policy == SPF:
-                limit = spf_chunk_limit(chunked, ordered, adder.rem_chunk_tokens or 0, self.ps)
-            still_chunked = adder.add_chunked_req(chunked, limit)
-        gen0523 = self.adm_generation == "0.5.23"
-        # the running batch changes here only by preemption
-        allocatable = self._num_allocatable()
-        has_chunked = chunked is not None
-        can_run_list = adder.can_run_list
-        preempted: list[SimReq] = []
-        for req in ordered:
-            if gen0523 and adder.budget_state() is AddReqResult.OTHER:
-                break
-            # the continuing chunk counts (0.5.23: ``len(adder.can_run_list) >=
-            # get_num_allocatable_reqs(running_bs)``; it is not in the running batch)
-            if len(can_run_list) >= allocatable:
-                self.batch_is_full = True
-            if self.batch_is_full:
-                # full: only a request that preempts running ones goes on (and once full,
-                # every later one of the pass must too: the flag stays set)
-                if not self.preemption:
-                    break
-                # its prefix as an earlier pass's match left it (0: never matched): 0.5.23
-                # matches a waiting request only once the loop admits it
-                # (``init_next_round_input``; fcfs and lof do not match in ``calc_priority``)
-                if not self._preempt_for(req, adder, preempted):
-                    break
-                allocatable = self._num_allocatable()
-            self._match(req)
-            res = adder.add_one_req(req, has_chunked_req=has_chunked)
-            if res is not AddReqResult.CONTINUE:
-                if res is AddReqResult.NO_TOKEN:
-                    if len(adder.can_run_list) > (1 if chunked is not None else 0) or self.running:
-                        self.batch_is_full = True
-                break
-        can_run = adder.can_run_list
-        if not can_run:
-            for r in preempted:  # released already: queued again though nothing was admitted
-                self._enqueue(r)
-            return None
-        admitted = {id(r) for r in can_run}
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        for r in preempted:
-            self._enqueue(r)
-        new_chunked = adder.new_chunked_req
-        self.chunked_req = new_chunked if new_chunked is not None else still_chunked
-        # allocate the extend KV (prepare_for_extend): evict the shortfall first; at page > 1
-        # alloc_paged_token_slots_extend asks for the extend *tokens* plus a page per request
-        # (not the page-rounded extend)
-        ps = self.ps
-        need = 0
-        extend_tokens = 0
-        for r in can_run:
-            seq_end = r.prefix_len + r.extend_len
-            need += ceil_paged(seq_end, ps) - ceil_paged(r.prefix_len, ps)
-            extend_tokens += r.extend_len
-        target = extend_tokens + len(can_run) * ps if ps > 1 else need
-        self._evict_for(target, "prefill", can_run)
-        if self.available() < need:
-            raise ReplayError(
-                f"prefill allocation failed at t={t} ns: need {need}, "
-                f"available {self.available()} (admission should have prevented this)"
-            )
-        tokens = 0
-        for r in can_run:
-            if r is not chunked:
-                # a new (or re-queued) request: its lock was taken by the adder
-                r.tree_len = r.prefix_len
-                r.kv_len = r.prefix_len
-                if r.state == WAITING and not r.prefilled_once:
-                    r.cached_tokens = r.prefix_len
-                    r.entry_ns = t
-                r.prefilled_once = True
-                r.state = RUNNING
-                if r.lock_handle is not r.last_node:
-                    # adder locked last_node; remember it as our handle
-                    r.lock_handle = r.last_node
-            seq_end = r.prefix_len + r.extend_len
-            self._alloc(r, ceil_paged(seq_end, ps) - ceil_paged(r.kv_len, ps))
-            r.kv_len = seq_end
-            tokens += r.extend_len
-        self.pass_index += 1
-        return Batch(
-            "prefill",
-            list(can_run),
-            [r.gen for r in can_run],
-            self.pass_index,
-            0,
-            tokens,
-            [r.kv_len for r in can_run],
-            [not r.is_chunked for r in can_run],
-        )
-
-    def _preempt_for(self, req: SimReq, adder: PrefillAdder, preempted: list[SimReq]) -> bool:
-        """0.5.23 ``PrefillAdder.preempt_to_schedule``: release running requests less
-        important than ``req`` by more than the threshold, least important (then newest)
-        first, until their reservations cover what ``req`` needs beyond the adder's
-        budget; False (nothing released) when they do not. Each is released as a retraction
-        is (``_requeue``: no insert, ``remaining × retract_decode_steps`` tokens evicted)
-        and added to ``preempted`` (queued again after the pass's admissions)."""
-        sign = self.prio_sign
-        mine = self._priority(req)
-        ratio = self.tracker.current
-        clip = self.cfg.clip_max_new_tokens
-
-        def offset(r: SimReq) -> float:
-            # ``_get_running_request_total_token_offset``
-            return min(r.max_new_tokens - r.output_len, clip) * (1.0 if r.ignore_eos else ratio)
-
-        cands = sorted(
-            (r for r in self.running if r.state == RUNNING and r not in preempted),
-            key=lambda r: (self._priority(r) * -sign, -r.wait_seq),
-        )
-        need = (
-            req.fill_len - req.prefix_len + min(req.max_new_tokens, clip) - adder.rem_total_tokens
-        )
-        chosen: list[SimReq] = []
-        for r in cands:
-            if (mine - self._priority(r)) * -sign <= self.cfg.priority_threshold:
-                break
-            chosen.append(r)
-            need -= offset(r)
-            if need <= 0:
-                break
-        if not chosen or need > 0:
-            return False
-        gone = {id(r) for r in chosen}
-        released = 0
-        steps = self.cfg.retract_decode_steps
-        for r in self.running:  # in the running batch's order, as 0.5.23 releases them
-            if id(r) not in gone:
-                continue
-            adder.rem_total_token_offset -= offset(r)
-            released += 1
-            self._requeue(r)
-            self._evict_for((len(self.running) - released) * steps, "retract", [r])
-        self.running = [r for r in self.running if id(r) not in gone]
-        preempted.extend(chosen)
-        self.stats.preemptions += len(chosen)
-        return True
-
-    def _retract(self, t: int, batch: list[SimReq]) -> None:
-        """``retract_decode``: release requests of the decode ``batch`` until the next decode
-        step fits (``_get_decode_retraction_order``: fewest outputs first, ties longest
-        prompt; ``--retraction-policy priority``: the least important first)."""
-        if self.cfg.retraction_policy == "priority":  # the least important first, then length
-            sign = self.prio_sign
-            cand = sorted(
-                batch,
-                key=lambda r: (self._priority(r) * -sign, r.output_len, -r.input_len),
-                reverse=True,
-            )
-        else:
-            cand = sorted(batch, key=lambda r: (r.output_len, -r.input_len), reverse=True)
-        retracted: list[SimReq] = []
-        # ``while first_iter or not check_decode_mem(kept)``: the first request goes
-        # unchecked (the caller's check failed), then each check evicts its shortfall first
-        # -- what the release's ``remaining x retract_decode_steps`` tokens did not cover at a
-        # page over that many tokens
-        while True:
-            if retracted and self._decode_fits(cand):
-                break
-            if len(cand) <= 1:
-                break
-            r = cand.pop()
-            retracted.append(r)
-            self._requeue(r)
-            # traced with the decode batch it retracts from (the worker's trace shows that)
-            self._evict_for(len(cand) * self.cfg.retract_decode_steps, "retract", batch)
-        if retracted:
-            self.stats.retractions += len(retracted)
-            gone = {id(r) for r in retracted}
-            self.running = [r for r in self.running if id(r) not in gone]
-            for r in retracted:
-                self._enqueue(r)
-            # the new ratio is estimated over the requests that stay (the filtered batch)
-            self.tracker.on_retract(cand)
-            self.batch_is_full = False
-        if len(cand) <= 1 and not self._decode_fits(cand):
-            # even the last one does not fit: abort it (SGLang: "Out of memory even after
-            # retracting all other requests in the decode batch")
-            for r in cand:
-                self.running.remove(r)
-                self._finish(r, t, insert=False, error="out of memory after retraction")
-                self.stats.aborted += 1
-
-    def _decode_fits(self, reqs: list[SimReq]) -> bool:
-        """``check_decode_mem(selected)``: evict for the next decode step of ``reqs`` (a page
-        per request whose next token starts one), then whether it fits."""
-        need = sum(self.ps for r in reqs if r.kv_len % self.ps == 0)
-        self._evict_for(need, "check_decode", reqs)
-        return self.available() >= need
-
-    def _requeue(self, r: SimReq) -> None:
-        """``release_req`` of a retraction: free the request's KV without a store (its prompt,
-        checkpointed at its prefill result, stays cached and matchable) and make it wait
-        again; readmitted, it recomputes only what is not in the tree (its decoded tokens)."""
-        self._release(r, insert=False)
-        r.gen += 1
-        r.state = WAITING
-        r.retractions += 1
-        n = r.input_len + r.output_len
-        r.fill = r.seq_slice(0, n)
-        r.fill_len = len(r.fill)
-        r.prefix_len = 0
-        r.decode_left = 0
-
-    def _pause(self, t: int) -> None:
-        """``pause_generation``: retract (mode retract) every running request, publish the
-        queue (also when idle), and stop scheduling until ``continue_generation``."""
-        _at, until, mode = self._pauses.pop(0)
-        if mode == "retract":
-            victims = [r for r in self.running if r.state == RUNNING]
-            victims += [r for r in self.pending_merge if r.state == RUNNING]
-            for r in victims:
-                self._requeue(r)
-            if victims:
-                self.stats.retractions += len(victims)
-                self.running = []
-                self.pending_merge = []
-                rest, self.waiting = self.waiting, []
-                for r in victims:
-                    self._enqueue(r)
-                self.waiting.extend(rest)
-                self.batch_is_full = False
-        self._publish(t, self.pass_index, "pause")
-        self.paused_until = until
-
-    def _decode_batch(self) -> list[SimReq]:
-        """The running requests the next decode step runs: not those whose result in flight
-        finishes them by length (``_reqs_finishing_inflight``). In the overlap loop a request
-        that stops at EOS is not known to finish until its result is processed, after the
-        next batch is launched: it is decoded once more (its EOS token's KV computed, so its
-        finish inserts prompt + every output), also when its first token is EOS (merged
-        from its prefill batch by ``_get_next_batch``)."""
-        if self.overlap:
-            return [r for r in self.running if r.decode_left > 0 or r.stops_unseen]
-        return [r for r in self.running if r.decode_left > 0]
-
-    def _update_running_batch(self, t: int) -> Batch | None:
-        running = self._decode_batch()
-        if not running:
-            return None
-        need = self._decode_need(running)
-        cap = self.cfg.max_total_tokens - self.private_total  # available() = cap - tree size
-        if cap - self.tree.total_size < need:
-            self._evict_for(need, "check_decode", running)
-            short = self.available() < need
-        else:
-            short = False
-        if short:
-            if self.overlap and len(running) < len(self.running):
-                # rule (overlap loop, ``_reqs_finishing_inflight``): a request whose result
-                # in flight finishes it by length frees its KV when that result is
-                # processed, so a short step decodes nothing instead of retracting
-                self.batch_is_full = False
-                return None
-            self._retract(t, running)
-            running = self._decode_batch()
-            if not running:
-                return None
-        else:
-            self.tracker.on_decode_steps(1)
-        self._decode_alloc(running)
-        self.pass_index += 1
-        return Batch("decode", running, [], self.pass_index, 0, len(running))
-
-    def _decode_need(self, running: list[SimReq]) -> int:
-        """``check_decode_mem``'s tokens: a token per request at page 1, else a page per
-        request whose next token starts one."""
-        ps = self.ps
-        if ps == 1:
-            return len(running)
-        need = 0
-        for r in running:
-            if r.kv_len % ps == 0:
-                need += ps
-        return need
-
-    def _decode_alloc(self, running: list[SimReq]) -> None:
-        """``prepare_for_decode``: a token's KV for each request of ``running`` (at page > 1
-        ``alloc_paged_token_slots_decode`` first evicts as if each needed a new page)."""
-        ps = self.ps
-        if ps > 1:
-            self._evict_for(len(running) * ps, "decode", running)
-        if ps == 1:
-            for r in running:
-                r.alloc += 1
-                r.kv_len += 1
-                r.decode_left -= 1
-            self.private_total += len(running)
-        else:
-            grown = 0
-            for r in running:
-                if r.kv_len % ps == 0:
-                    r.alloc += ps
-                    grown += ps
-                r.kv_len += 1
-                r.decode_left -= 1
-            self.private_total += grown
-
-    def _mix(self, batch: Batch) -> None:
-        """Mixed chunked prefill (``--enable-mixed-chunk``, 0.5.23
-        ``_get_new_batch_prefill_raw``): once the prefill batch holds its KV, the running
-        requests -- less those whose result in flight finishes them by length, which leave
-        the running batch -- are decoded in the same pass if ``check_decode_mem`` finds
-        their next tokens room (evicting for them); else they sit this pass out (no
-        retraction). Mixed in, they leave the running batch and come back with the prefill
-        batch they rode in (``running_batch = last_batch``); their result inserts nothing
-        unless it finishes them."""
-        rows = self._decode_batch()
-        if len(rows) < len(self.running):
-            self.batch_is_full = False
-            self.running = rows
-        if not rows:
-            return
-        need = self._decode_need(rows)
-        self._evict_for(need, "check_decode", rows)
-        if self.available() < need:
-            return
-        self._decode_alloc(rows)
-        batch.mixed = rows
-        batch.mixed_gens = [r.gen for r in rows]
-        batch.mixed_seq = sum(r.kv_len for r in rows)
-        batch.tokens += len(rows)
-        self.stats.mixed_passes += 1
-        self.running = []
-        self.pending_merge.extend(rows)
-
+    # ------------------------------------------------------------------ batch choice
     def _recv_due(self) -> bool:
         """``SchedulerRecvSkipper.handle``: add the previous iteration's weight (a decode
         batch or none 1, any other 1000: at once after a prefill) and receive when the sum
@@ -1125,97 +736,7 @@ class Scheduler:
                     self.running.remove(r)
                 self._finish(r, t)
 
-    # ------------------------------------------------------------------ PD prefill
-    def _hold_for_transfer(self, req: SimReq, upto: int, t: int) -> None:
-        """PD prefill: insert the prompt (published with this result), keep it locked and
-        matchable while its KV is transferred (``disagg_prefill_inflight_queue``)."""
-        self._insert_upto(req, upto)
-        if req in self.running:
-            self.running.remove(req)
-        req.decode_left = 0
-        heapq.heappush(self.held, (t + self._transfer_ns(req), req.idx))
-
-    def _poll_transfers(self, t: int) -> None:
-        """``process_disagg_prefill_inflight_queue``: release finished transfers (unlock, free
-        the partial page; the prompt is already in the tree, so no event)."""
-        held = self.held
-        while held and held[0][0] <= t:
-            _done, idx = heapq.heappop(held)
-            req = self.reqs[idx]
-            self._finish(req, t, insert=False)
-
-    # ------------------------------------------------------------------ idle, flush, abort
-    def _fully_idle(self) -> bool:
-        return (
-            not self.running
-            and not self.waiting
-            and self.chunked_req is None
-            and not any(r.state == RUNNING for r in self.pending_merge)
-        )
-
-    def _on_idle(self, t: int) -> None:
-        if self._fully_idle():
-            self._publish(t, self.pass_index, "idle")
-            self.tracker.on_idle()
-
-    def _maybe_flush(self, t: int) -> None:
-        while self.flush_times and self.flush_times[0] <= t and self._fully_idle():
-            self.flush_times.pop(0)
-            # rule: a command while idle publishes what is queued first (the clear goes
-            # out alone)
-            self._publish(t, self.pass_index, "command")
-            self.tree.reset()
-            self.queue.record_clear()
-            self._publish(t, self.pass_index, "flush")
-            self.decode_ct = 0
-            self.stats.flushes += 1
-            if self.flush_plan is not None:
-                # the requests that came after it (may make the next flush due)
-                self.flush_plan.performed(t)
-
-    def _flush_due(self, at: int) -> None:
-        """``FlushPlan`` callback: the next recorded flush may be performed from ``at`` on
-        (its requests before it all finished, on this rank or another): wake up for it."""
-        bisect.insort(self.flush_times, at)
-        self._wake()
-
-    def force_flush(self) -> bool:
-        """A driver found every rank stopped: perform this rank's next recorded flush even
-        though requests before it never finished (inconsistent records). False when none
-        is pending."""
-        plan = self.flush_plan
-        if plan is None or not plan.pending or self.flush_times:
-            return False
-        plan.force(self._idle_since if self._idle_since is not None else self.t)
-        return True
-
-    def _apply_aborts(self, t: int) -> None:
-        if not self._aborts:
-            return
-        for rid, at in list(self._aborts.items()):
-            if at > t:
-                continue
-            req = next((r for r in self.reqs if r.rid == rid), None)
-            if req is None or req.state in (FINISHED, ABORTED):
-                del self._aborts[rid]
-                continue
-            if req.state == WAITING and req in self.waiting:
-                self.waiting.remove(req)
-                req.state = ABORTED
-                req.error = "aborted while waiting"
-                req.finish_ns = t
-                self.finished_count += 1
-                self._release_successors(req, t)
-                del self._aborts[rid]
-            elif req.state == RUNNING and req is not self.chunked_req and req.decode_left > 0:
-                # FINISH_ABORT: one more forward, then the normal finish path
-                # one more forward after the ones already launched; finish then stores
-                # prompt + outputs - 1 (kv_len after that forward)
-                req.n_out = req.kv_len - req.input_len + 2
-                req.decode_left = 1
-                req.error = "aborted"
-                del self._aborts[rid]
-
+    # ------------------------------------------------------------------ arrivals, queue
     def _receive(self, t: int) -> None:
         arrivals = self.arrivals
         while arrivals and arrivals[0][0] <= t:
