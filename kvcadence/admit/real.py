@@ -1,7 +1,7 @@
 """Run ``sglang_adder_driver.py`` (the REAL SGLang PrefillAdder) and compare it with ``admit``.
 
-Owns the bridge to the SGLang 0.5.23 venv built by ``kvcadence.harness.worker`` (found via
-``harness.venv_python()``; ``$KVCADENCE_SGLANG_VENV`` overrides it): one subprocess per call,
+Owns the bridge to the SGLang 0.5.23 venv built by ``kvcadence.harness.venv`` (found via
+``venv_python()``; ``$KVCADENCE_SGLANG_VENV`` overrides it): one subprocess per call,
 all queues in one JSON job (the ~10 s sglang import is paid once), and the projection of a tick
 (kvcadence's or the driver's raw one) onto the fields both must agree on.
 Only the standard library is imported at module level.
@@ -24,7 +24,7 @@ from kvcadence.admit.ticks import (
     specs_to_jobs,
 )
 from kvcadence.errors import HarnessError
-from kvcadence.harness.worker import venv_python, venv_ready
+from kvcadence.harness.venv import venv_python, venv_ready
 
 DRIVER = Path(__file__).resolve().parent.parent / "harness" / "sglang_adder_driver.py"
 
@@ -42,7 +42,7 @@ def sglang_available() -> tuple[bool, str]:
     if not py.exists():
         return False, (
             f"no SGLang 0.5.23 venv at {py.parent.parent} (build it with the capture harness, "
-            "kvcadence.harness.worker.ensure_venv(), or set KVCADENCE_SGLANG_VENV)"
+            "kvcadence.harness.venv.ensure_venv(), or set KVCADENCE_SGLANG_VENV)"
         )
     if not (py.parent.parent / "lib").exists():
         return False, f"{py.parent.parent} is not a virtualenv"

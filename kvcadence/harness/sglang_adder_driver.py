@@ -1,6 +1,6 @@
 """Drive the REAL ``sglang.srt.managers.schedule_policy.PrefillAdder`` with kvcadence's fakes.
 
-A standalone script for the SGLang 0.5.23 venv's python (``kvcadence.harness.worker``): it
+A standalone script for the SGLang 0.5.23 venv's python (``kvcadence.harness.venv``): it
 imports nothing from kvcadence. It reads one JSON job on stdin::
 
     {"config": {"available_tokens": 20000, "max_prefill_tokens": 16384,

@@ -1,52 +1,36 @@
-"""The real-SGLang CPU harness: build SGLang 0.5.23's venv, make the tiny model, run a worker.
+"""The real-SGLang CPU harness: run an unmodified SGLang 0.5.23 worker on a CPU-only box.
 
-Owns everything needed to run an unmodified SGLang 0.5.23 server on a CPU-only Linux box
-(the recipe is this module; examples/README.md shows the command it runs):
+What this file owns (the recipe's launch; examples/README.md shows the command it runs):
 
-* ``ensure_venv()`` -- a venv cached outside the repository (``~/.cache/kvcadence/
-  sglang-0.5.23-venv``, or ``$KVCADENCE_SGLANG_VENV``), built with ``torch==2.14.1
-  torchvision==0.29.1``, then ``--no-deps sglang==0.5.23``, then the pinned requirements
-  shipped as package data. Rebuilt when missing or when the requirements' hash changed;
-  an ``flock`` lock file keeps two processes from building it at once.
-* ``ensure_model()`` -- the tiny random-weight Llama (``sglang_cpu/mkmodel.py``) in the cache.
-* ``start_server()`` / ``ServerHandle.stop()`` -- launch on loopback with free ports, KV events
-  bound with a replay ROUTER, ``--export-metrics-to-file`` and ``--enable-metrics`` (the
-  ``meta_info`` timings replay calibrates from); readiness by polling ``/health`` for up to
-  ``ready_timeout`` s (``DEFAULT_READY_TIMEOUT_S``; ``harness start --ready-timeout``).
-* Stopping: every worker is started as the leader of its own session and process group, and
-  ``ProcessTree`` stops the whole tree it started (that group, plus any descendant seen in
-  ``/proc`` that left it): SIGTERM, ``STOP_GRACE_S`` of grace, then SIGKILL; by PID (checked
-  with its start time), never by name. ``start_server`` does this itself on every failure
+* ``start_server()`` / ``ServerHandle.stop()`` -- launch on loopback with free ports
+  (``harness.ports``), KV events bound with a replay ROUTER, ``--export-metrics-to-file``
+  and ``--enable-metrics`` (the ``meta_info`` timings replay calibrates from); readiness by
+  polling ``/health`` for up to ``ready_timeout`` s (``DEFAULT_READY_TIMEOUT_S``; ``harness
+  start --ready-timeout``). The venv and the tiny model come from ``harness.venv``.
+* Every worker is started as the leader of its own session and process group, and
+  ``start_server`` stops the whole tree it started (``harness.proctree``) on every failure
   path -- ready timeout, the worker exiting early, Ctrl-C, SIGTERM/SIGHUP of the caller --
   so a failed start leaves no process behind (e.g. the DP scheduler processes of a
   ``--dp-size 2`` worker). A worker that exits before it is ready is started once more on
   fresh ports (``START_ATTEMPTS``; a port found free may be taken before SGLang binds it),
   and the error names the exception line of its log (``exit_cause``), not its last line.
-* Data parallelism: ``ServerConfig.dp_size`` adds ``--dp-size N``; rank ``r`` publishes on
-  ``events_port + r`` and replays on ``replay_port + r`` (SGLang offsets both endpoints by the
-  rank), so ``reserve_ports`` holds the whole ranges ``[ev, ev+dp)`` and ``[rp, rp+dp)`` free
-  and apart while choosing. With ``dp_size > 1`` and no ``SGLANG_CPU_OMP_THREADS_BIND`` given
-  (``ServerConfig.env`` or the caller's environment), one is set that splits this process's
-  CPUs between the ranks (``0|1`` on a 2-CPU, 1-NUMA-node box, where SGLang otherwise refuses
-  more ranks than NUMA nodes).
+* The command line and environment (``build_command``, ``server_env``,
+  ``worker_env_extra``): with ``ServerConfig.dp_size > 1``, ``--dp-size N`` (rank ``r``
+  publishes on ``events_port + r`` and replays on ``replay_port + r``) and, unless given, a
+  ``SGLANG_CPU_OMP_THREADS_BIND`` that splits this process's CPUs between the ranks
+  (``harness.ports.omp_threads_bind``).
+* ``status()`` and the state file of the worker ``harness start`` recorded.
 
 Only the standard library is imported here (httpx is not needed for a readiness probe).
-
-Why ~830 lines: it is the recipe -- venv, model, ports, command line, start, readiness and
-stop of one real worker's process tree -- kept in one place so it can be read top to bottom.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -58,247 +42,29 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kvcadence.errors import HarnessError, UsageError
+from kvcadence.harness.ports import omp_threads_bind, reserve_ports
+from kvcadence.harness.proctree import ProcessTree, pid_is_our_server, stop_pid
+from kvcadence.harness.venv import (
+    ASSET_DIR,
+    cache_dir,
+    ensure_model,
+    ensure_venv,
+    model_dir,
+    venv_dir,
+    venv_python,
+    venv_ready,
+)
 
-SGLANG_VERSION = "0.5.23"
-TORCH_PINS: tuple[str, ...] = ("torch==2.14.1", "torchvision==0.29.1")
-ASSET_DIR = Path(__file__).resolve().parent / "sglang_cpu"
-REQUIREMENTS = ASSET_DIR / "sglang-cpu-requirements.txt"
-MKMODEL = ASSET_DIR / "mkmodel.py"
-STAMP_NAME = ".kvcadence-stamp"
 DEFAULT_TOPIC = "kv-events"
 #: how long ``start_server`` waits for ``/health`` by default (a real CPU worker on a loaded
 #: 2-core box needed 362 s; ``harness start --ready-timeout`` changes it)
 DEFAULT_READY_TIMEOUT_S = 600.0
-#: SIGTERM -> SIGKILL grace when a worker's process tree is stopped
-STOP_GRACE_S = 30.0
 #: starts of a worker that exits before it is ready (``start_server``'s ``attempts``)
 START_ATTEMPTS = 2
 #: how much of a worker's log ``log_tail`` reads (its end)
 LOG_TAIL_BYTES = 1 << 16
 #: log lines searched for the exception that stopped a worker
 LOG_CAUSE_LINES = 200
-
-
-def cache_dir() -> Path:
-    """``~/.cache/kvcadence`` (computed at call time from ``Path.home()``)."""
-    return Path.home() / ".cache" / "kvcadence"
-
-
-def venv_dir() -> Path:
-    """The SGLang venv: ``$KVCADENCE_SGLANG_VENV`` or ``<cache>/sglang-0.5.23-venv``."""
-    env = os.environ.get("KVCADENCE_SGLANG_VENV")
-    return Path(env).expanduser() if env else cache_dir() / f"sglang-{SGLANG_VERSION}-venv"
-
-
-def model_dir() -> Path:
-    """Where the tiny Llama is generated."""
-    return cache_dir() / "tinyllama-1024v-128h-2l"
-
-
-def venv_python(venv: Path | None = None) -> Path:
-    return (venv or venv_dir()) / "bin" / "python"
-
-
-def requirements_hash() -> str:
-    """Hash of everything that defines the venv (pins + requirements file bytes)."""
-    h = hashlib.sha256()
-    h.update(("\n".join(TORCH_PINS) + f"\nsglang=={SGLANG_VERSION}\n").encode())
-    h.update(REQUIREMENTS.read_bytes())
-    return h.hexdigest()
-
-
-def venv_ready(venv: Path | None = None) -> bool:
-    """True when the venv exists and was built from the current requirements."""
-    venv = venv or venv_dir()
-    stamp = venv / STAMP_NAME
-    if not stamp.is_file() or not venv_python(venv).exists():
-        return False
-    try:
-        return json.loads(stamp.read_text()).get("hash") == requirements_hash()
-    except (OSError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _pip(venv: Path, args: Sequence[str], log) -> None:
-    cmd = [str(venv_python(venv)), "-m", "pip", "install", "--disable-pip-version-check", *args]
-    print("+ " + " ".join(cmd), file=log, flush=True)
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise HarnessError(
-            f"pip install {' '.join(args)} failed (exit {proc.returncode}); see {log.name}"
-        )
-
-
-def ensure_venv(*, force: bool = False, quiet: bool = False) -> Path:
-    """Build the SGLang venv unless an up-to-date one exists; return its directory."""
-    venv = venv_dir()
-    if not force and venv_ready(venv):
-        return venv
-    with _file_lock(venv.with_name(venv.name + ".lock")):
-        if not force and venv_ready(venv):  # someone else built it while we waited
-            return venv
-        if venv.exists():
-            shutil.rmtree(venv)
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        log_path = venv.with_name(venv.name + ".build.log")
-        t0 = time.monotonic()
-        if not quiet:
-            print(f"harness: building {venv} (log: {log_path}) ...", file=sys.stderr, flush=True)
-        with open(log_path, "w") as log:
-            base = getattr(sys, "_base_executable", None) or sys.executable
-            proc = subprocess.run(
-                [base, "-m", "venv", str(venv)], stdout=log, stderr=subprocess.STDOUT
-            )
-            if proc.returncode != 0:
-                raise HarnessError(f"could not create venv {venv}; see {log_path}")
-            _pip(venv, list(TORCH_PINS), log)
-            _pip(venv, ["--no-deps", f"sglang=={SGLANG_VERSION}"], log)
-            _pip(venv, ["-r", str(REQUIREMENTS)], log)
-        stamp = {"hash": requirements_hash(), "built_s": round(time.monotonic() - t0, 1)}
-        (venv / STAMP_NAME).write_text(json.dumps(stamp))
-        if not quiet:
-            print(f"harness: venv ready in {stamp['built_s']} s", file=sys.stderr, flush=True)
-    return venv
-
-
-def ensure_model(*, quiet: bool = False) -> Path:
-    """Generate the tiny deterministic Llama into the cache (once)."""
-    out = model_dir()
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
-        return out
-    venv = ensure_venv(quiet=quiet)
-    with _file_lock(out.with_name(out.name + ".lock")):
-        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
-            return out
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        proc = subprocess.run(
-            [str(venv_python(venv)), str(MKMODEL), str(tmp)],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise HarnessError(f"mkmodel.py failed: {proc.stderr.strip().splitlines()[-1:]}")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    return out
-
-
-def _bind_local(port: int) -> socket.socket | None:
-    """A TCP socket bound to ``127.0.0.1:port`` (0 = any free port), or None if taken."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("127.0.0.1", port))
-    except OSError:
-        s.close()
-        return None
-    return s
-
-
-def reserve_ports(dp_size: int = 1, *, attempts: int = 64) -> tuple[int, int, int]:
-    """``(http, events_base, replay_base)``: an HTTP port and two ranges ``[base, base+dp)``,
-    every port free on 127.0.0.1 and all distinct (each is held bound while the rest are
-    chosen, so the ranges cannot overlap each other or the HTTP port)."""
-    if dp_size < 1:
-        raise UsageError(f"dp_size must be >= 1, got {dp_size}")
-    held: list[socket.socket] = []
-    try:
-        http = _bind_local(0)
-        if http is None:
-            raise HarnessError("no free TCP port on 127.0.0.1")
-        held.append(http)
-        bases = []
-        for what in ("KV-event", "replay"):
-            for _ in range(attempts):
-                first = _bind_local(0)
-                if first is None:
-                    continue
-                base = first.getsockname()[1]
-                group = [first]
-                for r in range(1, dp_size):
-                    s = _bind_local(base + r) if base + r <= 65535 else None
-                    if s is None:
-                        break
-                    group.append(s)
-                if len(group) == dp_size:
-                    held += group
-                    bases.append(base)
-                    break
-                for s in group:
-                    s.close()
-            else:
-                raise HarnessError(
-                    f"no {dp_size} consecutive free {what} ports on 127.0.0.1 "
-                    f"after {attempts} tries"
-                )
-        return held[0].getsockname()[1], bases[0], bases[1]
-    finally:
-        for s in held:
-            s.close()
-
-
-def omp_threads_bind(dp_size: int, cpus: Sequence[int] | None = None) -> str:
-    """A ``SGLANG_CPU_OMP_THREADS_BIND`` value for ``dp_size`` ranks: ``cpus`` (default: the
-    CPUs this process may run on) split into ``dp_size`` contiguous groups, ``|``-separated
-    (``"0|1"`` for 2 ranks on CPUs 0-1, ``"0-1|2-3"`` on 4); with fewer CPUs than ranks the
-    ranks share CPUs round-robin."""
-    if cpus is None:
-        try:
-            cpus = sorted(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = list(range(os.cpu_count() or 1))
-    cpus = sorted(cpus)
-    if not cpus or dp_size < 1:
-        raise UsageError("omp_threads_bind needs >= 1 CPU and >= 1 rank")
-    if len(cpus) >= dp_size:
-        q, extra = divmod(len(cpus), dp_size)
-        groups, i = [], 0
-        for r in range(dp_size):
-            n = q + (r < extra)
-            groups.append(cpus[i : i + n])
-            i += n
-    else:
-        groups = [[cpus[r % len(cpus)]] for r in range(dp_size)]
-    return "|".join(_cpu_list(g) for g in groups)
-
-
-def _cpu_list(cpus: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    out: list[str] = []
-    start = prev = cpus[0]
-    for c in [*cpus[1:], None]:
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if c is not None:
-            start = prev = c
-    return ",".join(out)
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (held open together while choosing)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -366,7 +132,7 @@ class ServerHandle:
     def alive(self) -> bool:
         if self._proc is not None:
             return self._proc.poll() is None
-        return _pid_is_our_server(self.pid)
+        return pid_is_our_server(self.pid)
 
     def log_tail(self, n: int = 30) -> str:
         """The log's last ``n`` lines (read from its last ``LOG_TAIL_BYTES`` only)."""
@@ -385,148 +151,6 @@ class ServerHandle:
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
-
-
-@dataclass(frozen=True)
-class _Stat:
-    """The fields of ``/proc/PID/stat`` the process-tree walk needs."""
-
-    state: str
-    ppid: int
-    pgrp: int
-    session: int
-    start: int  # clock ticks after boot: with the pid, identifies one process
-
-
-def _proc_stat(pid: int) -> _Stat | None:
-    """``/proc/PID/stat`` of a process, or None when there is none (Linux)."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-        rest = data[data.rindex(b")") + 2 :].split()  # comm may hold spaces and parentheses
-        return _Stat(rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19]))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _all_stats() -> dict[int, _Stat]:
-    out: dict[int, _Stat] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in names:
-        if name.isdigit() and (st := _proc_stat(int(name))) is not None:
-            out[int(name)] = st
-    return out
-
-
-class ProcessTree:
-    """The processes one worker launch started, stopped together.
-
-    The harness starts every worker as the leader of a new session (``start_new_session``),
-    so its process group is the worker and everything it forks (SGLang's tokenizer/detokenizer
-    and one scheduler per DP rank). ``scan()`` records the members of that group and session,
-    and every descendant of a recorded process (one that left the group is still caught while
-    its parent chain is alive). A pid is recorded with its start time, so a pid reused by
-    another process after ours died is never signalled.
-    """
-
-    def __init__(self, root: int) -> None:
-        self.root = root
-        st = _proc_stat(root)
-        # a session/group leader (how the harness starts workers): the group can be signalled
-        self.group: int | None = root if st is not None and st.pgrp == root else None
-        self.known: dict[int, int] = {} if st is None else {root: st.start}
-
-    def scan(self) -> None:
-        """Record the processes of the tree that exist now."""
-        table = _all_stats()
-        grew = True
-        while grew:
-            grew = False
-            for pid, st in table.items():
-                if pid in self.known:
-                    continue
-                in_group = self.group is not None and st.pgrp == st.session == self.group
-                parent = table.get(st.ppid)
-                child = parent is not None and self.known.get(st.ppid) == parent.start
-                if in_group or child:
-                    self.known[pid] = st.start
-                    grew = True
-
-    def alive(self) -> list[int]:
-        """Recorded pids still running (zombies count as gone)."""
-        out = []
-        for pid, start in self.known.items():
-            st = _proc_stat(pid)
-            if st is not None and st.start == start and st.state not in ("Z", "X", "x"):
-                out.append(pid)
-        return sorted(out)
-
-    def signal(self, sig: int) -> None:
-        """``sig`` to the process group and to every recorded pid still running."""
-        if self.group is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.group, sig)
-        for pid in self.alive():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
-    def stop(self, grace: float, proc: subprocess.Popen | None = None) -> int | None:
-        """SIGTERM the tree, wait up to ``grace`` s, then SIGKILL what is left (and wait for
-        it to go). Returns the root's exit code when ``proc`` (the root's ``Popen``) is
-        given, else 0 (it went on SIGTERM) or -9 (it needed SIGKILL). Never raises."""
-        killed = False
-        self.scan()
-        if self.alive():
-            self.signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while True:
-                if proc is not None:
-                    proc.poll()  # reap the root (it is our child)
-                self.scan()  # processes forked while shutting down
-                if not self.alive():
-                    break
-                if time.monotonic() >= deadline:
-                    killed = True
-                    self.signal(signal.SIGKILL)
-                    end = time.monotonic() + 10.0
-                    while self.alive() and time.monotonic() < end:
-                        if proc is not None:
-                            proc.poll()
-                        time.sleep(0.05)
-                    break
-                time.sleep(0.1)
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
-            return proc.returncode
-        return -9 if killed else 0
-
-
-def _pid_is_our_server(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"sglang.launch_server" in cmdline
-
-
-def stop_pid(
-    pid: int,
-    *,
-    timeout: float | None = None,
-    proc: subprocess.Popen | None = None,
-    tree: ProcessTree | None = None,
-) -> int | None:
-    """Stop the worker whose launcher is ``pid`` and its whole process tree (SIGTERM, then
-    SIGKILL after ``timeout`` s, default ``STOP_GRACE_S``). Without ``proc`` (a worker
-    recorded by ``harness start``) ``pid`` must be an ``sglang.launch_server``: anything else
-    is left alone (None)."""
-    grace = STOP_GRACE_S if timeout is None else timeout
-    if proc is None and not _pid_is_our_server(pid):
-        return None
-    return (tree or ProcessTree(pid)).stop(grace, proc)
 
 
 def worker_env_extra(cfg: ServerConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -829,7 +453,7 @@ def status() -> dict:
     if sp.is_file():
         try:
             st = json.loads(sp.read_text())
-            st["alive"] = _pid_is_our_server(int(st["pid"]))
+            st["alive"] = pid_is_our_server(int(st["pid"]))
             out["server"] = st
         except (OSError, ValueError, KeyError):
             out["server"] = None

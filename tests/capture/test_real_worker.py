@@ -43,6 +43,9 @@ from kvcadence.format.schema import (
     Gap,
     Trailer,
 )
+from kvcadence.harness import ports as hports
+from kvcadence.harness import proctree as hproc
+from kvcadence.harness import venv as hvenv
 
 worker = pytest.mark.sglang_worker
 RESULTS: dict[str, Any] = {}
@@ -546,7 +549,7 @@ def test_launch_command_follows_the_recipe(tmp_path, monkeypatch):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
     assert env["PYTHONPATH"].split(":")[0] == str(harness.ASSET_DIR)
-    assert len(set(harness.free_ports(3))) == 3
+    assert len(set(hports.free_ports(3))) == 3
 
 
 def test_dp_launch_command_and_environment(tmp_path):
@@ -596,18 +599,15 @@ def test_dp_launch_command_and_environment(tmp_path):
     ],
 )
 def test_omp_threads_bind_splits_cpus_between_ranks(dp, cpus, want):
-    from kvcadence.harness import worker as harness
 
-    assert harness.omp_threads_bind(dp, cpus) == want
+    assert hports.omp_threads_bind(dp, cpus) == want
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_reserve_ports_gives_free_disjoint_rank_ranges(dp):
     import socket
 
-    from kvcadence.harness import worker as harness
-
-    http, ev, rp = harness.reserve_ports(dp)
+    http, ev, rp = hports.reserve_ports(dp)
     ports = [http, *range(ev, ev + dp), *range(rp, rp + dp)]
     assert len(set(ports)) == len(ports) == 1 + 2 * dp  # apart: no rank collides
     socks = []
@@ -653,26 +653,23 @@ def test_harness_start_extra_args_reach_the_command(tmp_path, harness_starts, ca
 
 
 def test_venv_location_and_staleness(tmp_path, monkeypatch):
-    from kvcadence.harness import worker as harness
 
     monkeypatch.setenv("KVCADENCE_SGLANG_VENV", str(tmp_path / "venv"))
-    assert harness.venv_dir() == tmp_path / "venv"
+    assert hvenv.venv_dir() == tmp_path / "venv"
     monkeypatch.delenv("KVCADENCE_SGLANG_VENV")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert harness.venv_dir() == tmp_path / ".cache/kvcadence/sglang-0.5.23-venv"
+    assert hvenv.venv_dir() == tmp_path / ".cache/kvcadence/sglang-0.5.23-venv"
     venv = tmp_path / "v"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    assert not harness.venv_ready(venv)  # no stamp
-    (venv / harness.STAMP_NAME).write_text(json.dumps({"hash": harness.requirements_hash()}))
-    assert harness.venv_ready(venv)
-    (venv / harness.STAMP_NAME).write_text(json.dumps({"hash": "old requirements"}))
-    assert not harness.venv_ready(venv)  # requirements changed -> rebuilt
+    assert not hvenv.venv_ready(venv)  # no stamp
+    (venv / hvenv.STAMP_NAME).write_text(json.dumps({"hash": hvenv.requirements_hash()}))
+    assert hvenv.venv_ready(venv)
+    (venv / hvenv.STAMP_NAME).write_text(json.dumps({"hash": "old requirements"}))
+    assert not hvenv.venv_ready(venv)  # requirements changed -> rebuilt
 
 
 def test_stop_pid_never_touches_a_process_that_is_not_a_worker():
     import os
 
-    from kvcadence.harness import worker as harness
-
-    assert harness.stop_pid(os.getpid()) is None  # pytest is not sglang.launch_server
+    assert hproc.stop_pid(os.getpid()) is None  # pytest is not sglang.launch_server

@@ -162,10 +162,10 @@ def test_status_line_on_a_tty_only():
 
 def test_capture_discovers_every_dp_rank(tmp_path, fake_server):
     """/server_info with ``dp_size`` 2: one endpoint per rank on ``base + r`` (replay on
-    ``replay_base + r``, the ranges ``harness.reserve_ports`` keeps free), each recorded from
+    ``replay_base + r``, the ranges ``harness.ports.reserve_ports`` keeps free), each recorded from
     its own seq 0 through the initial replay, byte-exact."""
     from kvcadence.format.bundle import event_payload
-    from kvcadence.harness.worker import reserve_ports
+    from kvcadence.harness.ports import reserve_ports
 
     state, url = fake_server
     _, ev, rp = reserve_ports(2)

@@ -32,6 +32,7 @@ import pytest
 
 from kvcadence.cli import build_parser, main
 from kvcadence.harness import cli as harness_cli
+from kvcadence.harness import proctree
 from kvcadence.harness import worker as harness
 
 FAKE = Path(__file__).resolve().parent / "fake_worker.py"
@@ -82,7 +83,7 @@ def _fake_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str, *later
     harness.cache_dir().mkdir(parents=True)
     monkeypatch.setattr(harness, "ensure_venv", lambda **kw: tmp_path / "venv")
     monkeypatch.setattr(harness, "ensure_model", lambda **kw: tmp_path / "model")
-    monkeypatch.setattr(harness, "STOP_GRACE_S", 1.0)  # sched0 ignores SIGTERM: SIGKILL after 1 s
+    monkeypatch.setattr(proctree, "STOP_GRACE_S", 1.0)  # sched0 ignores SIGTERM: SIGKILL after 1 s
 
     def command(cfg, model, venv, ports, metrics_dir):
         starts.append(ports[0])
@@ -131,7 +132,7 @@ def test_ready_timeout_stops_the_whole_tree_and_names_the_flag(tmp_path, monkeyp
     pids = _pids(piddir)
     assert set(pids) == set(ROLES)  # the whole tree was up when the harness gave up
     _assert_all_gone(pids, timeout=0.5)  # by pid: launcher, both schedulers, the escaped one
-    assert took < 2 + harness.STOP_GRACE_S + 15  # SIGKILL after the grace, not STOP_GRACE_S=30
+    assert took < 2 + proctree.STOP_GRACE_S + 15  # SIGKILL after the grace, not STOP_GRACE_S=30
     assert not harness.state_path().exists()  # nothing recorded for 'harness stop'
 
 
@@ -232,11 +233,12 @@ DRIVER = """
 import sys
 from pathlib import Path
 from kvcadence.cli import build_parser, main
+from kvcadence.harness import proctree
 from kvcadence.harness import worker as h
 tmp, fake = Path(sys.argv[1]), sys.argv[2]
 h.ensure_venv = lambda **kw: tmp / "venv"
 h.ensure_model = lambda **kw: tmp / "model"
-h.STOP_GRACE_S = 1.0
+proctree.STOP_GRACE_S = 1.0
 h.build_command = lambda cfg, m, v, ports, md: (
     [sys.executable, "-S", fake, "hang", str(tmp / "pids"), str(ports[0])], "{}")
 sys.exit(main(["harness", "start", "--dp-size", "2", "--workdir", str(tmp / "w"),
