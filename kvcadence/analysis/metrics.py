@@ -15,7 +15,7 @@ switches to the closest peer's definitions (late-start scope without seq 0, near
 percentiles, break-style gaps, any-prompt attribution, warm-up window); the result is
 labelled ``variant = "peer-compatible"``.
 
-Why ~650 lines: the computation of every metric family over the same DuckDB connection;
+Why ~800 lines: the computation of every metric family over the same DuckDB connection;
 the catalogue is ``analysis.catalogue``.
 """
 

@@ -12,7 +12,7 @@ self-contained file (inline CSS, PNGs as base64 ``data:`` URIs, no external refe
 A failed gate makes ``run`` return 3 after printing one line per failing metric (red on a
 TTY only). A one-line summary of every run is appended to ``<out>/runs.jsonl``.
 
-Why ~700 lines: one report in three renderings (JSON, Markdown, HTML) plus the gate; each
+Why ~800 lines: one report in three renderings (JSON, Markdown, HTML) plus the gate; each
 rendering walks the same sections, so they stay together.
 """
 

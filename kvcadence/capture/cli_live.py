@@ -11,7 +11,7 @@
 Only the standard library is imported here; everything else is imported by the run
 functions.
 
-Why ~530 lines: the argparse surface of two commands (capture, drive) and their run
+Why ~630 lines: the argparse surface of two commands (capture, drive) and their run
 functions; the work is in the library modules.
 """
 

@@ -28,7 +28,7 @@ always with a default; never reorder, rename the tag of, or retype a field; a ne
 type gets a new tag and bumps ``FORMAT_MINOR`` (old readers skip unknown tags); anything
 incompatible bumps ``FORMAT_MAJOR`` (old readers refuse the bundle).
 
-Why one ~520-line module: the brief's rule is one module owning every record layout; it is
+Why one ~720-line module: the brief's rule is one module owning every record layout; it is
 declarations only (no logic beyond ``served_rank``).
 """
 
