@@ -26,11 +26,12 @@ def test_matches_is_a_membership_test(
     arr = np.array(keys, np.int64)
     # wanted: some of the keys (repeats and low-bit twins among them) and values maybe absent
     want = np.array(keys[:picked] + extra + [k ^ (1 << 40) for k in keys[:3]], np.int64)
-    saved = sieve.SLICE, sieve.SIEVE_BITS
-    sieve.SLICE, sieve.SIEVE_BITS = size, bits
+    saved = sieve.SLICE, sieve.SIEVE_BITS, sieve.SIEVE_MAX_BITS
+    # a table of ``bits`` bits whatever the number wanted (collisions in a tiny one)
+    sieve.SLICE, sieve.SIEVE_BITS, sieve.SIEVE_MAX_BITS = size, bits, bits
     try:
         got = sieve.matches(arr, want)
     finally:
-        sieve.SLICE, sieve.SIEVE_BITS = saved
+        sieve.SLICE, sieve.SIEVE_BITS, sieve.SIEVE_MAX_BITS = saved
     assert got.dtype == np.int64
     assert got.tolist() == np.flatnonzero(np.isin(arr, want)).tolist()
