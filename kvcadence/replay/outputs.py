@@ -40,7 +40,6 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,14 @@ from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
 from kvcadence.replay.flushes import NOTE_KINDS
-from kvcadence.replay.stored import frame_stores, packed, payload_stores, unpacked_all
+from kvcadence.replay.stored import (
+    I64_TYPES,
+    WIRE_I64,
+    StoreRows,
+    frame_stores,
+    packed,
+    payload_stores,
+)
 from kvcadence.replay.storetokens import StoredTokens
 from kvcadence.replay.tokens import as_list, compact, same_ids, span
 
@@ -130,7 +136,7 @@ class StoreIndex:
     def from_batches(cls, batches: Iterable[tuple[int, Any]], page_size: int) -> StoreIndex:
         """``batches``: ``(publish_ns, events)`` pairs (any order, all ranks)."""
         idx = cls(page_size)
-        raw: list[tuple[int, int, Any]] = []
+        rows = StoreRows(page_size)
         for n, (ts, evs) in enumerate(batches):
             for e in evs:
                 if isinstance(e, BlockStored) and e.block_hashes:
@@ -140,22 +146,16 @@ class StoreIndex:
                         continue  # bigram keys or another page size: not indexable
                     if e.token_ids and not isinstance(e.token_ids[0], int):
                         continue
-                    raw.append((ts, n, e))
-        raw.sort(key=lambda t: (t[0], t[1]))
-        idx._extend(
-            [
-                (
-                    ts,
-                    n,
-                    None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
-                    packed(e.block_hashes),  # int64, as the parent: SGLang's form
-                    len(e.block_hashes),
-                    compact(e.token_ids),
-                    e.cache_salt,
-                )
-                for ts, n, e in raw
-            ]
-        )
+                    rows.add(
+                        ts,
+                        n,
+                        None if e.parent_block_hash is None else norm_hash(e.parent_block_hash),
+                        packed(e.block_hashes),  # int64, as the parent: SGLang's form
+                        len(e.block_hashes),
+                        e.token_ids,
+                        e.cache_salt,
+                    )
+        idx._extend(rows)  # in publish order (stable: batch order within a time)
         return idx
 
     @classmethod
@@ -166,8 +166,8 @@ class StoreIndex:
         one). Only ``BlockStored`` hashes and tokens are decoded, once: the common frame
         with its payload in one decode (``schema.EventFrameIdsView``: token ids into lists, hashes and
         removals left as bytes), any other through ``wire.decode_batch_raw`` (``stored.payload_stores``);
-        each event's token list made an array at once (``tokens.compact``); the hashes of
-        all events together, into one array. An event whose fields are not
+        each event's hashes' bytes and token ids copied into one buffer each as they come
+        (``stored.StoreRows``), the hashes made one array once the pass is done. An event whose fields are not
         int arrays (bigram keys, damage) is skipped, a payload ``decode_batch_raw`` refuses
         holds nothing. ``scan`` (a ``flushes.FlushScan``) is fed every frame and annotation
         of the same pass (a frame with a clear is decoded fully first: a payload
@@ -177,11 +177,10 @@ class StoreIndex:
         chunk = (reader.header.server_info or {}).get("chunked_prefill_size")
         if type(chunk) is int and chunk > 0:
             idx.chunk_tokens = chunk
-        raw: list[tuple[int, int, int | None, bytes | memoryview, int, array, str | None]] = []
+        rows = StoreRows(page_size)
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
-        append = raw.append
         # the endpoints of DP ranks other than 0 (a frame of another endpoint: its payload's)
         ep_rank = {e.id: e.dp_rank for e in reader.header.endpoints}
         frame_rank = idx.frame_rank
@@ -205,7 +204,7 @@ class StoreIndex:
                     tally.batch(b, f.endpoint)
                 bts = b.ts
                 ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
-                frame_stores(b, page_size, ts, n, append)
+                frame_stores(b, page_size, ts, n, rows)
                 continue
             if t is AnnotationRawView:
                 if scan is not None:
@@ -235,46 +234,64 @@ class StoreIndex:
                     scan.frame(f, b.ts, ())
             ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
             for parent, hashes, pages, tokens, salt in got:
-                # as an array while its ints are fresh: no int object per token is kept
-                raw.append((ts, n, parent, hashes, pages, compact(tokens), salt))
-        raw.sort(key=itemgetter(0))  # stable: frame order (appended so) within a time
-        idx._extend(raw)
+                # into the rows' buffers while its ints are fresh: no int object is kept
+                rows.add(ts, n, parent, hashes, pages, tokens, salt)
+        idx._extend(rows)  # in publish order (stable: frame order within a time)
         return idx
 
-    def _extend(
-        self, rows: list[tuple[int, int, int | None, bytes | memoryview, int, array, str | None]]
-    ) -> None:
-        """Append events ``(ts, frame number, parent, hashes as ``stored.packed`` bytes, pages,
-        tokens, cache_salt)``, in publish order, and index them; an event whose hashes are not
-        all 64-bit ints (``stored.frame_stores``' unchecked ones) is left out. Empties
-        ``rows``: the events' arrays are joined into ``tokens``' buffer a few thousand at a
-        time, each let go once joined (they and the buffer are not all held at once)."""
-        if not rows:
+    def _extend(self, rows: StoreRows) -> None:
+        """Append the stores of ``rows`` in publish order (``ts``; stable: the rows' order
+        within a time) and index them; a store whose hashes are not all 64-bit ints
+        (``stored.frame_stores``' unchecked ones: every type byte is checked here at once)
+        is left out. The rows' buffers are taken over or gathered, not copied per store."""
+        n = len(rows)
+        if not n:
             return
         first_ei = len(self.offs)
         off0 = len(self.hashes)
-        # the rows' columns but the tokens, transposed in one step
-        ts, ns, parents, packs, pages, salts = zip(
-            *((r[0], r[1], r[2], r[3], r[4], r[6]) for r in rows), strict=True
-        )
-        bad: list[int] = []
-        more = unpacked_all(packs, sum(pages), bad)
+        pages = np.fromiter(rows.pages, np.int64, n)
+        ends = np.cumsum(pages)
+        packs = np.frombuffer(rows.hbuf, WIRE_I64)
+        keep: np.ndarray | None = None
+        if rows.hbuf[::9].translate(None, I64_TYPES):  # rare: some hash is not an int
+            t = packs["t"]
+            bad = np.flatnonzero((t != 0xCF) & (t != 0xD3))
+            keep = np.ones(n, dtype=bool)
+            keep[np.searchsorted(ends, bad, side="right")] = False
+        ts = np.fromiter(rows.ts, np.int64, n)
+        order: np.ndarray | None = None
+        if keep is not None or (n > 1 and bool((ts[1:] < ts[:-1]).any())):
+            sel = np.flatnonzero(keep) if keep is not None else np.arange(n)
+            order = sel[np.argsort(ts[sel], kind="stable")]
+            if not len(order):  # every store dropped
+                return
+        ps = self.page_size
+        cols = (rows.ts, rows.frame, rows.parent, rows.pages, rows.salt)
+        if order is None:  # the usual pass: already in publish order, every hash an int
+            more = packs["v"].astype(np.int64)
+            tokens: Any = rows.tbuf
+            wide = rows.wide
+        else:
+            at = order.tolist()
+            cols = tuple([c[i] for i in at] for c in cols)  # type: ignore[assignment]
+            page_at = _segments(ends - pages, pages, order)
+            more = packs["v"][page_at].astype(np.int64)
+            del page_at
+            tokens = _gathered_tokens(rows.tbuf, (ends - pages) * ps, pages * ps, order)
+            new_row = {old: k for k, old in enumerate(at)}
+            wide = {new_row[r]: ids for r, ids in rows.wide.items() if r in new_row}
         del packs
-        if bad:  # rare: drop the events holding them, index the others
-            ends = np.cumsum(pages)
-            drop = set(np.searchsorted(ends, bad, side="right").tolist())
-            self._extend([r for k, r in enumerate(rows) if k not in drop])
-            return
+        rows.hbuf = bytearray()  # (a view of it is gone: it may shrink)
+        ts_c, frames, parents, n_pages, salts = cols
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more
-        self._ts.extend(ts)
-        self.frame_of.extend(ns)
-        offs = list(accumulate(pages[:-1], initial=off0))
+        self._ts.extend(ts_c)
+        self.frame_of.extend(frames)
         self.parents.extend(parents)
-        self.pages.extend(pages)
-        self.offs.extend(offs)
+        self.pages.extend(n_pages)
+        self.offs.extend(accumulate(n_pages[:-1], initial=off0))
         if any(salts):
-            self.salts.update((ei, s) for ei, s in enumerate(salts, first_ei) if s is not None)
+            self.salts.update((ei, x) for ei, x in enumerate(salts, first_ei) if x is not None)
         by_parent, by_first = self._by_parent, self._by_first
         for ei, parent in enumerate(parents, first_ei):
             lst = by_parent.get(parent)
@@ -282,10 +299,9 @@ class StoreIndex:
                 by_parent[parent] = [ei]
             else:
                 lst.append(ei)
-        # the tokens, joined into one buffer as each row is let go
-        arrays = [r[5] for r in rows]
-        rows.clear()
-        self.tokens.extend(arrays, pages)
+        rows.tbuf = bytearray()
+        self.tokens.extend_flat(tokens, n_pages, wide)
+        del tokens
         for ei, first in enumerate(self.tokens.firsts(first_ei), first_ei):
             lst = by_first.get(first)
             if lst is None:
@@ -607,3 +623,31 @@ class StoreIndex:
             return None
         last = self.hashes.item(self.offs[ei] + j + m - 1)
         return toks, last, j > 0 or j + m < pages
+
+
+def _segments(starts: np.ndarray, sizes: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The positions of segments ``order`` (``starts[k] .. starts[k] + sizes[k]`` each) end to
+    end, in that order (an int64 array)."""
+    sz = sizes[order]
+    if not len(sz):
+        return np.zeros(0, np.int64)
+    new_start = np.cumsum(sz) - sz
+    return np.repeat(starts[order] - new_start, sz) + np.arange(int(sz.sum()), dtype=np.int64)
+
+
+#: ``_gathered_tokens`` gathers this many stores at a time (bounded index temporaries)
+_GATHER_ROWS = 4096
+
+
+def _gathered_tokens(
+    tbuf: bytearray, starts: np.ndarray, sizes: np.ndarray, order: np.ndarray
+) -> bytearray:
+    """The tokens of the stores ``order`` (``tbuf[starts[k] : starts[k] + sizes[k]]`` each)
+    end to end, in that order: a few thousand stores at a time (an index per token of a
+    few thousand stores, not of all of them)."""
+    src = np.frombuffer(tbuf, dtype=np.uint32) if len(tbuf) else np.zeros(0, np.uint32)
+    out = bytearray()
+    for c in range(0, len(order), _GATHER_ROWS):
+        part = order[c : c + _GATHER_ROWS]
+        out += src[_segments(starts, sizes, part)].tobytes()
+    return out

@@ -69,10 +69,27 @@ class StoredTokens:
 
     def extend(self, arrays: list[Any], pages: Sequence[int]) -> None:
         """Append events: ``arrays[k]`` the tokens of ``pages[k]`` pages (``compact``'s array,
-        or whatever it kept of ids that are not ints). Consumes ``arrays``: joined into the
-        buffer ``_JOIN_EVENTS`` at a time, each entry let go once joined (the events' arrays
-        and the buffer are not all held at once)."""
-        if not arrays:
+        or whatever it kept of ids that are not ints). Consumes ``arrays``: joined
+        ``_JOIN_EVENTS`` at a time (``extend_flat``), each entry let go once joined (the
+        events' arrays and the buffer are not all held at once)."""
+        ps = self.page_size
+        for c in range(0, len(arrays), _JOIN_EVENTS):
+            part = arrays[c : c + _JOIN_EVENTS]
+            wide: dict[int, Any] = {}
+            for k, toks in enumerate(part):
+                if type(toks) is not array or toks.typecode != CODE:  # rare: its own array
+                    wide[k] = toks
+                    part[k] = bytes(_ITEM * pages[c + k] * ps)  # its room: zeros
+            self.extend_flat(b"".join(part), pages[c : c + len(part)], wide)
+            arrays[c : c + _JOIN_EVENTS] = [None] * len(part)
+            del part
+
+    def extend_flat(self, flat: Any, pages: Sequence[int], wide: dict[int, Any]) -> None:
+        """Append events whose tokens are ``flat`` end to end (a bytes-like of uint32 ids,
+        ``pages[k] * page_size`` of them for event ``k``); ``wide[k]``: event ``k``'s own ids
+        where they are not uint32 (zeros in ``flat``). Copied into the buffer (taken as it
+        is when ``flat`` is a bytearray and the buffer still empty)."""
+        if not len(pages):
             return
         ps = self.page_size
         self._view = None
@@ -81,19 +98,17 @@ class StoredTokens:
         self._start.extend(accumulate(pages[:-1], initial=self._used))
         self._pages.extend(pages)
         self._used += sum(pages)
-        buf = self._buf
-        for c in range(0, len(arrays), _JOIN_EVENTS):
-            part = arrays[c : c + _JOIN_EVENTS]
-            for k, toks in enumerate(part):
-                if type(toks) is not array or toks.typecode != CODE:  # rare: its own array
-                    self._wide[e0 + c + k] = toks
-                    self._wide_order.append(e0 + c + k)
-                    part[k] = bytes(_ITEM * pages[c + k] * ps)  # its room: zeros
-            buf += b"".join(part)
-            arrays[c : c + _JOIN_EVENTS] = [None] * len(part)
-            del part
+        if not byte0 and type(flat) is bytearray:
+            self._buf = flat
+            if ps == 1:
+                self._heads = flat  # the buffer is its own heads
+        else:
+            self._buf += flat
+        for k in sorted(wide):
+            self._wide[e0 + k] = wide[k]
+            self._wide_order.append(e0 + k)
         if ps > 1:  # each new page's first token
-            with memoryview(buf) as mv:
+            with memoryview(self._buf) as mv:
                 self._heads += np.frombuffer(mv[byte0:], dtype=_HEAD)[::ps].tobytes()
 
     def firsts(self, e0: int) -> list[Any]:

@@ -26,7 +26,7 @@ from kvcadence.replay.production import (
     needs_completion,
 )
 from kvcadence.replay.sessions import Node, infer_clients, median_wait
-from kvcadence.replay.tokens import CODE
+from kvcadence.replay.tokens import CODE, compact
 from tests.replay.helpers import config, lane_chain, run
 
 S = 1_000_000_000
@@ -625,30 +625,81 @@ def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
     assert scan.result() == want == recorded_flushes(BundleReader(tmp_path / "b"))
 
 
-def test_hashes_are_unpacked_and_looked_up_a_slice_at_a_time(monkeypatch):
-    """``stored.unpacked_all`` (the index's hashes, joined a slice at a time) and
-    ``sessions._anchor_positions`` (looked up a slice at a time) give what one pass over
+def test_anchors_are_looked_up_a_slice_at_a_time(monkeypatch):
+    """``sessions._anchor_positions`` (looked up a slice at a time) gives what one pass over
     all of them gives, whatever the slice."""
     import numpy as np
 
     from kvcadence.format.hashes import norm_hash
-    from kvcadence.replay import sessions, sieve, stored
+    from kvcadence.replay import sessions, sieve
 
     rng = random.Random(5)
     hashes = [rng.getrandbits(64) - (1 << 63) * rng.getrandbits(1) for _ in range(200)]
-    cuts = sorted(rng.sample(range(1, 200), 30))
-    parts = [stored.packed(hashes[a:b]) for a, b in zip([0, *cuts], [*cuts, 200], strict=True)]
     want = [norm_hash(h) for h in hashes]
     arr = np.array(want, np.int64)
     nodes = [Node(0, 1, end_anchor=want[i], prompt_anchor=want[i + 1]) for i in (3, 50, 51, 198)]
     whole = sessions._anchor_positions(nodes, arr)
     assert whole[0] == [3, 4, 50, 51, 52, 198, 199]
-    for size in (9, 20, 9 * 7, 1 << 20):
-        monkeypatch.setattr(stored, "_JOIN_BYTES", size)
-        assert stored.unpacked_all(parts, len(hashes)).tolist() == want
     for size in (1, 3, 64, 1 << 15):
         monkeypatch.setattr(sieve, "SLICE", size)
         assert sessions._anchor_positions(nodes, arr) == whole
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_index_columns_are_the_stores_in_publish_order(data):
+    """``StoreIndex._extend`` over ``stored.StoreRows`` (every store's hashes and tokens end
+    to end in two buffers): the stores in publish order (stable within a time), gathered
+    when the pass met them out of order, a store with a hash that is not a 64-bit int left
+    out, wide ids kept as their own -- as sorting and filtering the stores one by one
+    gives, whatever the gather's chunk."""
+    import numpy as np
+
+    from kvcadence.format.hashes import norm_hash
+    from kvcadence.replay import outputs, stored
+    from kvcadence.replay.stored import StoreRows
+
+    ps = data.draw(st.sampled_from([1, 2, 4]))
+    rows = StoreRows(ps)
+    expect = []
+    for k in range(data.draw(st.integers(0, 14))):
+        pages = data.draw(st.integers(1, 4))
+        hs = data.draw(
+            st.lists(st.integers(-(1 << 63), (1 << 64) - 1), min_size=pages, max_size=pages)
+        )
+        wide = data.draw(st.integers(0, 5)) == 0
+        toks = data.draw(
+            st.lists(
+                st.sampled_from([1, 7, 1 << 40]) if wide else st.integers(0, 9),
+                min_size=pages * ps,
+                max_size=pages * ps,
+            )
+        )
+        ts = data.draw(st.integers(0, 5))
+        blob = bytearray(stored.packed(hs))
+        bad = data.draw(st.integers(0, 6)) == 0
+        if bad:  # one hash a float64: 0xcb and 8 bytes, as 9-byte wide as an int's
+            blob[9 * data.draw(st.integers(0, pages - 1))] = 0xCB
+        rows.add(
+            ts, k, k, bytes(blob), pages, toks if data.draw(st.booleans()) else compact(toks), None
+        )
+        if not bad:
+            expect.append((ts, k, [norm_hash(h) for h in hs], toks))
+    expect.sort(key=lambda e: e[0])  # stable: the order added within a time
+    saved = outputs._GATHER_ROWS
+    outputs._GATHER_ROWS = data.draw(st.sampled_from([1, 2, 4096]))
+    try:
+        idx = StoreIndex(ps)
+        idx._extend(rows)
+    finally:
+        outputs._GATHER_ROWS = saved
+    got = [
+        (idx.ts_of(i), idx.frame_of[i], idx.hashes_of(i), list(idx.tokens[i]))
+        for i in range(len(idx.offs))
+    ]
+    assert got == [(ts, k, hs, toks) for ts, k, hs, toks in expect]
+    assert idx.parents == [k for _, k, _, _ in expect]
+    assert idx.hashes.dtype == np.int64 and len(idx.hashes) == sum(len(e[2]) for e in expect)
 
 
 def test_request_windows_are_each_lookups_bisections(monkeypatch):
