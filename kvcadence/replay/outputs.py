@@ -29,7 +29,7 @@ parent hash, by first token: one int per event each) so that a lookup visits onl
 candidates; a prefill store merged into another request's event is found by one search of
 the window's page heads (``StoredTokens.heads``), not a walk of its events.
 
-Why ~600 lines: one class, ``StoreIndex``, whose build (the one pass over the events, the
+Why ~650 lines: one class, ``StoreIndex``, whose build (the one pass over the events, the
 flush scan and the settings tally fed on the way) and lookups share its columns and windows.
 """
 
