@@ -92,10 +92,10 @@ class StoreRows:
     ``cache_salt``; the hashes of all of them end to end in ``hbuf`` (the 9-byte msgpack
     ints of ``packed``, type bytes unchecked: ``StoreIndex._extend`` checks them all at once),
     their tokens end to end in ``tbuf`` (uint32; a store whose ids are not has zeros there
-    and its own ids in ``wide``, by its row). No object per store but its column entries (a
-    capture's stores are many: 120,000 for 60,000 requests at page size 1; a bytes, a
-    memoryview and an array per store, joined after the pass, took the inference's peak
-    to +351 MB there, +291-313 MB so)."""
+    and its own ids in ``wide``, by its row). No object per store but its column entries: a
+    capture's stores are many (120,000 for 60,000 requests at page size 1, where a bytes, a
+    memoryview and an array per store, joined after the pass, took the inference's peak to
+    +351 MB, against +291-313 MB so)."""
 
     __slots__ = ("frame", "hbuf", "pages", "parent", "page_size", "salt", "tbuf", "ts", "wide")
 

@@ -36,8 +36,6 @@ _HEAD = np.dtype(f"=u{_ITEM}")
 #: ``heads`` searches windows of up to this many pages as bytes (``bytes.find``: no array
 #: made, but a stop at every byte-aligned false hit), wider ones with numpy
 _FIND_PAGES = 2048
-#: ``extend`` joins this many events' arrays into the buffer at a time
-_JOIN_EVENTS = 4096
 
 
 class StoredTokens:
@@ -54,7 +52,7 @@ class StoredTokens:
         self._wide: dict[int, Any] = {}  # event -> its ids, where they are not uint32
         self._wide_order: list[int] = []  # those events, ascending
         #: the heads as a numpy array (``heads``), a view of ``_heads``: made at the first
-        #: search, dropped at the next ``extend`` (a buffer with a view cannot grow)
+        #: search, dropped at the next ``extend_flat`` (a buffer with a view cannot grow)
         self._view: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -66,23 +64,6 @@ class StoredTokens:
 
     def __iter__(self) -> Iterator[Any]:
         return (self[e] for e in range(len(self)))
-
-    def extend(self, arrays: list[Any], pages: Sequence[int]) -> None:
-        """Append events: ``arrays[k]`` the tokens of ``pages[k]`` pages (``compact``'s array,
-        or whatever it kept of ids that are not ints). Consumes ``arrays``: joined
-        ``_JOIN_EVENTS`` at a time (``extend_flat``), each entry let go once joined (the
-        events' arrays and the buffer are not all held at once)."""
-        ps = self.page_size
-        for c in range(0, len(arrays), _JOIN_EVENTS):
-            part = arrays[c : c + _JOIN_EVENTS]
-            wide: dict[int, Any] = {}
-            for k, toks in enumerate(part):
-                if type(toks) is not array or toks.typecode != CODE:  # rare: its own array
-                    wide[k] = toks
-                    part[k] = bytes(_ITEM * pages[c + k] * ps)  # its room: zeros
-            self.extend_flat(b"".join(part), pages[c : c + len(part)], wide)
-            arrays[c : c + _JOIN_EVENTS] = [None] * len(part)
-            del part
 
     def extend_flat(self, flat: Any, pages: Sequence[int], wide: dict[int, Any]) -> None:
         """Append events whose tokens are ``flat`` end to end (a bytes-like of uint32 ids,
@@ -169,7 +150,7 @@ class StoredTokens:
                     at = heads.find(pat, at + 1, end)
             else:  # many: one comparison of every page's head (no false hit to step over)
                 view = self._view
-                if view is None:  # (made once the buffers stopped growing: see ``append``)
+                if view is None:  # (made once the buffers stopped growing: see ``extend_flat``)
                     view = self._view = np.frombuffer(self._heads, dtype=_HEAD)
                 found = (np.flatnonzero(view[lo:hi] == want) + lo).tolist()
             if self._wide:

@@ -32,6 +32,21 @@ def _events(draw: st.DrawFn) -> tuple[int, list[array]]:
     return ps, events
 
 
+def _append(col: StoredTokens, events: list[array]) -> None:
+    """``events`` (each one's tokens) appended as ``StoreIndex._extend`` hands them over: end
+    to end in one buffer, zeros where an event's ids are not uint32 (kept as its own)."""
+    ps = col.page_size
+    flat = bytearray()
+    wide = {}
+    for k, toks in enumerate(events):
+        if toks.typecode == CODE:
+            flat += toks
+        else:
+            wide[k] = toks
+            flat += bytes(array(CODE).itemsize * len(toks))
+    col.extend_flat(flat, [len(t) // ps for t in events], wide)
+
+
 def _built(ps: int, events: list[array]) -> tuple[StoredTokens, list[int]]:
     col = StoredTokens(ps)
     starts = []
@@ -39,19 +54,10 @@ def _built(ps: int, events: list[array]) -> tuple[StoredTokens, list[int]]:
     for toks in events:
         starts.append(at)
         at += len(toks) // ps
-    # in two calls, a few events joined at a time
-    cut = len(events) // 2
-    for part in (events[:cut], events[cut:]):
-        arrays = list(part)
-        col.extend(arrays, [len(t) // ps for t in part])
-        assert arrays == [None] * len(part)  # consumed
+    # a few events at a time: the first call's buffer taken over, the later ones appended
+    for c in range(0, len(events), 2):
+        _append(col, events[c : c + 2])
     return col, starts
-
-
-@pytest.fixture(autouse=True)
-def _small_joins(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Events joined into the buffer two at a time (the chunking exercised)."""
-    monkeypatch.setattr(storetokens, "_JOIN_EVENTS", 2)
 
 
 @settings(max_examples=300, deadline=None)
@@ -104,11 +110,11 @@ def test_heads_by_bytes_and_by_numpy_agree(
     # 0x0100 then 0x0000: bytes 00 01 00 00 00 00 00 00 hold 0x00000100 at offset 1 too
     toks = array(CODE, [0x0100, 0, 0x0100, 7])
     col = StoredTokens(1)
-    col.extend([toks[:2], toks[2:]], [2, 2])
+    _append(col, [toks[:2], toks[2:]])
     assert col.heads(0x0100, 0, 4) == [0, 2]
     assert col.heads(0x0100, 1, 4) == [2]
     assert col.heads(0, 0, 4) == [1]
     assert col.heads(0, 0, 1) == []
     # the buffer grows after a search (the numpy view is dropped first)
-    col.extend([array(CODE, [0x0100])], [1])
+    _append(col, [array(CODE, [0x0100])])
     assert col.heads(0x0100, 0, 5) == [0, 2, 4]
