@@ -31,12 +31,18 @@ SIEVE_SPARE_BITS = 5
 SLICE = 1 << 15
 
 
+def table_bits(wanted: int) -> int:
+    """The table's size (bits of a hash it is indexed by) for ``wanted`` values: at least
+    ``2**SIEVE_SPARE_BITS`` flags per value, within ``SIEVE_BITS`` .. ``SIEVE_MAX_BITS``."""
+    return min(max(SIEVE_BITS, wanted.bit_length() + SIEVE_SPARE_BITS), SIEVE_MAX_BITS)
+
+
 def matches(keys: Any, want: Any) -> Any:
     """The positions (ascending, an int64 array) of ``keys`` (an int64 array, every stored
     page's hash or key) whose value is one of ``want`` (an int64 array, a few)."""
     if not len(keys) or not len(want):
         return np.zeros(0, np.int64)
-    bits = min(max(SIEVE_BITS, len(want).bit_length() + SIEVE_SPARE_BITS), SIEVE_MAX_BITS)
+    bits = table_bits(len(want))
     low = np.int64((1 << bits) - 1)
     table = np.zeros(1 << bits, dtype=bool)
     table[want & low] = True

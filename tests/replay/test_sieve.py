@@ -35,3 +35,16 @@ def test_matches_is_a_membership_test(
         sieve.SLICE, sieve.SIEVE_BITS, sieve.SIEVE_MAX_BITS = saved
     assert got.dtype == np.int64
     assert got.tolist() == np.flatnonzero(np.isin(arr, want)).tolist()
+
+
+def test_the_table_grows_with_the_values_wanted() -> None:
+    """At least 32 flags per wanted value (about 1 page in 32 let through whatever the
+    number wanted) between the least and the most table size; never past either."""
+    for n in (0, 1, 1000, 30_000, 120_000, 500_000, 1_200_000, 10**8):
+        bits = sieve.table_bits(n)
+        assert sieve.SIEVE_BITS <= bits <= sieve.SIEVE_MAX_BITS
+        if bits < sieve.SIEVE_MAX_BITS:
+            assert 1 << bits >= 32 * n
+    assert sieve.table_bits(1_000) == sieve.SIEVE_BITS  # a few thousand: the least table
+    assert sieve.table_bits(120_000) == 22  # a 60,000-request capture's anchors
+    assert sieve.table_bits(10**8) == sieve.SIEVE_MAX_BITS
