@@ -136,7 +136,7 @@ class StoreIndex:
     def from_batches(cls, batches: Iterable[tuple[int, Any]], page_size: int) -> StoreIndex:
         """``batches``: ``(publish_ns, events)`` pairs (any order, all ranks)."""
         idx = cls(page_size)
-        rows = StoreRows(page_size)
+        rows = StoreRows()
         for n, (ts, evs) in enumerate(batches):
             for e in evs:
                 if isinstance(e, BlockStored) and e.block_hashes:
@@ -177,7 +177,7 @@ class StoreIndex:
         chunk = (reader.header.server_info or {}).get("chunked_prefill_size")
         if type(chunk) is int and chunk > 0:
             idx.chunk_tokens = chunk
-        rows = StoreRows(page_size)
+        rows = StoreRows()
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)
         records = reader.events_and_notes(NOTE_KINDS if scan else (), events_as=EventFrameIdsView)
@@ -266,14 +266,14 @@ class StoreIndex:
             if not len(order):  # every store dropped
                 return
         ps = self.page_size
-        cols = (rows.ts, rows.frame, rows.parent, rows.pages, rows.salt)
+        cols: tuple[list[Any], ...] = (rows.ts, rows.frame, rows.parent, rows.pages, rows.salt)
         if order is None:  # the usual pass: already in publish order, every hash an int
             more = packs["v"].astype(np.int64)
             tokens: Any = rows.tbuf
             wide = rows.wide
         else:
             at = order.tolist()
-            cols = tuple([c[i] for i in at] for c in cols)  # type: ignore[assignment]
+            cols = tuple([c[i] for i in at] for c in cols)
             page_at = _segments(ends - pages, pages, order)
             more = packs["v"][page_at].astype(np.int64)
             del page_at
@@ -281,7 +281,7 @@ class StoreIndex:
             new_row = {old: k for k, old in enumerate(at)}
             wide = {new_row[r]: ids for r, ids in rows.wide.items() if r in new_row}
         del packs
-        rows.hbuf = bytearray()  # (a view of it is gone: it may shrink)
+        rows.hbuf = bytearray()  # let go: the hashes are in ``more`` now
         ts_c, frames, parents, n_pages, salts = cols
         # the first batch is the array itself (no copy of every hash)
         self.hashes = np.concatenate([self.hashes, more]) if off0 else more

@@ -97,10 +97,9 @@ class StoreRows:
     memoryview and an array per store, joined after the pass, took the inference's peak to
     +351 MB, against +291-313 MB so)."""
 
-    __slots__ = ("frame", "hbuf", "pages", "parent", "page_size", "salt", "tbuf", "ts", "wide")
+    __slots__ = ("frame", "hbuf", "pages", "parent", "salt", "tbuf", "ts", "wide")
 
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
+    def __init__(self) -> None:
         self.ts: list[int] = []
         self.frame: list[int] = []
         self.parent: list[int | None] = []

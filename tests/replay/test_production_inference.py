@@ -660,7 +660,7 @@ def test_index_columns_are_the_stores_in_publish_order(data):
     from kvcadence.replay.stored import StoreRows
 
     ps = data.draw(st.sampled_from([1, 2, 4]))
-    rows = StoreRows(ps)
+    rows = StoreRows()
     expect = []
     for k in range(data.draw(st.integers(0, 14))):
         pages = data.draw(st.integers(1, 4))
