@@ -41,7 +41,11 @@ def _stash_chunked(self: Scheduler) -> None:
     req = self.chunked_req
     if req is not None:
         self._insert_upto(req, req.kv_len)
-        req.prefix_len = req.tree_len
+        # the next chunk resumes where this one ended (0.5.23 ``checkpoint_kv_cache``:
+        # ``prefix_len = extend_end``), not at the tree's page-floored end: at page > 1 a
+        # continuing chunk is not page-aligned (``add_chunked_req``), and the partial
+        # page it leaves stays the request's own KV
+        req.prefix_len = req.kv_len
         req.last_node = req.lock_handle
 
 

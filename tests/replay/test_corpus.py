@@ -236,10 +236,6 @@ MISSES: dict[tuple[str, str], str] = {
     ("p4-retract-noeos-cons03", "cached_equal"): "cached_tokens_equal 0.650",
     ("p8-nochunk", "cached_equal"): "cached_tokens_equal 0.650",
     ("p128-chunk512", "cached_equal"): "cached_tokens_equal 0.810",
-    (
-        "dp2-p16-chunk128-mixed",
-        "stored_per_req",
-    ): "stored_events_per_request 3.355 -> 3.475 (+3.6%)",
     # one page more stored than the worker did: l1-s0-t2's last (EOS) token decoded once more
     ("p4-retract-noeos-cons03", "hash_set"): "stored_hash_jaccard 0.9999 (1 sim-only block)",
     # the same traffic recorded six / four times (``REPEATS``): the replays agree with each
@@ -423,7 +419,6 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p4-retract-noeos-cons03": "cached_tokens_equal 0.640; stored_hash_jaccard 0.9999",
     "p8-nochunk": "cached_tokens_equal 0.650",
     "p128-chunk512": "cached_tokens_equal 0.810",
-    "dp2-p16-chunk128-mixed": "stored_events_per_request 3.355 -> 3.475 (+3.6%)",
     "p4-tight-long-http-clients-cancel": "cached_tokens_equal 0.788",
     "p32-tight-longprompt-http-clients-cancel": "cached_tokens_equal 0.690",
     "p16-attach-midrun-http-clients": "stored_events_per_request 1.756 -> 1.698 (-3.3%); "

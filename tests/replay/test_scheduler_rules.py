@@ -576,6 +576,35 @@ def test_mixed_chunk_prefill_decodes_the_running_requests_in_the_same_pass(overl
     check_stream(on)
 
 
+@pytest.mark.parametrize("overlap_off", [False, True], ids=["overlap", "normal"])
+def test_a_continuing_chunk_resumes_where_the_last_one_ended_not_at_a_page(overlap_off):
+    """At page > 1 only a request's *first* chunk is floored to a page (0.5.23
+    ``_select_prefill_admission``); a continuing chunk takes the whole budget
+    (``add_chunked_req``: 128 less the 3 running requests mixed in = 125 tokens) and the
+    next one resumes after it (``checkpoint_kv_cache``: ``prefix_len = extend_end``), the
+    partial page staying the request's own. So chunks end at 112, 237, 362, 487, 600 and
+    store 7, 7, 8, 8, 7 pages -- the pattern of the real 0.5.23 worker's mixed-chunk
+    captures (corpus ``p16-chunk128-mixed-long``: 7, 7, 8, ...); resuming at the page
+    floor stored 7, 7, 7, 7, 7, 2 in six passes."""
+    running = [req(f"r{i}", list(range(100 * i + 3, 100 * i + 23)), 60) for i in range(3)]
+    late = req("late", list(range(1000, 1600)), 4, arrival_ms=30.0)
+    cfg = config(
+        page_size=16,
+        chunked_prefill_size=128,
+        enable_mixed_chunk=True,
+        disable_overlap_schedule=overlap_off,
+    )
+    r = run([*running, late], cfg)
+    stores = [len(e.block_hashes) for b in decoded(r) for e in b if isinstance(e, BlockStored)]
+    assert stores[:3] == [1, 1, 1]  # r0..r2's prompts (20 tokens: one full page each)
+    # late's chunks: 600 tokens in five passes; without the overlap loop the last chunk's
+    # store is queued with the one before it (checkpointed when the last pass is built)
+    # and tail-merged into one event (8 + 7)
+    assert stores[3:-3] == ([7, 7, 8, 15] if overlap_off else [7, 7, 8, 8, 7])
+    assert r.stats.mixed_passes == 5
+    check_stream(r)
+
+
 def test_mixed_chunk_needs_chunked_prefill_and_is_read_from_the_snapshot():
     """0.5.23 ``is_mixed_chunk``: the flag does nothing without chunked prefill."""
     running = [req(f"r{i}", list(range(100 * i + 3, 100 * i + 23)), 60) for i in range(3)]
