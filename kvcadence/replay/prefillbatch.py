@@ -63,7 +63,7 @@ def _calc_priority(self: Scheduler) -> list[SimReq]:
         cfg.schedule_policy,
         self.waiting,
         self.tree,
-        self._match,
+        self._match_whole,
         self.processed_tokens,
         [r.spec.routing_key for r in (*self.running, *self.pending_merge)],
         self.rng,

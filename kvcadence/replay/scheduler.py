@@ -409,6 +409,16 @@ class Scheduler:
         req.last_node = node
         req.host_hit_length = 0
 
+    def _match_whole(self, req: SimReq) -> None:
+        """A cache-aware policy's match (0.5.23 ``_compute_prefix_matches``:
+        ``match_kv_cache`` with no ``max_prefix_len``): the whole prompt, page aligned --
+        a fully cached prompt matches (and touches, and splits at) its last page too."""
+        tree = self.tree
+        n, node = tree.match_prefix(req.fill, req.fill_len, tree.root_of(req.spec.namespace))
+        req.prefix_len = n
+        req.last_node = node
+        req.host_hit_length = 0
+
     # ------------------------------------------------------------------ publish
     def _publish(self, t: int, pass_index: int, reason: str) -> None:
         events = self.queue.take()

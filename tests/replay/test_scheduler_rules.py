@@ -758,3 +758,24 @@ def test_retraction_checks_evict_for_the_requests_that_stay():
     causes = [json.loads(x)["cause"] for x in lines]
     assert causes == ["check_decode"], causes  # the release freed 64 (>= 40): no eviction
     assert s.available() >= 128
+
+
+@pytest.mark.parametrize("policy, first", [("lpm", "x"), ("fcfs", "y")])
+def test_a_cache_aware_policy_matches_the_whole_prompt(policy, first):
+    """0.5.23 ``_compute_prefix_matches`` matches each waiting request with ``match_kv_cache``
+    and no ``max_prefix_len``: a prompt cached whole (``x``, ``a``'s 40 tokens again)
+    matches all 40, so lpm ranks it above ``y`` (39 of ``a``'s tokens, then its own) and
+    admits it first (one request a batch); admission itself still matches at most
+    len - 1 (``init_next_round_input``: ``x`` reports 39 cached). Capped at len - 1 in the
+    priority pass too, the two tied at 39 and lpm kept the queue order, as fcfs does."""
+    a = list(range(3, 43))
+    recs = [
+        req("a", a, 1, arrival_ms=0.0),
+        req("big", list(range(1000, 3000)), 2, arrival_ms=50.0),  # busy while y, x arrive
+        req("y", a[:39] + list(range(500, 521)), 2, arrival_ms=51.0),
+        req("x", list(a), 2, arrival_ms=52.0),
+    ]
+    r = run(recs, config(schedule_policy=policy, prefill_max_requests=1))
+    entry = {x.rid: x.meta_info["forward_entry_time"] for x in r.requests}
+    assert min(("x", "y"), key=entry.__getitem__) == first
+    assert {x.rid: x.cached_tokens for x in r.requests}["x"] == 39
