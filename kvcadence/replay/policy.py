@@ -177,7 +177,9 @@ def _prefix_matches(
     a short match (<= 32 tokens) that share >= 32 tokens with an earlier such request are
     de-prioritised (in-batch prefix caching: one of them fills the cache for the others).
     Returns ``(kept, de-prioritised)``."""
-    temp = RadixTree(tree.page_size, _null_hasher)
+    # SGLang's probe tree is ``RadixCache.create_simulated()``: page size 1 whatever the
+    # worker's, and matched on the whole prompt (no ``len - 1`` cap)
+    temp = RadixTree(1, _null_hasher)
     keep: list[Any] = []
     deprioritized: list[Any] = []
     for r in waiting:
@@ -185,7 +187,7 @@ def _prefix_matches(
         if r.prefix_len <= IN_BATCH_CHECK_THRESHOLD:
             key = r.fill
             home = temp.root_of(r.ns)  # the waiting-queue tree is keyed by namespace too
-            shared = temp.peek_prefix_len(key, len(key) - 1, home)
+            shared = temp.peek_prefix_len(key, None, home)
             if shared >= IN_BATCH_DEPRIORITIZE_THRESHOLD:
                 deprioritized.append(r)
                 continue

@@ -60,6 +60,26 @@ def test_lpm_in_batch_dedup_sends_shared_uncached_prefixes_to_the_end():
     assert names(order_waiting("lpm", q, tree, match)) == ["a", "c", "b", "d"]
 
 
+def test_lpm_in_batch_probe_is_a_page_1_tree_matched_on_the_whole_prompt():
+    """0.5.23's in-batch probe tree is ``RadixCache.create_simulated()`` -- page size 1
+    whatever the worker's -- matched on the whole prompt: at page 64, two uncached prompts
+    sharing 40 tokens are duplicates (a page-64 probe floors the 40 to 0), and two
+    identical 32-token prompts share all 32 (a ``len - 1`` cap finds 31, under the
+    threshold)."""
+    tree = RadixTree(64, wire_hasher())
+
+    def match(r):
+        r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1)
+
+    shared = list(range(500, 540))
+    q = [R("a", shared + [1] * 30), R("b", shared + [2] * 30), R("c", range(900, 905))]
+    assert names(order_waiting("lpm", q, tree, match)) == ["a", "c", "b"]
+    tree1, match1 = setup()
+    same = list(range(600, 632))
+    q = [R("a", same), R("b", same), R("c", range(900, 905))]
+    assert names(order_waiting("lpm", q, tree1, match1)) == ["a", "c", "b"]
+
+
 def test_hrrn_orders_by_prefilled_tokens_waited_over_uncached_tokens():
     """0.5.23 ``_sort_by_hrrn``: ratio = (processed − the request's value at entry) / its
     uncached prompt tokens, highest first; a fully cached prompt first; ties by rid."""
