@@ -50,7 +50,9 @@ tree without ``supports_fast_match_prefix``) always holds here.
 
 Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, ``routing_key``,
 ``ns`` (the cache namespace: walks start at its root, ``RadixTree.root_of``)
-and the matching fields the scheduler fills (``prefix_len``, ``last_node``) through ``match``.
+and the matching fields the scheduler fills through ``match``: ``prefix_len`` (the device
+match, page floored: the in-batch check's), ``num_matched`` (what the policies rank by,
+0.5.23 ``num_matched_prefix_tokens``: that match capped at len - 1) and ``last_node``.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def order_waiting(
 ) -> list[Any]:
     """Return the waiting queue in the order the adder walks it.
 
-    ``match(req)`` re-matches a request against ``tree`` (setting ``prefix_len`` and
-    ``last_node``); cache-aware policies call it for every waiting request.
+    ``match(req)`` re-matches a request against ``tree`` (setting ``prefix_len``,
+    ``num_matched`` and ``last_node``); cache-aware policies call it for every waiting
+    request.
     ``processed_tokens``: the scheduler's token clock (``hrrn``'s; a request's
     ``arrival_processed`` is its value when the request entered the queue).
     ``running_keys``: the running requests' routing keys (``routing-key``'s); ``rng``: the
@@ -198,7 +201,7 @@ def _prefix_matches(
 
 def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:
     keep, deprioritized = _prefix_matches(waiting, tree, match)
-    keep.sort(key=lambda r: -r.prefix_len)
+    keep.sort(key=lambda r: -r.num_matched)
     return keep + deprioritized
 
 
@@ -215,7 +218,7 @@ def _hrrn(
     def key(r: Any) -> tuple[float, str]:
         if id(r) in low:
             return inf, r.rid
-        uncached = r.input_len - r.prefix_len
+        uncached = r.input_len - r.num_matched
         if uncached <= 0:
             return -inf, r.rid
         return -max(0, processed - r.arrival_processed) / uncached, r.rid
@@ -225,7 +228,7 @@ def _hrrn(
 
 def _prefill_work(r: Any) -> int:
     """``_shortest_prefill_work``: the tokens ``r``'s prefill computes (at least 1)."""
-    return max(1, r.fill_len - r.prefix_len)
+    return max(1, r.fill_len - r.num_matched)
 
 
 def _shortest_prefill(

@@ -23,6 +23,7 @@ class R:
         self.input_len = self.fill_len = len(self.fill)
         self.max_new_tokens = max_new
         self.prefix_len = 0
+        self.num_matched = 0
         self.last_node = None
         self.arrival_processed = entered
 
@@ -34,6 +35,7 @@ def setup():
 
     def match(r):
         r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1)
+        r.num_matched = r.prefix_len
 
     return tree, match
 
@@ -70,6 +72,7 @@ def test_lpm_in_batch_probe_is_a_page_1_tree_matched_on_the_whole_prompt():
 
     def match(r):
         r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1)
+        r.num_matched = r.prefix_len
 
     shared = list(range(500, 540))
     q = [R("a", shared + [1] * 30), R("b", shared + [2] * 30), R("c", range(900, 905))]
@@ -127,7 +130,7 @@ def test_spf_chunk_limit_leaves_room_for_the_shorter_waiting_requests():
     """0.5.23 ``shortest_prefill_chunk_limit`` at page 4, a 256-token chunk budget."""
     tree, match = setup()
     chunked = R("chunked", range(5000, 5900))
-    chunked.prefix_len = 256  # 644 tokens still to prefill
+    chunked.prefix_len = chunked.num_matched = 256  # 644 tokens still to prefill
     q = [R("a", range(6000, 6030)), R("b", range(7000, 7061)), R("c", range(8000, 8400))]
     for r in q:
         match(r)
@@ -135,7 +138,7 @@ def test_spf_chunk_limit_leaves_room_for_the_shorter_waiting_requests():
     assert spf_chunk_limit(chunked, q, 256, 4) == 256 - 96
     assert spf_chunk_limit(chunked, q, 4, 4) is None  # under two pages
     assert spf_chunk_limit(chunked, [q[2]], 256, 4) is None  # nothing reserved
-    chunked.prefix_len = 880  # 20 left: no waiting request is shorter
+    chunked.prefix_len = chunked.num_matched = 880  # 20 left: no waiting request is shorter
     assert spf_chunk_limit(chunked, q, 256, 4) is None
 
 
@@ -271,6 +274,7 @@ def test_namespaces_match_apart_and_dfs_weight_sees_their_nodes_under_the_root()
 
     def match(r):
         r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1, tree.root_of(r.ns))
+        r.num_matched = r.prefix_len
 
     q = [
         R("x", range(1000, 1010)),  # matches nothing: the root's own

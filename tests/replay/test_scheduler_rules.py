@@ -760,22 +760,26 @@ def test_retraction_checks_evict_for_the_requests_that_stay():
     assert s.available() >= 128
 
 
-@pytest.mark.parametrize("policy, first", [("lpm", "x"), ("fcfs", "y")])
-def test_a_cache_aware_policy_matches_the_whole_prompt(policy, first):
-    """0.5.23 ``_compute_prefix_matches`` matches each waiting request with ``match_kv_cache``
-    and no ``max_prefix_len``: a prompt cached whole (``x``, ``a``'s 40 tokens again)
-    matches all 40, so lpm ranks it above ``y`` (39 of ``a``'s tokens, then its own) and
-    admits it first (one request a batch); admission itself still matches at most
-    len - 1 (``init_next_round_input``: ``x`` reports 39 cached). Capped at len - 1 in the
-    priority pass too, the two tied at 39 and lpm kept the queue order, as fcfs does."""
-    a = list(range(3, 43))
+@pytest.mark.parametrize("policy, order", [("lpm", "zxy"), ("fcfs", "yxz")])
+def test_a_cache_aware_policy_ranks_by_a_whole_prompt_match_capped_at_len_minus_1(policy, order):
+    """0.5.23 ``_compute_prefix_matches`` matches each waiting request's whole prompt
+    (``match_kv_cache``, no ``max_prefix_len``; page floored) and ranks it by
+    ``num_matched_prefix_tokens`` = that match capped at len - 1, *not* floored. At page
+    16 with ``a``'s 160 tokens cached: ``z`` (``a`` and 20 more) ranks at 160, ``x``
+    (``a`` again, cached whole) at 159, ``y`` (``a``'s first 150, then its own) at 144,
+    so lpm admits z, x, y (one request a batch). Matched at len - 1 and floored, as
+    admission matches, x tied y at 144 (y, the earlier, went first); ranked by the
+    uncapped match, x tied z at 160. Admission still reports ``x`` 144 cached."""
+    a = list(range(3, 163))
     recs = [
         req("a", a, 1, arrival_ms=0.0),
-        req("big", list(range(1000, 3000)), 2, arrival_ms=50.0),  # busy while y, x arrive
-        req("y", a[:39] + list(range(500, 521)), 2, arrival_ms=51.0),
+        req("big", list(range(1000, 3000)), 2, arrival_ms=50.0),  # busy while y, x, z arrive
+        req("y", a[:150] + list(range(500, 520)), 2, arrival_ms=51.0),
         req("x", list(a), 2, arrival_ms=52.0),
+        req("z", a + list(range(600, 620)), 2, arrival_ms=53.0),
     ]
-    r = run(recs, config(schedule_policy=policy, prefill_max_requests=1))
+    cfg = config(page_size=16, schedule_policy=policy, prefill_max_requests=1)
+    r = run(recs, cfg)
     entry = {x.rid: x.meta_info["forward_entry_time"] for x in r.requests}
-    assert min(("x", "y"), key=entry.__getitem__) == first
-    assert {x.rid: x.cached_tokens for x in r.requests}["x"] == 39
+    assert "".join(sorted("xyz", key=entry.__getitem__)) == order
+    assert {x.rid: x.cached_tokens for x in r.requests}["x"] == 144
