@@ -151,6 +151,11 @@ def _get_new_batch_prefill(self: Scheduler, t: int) -> Batch | None:
         res = adder.add_one_req(req, has_chunked_req=has_chunked)
         if res is not AddReqResult.CONTINUE:
             if res is AddReqResult.NO_TOKEN:
+                # 0.5.23 sets the flag when the adder's list holds anything (the continuing
+                # chunk too) or requests run; a flag set beside the chunk alone never
+                # reaches the next admission -- the empty running batch is reset at its
+                # start, or replaced by the prefill batch's object (``running_batch =
+                # last_batch``) -- so the chunk is not counted here
                 if len(adder.can_run_list) > (1 if chunked is not None else 0) or self.running:
                     self.batch_is_full = True
             break

@@ -783,3 +783,24 @@ def test_a_cache_aware_policy_ranks_by_a_whole_prompt_match_capped_at_len_minus_
     entry = {x.rid: x.meta_info["forward_entry_time"] for x in r.requests}
     assert "".join(sorted("xyz", key=entry.__getitem__)) == order
     assert {x.rid: x.cached_tokens for x in r.requests}["x"] == 144
+
+
+def test_a_no_token_stop_beside_the_last_chunk_alone_does_not_hold_the_queue():
+    """0.5.23 ``_get_new_batch_prefill_raw`` sets ``batch_is_full`` at a ``NO_TOKEN`` stop
+    when the adder's list holds anything -- the continuing chunk too -- but the flag is
+    the running batch object's: with no request running, the next iteration replaces that
+    object by the prefill batch (``running_batch = last_batch``, its own flag unset) or,
+    if nothing merges, resets it (an empty running batch). ``r0``'s 398 tokens prefill in
+    64-token chunks in an 800-token pool; ``r1`` (337 tokens) does not fit beside the last
+    chunk, and is admitted at the next pass, while ``r0`` decodes, not after ``r0``
+    finishes."""
+    recs = [
+        req("r0", list(range(1000, 1398)), 23, arrival_ms=23.47),
+        req("r1", list(range(5000, 5337)), 20, arrival_ms=44.43),
+        req("r2", list(range(9000, 9370)), 9, arrival_ms=66.62),
+    ]
+    r = run(recs, config(page_size=16, chunked_prefill_size=64, max_total_tokens=800))
+    by = {x.rid: x.meta_info for x in r.requests}
+    assert by["r1"]["forward_entry_time"] < by["r0"]["request_finished_ts"]
+    assert by["r1"]["forward_entry_time"] < by["r2"]["forward_entry_time"]
+    assert [x.completion_tokens for x in r.requests] == [23, 20, 9]
