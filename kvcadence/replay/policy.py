@@ -50,9 +50,7 @@ tree without ``supports_fast_match_prefix``) always holds here.
 
 Requests are runtime objects with ``fill`` (token tuple), ``max_new_tokens``, ``routing_key``,
 ``ns`` (the cache namespace: walks start at its root, ``RadixTree.root_of``)
-and the matching fields the scheduler fills through ``match``: ``prefix_len`` (the device
-match, page floored: the in-batch check's), ``num_matched`` (what the policies rank by,
-0.5.23 ``num_matched_prefix_tokens``: that match capped at len - 1) and ``last_node``.
+and the matching fields the scheduler fills through ``match`` (``prefix_len``, ``last_node``).
 """
 
 from __future__ import annotations
@@ -92,9 +90,8 @@ def order_waiting(
 ) -> list[Any]:
     """Return the waiting queue in the order the adder walks it.
 
-    ``match(req)`` re-matches a request against ``tree`` (setting ``prefix_len``,
-    ``num_matched`` and ``last_node``); cache-aware policies call it for every waiting
-    request.
+    ``match(req)`` re-matches a request against ``tree`` (setting ``prefix_len`` and
+    ``last_node``); cache-aware policies call it for every waiting request.
     ``processed_tokens``: the scheduler's token clock (``hrrn``'s; a request's
     ``arrival_processed`` is its value when the request entered the queue).
     ``running_keys``: the running requests' routing keys (``routing-key``'s); ``rng``: the
@@ -173,6 +170,13 @@ def touch_waiting_prefixes(ordered: list[Any], tree: RadixTree) -> None:
         tree.match_prefix(r.fill, r.fill_len, tree.root_of(r.ns))
 
 
+def matched(r: Any) -> int:
+    """What a policy ranks ``r`` by: 0.5.23 ``num_matched_prefix_tokens``, its last match
+    capped at len - 1, unfloored (a cache-aware policy matches the whole prompt: at page 16
+    a 160-token prompt cached whole ranks at 159; admission's match is capped already)."""
+    return min(r.prefix_len, r.fill_len - 1)
+
+
 def _prefix_matches(
     waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]
 ) -> tuple[list[Any], list[Any]]:
@@ -201,7 +205,7 @@ def _prefix_matches(
 
 def _lpm(waiting: list[Any], tree: RadixTree, match: Callable[[Any], None]) -> list[Any]:
     keep, deprioritized = _prefix_matches(waiting, tree, match)
-    keep.sort(key=lambda r: -r.num_matched)
+    keep.sort(key=lambda r: -matched(r))
     return keep + deprioritized
 
 
@@ -218,7 +222,7 @@ def _hrrn(
     def key(r: Any) -> tuple[float, str]:
         if id(r) in low:
             return inf, r.rid
-        uncached = r.input_len - r.num_matched
+        uncached = r.input_len - matched(r)
         if uncached <= 0:
             return -inf, r.rid
         return -max(0, processed - r.arrival_processed) / uncached, r.rid
@@ -228,7 +232,7 @@ def _hrrn(
 
 def _prefill_work(r: Any) -> int:
     """``_shortest_prefill_work``: the tokens ``r``'s prefill computes (at least 1)."""
-    return max(1, r.fill_len - r.num_matched)
+    return max(1, r.fill_len - matched(r))
 
 
 def _shortest_prefill(

@@ -40,7 +40,6 @@ class SimReq:
         "output_len",
         "ignore_eos",
         "prefix_len",
-        "num_matched",
         "host_hit_length",
         "last_node",
         "extend_len",
@@ -102,9 +101,6 @@ class SimReq:
         self._fill: array | None = None  # None: the prompt (``ids``)
         self.fill_len = self.input_len
         self.prefix_len = 0
-        #: the matched tokens a policy ranks by (0.5.23 ``num_matched_prefix_tokens``: the
-        #: last match capped at len - 1, unfloored)
-        self.num_matched = 0
         self.host_hit_length = 0
         self.last_node: Node | None = None
         self.extend_len = 0

@@ -405,19 +405,18 @@ class Scheduler:
         """``init_next_round_input``: device match capped at len − 1, page aligned."""
         tree = self.tree
         n, node = tree.match_prefix(req.fill, req.fill_len - 1, tree.root_of(req.spec.namespace))
-        req.prefix_len = req.num_matched = n
+        req.prefix_len = n
         req.last_node = node
         req.host_hit_length = 0
 
     def _match_whole(self, req: SimReq) -> None:
         """A cache-aware policy's match (0.5.23 ``_compute_prefix_matches``:
         ``match_kv_cache`` with no ``max_prefix_len``): the whole prompt, page aligned --
-        a fully cached prompt matches (and touches, and splits at) its last page too; the
-        policy ranks it by ``num_matched_prefix_tokens``, that match capped at len - 1."""
+        a fully cached prompt matches (and touches, and splits at) its last page too
+        (``policy.matched``: what the policy ranks it by)."""
         tree = self.tree
         n, node = tree.match_prefix(req.fill, req.fill_len, tree.root_of(req.spec.namespace))
         req.prefix_len = n
-        req.num_matched = min(n, req.fill_len - 1)
         req.last_node = node
         req.host_hit_length = 0
 

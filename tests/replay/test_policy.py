@@ -23,21 +23,24 @@ class R:
         self.input_len = self.fill_len = len(self.fill)
         self.max_new_tokens = max_new
         self.prefix_len = 0
-        self.num_matched = 0
         self.last_node = None
         self.arrival_processed = entered
+
+
+def matcher(tree):
+    """Admission's match against ``tree`` (len - 1, from the request's namespace root)."""
+
+    def match(r):
+        r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1, tree.root_of(r.ns))
+
+    return match
 
 
 def setup():
     tree = RadixTree(1, wire_hasher())
     tree.insert(tuple(range(100, 200)))  # a cached 100-token prefix
     tree.insert(tuple(range(100, 150)) + (7,) * 30)
-
-    def match(r):
-        r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1)
-        r.num_matched = r.prefix_len
-
-    return tree, match
+    return tree, matcher(tree)
 
 
 def names(rs):
@@ -69,14 +72,9 @@ def test_lpm_in_batch_probe_is_a_page_1_tree_matched_on_the_whole_prompt():
     identical 32-token prompts share all 32 (a ``len - 1`` cap finds 31, under the
     threshold)."""
     tree = RadixTree(64, wire_hasher())
-
-    def match(r):
-        r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1)
-        r.num_matched = r.prefix_len
-
     shared = list(range(500, 540))
     q = [R("a", shared + [1] * 30), R("b", shared + [2] * 30), R("c", range(900, 905))]
-    assert names(order_waiting("lpm", q, tree, match)) == ["a", "c", "b"]
+    assert names(order_waiting("lpm", q, tree, matcher(tree))) == ["a", "c", "b"]
     tree1, match1 = setup()
     same = list(range(600, 632))
     q = [R("a", same), R("b", same), R("c", range(900, 905))]
@@ -130,7 +128,7 @@ def test_spf_chunk_limit_leaves_room_for_the_shorter_waiting_requests():
     """0.5.23 ``shortest_prefill_chunk_limit`` at page 4, a 256-token chunk budget."""
     tree, match = setup()
     chunked = R("chunked", range(5000, 5900))
-    chunked.prefix_len = chunked.num_matched = 256  # 644 tokens still to prefill
+    chunked.prefix_len = 256  # 644 tokens still to prefill
     q = [R("a", range(6000, 6030)), R("b", range(7000, 7061)), R("c", range(8000, 8400))]
     for r in q:
         match(r)
@@ -138,7 +136,7 @@ def test_spf_chunk_limit_leaves_room_for_the_shorter_waiting_requests():
     assert spf_chunk_limit(chunked, q, 256, 4) == 256 - 96
     assert spf_chunk_limit(chunked, q, 4, 4) is None  # under two pages
     assert spf_chunk_limit(chunked, [q[2]], 256, 4) is None  # nothing reserved
-    chunked.prefix_len = chunked.num_matched = 880  # 20 left: no waiting request is shorter
+    chunked.prefix_len = 880  # 20 left: no waiting request is shorter
     assert spf_chunk_limit(chunked, q, 256, 4) is None
 
 
@@ -272,9 +270,7 @@ def test_namespaces_match_apart_and_dfs_weight_sees_their_nodes_under_the_root()
     a, b = Namespace(cache_salt="a"), Namespace(extra_key="b")
     tree.insert(tuple(range(300, 340)), root=tree.root_of(a))
 
-    def match(r):
-        r.prefix_len, r.last_node = tree.match_prefix(r.fill, len(r.fill) - 1, tree.root_of(r.ns))
-        r.num_matched = r.prefix_len
+    match = matcher(tree)
 
     q = [
         R("x", range(1000, 1010)),  # matches nothing: the root's own
