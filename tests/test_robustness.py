@@ -161,6 +161,7 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
     assert len(caps) >= 7
     assert {c.name for c in caps if c.dp} == {
         "corpus `dp2-p16-chunk128-mixed`",
+        "corpus `dp2-p2-chunk64`",
         "corpus `dp2-p16-chunk256`",
         "corpus `dp2-p16-http-clients-cancel`",
         "corpus `dp2-p32-http-clients`",
@@ -196,9 +197,11 @@ def test_pace_recorded_paces_the_single_rank_replays(rob, tmp_path: Path):
     model = rob.corpus_capture(d).replay(None, 1.0)[0]
     paced = rob.corpus_capture(d, "recorded").replay(None, 1.0)[0]
     assert model["stored"] != paced["stored"]
-    # the measured difference (docs/simulator.md): Stored/req 1.700 -> 1.720, real 1.765
+    # the measured difference: Stored/req 1.725 (model; 1.700 until a prefill paid its base
+    # a pass, 2026-12-06) -> 1.720 (recorded), real 1.765
+    assert (model["stored_per_req"], paced["stored_per_req"]) == (1.725, 1.72)
     real = rob.real_figures(d / "bundle")[0]
-    assert not rob.bars(real, model)["stored_per_req"] and rob.bars(real, paced)["stored_per_req"]
+    assert rob.bars(real, model)["stored_per_req"] and rob.bars(real, paced)["stored_per_req"]
 
 
 def test_a_late_single_rank_capture_replays_as_kvcadence_replay_does(rob):

@@ -35,9 +35,11 @@ def fit_nonneg(cols: list[list[float]], ys: list[float]) -> list[float]:
     return best
 
 
-def rss(ys: list[float], xs: list[float], zs: list[float], a: float, b: float, c: float) -> float:
-    """Residual sum of squares of ``y = a + b x + c z``."""
-    return sum((y - a - b * x - c * z) ** 2 for y, x, z in zip(ys, xs, zs, strict=True))
+def rss(ys: list[float], cols: list[list[float]], coefs: list[float]) -> float:
+    """Residual sum of squares of ``y = Σ coefs[j] · cols[j]``."""
+    a = np.asarray(cols, dtype=np.float64).reshape(len(cols), len(ys))
+    r = np.asarray(ys, dtype=np.float64) - np.asarray(coefs, dtype=np.float64) @ a
+    return float(r @ r)
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:

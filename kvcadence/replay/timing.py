@@ -13,7 +13,13 @@ no ``server.log``):
   or preempted, ``num_retractions`` > 0: their ``prefill_finished_time`` may come after a
   wait in the queue); their duration is
   ``prefill_finished_time − forward_entry_time``, fitted by least squares against the batch's
-  uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients; the
+  uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients, and
+  its base against the passes the batch spans: with ``chunk_tokens`` a prompt of ``u``
+  uncached tokens runs ``ceil(u / chunk_tokens)`` passes between its first forward entry
+  and its prefill's end, each paying the base (``_passes``; a batch's count is its
+  requests' median, as its end is their finishes'), where a fit with one base per batch
+  put the later passes' bases on the tokens and the replay, paying a base a pass, ran
+  chunked prompts up to twice as long as the worker; the
   attended prefix (``cached_tokens``, and with ``chunk_tokens`` each earlier chunk of a
   chunked prompt) joins the fit only when it passes a partial F test (``PREFIX_MIN_F``). With
   ``sync_forward`` (a CPU worker runs each forward inside its launch, so under the overlap
@@ -235,6 +241,7 @@ def calibrate(
                 prompt - cached,
                 _attended(cached, prompt - cached, chunk_tokens),
                 prompt,
+                _passes(prompt - cached, chunk_tokens),
             )
         )
         retracted.append(is_retracted(r))
@@ -249,7 +256,7 @@ def calibrate(
     if report is not None:
         n_back = sum(retracted)
         report.update(source="phases", requests=len(rows) - n_back, left_out=n_back)
-    # prefill batches: (entry, finished, uncached tokens, attended prefix tokens), of the
+    # prefill batches: (entry, finished, uncached tokens, attended prefix tokens, passes), of the
     # requests never retracted: SGLang keeps a request's first ``forward_entry_time`` and its
     # first ``prefill_finished_time``, and those of a preempted request may span a wait in
     # the queue (``p16-lof-lowprio-mrr4-http-clients``: 90th percentile 1.75 s, the others'
@@ -260,19 +267,22 @@ def calibrate(
             median(g[1] for g in grp),
             sum(g[5] for g in grp),
             sum(g[6] for g in grp),
+            median(g[8] for g in grp),
         )
         for grp in prefill_batches(r for r, back in zip(rows, retracted, strict=True) if not back)
     )
     entries = [g[0] for g in groups]
 
     prefix_xs: list[float] = []
+    passes_xs: list[float] = []
 
     alive = Alive([r[1] for r in rows], [r[3] for r in rows])
 
     def prefill_durations(decode_s: float) -> tuple[list[float], list[float], list[tuple]]:
         xs, ys, ends = [], [], []
         prefix_xs.clear()
-        for i, (e, f, toks, prefix) in enumerate(groups):
+        passes_xs.clear()
+        for i, (e, f, toks, prefix, passes) in enumerate(groups):
             nxt = entries[i + 1] if i + 1 < len(entries) else None
             prev = groups[i - 1][1] if i > 0 else None
             busy = overlap and alive(e, e + _INSTANT_S) > 0  # a decode forward ran at entry
@@ -282,6 +292,7 @@ def calibrate(
             if dur > 0:
                 xs.append(float(toks))
                 prefix_xs.append(float(prefix))
+                passes_xs.append(float(passes))
                 ys.append(dur)
                 ends.append((e + dur if sync_forward else f, dur))
         return xs, ys, ends
@@ -299,7 +310,7 @@ def calibrate(
         """``(base, per request, a typical pass)``: the typical pass's context part in."""
         per_pass, conc, ctx = [], [], []
         inside_of = Inside(ends)
-        for (_fe, pf, _rx, fin, n, _u, _c, _p), back in zip(rows, retracted, strict=True):
+        for (_fe, pf, _rx, fin, n, _u, _c, _p, _k), back in zip(rows, retracted, strict=True):
             if n < 2 or fin <= pf or back:
                 continue
             inside = inside_of(pf, fin)
@@ -329,15 +340,18 @@ def calibrate(
         xs, ys, ends = prefill_durations(fit[2])
         fit = decode_fit(ends) or fit
     if len(xs) >= 3:
-        a, b = fit_line(xs, ys)
+        # the base: once a pass (a batch of unchunked prompts runs one: ``fit_line``, the
+        # two-parameter fit exactly)
+        chunked = any(k > 1 for k in passes_xs)
+        a, b = fit_nonneg([passes_xs, xs], ys) if chunked else fit_line(xs, ys)
         c = 0.0
         if len(xs) > 3 and any(prefix_xs):
-            a3, b3, c3 = fit_nonneg([[1.0] * len(xs), xs, prefix_xs], ys)
-            rss2 = rss(ys, xs, prefix_xs, a, b, 0.0)
-            rss3 = rss(ys, xs, prefix_xs, a3, b3, c3)
+            a3, b3, c3 = fit_nonneg([passes_xs, xs, prefix_xs], ys)
+            rss2 = rss(ys, [passes_xs, xs], [a, b])
+            rss3 = rss(ys, [passes_xs, xs, prefix_xs], [a3, b3, c3])
             # the prefix term only where it explains the durations (partial F test), never
             # alone (base and per-token ~0: nothing cached would prefill in no time)
-            own = a3 + b3 * median(xs)  # a typical batch's own work, nothing cached
+            own = a3 * median(passes_xs) + b3 * median(xs)  # a typical batch's own work
             if (
                 c3 > 0
                 and own > OWN_MIN_SHARE * median(ys)
@@ -349,6 +363,14 @@ def calibrate(
         p.decode_base_s, p.decode_per_req_s = fit[0], fit[1]
     p.default_gap_s = _median_gap(records, p.default_gap_s)
     return p
+
+
+def _passes(uncached: int, chunk: int | None) -> int:
+    """Prefill passes of a prompt with ``uncached`` new tokens: one a ``chunk``-token piece
+    (SGLang runs a chunked prompt's pieces in consecutive passes; one when not chunked)."""
+    if not chunk or uncached <= chunk:
+        return 1
+    return -(-uncached // chunk)
 
 
 def _attended(cached: int, uncached: int, chunk: int | None) -> int:

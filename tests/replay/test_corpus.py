@@ -168,6 +168,9 @@ CAPTURES = (
     "p8-nochunk",
     "p128-chunk512",
     "dp2-p16-chunk128-mixed",
+    "p2-chunk64",
+    "dp2-p2-chunk64",
+    "p4-cons2-longout",
     *REPEATS,
     *CANCEL_CAPTURES,
     *LATER_CLIENT_CAPTURES,
@@ -202,11 +205,12 @@ DRIVEN = tuple(n for n in CAPTURES if n not in PRODUCTION_ONLY)
 
 #: (capture, bar) -> measured numbers, for the bars a capture misses today (strict xfail)
 MISSES: dict[tuple[str, str], str] = {
-    ("p4-chunk512-nooverlap", "stored_per_req"): "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
     ("p16-tight-long-nooverlap", "cached_equal"): "cached_tokens_equal 0.935",
     ("p32-flush-nooverlap", "cached_equal"): "cached_tokens_equal 0.750",
     ("p32-flush-nooverlap", "stored_median"): "stored_blocks_median 5 -> 4 (-20.0%)",
     ("dp2-p8-long-nooverlap", "stored_median"): "stored_blocks_median 13 -> 13.5 (+3.8%)",
+    # a prefill base a pass (2026-12-06): 158 before, at the edge either way
+    ("p1-mixed-retract-nooverlap", "stored_median"): "stored_blocks_median 160 -> 155 (-3.1%)",
     ("p1-retract-noeos", "stored_median"): "stored_blocks_median 135 -> 141 (+4.4%)",
     ("p1-retract-noeos", "removed_mean"): "removed_blocks_mean 225.9 -> 250.7 (+10.9%)",
     ("p1-retract-noeos", "cached_equal"): "cached_tokens_equal 0.655",
@@ -214,24 +218,24 @@ MISSES: dict[tuple[str, str], str] = {
     ("p16-retract-noeos", "cached_equal"): "cached_tokens_equal 0.665",
     ("dp2-p4-retract-noeos", "cached_equal"): "cached_tokens_equal 0.860",
     ("p4-mrr3", "cached_equal"): "cached_tokens_equal 0.935",
-    ("p8-chunk384-loaded", "cached_equal"): "cached_tokens_equal 0.805",
+    ("p8-chunk384-loaded", "cached_equal"): "cached_tokens_equal 0.665",
     ("p2-flush2x", "cached_equal"): "cached_tokens_equal 0.945",
     ("dp2-p8-lpm", "stored_median"): "stored_blocks_median 14 -> 15 (+7.1%)",
     ("dp2-p8-lpm", "cached_equal"): "cached_tokens_equal 0.925",
     ("p16-mpt512", "removed_per_req"): "removed_events_per_request 0.645 -> 0.740 (+14.7%)",
     ("p16-mpt512", "removed_mean"): "removed_blocks_mean 15.1 -> 13.2 (-12.7%)",
-    ("p32-flush-nooverlap-quiet", "cached_equal"): "cached_tokens_equal 0.720",
+    ("p32-flush-nooverlap-quiet", "cached_equal"): "cached_tokens_equal 0.870",
     ("p1-retract-noeos-quiet", "cached_equal"): "cached_tokens_equal 0.735",
     ("dp2-p4-retract-noeos-quiet", "cached_equal"): "cached_tokens_equal 0.830",
     ("p1-lanes8-lfu", "stored_median"): "stored_blocks_median 49 -> 50.5 (+3.1%)",
     ("p1-lanes8-lfu", "cached_equal"): "cached_tokens_equal 0.760",
     ("p1-lanes8-slru", "cached_equal"): "cached_tokens_equal 0.750",
     ("p1-lanes8-priority", "cached_equal"): "cached_tokens_equal 0.735",
-    ("p16-chunk256-lfu", "cached_equal"): "cached_tokens_equal 0.890",
+    ("p16-chunk256-lfu", "cached_equal"): "cached_tokens_equal 0.900",
     ("p16-chunk256-priority", "cached_equal"): "cached_tokens_equal 0.755",
     ("p4-mrr3-hrrn", "removed_mean"): "removed_blocks_mean 43.51 -> 38.85 (-10.7%)",
     ("p4-mrr3-hrrn", "cached_equal"): "cached_tokens_equal 0.670",
-    ("p1-mixed-retract-nooverlap", "cached_equal"): "cached_tokens_equal 0.680",
+    ("p1-mixed-retract-nooverlap", "cached_equal"): "cached_tokens_equal 0.700",
     ("p4-mrr3-lof", "cached_equal"): "cached_tokens_equal 0.925",
     ("p4-retract-noeos-cons03", "cached_equal"): "cached_tokens_equal 0.650",
     ("p8-nochunk", "cached_equal"): "cached_tokens_equal 0.650",
@@ -252,8 +256,20 @@ MISSES: dict[tuple[str, str], str] = {
     # the worker against itself on the same traffic: its two recordings agree on
     # ``cached_tokens`` for 117 of 200 requests (58.5 %), their medians are 4 and 5
     ("p32-tight-nooverlap-quiet", "cached_equal"): "cached_tokens_equal 0.615",
-    ("p32-tight-nooverlap-quiet2", "stored_median"): "stored_blocks_median 5 -> 4 (-20.0%)",
-    ("p32-tight-nooverlap-quiet2", "cached_equal"): "cached_tokens_equal 0.540",
+    # since a prefill pays its base a pass (2026-12-06: the replay's span 1.165 -> 0.974 of
+    # the worker's, its chunked prompts' prefills no longer twice as long) the replay
+    # publishes more, smaller messages on this recording (2.050 and 1.300 before) and fewer
+    # on its twin (-quiet2: 2.040 and 1.275 before), the worker's spread between the two
+    ("p32-tight-nooverlap-quiet", "stored_per_req"): "stored_events_per_request 2.000 "
+    "-> 2.080 (+4.0%)",
+    ("p32-tight-nooverlap-quiet", "removed_per_req"): "removed_events_per_request 1.240 "
+    "-> 1.365 (+10.1%)",
+    ("p32-tight-nooverlap-quiet2", "cached_equal"): "cached_tokens_equal 0.645",
+    # a shared prefix split at a chunk boundary: which piece is the least recently used
+    # leaf when the 1500-token pool fills (its section)
+    ("p2-chunk64", "cached_equal"): "cached_tokens_equal 0.845",
+    # the CPU worker's start-up batch (its section; 97.0 % with --sync-forward)
+    ("p4-cons2-longout", "cached_equal"): "cached_tokens_equal 0.735",
 }
 
 
@@ -389,7 +405,6 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
 
 #: capture -> the production path's misses today, measured
 PRODUCTION_MISSES: dict[str, str] = {
-    "p4-chunk512-nooverlap": "stored_events_per_request 1.765 -> 1.700 (-3.7%)",
     "p16-tight-long-nooverlap": "cached_tokens_equal 0.935",
     "p32-flush-nooverlap": "cached_tokens_equal 0.755",
     "dp2-p8-long-nooverlap": "stored_blocks_median 13 -> 13.5 (+3.8%)",
@@ -400,41 +415,38 @@ PRODUCTION_MISSES: dict[str, str] = {
     "dp2-p4-retract-noeos": "cached_tokens_equal 0.860",
     "dp2-p32-http-clients": "removed_blocks_mean 7.5 -> 8.394 (+11.9%)",
     "p4-mrr3": "cached_tokens_equal 0.935",
-    "p8-chunk384-loaded": "cached_tokens_equal 0.805",
+    "p8-chunk384-loaded": "cached_tokens_equal 0.665",
     "p2-flush2x": "cached_tokens_equal 0.945",
     "dp2-p8-lpm": "stored_blocks_median 14 -> 15 (+7.1%); cached_tokens_equal 0.925",
     "p16-mpt512": "removed_events_per_request 0.645 -> 0.725 (+12.4%); removed_blocks_mean 15.1 "
     "-> 13.5 (-10.8%)",
-    "p32-flush-nooverlap-quiet": "cached_tokens_equal 0.720",
+    "p32-flush-nooverlap-quiet": "cached_tokens_equal 0.870",
     "p1-retract-noeos-quiet": "cached_tokens_equal 0.740",
     "dp2-p4-retract-noeos-quiet": "cached_tokens_equal 0.830",
     "p1-lanes8-lfu": "stored_blocks_median 49 -> 51 (+4.1%); cached_tokens_equal 0.765",
     "p1-lanes8-slru": "cached_tokens_equal 0.730",
     "p1-lanes8-priority": "cached_tokens_equal 0.725",
-    "p16-chunk256-lfu": "cached_tokens_equal 0.885",
+    "p16-chunk256-lfu": "cached_tokens_equal 0.855",
     "p16-chunk256-priority": "cached_tokens_equal 0.810",
     "p4-mrr3-hrrn": "cached_tokens_equal 0.675",
-    "p1-mixed-retract-nooverlap": "cached_tokens_equal 0.680",
+    "p1-mixed-retract-nooverlap": "stored_blocks_median 160 -> 155 (-3.1%); cached_tokens_equal 0.700",
     "p4-mrr3-lof": "cached_tokens_equal 0.935",
     "p4-retract-noeos-cons03": "cached_tokens_equal 0.640; stored_hash_jaccard 0.9999",
     "p8-nochunk": "cached_tokens_equal 0.650",
     "p128-chunk512": "cached_tokens_equal 0.810",
     "p4-tight-long-http-clients-cancel": "cached_tokens_equal 0.788",
-    "p32-tight-longprompt-http-clients-cancel": "cached_tokens_equal 0.690",
-    "p16-attach-midrun-http-clients": "stored_events_per_request 1.756 -> 1.698 (-3.3%); "
-    "cached_tokens_equal 0.881",
-    # at the edge: +2.4 % until a turn after a rebuilt aborted one kept its receive less
-    # that request's prefill store as its think time (``production._estimated_thinks``)
-    "dp2-p16-tight-long-http-clients-cancel": "stored_events_per_request 2.178 -> 2.248 (+3.2%)",
-    "p8-tight-longout-http-clients": "cached_tokens_equal 0.876",
+    "p32-tight-longprompt-http-clients-cancel": "stored_blocks_median 7 -> 8 (+14.3%); "
+    "cached_tokens_equal 0.727",
+    "p16-attach-midrun-http-clients": "cached_tokens_equal 0.891",
+    "p8-tight-longout-http-clients": "cached_tokens_equal 0.880",
     # key-2's burst at 8.7 s waited 3.5 s on the worker and was admitted at once in the
     # replay, where a key-2 request was running then; as FCFS four bars miss by far more
-    "p16-routing-key-mrr4-http-clients": "removed_blocks_mean 5.072 -> 4.172 (-17.8%); "
+    "p16-routing-key-mrr4-http-clients": "removed_blocks_mean 5.072 -> 4.162 (-18.0%); "
     "cached_tokens_equal 0.949",
     "dp2-p1-chunk2048-longctx-http-clients-cancel": "stored_hash_jaccard 0.99998",
     # parallel samples of one prompt arriving together on a DP rank: which of two is
     # prefilled first (and so which finds the other's pages) follows the rank's pace
-    "dp2-p8-parallel-http-clients-cancel": "cached_tokens_equal 0.940",
+    "dp2-p8-parallel-http-clients-cancel": "cached_tokens_equal 0.931",
     # answers of 600-1500 tokens: the calibrated decode pass is flat (10.7 ms at any batch)
     # where the worker's grows with its batch and context (5 ms alone, 17 ms at 13); its
     # requests queue, so it replays at the recorded pace (``pace.queued``): every event bar
@@ -450,20 +462,30 @@ PRODUCTION_MISSES: dict[str, str] = {
     # smaller batches (194 messages against 160), so the LRU stamps lpm's matches leave and
     # which session keeps its pages part from the first eviction on (as FCFS: 1 bar of 6)
     "p16-lpm-http-clients": "stored_blocks_median 2 -> 3 (+50.0%); removed_events_per_request "
-    "0.5907 -> 0.7023 (+18.9%); cached_tokens_equal 0.735",
+    "0.5907 -> 0.7116 (+20.5%); cached_tokens_equal 0.758",
     # the same traffic in six cache namespaces: the hash set identical (Jaccard 0.23 before
     # namespaces were modelled), the pace as above
     "p16-lpm-namespaces-http-clients": "stored_blocks_median 3 -> 4 (+33.3%); "
-    "removed_events_per_request 0.8791 -> 1.088 (+23.8%); cached_tokens_equal 0.563",
-    "p16-pdi8-burst-http-clients": "stored_blocks_median 4 -> 3 (-25.0%); cached_tokens_equal 0.943",
-    "p16-mfs3-mrr6-http-clients": "cached_tokens_equal 0.846",
-    "p16-retract-priority-http-clients": "stored_events_per_request 2.099 -> 2.017 (-3.9%); "
-    "cached_tokens_equal 0.708",
-    "p16-lof-lowprio-mrr4-http-clients": "stored_blocks_median 2 -> 1 (-50.0%)",
+    "removed_events_per_request 0.8791 -> 1.070 (+21.7%); cached_tokens_equal 0.614",
+    "p16-pdi8-burst-http-clients": "stored_blocks_median 4 -> 3 (-25.0%); removed_blocks_mean "
+    "11.72 -> 10.26 (-12.5%); cached_tokens_equal 0.919",
+    "p16-mfs3-mrr6-http-clients": "removed_events_per_request 0.603 -> 0.533 (-11.6%); "
+    "cached_tokens_equal 0.836",
+    "p16-retract-priority-http-clients": "stored_events_per_request 2.099 -> 2.013 (-4.1%); "
+    "cached_tokens_equal 0.738",
+    "p16-lof-lowprio-mrr4-http-clients": "stored_blocks_median 2 -> 1 (-50.0%); "
+    "removed_events_per_request 0.777 -> 0.863 (+11.0%); removed_blocks_mean 5.09 -> 4.35 "
+    "(-14.5%)",
     "p16-mpt512-busy2": "removed_events_per_request 0.63 -> 0.715 (+13.5%)",
     "p1-lanes8-quiet4": "stored_blocks_median 48 -> 46.5 (-3.1%)",
-    "p32-tight-nooverlap-quiet": "cached_tokens_equal 0.580",
-    "p32-tight-nooverlap-quiet2": "stored_blocks_median 5 -> 4 (-20.0%); cached_tokens_equal 0.580",
+    "p32-tight-nooverlap-quiet": "cached_tokens_equal 0.640",
+    "p32-tight-nooverlap-quiet2": "stored_events_per_request 2.050 -> 1.980 (-3.4%); "
+    "stored_blocks_median 5 -> 4 (-20.0%); cached_tokens_equal 0.625",
+    # 97.2 % until the prefill base a pass (2026-12-06): which of two requests the worker
+    # drew at random first is replayed as recorded, the rest follows the pass timing
+    "p16-random-mrr4-http-clients": "cached_tokens_equal 0.936",
+    "p2-chunk64": "cached_tokens_equal 0.845",
+    "p4-cons2-longout": "cached_tokens_equal 0.730",
 }
 
 
@@ -944,8 +966,10 @@ def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar(
     differ by CPU rounding, so one prompt), yet the *real* Stored events/request differs by
     more than the 3 % bar between the two recordings (1.765 vs 1.675: the worker merged 47
     vs 65 finish stores with the next turn's prefill store), while the two replays agree
-    within 0.5 % (1.700 vs 1.695). So the first recording's miss (-3.7 %) is the real
-    worker's timing, not a rule the replay lacks: the rerun replays at +1.2 %."""
+    within 2 % (1.725 vs 1.695; 1.700 vs 1.695 until a prefill paid its base a pass,
+    2026-12-06, when the first recording missed the bar at -3.7 %). So the recordings' gap
+    is the real worker's timing, not a rule the replay lacks: both replay within the bar
+    (-2.3 % and +1.2 %)."""
     a = {r.rid: r for r in BundleReader(CORPUS / "p4-chunk512-nooverlap" / "bundle").requests()}
     b = BundleReader(CORPUS / "p4-chunk512-nooverlap-rerun" / "bundle").requests()
     assert sorted(a) == sorted(r.rid for r in b)
@@ -955,8 +979,45 @@ def test_p4_nooverlap_recorded_twice_real_stored_per_request_moves_past_the_bar(
     first = replayed("p4-chunk512-nooverlap")["stored_events_per_request"]
     rerun = replayed("p4-chunk512-nooverlap-rerun")["stored_events_per_request"]
     assert abs(first["real"] / rerun["real"] - 1) > BARS["stored_per_req"][1]  # 5.4 %
-    assert abs(first["sim"] / rerun["sim"] - 1) < 0.005
-    assert bar_holds(rerun, "stored_per_req") and not bar_holds(first, "stored_per_req")
+    assert abs(first["sim"] / rerun["sim"] - 1) < 0.02
+    assert bar_holds(rerun, "stored_per_req") and bar_holds(first, "stored_per_req")
+
+
+def test_chunked_prompts_replay_at_the_workers_pace(tmp_path):
+    """``p2-chunk64`` (64-token chunks: prompts of 2-11 pieces, one a pass): the replay's
+    run spans the worker's within 3 % (26.0 s against 26.2 s), its prefills paying the
+    calibrated base once a pass as the worker's did. Calibrated as before 2026-12-06 -- one
+    base a batch, the later pieces' bases on the tokens -- the same replay runs over 20 %
+    longer (33.1 s): a chunked prompt's prefill took twice the worker's time."""
+    from kvcadence.replay.simulator import replay_bundle
+    from kvcadence.replay.worker import effective_config
+
+    name = "p2-chunk64"
+    replayed(name)
+    src = CORPUS / name / "bundle"
+
+    def span(path: Path) -> float:
+        mis = [r.meta_info for r in BundleReader(path).requests()]
+        return max(m["request_finished_ts"] for m in mis) - min(
+            m["request_received_ts"] for m in mis
+        )
+
+    real = span(src)
+    assert abs(span(_workdir() / f"{name}-driver" / "sim") / real - 1) < 0.03
+    reader = BundleReader(src)
+    info = dict(reader.header.server_info or {})
+    once = effective_config({**info, "chunked_prefill_size": None}, reader.requests()).timing
+    old = tmp_path / "one-base-a-batch"
+    replay_bundle(
+        src,
+        old,
+        overrides={
+            "prefill_base_s": once.prefill_base_s,
+            "prefill_per_token_s": once.prefill_per_token_s,
+            "prefill_per_prefix_token_s": once.prefill_per_prefix_token_s,
+        },
+    )
+    assert span(old) / real > 1.2
 
 
 @pytest.mark.parametrize("name", [n for n in DRIVEN if "retract" in n])
@@ -1221,13 +1282,15 @@ def test_dp2_p32_http_clients_miss_is_the_pace_clamp(tmp_path):
 
 def test_p8_chunk128_http_clients_miss_follows_the_workers_pace(tmp_path):
     """``p8-chunk128-nooverlap-http-clients`` on the pass-time model's pace misses
-    ``cached_tokens`` equal (0.936: 13 of 204 differ). Its real worker's pace moved with the
+    ``cached_tokens`` equal (0.922: 16 of 204 differ; 0.936 until a prefill paid its base a
+    pass, 2026-12-06). Its real worker's pace moved with the
     box's load: a median output took 260 ms for the requests arriving 30-60 s into the run
     and 36 ms for those arriving 90-120 s; the calibrated model gives the replay 149 and 184
     ms. Its requests queued (median wait from receive to first forward 11.9 s), so the
     replay's default pace (``auto``, ``pace.queued``) is the recorded one (a paced pass
-    clamped to [0.5, 2] x the model), and every bar holds (0.961): the miss followed the
-    pass timing, not a missing rule (the corpus README)."""
+    clamped to [0.5, 2] x the model), and every bar holds (0.951; 0.961 until a prefill
+    paid its base a pass, 2026-12-06): the miss followed the pass timing, not a missing
+    rule (the corpus README)."""
     from statistics import median
 
     from kvcadence.replay.pace import median_wait_s
@@ -1236,7 +1299,7 @@ def test_p8_chunk128_http_clients_miss_follows_the_workers_pace(tmp_path):
     name = "p8-chunk128-nooverlap-http-clients"
     shipped = replayed(name, "production")
     assert all(bar_holds(shipped[fig], bar) for bar, (fig, _) in BARS.items())
-    assert round(shipped["cached_tokens_equal"]["sim"], 3) == 0.961
+    assert round(shipped["cached_tokens_equal"]["sim"], 3) == 0.951
     src = _workdir() / f"{name}-production" / "real"
     assert round(cast("float", median_wait_s(BundleReader(src).requests())), 1) == 11.9
     model = tmp_path / "model"
@@ -1255,7 +1318,7 @@ def test_p8_chunk128_http_clients_miss_follows_the_workers_pace(tmp_path):
     assert pace_ms(src, 90, 120) < 0.5 * pace_ms(model, 90, 120)
     rows = compare_ranks(rank_figures(src), rank_figures(model))
     held = {r["figure"]: r for r in rows if r["rank"] == "all"}
-    assert round(held["cached_tokens_equal"]["sim"], 3) == 0.936
+    assert round(held["cached_tokens_equal"]["sim"], 3) == 0.922
     assert not bar_holds(held["cached_tokens_equal"], "cached_equal")
 
 
@@ -1347,7 +1410,7 @@ RETRACTIONS = {
     "p1-retract-noeos-nooverlap": (7, 7, 6),
     "p16-retract-noeos": (5, 8, 1),
     "dp2-p4-retract-noeos": (10, 6, 2),
-    "p1-mixed-retract-nooverlap": (5, 5, 0),
+    "p1-mixed-retract-nooverlap": (5, 6, 0),
     "p4-retract-noeos-cons03": (3, 3, 0),
 }
 
@@ -1364,7 +1427,7 @@ def test_retraction_capture_retracts_in_the_replay_too(name):
     too): 5 against 8, 1 the same (2 on the model's pace; the first retraction is the real
     one; the streams part at message 39 by one decode step of timing, see the corpus
     README); ``dp2-p4-retract-noeos`` (DP 2, page 4): 10 against 6,
-    2 the same (7 and 3 while its recorded pace counted the retracted requests' windows); ``p1-mixed-retract-nooverlap`` (mixed chunks): 5 against 5, none the same
+    2 the same (7 and 3 while its recorded pace counted the retracted requests' windows); ``p1-mixed-retract-nooverlap`` (mixed chunks): 5 against 6 (5 until a prefill paid its base a pass), none the same
     (the first batch already differs, see the corpus README); ``p4-retract-noeos-cons03``
     (``--schedule-conservativeness 0.3``): 3 against 3, none the same. Without the sent ``ignore_eos`` the replay took every
     request that ran to its length for an ``ignore_eos`` one and retracted none."""
@@ -1381,8 +1444,9 @@ def test_namespaces_capture_keeps_each_namespace_apart():
     """``p16-namespaces-http-clients``: clients in ten cache namespaces (``cache_salt``
     ``tenant-1`` or none, ``extra_key`` ``app-1``..``app-4`` or none). Its production path
     stores the salted chains the worker stored (hash set identical: a salt seeds the chain)
-    and publishes as many Removed events, as large (the tree core's tail keeps each
-    namespace's removals apart: 346 real, 346 replayed, 295 when every removal merged); the
+    and publishes about as many Removed events, as large (the tree core's tail keeps each
+    namespace's removals apart: 346 real, 340 replayed -- 346 until a prefill paid its base
+    a pass, 2026-12-06 --, 295 when every removal merged); the
     salted stores are about as many as the worker's (234 real). Before namespaces were
     modelled it held none of its bars (`cached_tokens` equal 27.6 %, hash set 0.37)."""
     from kvcadence.format.namespace import namespace_of
@@ -1392,8 +1456,8 @@ def test_namespaces_capture_keeps_each_namespace_apart():
     rows = replayed(name, "production")
     assert rows["stored_hash_jaccard"]["sim"] == 1.0
     real_rm = rows["removed_events_per_request"]["real"]
-    assert rows["removed_events_per_request"]["sim"] == real_rm
-    assert abs(rows["removed_blocks_mean"]["delta"]) < 0.01
+    assert abs(rows["removed_events_per_request"]["sim"] / real_rm - 1) < 0.02
+    assert abs(rows["removed_blocks_mean"]["delta"]) < 0.03
     assert rows["cached_tokens_equal"]["sim"] >= 0.85
     out = _workdir() / f"{name}-production"
     recs = BundleReader(out / "real").requests()
@@ -1449,7 +1513,15 @@ def test_priority_capture_preempts_as_the_worker_did():
     [
         ("p16-pdi8-burst-http-clients", "prefill_decode_interval", 0),
         ("p16-recv8-burst-http-clients", "scheduler_recv_interval", 1),
-        ("p16-mfs3-mrr6-http-clients", "min_free_slots_delay", 0),
+        pytest.param(
+            "p16-mfs3-mrr6-http-clients",
+            "min_free_slots_delay",
+            0,
+            # 137 until a prefill paid its base a pass (2026-12-06); the count swings with
+            # the pass times: 133 with the calibrated base rounded to 14.94 ms, 130-152
+            # with it 5 % lower or higher (125-139 under the model before)
+            marks=pytest.mark.xfail(strict=True, reason="messages 150 real, 126 replayed"),
+        ),
     ],
 )
 def test_loop_setting_captures_publish_at_the_worker_s_cadence(name, setting, off):
@@ -1459,7 +1531,9 @@ def test_loop_setting_captures_publish_at_the_worker_s_cadence(name, setting, of
     ``--max-running-requests 6`` (fresh prefills wait for 3 free slots): each makes the
     worker prefill fewer, larger batches, so it publishes fewer messages. The production
     path publishes about as many as the worker (130 real, 132 replayed; 168, 183; 150,
-    137) and far fewer than with the setting off (188; 204; 224)."""
+    126 -- 137 before a prefill paid its base a pass, 2026-12-06: within the swing of
+    the pass times there, a strict xfail) and far fewer than with the setting off (188;
+    204; 224)."""
     from kvcadence.replay.simulator import replay_bundle
 
     replayed(name, "production")

@@ -236,6 +236,43 @@ def test_a_simulated_gpu_capture_calibrates_back_to_its_own_pass_times():
     assert spans_own.prefill_base_s > 0.012 + 0.003
 
 
+def test_a_chunked_prompts_prefill_pays_the_base_once_a_pass():
+    """A prompt prefilled in ``chunked_prefill_size`` pieces runs one pass a piece, each
+    paying the base: its first forward entry to its prefill's end spans them all. The
+    calibration counts the passes (``_passes``); a fit of one base a batch put the later
+    passes' bases on the tokens, and the replay, paying the base every pass, ran chunked
+    prompts about twice as long as the worker (a page-2 capture with 64-token chunks:
+    7.25 ms + 117 us/token fitted, 33.1 s replayed against 26.2 s real; 8.0 ms a pass since,
+    26.0 s). Simulated with known pass times and 64-token chunks, the records calibrate back
+    to them."""
+    import random
+
+    from kvcadence.replay.config import SimConfig
+    from kvcadence.replay.simulator import simulate
+    from kvcadence.replay.worker import effective_config
+
+    rng = random.Random(5)
+    # one client: each prompt prefilled alone, ceil(tokens / 64) passes
+    turns = [
+        ([rng.randrange(3, 30000) for _ in range(rng.randint(40, 700))], 12) for _ in range(24)
+    ]
+    work = lane_chain(0, turns, gap_ms=1.0)
+    true = TimingParams(
+        prefill_base_s=0.008, prefill_per_token_s=2e-5, decode_base_s=0.004, decode_per_req_s=0.0
+    )
+    cfg = SimConfig(
+        page_size=1, max_total_tokens=50000, chunked_prefill_size=64, timing=true
+    ).validate()
+    recs = simulate(work, cfg).requests
+    info = {"device": "cuda", "page_size": 1, "chunked_prefill_size": 64}
+    fit = effective_config(info, recs).timing
+    assert fit.prefill_base_s == pytest.approx(0.008, rel=1e-3)
+    assert fit.prefill_per_token_s == pytest.approx(2e-5, rel=1e-3)
+    # one base a batch (the rule before): the bases of the later pieces land on the tokens
+    once = effective_config({**info, "chunked_prefill_size": None}, recs).timing
+    assert once.prefill_per_token_s > 2 * 2e-5
+
+
 def test_prefill_times_span_the_previous_forward_on_an_overlap_loop_gpu_worker():
     from kvcadence.replay.worker import spans_previous_forward
 
@@ -495,16 +532,17 @@ def prefix_rec(rid, entry, dur, uncached, cached) -> RequestRecord:
 
 
 def _prefix_capture(per_prefix: float, chunk: int | None = None) -> list[RequestRecord]:
-    """Batches of one request each, durations base 10 ms + 20 µs per new token +
-    ``per_prefix`` per attended prefix token (``_attended``: with ``chunk``, the pieces
-    before each piece too); 2 s apart so no two batches overlap."""
-    from kvcadence.replay.timing import _attended
+    """Batches of one request each, durations base 10 ms a pass + 20 µs per new token +
+    ``per_prefix`` per attended prefix token (with ``chunk``: one pass a ``chunk``-token
+    piece, ``_passes``, each attending to the pieces before it too, ``_attended``); 2 s
+    apart so no two batches overlap."""
+    from kvcadence.replay.timing import _attended, _passes
 
     recs = []
     for i in range(24):
         new = 50 + 137 * (i % 7)
         cached = 400 * (i % 5)
-        dur = 0.010 + 2e-5 * new + per_prefix * _attended(cached, new, chunk)
+        dur = 0.010 * _passes(new, chunk) + 2e-5 * new + per_prefix * _attended(cached, new, chunk)
         recs.append(prefix_rec(f"q{i}", 100.0 + 2 * i, dur, new, cached))
     return recs
 
@@ -518,6 +556,7 @@ def test_calibration_recovers_the_attended_prefix_coefficient():
     # counts them and recovers the same cost
     chunked = calibrate(_prefix_capture(5e-6, chunk=256), chunk_tokens=256)
     assert chunked.prefill_per_prefix_token_s == pytest.approx(5e-6, rel=1e-6)
+    assert chunked.prefill_base_s == pytest.approx(0.010, rel=1e-6)  # a pass's, not a prompt's
     # durations that do not follow the prefix: no term, the two-parameter fit exactly
     flat = calibrate(_prefix_capture(0.0))
     assert flat.prefill_per_prefix_token_s == 0.0
