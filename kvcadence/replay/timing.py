@@ -376,11 +376,9 @@ def _passes(uncached: int, chunk: int | None) -> int:
 def _attended(cached: int, uncached: int, chunk: int | None) -> int:
     """Prefix tokens a request's prefill attends to, summed over its passes: the cached
     prefix; a prompt chunked into ``chunk``-token pieces runs one pass per piece, each
-    attending to the cached prefix plus the pieces before it."""
-    if not chunk or uncached <= chunk:
-        return cached
-    n = -(-uncached // chunk)
-    return n * cached + chunk * n * (n - 1) // 2
+    attending to the cached prefix plus the pieces before it (``_passes`` of them)."""
+    n = _passes(uncached, chunk)
+    return n * cached + (chunk or 0) * n * (n - 1) // 2
 
 
 def prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:
