@@ -268,8 +268,10 @@ def start_server(
     process) its whole process tree is stopped before the error propagates. A worker that
     exits before it is ready is started again on fresh ports, up to ``attempts`` starts in
     all (a port chosen free can be taken by another process before the worker binds it);
-    each earlier attempt's log is kept as ``server.attempt<N>.log``, and a usage error of
-    SGLang's own parser (exit 2) is never retried. A returned worker runs until
+    each earlier attempt's log is kept as ``server.attempt<N>.log``. A usage error of
+    SGLang's own parser (exit 2) is never retried, nor is a configuration SGLang's argument
+    checks refused (``rejected_args``: e.g. a chunked prefill size that is no multiple of
+    the page size): the same arguments fail the same way on any port. A returned worker runs until
     ``ServerHandle.stop()`` (``detach`` only says it outlives this process, as ``harness
     start`` needs)."""
     if not (0 < ready_timeout < float("inf")):
@@ -289,7 +291,7 @@ def start_server(
         try:
             return _launch(cfg, venv, model, metrics_dir, log_path, ready_timeout, quiet=quiet)
         except _ExitedEarly as e:
-            if attempt == attempts or e.returncode == 2:
+            if attempt == attempts or e.returncode == 2 or e.rejected_args:
                 raise HarnessError(
                     str(e) + (f" (start {attempt} of {attempts})" if attempt > 1 else "")
                 ) from None
@@ -307,9 +309,10 @@ def start_server(
 class _ExitedEarly(HarnessError):
     """The worker exited before ``/health`` answered (``start_server`` may start it again)."""
 
-    def __init__(self, message: str, returncode: int) -> None:
+    def __init__(self, message: str, returncode: int, rejected_args: bool = False) -> None:
         super().__init__(message)
         self.returncode = returncode
+        self.rejected_args = rejected_args
 
 
 def _launch(
@@ -369,6 +372,24 @@ def _launch(
 _CAUSE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception)(?::|$)")
 
 
+#: a traceback frame of SGLang's checks of its own arguments (``ServerArgs.__post_init__``
+#: and ``check_server_args``, ``srt/server_args.py`` and ``srt/arg_groups/``; 0.5.23)
+_ARG_CHECK = re.compile(r"in (?:check_server_args|__post_init__)$")
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def rejected_args(log_text: str) -> bool:
+    """Whether the last traceback of a worker's log passes through SGLang's checks of its
+    arguments (``_ARG_CHECK``): the worker refused its configuration (``AssertionError:
+    chunked_prefill_size must be divisible by page_size``), which no fresh port changes."""
+    lines = [ln.strip() for ln in log_text.splitlines()]
+    # (a scheduler's traceback follows a log prefix: "... Scheduler hit an exception: Traceback")
+    start = max((i for i, ln in enumerate(lines) if _TRACEBACK in ln), default=None)
+    if start is None:
+        return False
+    return any(_ARG_CHECK.search(ln) for ln in lines[start:] if ln.startswith("File "))
+
+
 def exit_cause(log_text: str) -> str:
     """The line of a worker's log that says why it stopped: the last exception line of a
     Python traceback (SGLang's scheduler prints one, then its launcher logs
@@ -399,12 +420,14 @@ def _wait_ready(
         if _health(handle.url):
             return
         if proc.poll() is not None:
-            cause = exit_cause(handle.log_tail(LOG_CAUSE_LINES))
+            tail = handle.log_tail(LOG_CAUSE_LINES)
+            cause = exit_cause(tail)
             raise _ExitedEarly(
                 f"SGLang worker exited with {proc.returncode} before it was ready"
                 + (f" ({cause})" if cause else "")
                 + f"; its process tree was stopped; log: {handle.log_path}",
                 proc.returncode,
+                rejected_args(tail),
             )
         if time.monotonic() > deadline:
             raise HarnessError(

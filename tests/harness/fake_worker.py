@@ -13,6 +13,8 @@ MODE says what the launcher does then:
 * ``hang`` -- nothing, forever (never becomes ready);
 * ``exit`` -- prints a last line and exits with 3 at once, its children left running;
 * ``usage`` -- the same with an argparse-style error line and exit status 2;
+* ``badargs`` -- the same with the traceback of SGLang's argument checks refusing the
+  configuration, exit status 1;
 * ``ready`` -- answers ``GET /health`` on ``127.0.0.1:PORT`` with 200, forever.
 
 The trailing ``sglang.launch_server`` word only makes ``/proc/PID/cmdline`` look like a real
@@ -28,6 +30,22 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+#: the end of a real SGLang 0.5.23 worker's log when its argument checks refuse the
+#: configuration (``--page-size 16 --chunked-prefill-size 200``; paths shortened)
+BADARGS = """\
+[2026-12-06 19:10:17] kill_process_tree called: parent_pid=28940, include_parent=False
+Traceback (most recent call last):
+  File "sglang/launch_server.py", line 84, in <module>
+    run_server(server_args)
+  File "sglang/srt/entrypoints/engine.py", line 1165, in _launch_subprocesses
+    server_args.check_server_args()
+  File "sglang/srt/server_args.py", line 511, in check_server_args
+    check_server_args(self)
+  File "sglang/srt/arg_groups/validation_hook.py", line 244, in check_server_args
+    assert cfg.chunked_prefill_size % cfg.page_size == 0, (
+AssertionError: chunked_prefill_size must be divisible by page_size
+"""
 
 
 def _write_pid(piddir: Path, role: str) -> None:
@@ -81,6 +99,11 @@ def main() -> None:
             time.sleep(0.01)
         print("launch_server.py: error: unrecognized arguments: --bogus", flush=True)
         sys.exit(2)
+    if mode == "badargs":
+        while len(list(piddir.glob("*.pid"))) < 4:
+            time.sleep(0.01)
+        print(BADARGS, end="", flush=True)
+        sys.exit(1)
     if mode == "ready":
         http.server.HTTPServer(("127.0.0.1", port), _Health).serve_forever()
     _idle()

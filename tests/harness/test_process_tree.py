@@ -10,7 +10,8 @@ the command line are replaced). Checked:
 * the worker exits before it is ready: started once more on fresh ports (the first tree
   stopped, its log kept); when that start exits too: exit 1 at once (no waiting for the
   timeout), the worker's last log line in the error, no process of either start left; a
-  usage error (exit 2) is not retried; the error names a traceback's exception line, not
+  usage error (exit 2) is not retried, nor a configuration SGLang's argument checks refuse
+  (a traceback through ``check_server_args``); the error names a traceback's exception line, not
   SGLang's closing ``kill_process_tree`` line;
 * SIGTERM or Ctrl-C (SIGINT) of the ``harness start`` process while it waits: exit 130, no
   process left;
@@ -187,6 +188,32 @@ def test_a_usage_error_of_the_worker_is_not_retried(tmp_path, monkeypatch, capsy
     assert "unrecognized arguments: --bogus" in line
     assert not (piddir / "start2").exists()
     _assert_all_gone(_pids(piddir), timeout=0.5)
+
+
+def test_a_configuration_sglang_refuses_is_not_retried(tmp_path, monkeypatch, capsys):
+    """SGLang's argument checks refusing the configuration (a traceback through
+    ``check_server_args``, exit 1) fail the same way on any port: one start, its cause in
+    the error line."""
+    piddir = _fake_cli(monkeypatch, tmp_path, "badargs")
+    rc = main(_start_argv(tmp_path, "120"))
+    err = capsys.readouterr().err
+    line = _error_line(err)
+    assert rc == 1
+    assert "exited with 1 before it was ready" in line and "(start" not in line
+    assert "(AssertionError: chunked_prefill_size must be divisible by page_size)" in line
+    assert "starting it again" not in err
+    assert not (piddir / "start2").exists()
+    _assert_all_gone(_pids(piddir), timeout=0.5)
+
+
+def test_only_sglangs_argument_checks_count_as_a_refused_configuration():
+    from tests.harness.fake_worker import BADARGS
+
+    assert harness.rejected_args(BADARGS)
+    assert not harness.rejected_args(SGLANG_DEATH)  # a port taken: worth a fresh start
+    assert not harness.rejected_args("fake worker: boom, exiting before ready\n")
+    # an earlier traceback through the checks does not make a later death one
+    assert not harness.rejected_args(BADARGS + SGLANG_DEATH)
 
 
 SGLANG_DEATH = """\
