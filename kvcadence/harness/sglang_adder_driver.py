@@ -143,7 +143,7 @@ class FakeTreeCache:
         return 0 if node.evicted else node.size
 
     def init_load_back(self, params):
-        # A copy of ``kvcadence.admit.ticks.FakeTreeCache.load_back`` (this driver runs inside
+        # A copy of ``kvcadence.admit.fakes.FakeTreeCache.load_back`` (this driver runs inside
         # real SGLang and must not import kvcadence): keep the two in sync by hand.
         req = params.req
         host = params.host_hit_length

@@ -11,7 +11,7 @@ without output ids (SGLang's ``--export-metrics-to-file``):
   prompt's last full page ``h_L`` and the block it attached to. A search of a few events
   near the request, not a walk of the whole prompt;
 * (a prompt with no prefill store of its own -- fully cached -- is hashed instead:
-  ``capture.hashes.block_hashes``, SGLang's chained SHA-256);
+  ``format.hashes.block_hashes``, SGLang's chained SHA-256);
 * ``finish_pages(h_L, tail, k, finish_ns)``: the request's finish store -- the event run
   whose first block's parent is ``h_L`` (also inside an event where tail merging appended
   it to the request's own prefill store, or put the next request's store after it),
