@@ -76,6 +76,7 @@ CANCEL_CAPTURES = (
     "dp2-p8-parallel-http-clients-cancel",
     "p8-longout1500-http-clients-cancel",
     "p16-longout2000-nooverlap-http-clients-cancel",
+    "p16-hour-flush-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -775,6 +776,8 @@ CANCELLED = {
     "dp2-p8-parallel-http-clients-cancel": (306, 12, 12, 11),
     "p8-longout1500-http-clients-cancel": (218, 9, 9, 9),
     "p16-longout2000-nooverlap-http-clients-cancel": (233, 7, 6, 6),
+    # an hour of clients: every aborted request rebuilt
+    "p16-hour-flush-http-clients-cancel": (1874, 102, 102, 32),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -832,6 +835,7 @@ CANCELLED_TURNS = {
     "dp2-p8-parallel-http-clients-cancel": (8, 8),
     "p8-longout1500-http-clients-cancel": (6, 6),
     "p16-longout2000-nooverlap-http-clients-cancel": (2, 3),
+    "p16-hour-flush-http-clients-cancel": (61, 61),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -861,6 +865,7 @@ SUCCESSORS = {
     "dp2-p8-parallel-http-clients-cancel": (4, 4),
     "p8-longout1500-http-clients-cancel": (8, 8),
     "p16-longout2000-nooverlap-http-clients-cancel": (5, 6),
+    "p16-hour-flush-http-clients-cancel": (54, 54),
 }
 
 
