@@ -374,7 +374,7 @@ _CAUSE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception)(?::|$)")
 
 #: a traceback frame of SGLang's checks of its own arguments (``ServerArgs.__post_init__``
 #: and ``check_server_args``, ``srt/server_args.py`` and ``srt/arg_groups/``; 0.5.23)
-_ARG_CHECK = re.compile(r"in (?:check_server_args|__post_init__)$")
+_ARG_CHECK = re.compile(r"in check_server_args$|server_args\.py\", line \d+, in __post_init__$")
 _TRACEBACK = "Traceback (most recent call last)"
 
 

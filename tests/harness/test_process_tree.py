@@ -214,6 +214,10 @@ def test_only_sglangs_argument_checks_count_as_a_refused_configuration():
     assert not harness.rejected_args("fake worker: boom, exiting before ready\n")
     # an earlier traceback through the checks does not make a later death one
     assert not harness.rejected_args(BADARGS + SGLANG_DEATH)
+    # ServerArgs' own __post_init__ refusing, yes; another class's __post_init__, no
+    post = 'Traceback (most recent call last):\n  File "sglang/srt/{}", line 9, in __post_init__\n'
+    assert harness.rejected_args(post.format("server_args.py") + "ValueError: bad\n")
+    assert not harness.rejected_args(post.format("managers/io_struct.py") + "ValueError: x\n")
 
 
 SGLANG_DEATH = """\
