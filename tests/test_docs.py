@@ -183,3 +183,42 @@ def test_every_table_row_has_its_header_s_columns(doc: Path) -> None:
 def _cells(row: str) -> int:
     """Cells of a table row: its unescaped pipes less one (code spans may hold ``\\|``)."""
     return row.replace("\\|", "").count("|") - 1
+
+
+#: the spelled-out counts the READMEs use for the corpus's captures of HTTP clients
+_WORDS = {
+    n: w
+    for n, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+        "fifteen sixteen seventeen eighteen nineteen twenty".split()
+    )
+}
+_TENS = {20: "twenty", 30: "thirty", 40: "forty", 50: "fifty", 60: "sixty"}
+
+
+def _spelled(n: int) -> str:
+    """``n`` (below 70) as the READMEs spell it: "forty-four"."""
+    if n in _WORDS:
+        return _WORDS[n]
+    tens, ones = n // 10 * 10, n % 10
+    return _TENS[tens] + (f"-{_WORDS[ones]}" if ones else "")
+
+
+def test_the_readmes_count_the_corpus_as_it_is() -> None:
+    """The README's and the corpus README's counts of real captures (all of them, those
+    ``kvcadence drive`` drove, those of plain HTTP clients, those whose clients hang up) are
+    the corpus's own: a capture added without them kept the old numbers once."""
+    from tests.replay import test_corpus as corpus
+
+    n_all, n_driven = len(corpus.CAPTURES), len(corpus.DRIVEN)
+    n_http, n_cancel = len(corpus.PRODUCTION_ONLY), len(corpus.CANCEL_CAPTURES)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert f"A corpus of {n_all} more real captures" in readme
+    assert f"{n_driven} were driven by `kvcadence drive`" in readme
+    assert f"{_spelled(n_http).capitalize()} are not\nthe driver's traffic" in readme
+    assert f"and {_spelled(n_cancel)} of clients that hang up mid-stream" in readme
+    text = (REPO / "tests" / "replay" / "data" / "corpus" / "README.md").read_text("utf-8")
+    assert f"all but {_spelled(n_http)}\ndriven by `kvcadence drive`" in text
+    assert f"(the {_spelled(n_http)} of HTTP clients included)" in text
+    assert f"{_spelled(n_cancel)} of them with clients that hang up mid-stream" in text
+    assert f"(the {_spelled(n_cancel)} `-cancel` captures)" in text
