@@ -67,6 +67,7 @@ PARAMS = (
     "prefill_per_token_s",
     "prefill_per_req_s",
     "prefill_per_prefix_token_s",
+    "prefill_per_seq_sq_s",
     "decode_base_s",
     "decode_per_req_s",
     "default_gap_s",

@@ -181,6 +181,11 @@ def register(sub: Any) -> None:
                    dest="prefill_per_prefix_token_s", metavar="S",
                    help="prefill time per prefix token a request of the batch attends to "
                    "(its cached prefix plus earlier chunks)")  # fmt: skip
+    t.add_argument("--prefill-per-seq-sq", type=nonneg_float,
+                   dest="prefill_per_seq_sq_s", metavar="S",
+                   help="prefill time per squared sequence length of each request of the "
+                   "batch (its KV length after the pass; SGLang's torch-native attention, a "
+                   "CPU worker's, computes every position's row)")  # fmt: skip
     t.add_argument("--decode-base", type=nonneg_float, dest="decode_base_s", metavar="S",
                    help="fixed time of a decode pass")  # fmt: skip
     t.add_argument("--decode-per-req", type=nonneg_float, dest="decode_per_req_s", metavar="S",

@@ -31,7 +31,8 @@ ROLES = ("both", "prefill", "decode")
 @dataclass(slots=True)
 class TimingParams:
     """Pass-time model (seconds): prefill = base + per_token × extend tokens
-    (+ per_req × requests, + per_prefix_token × attended prefix); decode = base + per_req ×
+    (+ per_req × requests, + per_prefix_token × attended prefix, + per_seq_sq × each
+    request's squared sequence length); decode = base + per_req ×
     batch size (+ per_ctx_token × the batch's context); plus the client gap."""
 
     prefill_base_s: float = 0.010
@@ -40,6 +41,11 @@ class TimingParams:
     #: per prefix token a request of the batch attends to (cached + earlier chunks); 0 (no
     #: term) unless calibrated or set
     prefill_per_prefix_token_s: float = 0.0
+    #: per squared sequence length of each request of the batch (its KV length after the
+    #: pass, squared; summed over passes and requests): attention that computes every
+    #: position's row, as SGLang's torch-native backend (a CPU worker) does by padding an
+    #: extend's queries to the whole sequence; 0 (no term) unless calibrated or set
+    prefill_per_seq_sq_s: float = 0.0
     decode_base_s: float = 0.004
     decode_per_req_s: float = 0.0003
     #: per context token a decode pass attends to (each running request's KV length:
@@ -227,6 +233,7 @@ class SimConfig:
             "prefill_per_token_s",
             "prefill_per_req_s",
             "prefill_per_prefix_token_s",
+            "prefill_per_seq_sq_s",
             "decode_base_s",
             "decode_per_req_s",
             "decode_per_ctx_token_s",
@@ -238,7 +245,7 @@ class SimConfig:
             if getattr(t, name) < 0:
                 raise UsageError(f"timing parameter {name} must be >= 0")
         if (
-            t.prefill_base_s + t.prefill_per_token_s <= 0
+            t.prefill_base_s + t.prefill_per_token_s + t.prefill_per_seq_sq_s <= 0
             or t.decode_base_s + t.decode_per_req_s + t.decode_per_ctx_token_s <= 0
         ):
             raise UsageError("pass times must be positive")
@@ -440,6 +447,7 @@ CLI_OVERRIDES = (
     "prefill_per_token_s",
     "prefill_per_req_s",
     "prefill_per_prefix_token_s",
+    "prefill_per_seq_sq_s",
     "decode_base_s",
     "decode_per_req_s",
     "decode_per_ctx_token_s",

@@ -210,8 +210,10 @@ class PacedTimer(PassTimer):
         lo, hi = int(model_ns * self.clamp[0]), int(model_ns * self.clamp[1])
         return max(1, min(max(want, lo), hi))
 
-    def prefill_ns(self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0) -> int:
-        model = super().prefill_ns(extend_tokens, n_reqs, prefix_tokens)
+    def prefill_ns(
+        self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0, seq_sq: int = 0
+    ) -> int:
+        model = super().prefill_ns(extend_tokens, n_reqs, prefix_tokens, seq_sq)
         times = self.times
         targets = [times[r.idx][0] for r in self.sched.pending_merge if r.idx in times]
         return self._paced(model, targets)

@@ -906,10 +906,14 @@ class Scheduler:
                 else:  # the prefix the batch attends to: sequence ends − computed tokens
                     tokens = batch.tokens
                     n, ends = len(batch.reqs), sum(batch.upto)
+                    # each row's sequence squared, where the pass time depends on it
+                    sq = sum([u * u for u in batch.upto]) if self.timer.sq_ns else 0
                     if batch.mixed:  # a mixed prefill's decoded rows: a token each
                         n += len(batch.mixed)
                         ends += batch.mixed_seq
-                    dur = self.timer.prefill_ns(tokens, n, ends - tokens)
+                        if sq:
+                            sq += sum([r.kv_len * r.kv_len for r in batch.mixed])
+                    dur = self.timer.prefill_ns(tokens, n, ends - tokens, sq)
             else:
                 self.processed_tokens += self.decode_extend_tokens
                 timer = self.timer  # the context summed only where the pass depends on it

@@ -1,8 +1,8 @@
 """Pass-time model: maps scheduler passes to virtual time, calibrated from the capture.
 
 What this file owns: ``PassTimer`` (prefill pass = base + per_token × extend tokens +
-per_req × requests + per_prefix_token × the prefix tokens the batch's requests attend to;
-decode pass = base + per_req × batch size + per_ctx_token × the batch's context, its
+per_req × requests + per_prefix_token × the prefix tokens the batch's requests attend to +
+per_seq_sq × each request's sequence length after the pass, squared; decode pass = base + per_req × batch size + per_ctx_token × the batch's context, its
 requests' KV lengths summed), ``is_retracted`` (a record's ``meta_info.num_retractions``:
 retracted or preempted at least once), ``model_text`` / ``model_line`` (the model in one
 line, with where it came from: what ``kvcadence replay`` prints) and ``calibrate(records)``,
@@ -16,12 +16,18 @@ no ``server.log``):
   uncached tokens (``prompt_tokens − cached_tokens``), with non-negative coefficients, and
   its base against the passes the batch spans: with ``chunk_tokens`` a prompt of ``u``
   uncached tokens runs ``ceil(u / chunk_tokens)`` passes between its first forward entry
-  and its prefill's end, each paying the base (``_passes``; a batch's count is its
+  and its prefill's end, each paying the base (``prefillfit.passes``; a batch's count is its
   requests' median, as its end is their finishes'), where a fit with one base per batch
   put the later passes' bases on the tokens and the replay, paying a base a pass, ran
   chunked prompts up to twice as long as the worker; the
   attended prefix (``cached_tokens``, and with ``chunk_tokens`` each earlier chunk of a
-  chunked prompt) joins the fit only when it passes a partial F test (``PREFIX_MIN_F``). With
+  chunked prompt) joins the fit only when it passes a partial F test (``prefillfit.PREFIX_MIN_F``);
+  so do, instead, the batch's sequences squared (``prefillfit.squared``: each request's length after
+  each of its passes; SGLang's torch-native attention, a CPU worker's, pads an extend's
+  queries to the whole sequence, so a pass costs its sequence squared however few of its
+  tokens are new: ~500 new tokens on 12k / 30k / 60k cached ones took 0.35 / 1.45 / 5.0 s
+  on the real worker), when they lower the residuals of the model chosen so far by the same
+  statistic. With
   ``sync_forward`` (a CPU worker runs each forward inside its launch, so under the overlap
   loop a prefill result is processed only after the *next* forward; the normal loop
   processes it right after its own) the duration is the next batch's
@@ -63,8 +69,9 @@ from statistics import median
 from typing import Any
 
 from kvcadence.replay.config import TimingParams
-from kvcadence.replay.fitting import fit_line, fit_nonneg, rss
+from kvcadence.replay.fitting import fit_line
 from kvcadence.replay.intervals import Alive, Context, Inside, overlaps
+from kvcadence.replay.prefillfit import attended, fit_prefill, passes, squared
 
 
 class PassTimer:
@@ -76,6 +83,9 @@ class PassTimer:
         self._pt = p.prefill_per_token_s * 1e9
         self._pr = p.prefill_per_req_s * 1e9
         self._pp = p.prefill_per_prefix_token_s * 1e9
+        #: ns per squared sequence length (0: no term, and the scheduler does not sum the
+        #: batch's squares)
+        self.sq_ns = p.prefill_per_seq_sq_s * 1e9
         self._db = p.decode_base_s * 1e9
         self._dr = p.decode_per_req_s * 1e9
         #: ns per context token of a decode pass (0: the pass does not depend on it, and
@@ -83,27 +93,27 @@ class PassTimer:
         self.ctx_ns = p.decode_per_ctx_token_s * 1e9
         self.wakeup_ns = int(p.wakeup_s * 1e9)
 
-    def prefill_ns(self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0) -> int:
+    def prefill_ns(
+        self, extend_tokens: int, n_reqs: int, prefix_tokens: int = 0, seq_sq: int = 0
+    ) -> int:
         """``prefix_tokens``: the prefix tokens the batch's requests attend to (each one's
-        cached prefix plus its earlier chunks), summed over the batch."""
+        cached prefix plus its earlier chunks), summed over the batch; ``seq_sq``: each
+        request's sequence length after the pass, squared, summed over the batch."""
         return max(
             1,
-            int(self._pb + self._pt * extend_tokens + self._pr * n_reqs + self._pp * prefix_tokens),
+            int(
+                self._pb
+                + self._pt * extend_tokens
+                + self._pr * n_reqs
+                + self._pp * prefix_tokens
+                + self.sq_ns * seq_sq
+            ),
         )
 
     def decode_ns(self, batch_size: int, ctx_tokens: int = 0) -> int:
         """``ctx_tokens``: the positions each request of the batch attends to (its KV
         length: the prompt and the outputs before the one this pass computes), summed."""
         return max(1, int(self._db + self._dr * batch_size + self.ctx_ns * ctx_tokens))
-
-
-#: the prefill fit takes the attended-prefix term only when it lowers the residual sum of
-#: squares by at least this partial F statistic ((RSS without − RSS with) / (RSS with /
-#: (batches − 3)); 10 is p < 0.002 from 30 batches on): a term that explains nothing on a
-#: capture would only move its replay (docs/simulator.md, "Time")
-PREFIX_MIN_F = 10.0
-#: the prefix term is refused when a typical batch's own work is at most this share of it
-OWN_MIN_SHARE = 1e-6
 
 
 #: the latency-only fit (a median over whole request lifetimes) needs more requests than the
@@ -145,6 +155,8 @@ def model_text(p: TimingParams) -> str:
         pre.append(f"{p.prefill_per_req_s * 1e3:.2f} ms/request")
     if p.prefill_per_prefix_token_s:
         pre.append(f"{p.prefill_per_prefix_token_s * 1e6:.2f} us/prefix token")
+    if p.prefill_per_seq_sq_s:
+        pre.append(f"{p.prefill_per_seq_sq_s * 1e12:.3f} ps/squared sequence token")
     dec = [f"{p.decode_base_s * 1e3:.2f} ms"]
     if p.decode_per_req_s:
         dec.append(f"{p.decode_per_req_s * 1e3:.3f} ms/request")
@@ -239,9 +251,10 @@ def calibrate(
                 fin,
                 int(n),
                 prompt - cached,
-                _attended(cached, prompt - cached, chunk_tokens),
+                attended(cached, prompt - cached, chunk_tokens),
                 prompt,
-                _passes(prompt - cached, chunk_tokens),
+                passes(prompt - cached, chunk_tokens),
+                squared(cached, prompt - cached, chunk_tokens),
             )
         )
         retracted.append(is_retracted(r))
@@ -268,6 +281,7 @@ def calibrate(
             sum(g[5] for g in grp),
             sum(g[6] for g in grp),
             median(g[8] for g in grp),
+            sum(g[9] for g in grp),
         )
         for grp in prefill_batches(r for r, back in zip(rows, retracted, strict=True) if not back)
     )
@@ -275,6 +289,7 @@ def calibrate(
 
     prefix_xs: list[float] = []
     passes_xs: list[float] = []
+    sq_xs: list[float] = []
 
     alive = Alive([r[1] for r in rows], [r[3] for r in rows])
 
@@ -282,7 +297,8 @@ def calibrate(
         xs, ys, ends = [], [], []
         prefix_xs.clear()
         passes_xs.clear()
-        for i, (e, f, toks, prefix, passes) in enumerate(groups):
+        sq_xs.clear()
+        for i, (e, f, toks, prefix, npass, sq) in enumerate(groups):
             nxt = entries[i + 1] if i + 1 < len(entries) else None
             prev = groups[i - 1][1] if i > 0 else None
             busy = overlap and alive(e, e + _INSTANT_S) > 0  # a decode forward ran at entry
@@ -292,7 +308,8 @@ def calibrate(
             if dur > 0:
                 xs.append(float(toks))
                 prefix_xs.append(float(prefix))
-                passes_xs.append(float(passes))
+                passes_xs.append(float(npass))
+                sq_xs.append(float(sq))
                 ys.append(dur)
                 ends.append((e + dur if sync_forward else f, dur))
         return xs, ys, ends
@@ -310,7 +327,7 @@ def calibrate(
         """``(base, per request, a typical pass)``: the typical pass's context part in."""
         per_pass, conc, ctx = [], [], []
         inside_of = Inside(ends)
-        for (_fe, pf, _rx, fin, n, _u, _c, _p, _k), back in zip(rows, retracted, strict=True):
+        for (_fe, pf, _rx, fin, n, _u, _c, _p, _k, _q), back in zip(rows, retracted, strict=True):
             if n < 2 or fin <= pf or back:
                 continue
             inside = inside_of(pf, fin)
@@ -340,45 +357,13 @@ def calibrate(
         xs, ys, ends = prefill_durations(fit[2])
         fit = decode_fit(ends) or fit
     if len(xs) >= 3:
-        # the base: once a pass (a batch of unchunked prompts runs one: ``fit_line``, the
-        # two-parameter fit exactly)
-        chunked = any(k > 1 for k in passes_xs)
-        a, b = fit_nonneg([passes_xs, xs], ys) if chunked else fit_line(xs, ys)
-        c = 0.0
-        if len(xs) > 3 and any(prefix_xs):
-            a3, b3, c3 = fit_nonneg([passes_xs, xs, prefix_xs], ys)
-            rss2 = rss(ys, [passes_xs, xs], [a, b])
-            rss3 = rss(ys, [passes_xs, xs, prefix_xs], [a3, b3, c3])
-            # the prefix term only where it explains the durations (partial F test), never
-            # alone (base and per-token ~0: nothing cached would prefill in no time)
-            own = a3 * median(passes_xs) + b3 * median(xs)  # a typical batch's own work
-            if (
-                c3 > 0
-                and own > OWN_MIN_SHARE * median(ys)
-                and (rss2 - rss3) * (len(xs) - 3) >= PREFIX_MIN_F * rss3
-            ):
-                a, b, c = a3, b3, c3
+        a, b, c, q = fit_prefill(passes_xs, xs, prefix_xs, sq_xs, ys)
         p.prefill_base_s, p.prefill_per_token_s, p.prefill_per_prefix_token_s = a, b, c
+        p.prefill_per_seq_sq_s = q
     if fit is not None:
         p.decode_base_s, p.decode_per_req_s = fit[0], fit[1]
     p.default_gap_s = _median_gap(records, p.default_gap_s)
     return p
-
-
-def _passes(uncached: int, chunk: int | None) -> int:
-    """Prefill passes of a prompt with ``uncached`` new tokens: one a ``chunk``-token piece
-    (SGLang runs a chunked prompt's pieces in consecutive passes; one when not chunked)."""
-    if not chunk or uncached <= chunk:
-        return 1
-    return -(-uncached // chunk)
-
-
-def _attended(cached: int, uncached: int, chunk: int | None) -> int:
-    """Prefix tokens a request's prefill attends to, summed over its passes: the cached
-    prefix; a prompt chunked into ``chunk``-token pieces runs one pass per piece, each
-    attending to the cached prefix plus the pieces before it (``_passes`` of them)."""
-    n = _passes(uncached, chunk)
-    return n * cached + (chunk or 0) * n * (n - 1) // 2
 
 
 def prefill_batches(rows: Iterable[tuple[Any, ...]]) -> list[list[tuple[Any, ...]]]:

@@ -77,6 +77,7 @@ CANCEL_CAPTURES = (
     "p8-longout1500-http-clients-cancel",
     "p16-longout2000-nooverlap-http-clients-cancel",
     "p16-hour-flush-http-clients-cancel",
+    "p16-chunk2048-ctx60k-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -201,6 +202,11 @@ ATTACHED = (
     "dp2-p8-attach-late-ring4-http-clients",
     "p4-attach-late-ring4-longout-http-clients",
 )
+
+#: captures of production-size prompts (tens of thousands of tokens each): a CPU worker
+#: prefills a few dozen such requests in the minutes a capture takes, so they are held to a
+#: size in tokens (a million prompt tokens, one of 50k or more) instead of 200 requests
+LONG_CONTEXT = ("p16-chunk2048-ctx60k-http-clients-cancel",)
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
 DRIVEN = tuple(n for n in CAPTURES if n not in PRODUCTION_ONLY)
@@ -366,14 +372,19 @@ def test_every_capture_is_listed_and_complete():
         # (a long-prompt capture's file compressed, as logrotate leaves an hour it rotated)
         assert any((CORPUS / name / "sglang-metrics").glob("sglang-request-metrics-*.log*"))
         reader = BundleReader(CORPUS / name / "bundle")
-        assert len(reader.requests()) >= 200
+        recs = reader.requests()
+        if name in LONG_CONTEXT:  # few requests, each of production size
+            assert sum(r.prompt_tokens for r in recs) >= 1_000_000, name
+            assert max(r.prompt_tokens for r in recs) >= 50_000, name
+        else:
+            assert len(recs) >= 200, name
         assert reader.header.sglang_version == "0.5.23"
         assert f"## `{name}`" in (CORPUS / "README.md").read_text()
         # the clients' own log: kept for exactly the captures of clients that hang up
         assert (CORPUS / name / "sent.jsonl.gz").exists() == (name in CANCEL_CAPTURES), name
         # a driven capture's bundle holds the driver's records, a production-only one the
         # metrics records the capture tailed, nothing else
-        sources = {r.source for r in reader.requests()}
+        sources = {r.source for r in recs}
         assert sources == ({"sglang-metrics"} if name in PRODUCTION_ONLY else {"driver"}), name
 
 
@@ -492,6 +503,10 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p2-chunk64": "cached_tokens_equal 0.845",
     "p4-cons2-longout": "cached_tokens_equal 0.730",
     "p8-chunk128-nooverlap-long": "cached_tokens_equal 0.675",
+    # 17 removals on the worker, 20 replayed (one removal is 6 % of the figure); 21 and
+    # -16.0 % when every prefill pass was a flat 1.42 s, before the squared sequences
+    "p16-chunk2048-ctx60k-http-clients-cancel": "removed_events_per_request 0.262 -> 0.308 "
+    "(+17.6%); removed_blocks_mean 31.3 -> 26.6 (-15.0%)",
 }
 
 
@@ -778,6 +793,7 @@ CANCELLED = {
     "p16-longout2000-nooverlap-http-clients-cancel": (233, 7, 6, 6),
     # an hour of clients: every aborted request rebuilt
     "p16-hour-flush-http-clients-cancel": (1874, 102, 102, 32),
+    "p16-chunk2048-ctx60k-http-clients-cancel": (66, 1, 1, 0),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -836,6 +852,7 @@ CANCELLED_TURNS = {
     "p8-longout1500-http-clients-cancel": (6, 6),
     "p16-longout2000-nooverlap-http-clients-cancel": (2, 3),
     "p16-hour-flush-http-clients-cancel": (61, 61),
+    "p16-chunk2048-ctx60k-http-clients-cancel": (1, 1),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -866,6 +883,7 @@ SUCCESSORS = {
     "p8-longout1500-http-clients-cancel": (8, 8),
     "p16-longout2000-nooverlap-http-clients-cancel": (5, 6),
     "p16-hour-flush-http-clients-cancel": (54, 54),
+    "p16-chunk2048-ctx60k-http-clients-cancel": (1, 1),
 }
 
 

@@ -239,7 +239,7 @@ def test_a_simulated_gpu_capture_calibrates_back_to_its_own_pass_times():
 def test_a_chunked_prompts_prefill_pays_the_base_once_a_pass():
     """A prompt prefilled in ``chunked_prefill_size`` pieces runs one pass a piece, each
     paying the base: its first forward entry to its prefill's end spans them all. The
-    calibration counts the passes (``_passes``); a fit of one base a batch put the later
+    calibration counts the passes (``prefillfit.passes``); a fit of one base a batch put the later
     passes' bases on the tokens, and the replay, paying the base every pass, ran chunked
     prompts about twice as long as the worker (a page-2 capture with 64-token chunks:
     7.25 ms + 117 us/token fitted, 33.1 s replayed against 26.2 s real; 8.0 ms a pass since,
@@ -534,9 +534,10 @@ def prefix_rec(rid, entry, dur, uncached, cached) -> RequestRecord:
 def _prefix_capture(per_prefix: float, chunk: int | None = None) -> list[RequestRecord]:
     """Batches of one request each, durations base 10 ms a pass + 20 µs per new token +
     ``per_prefix`` per attended prefix token (with ``chunk``: one pass a ``chunk``-token
-    piece, ``_passes``, each attending to the pieces before it too, ``_attended``); 2 s
+    piece, ``prefillfit.passes``, each attending to the pieces before it too, ``attended``); 2 s
     apart so no two batches overlap."""
-    from kvcadence.replay.timing import _attended, _passes
+    from kvcadence.replay.prefillfit import attended as _attended
+    from kvcadence.replay.prefillfit import passes as _passes
 
     recs = []
     for i in range(24):
@@ -561,6 +562,83 @@ def test_calibration_recovers_the_attended_prefix_coefficient():
     flat = calibrate(_prefix_capture(0.0))
     assert flat.prefill_per_prefix_token_s == 0.0
     assert flat.prefill_per_token_s == pytest.approx(2e-5, rel=1e-6)
+
+
+def _squared_capture(per_sq: float, chunk: int | None = None) -> list[RequestRecord]:
+    """``_prefix_capture``'s batches with durations that grow with each pass's sequence
+    squared instead (SGLang's torch-native attention: an extend's queries padded to the
+    whole sequence, ``prefillfit.squared``), on cached prefixes of 6k-30k tokens."""
+    from kvcadence.replay.prefillfit import passes as _passes
+    from kvcadence.replay.prefillfit import squared as _squared
+
+    recs = []
+    for i in range(24):
+        new = 50 + 137 * (i % 7)
+        cached = 6000 * (i % 5)
+        dur = 0.010 * _passes(new, chunk) + 2e-5 * new + per_sq * _squared(cached, new, chunk)
+        recs.append(prefix_rec(f"q{i}", 100.0 + 2 * i, dur, new, cached))
+    return recs
+
+
+def test_calibration_recovers_the_squared_sequence_coefficient():
+    """Prefill passes that cost each request's sequence length squared (a CPU worker's
+    torch-native attention computes every position's row of the score matrix, however few
+    tokens are new: measured on the real worker, 0.35 / 1.45 / 5.0 s for ~500 new tokens on
+    12k / 30k / 60k cached ones) are fitted with that term, not the linear prefix one."""
+    p = calibrate(_squared_capture(1.3e-9))
+    assert p.prefill_per_seq_sq_s == pytest.approx(1.3e-9, rel=1e-6)
+    assert p.prefill_per_prefix_token_s == 0.0
+    assert p.prefill_per_token_s == pytest.approx(2e-5, rel=1e-4)
+    assert p.prefill_base_s == pytest.approx(0.010, rel=1e-4)
+    # chunked: each piece's pass pays its own sequence so far
+    chunked = calibrate(_squared_capture(1.3e-9, chunk=256), chunk_tokens=256)
+    assert chunked.prefill_per_seq_sq_s == pytest.approx(1.3e-9, rel=1e-6)
+    assert chunked.prefill_base_s == pytest.approx(0.010, rel=1e-4)
+    # durations that follow the attended prefix linearly keep the prefix term
+    linear = calibrate(_prefix_capture(5e-6))
+    assert linear.prefill_per_seq_sq_s == 0.0
+    assert linear.prefill_per_prefix_token_s == pytest.approx(5e-6, rel=1e-6)
+
+
+def test_squared_term_may_take_the_whole_prefill():
+    """Unlike the prefix term, the squared sequences may carry every prefill's time alone:
+    a prompt with nothing cached still pays its own length squared, so no prefill is free
+    and the configuration replays."""
+    from kvcadence.replay.config import SimConfig
+
+    recs = []
+    for i in range(24):
+        new = 50 + 137 * (i % 7)
+        cached = 6000 * (1 + i % 5)
+        recs.append(prefix_rec(f"q{i}", 100.0 + 2 * i, 1.3e-9 * (cached + new) ** 2, new, cached))
+    p = calibrate(recs)
+    assert p.prefill_per_seq_sq_s == pytest.approx(1.3e-9, rel=1e-3)
+    assert p.prefill_per_prefix_token_s == 0.0
+    SimConfig(timing=p).validate()  # replayable
+    assert PassTimer(p).prefill_ns(200, 1, 0, 200 * 200) > 1
+
+
+def test_scheduler_charges_each_pass_its_squared_sequence():
+    """The replay's prefill passes pay for their sequences squared: a prompt chunked into
+    64-token pieces ends its passes at 64, 128, 192 and 200 tokens; a later request on a
+    cached prefix pays its whole sequence, cached part included."""
+    import dataclasses
+
+    from .helpers import config, req, run
+
+    first = list(range(3, 203))
+    cfg = config(chunked_prefill_size=64)
+    costly_cfg = dataclasses.replace(
+        cfg, timing=dataclasses.replace(cfg.timing, prefill_per_seq_sq_s=1e-6))  # fmt: skip
+    alone = [req("a", first, 1)]
+    extra = run(alone, costly_cfg).stats.virtual_ns - run(alone, cfg).stats.virtual_ns
+    assert extra == pytest.approx((64**2 + 128**2 + 192**2 + 200**2) * 1e3, abs=10)
+    recs = [*alone, req("b", first[:150] + [900, 901], 1, arrival_ms=10_000)]
+    plain, costly = run(recs, cfg), run(recs, costly_cfg)
+    cached = costly.requests[1].cached_tokens
+    assert cached == plain.requests[1].cached_tokens and 0 < cached <= 150
+    later = costly.stats.virtual_ns - plain.stats.virtual_ns  # b arrives after a finished
+    assert later == pytest.approx(152**2 * 1e3, abs=10)  # its whole sequence: 150 + 2
 
 
 def test_a_preempted_requests_prefill_span_is_no_prefill_time():
@@ -635,6 +713,14 @@ def test_pass_timer_charges_the_attended_prefix():
     sched = _Sched([], pending=[_Req(7, 0)])  # no recorded times: the model's pass time
     paced = PacedTimer(t.p, sched, {}, 0)
     assert paced.prefill_ns(100, 1, 1000) == t.prefill_ns(100, 1, 1000)
+    # and the squared sequences, where set
+    q = PassTimer(TimingParams(prefill_base_s=0.01, prefill_per_seq_sq_s=1e-9))
+    assert q.prefill_ns(100, 1, 1000, 1100**2) == pytest.approx(
+        0.01e9 + 3e-5 * 100 * 1e9 + 1100**2, abs=2
+    )
+    assert PacedTimer(q.p, sched, {}, 0).prefill_ns(100, 1, 1000, 1100**2) == q.prefill_ns(
+        100, 1, 1000, 1100**2
+    )
 
 
 def test_scheduler_charges_each_pass_its_attended_prefix():
