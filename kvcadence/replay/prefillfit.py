@@ -94,8 +94,9 @@ def fit_prefill(
             a, b, c, best = a3, b3, c3, rss3
     # or the squared sequences (every prompt pays for its own: alone is no harm), only where
     # they lower the residuals of the model so far by the same statistic: short prompts'
-    # durations, convex for other reasons, keep their model (on the corpus of 2026-12-06 two
-    # captures of 6k-14k-token prompts take it, none of short ones)
+    # durations, convex for other reasons, keep their model (on the corpus of 2026-12-06 the
+    # captures of 10k-62k-token prompts take it, those of 4k-14k ones (on one DP rank of
+    # one) and one whose chats grow to 7k with long answers; none of short prompts)
     sqs = list(sq)
     a3, b3, q3 = fit_nonneg([npasses, xs, sqs], ys)
     rss3 = rss(ys, [npasses, xs, sqs], [a3, b3, q3])
