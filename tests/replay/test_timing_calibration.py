@@ -2,10 +2,13 @@
 ``meta_info`` (``response_sent_to_client_ts − e2e_latency`` when ``request_received_ts`` is
 missing), a latency-based calibration when per-phase timings are missing, the
 synchronous-forward (CPU worker) correction of prefill durations, the attended-prefix term of
-the prefill pass (calibrated, charged by ``PassTimer`` and the scheduler), and the recorded
+the prefill pass and its squared-sequence term (calibrated, charged by ``PassTimer`` and the
+scheduler), and the recorded
 pace of a rank (``recorded_token_times``, ``PacedTimer``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -531,21 +534,30 @@ def prefix_rec(rid, entry, dur, uncached, cached) -> RequestRecord:
     return msgspec.structs.replace(r, cached_tokens=cached)
 
 
-def _prefix_capture(per_prefix: float, chunk: int | None = None) -> list[RequestRecord]:
+def _capture(
+    extra: Callable[[int, int, int | None], float], cached_step: int, chunk: int | None
+) -> list[RequestRecord]:
     """Batches of one request each, durations base 10 ms a pass + 20 µs per new token +
-    ``per_prefix`` per attended prefix token (with ``chunk``: one pass a ``chunk``-token
-    piece, ``prefillfit.passes``, each attending to the pieces before it too, ``attended``); 2 s
-    apart so no two batches overlap."""
-    from kvcadence.replay.prefillfit import attended as _attended
-    from kvcadence.replay.prefillfit import passes as _passes
+    ``extra(cached, new, chunk)`` (with ``chunk``: one pass a ``chunk``-token piece,
+    ``prefillfit.passes``), cached prefixes of 0-4 ``cached_step``s; 2 s apart so no two
+    batches overlap."""
+    from kvcadence.replay.prefillfit import passes
 
     recs = []
     for i in range(24):
         new = 50 + 137 * (i % 7)
-        cached = 400 * (i % 5)
-        dur = 0.010 * _passes(new, chunk) + 2e-5 * new + per_prefix * _attended(cached, new, chunk)
+        cached = cached_step * (i % 5)
+        dur = 0.010 * passes(new, chunk) + 2e-5 * new + extra(cached, new, chunk)
         recs.append(prefix_rec(f"q{i}", 100.0 + 2 * i, dur, new, cached))
     return recs
+
+
+def _prefix_capture(per_prefix: float, chunk: int | None = None) -> list[RequestRecord]:
+    """``_capture`` plus ``per_prefix`` per attended prefix token (each chunk attending to
+    the pieces before it too, ``prefillfit.attended``), on cached prefixes of 0-1600."""
+    from kvcadence.replay.prefillfit import attended
+
+    return _capture(lambda c, n, k: per_prefix * attended(c, n, k), 400, chunk)
 
 
 def test_calibration_recovers_the_attended_prefix_coefficient():
@@ -565,19 +577,12 @@ def test_calibration_recovers_the_attended_prefix_coefficient():
 
 
 def _squared_capture(per_sq: float, chunk: int | None = None) -> list[RequestRecord]:
-    """``_prefix_capture``'s batches with durations that grow with each pass's sequence
-    squared instead (SGLang's torch-native attention: an extend's queries padded to the
-    whole sequence, ``prefillfit.squared``), on cached prefixes of 6k-30k tokens."""
-    from kvcadence.replay.prefillfit import passes as _passes
-    from kvcadence.replay.prefillfit import squared as _squared
+    """``_capture`` plus ``per_sq`` per squared sequence token (SGLang's torch-native
+    attention: an extend's queries padded to the whole sequence, ``prefillfit.squared``),
+    on cached prefixes of 0-24k tokens."""
+    from kvcadence.replay.prefillfit import squared
 
-    recs = []
-    for i in range(24):
-        new = 50 + 137 * (i % 7)
-        cached = 6000 * (i % 5)
-        dur = 0.010 * _passes(new, chunk) + 2e-5 * new + per_sq * _squared(cached, new, chunk)
-        recs.append(prefix_rec(f"q{i}", 100.0 + 2 * i, dur, new, cached))
-    return recs
+    return _capture(lambda c, n, k: per_sq * squared(c, n, k), 6000, chunk)
 
 
 def test_calibration_recovers_the_squared_sequence_coefficient():
@@ -616,29 +621,6 @@ def test_squared_term_may_take_the_whole_prefill():
     assert p.prefill_per_prefix_token_s == 0.0
     SimConfig(timing=p).validate()  # replayable
     assert PassTimer(p).prefill_ns(200, 1, 0, 200 * 200) > 1
-
-
-def test_scheduler_charges_each_pass_its_squared_sequence():
-    """The replay's prefill passes pay for their sequences squared: a prompt chunked into
-    64-token pieces ends its passes at 64, 128, 192 and 200 tokens; a later request on a
-    cached prefix pays its whole sequence, cached part included."""
-    import dataclasses
-
-    from .helpers import config, req, run
-
-    first = list(range(3, 203))
-    cfg = config(chunked_prefill_size=64)
-    costly_cfg = dataclasses.replace(
-        cfg, timing=dataclasses.replace(cfg.timing, prefill_per_seq_sq_s=1e-6))  # fmt: skip
-    alone = [req("a", first, 1)]
-    extra = run(alone, costly_cfg).stats.virtual_ns - run(alone, cfg).stats.virtual_ns
-    assert extra == pytest.approx((64**2 + 128**2 + 192**2 + 200**2) * 1e3, abs=10)
-    recs = [*alone, req("b", first[:150] + [900, 901], 1, arrival_ms=10_000)]
-    plain, costly = run(recs, cfg), run(recs, costly_cfg)
-    cached = costly.requests[1].cached_tokens
-    assert cached == plain.requests[1].cached_tokens and 0 < cached <= 150
-    later = costly.stats.virtual_ns - plain.stats.virtual_ns  # b arrives after a finished
-    assert later == pytest.approx(152**2 * 1e3, abs=10)  # its whole sequence: 150 + 2
 
 
 def test_a_preempted_requests_prefill_span_is_no_prefill_time():
@@ -723,28 +705,43 @@ def test_pass_timer_charges_the_attended_prefix():
     )
 
 
-def test_scheduler_charges_each_pass_its_attended_prefix():
-    """The replay's prefill passes pay for the prefix they attend to: a prompt chunked into
-    64-token pieces attends to 0, 64, 128 and 192 earlier tokens; a later request on a
-    cached prefix to that prefix."""
+@pytest.mark.parametrize(
+    ("term", "coef", "alone_ns", "later_ns"),
+    [
+        # a chunk attends to the pieces before it: 0, 64, 128 and 192 tokens; a later
+        # request to its cached prefix
+        ("prefill_per_prefix_token_s", 1e-3, (0 + 64 + 128 + 192) * 1e6, lambda c: c * 1e6),
+        # a chunk pays its sequence so far squared: 64, 128, 192 and 200; a later request its
+        # whole sequence, cached part included (150 + 2)
+        (
+            "prefill_per_seq_sq_s",
+            1e-6,
+            (64**2 + 128**2 + 192**2 + 200**2) * 1e3,
+            lambda c: 152**2 * 1e3,
+        ),
+    ],  # fmt: skip
+    ids=["attended-prefix", "squared-sequence"],
+)
+def test_scheduler_charges_each_pass_its_prefix_term(term, coef, alone_ns, later_ns):
+    """The replay's prefill passes pay the calibrated prefix term: a prompt chunked into
+    64-token pieces (ending at 64 / 128 / 192 / 200 tokens), and a later request (after the
+    first finished) on its cached prefix, where the last pass decides the end."""
     import dataclasses
 
     from .helpers import config, req, run
 
     first = list(range(3, 203))
     cfg = config(chunked_prefill_size=64)
-    costly_cfg = dataclasses.replace(
-        cfg, timing=dataclasses.replace(cfg.timing, prefill_per_prefix_token_s=1e-3))  # fmt: skip
-    # one request in four pieces ending at 64 / 128 / 192 / 200
+    costly_cfg = dataclasses.replace(cfg, timing=dataclasses.replace(cfg.timing, **{term: coef}))
     alone = [req("a", first, 1)]
     extra = run(alone, costly_cfg).stats.virtual_ns - run(alone, cfg).stats.virtual_ns
-    assert extra == pytest.approx((0 + 64 + 128 + 192) * 1e6, abs=10)
-    # a later request (after a finished) on a's cached prefix: the last pass decides the end
+    assert extra == pytest.approx(alone_ns, abs=10)
     recs = [*alone, req("b", first[:150] + [900, 901], 1, arrival_ms=10_000)]
     plain, costly = run(recs, cfg), run(recs, costly_cfg)
     cached = costly.requests[1].cached_tokens
     assert cached == plain.requests[1].cached_tokens and 0 < cached <= 150
-    assert costly.stats.virtual_ns - plain.stats.virtual_ns == pytest.approx(cached * 1e6, abs=10)
+    later = costly.stats.virtual_ns - plain.stats.virtual_ns
+    assert later == pytest.approx(later_ns(cached), abs=10)
 
 
 #: (receive, positive duration) pairs on a coarse grid, so that ties of every kind occur
