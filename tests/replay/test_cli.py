@@ -56,6 +56,8 @@ def test_replay_command_writes_a_sim_bundle_with_overrides(tmp_path, capsys):
             "0.002",
             "--prefill-per-prefix-token",
             "0.00002",
+            "--prefill-per-seq-sq",
+            "0.000000001",
             "--decode-per-ctx-token",
             "0.000001",
             "--json",
@@ -70,6 +72,7 @@ def test_replay_command_writes_a_sim_bundle_with_overrides(tmp_path, capsys):
     assert cfg["page_size"] == 4 and cfg["disable_overlap_schedule"] is True
     assert cfg["timing"]["decode_base_s"] == 0.002 and cfg["max_total_tokens"] == 300
     assert cfg["timing"]["prefill_per_prefix_token_s"] == 0.00002
+    assert cfg["timing"]["prefill_per_seq_sq_s"] == 1e-9
     assert cfg["timing"]["decode_per_ctx_token_s"] == 0.000001  # given: kept, not fitted
     frames = list(BundleReader(out).events())
     assert frames and all(f.pass_index >= -1 for f in frames)
@@ -83,6 +86,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ["replay", str(src), "--out", str(tmp_path / "o2"), "--page-size", "0"],
         ["replay", str(src), "--out", str(tmp_path / "o3"), "--sglang-version", "0.5.5"],
         ["replay", str(src), "--out", str(tmp_path / "o4"), "--decode-per-ctx-token", "-1"],
+        ["replay", str(src), "--out", str(tmp_path / "o4b"), "--prefill-per-seq-sq", "nan"],
         ["replay", str(src)],
         # the scheduling settings: a bad value, or priority retraction without priorities
         ["replay", str(src), "--out", str(tmp_path / "o5"), "--prefill-decode-interval", "-1"],
