@@ -23,7 +23,7 @@ from statistics import median
 from kvcadence.replay.fitting import fit_line, fit_nonneg, rss
 
 #: the prefill fit takes a third term only when it lowers the residual sum of squares by at
-#: least this partial F statistic ((RSS without − RSS with) / (RSS with / (batches − 3)));
+#: least this partial F statistic ((RSS without − RSS with) / (RSS with / (batches − 3));
 #: 10 is p < 0.002 from 30 batches on): a term that explains nothing on a capture would
 #: only move its replay (docs/simulator.md, "Time")
 PREFIX_MIN_F = 10.0
