@@ -2,8 +2,9 @@
 
 What this file owns: ``PassTimer`` (prefill pass = base + per_token × extend tokens +
 per_req × requests + per_prefix_token × the prefix tokens the batch's requests attend to +
-per_seq_sq × each request's sequence length after the pass, squared; decode pass = base + per_req × batch size + per_ctx_token × the batch's context, its
-requests' KV lengths summed), ``is_retracted`` (a record's ``meta_info.num_retractions``:
+per_seq_sq × each request's sequence length after the pass, squared; decode pass = base +
+per_req × batch size + per_ctx_token × the batch's context, its requests' KV lengths
+summed), ``is_retracted`` (a record's ``meta_info.num_retractions``:
 retracted or preempted at least once), ``model_text`` / ``model_line`` (the model in one
 line, with where it came from: what ``kvcadence replay`` prints) and ``calibrate(records)``,
 which derives the parameters from the capture's own ``meta_info`` timings (bundles carry
@@ -21,16 +22,15 @@ no ``server.log``):
   put the later passes' bases on the tokens and the replay, paying a base a pass, ran
   chunked prompts up to twice as long as the worker; the
   attended prefix (``cached_tokens``, and with ``chunk_tokens`` each earlier chunk of a
-  chunked prompt) joins the fit only when it passes a partial F test (``prefillfit.PREFIX_MIN_F``);
-  so do, instead, the batch's sequences squared (``prefillfit.squared``: each request's length after
-  each of its passes; SGLang's torch-native attention, a CPU worker's, pads an extend's
-  queries to the whole sequence, so a pass costs its sequence squared however few of its
-  tokens are new: ~500 new tokens on 12k / 30k / 60k cached ones took 0.35 / 1.45 / 5.0 s
-  on the real worker), when they lower the residuals of the model chosen so far by the same
-  statistic. With
-  ``sync_forward`` (a CPU worker runs each forward inside its launch, so under the overlap
-  loop a prefill result is processed only after the *next* forward; the normal loop
-  processes it right after its own) the duration is the next batch's
+  chunked prompt) joins the fit only when it passes a partial F test
+  (``prefillfit.PREFIX_MIN_F``); so do, instead, the batch's sequences squared
+  (``prefillfit.squared``: each request's length after each of its passes; SGLang's
+  torch-native attention, a CPU worker's, pads an extend's queries to the whole sequence, so
+  a pass costs its sequence squared however few of its tokens are new), when they lower the
+  residuals of the model chosen so far by the same statistic. With ``sync_forward`` (a CPU
+  worker runs each forward inside its launch, so under the overlap loop a prefill result
+  is processed only after the *next* forward; the normal loop processes it right after its
+  own) the duration is the next batch's
   ``forward_entry_time`` − this one's when that batch is a prefill, else
   ``prefill_finished_time − forward_entry_time`` − one decode pass; with ``overlap`` (a
   GPU worker's overlap loop forms a batch while the forward before it runs and records its
