@@ -70,6 +70,7 @@ PARAMS = (
     "prefill_per_seq_sq_s",
     "decode_base_s",
     "decode_per_req_s",
+    "decode_per_ctx_token_s",
     "default_gap_s",
 )
 FACTORS = (0.90, 0.95, 1.05, 1.10)

@@ -42,12 +42,13 @@ no ``server.log``):
   (not for a request retracted or preempted on the way, ``num_retractions`` > 0: its window
   holds its wait in the queue);
   the median over requests is split into a base and a per-request part by regressing on the
-  number of requests that overlapped the window. The per-context-token term is not fitted
-  (docs/simulator.md, "A decode term per context token", says what fitting it measured);
-  where it is given (``--decode-per-ctx-token``), each request's share of it
-  (``intervals.Context``: the context the requests alive in its window held,
-  time-averaged) is taken off its passes first, and base and per request are fitted to
-  the rest;
+  number of requests that overlapped the window (``decodefit.fit_decode``). A third term,
+  per context token (``intervals.Context``: the context the requests alive in the window
+  held, time-averaged), joins only where the contexts are long (``decodefit.CTX_MIN_TOKENS``
+  a running request) and it passes the prefill fit's partial F test (docs/simulator.md, "A
+  decode term per context token", says why not at short ones); where it is given
+  (``--decode-per-ctx-token``), each request's share of it is taken off its passes first,
+  and base and per request are fitted to the rest;
 * without per-phase timings but with server-side receive / finish times
   (``request_received_ts``, else ``response_sent_to_client_ts − e2e_latency``; finish =
   ``request_finished_ts``, else ``response_sent_to_client_ts``) and at least 16 requests:
@@ -69,6 +70,7 @@ from statistics import median
 from typing import Any
 
 from kvcadence.replay.config import TimingParams
+from kvcadence.replay.decodefit import fit_decode
 from kvcadence.replay.fitting import fit_line
 from kvcadence.replay.intervals import Alive, Context, Inside, overlaps
 from kvcadence.replay.prefillfit import attended, fit_prefill, passes, squared
@@ -314,17 +316,15 @@ def calibrate(
                 ends.append((e + dur if sync_forward else f, dur))
         return xs, ys, ends
 
-    per_ctx = p.decode_per_ctx_token_s  # given, not fitted
-    context = (
-        Context(
-            [r[1] for r in rows], [r[3] for r in rows], [r[7] for r in rows], [r[4] for r in rows]
-        )
-        if per_ctx > 0
-        else None
+    per_ctx = p.decode_per_ctx_token_s  # given (> 0): kept, the rest fitted around it
+    context = Context(
+        [r[1] for r in rows], [r[3] for r in rows], [r[7] for r in rows], [r[4] for r in rows]
     )
 
-    def decode_fit(ends: list[tuple[Any, ...]]) -> tuple[float, float, float] | None:
-        """``(base, per request, a typical pass)``: the typical pass's context part in."""
+    def decode_fit(ends: list[tuple[Any, ...]]) -> tuple[float, float, float, float] | None:
+        """``(base, per request, a typical pass, per context token)``: the typical pass's
+        context part in; the context term the given one, else fitted where the contexts are
+        long (``decodefit.fit_decode``)."""
         per_pass, conc, ctx = [], [], []
         inside_of = Inside(ends)
         for (_fe, pf, _rx, fin, n, _u, _c, _p, _k, _q), back in zip(rows, retracted, strict=True):
@@ -334,17 +334,13 @@ def calibrate(
             t = (fin - pf - inside) / (n - 1)
             if t <= 0:
                 continue
-            overlap = alive(pf, fin)
-            x = context(pf, fin) if context is not None else 0.0
-            per_pass.append(t - per_ctx * x)
-            conc.append(float(overlap))
-            ctx.append(x)
+            per_pass.append(t)
+            conc.append(float(alive(pf, fin)))
+            ctx.append(context(pf, fin))
         if len(per_pass) < 3:
             return None
-        a, b = fit_line(conc, per_pass)
-        if a + b * median(conc) <= 0:
-            a, b = max(median(per_pass), 0.0), 0.0
-        return a, b, a + b * median(conc) + per_ctx * median(ctx)
+        a, b, c = fit_decode(conc, ctx, per_pass, per_ctx)
+        return a, b, a + b * median(conc) + c * median(ctx), c
 
     xs, ys, ends = prefill_durations(0.0)
     fit = decode_fit(ends)
@@ -361,7 +357,7 @@ def calibrate(
         p.prefill_base_s, p.prefill_per_token_s, p.prefill_per_prefix_token_s = a, b, c
         p.prefill_per_seq_sq_s = q
     if fit is not None:
-        p.decode_base_s, p.decode_per_req_s = fit[0], fit[1]
+        p.decode_base_s, p.decode_per_req_s, p.decode_per_ctx_token_s = fit[0], fit[1], fit[3]
     p.default_gap_s = _median_gap(records, p.default_gap_s)
     return p
 

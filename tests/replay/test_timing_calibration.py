@@ -786,17 +786,19 @@ def test_inside_is_the_same_float_as_the_direct_sum(ends, a, d):
     assert Inside(ordered)(a, b) == sum(x for e, x in ordered if a < e <= b)
 
 
-def _context_capture(per_ctx: float) -> list[RequestRecord]:
+def _context_capture(per_ctx: float, scale: int = 1) -> list[RequestRecord]:
     """Decode windows of one or two requests at a time (a pair prefilled together, same
     outputs), 5 s apart: a pass takes 4 ms + 1 ms a request + ``per_ctx`` a context token
     (each request's prompt + outputs so far: over its window, on average, prompt + half
-    its outputs)."""
+    its outputs); prompts of 300-3600 tokens, ``scale`` times that."""
     recs = []
     for i in range(24):
         entry = 100.0 + 5 * i
         pf = entry + 0.02
         n = 20 + 7 * (i % 5)
-        prompts = [300 + 900 * (i % 4)] + ([1500 + 400 * (i % 3)] if i % 3 else [])
+        prompts = [scale * (300 + 900 * (i % 4))] + (
+            [scale * (1500 + 400 * (i % 3))] if i % 3 else []
+        )
         ctx = sum(prompts) + len(prompts) * n / 2
         per = 0.004 + 0.001 * len(prompts) + per_ctx * ctx
         for k, p in enumerate(prompts):
@@ -805,11 +807,12 @@ def _context_capture(per_ctx: float) -> list[RequestRecord]:
 
 
 def test_decode_context_term_is_given_and_the_rest_fitted_around_it():
-    """The per-context-token decode cost is not fitted (calibration leaves it as given);
-    given (``--decode-per-ctx-token``), each request's share of it -- the context its
-    window's passes attended to, on average -- comes off its passes first, and base and per
-    request are fitted to the rest: exactly, on passes that follow that model. Through
-    ``effective_config`` (the replay's path) the override reaches the fit."""
+    """At short contexts (a few thousand tokens a request) the per-context-token decode
+    cost is not fitted (calibration leaves it 0); given (``--decode-per-ctx-token``), each
+    request's share of it -- the context its window's passes attended to, on average --
+    comes off its passes first, and base and per request are fitted to the rest: exactly,
+    on passes that follow that model. Through ``effective_config`` (the replay's path) the
+    override reaches the fit."""
     from kvcadence.replay.worker import effective_config
 
     recs = _context_capture(2e-6)
@@ -823,6 +826,47 @@ def test_decode_context_term_is_given_and_the_rest_fitted_around_it():
     # flat passes: without the term, base + per request is the pass
     flat = calibrate(_context_capture(0.0))
     assert flat.decode_base_s + flat.decode_per_req_s == pytest.approx(0.005, rel=1e-6)
+
+
+def test_decode_context_term_is_fitted_where_the_contexts_are_long():
+    """Production-size contexts (3k-36k tokens a request, ``decodefit.CTX_MIN_TOKENS``):
+    the calibration finds the per-context-token cost itself, with base and per request,
+    exactly on passes that follow that model; flat passes at the same sizes keep it 0
+    (nothing to explain), and one given stays as given."""
+    recs = _context_capture(3e-7, scale=10)
+    got = calibrate(recs)
+    assert got.decode_per_ctx_token_s == pytest.approx(3e-7, rel=1e-6)
+    assert got.decode_base_s == pytest.approx(0.004, rel=1e-5)
+    assert got.decode_per_req_s == pytest.approx(0.001, rel=1e-5)
+    flat = calibrate(_context_capture(0.0, scale=10))
+    assert flat.decode_per_ctx_token_s == 0.0
+    assert flat.decode_base_s + flat.decode_per_req_s == pytest.approx(0.005, rel=1e-6)
+    given = calibrate(recs, TimingParams(decode_per_ctx_token_s=1e-7))
+    assert given.decode_per_ctx_token_s == 1e-7
+
+
+def test_decode_context_term_needs_to_explain_the_windows():
+    """``decodefit.fit_decode`` on long contexts: noise the context does not explain (a
+    pass that does not follow it) gets no term, and a context term that would be negative
+    is none; short contexts get none whatever the passes."""
+    from kvcadence.replay.decodefit import CTX_MIN_TOKENS, fit_decode
+
+    conc = [1.0, 2.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0] * 4
+    ctx = [k * (CTX_MIN_TOKENS + 500.0 * (i % 5)) for i, k in enumerate(conc)]
+    wobble = [0.0003 * ((7 * i) % 5 - 2) for i in range(len(conc))]
+    flat = [0.01 + 0.002 * k + w for k, w in zip(conc, wobble, strict=True)]
+    assert fit_decode(conc, ctx, flat)[2] == 0.0
+    falling = [0.05 + 0.002 * k - 1e-6 * x for k, x in zip(conc, ctx, strict=True)]
+    assert fit_decode(conc, ctx, falling)[2] == 0.0
+    rising = [0.01 + 0.002 * k + 5e-7 * x for k, x in zip(conc, ctx, strict=True)]
+    assert fit_decode(conc, ctx, rising)[2] == pytest.approx(5e-7, rel=1e-6)
+    short = [x / 10 for x in ctx]
+    assert (
+        fit_decode(
+            conc, short, [0.01 + 0.002 * k + 5e-6 * x for k, x in zip(conc, short, strict=True)]
+        )[2]
+        == 0.0
+    )
 
 
 def test_a_retracted_requests_window_is_no_decode_time():
