@@ -29,6 +29,7 @@ import sys
 import tempfile
 from functools import cache
 from pathlib import Path
+from statistics import median
 from typing import Any, cast
 
 import pytest
@@ -79,6 +80,10 @@ CANCEL_CAPTURES = (
     "p16-hour-flush-http-clients-cancel",
     "p16-chunk2048-ctx60k-http-clients-cancel",
     "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel",
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel",
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy",
+    "p8-chunk8192-ctx23k-http-clients-cancel",
+    "p8-chunk8192-ctx23k-http-clients-cancel-rerun",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -206,10 +211,15 @@ ATTACHED = (
 
 #: captures of production-size prompts (tens of thousands of tokens each): a CPU worker
 #: prefills a few dozen such requests in the minutes a capture takes, so they are held to a
-#: size in tokens (a million prompt tokens, one of 40k or more) instead of 200 requests
+#: size in tokens (prompts of 10k tokens or more, median; 800k prompt tokens in all)
+#: instead of 200 requests
 LONG_CONTEXT = (
     "p16-chunk2048-ctx60k-http-clients-cancel",
     "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel",
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel",
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy",
+    "p8-chunk8192-ctx23k-http-clients-cancel",
+    "p8-chunk8192-ctx23k-http-clients-cancel-rerun",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -378,8 +388,8 @@ def test_every_capture_is_listed_and_complete():
         reader = BundleReader(CORPUS / name / "bundle")
         recs = reader.requests()
         if name in LONG_CONTEXT:  # few requests, each of production size
-            assert sum(r.prompt_tokens for r in recs) >= 1_000_000, name
-            assert max(r.prompt_tokens for r in recs) >= 40_000, name
+            assert sum(r.prompt_tokens for r in recs) >= 800_000, name
+            assert median(r.prompt_tokens for r in recs) >= 10_000, name
         else:
             assert len(recs) >= 200, name
         assert reader.header.sglang_version == "0.5.23"
@@ -507,10 +517,18 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p2-chunk64": "cached_tokens_equal 0.845",
     "p4-cons2-longout": "cached_tokens_equal 0.730",
     "p8-chunk128-nooverlap-long": "cached_tokens_equal 0.675",
-    # 17 removals on the worker, 20 replayed (one removal is 6 % of the figure); 21 and
-    # -16.0 % when every prefill pass was a flat 1.42 s, before the squared sequences
-    "p16-chunk2048-ctx60k-http-clients-cancel": "removed_events_per_request 0.262 -> 0.308 "
-    "(+17.6%); removed_blocks_mean 31.3 -> 26.6 (-15.0%)",
+    # 17 removals on the worker, 19 replayed (one removal is 6 % of the figure); 20 and
+    # -15.0 % before the decode term per context token, 21 and -16.0 % when every prefill
+    # pass was a flat 1.42 s, before the squared sequences; the median sits on a step (148
+    # Stored events: 32 real, 31 replayed since the context term)
+    "p16-chunk2048-ctx60k-http-clients-cancel": "stored_blocks_median 32 -> 31 (-3.1%); "
+    "removed_events_per_request 0.262 -> 0.292 (+11.8%); removed_blocks_mean 31.3 -> 28.0 "
+    "(-10.5%)",
+    # held out for the decode term per context token: 28 removals replayed against the
+    # worker's 24, where the same traffic recorded again (``-rerun``) made 28 (29 and -15.3 %
+    # without the term)
+    "p8-chunk8192-ctx23k-http-clients-cancel": "removed_events_per_request 0.348 -> 0.406 "
+    "(+16.7%); removed_blocks_mean 218.2 -> 189.7 (-13.1%)",
 }
 
 
@@ -799,6 +817,10 @@ CANCELLED = {
     "p16-hour-flush-http-clients-cancel": (1874, 102, 102, 32),
     "p16-chunk2048-ctx60k-http-clients-cancel": (66, 1, 1, 0),
     "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel": (68, 1, 1, 1),
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel": (63, 4, 4, 2),
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (63, 4, 4, 0),
+    "p8-chunk8192-ctx23k-http-clients-cancel": (71, 2, 2, 1),
+    "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (71, 2, 2, 1),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -859,6 +881,10 @@ CANCELLED_TURNS = {
     "p16-hour-flush-http-clients-cancel": (61, 61),
     "p16-chunk2048-ctx60k-http-clients-cancel": (1, 1),
     "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel": (1, 1),
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel": (4, 4),
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (4, 4),
+    "p8-chunk8192-ctx23k-http-clients-cancel": (2, 2),
+    "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (2, 2),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -891,6 +917,10 @@ SUCCESSORS = {
     "p16-hour-flush-http-clients-cancel": (54, 54),
     "p16-chunk2048-ctx60k-http-clients-cancel": (1, 1),
     "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel": (1, 1),
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel": (4, 4),
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (4, 4),
+    "p8-chunk8192-ctx23k-http-clients-cancel": (1, 1),
+    "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (1, 1),
 }
 
 
