@@ -193,7 +193,8 @@ def register(sub: Any) -> None:
     t.add_argument("--decode-per-ctx-token", type=nonneg_float,
                    dest="decode_per_ctx_token_s", metavar="S",
                    help="decode time per context token the batch attends to (each running "
-                   "request's prompt plus outputs so far)")  # fmt: skip
+                   "request's prompt plus outputs so far; default: calibrated where the "
+                   "running requests hold 4096+ tokens each, else 0)")  # fmt: skip
     t.add_argument("--default-gap", type=nonneg_float, dest="default_gap_s", metavar="S",
                    help="client gap when a request has none recorded")  # fmt: skip
     t.add_argument("--no-calibrate", action="store_true", help="use the built-in timing defaults")
