@@ -322,6 +322,22 @@ def production_bundle(name: str, out: Path) -> Path:
 
 
 @cache
+def production_copy(name: str) -> Path:
+    """``production_bundle`` of capture ``name``, written once a process (its rids are
+    seeded by the name: every copy is the same bundle) and read by every test that needs it."""
+    return production_bundle(name, _workdir() / f"{name}-production" / "real")
+
+
+@cache
+def inferred(name: str) -> tuple[list[Any], dict[str, Any], Any]:
+    """``records_for_replay`` of ``production_copy(name)``, once a process (the tests only
+    read what it returns)."""
+    from kvcadence.replay.production import records_for_replay
+
+    return records_for_replay(BundleReader(production_copy(name)))
+
+
+@cache
 def _workdir() -> Path:
     """One temporary directory for every replay of this process, removed at exit."""
     tmp = tempfile.TemporaryDirectory(prefix="kvcadence-corpus-")
@@ -347,7 +363,7 @@ def _replayed(name: str, path: str) -> dict[str, dict]:
     out = _workdir() / f"{name}-{path}"
     src = CORPUS / name / "bundle"
     if path == "production":
-        src = production_bundle(name, out / "real")
+        src = production_copy(name)
     reader = BundleReader(src)
     if dp_size_of(reader.header, reader.requests()) > 1:
         (sim,) = write_fleet_bundles(
@@ -560,13 +576,12 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
     pages), but for those reported as not found; every predecessor is the real previous
     turn, so the sessions are the real ones; the clients are the driver's lanes
     (``CLIENTS_OVER_LANES`` says where not)."""
-    from kvcadence.replay.production import records_for_replay
 
     src = BundleReader(CORPUS / name / "bundle")
     ps = int(src.header.server_info["page_size"])
     drv = src.requests()
     truth = {tuple(r.input_ids): r for r in drv}
-    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    recs, rep, _ = inferred(name)
     real = {r.rid: truth[tuple(r.input_ids)] for r in recs}
     tails = sum(rep["unstored_tail_synthetic"].values())
     not_found = sum(rep["outputs_synthetic"].values())
@@ -764,11 +779,10 @@ def test_http_clients_production_inference_is_the_clients_sessions(name, tmp_pat
     close to a finish are; none as the only idle client. (``p16-routing-key-mrr4-http-clients``:
     216 of 108 clients, 36 chats and 72 single shots in 10 s; 72 clients inferred;
     ``p16-random-mrr4-http-clients``: 218, 82.)"""
-    from kvcadence.replay.production import records_for_replay
 
     n_sessions, with_pred, ties, n_clients = HTTP_CLIENTS_INFERRED[name]
     truth = http_clients_truth(name)
-    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    recs, rep, _ = inferred(name)
     assert rep["sessions"] == n_sessions and rep["with_predecessor"] == with_pred
     assert rep["outputs_synthetic"] == {} and rep["predecessor_ties"] == ties
     sessions: dict[int, set[tuple[int, int]]] = {}
@@ -960,8 +974,6 @@ def test_cancelled_requests_are_rebuilt_from_their_stores(name, tmp_path):
     import gzip
     import json
 
-    from kvcadence.replay.production import records_for_replay
-
     sent_n, aborted_n, rebuilt_n, with_fin = CANCELLED[name]
     with gzip.open(CORPUS / name / "sent.jsonl.gz", "rt") as fh:
         sent = [json.loads(line) for line in fh]
@@ -969,7 +981,7 @@ def test_cancelled_requests_are_rebuilt_from_their_stores(name, tmp_path):
     aborted = [s for s in sent if tuple(s["input_ids"]) not in recorded]
     assert len(sent) == sent_n and len(aborted) == aborted_n
     assert all(s["cancel"] is not None and s["stream"] for s in aborted)  # only cancels
-    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    recs, rep, _ = inferred(name)
     rebuilt = [r for r in recs if r.source == "kv-events"]
     assert rep["unrecorded_rebuilt"] == len(rebuilt) == rebuilt_n
     assert rep["unrecorded_with_finish_store"] == with_fin
@@ -1092,9 +1104,8 @@ def test_a_retracted_request_s_earlier_stores_are_its_own(name, tmp_path):
     pages more than once (a store before the one its run was found in, evicted and stored
     again at its re-prefill); each is its own, not an unrecorded request's (3 phantom
     requests on ``p1-retract-noeos-nooverlap`` when only the stores after its run were)."""
-    from kvcadence.replay.production import records_for_replay
 
-    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    recs, rep, _ = inferred(name)
     assert rep["retracted_in_capture"] > 0
     assert rep["unrecorded_rebuilt"] == 0 and not [r for r in recs if r.source == "kv-events"]
 
@@ -1111,7 +1122,6 @@ def test_attached_capture_rebuilds_the_history_it_recovered(tmp_path):
     but Stored events/request, 0.1 % past its bar (-3.1 %; ``test_production_path_bars``)."""
     from kvcadence.capture.sglang_logs import read_metrics
     from kvcadence.format.schema import VIA_REPLAY
-    from kvcadence.replay.production import records_for_replay
 
     name = "p16-attach-midrun-http-clients"
     src = BundleReader(CORPUS / name / "bundle")
@@ -1125,7 +1135,7 @@ def test_attached_capture_rebuilds_the_history_it_recovered(tmp_path):
     assert len(tailed) == 311 and len(before) == 27
     assert all(r.meta_info["request_finished_ts"] < attached_s for r in before)
     assert sum(r.meta_info["request_received_ts"] < attached_s for r in src.requests()) == 10
-    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    recs, rep, _ = inferred(name)
     rebuilt = [r for r in recs if r.source == "kv-events"]
     # all 27 (12 until 2026-12-05: the stores of the single shots the second run sent again
     # were taken for re-stores of its records' pages, though published before them)
@@ -1212,7 +1222,7 @@ def test_a_late_attach_on_a_real_worker_preloads_what_it_had_cached(tmp_path):
     (gap,) = list(src.iter_kinds("gap"))
     assert (gap.first_seq, gap.last_seq, gap.recovered) == (0, 67, 4)
     assert sorted(f.seq for f in src.events() if f.via == VIA_REPLAY) == [64, 65, 66, 67]
-    prod = production_bundle(name, tmp_path / "p")
+    prod = production_copy(name)
     res = replay_bundle(prod, tmp_path / "sim")
     inferred = res.extra["inferred"]
     assert (inferred["precached_requests"], inferred["precached_prefixes"]) == (154, 15)
@@ -1287,7 +1297,7 @@ def test_a_late_dp_attach_holds_the_pages_the_worker_held_before_it(tmp_path, mo
         return out
 
     monkeypatch.setattr(fleet_mod, "runs_to_hold", spy)
-    prod = production_bundle(name, tmp_path / "p")  # no gap records: read from its frames
+    prod = production_copy(name)  # no gap records: read from its frames
     (sim,) = fleet_mod.write_fleet_bundles(
         tmp_path / "sim",
         fleet_mod.simulate_fleet([load_worker(prod)], "recorded", pace="auto"),
@@ -1316,7 +1326,7 @@ def test_dp2_p32_http_clients_miss_is_the_pace_clamp(tmp_path):
     from kvcadence.replay.worker import load_worker
 
     name = "dp2-p32-http-clients"
-    src = production_bundle(name, tmp_path / "real")
+    src = production_copy(name)
     finished = {
         tuple(r.input_ids): r.meta_info["request_finished_ts"] for r in BundleReader(src).requests()
     }
@@ -1410,10 +1420,8 @@ def test_parallel_samples_on_a_real_worker(name, tmp_path):
     import gzip
     import json
 
-    from kvcadence.replay.production import records_for_replay
-
     groups, n_samples, ps, ties = PARALLEL[name]
-    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    recs, rep, _ = inferred(name)
     with gzip.open(CORPUS / name / "sent.jsonl.gz", "rt") as fh:
         sent = [json.loads(line) for line in fh]
     truth: dict[tuple[int, ...], list[list[int]]] = {}
@@ -1443,13 +1451,13 @@ def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):
     session end joined, 558 ms under the median wait for the next session start,
     ``sessions.median_wait``), so the production path has the driver's 8 clients, not a 9th open-loop one
     (which shifted the tight pool's evictions: ``cached_tokens`` equal 0.940 < 0.95)."""
-    from kvcadence.replay.production import CLIENT_GAP_FACTOR, records_for_replay
+    from kvcadence.replay.production import CLIENT_GAP_FACTOR
     from kvcadence.replay.schedule import _arrival, _finish
 
     name = "tight-long"
     drv = BundleReader(CORPUS / name / "bundle").requests()
     truth = {tuple(r.input_ids): r for r in drv}
-    recs, rep, _ = records_for_replay(BundleReader(production_bundle(name, tmp_path / "p")))
+    recs, rep, _ = inferred(name)
     assert rep["outputs_from_events"] == 200 and rep["predecessor_ties"] == 0
     assert rep["clients"] == 8 == len({t.lane for t in drv}) and rep["idle_client_joins"] == 1
     mine = {truth[tuple(r.input_ids)].rid: r for r in recs}  # driver rid -> inferred record
