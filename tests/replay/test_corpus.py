@@ -84,6 +84,8 @@ CANCEL_CAPTURES = (
     "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy",
     "p8-chunk8192-ctx23k-http-clients-cancel",
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun",
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -211,7 +213,7 @@ ATTACHED = (
 
 #: captures of production-size prompts (tens of thousands of tokens each): a CPU worker
 #: prefills a few dozen such requests in the minutes a capture takes, so they are held to a
-#: size in tokens (prompts of 10k tokens or more, median; 800k prompt tokens in all)
+#: size in tokens (prompts of 10k tokens or more, median; 500k prompt tokens in all)
 #: instead of 200 requests
 LONG_CONTEXT = (
     "p16-chunk2048-ctx60k-http-clients-cancel",
@@ -220,6 +222,8 @@ LONG_CONTEXT = (
     "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy",
     "p8-chunk8192-ctx23k-http-clients-cancel",
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun",
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
@@ -404,7 +408,7 @@ def test_every_capture_is_listed_and_complete():
         reader = BundleReader(CORPUS / name / "bundle")
         recs = reader.requests()
         if name in LONG_CONTEXT:  # few requests, each of production size
-            assert sum(r.prompt_tokens for r in recs) >= 800_000, name
+            assert sum(r.prompt_tokens for r in recs) >= 500_000, name
             assert median(r.prompt_tokens for r in recs) >= 10_000, name
         else:
             assert len(recs) >= 200, name
@@ -545,6 +549,12 @@ PRODUCTION_MISSES: dict[str, str] = {
     # without the term)
     "p8-chunk8192-ctx23k-http-clients-cancel": "removed_events_per_request 0.348 -> 0.406 "
     "(+16.7%); removed_blocks_mean 218.2 -> 189.7 (-13.1%)",
+    # an aborted turn's finish store read as another request (``MISFITS``), so its next turn
+    # (a record) has no predecessor and arrives at its recorded time, before the replay's
+    # chain through it finished: the previous turn's finish store, the aborted turn's
+    # prefill and its own merge into one published event (594 pages where the worker
+    # published 190, 201 and 203 seconds apart), and one more pair the same way
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": "stored_events_per_request 2.075 -> 2 (-3.6%)",
 }
 
 
@@ -835,6 +845,8 @@ CANCELLED = {
     "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (63, 4, 4, 0),
     "p8-chunk8192-ctx23k-http-clients-cancel": (71, 2, 2, 1),
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (71, 2, 2, 1),
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (48, 2, 3, 1),
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (41, 1, 2, 0),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -861,6 +873,16 @@ MISFITS = {
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": 1,
     # an 8657-token prompt's stores read as two requests (not traced further)
     "dp2-p1-chunk2048-longctx-http-clients-cancel": 1,
+    # an aborted 14351-token prompt's finish store (2 pages: its 3-token tail and 5 outputs)
+    # published 4.1 s after its prefill store, with nothing stored in between: later than
+    # 11 decode passes at twice the records' slowest pace (3.0 s), read as another
+    # request's prefill (a 14356-token request with one output)
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": 1,
+    # an aborted turn's finish store (one page) chained below the next turn's prefill store,
+    # which already held the aborted turn's tail and its first outputs: read as another
+    # request's prefill (not traced further; ``SUCCESSORS``: the next turn then loses it as
+    # its predecessor)
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": 1,
 }
 
 
@@ -899,6 +921,8 @@ CANCELLED_TURNS = {
     "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (4, 4),
     "p8-chunk8192-ctx23k-http-clients-cancel": (2, 2),
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (2, 2),
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (2, 1),
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (1, 1),
 }
 
 #: capture -> (records inferred as the next turn of a rebuilt request, records whose
@@ -935,6 +959,8 @@ SUCCESSORS = {
     "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (4, 4),
     "p8-chunk8192-ctx23k-http-clients-cancel": (1, 1),
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (1, 1),
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (1, 1),
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (0, 1),
 }
 
 
