@@ -47,6 +47,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("errored_not_run", "errored before they ran (not replayed)"),
     ("unrecorded_rebuilt", "requests not in the records, rebuilt from their prefill stores"),
     ("unrecorded_with_finish_store", "... of them with a finish store (outputs from it)"),
+    ("unrecorded_finish_below_next_turn", "... that store below their next turn's prefill"),
     ("unrecorded_not_rebuilt", "unclaimed stores not rebuilt (prefix before the capture)"),
     ("unclaimed_below_records", "unclaimed stores below a record's prompt (left alone)"),
     ("finish_stores_unseen", "finish stores not in the capture (inserted with no event)"),

@@ -62,6 +62,11 @@ class TimingParams:
     transfer_per_token_s: float = 0.0
 
 
+#: SGLang's ``--decode-log-interval`` default: a decode pass publishes the queued KV events
+#: every this many decode batches
+DECODE_LOG_INTERVAL = 40
+
+
 @dataclass(slots=True)
 class SimConfig:
     """Effective configuration of one replay (see module docstring)."""
@@ -73,7 +78,7 @@ class SimConfig:
     max_running_requests: int | None = None
     #: the most requests of one prefill batch (SGLang ``--prefill-max-requests``; None: no cap)
     prefill_max_requests: int | None = None
-    decode_log_interval: int = 40
+    decode_log_interval: int = DECODE_LOG_INTERVAL
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_overlap_schedule: bool = False

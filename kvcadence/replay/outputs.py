@@ -48,6 +48,7 @@ from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
 from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
+from kvcadence.replay.config import DECODE_LOG_INTERVAL
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import (
     I64_TYPES,
@@ -118,6 +119,10 @@ class StoreIndex:
         #: the worker's ``chunked_prefill_size`` (the header's ``/server_info`` snapshot;
         #: None: chunking off or not stated)
         self.chunk_tokens: int | None = None
+        #: the worker's ``--decode-log-interval`` (SGLang's default where the capture has no
+        #: snapshot): a store made in a decode pass is published at the next prefill result
+        #: or at the interval-th decode pass, whichever comes first
+        self.decode_log_interval = DECODE_LOG_INTERVAL
         #: the ``cache_salt`` of each salted event (a salted namespace's store; none: absent)
         self.salts: dict[int, str] = {}
 
@@ -177,6 +182,9 @@ class StoreIndex:
         chunk = (reader.header.server_info or {}).get("chunked_prefill_size")
         if type(chunk) is int and chunk > 0:
             idx.chunk_tokens = chunk
+        interval = (reader.header.server_info or {}).get("decode_log_interval")
+        if type(interval) is int and interval > 0:
+            idx.decode_log_interval = interval
         rows = StoreRows()
         # notes: only the flush scan reads them, only two kinds (the others are not decoded)
         # event frames: the common payload decoded with the frame (``schema.EventFrameIdsView``)

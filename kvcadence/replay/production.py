@@ -538,6 +538,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         "unlinked_shared_prefix": unlinked,
         "unrecorded_rebuilt": len(lost.requests),
         "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
+        "unrecorded_finish_below_next_turn": lost.below_next_turn,
         "unrecorded_not_rebuilt": lost.outside,
         "unrecorded_older_prefix": lost.older_prefix,
         "unclaimed_below_records": lost.below_records,

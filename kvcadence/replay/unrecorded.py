@@ -23,9 +23,13 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
   inserted, so ``pages * page_size + 1`` outputs) and its publish time its finish -- unless
   it came sooner than that many outputs take to decode (at least ``tokens - page_size + 1``
   decode passes, each at least half the records' least time per output token), or later
-  than all it holds and the fewer than a page decoded past it take at twice the records'
-  greatest mean time per output token (``tokens + page_size - 1`` passes: then it is
-  another request's prefill; corpus ``p64-http-clients-cancel``, a page 20 s after an
+  than all it holds and the fewer than a page decoded past it take, and its publish after
+  them, at twice the records' greatest mean time per output token (``tokens + page_size -
+  1`` passes, and ``--decode-log-interval`` more: a store made in a decode pass is published
+  at the next prefill result or the interval-th decode pass -- an aborted 14351-token
+  prompt's 2-page finish store came 4.1 s after its prefill store, nothing published in
+  between, on corpus ``p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel``; then it
+  is another request's prefill; corpus ``p64-http-clients-cancel``, a page 20 s after an
   aborted system prompt's store). When too soon, below
   a run of half the worker's chunk or more, it is the next chunk of the request's prompt
   (chunked prefill stores a long prompt chunk by chunk, each chunk's store below the one
@@ -37,6 +41,15 @@ is looked at in publish order, runs of consecutive unclaimed pages of one event 
   (a run of the chunk's pages) it is the next chunk also when it came no later than the
   longest gap between a record's chunk stores (a prompt's last chunk of one page is as
   fast as a one-page finish store: corpus ``dp2-p16-tight-long-http-clients-cancel``);
+* a run below a page of another request's store, not its last (a branch off it), where
+  that store's pages above it begin right below the last prompt page of a rebuilt request with no finish store yet, is
+  that request's finish store, those pages and the run its outputs (same time bounds): its
+  client's next turn prefilled first, storing the aborted prompt's tail and the outputs the
+  client read, and the abort inserted only what it decoded past them (corpus
+  ``p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel``: a turn aborted
+  after 8 streamed tokens, its next turn's prefill 3.1 s later, its one-page finish store
+  1.3 s after that; read as a request of its own, it left the next turn without its
+  predecessor, and the replay merged three chained stores into one event);
 * a run below a record's prompt whose finish store was not found is left alone (most
   likely that finish store);
 * any other run is a request's prefill: its prompt is the run's tokens after the tokens of
@@ -113,6 +126,9 @@ class Found:
     requests: list[Unrecorded] = field(default_factory=list)
     #: unclaimed runs below a record's prompt whose finish store was not found
     below_records: int = 0
+    #: rebuilt requests whose finish store chained below their next turn's prefill store
+    #: (``_finish_below_next_turn``)
+    below_next_turn: int = 0
     #: unclaimed runs whose parent chain leaves the capture (stored before it) at a page no
     #: record's cached prefix holds (not rebuilt)
     outside: int = 0
@@ -278,6 +294,9 @@ def find_unrecorded(
     chain leaves the capture's stores (``precached.OlderPages``)."""
     finish_at = {} if finish_at is None else dict(finish_at)
     found = Found(multi_rank=bool(index.frame_rank))
+    # a finish store is made in a decode pass and published at the next publish point: up
+    # to ``decode_log_interval`` decode passes later when no prefill result comes first
+    lag = index.decode_log_interval
     ps = index.page_size
     by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page (key) -> it
     chains = Chains(index, older)
@@ -297,7 +316,7 @@ def find_unrecorded(
             gap = t - req.prefill_ns
             full = chunk_tokens is not None and req.run >= chunk_tokens // ps * ps
             soon = gap < (len(toks) - ps + 1) * min_token_ns or (full and gap <= chunk_gap_ns)
-            late = max_token_ns and gap > (len(toks) + ps - 1) * max_token_ns
+            late = max_token_ns and gap > (len(toks) + ps - 1 + lag) * max_token_ns
             if not soon and not late:
                 req.outputs = array(CODE, toks)
                 req.outputs.append(toks[-1])  # the last output's KV was never inserted
@@ -318,6 +337,25 @@ def find_unrecorded(
                 by_last[page_key(last, rank)] = req
                 continue
             # neither: another request's prefill below it (a next turn after its abort)
+        if req is None and parent is not None:
+            above = _finish_below_next_turn(index, chains, by_last, parent, rank, t, toks)
+            if above is not None:
+                owner, held_toks, held_pages = above
+                gap = t - owner.prefill_ns
+                n_tok = len(held_toks) + len(toks)
+                soon = gap < (n_tok - ps + 1) * min_token_ns
+                late = max_token_ns and gap > (n_tok + ps - 1 + lag) * max_token_ns
+                if not soon and not late:
+                    owner.outputs = array(CODE, held_toks)
+                    owner.outputs.extend(toks)
+                    owner.outputs.append(toks[-1])  # the last output's KV was never inserted
+                    owner.finish_ns = t
+                    owner.end = last
+                    owner.out_pages = held_pages + hashes[offs[ei] + j : offs[ei] + j + n].tolist()
+                    by_last[page_key(last, rank)] = owner
+                    finish_at.setdefault(ei, t)
+                    found.below_next_turn += 1
+                    continue
         if pkey is not None and pkey in record_anchors:
             found.below_records += 1
             continue
@@ -354,6 +392,43 @@ def find_unrecorded(
         found.requests.append(req)
         by_last[page_key(last, rank)] = req
     return found
+
+
+def _finish_below_next_turn(
+    index: Any,
+    chains: Chains,
+    by_last: dict[int, Unrecorded],
+    parent: int,
+    rank: int,
+    t: int,
+    toks: array,
+) -> tuple[Unrecorded, array, list[int]] | None:
+    """A run below a page of another request's store, not its last, whose pages above it,
+    within that one store, begin right below the last prompt page of a rebuilt request with
+    no finish store yet, prefilled before ``t``: ``(that request, the tokens of those pages,
+    their hashes)``
+    -- its finish store, below the pages its client's next turn stored first (the next
+    prompt holds the aborted prompt's tail and the outputs the client read; the aborted
+    request decoded a little more before its abort, and its finish inserted only the pages
+    past the shared ones). None otherwise."""
+    got = chains.where(parent)
+    if got is None or not len(toks):
+        return None
+    ei, j = got
+    if j + 1 >= index.pages[ei]:
+        # below the store's last page: a continuation of that store's prompt (its finish
+        # store, its next turn -- corpus ``p64-http-clients-cancel``), not a branch off it
+        return None
+    ps, hashes, offs = index.page_size, index.hashes, index.offs
+    for k in range(j, -1, -1):  # the pages k .. j of the store: below the page above k
+        above = index.parents[ei] if k == 0 else int(hashes[offs[ei] + k - 1])
+        if above is None:
+            return None
+        owner = by_last.get(page_key(above, rank))
+        if owner is not None and not len(owner.outputs) and owner.prefill_ns <= t:
+            held = index.tokens.span(ei, k * ps, (j + 1) * ps)
+            return owner, held, hashes[offs[ei] + k : offs[ei] + j + 1].tolist()
+    return None
 
 
 def _in_finish_span(

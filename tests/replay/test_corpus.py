@@ -549,12 +549,6 @@ PRODUCTION_MISSES: dict[str, str] = {
     # without the term)
     "p8-chunk8192-ctx23k-http-clients-cancel": "removed_events_per_request 0.348 -> 0.406 "
     "(+16.7%); removed_blocks_mean 218.2 -> 189.7 (-13.1%)",
-    # an aborted turn's finish store read as another request (``MISFITS``), so its next turn
-    # (a record) has no predecessor and arrives at its recorded time, before the replay's
-    # chain through it finished: the previous turn's finish store, the aborted turn's
-    # prefill and its own merge into one published event (594 pages where the worker
-    # published 190, 201 and 203 seconds apart), and one more pair the same way
-    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": "stored_events_per_request 2.075 -> 2 (-3.6%)",
 }
 
 
@@ -830,7 +824,7 @@ CANCELLED = {
     "p32-nochunk-flush-longout-http-clients-cancel": (243, 3, 3, 0),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (240, 21, 22, 18),
     "p16-chunk4096-longctx-http-clients-cancel": (221, 6, 6, 3),
-    "dp2-p1-chunk2048-longctx-http-clients-cancel": (220, 9, 10, 8),
+    "dp2-p1-chunk2048-longctx-http-clients-cancel": (220, 9, 9, 9),
     # 363 = 228 requests of one sample + 45 of 3 parallel samples (a sent line each)
     "p4-chunk512-parallel-http-clients-cancel": (363, 9, 9, 8),
     "p1-longout-parallel-http-clients-cancel": (324, 9, 9, 9),
@@ -845,8 +839,8 @@ CANCELLED = {
     "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (63, 4, 4, 0),
     "p8-chunk8192-ctx23k-http-clients-cancel": (71, 2, 2, 1),
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (71, 2, 2, 1),
-    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (48, 2, 3, 1),
-    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (41, 1, 2, 0),
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (48, 2, 2, 2),
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (41, 1, 1, 1),
 }
 
 #: capture -> rebuilt requests whose prompt is shorter than the aborted request's whole
@@ -871,18 +865,6 @@ MISFITS = {
     # 544 tokens (34 pages, none cached) that are the first 544 of an aborted 783-token
     # prompt: its stores up to there, the rest never stored (not traced further)
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": 1,
-    # an 8657-token prompt's stores read as two requests (not traced further)
-    "dp2-p1-chunk2048-longctx-http-clients-cancel": 1,
-    # an aborted 14351-token prompt's finish store (2 pages: its 3-token tail and 5 outputs)
-    # published 4.1 s after its prefill store, with nothing stored in between: later than
-    # 11 decode passes at twice the records' slowest pace (3.0 s), read as another
-    # request's prefill (a 14356-token request with one output)
-    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": 1,
-    # an aborted turn's finish store (one page) chained below the next turn's prefill store,
-    # which already held the aborted turn's tail and its first outputs: read as another
-    # request's prefill (not traced further; ``SUCCESSORS``: the next turn then loses it as
-    # its predecessor)
-    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": 1,
 }
 
 
@@ -921,7 +903,7 @@ CANCELLED_TURNS = {
     "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy": (4, 4),
     "p8-chunk8192-ctx23k-http-clients-cancel": (2, 2),
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (2, 2),
-    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (2, 1),
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (1, 1),
     "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (1, 1),
 }
 
@@ -946,7 +928,7 @@ SUCCESSORS = {
     "p32-nochunk-flush-longout-http-clients-cancel": (3, 3),
     "dp2-p16-tight-longout-nooverlap-http-clients-cancel": (13, 13),
     "p16-chunk4096-longctx-http-clients-cancel": (4, 4),
-    "dp2-p1-chunk2048-longctx-http-clients-cancel": (3, 4),
+    "dp2-p1-chunk2048-longctx-http-clients-cancel": (4, 4),
     "p4-chunk512-parallel-http-clients-cancel": (5, 5),
     "p1-longout-parallel-http-clients-cancel": (6, 6),
     "dp2-p8-parallel-http-clients-cancel": (4, 4),
@@ -960,7 +942,7 @@ SUCCESSORS = {
     "p8-chunk8192-ctx23k-http-clients-cancel": (1, 1),
     "p8-chunk8192-ctx23k-http-clients-cancel-rerun": (1, 1),
     "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (1, 1),
-    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (0, 1),
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel": (1, 1),
 }
 
 

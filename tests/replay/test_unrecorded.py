@@ -363,22 +363,25 @@ def test_a_system_prompt_an_aborted_request_stored_first_is_its_store(distinct):
 
 
 @pytest.mark.parametrize("chunk", [None, 8])
-@pytest.mark.parametrize("gap_s", [1.0, 5.0])
-def test_a_store_too_late_for_a_rebuilt_prompts_outputs_is_another_request(gap_s, chunk):
+@pytest.mark.parametrize(("gap_s", "interval"), [(1.0, 40), (5.0, 40), (25.0, 40), (5.0, 1)])
+def test_a_store_too_late_for_a_rebuilt_prompts_outputs_is_another_request(gap_s, interval, chunk):
     """The unrecorded ``b`` stored its prompt at 3.1 s; a 1-page run below it comes
     ``gap_s`` later. The records' slowest mean time per output token is ``a``'s (4 tokens
-    after its prefill store in 0.9 s: 0.225 s); twice it bounds one output's decode. A page
-    (at most 7 outputs: the stored ones and those decoded past them) is then at most
-    1.575 s: 1 s later the run is ``b``'s finish store, 5 s later another request's prefill
-    below ``b`` (a prompt continuing ``b``'s pages) -- also with 8-token chunks, where ``b``'s
-    run is a whole chunk: a chunk comes soon, not late."""
+    after its prefill store in 0.9 s: 0.225 s); twice it bounds one decode pass. A page (at
+    most 7 outputs: the stored ones and those decoded past them) and its publish (up to
+    ``--decode-log-interval`` decode passes later: 40, SGLang's default) then take at most
+    47 x 0.45 = 21.15 s: 1 and 5 s later the run is ``b``'s finish store, 25 s later
+    another request's prefill below ``b`` (a prompt continuing ``b``'s pages) -- and so 5 s
+    later on a worker publishing every decode pass (8 passes: 3.6 s); also with 8-token
+    chunks, where ``b``'s run is a whole chunk: a chunk comes soon, not late."""
     batches, records, b, b_full = _traffic()
     batches = [*batches[:3], (int((3.1 + gap_s) * S), [store(b_full, 3, 4, PS)])]
     index = StoreIndex.from_batches(batches, PS)
     index.chunk_tokens = chunk
+    index.decode_log_interval = interval
     out, _ = complete_records(records, index)
     got = [(list(r.input_ids), list(r.output_ids)) for r in out if r.source == UNRECORDED_SOURCE]
-    if gap_s < 1.575:
+    if gap_s < (7 + interval) * 0.45:
         assert got == [(b, [*b_full[len(b) :], b_full[-1]])]
     else:
         assert got == [(b, [b[-1]]), (b_full, [b_full[-1]])]
@@ -615,3 +618,57 @@ def test_a_finish_store_below_output_pages_cached_before_the_capture_is_no_reque
     out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
     assert [r.rid for r in out] == ["r", "n"]
     assert rep["unrecorded_rebuilt"] == 0 and rep["unclaimed_below_records"] == 1
+
+
+def test_an_aborted_turn_s_finish_store_below_its_next_turn_s_prefill_is_its_own():
+    """``b`` (no record: aborted) prefilled its own page; its client read 2 outputs, hung
+    up, and sent the next turn ``n`` (a record: ``b``'s prompt, the 2 outputs, a new
+    message), whose prefill stored ``b``'s tail and those outputs first; ``b``'s abort then
+    inserted what it decoded past them: one page below a page of ``n``'s store. That page
+    and the pages of ``n``'s store below ``b``'s prompt are ``b``'s outputs -- not a
+    request of its own -- and ``n`` follows ``b``."""
+    a = [*SYSTEM, 1, 2, 3, 4, 5, 6]
+    a_full = [*a, 50, 51, 52, 53, 54]
+    b = [*SYSTEM, 9, 9, 8, 8, 7, 7]  # 3 whole pages and a 2-token tail
+    outs = list(range(60, 70))  # decoded before the abort; the client read 2
+    b_kv = [*b, *outs[:-1]]  # its finish inserts prompt + outputs but the last
+    n = [*b, *outs[:2], 70, 71, 72, 73, 74, 75]
+    batches = [
+        (int(1.1 * S), [store(a, 0, 3, PS)]),
+        (int(2.0 * S), [store(a_full, 3, 4, PS)]),
+        (int(3.1 * S), [store(b, 2, 3, PS)]),
+        (int(4.0 * S), [store(n, 3, 5, PS)]),  # n's prefill: b's tail, 2 outputs, 4 more
+        (int(4.5 * S), [store(b_kv, 4, 5, PS)]),  # b's finish, below n's page 3
+    ]
+    records = [rec("a", a, 5, 1.0, 2.0, cached=0), rec("n", n, 5, 3.9, 6.0, cached=12)]
+    out, rep = complete_records(records, StoreIndex.from_batches(batches, PS))
+    rebuilt = [r for r in out if r.source == UNRECORDED_SOURCE]
+    assert len(rebuilt) == 1  # b alone: its finish store is no request
+    got = rebuilt[0]
+    assert list(got.input_ids) == b[:12]  # its whole pages (the tail was never stored alone)
+    # its outputs: its tail and outputs as n's page 3 holds them, then its finish page,
+    # then the last output (never inserted)
+    assert list(got.output_ids[:8]) == b_kv[12:20] and len(got.output_ids) == 9
+    assert got.meta_info["request_finished_ts"] == 4.5
+    assert rep["unrecorded_with_finish_store"] == rep["unrecorded_finish_below_next_turn"] == 1
+    by = {r.rid: r for r in out}
+    assert (by["n"].session, by["n"].turn) == (got.session, got.turn + 1)
+    # published later than its outputs and their publish can take: another request's
+    late = [(t + (60 * S if t == int(4.5 * S) else 0), evs) for t, evs in batches]
+    out2, rep2 = complete_records(records, StoreIndex.from_batches(late, PS))
+    assert rep2["unrecorded_finish_below_next_turn"] == 0
+    assert len([r for r in out2 if r.source == UNRECORDED_SOURCE]) == 2
+
+
+@pytest.mark.parametrize(("info", "want"), [({}, 40), ({"decode_log_interval": 7}, 7)])
+def test_the_publish_lag_is_the_worker_s_decode_log_interval(tmp_path, info, want):
+    """The finish-store bound's publish lag is the worker's ``--decode-log-interval`` as its
+    ``/server_info`` snapshot states it (SGLang's default, 40, where it does not)."""
+    from kvcadence.format.bundle import BundleReader, BundleWriter
+    from tests.analysis.helpers import header
+
+    h = header(page_size=PS)
+    h = msgspec.structs.replace(h, server_info={**h.server_info, **info})
+    with BundleWriter(tmp_path / "b", h):
+        pass
+    assert StoreIndex.from_reader(BundleReader(tmp_path / "b"), PS).decode_log_interval == want
