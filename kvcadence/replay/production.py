@@ -76,6 +76,7 @@ from kvcadence.replay.clocks import outside_stores, records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.outputs import StoreIndex, Window
 from kvcadence.replay.precached import PRECACHED_KEY, OlderPages, carriers
+from kvcadence.replay.rebuiltrows import join_rows
 from kvcadence.replay.retracted import retracted_run
 from kvcadence.replay.schedule import FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
@@ -89,7 +90,7 @@ from kvcadence.replay.sessions import (
 from kvcadence.replay.settings import capture_settings, page_size_hint, tally_for
 from kvcadence.replay.timing import is_retracted
 from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
-from kvcadence.replay.unrecorded import join_rows, page_key, rebuild
+from kvcadence.replay.unrecorded import page_key, rebuild
 
 #: why an output stays synthetic (report keys)
 WHY_NO_IDS = "no prompt token ids (text prompt)"
@@ -560,7 +561,7 @@ def _estimated_thinks(
 ) -> dict[int, int]:
     """Think times (ns) of the requests that follow, on their client, a request whose record
     has no finish time but whose finish the inference estimated: a rebuilt request without
-    a finish store (``unrecorded.join_rows``: its last store's publish). The schedule
+    a finish store (``rebuiltrows.join_rows``: its last store's publish). The schedule
     releases a closed-loop request its recorded receive less its predecessor's recorded
     finish after that predecessor's simulated finish, else ``think_ns``, else the median
     gap; the median put a request 24-28 s before its recorded receive (corpus

@@ -25,11 +25,11 @@ from kvcadence.format.schema import (
     Header,
     RequestRecord,
 )
+from kvcadence.format.schema import UNRECORDED_SOURCE as SOURCE
 from kvcadence.outguard import _write_failure, refuse_nonempty_dir
 from kvcadence.replay.request import ABORTED, SimReq
 from kvcadence.replay.simrecords import SimRecords
 from kvcadence.replay.tokens import as_list, compact, span
-from kvcadence.replay.unrecorded import SOURCE
 
 
 def sim_header(
