@@ -50,6 +50,22 @@ BARS: dict[str, tuple[str, float]] = {
     "hash_set": ("stored_hash_jaccard", 1.0),  # identical sets
 }
 
+#: captures of production-size prompts (tens of thousands of tokens each): a CPU worker
+#: prefills a few dozen such requests in the minutes a capture takes, so they are held to a
+#: size in tokens (prompts of 9k tokens or more, median; 500k prompt tokens in all)
+#: instead of 200 requests (all of clients that hang up: the last ``CANCEL_CAPTURES``)
+LONG_CONTEXT = (
+    "p16-chunk2048-ctx60k-http-clients-cancel",
+    "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel",
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel",
+    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy",
+    "p8-chunk8192-ctx23k-http-clients-cancel",
+    "p8-chunk8192-ctx23k-http-clients-cancel-rerun",
+    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
+    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
+    "dp2-p16-tight40k-chunk2048-ctx12k-http-clients-cancel",
+)
+
 #: captures of plain HTTP clients some of which hang up mid-stream (SGLang writes no metrics
 #: line for those): each also keeps ``sent.jsonl.gz``, what the clients sent and got
 CANCEL_CAPTURES = (
@@ -78,15 +94,7 @@ CANCEL_CAPTURES = (
     "p8-longout1500-http-clients-cancel",
     "p16-longout2000-nooverlap-http-clients-cancel",
     "p16-hour-flush-http-clients-cancel",
-    "p16-chunk2048-ctx60k-http-clients-cancel",
-    "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel",
-    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel",
-    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy",
-    "p8-chunk8192-ctx23k-http-clients-cancel",
-    "p8-chunk8192-ctx23k-http-clients-cancel-rerun",
-    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
-    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
-    "dp2-p16-tight40k-chunk2048-ctx12k-http-clients-cancel",
+    *LONG_CONTEXT,
 )
 
 #: the captures, in the README's order (each must exist: no silent skips)
@@ -210,22 +218,6 @@ ATTACHED = (
     "p16-attach-late-ring4-http-clients",
     "dp2-p8-attach-late-ring4-http-clients",
     "p4-attach-late-ring4-longout-http-clients",
-)
-
-#: captures of production-size prompts (tens of thousands of tokens each): a CPU worker
-#: prefills a few dozen such requests in the minutes a capture takes, so they are held to a
-#: size in tokens (prompts of 9k tokens or more, median; 500k prompt tokens in all)
-#: instead of 200 requests
-LONG_CONTEXT = (
-    "p16-chunk2048-ctx60k-http-clients-cancel",
-    "p32-nooverlap-chunk4096-ctx45k-http-clients-cancel",
-    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel",
-    "p16-tight70k-chunk4096-ctx27k-http-clients-cancel-busy",
-    "p8-chunk8192-ctx23k-http-clients-cancel",
-    "p8-chunk8192-ctx23k-http-clients-cancel-rerun",
-    "p4-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
-    "p4-tight40k-nooverlap-chunk4096-longout-ctx16k-http-clients-cancel",
-    "dp2-p16-tight40k-chunk2048-ctx12k-http-clients-cancel",
 )
 
 #: the captures recorded by ``kvcadence drive`` (driver records in the bundle)
