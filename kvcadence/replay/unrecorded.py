@@ -115,6 +115,16 @@ class Unrecorded:
     #: pages up to the last its rank never stored), pre-loaded by the replay
     precached: int = 0
 
+    def take_finish(self, outputs: array, t: int, end: int, pages: list[int]) -> None:
+        """Its finish store, published at ``t``: the stored ``outputs`` (the last output's
+        KV was never inserted: its last token stands in for it), the store's last page
+        ``end`` and page hashes ``pages``."""
+        outputs.append(outputs[-1])
+        self.outputs = outputs
+        self.finish_ns = t
+        self.end = end
+        self.out_pages = pages
+
 
 @dataclass(slots=True)
 class Found:
@@ -295,6 +305,20 @@ def find_unrecorded(
     # to ``decode_log_interval`` decode passes later when no prefill result comes first
     lag = index.decode_log_interval
     ps = index.page_size
+
+    def pace(gap: int, n_tok: int) -> tuple[bool, bool]:
+        """(too soon, too late) for a finish store of ``n_tok`` tokens ``gap`` after the
+        prefill store: it holds at most the prompt's partial page (< ps tokens) and all but
+        the last output -- ``n_tok - ps + 1`` decode passes at least --, and went out at the
+        next publish point, up to ``lag`` decode passes after the last of at most
+        ``n_tok + ps - 1``."""
+        soon = gap < (n_tok - ps + 1) * min_token_ns
+        return soon, bool(max_token_ns) and gap > (n_tok + ps - 1 + lag) * max_token_ns
+
+    def run_pages(ei: int, j: int, n: int) -> list[int]:
+        """The hashes of event ``ei``'s pages ``j .. j + n``."""
+        return hashes[offs[ei] + j : offs[ei] + j + n].tolist()
+
     by_last: dict[int, Unrecorded] = {}  # a rebuilt request's last prompt page (key) -> it
     chains = Chains(index, older)
     prompts = PromptIndex()  # each rebuilt prompt shares its prefix with the ones before
@@ -308,18 +332,12 @@ def find_unrecorded(
         pkey = None if parent is None else page_key(parent, rank)
         req = by_last.get(pkey) if pkey is not None else None
         if req is not None and not len(req.outputs) and t >= req.prefill_ns:
-            # a finish store holds at most the prompt's partial page (< ps tokens) and all
-            # but the last output: len(toks) - ps + 1 decode passes at least
             gap = t - req.prefill_ns
             full = chunk_tokens is not None and req.run >= chunk_tokens // ps * ps
-            soon = gap < (len(toks) - ps + 1) * min_token_ns or (full and gap <= chunk_gap_ns)
-            late = max_token_ns and gap > (len(toks) + ps - 1 + lag) * max_token_ns
+            soon, late = pace(gap, len(toks))
+            soon = soon or (full and gap <= chunk_gap_ns)
             if not soon and not late:
-                req.outputs = array(CODE, toks)
-                req.outputs.append(toks[-1])  # the last output's KV was never inserted
-                req.finish_ns = t
-                req.end = last
-                req.out_pages = hashes[offs[ei] + j : offs[ei] + j + n].tolist()
+                req.take_finish(array(CODE, toks), t, last, run_pages(ei, j, n))
                 by_last[page_key(last, rank)] = req  # (a store below it is another request's)
                 finish_at.setdefault(ei, t)
                 continue
@@ -338,17 +356,11 @@ def find_unrecorded(
             above = _finish_below_next_turn(index, chains, by_last, parent, rank, t, toks)
             if above is not None:
                 owner, held_toks, held_pages = above
-                gap = t - owner.prefill_ns
-                n_tok = len(held_toks) + len(toks)
-                soon = gap < (n_tok - ps + 1) * min_token_ns
-                late = max_token_ns and gap > (n_tok + ps - 1 + lag) * max_token_ns
+                soon, late = pace(t - owner.prefill_ns, len(held_toks) + len(toks))
                 if not soon and not late:
-                    owner.outputs = array(CODE, held_toks)
-                    owner.outputs.extend(toks)
-                    owner.outputs.append(toks[-1])  # the last output's KV was never inserted
-                    owner.finish_ns = t
-                    owner.end = last
-                    owner.out_pages = held_pages + hashes[offs[ei] + j : offs[ei] + j + n].tolist()
+                    outs = array(CODE, held_toks)
+                    outs.extend(toks)
+                    owner.take_finish(outs, t, last, held_pages + run_pages(ei, j, n))
                     by_last[page_key(last, rank)] = owner
                     finish_at.setdefault(ei, t)
                     found.below_next_turn += 1
