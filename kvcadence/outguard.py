@@ -25,6 +25,12 @@ What this file owns, for every command that writes an ``--out``:
   of the write, nor is anything after the command marked its output complete
   (``args._out_complete``: e.g. its summary printed to a closed pipe, ``replay ... | head``,
   which removed a finished sim bundle until 2026-12-04).
+* ``replaced_with_force(run, owned)`` -- ``--force`` on a command whose ``--out`` directory
+  it writes whole (``replay``): an existing, non-empty output that ``owned(path, args)``
+  accepts (what the command itself wrote: a sim bundle, not a capture) is set aside
+  (renamed to a hidden sibling) before the run and removed only once the run returned; a
+  run that fails or is interrupted gets it back, as it was. One ``owned`` refuses (exit 2,
+  its reason) is kept, ``--force`` or not.
 * ``term_as_interrupt(run)`` -- SIGTERM taken as Ctrl-C while ``run`` runs (``replay``, the
   HTTP clients' recorder), so the cleanup above, or a child's orderly stop, happens on
   ``kill`` too.
@@ -188,6 +194,48 @@ def removed_on_failure(run: Callable[[Any], int], attr: str = "out") -> Callable
     return wrapped
 
 
+def replaced_with_force(
+    run: Callable[[Any], int],
+    owned: Callable[[Path, Any], str | None],
+    attr: str = "out",
+    flag: str = "--out",
+) -> Callable[[Any], int]:
+    """``run(args)``; with ``args.force``, an existing non-empty ``args.<attr>`` that
+    ``owned(path, args)`` accepts (returns None; else the reason it is not replaceable) is
+    replaced: renamed aside first (a hidden sibling in the same directory, so the rename
+    is atomic and costs no copy), removed after ``run`` returned, put back when it raised
+    (its partial new output removed first)."""
+
+    @functools.wraps(run)
+    def wrapped(args: Any) -> int:
+        out = getattr(args, attr, None)
+        if not getattr(args, "force", False) or not out:
+            return run(args)
+        p = Path(out)
+        if not p.exists() or (p.is_dir() and not p.is_symlink() and not any(p.iterdir())):
+            return run(args)
+        why = None if p.is_dir() and not p.is_symlink() else "not a directory"
+        why = why or owned(p, args)
+        if why:
+            raise UsageError(f"{flag} {p}: {why}; --force replaces only what this command wrote")
+        aside = p.with_name(f".{p.name}.replaced-{os.getpid()}")
+        try:
+            os.rename(p, aside)
+        except OSError as exc:
+            raise UsageError(f"{flag} {p}: cannot set it aside to replace it ({exc})") from None
+        try:
+            rc = run(args)
+        except BaseException:
+            if p.exists() or p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            os.rename(aside, p)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+        return rc
+
+    return wrapped
+
+
 def term_as_interrupt(func: Callable[[Any], int]) -> Callable[[Any], int]:
     """``func(args)`` with SIGTERM (``kill``, a job scheduler's stop) raised as
     ``KeyboardInterrupt``, as Ctrl-C is: what the command began is cleaned up or finished as
@@ -221,5 +269,6 @@ __all__ = [
     "refuse_out_file",
     "refuse_uncreatable",
     "removed_on_failure",
+    "replaced_with_force",
     "term_as_interrupt",
 ]

@@ -14,10 +14,16 @@ import dataclasses
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kvcadence.argtypes import nonneg_float, nonneg_int, positive_int
-from kvcadence.outguard import refuse_nonempty_dir, removed_on_failure, term_as_interrupt
+from kvcadence.outguard import (
+    refuse_nonempty_dir,
+    removed_on_failure,
+    replaced_with_force,
+    term_as_interrupt,
+)
 
 
 def _bool_flag(
@@ -65,6 +71,10 @@ def register(sub: Any) -> None:
                    help="source bundle(s): a capture or an import; several = several workers "
                    "(none with --trace)")  # fmt: skip
     p.add_argument("--out", help="sim bundle to write (a new or empty directory)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --out that a replay wrote (a sim bundle, a fleet "
+                   "or --sweep directory; never a capture or the input); the old one is kept "
+                   "until the new one is written")  # fmt: skip
     p.add_argument("--page-size", type=int, dest="page_size",
                    help="tokens per KV page (SGLang --page-size; default: the bundle's)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, dest="max_total_tokens",
@@ -268,12 +278,22 @@ def register(sub: Any) -> None:
     add_fleet_args(p)
     add_trace_args(p)
     # no partial sim bundle on a full disk, on Ctrl-C or on SIGTERM
-    p.set_defaults(_run=removed_on_failure(term_as_interrupt(run)))
+    p.set_defaults(
+        _run=replaced_with_force(removed_on_failure(term_as_interrupt(run)), _replay_output)
+    )
+
+
+def _replay_output(path: Path, args: argparse.Namespace) -> str | None:
+    """What ``--force`` may replace (``simbundle.replaceable``), ``args``' inputs kept."""
+    from kvcadence.replay.simbundle import replaceable
+
+    return replaceable(path, [*(args.bundle or []), *filter(None, [getattr(args, "trace", None)])])
+
+
+_FORCE_HINT = "--force replaces a replay's own output"  # said when --out is refused
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kvcadence.errors import UsageError
     from kvcadence.replay.cli_fleet import maybe_run_fleet, needs_fleet, replay_pace
     from kvcadence.replay.config import CLI_OVERRIDES
@@ -283,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
     tracing = getattr(args, "trace_evictions", None)
     if tracing and Path(tracing).exists():
         raise UsageError(f"replay: --trace-evictions {tracing}: exists (not overwritten)")
+    if args.out:  # refused before any work (a fleet's, a sweep's output too)
+        refuse_nonempty_dir(args.out, hint=_FORCE_HINT)
     if getattr(args, "trace", None) is None:
         if not args.bundle:
             raise UsageError("replay: give BUNDLE (a capture or an import) or --trace FILE")
@@ -304,8 +326,6 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.progress import Phases, request_bar
 
     phases = Phases("replay", quiet=args.quiet, started=getattr(args, "_started", None))
-    if args.out:  # refused before loading: no phase line first, nothing read for nothing
-        refuse_nonempty_dir(args.out)
     if getattr(args, "trace", None) is not None:
         from kvcadence.replay.cli_trace import run_trace
 

@@ -4,7 +4,8 @@ A sim bundle has the format of a capture (``Header.source == "sim"``): one ``Eve
 published batch (the exact payload bytes, ``via`` sim, ``pass_index`` set), the visibility
 notes, one ``RequestRecord`` per simulated request (``sim_request_record``: the one builder
 of a sim record, for every replay), and a trailer whose stats hold the replay's summary
-(wall time dropped: the bundle is deterministic).
+(wall time dropped: the bundle is deterministic). ``replaceable(path, inputs)``: whether
+an existing output is one a replay wrote (what ``replay --force`` may replace).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcadence import __version__
-from kvcadence.errors import BundleError
-from kvcadence.format.bundle import BundleWriter
+from kvcadence.errors import BundleError, KvcadenceError
+from kvcadence.format.bundle import BundleReader, BundleWriter
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -218,3 +219,27 @@ def sim_request_record(
         arrival_ns=None if s.pred is not None else anchor_ns + (s.arrival_ns or 0),
         meta_info=meta,
     )
+
+
+def replaceable(path: Path, inputs: Iterable[str | Path]) -> str | None:
+    """None when ``path`` (an existing, non-empty directory) is what a replay writes, so
+    ``replay --force`` may replace it: a sim bundle (``Header.source == "sim"``), a directory
+    of them (a fleet of several workers) or a ``--sweep`` dataset (its ``_sweep.json``); else
+    why not. Never one of ``inputs`` (the replay's own), nor a directory holding one."""
+    real = path.resolve()
+    for src in inputs:
+        s = Path(src).resolve()
+        if s == real or real in s.parents:
+            return "it holds this replay's input"
+    if (path / "_sweep.json").is_file():
+        return None
+    bundles = [path] if any(path.glob("seg-*.kvcb")) else sorted(path.iterdir())
+    for b in bundles:
+        try:
+            sim = b.is_dir() and BundleReader(b).header.source == "sim"
+        except (KvcadenceError, OSError):
+            sim = False
+        if not sim:
+            shown = "it" if b == path else b.name
+            return f"{shown} is not a sim bundle (a capture, or not a bundle)"
+    return None

@@ -360,3 +360,87 @@ def test_replay_says_its_pass_time_model_and_where_it_came_from(tmp_path, capsys
         (1, "phases"),
     ]
     assert all(t["timing"]["decode_base_s"] > 0 for t in ranks)
+
+
+def _sim_settings(out: Path) -> dict:
+    cfg = BundleReader(out).header.sim_config
+    assert cfg is not None
+    return cfg
+
+
+def _no_aside(parent: Path) -> None:
+    assert not [p.name for p in parent.iterdir() if ".replaced-" in p.name]
+
+
+def test_force_replaces_a_replays_own_output_and_gives_it_back_on_failure(
+    tmp_path, capsys, monkeypatch
+):
+    src = tmp_path / "src"
+    make_bundle(src)
+    out = tmp_path / "sim"
+    assert main(["replay", str(src), "--out", str(out), "--quiet"]) == 0
+    assert _sim_settings(out)["max_total_tokens"] == 300
+    capsys.readouterr()
+    # without --force: refused, and the refusal says how to replace it
+    assert main(["replay", str(src), "--out", str(out), "--max-total-tokens", "200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refusing to overwrite" in err[0] and "--force" in err[0]
+    assert _sim_settings(out)["max_total_tokens"] == 300
+    # --force: the new sim bundle in its place, nothing of the old one left beside it
+    argv = ["replay", str(src), "--out", str(out), "--max-total-tokens", "200", "--force"]
+    assert main([*argv, "--quiet"]) == 0
+    assert _sim_settings(out)["max_total_tokens"] == 200
+    assert len(BundleReader(out).requests()) == 2
+    _no_aside(tmp_path)
+    capsys.readouterr()
+    # a run that fails after the old output was set aside gets it back as it was
+    before = sorted((p.name, p.read_bytes()) for p in out.iterdir())
+    assert (
+        main(["replay", str(src), "--out", str(out), "--force", "--sglang-version", "0.5.21"]) == 2
+    )
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert sorted((p.name, p.read_bytes()) for p in out.iterdir()) == before
+    _no_aside(tmp_path)
+    # ... and so does an interrupted one (Ctrl-C, SIGTERM) that had begun writing the new one
+    import kvcadence.replay.simulator as simulator
+
+    real_replay = simulator.replay_bundle
+
+    def interrupted(src_, out_, *a, **kw):
+        Path(out_).mkdir()
+        (Path(out_) / "seg-000000.kvcb").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulator, "replay_bundle", interrupted)
+    assert main(["replay", str(src), "--out", str(out), "--force", "--quiet"]) == 130
+    assert sorted((p.name, p.read_bytes()) for p in out.iterdir()) == before
+    _no_aside(tmp_path)
+    monkeypatch.setattr(simulator, "replay_bundle", real_replay)
+
+
+def test_force_never_replaces_a_capture_the_input_or_a_foreign_directory(tmp_path, capsys):
+    src = tmp_path / "src"
+    make_bundle(src)
+    capture = tmp_path / "capture"
+    make_bundle(capture)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    kept = {d: sorted((p.name, p.read_bytes()) for p in d.iterdir()) for d in (src, capture, mine)}
+    for out, why in (
+        (src, "holds this replay's input"),
+        (tmp_path, "holds this replay's input"),
+        (capture, "not a sim bundle"),
+        (mine, "not a sim bundle"),
+    ):
+        assert main(["replay", str(src), "--out", str(out), "--force"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0] and "--force replaces only" in err[0], err
+    for d, files in kept.items():
+        assert sorted((p.name, p.read_bytes()) for p in d.iterdir()) == files
+    # a file is no replay output either
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["replay", str(src), "--out", str(f), "--force"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert f.read_text() == "x"
