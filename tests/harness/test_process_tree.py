@@ -282,21 +282,32 @@ def test_signal_to_harness_start_stops_the_whole_tree(tmp_path, sig):
     (tmp_path / "pids").mkdir()
     env = {**os.environ, "HOME": str(tmp_path / "home")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.Popen(
+    # (a context manager: its pipes are closed however the test ends -- left open, a pipe
+    # of a driver that timed out failed the next test, at garbage collection, as a
+    # ResourceWarning)
+    with subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(tmp_path), str(FAKE)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        pids = _wait_pids(tmp_path / "pids")
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
+    ) as proc:
+        pids: dict[str, int] = {}
+        try:
+            pids = _wait_pids(tmp_path / "pids")
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            _, err = proc.communicate()
+            for pid in pids.values():  # the fake workers: killed, not leaked
+                if _running(pid):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"harness start still running 60 s after {sig.name}; its stderr: {err}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "kvcadence: interrupted"
     _assert_all_gone(pids, timeout=0.5)
