@@ -6,7 +6,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcadence-installed
-PYTEST_ARGS ?=
+# the slowest tests named at the end of every run (where CI's time goes)
+PYTEST_ARGS ?= --durations=25
 CHROMIUM ?= /usr/bin/chromium
 BROWSER_FAILED := make browser: chromium is missing and apt-get could not install it (needs root \
 and Debian's package sources); install chromium, then rerun
