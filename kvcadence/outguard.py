@@ -29,8 +29,8 @@ What this file owns, for every command that writes an ``--out``:
   it writes whole (``replay``): an existing, non-empty output that ``owned(path, args)``
   accepts (what the command itself wrote: a sim bundle, not a capture) is set aside
   (renamed to a hidden sibling) before the run and removed only once the run returned; a
-  run that fails or is interrupted gets it back, as it was. One ``owned`` refuses (exit 2,
-  its reason) is kept, ``--force`` or not.
+  run that fails or is interrupted gets it back, as it was. An output ``owned`` refuses
+  is kept (exit 2, its reason), as are a symbolic link and a file.
 * ``term_as_interrupt(run)`` -- SIGTERM taken as Ctrl-C while ``run`` runs (``replay``, the
   HTTP clients' recorder), so the cleanup above, or a child's orderly stop, happens on
   ``kill`` too.
@@ -214,8 +214,10 @@ def replaced_with_force(
         p = Path(out)
         if not p.exists() or (p.is_dir() and not p.is_symlink() and not any(p.iterdir())):
             return run(args)
-        why = None if p.is_dir() and not p.is_symlink() else "not a directory"
-        why = why or owned(p, args)
+        if p.is_symlink() or not p.is_dir():
+            why: str | None = "a symbolic link" if p.is_symlink() else "not a directory"
+        else:
+            why = owned(p, args)
         if why:
             raise UsageError(f"{flag} {p}: {why}; --force replaces only what this command wrote")
         aside = p.with_name(f".{p.name}.replaced-{os.getpid()}")
