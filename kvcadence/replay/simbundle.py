@@ -18,6 +18,7 @@ from typing import Any
 from kvcadence import __version__
 from kvcadence.errors import BundleError, KvcadenceError
 from kvcadence.format.bundle import BundleReader, BundleWriter
+from kvcadence.format.bundle.segments import SEGMENT_GLOB
 from kvcadence.format.schema import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -233,7 +234,7 @@ def replaceable(path: Path, inputs: Iterable[str | Path]) -> str | None:
             return "it holds this replay's input"
     if (path / "_sweep.json").is_file():
         return None
-    bundles = [path] if any(path.glob("seg-*.kvcb")) else sorted(path.iterdir())
+    bundles = [path] if any(path.glob(SEGMENT_GLOB)) else sorted(path.iterdir())
     for b in bundles:
         try:
             sim = b.is_dir() and BundleReader(b).header.source == "sim"
