@@ -5,8 +5,8 @@ point). Records from SGLang's own request logs (``--export-metrics-to-file``) ha
 prompt, the output *length* and the timings, but no output ids, no lane/session/turn and
 opaque rids. Before the replay builds its schedule:
 
-1. **Outputs from the KV events** (``outputs.StoreIndex``): the finish store chained below
-   the prompt's last full page gives every output token SGLang ever inserted.
+1. **Outputs from the KV events** (``outputs.StoreIndex``, ``storepass``): the finish store
+   chained below the prompt's last full page gives every output token SGLang ever inserted.
    A request that stopped at EOS before its length may have one output more in its finish
    store (the overlap loop decodes it once more, ``replay.scheduler``): up to that many
    pages are read. A retracted request stored its outputs in two runs (its re-prefill, which
@@ -15,8 +15,8 @@ opaque rids. Before the replay builds its schedule:
    requests becomes one inferred session, written as ``session`` with ``turn`` its
    position (``lane``: its client, below), so the schedule replays it closed loop (think time = recorded receive − the
    predecessor's recorded finish; its estimated finish for a rebuilt predecessor without a
-   finish store, ``_estimated_thinks``). A session start (no predecessor) joins the closed-loop
-   client whose session ended last before it (``sessions.infer_clients``: within the
+   finish store, ``lanes.estimated_thinks``). A session start (no predecessor) joins the closed-loop
+   client whose session ended last before it (``sessions.infer_clients``, ``lanes``: within the
    think-time bound, or as the only idle client) or arrives open loop at its recorded
    time, as does a second successor of one request.
 3. **Outputs from the next prompt**: a successor's prompt extends its predecessor's prompt +
@@ -43,11 +43,11 @@ Parallel samples (``n > 1``) of one prompt each claim their own finish store, in
 order. Retractions are not imposed: ``retracted.retractions`` compares the capture's with
 the replay's own. The counts are in the report (docs/production.md, "Production traffic").
 
-Why one module past 500 lines: ``_complete`` is one pass over the records in finish order
-whose every route feeds the next (the finish stores claimed, the rebuild's claims, the
-pre-load's candidates, the session anchors); each rule it applies lives in its own module
-(``outputs``, ``sessions``, ``unrecorded``, ``precached``, ``retracted``), only their joining
-is here.
+The steps are ``_complete``'s, in order, each a function here or a module of its own:
+the first pass over the records (``storepass.match_stores``: each record's prefill and finish
+stores, the claims and candidates the later steps read), the pre-load (``precached``), the
+rebuild (``unrecorded``), the predecessors (``sessions``), the outputs from the next prompt,
+the sessions and clients (``lanes``) and the records written with all of it.
 
 Records that already have output ids keep them (``--log-requests`` records: only the
 sessions are inferred); a bundle with lanes (a ``kvcadence drive`` bundle), or whose records
@@ -62,48 +62,36 @@ import dataclasses
 from array import array
 from collections import Counter
 from collections.abc import Sequence
-from itertools import pairwise
+from dataclasses import dataclass
 from typing import Any, cast
 
 import msgspec
 
-from kvcadence.errors import WireError
-from kvcadence.format.hashes import block_hashes
-from kvcadence.format.namespace import namespace_of, salt_of
-from kvcadence.format.schema import served_rank
+from kvcadence.format.namespace import namespace_of
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import outside_stores, records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
-from kvcadence.replay.outputs import StoreIndex, Window
+from kvcadence.replay.lanes import Sessions, assign_sessions, estimated_thinks, first_successors
+from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.precached import PRECACHED_KEY, OlderPages, carriers
 from kvcadence.replay.rebuiltrows import join_rows
-from kvcadence.replay.retracted import retracted_run
 from kvcadence.replay.schedule import FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
     Node,
     arrival_order,
     finish_order,
-    infer_clients,
     infer_predecessors,
     unlink_shared_open_tails,
 )
 from kvcadence.replay.settings import capture_settings, page_size_hint, tally_for
+from kvcadence.replay.storepass import StorePass, match_stores
 from kvcadence.replay.timing import is_retracted
-from kvcadence.replay.tokens import EMPTY, as_list, cat, compact, same_ids, span
+from kvcadence.replay.tokens import as_list, cat, compact, same_ids, span
 from kvcadence.replay.unrecorded import page_key, rebuild
 
 #: why an output stays synthetic (report keys)
-WHY_NO_IDS = "no prompt token ids (text prompt)"
-WHY_NO_PROMPT = "prompt not in the event stream"
-WHY_NO_FINISH = "finish store not found"
 WHY_NO_PAGE = "output fills no page and no later prompt extends it"
 WHY_TAIL = "unstored tail, no later prompt extends it"
-#: a session start joins the client whose session ended last before it, at most this many
-#: median think times (predecessor finish -> successor receive) earlier, or later when that
-#: client is the only idle one (``sessions.infer_clients``, rule 2)
-CLIENT_GAP_FACTOR = 10
-
-
 #: record sources that are SGLang's own request logs (no lanes, opaque rids)
 PRODUCTION_SOURCES = ("sglang-metrics", "request-log")
 
@@ -196,162 +184,142 @@ def complete_records(
     return out, report
 
 
-def _complete(  # noqa: C901 - one pass over the records: outputs by route, in order
+@dataclass(slots=True)
+class _Cols:
+    """The inference's per-request columns (the records', then the rebuilt requests')."""
+
+    records: list[Any]
+    ps: int
+    times: list[tuple[int | None, int | None]]
+    n_outs: list[int]
+    lens: list[int]
+    nodes: list[Node]
+
+
+def _complete(
     records: list[Any], index: StoreIndex, flushes_ns: Sequence[int] = (), lost_start: bool = True
 ) -> tuple[list[Any], dict[str, Any]]:
-    ps = index.page_size
-    n_recorded = len(records)  # (rebuilt requests join ``records`` below)
+    """``complete_records`` of the records that ran: the steps of the module docstring."""
+    n_recorded = len(records)  # (rebuilt requests join the columns below)
     times = [(_arrival(r), _finish(r)) for r in records]
-    n_outs = [_n_out(r) for r in records]
-    lens = [len(r.input_ids) for r in records]
     nodes = [Node(a if a is not None else 0, f) for a, f in times]
-    # None: the record's own output ids
-    known: list[Sequence[int] | None] = [None] * len(records)
-    missing: dict[int, str] = {}  # index -> why the stored part of its output is unknown
-    via_events = in_merged = ties = shared = 0
-    # finish stores are claimed in finish order: parallel samples of one prompt all chain
-    # below the same page, each gets its own run (``StoreIndex.finish_pages(taken=...)``)
-    taken: dict[tuple[int, int], int] = {}
+    cols = _Cols(
+        records,
+        index.page_size,
+        times,
+        [_n_out(r) for r in records],
+        [len(r.input_ids) for r in records],
+        nodes,
+    )
     finished = finish_order(nodes, range(len(nodes)))
     by_fin = finished + [i for i, nd in enumerate(nodes) if nd.finish_ns is None]
-    # every request's search windows in one vectorised pass (those with both times)
-    timed = [(i, a, f) for i, (a, f) in enumerate(times) if a is not None and f is not None]
-    wins: list[Window | None] = [None] * len(records)
-    found = index.windows([x[1] for x in timed], [x[2] for x in timed])
-    for x, w in zip(timed, found, strict=True):
-        wins[x[0]] = w
-    # what the records claim of the stores (``unrecorded``): runs, hashed prompts, and the
-    # prompts whose finish store was not found; the records' prefill delays
-    claims: list[tuple[int, int, int, int]] = []  # (event, page, pages, the record's rank)
-    hashed: list[int] = []
-    no_finish: dict[int, int] = {}  # prompt's last page key -> pages its finish may store
-    delays: list[tuple[int, int]] = []  # (prefill store's publish, prefill delay)
-    min_token = 0  # the least of the records' mean times per output token (ns; 0: none)
-    max_token = 0  # ... and the most
-    chunk_gap = 0  # the longest a record's chunk store came after its previous chunk's (ns)
-    # (record, the block its cached prefix ends in, its finish, rank): was that prefix
-    # stored before the capture (``precached``: no store of it published before the
-    # record finished -- its prefill found it, its store's publish may lag that a little)
-    pre_cands: list[tuple[int, int, int, int]] = []
-    # records no store of whose outputs the capture holds (``FINISH_UNSEEN_KEY``)
-    unseen_finish: set[int] = set()
-    # ``claims[a:b]`` of each retracted record: every store of those pages is its own
-    retracted: list[tuple[int, int]] = []
-    ret_from = -1
-    ts = index._ts  # every event's publish time (on the records' clock already)
-    multi_rank = bool(index.frame_rank)
-    for i in by_fin:
-        if ret_from >= 0:
-            retracted.append((ret_from, len(claims)))
-        r = records[i]
-        was_retracted = is_retracted(r)
-        ret_from = len(claims) if was_retracted else -1
-        arr, fin = times[i]
-        rk = served_rank(r) if multi_rank else 0
-        rank = rk if multi_rank else None  # a multi-rank capture: its rank's stores
-        node = nodes[i]
-        # the prompt's tokens are read by ``span``: only the runs looked at (a compact
-        # record's ``Prompt`` is not built whole, a list's ints are not all visited)
-        prompt = r.input_ids
-        n = n_outs[i]
-        L = lens[i]
-        P = L // ps
-        if not L:
-            known[i] = None if r.output_ids else []
-            if not r.output_ids:
-                missing[i] = WHY_NO_IDS
-            continue
-        h: int | None
-        fast = None
-        if r.cached_tokens is not None and arr is not None and fin is not None:
-            fast = index.prefill_run(prompt, r.cached_tokens, arr, fin, wins[i], L, rank)
-        if fast is not None:
-            h, segs, node.base = fast
-            node.segs = segs
-            for _, ei, j, m in segs:
-                claims.append((ei, j, m, rk))
-            t_pre = ts[segs[0][1]]
-            delays.append((t_pre, t_pre - cast("int", arr)))
-            if node.base is not None and cast("int", r.cached_tokens) >= ps and fin is not None:
-                pre_cands.append((i, node.base, fin, rk))
-            if n >= 2 and fin is not None:  # its outputs' time, from its prompt's last store
-                per = (fin - ts[segs[-1][1]]) // (n - 1)
-                if per > 0 and (not min_token or per < min_token):
-                    min_token = per
-                if per > max_token:
-                    max_token = per
-            if len(segs) > 1:  # a chunked prompt: one chunk to the next
-                for a, b in pairwise(segs):
-                    chunk_gap = max(chunk_gap, ts[b[1]] - ts[a[1]])
-        else:  # nothing new stored at prefill (fully cached), or not found: hash the prompt
-            try:
-                node.path = block_hashes(span(prompt, 0, P * ps), ps, salt_of(r.meta_info))
-            except WireError:
-                node.path = []
-            # the pages it may have stored at prefill: those past its recorded cached
-            # prefix (a cached page was in the tree before it came: another request's,
-            # maybe one the records lack -- its store is no claim of this record's)
-            c = r.cached_tokens // ps if r.cached_tokens is not None else 0
-            hashed.extend(page_key(x, rk) for x in node.path[c:])
-            h = node.path[-1] if node.path else None
-            if 0 < c <= len(node.path) and fin is not None:
-                pre_cands.append((i, node.path[c - 1], fin, rk))
-        node.prompt_anchor = h
-        K = (L + n - 1) // ps - P if n > 0 else 0
-        # a request that stopped before its length (EOS): the overlap loop decoded it once
-        # more, so its finish may also have inserted the last output (``Kq`` pages) -- also
-        # when the outputs before it fill no page (K == 0: the page is found or none was)
-        Kq = (L + n) // ps - P if n > 0 and r.finish_reason not in (None, "length") else K
-        at = None
-        if fast is not None:
-            _, ei, j, m = node.segs[-1]
-            at = (ei, j + m - 1)
-        tail = span(prompt, P * ps, L) if P * ps < L else EMPTY  # the partial last page
-        got = (
-            None
-            if fin is None or arr is None or Kq <= 0
-            else index.finish_pages(h, tail, Kq, arr, fin, at, taken, wins[i], rank)
-        )
-        if K <= 0 and got is None:  # nothing stored at finish (or the last output not)
-            known[i] = None if r.output_ids else []
-            node.end_anchor = h
-            continue
-        runs: list[tuple[int, int, int]] | None = None
-        if (got is None or len(got[0]) < K * ps) and fin is not None and arr is not None:
-            if was_retracted:
-                runs = []  # its runs, each claimed where found
-                more = retracted_run(index, h, tail, Kq, arr, fin, taken, runs)
-                got = more or got
-                claims.extend((a, b, c, rk) for a, b, c in (runs if more else ()))
-        if got is not None:
-            ties += got[4]
-            shared += got[3] in taken
-            taken.setdefault(got[3], i)
-            if runs is None:
-                claims.append((got[3][0], got[3][1], len(got[0]) // ps, rk))
-        elif h is not None:
-            key = page_key(h, rk)
-            no_finish[key] = max(Kq, no_finish.get(key, 0))
-        if r.output_ids:
-            known[i] = None
-            if got is not None and len(got[0]) in (K * ps, Kq * ps):
-                node.end_anchor = got[1]
-            continue
-        if got is None:
-            known[i] = []
-            stored_prompt = fast is not None or (r.cached_tokens or 0) >= P * ps
-            missing[i] = WHY_NO_FINISH if stored_prompt else WHY_NO_PROMPT
-            if fin is not None and arr is not None and Kq > 0:
-                unseen_finish.add(i)
-            continue
-        toks, last, was_merged = got[:3]
-        known[i] = toks[L - P * ps :] if L > P * ps else toks  # a fresh slice already
-        via_events += 1
-        in_merged += was_merged
-        if len(toks) in (K * ps, Kq * ps):
-            node.end_anchor = last
-        else:
-            missing[i] = WHY_NO_FINISH
+    sp = match_stores(records, index, times, cols.n_outs, cols.lens, nodes, by_fin)
+    # the prefixes cached before the capture, each carried by one record (``precached``)
+    pre = carriers(
+        index,
+        sp.pre_cands,
+        [cast("int", records[c[0]].cached_tokens) // cols.ps for c in sp.pre_cands],
+        [times[c[0]][0] or 0 for c in sp.pre_cands],
+        lost_start,
+    )
+    pre_tokens = {i: n * cols.ps for i, n in pre.pages.items()}
+    lost = _rebuild(index, sp, cols)
+    if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
+        finished = finish_order(nodes, range(len(nodes)))
+        # the part of a rebuilt prompt stored before the capture: pre-loaded, as a record's
+        for k, u in enumerate(lost.requests, n_recorded):
+            if u.precached:
+                pre_tokens[k] = u.precached
+    order = arrival_order(nodes)
+    pred_ties, unlinked = _link(index, cols, order, finished)
+    first_succ = first_successors(nodes, order)
+    via_prompt, tail_synth = _next_prompt_outputs(cols, sp, first_succ)
+    sess = assign_sessions(nodes, order, first_succ, flushes_ns)
+    # only a rebuilt request's estimated finish is one its record lacks (``join_rows``)
+    think = estimated_thinks(cols.records, order, sess.lane_of, times) if lost.requests else {}
+    out_records = _with_outputs(cols, sp, sess, pre_tokens, think)
+    before, after = outside_stores(index, times[:n_recorded])
+    n_lost = len(lost.requests)
+    report = {
+        "requests": len(cols.records) - n_lost,
+        "outputs_recorded": sum(1 for k in sp.known if k is None) - n_lost,
+        "outputs_from_events": sp.via_events,
+        "finish_stores_in_merged_events": sp.in_merged,
+        "outputs_from_next_prompt": via_prompt,
+        "outputs_synthetic": dict(sorted(Counter(sp.missing.values()).items())),
+        "unstored_tail_synthetic": dict(sorted(tail_synth.items())),
+        "finish_store_ties": sp.ties,
+        "finish_stores_shared": sp.shared,
+        "sessions": sess.sessions,
+        "clients": sess.clients,
+        "idle_client_joins": sess.idle_joins,
+        "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
+        "predecessor_ties": pred_ties,
+        "unlinked_shared_prefix": unlinked,
+        "unrecorded_rebuilt": n_lost,
+        "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
+        "unrecorded_finish_below_next_turn": lost.below_next_turn,
+        "unrecorded_not_rebuilt": lost.outside,
+        "unrecorded_older_prefix": lost.older_prefix,
+        "unclaimed_below_records": lost.below_records,
+        "finish_stores_unseen": len(sp.unseen_finish),
+        "precached_requests": pre.flagged,
+        "precached_below_capture_stores": pre.below,
+        "precached_prefixes": len(pre.pages),
+        "records_before_capture": before,
+        "records_after_capture": after,
+    }
+    return out_records, report
+
+
+def _rebuild(index: StoreIndex, sp: StorePass, cols: _Cols) -> Any:
+    """The requests the records lack, rebuilt from the stores no record claimed
+    (``unrecorded.rebuild``), appended to ``cols`` (``rebuiltrows.join_rows``); their
+    ``Found``."""
+    finish_at: dict[int, int] = {}  # an event holding records' finish stores -> their finish
+    for (e, _), i in sp.taken.items():
+        f = cols.times[i][1]
+        if f is not None and (e not in finish_at or f < finish_at[e]):
+            finish_at[e] = f
+    # a retracted request stored its pages more than once (its prompt and outputs at the
+    # retraction, again at its re-prefill once evicted): each store of them is its own, the
+    # earlier ones too (``claimed_mask`` claims a run's re-stores only from the run on)
+    offs, pages_of, hs = index.offs, index.pages, index.hashes
+    for lo, hi in sp.retracted:
+        for ei, j, m, rk in sp.claims[lo:hi]:
+            o = offs[ei] + j
+            sp.hashed.extend(page_key(x, rk) for x in hs[o : o + min(m, pages_of[ei] - j)].tolist())
+    # a rebuilt request below a prefix older than the capture: the tokens above its chain's
+    # stores from a record's cached prefix (hashed only when asked)
+    nodes = cols.nodes
+    older = OlderPages(cols.records, lambda: arrival_order(nodes), cols.ps)
+    lost = rebuild(
+        index,
+        sp.claims,
+        sp.hashed,
+        sp.no_finish,
+        sp.delays,
+        cols.lens,
+        sp.min_token,
+        finish_at,
+        sp.chunk_gap,
+        sp.max_token,
+        older,
+    )
+    if lost.requests:
+        cols.records = [
+            *cols.records,
+            *join_rows(lost, cols.ps, cols.times, cols.n_outs, cols.lens, nodes, sp.known),
+        ]
+    return lost
+
+
+def _link(
+    index: StoreIndex, cols: _Cols, order: Sequence[int], finished: Sequence[int]
+) -> tuple[int, int]:
+    """Each request's predecessor (``sessions.infer_predecessors``), those below a shared
+    open tail unlinked (``sessions.unlink_shared_open_tails``): ``(ties, unlinked)``."""
+    records, lens, n_outs, ps = cols.records, cols.lens, cols.n_outs, cols.ps
 
     def extends(q: int, r: int) -> bool:
         """``q``'s prompt repeats ``r``'s partial last prompt page (the anchor pages
@@ -372,58 +340,8 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
         """``extends`` at page size 1 (every prompt ends on a full page)."""
         return lens[q] > lens[r] or not n_outs[r]
 
-    # the prefixes cached before the capture, each carried by one record (``precached``)
-    pre = carriers(
-        index,
-        pre_cands,
-        [cast("int", records[c[0]].cached_tokens) // ps for c in pre_cands],
-        [times[c[0]][0] or 0 for c in pre_cands],
-        lost_start,
-    )
-    pre_tokens = {i: n * ps for i, n in pre.pages.items()}
-
-    finish_at: dict[int, int] = {}  # an event holding records' finish stores -> their finish
-    for (e, _), i in taken.items():
-        f = times[i][1]
-        if f is not None and (e not in finish_at or f < finish_at[e]):
-            finish_at[e] = f
-    if ret_from >= 0:
-        retracted.append((ret_from, len(claims)))
-    # a retracted request stored its pages more than once (its prompt and outputs at the
-    # retraction, again at its re-prefill once evicted): each store of them is its own, the
-    # earlier ones too (``claimed_mask`` claims a run's re-stores only from the run on)
-    offs, pages_of, hs = index.offs, index.pages, index.hashes
-    for lo, hi in retracted:
-        for ei, j, m, rk in claims[lo:hi]:
-            o = offs[ei] + j
-            hashed.extend(page_key(x, rk) for x in hs[o : o + min(m, pages_of[ei] - j)].tolist())
-    # a rebuilt request below a prefix older than the capture: the tokens above its chain's
-    # stores from a record's cached prefix (hashed only when asked)
-    older = OlderPages(records, lambda: arrival_order(nodes), ps)
-    lost = rebuild(
-        index,
-        claims,
-        hashed,
-        no_finish,
-        delays,
-        lens,
-        min_token,
-        finish_at,
-        chunk_gap,
-        max_token,
-        older,
-    )
-    if lost.requests:  # rebuilt requests join the inference as records (sessions, clients)
-        records = [*records, *join_rows(lost, ps, times, n_outs, lens, nodes, known)]
-        finished = finish_order(nodes, range(len(nodes)))
-        # the part of a rebuilt prompt stored before the capture: pre-loaded, as a record's
-        for k, u in enumerate(lost.requests, n_recorded):
-            if u.precached:
-                pre_tokens[k] = u.precached
-
-    order = arrival_order(nodes)
     ext = extends if ps > 1 else longer
-    pred_ties = infer_predecessors(nodes, index.hashes, index.offs, ext, order, finished)
+    ties = infer_predecessors(cols.nodes, index.hashes, index.offs, ext, order, finished)
 
     def holds(a: int, b: int) -> bool:
         """``a``'s prompt starts with ``b``'s whole prompt."""
@@ -432,17 +350,19 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             span(records[a].input_ids, 0, n), span(records[b].input_ids, 0, n)
         )
 
-    unlinked = unlink_shared_open_tails(nodes, holds, lens.__getitem__)
+    return ties, unlink_shared_open_tails(cols.nodes, holds, lens.__getitem__)
 
-    # outputs from the next prompt: the first successor (by arrival) of each request
-    first_succ: dict[int, int] = {}
-    for q in order:
-        pr = nodes[q].pred
-        if pr is not None and pr not in first_succ:
-            first_succ[pr] = q
+
+def _next_prompt_outputs(
+    cols: _Cols, sp: StorePass, first_succ: dict[int, int]
+) -> tuple[int, Counter[str]]:
+    """Outputs from the next prompt: each request's ``sp.known`` completed in place from its
+    first successor's prompt where that holds more of them; ``(how many, why each output
+    that stays short is)``."""
+    records, lens, n_outs, ps, missing = cols.records, cols.lens, cols.n_outs, cols.ps, sp.missing
     via_prompt = 0
     tail_synth: Counter[str] = Counter()
-    outs: list[Sequence[int] | None] = known  # completed in place: read at ``i`` only
+    known = sp.known
     for i, kn in enumerate(known):
         if kn is None:
             continue
@@ -465,44 +385,29 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
                 tail_synth[WHY_NO_PAGE] += 1
             else:
                 tail_synth[WHY_TAIL] += 1
-        outs[i] = kn
+        known[i] = kn
+    return via_prompt, tail_synth
 
-    # sessions: a chain of first successors is one session (lane = session)
-    gaps = sorted(
-        nodes[q].arrival_ns - nodes[p].finish_ns  # type: ignore[operator]
-        for p, q in first_succ.items()
-        if nodes[p].finish_ns is not None
-    )
-    max_gap = CLIENT_GAP_FACTOR * gaps[len(gaps) // 2] if gaps else 0
-    clients, idle_joins = infer_clients(nodes, max_gap, order, flushes_ns)
-    session_of: dict[int, tuple[int, int]] = {}
-    lane_of: dict[int, int] = {}
-    n_sessions = n_lanes = 0
-    for i in order:
-        pr = nodes[i].pred
-        if pr is not None and first_succ.get(pr) == i and pr in session_of:
-            s, t = session_of[pr]
-            session_of[i] = (s, t + 1)
-            lane_of[i] = lane_of[pr]
-            continue
-        session_of[i] = (n_sessions, 0)
-        n_sessions += 1
-        c = clients[i]
-        if c is not None and c in lane_of:
-            lane_of[i] = lane_of[c]
-        else:
-            lane_of[i] = n_lanes
-            n_lanes += 1
-    # only a rebuilt request's estimated finish is one its record lacks (``join_rows``)
-    think = _estimated_thinks(records, order, lane_of, times) if lost.requests else {}
+
+def _with_outputs(
+    cols: _Cols,
+    sp: StorePass,
+    sess: Sessions,
+    pre_tokens: dict[int, int],
+    think: dict[int, int],
+) -> list[Any]:
+    """The records with their session, turn, lane and outputs (the recovered ones, the rest
+    synthetic: ``schedule._synth_tokens``), their pre-loaded prefix and unseen finish noted
+    in ``meta_info``."""
     out_records = []
     replace = msgspec.structs.replace
-    for i, r in enumerate(records):
+    session_of, lane_of, n_outs = sess.session_of, sess.lane_of, cols.n_outs
+    for i, r in enumerate(cols.records):
         s, t = session_of[i]
-        kn = outs[i]
+        kn = sp.known[i]
         if i in pre_tokens:  # its cached prefix was stored before the capture: pre-loaded
             r = replace(r, meta_info={**(r.meta_info or {}), PRECACHED_KEY: pre_tokens[i]})
-        if i in unseen_finish:  # no store of its outputs: its finish publishes none
+        if i in sp.unseen_finish:  # no store of its outputs: its finish publishes none
             r = replace(r, meta_info={**(r.meta_info or {}), FINISH_UNSEEN_KEY: True})
         if i in think:
             r = replace(r, think_ns=think[i])
@@ -520,67 +425,7 @@ def _complete(  # noqa: C901 - one pass over the records: outputs by route, in o
             if len(ids) < n:
                 ids = ids + _synth_tokens(r.rid, n - len(ids))
         out_records.append(replace(r, lane=lane_of[i], session=s, turn=t, output_ids=ids))
-    before, after = outside_stores(index, times[:n_recorded])
-    report = {
-        "requests": len(records) - len(lost.requests),
-        "outputs_recorded": sum(1 for k in known if k is None) - len(lost.requests),
-        "outputs_from_events": via_events,
-        "finish_stores_in_merged_events": in_merged,
-        "outputs_from_next_prompt": via_prompt,
-        "outputs_synthetic": dict(sorted(Counter(missing.values()).items())),
-        "unstored_tail_synthetic": dict(sorted(tail_synth.items())),
-        "finish_store_ties": ties,
-        "finish_stores_shared": shared,
-        "sessions": n_sessions,
-        "clients": n_lanes,
-        "idle_client_joins": idle_joins,
-        "with_predecessor": sum(1 for nd in nodes if nd.pred is not None),
-        "predecessor_ties": pred_ties,
-        "unlinked_shared_prefix": unlinked,
-        "unrecorded_rebuilt": len(lost.requests),
-        "unrecorded_with_finish_store": sum(1 for u in lost.requests if u.finish_ns is not None),
-        "unrecorded_finish_below_next_turn": lost.below_next_turn,
-        "unrecorded_not_rebuilt": lost.outside,
-        "unrecorded_older_prefix": lost.older_prefix,
-        "unclaimed_below_records": lost.below_records,
-        "finish_stores_unseen": len(unseen_finish),
-        "precached_requests": pre.flagged,
-        "precached_below_capture_stores": pre.below,
-        "precached_prefixes": len(pre.pages),
-        "records_before_capture": before,
-        "records_after_capture": after,
-    }
-    return out_records, report
-
-
-def _estimated_thinks(
-    records: Sequence[Any],
-    order: Sequence[int],
-    lane_of: dict[int, int],
-    times: Sequence[tuple[int | None, int | None]],
-) -> dict[int, int]:
-    """Think times (ns) of the requests that follow, on their client, a request whose record
-    has no finish time but whose finish the inference estimated: a rebuilt request without
-    a finish store (``rebuiltrows.join_rows``: its last store's publish). The schedule
-    releases a closed-loop request its recorded receive less its predecessor's recorded
-    finish after that predecessor's simulated finish, else ``think_ns``, else the median
-    gap; the median put a request 24-28 s before its recorded receive (corpus
-    ``p16-attach-midrun-http-clients``: a single that repeats a prompt sent before the
-    attach, and chat turns whose previous turn ran before it, followed their rebuilt
-    request's prefill by the median 42 ms), so its receive less that estimate is its think
-    time instead."""
-    out: dict[int, int] = {}
-    last: dict[int, int] = {}  # lane -> its latest request so far (arrival order)
-    for i in order:
-        lane = lane_of[i]
-        p = last.get(lane)
-        last[lane] = i
-        if p is None:
-            continue
-        arr, fin = times[i][0], times[p][1]
-        if arr is not None and fin is not None and _finish(records[p]) is None:
-            out[i] = max(0, arr - fin)
-    return out
+    return out_records
 
 
 def records_for_replay(

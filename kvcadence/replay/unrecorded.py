@@ -10,7 +10,7 @@ hung up after 1-4 streamed tokens, none in the metrics file, their prefills in t
 stream). Replaying the records alone leaves those stores, their evictions and the cache hits
 they gave out of the replay.
 
-Every stored page that no record claimed (``production._complete`` marks the runs it matched
+Every stored page that no record claimed (``storepass.match_stores`` marks the runs it matched
 to a record's prefill or finish, and the page hashes of prompts it hashed past their
 recorded cached prefix -- a cached page is another request's store, maybe an aborted one's;
 a store of a run's pages published after the run is a re-store, one published before it is

@@ -1487,7 +1487,7 @@ def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):
     session end joined, 558 ms under the median wait for the next session start,
     ``sessions.median_wait``), so the production path has the driver's 8 clients, not a 9th open-loop one
     (which shifted the tight pool's evictions: ``cached_tokens`` equal 0.940 < 0.95)."""
-    from kvcadence.replay.production import CLIENT_GAP_FACTOR
+    from kvcadence.replay.lanes import CLIENT_GAP_FACTOR
     from kvcadence.replay.schedule import _arrival, _finish
 
     name = "tight-long"

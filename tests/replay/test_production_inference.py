@@ -17,15 +17,9 @@ from hypothesis import strategies as st
 from kvcadence.format.hashes import block_hashes
 from kvcadence.format.schema import BlockStored, RequestRecord
 from kvcadence.replay.outputs import StoreIndex
-from kvcadence.replay.production import (
-    WHY_NO_FINISH,
-    WHY_NO_IDS,
-    WHY_NO_PAGE,
-    WHY_NO_PROMPT,
-    complete_records,
-    needs_completion,
-)
+from kvcadence.replay.production import WHY_NO_PAGE, complete_records, needs_completion
 from kvcadence.replay.sessions import Node, infer_clients, median_wait
+from kvcadence.replay.storepass import WHY_NO_FINISH, WHY_NO_IDS, WHY_NO_PROMPT
 from kvcadence.replay.tokens import CODE, compact
 from tests.replay.helpers import config, lane_chain, run
 
