@@ -338,9 +338,8 @@ def run(args: argparse.Namespace) -> int:
     from kvcadence.replay.loading import load_for_replay
     from kvcadence.replay.settings import capture_settings, namespace_note
 
-    with phases.phase("load", f"loading {src}"):
-        reader = BundleReader(src)
-        records, inferred, flushes = load_for_replay(reader)
+    reader = BundleReader(src)
+    records, inferred, flushes = load_for_replay(reader, phases)  # "load", "infer"
     _warn_if_damaged(src, reader, len(records))
     settings = capture_settings(reader)
     if settings.note and not args.quiet:

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from kvcadence.progress import NoPhases
 from kvcadence.replay.flushes import RecordedFlush
 from kvcadence.replay.production import needs_completion, records_for_replay
 from kvcadence.replay.tokens import PromptIndex, compact
@@ -47,11 +48,19 @@ def compact_requests(reader: Any) -> list[Any]:
     return [compact_record(r, index) for r in reader.request_arrays()]
 
 
-def load_for_replay(reader: Any) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:
+def load_for_replay(
+    reader: Any, phases: Any = None
+) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:
     """``reader``'s request records for a replay, compact (see the module docstring):
     ``(records, report, recorded flushes)`` as ``production.records_for_replay`` returns
-    them (report ``{}`` and flushes None when the records needed no completion)."""
-    records = compact_requests(reader)
-    if needs_completion(records):
+    them (report ``{}`` and flushes None when the records needed no completion).
+    ``phases`` (a ``kvcadence.progress.Phases``): reading the records is timed as its
+    ``load`` phase, the production inference as ``infer`` (what completing the records
+    cost, said in the replay's summary)."""
+    phases = phases or NoPhases()
+    with phases.phase("load", f"loading {reader.path}"):
+        records = compact_requests(reader)
+    if not needs_completion(records):
+        return records, {}, None
+    with phases.phase("infer", f"inferring outputs and sessions of {len(records)} records"):
         return records_for_replay(reader, records)
-    return records, {}, None

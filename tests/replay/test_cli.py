@@ -322,6 +322,32 @@ def test_queued_is_a_median_wait_of_a_second(waits, want):
     assert median_wait_s(recs[-2:]) is None and not queued(recs[-2:])
 
 
+def test_a_production_capture_s_inference_is_a_phase_of_its_own(tmp_path, capsys, monkeypatch):
+    """Records from SGLang's metrics files are completed (outputs, sessions) before the
+    simulation: that time is the replay's ``infer`` phase, said and summed like the others,
+    apart from reading the records (``load``); a bundle with driver records has none."""
+    import json
+
+    from kvcadence import progress
+
+    from .test_corpus import production_bundle
+
+    src = production_bundle("p16-http-clients-cancel", tmp_path / "real")
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim"), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["phases_s"]["infer"] > 0 and s["phases_s"]["load"] > 0
+    assert s["wall_s"] >= sum(s["phases_s"].values())
+    monkeypatch.setattr(progress, "SAY_AFTER_S", 0.0)
+    assert main(["replay", str(src), "--out", str(tmp_path / "sim2")]) == 0
+    cap = capsys.readouterr()
+    assert "replay: inferring outputs and sessions of 212 records ..." in cap.err.splitlines()
+    assert re.search(r"\(load \d+\.\d+ s, infer \d+\.\d+ s, ", cap.out), cap.out
+    driver = tmp_path / "driver"
+    make_bundle(driver)
+    assert main(["replay", str(driver), "--out", str(tmp_path / "sim3"), "--json"]) == 0
+    assert "infer" not in json.loads(capsys.readouterr().out)["phases_s"]
+
+
 def test_replay_says_its_pass_time_model_and_where_it_came_from(tmp_path, capsys):
     """The summary's second line: the pass-time model's terms and what calibrated them --
     how many requests' per-phase timings, and how many retracted or preempted ones the fits
