@@ -107,3 +107,22 @@ def estimated_thinks(
         if arr is not None and fin is not None and _finish(records[p]) is None:
             out[i] = max(0, arr - fin)
     return out
+
+
+def parallel_samples(
+    nodes: Sequence[Node],
+    first_succ: dict[int, int],
+    n_outs: Sequence[int],
+    session_of: dict[int, tuple[int, int]],
+) -> dict[int, tuple[int, int]]:
+    """The samples of parallel requests that are not their prefill-only request's first
+    successor: ``{sample: (session, turn) of that request}``. A request without output
+    (SGLang's prefill-only line of an ``n > 1`` request) is followed by its samples, the
+    same prompt (``sessions.infer_predecessors`` links each to it); the first continues its
+    session, the others start sessions of their own, released after it all the same
+    (``schedule.AFTER_KEY``)."""
+    return {
+        i: session_of[p]
+        for i, nd in enumerate(nodes)
+        if (p := nd.pred) is not None and n_outs[p] == 0 and first_succ.get(p) != i
+    }

@@ -71,11 +71,17 @@ from kvcadence.format.namespace import namespace_of
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import outside_stores, records_offset
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
-from kvcadence.replay.lanes import Sessions, assign_sessions, estimated_thinks, first_successors
+from kvcadence.replay.lanes import (
+    Sessions,
+    assign_sessions,
+    estimated_thinks,
+    first_successors,
+    parallel_samples,
+)
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.precached import PRECACHED_KEY, OlderPages, carriers
 from kvcadence.replay.rebuiltrows import join_rows
-from kvcadence.replay.schedule import FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
+from kvcadence.replay.schedule import AFTER_KEY, FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
 from kvcadence.replay.sessions import (
     Node,
     arrival_order,
@@ -237,7 +243,8 @@ def _complete(
     sess = assign_sessions(nodes, order, first_succ, flushes_ns)
     # only a rebuilt request's estimated finish is one its record lacks (``join_rows``)
     think = estimated_thinks(cols.records, order, sess.lane_of, times) if lost.requests else {}
-    out_records = _with_outputs(cols, sp, sess, pre_tokens, think)
+    samples = parallel_samples(nodes, first_succ, cols.n_outs, sess.session_of)
+    out_records = _with_outputs(cols, sp, sess, pre_tokens, think, samples)
     before, after = outside_stores(index, times[:n_recorded])
     n_lost = len(lost.requests)
     report = {
@@ -395,6 +402,7 @@ def _with_outputs(
     sess: Sessions,
     pre_tokens: dict[int, int],
     think: dict[int, int],
+    samples: dict[int, tuple[int, int]],
 ) -> list[Any]:
     """The records with their session, turn, lane and outputs (the recovered ones, the rest
     synthetic: ``schedule._synth_tokens``), their pre-loaded prefix and unseen finish noted
@@ -411,6 +419,8 @@ def _with_outputs(
             r = replace(r, meta_info={**(r.meta_info or {}), FINISH_UNSEEN_KEY: True})
         if i in think:
             r = replace(r, think_ns=think[i])
+        if i in samples:  # a parallel request's sample: after its prefill-only request
+            r = replace(r, meta_info={**(r.meta_info or {}), AFTER_KEY: list(samples[i])})
         if kn is None:
             out_records.append(replace(r, lane=lane_of[i], session=s, turn=t))
             continue

@@ -61,6 +61,13 @@ from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 #: holds (``replay.production``): the worker published none at its finish, so the replay
 #: inserts them with no event
 FINISH_UNSEEN_KEY = "kvcadence_finish_unseen"
+#: ``meta_info`` key of a completed production record that is one of the samples of a
+#: parallel request (``n > 1``) but not its prefill-only request's first successor: that
+#: request's ``[session, turn]``. SGLang's tokenizer manager sends the samples only once
+#: the prefill-only request has finished (``_handle_batch_request`` awaits its response),
+#: so each sample is released its recorded gap after that request's simulated finish, as
+#: a lane's next turn is, not at its own recorded receive
+AFTER_KEY = "kvcadence_after"
 
 
 @dataclass(slots=True)
@@ -353,17 +360,50 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
         first = idxs[0]
         specs[first].arrival_ns = arr[first] - anchor
         for prev, cur in zip(idxs, idxs[1:], strict=False):
-            specs[cur].pred = prev
-            pf = finishes[prev]
-            gap: int | None = None
-            if pf is not None:
-                gap = arr[cur] - pf
-            elif specs[cur].source.think_ns is not None:
-                gap = int(specs[cur].source.think_ns)
-            specs[cur].gap_ns = max(0, gap) if gap is not None else default_gap_ns
+            _follow(specs[cur], prev, arr[cur], finishes[prev], default_gap_ns)
+    _after_prefill_only(specs, arr, finishes, default_gap_ns)
     _fill_outputs(specs, n_outs)
     flushes = sorted(max(0, int(f) - anchor) for f in flush_abs_ns)
     return Schedule(specs, anchor, flushes, closed_loop=bool(by_lane))
+
+
+def _follow(
+    spec: RequestSpec, prev: int, arrival: int, prev_finish: int | None, default_gap_ns: int
+) -> None:
+    """``spec`` released after request ``prev`` finishes: its recorded gap after that
+    finish (``prev_finish``), else its record's ``think_ns``, else the default gap."""
+    spec.pred = prev
+    gap: int | None = None
+    if prev_finish is not None:
+        gap = arrival - prev_finish
+    elif spec.source is not None and spec.source.think_ns is not None:
+        gap = int(spec.source.think_ns)
+    spec.gap_ns = max(0, gap) if gap is not None else default_gap_ns
+
+
+def _after_prefill_only(
+    specs: list[RequestSpec], arr: list[int], finishes: list[int | None], default_gap_ns: int
+) -> None:
+    """The samples a production record marks (``AFTER_KEY``) released after their parallel
+    request's prefill-only request, where they open a lane (a lane's later request already
+    follows its predecessor)."""
+    marked = [
+        (s, after)
+        for s in specs
+        if s.pred is None
+        and s.source is not None
+        and isinstance(after := (s.source.meta_info or {}).get(AFTER_KEY), list)
+        and len(after) == 2
+    ]
+    if not marked:
+        return
+    by_turn = {(s.session, s.turn): s.idx for s in specs if s.session is not None}
+    for s, (session, turn) in marked:
+        prev = by_turn.get((session, turn))
+        if prev is None or prev == s.idx or arr[prev] > arr[s.idx]:
+            continue
+        _follow(s, prev, arr[s.idx], finishes[prev], default_gap_ns)
+        s.arrival_ns = None
 
 
 def _fill_outputs(specs: list[RequestSpec], n_outs: list[int]) -> None:

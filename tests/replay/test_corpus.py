@@ -492,9 +492,6 @@ PRODUCTION_MISSES: dict[str, str] = {
     "p16-routing-key-mrr4-http-clients": "removed_blocks_mean 5.072 -> 4.162 (-18.0%); "
     "cached_tokens_equal 0.949",
     "dp2-p1-chunk2048-longctx-http-clients-cancel": "stored_hash_jaccard 0.99998",
-    # parallel samples of one prompt arriving together on a DP rank: which of two is
-    # prefilled first (and so which finds the other's pages) follows the rank's pace
-    "dp2-p8-parallel-http-clients-cancel": "cached_tokens_equal 0.931",
     # answers of 600-1500 tokens: the calibrated decode pass is flat (10.7 ms at any batch)
     # where the worker's grows with its batch and context (5 ms alone, 17 ms at 13); its
     # requests queue, so it replays at the recorded pace (``pace.queued``): every event bar
@@ -1452,9 +1449,11 @@ def test_parallel_samples_on_a_real_worker(name, tmp_path):
     them (``sent.jsonl.gz``) as far as its finish store holds them (whole pages), each sample
     claims its own store (ties as ``PARALLEL`` says, none shared; on DP 2 each sample its
     own rank's), and the prefill-only request is no sample: it starts a session one sample
-    continues."""
+    continues; the other samples are released after it (``schedule.AFTER_KEY``)."""
     import gzip
     import json
+
+    from kvcadence.replay.schedule import AFTER_KEY
 
     groups, n_samples, ps, ties = PARALLEL[name]
     recs, rep, _ = inferred(name)
@@ -1478,6 +1477,11 @@ def test_parallel_samples_on_a_real_worker(name, tmp_path):
         assert sorted(list(r.output_ids[:k]) for r in samples) == sorted(o[:k] for o in outs)
         (first,) = [r for r in group if not r.completion_tokens]
         assert [r.turn for r in group if r.session == first.session] == [0, 1]
+        # the other samples follow it too (SGLang sends them once it has finished):
+        # released after it in the replay (``schedule.AFTER_KEY``), not at their receive
+        rest = [r for r in samples if r.session != first.session]
+        assert len(rest) == n_samples - 1
+        assert all(r.meta_info[AFTER_KEY] == [first.session, first.turn] for r in rest)
 
 
 def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):

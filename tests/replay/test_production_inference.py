@@ -18,6 +18,7 @@ from kvcadence.format.hashes import block_hashes
 from kvcadence.format.schema import BlockStored, RequestRecord
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.production import WHY_NO_PAGE, complete_records, needs_completion
+from kvcadence.replay.schedule import AFTER_KEY, build_schedule
 from kvcadence.replay.sessions import Node, infer_clients, median_wait
 from kvcadence.replay.storepass import WHY_NO_FINISH, WHY_NO_IDS, WHY_NO_PROMPT
 from kvcadence.replay.tokens import CODE, compact
@@ -887,7 +888,7 @@ def test_a_lora_adapter_is_said_not_modelled_a_salt_or_extra_key_is_modelled(tmp
             assert "a LoRA adapter (lora_path) on 1 of the requests" in w
 
 
-def test_a_repeated_prompt_is_no_next_turn_but_a_parallel_sample_follows_its_prefill():
+def test_a_repeated_prompt_is_no_next_turn_but_parallel_samples_follow_their_prefill():
     """Page 4: ``s1`` (13 tokens, 2 outputs: its finish stores no page) and, 5 s later,
     ``s2`` with the same prompt (another client's single shot, or a retry): ``s2``'s prompt
     holds ``s1``'s but nothing after it -- a next turn holds at least the answer --, so it
@@ -908,12 +909,23 @@ def test_a_repeated_prompt_is_no_next_turn_but_a_parallel_sample_follows_its_pre
         rec("s2", s, 2, 5.0, 5.3, cached=12),
         prefill_only,
         rec("q", p, 3, 6.2, 6.5, cached=12),
+        rec("q2", p, 3, 6.2, 6.6, cached=12),
     ]
     out, rep = complete_records(recs, index)
     by = {r.rid: r for r in out}
     assert by["s2"].turn == 0 and by["s2"].session != by["s1"].session
     assert (by["q"].session, by["q"].turn) == (by["p"].session, 1)
-    assert rep["with_predecessor"] == 1
+    assert rep["with_predecessor"] == 2
+    # the second sample starts a session of its own, released after the prefill-only
+    # request all the same (SGLang sends the samples once it has finished); the first
+    # sample follows it as its session's next turn, no mark needed
+    assert by["q2"].turn == 0 and by["q2"].session != by["p"].session
+    assert by["q2"].meta_info[AFTER_KEY] == [by["p"].session, by["p"].turn]
+    assert all(AFTER_KEY not in (by[k].meta_info or {}) for k in ("s1", "s2", "p", "q"))
+    sched = build_schedule(out)
+    spec = {x.rid: x for x in sched.requests}
+    assert spec["q2"].pred == spec["p"].idx == spec["q"].pred
+    assert spec["q2"].arrival_ns is None and spec["q2"].gap_ns == int(0.05 * S)
 
 
 def test_a_request_that_never_ran_beside_a_rebuilt_one_keeps_every_record():
