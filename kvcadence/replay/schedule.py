@@ -102,6 +102,9 @@ class RequestSpec:
     finish_unseen: bool = False
     #: the routing key it was sent with (``routing-key`` scheduling), where its record kept it
     routing_key: str | None = None
+    #: the most of its prompt the cache may give it: the position its input logprobs start
+    #: at, where it asked for them (``_logprob_cap``; None: its length less one, as any)
+    logprob_cap: int | None = None
     #: its recorded first forward (``forward_entry_time``, s), where its record has it: the
     #: order a ``random`` worker's draws admitted the requests in
     recorded_entry_s: float | None = None
@@ -145,6 +148,19 @@ def _priority(mi: dict[str, Any]) -> int | None:
     written), where the record kept it."""
     v = _sent(mi, "priority")
     return v if type(v) is int else None
+
+
+def _logprob_cap(mi: dict[str, Any]) -> int | None:
+    """The prompt position a request's input logprobs start at, where it asked for them
+    (``return_logprob`` with a ``logprob_start_len`` >= 0 sent: the native ``/generate``
+    API, or ``/v1/completions`` with ``echo`` and ``logprobs``, which sends 0): SGLang
+    0.5.23 matches no more of its prompt in the cache than that
+    (``Req._compute_max_prefix_len``: the prefix it reuses has no logprobs to return).
+    None: no such cap (no logprobs asked for, or only the outputs')."""
+    if _sent(mi, "return_logprob") is not True:
+        return None
+    v = _sent(mi, "logprob_start_len")
+    return v if type(v) is int and v >= 0 else None
 
 
 def _routing_key(mi: dict[str, Any]) -> str | None:
@@ -317,6 +333,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             real_cached_tokens=r.cached_tokens,
             source=_stripped(r, prompt, rec_out),
             routing_key=_routing_key(mi),
+            logprob_cap=_logprob_cap(mi),
             recorded_entry_s=meta_s(mi, "forward_entry_time"),
             namespace=namespace_of(mi),
             priority=_priority(mi),

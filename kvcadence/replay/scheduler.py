@@ -402,9 +402,15 @@ class Scheduler:
         req.alloc = 0
 
     def _match(self, req: SimReq) -> None:
-        """``init_next_round_input``: device match capped at len − 1, page aligned."""
+        """``init_next_round_input``: device match capped at len − 1 (and at the position
+        its input logprobs start at, where it asked for them: ``RequestSpec.logprob_cap``),
+        page aligned."""
         tree = self.tree
-        n, node = tree.match_prefix(req.fill, req.fill_len - 1, tree.root_of(req.spec.namespace))
+        limit = req.fill_len - 1
+        cap = req.spec.logprob_cap
+        if cap is not None and cap < limit:
+            limit = cap
+        n, node = tree.match_prefix(req.fill, limit, tree.root_of(req.spec.namespace))
         req.prefix_len = n
         req.last_node = node
         req.host_hit_length = 0

@@ -27,7 +27,12 @@ client ``i`` sends ``"cache_salt": "tenant-<i % N>"``, and with ``extra_keys``
 send none): SGLang 0.5.23 keeps each ``(extra_key, cache_salt)`` in a cache namespace of its
 own, as a multi-tenant front end asks it to. With ``priorities`` (``--priorities P,P,...``)
 client ``i`` sends ``"priority": P[i % len]`` (``none``: no priority), for a worker run with
-``--enable-priority-scheduling``. No rid is sent: SGLang picks one. Plain
+``--enable-priority-scheduling``. With ``logprob_share`` (``--logprob-share F``) a share of
+the single shots (a generator of their own) ask for their prompt's logprobs from
+``logprob_start`` on (``--logprob-start K``, default 0: ``"return_logprob": true,
+"logprob_start_len": K``), as an evaluation harness scoring prompts does (``/v1/completions``
+with ``echo`` and ``logprobs`` sends 0): SGLang then reuses at most ``K`` cached tokens of
+it. No rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
 With ``flush_at`` (``--flush-at S``, repeatable) an operator thread calls ``POST
@@ -40,9 +45,9 @@ Seeded: the number of requests, their start times, system prompts, turn counts, 
 lengths and every prompt token are fixed by ``seed`` (each client draws from its own
 generator); only the outputs (greedy) and the worker's timing are not.
 
-Why ~570 lines: one seeded traffic model whose every option is a kind of production traffic
-the corpus records (hang-ups, parallel samples, flushes, routing keys, namespaces,
-priorities) and its command line.
+Why ~600 lines: one seeded traffic model whose every option is a kind of production traffic
+the corpus records (hang-ups, parallel samples, scoring requests, flushes, routing keys,
+namespaces, priorities) and its command line.
 
 Used by ``tests/capture/test_production_worker.py`` (60 requests) and to record the
 corpus captures ``http-clients-p16``, ``dp2-p32-http-clients`` and ``p8-chunk128-nooverlap-http-clients``
@@ -93,6 +98,8 @@ class Plan:
     cancels: tuple[int | None, ...] = ()
     #: per request: parallel samples asked for (``"n"``; empty: one each)
     samples: tuple[int, ...] = ()
+    #: its prompt's logprobs asked for from this position on (None: none asked for)
+    logprob_start: int | None = None
 
 
 class Clients:
@@ -115,6 +122,8 @@ class Clients:
         flush_at: tuple[float, ...] = (),
         parallel_share: float = 0.0,
         parallel_n: int = 3,
+        logprob_share: float = 0.0,
+        logprob_start: int = 0,
         routing_keys: int = 0,
         cache_salts: int = 0,
         extra_keys: int = 0,
@@ -142,6 +151,8 @@ class Clients:
             self.plans = self._cancel(cancel_share, cancel_after)
         if parallel_share > 0:
             self.plans = self._parallel(parallel_share, parallel_n)
+        if logprob_share > 0:
+            self.plans = self._logprobs(logprob_share, logprob_start)
         self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
         self.errors: list[str] = []
         self.lock = threading.Lock()
@@ -190,6 +201,18 @@ class Clients:
                 )
             plans.append(p)
         return plans
+
+    def _logprobs(self, share: float, start: int) -> list[Plan]:
+        """The plans with ``share`` of the single shots (not asking for parallel samples)
+        asking for their prompt's logprobs from ``start`` on, drawn from a generator of
+        their own."""
+        rng = random.Random(f"{self.seed}-logprobs")
+        return [
+            dataclasses.replace(p, logprob_start=start)
+            if not p.chat and not p.samples and rng.random() < share
+            else p
+            for p in self.plans
+        ]
 
     @property
     def n_requests(self) -> int:
@@ -300,6 +323,8 @@ class Clients:
         ids, appended = self.prompts(plan)
         key = f"key-{plan.index % self.routing_keys}" if self.routing_keys else None
         ns = self.fields(plan.index)
+        if plan.logprob_start is not None:  # a scoring request: its prompt's logprobs
+            ns = {**ns, "return_logprob": True, "logprob_start_len": plan.logprob_start}
         time.sleep(max(0.0, t0 + plan.start_s - time.monotonic()))
         try:
             with httpx.Client(timeout=self.timeout_s) as c:
@@ -450,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="parallel samples a --parallel-share request asks for (default 3)",
     )
+    ap.add_argument("--logprob-share", type=_share, default=0.0, metavar="F",
+                    help="share of the single shots (0-1) that ask for their prompt's logprobs "
+                    "from --logprob-start on (a scoring request) (default 0)")  # fmt: skip
+    ap.add_argument("--logprob-start", type=int, default=0, metavar="K",
+                    help='the "logprob_start_len" a --logprob-share request sends (default 0)')  # fmt: skip
     ap.add_argument("--routing-keys", type=positive_int, metavar="N",
                     help='client i sends "routing_key": "key-<i %% N>" (default: none)')  # fmt: skip
     ap.add_argument("--cache-salts", type=positive_int, metavar="N",
@@ -542,6 +572,8 @@ def _run(a: argparse.Namespace) -> int:
         flush_at=tuple(a.flush_at),
         parallel_share=a.parallel_share,
         parallel_n=a.parallel_n,
+        logprob_share=a.logprob_share,
+        logprob_start=a.logprob_start,
         routing_keys=a.routing_keys or 0,
         cache_salts=a.cache_salts or 0,
         extra_keys=a.extra_keys or 0,

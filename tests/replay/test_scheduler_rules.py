@@ -37,6 +37,31 @@ def test_fully_cached_prompt_stores_nothing_and_reports_len_minus_1():
     assert [x.cached_tokens for x in r.requests] == [0, 19]
 
 
+@pytest.mark.parametrize(
+    ("params", "cached"),
+    [
+        ({}, 19),  # no logprobs: the prompt less one token
+        ({"return_logprob": True, "logprob_start_len": -1}, 19),  # the outputs' only
+        ({"return_logprob": True, "logprob_start_len": 0}, 0),  # /v1/completions echo
+        ({"return_logprob": True, "logprob_start_len": 7}, 7),
+        ({"return_logprob": False, "logprob_start_len": 7}, 19),  # ignored without logprobs
+    ],
+)
+def test_input_logprobs_cap_the_cached_prefix(params, cached):
+    """SGLang 0.5.23 matches no more of a prompt in the cache than the position its input
+    logprobs start at (``Req._compute_max_prefix_len``: ``logprob_start_len`` when
+    ``return_logprob``); ``/v1/completions`` with ``echo`` and ``logprobs`` sends 0, so
+    such a scoring request reuses nothing. The rest is computed again and its insert finds
+    the pages in the tree (no new store)."""
+    prompt = list(range(3, 23))
+    recs = lane_chain(0, [(prompt, 5), (prompt, 5)])
+    recs[1].output_ids = list(recs[0].output_ids)
+    recs[1].meta_info["request_parameters"] = params
+    r = run(recs)
+    assert [x.cached_tokens for x in r.requests] == [0, cached]
+    assert shape(r) == [["C"], ["S20"], ["S4"]]
+
+
 def test_chunked_prefill_one_store_per_chunk_in_separate_messages():
     for overlap_off in (False, True):
         cfg = config(page_size=16, chunked_prefill_size=64, disable_overlap_schedule=overlap_off)

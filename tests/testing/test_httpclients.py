@@ -179,6 +179,8 @@ def test_parallel_share_asks_single_shots_for_several_samples():
         ("--routing-keys", "x"),
         ("--cache-salts", "0"),
         ("--extra-keys", "-1"),
+        ("--logprob-share", "1.5"),
+        ("--logprob-start", "x"),
     ],
 )
 def test_bad_cancel_options_are_usage_errors(flag, value, capsys):
@@ -286,7 +288,8 @@ def test_sigterm_stops_the_capture_child_and_exits_130(monkeypatch, tmp_path, ca
 
 
 def test_routing_keys_and_namespaces_tag_each_clients_requests():
-    """``--routing-keys N``: client ``i`` sends every request with ``"routing_key":
+    """(And ``--logprob-share F --logprob-start K``: scoring requests, below.)
+    ``--routing-keys N``: client ``i`` sends every request with ``"routing_key":
     "key-<i % N>"`` (what a router sets for ``--schedule-policy routing-key``); without it
     no request has one. ``--cache-salts N`` / ``--extra-keys M``: ``"cache_salt":
     "tenant-<i % N>"`` / ``"extra_key": "app-<i % M>"``, none where the remainder is 0. A
@@ -334,6 +337,11 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
         n_ranked = len(bodies)
         eos = hc.Clients(url, 6, sessions=2, singles=4, span_s=0.1, eos_everywhere=True)
         eos.run()
+        n_eos = len(bodies)
+        scoring = hc.Clients(
+            url, 7, sessions=2, singles=12, span_s=0.1, logprob_share=0.5, logprob_start=3
+        )
+        scoring.run()
     finally:
         srv.shutdown()
         srv.server_close()
@@ -368,5 +376,15 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
     assert seen == {None, 0, 30}
     # single shots and a chat's odd turns are sent with ignore_eos, unless --no-ignore-eos
     assert any(b["sampling_params"]["ignore_eos"] for b in bodies[n_spaced:n_ranked])
-    assert not eos.errors and len(bodies) - n_ranked == eos.n_requests
-    assert not any(b["sampling_params"]["ignore_eos"] for b in bodies[n_ranked:])
+    assert not eos.errors and n_eos - n_ranked == eos.n_requests
+    assert not any(b["sampling_params"]["ignore_eos"] for b in bodies[n_ranked:n_eos])
+    assert all("return_logprob" not in b for b in bodies[:n_eos])
+    # --logprob-share: those single shots ask for their prompt's logprobs from K on
+    assert not scoring.errors and len(bodies) - n_eos == scoring.n_requests
+    scored = {tuple(scoring.prompts(p)[0]) for p in scoring.plans if p.logprob_start is not None}
+    assert scored and all(not p.chat for p in scoring.plans if p.logprob_start is not None)
+    for b in bodies[n_eos:]:
+        asked = tuple(b["input_ids"]) in scored
+        assert (b.get("return_logprob"), b.get("logprob_start_len")) == (
+            (True, 3) if asked else (None, None)
+        )
