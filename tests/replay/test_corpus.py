@@ -118,6 +118,7 @@ LATER_CLIENT_CAPTURES = (
     "p16-mfs3-mrr6-http-clients",
     "p16-retract-priority-http-clients",
     "p16-lof-lowprio-mrr4-http-clients",
+    "p8-chunk512-scoring-http-clients",
 )
 
 #: recipes recorded again, unchanged, to measure the worker against itself: the same
@@ -700,6 +701,15 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
     "p16-lof-lowprio-mrr4-http-clients": {**_PRIO_CLIENTS, "seed": 9607},
     "p16-random-mrr4-http-clients": {**_CLIENTS_108, "seed": 9504, "span_s": 10.0},
     "p16-routing-key-mrr4-http-clients": {**_CLIENTS_108, "seed": 9503, "span_s": 10.0},
+    "p8-chunk512-scoring-http-clients": {
+        "seed": 9907,
+        "sessions": 30,
+        "singles": 90,
+        "span_s": 60.0,
+        "chat_out": (16, 80),
+        "logprob_share": 0.3,
+        "logprob_start": 0,
+    },
     "http-clients-p16": {"seed": 612, "sessions": 32, "singles": 76, "span_s": 60.0},
     "dp2-p32-http-clients": {
         "seed": 613,
@@ -771,6 +781,7 @@ HTTP_CLIENTS_INFERRED = {
     "p16-mfs3-mrr6-http-clients": (108, 106, 0, 74),
     "p16-retract-priority-http-clients": (110, 123, 0, 79),
     "p16-lof-lowprio-mrr4-http-clients": (108, 103, 0, 55),
+    "p8-chunk512-scoring-http-clients": (120, 99, 0, 84),
 }
 
 
@@ -1482,6 +1493,30 @@ def test_parallel_samples_on_a_real_worker(name, tmp_path):
         rest = [r for r in samples if r.session != first.session]
         assert len(rest) == n_samples - 1
         assert all(r.meta_info[AFTER_KEY] == [first.session, first.turn] for r in rest)
+
+
+def test_scoring_requests_reuse_no_cached_prefix():
+    """``p8-chunk512-scoring-http-clients``: 30 % of the single shots scored their prompt
+    (``"return_logprob": true, "logprob_start_len": 0``, what ``/v1/completions`` with
+    ``echo`` and ``logprobs`` sends). SGLang 0.5.23 matched none of their prompts in the
+    cache (``cached_tokens`` 0 on all 25, though every other request found its system prompt
+    there) and the replay caps their match the same way (``RequestSpec.logprob_cap``); without
+    the cap it gave 24 of them their system prompt and ``cached_tokens`` equal fell to 195 of
+    219 (89.0 %, past its bar)."""
+    from kvcadence.replay.simulator import replay_bundle
+
+    name = "p8-chunk512-scoring-http-clients"
+    real = {r.rid: r for r in BundleReader(CORPUS / name / "bundle").requests()}
+    scoring = [
+        k
+        for k, r in real.items()
+        if (r.meta_info.get("request_parameters") or {}).get("return_logprob") is True
+    ]
+    assert len(scoring) == 25 and all(real[k].cached_tokens == 0 for k in scoring)
+    assert sum(1 for r in real.values() if r.cached_tokens) == 192  # every other one
+    sim = {r.rid: r for r in replay_bundle(CORPUS / name / "bundle", None).requests}
+    assert all(sim[k].cached_tokens == 0 for k in scoring)
+    assert sum(1 for k, r in real.items() if sim[k].cached_tokens == r.cached_tokens) == 219
 
 
 def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):
