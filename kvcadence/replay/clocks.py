@@ -29,7 +29,10 @@ its prefill (one output or none) has its window end ``PREFILL_FINISH_SLACK_NS`` 
 finish: SGLang stamps that finish when the prefill's result is processed, and the store
 goes out at the publish after it, a few milliseconds later
 (`p4-chunk512-parallel-http-clients-cancel`: the 45 prefill-only lines of its parallel
-samples, 0.3-1.6 ms after their finish, read as a 4.6 ms offset without it).
+samples, 0.3-1.6 ms after their finish, read as a 4.6 ms offset without it). A request
+that asked for its prompt's logprobs is not looked at: its match was capped
+(``schedule._logprob_cap``), so its first uncached page may be one another request stored
+long before (a scoring request's first page is its system prompt's).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from kvcadence.replay.schedule import _arrival, _finish
+from kvcadence.replay.schedule import _arrival, _finish, _logprob_cap
 from kvcadence.replay.tokens import same_ids, span
 
 #: fewer uniquely stored first pages than this: the offset is not estimated (0)
@@ -67,6 +70,8 @@ def records_offset(index: Any, records: Sequence[Any]) -> int:
         a, f, c = _arrival(r), _finish(r), r.cached_tokens
         if a is None or f is None or c is None or f < a or c < 0:
             continue
+        if _logprob_cap(r.meta_info or {}) is not None:
+            continue  # its match was capped: what it found stored tells nothing of its store
         n = r.completion_tokens if r.completion_tokens is not None else len(r.output_ids)
         if n <= 1:  # finished at its prefill: the store's publish may follow the finish
             f += PREFILL_FINISH_SLACK_NS

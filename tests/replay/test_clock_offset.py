@@ -133,3 +133,30 @@ def test_records_outside_the_stores_span_are_counted_on_the_records_clock():
     assert outside_stores(index, times) == (0, 0)
     _, report, _ = records_for_replay(BundleReader(BUNDLE))
     assert (report["records_before_capture"], report["records_after_capture"]) == (0, 0)
+
+
+def test_requests_that_asked_for_prompt_logprobs_are_not_looked_at():
+    """A request whose match was capped by its input logprobs (``return_logprob``,
+    ``logprob_start_len`` >= 0) may find its first uncached page stored long before by
+    another request: it gives no interval. Marked so, the touch capture's requests leave
+    too few to tell (0); their outputs' logprobs alone (``-1``) cap nothing."""
+    import msgspec
+
+    rd = BundleReader(BUNDLE)
+    recs = rd.requests()
+    index = StoreIndex.from_reader(rd, capture_settings(rd).page_size)
+
+    def asked(start: int) -> list:
+        return [
+            msgspec.structs.replace(
+                r,
+                meta_info={
+                    **(r.meta_info or {}),
+                    "request_parameters": {"return_logprob": True, "logprob_start_len": start},
+                },
+            )
+            for r in recs
+        ]
+
+    assert records_offset(index, asked(-1)) == records_offset(index, recs) > 54e9
+    assert records_offset(index, asked(0)) == 0
