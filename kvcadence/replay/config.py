@@ -78,6 +78,10 @@ class SimConfig:
     max_running_requests: int | None = None
     #: the most requests of one prefill batch (SGLang ``--prefill-max-requests``; None: no cap)
     prefill_max_requests: int | None = None
+    #: the longest prompt the worker takes (``/server_info`` ``max_req_input_len``: its
+    #: ``max_req_len`` less 5); a request's ``max_new_tokens`` is capped at ``max_req_len``
+    #: less its prompt less one (``Scheduler._init_max_new``; None: not stated, no such cap)
+    max_req_input_len: int | None = None
     decode_log_interval: int = DECODE_LOG_INTERVAL
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
@@ -296,6 +300,7 @@ _SERVER_INFO_FIELDS: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     ),
     ("decode_log_interval", int, ("decode_log_interval",)),
     ("prefill_max_requests", int, ("prefill_max_requests",)),
+    ("max_req_input_len", int, ("max_req_input_len",)),
     ("schedule_policy", str, ("schedule_policy",)),
     ("schedule_conservativeness", float, ("schedule_conservativeness",)),
     ("disable_overlap_schedule", bool, ("disable_overlap_schedule",)),

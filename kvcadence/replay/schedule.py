@@ -150,6 +150,28 @@ def _priority(mi: dict[str, Any]) -> int | None:
     return v if type(v) is int else None
 
 
+#: a request sent with ``"max_new_tokens": null``: unbounded, capped when it is received
+#: (``Scheduler._init_max_new``: by the context and the pool)
+UNBOUNDED_MAX_NEW = 1 << 30
+#: the limit of a request whose ``sampling_params`` leave ``max_new_tokens`` out (0.5.23
+#: ``SamplingParams``' default)
+DEFAULT_MAX_NEW = 128
+
+
+def _unsent_max_new(mi: dict[str, Any], n_out: int) -> int:
+    """The output limit of a record without ``max_new_tokens``, from what SGLang's line
+    kept of the request: ``"max_new_tokens": null`` sent -- what the OpenAI layer forwards
+    for a client that sets no ``max_tokens`` -- is unbounded (``UNBOUNDED_MAX_NEW``: capped
+    by the worker when received); left out of ``sampling_params``, SGLang's default
+    (``DEFAULT_MAX_NEW``); else its output length (a record that does not say)."""
+    sp = _sent(mi, "sampling_params")
+    if not isinstance(sp, dict):
+        return n_out
+    if "max_new_tokens" in sp and sp["max_new_tokens"] is None:
+        return UNBOUNDED_MAX_NEW
+    return DEFAULT_MAX_NEW if "max_new_tokens" not in sp else n_out
+
+
 def _logprob_cap(mi: dict[str, Any]) -> int | None:
     """The prompt position a request's input logprobs start at, where it asked for them
     (``return_logprob`` with a ``logprob_start_len`` >= 0 sent: the native ``/generate``
@@ -306,8 +328,8 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
         if n_out is None:
             raise InputError(f"request {r.rid!r}: output length unknown")
         n_out = max(int(n_out), 1)
-        max_new = r.max_new_tokens if r.max_new_tokens is not None else n_out
         mi = r.meta_info or {}
+        max_new = r.max_new_tokens if r.max_new_tokens is not None else _unsent_max_new(mi, n_out)
         limit = _length_limit(r, mi)
         if limit is not None:  # the limit the worker applied, not the one asked for
             max_new = limit

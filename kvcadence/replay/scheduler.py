@@ -71,9 +71,7 @@ from kvcadence.errors import ReplayError
 from kvcadence.format.namespace import Namespace
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay import decodemem, loopcontrol, marks, prefillbatch, stretch
-from kvcadence.replay.admission import (
-    NewTokenRatioTracker,
-)
+from kvcadence.replay.admission import NewTokenRatioTracker, ceil_paged
 from kvcadence.replay.config import SimConfig
 from kvcadence.replay.events import EventQueue, Publisher
 from kvcadence.replay.evictiontrace import EvictionTrace
@@ -768,7 +766,21 @@ class Scheduler:
                 self.finished_count += 1
                 self._release_successors(req, at)
                 continue
+            self._init_max_new(req)
             self._enqueue(req)
+
+    def _init_max_new(self, req: SimReq) -> None:
+        """0.5.23 ``init_req_max_new_tokens``: the output limit capped by the context (the
+        worker's ``max_req_len`` less the prompt less one) and by the empty pool (less the
+        page-ceiled prompt and a page, less one) -- what admission reserves from; a request
+        sent without ``max_new_tokens`` (``schedule``: unbounded) gets exactly that. Never
+        below its recorded outputs (a record that ran past it replays them)."""
+        cfg, ps = self.cfg, self.ps
+        mx = req.max_new_tokens
+        if cfg.max_req_input_len is not None:
+            mx = min(mx, cfg.max_req_input_len + 5 - req.input_len - 1)
+        mx = min(mx, cfg.max_total_tokens - ceil_paged(req.input_len, ps) - ps - 1)
+        req.max_new_tokens = max(mx, req.n_out)
 
     def _enqueue(self, req: SimReq) -> None:
         """``_add_request_to_queue``: ``req`` at the end of the waiting queue, stamped with

@@ -32,7 +32,12 @@ the single shots (a generator of their own) ask for their prompt's logprobs from
 ``logprob_start`` on (``--logprob-start K``, default 0: ``"return_logprob": true,
 "logprob_start_len": K``), as an evaluation harness scoring prompts does (``/v1/completions``
 with ``echo`` and ``logprobs`` sends 0): SGLang then reuses at most ``K`` cached tokens of
-it. No rid is sent: SGLang picks one. Plain
+it. With ``unbounded_share`` (``--unbounded-share F``) a share of the single shots (a
+generator of their own) are sent with ``"max_new_tokens": null`` (no ``ignore_eos``,
+sampled at ``PARALLEL_TEMPERATURE``), what SGLang's OpenAI layer forwards for a client that
+sets no ``max_tokens`` (the native API's own default, a key left out, is 128): the worker
+runs them to EOS or its context limit and reserves admission room for that limit. No
+rid is sent: SGLang picks one. Plain
 ``httpx``, one connection per client thread, ``POST /generate`` with ``input_ids``.
 
 With ``flush_at`` (``--flush-at S``, repeatable) an operator thread calls ``POST
@@ -46,8 +51,8 @@ lengths and every prompt token are fixed by ``seed`` (each client draws from its
 generator); only the outputs (greedy) and the worker's timing are not.
 
 Why ~600 lines: one seeded traffic model whose every option is a kind of production traffic
-the corpus records (hang-ups, parallel samples, scoring requests, flushes, routing keys,
-namespaces, priorities) and its command line.
+the corpus records (hang-ups, parallel samples, scoring requests, requests without an output
+limit, flushes, routing keys, namespaces, priorities) and its command line.
 
 Used by ``tests/capture/test_production_worker.py`` (60 requests) and to record the
 corpus captures ``http-clients-p16``, ``dp2-p32-http-clients`` and ``p8-chunk128-nooverlap-http-clients``
@@ -100,6 +105,8 @@ class Plan:
     samples: tuple[int, ...] = ()
     #: its prompt's logprobs asked for from this position on (None: none asked for)
     logprob_start: int | None = None
+    #: sent without ``max_new_tokens`` (to EOS or the worker's context limit)
+    unbounded: bool = False
 
 
 class Clients:
@@ -124,6 +131,7 @@ class Clients:
         parallel_n: int = 3,
         logprob_share: float = 0.0,
         logprob_start: int = 0,
+        unbounded_share: float = 0.0,
         routing_keys: int = 0,
         cache_salts: int = 0,
         extra_keys: int = 0,
@@ -153,6 +161,8 @@ class Clients:
             self.plans = self._parallel(parallel_share, parallel_n)
         if logprob_share > 0:
             self.plans = self._logprobs(logprob_share, logprob_start)
+        if unbounded_share > 0:
+            self.plans = self._unbounded(unbounded_share)
         self.sent: list[dict[str, Any]] = []  # {"input_ids", "output_ids", "stream", ...}
         self.errors: list[str] = []
         self.lock = threading.Lock()
@@ -214,6 +224,17 @@ class Clients:
             for p in self.plans
         ]
 
+    def _unbounded(self, share: float) -> list[Plan]:
+        """The plans with ``share`` of the plain single shots (no parallel samples, no
+        logprobs) sent without ``max_new_tokens``, drawn from a generator of their own."""
+        rng = random.Random(f"{self.seed}-unbounded")
+        return [
+            dataclasses.replace(p, unbounded=True)
+            if not p.chat and not p.samples and p.logprob_start is None and rng.random() < share
+            else p
+            for p in self.plans
+        ]
+
     @property
     def n_requests(self) -> int:
         """Requests sent (a parallel-sampling one counts once)."""
@@ -230,6 +251,7 @@ class Clients:
         samples: int = 1,
         routing_key: str | None = None,
         namespace: dict[str, Any] | None = None,
+        unbounded: bool = False,
     ) -> list:
         """One request; ``cancel``: hang up once that many output tokens came (streamed);
         ``samples`` > 1: that many parallel samples (not streamed; the first one's
@@ -239,6 +261,8 @@ class Clients:
             "temperature": 0 if samples == 1 else PARALLEL_TEMPERATURE,
             "ignore_eos": ignore_eos,
         }
+        if unbounded:  # no limit, as the OpenAI layer forwards an unset max_tokens
+            params = {"max_new_tokens": None, "temperature": PARALLEL_TEMPERATURE}
         if samples > 1:
             params["n"] = samples
         body = {
@@ -345,6 +369,7 @@ class Clients:
                         samples=n,
                         routing_key=key,
                         namespace=ns,
+                        unbounded=plan.unbounded,
                     )
                     if k < len(appended):
                         time.sleep(0.02)
@@ -480,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                     "from --logprob-start on (a scoring request) (default 0)")  # fmt: skip
     ap.add_argument("--logprob-start", type=int, default=0, metavar="K",
                     help='the "logprob_start_len" a --logprob-share request sends (default 0)')  # fmt: skip
+    ap.add_argument("--unbounded-share", type=_share, default=0.0, metavar="F",
+                    help='share of the single shots (0-1) sent with "max_new_tokens": null (to '
+                    "EOS, sampled, or the worker's context limit) (default 0)")  # fmt: skip
     ap.add_argument("--routing-keys", type=positive_int, metavar="N",
                     help='client i sends "routing_key": "key-<i %% N>" (default: none)')  # fmt: skip
     ap.add_argument("--cache-salts", type=positive_int, metavar="N",
@@ -574,6 +602,7 @@ def _run(a: argparse.Namespace) -> int:
         parallel_n=a.parallel_n,
         logprob_share=a.logprob_share,
         logprob_start=a.logprob_start,
+        unbounded_share=a.unbounded_share,
         routing_keys=a.routing_keys or 0,
         cache_salts=a.cache_salts or 0,
         extra_keys=a.extra_keys or 0,

@@ -119,6 +119,7 @@ LATER_CLIENT_CAPTURES = (
     "p16-retract-priority-http-clients",
     "p16-lof-lowprio-mrr4-http-clients",
     "p8-chunk512-scoring-http-clients",
+    "p16-unbounded-http-clients",
 )
 
 #: recipes recorded again, unchanged, to measure the worker against itself: the same
@@ -701,6 +702,14 @@ HTTP_CLIENTS: dict[str, dict[str, Any]] = {
     "p16-lof-lowprio-mrr4-http-clients": {**_PRIO_CLIENTS, "seed": 9607},
     "p16-random-mrr4-http-clients": {**_CLIENTS_108, "seed": 9504, "span_s": 10.0},
     "p16-routing-key-mrr4-http-clients": {**_CLIENTS_108, "seed": 9503, "span_s": 10.0},
+    "p16-unbounded-http-clients": {
+        "seed": 9908,
+        "sessions": 30,
+        "singles": 90,
+        "span_s": 60.0,
+        "chat_out": (16, 80),
+        "unbounded_share": 0.2,
+    },
     "p8-chunk512-scoring-http-clients": {
         "seed": 9907,
         "sessions": 30,
@@ -782,6 +791,7 @@ HTTP_CLIENTS_INFERRED = {
     "p16-retract-priority-http-clients": (110, 123, 0, 79),
     "p16-lof-lowprio-mrr4-http-clients": (108, 103, 0, 55),
     "p8-chunk512-scoring-http-clients": (120, 99, 0, 84),
+    "p16-unbounded-http-clients": (120, 97, 0, 82),
 }
 
 
@@ -1517,6 +1527,36 @@ def test_scoring_requests_reuse_no_cached_prefix():
     sim = {r.rid: r for r in replay_bundle(CORPUS / name / "bundle", None).requests}
     assert all(sim[k].cached_tokens == 0 for k in scoring)
     assert sum(1 for k, r in real.items() if sim[k].cached_tokens == r.cached_tokens) == 219
+
+
+def test_a_request_without_an_output_limit_waits_for_its_reservation():
+    """``p16-unbounded-http-clients``: 20 % of the single shots sent ``"max_new_tokens":
+    null`` (what SGLang's OpenAI layer forwards for a client that sets no ``max_tokens``;
+    18 requests, 72-1702 outputs each, to EOS). SGLang 0.5.23 holds such a request's limit
+    at its context limit (``init_req_max_new_tokens``) and admission reserves from it: the
+    one received at 35.7 s (920 outputs) waited 2.45 s for its first forward while three
+    requests ran theirs. Replayed with that limit (``Scheduler._init_max_new``) it waits
+    too (> 1 s); with its output length as its limit, as before, it did not (12 ms)."""
+    from kvcadence.replay.simulator import replay_bundle
+
+    name = "p16-unbounded-http-clients"
+    real = {r.rid: r for r in BundleReader(CORPUS / name / "bundle").requests()}
+
+    def wait(r: Any) -> float:
+        return r.meta_info["forward_entry_time"] - r.meta_info["request_received_ts"]
+
+    unbounded = [
+        k
+        for k, r in real.items()
+        if "max_new_tokens" in (sp := r.meta_info["request_parameters"]["sampling_params"])
+        and sp["max_new_tokens"] is None
+    ]
+    assert len(unbounded) == 18 and all(real[k].max_new_tokens is None for k in unbounded)
+    longest = max(real, key=lambda k: wait(real[k]))
+    assert longest in unbounded and wait(real[longest]) > 2.0
+    sim = {r.rid: r for r in replay_bundle(CORPUS / name / "bundle", None).requests}
+    assert wait(sim[longest]) > 1.0
+    assert sum(1 for k, r in real.items() if sim[k].cached_tokens == r.cached_tokens) == 217
 
 
 def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):

@@ -62,6 +62,40 @@ def test_input_logprobs_cap_the_cached_prefix(params, cached):
     assert shape(r) == [["C"], ["S20"], ["S4"]]
 
 
+def test_the_output_limit_is_capped_by_the_context_and_the_pool_when_received():
+    """0.5.23 ``init_req_max_new_tokens``: ``max_new_tokens`` (unbounded when the request
+    sent ``null``: an OpenAI client without ``max_tokens``; 128, ``SamplingParams``' default,
+    when it left the key out) capped at ``max_req_len`` less the
+    prompt less one and at the empty pool less the page-ceiled prompt and a page, less one:
+    what admission reserves from. A record that does not say what was sent keeps its output
+    length; a limit within both caps is kept."""
+    prompt = list(range(3, 103))  # 100 tokens: 112 page-ceiled at page 16
+
+    def sent(rid: str, sp: dict | None, n: int = 6) -> object:
+        r = req(rid, prompt, n, arrival_ms=0)
+        r.max_new_tokens = None if sp is None or sp.get("max_new_tokens") is None else n
+        if sp is not None:
+            r.meta_info["request_parameters"] = {"sampling_params": sp}
+        return r
+
+    recs = [
+        sent("unsent", {"max_new_tokens": None, "temperature": 0}),  # OpenAI, no max_tokens
+        sent("default", {"temperature": 0}),  # left out: SGLang's default, 128
+        sent("huge", {"max_new_tokens": 5000}),
+        sent("small", {"max_new_tokens": 6}),
+        sent("unknown", None),  # not an SGLang line: nothing says what was sent
+    ]
+    recs[2].max_new_tokens = 5000
+    ctx = config(page_size=16, max_total_tokens=2000, max_req_input_len=1019)
+    got = {x.rid: x.max_new_tokens for x in run(recs, ctx).scheduler.reqs}
+    # 1019 + 5 - 101
+    assert got == {"unsent": 923, "default": 128, "huge": 923, "small": 6, "unknown": 6}
+    pool = config(page_size=16, max_total_tokens=600)  # no max_req_input_len stated
+    got = {x.rid: x.max_new_tokens for x in run(recs, pool).scheduler.reqs}
+    # 600 - 112 - 17
+    assert got == {"unsent": 471, "default": 128, "huge": 471, "small": 6, "unknown": 6}
+
+
 def test_chunked_prefill_one_store_per_chunk_in_separate_messages():
     for overlap_off in (False, True):
         cfg = config(page_size=16, chunked_prefill_size=64, disable_overlap_schedule=overlap_off)

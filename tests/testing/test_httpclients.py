@@ -181,6 +181,7 @@ def test_parallel_share_asks_single_shots_for_several_samples():
         ("--extra-keys", "-1"),
         ("--logprob-share", "1.5"),
         ("--logprob-start", "x"),
+        ("--unbounded-share", "-0.1"),
     ],
 )
 def test_bad_cancel_options_are_usage_errors(flag, value, capsys):
@@ -288,7 +289,8 @@ def test_sigterm_stops_the_capture_child_and_exits_130(monkeypatch, tmp_path, ca
 
 
 def test_routing_keys_and_namespaces_tag_each_clients_requests():
-    """(And ``--logprob-share F --logprob-start K``: scoring requests, below.)
+    """(And ``--logprob-share F --logprob-start K``: scoring requests, and
+    ``--unbounded-share F``: requests without an output limit, below.)
     ``--routing-keys N``: client ``i`` sends every request with ``"routing_key":
     "key-<i % N>"`` (what a router sets for ``--schedule-policy routing-key``); without it
     no request has one. ``--cache-salts N`` / ``--extra-keys M``: ``"cache_salt":
@@ -306,7 +308,7 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             bodies.append(body)
-            ans = {"output_ids": [5] * body["sampling_params"]["max_new_tokens"]}
+            ans = {"output_ids": [5] * (body["sampling_params"].get("max_new_tokens") or 3)}
             data = (
                 f"data: {json.dumps(ans)}\n\ndata: [DONE]\n\n"
                 if body["stream"]
@@ -342,6 +344,9 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
             url, 7, sessions=2, singles=12, span_s=0.1, logprob_share=0.5, logprob_start=3
         )
         scoring.run()
+        n_scoring = len(bodies)
+        open_ended = hc.Clients(url, 8, sessions=2, singles=12, span_s=0.1, unbounded_share=0.5)
+        open_ended.run()
     finally:
         srv.shutdown()
         srv.server_close()
@@ -380,11 +385,20 @@ def test_routing_keys_and_namespaces_tag_each_clients_requests():
     assert not any(b["sampling_params"]["ignore_eos"] for b in bodies[n_ranked:n_eos])
     assert all("return_logprob" not in b for b in bodies[:n_eos])
     # --logprob-share: those single shots ask for their prompt's logprobs from K on
-    assert not scoring.errors and len(bodies) - n_eos == scoring.n_requests
+    assert not scoring.errors and n_scoring - n_eos == scoring.n_requests
     scored = {tuple(scoring.prompts(p)[0]) for p in scoring.plans if p.logprob_start is not None}
     assert scored and all(not p.chat for p in scoring.plans if p.logprob_start is not None)
-    for b in bodies[n_eos:]:
+    for b in bodies[n_eos:n_scoring]:
         asked = tuple(b["input_ids"]) in scored
         assert (b.get("return_logprob"), b.get("logprob_start_len")) == (
             (True, 3) if asked else (None, None)
         )
+    # --unbounded-share: those single shots are sent with no output limit (sampled)
+    assert not open_ended.errors and len(bodies) - n_scoring == open_ended.n_requests
+    free = {tuple(open_ended.prompts(p)[0]) for p in open_ended.plans if p.unbounded}
+    assert free and all(not p.chat for p in open_ended.plans if p.unbounded)
+    for b in bodies[n_scoring:]:
+        unbounded = tuple(b["input_ids"]) in free
+        assert (b["sampling_params"]["max_new_tokens"] is None) == unbounded
+        if unbounded:
+            assert b["sampling_params"] == {"max_new_tokens": None, "temperature": 1.0}
