@@ -198,7 +198,7 @@ def test_outputs_no_store_of_the_capture_holds_are_inserted_with_no_event():
     the worker published none at its finish, so the replay publishes none either -- the
     pages are in its tree all the same, and leave it as any others (``FINISH_UNSEEN_KEY``);
     its outputs stay synthetic (counted as ``finish store not found``)."""
-    from kvcadence.replay.production import WHY_NO_FINISH
+    from kvcadence.replay.storepass import WHY_NO_FINISH
     from kvcadence.replay.schedule import FINISH_UNSEEN_KEY
 
     a = [*SYSTEM, 1, 2]  # 2 full pages + 2 tokens; 5 outputs: one more full page at finish
@@ -219,7 +219,7 @@ def test_outputs_no_store_of_the_capture_holds_are_inserted_with_no_event():
     assert len(_stored_hashes(res0) - prompt_pages) == 1
     assert res0.scheduler.tree.total_size == 12
     # its prompt's store not in the capture either (prefilled before a late attach)
-    from kvcadence.replay.production import WHY_NO_PROMPT
+    from kvcadence.replay.storepass import WHY_NO_PROMPT
 
     out3, rep3 = complete_records(records, StoreIndex.from_batches([], PS))
     assert out3[0].meta_info[FINISH_UNSEEN_KEY] is True
