@@ -198,8 +198,8 @@ def test_outputs_no_store_of_the_capture_holds_are_inserted_with_no_event():
     the worker published none at its finish, so the replay publishes none either -- the
     pages are in its tree all the same, and leave it as any others (``FINISH_UNSEEN_KEY``);
     its outputs stay synthetic (counted as ``finish store not found``)."""
-    from kvcadence.replay.storepass import WHY_NO_FINISH
     from kvcadence.replay.schedule import FINISH_UNSEEN_KEY
+    from kvcadence.replay.storepass import WHY_NO_FINISH
 
     a = [*SYSTEM, 1, 2]  # 2 full pages + 2 tokens; 5 outputs: one more full page at finish
     batches = [(int(1.1 * S), [store(a, 0, 2, PS)])]  # its prefill store, no finish store
