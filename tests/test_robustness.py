@@ -56,6 +56,28 @@ def test_bars_at_their_tolerances(rob):
     assert not rob.bars(real, none)["removed_median"]
 
 
+def test_a_dp_capture_is_judged_on_its_ranks_together(rob):
+    """As the corpus test judges it (``analysis.ranks``' ``all``): events pooled, hashes by
+    rank, requests wherever they were served."""
+    r0 = _fig(requests=2, stored=[4, 4, 5], removed=[8], hashes={1, 2}, cached={"a": 0, "b": 16})
+    r1 = _fig(requests=1, stored=[3, 6], removed=[], hashes={1}, cached={"c": 32})
+    both = rob.pooled({0: r0, 1: r1})
+    assert both["requests"] == 3 and both["stored"] == [4, 4, 5, 3, 6]
+    assert both["stored_per_req"] == 5 / 3 and both["stored_median"] == 4
+    assert both["removed_per_req"] == 1 / 3 and both["removed_mean"] == 8
+    assert both["hashes"] == {(0, 1), (0, 2), (1, 1)}
+    assert both["cached"] == {"a": 0, "b": 16, "c": 32}
+    # a rank's median a step off (3 against 4) misses by itself; pooled, the median holds
+    sim0 = _fig(requests=2, stored=[3, 3, 5], removed=[8], hashes={1, 2}, cached=r0["cached"])
+    sim0["stored_median"] = 3
+    r0["stored_median"] = 4
+    assert not rob.bars(r0, sim0)["stored_median"]
+    sim = rob.pooled({0: sim0, 1: {**r1, "stored": [4, 6]}})
+    assert sim["stored_median"] == 4 and rob.bars(both, sim)["stored_median"]
+    # the same hashes on the other rank are other hashes
+    assert not rob.bars(both, rob.pooled({0: r1, 1: r0}))["hashes"]
+
+
 def test_variants_skip_parameters_calibrated_to_zero(rob):
     cap = rob.Capture("c", REPO, False, lambda p, f: {}, dict.fromkeys(rob.PARAMS, 0.0))
     assert rob.variants(cap) == [(None, 1.0)]
@@ -112,11 +134,28 @@ def test_docs_table_replaces_only_the_marked_block(rob, tmp_path: Path):
     text = rob.table([res], [])
     assert "| c (10 req, 1 rank(s)) | 3 | 3/3 | 3/3 | 3/3 | 2/3 | 3/3 | 2/3 | 3/3 |" in text
     assert (
-        "**2/3** (67 %) | 1/3 (33 %) | 2/3 (67 %) | 0.020 (max 0.040) | 0.050 (max 0.090) |" in text
+        "**2/3** (67 %) | 2/3 (67 %) | 1/3 (33 %) | 2/3 (67 %) | 0.020 (max 0.040) | "
+        "0.050 (max 0.090) |" in text
     )
     assert "2 of 3 variants (67 %) hold every bar (the least robust capture, c: 2 of 3)" in text
-    assert "1 (33 %) also median blk/Removed; 2 (67 %) with the KS distance" in text
+    assert "2 (67 %) on every rank of the DP captures; 1 (33 %) also median blk/Removed" in text
+    assert "2 (67 %) with the KS distance" in text
     assert "* c: decode_base_s +5 % (cached); decode_base_s +10 % (med Removed)" in text
+    # a DP capture: every bar held on its ranks together, one missed by a rank by itself
+    dp = {
+        "capture": "d",
+        "requests": 10,
+        "ranks": 2,
+        "rows": [
+            {**res["rows"][0], "all_ranks": False, "rank_misses": ["stored_median"]},
+            {**res["rows"][0], "variant": "decode_base_s -5 %", "all_ranks": True,
+             "rank_misses": []},
+        ],
+    }  # fmt: skip
+    dp_text = rob.table([dp], [])
+    assert "| d (10 req, 2 rank(s)) | 2 |" in dp_text
+    assert "**2/2** (100 %) | 1/2 (50 %) | 2/2 (100 %) |" in dp_text
+    assert "* d: as calibrated (on a rank: med Stored)" in dp_text
     doc = tmp_path / "d.md"
     doc.write_text(f"head\n{rob.BEGIN}\nSTALE TABLE\n{rob.END}\ntail\n")
     rob.write_docs(text, doc)
