@@ -27,6 +27,7 @@ import atexit
 import random
 import sys
 import tempfile
+from collections import Counter
 from functools import cache
 from pathlib import Path
 from statistics import median
@@ -122,6 +123,10 @@ LATER_CLIENT_CAPTURES = (
     "p16-unbounded-http-clients",
 )
 
+#: captures of a client that is not the project's: SGLang's own benchmark client
+#: (``sglang.benchmark.serving``), taken the production way (production path only)
+OTHER_CLIENT_CAPTURES = ("p16-chunk512-bench-serving-gsp",)
+
 #: recipes recorded again, unchanged, to measure the worker against itself: the same
 #: traffic (every prompt and output identical to the first recording's, the stored hash set
 #: too), on a quiet box or with busy loops on its cores (``test_worker_spread.py``)
@@ -198,6 +203,7 @@ CAPTURES = (
     *REPEATS,
     *CANCEL_CAPTURES,
     *LATER_CLIENT_CAPTURES,
+    *OTHER_CLIENT_CAPTURES,
 )
 
 #: captures of traffic that is not ``kvcadence drive``'s, taken as production captures are
@@ -211,6 +217,7 @@ PRODUCTION_ONLY = (
     "p8-chunk128-nooverlap-http-clients",
     *CANCEL_CAPTURES,
     *LATER_CLIENT_CAPTURES,
+    *OTHER_CLIENT_CAPTURES,
 )
 
 #: captures attached to a worker that had served traffic already: the worker's metrics files
@@ -1557,6 +1564,27 @@ def test_a_request_without_an_output_limit_waits_for_its_reservation():
     sim = {r.rid: r for r in replay_bundle(CORPUS / name / "bundle", None).requests}
     assert wait(sim[longest]) > 1.0
     assert sum(1 for k, r in real.items() if sim[k].cached_tokens == r.cached_tokens) == 217
+
+
+def test_sglang_s_benchmark_client_is_open_loop_single_shots():
+    """``p16-chunk512-bench-serving-gsp``: SGLang's own benchmark client (its
+    generated-shared-prefix dataset: 8 system prompts, 25 questions on each, Poisson
+    arrivals, streamed): no request continues another, though every prompt shares a system
+    prompt with 24 others, so the inference links none (200 sessions and clients, each
+    arriving open loop at its recorded time) and reads every output's stored part from its
+    finish store; replayed, every bar holds (``test_production_path_bars``)."""
+    name = "p16-chunk512-bench-serving-gsp"
+    recs, rep, _ = inferred(name)
+    assert len(recs) == rep["requests"] == 200
+    # the dataset's shape, read off the prompts: 8 shared prefixes (system prompts of
+    # 250-500 tokens) of 25 prompts each, each question 40-80 tokens after it
+    groups = Counter(tuple(r.input_ids[:16]) for r in recs)
+    assert sorted(groups.values()) == [25] * 8
+    assert {r.finish_reason for r in recs} == {"length"}  # ignore_eos: 50-100 outputs each
+    assert all(50 <= r.completion_tokens <= 100 for r in recs)
+    assert (rep["sessions"], rep["clients"], rep["with_predecessor"]) == (200, 200, 0)
+    assert rep["outputs_from_events"] == 200 and not rep["outputs_synthetic"]
+    assert rep["unrecorded_rebuilt"] == 0 and rep["idle_client_joins"] == 0
 
 
 def test_tight_long_long_client_pause_joins_as_the_only_idle_client(tmp_path):
