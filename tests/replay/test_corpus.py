@@ -125,7 +125,7 @@ LATER_CLIENT_CAPTURES = (
 
 #: captures of a client that is not the project's: SGLang's own benchmark client
 #: (``sglang.benchmark.serving``), taken the production way (production path only)
-OTHER_CLIENT_CAPTURES = ("p16-chunk512-bench-serving-gsp",)
+OTHER_CLIENT_CAPTURES = ("p16-chunk512-bench-serving-gsp", "dp2-p8-tight-bench-serving-gsp")
 
 #: recipes recorded again, unchanged, to measure the worker against itself: the same
 #: traffic (every prompt and output identical to the first recording's, the stored hash set
@@ -1566,24 +1566,31 @@ def test_a_request_without_an_output_limit_waits_for_its_reservation():
     assert sum(1 for k, r in real.items() if sim[k].cached_tokens == r.cached_tokens) == 217
 
 
-def test_sglang_s_benchmark_client_is_open_loop_single_shots():
-    """``p16-chunk512-bench-serving-gsp``: SGLang's own benchmark client (its
-    generated-shared-prefix dataset: 8 system prompts, 25 questions on each, Poisson
-    arrivals, streamed): no request continues another, though every prompt shares a system
-    prompt with 24 others, so the inference links none (200 sessions and clients, each
-    arriving open loop at its recorded time) and reads every output's stored part from its
-    finish store; replayed, every bar holds (``test_production_path_bars``)."""
-    name = "p16-chunk512-bench-serving-gsp"
+@pytest.mark.parametrize(
+    ("name", "groups", "per_group", "outputs"),
+    [
+        ("p16-chunk512-bench-serving-gsp", 8, 25, (50, 100)),
+        ("dp2-p8-tight-bench-serving-gsp", 6, 34, (100, 200)),
+    ],
+)
+def test_sglang_s_benchmark_client_is_open_loop_single_shots(name, groups, per_group, outputs):
+    """The captures of SGLang's own benchmark client (its generated-shared-prefix dataset:
+    ``groups`` system prompts, ``per_group`` questions on each, Poisson arrivals, streamed;
+    the second on DP 2 in a tight pool, its queue up to 200 s deep): no request continues
+    another, though every prompt shares a system prompt with ``per_group - 1`` others, so
+    the inference links none (a session and a client each, arriving open loop at its
+    recorded time) and reads every output's stored part from its finish store; replayed,
+    every bar holds (``test_production_path_bars``)."""
     recs, rep, _ = inferred(name)
-    assert len(recs) == rep["requests"] == 200
-    # the dataset's shape, read off the prompts: 8 shared prefixes (system prompts of
-    # 250-500 tokens) of 25 prompts each, each question 40-80 tokens after it
-    groups = Counter(tuple(r.input_ids[:16]) for r in recs)
-    assert sorted(groups.values()) == [25] * 8
-    assert {r.finish_reason for r in recs} == {"length"}  # ignore_eos: 50-100 outputs each
-    assert all(50 <= r.completion_tokens <= 100 for r in recs)
-    assert (rep["sessions"], rep["clients"], rep["with_predecessor"]) == (200, 200, 0)
-    assert rep["outputs_from_events"] == 200 and not rep["outputs_synthetic"]
+    n = groups * per_group
+    assert len(recs) == rep["requests"] == n
+    # the dataset's shape, read off the prompts: shared prefixes (system prompts of half to
+    # all of the asked length) of ``per_group`` prompts each
+    assert sorted(Counter(tuple(r.input_ids[:16]) for r in recs).values()) == [per_group] * groups
+    assert {r.finish_reason for r in recs} == {"length"}  # ignore_eos: the asked lengths
+    assert all(outputs[0] <= r.completion_tokens <= outputs[1] for r in recs)
+    assert (rep["sessions"], rep["clients"], rep["with_predecessor"]) == (n, n, 0)
+    assert rep["outputs_from_events"] == n and not rep["outputs_synthetic"]
     assert rep["unrecorded_rebuilt"] == 0 and rep["idle_client_joins"] == 0
 
 
