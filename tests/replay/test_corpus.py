@@ -125,7 +125,12 @@ LATER_CLIENT_CAPTURES = (
 
 #: captures of a client that is not the project's: SGLang's own benchmark client
 #: (``sglang.benchmark.serving``), taken the production way (production path only)
-OTHER_CLIENT_CAPTURES = ("p16-chunk512-bench-serving-gsp", "dp2-p8-tight-bench-serving-gsp")
+OTHER_CLIENT_CAPTURES = (
+    "p16-chunk512-bench-serving-gsp",
+    "dp2-p8-tight-bench-serving-gsp",
+    "p32-nooverlap-zipf-bench-serving-gsp",
+    "p4-flush-bench-serving-gsp",
+)
 
 #: recipes recorded again, unchanged, to measure the worker against itself: the same
 #: traffic (every prompt and output identical to the first recording's, the stored hash set
@@ -1567,26 +1572,35 @@ def test_a_request_without_an_output_limit_waits_for_its_reservation():
 
 
 @pytest.mark.parametrize(
-    ("name", "groups", "per_group", "outputs"),
+    ("name", "groups", "outputs"),
     [
-        ("p16-chunk512-bench-serving-gsp", 8, 25, (50, 100)),
-        ("dp2-p8-tight-bench-serving-gsp", 6, 34, (100, 200)),
+        ("p16-chunk512-bench-serving-gsp", [25] * 8, (50, 100)),
+        ("dp2-p8-tight-bench-serving-gsp", [34] * 6, (100, 200)),
+        # the 12 groups drawn by a Zipf law (alpha 1.1) instead of 17 each
+        (
+            "p32-nooverlap-zipf-bench-serving-gsp",
+            [4, 4, 5, 7, 7, 7, 11, 13, 20, 24, 34, 68],
+            (60, 120),
+        ),
+        # the client run twice, the same prompts, a flush between: each prompt sent twice
+        ("p4-flush-bench-serving-gsp", [50] * 4, (50, 100)),
     ],
 )
-def test_sglang_s_benchmark_client_is_open_loop_single_shots(name, groups, per_group, outputs):
+def test_sglang_s_benchmark_client_is_open_loop_single_shots(name, groups, outputs):
     """The captures of SGLang's own benchmark client (its generated-shared-prefix dataset:
-    ``groups`` system prompts, ``per_group`` questions on each, Poisson arrivals, streamed;
-    the second on DP 2 in a tight pool, its queue up to 200 s deep): no request continues
-    another, though every prompt shares a system prompt with ``per_group - 1`` others, so
-    the inference links none (a session and a client each, arriving open loop at its
-    recorded time) and reads every output's stored part from its finish store; replayed,
-    every bar holds (``test_production_path_bars``)."""
+    system prompts with ``groups`` questions on each, Poisson arrivals, streamed; the second
+    on DP 2 in a tight pool, its queue up to 200 s deep; the third on the normal loop, its
+    groups drawn by a Zipf law; the fourth run twice, the same prompts, a flush between): no
+    request continues another, though every prompt shares its system prompt with others (and
+    the fourth's each its own prompt), so the inference links none (a session and a client
+    each, arriving open loop at its recorded time) and reads every output's stored part from
+    its finish store; replayed, every bar holds (``test_production_path_bars``)."""
     recs, rep, _ = inferred(name)
-    n = groups * per_group
+    n = sum(groups)
     assert len(recs) == rep["requests"] == n
     # the dataset's shape, read off the prompts: shared prefixes (system prompts of half to
-    # all of the asked length) of ``per_group`` prompts each
-    assert sorted(Counter(tuple(r.input_ids[:16]) for r in recs).values()) == [per_group] * groups
+    # all of the asked length), each with its group's questions
+    assert sorted(Counter(tuple(r.input_ids[:16]) for r in recs).values()) == groups
     assert {r.finish_reason for r in recs} == {"length"}  # ignore_eos: the asked lengths
     assert all(outputs[0] <= r.completion_tokens <= outputs[1] for r in recs)
     assert (rep["sessions"], rep["clients"], rep["with_predecessor"]) == (n, n, 0)
