@@ -219,6 +219,7 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
         "corpus `dp2-p1-chunk2048-longctx-http-clients-cancel`",
         "corpus `dp2-p8-parallel-http-clients-cancel`",
         "corpus `dp2-p16-tight40k-chunk2048-ctx12k-http-clients-cancel`",
+        "corpus `dp2-p8-tight-bench-serving-gsp`",
     }
     # calibrated: a decode pass takes time (all of it per request where every batch held
     # the same few requests: ``p16-priority-mrr4-http-clients``, 4 running nearly always;
