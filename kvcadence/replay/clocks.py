@@ -38,9 +38,14 @@ long before (a scoring request's first page is its system prompt's).
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from kvcadence.format.schema import UNRECORDED_SOURCE
 from kvcadence.replay.schedule import _arrival, _finish, _logprob_cap
 from kvcadence.replay.tokens import same_ids, span
 
@@ -57,14 +62,156 @@ PREFILL_FINISH_SLACK_NS = 50_000_000
 MAX_LOOKED = 2000
 #: ``outside_stores``' slack either side of the stores' span (``capture.window``'s)
 OUTSIDE_SLACK_NS = 1_000_000_000
+#: this many requests in a row (publish order) that agree among themselves on an offset the
+#: stretch before them does not share start a new stretch (``records_clock``)
+STEP_CONFIRM = 5
 
 
 def records_offset(index: Any, records: Sequence[Any]) -> int:
     """Nanoseconds to subtract from the event stream's times to put them on the records'
     clock (see module); 0 when the clocks agree or the capture cannot tell."""
+    return _offset([s for _, s in _spans(index, records)])
+
+
+def _offset(spans: Sequence[tuple[int, int]]) -> int:
+    """The offset ``spans`` (ranges of offsets, one a request) agree on (see module)."""
+    if len(spans) < MIN_SAMPLES:
+        return 0
+    lo, hi, best = best_covered(spans)
+    at_zero = sum(1 for a, b in spans if a <= 0 <= b)
+    margin = max(1, math.ceil(OUTLIER_SHARE * len(spans)))
+    return 0 if at_zero + margin > best else (lo + hi) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class ClockMap:
+    """The offset between the two clocks over the capture, a step function: ``offsets[k]``
+    (ns, to subtract from an event-clock time) from event ``firsts[k]`` on (``firsts[0]``
+    is 0), and for a time on the event clock from ``starts[k]`` on (the publish time of
+    event ``firsts[k]``, as recorded)."""
+
+    firsts: tuple[int, ...] = (0,)
+    starts: tuple[int, ...] = (0,)
+    offsets: tuple[int, ...] = (0,)
+
+    def __bool__(self) -> bool:
+        return any(self.offsets)
+
+    def of_event(self, ei: int) -> int:
+        """The offset of event ``ei`` (by its position in the stream)."""
+        return self.offsets[bisect_right(self.firsts, ei) - 1]
+
+    def of_time(self, t: int) -> int:
+        """The offset of a time ``t`` on the event clock (a flush's receive time)."""
+        return self.offsets[max(0, bisect_right(self.starts, t) - 1)]
+
+    def report(self) -> list[dict[str, float]]:
+        """One ``{at_event, offset_s}`` a stretch after the first (the report's key
+        ``clock_steps``): the event from which the offset changed, and to what."""
+        return [
+            {"at_event": f, "offset_s": round(o / 1e9, 3)}
+            for f, o in zip(self.firsts[1:], self.offsets[1:], strict=True)
+        ]
+
+
+#: the fields of a metrics record stamped by the scheduler (on the event stream's clock, as
+#: its payload ``ts``), where the others (``request_received_ts``, ``request_finished_ts``)
+#: are the tokenizer manager's: ``clock-offset-touch``'s are 55.5 s ahead of its receives,
+#: as its events are
+SCHEDULER_STAMPS = ("forward_entry_time", "prefill_finished_time")
+
+
+def scheduler_stamps_on_records_clock(records: Sequence[Any], clock: ClockMap) -> list[Any]:
+    """``records`` with their scheduler's stamps (``SCHEDULER_STAMPS``, s) put on the
+    records' clock by ``clock`` (the calibration, the recorded pace and the queue order read
+    them against the receives and finishes); a request rebuilt from the events has its
+    times on that clock already."""
+    out = list(records)
+    if not clock:
+        return out
+    for i, r in enumerate(records):
+        mi = r.meta_info
+        if r.source == UNRECORDED_SOURCE or not mi:
+            continue
+        moved = {
+            k: mi[k] - clock.of_time(int(mi[k] * 1e9)) / 1e9
+            for k in SCHEDULER_STAMPS
+            if isinstance(mi.get(k), (int, float)) and mi[k] > 0
+        }
+        if moved:
+            out[i] = msgspec.structs.replace(r, meta_info={**mi, **moved})
+    return out
+
+
+def records_clock(index: Any, records: Sequence[Any]) -> ClockMap:
+    """The offset between the event stream's clock and the records' as a step function
+    (``ClockMap``): one offset for the capture (``records_offset``) unless the requests'
+    ranges, in publish order, fall into stretches that agree on different offsets -- the
+    wall clock stepped during the capture (an NTP correction: SGLang's tokenizer manager
+    converts its monotonic stamps with the wall-clock difference read at its start, its
+    scheduler re-reads it at every request it receives, so after a step the two disagree by
+    it; `p16-tight-bench-serving-gsp`: +16.3 s from 16 s into the capture on). A stretch
+    is ``STEP_CONFIRM`` consecutive ranges that agree among themselves and not with the
+    stretch before (fewer: outliers, left in it)."""
+    spans = _spans(index, records)
+    if len(spans) < MIN_SAMPLES:
+        return ClockMap()
+    spans.sort()
+    stretches = _stretches(spans)
+    if len(stretches) == 1:
+        off = _offset([s for _, s in spans])
+        return ClockMap(offsets=(off,))
+    offs = [_offset([s for _, s in st]) for st in stretches]
+    ts = index._ts
+    firsts, starts, offsets = [0], [0], [offs[0]]
+    for prev, nxt, off in zip(stretches, stretches[1:], offs[1:], strict=False):
+        if off == offsets[-1]:
+            continue
+        # the step: between the last store of one stretch and the first of the next, the
+        # event after which the publish times jump by the change (a forward step leaves a
+        # gap that long, a backward one goes back by it)
+        lo, hi = prev[-1][0] + 1, nxt[0][0]
+        step = off - offsets[-1]
+        at = min(range(lo, hi + 1), key=lambda j: abs(ts[j] - ts[j - 1] - step))
+        firsts.append(at)
+        starts.append(ts[at])
+        offsets.append(off)
+    return ClockMap(tuple(firsts), tuple(starts), tuple(offsets))
+
+
+def _stretches(spans: list[tuple[int, tuple[int, int]]]) -> list[list[tuple[int, tuple[int, int]]]]:
+    """``spans`` (``(event, range)`` in publish order) cut where ``STEP_CONFIRM`` ranges in
+    a row share no offset with the stretch so far but one among themselves."""
+    out: list[list[tuple[int, tuple[int, int]]]] = [[]]
+    lo, hi = -(1 << 62), 1 << 62  # the offsets the current stretch's ranges share
+    pending: list[tuple[int, tuple[int, int]]] = []
+    plo, phi = lo, hi
+    for e, (a, b) in spans:
+        if a <= hi and b >= lo:  # fits the stretch: the ones that did not were outliers
+            lo, hi = max(lo, a), min(hi, b)
+            out[-1].extend(pending)
+            out[-1].append((e, (a, b)))
+            pending, plo, phi = [], -(1 << 62), 1 << 62
+            continue
+        if pending and not (a <= phi and b >= plo):  # agrees with neither: start over
+            out[-1].extend(pending)
+            pending, plo, phi = [], -(1 << 62), 1 << 62
+        pending.append((e, (a, b)))
+        plo, phi = max(plo, a), min(phi, b)
+        if len(pending) >= STEP_CONFIRM:  # a new stretch
+            out.append(pending)
+            lo, hi = plo, phi
+            pending, plo, phi = [], -(1 << 62), 1 << 62
+    out[-1].extend(pending)
+    return [st for st in out if st]
+
+
+def _spans(index: Any, records: Sequence[Any]) -> list[tuple[int, tuple[int, int]]]:
+    """``(event, (lo, hi))`` of each request looked at whose first uncached page one event
+    stored: that event and the offsets that put its publish within the request's window."""
     ps = index.page_size
     tokens, ts, by_first = index.tokens, index._ts, index._by_first
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, tuple[int, int]]] = []
     step = -(-len(records) // MAX_LOOKED) or 1
     for r in records[::step]:
         a, f, c = _arrival(r), _finish(r), r.cached_tokens
@@ -84,13 +231,8 @@ def records_offset(index: Any, records: Sequence[Any]) -> int:
             found = [e for e in found if same_ids(tokens.span(e, 0, ps), want)]
         if len(found) == 1:
             t = ts[found[0]]
-            spans.append((t - f, t - a))
-    if len(spans) < MIN_SAMPLES:
-        return 0
-    lo, hi, best = best_covered(spans)
-    at_zero = sum(1 for a, b in spans if a <= 0 <= b)
-    margin = max(1, math.ceil(OUTLIER_SHARE * len(spans)))
-    return 0 if at_zero + margin > best else (lo + hi) // 2
+            spans.append((found[0], (t - f, t - a)))
+    return spans
 
 
 def outside_stores(index: Any, times: Sequence[tuple[int | None, int | None]]) -> tuple[int, int]:
@@ -129,6 +271,11 @@ def best_covered(spans: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
 
 
 __all__ = [
+    "SCHEDULER_STAMPS",
+    "STEP_CONFIRM",
+    "scheduler_stamps_on_records_clock",
+    "ClockMap",
+    "records_clock",
     "MAX_LOOKED",
     "MIN_SAMPLES",
     "OUTLIER_SHARE",

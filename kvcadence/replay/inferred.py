@@ -32,6 +32,12 @@ def _edge_text(rep: dict[str, Any]) -> str:
             f"the event stream's clock {rep['clock_offset_s']:+.3f} s from the request "
             "records' (read from the prefill stores; the events put on the records' clock)"
         )
+    for step in rep.get("clock_steps") or ():
+        parts.append(
+            f"the clocks' offset stepped to {step['offset_s']:+.3f} s from event "
+            f"{step['at_event']} on (a wall-clock step during the capture; the events after "
+            "it put on the records' clock by it)"
+        )
     if rep.get("predecessor_ties"):
         parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
     if rep.get("unlinked_shared_prefix"):

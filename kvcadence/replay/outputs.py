@@ -334,10 +334,17 @@ class StoreIndex:
         """Event ``ei``'s publish time (ns)."""
         return self._ts[ei]
 
-    def shift(self, ns: int) -> None:
-        """Every event's publish time less ``ns`` (onto the request records' clock:
-        ``clocks.records_offset``)."""
-        self._ts = [t - ns for t in self._ts]
+    def shift(self, by: Any) -> None:
+        """Every event's publish time less ``by`` (onto the request records' clock): a
+        number of ns (``clocks.records_offset``) or a ``clocks.ClockMap``, event by event."""
+        if isinstance(by, int):
+            self._ts = [t - by for t in self._ts]
+            return
+        firsts = [*by.firsts[1:], len(self._ts)]
+        out: list[int] = []
+        for k, off in enumerate(by.offsets):
+            out.extend(t - off for t in self._ts[by.firsts[k] : firsts[k]])
+        self._ts = out
 
     def hashes_of(self, ei: int) -> list[int]:
         """The block hashes of event ``ei``."""

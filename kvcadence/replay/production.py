@@ -69,7 +69,11 @@ import msgspec
 
 from kvcadence.format.namespace import namespace_of
 from kvcadence.gcpause import gc_paused
-from kvcadence.replay.clocks import outside_stores, records_offset
+from kvcadence.replay.clocks import (
+    outside_stores,
+    records_clock,
+    scheduler_stamps_on_records_clock,
+)
 from kvcadence.replay.flushes import FlushScan, RecordedFlush
 from kvcadence.replay.lanes import (
     Sessions,
@@ -461,14 +465,21 @@ def records_for_replay(
             scan = FlushScan(reader.header)
             index = StoreIndex.from_reader(reader, capture_settings(reader).page_size, scan)
         flushes = scan.result()
-        # the events on the records' clock when the two disagree (``clocks``)
-        off = records_offset(index, recs)
-        if off:
-            index.shift(off)
-            flushes = [dataclasses.replace(f, recv_ns=f.recv_ns - off) for f in flushes]
+        # the events on the records' clock when the two disagree (``clocks``), by stretch
+        # where the offset stepped during the capture
+        clock = records_clock(index, recs)
+        if clock:
+            index.shift(clock)
+            flushes = [
+                dataclasses.replace(f, recv_ns=f.recv_ns - clock.of_time(f.recv_ns))
+                for f in flushes
+            ]
         out, report = complete_records(
             recs, index, [f.recv_ns for f in flushes], lost_start=index.lost_start
         )
-    if off:
-        report["clock_offset_s"] = round(off / 1e9, 3)
+        out = scheduler_stamps_on_records_clock(out, clock)
+    if clock.offsets[0]:
+        report["clock_offset_s"] = round(clock.offsets[0] / 1e9, 3)
+    if len(clock.offsets) > 1:
+        report["clock_steps"] = clock.report()
     return out, report, flushes

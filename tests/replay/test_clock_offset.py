@@ -16,7 +16,7 @@ from kvcadence.cli import main
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import AllBlocksCleared, BlockRemoved
-from kvcadence.replay.clocks import best_covered, records_offset
+from kvcadence.replay.clocks import best_covered, records_clock, records_offset
 from kvcadence.replay.flushes import recorded_flushes
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.production import records_for_replay
@@ -65,12 +65,35 @@ def test_flushes_between_the_trials_despite_the_offset(tmp_path, capsys):
     assert flushes is not None and flushes[0].recv_ns < first  # on the records' clock
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in CORPUS.iterdir() if p.is_dir()))
+#: the corpus capture during which the box's wall clock stepped (twice: ``test_corpus.py``
+#: ``test_a_wall_clock_step_during_the_capture_is_followed``)
+STEPPED = "p16-tight-bench-serving-gsp"
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in CORPUS.iterdir() if p.is_dir() and p.name != STEPPED)
+)
 def test_no_offset_where_the_clocks_agree(name):
     rd = BundleReader(CORPUS / name / "bundle")
     recs = rd.requests()
     index = StoreIndex.from_reader(rd, capture_settings(rd).page_size)
     assert records_offset(index, recs) == 0
+    assert not records_clock(index, recs)  # nor a step
+
+
+def test_the_stepped_capture_s_stretches():
+    """One offset for the whole capture (+16.7 s, the last stretch's, which most requests
+    share) against the three stretches it has: 0, +1.2 s from event 16, +16.7 s from event
+    44 (each where the publish times jump by the change)."""
+    rd = BundleReader(CORPUS / STEPPED / "bundle")
+    recs = rd.requests()
+    index = StoreIndex.from_reader(rd, capture_settings(rd).page_size)
+    assert 16.5e9 < records_offset(index, recs) < 17e9
+    m = records_clock(index, recs)
+    assert m.firsts == (0, 16, 44) and m.offsets[0] == 0
+    assert 1.1e9 < m.offsets[1] < 1.3e9 and 16.5e9 < m.offsets[2] < 17e9
+    ts = index._ts
+    assert ts[44] - ts[43] > 15e9 and 0.5e9 < ts[16] - ts[15] < 1.5e9
 
 
 @given(
@@ -160,3 +183,54 @@ def test_requests_that_asked_for_prompt_logprobs_are_not_looked_at():
 
     assert records_offset(index, asked(-1)) == records_offset(index, recs) > 54e9
     assert records_offset(index, asked(0)) == 0
+
+
+def _spans(offsets: list[float], width: float = 1.0) -> list[tuple[int, tuple[int, int]]]:
+    """One request a store, in publish order: its range of offsets (s), ``width`` wide
+    around ``offsets[k]``."""
+    return [
+        (k, (int((o - width / 2) * 1e9), int((o + width / 2) * 1e9))) for k, o in enumerate(offsets)
+    ]
+
+
+def test_a_step_of_the_offset_starts_a_stretch_and_an_outlier_does_not():
+    from kvcadence.replay.clocks import STEP_CONFIRM, _stretches
+
+    assert len(_stretches(_spans([0.0] * 30))) == 1
+    # 16 s from the 20th store on: two stretches, cut there
+    two = _stretches(_spans([0.0] * 20 + [16.0] * 20))
+    assert [len(s) for s in two] == [20, 20] and two[1][0][0] == 20
+    # a few stores out of line (fewer than STEP_CONFIRM in a row) stay in their stretch
+    odd = [0.0] * 10 + [5.0] * (STEP_CONFIRM - 1) + [0.0] * 10
+    assert [len(s) for s in _stretches(_spans(odd))] == [len(odd)]
+
+
+def test_a_clock_map_offsets_events_and_times_by_stretch():
+    from kvcadence.format.schema import UNRECORDED_SOURCE, RequestRecord
+    from kvcadence.replay.clocks import ClockMap, scheduler_stamps_on_records_clock
+
+    m = ClockMap(firsts=(0, 3), starts=(0, 10_000), offsets=(0, 5_000))
+    assert bool(m) and not ClockMap()
+    assert [m.of_event(e) for e in range(5)] == [0, 0, 0, 5_000, 5_000]
+    assert (m.of_time(9_999), m.of_time(10_000)) == (0, 5_000)
+    assert m.report() == [{"at_event": 3, "offset_s": 0.0}]
+    idx = StoreIndex(16)
+    idx._ts = [1_000, 2_000, 3_000, 14_000, 15_000]
+    idx.shift(m)
+    assert idx._ts == [1_000, 2_000, 3_000, 9_000, 10_000]
+    # the scheduler's stamps of a metrics record move with the events, a rebuilt
+    # request's (on the records' clock already) and the tokenizer's stamps do not
+    big = ClockMap(firsts=(0, 1), starts=(0, 10**18), offsets=(0, 16 * 10**9))
+    mi = {
+        "request_received_ts": 1e9 + 1.0,
+        "forward_entry_time": 1e9 + 17.5,
+        "prefill_finished_time": 1e9 + 17.6,
+        "request_finished_ts": 1e9 + 3.0,
+    }
+    rec = RequestRecord(rid="a", input_ids=[1, 2], meta_info=mi, source="sglang-metrics")
+    lost = RequestRecord(rid="b", input_ids=[1, 2], meta_info=mi, source=UNRECORDED_SOURCE)
+    moved, kept = scheduler_stamps_on_records_clock([rec, lost], big)
+    assert moved.meta_info["forward_entry_time"] == pytest.approx(1e9 + 1.5)
+    assert moved.meta_info["prefill_finished_time"] == pytest.approx(1e9 + 1.6)
+    assert moved.meta_info["request_finished_ts"] == mi["request_finished_ts"]
+    assert kept is lost and scheduler_stamps_on_records_clock([rec], ClockMap())[0] is rec
