@@ -1,13 +1,19 @@
 """The offset between a capture's two clocks: its event stream's and its request records'.
 
-What this file owns: ``records_offset(index, records)``, and ``outside_stores(index,
-records)`` (the records that lie outside the span of the capture's stores, on the records'
-clock: they published nothing the capture holds). A production capture times its
-events by the capture host's receive clock (``recv_ns``) and the scheduler's payload ``ts``,
-and its requests by SGLang's request log (``request_received_ts`` / ``request_finished_ts``
-of the tokenizer manager). The two agree within milliseconds on one healthy host, but not
-always: a capture host other than the worker's, or a worker whose wall-clock anchor moved
-(``tests/replay/data/clock-offset-touch``: the records 54.9 s behind both event clocks).
+What this file owns: ``records_offset(index, records)``, the same as a step function over
+the capture (``records_clock``, a ``ClockMap``: where the wall clock stepped during it),
+``scheduler_stamps_on_records_clock`` (the records' own scheduler stamps moved with the
+events), and ``outside_stores(index, records)`` (the records that lie outside the span of
+the capture's stores, on the records' clock: they published nothing the capture holds). A
+production capture times its events by the capture host's receive clock (``recv_ns``) and
+the scheduler's payload ``ts``, and its requests by SGLang's request log
+(``request_received_ts`` / ``request_finished_ts`` of the tokenizer manager). The two agree
+within milliseconds on one healthy host, but not always: a capture host other than the
+worker's, or a wall-clock step (an NTP correction) after the tokenizer manager started:
+SGLang 0.5.23 converts its monotonic stamps to wall time with the difference it read last,
+which its scheduler re-reads at every request it receives and its tokenizer manager only at
+its start (``tests/replay/data/clock-offset-touch``: the records 54.9 s behind both event
+clocks; corpus ``p16-tight-bench-serving-gsp``: two steps during the capture).
 The replay compares them directly -- recorded flushes are placed among the requests by
 time, the production inference searches a request's stores between its receive and its
 finish -- so with an offset every flush lands after every request and no store is found.
@@ -150,7 +156,7 @@ def records_clock(index: Any, records: Sequence[Any]) -> ClockMap:
     wall clock stepped during the capture (an NTP correction: SGLang's tokenizer manager
     converts its monotonic stamps with the wall-clock difference read at its start, its
     scheduler re-reads it at every request it receives, so after a step the two disagree by
-    it; `p16-tight-bench-serving-gsp`: +16.3 s from 16 s into the capture on). A stretch
+    it; ``p16-tight-bench-serving-gsp``: +1.2 s from 5 s in, +16.7 s from 16 s in). A stretch
     is ``STEP_CONFIRM`` consecutive ranges that agree among themselves and not with the
     stretch before (fewer: outliers, left in it)."""
     spans = _spans(index, records)
