@@ -124,9 +124,17 @@ def figures(payloads: Sequence[bytes], requests: Sequence[Any]) -> dict[str, Any
                 hashes.update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
                 removed.append(len(e.block_hashes))
-    n = max(len(requests), 1)
+    cached = {r.rid: r.cached_tokens for r in requests}
+    return _figures(len(requests), stored, removed, hashes, cached)
+
+
+def _figures(
+    n_requests: int, stored: list[int], removed: list[int], hashes: set[Any], cached: dict
+) -> dict[str, Any]:
+    """The figures of events (``stored``/``removed``: blocks per event) and requests."""
+    n = max(n_requests, 1)
     return {
-        "requests": len(requests),
+        "requests": n_requests,
         "stored_per_req": len(stored) / n,
         "stored_median": statistics.median(stored) if stored else None,
         "removed_per_req": len(removed) / n,
@@ -135,28 +143,20 @@ def figures(payloads: Sequence[bytes], requests: Sequence[Any]) -> dict[str, Any
         "stored": stored,
         "removed": removed,
         "hashes": hashes,
-        "cached": {r.rid: r.cached_tokens for r in requests},
+        "cached": cached,
     }
 
 
 def pooled(per_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The figures of several ranks together (``analysis.ranks``' ``all``, as the corpus test
     judges a DP capture): events and requests pooled, each hash by its rank."""
-    stored = [n for f in per_rank.values() for n in f["stored"]]
-    removed = [n for f in per_rank.values() for n in f["removed"]]
-    n = sum(f["requests"] for f in per_rank.values())
-    return {
-        "requests": n,
-        "stored_per_req": len(stored) / max(n, 1),
-        "stored_median": statistics.median(stored) if stored else None,
-        "removed_per_req": len(removed) / max(n, 1),
-        "removed_median": statistics.median(removed) if removed else None,
-        "removed_mean": statistics.fmean(removed) if removed else None,
-        "stored": stored,
-        "removed": removed,
-        "hashes": {(k, h) for k, f in per_rank.items() for h in f["hashes"]},
-        "cached": {rid: c for f in per_rank.values() for rid, c in f["cached"].items()},
-    }
+    return _figures(
+        sum(f["requests"] for f in per_rank.values()),
+        [n for f in per_rank.values() for n in f["stored"]],
+        [n for f in per_rank.values() for n in f["removed"]],
+        {(k, h) for k, f in per_rank.items() for h in f["hashes"]},
+        {rid: c for f in per_rank.values() for rid, c in f["cached"].items()},
+    )
 
 
 def bars(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, bool]:

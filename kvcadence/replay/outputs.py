@@ -335,11 +335,8 @@ class StoreIndex:
         return self._ts[ei]
 
     def shift(self, by: Any) -> None:
-        """Every event's publish time less ``by`` (onto the request records' clock): a
-        number of ns (``clocks.records_offset``) or a ``clocks.ClockMap``, event by event."""
-        if isinstance(by, int):
-            self._ts = [t - by for t in self._ts]
-            return
+        """Every event's publish time less its offset in ``by`` (a ``clocks.ClockMap``):
+        onto the request records' clock, stretch by stretch."""
         firsts = [*by.firsts[1:], len(self._ts)]
         out: list[int] = []
         for k, off in enumerate(by.offsets):

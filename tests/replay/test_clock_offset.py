@@ -16,7 +16,7 @@ from kvcadence.cli import main
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import AllBlocksCleared, BlockRemoved
-from kvcadence.replay.clocks import best_covered, records_clock, records_offset
+from kvcadence.replay.clocks import ClockMap, best_covered, records_clock, records_offset
 from kvcadence.replay.flushes import recorded_flushes
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.production import records_for_replay
@@ -152,7 +152,7 @@ def test_records_outside_the_stores_span_are_counted_on_the_records_clock():
     recs = reader.requests()
     times = [(_arrival(r), _finish(r)) for r in recs]
     assert outside_stores(index, times) == (len(recs), 0)
-    index.shift(records_offset(index, recs))
+    index.shift(ClockMap(offsets=(records_offset(index, recs),)))
     assert outside_stores(index, times) == (0, 0)
     _, report, _ = records_for_replay(BundleReader(BUNDLE))
     assert (report["records_before_capture"], report["records_after_capture"]) == (0, 0)
