@@ -8,6 +8,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcadence-installed
 # the slowest tests named at the end of every run (where CI's time goes)
 PYTEST_ARGS ?= --durations=25
+# the tests that need no real SGLang worker run on every core (pytest-xdist, at most 4
+# processes); those that drive the real worker (or import the real PrefillAdder) run after
+# them, one at a time: a worker's capture is timing, and a second test beside it would load
+# the cores it runs on (2 cores on CI: 8 min + ~10 min against ~24 min, one process)
+PARALLEL := -n auto --maxprocesses 4
+REAL_WORKER := sglang_worker or sglang_adder
 CHROMIUM ?= /usr/bin/chromium
 BROWSER_FAILED := make browser: chromium is missing and apt-get could not install it (needs root \
 and Debian's package sources); install chromium, then rerun
@@ -36,10 +42,11 @@ browser:
 	  >/dev/null || { echo "$(BROWSER_FAILED)" >&2; exit 1; }
 
 test: lint browser
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) -m 'not ($(REAL_WORKER))' $(PYTEST_ARGS)
+	$(PY) -m pytest -m '$(REAL_WORKER)' $(PYTEST_ARGS)
 
 test-fast: lint browser
-	$(PY) -m pytest -m 'not sglang_worker and not sglang_adder and not torchrun' $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) -m 'not ($(REAL_WORKER)) and not torchrun' $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvcadence demo
