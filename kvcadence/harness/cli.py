@@ -139,6 +139,15 @@ def _register_harness(sub: Any) -> None:
         "traces\"; `kvcadence replay --trace-evictions` writes the simulator's)",
     )
     st.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a tokenizer directory for the worker (--tokenizer-path DIR instead of "
+        "--skip-tokenizer-init): it then takes text prompts and serves /v1/chat/completions "
+        "with the tokenizer's chat template, as a production worker does (the tiny model has "
+        "no tokenizer of its own: docs/production.md shows a word-level one of its 1024 ids)",
+    )
+    st.add_argument(
         "--no-enable-metrics",
         action="store_true",
         help="do not pass --enable-metrics (no request_received_ts etc. in meta_info; how "
@@ -197,6 +206,7 @@ def run_harness(args: argparse.Namespace) -> int:
             env=_env_pairs(args.env),
             extra_args=_extra_args(args.extra_arg),
             trace_evictions=args.trace_evictions,
+            tokenizer=_tokenizer_dir(args.tokenizer),
         )
         h = harness.start_server(
             cfg, workdir, ready_timeout=args.ready_timeout, detach=True, quiet=False
@@ -232,6 +242,8 @@ _HARNESS_OWNED = (
     "--dp-size",
     "--kv-events-config",
     "--export-metrics-to-file-dir",
+    "--tokenizer-path",
+    "--skip-tokenizer-init",
 )
 
 
@@ -253,6 +265,17 @@ def _extra_args(items: list[str]) -> list[str]:
                 )
         out += parts
     return out
+
+
+def _tokenizer_dir(path: str | None) -> str | None:
+    """``--tokenizer DIR`` -> its absolute path (the worker runs in its own directory);
+    UsageError where DIR holds no ``tokenizer_config.json``."""
+    if path is None:
+        return None
+    d = Path(path).resolve()
+    if not (d / "tokenizer_config.json").is_file():
+        raise UsageError(f"--tokenizer {path}: no tokenizer_config.json there")
+    return str(d)
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:

@@ -84,6 +84,10 @@ class ServerConfig:
     #: a file the worker appends its tree evictions to (``sglang_cpu/sitecustomize.py``;
     #: ``harness start --trace-evictions``); None: no trace
     trace_evictions: str | None = None
+    #: a tokenizer directory (``--tokenizer-path``): the worker tokenizes text prompts and
+    #: serves ``/v1/chat/completions`` with its chat template; None: ``--skip-tokenizer-init``
+    #: (token-id prompts only; the tiny model ships no tokenizer)
+    tokenizer: str | None = None
 
 
 #: the variable ``sglang_cpu/sitecustomize.py`` reads: where the worker traces its evictions
@@ -216,7 +220,7 @@ def build_command(
         "torch_native",
         "--sampling-backend",
         "pytorch",
-        "--skip-tokenizer-init",
+        *(["--tokenizer-path", cfg.tokenizer] if cfg.tokenizer else ["--skip-tokenizer-init"]),
         "--page-size",
         str(cfg.page_size),
         "--max-total-tokens",

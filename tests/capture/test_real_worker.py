@@ -652,6 +652,26 @@ def test_harness_start_extra_args_reach_the_command(tmp_path, harness_starts, ca
     assert "--port is set by the harness" in err and "--page-size is set by" in err
 
 
+def test_harness_start_tokenizer_makes_a_text_worker(tmp_path, harness_starts, capsys):
+    from kvcadence.harness import worker as harness
+
+    seen = harness_starts
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    argv = ["harness", "start", "--workdir", str(tmp_path / "w")]
+    assert main([*argv, "--tokenizer", str(tok)]) == 2  # no tokenizer_config.json there
+    assert "--tokenizer" in capsys.readouterr().err and not seen
+    (tok / "tokenizer_config.json").write_text("{}")
+    assert main([*argv, "--tokenizer", str(tok)]) == 0
+    cmd, _ = harness.build_command(seen[0], tmp_path, tmp_path, [1, 2, 3], tmp_path)
+    at = cmd.index("--tokenizer-path")
+    assert cmd[at + 1] == str(tok.resolve()) and "--skip-tokenizer-init" not in cmd
+    capsys.readouterr()
+    for bad in ("--extra-arg=--skip-tokenizer-init", "--extra-arg=--tokenizer-path x"):
+        assert main([*argv, bad]) == 2  # the flag decides which one the worker gets
+    assert "is set by the harness" in capsys.readouterr().err and len(seen) == 1
+
+
 def test_venv_location_and_staleness(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVCADENCE_SGLANG_VENV", str(tmp_path / "venv"))
