@@ -49,6 +49,8 @@ OTHER_FLAGS = {
     "--sampling-backend",
     "--skip-server-warmup",
     "--skip-tokenizer-init",
+    # the SGLang flag ``harness start --tokenizer`` passes (docs/production.md)
+    "--tokenizer-path",
     # Dynamo's mocker command and bench/peers/run_mocker.py (docs/peers.md)
     "--block-size",
     "--discovery-backend",

@@ -12,6 +12,17 @@ prompt's last full page can lie inside a system prompt every session shares). Wh
 follows in Q's prompt (chat-template tokens, the new user turn) is ignored: the longest
 common prefix over anchors, not strict containment.
 
+Where no anchor lies on Q's path, the block Q's prefill attached to may lie *inside* R's
+finish store (``Node.out_run``): Q holds R's prompt and the first part of R's answer, then
+parts from it -- a chat client sends the answer back as the worker's text of it, and that
+text tokenized again need not give the same ids (a dropped special token, a merge the
+tokenizer makes otherwise). That R is Q's predecessor too (as an end anchor), under the same
+``extends`` check, while R has no successor yet (a later prompt through part of an answer
+that has a next turn continues another request that answered the same: a repeated prompt
+at temperature 0, corpus ``dp2-p8-attach-late-ring4-http-clients``) (measured on SGLang's benchmark client over ``/v1/chat/completions``,
+corpus ``p4-nooverlap-chat-retok-bench-serving``: 18 of its 169 next turns were linked
+without this, all 169 with it, and no other corpus capture's links moved).
+
 Ties at one anchor (identical sequences) go to an R that has no successor yet, then to the
 one that finished last, then to the later index: deterministic, and nothing is read from
 rid text. Limits: a context truncated or rewritten *inside* the predecessor's prompt has no
@@ -86,6 +97,10 @@ class Node:
     #: request without a finish store): the later prompts that take it for their
     #: predecessor keep it only when they are one conversation (``unlink_shared_open_tails``)
     open_tail: bool = False
+    #: its finish store's run ``(event, first page, pages)`` (``outputs.StoreIndex``): a
+    #: prompt whose cached prefix ends inside it holds its prompt and the first part of its
+    #: answer, as far as the client's text of it tokenized back to the same ids
+    out_run: tuple[int, int, int] | None = None
     pred: int | None = None
     has_successor: bool = False
 
@@ -127,8 +142,10 @@ def infer_predecessors(
         order = arrival_order(nodes)
     if by_finish is None:
         by_finish = finish_order(nodes, range(len(nodes)))
-    hits, hit_hash = _anchor_positions(nodes, hashes)
+    hits, hit_hash, base_at = _anchor_positions(nodes, hashes)
     anchors: dict[int, list[tuple[int, int]]] = {}  # hash -> [(kind, index)], 0 = end
+    runs: _Runs | None = None  # built at the first attach block it is asked about
+    ready = [False] * len(nodes)  # its anchors are candidates (finished, or ready early)
     fins = cast("list[int]", [nodes[r].finish_ns for r in by_finish])  # ascending
     fi = 0
     # anchors ready before their finish (``Node.ready_ns``), by that time
@@ -147,12 +164,14 @@ def infer_predecessors(
         while ek < len(early) and early[ek][0] < at[q]:
             _add_anchors(anchors, nodes[early[ek][1]], early[ek][1])
             added.add(early[ek][1])
+            ready[early[ek][1]] = True
             ek += 1
         if fi < len(fins) and fins[fi] <= at[q]:
             stop = bisect_right(fins, at[q], fi)
             for r in by_finish[fi:stop]:  # finished by now: their anchors become candidates
                 if r not in added:
                     _add_anchors(anchors, nodes[r], r)
+                ready[r] = True
             fi = stop
         if not anchors:
             continue
@@ -182,6 +201,21 @@ def infer_predecessors(
                 found = anchors.get(node.base)
                 if found:
                     hit = [x for x in found if x[1] != q and (extends is None or extends(q, x[1]))]
+        if not hit and node.base in base_at:
+            # no anchor on the path: the prefill attached inside a finished request's
+            # answer (the client's text of it tokenized back differs further on); its next
+            # turn only while it has none (a later prompt through part of an answer that
+            # has one continues another request that answered the same, at temperature 0)
+            if runs is None:
+                runs = _Runs(nodes, offsets)
+            hit = [
+                (0, r)
+                for r in runs.holding(base_at[node.base])
+                if r != q
+                and ready[r]
+                and not nodes[r].has_successor
+                and (extends is None or extends(q, r))
+            ]
         if not hit:
             continue
         best = hit[0]
@@ -240,17 +274,67 @@ def _add_anchors(anchors: dict[int, list[tuple[int, int]]], rn: Node, r: int) ->
         anchors.setdefault(rn.prompt_anchor, []).append((1, r))
 
 
-def _anchor_positions(nodes: Sequence[Node], hashes: np.ndarray) -> tuple[list[int], list[int]]:
+def _anchor_positions(
+    nodes: Sequence[Node], hashes: np.ndarray
+) -> tuple[list[int], list[int], dict[int, list[int]]]:
     """The positions in ``hashes`` holding some node's anchor (ascending), and the hash at
-    each: the only places of a prefill segment a lookup has to look at. Found by one
-    vectorised pass over every stored hash (a table of the anchors' low bits: a gather per
-    hash), the few candidates checked exactly, instead of a set lookup per segment page."""
+    each: the only places of a prefill segment a lookup has to look at; and, where some node
+    has a finish run (``Node.out_run``), the positions of every prefill's attach block
+    (``Node.base``) that is no anchor, by hash (among the first two lists too: a segment's
+    lookup passes over a position whose hash is no anchor). Found by one vectorised pass over every stored hash
+    (a table of the wanted hashes' low bits: a gather per hash), the few candidates checked
+    exactly, instead of a set lookup per segment page."""
     want = {a for n in nodes for a in (n.end_anchor, n.prompt_anchor) if a is not None}
     want.update(h for n in nodes for h in n.out_pages or ())
-    if not want or not len(hashes):
-        return [], []
-    cand = matches(hashes, np.fromiter(want, np.int64, len(want)))
-    return cand.tolist(), hashes[cand].tolist()
+    # (an attach block that is an anchor is looked up as one)
+    bases = (
+        {n.base for n in nodes if n.base is not None} - want
+        if any(n.out_run for n in nodes)
+        else set()
+    )
+    every = want | bases
+    if not every or not len(hashes):
+        return [], [], {}
+    cand = matches(hashes, np.fromiter(every, np.int64, len(every)))
+    pos, got = cand.tolist(), hashes[cand].tolist()
+    base_at: dict[int, list[int]] = {}
+    for p, h in zip(pos, got, strict=True):
+        if h in bases:
+            base_at.setdefault(h, []).append(p)
+    return pos, got, base_at
+
+
+class _Runs:
+    """Every finish run (``Node.out_run``) by its first position in the capture's hashes:
+    which nodes' answers hold a stored position."""
+
+    __slots__ = ("_runs", "_starts")
+
+    def __init__(self, nodes: Sequence[Node], offsets: Sequence[int]) -> None:
+        runs = [
+            (offsets[run[0]] + run[1], run[2], r)
+            for r, run in enumerate([n.out_run for n in nodes])
+            if run is not None
+        ]
+        runs.sort()
+        self._runs = runs
+        self._starts = [x[0] for x in runs]
+
+    def holding(self, positions: Iterable[int]) -> list[int]:
+        """The nodes whose finish run holds one of ``positions`` (runs do not overlap but
+        where two nodes claimed the same one)."""
+        out: list[int] = []
+        runs = self._runs
+        for p in positions:
+            k = bisect_right(self._starts, p)
+            if not k:
+                continue
+            start = runs[k - 1][0]
+            while k and runs[k - 1][0] == start:
+                k -= 1
+                if p < start + runs[k][1]:
+                    out.append(runs[k][2])
+        return out
 
 
 def _anchored_rest(

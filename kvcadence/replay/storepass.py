@@ -202,6 +202,7 @@ def match_stores(  # noqa: C901 - one pass, its per-record steps inline (see bel
                 taken.setdefault(got[3], i)
                 if runs is None:
                     claims.append((got[3][0], got[3][1], len(got[0]) // ps, rk))
+                    node.out_run = (got[3][0], got[3][1], len(got[0]) // ps)
             elif h is not None:
                 key = page_key(h, rk)
                 no_finish[key] = max(Kq, no_finish.get(key, 0))

@@ -131,6 +131,8 @@ OTHER_CLIENT_CAPTURES = (
     "p32-nooverlap-zipf-bench-serving-gsp",
     "p4-flush-bench-serving-gsp",
     "p16-tight-bench-serving-gsp",
+    "p16-chat-agentic-bench-serving",
+    "p4-nooverlap-chat-retok-bench-serving",
 )
 
 #: recipes recorded again, unchanged, to measure the worker against itself: the same
@@ -1616,6 +1618,63 @@ def test_sglang_s_benchmark_client_is_open_loop_single_shots(name, groups, outpu
     assert rep["outputs_from_events"] == n - missing
     assert sum(rep["outputs_synthetic"].values()) == missing
     assert rep["unrecorded_rebuilt"] == 0 and rep["idle_client_joins"] == 0
+
+
+#: the chat template's end-of-message word (``t1003``: tests/replay/data/corpus/README.md)
+CHAT_END = 1003
+
+
+@pytest.mark.parametrize(
+    ("name", "turns", "clients", "from_next_prompt"),
+    [
+        ("p16-chat-agentic-bench-serving", {3: 15, 4: 9, 5: 11, 6: 11}, 6, 156),
+        # the worker's text of an answer drops its words t0 and t3..t99 (special tokens):
+        # tokenized back, a next turn holds its predecessor's answer only up to the first
+        ("p4-nooverlap-chat-retok-bench-serving", {3: 7, 4: 5, 5: 8, 6: 12, 7: 8}, 5, 14),
+    ],
+)
+def test_sglang_s_benchmark_client_multi_turn_chats_are_its_conversations(
+    name, turns, clients, from_next_prompt
+):
+    """The captures of SGLang's benchmark client replaying multi-turn conversations (its
+    agentic-trace dataset) over ``/v1/chat/completions``, a few at a time, each
+    conversation's turns in order: every turn's prompt is the worker's chat template over
+    the conversation so far, the assistant's answers as the worker's own text, tokenized
+    again. A request's conversation is read off its prompt (its system prompt and first user
+    message: the template's first two messages, up to the second end word); the inference,
+    which reads no text and no rid, finds exactly those sessions, each in prompt order, and
+    as many clients as the client ran conversations at a time. On the second capture the
+    worker's text of an answer loses about one word in ten, so a next turn's prompt parts
+    from its predecessor's answer a few tokens in: its cached prefix ends inside the
+    predecessor's finish store, on no anchor (before the finish stores' runs were looked
+    at, 18 of its 169 turns were linked, 191 sessions for 40)."""
+    recs, rep, _ = inferred(name)
+
+    def conversation(r: Any) -> tuple[int, ...]:
+        ids = list(r.input_ids)
+        second = [k for k, x in enumerate(ids) if x == CHAT_END][1]
+        return tuple(ids[: second + 1])
+
+    truth: dict[tuple[int, ...], set[str]] = {}
+    got: dict[tuple[Any, Any], list[Any]] = {}
+    for r in recs:
+        truth.setdefault(conversation(r), set()).add(r.rid)
+        got.setdefault((r.lane, r.session), []).append(r)
+    assert Counter(len(v) for v in truth.values()) == turns
+    assert {frozenset(v) for v in truth.values()} == {
+        frozenset(r.rid for r in v) for v in got.values()
+    }
+    for v in got.values():  # turn k's prompt is the k-th longest
+        assert [r.turn for r in sorted(v, key=lambda r: len(r.input_ids))] == list(range(len(v)))
+    n = sum(turns.values())
+    assert (rep["requests"], rep["sessions"], rep["with_predecessor"]) == (
+        sum(k * c for k, c in turns.items()),
+        n,
+        sum((k - 1) * c for k, c in turns.items()),
+    )
+    assert len({r.lane for r in recs}) == rep["clients"] == clients
+    assert rep["outputs_from_events"] == rep["requests"] and not rep["outputs_synthetic"]
+    assert rep["outputs_from_next_prompt"] == from_next_prompt
 
 
 def test_a_wall_clock_step_during_the_capture_is_followed():

@@ -620,6 +620,47 @@ def test_index_pass_reads_notes_raw_and_finds_the_same_flushes(tmp_path):
     assert scan.result() == want == recorded_flushes(BundleReader(tmp_path / "b"))
 
 
+def test_a_prompt_that_parts_inside_an_answer_follows_it():
+    """A next turn whose cached prefix ends inside its predecessor's answer (the client sent
+    back text that tokenizes otherwise a few tokens in) attaches its prefill to a middle page
+    of that request's finish store, on neither of its anchors: that request is its
+    predecessor while it has no next turn yet and was finished when it arrived."""
+    import numpy as np
+
+    from kvcadence.replay.sessions import infer_predecessors
+
+    P, O1, O2, E, X1, X2, Y1 = (101, 102, 103, 104, 105, 106, 107)
+    # event 0: R's finish store (its prompt's last page P, then three answer pages), event
+    # 1: Q's prefill past O1, event 2: another prefill past O1
+    hashes = np.array([P, O1, O2, E, X1, X2, Y1], np.int64)
+    offs = [0, 4, 6]
+
+    def nodes(q_arrival: int, second: bool = False) -> list[Node]:
+        r = Node(0, 10, prompt_anchor=P, end_anchor=E, out_run=(0, 1, 3))
+        q = Node(q_arrival, 40, segs=[(0, 1, 0, 2)], base=O1)
+        out = [r, q]
+        if second:  # a later prompt through the same part of R's answer
+            out.append(Node(q_arrival + 5, 50, segs=[(0, 2, 0, 1)], base=O1))
+        return out
+
+    ns = nodes(20)
+    infer_predecessors(ns, hashes, offs)
+    assert ns[1].pred == 0 and ns[0].has_successor
+    ns = nodes(5)  # R not finished yet when Q arrived
+    infer_predecessors(ns, hashes, offs)
+    assert ns[1].pred is None
+    ns = nodes(20, second=True)  # R's next turn is Q: the later one continues another answer
+    infer_predecessors(ns, hashes, offs)
+    assert (ns[1].pred, ns[2].pred) == (0, None)
+    ns = nodes(20)
+    infer_predecessors(ns, hashes, offs, extends=lambda q, r: False)  # Q lacks R's prompt
+    assert ns[1].pred is None
+    ns = nodes(20)
+    ns[0].out_run = None  # no finish store found for R: nothing to attach inside
+    infer_predecessors(ns, hashes, offs)
+    assert ns[1].pred is None
+
+
 def test_anchors_are_looked_up_a_slice_at_a_time(monkeypatch):
     """``sessions._anchor_positions`` (looked up a slice at a time) gives what one pass over
     all of them gives, whatever the slice."""
