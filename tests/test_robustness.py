@@ -215,6 +215,7 @@ def test_corpus_captures_are_in_the_table(rob, tmp_path: Path):
         "corpus `dp2-p16-tight-long-http-clients-cancel`",
         "corpus `dp2-p8-nooverlap-flush-http-clients-cancel`",
         "corpus `dp2-p8-attach-late-ring4-http-clients`",
+        "corpus `dp2-p8-chat-retok-bench-serving`",
         "corpus `dp2-p16-tight-longout-nooverlap-http-clients-cancel`",
         "corpus `dp2-p1-chunk2048-longctx-http-clients-cancel`",
         "corpus `dp2-p8-parallel-http-clients-cancel`",
