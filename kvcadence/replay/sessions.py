@@ -64,14 +64,14 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import cast
 
 import numpy as np
 
-from kvcadence.replay.sieve import matches
+from kvcadence.replay.anchors import Runs, add_anchors, anchor_positions, anchored_rest
 
 
 @dataclass(slots=True)
@@ -142,9 +142,9 @@ def infer_predecessors(
         order = arrival_order(nodes)
     if by_finish is None:
         by_finish = finish_order(nodes, range(len(nodes)))
-    hits, hit_hash, base_at = _anchor_positions(nodes, hashes)
+    hits, hit_hash, base_at = anchor_positions(nodes, hashes)
     anchors: dict[int, list[tuple[int, int]]] = {}  # hash -> [(kind, index)], 0 = end
-    runs: _Runs | None = None  # built at the first attach block it is asked about
+    runs: Runs | None = None  # built at the first attach block it is asked about
     ready = [False] * len(nodes)  # its anchors are candidates (finished, or ready early)
     fins = cast("list[int]", [nodes[r].finish_ns for r in by_finish])  # ascending
     fi = 0
@@ -162,7 +162,7 @@ def infer_predecessors(
         # (strictly before: a request's own anchors are ready at its prefill, never before
         # its arrival)
         while ek < len(early) and early[ek][0] < at[q]:
-            _add_anchors(anchors, nodes[early[ek][1]], early[ek][1])
+            add_anchors(anchors, nodes[early[ek][1]], early[ek][1])
             added.add(early[ek][1])
             ready[early[ek][1]] = True
             ek += 1
@@ -170,14 +170,14 @@ def infer_predecessors(
             stop = bisect_right(fins, at[q], fi)
             for r in by_finish[fi:stop]:  # finished by now: their anchors become candidates
                 if r not in added:
-                    _add_anchors(anchors, nodes[r], r)
+                    add_anchors(anchors, nodes[r], r)
                 ready[r] = True
             fi = stop
         if not anchors:
             continue
         hit = None
         # the deepest anchor on the prompt's path first: the prefill segments' anchor
-        # positions (last segment first), then (``_anchored_rest``) every page hash of a
+        # positions (last segment first), then (``anchors.anchored_rest``) every page hash of a
         # prompt that stored nothing, the block the prefill attached to
         for _, ei, j, m in reversed(node.segs):
             lo = offsets[ei] + j
@@ -193,11 +193,11 @@ def infer_predecessors(
                 break
         else:
             if node.path:
-                for found in _anchored_rest(node, anchors):
+                for found in anchored_rest(node, anchors):
                     hit = [x for x in found if x[1] != q and (extends is None or extends(q, x[1]))]
                     if hit:
                         break
-            elif node.base is not None:  # ``_anchored_rest``'s only anchor here
+            elif node.base is not None:  # ``anchored_rest``'s only anchor here
                 found = anchors.get(node.base)
                 if found:
                     hit = [x for x in found if x[1] != q and (extends is None or extends(q, x[1]))]
@@ -207,7 +207,7 @@ def infer_predecessors(
             # turn only while it has none (a later prompt through part of an answer that
             # has one continues another request that answered the same, at temperature 0)
             if runs is None:
-                runs = _Runs(nodes, offsets)
+                runs = Runs(nodes, offsets)
             hit = [
                 (0, r)
                 for r in runs.holding(base_at[node.base])
@@ -261,99 +261,6 @@ def unlink_shared_open_tails(
         nodes[r].has_successor = False
         out += len(qs)
     return out
-
-
-def _add_anchors(anchors: dict[int, list[tuple[int, int]]], rn: Node, r: int) -> None:
-    """Request ``r``'s anchors become candidates: its end (kind 0), its prompt's (1)."""
-    if rn.end_anchor is not None:
-        anchors.setdefault(rn.end_anchor, []).append((0, r))
-    for h in rn.out_pages or ():
-        if h != rn.end_anchor:
-            anchors.setdefault(h, []).append((0, r))
-    if rn.prompt_anchor is not None and rn.prompt_anchor != rn.end_anchor:
-        anchors.setdefault(rn.prompt_anchor, []).append((1, r))
-
-
-def _anchor_positions(
-    nodes: Sequence[Node], hashes: np.ndarray
-) -> tuple[list[int], list[int], dict[int, list[int]]]:
-    """The positions in ``hashes`` holding some node's anchor (ascending), and the hash at
-    each: the only places of a prefill segment a lookup has to look at; and, where some node
-    has a finish run (``Node.out_run``), the positions of every prefill's attach block
-    (``Node.base``) that is no anchor, by hash (among the first two lists too: a segment's
-    lookup passes over a position whose hash is no anchor). Found by one vectorised pass over every stored hash
-    (a table of the wanted hashes' low bits: a gather per hash), the few candidates checked
-    exactly, instead of a set lookup per segment page."""
-    want = {a for n in nodes for a in (n.end_anchor, n.prompt_anchor) if a is not None}
-    want.update(h for n in nodes for h in n.out_pages or ())
-    # (an attach block that is an anchor is looked up as one)
-    bases = (
-        {n.base for n in nodes if n.base is not None} - want
-        if any(n.out_run for n in nodes)
-        else set()
-    )
-    every = want | bases
-    if not every or not len(hashes):
-        return [], [], {}
-    cand = matches(hashes, np.fromiter(every, np.int64, len(every)))
-    pos, got = cand.tolist(), hashes[cand].tolist()
-    base_at: dict[int, list[int]] = {}
-    for p, h in zip(pos, got, strict=True):
-        if h in bases:
-            base_at.setdefault(h, []).append(p)
-    return pos, got, base_at
-
-
-class _Runs:
-    """Every finish run (``Node.out_run``) by its first position in the capture's hashes:
-    which nodes' answers hold a stored position."""
-
-    __slots__ = ("_runs", "_starts")
-
-    def __init__(self, nodes: Sequence[Node], offsets: Sequence[int]) -> None:
-        runs = [
-            (offsets[run[0]] + run[1], run[2], r)
-            for r, run in enumerate([n.out_run for n in nodes])
-            if run is not None
-        ]
-        runs.sort()
-        self._runs = runs
-        self._starts = [x[0] for x in runs]
-
-    def holding(self, positions: Iterable[int]) -> list[int]:
-        """The nodes whose finish run holds one of ``positions`` (runs do not overlap but
-        where two nodes claimed the same one)."""
-        out: list[int] = []
-        runs = self._runs
-        for p in positions:
-            k = bisect_right(self._starts, p)
-            if not k:
-                continue
-            start = runs[k - 1][0]
-            while k and runs[k - 1][0] == start:
-                k -= 1
-                if p < start + runs[k][1]:
-                    out.append(runs[k][2])
-        return out
-
-
-def _anchored_rest(
-    node: Node, anchors: dict[int, list[tuple[int, int]]]
-) -> Iterator[list[tuple[int, int]]]:
-    """The anchored requests on ``node``'s prompt path past its prefill segments (which
-    ``infer_predecessors`` looks at first: only their anchor positions), deepest first:
-    every page hash of a prompt that stored nothing, then the block its prefill attached
-    to."""
-    if node.path:
-        if not anchors.keys().isdisjoint(node.path):
-            for h in reversed(node.path):
-                hit = anchors.get(h)
-                if hit:
-                    yield hit
-    if node.base is not None:
-        hit = anchors.get(node.base)
-        if hit:
-            yield hit
 
 
 def infer_clients(

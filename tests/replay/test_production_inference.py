@@ -662,23 +662,23 @@ def test_a_prompt_that_parts_inside_an_answer_follows_it():
 
 
 def test_anchors_are_looked_up_a_slice_at_a_time(monkeypatch):
-    """``sessions._anchor_positions`` (looked up a slice at a time) gives what one pass over
+    """``anchors.anchor_positions`` (looked up a slice at a time) gives what one pass over
     all of them gives, whatever the slice."""
     import numpy as np
 
     from kvcadence.format.hashes import norm_hash
-    from kvcadence.replay import sessions, sieve
+    from kvcadence.replay import anchors, sieve
 
     rng = random.Random(5)
     hashes = [rng.getrandbits(64) - (1 << 63) * rng.getrandbits(1) for _ in range(200)]
     want = [norm_hash(h) for h in hashes]
     arr = np.array(want, np.int64)
     nodes = [Node(0, 1, end_anchor=want[i], prompt_anchor=want[i + 1]) for i in (3, 50, 51, 198)]
-    whole = sessions._anchor_positions(nodes, arr)
+    whole = anchors.anchor_positions(nodes, arr)
     assert whole[0] == [3, 4, 50, 51, 52, 198, 199]
     for size in (1, 3, 64, 1 << 15):
         monkeypatch.setattr(sieve, "SLICE", size)
-        assert sessions._anchor_positions(nodes, arr) == whole
+        assert anchors.anchor_positions(nodes, arr) == whole
 
 
 @settings(max_examples=150, deadline=None)
