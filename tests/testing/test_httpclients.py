@@ -250,7 +250,10 @@ def test_sigterm_stops_the_capture_child_and_exits_130(monkeypatch, tmp_path, ca
 
     import kvcadence.testing.httpclients as hc
 
-    # the capture child: exits 0 on SIGINT, as ``kvcadence capture`` does
+    # the capture child: exits 0 on SIGINT, as ``kvcadence capture`` does. It waits in short
+    # sleeps, as the capture's poll loop does: a SIGINT that lands after Python's last
+    # signal check and before a long sleep begins is handled only when that sleep ends
+    # (a 60 s sleep here failed CI once: the child was still running, not yet asleep)
     child = subprocess.Popen(
         [
             sys.executable,
@@ -258,7 +261,8 @@ def test_sigterm_stops_the_capture_child_and_exits_130(monkeypatch, tmp_path, ca
             "import signal, sys, time\n"
             "signal.signal(signal.SIGINT, lambda *a: sys.exit(0))\n"
             "print('ready', flush=True)\n"
-            "time.sleep(60)",
+            "for _ in range(600):\n"
+            "    time.sleep(0.1)",
         ],
         stdout=subprocess.PIPE,
     )
