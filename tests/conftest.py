@@ -1,5 +1,8 @@
 """Shared fixtures: paths to the vendored reference data (golden vectors, a real SGLang capture),
-and ``harness_starts`` (``kvcadence harness start`` with a stand-in for the worker).
+and ``harness_starts`` (``kvcadence harness start`` with a stand-in for the worker); and
+``quiet_phases``, for every test: a command run in-process says no phase line (``replay:
+loading ...``) unless the test asks for them, so its stderr does not depend on how loaded
+the machine is (a phase line is said once a phase has run ``progress.SAY_AFTER_S``).
 
 Both live in ``tests/data`` (copied from the project's shared reference set; see
 ``tests/data/README.md``), so every test runs on a plain clone. A missing file is a broken
@@ -22,6 +25,16 @@ def data_path(*parts: str) -> Path:
     if not path.exists():
         pytest.fail(f"vendored test data missing: {path.relative_to(REPO)}")
     return path
+
+
+@pytest.fixture(autouse=True)
+def quiet_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No phase line from an in-process command unless the test lowers ``SAY_AFTER_S``
+    itself: under the parallel suite a load took over its half second and a test asserting
+    one error line read the ``loading`` line first."""
+    from kvcadence import progress
+
+    monkeypatch.setattr(progress, "SAY_AFTER_S", 3600.0)
 
 
 @pytest.fixture(scope="session")
