@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from kvcadence.capture.cli_live import add_redact_option
+
 NO_HEADER = "no header (damaged or not a kvcadence bundle)"
 
 
@@ -62,6 +64,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="add the --requests records to the existing bundle --out (new segment)",
     )
+    add_redact_option(p)
     p.set_defaults(_run=run_import)
 
 
@@ -90,6 +93,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    from kvcadence.capture.discovery import header_redactions
     from kvcadence.capture.importer import import_bundle
 
     s = import_bundle(
@@ -100,6 +104,7 @@ def run_import(args: argparse.Namespace) -> int:
         sglang_version=args.sglang_version,
         command=["kvcadence", *sys.argv[1:]],
         append=args.append,
+        redact=header_redactions(args.redact),
     )
     if s.appended:
         print(f"appended {s.requests} requests to {s.out}")

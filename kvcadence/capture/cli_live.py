@@ -115,6 +115,7 @@ def _register_capture(sub: Any) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no status line, no summary")
     _add_endpoint_opts(p)
+    add_redact_option(p)
     cli_tail.add_options(p)
     p.set_defaults(_run=run_capture)
     modes = p.add_subparsers(title="modes", metavar="MODE", dest="capture_mode")
@@ -161,6 +162,7 @@ def _register_capture(sub: Any) -> None:
         "last is left out, and counted: it published nothing the capture holds)",
     )
     imp.add_argument("--quiet", action="store_true", help="no summary line on stderr")
+    add_redact_option(imp)
     imp.set_defaults(_run=run_capture_import)
 
 
@@ -234,6 +236,7 @@ def _register_drive(sub: Any) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary lines")
     _add_endpoint_opts(p)
+    add_redact_option(p)
     p.set_defaults(_run=run_drive)
 
 
@@ -336,6 +339,19 @@ def from_now(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "from_now", False))
 
 
+def add_redact_option(p: argparse.ArgumentParser) -> None:
+    """``--redact PATH`` (repeatable) on a command that writes a bundle header
+    (``discovery.header_redactions``)."""
+    p.add_argument(
+        "--redact",
+        action="append",
+        metavar="PATH",
+        help="also scrub PATH (a model or tokenizer directory, say) from the bundle header's "
+        "server_info and command line: it becomes <redacted> (repeatable; the home, temp and "
+        "harness directories are always scrubbed)",
+    )
+
+
 def command_line() -> list[str]:
     """The command line recorded in a header: ``["kvcadence", <args>]`` (never the path of
     the interpreter's script; paths in the args are scrubbed by ``make_header``)."""
@@ -363,6 +379,7 @@ def run_capture(args: argparse.Namespace) -> int:
         server_info=info,
         command=command_line(),
         workdirs=discovery.harness_workdirs(args.server, info),
+        more=discovery.header_redactions(args.redact, args.server),
     )
     logs = cli_tail.open_tail(args, info)  # bad log paths fail before anything opens
     rec = _make_recorder(args, eps, duration_s=args.duration, until_idle_s=args.until_idle)
@@ -406,7 +423,7 @@ def check_recorded(stats: Any, eps: list[Any], out: str) -> None:
 
 def run_capture_import(args: argparse.Namespace) -> int:
     from kvcadence.capture import sglang_logs
-    from kvcadence.capture.discovery import make_header
+    from kvcadence.capture.discovery import header_redactions, make_header
     from kvcadence.capture.importer import check_request_record
     from kvcadence.capture.rids import UniqueRids, bundle_rids, known_rid
     from kvcadence.capture.window import RecordWindow, event_window
@@ -415,6 +432,7 @@ def run_capture_import(args: argparse.Namespace) -> int:
 
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
+    more = header_redactions(args.redact)
     # each log as it is now (sizes taken: a live worker's later lines are not read), read
     # once, a line at a time, each record validated as it is written -- never every record
     # in memory; a bad one undoes the whole import (below)
@@ -447,7 +465,9 @@ def run_capture_import(args: argparse.Namespace) -> int:
     if created:  # all or nothing: staged, moved into place once every record is written
         with (
             staged_bundle(out) as tmp,
-            BundleWriter(tmp, make_header([], server_info=None, command=command_line())) as w,
+            BundleWriter(
+                tmp, make_header([], server_info=None, command=command_line(), more=more)
+            ) as w,
         ):
             for rec in validated(set()):
                 w.write(rec)
@@ -493,7 +513,10 @@ def run_drive(args: argparse.Namespace) -> int:
             else (discovery.endpoints_from_server_info(info, args.server), None)
         )
     workdirs = discovery.harness_workdirs(args.server, info)
-    header = discovery.make_header(eps, server_info=info, command=command_line(), workdirs=workdirs)
+    more = discovery.header_redactions(args.redact, args.server)
+    header = discovery.make_header(
+        eps, server_info=info, command=command_line(), workdirs=workdirs, more=more
+    )
     if args.segment_mb <= 0:
         raise UsageError("--segment-mb must be > 0")
     rec = None if args.no_capture else _make_recorder(args, eps)
@@ -506,7 +529,7 @@ def run_drive(args: argparse.Namespace) -> int:
     note = Annotation(
         kind="workload",
         recv_ns=time.time_ns(),
-        data=discovery.redact_paths(wl.describe(), workdirs),
+        data=discovery.redact_paths(wl.describe(), workdirs, more),
     )
     progress = None if args.quiet or not sys.stderr.isatty() else _progress_bar(wl)
     host = [_host_note("start")]

@@ -10,8 +10,10 @@ Also owned here: the check of endpoint URLs (``check_endpoint``: ``tcp://HOST:PO
 host name, IPv4 or ``[IPv6]`` address and a port 1-65535, ``ipc://PATH``, ``inproc://NAME``),
 done before any socket or file exists, and the scrubbing of machine paths from what goes
 into a bundle header (``redact_paths``): the home directory becomes ``~``, a harness work
-directory ``<harness-workdir>``, the system temp directory ``<tmp>``. Only the header copy is
-scrubbed; the program keeps using the real paths.
+directory ``<harness-workdir>`` (and its worker's ``--tokenizer`` directory
+``<harness-tokenizer>``), the system temp directory ``<tmp>``, and each ``--redact PATH``
+``<redacted>`` (``header_redactions``). Only the header copy is scrubbed; the program keeps
+using the real paths.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -58,7 +60,9 @@ _HOSTNAME = re.compile(
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
 )
 HARNESS_PLACEHOLDER = "<harness-workdir>"
+HARNESS_TOKENIZER_PLACEHOLDER = "<harness-tokenizer>"
 TMP_PLACEHOLDER = "<tmp>"
+REDACTED_PLACEHOLDER = "<redacted>"
 
 
 def endpoint_problem(url: str) -> str | None:
@@ -108,14 +112,21 @@ def check_endpoint(url: str, what: str = "--endpoint") -> str:
     return url
 
 
-def redact_paths(value: Any, workdirs: Iterable[str | os.PathLike[str]] = ()) -> Any:
+def redact_paths(
+    value: Any,
+    workdirs: Iterable[str | os.PathLike[str]] = (),
+    more: Mapping[str, str] | None = None,
+) -> Any:
     """A copy of ``value`` (JSON-like: dicts, lists, strings) with machine paths scrubbed:
-    inside every string, a ``workdirs`` entry becomes ``<harness-workdir>``, the home
-    directory ``~`` and the system temp directory ``<tmp>`` (longest prefix first, whole path
-    components only). Dict keys are kept; non-strings are returned as they are."""
+    inside every string, a ``workdirs`` entry becomes ``<harness-workdir>``, a ``more`` path
+    its placeholder (``header_redactions``), the home directory ``~`` and the system temp
+    directory ``<tmp>`` (longest prefix first, whole path components only). Dict keys are
+    kept; non-strings are returned as they are."""
     subs: list[tuple[str, str]] = []
     for w in workdirs:
         subs.append((os.path.normpath(os.fspath(w)), HARNESS_PLACEHOLDER))
+    for path, placeholder in (more or {}).items():
+        subs.append((os.path.normpath(path), placeholder))
     home = str(Path.home())
     if home not in ("", "/"):
         subs.append((os.path.normpath(home), "~"))
@@ -168,6 +179,33 @@ def harness_workdirs(server_url: str | None, info: dict[str, Any] | None) -> lis
                     out.append(wd)
         except (OSError, ValueError, TypeError):
             pass
+    return out
+
+
+def header_redactions(
+    redact: Iterable[str] | None, server_url: str | None = None
+) -> dict[str, str]:
+    """The paths a capture's header must not name beyond home, temp and harness workdirs:
+    each ``--redact PATH`` (as given and made absolute, symlinks resolved too) ->
+    ``<redacted>``, and the ``--tokenizer`` directory of the harness worker recorded on
+    ``server_url``'s port -> ``<harness-tokenizer>``. ``UsageError`` for an empty PATH or
+    the root directory (it would scrub every absolute path)."""
+    out: dict[str, str] = {}
+    if server_url:
+        try:
+            st = json.loads(harness.state_path().read_text())
+            port = urlsplit(server_url).port
+            tok = st.get("tokenizer") if isinstance(st, dict) else None
+            if port is not None and int(st.get("port", -1)) == port and isinstance(tok, str):
+                if os.path.isabs(tok):
+                    out[tok] = HARNESS_TOKENIZER_PLACEHOLDER
+        except (OSError, ValueError, TypeError):
+            pass
+    for raw in redact or ():
+        if not raw.strip() or os.path.realpath(raw) == "/":
+            raise UsageError(f"--redact {raw!r}: not a path to scrub (it would match every path)")
+        for form in (raw, os.path.abspath(raw), os.path.realpath(raw)):
+            out[os.path.normpath(form)] = REDACTED_PLACEHOLDER
     return out
 
 
@@ -281,15 +319,17 @@ def make_header(
     server_info: dict[str, Any] | None,
     command: list[str],
     workdirs: Iterable[str | os.PathLike[str]] = (),
+    more: Mapping[str, str] | None = None,
 ) -> Header:
     """A real-capture ``Header`` (``server_info`` whole, plus ``kvcadence_snapshot``), with
     machine paths in ``server_info`` and ``command`` scrubbed (``redact_paths``; harness
-    ``workdirs`` given, or found from ``export_metrics_to_file_dir``)."""
+    ``workdirs`` given, or found from ``export_metrics_to_file_dir``; ``more``: the paths of
+    ``header_redactions``)."""
     dirs = [*workdirs, *harness_workdirs(None, server_info)]
-    info = redact_paths(dict(server_info or {}), dirs)
+    info = redact_paths(dict(server_info or {}), dirs, more)
     if server_info is not None:
         info["kvcadence_snapshot"] = snapshot(info)
-    command = redact_paths(list(command), dirs)
+    command = redact_paths(list(command), dirs, more)
     kv_cfg = info.get("kv_events_config")
     return Header(
         format_major=FORMAT_MAJOR,

@@ -36,7 +36,7 @@ import binascii
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,8 +318,10 @@ def import_bundle(
     command: list[str] | None = None,
     append: bool = False,
     segment_bytes: int = 256 << 20,
+    redact: Mapping[str, str] | None = None,
 ) -> ImportSummary:
-    """Write (or, with ``append``, extend) the bundle ``out`` from dump files.
+    """Write (or, with ``append``, extend) the bundle ``out`` from dump files; ``redact``:
+    more paths the header must not name (``discovery.header_redactions``).
 
     All inputs are validated first; on bad input nothing is created or changed.
     """
@@ -367,9 +369,11 @@ def import_bundle(
         source="real",
         kvcadence_version=__version__,
         sglang_version=sglang_version or info.get("version"),
-        server_info=redact_paths(info),
+        server_info=redact_paths(info, (), redact),
         kv_events_config=kv_cfg,
-        command=redact_paths(list(command) if command is not None else ["kvcadence", "import"]),
+        command=redact_paths(
+            list(command) if command is not None else ["kvcadence", "import"], (), redact
+        ),
         start_ns=min(starts) if starts else time.time_ns(),
         endpoints=endpoints,
     )

@@ -215,6 +215,7 @@ def run_harness(args: argparse.Namespace) -> int:
         d["url"] = h.url
         d["events_endpoints"] = h.events_endpoints
         d["replay_endpoints"] = h.replay_endpoints
+        d["tokenizer"] = cfg.tokenizer  # a capture scrubs it from its header
         harness.state_path().write_text(json.dumps(d))
         print(json.dumps(d))
         return 0

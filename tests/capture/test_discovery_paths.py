@@ -195,3 +195,66 @@ def test_redact_paths_only_replaces_whole_components():
     assert discovery.redact_paths("/w/run/m /w/running", ["/w/run"]) == (
         "<harness-workdir>/m /w/running"
     )
+
+
+def test_redact_scrubs_more_paths_from_the_capture_header(tmp_path, http_server, monkeypatch):
+    """``--redact PATH``: a directory the user names (a model kept outside home and temp,
+    say) is scrubbed from the header as ``<redacted>``, in ``/server_info`` and in the
+    recorded command line; the worker recorded by ``harness start`` on the same port has its
+    ``--tokenizer`` directory scrubbed as ``<harness-tokenizer>`` without being asked."""
+    from kvcadence.harness import worker as harness
+
+    state, url = http_server
+    models = "/srv/models/acme-70b"
+    tok = "/srv/tokenizers/acme-words"
+    sp = tmp_path / "harness-server.json"
+    port = int(url.rsplit(":", 1)[1])
+    sp.write_text(json.dumps({"port": port, "workdir": str(tmp_path / "w"), "tokenizer": tok}))
+    monkeypatch.setattr(harness, "state_path", lambda: sp)
+    out = tmp_path / "b"
+    with TestPublisher() as pub:
+        info = server_info_with_paths(pub, tmp_path / "w")
+        info["model_path"] = f"{models}/snapshot"
+        info["tokenizer_path"] = tok
+        info["launch_command"] = f"python -m sglang.launch_server --model-path {models}/snapshot"
+        state["info"] = info
+        pub.publish(POOL[0])
+        argv = ["capture", "--server", url, "--out", str(out), "--duration", "1", "--quiet"]
+        assert run_as_process(monkeypatch, [*argv, "--redact", models]) == 0
+    h = BundleReader(out).header
+    si = h.server_info
+    assert si["model_path"] == "<redacted>/snapshot"
+    assert si["tokenizer_path"] == "<harness-tokenizer>"
+    assert si["launch_command"].endswith("--model-path <redacted>/snapshot")
+    assert h.command[-2:] == ["--redact", "<redacted>"]
+    data = b"".join(p.read_bytes() for p in list_segments(out))
+    assert models.encode() not in data and tok.encode() not in data
+    # another port's worker: its tokenizer is not this capture's to scrub
+    sp.write_text(json.dumps({"port": port + 1, "tokenizer": tok}))
+    assert discovery.header_redactions(None, url) == {}
+
+
+def test_redact_refuses_the_root_and_empty_paths(tmp_path, capsys):
+    """A ``--redact`` that would scrub every absolute path is refused: exit 2, one line,
+    nothing created."""
+    for bad in ("/", "", "/.."):
+        out = tmp_path / "b"
+        rc = main(["capture", "import", "--sglang-metrics", str(tmp_path), str(out),
+                   "--redact", bad])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "--redact" in err[0], err
+        assert not out.exists()
+
+
+def test_import_redacts_the_server_info_it_is_given(tmp_path, fixture_dir, monkeypatch):
+    """``kvcadence import --redact PATH`` scrubs the ``--server-info`` JSON it stores."""
+    si = json.loads((fixture_dir / "server_info.json").read_text())
+    si["model_path"] = "/srv/models/acme-70b"
+    (tmp_path / "si.json").write_text(json.dumps(si))
+    out = tmp_path / "b"
+    argv = ["import", "--frames", str(fixture_dir / "events.jsonl"), "--server-info"]
+    argv += [str(tmp_path / "si.json"), "--out", str(out), "--redact", "/srv/models"]
+    assert run_as_process(monkeypatch, argv) == 0
+    h = BundleReader(out).header
+    assert h.server_info["model_path"] == "<redacted>/acme-70b"
+    assert h.command[-2:] == ["--redact", "<redacted>"]
