@@ -23,7 +23,7 @@ and Debian's package sources); install chromium, then rerun
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q 'torch==2.13.0'
-	$(PY) -m pip install -q -e '.[test,kernels,ray]'
+	$(PY) -m pip install -q -e '.[test,kernels,ray,tokenizer]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -93,7 +93,8 @@ def main() -> None:
     # sweep: write a source bundle, then 4 points serially in-process vs parallel processes
     from kvcadence.format.bundle import BundleWriter
     from kvcadence.format.schema import EndpointInfo, Header
-    from kvcadence.replay.sweep import parse_sweep, run_job, run_sweep
+    from kvcadence.replay.sweep import run_job, run_sweep
+    from kvcadence.replay.sweeppoints import parse_sweep
 
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"

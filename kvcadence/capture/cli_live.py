@@ -161,6 +161,9 @@ def _register_capture(sub: Any) -> None:
         "record that finished before the capture's first KV event or was received after its "
         "last is left out, and counted: it published nothing the capture holds)",
     )
+    from kvcadence.format.texttokens import add_tokenizer_option
+
+    add_tokenizer_option(imp)
     imp.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     add_redact_option(imp)
     imp.set_defaults(_run=run_capture_import)
@@ -433,6 +436,11 @@ def run_capture_import(args: argparse.Namespace) -> int:
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
     more = header_redactions(args.redact)
+    tok = None
+    if args.tokenizer:
+        from kvcadence.format.texttokens import TextTokenizer
+
+        tok = TextTokenizer(args.tokenizer)  # a bad directory fails before anything is read
     # each log as it is now (sizes taken: a live worker's later lines are not read), read
     # once, a line at a time, each record validated as it is written -- never every record
     # in memory; a bad one undoes the whole import (below)
@@ -452,7 +460,8 @@ def run_capture_import(args: argparse.Namespace) -> int:
         nonlocal n
         seen = UniqueRids("capture import")  # e.g. metrics and request log together
         for log in logs:
-            for rec in log:  # validated as `kvcadence import` validates
+            for rec0 in log:  # validated as `kvcadence import` validates
+                rec = rec0 if tok is None else tok.complete(rec0)
                 check_request_record(rec, f"{rec.source} record rid {rec.rid!r}")
                 check_encodable([rec])  # a record that cannot be written fails here
                 seen.add(rec.rid)
@@ -487,7 +496,8 @@ def run_capture_import(args: argparse.Namespace) -> int:
         new = " (a new bundle: no KV events, no server info)" if created else ""
         kept = n if window is None else window.kept
         said = "" if window is None else window.said()
-        print(f"capture import: {kept} request records -> {out}{new}{said}", file=sys.stderr)
+        toks = "" if tok is None or not tok.summary() else f"; {tok.summary()}"
+        print(f"capture import: {kept} request records -> {out}{new}{said}{toks}", file=sys.stderr)
     return 0
 
 

@@ -6,6 +6,7 @@
   capture runs; their records go into the capture's bundle through its one writer (the
   recorder's inbox), the last read happens before the Trailer is written.
 * ``--sglang-backlog``: also read what the files held when the capture started.
+* ``--tokenizer DIR``: text prompts get their token ids (``format.texttokens``).
 
 The summary adds one line: records, bad / torn lines, and how many requests matched the
 event stream (``tail.match_requests``).
@@ -40,6 +41,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="a --log-requests --log-requests-format json log: the file its output goes to, "
         "or its --log-requests-target directory",
     )
+    from kvcadence.format.texttokens import add_tokenizer_option
+
+    add_tokenizer_option(g)
     g.add_argument(
         "--sglang-backlog",
         action="store_true",
@@ -54,8 +58,9 @@ def open_tail(args: argparse.Namespace, server_info: dict[str, Any] | None) -> A
     metrics = list(getattr(args, "tail_metrics", []) or [])
     logs = list(getattr(args, "tail_request_log", []) or [])
     if not metrics and not logs:
-        if getattr(args, "sglang_backlog", False):
-            raise UsageError("--sglang-backlog needs --sglang-metrics or --sglang-request-log")
+        for flag, name in (("--sglang-backlog", "sglang_backlog"), ("--tokenizer", "tokenizer")):
+            if getattr(args, name, None):
+                raise UsageError(f"{flag} needs --sglang-metrics or --sglang-request-log")
         return None
     if metrics and logs:
         raise UsageError(
@@ -63,7 +68,12 @@ def open_tail(args: argparse.Namespace, server_info: dict[str, Any] | None) -> A
             "of the worker, so every request would be recorded twice"
         )
     ps = (server_info or {}).get("page_size") or 1
-    return _Pending(metrics, logs, bool(args.sglang_backlog), int(ps))
+    pending = _Pending(metrics, logs, bool(args.sglang_backlog), int(ps))
+    if getattr(args, "tokenizer", None):
+        from kvcadence.format.texttokens import TextTokenizer
+
+        pending.tokenizer = TextTokenizer(args.tokenizer)
+    return pending
 
 
 class _Pending:
@@ -78,6 +88,7 @@ class _Pending:
         self.logs: list[str | Path] = list(logs)
         self.backlog = backlog
         self.page_size = ps
+        self.tokenizer: Any = None  # ``texttokens.TextTokenizer`` (``--tokenizer``)
         self.tail: Any = None
 
     def attach(self, rec: Any) -> None:
@@ -90,6 +101,7 @@ class _Pending:
             request_logs=self.logs,
             from_start=self.backlog,
             page_size=self.page_size,
+            tokenizer=self.tokenizer,
         )
 
         def last_read() -> None:

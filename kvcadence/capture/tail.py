@@ -54,6 +54,7 @@ from kvcadence.format.bundle import check_encodable, event_payload
 from kvcadence.format.hashes import block_hashes
 from kvcadence.format.namespace import salt_of
 from kvcadence.format.schema import Annotation, BlockStored, RequestRecord
+from kvcadence.format.texttokens import summary_clause
 
 METRICS = "metrics"
 REQUEST_LOG = "request-log"
@@ -78,6 +79,8 @@ class TailStats:
     long_lines: int = 0  # lines over max_line_bytes (dropped)
     rids_reused: int = 0  # records whose rid was seen before (renamed "<rid>~<k>")
     unfinished: int = 0  # request-log requests received, never finished, at stop
+    tokenized: int = 0  # text prompts given ids by --tokenizer (``format.texttokens``)
+    tokenizer_mismatches: int = 0  # of them whose count is not the line's prompt_tokens
     skipped_bytes: int = 0  # bytes already in the files at start-up (not read)
     partial_bytes_at_stop: int = 0  # an unfinished last line when the capture stopped
 
@@ -116,8 +119,10 @@ class LogTail:
         poll_s: float = 0.25,
         read_bytes: int = 1 << 20,
         max_line_bytes: int = 256 << 20,
+        tokenizer: Any = None,  # a ``TextTokenizer``: text prompts get their ids
     ) -> None:
         self.submit = submit
+        self.tokenizer = tokenizer
         self.sources: list[tuple[Path, str]] = [(Path(p), METRICS) for p in metrics]
         self.sources += [(Path(p), REQUEST_LOG) for p in request_logs]
         for p, _ in self.sources:
@@ -308,6 +313,10 @@ class LogTail:
             self._emit(rec, where)
 
     def _emit(self, rec: RequestRecord, where: str) -> None:
+        if self.tokenizer is not None:
+            rec = self.tokenizer.complete(rec)
+            self.stats.tokenized = self.tokenizer.tokenized
+            self.stats.tokenizer_mismatches = self.tokenizer.mismatched
         k = self.rids.get(rec.rid, 0) + 1
         self.rids[rec.rid] = k
         if k > 1:  # a client reused the rid: keep both requests, names unique
@@ -360,8 +369,9 @@ SHORT = "short"
 NO_IDS = "no_ids"
 #: what the summary says of requests without token ids
 NO_IDS_WHY = (
-    ": text prompts, or a worker run with --log-requests at --log-requests-level 0 or 1, "
-    "which drops input_ids from its metrics file -- not replayable"
+    ": text prompts -- give --tokenizer DIR, the worker's tokenizer --, or a worker run with "
+    "--log-requests at --log-requests-level 0 or 1, which drops input_ids from its metrics "
+    "file -- not replayable"
 )
 #: the records the capture's summary checks against the event stream: the first
 #: ``ANCHOR_ALL``, then every ``ANCHOR_STRIDE``-th. Checking one hashes its whole prompt in
@@ -463,6 +473,8 @@ def summary_text(st: TailStats, match: dict[str, int] | None) -> str:
         f"{st.torn_lines} torn lines, {st.truncations} truncations, "
         f"{st.rids_reused} reused rids, {st.unfinished} unfinished at stop"
     )
+    if st.tokenized or st.tokenizer_mismatches:
+        s += ", " + summary_clause(st.tokenized, st.tokenizer_mismatches)
     if match is not None and "page_mismatch" in match:
         s += (
             f"; requests not matched to the event stream: its pages are "

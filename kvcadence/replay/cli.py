@@ -174,12 +174,9 @@ def register(sub: Any) -> None:
                    dest="priority_threshold", metavar="N",
                    help="the priority gap a request must exceed to preempt a running one "
                    "(SGLang's option; default: the bundle's, else 10)")  # fmt: skip
-    p.add_argument(
-        "--sglang-version",
-        dest="sglang_version",
-        help="event granularity and wire encoding (0.5.20+ coalesced maps; 0.5.17, 0.5.14, "
-        "0.5.10 per-page arrays); default: the bundle's",
-    )
+    p.add_argument("--sglang-version", dest="sglang_version",
+                   help="event granularity and wire encoding (0.5.20+ coalesced maps; 0.5.17, "
+                   "0.5.14, 0.5.10 per-page arrays); default: the bundle's")  # fmt: skip
     t = p.add_argument_group("pass-time model (seconds; default: calibrated from the capture)")
     t.add_argument("--prefill-base", type=nonneg_float, dest="prefill_base_s", metavar="S",
                    help="fixed time of a prefill pass")  # fmt: skip
@@ -272,9 +269,11 @@ def register(sub: Any) -> None:
         action="store_true",
         help="no phase lines (loading, simulating, writing) or progress bar on stderr",
     )
+    from kvcadence.format.texttokens import add_tokenizer_option  # text prompts' ids
     from kvcadence.replay.cli_fleet import add_fleet_args  # DP ranks / workers / sweeps
     from kvcadence.replay.cli_trace import add_trace_args  # offline traces
 
+    add_tokenizer_option(p)
     add_fleet_args(p)
     add_trace_args(p)
     # no partial sim bundle on a full disk, on Ctrl-C or on SIGTERM
@@ -335,11 +334,12 @@ def run(args: argparse.Namespace) -> int:
     src = Path(args.bundle)
     if not src.exists():
         raise UsageError(f"{src}: no such bundle")
+    from kvcadence.format.texttokens import load_tokenizer
     from kvcadence.replay.loading import load_for_replay
     from kvcadence.replay.settings import capture_settings, namespace_note
 
-    reader = BundleReader(src)
-    records, inferred, flushes = load_for_replay(reader, phases)  # "load", "infer"
+    reader = BundleReader(src)  # (a bad --tokenizer fails before any record is read)
+    records, inferred, flushes = load_for_replay(reader, phases, load_tokenizer(args.tokenizer))
     _warn_if_damaged(src, reader, len(records))
     settings = capture_settings(reader)
     if settings.note and not args.quiet:

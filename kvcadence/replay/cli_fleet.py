@@ -161,8 +161,11 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
 
     quiet = getattr(args, "quiet", False)
     phases = Phases("replay", quiet=quiet, started=getattr(args, "_started", None))
+    from kvcadence.format.texttokens import load_tokenizer
+
     ov = _overrides(args)
     out = FleetOut(args.out)  # refused before any work when it exists and is not empty
+    tok = load_tokenizer(getattr(args, "tokenizer", None))
     with phases.phase("load", f"loading {', '.join(bundles)}"):
         workers = [
             load_worker(
@@ -170,6 +173,7 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
                 ov,
                 sglang_version=args.sglang_version,
                 calibrate_timing=not args.no_calibrate,
+                tokenizer=tok,
             )
             for b in bundles
         ]
@@ -269,7 +273,8 @@ def _run_fleet(args: argparse.Namespace, bundles: list[str]) -> int:
 def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
     import time
 
-    from kvcadence.replay.sweep import parse_sweep, point_label, run_sweep
+    from kvcadence.replay.sweep import run_sweep
+    from kvcadence.replay.sweeppoints import parse_sweep, point_label
 
     points = parse_sweep(args.sweep)
     t0 = time.perf_counter()
@@ -297,6 +302,7 @@ def _run_sweep(args: argparse.Namespace, bundles: list[str]) -> int:
         on_done=done,
         pace=replay_pace(args),
         executor=args.executor,
+        tokenizer=getattr(args, "tokenizer", None),
     )
     args._out_complete = True  # the dataset is whole: a closed stdout keeps it
     wall = time.perf_counter() - t0
@@ -339,7 +345,7 @@ def what_if_row(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_what_if(rows: list[dict[str, Any]]) -> str:
-    from kvcadence.replay.sweep import point_label
+    from kvcadence.replay.sweeppoints import point_label
 
     several = len({tuple(r["bundles"]) for r in rows}) > 1  # --each: one job per bundle
     labels = []

@@ -27,6 +27,14 @@ def report_text(rep: dict[str, Any]) -> str:
 def _edge_text(rep: dict[str, Any]) -> str:
     """The production-only kinds of request, when the capture had any."""
     parts = []
+    if rep.get("prompts_tokenized") or rep.get("prompts_tokenizer_mismatch"):
+        text = f"{rep.get('prompts_tokenized', 0)} text prompts tokenized (--tokenizer)"
+        if rep.get("prompts_tokenizer_mismatch"):
+            text += (
+                f", {rep['prompts_tokenizer_mismatch']} left without ids (their token count is "
+                "not the worker's prompt_tokens: another tokenizer?)"
+            )
+        parts.append(text)
     if rep.get("clock_offset_s"):
         parts.append(
             f"the event stream's clock {rep['clock_offset_s']:+.3f} s from the request "

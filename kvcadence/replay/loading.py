@@ -37,30 +37,42 @@ def compact_record(rec: Any, index: PromptIndex) -> Any:
     )
 
 
-def compact_requests(reader: Any) -> list[Any]:
+def compact_requests(reader: Any, tokenizer: Any = None) -> list[Any]:
     """``reader``'s request records in order, each made compact as it is read
     (``compact_record``, one ``PromptIndex`` for all): what a replay holds and completes.
     A format 2.0 bundle's packed requests come with their ids as the arrays the reader
     rebuilds them into (``BundleReader.request_arrays``), never lists of ints: at 10k-100k
     tokens a prompt, making each a list and the list an array again was most of a
-    replay's time."""
+    replay's time. ``tokenizer`` (a ``format.texttokens.TextTokenizer``: ``replay
+    --tokenizer``): a text prompt's record gets its ids first."""
     index = PromptIndex()
-    return [compact_record(r, index) for r in reader.request_arrays()]
+    if tokenizer is None:
+        return [compact_record(r, index) for r in reader.request_arrays()]
+    return [compact_record(tokenizer.complete(r), index) for r in reader.request_arrays()]
 
 
 def load_for_replay(
-    reader: Any, phases: Any = None
+    reader: Any, phases: Any = None, tokenizer: Any = None
 ) -> tuple[list[Any], dict[str, Any], list[RecordedFlush] | None]:
     """``reader``'s request records for a replay, compact (see the module docstring):
     ``(records, report, recorded flushes)`` as ``production.records_for_replay`` returns
     them (report ``{}`` and flushes None when the records needed no completion).
     ``phases`` (a ``kvcadence.progress.Phases``): reading the records is timed as its
     ``load`` phase, the production inference as ``infer`` (what completing the records
-    cost, said in the replay's summary)."""
+    cost, said in the replay's summary). ``tokenizer``: as ``compact_requests``'; the
+    report then says how many text prompts it tokenized (``prompts_tokenized``) and how
+    many it left without ids (``prompts_tokenizer_mismatch``)."""
     phases = phases or NoPhases()
     with phases.phase("load", f"loading {reader.path}"):
-        records = compact_requests(reader)
-    if not needs_completion(records):
+        records = compact_requests(reader, tokenizer)
+    said = {}
+    if tokenizer is not None:
+        said = {
+            "prompts_tokenized": tokenizer.tokenized,
+            "prompts_tokenizer_mismatch": tokenizer.mismatched,
+        }
+    if not needs_completion(records):  # (a text prompt's record is SGLang's: completed)
         return records, {}, None
     with phases.phase("infer", f"inferring outputs and sessions of {len(records)} records"):
-        return records_for_replay(reader, records)
+        records, report, flushes = records_for_replay(reader, records)
+    return records, {**report, **said}, flushes

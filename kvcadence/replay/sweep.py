@@ -2,9 +2,7 @@
 
 What this file owns:
 
-* ``parse_sweep(["key=v1,v2", ...])`` -- the cartesian product of the points (keys are the
-  simulator settings ``kvcadence replay`` overrides, with ``-`` or ``_``, plus ``route``);
-  values are converted to each setting's type, unknown keys are a ``UsageError``;
+* the points (``parse_sweep(["key=v1,v2", ...])``, ``point_label``: ``replay.sweeppoints``);
 * ``run_sweep(bundles, points, out)`` -- one job per point (all bundles replayed together
   as one fleet) or, with ``each=True``, one job per (bundle, point); jobs run in separate
   processes (``concurrent.futures.ProcessPoolExecutor``, spawn), or with
@@ -31,9 +29,7 @@ What this file owns:
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,89 +38,15 @@ from typing import Any
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import served_rank
+from kvcadence.format.texttokens import load_tokenizer
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.replay import executors
-from kvcadence.replay.config import CLI_OVERRIDES, SimConfig, TimingParams
 from kvcadence.replay.events import CLEAR, REMOVE, STORE
 from kvcadence.replay.fleet import simulate_fleet
-from kvcadence.replay.routing import ROUTES
+from kvcadence.replay.sweeppoints import point_label
 from kvcadence.replay.worker import bundle_dp_size, load_worker, rank_configs
 
 PARTITION_BASE = ("worker", "rank", "route")
-
-
-def _setting_types() -> dict[str, Any]:
-    import dataclasses
-
-    cfg = SimConfig()
-    timing = TimingParams()
-    types: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        types[f.name] = getattr(cfg, f.name)
-    for f in dataclasses.fields(timing):
-        types[f.name] = getattr(timing, f.name)
-    allowed = {k: types[k] for k in CLI_OVERRIDES if k in types}
-    allowed["route"] = "recorded"
-    return allowed
-
-
-def _coerce(key: str, text: str, default: Any) -> Any:
-    text = text.strip()
-    try:
-        if isinstance(default, bool):
-            low = text.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if isinstance(default, int) or default is None:
-            return int(text)
-        if isinstance(default, float):
-            value = float(text)
-            if not math.isfinite(value) or value < 0:  # a NaN pass time poisons the run
-                raise ValueError(text)
-            return value
-    except ValueError:
-        raise UsageError(f"--sweep {key}: {text!r} is not a valid value") from None
-    return text
-
-
-def parse_sweep(specs: Sequence[str]) -> list[dict[str, Any]]:
-    """Cartesian product of ``key=v1,v2,…`` specs (later keys vary fastest)."""
-
-    types = _setting_types()
-    axes: list[tuple[str, list[Any]]] = []
-    for spec in specs:
-        key, sep, vals = spec.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key or not vals.strip():
-            raise UsageError(f"--sweep {spec!r}: expected key=v1,v2,...")
-        if key not in types:
-            raise UsageError(
-                f"--sweep {key!r}: not a simulator setting (choose from {', '.join(sorted(types))})"
-            )
-        if any(k == key for k, _ in axes):
-            raise UsageError(f"--sweep {key!r} given twice")
-        values = [_coerce(key, v, types[key]) for v in vals.split(",") if v.strip()]
-        if key == "route":
-            values = [str(v).replace("-", "_") for v in values]
-            bad = [v for v in values if v not in ROUTES]
-            if bad:
-                raise UsageError(f"--sweep route: unknown policy {bad[0]!r}")
-        if len(set(map(repr, values))) != len(values):
-            raise UsageError(f"--sweep {key!r}: repeated value")
-        axes.append((key, values))
-    if not axes:
-        return [{}]
-    keys = [k for k, _ in axes]
-    return [
-        dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(v for _, v in axes))
-    ]
-
-
-def point_label(point: dict[str, Any]) -> str:
-    return ";".join(f"{k}={point[k]}" for k in sorted(point)) or "-"
 
 
 # ---------------------------------------------------------------------- one job
@@ -297,6 +219,7 @@ def simulate_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, A
     if overrides.get("track_visibility") is None:
         overrides["track_visibility"] = False  # the rows carry no visibility: skip the log
     names = job.get("names") or [None] * len(job["bundles"])
+    tok = load_tokenizer(job.get("tokenizer"))
     workers = [
         load_worker(
             p,
@@ -304,6 +227,7 @@ def simulate_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, A
             sglang_version=job.get("sglang_version"),
             calibrate_timing=job.get("calibrate", True),
             name=name,
+            tokenizer=tok,
         )
         for p, name in zip(job["bundles"], names, strict=True)
     ]
@@ -433,9 +357,11 @@ def run_sweep(
     on_done: Callable[[dict[str, Any]], None] | None = None,
     pace: str = "auto",
     executor: str = "process",
+    tokenizer: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run every job (see module docstring); returns the job summaries in job order.
-    ``executor="ray"`` runs the jobs as Ray tasks (``replay.executors``): same dataset."""
+    ``executor="ray"`` runs the jobs as Ray tasks (``replay.executors``): same dataset;
+    ``tokenizer``: ``replay --tokenizer DIR``, loaded by each job."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -462,8 +388,10 @@ def run_sweep(
                     "calibrate": calibrate,
                     "align_workers": align_workers,
                     "pace": pace,
+                    "tokenizer": tokenizer,
                 }
             )
+    load_tokenizer(tokenizer)  # a bad --tokenizer fails once, before any job starts
     validate_jobs(specs)  # before anything is written: a bad point leaves no --out behind
     out_path.mkdir(parents=True, exist_ok=True)
     n = max(1, min(jobs or os.cpu_count() or 1, len(specs)))

@@ -260,14 +260,16 @@ def load_worker(
     name: str | None = None,
     sglang_version: str | None = None,
     calibrate_timing: bool = True,
+    tokenizer: Any = None,
 ) -> WorkerInput:
-    """Read one bundle as a worker to replay."""
+    """Read one bundle as a worker to replay (``tokenizer``: ``loading.load_for_replay``'s)."""
 
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{p}: no such bundle")
     reader = BundleReader(p)
-    records, inferred, recorded = load_for_replay(reader)  # compact; production: outputs, sessions
+    # compact; production: outputs, sessions
+    records, inferred, recorded = load_for_replay(reader, None, tokenizer)
     if not records:
         raise InputError(f"{p}: the bundle has no request records to replay")
     settings = capture_settings(reader)  # a missing page / pool size read from its events

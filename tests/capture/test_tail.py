@@ -317,7 +317,8 @@ def test_match_requests_counts_short_and_unmatched_prompts(fixture_dir, tmp_path
     assert match_requests(BundleReader(b), anchors, 1) == got
     # the summary says what a request without token ids may be, and that it is lost
     text = summary_text(TailStats(records=8), got)
-    assert "1 without token ids: text prompts, or a worker run with --log-requests" in text
+    assert "1 without token ids: text prompts -- give --tokenizer DIR" in text
+    assert "or a worker run with --log-requests" in text
     ok = summary_text(TailStats(records=5), {**got, "no_ids": 0})
     assert "0 without token ids)" in ok and "log-requests" not in ok
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from kvcadence.errors import UsageError
-from kvcadence.replay.sweep import parse_sweep, point_label, run_sweep
+from kvcadence.replay.sweep import run_sweep
+from kvcadence.replay.sweeppoints import parse_sweep, point_label
 from tests.replay.test_fleet import _write_source, two_rank_records
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcadence.replay.sweep import parse_sweep, run_sweep
+from kvcadence.replay.sweep import run_sweep
+from kvcadence.replay.sweeppoints import parse_sweep
 from tests.replay.test_fleet import _write_source, two_rank_records
 
 RAY_BIN = Path(sys.executable).with_name("ray")
