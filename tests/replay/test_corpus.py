@@ -134,7 +134,13 @@ OTHER_CLIENT_CAPTURES = (
     "p16-chat-agentic-bench-serving",
     "p4-nooverlap-chat-retok-bench-serving",
     "dp2-p8-chat-retok-bench-serving",
+    "p8-chunk256-text-bench-serving-gsp",
 )
+
+#: captures whose clients sent text prompts (their metrics lines hold the text, not the
+#: ids): the production copy gets the ids from the vendored tokenizer (``capture
+#: --tokenizer``), as its capture did
+TEXT_CAPTURES = ("p8-chunk256-text-bench-serving-gsp",)
 
 #: recipes recorded again, unchanged, to measure the worker against itself: the same
 #: traffic (every prompt and output identical to the first recording's, the stored hash set
@@ -324,14 +330,17 @@ def production_bundle(name: str, out: Path) -> Path:
 
     from kvcadence.capture.sglang_logs import read_metrics
     from kvcadence.format.bundle import BundleWriter
+    from kvcadence.format.texttokens import TextTokenizer
 
     src = BundleReader(CORPUS / name / "bundle")
     rng = random.Random(name)
     tailed = src.requests() if name in ATTACHED else None
+    tok = TextTokenizer(str(CORPUS / name / "tokenizer")) if name in TEXT_CAPTURES else None
     with BundleWriter(out, src.header) as w:
         for frame in src.events():
             w.write(frame)
-        for rec in tailed or read_metrics(CORPUS / name / "sglang-metrics"):
+        for rec0 in tailed or read_metrics(CORPUS / name / "sglang-metrics"):
+            rec = rec0 if tok is None else tok.complete(rec0)
             rid = f"{rng.getrandbits(128):032x}"
             meta = dict(rec.meta_info)
             meta["request_parameters"] = {**meta.get("request_parameters", {}), "rid": rid}
@@ -449,6 +458,7 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
     same ``cached_tokens`` as the driver's records (what the production path starts from);
     a production-only capture's bundle holds exactly the metrics files' requests."""
     from kvcadence.capture.sglang_logs import read_metrics
+    from kvcadence.format.texttokens import TextTokenizer
 
     for name in DRIVEN:
         driver = {r.rid: r for r in BundleReader(CORPUS / name / "bundle").requests()}
@@ -461,6 +471,9 @@ def test_sglang_metrics_are_the_same_traffic(tmp_path):
     for name in PRODUCTION_ONLY:  # the bundle's records are what the capture tailed from them
         tailed = BundleReader(CORPUS / name / "bundle").requests()
         metrics = read_metrics(CORPUS / name / "sglang-metrics")
+        if name in TEXT_CAPTURES:  # the capture gave the text prompts their ids (--tokenizer)
+            tok = TextTokenizer(str(CORPUS / name / "tokenizer"))
+            metrics = [tok.complete(r) for r in metrics]
         key = lambda r: (r.rid, r.input_ids, r.cached_tokens, r.completion_tokens)  # noqa: E731
         if name in ATTACHED:  # and before them the requests that finished before it attached
             got = {(r.rid, tuple(r.input_ids), r.cached_tokens) for r in tailed}
@@ -1967,3 +1980,23 @@ if __name__ == "__main__":
     print(table())
     print("\nproduction path (events + sglang-metrics, random rids):\n")
     print(table("production"))
+
+
+def test_text_prompts_are_tokenized_as_the_worker_did():
+    """``p8-chunk256-text-bench-serving-gsp``: SGLang's benchmark client sent every prompt as
+    text to ``/generate`` (its metrics lines hold the text, no ids) to a worker whose
+    tokenizer puts a BOS first. The vendored tokenizer gives every record ids of the
+    worker's count (``prompt_tokens``), and every prompt's last full page is a block the
+    worker stored: the ids are the worker's own."""
+    from kvcadence.capture.sglang_logs import read_metrics
+    from kvcadence.capture.tail import match_requests, prompt_anchor
+
+    name = "p8-chunk256-text-bench-serving-gsp"
+    raw = read_metrics(CORPUS / name / "sglang-metrics")
+    assert len(raw) == 210 and all(not r.input_ids for r in raw)
+    recs = BundleReader(production_copy(name)).requests()
+    assert all(r.meta_info.get("kvcadence_tokenized") for r in recs)
+    assert all(len(r.input_ids) == r.prompt_tokens and r.input_ids[0] == 1 for r in recs)
+    anchors = [prompt_anchor(list(r.input_ids), 8) for r in recs]
+    got = match_requests(BundleReader(production_copy(name)), anchors, 8)
+    assert got["matched"] == 210 and got["no_ids"] == 0
