@@ -19,7 +19,7 @@ it is imported only here, when ``--tokenizer`` is given.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class TextTokenizer:
     tokenized: int = 0  # records given ids
     mismatched: int = 0  # records whose ids' length is not the line's prompt_tokens
     first_mismatch: str = ""  # the first of those: rid, lengths
-    _tok: Any = None
+    _tok: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         d = Path(self.path)
