@@ -249,9 +249,8 @@ def _why_no_ids(rec: Any) -> str:
         return (
             "a text prompt -- SGLang's metrics line holds the text, not the token ids (a string "
             "prompt sent to /generate or /v1/completions; /v1/chat/completions and requests "
-            "sent with input_ids log the ids): import the records again with `capture import "
-            "--tokenizer DIR` (the worker's tokenizer) into a new bundle, or capture with "
-            "--tokenizer"
+            "sent with input_ids log the ids): give the worker's tokenizer, `replay --tokenizer "
+            "DIR` (or `capture` / `capture import` with --tokenizer)"
         )
     if isinstance(params, dict) and rec.source == "sglang-metrics":
         return (

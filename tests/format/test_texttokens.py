@@ -167,3 +167,28 @@ def _ids_bundle(fixture_dir: Path, tmp_path: Path) -> Path:
     assert main(["capture", "import", "--quiet", "--sglang-metrics",
                  str(fixture_dir / "sglang-metrics"), str(b)]) == 0  # fmt: skip
     return b
+
+
+def test_fleets_and_sweeps_take_the_tokenizer(fixture_dir, tmp_path):
+    """``replay --route ... --tokenizer`` (the fleet path) and ``replay --sweep ...
+    --tokenizer`` (each job loads it) replay a bundle of text prompts; without it both
+    refuse, naming the option."""
+    import duckdb
+
+    tok = word_tokenizer(tmp_path / "tok")
+    texts = tmp_path / "texts"
+    text_metrics(fixture_dir / "sglang-metrics", texts)
+    bare = _events_bundle(fixture_dir, tmp_path / "bare")
+    assert main(["capture", "import", "--quiet", "--sglang-metrics", str(texts), str(bare)]) == 0
+    fleet = ["replay", str(bare), "--route", "recorded", "--quiet", "--out"]
+    assert main([*fleet, str(tmp_path / "f0")]) == 2
+    assert main([*fleet, str(tmp_path / "f1"), "--tokenizer", str(tok)]) == 0
+    assert len(BundleReader(tmp_path / "f1").requests()) == 120  # one worker: one bundle
+    sweep = ["replay", str(bare), "--sweep", "route=recorded,round_robin", "--json", "--out"]
+    assert main([*sweep, str(tmp_path / "s0")]) == 2
+    assert main([*sweep, str(tmp_path / "s1"), "--tokenizer", str(tok)]) == 0
+    rows = duckdb.sql(
+        f"select count(*) from read_parquet('{tmp_path / 's1'}/**/*.parquet', "
+        "hive_partitioning = true) where kind = 'request'"
+    ).fetchall()
+    assert rows == [(240,)]  # 120 requests in each of the two jobs
