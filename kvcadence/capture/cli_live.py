@@ -435,12 +435,10 @@ def run_capture_import(args: argparse.Namespace) -> int:
 
     if not args.sglang_metrics and not args.sglang_request_log:
         raise UsageError("capture import needs --sglang-metrics and/or --sglang-request-log")
-    more = header_redactions(args.redact)
-    tok = None
-    if args.tokenizer:
-        from kvcadence.format.texttokens import TextTokenizer
+    from kvcadence.format.texttokens import load_tokenizer
 
-        tok = TextTokenizer(args.tokenizer)  # a bad directory fails before anything is read
+    more = header_redactions(args.redact)
+    tok = load_tokenizer(args.tokenizer)  # a bad directory fails before anything is read
     # each log as it is now (sizes taken: a live worker's later lines are not read), read
     # once, a line at a time, each record validated as it is written -- never every record
     # in memory; a bad one undoes the whole import (below)
@@ -496,7 +494,7 @@ def run_capture_import(args: argparse.Namespace) -> int:
         new = " (a new bundle: no KV events, no server info)" if created else ""
         kept = n if window is None else window.kept
         said = "" if window is None else window.said()
-        toks = "" if tok is None or not tok.summary() else f"; {tok.summary()}"
+        toks = f"; {tok.summary()}" if tok is not None and tok.summary() else ""
         print(f"capture import: {kept} request records -> {out}{new}{said}{toks}", file=sys.stderr)
     return 0
 

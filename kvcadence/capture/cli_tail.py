@@ -68,11 +68,10 @@ def open_tail(args: argparse.Namespace, server_info: dict[str, Any] | None) -> A
             "of the worker, so every request would be recorded twice"
         )
     ps = (server_info or {}).get("page_size") or 1
-    pending = _Pending(metrics, logs, bool(args.sglang_backlog), int(ps))
-    if getattr(args, "tokenizer", None):
-        from kvcadence.format.texttokens import TextTokenizer
+    from kvcadence.format.texttokens import load_tokenizer
 
-        pending.tokenizer = TextTokenizer(args.tokenizer)
+    pending = _Pending(metrics, logs, bool(args.sglang_backlog), int(ps))
+    pending.tokenizer = load_tokenizer(getattr(args, "tokenizer", None))
     return pending
 
 

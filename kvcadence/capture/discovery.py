@@ -169,17 +169,26 @@ def harness_workdirs(server_url: str | None, info: dict[str, Any] | None) -> lis
             p = Path(mdir)
             if p.name == "sglang-metrics":
                 out.append(str(p.parent))
-    if server_url:
-        try:
-            st = json.loads(harness.state_path().read_text())
-            port = urlsplit(server_url).port
-            if isinstance(st, dict) and port is not None and int(st.get("port", -1)) == port:
-                wd = st.get("workdir")
-                if isinstance(wd, str) and os.path.isabs(wd):
-                    out.append(wd)
-        except (OSError, ValueError, TypeError):
-            pass
+    wd = _harness_path(server_url, "workdir")
+    if wd is not None:
+        out.append(wd)
     return out
+
+
+def _harness_path(server_url: str | None, key: str) -> str | None:
+    """The absolute path ``key`` (``workdir``, ``tokenizer``) that ``kvcadence harness
+    start`` recorded for its worker, when that worker is the one on ``server_url``'s port."""
+    if not server_url:
+        return None
+    try:
+        st = json.loads(harness.state_path().read_text())
+        port = urlsplit(server_url).port
+        if isinstance(st, dict) and port is not None and int(st.get("port", -1)) == port:
+            v = st.get(key)
+            return v if isinstance(v, str) and os.path.isabs(v) else None
+    except (OSError, ValueError, TypeError):
+        pass
+    return None
 
 
 def header_redactions(
@@ -191,16 +200,9 @@ def header_redactions(
     ``server_url``'s port -> ``<harness-tokenizer>``. ``UsageError`` for an empty PATH or
     the root directory (it would scrub every absolute path)."""
     out: dict[str, str] = {}
-    if server_url:
-        try:
-            st = json.loads(harness.state_path().read_text())
-            port = urlsplit(server_url).port
-            tok = st.get("tokenizer") if isinstance(st, dict) else None
-            if port is not None and int(st.get("port", -1)) == port and isinstance(tok, str):
-                if os.path.isabs(tok):
-                    out[tok] = HARNESS_TOKENIZER_PLACEHOLDER
-        except (OSError, ValueError, TypeError):
-            pass
+    tok = _harness_path(server_url, "tokenizer")
+    if tok is not None:
+        out[tok] = HARNESS_TOKENIZER_PLACEHOLDER
     for raw in redact or ():
         if not raw.strip() or os.path.realpath(raw) == "/":
             raise UsageError(f"--redact {raw!r}: not a path to scrub (it would match every path)")

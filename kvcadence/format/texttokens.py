@@ -4,7 +4,8 @@ What this file owns: ``TextTokenizer`` -- a request sent to ``/generate`` or
 ``/v1/completions`` with a string prompt is logged by ``--export-metrics-to-file`` (and the
 JSON request log) with ``request_parameters.text`` and no ``input_ids``; without ids it
 cannot be hashed, matched to its KV events or replayed. Given the worker's tokenizer
-directory (``--tokenizer DIR`` of ``capture`` and ``capture import``), each such record gets
+directory (``--tokenizer DIR`` of ``capture``, ``capture import`` and ``replay``; each
+command loads it once, ``load_tokenizer``), each such record gets
 the ids SGLang's tokenizer manager gives that text (0.5.23, ``_tokenize_texts``: a fast
 tokenizer's ``tokenizer([text])["input_ids"]``, special tokens added as the tokenizer adds
 them; a slow one's ``encode(text)``), loaded as SGLang loads it (``AutoTokenizer``,
