@@ -10,7 +10,8 @@ What this file owns:
   dicts and paths cross the process boundary. The executor pickles them (job spec out, job
   summary back) between our own processes of one run; nothing read from a file or socket is ever
   unpickled. ``validate_jobs`` builds every job's configs first, so a bad point is a
-  ``UsageError`` before ``out`` is created;
+  ``UsageError`` before ``out`` is created. A process reads each bundle once for all its
+  jobs (``replay.bundlecache``: records, a production capture's inference, calibration);
 * the dataset: every job writes its rows with pyarrow under ``out`` as a hive-partitioned
   Parquet dataset ``worker=…/rank=…/route=…/<key>=<value>/…`` (one column per swept key, so
   DuckDB's ``read_parquet('out/**/*.parquet', hive_partitioning = true)`` sees them), file
@@ -40,7 +41,7 @@ from kvcadence.format.bundle import BundleReader
 from kvcadence.format.schema import served_rank
 from kvcadence.format.texttokens import load_tokenizer
 from kvcadence.outguard import refuse_nonempty_dir
-from kvcadence.replay import executors
+from kvcadence.replay import bundlecache, executors
 from kvcadence.replay.events import CLEAR, REMOVE, STORE
 from kvcadence.replay.fleet import simulate_fleet
 from kvcadence.replay.sweeppoints import point_label
@@ -219,7 +220,6 @@ def simulate_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, A
     if overrides.get("track_visibility") is None:
         overrides["track_visibility"] = False  # the rows carry no visibility: skip the log
     names = job.get("names") or [None] * len(job["bundles"])
-    tok = load_tokenizer(job.get("tokenizer"))
     workers = [
         load_worker(
             p,
@@ -227,7 +227,8 @@ def simulate_job(job: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, A
             sglang_version=job.get("sglang_version"),
             calibrate_timing=job.get("calibrate", True),
             name=name,
-            tokenizer=tok,
+            # read once per process for all its jobs (``bundlecache``)
+            inputs=bundlecache.cached_bundle(p, job.get("tokenizer")),
         )
         for p, name in zip(job["bundles"], names, strict=True)
     ]
@@ -409,10 +410,13 @@ def run_sweep(
             )
         )
     elif n == 1:
-        for s in specs:
-            results[s["job"]] = run_job(s)
-            if on_done is not None:
-                on_done(results[s["job"]])
+        try:
+            for s in specs:
+                results[s["job"]] = run_job(s)
+                if on_done is not None:
+                    on_done(results[s["job"]])
+        finally:  # the caller's process: its bundles are not kept past the sweep
+            bundlecache.clear()
     else:
         with ProcessPoolExecutor(max_workers=n, mp_context=get_context("spawn")) as pool:
             futs = {pool.submit(run_job, s): s["job"] for s in specs}

@@ -14,8 +14,9 @@ What this file owns (the inputs of ``replay.fleet``, the one replay driver):
   the DP rank whose stream carried each), source header. ``one_rank_worker`` makes the
   single-rank replay's input: every request on one rank of the caller's ``SimConfig``
   (its ``attn_dp_rank`` kept, whatever rank recorded it), the flushes given;
-* ``load_worker(path)`` -- read one bundle as a worker (a production capture's outputs and
-  sessions recovered by ``replay.production``);
+* ``read_bundle(path)`` -- what a replay reads of one bundle whatever the overrides
+  (``BundleInputs``: a production capture's outputs and sessions recovered by
+  ``replay.production``); ``load_worker(path)`` -- that bundle as a worker to replay;
 * ``flush_times_from_bundle`` -- one rank's recorded flush times (a single-rank replay of a
   DP bundle flushes once, not once per rank).
 """
@@ -78,22 +79,36 @@ def effective_config(
     sglang_version: str | None = None,
     calibrate_timing: bool = True,
     calibration: dict[str, Any] | None = None,
+    memo: tuple[dict[Any, Any], Any] | None = None,
 ) -> SimConfig:
     """Config from ``server_info`` + calibrated timing + ``overrides`` (None values ignored).
-    ``calibration``: where given, ``timing.calibrate``'s report of what it read."""
+    ``calibration``: where given, ``timing.calibrate``'s report of what it read. ``memo``:
+    ``(calibrations, key)`` -- the calibration stored under ``key`` is taken instead of
+    calibrating again (its report copied into ``calibration``), or stored there; the caller's
+    key names everything it depends on but ``records`` and ``server_info`` (the overrides
+    apply after it, all but ``decode_per_ctx_token_s``)."""
     cfg = from_server_info(server_info or {}, sglang_version)
     per_ctx = (overrides or {}).get("decode_per_ctx_token_s")
     if per_ctx is not None:  # given, not fitted: the decode fit takes its share off first
         cfg.timing.decode_per_ctx_token_s = per_ctx
     if calibrate_timing:
-        cfg.timing = calibrate(
-            list(records),
-            cfg.timing,
-            sync_forward=cfg.sync_forward or spans_next_forward(server_info),
-            overlap=spans_previous_forward(server_info),
-            chunk_tokens=cfg.chunked_prefill_size,
-            report=calibration,
-        )
+        got = memo[0].get(memo[1]) if memo is not None else None
+        if got is None:
+            report: dict[str, Any] = {}
+            timing = calibrate(
+                list(records),
+                cfg.timing,
+                sync_forward=cfg.sync_forward or spans_next_forward(server_info),
+                overlap=spans_previous_forward(server_info),
+                chunk_tokens=cfg.chunked_prefill_size,
+                report=report,
+            )
+            got = (timing, report)
+            if memo is not None:
+                memo[0][memo[1]] = got
+        cfg.timing = dataclasses.replace(got[0])  # the overrides below set its fields
+        if calibration is not None:
+            calibration.update(got[1])
     for key, value in (overrides or {}).items():
         if value is None:
             continue
@@ -218,10 +233,14 @@ def rank_configs(
     dp_size: int | None = None,
     server_info: dict[str, Any] | None = None,
     calibrations: list[dict[str, Any]] | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> list[SimConfig]:
     """One ``SimConfig`` per rank of a worker (see module docstring); ``server_info``: the
     snapshot to read (``settings.capture_settings``' filled one; default: the header's);
-    ``calibrations``: where given, each rank's calibration report is appended to it."""
+    ``calibrations``: where given, each rank's calibration report is appended to it;
+    ``memo``: the worker's calibrations by rank, SGLang version and given
+    ``decode_per_ctx_token_s`` (``BundleInputs.calibrated``: the same ``header``,
+    ``records`` and ``server_info`` every call), kept and reused."""
 
     n = dp_size or dp_size_of(header, records)
     info = dict(server_info or getattr(header, "server_info", None) or {})
@@ -238,6 +257,7 @@ def rank_configs(
                     rank_info[k] = v
         mine = [r for r in records if served_rank(r) == rank]
         report: dict[str, Any] = {}
+        key = (n, rank, version, (overrides or {}).get("decode_per_ctx_token_s"))
         cfg = effective_config(
             rank_info,
             mine if len(mine) >= 8 else list(records),
@@ -245,12 +265,56 @@ def rank_configs(
             sglang_version=version,
             calibrate_timing=calibrate_timing,
             calibration=report,
+            memo=None if memo is None else (memo, key),
         )
         if calibrations is not None:
             calibrations.append(report)
         cfg.attn_dp_rank = rank
         out.append(cfg)
     return out
+
+
+@dataclass(slots=True)
+class BundleInputs:
+    """What ``load_worker`` reads of a bundle whatever the overrides (``read_bundle``): its
+    compact records (a production capture's completed: ``loading.load_for_replay``), the
+    inference report, the recorded flushes, the capture's settings
+    (``settings.capture_settings``) and the pages held before a late capture
+    (``heldbefore.unseen_runs``); the pass-time calibrations made of them so far
+    (``rank_configs``' ``memo``). Nothing here is changed by a replay: a sweep's process
+    reads and calibrates a bundle once for all its jobs (``replay.bundlecache``)."""
+
+    path: Path
+    header: Any
+    records: list[Any]
+    inferred: dict[str, Any]
+    flushes: list[Any]
+    settings: Any
+    unseen: dict[int, list[list[int]]]
+    #: ``rank_configs``' calibrations of these records (``memo``), made as jobs ask
+    calibrated: dict[Any, Any] = field(default_factory=dict)
+
+
+def read_bundle(path: str | Path, tokenizer: Any = None) -> BundleInputs:
+    """Read one bundle for a replay (``tokenizer``: ``loading.load_for_replay``'s)."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{p}: no such bundle")
+    reader = BundleReader(p)
+    # compact; production: outputs, sessions
+    records, inferred, recorded = load_for_replay(reader, None, tokenizer)
+    if not records:
+        raise InputError(f"{p}: the bundle has no request records to replay")
+    flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
+    return BundleInputs(
+        p,
+        reader.header,
+        records,
+        inferred,
+        flushes,
+        capture_settings(reader),  # a missing page / pool size read from its events
+        unseen_runs(BundleReader(p)),
+    )
 
 
 def load_worker(
@@ -261,40 +325,34 @@ def load_worker(
     sglang_version: str | None = None,
     calibrate_timing: bool = True,
     tokenizer: Any = None,
+    inputs: BundleInputs | None = None,
 ) -> WorkerInput:
-    """Read one bundle as a worker to replay (``tokenizer``: ``loading.load_for_replay``'s)."""
-
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"{p}: no such bundle")
-    reader = BundleReader(p)
-    # compact; production: outputs, sessions
-    records, inferred, recorded = load_for_replay(reader, None, tokenizer)
-    if not records:
-        raise InputError(f"{p}: the bundle has no request records to replay")
-    settings = capture_settings(reader)  # a missing page / pool size read from its events
+    """Read one bundle as a worker to replay (``tokenizer``: ``loading.load_for_replay``'s);
+    ``inputs``: the bundle as ``read_bundle`` read it already (``path`` and ``tokenizer``
+    are then not read again)."""
+    b = read_bundle(path, tokenizer) if inputs is None else inputs
     calibrations: list[dict[str, Any]] = []
     cfgs = rank_configs(
-        reader.header,
-        records,
+        b.header,
+        b.records,
         overrides,
         sglang_version=sglang_version,
         calibrate_timing=calibrate_timing,
-        server_info=settings.server_info,
+        server_info=b.settings.server_info,
         calibrations=calibrations,
+        memo=b.calibrated,
     )
-    flushes = recorded if recorded is not None else recorded_flushes(BundleReader(p))
     return WorkerInput(
-        name or p.name,
-        records,
+        name or b.path.name,
+        b.records,
         cfgs,
-        [f.recv_ns for f in flushes],
-        reader.header,
-        str(p),
-        [f.rank for f in flushes],
-        inferred=inferred or None,
-        settings_note=settings.note,
-        unseen=unseen_runs(BundleReader(p)),
+        [f.recv_ns for f in b.flushes],
+        b.header,
+        str(b.path),
+        [f.rank for f in b.flushes],
+        inferred=b.inferred or None,
+        settings_note=b.settings.note,
+        unseen=b.unseen,
         calibrations=calibrations,
     )
 
