@@ -113,6 +113,21 @@ def capture_copy(src: Path, dst: Path, cfg: SimConfig, *, metrics_only: bool) ->
             w.write(rec)
 
 
+def bench_config(pool: int) -> SimConfig:
+    """The first workload's worker: page 1, a ``pool``-token pool, fixed pass times."""
+    return SimConfig(
+        page_size=1,
+        max_total_tokens=pool,
+        chunked_prefill_size=8192,
+        timing=TimingParams(
+            prefill_base_s=0.012,
+            prefill_per_token_s=2e-5,
+            decode_base_s=0.004,
+            decode_per_req_s=8e-5,
+        ),  # fmt: skip
+    ).validate()
+
+
 class CpuPhases:
     """``replay_bundle``'s ``phases``: CPU time of its load and simulate phases (the last run)."""
 
@@ -203,17 +218,7 @@ def main() -> None:
     if args.quick:
         args.requests, args.repeat, args.long_requests = 600, 1, 200
         args.many_lanes = min(args.many_lanes, 32)
-    cfg = SimConfig(
-        page_size=1,
-        max_total_tokens=args.pool,
-        chunked_prefill_size=8192,
-        timing=TimingParams(
-            prefill_base_s=0.012,
-            prefill_per_token_s=2e-5,
-            decode_base_s=0.004,
-            decode_per_req_s=8e-5,
-        ),  # fmt: skip
-    ).validate()
+    cfg = bench_config(args.pool)
     long_cfg = dataclasses.replace(
         cfg, page_size=16, max_total_tokens=1_000_000, chunked_prefill_size=8192
     ).validate()

@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_production import capture_copy
+from bench_production import bench_config, capture_copy
 from bench_replay import workload
 from common import add_output_args, figure, goal, write_results
 
 from kvcadence.replay import bundlecache
-from kvcadence.replay.config import SimConfig, TimingParams
 from kvcadence.replay.simulator import simulate, write_sim_bundle
 from kvcadence.replay.sweep import run_sweep
 
@@ -51,17 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.points, args.repeat = 600, 3, 1
-    cfg = SimConfig(
-        page_size=1,
-        max_total_tokens=args.pool,
-        chunked_prefill_size=8192,
-        timing=TimingParams(
-            prefill_base_s=0.012,
-            prefill_per_token_s=2e-5,
-            decode_base_s=0.004,
-            decode_per_req_s=8e-5,
-        ),  # fmt: skip
-    ).validate()
+    cfg = bench_config(args.pool)
     points = [{"max_total_tokens": args.pool * (4 + k) // 4} for k in range(args.points)]
     tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-sweep-"))
     best: dict[str, float] = {}
