@@ -141,6 +141,13 @@ def test_docs_table_replaces_only_the_marked_block(rob, tmp_path: Path):
     assert "2 (67 %) on every rank of the DP captures; 1 (33 %) also median blk/Removed" in text
     assert "2 (67 %) with the KS distance" in text
     assert "* c: decode_base_s +5 % (cached); decode_base_s +10 % (med Removed)" in text
+    # a capture missing a bar as calibrated bounds the whole; the others' variants apart
+    off = {**res, "capture": "m", "rows": [{**r, "all": False} for r in res["rows"][:2]]}
+    both = rob.table([res, off], [])
+    assert (
+        "As calibrated, 1 of the 2 captures hold every bar; their variants hold every bar in "
+        "2 of 3 (67 %), and the other 1 captures' 2 variants bound the whole at 60 %." in both
+    )
     # a DP capture: every bar held on its ranks together, one missed by a rank by itself
     dp = {
         "capture": "d",
