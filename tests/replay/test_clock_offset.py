@@ -83,17 +83,20 @@ def test_no_offset_where_the_clocks_agree(name):
 
 def test_the_stepped_capture_s_stretches():
     """One offset for the whole capture (+16.7 s, the last stretch's, which most requests
-    share) against the three stretches it has: 0, +1.2 s from event 16, +16.7 s from event
-    44 (each where the publish times jump by the change)."""
+    share) against the three stretches it has: 0, +1.2 s from event 18, +16.7 s from event
+    44 (each where the publish times jump by at least the change, nearest it)."""
     rd = BundleReader(CORPUS / STEPPED / "bundle")
     recs = rd.requests()
     index = StoreIndex.from_reader(rd, capture_settings(rd).page_size)
     assert 16.5e9 < records_offset(index, recs) < 17e9
     m = records_clock(index, recs)
-    assert m.firsts == (0, 16, 44) and m.offsets[0] == 0
+    assert m.firsts == (0, 18, 44) and m.offsets[0] == 0
     assert 1.1e9 < m.offsets[1] < 1.3e9 and 16.5e9 < m.offsets[2] < 17e9
     ts = index._ts
-    assert ts[44] - ts[43] > 15e9 and 0.5e9 < ts[16] - ts[15] < 1.5e9
+    assert ts[44] - ts[43] > 15e9 and m.offsets[1] < ts[18] - ts[17] < 1.6e9
+    # the nearer jump two events before is shorter than the step: no step went there
+    assert abs(ts[16] - ts[15] - m.offsets[1]) < abs(ts[18] - ts[17] - m.offsets[1])
+    assert ts[16] - ts[15] < m.offsets[1]
 
 
 @given(
@@ -234,3 +237,44 @@ def test_a_clock_map_offsets_events_and_times_by_stretch():
     assert moved.meta_info["prefill_finished_time"] == pytest.approx(1e9 + 1.6)
     assert moved.meta_info["request_finished_ts"] == mi["request_finished_ts"]
     assert kept is lost and scheduler_stamps_on_records_clock([rec], ClockMap())[0] is rec
+
+
+@pytest.mark.parametrize(
+    ("gaps", "step", "at"),
+    [
+        # forward, +1.2 s: the 0.96 s jump is the nearest, but a step there would put the
+        # next message before the last; the 1.52 s one keeps them in order
+        ([0.1, 0.1, 0.96, 0.67, 1.52, 0.1], 1.2, 5),
+        # forward, and every jump is shorter than the change (an offset estimated a little
+        # high): the nearest, as before
+        ([0.1, 0.5, 0.9, 0.1], 1.2, 3),
+        # backward, -2 s: the publish times go back there
+        ([0.1, 0.3, -1.8, 0.2, 0.1], -2.0, 3),
+    ],
+)
+def test_a_step_goes_where_the_publish_times_stay_in_order(monkeypatch, gaps, step, at):
+    """``records_clock`` puts a step between the two stretches' stores where the jump of
+    the publish times is at least the change (the messages went out in order, so the
+    mapped times must stay so), nearest the change among those; none: nearest the change."""
+    from kvcadence.replay import clocks
+
+    s = 10**9
+    ts = [0]
+    for g in gaps:
+        ts.append(ts[-1] + round(g * s))
+    n = len(ts)
+
+    class Index:
+        _ts = ts + [ts[-1] + (k + 1) * s // 10 for k in range(8)]
+
+    # events 0-1 in the first stretch (offset 0), the 8 after ``ts`` in the second (the
+    # step); those between tell nothing (no request's store found uniquely)
+    first = (-s // 10, s // 10)
+    second = (round(step * s) - s // 10, round(step * s) + s // 10)
+    spans = [(0, first), (1, first)] * 3 + [(n + k, second) for k in range(8)]
+    monkeypatch.setattr(clocks, "_spans", lambda index, records: sorted(spans))
+    m = records_clock(Index(), [])
+    assert m.firsts[1] == at and m.offsets[1] == round(step * s)
+    if any(round(g * s) >= round(step * s) for g in gaps[1:]):
+        mapped = [t - m.of_event(e) for e, t in enumerate(Index._ts)]
+        assert all(a <= b for a, b in zip(mapped, mapped[1:]))
