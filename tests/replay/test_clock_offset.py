@@ -6,6 +6,7 @@ clocks agree (the whole corpus) the offset is 0 and nothing changes."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -277,4 +278,4 @@ def test_a_step_goes_where_the_publish_times_stay_in_order(monkeypatch, gaps, st
     assert m.firsts[1] == at and m.offsets[1] == round(step * s)
     if any(round(g * s) >= round(step * s) for g in gaps[1:]):
         mapped = [t - m.of_event(e) for e, t in enumerate(Index._ts)]
-        assert all(a <= b for a, b in zip(mapped, mapped[1:]))
+        assert all(a <= b for a, b in pairwise(mapped))

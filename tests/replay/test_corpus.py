@@ -29,6 +29,7 @@ import sys
 import tempfile
 from collections import Counter
 from functools import cache
+from itertools import pairwise
 from pathlib import Path
 from statistics import median
 from typing import Any, cast
@@ -1722,7 +1723,7 @@ def test_a_wall_clock_step_during_the_capture_is_followed():
     index = StoreIndex.from_reader(rd, page_size_hint(rd), FlushScan(rd.header))
     clock = records_clock(index, rd.requests())
     mapped = [t - clock.of_event(e) for e, t in enumerate(index._ts)]
-    assert all(a <= b for a, b in zip(mapped, mapped[1:]))  # in publish order, as sent
+    assert all(a <= b for a, b in pairwise(mapped))  # in publish order, as sent
     # each record's first forward now lies within its receive and finish, as it did
     inside = [
         r.meta_info["request_received_ts"] - 0.05
