@@ -54,7 +54,7 @@ from kvcadence.errors import UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, event_payload
 from kvcadence.format.namespace import salt_of
-from kvcadence.format.schema import BlockStoredView, EventFrame
+from kvcadence.format.schema import BlockStoredView, EventFrame, meta_seconds
 
 PLOT_NAME = "visibility.png"
 
@@ -92,10 +92,8 @@ def _page_size(header: Any) -> int:
 
 
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
-    v = meta.get(key)
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-        return int(round(v * 1e9))
-    return None
+    v = meta_seconds(meta, key)
+    return None if v is None else int(round(v * 1e9))
 
 
 def visibility_data(

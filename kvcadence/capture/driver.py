@@ -34,7 +34,13 @@ from typing import Any
 
 from kvcadence.capture.workloads import Req, Workload
 from kvcadence.errors import CaptureError, UsageError
-from kvcadence.format.schema import Annotation, RequestRecord
+from kvcadence.format.schema import (
+    MAX_SECONDS,
+    Annotation,
+    RequestRecord,
+    meta_duration,
+    meta_seconds,
+)
 
 
 @dataclass
@@ -58,11 +64,13 @@ def _finish_reason(meta: dict[str, Any]) -> str | None:
 
 
 def _first_token_ns(meta: dict[str, Any]) -> int | None:
-    recv = meta.get("request_received_ts")
-    ftl = meta.get("first_token_latency")
-    if isinstance(recv, (int, float)) and isinstance(ftl, (int, float)):
-        return int((recv + ftl) * 1e9)
-    return None
+    recv, ftl = (
+        meta_seconds(meta, "request_received_ts"),
+        meta_duration(meta, "first_token_latency"),
+    )
+    if recv is None or ftl is None or recv + ftl >= MAX_SECONDS:
+        return None
+    return int((recv + ftl) * 1e9)
 
 
 def _opt_int(v: Any) -> int | None:

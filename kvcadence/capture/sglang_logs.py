@@ -44,7 +44,7 @@ import msgspec
 
 from kvcadence.errors import InputError
 from kvcadence.format.bounds import json_loads
-from kvcadence.format.schema import RequestRecord
+from kvcadence.format.schema import MAX_SECONDS, RequestRecord
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pk")
@@ -155,15 +155,11 @@ def request_log_json(line: str, where: str) -> dict[str, Any] | None:
     return json_line(s, where, REQUEST_LOG_LEAD)
 
 
-#: the latest time in seconds an int64 nanosecond timestamp holds
-_MAX_S = (2**63 - 1) / 1e9
-
-
 def _ns(seconds: Any) -> int | None:
-    """Seconds -> ns; None unless a number in (0, _MAX_S) (``Infinity``, ``NaN``, ``1e300``
+    """Seconds -> ns; None unless a number in (0, MAX_SECONDS) (``Infinity``, ``NaN``, ``1e300``
     and negative times are no timestamp)."""
     ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
-    return int(seconds * 1e9) if ok and 0 < seconds < _MAX_S else None
+    return int(seconds * 1e9) if ok and 0 < seconds < MAX_SECONDS else None
 
 
 def _int(v: Any) -> int | None:
@@ -302,7 +298,7 @@ def _iso_ns(ts: Any, where: str) -> int | None:
     if ts is None:
         return None
     if isinstance(ts, (int, float)):
-        if isinstance(ts, bool) or not 0 <= ts < _MAX_S:  # Infinity, NaN, 1e300
+        if isinstance(ts, bool) or not 0 <= ts < MAX_SECONDS:  # Infinity, NaN, 1e300
             raise InputError(f"{where}: bad timestamp {ts!r}")
         return int(ts * 1e9)
     try:

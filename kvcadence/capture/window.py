@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from kvcadence.format.bundle import BundleReader, event_payload_view
-from kvcadence.format.schema import KVEventBatchTsView
+from kvcadence.format.schema import KVEventBatchTsView, seconds
 
 #: records this close to the window (either side) are kept: publish lags, the stamps of
 #: SGLang's other processes
@@ -56,7 +56,8 @@ def event_window(bundle: Path | str) -> tuple[int, int] | None:
             ts = _TS.decode(event_payload_view(frame)).ts
         except (msgspec.DecodeError, TypeError, ValueError):
             ts = None
-        t = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else frame.recv_ns
+        s = seconds(ts)
+        t = frame.recv_ns if s is None else round(s * 1e9)
         if lo is None or t < lo:
             lo = t
         if hi is None or t > hi:

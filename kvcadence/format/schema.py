@@ -639,6 +639,37 @@ def served_rank(rec: Any) -> int:
     )
 
 
+#: the latest time in seconds an int64 of nanoseconds holds (2262-04-11): a time past it is
+#: no time (``seconds``)
+MAX_SECONDS = (2**63 - 1) / 1e9
+
+
+def seconds(v: Any) -> float | None:
+    """``v`` as a wall-clock time in seconds -- a payload's publish ``ts``, a ``meta_info``
+    stamp: a number (not a bool) in (0, ``MAX_SECONDS``), else None. A KV event payload or
+    an SGLang metrics line may hold anything there (JSON that Python wrote holds ``NaN``
+    and ``Infinity``; a damaged or hand-made one whatever it holds): such a value is no
+    time, as an absent one. Every reader that turns one into nanoseconds reads it through
+    this, so none overflows an int64."""
+    if type(v) is float or type(v) is int:
+        return float(v) if 0 < v < MAX_SECONDS else None
+    return None
+
+
+def meta_seconds(meta: dict[str, Any], key: str) -> float | None:
+    """``meta[key]`` (a request record's ``meta_info``) as a time in seconds (``seconds``)."""
+    return seconds(meta.get(key))
+
+
+def meta_duration(meta: dict[str, Any], key: str) -> float | None:
+    """``meta[key]`` as a duration in seconds (``e2e_latency``, ``first_token_latency``,
+    ``queue_time``): a number in [0, ``MAX_SECONDS``), else None (``meta_seconds``)."""
+    v = meta.get(key)
+    if type(v) is float or type(v) is int:
+        return float(v) if 0 <= v < MAX_SECONDS else None
+    return None
+
+
 #: an eviction's cause: a prefill batch's KV, a decode step's allocation, the decode memory
 #: check, a retraction's release; ``other`` only in a real worker's trace (a caller the
 #: harness's trace could not place)

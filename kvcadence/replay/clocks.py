@@ -51,7 +51,7 @@ from typing import Any
 
 import msgspec
 
-from kvcadence.format.schema import UNRECORDED_SOURCE
+from kvcadence.format.schema import UNRECORDED_SOURCE, meta_seconds
 from kvcadence.replay.schedule import _arrival, _finish, _logprob_cap
 from kvcadence.replay.tokens import same_ids, span
 
@@ -142,7 +142,7 @@ def scheduler_stamps_on_records_clock(records: Sequence[Any], clock: ClockMap) -
         moved = {
             k: mi[k] - clock.of_time(int(mi[k] * 1e9)) / 1e9
             for k in SCHEDULER_STAMPS
-            if isinstance(mi.get(k), (int, float)) and mi[k] > 0
+            if meta_seconds(mi, k) is not None
         }
         if moved:
             out[i] = msgspec.structs.replace(r, meta_info={**mi, **moved})

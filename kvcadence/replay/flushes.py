@@ -63,6 +63,7 @@ from kvcadence.format.schema import (
     AllBlocksCleared,
     EventFrame,
     KVEventBatchTsView,
+    seconds,
 )
 from kvcadence.replay.schedule import RequestSpec, _arrival, _finish
 
@@ -136,10 +137,8 @@ class FlushScan:
     def frame(self, rec: Any, ts: Any, events: Sequence[Any]) -> None:
         ep, seq = rec.endpoint, rec.seq
         seq0 = self.first_seq.setdefault((ep, rec.epoch), seq)
-        if type(ts) is float:  # the usual case: no isinstance call
-            ts_ns = round(ts * 1e9) if ts > 0 else None
-        else:
-            ts_ns = round(ts * 1e9) if isinstance(ts, (int, float)) and ts > 0 else None
+        s = seconds(ts)
+        ts_ns = None if s is None else round(s * 1e9)
         late = rec.via == VIA_REPLAY
         if ts_ns is not None and not late:
             lags = self.lag.get(ep)

@@ -47,7 +47,7 @@ import numpy as np
 from kvcadence.format import wire
 from kvcadence.format.bundle import event_payload_view
 from kvcadence.format.hashes import norm_hash
-from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView
+from kvcadence.format.schema import AnnotationRawView, BlockStored, EventFrameIdsView, seconds
 from kvcadence.replay.config import DECODE_LOG_INTERVAL
 from kvcadence.replay.flushes import NOTE_KINDS
 from kvcadence.replay.stored import (
@@ -210,8 +210,8 @@ class StoreIndex:
                     scan.frame(f, b.ts, ())
                 if tally is not None:
                     tally.batch(b, f.endpoint)
-                bts = b.ts
-                ts = int(bts * 1e9) if bts and bts > 0 else f.recv_ns
+                bts = seconds(b.ts)
+                ts = f.recv_ns if bts is None else int(bts * 1e9)
                 frame_stores(b, page_size, ts, n, rows)
                 continue
             if t is AnnotationRawView:
@@ -240,7 +240,8 @@ class StoreIndex:
                         scan.frame(f, full.ts, full.events)
                 else:
                     scan.frame(f, b.ts, ())
-            ts = int(b.ts * 1e9) if b.ts and b.ts > 0 else f.recv_ns
+            bts = seconds(b.ts)
+            ts = f.recv_ns if bts is None else int(bts * 1e9)
             for parent, hashes, pages, tokens, salt in got:
                 # into the rows' buffers while its ints are fresh: no int object is kept
                 rows.add(ts, n, parent, hashes, pages, tokens, salt)

@@ -22,12 +22,12 @@ from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
+from kvcadence.format.schema import meta_seconds
 from kvcadence.replay.config import TimingParams
 from kvcadence.replay.timing import (
     PassTimer,
     finished_s,
     is_retracted,
-    meta_s,
     prefill_batches,
     prefill_duration,
 )
@@ -50,7 +50,7 @@ def median_wait_s(records: Iterable[Any]) -> float | None:
     waits = []
     for r in records:
         mi = getattr(r, "meta_info", None) or {}
-        fe, rc = meta_s(mi, "forward_entry_time"), meta_s(mi, "request_received_ts")
+        fe, rc = meta_seconds(mi, "forward_entry_time"), meta_seconds(mi, "request_received_ts")
         if fe is not None and rc is not None:
             waits.append(fe - rc)
     return median(waits) if waits else None
@@ -92,7 +92,7 @@ def recorded_token_times(
     rows = []
     for i, r in enumerate(recs):
         mi = r.meta_info or {}
-        fe, pf = meta_s(mi, "forward_entry_time"), meta_s(mi, "prefill_finished_time")
+        fe, pf = meta_seconds(mi, "forward_entry_time"), meta_seconds(mi, "prefill_finished_time")
         fin = finished_s(mi)
         n = int(r.completion_tokens or len(r.output_ids) or 0)
         if fe is None or pf is None or fin is None or fin < pf or is_retracted(r):

@@ -54,7 +54,7 @@ import numpy as np
 
 from kvcadence.errors import InputError
 from kvcadence.format.namespace import Namespace, namespace_of
-from kvcadence.replay.timing import meta_s
+from kvcadence.format.schema import MAX_SECONDS, meta_duration, meta_seconds
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 
 #: ``meta_info`` key of a completed production record whose outputs no store of the capture
@@ -192,10 +192,8 @@ def _routing_key(mi: dict[str, Any]) -> str | None:
 
 
 def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
-    v = meta.get(key)
-    if isinstance(v, (int, float)) and v > 0:
-        return round(v * 1e9)  # a float's round is an int
-    return None
+    v = meta_seconds(meta, key)
+    return None if v is None else round(v * 1e9)  # a float's round is an int
 
 
 def _received_ns(meta: dict[str, Any]) -> int | None:
@@ -204,8 +202,8 @@ def _received_ns(meta: dict[str, Any]) -> int | None:
     v = _mi_ns(meta, "request_received_ts")
     if v is not None:
         return v
-    sent, e2e = meta.get("response_sent_to_client_ts"), meta.get("e2e_latency")
-    if isinstance(sent, (int, float)) and isinstance(e2e, (int, float)) and sent > 0 and e2e >= 0:
+    sent, e2e = meta_seconds(meta, "response_sent_to_client_ts"), meta_duration(meta, "e2e_latency")
+    if sent is not None and e2e is not None:
         return int(round((sent - e2e) * 1e9))
     return None
 
@@ -233,7 +231,7 @@ def _arrival(rec: Any) -> int | None:
         return int(rec.arrival_ns)
     mi = rec.meta_info or {}
     v = mi.get("request_received_ts")
-    if type(v) is float and v > 0:  # the usual case (``_mi_ns``), without its calls
+    if type(v) is float and 0 < v < MAX_SECONDS:  # the usual case (``_mi_ns``), without its calls
         return round(v * 1e9)
     v = _received_ns(mi)
     if v is not None:
@@ -267,7 +265,9 @@ def _finish(rec: Any, finished_ts_ns: int | None = None) -> int | None:
     mi = rec.meta_info or {}
     if finished_ts_ns is None:
         v = mi.get("request_finished_ts")
-        if type(v) is float and v > 0:  # the usual case (``_mi_ns``), without its call
+        if (
+            type(v) is float and 0 < v < MAX_SECONDS
+        ):  # the usual case (``_mi_ns``), without its call
             return round(v * 1e9)
         finished_ts_ns = _mi_ns(mi, "request_finished_ts")
     if finished_ts_ns is not None:
@@ -357,7 +357,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             source=_stripped(r, prompt, rec_out),
             routing_key=_routing_key(mi),
             logprob_cap=_logprob_cap(mi),
-            recorded_entry_s=meta_s(mi, "forward_entry_time"),
+            recorded_entry_s=meta_seconds(mi, "forward_entry_time"),
             namespace=namespace_of(mi),
             priority=_priority(mi),
         )

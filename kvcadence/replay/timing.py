@@ -69,6 +69,7 @@ from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
+from kvcadence.format.schema import meta_duration, meta_seconds
 from kvcadence.replay.config import TimingParams
 from kvcadence.replay.decodefit import fit_decode
 from kvcadence.replay.fitting import fit_line
@@ -125,19 +126,14 @@ _MIN_LATENCY_SPANS = 16
 _INSTANT_S = 1e-9
 
 
-def meta_s(mi: dict[str, Any], key: str) -> float | None:
-    v = mi.get(key)
-    return float(v) if isinstance(v, (int, float)) and v > 0 else None
-
-
 def _received_s(mi: dict[str, Any]) -> float | None:
     """``request_received_ts``, else ``response_sent_to_client_ts − e2e_latency``."""
-    v = meta_s(mi, "request_received_ts")
+    v = meta_seconds(mi, "request_received_ts")
     if v is not None:
         return v
-    sent, e2e = meta_s(mi, "response_sent_to_client_ts"), mi.get("e2e_latency")
-    if sent is not None and isinstance(e2e, (int, float)) and e2e >= 0:
-        return sent - float(e2e)
+    sent, e2e = meta_seconds(mi, "response_sent_to_client_ts"), meta_duration(mi, "e2e_latency")
+    if sent is not None and e2e is not None and sent > e2e:
+        return sent - e2e
     return None
 
 
@@ -202,8 +198,8 @@ def model_line(
 
 
 def finished_s(mi: dict[str, Any]) -> float | None:
-    v = meta_s(mi, "request_finished_ts")
-    return v if v is not None else meta_s(mi, "response_sent_to_client_ts")
+    v = meta_seconds(mi, "request_finished_ts")
+    return v if v is not None else meta_seconds(mi, "response_sent_to_client_ts")
 
 
 def calibrate(
@@ -240,7 +236,7 @@ def calibrate(
         uncached = (r.prompt_tokens or len(r.input_ids)) - (r.cached_tokens or 0)
         if rx is not None and fin is not None and fin > rx:
             spans.append((rx, fin, int(n), max(uncached, 0)))
-        fe, pf = meta_s(mi, "forward_entry_time"), meta_s(mi, "prefill_finished_time")
+        fe, pf = meta_seconds(mi, "forward_entry_time"), meta_seconds(mi, "prefill_finished_time")
         if fe is None or pf is None or rx is None or fin is None:
             continue
         prompt = r.prompt_tokens or len(r.input_ids)

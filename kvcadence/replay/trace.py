@@ -39,7 +39,14 @@ import msgspec
 from kvcadence.errors import InputError, UsageError
 from kvcadence.format.jsonl import jsonl_lines, parse_request_line
 from kvcadence.format.mooncake import HashIdTokens, parse_mooncake_line
-from kvcadence.format.schema import FORMAT_MAJOR, FORMAT_MINOR, Header, RequestRecord
+from kvcadence.format.schema import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    Header,
+    RequestRecord,
+    meta_duration,
+    meta_seconds,
+)
 from kvcadence.outguard import refuse_nonempty_dir
 from kvcadence.progress import NoPhases
 from kvcadence.replay.config import SimConfig
@@ -166,8 +173,9 @@ def read_requests_trace(path: Path, *, limit: int = 0) -> tuple[list[RequestReco
         if not r.input_ids:
             raise InputError(f"{where}: field `input_ids`: empty (nothing to replay)")
         mi = r.meta_info
-        received = mi.get("request_received_ts") or (
-            mi.get("response_sent_to_client_ts") and mi.get("e2e_latency") is not None
+        received = meta_seconds(mi, "request_received_ts") is not None or (
+            meta_seconds(mi, "response_sent_to_client_ts") is not None
+            and meta_duration(mi, "e2e_latency") is not None
         )
         if r.arrival_ns is None and r.send_ns is None and not received:
             raise InputError(
