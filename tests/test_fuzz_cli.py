@@ -202,6 +202,53 @@ def test_hostile_sglang_metrics_and_request_log_lines(tmp_path_factory, capsys, 
         _follow_up(capsys, out, tmp)
 
 
+#: the stamps of a metrics line a replay reads (``format.schema.seconds``)
+STAMPS = ["request_received_ts", "forward_entry_time", "prefill_finished_time",
+          "request_finished_ts", "response_sent_to_client_ts", "e2e_latency",
+          "first_token_latency", "queue_time"]  # fmt: skip
+
+
+@FUZZ
+@given(
+    poison=st.lists(
+        st.tuples(st.integers(0, 119), st.sampled_from(STAMPS), SCALARS), min_size=1, max_size=6
+    ),
+    ts=st.lists(st.tuples(st.integers(1, 139), SCALARS), max_size=3),
+)
+def test_a_real_capture_with_hostile_times_replays(tmp_path_factory, capsys, poison, ts):
+    """The fixture as a production capture (its frames, its SGLang metrics file) with hostile
+    values in a few lines' stamps and a few payloads' publish ``ts``: every other part of it
+    is valid, so the import and the replay exit 0 (a time that is no time reads as absent;
+    this fuzzing stopped at the import until 2026-12-07, and such values ended the replay in
+    a traceback)."""
+    import base64
+
+    import msgspec
+
+    tmp = tmp_path_factory.mktemp("ht")
+    src = next((FIX / "sglang-metrics").iterdir())
+    lines = [json.loads(x) for x in src.read_text().splitlines()]
+    for i, key, v in poison:
+        lines[i][key] = v
+    (tmp / "m").mkdir()
+    (tmp / "m" / src.name).write_text("".join(_dumps(d) + "\n" for d in lines))
+    frames = [json.loads(x) for x in (FIX / "events.jsonl").read_text().splitlines()]
+    for i, v in ts:
+        batch = msgspec.msgpack.decode(base64.b64decode(frames[i]["payload_b64"]))
+        # (an int past msgpack's 64 bits is sent as the float it rounds to)
+        batch[0] = float(v) if type(v) is int and not -(2**63) <= v < 2**64 else v
+        frames[i]["payload_b64"] = base64.b64encode(msgspec.msgpack.encode(batch)).decode()
+    (tmp / "e.jsonl").write_text("".join(json.dumps(f) + "\n" for f in frames))
+    real, sim = _fresh(tmp, "real"), _fresh(tmp, "sim")
+    info = str(FIX / "server_info.json")
+    argv = ["import", "--frames", str(tmp / "e.jsonl"), "--server-info", info]
+    assert _run(capsys, [*argv, "--out", str(real)])[0] == 0
+    argv = ["capture", "import", "--quiet", "--sglang-metrics", str(tmp / "m"), str(real)]
+    assert _run(capsys, argv)[0] == 0
+    assert _run(capsys, ["replay", "--quiet", str(real), "--out", str(sim)])[0] == 0
+    assert len(BundleReader(sim).requests()) == 120
+
+
 # ------------------------------------------------------------------ damaged bundles
 
 
