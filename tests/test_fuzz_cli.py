@@ -249,6 +249,39 @@ def test_a_real_capture_with_hostile_times_replays(tmp_path_factory, capsys, poi
     assert len(BundleReader(sim).requests()) == 120
 
 
+@pytest.mark.parametrize("where", ["completion_tokens", "max_new_tokens"])
+def test_a_record_claiming_more_outputs_than_a_request_holds_is_refused(tmp_path, capsys, where):
+    """A metrics line whose ``completion_tokens`` -- or a driver record without outputs whose
+    ``max_new_tokens`` -- claims 10**9 output tokens (a request holds at most
+    ``format.bounds.MAX_REQUEST_TOKENS`` token ids) is refused by ``replay`` in one line,
+    exit 2, before anything is made for it (the inference made one synthetic id per claimed
+    token until 2026-12-07: every byte of memory for one damaged line)."""
+    real = tmp_path / "real"
+    info = str(FIX / "server_info.json")
+    if where == "completion_tokens":
+        src = next((FIX / "sglang-metrics").iterdir())
+        lines = [json.loads(x) for x in src.read_text().splitlines()]
+        lines[3]["completion_tokens"] = 10**9
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / src.name).write_text("".join(_dumps(d) + "\n" for d in lines))
+        argv = ["import", "--frames", str(FIX / "events.jsonl"), "--server-info", info]
+        assert _run(capsys, [*argv, "--out", str(real)])[0] == 0
+        argv = ["capture", "import", "--quiet", "--sglang-metrics", str(tmp_path / "m")]
+        assert _run(capsys, [*argv, str(real)])[0] == 0
+    else:
+        reqs = [json.loads(x) for x in (FIX / "requests.jsonl").read_text().splitlines()]
+        reqs[3].pop("output_ids")
+        reqs[3]["meta_info"].pop("completion_tokens")  # its length: max_new_tokens alone
+        reqs[3]["max_new_tokens"] = 10**9
+        (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+        argv = ["import", "--frames", str(FIX / "events.jsonl"), "--server-info", info]
+        argv += ["--requests", str(tmp_path / "r.jsonl"), "--out", str(real)]
+        assert _run(capsys, argv)[0] == 0
+    rc, err = _run(capsys, ["replay", "--quiet", str(real), "--out", str(tmp_path / "sim")])
+    assert rc == 2 and "1000000000 output tokens, more than a request can hold" in err
+    assert not (tmp_path / "sim").exists()
+
+
 # ------------------------------------------------------------------ damaged bundles
 
 

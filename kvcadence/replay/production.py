@@ -85,7 +85,14 @@ from kvcadence.replay.lanes import (
 from kvcadence.replay.outputs import StoreIndex
 from kvcadence.replay.precached import PRECACHED_KEY, OlderPages, carriers
 from kvcadence.replay.rebuiltrows import join_rows
-from kvcadence.replay.schedule import AFTER_KEY, FINISH_UNSEEN_KEY, _arrival, _finish, _synth_tokens
+from kvcadence.replay.schedule import (
+    AFTER_KEY,
+    FINISH_UNSEEN_KEY,
+    _arrival,
+    _finish,
+    _synth_tokens,
+    output_length,
+)
 from kvcadence.replay.sessions import (
     Node,
     arrival_order,
@@ -118,10 +125,7 @@ def needs_completion(records: list[Any]) -> bool:
 
 
 def _n_out(r: Any) -> int:
-    n = r.completion_tokens
-    if n is None:
-        n = len(r.output_ids) if r.output_ids else (r.max_new_tokens or 0)
-    n = int(n)
+    n = int(output_length(r) or 0)
     return n if n > 0 else 0
 
 

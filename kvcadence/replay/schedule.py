@@ -53,6 +53,7 @@ import msgspec
 import numpy as np
 
 from kvcadence.errors import InputError
+from kvcadence.format.bounds import MAX_REQUEST_TOKENS
 from kvcadence.format.namespace import Namespace, namespace_of
 from kvcadence.format.schema import MAX_SECONDS, meta_duration, meta_seconds
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
@@ -239,6 +240,24 @@ def _arrival(rec: Any) -> int | None:
     return None if rec.send_ns is None else int(rec.send_ns)
 
 
+def output_length(rec: Any) -> int | None:
+    """A record's output length as a replay reads it: ``completion_tokens`` (what the worker
+    decoded), else its recorded output ids, else ``max_new_tokens``; None when none says.
+    More than a request can hold (``format.bounds.MAX_REQUEST_TOKENS`` token ids) is an
+    ``InputError`` naming the request: no worker decodes that many for one request, and a
+    replay would make them (the inference one synthetic id each: ``completion_tokens`` of
+    10**9 in one metrics line took every byte of memory)."""
+    n = rec.completion_tokens
+    if n is None:
+        n = len(rec.output_ids) if rec.output_ids else rec.max_new_tokens
+    if n is not None and n > MAX_REQUEST_TOKENS:
+        raise InputError(
+            f"request {rec.rid!r}: {n} output tokens, more than a request can hold "
+            f"({MAX_REQUEST_TOKENS:,} token ids); a damaged record?"
+        )
+    return n
+
+
 def _why_no_ids(rec: Any) -> str:
     """Why a record has no prompt token ids, read from what SGLang's metrics line kept of the
     request (``meta_info.request_parameters``, its fields but ``input_ids``)."""
@@ -323,9 +342,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             raise InputError(
                 f"request {r.rid!r}: no input_ids recorded (cannot replay): {_why_no_ids(r)}"
             )
-        n_out = r.completion_tokens
-        if n_out is None:
-            n_out = len(r.output_ids) if r.output_ids else r.max_new_tokens
+        n_out = output_length(r)
         if n_out is None:
             raise InputError(f"request {r.rid!r}: output length unknown")
         n_out = max(int(n_out), 1)
