@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcadence.errors import InputError
+from kvcadence.format.bounds import MAX_REQUEST_TOKENS
+
+#: the latest trace timestamp (ms) an int64 of nanoseconds holds
+MAX_TIMESTAMP_MS = (2**63 - 1) / 1e6
 
 FIRST_TOKEN = 3
 
@@ -78,8 +82,18 @@ def parse_mooncake_line(d: dict[str, Any], where: str) -> MooncakeLine:
     ts = d.get("timestamp", 0)
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise InputError(f"{where}: field 'timestamp' must be a number")
+    if not 0 <= ts < MAX_TIMESTAMP_MS:  # NaN and Infinity too: no offset in ns
+        raise InputError(
+            f"{where}: field 'timestamp' must be milliseconds in [0, {MAX_TIMESTAMP_MS:.0f}), "
+            f"got {ts!r}"
+        )
     n_in = need_int(d, "input_length", where, 1)
     n_out = need_int(d, "output_length", where, 1)
+    if n_in + n_out > MAX_REQUEST_TOKENS:  # each token is made: a bound, not a guess
+        raise InputError(
+            f"{where}: input_length + output_length = {n_in + n_out}, more than a request can "
+            f"hold ({MAX_REQUEST_TOKENS:,} token ids)"
+        )
     hids = d.get("hash_ids", [])
     if not isinstance(hids, list) or not all(
         isinstance(h, int) and not isinstance(h, bool) for h in hids

@@ -119,6 +119,12 @@ def read_mooncake(
         line = parse_mooncake_line(obj, where)
         t0 = line.timestamp_ms if t0 is None else t0
         arrival = int((line.timestamp_ms - t0) * 1e6 / speedup)  # drive's offset
+        if not -(2**63) < arrival < 2**63:  # a nanosecond offset the replay's clock holds
+            raise InputError(
+                f"{where}: timestamp {line.timestamp_ms!r} ms is {line.timestamp_ms - t0:.0f} ms "
+                f"from the first line's: past what a nanosecond clock holds at "
+                f"--trace-speedup {speedup}"
+            )
         ids = tokens.prompt(line.hash_ids, line.input_length, i)
         padded += len(line.hash_ids) * block_tokens < line.input_length
         recs.append(

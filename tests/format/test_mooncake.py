@@ -37,3 +37,23 @@ def test_a_bad_line_names_where_and_the_field() -> None:
         parse_mooncake_line({"timestamp": 1, "input_length": 3, "output_length": 0}, "t.jsonl:4")
     with pytest.raises(InputError, match="hash_ids"):
         parse_mooncake_line({"input_length": 3, "output_length": 1, "hash_ids": [True]}, "x:1")
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ({"timestamp": -(2**63)}, "must be milliseconds in"),
+        ({"timestamp": float("nan")}, "must be milliseconds in"),
+        ({"timestamp": float("inf")}, "must be milliseconds in"),
+        ({"timestamp": 1e300}, "must be milliseconds in"),
+        ({"input_length": 2**64 - 1}, "more than a request can hold"),
+        ({"output_length": 10**9}, "more than a request can hold"),
+    ],
+)
+def test_a_line_no_replay_can_hold_is_refused_before_anything_is_made(line, why) -> None:
+    """Found by fuzzing ``replay --trace``: a timestamp of -2**63 ms ended the replay in
+    "int too big to convert" (exit 1), an input_length of 2**64 - 1 made its prompt's
+    tokens until memory ran out. Both are input errors naming the line."""
+    d = {"timestamp": 5, "input_length": 40, "output_length": 8, "hash_ids": [1, 2], **line}
+    with pytest.raises(InputError, match=rf"t\.jsonl:3: .*{why}"):
+        parse_mooncake_line(d, "t.jsonl:3")
