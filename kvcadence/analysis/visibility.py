@@ -54,7 +54,7 @@ from kvcadence.errors import UsageError
 from kvcadence.format import wire
 from kvcadence.format.bundle import BundleReader, event_payload
 from kvcadence.format.namespace import salt_of
-from kvcadence.format.schema import BlockStoredView, EventFrame, meta_seconds
+from kvcadence.format.schema import BlockStoredView, EventFrame, meta_ns
 
 PLOT_NAME = "visibility.png"
 
@@ -89,11 +89,6 @@ def _page_size(header: Any) -> int:
         if isinstance(v, int) and v > 0:
             return v
     return 1
-
-
-def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
-    v = meta_seconds(meta, key)
-    return None if v is None else int(round(v * 1e9))
 
 
 def visibility_data(
@@ -222,9 +217,9 @@ class _Lookups:
         prompt page hash, last page hash and page count when known (``pages.page_ends``), else
         the chain is hashed here."""
         mi = r.meta_info or {}
-        received = _mi_ns(mi, "request_received_ts")
-        pf = _mi_ns(mi, "prefill_finished_time")
-        fin = _mi_ns(mi, "request_finished_ts")
+        received = meta_ns(mi, "request_received_ts")
+        pf = meta_ns(mi, "prefill_finished_time")
+        fin = meta_ns(mi, "request_finished_ts")
         if not r.input_ids or received is None:
             return
         prompt_end = len(r.input_ids) // ps

@@ -44,7 +44,7 @@ import msgspec
 
 from kvcadence.errors import InputError
 from kvcadence.format.bounds import json_loads
-from kvcadence.format.schema import MAX_SECONDS, RequestRecord
+from kvcadence.format.schema import MAX_SECONDS, RequestRecord, seconds
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pk")
@@ -155,11 +155,11 @@ def request_log_json(line: str, where: str) -> dict[str, Any] | None:
     return json_line(s, where, REQUEST_LOG_LEAD)
 
 
-def _ns(seconds: Any) -> int | None:
-    """Seconds -> ns; None unless a number in (0, MAX_SECONDS) (``Infinity``, ``NaN``, ``1e300``
-    and negative times are no timestamp)."""
-    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
-    return int(seconds * 1e9) if ok and 0 < seconds < MAX_SECONDS else None
+def _ns(v: Any) -> int | None:
+    """Seconds -> ns; None unless a time (``format.schema.seconds``: ``Infinity``, ``NaN``,
+    ``1e300`` and negative times are no timestamp)."""
+    s = seconds(v)
+    return None if s is None else int(s * 1e9)
 
 
 def _int(v: Any) -> int | None:

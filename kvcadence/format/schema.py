@@ -661,6 +661,12 @@ def meta_seconds(meta: dict[str, Any], key: str) -> float | None:
     return seconds(meta.get(key))
 
 
+def meta_ns(meta: dict[str, Any], key: str) -> int | None:
+    """``meta_seconds`` in nanoseconds (rounded)."""
+    v = seconds(meta.get(key))
+    return None if v is None else round(v * 1e9)  # a float's round is an int
+
+
 def meta_duration(meta: dict[str, Any], key: str) -> float | None:
     """``meta[key]`` as a duration in seconds (``e2e_latency``, ``first_token_latency``,
     ``queue_time``): a number in [0, ``MAX_SECONDS``), else None (``meta_seconds``)."""

@@ -55,7 +55,7 @@ import numpy as np
 from kvcadence.errors import InputError
 from kvcadence.format.bounds import MAX_REQUEST_TOKENS
 from kvcadence.format.namespace import Namespace, namespace_of
-from kvcadence.format.schema import MAX_SECONDS, meta_duration, meta_seconds
+from kvcadence.format.schema import MAX_SECONDS, meta_duration, meta_ns, meta_seconds
 from kvcadence.replay.tokens import Prompt, PromptIndex, compact
 
 #: ``meta_info`` key of a completed production record whose outputs no store of the capture
@@ -192,15 +192,10 @@ def _routing_key(mi: dict[str, Any]) -> str | None:
     return v if isinstance(v, str) and v else None
 
 
-def _mi_ns(meta: dict[str, Any], key: str) -> int | None:
-    v = meta_seconds(meta, key)
-    return None if v is None else round(v * 1e9)  # a float's round is an int
-
-
 def _received_ns(meta: dict[str, Any]) -> int | None:
     """Server-side receive time: ``request_received_ts``, else ``response_sent_to_client_ts −
     e2e_latency`` (SGLang's e2e latency runs from the tokenizer manager's receive)."""
-    v = _mi_ns(meta, "request_received_ts")
+    v = meta_ns(meta, "request_received_ts")
     if v is not None:
         return v
     sent, e2e = meta_seconds(meta, "response_sent_to_client_ts"), meta_duration(meta, "e2e_latency")
@@ -288,10 +283,10 @@ def _finish(rec: Any, finished_ts_ns: int | None = None) -> int | None:
             type(v) is float and 0 < v < MAX_SECONDS
         ):  # the usual case (``_mi_ns``), without its call
             return round(v * 1e9)
-        finished_ts_ns = _mi_ns(mi, "request_finished_ts")
+        finished_ts_ns = meta_ns(mi, "request_finished_ts")
     if finished_ts_ns is not None:
         return finished_ts_ns
-    v = _mi_ns(mi, "response_sent_to_client_ts")
+    v = meta_ns(mi, "response_sent_to_client_ts")
     return v if v is not None else rec.finish_ns
 
 
@@ -378,7 +373,7 @@ def build_schedule(  # noqa: C901 - one pass over the records, then the lanes an
             namespace=namespace_of(mi),
             priority=_priority(mi),
         )
-        pf, fin = _mi_ns(mi, "prefill_finished_time"), _mi_ns(mi, "request_finished_ts")
+        pf, fin = meta_ns(mi, "prefill_finished_time"), meta_ns(mi, "request_finished_ts")
         if pf is not None and fin is not None and fin >= pf:
             if n_out <= 1:
                 # a prefill worker reports its request finished when the transfer is done
