@@ -74,20 +74,30 @@ def launch_env(base: dict[str, str] | None = None) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Validate, launch, and pass the workers' failure on as exit 1 (their lines say why)."""
     from kvcadence.errors import UsageError
+    from kvcadence.kernels.memory import host_available, memory_problem
     from kvcadence.kernels.options import config_from_args, nccl_problem
 
     if not 1 <= args.nproc_per_node <= 64:
         raise UsageError(f"--nproc-per-node must be in 1..64, got {args.nproc_per_node}")
-    config_from_args(args)  # raises UsageError / InputError on bad flags or prefixes.json
+    cfg = config_from_args(args)  # raises UsageError / InputError on bad flags or prefixes.json
     if importlib.util.find_spec("torch") is None:
         raise UsageError("torch is not installed (pip install 'kvcadence[kernels]')")
-    if args.backend == "nccl":  # said here, once: not by every rank plus torchrun's traceback
-        import torch
+    import torch
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.backend == "nccl":  # said here, once: not by every rank plus torchrun's traceback
         problem = nccl_problem(gpus, args.nproc_per_node)
         if problem:
             raise UsageError(problem)
+    on_gpu = args.backend == "nccl" or (
+        args.backend == "auto" and nccl_problem(gpus, args.nproc_per_node) is None
+    )
+    # (its total, not its free memory: asking for that would hold a CUDA context here,
+    # memory the workers then lack, for the whole run)
+    device = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
+    problem = memory_problem(cfg, args.nproc_per_node, on_gpu, host_available(), device)
+    if problem:  # before launching: the workers would allocate until killed
+        raise UsageError(problem)
     proc = subprocess.run(launch_command(args), env=launch_env(), check=False)
     if proc.returncode == 0:
         return 0

@@ -91,3 +91,37 @@ def test_more_ranks_than_gpus_is_one_line_before_launch(
         "kvcadence: error: --backend nccl needs one GPU per rank: 2 ranks on this node "
         "but 1 GPU(s) visible (use fewer ranks, or gloo)\n"
     )
+
+
+def test_a_run_that_cannot_fit_is_refused_before_launch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--tokens 100000000000`` (about 4 PB of buffers a rank): refused in one line before
+    torchrun starts -- the workers allocated until the kernel killed them (12.7 GB resident
+    on the 2-core box) before this check."""
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail("torchrun launched"))
+    argv = ["collectives", "--backend", "gloo", "--tokens", "100000000000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcadence: error: the 100000000000-token mla case needs ")
+    assert "GiB is available" in err and err.count("\n") == 1
+
+
+def test_the_preflight_counts_every_buffer_of_the_largest_case() -> None:
+    from kvcadence.kernels.memory import case_bytes, memory_problem, page_bytes
+    from kvcadence.kernels.options import Config
+
+    assert page_bytes("mla", 64, 576, 8448, "bf16") == 64 * 576 * 2
+    assert page_bytes("index", 64, 576, 8448, "bf16") == 8448
+    # 10 pages over 4 ranks: 3 a rank padded; pool 3 + 1, dense 10, packed 3, gathered 12
+    assert case_bytes(10, 100, 4)[0] == 100 * (4 + 10 + 3 + 12)
+    cfg = Config(payloads=("mla", "index"), tokens=(4096, 65536), page_size=64)
+    page = 64 * 576 * 2
+    need = case_bytes(1024, page, 2)[0]  # 65536 tokens: the largest case
+    assert memory_problem(cfg, 2, False, host=10 * need) is None
+    msg = memory_problem(cfg, 2, False, host=need)
+    assert msg is not None and msg.startswith("the 65536-token mla case needs")
+    assert memory_problem(cfg, 2, False, host=None) is None  # unknown: not checked
+    # NCCL: the buffers on one GPU, only the indices on the host
+    assert memory_problem(cfg, 2, True, host=need, device=10 * need) is None
+    assert "one GPU has" in (memory_problem(cfg, 2, True, host=10 * need, device=need) or "")
