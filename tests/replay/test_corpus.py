@@ -620,8 +620,10 @@ def test_production_inference_is_the_real_outputs_and_sessions(name, tmp_path):
     rids random hex) against the driver's records: every output it does not report as
     synthetic is the real one; every output agrees on what its finish stored (the full
     pages), but for those reported as not found; every predecessor is the real previous
-    turn, so the sessions are the real ones; the clients are the driver's lanes
-    (``CLIENTS_OVER_LANES`` says where not)."""
+    turn, so the sessions are the real ones; the clients are as many as the driver's lanes
+    (``CLIENTS_OVER_LANES`` says where not; which lane a session start joins is not asserted:
+    7 % of the corpus's starts swap with another lane's, docs/simulator.md, "Production
+    captures", step 4)."""
 
     src = BundleReader(CORPUS / name / "bundle")
     ps = int(src.header.server_info["page_size"])
