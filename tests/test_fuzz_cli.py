@@ -282,6 +282,65 @@ def test_a_record_claiming_more_outputs_than_a_request_holds_is_refused(tmp_path
     assert not (tmp_path / "sim").exists()
 
 
+def _replace_at(obj: object, path: list[int], value: object) -> object:
+    """``obj`` (a decoded msgpack value) with the element ``path`` leads to (each step an
+    index into the list or the dict's values at that level, modulo its length) replaced by
+    ``value``; where the path ends early (a scalar), that scalar is replaced."""
+    if not path or not isinstance(obj, (list, dict)) or not obj:
+        return value
+    if isinstance(obj, list):
+        i = path[0] % len(obj)
+        return [*obj[:i], _replace_at(obj[i], path[1:], value), *obj[i + 1 :]]
+    k = list(obj)[path[0] % len(obj)]
+    return {**obj, k: _replace_at(obj[k], path[1:], value)}
+
+
+@FUZZ
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(1, 139), st.lists(st.integers(0, 40), min_size=1, max_size=4), JSON),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_a_real_capture_with_hostile_payload_fields_replays_or_says_why(
+    tmp_path_factory, capsys, edits
+):
+    """The fixture as a production capture with a few elements of a few KV event payloads
+    replaced by hostile values (any JSON value, at any depth: a batch's ``ts``, an event's
+    tag, hashes, parent, token ids, block size, ...) -- still msgpack, so the capture keeps
+    them as recorded. Import, ``capture import``, ``replay`` and ``report`` each end with a
+    documented exit code and at most one error line, never a traceback; a replay that runs
+    replays every record, and its report runs (no gates: a damaged event may move a figure). (Fuzzing this by hand on 2026-12-07 found the publish ``ts``
+    overflows, ``test_a_real_capture_with_hostile_times_replays``.)"""
+    import base64
+
+    import msgspec
+
+    tmp = tmp_path_factory.mktemp("hp")
+    frames = [json.loads(x) for x in (FIX / "events.jsonl").read_text().splitlines()]
+    for i, path, v in edits:
+        batch = msgspec.msgpack.decode(base64.b64decode(frames[i]["payload_b64"]))
+        try:
+            raw = msgspec.msgpack.encode(_replace_at(batch, path, v))
+        except (OverflowError, msgspec.EncodeError):  # an int past 64 bits: not msgpack
+            continue
+        frames[i]["payload_b64"] = base64.b64encode(raw).decode()
+    (tmp / "e.jsonl").write_text("".join(json.dumps(f) + "\n" for f in frames))
+    real, sim = _fresh(tmp, "real"), _fresh(tmp, "sim")
+    info = str(FIX / "server_info.json")
+    argv = ["import", "--frames", str(tmp / "e.jsonl"), "--server-info", info]
+    assert _run(capsys, [*argv, "--out", str(real)])[0] == 0
+    argv = ["capture", "import", "--quiet", "--sglang-metrics", str(FIX / "sglang-metrics")]
+    assert _run(capsys, [*argv, str(real)])[0] == 0
+    rc, _ = _run(capsys, ["replay", "--quiet", str(real), "--out", str(sim)])
+    assert rc in (0, 1, 2)
+    if rc == 0:
+        assert len(BundleReader(sim).requests()) == 120
+        rep = ["report", str(real), str(sim), "--out", str(tmp / "rep"), "--no-plots", "--quiet"]
+        assert _run(capsys, [*rep, "--no-default-gates"])[0] == 0
+
+
 # ------------------------------------------------------------------ damaged bundles
 
 
