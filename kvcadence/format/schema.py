@@ -661,6 +661,31 @@ def meta_seconds(meta: dict[str, Any], key: str) -> float | None:
     return seconds(meta.get(key))
 
 
+#: the ``meta_info`` stamps a replay reads (absolute times; then the durations)
+META_TIMES = (
+    "request_received_ts",
+    "forward_entry_time",
+    "prefill_finished_time",
+    "request_finished_ts",
+    "response_sent_to_client_ts",
+)
+META_DURATIONS = ("e2e_latency", "first_token_latency")
+
+
+def stamps_no_time(meta: dict[str, Any]) -> int:
+    """How many of the stamps a replay reads (``META_TIMES``, ``META_DURATIONS``) ``meta``
+    holds that are no time (present, not null, and ``seconds`` / ``meta_duration`` None):
+    read as absent, and said so (``production.complete_records``' report)."""
+    bad = 0
+    for k in META_TIMES:
+        v = meta.get(k)
+        bad += v is not None and seconds(v) is None
+    for k in META_DURATIONS:
+        v = meta.get(k)
+        bad += v is not None and meta_duration(meta, k) is None
+    return bad
+
+
 def meta_ns(meta: dict[str, Any], key: str) -> int | None:
     """``meta_seconds`` in nanoseconds (rounded)."""
     v = seconds(meta.get(key))

@@ -46,6 +46,11 @@ def _edge_text(rep: dict[str, Any]) -> str:
             f"{step['at_event']} on (a wall-clock step during the capture; the events after "
             "it put on the records' clock by it)"
         )
+    if rep.get("stamps_no_time"):
+        parts.append(
+            f"{rep['stamps_no_time']} records hold a stamp that is no time (NaN, Infinity, past "
+            "2262, not a number): read as absent"
+        )
     if rep.get("predecessor_ties"):
         parts.append(f"{rep['predecessor_ties']} predecessors picked by the tie rule (ambiguous)")
     if rep.get("unlinked_shared_prefix"):

@@ -68,6 +68,7 @@ from typing import Any, cast
 import msgspec
 
 from kvcadence.format.namespace import namespace_of
+from kvcadence.format.schema import stamps_no_time
 from kvcadence.gcpause import gc_paused
 from kvcadence.replay.clocks import (
     outside_stores,
@@ -168,7 +169,7 @@ def complete_records(
     counts: Counter[str] = Counter()
     keep: list[int] = []
     out: list[Any] = list(records)
-    retracted = 0
+    retracted = no_time = 0
     for i, r in enumerate(records):
         kind, ran = _kind(r)
         if kind is None:
@@ -181,6 +182,7 @@ def complete_records(
                 why = NOT_RUN_ABORT if kind == "aborted" else NOT_RUN_ERROR
                 out[i] = msgspec.structs.replace(r, error=r.error or why)
         retracted += is_retracted(r)
+        no_time += stamps_no_time(r.meta_info or {}) > 0
     if len(keep) == len(records):  # every record ran (the usual capture)
         out, report = _complete(records, index, flushes_ns, lost_start)
     else:
@@ -191,6 +193,7 @@ def complete_records(
     for k in ("aborted_running", "aborted_not_run", "errored_running", "errored_not_run"):
         report[k] = counts[k]
     report["retracted_in_capture"] = retracted
+    report["stamps_no_time"] = no_time
     spaces = Counter(ns for ns in (namespace_of(r.meta_info) for r in out) if ns is not None)
     report["namespaces"] = len(spaces)
     report["namespaced_requests"] = sum(spaces.values())

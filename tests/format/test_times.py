@@ -21,7 +21,13 @@ from hypothesis import strategies as st
 
 from kvcadence.cli import main
 from kvcadence.format.bundle import BundleReader
-from kvcadence.format.schema import MAX_SECONDS, meta_duration, meta_seconds, seconds
+from kvcadence.format.schema import (
+    MAX_SECONDS,
+    meta_duration,
+    meta_seconds,
+    seconds,
+    stamps_no_time,
+)
 
 
 def test_a_time_is_a_positive_finite_number_an_int64_of_nanoseconds_holds() -> None:
@@ -33,6 +39,9 @@ def test_a_time_is_a_positive_finite_number_an_int64_of_nanoseconds_holds() -> N
         assert meta_seconds({"t": bad}, "t") is None, bad
     assert meta_seconds({}, "t") is None
     assert meta_duration({"d": 0.0}, "d") == 0.0 and meta_duration({"d": 2}, "d") == 2.0
+    good = {"request_received_ts": 1.7e9, "e2e_latency": 0.5, "forward_entry_time": None}
+    assert stamps_no_time(good) == 0  # null is absent, not "no time"
+    assert stamps_no_time({**good, "e2e_latency": -1, "request_finished_ts": "x"}) == 2
     for bad in (-0.5, math.inf, math.nan, 1e308, False, "0.1"):
         assert meta_duration({"d": bad}, "d") is None, bad
 
@@ -105,6 +114,9 @@ def test_a_metrics_line_whose_times_are_no_times_replays_and_reports(
     assert len(BundleReader(sim).requests()) == 120
     m = re.search(r"calibrated from (\d+) requests' per-phase timings", out.out + out.err)
     assert m and 110 <= int(m.group(1)) < 120  # the damaged ones left out, the rest used
+    # said, not silently absent: the seven records' count in the inference's paragraph
+    said = "7 records hold a stamp that is no time (NaN, Infinity, past 2262, not a number)"
+    assert said in out.out + out.err
     rep = str(tmp_path / "rep")
     assert main(["report", str(real), str(sim), "--out", rep, "--no-plots", "--quiet"]) == 0
 
