@@ -1,5 +1,6 @@
 """What a collectives run needs in memory, and whether this machine has it: the launcher's
-preflight (``kvcadence collectives`` runs it before torchrun). Standard library only.
+preflight (``kvcadence collectives`` runs it before torchrun). A page's bytes are
+``kernels.paths.payload_spec``'s (torch's item sizes), the rest standard library.
 
 A case (a payload of ``B`` bytes a page, a prefix of ``P`` pages, ``W`` ranks) holds on each
 rank its source pool (its ``ceil(P / W)`` owned pages and a sentinel), the dense prefix
@@ -18,21 +19,13 @@ it in one line before anything is launched.
 from __future__ import annotations
 
 from kvcadence.kernels.options import Config
+from kvcadence.kernels.paths import payload_spec
 
 #: host bytes a prefix page's indices may take on a rank (Python ints in lists: 28 + 8
 #: bytes each; the same as int64 tensors: 8), a bound
 INDEX_BYTES = 3 * (36 + 8)
-#: bytes of an element of each ``--dtype``
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 #: the share of the free memory a run may plan to take
 USABLE = 0.9
-
-
-def page_bytes(payload: str, page_size: int, kv_dim: int, index_page_bytes: int, dtype: str) -> int:
-    """Bytes of one page of ``payload`` (``kernels.paths.payload_spec``'s shapes)."""
-    if payload == "mla":
-        return page_size * kv_dim * DTYPE_BYTES[dtype]
-    return index_page_bytes
 
 
 def case_bytes(pages: int, page: int, world: int) -> tuple[int, int]:
@@ -69,7 +62,13 @@ def memory_problem(
     and, on NCCL (``on_gpu``), one GPU's memory (``device``)."""
     worst: tuple[int, int, int, str] | None = None  # (need a rank, host need, tokens, payload)
     for payload in cfg.payloads:
-        page = page_bytes(payload, cfg.page_size, cfg.kv_dim, cfg.index_page_bytes, cfg.dtype)
+        page = payload_spec(
+            payload,
+            page_size=cfg.page_size,
+            kv_dim=cfg.kv_dim,
+            index_page_bytes=cfg.index_page_bytes,
+            dtype=cfg.dtype,
+        ).page_bytes
         for tokens in cfg.tokens:
             pages = -(-tokens // cfg.page_size)
             buffers, index = case_bytes(pages, page, world)

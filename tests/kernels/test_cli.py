@@ -108,11 +108,13 @@ def test_a_run_that_cannot_fit_is_refused_before_launch(
 
 
 def test_the_preflight_counts_every_buffer_of_the_largest_case() -> None:
-    from kvcadence.kernels.memory import case_bytes, memory_problem, page_bytes
+    from kvcadence.kernels.memory import case_bytes, memory_problem
     from kvcadence.kernels.options import Config
+    from kvcadence.kernels.paths import payload_spec
 
-    assert page_bytes("mla", 64, 576, 8448, "bf16") == 64 * 576 * 2
-    assert page_bytes("index", 64, 576, 8448, "bf16") == 8448
+    shape = {"page_size": 64, "kv_dim": 576, "index_page_bytes": 8448, "dtype": "bf16"}
+    assert payload_spec("mla", **shape).page_bytes == 64 * 576 * 2
+    assert payload_spec("index", **shape).page_bytes == 8448
     # 10 pages over 4 ranks: 3 a rank padded; pool 3 + 1, dense 10, packed 3, gathered 12
     assert case_bytes(10, 100, 4)[0] == 100 * (4 + 10 + 3 + 12)
     cfg = Config(payloads=("mla", "index"), tokens=(4096, 65536), page_size=64)
